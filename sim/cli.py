@@ -1,0 +1,64 @@
+"""The ``fedpate`` command line (SPEC section 10).
+
+Each subcommand lives in ``sim/commands/<name>.py`` and exposes ``register(subparsers)``, which adds its
+parser and sets ``func`` (called with the parsed args; returns an exit status or None). Commands are
+imported lazily so ``fedpate privacy ...`` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order shown in --help.
+COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "predict", "demo")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from sim.errors import UserError
+
+    types: list[type[BaseException]] = [UserError]
+    try:
+        from privacy.errors import PrivacyError
+
+        types.append(PrivacyError)
+    except ImportError:  # privacy/ not importable is a packaging bug, reported by the traceback below
+        pass
+    return tuple(types)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedpate",
+        description="Federated, privately trained brain-tumour segmentation (high-dimensional PATE, DP-SGD).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"sim.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"sim.commands.{name}":
+                continue  # not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status = args.func(args)
+    except _user_error_types() as exc:
+        print(f"fedpate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fedpate {args.command}: interrupted (everything written so far is kept)", file=sys.stderr)
+        return 130
+    return int(status or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

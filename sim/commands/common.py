@@ -1,0 +1,23 @@
+"""Options shared by every command that trains or runs a protocol (SPEC section 10)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quick") -> None:
+    parser.add_argument("--out", required=True, help="output folder (results.json, ledger.jsonl, model/, ...)")
+    parser.add_argument("--preset", default=default_preset, choices=("tiny", "quick", "paper"),
+                        help=f"experiment size (default: {default_preset})")
+    parser.add_argument("--epsilon", type=float, default=None, help="privacy budget epsilon (default: preset's, 8)")
+    parser.add_argument("--delta", type=float, default=None, help="privacy parameter delta (default: preset's, 1e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--data", default=None,
+                        help="MSD Task01-layout folder; when omitted, the preset's phantoms are generated once and cached")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_federation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
+    parser.add_argument("--teachers-per-hospital", type=int, default=None,
+                        help="teacher partitions per hospital (default: preset's); K = hospitals x this")

@@ -1,0 +1,98 @@
+"""Experiment presets shared by every role and command.
+
+A preset fixes the simulated world (how many phantom cases, hospitals, teachers), the working grid and
+the training budgets. ``tiny`` is for tests (seconds to a couple of minutes on 2 CPU cores), ``quick``
+is the README demo (minutes on 2 CPU cores), ``paper`` reproduces the seed paper's BraTS setting
+(Fay et al., Sec. 5: 64^3 patches, K = 8 teachers over 320 volumes, N = 80 public queries, 84 test
+volumes, delta = 1e-3) on the MSD Task01 folder and is meant for a GPU.
+
+Why the quick preset uses many small teachers: SPEC section 11 -- the query phase can carry at most about
+K^2 mu^2 / (8 ln 2) bits about the teachers' answers, so with K = 8 PATE cannot beat its own decoder's
+prior; with K ~ 128 it can. Teachers start from a model trained on the public reference split (the
+``public-only`` baseline) and are fine-tuned on their one or two private volumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    # --- the simulated world (phantoms) ---
+    phantom_cases: int            # labelled cases generated (imagesTr)
+    phantom_test_cases: int       # unlabelled imagesTs cases (only used by `predict` demos)
+    institutions: int             # scanner profiles in the phantom generator
+    phantom_resolution_mm: float  # voxel size the phantoms are written at
+    # --- preprocessing ---
+    grid: tuple[int, int, int]    # working grid every volume is resampled to
+    # --- the federation ---
+    hospitals: int
+    teachers_per_hospital: int
+    split_scheme: str             # "institution" | "iid" | "dirichlet"
+    n_query: int                  # public unlabelled query scans (the student's inputs), N
+    n_reference: int              # public labelled reference segmentations (PCA / AE fitting)
+    n_validation: int             # public validation set (schedules, model selection)
+    n_test: int                   # held-out test set
+    # --- networks and training ---
+    unet: str                     # key of sim.networks.UNET_PRESETS
+    teacher_epochs: int
+    pretrain_epochs: int          # public pre-training of the teachers' initial model (0 = none)
+    student_epochs: int
+    central_epochs: int
+    batch_size: int
+    learning_rate: float
+    # --- compressors ---
+    pca_components: int | None    # None = automatic choice (SPEC section 3, eq. 7)
+    ae_latent_dim: int
+    ae_epochs: int
+    # --- privacy ---
+    epsilon: float = 8.0
+    delta: float = 1e-3
+    dpsgd_max_grad_norm: float = 4.0
+    dpsgd_noise_multiplier: float = 6 ** 0.5   # the paper's setting (Fay et al., Sec. 5)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def teachers(self) -> int:
+        return self.hospitals * self.teachers_per_hospital
+
+    def replace(self, **changes) -> "Preset":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny", phantom_cases=48, phantom_test_cases=2, institutions=2, phantom_resolution_mm=4.0,
+        grid=(16, 16, 16), hospitals=2, teachers_per_hospital=4, split_scheme="institution",
+        n_query=8, n_reference=8, n_validation=4, n_test=6,
+        unet="tiny", teacher_epochs=3, pretrain_epochs=3, student_epochs=4, central_epochs=4,
+        batch_size=2, learning_rate=3e-3, pca_components=None, ae_latent_dim=8, ae_epochs=10,
+    ),
+    "quick": Preset(
+        name="quick", phantom_cases=260, phantom_test_cases=4, institutions=4, phantom_resolution_mm=3.0,
+        grid=(32, 32, 32), hospitals=4, teachers_per_hospital=32, split_scheme="institution",
+        n_query=40, n_reference=40, n_validation=10, n_test=30,
+        unet="small", teacher_epochs=6, pretrain_epochs=20, student_epochs=30, central_epochs=30,
+        batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=60,
+    ),
+    "paper": Preset(
+        name="paper", phantom_cases=484, phantom_test_cases=0, institutions=8, phantom_resolution_mm=1.0,
+        grid=(64, 64, 64), hospitals=8, teachers_per_hospital=1, split_scheme="paper",
+        n_query=80, n_reference=0, n_validation=0, n_test=84,
+        unet="paper", teacher_epochs=100, pretrain_epochs=0, student_epochs=100, central_epochs=100,
+        batch_size=2, learning_rate=1e-3, pca_components=None, ae_latent_dim=64, ae_epochs=100,
+    ),
+}
+
+
+def get_preset(name: str, **overrides) -> Preset:
+    """Return the named preset with ``overrides`` applied (``None`` values are ignored)."""
+    try:
+        preset = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"--preset: unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return preset.replace(**changes) if changes else preset
