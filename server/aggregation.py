@@ -1,0 +1,110 @@
+"""One PATE aggregation: validate the hospitals' encodings, charge the ledger, add Gaussian noise.
+
+Fay et al., Algorithms 1-2: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)``. The privacy flow is the
+one of docs/ARCHITECTURE.md: ``guard.charge(...)`` (ledger written) **then** noise **then** release.
+
+Validation of every hospital's reply (issue 6: never trust what arrives):
+
+* wrong shape (not ``(T_h, l)``, or no rows) or non-finite values -> the whole reply is rejected: that
+  hospital did not answer this query (its teachers do not count in K, and it is not charged: nothing
+  computed from its patients enters the release);
+* ``ae`` / ``pca`` clip mode: rows longer than the bound (1, resp. C) are clipped again on the server
+  (the 2C/K bound holds for any rows of norm <= C, whatever produced them);
+* ``pca`` paper/public modes: the bound R/K needs the rows to be images of probabilities, which the
+  hospital's codec verifies (sim.codecs.encode). The server can only check the necessary condition
+  ``||z|| <= R``; a longer row proves the reply was not produced by the codec -> rejected (clipping it
+  to R would only give 2R/K, twice the sensitivity the noise was calibrated for);
+* ``identity``: every row must be exact one-hot votes (checked exactly) -> otherwise rejected.
+
+K = the number of teacher rows accepted; the replace-one sensitivity S is the compressor's at that K,
+so a dropout (smaller K) is recorded with its larger S and the accountant composes what was actually
+released. If the charge would exceed any answering hospital's budget, ``BudgetExceeded`` propagates
+*before* any noise is drawn or anything is released (the protocol then stops querying).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import numpy as np
+
+from sim import codecs
+
+log = logging.getLogger("fedpate.pate")
+
+ROW_TOLERANCE = 1e-5
+
+
+class ReplyRejected(ValueError):
+    """A hospital's reply failed validation (the message says why)."""
+
+
+def validate_reply(hospital: str, rows, state: Mapping[str, np.ndarray], latent_dim: int) -> np.ndarray:
+    """Return the hospital's (T_h, l) rows, validated and re-clipped; raise :class:`ReplyRejected`."""
+    try:
+        rows = np.asarray(rows, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ReplyRejected(f"hospital {hospital}: reply is not numeric ({exc})") from None
+    if rows.ndim != 2 or rows.shape[1] != latent_dim or rows.shape[0] < 1:
+        raise ReplyRejected(f"hospital {hospital}: expected encodings of shape (T, {latent_dim}), got {rows.shape}")
+    if not np.all(np.isfinite(rows)):
+        raise ReplyRejected(f"hospital {hospital}: encodings contain NaN or infinite values")
+    kind = str(codecs.scalar(state, "kind"))
+    bound = codecs.row_bound(state)
+    norms = np.linalg.norm(rows, axis=1)
+    if kind == "identity":
+        classes = int(codecs.scalar(state, "classes"))
+        votes = rows.reshape(len(rows), classes, -1)
+        if not (np.all((votes == 0) | (votes == 1)) and np.all(votes.sum(axis=1) == 1)):
+            raise ReplyRejected(f"hospital {hospital}: identity codec expects one-hot votes")
+        return rows
+    if kind == "pca" and str(codecs.scalar(state, "mode")) in ("paper", "public"):
+        if np.any(norms > bound * (1 + ROW_TOLERANCE)):
+            raise ReplyRejected(f"hospital {hospital}: encoding norm {norms.max():.4g} exceeds {bound:.4g}, "
+                                "so it was not produced from probabilities by the public codec")
+        return codecs.clip_rows(rows, bound).astype(np.float64)
+    if np.any(norms > bound * (1 + ROW_TOLERANCE)):
+        log.warning("hospital %s: %d encodings longer than %.4g clipped on the server", hospital,
+                    int(np.sum(norms > bound * (1 + ROW_TOLERANCE))), bound)
+    return codecs.clip_rows(rows, bound).astype(np.float64)
+
+
+def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compressor, guard, release_id: str,
+                    mechanism, note: Mapping | None = None, rejected: dict | None = None,
+                    state: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray | None, int]:
+    """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").
+
+    ``encodings``: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
+    Returns ``(noisy mean (l,) float32, K)``; ``(None, 0)`` when no valid row arrived (nothing released,
+    nothing charged). One ledger event per query, charged to every hospital whose rows were used,
+    recorded by ``guard.charge`` before the noise is drawn. ``rejected`` (optional dict) collects
+    hospital -> reason for replies that failed validation; ``state`` is the codec state the hospitals
+    used (default ``compressor.state()``).
+    """
+    from privacy.events import GaussianEvent
+
+    if getattr(mechanism, "sigma", sigma) != sigma:
+        raise ValueError(f"{release_id}: the mechanism's sigma {mechanism.sigma} differs from the planned {sigma}")
+    state = compressor.state() if state is None else state
+    latent = int(compressor.latent_dim)
+    accepted: dict[str, np.ndarray] = {}
+    for hospital in sorted(encodings):
+        try:
+            accepted[hospital] = validate_reply(hospital, encodings[hospital], state, latent)
+        except ReplyRejected as exc:
+            log.warning("%s: %s", release_id, exc)
+            if rejected is not None:
+                rejected[hospital] = str(exc)
+    teachers = int(sum(len(rows) for rows in accepted.values()))
+    if teachers == 0:
+        return None, 0
+    sensitivity = float(compressor.sensitivity(teachers))
+    event = GaussianEvent(sensitivity=sensitivity, sigma=float(sigma))
+    owners = sorted(accepted)
+    guard.charge(owners, event, release_id=release_id,
+                 note={"teachers": teachers, "hospitals": len(owners), "compressor": compressor.name,
+                       "latent_dim": latent, "sensitivity": sensitivity, "sigma": float(sigma), **dict(note or {})})
+    clean_mean = np.concatenate(list(accepted.values()), axis=0).mean(axis=0)
+    noisy = mechanism(clean_mean)
+    return np.asarray(noisy, dtype=np.float32), teachers

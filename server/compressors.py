@@ -1,0 +1,456 @@
+"""Compressors of high-dimensional PATE: fitted on PUBLIC reference segmentations only.
+
+Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*
+(../shared/papers/004_016510ff7900a22f.txt), SPEC sections 3-4:
+
+* :class:`PCACompressor` — Algorithm 1 (PCA-PATE), automatic l by eq. 7, three sensitivity modes.
+* :class:`AutoencoderCompressor` — Algorithm 2 (Autoencoded PATE), unit-ball bottleneck, noise of the
+  deployment sigma in the bottleneck during training.
+* :class:`IdentityCompressor` — the naive baseline: noisy averaging of per-voxel one-hot votes.
+
+Every compressor: ``fit(public_onehot (n,C,*g))``, ``state() -> CodecState`` (shipped to hospitals, who
+encode locally with :func:`sim.codecs.encode`), ``decode(z (n,l)) -> probs (n,C,*g)``,
+``sensitivity(teachers)`` (replace-one L2 sensitivity of the mean of ``teachers`` encodings),
+``relation = "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher`` (= 4 l, float32).
+Nothing fitted here may see private data: callers pass public reference label maps only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from sim import codecs
+from sim.errors import UserError
+
+
+def choose_components(eigenvalues: np.ndarray, sigma: float) -> int:
+    """Eq. 7 of Fay et al.: keep the components whose variance exceeds the noise variance,
+    ``l = #{j : lambda_j > sigma^2}`` (at least 1), which minimises ``sum_{j>l} lambda_j + l sigma^2``
+    for a sigma that does not depend on l."""
+    eigenvalues = np.asarray(eigenvalues, dtype=np.float64)
+    return max(1, int(np.sum(eigenvalues > float(sigma) ** 2)))
+
+
+def _teachers(teachers: int) -> int:
+    teachers = int(teachers)
+    if teachers < 1:
+        raise UserError(f"teachers: expected at least 1 answering teacher, got {teachers}")
+    return teachers
+
+
+class Compressor:
+    name = "compressor"
+    relation = "replace-one"
+    latent_dim: int = 0
+    grid: tuple = ()
+    classes: int = 4
+
+    @property
+    def bytes_per_query_per_teacher(self) -> int:
+        return int(self.latent_dim) * 4
+
+    def fit(self, public_onehot: np.ndarray) -> "Compressor":  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state(self) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, z: np.ndarray) -> np.ndarray:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def sensitivity(self, teachers: int) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def row_bound(self) -> float:
+        return codecs.row_bound(self.state())
+
+    def encode(self, probs: np.ndarray) -> np.ndarray:
+        """Server-side convenience (tests, diagnostics): the exact function hospitals run."""
+        return codecs.encode(self.state(), probs)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "latent_dim": int(self.latent_dim)}
+
+    def _check_fit_input(self, public_onehot) -> np.ndarray:
+        maps = np.asarray(public_onehot, dtype=np.float32)
+        if maps.ndim < 3 or len(maps) < 2:
+            raise UserError(f"public reference maps: expected (n >= 2, C, *grid), got shape {maps.shape}")
+        codecs.check_probabilities(maps, "public reference maps")
+        self.classes = int(maps.shape[1])
+        self.grid = tuple(int(g) for g in maps.shape[2:])
+        return maps
+
+    def _base_state(self, kind: str) -> dict:
+        return {"kind": np.array(kind), "classes": np.array(self.classes, dtype=np.int64),
+                "grid": np.array(self.grid, dtype=np.int64),
+                "latent_dim": np.array(int(self.latent_dim), dtype=np.int64)}
+
+
+# --------------------------------------------------------------------------------------------------
+class PCACompressor(Compressor):
+    """PCA-PATE (Fay et al., Algorithm 1): ``z = A_l (y - mu)``, ``y_hat = A_l^T z_bar + mu``.
+
+    Fitted on one-hot public reference maps with the Gram-matrix trick (n << d: eigen-decompose the
+    n x n matrix ``X X^T / (n-1)`` of the centred maps; ``a_j = X^T v_j / sqrt((n-1) lambda_j)``), which
+    is exact and costs O(n^2 d). At most n-1 components exist; ``eigenvalues`` are the sample covariance's.
+
+    Sensitivity (replace-one, SPEC section 3, via :mod:`privacy.sensitivity`):
+      * ``"paper"``  — ``sqrt(d)/K`` (eq. 4),
+      * ``"public"`` — ``min(sqrt(d), sqrt(sum_j ||a_j||_1^2))/K`` (tighter, depends on l),
+      * ``"clip"``   — rows clipped to ``C`` at the hospital, ``2C/K``. ``clip=None`` takes C = the
+        largest norm of the public reference encodings (public, so free).
+
+    Automatic l (``n_components=None``): :meth:`resolve_components`. For "paper" and "clip" S does not
+    depend on l and the choice is exactly eq. 7 at ``sigma = c S``. For "public" S(l) grows with l, so
+    sigma(l) = c S(l) does too, and "keep lambda_j > sigma^2" has no fixed point in general; we instead
+    minimise the quantity eq. 7 minimises, ``E(l) = sum_{j>l} lambda_j + l c^2 S(l)^2``, over l directly
+    (every kept component then satisfies lambda_j >= lambda_l > sigma(l)^2 only if that is optimal; the
+    returned l is reported with its sigma).
+    """
+
+    name = "pca"
+
+    def __init__(self, n_components: int | None = None, sensitivity_mode: str = "public",
+                 clip: float | None = None):
+        if sensitivity_mode not in ("public", "paper", "clip"):
+            raise UserError(f"sensitivity_mode: expected public, paper or clip, got {sensitivity_mode!r}")
+        if n_components is not None and int(n_components) < 1:
+            raise UserError(f"n_components: expected a positive integer or None, got {n_components}")
+        self.n_components = None if n_components is None else int(n_components)
+        self.sensitivity_mode = sensitivity_mode
+        self.clip = None if clip is None else float(clip)
+        self.eigenvalues: np.ndarray | None = None
+        self.basis: np.ndarray | None = None   # all fitted components (r, d), orthonormal rows
+        self.mean: np.ndarray | None = None
+        self.latent_dim = 0
+
+    # -- fitting -----------------------------------------------------------------------------------
+    def fit(self, public_onehot: np.ndarray) -> "PCACompressor":
+        maps = self._check_fit_input(public_onehot)
+        n = len(maps)
+        flat = maps.reshape(n, -1)
+        self.mean = flat.mean(axis=0).astype(np.float32)
+        centred = (flat - self.mean).astype(np.float32)
+        gram = (centred @ centred.T).astype(np.float64) / (n - 1)
+        values, vectors = np.linalg.eigh(gram)
+        order = np.argsort(values)[::-1]
+        values, vectors = values[order], vectors[:, order]
+        keep = values > max(values[0], 0.0) * 1e-10
+        values, vectors = values[keep], vectors[:, keep]
+        basis = (vectors.T @ centred.astype(np.float64)) / np.sqrt((n - 1) * values)[:, None]
+        # Re-orthonormalise (round-off in float32 centring) so ||A_l u|| <= ||u|| holds exactly.
+        q, r = np.linalg.qr(basis.T)
+        basis = (q * np.sign(np.diag(r))).T
+        self.basis = basis.astype(np.float64)
+        self.eigenvalues = values.astype(np.float64)
+        # Only n-1 directions exist: a larger n_components is capped (reported by describe()).
+        self.latent_dim = min(self.n_components or len(values), len(values))
+        if self.sensitivity_mode == "clip" and self.clip is None:
+            z = (flat - self.mean) @ self.basis[: self.latent_dim].T
+            self.clip = float(np.linalg.norm(z, axis=1).max()) or 1.0
+            self._clip_auto = True
+        self._fit_norms = None
+        return self
+
+    @property
+    def d(self) -> int:
+        return int(self.classes * np.prod(self.grid))
+
+    @property
+    def components(self) -> np.ndarray:
+        """A_l: the first ``latent_dim`` principal directions (l, d)."""
+        self._require_fit()
+        return self.basis[: self.latent_dim]
+
+    def _require_fit(self):
+        if self.basis is None:
+            raise UserError("PCACompressor: call fit(public reference maps) first")
+
+    # -- sensitivity and the choice of l -------------------------------------------------------------
+    def norm_bound(self, l: int | None = None) -> float:
+        """Per-teacher bound R on ``||A_l (y - y')||`` for ``y, y' in [0,1]^d`` (paper/public modes)
+        or the clip C; the replace-one sensitivity of the mean is R/K (paper/public) or 2C/K (clip)."""
+        from privacy import sensitivity as sens
+
+        self._require_fit()
+        l = self.latent_dim if l is None else int(l)
+        if self.sensitivity_mode == "paper":
+            return float(sens.pca_paper_bound(self.d, 1))
+        if self.sensitivity_mode == "public":
+            return float(sens.pca_public_bound(self.basis[:l], 1))
+        return float(self.clip)
+
+    def sensitivity(self, teachers: int) -> float:
+        from privacy import sensitivity as sens
+
+        teachers = _teachers(teachers)
+        self._require_fit()
+        if self.sensitivity_mode == "paper":
+            return float(sens.pca_paper_bound(self.d, teachers))
+        if self.sensitivity_mode == "public":
+            return float(sens.pca_public_bound(self.components, teachers))
+        return float(sens.clipped_bound(self.clip, teachers))
+
+    def expected_error(self, l: int, sigma: float) -> float:
+        """Eq. 7 (from eq. 6): expected squared reconstruction error ``sum_{j>l} lambda_j + l sigma^2``.
+
+        The sum runs over the fitted eigenvalues only (at most n-1): variance the public sample never
+        showed is not in it."""
+        self._require_fit()
+        l = int(l)
+        return float(self.eigenvalues[l:].sum() + l * float(sigma) ** 2)
+
+    def resolve_components(self, noise_per_sensitivity: float, teachers: int) -> tuple[int, float]:
+        """Choose l automatically (eq. 7) when ``n_components`` is None, for a calibration in which
+        ``sigma = noise_per_sensitivity * S`` (true for the exact GDP and the paper's eq. 15
+        calibrations: both are linear in S). Returns ``(l, sigma at that l)`` and sets ``latent_dim``.
+
+        For the "public" mode S depends on l; see the class docstring for why we minimise
+        ``E(l) = sum_{j>l} lambda_j + l (c S(l))^2`` instead of iterating eq. 7 to a fixed point.
+        """
+        from privacy import sensitivity as sens
+
+        self._require_fit()
+        c = float(noise_per_sensitivity)
+        teachers = _teachers(teachers)
+        if self.n_components is not None:
+            self.latent_dim = min(self.n_components, len(self.eigenvalues))
+        elif self.sensitivity_mode in ("paper", "clip"):
+            sigma = c * self.sensitivity(teachers)
+            self.latent_dim = choose_components(self.eigenvalues, sigma)
+        else:
+            # S(l) for every l at once: sqrt(cumulative sum of ||a_j||_1^2), capped at sqrt(d).
+            l1_squared = np.cumsum(np.abs(self.basis).sum(axis=1) ** 2)
+            bound = np.minimum(math.sqrt(self.d), np.sqrt(l1_squared)) / teachers
+            ls = np.arange(1, len(self.eigenvalues) + 1)
+            tails = np.concatenate([np.cumsum(self.eigenvalues[::-1])[::-1][1:], [0.0]])
+            errors = tails + ls * (c * bound) ** 2
+            self.latent_dim = int(ls[int(np.argmin(errors))])
+            assert abs(bound[self.latent_dim - 1] - sens.pca_public_bound(self.components, teachers)) < 1e-6
+        return self.latent_dim, c * self.sensitivity(teachers)
+
+    # -- codec ---------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        self._require_fit()
+        state = self._base_state("pca")
+        state.update({
+            "mode": np.array(self.sensitivity_mode),
+            "components": self.components.astype(np.float32),
+            "mean": self.mean.astype(np.float32),
+            "clip": np.array(float(self.clip) if self.clip is not None else float("nan")),
+            "row_bound": np.array(self.norm_bound()),
+        })
+        return state
+
+    def decode(self, z: np.ndarray) -> np.ndarray:
+        """``y_hat = A_l^T z + mu`` (Algorithm 1), projected back onto per-voxel probabilities."""
+        self._require_fit()
+        z = np.asarray(z, dtype=np.float64).reshape(-1, self.latent_dim)
+        flat = z @ self.components + self.mean
+        return codecs.normalise_probabilities(flat.reshape(len(z), self.classes, *self.grid))
+
+    def reconstruct_raw(self, maps: np.ndarray, sigma: float = 0.0, rng=None) -> np.ndarray:
+        """``A_l^T (A_l (y - mu) + gamma) + mu`` without the probability projection (eq. 6), for tests."""
+        flat = np.asarray(maps, dtype=np.float64).reshape(len(maps), -1)
+        z = (flat - self.mean) @ self.components.T
+        if sigma > 0:
+            rng = rng or np.random.default_rng(0)
+            z = z + rng.normal(0.0, sigma, size=z.shape)
+        return z @ self.components + self.mean
+
+    def describe(self) -> dict:
+        return {"name": self.name, "latent_dim": int(self.latent_dim), "sensitivity_mode": self.sensitivity_mode,
+                "clip": self.clip, "fitted_components": None if self.eigenvalues is None else len(self.eigenvalues),
+                "explained_variance": None if self.eigenvalues is None else
+                float(self.eigenvalues[: self.latent_dim].sum() / self.eigenvalues.sum())}
+
+
+# --------------------------------------------------------------------------------------------------
+class AutoencoderCompressor(Compressor):
+    """Autoencoded PATE (Fay et al., Algorithm 2; SPEC section 4).
+
+    Trains :func:`sim.codecs.AutoencoderNet` on the public reference label maps with cross-entropy,
+    Gaussian noise of std ``train_sigma`` (set it to the deployment sigma) added to the unit-ball
+    bottleneck, random flips as augmentation, Adam; seeded, and checkpointed at ``checkpoint`` (a
+    checkpoint written for the same data + configuration is reused instead of retraining).
+    Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
+    """
+
+    name = "ae"
+
+    def __init__(self, latent_dim: int, train_sigma: float = 0.0, epochs: int = 20, *, learning_rate: float = 2e-3,
+                 batch_size: int = 4, seed: int = 0, channels=(8, 16, 32, 32), checkpoint: str | Path | None = None,
+                 progress: bool = False):
+        if int(latent_dim) < 1:
+            raise UserError(f"latent_dim: expected a positive integer, got {latent_dim}")
+        self.latent_dim = int(latent_dim)
+        self.train_sigma = float(train_sigma)
+        self.epochs = int(epochs)
+        self.learning_rate = float(learning_rate)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.channels = tuple(channels)
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        self.progress = progress
+        self.net = None
+        self.history: list[float] = []
+        self._reference: np.ndarray | None = None
+
+    def _fingerprint(self, maps: np.ndarray) -> str:
+        digest = hashlib.sha256(np.ascontiguousarray(maps).tobytes())
+        digest.update(json.dumps([self.latent_dim, self.train_sigma, self.epochs, self.learning_rate,
+                                  self.batch_size, self.seed, list(self.channels)]).encode())
+        return digest.hexdigest()[:16]
+
+    def fit(self, public_onehot: np.ndarray) -> "AutoencoderCompressor":
+        import torch
+
+        from sim.io import atomic_save_torch
+
+        maps = self._check_fit_input(public_onehot)
+        self._reference = maps
+        torch.manual_seed(self.seed)
+        self.net = codecs.AutoencoderNet(self.latent_dim, self.grid, self.classes, self.channels)
+        fingerprint = self._fingerprint(maps)
+        if self.checkpoint is not None and self.checkpoint.exists():
+            saved = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
+            if saved.get("fingerprint") == fingerprint:
+                self.net.load_state_dict(saved["state_dict"])
+                self.history = list(saved.get("history", []))
+                self.net.eval()
+                return self
+        generator = torch.Generator().manual_seed(self.seed)
+        rng = np.random.default_rng(self.seed)
+        optimiser = torch.optim.Adam(self.net.parameters(), lr=self.learning_rate)
+        data = torch.from_numpy(maps)
+        epochs = range(self.epochs)
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            epochs = tqdm(epochs, desc="autoencoder", leave=False)
+        self.net.train()
+        for _ in epochs:
+            order = rng.permutation(len(maps))
+            total = 0.0
+            for start in range(0, len(order), self.batch_size):
+                batch = data[order[start:start + self.batch_size]]
+                flips = [axis + 2 for axis in range(len(self.grid)) if rng.random() < 0.5]
+                if flips:  # public-data augmentation: mirrored label maps are plausible label maps
+                    batch = torch.flip(batch, dims=flips)
+                logits = self.net(batch, noise_sigma=self.train_sigma, generator=generator)
+                loss = -(batch * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                total += float(loss) * len(batch)
+            self.history.append(total / len(maps))
+        self.net.eval()
+        if self.checkpoint is not None:
+            atomic_save_torch(self.checkpoint, {"fingerprint": fingerprint, "state_dict": self.net.state_dict(),
+                                                "history": self.history, "config": self.describe()})
+        return self
+
+    def _require_fit(self):
+        if self.net is None:
+            raise UserError("AutoencoderCompressor: call fit(public reference maps) first")
+
+    def sensitivity(self, teachers: int) -> float:
+        from privacy import sensitivity as sens
+
+        return float(sens.unit_ball_bound(_teachers(teachers)))
+
+    def state(self) -> dict:
+        self._require_fit()
+        state = self._base_state("ae")
+        state.update({"channels": np.array(self.net.channels, dtype=np.int64), "clip": np.array(1.0),
+                      "row_bound": np.array(1.0)})
+        state.update(codecs.encoder_arrays(self.net))
+        return state
+
+    def decode(self, z: np.ndarray) -> np.ndarray:
+        import torch
+
+        self._require_fit()
+        z = torch.as_tensor(np.asarray(z, dtype=np.float32).reshape(-1, self.latent_dim))
+        with torch.no_grad():
+            out = [self.net.decode(z[i:i + 8]).numpy() for i in range(0, len(z), 8)]
+        return np.concatenate(out, axis=0).astype(np.float32)
+
+    def collapsed(self, maps: np.ndarray | None = None, threshold: float = 0.1) -> dict:
+        """SPEC section 11 pitfall: with a bottleneck sigma large against the unit ball, the decoder learns
+        to decode everything to background. Decodes the noise-free encodings of ``maps`` (default: the
+        public reference maps) and compares foreground volumes; ``collapsed`` if the decoder keeps less
+        than ``threshold`` of the true foreground."""
+        self._require_fit()
+        maps = self._reference if maps is None else np.asarray(maps, dtype=np.float32)
+        decoded = self.decode(self.encode(maps)).argmax(axis=1)
+        truth = maps.argmax(axis=1)
+        true_fg = int((truth > 0).sum())
+        kept = int((decoded > 0).sum())
+        overlap = int(((decoded > 0) & (truth > 0)).sum())
+        ratio = kept / true_fg if true_fg else float("nan")
+        dice = 2 * overlap / (kept + true_fg) if (kept + true_fg) else float("nan")
+        return {"collapsed": bool(true_fg > 0 and (ratio < threshold or dice < threshold)),
+                "foreground_ratio": ratio, "foreground_dice": dice}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "latent_dim": self.latent_dim, "train_sigma": self.train_sigma,
+                "epochs": self.epochs, "final_loss": self.history[-1] if self.history else None}
+
+
+# --------------------------------------------------------------------------------------------------
+class IdentityCompressor(Compressor):
+    """The naive baseline: each teacher uploads its d = C x voxels one-hot votes; the noisy mean of the
+    votes is the pseudo-label. Replace-one sensitivity ``onehot_vote_bound(voxels, K)`` (one teacher's
+    vote can move in every voxel). Shows what compression buys."""
+
+    name = "identity"
+
+    def fit(self, public_onehot: np.ndarray) -> "IdentityCompressor":
+        self._check_fit_input(public_onehot)
+        self.latent_dim = int(self.classes * np.prod(self.grid))
+        return self
+
+    @property
+    def voxels(self) -> int:
+        return int(np.prod(self.grid))
+
+    def sensitivity(self, teachers: int) -> float:
+        from privacy import sensitivity as sens
+
+        return float(sens.onehot_vote_bound(self.voxels, _teachers(teachers)))
+
+    def state(self) -> dict:
+        if not self.grid:
+            raise UserError("IdentityCompressor: call fit(public reference maps) first")
+        state = self._base_state("identity")
+        state.update({"clip": np.array(float("nan")), "row_bound": np.array(math.sqrt(self.voxels))})
+        return state
+
+    def decode(self, z: np.ndarray) -> np.ndarray:
+        z = np.asarray(z, dtype=np.float32).reshape(-1, self.classes, *self.grid)
+        return codecs.normalise_probabilities(z)
+
+
+def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str | Path | None = None,
+                    progress: bool = False, **options) -> Compressor:
+    """The compressor a PATE method uses: pate-pca / pate-ae / pate-naive."""
+    if method == "pate-pca":
+        return PCACompressor(options.get("n_components", getattr(preset, "pca_components", None)),
+                             options.get("sensitivity_mode", "public"), options.get("clip"))
+    if method == "pate-ae":
+        return AutoencoderCompressor(options.get("latent_dim", getattr(preset, "ae_latent_dim", 8)),
+                                     epochs=options.get("epochs", getattr(preset, "ae_epochs", 20)),
+                                     seed=seed, checkpoint=checkpoint, progress=progress)
+    if method == "pate-naive":
+        return IdentityCompressor()
+    raise UserError(f"method: expected pate-pca, pate-ae or pate-naive, got {method!r}")
+
+
+__all__ = ["Compressor", "PCACompressor", "AutoencoderCompressor", "IdentityCompressor", "choose_components",
+           "make_compressor"]

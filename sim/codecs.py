@@ -1,0 +1,328 @@
+"""The encode side of high-dimensional PATE: what a hospital runs locally on its teachers' outputs.
+
+Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*
+(../shared/papers/004_016510ff7900a22f.txt):
+
+* PCA-PATE (Algorithm 1): ``z = A_l (y - mu)`` with the public basis ``A_l`` (l x d, orthonormal rows).
+* Autoencoded PATE (Algorithm 2): ``z = phi(f_enc(y))`` with the unit-ball activation ``phi``.
+* Identity (the naive per-voxel baseline): ``z = onehot(argmax y)`` flattened, d = C x voxels.
+
+Whatever is aggregated must be bounded **by construction**, never by assumption (SPEC section 3):
+``encode`` verifies its input and applies the bounding step of the codec's sensitivity mode, so the
+server's sensitivity ``S`` (replace-one adjacency) holds for every row a hospital uploads:
+
+==========  ==============================================  =======================================
+mode        bounding step in ``encode``                     what the server's S assumes
+==========  ==============================================  =======================================
+paper       input probabilities verified in [0, 1]          ``y - y' in [-1,1]^d`` (eq. 3-4)
+public      input probabilities verified in [0, 1]          same, tighter norm bound of ``A_l``
+clip        rows clipped to ``||z||_2 <= C``                ``||z - z'|| <= 2C``
+ae          unit-ball activation: ``||z||_2 <= 1``          ``||z - z'|| <= 2``
+identity    one-hot votes                                   ``sqrt(2 * voxels)`` per replaced teacher
+==========  ==============================================  =======================================
+
+A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
+arrays) so that it travels as Flower arrays (sim/runners/flower_records.py) unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from sim.errors import UserError
+
+CodecState = dict  # dict[str, np.ndarray]
+
+PROBABILITY_TOLERANCE = 1e-4
+_ENCODER_PREFIX = "encoder::"
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------------
+def scalar(state: Mapping[str, np.ndarray], key: str, default=None):
+    """Read a 0-d entry of a codec state as a python scalar (str, int or float)."""
+    if key not in state:
+        if default is not None:
+            return default
+        raise UserError(f"codec state: missing entry {key!r}")
+    value = np.asarray(state[key])
+    item = value.reshape(-1)[0].item() if value.size else None
+    if isinstance(item, bytes):
+        item = item.decode("utf-8")
+    return item
+
+
+def clip_rows(z: np.ndarray, clip: float) -> np.ndarray:
+    """Scale every row of ``z`` (n, l) down so that its L2 norm is at most ``clip`` (SPEC section 3,
+    clipped mode: replace-one sensitivity of the mean of K rows is then ``2C/K``)."""
+    z = np.asarray(z, dtype=np.float64)
+    if clip <= 0 or not math.isfinite(clip):
+        raise UserError(f"clip: expected a positive finite number, got {clip}")
+    norms = np.linalg.norm(z.reshape(len(z), -1), axis=1)
+    # Compare against the float32 image of clip so that the float32 result never exceeds it.
+    limit = float(np.nextafter(np.float32(clip), np.float32(0)))
+    scale = np.where(norms > limit, limit / np.maximum(norms, 1e-300), 1.0)
+    return (z * scale.reshape((-1,) + (1,) * (z.ndim - 1))).astype(np.float32)
+
+
+def unit_ball(o):
+    """The unit-ball activation of Fay et al. (section "Nonlinear dimensionality reduction in PATE"):
+
+    ``phi(o_0, ..., o_l) = sigmoid(o_0 sqrt(8/pi))^(1/l) * o_{1:l} / ||o_{1:l}||_2``.
+
+    The radius ``sigmoid(.)^(1/l)`` is in [0, 1), so ``||phi(o)||_2 <= 1`` for every input: the
+    replace-one sensitivity of the mean of K activations is 2/K (Proposition 2). For standard normal
+    inputs the radius is approximately distributed as ``U^(1/l)``, the radius of a uniform point of the
+    l-ball (the paper's appendix, Fig. 2). ``||o_{1:l}|| = 0`` maps to the origin (the direction is
+    undefined, the radius multiplies a zero vector). Works on numpy arrays and torch tensors of shape
+    (..., l+1); returns (..., l).
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency of sim
+        torch = None
+    if torch is not None and isinstance(o, torch.Tensor):
+        latent = o.shape[-1] - 1
+        if latent < 1:
+            raise UserError("unit_ball: expected at least 2 inputs (radius + direction)")
+        radius = torch.sigmoid(o[..., :1] * math.sqrt(8.0 / math.pi)).pow(1.0 / latent)
+        direction = o[..., 1:]
+        # Scale huge inputs down before squaring (float32 overflows above ~1.8e19); phi is invariant to
+        # that positive scale, so the (detached) scale carries no gradient.
+        scale = direction.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+        unit = direction / scale
+        # sqrt(. + eps) rather than norm(): finite gradients at a zero direction (mapped to ~0). The eps
+        # only shrinks tiny vectors further inside the ball, so ||phi|| <= 1 still holds.
+        out = radius * unit / torch.sqrt((unit * unit).sum(dim=-1, keepdim=True) + 1e-12)
+        # Float rounding can leave the norm a hair above 1 when radius rounds to 1: pull those back.
+        over = torch.sqrt((out * out).sum(dim=-1, keepdim=True) + 1e-24)
+        return out / over.clamp_min(1.0)
+    o = np.asarray(o, dtype=np.float64)
+    latent = o.shape[-1] - 1
+    if latent < 1:
+        raise UserError("unit_ball: expected at least 2 inputs (radius + direction)")
+    with np.errstate(over="ignore"):
+        radius = (1.0 / (1.0 + np.exp(-o[..., :1] * math.sqrt(8.0 / math.pi)))) ** (1.0 / latent)
+    direction = np.nan_to_num(o[..., 1:], nan=0.0)
+    peak = np.maximum(np.abs(direction).max(axis=-1, keepdims=True), 1e-300)
+    unit = direction / peak
+    norm = np.linalg.norm(unit, axis=-1, keepdims=True)
+    out = np.where(norm > 0, radius * unit / np.maximum(norm, 1e-300), 0.0)
+    over = np.linalg.norm(out, axis=-1, keepdims=True)
+    return np.where(over > 1.0, out / np.maximum(over, 1e-300), out)
+
+
+def check_probabilities(probs: np.ndarray, what: str = "probs") -> None:
+    """Raise unless ``probs`` is finite and in [0, 1] (within 1e-4): the PCA paper/public bounds
+    (Fay et al. eq. 3-4) hold only for teacher outputs in [0, 1]^d."""
+    probs = np.asarray(probs)
+    if not np.all(np.isfinite(probs)):
+        raise UserError(f"{what}: teacher outputs contain NaN or infinite values")
+    low, high = float(probs.min(initial=0.0)), float(probs.max(initial=0.0))
+    if low < -PROBABILITY_TOLERANCE or high > 1.0 + PROBABILITY_TOLERANCE:
+        raise UserError(
+            f"{what}: PCA in 'paper'/'public' sensitivity mode needs probabilities in [0, 1] "
+            f"(the bound of Fay et al. eq. 3-4); got values in [{low:.4g}, {high:.4g}]"
+        )
+
+
+def one_hot(labels: np.ndarray, classes: int = 4) -> np.ndarray:
+    """(n, *g) integer labels -> (n, C, *g) float32 one-hot maps."""
+    labels = np.asarray(labels).astype(np.int64)
+    eye = np.eye(classes, dtype=np.float32)
+    return np.moveaxis(eye[labels], -1, 1)
+
+
+def normalise_probabilities(maps: np.ndarray) -> np.ndarray:
+    """Project decoded maps (n, C, *g) back onto per-voxel probability vectors: negative mass is
+    clipped, each voxel renormalised; voxels with no mass left are background (class 0)."""
+    maps = np.clip(np.asarray(maps, dtype=np.float32), 0.0, None)
+    total = maps.sum(axis=1, keepdims=True)
+    empty = total <= 1e-8
+    maps = np.where(empty, 0.0, maps / np.maximum(total, 1e-8))
+    maps[:, :1] = np.where(empty, 1.0, maps[:, :1])
+    return maps.astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# the autoencoder (Algorithm 2)
+# --------------------------------------------------------------------------------------------------
+def _levels(grid) -> int:
+    """Pooling levels: halve the smallest side down to 4 voxels (at most 4 levels)."""
+    side, levels = min(grid), 0
+    while side // 2 >= 4 and levels < 4:
+        side //= 2
+        levels += 1
+    return max(levels, 1)
+
+
+def _build_autoencoder_class():
+    import torch
+    from torch import nn
+
+    class AutoencoderNet(nn.Module):
+        """3D convolutional autoencoder of Fay et al., Algorithm 2 / SPEC section 4.
+
+        encoder: per level a 3x3x3 conv + ReLU then 2x max-pooling; bottleneck: a fully connected
+        layer with ``l + 1`` outputs mapped into the unit l-ball by :func:`unit_ball`; decoder: a fully
+        connected layer back to the coarsest feature map, then per level a 3x3x3 conv + ReLU and a
+        2x transposed conv, a 1x1x1 conv to ``classes`` logits (softmax in :meth:`decode`). No skip
+        connections: everything the decoder knows about the input passes through the l numbers.
+        """
+
+        def __init__(self, latent_dim: int, grid, classes: int = 4, channels=(8, 16, 32, 32)):
+            super().__init__()
+            self.latent_dim = int(latent_dim)
+            self.grid = tuple(int(g) for g in grid)
+            self.classes = int(classes)
+            levels = _levels(self.grid)
+            if any(g % (2 ** levels) for g in self.grid):
+                raise UserError(f"grid {self.grid}: every side must be divisible by {2 ** levels}")
+            chans = list(channels)[:levels]
+            while len(chans) < levels:
+                chans.append(chans[-1])
+            self.channels = tuple(chans)
+            encoder, previous = [], classes
+            for width in chans:
+                encoder += [nn.Conv3d(previous, width, 3, padding=1), nn.ReLU(), nn.MaxPool3d(2)]
+                previous = width
+            self.encoder = nn.Sequential(*encoder)
+            self.coarse = tuple(g // (2 ** levels) for g in self.grid)
+            flat = chans[-1] * int(np.prod(self.coarse))
+            self.bottleneck = nn.Linear(flat, self.latent_dim + 1)
+            self.expand = nn.Linear(self.latent_dim, flat)
+            decoder = []
+            for index, width in enumerate(reversed(chans)):
+                out = list(reversed(chans))[index + 1] if index + 1 < len(chans) else chans[0]
+                decoder += [nn.Conv3d(width, width, 3, padding=1), nn.ReLU(),
+                            nn.ConvTranspose3d(width, out, 2, stride=2), nn.ReLU()]
+            decoder.append(nn.Conv3d(chans[0], classes, 1))
+            self.decoder = nn.Sequential(*decoder)
+
+        def encode(self, maps):
+            """(n, C, *grid) maps -> (n, l) latents with ``||z|| <= 1``."""
+            features = self.encoder(maps).flatten(1)
+            return unit_ball(self.bottleneck(features))
+
+        def decode_logits(self, z):
+            features = torch.relu(self.expand(z)).view(len(z), self.channels[-1], *self.coarse)
+            return self.decoder(features)
+
+        def decode(self, z):
+            return torch.softmax(self.decode_logits(z), dim=1)
+
+        def forward(self, maps, noise_sigma: float = 0.0, generator=None):
+            z = self.encode(maps)
+            if noise_sigma > 0:  # Algorithm 2: train the decoder on the noise it will see
+                z = z + noise_sigma * torch.randn(z.shape, generator=generator, dtype=z.dtype)
+            return self.decode_logits(z)
+
+    return AutoencoderNet
+
+
+_AE_CLASS = None
+
+
+def AutoencoderNet(latent_dim: int, grid, classes: int = 4, channels=(8, 16, 32, 32)):  # noqa: N802
+    """Build the autoencoder of Algorithm 2 (a ``torch.nn.Module``; class built lazily so that importing
+    this module does not import torch)."""
+    global _AE_CLASS
+    if _AE_CLASS is None:
+        _AE_CLASS = _build_autoencoder_class()
+    return _AE_CLASS(latent_dim, grid, classes, channels)
+
+
+def module_to_arrays(module, prefix: str = "") -> dict[str, np.ndarray]:
+    """A module's state dict as named numpy arrays (for Flower ArrayRecords / codec states)."""
+    return {prefix + name: tensor.detach().cpu().numpy().copy() for name, tensor in module.state_dict().items()}
+
+
+def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "", strict: bool = True):
+    """Load named numpy arrays (as written by :func:`module_to_arrays`) into ``module``."""
+    import torch
+
+    state = {name[len(prefix):]: torch.as_tensor(np.asarray(value))
+             for name, value in arrays.items() if name.startswith(prefix)}
+    module.load_state_dict(state, strict=strict)
+    return module
+
+
+def autoencoder_from_state(state: Mapping[str, np.ndarray]):
+    """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae'."""
+    grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
+    channels = tuple(int(c) for c in np.asarray(state["channels"]).reshape(-1))
+    net = AutoencoderNet(int(scalar(state, "latent_dim")), grid, int(scalar(state, "classes")), channels)
+    arrays_to_module(net, state, prefix=_ENCODER_PREFIX, strict=False)
+    return net.eval()
+
+
+def encoder_arrays(net) -> dict[str, np.ndarray]:
+    """Only the encoder + bottleneck weights: what hospitals need (the decoder stays on the server)."""
+    return {name: value for name, value in module_to_arrays(net, _ENCODER_PREFIX).items()
+            if name[len(_ENCODER_PREFIX):].split(".")[0] in ("encoder", "bottleneck")}
+
+
+# --------------------------------------------------------------------------------------------------
+# encode
+# --------------------------------------------------------------------------------------------------
+def latent_dim(state: Mapping[str, np.ndarray]) -> int:
+    return int(scalar(state, "latent_dim"))
+
+
+def row_bound(state: Mapping[str, np.ndarray]) -> float:
+    """The largest L2 norm a valid encoding row can have (the server re-checks and re-clips to it).
+
+    pca paper/public: ``y - mu`` lies in [-1, 1]^d, so ``||A_l (y - mu)|| <= R`` where R is the
+    per-teacher norm bound stored with the state (sqrt(d), or the public bound of SPEC section 3);
+    pca clip: C; ae: 1 (unit ball); identity: sqrt(voxels) (one 1 per voxel).
+    """
+    return float(scalar(state, "row_bound"))
+
+
+def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, _cache: dict | None = None) -> np.ndarray:
+    """Encode teacher probabilities (n, C, *grid) into (n, l) float32 rows, bounded by construction.
+
+    See the module docstring for the bounding step of each kind/mode. Raises ``UserError`` if the input
+    does not match the codec (shape) or violates what the sensitivity bound assumes.
+    """
+    kind = str(scalar(state, "kind"))
+    probs = np.asarray(probs, dtype=np.float32)
+    classes = int(scalar(state, "classes"))
+    grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
+    if probs.ndim != 2 + len(grid) or probs.shape[1] != classes or tuple(probs.shape[2:]) != grid:
+        raise UserError(f"encode: expected probabilities of shape (n, {classes}, {', '.join(map(str, grid))}), "
+                        f"got {probs.shape}")
+    n = len(probs)
+    if kind == "pca":
+        mode = str(scalar(state, "mode"))
+        components = np.asarray(state["components"], dtype=np.float32)
+        mean = np.asarray(state["mean"], dtype=np.float32)
+        if mode in ("paper", "public"):
+            check_probabilities(probs)
+            probs = np.clip(probs, 0.0, 1.0)
+        elif not np.all(np.isfinite(probs)):
+            raise UserError("encode: teacher outputs contain NaN or infinite values")
+        z = (probs.reshape(n, -1) - mean) @ components.T
+        if mode == "clip":
+            return clip_rows(z, float(scalar(state, "clip")))
+        # [-1,1]^d difference bound also bounds the row itself (y - mu in [-1,1]^d since mu in [0,1]^d);
+        # clipping to it is a no-op for valid input and guards float round-off.
+        return clip_rows(z, row_bound(state) * (1 + 1e-6))
+    if kind == "ae":
+        import torch
+
+        if not np.all(np.isfinite(probs)):
+            raise UserError("encode: teacher outputs contain NaN or infinite values")
+        net = autoencoder_from_state(state)
+        with torch.no_grad():
+            rows = [net.encode(torch.from_numpy(probs[i:i + 4])).numpy() for i in range(0, n, 4)]
+        z = np.concatenate(rows, axis=0).astype(np.float64) if rows else np.zeros((0, latent_dim(state)))
+        return clip_rows(z, 1.0)
+    if kind == "identity":
+        votes = one_hot(probs.argmax(axis=1), classes)
+        return votes.reshape(n, -1).astype(np.float32)
+    raise UserError(f"codec state: unknown kind {kind!r}; expected pca, ae or identity")
