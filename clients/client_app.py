@@ -1,0 +1,78 @@
+"""The hospital's Flower ClientApp: a thin adapter from messages to :class:`clients.hospital.Hospital`.
+
+What leaves the hospital (checked by tests/test_flower_wire.py): metrics, its local epsilon, and per
+query the clipped l-dimensional encodings of each teacher. Never scans, labels, teacher weights or
+full-resolution outputs.
+
+Message types (``message_type`` = ``<category>[.<action>]``):
+- ``query.identify``  -> {"hospital_id", "teachers"}
+- ``train``           -> trains the hospital's teachers; replies with metrics and local epsilon
+- ``query``           -> encodings (T, n, l) of the public scans sent; the compressor state is sent once
+                         and kept in the node's ``context.state``
+- ``evaluate``        -> per-teacher Dice on the public test scans and labels sent
+- ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from clients.node import hospital_for
+from sim.runners.flower_records import arrays_digest, make_content, read_content
+
+app = ClientApp()
+
+_CODEC_RECORD = "codec"
+
+
+@app.query("identify")
+def identify(msg: Message, context: Context) -> Message:
+    config, _ = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    return Message(make_content({"hospital_id": hospital.hospital_id, "teachers": hospital.num_teachers}),
+                   reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    config, arrays = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    metrics = hospital.train_teachers({**config, "init_weights": arrays.get("init_weights")})
+    return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    config, arrays = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    codec = arrays.get(_CODEC_RECORD)
+    if codec is not None:  # first query of a run: keep the public compressor state for the next ones
+        context.state[_CODEC_RECORD] = msg.content.array_records[_CODEC_RECORD]
+    elif _CODEC_RECORD in context.state.array_records:
+        codec = read_content(context.state)[1][_CODEC_RECORD]
+    if codec is None or arrays_digest(codec) != config["codec_digest"]:
+        # The server re-sends the state when it sees this (e.g. after this node restarted).
+        raise LookupError("codec-missing")
+    encodings = hospital.answer_query(arrays["scans"]["scans"], codec, config)
+    return Message(make_content({"hospital_id": hospital.hospital_id}, encodings={"z": encodings}),
+                   reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    config, arrays = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    metrics = hospital.evaluate({**config, **arrays.get("test", {})})
+    return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}), reply_to=msg)
+
+
+@app.train("fedavg")
+def fedavg_round(msg: Message, context: Context) -> Message:
+    from clients.fedavg import local_dpsgd_round
+
+    config, arrays = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    weights, metrics = local_dpsgd_round(hospital, arrays["weights"], config)
+    return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}, weights=weights),
+                   reply_to=msg)

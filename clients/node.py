@@ -1,0 +1,83 @@
+"""Which hospital this Flower node is, and where its data lives.
+
+Two ways a node learns who it is:
+
+* **Deployment** (a SuperNode on a hospital's own machine): ``--node-config "hospital-id='h0'
+  data-dir='/data/msd' workdir='/var/fedpate'"``. The hospital reads *its own* MSD folder, prepares it
+  at the grid the server asks for and splits its patients into ``teachers-per-hospital`` disjoint
+  teacher partitions itself. Nothing about its patients is known to the server.
+* **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
+  carry the path of the simulated world (prepared cases + the split manifest every party reads), and
+  the node takes the ``partition-id``-th hospital of that split.
+
+Hospitals are cached per process: Ray reuses worker processes across messages, and teacher weights
+live on the hospital's disk (``workdir``) so a fresh process picks them up again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from sim.errors import UserError
+
+_HOSPITALS: dict[tuple, Any] = {}
+
+
+def _default_workroot() -> Path:
+    return Path(os.environ.get("FEDPATE_NODE_ROOT", Path.home() / ".cache" / "fedpate" / "nodes"))
+
+
+def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
+    """Return the (cached) :class:`clients.hospital.Hospital` this node plays."""
+    from clients.hospital import Hospital
+    from sim.presets import get_preset
+
+    preset = get_preset(str(config["preset"]), **(config.get("preset_overrides") or {}))
+    seed = int(config.get("seed", 0))
+    if "data-dir" in node_config:
+        return _deployed_hospital(node_config, config, preset, seed, Hospital)
+    if "partition-id" not in node_config:
+        raise UserError("node-config: expected either 'data-dir' (deployment) or 'partition-id' (simulation)")
+    world_dir = config.get("world")
+    if not world_dir:
+        raise UserError("message config: simulation messages must carry 'world' (the prepared world folder)")
+    key = ("sim", str(world_dir), int(node_config["partition-id"]))
+    if key not in _HOSPITALS:
+        from sim.data.partitions import Split
+        from sim.data.preprocess import PreparedDataset
+
+        world = Path(world_dir)
+        split = Split.from_json(world / "split.json")
+        hospital_ids = sorted(split.hospitals)
+        index = int(node_config["partition-id"])
+        if index >= len(hospital_ids):
+            raise UserError(
+                f"node-config partition-id={index}: the world at {world} has only {len(hospital_ids)} hospitals"
+            )
+        hospital_id = hospital_ids[index]
+        prepared = PreparedDataset.open(world / "prepared")
+        workdir = world / "nodes" / hospital_id
+        _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir, seed)
+    return _HOSPITALS[key]
+
+
+def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
+    from sim.data.partitions import split_into_teachers
+    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+
+    hospital_id = str(node_config.get("hospital-id") or "")
+    if not hospital_id:
+        raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
+    data_dir = Path(str(node_config["data-dir"]))
+    workdir = Path(str(node_config.get("workdir") or _default_workroot() / hospital_id))
+    teachers = int(node_config.get("teachers-per-hospital") or config.get("teachers_per_hospital")
+                   or preset.teachers_per_hospital)
+    key = ("deploy", str(data_dir), hospital_id, tuple(preset.grid), teachers)
+    if key not in _HOSPITALS:
+        prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
+                                   progress=False)
+        partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed)
+        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed)
+    return _HOSPITALS[key]

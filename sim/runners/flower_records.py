@@ -1,0 +1,93 @@
+"""Converting between numpy / plain dicts and Flower records (the only Flower types on the wire).
+
+Both apps use these so the wire format is defined once. Arrays travel in ``ArrayRecord`` under
+string keys; scalars and strings in ``ConfigRecord`` (ConfigRecord cannot hold None or nested dicts:
+nested values are JSON-encoded under the key ``"json"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+
+def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Pack named numpy arrays (0-d arrays included) into one ArrayRecord, preserving names."""
+    packed: "OrderedDict[str, Array]" = OrderedDict()
+    for name, value in arrays.items():
+        array = np.asarray(value)
+        if array.dtype.kind in "US":  # strings travel as UTF-8 bytes
+            array = np.frombuffer(str(array.item()).encode("utf-8"), dtype=np.uint8).copy()
+            name = f"{name}::str"
+        elif array.ndim == 0:  # Flower stores 0-d arrays as shape (1,): mark them to restore the shape
+            array = array.reshape(1)
+            name = f"{name}::0d"
+        packed[name] = Array(np.ascontiguousarray(array))
+    return ArrayRecord(packed)
+
+
+def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in record.items():
+        array = value.numpy()
+        if name.endswith("::str"):
+            arrays[name[: -len("::str")]] = np.array(array.astype(np.uint8).tobytes().decode("utf-8"))
+        elif name.endswith("::0d"):
+            arrays[name[: -len("::0d")]] = array.reshape(())
+        else:
+            arrays[name] = array
+    return arrays
+
+
+def config_to_record(config: Mapping[str, Any]) -> ConfigRecord:
+    """A plain (possibly nested) dict as a ConfigRecord: the whole dict JSON-encoded under "json"."""
+    return ConfigRecord({"json": json.dumps(dict(config), default=_json_default)})
+
+
+def record_to_config(record: ConfigRecord) -> dict[str, Any]:
+    return json.loads(str(record["json"]))
+
+
+def metrics_to_record(metrics: Mapping[str, float]) -> MetricRecord:
+    return MetricRecord({k: float(v) for k, v in metrics.items() if v is not None})
+
+
+def make_content(config: Mapping[str, Any] | None = None, **arrays: Mapping[str, np.ndarray]) -> RecordDict:
+    """A message body: ``config`` as a ConfigRecord, every keyword as an ArrayRecord of that name."""
+    content = RecordDict()
+    content["config"] = config_to_record(config or {})
+    for name, value in arrays.items():
+        content[name] = arrays_to_record(value)
+    return content
+
+
+def read_content(content: RecordDict) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+    """Inverse of :func:`make_content`: (config, {record name: {array name: array}})."""
+    config = record_to_config(content["config"]) if "config" in content else {}
+    arrays = {name: record_to_arrays(record) for name, record in content.array_records.items()}
+    return config, arrays
+
+
+def arrays_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """Content digest of named arrays (to ship a compressor state once and detect stale copies)."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(np.asarray(arrays[name]))
+        digest.update(name.encode())
+        digest.update(str(array.dtype).encode())
+        digest.update(str(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"config value of type {type(value).__name__} cannot travel in a ConfigRecord")

@@ -1,0 +1,143 @@
+"""The PATE / DP-FedAvg protocols' view of the hospitals, over a Flower ``Grid``.
+
+Implements ``server.pate.HospitalTransport``. Faults never stop a run: a hospital that times out or
+replies with an error is reported and left out of that round (and, for the query phase, of later
+rounds: a dropped hospital does not come back mid-phase, so every later query is accounted with the
+reduced number of teachers rather than waiting for it again). The protocol decides what that means
+for sensitivity and the ledger; this class only says who answered what.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from flwr.app import Message
+
+from sim.runners.flower_records import arrays_digest, make_content, read_content
+
+log = logging.getLogger("fedpate.flower")
+
+
+class HospitalsUnavailable(RuntimeError):
+    """Fewer hospitals connected than the run needs (named in the message)."""
+
+
+class FlowerTransport:
+    def __init__(self, grid, expected_hospitals: int, *, wait_seconds: float = 120.0,
+                 reply_timeout: float = 600.0, base_config: Mapping[str, Any] | None = None,
+                 min_hospitals: int = 1, poll_seconds: float = 0.5, clock: Callable[[], float] = time.monotonic):
+        self.grid = grid
+        self.expected = int(expected_hospitals)
+        self.wait_seconds = float(wait_seconds)
+        self.reply_timeout = float(reply_timeout)
+        self.base_config = dict(base_config or {})
+        self.min_hospitals = int(min_hospitals)
+        self.poll_seconds = poll_seconds
+        self.clock = clock
+        self.node_of: dict[str, int] = {}       # hospital id -> node id
+        self.teachers_of: dict[str, int] = {}
+        self.dropped: dict[str, str] = {}       # hospital id -> why
+        self.codec_sent: dict[str, str] = {}    # hospital id -> digest of the compressor state it holds
+        self.bytes_up: list[dict[str, int]] = []  # per query round: hospital -> payload bytes received
+        self._round = 0
+
+    # ----------------------------------------------------------------------------------------------
+    def connect(self) -> list[str]:
+        """Wait (with a deadline) for the expected nodes, then learn which hospital each node plays."""
+        deadline = self.clock() + self.wait_seconds
+        node_ids: list[int] = []
+        while self.clock() < deadline:
+            node_ids = sorted(self.grid.get_node_ids())
+            if len(node_ids) >= self.expected:
+                break
+            time.sleep(self.poll_seconds)
+        if len(node_ids) < self.min_hospitals:
+            raise HospitalsUnavailable(
+                f"only {len(node_ids)} of {self.expected} hospitals connected within {self.wait_seconds:.0f} s"
+            )
+        if len(node_ids) < self.expected:
+            log.warning("only %d of %d hospitals connected within %.0f s; continuing with them",
+                        len(node_ids), self.expected, self.wait_seconds)
+        replies = self._send({node: (make_content(self.base_config), "query.identify") for node in node_ids})
+        for node, (config, _) in replies.items():
+            hospital = str(config["hospital_id"])
+            self.node_of[hospital] = node
+            self.teachers_of[hospital] = int(config["teachers"])
+        if len(self.node_of) < self.min_hospitals:
+            raise HospitalsUnavailable(f"only {len(self.node_of)} hospitals answered the identify round")
+        return self.hospital_ids()
+
+    def hospital_ids(self) -> list[str]:
+        return sorted(h for h in self.node_of if h not in self.dropped)
+
+    # ----------------------------------------------------------------------------------------------
+    def train(self, config: Mapping[str, Any], init_weights: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
+        arrays = {"init_weights": dict(init_weights)} if init_weights else {}
+        replies = self._send_to_all(lambda h: (make_content({**self.base_config, **config}, **arrays), "train"))
+        return {h: config for h, (config, _) in replies.items()}
+
+    def query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        digest = arrays_digest(codec)
+        message_config = {**self.base_config, **config, "codec_digest": digest}
+
+        def build(hospital: str, resend: bool = False):
+            payload: dict[str, dict[str, np.ndarray]] = {"scans": {"scans": np.ascontiguousarray(scans, np.float32)}}
+            if resend or self.codec_sent.get(hospital) != digest:
+                payload["codec"] = dict(codec)
+            return make_content(message_config, **payload), "query"
+
+        replies = self._send_to_all(build, retry_on="codec-missing")
+        for hospital in replies:
+            self.codec_sent[hospital] = digest
+        self.bytes_up.append({h: int(sum(a.nbytes for a in arrays["encodings"].values()))
+                              for h, (_, arrays) in replies.items()})
+        return {h: arrays["encodings"]["z"] for h, (_, arrays) in replies.items()}
+
+    def evaluate(self, config: Mapping[str, Any], test: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
+        arrays = {"test": dict(test)} if test else {}
+        replies = self._send_to_all(lambda h: (make_content({**self.base_config, **config}, **arrays), "evaluate"))
+        return {h: config for h, (config, _) in replies.items()}
+
+    def fedavg_round(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, tuple[dict, dict]]:
+        """One DP-FedAvg round: {hospital: (metrics, new local weights)}."""
+        replies = self._send_to_all(
+            lambda h: (make_content({**self.base_config, **config}, weights=dict(weights)), "train.fedavg"))
+        return {h: (config, arrays["weights"]) for h, (config, arrays) in replies.items()}
+
+    # ----------------------------------------------------------------------------------------------
+    def _send_to_all(self, build, retry_on: str | None = None) -> dict[str, tuple[dict, dict]]:
+        hospitals = self.hospital_ids()
+        replies = self._send({self.node_of[h]: build(h) for h in hospitals}, by_hospital=True)
+        if retry_on:
+            again = [h for h, why in self._last_errors.items() if retry_on in why and h in hospitals]
+            if again:
+                more = self._send({self.node_of[h]: build(h, True) for h in again}, by_hospital=True)
+                replies.update(more)
+        for hospital in hospitals:
+            if hospital not in replies:
+                why = self._last_errors.get(hospital, f"no reply within {self.reply_timeout:.0f} s")
+                self.dropped[hospital] = why
+                log.warning("hospital %s dropped out: %s", hospital, why)
+        return replies
+
+    def _send(self, content_by_node: Mapping[int, tuple], by_hospital: bool = False) -> dict:
+        self._round += 1
+        messages = [Message(content, dst_node_id=node, message_type=message_type, group_id=str(self._round))
+                    for node, (content, message_type) in content_by_node.items()]
+        hospital_of = {node: h for h, node in self.node_of.items()}
+        self._last_errors: dict[str, str] = {}
+        replies: dict = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.reply_timeout):
+            node = reply.metadata.src_node_id
+            key = hospital_of.get(node, node) if by_hospital else node
+            if reply.has_error():
+                self._last_errors[str(key)] = f"error reply: {reply.error.reason}"
+                continue
+            try:
+                replies[key] = read_content(reply.content)
+            except (KeyError, ValueError) as exc:  # malformed reply: treat as that hospital's fault
+                self._last_errors[str(key)] = f"malformed reply: {exc}"
+        return replies
