@@ -1,0 +1,223 @@
+"""Model bundles: a trained model that can leave the simulation, with its privacy card.
+
+Layout, inside a run folder (next to the run's ``ledger.jsonl`` and ``results.json``)::
+
+    RUN_DIR/model/weights.pt      the state dict
+    RUN_DIR/model/bundle.json     network config, preprocessing, label convention, weights digest, card
+    RUN_DIR/model/MODEL_CARD.md   the card for people
+
+The privacy card says what guarantee the weights carry (SPEC section 2): method, the epsilon the
+ledger says was spent and the budget, delta, the neighbouring relation, the accountant, how many
+teachers/hospitals, the data source, and the sha256 digest of the ledger it was computed from.
+Non-private models carry a card too, saying so.
+
+Loading verifies everything it can from the files alone: the weights' digest, that the card is
+complete, and that the ledger next to it has the recorded digest and still gives the recorded epsilon.
+A bundle failing any check is refused with one line (:class:`BundleError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from sim.errors import UserError
+from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+BUNDLE_FORMAT = "fedpate-model-bundle"
+BUNDLE_VERSION = 1
+MSD_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+MSD_MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
+CARD_KEYS = ("method", "private", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
+             "teachers", "hospitals", "data_source", "ledger_digest")
+
+
+class BundleError(UserError):
+    """A model bundle that is missing, tampered with, or inconsistent with its ledger."""
+
+
+@dataclass
+class LoadedBundle:
+    model: Any
+    network: dict
+    preprocessing: dict
+    card: dict
+    path: Path
+
+
+def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | None,
+                 epsilon_budget: float | None, relation: str | None, accountant: str | None,
+                 teachers: int | None, hospitals: int | None, data_source: Mapping[str, Any],
+                 queries: int | None = None, extra: Mapping[str, Any] | None = None) -> dict:
+    """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in)."""
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(ledger_path) if ledger_path is not None and Path(ledger_path).exists() else Ledger(None)
+    private = len(ledger) > 0
+    epsilon = _ledger_epsilon(ledger, delta, relation) if private else None
+    return {
+        "method": method, "private": private, "epsilon": epsilon,
+        "epsilon_budget": epsilon_budget if private else None, "delta": delta if private else None,
+        "relation": relation if private else None, "accountant": accountant if private else None,
+        "teachers": teachers, "hospitals": hospitals, "queries": queries,
+        "data_source": dict(data_source), "ledger_digest": ledger.digest(),
+        "ledger_owners": ledger.owners(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **dict(extra or {}),
+    }
+
+
+def save_bundle(run_dir: str | Path, model, network: Mapping[str, Any], preprocessing: Mapping[str, Any],
+                card: Mapping[str, Any]) -> Path:
+    """Write weights, bundle.json and MODEL_CARD.md into ``run_dir/model`` (each file atomically)."""
+    import torch
+
+    missing = [key for key in CARD_KEYS if key not in card]
+    if missing:
+        raise ValueError(f"privacy card is missing {missing}")
+    bundle_dir = Path(run_dir) / "model"
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+    weights = buffer.getvalue()
+    atomic_write_bytes(bundle_dir / "weights.pt", weights)
+    bundle = {
+        "format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,
+        "network": dict(network), "preprocessing": dict(preprocessing),
+        "labels": MSD_LABELS, "modalities": MSD_MODALITIES,
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "card": dict(card),
+    }
+    atomic_write_json(bundle_dir / "bundle.json", bundle)
+    atomic_write_text(bundle_dir / "MODEL_CARD.md", model_card_markdown(bundle))
+    return bundle_dir
+
+
+def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBundle:
+    """Load and verify a bundle from a run folder (or its ``model`` subfolder)."""
+    import torch
+
+    from sim.networks import build_unet_from_config
+
+    run_dir = Path(run_dir)
+    bundle_dir = run_dir if (run_dir / "bundle.json").exists() else run_dir / "model"
+    bundle_file = bundle_dir / "bundle.json"
+    if not bundle_file.is_file():
+        raise BundleError(f"--model {run_dir}: no model bundle (expected {bundle_file})")
+    try:
+        bundle = json.loads(bundle_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{bundle_file}: not a readable bundle ({exc.__class__.__name__})") from None
+    if bundle.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{bundle_file}: not a fedpate model bundle")
+    card = bundle.get("card")
+    if not isinstance(card, dict):
+        raise BundleError(f"{bundle_file}: the privacy card is missing")
+    missing = [key for key in CARD_KEYS if key not in card]
+    if missing:
+        raise BundleError(f"{bundle_file}: the privacy card is incomplete (missing {', '.join(missing)})")
+    weights_file = bundle_dir / "weights.pt"
+    try:
+        weights = weights_file.read_bytes()
+    except OSError:
+        raise BundleError(f"{weights_file}: the weights file is missing") from None
+    if hashlib.sha256(weights).hexdigest() != bundle.get("weights_sha256"):
+        raise BundleError(f"{weights_file}: weights do not match the digest in bundle.json (modified or corrupt)")
+    if verify_ledger:
+        verify_card_against_ledger(card, bundle_dir.parent / "ledger.jsonl", bundle_file)
+    model = build_unet_from_config(bundle["network"])
+    model.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
+    model.eval()
+    return LoadedBundle(model=model, network=bundle["network"], preprocessing=bundle["preprocessing"],
+                        card=card, path=bundle_dir)
+
+
+def verify_card_against_ledger(card: Mapping[str, Any], ledger_path: Path, where: Path) -> None:
+    """The card must describe the ledger beside it: same digest and the same epsilon."""
+    from privacy.errors import PrivacyError
+    from privacy.ledger import Ledger
+
+    if not ledger_path.exists():
+        if card["private"]:
+            raise BundleError(f"{where}: the card claims a private model but {ledger_path} is missing")
+        return
+    try:
+        ledger = Ledger.load(ledger_path)
+    except PrivacyError as exc:
+        raise BundleError(f"{ledger_path}: unreadable ledger ({exc})") from None
+    if ledger.digest() != card["ledger_digest"]:
+        raise BundleError(f"{where}: the card does not match {ledger_path} (ledger digest differs)")
+    if bool(card["private"]) != (len(ledger) > 0):
+        raise BundleError(f"{where}: the card says private={card['private']} but the ledger has {len(ledger)} releases")
+    if card["private"]:
+        epsilon = _ledger_epsilon(ledger, card["delta"], card["relation"])
+        claimed = card["epsilon"]
+        if claimed is None or not math.isclose(float(claimed), epsilon, rel_tol=1e-6, abs_tol=1e-9):
+            raise BundleError(f"{where}: the card says epsilon={claimed} but the ledger gives {epsilon:.6g}")
+
+
+def _ledger_epsilon(ledger, delta, relation) -> float:
+    """The guarantee of a model trained on several owners' data: the worst owner's epsilon."""
+    return max(ledger.spent(owner, delta, relation=relation).epsilon for owner in ledger.owners())
+
+
+def model_card_markdown(bundle: Mapping[str, Any]) -> str:
+    card = bundle["card"]
+    network = bundle["network"]
+    pre = bundle["preprocessing"]
+    lines = [f"# Model card — {card['method']}", ""]
+    if card["private"]:
+        lines += [
+            f"**Privacy:** ({card['epsilon']:.4g}, {card['delta']:g})-differential privacy "
+            f"(budget ε = {card['epsilon_budget']}), {card['relation']} neighbouring relation, "
+            f"accountant `{card['accountant']}`.",
+            "",
+            "Unit of privacy: one patient (one labelled volume) at one hospital. The ε is the largest spent "
+            "by any data owner, recomputed from the run's ledger (`../ledger.jsonl`) at load time.",
+        ]
+    else:
+        lines += ["**Privacy: none.** This model was trained without a differential-privacy guarantee; "
+                  "it may memorise its training patients."]
+    lines += [
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| method | {card['method']} |",
+        f"| ε spent / budget | {_fmt(card['epsilon'])} / {_fmt(card['epsilon_budget'])} |",
+        f"| δ | {_fmt(card['delta'])} |",
+        f"| neighbouring relation | {card['relation'] or 'n/a'} |",
+        f"| accountant | {card['accountant'] or 'n/a'} |",
+        f"| teachers | {_fmt(card['teachers'])} |",
+        f"| hospitals | {_fmt(card['hospitals'])} |",
+        f"| public queries | {_fmt(card.get('queries'))} |",
+        f"| data source | {json.dumps(card['data_source'], sort_keys=True)} |",
+        f"| ledger digest (sha256) | `{card['ledger_digest']}` |",
+        f"| weights digest (sha256) | `{bundle['weights_sha256']}` |",
+        "",
+        "## Use",
+        "",
+        f"Input: 4-channel MRI (MSD order {', '.join(bundle['modalities'].values())}), skull-stripped. "
+        f"Preprocessing (applied by `fedpate predict`): {json.dumps(pre, sort_keys=True)}.",
+        f"Output labels: {', '.join(f'{k} {v}' for k, v in bundle['labels'].items())}.",
+        f"Network: {json.dumps(network, sort_keys=True)}.",
+        "",
+        "```bash",
+        "fedpate predict --model RUN_DIR --image SCAN.nii.gz --out PREDICTIONS/",
+        "```",
+        "",
+        "Research use only; not a medical device.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
