@@ -1,0 +1,94 @@
+"""Budget guard: refuse a release that would take any owner past its budget, before data is touched.
+
+Mechanism flow (docs/ARCHITECTURE.md): ``guard.charge(owners, event, release_id)`` → add noise → release.
+``check`` computes, for every owner, ε of (ledger events + the new event) with the accountant the ledger
+would pick, and raises :class:`BudgetExceeded` without writing anything if one would exceed its budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from privacy.accountants import epsilon_spent
+from privacy.errors import BudgetExceeded, PrivacyError
+from privacy.events import Event
+from privacy.ledger import Ledger
+
+
+def _format_delta(delta: float) -> str:
+    return f"{delta:.3g}"
+
+
+class BudgetGuard:
+    """Per-owner (ε, δ) budget over a :class:`Ledger`.
+
+    ``budget`` is one ε for every owner or a dict owner → ε (the key ``"*"`` is the default for owners not
+    listed; an owner with no budget at all is refused).
+    """
+
+    def __init__(self, ledger: Ledger, budget: float | Mapping[str, float], delta: float) -> None:
+        if not isinstance(ledger, Ledger):
+            raise PrivacyError(f"BudgetGuard needs a Ledger, got {type(ledger).__name__}")
+        self.ledger = ledger
+        if isinstance(budget, Mapping):
+            self.budget = {str(k): self._check_budget(v, str(k)) for k, v in budget.items()}
+        else:
+            self.budget = {"*": self._check_budget(budget, "*")}
+        delta = float(delta)
+        if not (0 < delta < 1):
+            raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
+        self.delta = delta
+
+    @staticmethod
+    def _check_budget(value, owner: str) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if math.isnan(number) or number <= 0:
+            raise PrivacyError(f"budget for owner {owner!r} must be a positive number, got {value!r}")
+        return number
+
+    def budget_of(self, owner: str) -> float:
+        if owner in self.budget:
+            return self.budget[owner]
+        if "*" in self.budget:
+            return self.budget["*"]
+        raise PrivacyError(f"no privacy budget for owner {owner!r} (budget dict has {sorted(self.budget)})")
+
+    def remaining(self, owner: str) -> float:
+        """Budget minus what the ledger says ``owner`` has spent (may be 0, never negative)."""
+        return max(0.0, self.budget_of(owner) - self.ledger.spent(owner, self.delta).epsilon)
+
+    def check(self, owners: Sequence[str], event: Event) -> None:
+        """Raise BudgetExceeded if adding ``event`` would take any owner past its budget; writes nothing."""
+        if isinstance(owners, str):
+            raise PrivacyError(f"owners must be a list of owner names, got the string {owners!r}")
+        if not isinstance(event, Event):
+            raise PrivacyError(f"check expects a privacy event, got {event!r}")
+        alone = None
+        for owner in owners:
+            budget = self.budget_of(owner)
+            after = self.ledger.spent(owner, self.delta, extra=[event])
+            if after.epsilon > budget:
+                before = self.ledger.spent(owner, self.delta)
+                if alone is None:
+                    alone = epsilon_spent([event], self.delta)[0]
+                raise BudgetExceeded(
+                    f"owner {owner!r} would spend ε={after.epsilon:.2f} > budget {budget:.2f} "
+                    f"(already spent {before.epsilon:.2f} over {before.releases} release(s), this release "
+                    f"ε={alone:.2f} alone; δ={_format_delta(self.delta)}, {after.relation}, "
+                    f"accountant {after.accountant}); nothing was recorded or released"
+                )
+
+    def charge(self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None) -> None:
+        """``check`` then ``ledger.record`` (durable before returning). Call before adding noise/releasing.
+
+        Re-charging an identical, already recorded ``release_id`` (a retry) is a no-op.
+        """
+        if self.ledger.has_release(release_id):
+            self.ledger.record(owners, event, release_id, note)  # validates it is identical; no write
+            return
+        self.check(owners, event)
+        self.ledger.record(owners, event, release_id, note)

@@ -1,0 +1,324 @@
+"""The privacy ledger: one append-only JSON-lines file of releases, viewed per data owner (SPEC §2).
+
+Each line is one release::
+
+    {"release_id": "...", "owners": ["hospital-1", ...], "event": {...}, "note": {...}, "time": 1.7e9}
+
+``record`` writes the line with a single ``write``, then ``flush`` and ``os.fsync`` *before it returns*;
+callers release the noisy result only afterwards. A process killed at any point therefore leaves either
+the complete line (the release may have happened — it is counted) or a truncated last line (``record``
+never returned, so nothing was released — it is dropped on load, and cut off before the next append).
+
+Repeats merge: the same ``release_id`` recorded twice (a retried round, a resumed run) counts once;
+different owners or event under one ``release_id`` is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from privacy.accountants import accountant_for, make_accountant
+from privacy.errors import PrivacyError
+from privacy.events import Event, event_from_dict
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What one owner has spent: (ε, δ) under ``accountant`` and ``relation`` over ``releases`` releases."""
+
+    epsilon: float
+    delta: float
+    accountant: str
+    relation: str | None
+    releases: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _content(record: dict) -> tuple:
+    """What must agree between two records with the same release_id (note and time are informational)."""
+    return (tuple(sorted(record["owners"])), _canonical(record["event"]))
+
+
+class Ledger:
+    """Per-owner privacy ledger; ``path=None`` keeps it in memory.
+
+    Opening an existing file loads it (same rules as :meth:`load`) and appends after it.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._records: list[dict] = []
+        self._by_id: dict[str, dict] = {}
+        self._events_cache: dict[str, list[Event]] = {}
+        self._accountant_cache: dict[tuple, tuple] = {}
+        if self.path is not None and self.path.exists():
+            records, valid_bytes = self._read(self.path)
+            for record in records:
+                self._merge(record, source=str(self.path))
+            self._truncate_partial_tail(valid_bytes)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Ledger":
+        """Load an existing ledger file (PrivacyError if it is missing or corrupt before its last line)."""
+        path = Path(path)
+        if not path.is_file():
+            raise PrivacyError(f"ledger file {path} does not exist")
+        return cls(path)
+
+    @staticmethod
+    def _read(path: Path) -> tuple[list[dict], int]:
+        """Parse records; returns them and the byte length of the valid prefix (complete lines)."""
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        records: list[dict] = []
+        offset = 0
+        valid_bytes = 0
+        for number, raw in enumerate(lines, start=1):
+            is_last = number == len(lines)
+            line_end = offset + len(raw) + (0 if is_last else 1)
+            if raw.strip():
+                try:
+                    record = Ledger._parse(raw)
+                except PrivacyError as exc:
+                    # Only the final, newline-less fragment can be a write cut short by a kill.
+                    if is_last:
+                        break
+                    raise PrivacyError(f"ledger {path}, line {number}: {exc}") from None
+                records.append(record)
+            valid_bytes = line_end
+            offset = line_end
+        return records, valid_bytes
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PrivacyError(f"not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+        return Ledger._validate(record)
+
+    @staticmethod
+    def _validate(record: Any) -> dict:
+        if not isinstance(record, dict):
+            raise PrivacyError("a record must be a JSON object")
+        missing = {"release_id", "owners", "event"} - set(record)
+        if missing:
+            raise PrivacyError(f"record lacks {sorted(missing)}")
+        if not isinstance(record["release_id"], str) or not record["release_id"]:
+            raise PrivacyError("release_id must be a non-empty string")
+        owners = record["owners"]
+        if not isinstance(owners, list) or not owners or not all(isinstance(o, str) and o for o in owners):
+            raise PrivacyError("owners must be a non-empty list of non-empty strings")
+        if len(set(owners)) != len(owners):
+            raise PrivacyError(f"owners must be distinct, got {owners}")
+        event_from_dict(record["event"])  # validates
+        note = record.get("note") or {}
+        if not isinstance(note, dict):
+            raise PrivacyError("note must be a JSON object")
+        return {
+            "release_id": record["release_id"],
+            "owners": list(owners),
+            "event": record["event"],
+            "note": note,
+            "time": record.get("time"),
+        }
+
+    def _truncate_partial_tail(self, valid_bytes: int) -> None:
+        assert self.path is not None
+        size = self.path.stat().st_size
+        if size > valid_bytes:
+            # The fragment belongs to a record() that never returned (its release never happened). Cut it
+            # off so our next line does not glue onto it and become a corrupt middle line.
+            with open(self.path, "r+b") as handle:
+                handle.truncate(valid_bytes)
+                handle.flush()
+                os.fsync(handle.fileno())
+        if valid_bytes > 0:
+            with open(self.path, "rb") as handle:
+                handle.seek(valid_bytes - 1)
+                last = handle.read(1)
+            if last != b"\n":  # a complete last record without newline: terminate it
+                with open(self.path, "ab") as handle:
+                    handle.write(b"\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
+    def _merge(self, record: dict, source: str) -> bool:
+        """Add a validated record; False if it repeats an identical one. PrivacyError on a conflict."""
+        existing = self._by_id.get(record["release_id"])
+        if existing is not None:
+            if _content(existing) != _content(record):
+                raise PrivacyError(
+                    f"{source}: release_id {record['release_id']!r} recorded twice with different owners or event"
+                )
+            return False
+        self._records.append(record)
+        self._by_id[record["release_id"]] = record
+        event = None
+        for owner in record["owners"]:
+            if owner in self._events_cache:  # keep computed per-owner views current (append-only)
+                event = event or event_from_dict(record["event"])
+                self._events_cache[owner].append(event)
+        return True
+
+    # ------------------------------------------------------------------ writing
+
+    def record(
+        self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None
+    ) -> None:
+        """Append one release charged to every owner in ``owners``; durable (fsync) before returning."""
+        if not isinstance(event, Event):
+            raise PrivacyError(f"record expects a privacy event, got {event!r}")
+        if isinstance(owners, str):
+            raise PrivacyError(f"owners must be a list of owner names, got the string {owners!r}")
+        candidate = {
+            "release_id": release_id,
+            "owners": list(owners),
+            "event": event.to_dict(),
+            "note": dict(note or {}),
+            "time": time.time(),
+        }
+        record = self._validate(candidate)
+        try:
+            line = _canonical(record) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise PrivacyError(f"release {release_id!r}: note must be JSON-serialisable ({exc})") from None
+        existing = self._by_id.get(release_id)
+        if existing is not None:
+            if _content(existing) != _content(record):
+                raise PrivacyError(
+                    f"release_id {release_id!r} already recorded with different owners or event"
+                )
+            return  # a repeat: already durable, counts once
+        if self.path is not None:
+            self._append(line.encode("utf-8"))
+        self._merge(record, source=str(self.path or "<memory>"))
+
+    def _append(self, payload: bytes) -> None:
+        assert self.path is not None
+        created = not self.path.exists()
+        if created:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND + one write per record: a record is never interleaved with another line.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(payload)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:  # make the new directory entry durable too
+            try:
+                dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            except OSError:
+                return
+            try:
+                os.fsync(dir_fd)
+            except OSError:
+                pass
+            finally:
+                os.close(dir_fd)
+
+    # ------------------------------------------------------------------ views
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[dict]:
+        """The merged records, in the order first recorded (copies)."""
+        return json.loads(_canonical(self._records))
+
+    def has_release(self, release_id: str) -> bool:
+        return release_id in self._by_id
+
+    def owners(self) -> list[str]:
+        return sorted({owner for record in self._records for owner in record["owners"]})
+
+    def events(self, owner: str, relation: str | None = None) -> list[Event]:
+        """Events charged to ``owner`` (optionally only those under ``relation``), in recording order."""
+        if owner not in self._events_cache:
+            self._events_cache[owner] = [
+                event_from_dict(record["event"]) for record in self._records if owner in record["owners"]
+            ]
+        events = list(self._events_cache[owner])
+        if relation is not None:
+            events = [event for event in events if event.relation == relation]
+        return events
+
+    def relations(self, owner: str) -> list[str]:
+        return sorted({event.relation for event in self.events(owner)})
+
+    def spent(
+        self,
+        owner: str,
+        delta: float,
+        relation: str | None = None,
+        accountant: str | None = None,
+        extra: Sequence[Event] = (),
+    ) -> Spent:
+        """ε spent by ``owner`` at ``delta`` (accountant from ``accountant_for`` unless named).
+
+        Refuses (PrivacyError) to add up events under different neighbouring relations unless a
+        ``relation`` filter is given. ``extra`` adds hypothetical events (used by the budget guard).
+        """
+        events = self.events(owner, relation) + list(extra)
+        relations = sorted({event.relation for event in events})
+        if len(relations) > 1:
+            raise PrivacyError(
+                f"owner {owner!r} has events under different neighbouring relations {relations}; "
+                "pass relation= to account one of them (they must not be added up)"
+            )
+        name = accountant_for(events).name if accountant is None else accountant
+        acc = self._accountant(owner, relation, name, len(events) - len(extra))
+        if extra:
+            # Hypothetical events go on a copy: the cached state must keep matching the ledger.
+            acc = copy.deepcopy(acc)
+            for event in extra:
+                acc.compose(event)
+        epsilon = acc.get_epsilon(delta) if events else 0.0
+        releases = len(events) - len(extra)
+        return Spent(
+            epsilon=float(epsilon),
+            delta=float(delta),
+            accountant=acc.name,
+            relation=relations[0] if relations else relation,
+            releases=releases,
+        )
+
+    def _accountant(self, owner: str, relation: str | None, name: str, upto: int):
+        """Accountant over the owner's first ``upto`` events, composed incrementally and cached.
+
+        The ledger is append-only, so a cached accountant over a prefix only needs the new events; this
+        keeps per-epoch/per-query charging linear instead of quadratic (PLD compositions are costly).
+        """
+        key = (owner, relation, name)
+        cached = self._accountant_cache.get(key)
+        if cached is None or cached[1] > upto:
+            cached = (make_accountant(name), 0)
+        acc, done = cached
+        for event in self.events(owner, relation)[done:upto]:
+            acc.compose(event)
+        self._accountant_cache[key] = (acc, upto)
+        return acc
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the merged records (stable across reloads)."""
+        return hashlib.sha256(_canonical(self._records).encode("utf-8")).hexdigest()
