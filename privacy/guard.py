@@ -75,9 +75,10 @@ class BudgetGuard:
                 before = self.ledger.spent(owner, self.delta)
                 if alone is None:
                     alone = epsilon_spent([event], self.delta)[0]
+                digits = 2 if f"{after.epsilon:.2f}" != f"{budget:.2f}" else 6
                 raise BudgetExceeded(
-                    f"owner {owner!r} would spend ε={after.epsilon:.2f} > budget {budget:.2f} "
-                    f"(already spent {before.epsilon:.2f} over {before.releases} release(s), this release "
+                    f"owner {owner!r} would spend ε={after.epsilon:.{digits}f} > budget {budget:.{digits}f} "
+                    f"(already spent {before.epsilon:.{digits}f} over {before.releases} release(s), this release "
                     f"ε={alone:.2f} alone; δ={_format_delta(self.delta)}, {after.relation}, "
                     f"accountant {after.accountant}); nothing was recorded or released"
                 )

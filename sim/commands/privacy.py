@@ -1,0 +1,123 @@
+"""``fedpate privacy calibrate|spent`` — the privacy calculator (SPEC §5, §10; issue 2).
+
+``calibrate`` prints, for N PATE queries with K teachers and a compressor's replace-one sensitivity, the
+per-query σ of the exact GDP calibration and of Fay et al. eq. (15), their ratio, and ε of the exact σ
+under RDP (improved conversion) and PLD for comparison. ``spent`` prints ε per owner from a ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+COMPRESSORS = ("ae", "pca", "clip", "naive")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("privacy", help="privacy calculator: calibrate noise, read a ledger")
+    sub = parser.add_subparsers(dest="privacy_command", metavar="ACTION")
+    sub.required = True
+
+    cal = sub.add_parser("calibrate", help="sigma per PATE query for a target (epsilon, delta)")
+    cal.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (default 8)")
+    cal.add_argument("--delta", type=float, default=1e-3, help="target delta (default 1e-3)")
+    cal.add_argument("--queries", type=int, default=80, help="number of student queries N (default 80)")
+    cal.add_argument("--teachers", type=int, default=8, help="total number of teachers K (default 8)")
+    cal.add_argument("--compressor", choices=COMPRESSORS, default="ae",
+                     help="ae: unit ball 2/K; pca: sqrt(d)/K (needs --dim); clip: 2C/K (needs --clip); "
+                          "naive: one-hot votes sqrt(2*voxels)/K (needs --voxels)")
+    cal.add_argument("--dim", type=int, default=None, help="d = classes x voxels (pca)")
+    cal.add_argument("--clip", type=float, default=None, help="clip norm C (clip)")
+    cal.add_argument("--voxels", type=int, default=None, help="voxels per query volume (naive)")
+    cal.add_argument("--no-pld", action="store_true", help="skip the (slower) PLD cross-check")
+    cal.add_argument("--json", action="store_true", help="machine-readable output")
+    cal.set_defaults(func=run_calibrate)
+
+    spent = sub.add_parser("spent", help="epsilon spent per data owner, from a ledger.jsonl")
+    spent.add_argument("ledger", help="path to ledger.jsonl")
+    spent.add_argument("--delta", type=float, default=1e-3, help="delta at which to report epsilon (default 1e-3)")
+    spent.add_argument("--relation", choices=("replace-one", "add-remove"), default=None,
+                       help="account only events under this neighbouring relation")
+    spent.add_argument("--json", action="store_true", help="machine-readable output")
+    spent.set_defaults(func=run_spent)
+
+
+def _sensitivity(args) -> tuple[float, str]:
+    from privacy import sensitivity
+    from privacy.errors import PrivacyError
+
+    if args.compressor == "ae":
+        return sensitivity.unit_ball_bound(args.teachers), "unit ball 2/K (Fay et al. Alg. 2)"
+    if args.compressor == "pca":
+        if args.dim is None:
+            raise PrivacyError("--compressor pca needs --dim D (classes x voxels)")
+        return sensitivity.pca_paper_bound(args.dim, args.teachers), "PCA sqrt(d)/K (Fay et al. Alg. 1)"
+    if args.compressor == "clip":
+        if args.clip is None:
+            raise PrivacyError("--compressor clip needs --clip C")
+        return sensitivity.clipped_bound(args.clip, args.teachers), "clipped 2C/K"
+    if args.voxels is None:
+        raise PrivacyError("--compressor naive needs --voxels V")
+    return sensitivity.onehot_vote_bound(args.voxels, args.teachers), "one-hot votes sqrt(2V)/K"
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from privacy.accountants import make_accountant
+    from privacy.calibration import paper_sigma, pate_sigma
+    from privacy.errors import PrivacyError
+    from privacy.events import GaussianEvent
+
+    if args.queries is None or args.queries < 1:
+        raise PrivacyError(f"--queries must be a positive integer, got {args.queries}")
+    if args.teachers is None or args.teachers < 1:
+        raise PrivacyError(f"--teachers must be a positive integer, got {args.teachers}")
+    sens, bound = _sensitivity(args)
+    exact = pate_sigma(args.epsilon, args.delta, args.queries, sens, mode="exact")
+    paper = paper_sigma(args.epsilon, args.delta, args.queries, sens)
+    event = GaussianEvent(sens, exact, args.queries)
+    rdp = make_accountant("rdp").compose(event).get_epsilon(args.delta)
+    pld = None if args.no_pld else make_accountant("pld").compose(event).get_epsilon(args.delta)
+    exact_eps = make_accountant("gdp-exact").compose(event).get_epsilon(args.delta)
+    result = {
+        "epsilon": args.epsilon, "delta": args.delta, "queries": args.queries, "teachers": args.teachers,
+        "compressor": args.compressor, "sensitivity": sens, "sensitivity_bound": bound,
+        "relation": "replace-one", "sigma_exact": exact, "sigma_paper": paper, "ratio_paper_over_exact": paper / exact,
+        "mu": math.sqrt(args.queries) * sens / exact, "epsilon_exact_sigma_gdp": exact_eps,
+        "epsilon_exact_sigma_rdp": rdp, "epsilon_exact_sigma_pld": pld,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"PATE aggregation: N={args.queries} queries, K={args.teachers} teachers, "
+          f"target (epsilon={args.epsilon:g}, delta={args.delta:g}), replace-one (one patient)")
+    print(f"sensitivity      {sens:.6g}  ({bound}; replace-one)")
+    print(f"sigma exact      {exact:.4f}  (exact GDP composition, mu={result['mu']:.4f}; epsilon={exact_eps:.4f})")
+    print(f"sigma paper      {paper:.4f}  (Fay et al. eq. 15)")
+    print(f"ratio            {paper / exact:.3f}  (paper / exact)")
+    line = f"epsilon of exact sigma under RDP (improved conversion) {rdp:.4f}"
+    if pld is not None:
+        line += f"; under PLD {pld:.4f}"
+    print(line)
+    return 0
+
+
+def run_spent(args: argparse.Namespace) -> int:
+    from privacy.ledger import Ledger
+
+    ledger = Ledger.load(args.ledger)
+    rows = []
+    for owner in ledger.owners():
+        spent = ledger.spent(owner, args.delta, relation=args.relation)
+        rows.append({"owner": owner, **spent.to_dict()})
+    if args.json:
+        print(json.dumps({"ledger": str(args.ledger), "digest": ledger.digest(), "owners": rows}, indent=2))
+        return 0
+    if not rows:
+        print(f"{args.ledger}: no releases recorded")
+        return 0
+    width = max(len(row["owner"]) for row in rows)
+    for row in rows:
+        print(f"{row['owner']:<{width}}  epsilon={row['epsilon']:.4f}  delta={row['delta']:g}  "
+              f"relation={row['relation']}  accountant={row['accountant']}  releases={row['releases']}")
+    return 0
