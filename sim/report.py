@@ -1,0 +1,288 @@
+"""The comparison report: one row per method x epsilon (x K), a CSV of all cells, plots.
+
+Every number comes from the cells' ``results.json`` (whose epsilon is the ledger's); the report
+re-checks each cell's epsilon against its ``ledger.jsonl`` and flags any disagreement in the table,
+so a report can never show an epsilon its ledger does not support.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from sim.io import atomic_write_bytes, atomic_write_text
+
+DICE_COLUMNS = ("1", "2", "3", "mean", "WT", "TC", "ET")
+CSV_COLUMNS = ("cell", "method", "epsilon_budget", "epsilon", "delta", "relation", "accountant", "sigma",
+               "teachers", "hospitals", "queries", "bytes_up_per_query_per_teacher", "wall_seconds",
+               "teacher_dice_mean", "ensemble_dice_mean", "accuracy", "ledger_check") + tuple(
+                   f"dice_{c}" for c in DICE_COLUMNS)
+
+
+def load_cells(root: str | Path) -> list[dict]:
+    """Every ``results.json`` below ``root`` (one per cell), with its folder and a ledger check."""
+    cells = []
+    for path in sorted(Path(root).rglob("results.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a cell being written by a live run; atomic writes make this rare
+        result["_cell"] = str(path.parent.relative_to(root))
+        result["_ledger_check"] = ledger_check(path.parent, result)
+        cells.append(result)
+    return cells
+
+
+def ledger_check(cell_dir: Path, result: Mapping[str, Any]) -> str:
+    """'ok' when the cell's epsilon equals its ledger's worst owner (or both are absent), else why not."""
+    from privacy.ledger import Ledger
+
+    ledger_path = cell_dir / "ledger.jsonl"
+    epsilon = result.get("epsilon")
+    if not ledger_path.exists():
+        return "ok" if epsilon is None else "ledger missing"
+    ledger = Ledger.load(ledger_path)
+    if len(ledger) == 0:
+        return "ok" if not epsilon else "ledger empty"
+    if epsilon is None:
+        return "epsilon missing"
+    relation = result.get("relation")
+    worst = max(ledger.spent(owner, result["delta"], relation=relation).epsilon for owner in ledger.owners())
+    return "ok" if math.isclose(worst, float(epsilon), rel_tol=1e-6, abs_tol=1e-9) else f"ledger says {worst:.4g}"
+
+
+def cells_to_csv(cells: Sequence[Mapping[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for cell in cells:
+        row = {key: cell.get(key) for key in CSV_COLUMNS}
+        row["cell"] = cell["_cell"]
+        row["ledger_check"] = cell["_ledger_check"]
+        dice = cell.get("dice") or {}
+        for c in DICE_COLUMNS:
+            row[f"dice_{c}"] = dice.get(c)
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "—"
+        return f"{value:.{digits}f}" if abs(value) < 1000 else f"{value:.3g}"
+    return str(value)
+
+
+def _sort_key(cell: Mapping[str, Any]):
+    return (str(cell.get("method")), float(cell.get("epsilon_budget") or math.inf), int(cell.get("teachers") or 0))
+
+
+def markdown_table(cells: Sequence[Mapping[str, Any]], accuracy: bool = False) -> str:
+    if accuracy:
+        header = ["method", "ε budget", "ε spent", "δ", "relation", "accountant", "accuracy", "wall s", "ledger"]
+    else:
+        header = ["method", "ε budget", "ε spent", "δ", "relation", "accountant", "σ", "K", "H", "N",
+                  "Dice 1", "Dice 2", "Dice 3", "mean", "WT", "TC", "ET", "teacher mean", "ensemble",
+                  "bytes up", "wall s", "ledger"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in sorted(cells, key=_sort_key):
+        common = [cell.get("method"), _fmt(cell.get("epsilon_budget"), 2), _fmt(cell.get("epsilon"), 3),
+                  _fmt(cell.get("delta"), 6) if cell.get("delta") is not None else "—",
+                  cell.get("relation") or "—", cell.get("accountant") or "—"]
+        if accuracy:
+            row = common + [_fmt(cell.get("accuracy")), _fmt(cell.get("wall_seconds"), 0), cell["_ledger_check"]]
+        else:
+            dice = cell.get("dice") or {}
+            row = common + [_fmt(cell.get("sigma"), 4), _fmt(cell.get("teachers")), _fmt(cell.get("hospitals")),
+                            _fmt(cell.get("queries"))] + [_fmt(dice.get(c)) for c in DICE_COLUMNS] + [
+                _fmt(cell.get("teacher_dice_mean")), _fmt(cell.get("ensemble_dice_mean")),
+                _fmt(cell.get("bytes_up_per_query_per_teacher")), _fmt(cell.get("wall_seconds"), 0),
+                cell["_ledger_check"]]
+        lines.append("| " + " | ".join(str(x) for x in row) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Plain statements of where PATE beats DP-SGD and public-only at each epsilon, and where not."""
+    def mean_dice(cell):
+        return (cell.get("dice") or {}).get("mean")
+
+    by_eps: dict[float, dict[str, list]] = {}
+    for cell in cells:
+        if cell.get("epsilon_budget") is None or mean_dice(cell) is None:
+            continue
+        by_eps.setdefault(float(cell["epsilon_budget"]), {}).setdefault(cell["method"], []).append(cell)
+    baselines = [c for c in cells if c.get("method") in ("public-only", "nonprivate-central") and mean_dice(c) is not None]
+    public_only = max((mean_dice(c) for c in baselines if c["method"] == "public-only"), default=None)
+    nonprivate = max((mean_dice(c) for c in baselines if c["method"] == "nonprivate-central"), default=None)
+    lines = []
+    for eps in sorted(by_eps):
+        methods = by_eps[eps]
+        best = {m: max(methods[m], key=mean_dice) for m in methods}
+        pate = {m: c for m, c in best.items() if m.startswith("pate")}
+        dpsgd = {m: c for m, c in best.items() if m in ("dp-sgd-central", "dp-fedavg")}
+        if not pate:
+            continue
+        top_pate_method, top_pate = max(pate.items(), key=lambda kv: mean_dice(kv[1]))
+        parts = [f"ε = {eps:g}: best PATE is {top_pate_method} (K = {top_pate.get('teachers')}) with mean Dice "
+                 f"{mean_dice(top_pate):.3f}"]
+        for name, cell in sorted(dpsgd.items()):
+            word = "beats" if mean_dice(top_pate) > mean_dice(cell) else "does not beat"
+            parts.append(f"it {word} {name} ({mean_dice(cell):.3f})")
+        if public_only is not None:
+            word = "beats" if mean_dice(top_pate) > public_only else "does NOT beat"
+            parts.append(f"it {word} public-only ({public_only:.3f})")
+        ceiling = top_pate.get("ensemble_dice_mean")
+        if ceiling is not None:
+            parts.append(f"noise-free ensemble ceiling {ceiling:.3f}")
+        lines.append("; ".join(parts) + ".")
+    if nonprivate is not None:
+        lines.append(f"Non-private centralised training reaches {nonprivate:.3f} (no privacy).")
+    return lines
+
+
+def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | None = None,
+                 accuracy: bool = False, overlays: Iterable[Path] = ()) -> Path:
+    """Write cells.csv, report.md and plots into ``root``; returns the report path."""
+    root = Path(root)
+    cells = load_cells(root)
+    atomic_write_text(root / "cells.csv", cells_to_csv(cells))
+    plots = plot_metric_vs_epsilon(cells, root / "plot_vs_epsilon.png", accuracy=accuracy)
+    k_plot = None if accuracy else plot_dice_vs_teachers(cells, root / "plot_dice_vs_teachers.png")
+    lines = [f"# {title}", ""]
+    if settings:
+        lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
+    lines += [
+        "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). "
+        "PATE methods: replace-one relation, one patient at one hospital; DP-SGD / DP-FedAvg: add/remove one "
+        "patient with Poisson sampling. The noise-free teacher ensemble is a ceiling, not a private result.",
+        "",
+        markdown_table(cells, accuracy=accuracy),
+        "",
+    ]
+    if not accuracy:
+        found = verdicts(cells)
+        if found:
+            lines += ["## Where PATE helps, and where it does not", ""] + [f"- {v}" for v in found] + [""]
+    for plot in (plots, k_plot, *overlays):
+        if plot is not None and Path(plot).exists():
+            lines += [f"![{Path(plot).stem}]({Path(plot).relative_to(root)})", ""]
+    report = root / "report.md"
+    atomic_write_text(report, "\n".join(lines))
+    return report
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def plot_metric_vs_epsilon(cells, path: Path, accuracy: bool = False) -> Path | None:
+    key = "accuracy" if accuracy else "dice"
+    series: dict[str, list[tuple[float, float]]] = {}
+    flat: dict[str, float] = {}
+    for cell in cells:
+        value = cell.get("accuracy") if accuracy else (cell.get("dice") or {}).get("mean")
+        if value is None:
+            continue
+        if cell.get("epsilon_budget") is None:
+            flat[cell["method"]] = max(value, flat.get(cell["method"], -1))
+        else:
+            series.setdefault(cell["method"], []).append((float(cell["epsilon_budget"]), value))
+    if not series and not flat:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method, points in sorted(series.items()):
+        best: dict[float, float] = {}
+        for eps, value in points:  # with a K sweep, show each method's best K per epsilon
+            best[eps] = max(value, best.get(eps, -1))
+        xs = sorted(best)
+        ax.plot(xs, [best[x] for x in xs], marker="o", label=method)
+    for i, (method, value) in enumerate(sorted(flat.items())):
+        ax.axhline(value, linestyle="--", color=f"C{(len(series) + i) % 10}", label=f"{method} (no ε)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ε budget")
+    ax.set_ylabel("accuracy" if accuracy else "mean Dice (classes 1-3)")
+    ax.set_title(f"{key} against the privacy budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_dice_vs_teachers(cells, path: Path) -> Path | None:
+    series: dict[tuple[str, float], list[tuple[int, float]]] = {}
+    for cell in cells:
+        dice = (cell.get("dice") or {}).get("mean")
+        if not str(cell.get("method", "")).startswith("pate") or dice is None or not cell.get("teachers"):
+            continue
+        series.setdefault((cell["method"], float(cell["epsilon_budget"])), []).append((int(cell["teachers"]), dice))
+    if not any(len({k for k, _ in pts}) > 1 for pts in series.values()):
+        return None  # no K sweep in this comparison
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (method, eps), points in sorted(series.items()):
+        points.sort()
+        ax.plot([k for k, _ in points], [d for _, d in points], marker="o", label=f"{method}, ε={eps:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("teachers K")
+    ax.set_ylabel("student mean Dice")
+    ax.set_title("PATE: Dice against the number of teachers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_overlays(path: Path, images, truth, predictions: Mapping[str, Any], slices: int = 3) -> Path:
+    """Mid-tumour axial slices: FLAIR with ground truth and each prediction (e.g. student, ensemble).
+
+    ``images`` (n, 4, X, Y, Z), ``truth`` (n, X, Y, Z), ``predictions`` {name: (n, X, Y, Z)}.
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap([(0, 0, 0, 0), (0.2, 0.8, 0.2, 0.6), (0.9, 0.2, 0.2, 0.6), (1.0, 0.9, 0.1, 0.7)])
+    columns = ["ground truth", *predictions]
+    rows = min(slices, len(truth))
+    fig, axes = plt.subplots(rows, len(columns), figsize=(2.6 * len(columns), 2.6 * rows), squeeze=False)
+    for r in range(rows):
+        tumour = (truth[r] > 0).sum(axis=(0, 1))
+        z = int(np.argmax(tumour)) if tumour.any() else truth[r].shape[-1] // 2
+        flair = images[r, 0, :, :, z]
+        for c, name in enumerate(columns):
+            label = truth[r] if name == "ground truth" else predictions[name][r]
+            ax = axes[r][c]
+            ax.imshow(flair.T, cmap="gray", origin="lower")
+            ax.imshow(label[:, :, z].T, cmap=cmap, vmin=0, vmax=3, origin="lower", interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(name, fontsize=9)
+    fig.suptitle("green oedema · red non-enhancing core · yellow enhancing", fontsize=8)
+    path = _save(fig, path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,97 @@
+"""Run settings shared by the ServerApp (``[tool.flwr.app.config]``), ``fedpate simulate`` and ``compare``.
+
+Flower passes kebab-case keys (``teachers-per-hospital``); the CLI passes argparse names. Both become one
+validated :class:`RunSettings`, so a bad value gets the same one-line error whichever way it came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from sim.errors import UserError
+from sim.presets import PRESETS, Preset, get_preset
+
+PATE_METHODS = ("pate-ae", "pate-pca", "pate-naive")
+FEDERATED_METHODS = PATE_METHODS + ("dp-fedavg",)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    method: str = "pate-ae"
+    preset: str = "tiny"
+    epsilon: float | None = None
+    delta: float | None = None
+    seed: int = 0
+    out: str = "runs/flwr"
+    data: str | None = None
+    hospitals: int | None = None
+    teachers_per_hospital: int | None = None
+    wait_seconds: float = 120.0
+    reply_timeout: float = 600.0
+    world: str | None = None          # a prepared world folder (set by fedpate's runners)
+    progress: bool = True
+    calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in FEDERATED_METHODS:
+            raise UserError(f"method: {self.method!r} is not a federated method; expected one of {', '.join(FEDERATED_METHODS)}")
+        if self.preset not in PRESETS:
+            raise UserError(f"preset: unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise UserError(f"epsilon: expected a positive number, got {self.epsilon}")
+        if self.delta is not None and not (0 < self.delta < 1):
+            raise UserError(f"delta: expected a number in (0, 1), got {self.delta}")
+        for name in ("hospitals", "teachers_per_hospital"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{name.replace('_', '-')}: expected a positive integer, got {value}")
+        if self.calibration not in ("exact", "paper"):
+            raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
+
+    @property
+    def resolved_preset(self) -> Preset:
+        return get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=self.teachers_per_hospital)
+
+    @property
+    def budget(self) -> float:
+        return self.epsilon if self.epsilon is not None else self.resolved_preset.epsilon
+
+    @property
+    def resolved_delta(self) -> float:
+        return self.delta if self.delta is not None else self.resolved_preset.delta
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":
+        """From Flower's run_config (kebab-case keys; 0 / "" mean "the preset's value")."""
+        def get(key, default=None):
+            value = run_config.get(key, default)
+            return default if value in ("", None) else value
+
+        hospitals = int(get("hospitals", 0)) or None
+        teachers = int(get("teachers-per-hospital", 0)) or None
+        values = dict(
+            method=str(get("method", "pate-ae")), preset=str(get("preset", "tiny")),
+            epsilon=float(get("epsilon", 8.0)), delta=float(get("delta", 1e-3)), seed=int(get("seed", 0)),
+            out=str(get("out", "runs/flwr")), data=get("data"), hospitals=hospitals,
+            teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
+            reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
+            calibration=str(get("calibration", "exact")),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The kebab-case run_config ``flwr run -c`` accepts (keys exist in pyproject.toml)."""
+        return {
+            "method": self.method, "preset": self.preset, "epsilon": self.budget, "delta": self.resolved_delta,
+            "seed": self.seed, "out": self.out, "data": self.data or "", "hospitals": self.hospitals or 0,
+            "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
+            "reply-timeout": self.reply_timeout,
+        }
+
+    def replace(self, **changes) -> "RunSettings":
+        return dataclasses.replace(self, **changes)
