@@ -1,0 +1,86 @@
+"""Run a Flower app in Flower's simulation RUNTIME (``flwr run`` against a ``--simulation`` SuperLink).
+
+Unlike ``flwr.simulation.run_simulation`` (in-process), this is exactly what a user gets with
+``flwr run . <connection>``: the app is bundled into a FAB, a SuperLink started with ``--simulation``
+runs the ServerApp and K virtual SuperNodes (Ray backend) in a ``flwr-simulation`` process.
+
+We start our own SuperLink on a free 127.0.0.1 port (insecure HTTP is acceptable on loopback) instead of
+the default ``:local:`` connection, which leaves a detached SuperLink running after ``flwr run`` returns,
+and we stop it -- with its SuperExec, the simulation process and the Ray daemons -- by PID.
+
+Federation settings (number of SuperNodes, client resources) travel with the run as
+``flwr run ... --federation-config "num-supernodes=K client-resources-num-cpus=1 ..."``, the 1.41
+per-run equivalent of ``flwr federation simulation-config --num-supernodes K``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from sim.errors import UserError
+from sim.runners.deploy import (
+    RunStatus, config_string, flower_tool, flwr_run, write_flower_config,
+)
+from sim.runners.processes import Supervisor, free_ports, wait_for_http_health
+
+CONNECTION = "fedpate-sim"
+LOOPBACK = "127.0.0.1"
+
+
+def simulation_federation_config(num_supernodes: int, num_cpus: int = 1, num_gpus: float = 0.0,
+                                 init_num_cpus: int | None = None) -> dict[str, Any]:
+    if num_supernodes < 1:
+        raise UserError(f"num_supernodes: expected >= 1, got {num_supernodes}")
+    if num_cpus < 1:
+        raise UserError(f"num_cpus: expected >= 1 CPU per ClientApp, got {num_cpus}")
+    config: dict[str, Any] = {"num-supernodes": int(num_supernodes),
+                              "client-resources-num-cpus": int(num_cpus),
+                              "client-resources-num-gpus": float(num_gpus)}
+    if init_num_cpus:
+        config["init-args-num-cpus"] = int(init_num_cpus)
+    return config
+
+
+def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | None, num_supernodes: int,
+                           work_dir: str | Path, timeout: float = 1800.0, num_cpus: int = 1,
+                           num_gpus: float = 0.0, init_num_cpus: int | None = None,
+                           startup_timeout: float = 180.0, env: Mapping[str, str] | None = None,
+                           verbose: bool = False) -> RunStatus:
+    """Start a simulation SuperLink, ``flwr run`` the app with ``num_supernodes`` virtual SuperNodes, stop.
+
+    ``run_config`` overrides keys of the app's ``[tool.flwr.app.config]`` (only existing keys).
+    Returns the :class:`~sim.runners.deploy.RunStatus` (``ok`` only for ``finished:completed``); every
+    process started here is gone when it returns, whatever happened.
+    """
+    app = Path(app_dir).resolve()
+    if not (app / "pyproject.toml").exists():
+        raise UserError(f"{app}: expected a Flower app folder with pyproject.toml")
+    work = Path(work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    federation = simulation_federation_config(num_supernodes, num_cpus, num_gpus, init_num_cpus)
+    flwr_home = work / "flwr-home"
+    environment = {"FLWR_HOME": str(flwr_home), **(env or {})}
+    port = free_ports(1)[0]
+    write_flower_config(flwr_home, CONNECTION, f"{LOOPBACK}:{port}", None)
+    with Supervisor(work) as sup:
+        t0 = time.monotonic()
+        link = sup.start("superlink-sim",
+                         [flower_tool("flower-superlink"), "--insecure", "--simulation",
+                          "--host", LOOPBACK, "--port", str(port),
+                          "--database", str(work / "superlink-sim.db"),
+                          "--disable-runtime-dependency-installation"],
+                         env=environment)
+        wait_for_http_health(f"http://{LOOPBACK}:{port}/health", startup_timeout, proc=link)
+        if verbose:
+            print(f"[runtime-sim] SuperLink (simulation) up on {LOOPBACK}:{port} in "
+                  f"{time.monotonic() - t0:.1f} s (pid {link.pid})", flush=True)
+        status = flwr_run(sup, environment, app, CONNECTION, run_config or {}, timeout,
+                          extra_args=["--federation-config", config_string(federation)])
+        sup.snapshot()
+        if verbose:
+            print(f"[runtime-sim] run {status.run_id}: {status.status} in {status.seconds:.1f} s", flush=True)
+    status.details["leftover-pids"] = sup.alive_pids()
+    status.details["supervised-pids"] = sorted(sup.all_pids)
+    return status
