@@ -136,13 +136,21 @@ class PCACompressor(Compressor):
         flat = maps.reshape(n, -1)
         self.mean = flat.mean(axis=0).astype(np.float32)
         centred = (flat - self.mean).astype(np.float32)
-        gram = (centred @ centred.T).astype(np.float64) / (n - 1)
-        values, vectors = np.linalg.eigh(gram)
-        order = np.argsort(values)[::-1]
-        values, vectors = values[order], vectors[:, order]
-        keep = values > max(values[0], 0.0) * 1e-10
-        values, vectors = values[keep], vectors[:, keep]
-        basis = (vectors.T @ centred.astype(np.float64)) / np.sqrt((n - 1) * values)[:, None]
+        if flat.shape[1] <= n:  # more maps than dimensions: the d x d covariance is the smaller problem
+            covariance = (centred.T.astype(np.float64) @ centred.astype(np.float64)) / (n - 1)
+            values, vectors = np.linalg.eigh(covariance)
+            order = np.argsort(values)[::-1]
+            values, basis = values[order], vectors[:, order].T
+            keep = values > max(values[0], 0.0) * 1e-10
+            values, basis = values[keep], basis[keep]
+        else:  # n << d (the usual case): eigen-decompose the n x n Gram matrix instead
+            gram = (centred @ centred.T).astype(np.float64) / (n - 1)
+            values, vectors = np.linalg.eigh(gram)
+            order = np.argsort(values)[::-1]
+            values, vectors = values[order], vectors[:, order]
+            keep = values > max(values[0], 0.0) * 1e-10
+            values, vectors = values[keep], vectors[:, keep]
+            basis = (vectors.T @ centred.astype(np.float64)) / np.sqrt((n - 1) * values)[:, None]
         # Re-orthonormalise (round-off in float32 centring) so ||A_l u|| <= ||u|| holds exactly.
         q, r = np.linalg.qr(basis.T)
         basis = (q * np.sign(np.diag(r))).T
@@ -347,7 +355,7 @@ class AutoencoderCompressor(Compressor):
                 optimiser.zero_grad()
                 loss.backward()
                 optimiser.step()
-                total += float(loss) * len(batch)
+                total += float(loss.detach()) * len(batch)
             self.history.append(total / len(maps))
         self.net.eval()
         if self.checkpoint is not None:
