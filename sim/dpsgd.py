@@ -1,0 +1,338 @@
+"""DP-SGD for the segmentation networks: Opacus per-sample clipping and noise, accounting via privacy/.
+
+What is private (SPEC section 2 and 6): one patient volume, add/remove-one adjacency. Every epoch is
+charged to the data owners' ledger through ``privacy.guard.BudgetGuard.charge`` *before* the epoch's
+batches are drawn, so a refused budget stops training before any data is touched. Every epsilon this
+module reports comes from ``ledger.spent(owner, delta)``.
+
+Mechanism (Abadi et al. 2016, as used by Fay et al. ``../shared/papers/004_*`` Sec. 5 "Baseline": "we
+clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
+
+* per-sample gradients from Opacus (``GradSampleModule``), clipped either per layer (``per_layer=True``:
+  every parameter tensor i to norm C_i = ``max_grad_norm``) or flat (the whole gradient to C);
+* Gaussian noise with std ``noise_multiplier * C_total`` on the sum of clipped gradients, where
+  ``C_total = sqrt(sum_i C_i^2)`` is the L2 sensitivity of the concatenated gradient (Opacus
+  ``DPPerLayerOptimizer`` convention; with flat clipping ``C_total = C``); the sum is then divided by
+  the *expected* batch size (``loss_reduction="mean"``), so the noise std on the applied gradient is
+  ``noise_multiplier * C_total / expected_batch_size`` (checked by ``tests/test_dpsgd_noise.py``).
+
+Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers/003_*``, Sec. 4):
+
+* ``sampling="poisson"``: each record joins each step's batch independently with probability q; an epoch
+  of T steps is ``SampledGaussianEvent(q, sigma, steps=T)`` (PLD by default, RDP also reported). An
+  *empty* Poisson batch still takes a noise-only step (clipped sum = 0, plus noise): that is what the
+  sampled-Gaussian analysis assumes, and skipping forward/backward avoids the crash Opacus hits on
+  empty inputs (FIELD_NOTES).
+* ``sampling="shuffle"``: a random permutation cut into disjoint batches each epoch; each record is used
+  once per epoch, so an epoch is ``1/(2 sigma^2)``-zCDP (Yu et al., Theorem 3 + parallel composition)
+  and is charged only as ``ZCDPEvent.shuffled_epochs(sigma, 1)`` -- never as a Poisson event.
+
+Noise modes:
+
+* ``"target"``: sigma calibrated so the planned epochs spend exactly the target epsilon
+  (``privacy.calibration.dpsgd_noise_multiplier`` / ``shuffled_noise_multiplier``);
+* ``"fixed"``: the given sigma (default the paper's sqrt 6); training stops before the first epoch that
+  would exceed the budget;
+* ``"schedule"``: sigma_t from a Yu et al. dynamic schedule (``privacy.schedules``: time, exp, step, poly,
+  validation; Sec. 5 eq. 9-13), changed per epoch on the optimizer; training stops exactly when the
+  next epoch would exceed the budget. The validation-based schedule needs a *public* validation set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from sim.errors import UserError
+
+#: Default Opacus per-sample gradient engine. Chosen by ``benchmarks/bench_dpsgd.py`` (see the report in
+#: the module docstring of that file): functorch matched hooks to float precision and was faster.
+DEFAULT_GRAD_SAMPLE_MODE = "functorch"
+
+SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
+
+
+@dataclass
+class DPConfig:
+    """DP-SGD settings (docs/ARCHITECTURE.md, "sim training engine")."""
+
+    mode: str = "target"                 # "target" | "fixed" | "schedule"
+    epsilon: float = 8.0                 # budget per owner
+    delta: float = 1e-3
+    noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (default sqrt 6)
+    max_grad_norm: float = 4.0           # per parameter tensor when per_layer, else of the whole gradient
+    per_layer: bool = True
+    sampling: str = "poisson"            # "poisson" | "shuffle"
+    accountant: str = "pld"              # reporting accountant for Poisson events ("pld" | "rdp")
+    schedule: str | None = None          # family for mode="schedule"
+    schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
+    grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
+    release_prefix: str = "dpsgd"        # ledger release ids: f"{release_prefix}:epoch-{e}"
+
+    def validate(self) -> "DPConfig":
+        if self.mode not in ("target", "fixed", "schedule"):
+            raise UserError(f"--noise-mode: expected target, fixed or schedule, got {self.mode!r}")
+        if self.sampling not in ("poisson", "shuffle"):
+            raise UserError(f"--sampling: expected poisson or shuffle, got {self.sampling!r}")
+        if not (self.epsilon and self.epsilon > 0):
+            raise UserError(f"--epsilon: expected a positive number, got {self.epsilon!r}")
+        if not (0 < self.delta < 1):
+            raise UserError(f"--delta: expected 0 < delta < 1, got {self.delta!r}")
+        if self.max_grad_norm <= 0:
+            raise UserError(f"max_grad_norm: expected > 0, got {self.max_grad_norm!r}")
+        if self.noise_multiplier is not None and self.noise_multiplier <= 0:
+            raise UserError(f"noise_multiplier: expected > 0, got {self.noise_multiplier!r}")
+        if self.mode == "schedule" and self.schedule not in SCHEDULE_FAMILIES:
+            raise UserError(f"--schedule: expected one of {', '.join(SCHEDULE_FAMILIES)}, got {self.schedule!r}")
+        if self.grad_sample_mode not in ("hooks", "functorch"):
+            raise UserError(f"grad_sample_mode: expected hooks or functorch, got {self.grad_sample_mode!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------- batching
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Steps in one epoch; the Poisson rate is q = 1 / steps (Opacus' ``1 / len(data_loader)``)."""
+    return max(1, math.ceil(n / batch_size))
+
+
+def poisson_batches(n: int, sampling_rate: float, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """``steps`` Poisson-sampled batches: each index joins each batch with prob. q (may be empty)."""
+    for _ in range(steps):
+        mask = torch.rand(n, generator=generator) < sampling_rate
+        yield torch.nonzero(mask, as_tuple=False).flatten()
+
+
+def shuffled_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """One epoch of disjoint batches from a random permutation (Yu et al.'s "random reshuffling")."""
+    order = torch.randperm(n, generator=generator)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+# --------------------------------------------------------------------------------------------- the engine
+def _epoch_event(sampling: str, sampling_rate: float, sigma: float, steps: int):
+    from privacy.events import SampledGaussianEvent, ZCDPEvent
+
+    if sampling == "poisson":
+        return SampledGaussianEvent(sampling_rate, sigma, steps=steps)
+    return ZCDPEvent.shuffled_epochs(sigma, 1)
+
+
+class DPSession:
+    """Opacus-wrapped model and optimizer plus the epoch-by-epoch privacy bookkeeping.
+
+    ``begin_epoch(e)`` decides sigma for epoch e, charges the guard (or returns False when the budget
+    does not allow another epoch in fixed/schedule mode), and sets the optimizer's noise multiplier.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: int,
+                 epochs: int, dp: DPConfig, guard=None, owners: Sequence[str] = ("central",),
+                 seed: int = 0, has_validation: bool = False) -> None:
+        from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
+
+        self.dp = dp.validate()
+        if n <= 0:
+            raise UserError("DP-SGD: the private training set is empty")
+        errors = ModuleValidator.validate(model, strict=False)
+        if errors:
+            raise UserError(f"DP-SGD: the network is not Opacus-compatible: {errors[0]}")
+        self.owners = tuple(owners)
+        self.n = int(n)
+        self.batch_size = int(batch_size)
+        self.planned_epochs = int(epochs)
+        self.steps = steps_per_epoch(self.n, self.batch_size)
+        self.sampling_rate = 1.0 / self.steps
+        if guard is None:
+            from privacy.guard import BudgetGuard
+            from privacy.ledger import Ledger
+
+            guard = BudgetGuard(Ledger(None), dp.epsilon, dp.delta)
+        self.guard = guard
+        self.ledger = getattr(guard, "ledger", None) or getattr(guard, "_ledger")
+        self.noise_generator = torch.Generator().manual_seed(int(seed) * 7919 + 17)
+        self.sigmas: list[float] = []       # sigma of every charged epoch, in order
+        self.stopped_reason: str | None = None
+        self._schedule = None
+        self.base_sigma = self._initial_sigma(has_validation)
+
+        # Opacus wiring. The data loader only tells make_private the dataset size and batch size (it derives
+        # q = 1/len(loader) and the expected batch size from it); batches themselves come from
+        # poisson_batches / shuffled_batches with our own seeded generator, so resume is exact.
+        index_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(self.n)),
+                                                   batch_size=self.batch_size)
+        if dp.per_layer:
+            n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+            max_grad_norm: float | list[float] = [float(dp.max_grad_norm)] * n_tensors
+            clipping = "per_layer"
+        else:
+            max_grad_norm = float(dp.max_grad_norm)
+            clipping = "flat"
+        self.engine = PrivacyEngine(accountant="rdp")  # Opacus' own accountant is ignored: the ledger rules
+        self.model, self.optimizer, _ = self.engine.make_private(
+            module=model, optimizer=optimizer, data_loader=index_loader, noise_multiplier=self.base_sigma,
+            max_grad_norm=max_grad_norm, poisson_sampling=False, clipping=clipping,
+            noise_generator=self.noise_generator, grad_sample_mode=dp.grad_sample_mode,
+            loss_reduction="mean")
+        self.expected_batch_size = self.optimizer.expected_batch_size
+        #: L2 sensitivity of one sample's clipped gradient (sqrt(sum C_i^2) for per-layer clipping)
+        self.total_clip = float(self.optimizer.max_grad_norm)
+
+    # -- sigma planning --------------------------------------------------------------------------------
+    def _initial_sigma(self, has_validation: bool) -> float:
+        dp = self.dp
+        if dp.mode == "fixed":
+            return float(dp.noise_multiplier or 6 ** 0.5)
+        if dp.mode == "target":
+            from privacy import calibration
+
+            if dp.sampling == "poisson":
+                return float(calibration.dpsgd_noise_multiplier(
+                    dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
+                    accountant=dp.accountant))
+            return float(calibration.shuffled_noise_multiplier(dp.epsilon, dp.delta, self.planned_epochs))
+        # schedule
+        if dp.schedule == "validation" and not has_validation:
+            raise UserError("--schedule validation: needs a public validation set (none was given)")
+        sigma0 = float(dp.noise_multiplier or 6 ** 0.5)
+        self._schedule = make_schedule(dp.schedule, sigma0, target_epochs=self.planned_epochs,
+                                       epsilon=dp.epsilon, delta=dp.delta, sampling=dp.sampling,
+                                       sampling_rate=self.sampling_rate, steps_per_epoch=self.steps,
+                                       options=dp.schedule_options)
+        return float(self._schedule.sigma(0))
+
+    def sigma_for_epoch(self, epoch: int) -> float:
+        if self._schedule is not None:
+            return float(self._schedule.sigma(epoch))
+        return self.base_sigma
+
+    def observe_validation(self, score: float) -> None:
+        """Feed a public-validation score to the validation-based schedule (no-op otherwise)."""
+        if self._schedule is not None and hasattr(self._schedule, "observe"):
+            self._schedule.observe(float(score))
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def release_id(self, epoch: int) -> str:
+        return f"{self.dp.release_prefix}:epoch-{epoch}"
+
+    def begin_epoch(self, epoch: int) -> bool:
+        """Charge epoch ``epoch`` (0-based) before touching data. False = stop (budget spent)."""
+        from privacy.errors import BudgetExceeded
+
+        sigma = self.sigma_for_epoch(epoch)
+        event = _epoch_event(self.dp.sampling, self.sampling_rate, sigma, self.steps)
+        if self.dp.mode in ("fixed", "schedule"):
+            try:
+                self.guard.check(self.owners, event)
+            except BudgetExceeded:
+                self.stopped_reason = "budget spent: the next epoch would exceed it"
+                return False
+        # target mode: a refusal here is a real error (the plan was calibrated to fit) -> propagate
+        self.guard.charge(self.owners, event, release_id=self.release_id(epoch),
+                          note={"epoch": epoch, "sigma": sigma, "sampling": self.dp.sampling,
+                                "sampling_rate": self.sampling_rate, "steps": self.steps,
+                                "max_grad_norm": self.dp.max_grad_norm, "per_layer": self.dp.per_layer})
+        self.sigmas.append(sigma)
+        self.optimizer.noise_multiplier = sigma
+        return True
+
+    def spent(self, owner: str | None = None, with_rdp: bool = True) -> dict[str, Any]:
+        """epsilon from the ledger (the reporting accountant), plus RDP for comparison when it applies."""
+        owner = owner or self.owners[0]
+        spent = self.ledger.spent(owner, self.dp.delta)
+        out = {"epsilon": float(spent.epsilon), "delta": self.dp.delta, "accountant": spent.accountant,
+               "relation": spent.relation, "releases": spent.releases, "epsilon_rdp": None}
+        if with_rdp and self.dp.sampling == "poisson":
+            try:
+                from privacy.accountants import epsilon_spent
+
+                out["epsilon_rdp"] = float(epsilon_spent(self.ledger.events(owner), self.dp.delta,
+                                                         accountant="rdp")[0])
+            except Exception:  # RDP is informative only; never let it break a run
+                out["epsilon_rdp"] = None
+        return out
+
+    # -- steps -----------------------------------------------------------------------------------------
+    def batches(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        if self.dp.sampling == "poisson":
+            return poisson_batches(self.n, self.sampling_rate, self.steps, generator)
+        return shuffled_batches(self.n, self.batch_size, generator)
+
+    def noise_only_step(self) -> None:
+        """An empty Poisson batch: clipped sum 0, plus noise, then the optimizer step.
+
+        Forward/backward on an empty batch crashes Opacus and poisons the next step (FIELD_NOTES), so we
+        hand the optimizer empty per-sample gradients directly.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.optimizer.params:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoint ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = {"sigmas": list(self.sigmas), "noise_generator": self.noise_generator.get_state(),
+                 "stopped_reason": self.stopped_reason, "schedule": None}
+        if self._schedule is not None:
+            state["schedule"] = {k: v for k, v in vars(self._schedule).items()
+                                 if isinstance(v, (int, float, str, list, tuple, type(None)))}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sigmas = list(state["sigmas"])
+        self.noise_generator.set_state(state["noise_generator"])
+        self.stopped_reason = state.get("stopped_reason")
+        if self._schedule is not None and state.get("schedule"):
+            for key, value in state["schedule"].items():
+                setattr(self._schedule, key, value)
+        if self.sigmas:
+            self.optimizer.noise_multiplier = self.sigmas[-1]
+
+
+def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
+                  sampling: str, sampling_rate: float, steps_per_epoch: int, options: dict | None = None):
+    """Build a Yu et al. schedule whose decay parameter is planned so the budget lasts ``target_epochs``.
+
+    Delegates to ``privacy.schedules.plan_decay`` (Yu et al. Sec. 5); ``options`` overrides anything
+    (e.g. ``{"k": 0.05}`` skips planning, ``{"period": 5}`` for step/poly schedules).
+    """
+    from privacy import schedules
+
+    options = dict(options or {})
+    classes = {"time": "TimeBasedSchedule", "exp": "ExponentialSchedule", "step": "StepSchedule",
+               "poly": "PolynomialSchedule", "validation": "ValidationSchedule"}
+    cls = getattr(schedules, classes[family])
+    if "k" not in options:
+        options["k"] = _plan_decay(schedules, family, sigma0, target_epochs, epsilon, delta, sampling,
+                                   sampling_rate, steps_per_epoch, options)
+    return _construct(cls, sigma0=sigma0, **options)
+
+
+def _plan_decay(schedules, family, sigma0, target_epochs, epsilon, delta, sampling, sampling_rate,
+                steps_per_epoch, options):
+    import inspect
+
+    fn = schedules.plan_decay
+    params = inspect.signature(fn).parameters
+    kwargs = {"sampling_rate": sampling_rate, "steps_per_epoch": steps_per_epoch, "sampling": sampling}
+    kwargs.update({k: v for k, v in options.items() if k != "k"})
+    kwargs = {k: v for k, v in kwargs.items() if k in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())}
+    return fn(family, sigma0, target_epochs, epsilon, delta, **kwargs)
+
+
+def _construct(cls, **kwargs):
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    accepted = {k: v for k, v in kwargs.items() if k in params}
+    if "sigma0" not in params and "sigma_0" in params:
+        accepted["sigma_0"] = kwargs["sigma0"]
+    return cls(**accepted)

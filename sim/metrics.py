@@ -1,0 +1,125 @@
+"""Segmentation metrics: Dice per tumour class and per BraTS region, computed with MONAI.
+
+Classes follow MSD Task01 (0 background, 1 oedema, 2 non-enhancing tumour, 3 enhancing tumour).
+Regions (BraTS): WT = {1, 2, 3} (whole tumour), TC = {2, 3} (tumour core), ET = {3} (enhancing tumour).
+``"mean"`` is the mean over classes 1, 2, 3 of the per-class Dice -- the figure Fay et al.
+(``../shared/papers/004_*``, Sec. 5) report (0.561 for Autoencoded PATE at (8, 1e-3)).
+
+Empty-class convention (one rule for classes and regions):
+
+* Per case and per class, Dice = 2|P∩T| / (|P| + |T|) from ``monai.metrics.compute_dice`` on one-hot maps.
+* A case where **both** the prediction and the truth are empty for that class is *excluded* from that
+  class's average (it carries no information; scoring it 1 would reward predicting nothing on small
+  structures). This is MONAI's ``ignore_empty`` idea, restricted to the both-empty case.
+* A case where the truth is empty but the prediction is not scores **0** (false positives are punished;
+  MONAI's ``ignore_empty=True`` would drop it instead).
+* A class that is excluded in every case is reported as ``None`` (JSON ``null``), never NaN. ``"mean"``
+  averages the classes that are not ``None``, and is ``None`` only if all three are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+CLASSES = ("1", "2", "3")
+REGIONS = {"WT": (1, 2, 3), "TC": (2, 3), "ET": (3,)}
+DICE_KEYS = ("1", "2", "3", "mean", "WT", "TC", "ET")
+
+
+def _as_label_tensor(x: Any) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+    if t.is_floating_point():
+        raise ValueError("dice: expected integer label maps (n, *grid), got floating point; take argmax first")
+    return t.long()
+
+
+def _case_dice(binary_pred: torch.Tensor, binary_true: torch.Tensor) -> np.ndarray:
+    """Per-case, per-channel Dice (n, c) with both-empty entries set to NaN (see module docstring)."""
+    from monai.metrics import compute_dice
+
+    pred_f = binary_pred.float()
+    true_f = binary_true.float()
+    # ignore_empty=False: MONAI gives 1.0 when both are empty and 0.0 for a false positive on empty truth.
+    dice = compute_dice(pred_f, true_f, include_background=True, ignore_empty=False).double()
+    dims = tuple(range(2, binary_pred.ndim))
+    both_empty = (pred_f.sum(dim=dims) == 0) & (true_f.sum(dim=dims) == 0)
+    dice[both_empty] = float("nan")
+    return dice.cpu().numpy()
+
+
+def per_case_dice(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 3) class Dice for classes 1..3 and (n, 3) region Dice for WT, TC, ET; NaN = excluded."""
+    pred = _as_label_tensor(pred_labels)
+    true = _as_label_tensor(true_labels)
+    if pred.shape != true.shape:
+        raise ValueError(f"dice: prediction shape {tuple(pred.shape)} != truth shape {tuple(true.shape)}")
+    if pred.ndim < 2:
+        raise ValueError("dice: expected label maps shaped (n, *grid)")
+    pred_cls = torch.stack([pred == c for c in (1, 2, 3)], dim=1)
+    true_cls = torch.stack([true == c for c in (1, 2, 3)], dim=1)
+    pred_reg = torch.stack([torch.isin(pred, torch.tensor(r)) for r in REGIONS.values()], dim=1)
+    true_reg = torch.stack([torch.isin(true, torch.tensor(r)) for r in REGIONS.values()], dim=1)
+    return _case_dice(pred_cls, true_cls), _case_dice(pred_reg, true_reg)
+
+
+def _nanmean_or_none(column: np.ndarray) -> float | None:
+    valid = column[~np.isnan(column)]
+    return float(valid.mean()) if valid.size else None
+
+
+def summarise(class_dice: np.ndarray, region_dice: np.ndarray) -> dict[str, float | None]:
+    """Average per-case Dice into the results.json ``dice`` dict (no NaN, ``None`` = no valid case)."""
+    out: dict[str, float | None] = {}
+    for j, key in enumerate(CLASSES):
+        out[key] = _nanmean_or_none(class_dice[:, j]) if len(class_dice) else None
+    present = [out[k] for k in CLASSES if out[k] is not None]
+    out["mean"] = float(np.mean(present)) if present else None
+    for j, key in enumerate(REGIONS):
+        out[key] = _nanmean_or_none(region_dice[:, j]) if len(region_dice) else None
+    assert all(v is None or math.isfinite(v) for v in out.values())
+    return {k: out[k] for k in DICE_KEYS}
+
+
+def dice_scores(pred_labels: Any, true_labels: Any) -> dict[str, float | None]:
+    """Dice per class (1, 2, 3), their mean, and WT/TC/ET for label maps shaped (n, *grid).
+
+    Empty classes: see the module docstring (both-empty cases excluded; all-excluded -> ``None``).
+    """
+    return DiceAccumulator().add(pred_labels, true_labels).aggregate()
+
+
+class DiceAccumulator:
+    """Cumulative Dice over batches (MONAI ``Cumulative`` style): ``add`` batches, then ``aggregate``.
+
+    Per-case values are kept, so the result equals ``dice_scores`` on the concatenated batches.
+    """
+
+    def __init__(self) -> None:
+        from monai.metrics import Cumulative
+
+        self._classes = Cumulative()
+        self._regions = Cumulative()
+        self.cases = 0
+
+    def add(self, pred_labels: Any, true_labels: Any) -> "DiceAccumulator":
+        class_dice, region_dice = per_case_dice(pred_labels, true_labels)
+        self._classes.extend(torch.from_numpy(class_dice))
+        self._regions.extend(torch.from_numpy(region_dice))
+        self.cases += len(class_dice)
+        return self
+
+    def reset(self) -> None:
+        self._classes.reset()
+        self._regions.reset()
+        self.cases = 0
+
+    def aggregate(self) -> dict[str, float | None]:
+        if self.cases == 0:
+            return {k: None for k in DICE_KEYS}
+        classes = self._classes.get_buffer()
+        regions = self._regions.get_buffer()
+        return summarise(np.asarray(classes, dtype=np.float64), np.asarray(regions, dtype=np.float64))

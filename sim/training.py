@@ -1,0 +1,291 @@
+"""The one segmentation training loop: teachers, students, public pre-training and the baselines.
+
+Loss (per sample, so Opacus' per-sample clipping stays valid -- FIELD_NOTES "keep losses per-sample"):
+``L_i = Dice_i + CE_i`` where ``Dice_i`` is MONAI's soft Dice loss over the four classes of sample i
+(``DiceLoss(softmax=True, batch=False)``) and ``CE_i`` the voxel-mean cross-entropy of sample i; the batch
+loss is the mean of the ``L_i``. This is MONAI's ``DiceCELoss`` with ``batch=False``, written out because
+``DiceCELoss`` cannot return per-sample values. Targets are hard int labels (n, *g) or soft probability
+maps (n, C, *g) -- students learn from decoded teacher outputs (Fay et al. ``../shared/papers/004_*``,
+Alg. 1 line "train student on (x_n, y_hat_n)"); for soft targets both terms use the probabilities
+directly (soft Dice, soft-target CE).
+
+Adam, seeded batch order (``torch.Generator``), optional augmentation (``sim.data.augment``), tqdm
+progress, an atomic checkpoint after every epoch and exact resume (model, optimizer, epoch, RNG states,
+DP session: sigmas charged so far and the noise generator). DP-SGD is switched on by passing a
+``sim.dpsgd.DPConfig``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sim.errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    seed: int = 0
+    augment: bool = True
+    progress: bool = True
+    checkpoint: str | Path | None = None   # saved after every epoch; resumed from when it exists
+    init_from: Any = None                  # path to a checkpoint / state_dict to start from (e.g. public pre-training)
+    weight_decay: float = 0.0
+    description: str = "train"
+    extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    history: list[dict]
+    epsilon: float | None = None
+    delta: float | None = None
+    accountant: str | None = None
+    relation: str | None = None
+    epsilon_rdp: float | None = None
+    epochs_completed: int = 0
+    sigmas: list[float] = field(default_factory=list)
+    sampling_rate: float | None = None
+    steps_per_epoch: int | None = None
+    stopped_reason: str | None = None
+    wall_seconds: float = 0.0
+    resumed_from_epoch: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------------- loss
+def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Dice + CE for each sample (shape (n,)); ``targets`` int (n, *g) or probabilities (n, C, *g)."""
+    from monai.losses import DiceLoss
+
+    n, classes = logits.shape[:2]
+    if targets.is_floating_point():
+        if targets.shape != logits.shape:
+            raise ValueError(f"soft targets must be shaped like the logits {tuple(logits.shape)}, got {tuple(targets.shape)}")
+        probs_target = targets
+        ce = -(probs_target * F.log_softmax(logits, dim=1)).sum(dim=1)
+    else:
+        probs_target = F.one_hot(targets.long(), classes).movedim(-1, 1).to(logits.dtype)
+        ce = F.cross_entropy(logits, targets.long(), reduction="none")
+    dice = DiceLoss(softmax=True, batch=False, reduction="none")(logits, probs_target)
+    return dice.reshape(n, -1).mean(dim=1) + ce.reshape(n, -1).mean(dim=1)
+
+
+# -------------------------------------------------------------------------------------------- augmentation
+def _augmenter(seed: int) -> Callable | None:
+    try:
+        from sim.data.augment import training_augmentation
+    except ImportError:  # data layer (issue 3) not available: train without augmentation
+        return None
+    return training_augmentation(seed)
+
+
+def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out_images, out_targets = [], []
+    for image, target in zip(images, targets):
+        a_img, a_tgt = aug(image, target)
+        out_images.append(torch.as_tensor(np.asarray(a_img), dtype=images.dtype))
+        out_targets.append(torch.as_tensor(np.asarray(a_tgt), dtype=targets.dtype))
+    return torch.stack(out_images), torch.stack(out_targets)
+
+
+# ----------------------------------------------------------------------------------------------- training
+def _as_tensor(x: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(dtype) if dtype is not None else t
+
+
+def _load_init(model: torch.nn.Module, init_from: Any) -> None:
+    if isinstance(init_from, torch.nn.Module):
+        state = init_from.state_dict()
+    elif isinstance(init_from, dict):
+        state = init_from.get("model", init_from)
+    else:
+        path = Path(init_from)
+        if not path.exists():
+            raise UserError(f"init_from: {path} does not exist")
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        state = loaded.get("model", loaded) if isinstance(loaded, dict) else loaded
+    model.load_state_dict(state)
+
+
+def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,
+                       dp: Any = None, guard: Any = None, owners: Sequence[str] = ("central",),
+                       validation: tuple[Any, Any] | None = None) -> TrainResult:
+    """Train ``model`` on ``images`` (n, 4, *g) float and ``targets`` (int labels or soft probabilities).
+
+    ``dp`` (``sim.dpsgd.DPConfig``) switches on DP-SGD, charged to ``owners`` through ``guard`` (a
+    ``privacy.guard.BudgetGuard``; an in-memory one with ``dp.epsilon`` is made when None).
+    ``validation`` = public (images, labels), used by the validation-based noise schedule and logged.
+    Returns the trained (unwrapped) model and a history with one dict per epoch.
+    """
+    started = time.perf_counter()
+    x_all = _as_tensor(images, torch.float32)
+    y_all = _as_tensor(targets)
+    y_all = y_all.to(torch.float32) if y_all.is_floating_point() else y_all.long()
+    n = len(x_all)
+    if n == 0:
+        raise UserError("training: no training volumes")
+    if len(y_all) != n:
+        raise UserError(f"training: {n} images but {len(y_all)} targets")
+    if config.epochs < 0 or config.batch_size < 1:
+        raise UserError("training: epochs must be >= 0 and batch_size >= 1")
+
+    base_model = model
+    checkpoint = Path(config.checkpoint) if config.checkpoint else None
+    resume_state = None
+    if checkpoint is not None and checkpoint.exists():
+        resume_state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        base_model.load_state_dict(resume_state["model"])
+    elif config.init_from is not None:
+        _load_init(base_model, config.init_from)
+
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.Adam(base_model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(int(config.seed))
+
+    session = None
+    train_model: torch.nn.Module = base_model
+    if dp is not None:
+        from sim.dpsgd import DPSession
+
+        session = DPSession(base_model, optimizer, n=n, batch_size=config.batch_size, epochs=config.epochs,
+                            dp=dp, guard=guard, owners=owners, seed=config.seed,
+                            has_validation=validation is not None)
+        train_model, optimizer = session.model, session.optimizer
+
+    history: list[dict] = []
+    start_epoch = 0
+    if resume_state is not None:
+        inner_opt = getattr(optimizer, "original_optimizer", optimizer)
+        inner_opt.load_state_dict(resume_state["optimizer"])
+        generator.set_state(resume_state["generator"])
+        torch.set_rng_state(resume_state["torch_rng"])
+        history = list(resume_state["history"])
+        start_epoch = int(resume_state["epoch"])
+        if session is not None:
+            if resume_state.get("dp") is None:
+                raise UserError(f"checkpoint {checkpoint}: was written without DP-SGD; cannot resume with it")
+            session.load_state_dict(resume_state["dp"])
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.progress,
+               initial=start_epoch, total=config.epochs, leave=False)
+    for epoch in bar:
+        if session is not None and not session.begin_epoch(epoch):
+            break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
+        train_model.train()
+        aug = _augmenter(config.seed * 100_003 + epoch) if config.augment else None
+        if session is not None:
+            batches = session.batches(generator)
+        else:
+            order = torch.randperm(n, generator=generator)
+            batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
+        losses, seen, empty = [], 0, 0
+        for batch in batches:
+            if len(batch) == 0:
+                empty += 1
+                session.noise_only_step()
+                continue
+            xb, yb = x_all[batch], y_all[batch]
+            if aug is not None:
+                xb, yb = _augment_batch(aug, xb, yb)
+            optimizer.zero_grad(set_to_none=True)
+            loss_per_sample = per_sample_loss(train_model(xb), yb)
+            loss = loss_per_sample.mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()) * len(batch))
+            seen += len(batch)
+        record: dict[str, Any] = {"epoch": epoch + 1, "loss": (sum(losses) / seen) if seen else None,
+                                  "samples": seen, "empty_batches": empty}
+        if session is not None:
+            record["noise_multiplier"] = session.sigmas[-1]
+            record["epsilon"] = session.spent(with_rdp=False)["epsilon"]
+        if validation is not None:
+            val_dice = evaluate_segmentation(base_model, validation[0], validation[1])["mean"]
+            record["validation_dice_mean"] = val_dice
+            if session is not None:
+                session.observe_validation(val_dice if val_dice is not None else 0.0)
+        history.append(record)
+        bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
+                         if k in ("loss", "epsilon")})
+        if checkpoint is not None:
+            from sim.io import atomic_save_torch
+
+            inner_opt = getattr(optimizer, "original_optimizer", optimizer)
+            atomic_save_torch(checkpoint, {
+                "model": base_model.state_dict(), "optimizer": inner_opt.state_dict(), "epoch": epoch + 1,
+                "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
+                "dp": session.state_dict() if session is not None else None,
+                "dp_config": dp.to_dict() if dp is not None else None, **config.extra_checkpoint})
+    bar.close()
+
+    if session is not None:
+        _unwrap(train_model)
+    result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
+                         wall_seconds=time.perf_counter() - started,
+                         resumed_from_epoch=start_epoch if resume_state is not None else None)
+    if session is not None:
+        spent = session.spent()
+        result.epsilon, result.delta = spent["epsilon"], spent["delta"]
+        result.accountant, result.relation, result.epsilon_rdp = spent["accountant"], spent["relation"], spent["epsilon_rdp"]
+        result.sigmas = list(session.sigmas)
+        result.sampling_rate, result.steps_per_epoch = session.sampling_rate, session.steps
+        result.stopped_reason = session.stopped_reason
+    return result
+
+
+def _unwrap(wrapped: torch.nn.Module) -> None:
+    """Remove Opacus hooks so the returned model behaves like a plain module again."""
+    for name in ("_close", "remove_hooks"):
+        fn = getattr(wrapped, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:  # already removed / not applicable
+                pass
+            return
+
+
+# -------------------------------------------------------------------------------------------- inference
+@torch.no_grad()
+def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
+    """Softmax class probabilities (n, C, *g) float32."""
+    x_all = _as_tensor(images, torch.float32)
+    was_training = model.training
+    model.eval()
+    outs = []
+    for start in range(0, len(x_all), batch_size):
+        outs.append(torch.softmax(model(x_all[start:start + batch_size]), dim=1).numpy().astype(np.float32))
+    model.train(was_training)
+    if not outs:
+        return np.zeros((0,), dtype=np.float32)
+    return np.concatenate(outs, axis=0)
+
+
+def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
+    return predict_probs(model, images, batch_size).argmax(axis=1).astype(np.int64)
+
+
+def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2) -> dict:
+    """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``."""
+    from sim.metrics import DiceAccumulator
+
+    x_all = _as_tensor(images, torch.float32)
+    y_all = np.asarray(labels)
+    acc = DiceAccumulator()
+    for start in range(0, len(x_all), batch_size):
+        pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
+        acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
+    return acc.aggregate()
