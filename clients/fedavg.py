@@ -1,0 +1,70 @@
+"""The hospital's side of DP-FedAvg: one round of local DP-SGD on its own patients.
+
+The privacy accounting is the hospital's (SPEC section 6): each hospital runs DP-SGD with Poisson
+sampling on its own patients, charged to its own ledger (``workdir/dpfedavg-<run>.jsonl``, owner =
+the hospital, add/remove relation) through a budget guard *before* each epoch touches data. The noise
+multiplier is calibrated once for the whole federation plan (rounds x local epochs at this hospital's
+sampling rate), so the planned rounds spend exactly the budget; a round the budget cannot pay for
+trains nothing. The reply carries the ledger records of this round so the server can mirror them: the
+server's ε for the global model comes from those mirrored ledgers (the worst hospital).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]):
+    import torch
+
+    from privacy.calibration import dpsgd_noise_multiplier
+    from privacy.guard import BudgetGuard
+    from privacy.ledger import Ledger
+    from sim.dpsgd import DPConfig, steps_per_epoch
+    from sim.networks import build_unet
+    from sim.training import TrainConfig, train_segmentation
+
+    preset = hospital.preset
+    round_index = int(config["round"])
+    rounds = int(config["rounds"])
+    local_epochs = int(config.get("local_epochs", 1))
+    epsilon = float(config["epsilon"])
+    delta = float(config["delta"])
+    run_tag = str(config.get("run_tag", "run"))
+    case_ids = [case for partition in hospital.partitions for case in partition]
+    images = hospital.prepared.images(case_ids)
+    labels = hospital.prepared.labels(case_ids)
+
+    model = build_unet(preset.unet)
+    model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
+    steps = steps_per_epoch(len(case_ids), preset.batch_size)
+    noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds)
+    ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
+    guard = BudgetGuard(ledger, epsilon, delta)
+    before = {record["release_id"] for record in ledger.records()}
+    prefix = f"dpfedavg:{run_tag}:round-{round_index}"
+    dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix)
+    train_config = TrainConfig(epochs=local_epochs, batch_size=preset.batch_size,
+                               learning_rate=preset.learning_rate,
+                               seed=int(config.get("seed", 0)) * 1009 + round_index,
+                               progress=False, description=f"{hospital.hospital_id} round {round_index}")
+    result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
+                                owners=(hospital.hospital_id,))
+    new_records = [record for record in ledger.records() if record["release_id"] not in before]
+    spent = ledger.spent(hospital.hospital_id, delta) if len(ledger) else None
+    new_weights = {name: value.detach().cpu().numpy() for name, value in result.model.state_dict().items()}
+    metrics = {
+        "n_examples": len(case_ids),
+        "epochs_trained": result.epochs_completed,
+        "noise_multiplier": noise_multiplier,
+        "sampling_rate": 1.0 / steps,
+        "epsilon": spent.epsilon if spent else 0.0,
+        "ledger_records": json.dumps(new_records),
+        "stopped_reason": result.stopped_reason or "",
+    }
+    return new_weights, metrics
