@@ -70,7 +70,8 @@ class DPConfig:
     schedule: str | None = None          # family for mode="schedule"
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
-    release_prefix: str = "dpsgd"        # ledger release ids: f"{release_prefix}:epoch-{e}"
+    release_prefix: str = "dpsgd"        # ledger release ids: f"{release_prefix}:epoch-{e}" (unique per model!)
+    target_epochs: int | None = None     # planning horizon for target/schedule (default: the training epochs)
 
     def validate(self) -> "DPConfig":
         if self.mode not in ("target", "fixed", "schedule"):
@@ -146,7 +147,7 @@ class DPSession:
         self.owners = tuple(owners)
         self.n = int(n)
         self.batch_size = int(batch_size)
-        self.planned_epochs = int(epochs)
+        self.planned_epochs = int(dp.target_epochs or epochs)
         self.steps = steps_per_epoch(self.n, self.batch_size)
         self.sampling_rate = 1.0 / self.steps
         if guard is None:
@@ -204,7 +205,7 @@ class DPSession:
         self._schedule = make_schedule(dp.schedule, sigma0, target_epochs=self.planned_epochs,
                                        epsilon=dp.epsilon, delta=dp.delta, sampling=dp.sampling,
                                        sampling_rate=self.sampling_rate, steps_per_epoch=self.steps,
-                                       options=dp.schedule_options)
+                                       accountant=dp.accountant, options=dp.schedule_options)
         return float(self._schedule.sigma(0))
 
     def sigma_for_epoch(self, epoch: int) -> float:
@@ -292,47 +293,47 @@ class DPSession:
         if self._schedule is not None and state.get("schedule"):
             for key, value in state["schedule"].items():
                 setattr(self._schedule, key, value)
+        # "ledger position": a fresh (in-memory) ledger is re-filled with the epochs already charged; a
+        # persistent ledger already has them (re-recording an identical release id is a no-op).
+        for epoch, sigma in enumerate(self.sigmas):
+            release = self.release_id(epoch)
+            if not self.ledger.has_release(release):
+                event = _epoch_event(self.dp.sampling, self.sampling_rate, sigma, self.steps)
+                self.ledger.record(self.owners, event, release, note={"epoch": epoch, "sigma": sigma, "resumed": True})
         if self.sigmas:
             self.optimizer.noise_multiplier = self.sigmas[-1]
 
 
-def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
-                  sampling: str, sampling_rate: float, steps_per_epoch: int, options: dict | None = None):
-    """Build a Yu et al. schedule whose decay parameter is planned so the budget lasts ``target_epochs``.
+_FAMILY_NAMES = {"time": "time", "exp": "exponential", "exponential": "exponential", "step": "step",
+                 "poly": "polynomial", "polynomial": "polynomial", "validation": "validation"}
 
-    Delegates to ``privacy.schedules.plan_decay`` (Yu et al. Sec. 5); ``options`` overrides anything
-    (e.g. ``{"k": 0.05}`` skips planning, ``{"period": 5}`` for step/poly schedules).
+
+def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
+                  sampling: str, sampling_rate: float, steps_per_epoch: int, accountant: str | None = None,
+                  options: dict | None = None):
+    """A Yu et al. schedule (``privacy.schedules``) whose decay k is planned so the budget lasts
+    ``target_epochs`` (``plan_decay``, Yu et al. Sec. IV-A-2).
+
+    ``options``: ``k`` (skip planning), ``period`` (step/time/exp/poly), ``sigma_end`` (poly; default
+    sigma0/4); validation: ``k`` (default 0.9), ``threshold`` (0.0), ``window`` (m, default 1), ``period``.
+    The validation-based schedule is stateful and cannot be planned ahead: it simply runs until the budget
+    is spent.
     """
     from privacy import schedules
 
     options = dict(options or {})
-    classes = {"time": "TimeBasedSchedule", "exp": "ExponentialSchedule", "step": "StepSchedule",
-               "poly": "PolynomialSchedule", "validation": "ValidationSchedule"}
-    cls = getattr(schedules, classes[family])
-    if "k" not in options:
-        options["k"] = _plan_decay(schedules, family, sigma0, target_epochs, epsilon, delta, sampling,
-                                   sampling_rate, steps_per_epoch, options)
-    return _construct(cls, sigma0=sigma0, **options)
-
-
-def _plan_decay(schedules, family, sigma0, target_epochs, epsilon, delta, sampling, sampling_rate,
-                steps_per_epoch, options):
-    import inspect
-
-    fn = schedules.plan_decay
-    params = inspect.signature(fn).parameters
-    kwargs = {"sampling_rate": sampling_rate, "steps_per_epoch": steps_per_epoch, "sampling": sampling}
-    kwargs.update({k: v for k, v in options.items() if k != "k"})
-    kwargs = {k: v for k, v in kwargs.items() if k in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())}
-    return fn(family, sigma0, target_epochs, epsilon, delta, **kwargs)
-
-
-def _construct(cls, **kwargs):
-    import inspect
-
-    params = inspect.signature(cls).parameters
-    accepted = {k: v for k, v in kwargs.items() if k in params}
-    if "sigma0" not in params and "sigma_0" in params:
-        accepted["sigma_0"] = kwargs["sigma0"]
-    return cls(**accepted)
+    name = _FAMILY_NAMES.get(family)
+    if name is None:
+        raise UserError(f"--schedule: expected one of {', '.join(SCHEDULE_FAMILIES)}, got {family!r}")
+    if name == "validation":
+        return schedules.ValidationSchedule(sigma0, float(options.pop("k", 0.9)), **options)
+    if name == "polynomial":
+        options.setdefault("sigma_end", sigma0 / 4)
+        options.setdefault("period", target_epochs)
+    k = options.pop("k", None)
+    if k is None:
+        mode = "poisson" if sampling == "poisson" else "shuffle"
+        k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, sampling_rate=sampling_rate,
+                                 steps_per_epoch=steps_per_epoch, mode=mode,
+                                 accountant=accountant if sampling == "poisson" else None, **options)
+    return schedules.make_schedule(name, sigma0, float(k), **options)

@@ -1,0 +1,212 @@
+"""Centralised baselines on the pooled private data: non-private training and DP-SGD (SPEC section 6, 9).
+
+The pooled data are every hospital's teacher partitions together (the ``Split``'s private part): the
+upper bound that no federation can beat (non-private) and the seed paper's DP-SGD baseline (Fay et al.
+``../shared/papers/004_*`` Sec. 5: same U-Net, per-layer clipping at 4, sigma^2 = 6, epsilon = 8,
+delta = 1e-3). Privacy unit: one patient volume; DP-SGD is add/remove-one with Poisson sampling (or
+zCDP for shuffled batches, Yu et al.), charged to the single owner ``"central"`` (the pooled data holder).
+
+Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null where it does not apply),
+``ledger.jsonl`` (empty for non-private training), ``model/model.pt`` (state dict + ``network_config``),
+the model bundle (``model/weights.pt``, ``bundle.json``, card; see ``sim.bundle``) and
+``checkpoint/train.pt`` (resumed when the run is restarted in the same folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.errors import UserError
+
+METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
+OWNER = "central"
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
+
+
+def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cache_root: str | Path | None = None,
+                      progress: bool = True) -> dict[str, Any]:
+    """Phantoms (or the MSD folder ``data``) -> prepared grid -> the preset's split -> pooled arrays."""
+    from sim.data.partitions import make_split
+    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+
+    cache = Path(cache_root) if cache_root is not None else default_cache_root()
+    if data is None:
+        from sim.data.phantoms import ensure_phantoms
+
+        root = Path(ensure_phantoms(preset, cache))
+        tag = f"phantoms-{preset.name}"
+    else:
+        root = Path(data)
+        if not root.exists():
+            raise UserError(f"--data: {root} does not exist (expected an MSD Task01-layout folder)")
+        tag = "msd-" + hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    config = PreprocessConfig(grid=tuple(preset.grid))
+    prepared = prepare_dataset(root, cache / f"prepared-{tag}-{'x'.join(map(str, preset.grid))}", config,
+                               progress=progress)
+    split = make_split(prepared, hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
+                       scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
+                       n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
+    train_ids = [case for partitions in split.hospitals.values() for part in partitions for case in part]
+    test_ids = list(split.test)
+    if not train_ids:
+        raise UserError("central: the split has no private (hospital) cases to train on")
+    if not test_ids:
+        raise UserError("central: the split has no test cases")
+    validation_ids = list(getattr(split, "public_validation", None) or [])
+    out = {
+        "prepared": prepared, "split": split, "config": config, "train_ids": train_ids, "test_ids": test_ids,
+        "train_images": np.asarray(prepared.images(train_ids), np.float32),
+        "train_labels": np.asarray(prepared.labels(train_ids), np.int64),
+        "test_images": np.asarray(prepared.images(test_ids), np.float32),
+        "test_labels": np.asarray(prepared.labels(test_ids), np.int64),
+        "validation": None, "hospitals": len(split.hospitals),
+        "source": dict(getattr(prepared, "source", {}) or {"root": str(root)}),
+    }
+    if validation_ids:
+        out["validation"] = (np.asarray(prepared.images(validation_ids), np.float32),
+                             np.asarray(prepared.labels(validation_ids), np.int64))
+    return out
+
+
+def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Path = "runs/central",
+                epsilon: float | None = None, delta: float | None = None, seed: int = 0,
+                data: str | Path | None = None, progress: bool = True, *, noise_mode: str = "target",
+                schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
+                max_grad_norm: float | None = None, per_layer: bool = True, grad_sample_mode: str | None = None,
+                epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
+                schedule_options: dict | None = None) -> dict[str, Any]:
+    """Train on the pooled private data, evaluate on the test split, write the run folder; return results."""
+    import torch
+
+    from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
+    from sim.io import atomic_save_torch, atomic_write_bytes, atomic_write_json
+    from sim.networks import build_unet, network_config
+    from sim.presets import get_preset
+    from sim.training import TrainConfig, evaluate_segmentation, train_segmentation
+
+    started = time.perf_counter()
+    if method not in METHODS:
+        raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
+    try:
+        p = get_preset(preset)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    private = method == "dp-sgd"
+    epsilon = float(epsilon if epsilon is not None else p.epsilon)
+    delta = float(delta if delta is not None else p.delta)
+    checkpoint = out / "checkpoint" / "train.pt"
+    ledger_path = out / "ledger.jsonl"
+    if ledger_path.exists() and ledger_path.stat().st_size > 0 and not checkpoint.exists():
+        # A ledger without a checkpoint is a finished (or never-started) earlier run: training again from
+        # scratch would be a second release of the same data that its release ids would hide.
+        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
+
+    torch.manual_seed(seed)
+    world = load_central_data(p, seed=seed, data=data, cache_root=cache_root, progress=progress)
+    model = build_unet(p.unet)
+    net_cfg = network_config(p.unet)
+    train_config = TrainConfig(epochs=int(epochs if epochs is not None else p.central_epochs),
+                               batch_size=p.batch_size, learning_rate=p.learning_rate, seed=seed, augment=augment,
+                               progress=progress, checkpoint=checkpoint, description=METHODS[method],
+                               extra_checkpoint={"network_config": net_cfg})
+    dp = guard = None
+    if private:
+        from privacy.guard import BudgetGuard
+        from privacy.ledger import Ledger
+
+        dp = DPConfig(mode=noise_mode, epsilon=epsilon, delta=delta,
+                      noise_multiplier=noise_multiplier if noise_multiplier is not None else
+                      (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
+                      max_grad_norm=float(max_grad_norm if max_grad_norm is not None else p.dpsgd_max_grad_norm),
+                      per_layer=per_layer, sampling=sampling, schedule=schedule,
+                      schedule_options=dict(schedule_options or {}),
+                      grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
+                      release_prefix="central-dpsgd").validate()
+        guard = BudgetGuard(Ledger(ledger_path), epsilon, delta)
+    else:
+        atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
+
+    result = train_segmentation(model, world["train_images"], world["train_labels"], train_config, dp=dp,
+                                guard=guard, owners=(OWNER,), validation=world["validation"])
+    dice = evaluate_segmentation(result.model, world["test_images"], world["test_labels"])
+
+    atomic_save_torch(out / "model" / "model.pt", {"model": result.model.state_dict(), "network_config": net_cfg,
+                                                   "preset": p.name, "grid": list(p.grid), "method": METHODS[method]})
+    spent = None
+    if private:
+        spent = guard.ledger.spent(OWNER, delta)   # the epsilon written anywhere is the ledger's
+    preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
+    _save_bundle(out, result.model, net_cfg, preprocessing, METHODS[method], ledger_path if private else None,
+                 epsilon if private else None, delta if private else None,
+                 spent.relation if spent else None, spent.accountant if spent else None,
+                 world["hospitals"], world["source"])
+
+    results = {
+        "method": METHODS[method],
+        "dice": dice,
+        "epsilon": float(spent.epsilon) if spent else None,
+        "epsilon_budget": epsilon if private else None,
+        "delta": delta if private else None,
+        "relation": spent.relation if spent else None,
+        "accountant": spent.accountant if spent else None,
+        "teachers": None,
+        "hospitals": world["hospitals"],
+        "queries": None,
+        "sigma": (result.sigmas[0] if result.sigmas else None) if private else None,
+        "teacher_dice_mean": None,
+        "ensemble_dice_mean": None,
+        "bytes_up_per_query_per_teacher": None,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "seed": seed,
+        # --- extras (SPEC: add freely) ---
+        "preset": p.name,
+        "grid": list(p.grid),
+        "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
+        "train_cases": len(world["train_ids"]),
+        "test_cases": len(world["test_ids"]),
+        "epochs_planned": train_config.epochs,
+        "epochs_completed": result.epochs_completed,
+        "final_loss": result.history[-1]["loss"] if result.history else None,
+        "epsilon_rdp": result.epsilon_rdp if private else None,
+        "dpsgd": None if not private else {
+            "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
+            "sigmas": result.sigmas, "max_grad_norm": dp.max_grad_norm, "per_layer": dp.per_layer,
+            "sampling_rate": result.sampling_rate, "steps_per_epoch": result.steps_per_epoch,
+            "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
+        },
+        "data_source": world["source"],
+    }
+    atomic_write_json(out / "results.json", results)
+    return results
+
+
+def _config_dict(config) -> dict:
+    import dataclasses
+
+    if dataclasses.is_dataclass(config):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
+    return {"grid": list(config.grid)}
+
+
+def _save_bundle(out, model, net_cfg, preprocessing, method, ledger_path, budget, delta, relation, accountant,
+                 hospitals, source) -> None:
+    """Model bundle for ``fedpate predict`` (``sim.bundle``), its card computed from the ledger."""
+    try:
+        from sim.bundle import privacy_card, save_bundle
+    except ImportError:  # bundles (issue 10) not available: model/model.pt is still written
+        return
+    card = privacy_card(method=method, ledger_path=ledger_path, delta=delta, epsilon_budget=budget,
+                        relation=relation, accountant=accountant, teachers=None, hospitals=hospitals,
+                        data_source=source)
+    save_bundle(out, model, net_cfg, preprocessing, card)
