@@ -1,0 +1,71 @@
+"""The public model and the PATE student (Fay et al., Algorithms 1-2, last line: "Train the student
+model on ((x_n, y_hat_n))"), trained with the shared engine (sim.training).
+
+* :func:`train_public_model` — a U-Net trained on the public reference split (images + labels). It is
+  the teachers' initialisation and, trained further for the student's epochs on the same data, the
+  ``public-only`` baseline (SPEC section 11).
+* :func:`train_student` — starts from the public model and trains on the decoded pseudo-labels of the
+  public query scans (soft probabilities by default), together with the public reference data
+  (``include_reference``): everything public the server holds. PATE helps exactly where this student
+  beats the public-only model trained on the reference data alone for the same number of epochs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description):
+    from sim.networks import build_unet
+    from sim.training import TrainConfig, train_segmentation
+
+    import torch
+
+    torch.manual_seed(seed)
+    model = build_unet(preset.unet)
+    if epochs <= 0:
+        if init is not None:
+            model.load_state_dict(init)
+        return model
+    config = TrainConfig(epochs=int(epochs), batch_size=preset.batch_size, learning_rate=preset.learning_rate,
+                         seed=seed, progress=progress, checkpoint=checkpoint, init_from=init,
+                         description=description)
+    return train_segmentation(model, images, targets, config).model
+
+
+def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = None, init=None,
+                       progress: bool = False, checkpoint: str | Path | None = None):
+    """U-Net on the public reference images + labels (pre-training / public-only baseline)."""
+    epochs = preset.pretrain_epochs if epochs is None else epochs
+    if world.reference_images is None:
+        epochs = 0
+    return _train(world.reference_images, world.reference_labels, preset, epochs=epochs, seed=seed, init=init,
+                  progress=progress, checkpoint=checkpoint, description="public model")
+
+
+def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, seed: int = 0, init=None,
+                  epochs: int | None = None, include_reference: bool = True, progress: bool = False,
+                  checkpoint: str | Path | None = None):
+    """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
+
+    ``pseudo_labels``: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
+    """
+    from sim.codecs import one_hot
+
+    epochs = preset.student_epochs if epochs is None else epochs
+    images = world.query_images[np.asarray(query_indices, dtype=int)]
+    targets = np.asarray(pseudo_labels)
+    if include_reference and world.reference_images is not None:
+        reference = world.reference_labels
+        if targets.ndim == images.ndim:  # soft targets: the reference labels as one-hot probabilities
+            reference = one_hot(reference, targets.shape[1])
+        images = np.concatenate([images, world.reference_images])
+        targets = np.concatenate([targets.astype(np.float32) if targets.ndim == images.ndim else targets,
+                                  reference.astype(targets.dtype)])
+    if len(images) == 0:
+        return _train(None, None, preset, epochs=0, seed=seed, init=init, progress=progress, checkpoint=None,
+                      description="student")
+    return _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
+                  checkpoint=checkpoint, description="student")

@@ -1,0 +1,96 @@
+"""PATE without Flower: every hospital is a :class:`clients.hospital.Hospital` in this process.
+
+``fedpate simulate --engine inprocess`` and ``fedpate compare`` call :func:`run_pate_inprocess`; the
+Flower ServerApp calls the same :func:`server.pate.run_pate` with a Flower transport.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+
+class InProcessTransport:
+    """``server.pate.HospitalTransport`` over in-process hospitals. ``drop`` ({hospital: query round
+    from which it stops answering}) simulates dropouts."""
+
+    def __init__(self, hospitals, drop: Mapping[str, int] | None = None):
+        self.hospitals = {h.hospital_id: h for h in hospitals}
+        self.drop = dict(drop or {})
+        self.query_rounds = 0
+        self.bytes_up: list[dict[str, int]] = []
+
+    def hospital_ids(self) -> list[str]:
+        return sorted(h for h in self.hospitals if self.drop.get(h, 1 << 60) > self.query_rounds)
+
+    def train(self, config: dict, init_weights: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
+        return {h: self.hospitals[h].train_teachers({**config, "init_weights": init_weights})
+                for h in self.hospital_ids()}
+
+    def query(self, scans, codec, config) -> dict[str, np.ndarray]:
+        replies = {h: self.hospitals[h].answer_query(scans, codec, config) for h in self.hospital_ids()}
+        if not config.get("diagnostic"):
+            self.query_rounds += 1
+            self.bytes_up.append({h: int(r.nbytes) for h, r in replies.items()})
+        return replies
+
+    def evaluate(self, config: dict, test: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
+        return {h: self.hospitals[h].evaluate({**config, **dict(test or {})}) for h in self.hospital_ids()}
+
+    def ensemble_probabilities(self, scans) -> np.ndarray:
+        """Simulation-only diagnostic: the teachers' averaged probabilities (SPEC section 11 ceiling)."""
+        total, count = None, 0
+        for h in self.hospital_ids():
+            part = self.hospitals[h].ensemble_probability_sum(scans)
+            total = part if total is None else total + part
+            count += self.hospitals[h].num_teachers
+        return total / max(count, 1)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
+
+
+def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospitals=None, teachers_per_hospital=None):
+    """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None."""
+    from sim.data.partitions import make_split
+    from sim.data.phantoms import ensure_phantoms
+    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+
+    root = Path(data) if data is not None else ensure_phantoms(preset, _cache_root() / "phantoms")
+    cache = _cache_root() / "prepared" / f"{root.name}-{'x'.join(map(str, preset.grid))}"
+    prepared = prepare_dataset(root, cache, PreprocessConfig(grid=tuple(preset.grid)), progress=progress)
+    split = make_split(prepared, hospitals or preset.hospitals, teachers_per_hospital or preset.teachers_per_hospital,
+                       preset.split_scheme, preset.n_query, preset.n_reference, preset.n_validation, preset.n_test,
+                       seed)
+    return prepared, split
+
+
+def run_pate_inprocess(preset_name: str, method: str, epsilon: float | None, delta: float | None, out,
+                       seed: int = 0, data=None, hospitals: int | None = None,
+                       teachers_per_hospital: int | None = None, progress: bool = True, *, prepared=None,
+                       split=None, drop: Mapping[str, int] | None = None, **options) -> dict:
+    """Build the world (sim.data), one Hospital per split hospital, and run :func:`server.pate.run_pate`."""
+    from clients.hospital import Hospital
+    from server.pate import run_pate
+    from sim.presets import get_preset
+    from sim.world import load_world
+
+    if isinstance(preset_name, str):
+        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital)
+    else:  # a Preset object (tests use shortened budgets)
+        preset = preset_name
+    epsilon = preset.epsilon if epsilon is None else float(epsilon)
+    delta = preset.delta if delta is None else float(delta)
+    if prepared is None or split is None:
+        prepared, split = build_world(preset, data, seed, progress, hospitals, teachers_per_hospital)
+    out = Path(out)
+    world = load_world(prepared, split)
+    members = [Hospital(h, prepared, split.hospitals[h], preset, out / "hospitals" / h, seed)
+               for h in sorted(split.hospitals)]
+    transport = InProcessTransport(members, drop=drop)
+    results = run_pate(transport, world, preset, method, epsilon, delta, out, seed, progress=progress, **options)
+    return results
