@@ -55,26 +55,34 @@ def flower_tool(name: str) -> str:
     return found
 
 
-def toml_value(value: Any) -> str:
-    """One value in the ``key=value`` syntax of ``--node-config`` / ``flwr run -c`` (a TOML value)."""
+def toml_value(value: Any, quote: str = "'") -> str:
+    """One value in the ``key=value`` syntax of ``--node-config`` / ``flwr run -c`` (a TOML value).
+
+    Flower splits that syntax with a regex that does not understand escapes, so a string is written as
+    a TOML literal ``'...'`` (no escaping at all) or, if it contains ``'``, as a basic ``"..."`` string.
+    ``quote='"'`` prefers the basic form (nicer inside a single-quoted shell argument).
+    """
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     text = str(value)
+    basic_ok = '"' not in text and "\\" not in text
+    if quote == '"' and basic_ok:
+        return '"' + text + '"'
     if "'" not in text:
-        return "'" + text + "'"          # TOML literal string: no escaping needed, spaces allowed
-    if '"' in text or "\\" in text:
-        raise UserError(f"config value {text!r}: cannot contain both ' and \" or backslashes")
+        return "'" + text + "'"
+    if not basic_ok:
+        raise UserError(f"config value {text!r}: cannot contain both ' and \" (or backslashes)")
     return '"' + text + '"'
 
 
-def config_string(config: Mapping[str, Any]) -> str:
+def config_string(config: Mapping[str, Any], quote: str = "'") -> str:
     """``{"hospital-id": "h0", "teachers-per-hospital": 2}`` -> ``hospital-id='h0' teachers-per-hospital=2``."""
     for key in config:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(key)):
             raise UserError(f"config key {key!r}: expected letters, digits, '-', '_' or '.'")
-    return " ".join(f"{k}={toml_value(v)}" for k, v in config.items())
+    return " ".join(f"{k}={toml_value(v, quote)}" for k, v in config.items())
 
 
 def write_flower_config(flwr_home: Path, name: str, address: str, root_certificates: Path | None) -> Path:
@@ -114,8 +122,8 @@ class RunStatus:
 
 
 def parse_run_id(output: str) -> int | None:
-    match = _RUN_ID.search(re.sub(r"\x1b\[[0-9;]*m", "", output))
-    return int(match.group(1)) if match else None
+    matches = _RUN_ID.findall(re.sub(r"\x1b\[[0-9;]*m", "", output))
+    return int(matches[-1]) if matches else None
 
 
 def _parse_json_output(text: str) -> Any:
@@ -130,7 +138,7 @@ def query_run_status(sup: Supervisor, env: Mapping[str, str], connection: str, r
     """``flwr ls <connection> --run-id N --format json`` -> that run's dict (waits a little for 'finished')."""
     deadline = time.monotonic() + wait_finished
     while True:
-        code, out = sup.run(f"flwr-ls-{run_id}-{int(time.monotonic() * 1000)}",
+        code, out = sup.run(f"flwr-ls-{run_id}",
                             [flower_tool("flwr"), "ls", connection, "--run-id", str(run_id), "--format", "json"],
                             timeout=timeout, env=env)
         info: dict = {}
@@ -426,7 +434,7 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
             f"flower-supernode --superlink {host}:{port} --root-certificates {r}/ca.crt \\",
             f"    --auth-supernode-private-key {r}/{hid}.key \\",
             f"    --host 127.0.0.1 --port {supernode_port} \\",
-            f"    --node-config {q(config_string(node_config))}",
+            "    --node-config " + q(config_string(node_config, quote='"')),
             "",
         ]
     lines += [

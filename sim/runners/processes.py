@@ -307,6 +307,9 @@ class Supervisor:
               cwd: str | Path | None = None, log_path: str | Path | None = None) -> ManagedProcess:
         logs = self.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        used = {p.name for p in self.processes}
+        if name in used:  # each start gets its own log and pidfile
+            name = next(f"{name}-{i}" for i in range(2, 10**6) if f"{name}-{i}" not in used)
         log_path = Path(log_path) if log_path else logs / f"{name}.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,

@@ -1,0 +1,96 @@
+"""TLS material for a deployment (sim/runners/tls.py) and the pure helpers of sim/runners/deploy.py."""
+
+import stat
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+from sim.errors import UserError
+from sim.runners.deploy import config_string, deployment_commands, parse_run_id, write_echo_app
+from sim.runners.tls import certificate_sans, make_certificates, verify_chain
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("certs"), None, ["h0", "h1"])
+
+
+def test_server_certificate_chains_to_ca_and_has_sans(certs):
+    verify_chain(certs["ca_cert"], certs["server_cert"])
+    assert set(certificate_sans(certs["server_cert"])) == {"localhost", "127.0.0.1", "::1"}
+    ca = x509.load_pem_x509_certificate(certs["ca_cert"].read_bytes())
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+
+def test_foreign_ca_does_not_verify(certs, tmp_path):
+    other = make_certificates(tmp_path, ["example.org"], [])
+    with pytest.raises(Exception):
+        verify_chain(other["ca_cert"], certs["server_cert"])
+    assert certificate_sans(other["server_cert"]) == ["example.org"]
+
+
+def test_private_keys_are_0600_and_public_files_are_not_secret(certs):
+    private = [certs["ca_key"], certs["server_key"]]
+    for keys in certs["supernodes"].values():
+        private += [keys["private"], keys["private_pem"]]
+    for path in private:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE(certs["ca_cert"].stat().st_mode) == 0o644
+
+
+def test_supernode_keys_are_p384_in_the_formats_flower_reads(certs):
+    keys = certs["supernodes"]["h0"]
+    private = load_ssh_private_key(keys["private"].read_bytes(), None)   # what flower-supernode does
+    public = load_ssh_public_key(keys["public"].read_bytes())              # what `flwr supernode register` does
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
+    assert public.public_numbers() == private.public_key().public_numbers()
+    assert keys["public"].read_text().startswith("ecdsa-sha2-nistp384 ")
+    other = load_ssh_public_key(certs["supernodes"]["h1"]["public"].read_bytes())
+    assert other.public_numbers() != public.public_numbers()
+
+
+def test_bad_names_are_user_errors(tmp_path):
+    with pytest.raises(UserError):
+        make_certificates(tmp_path, None, ["h0", "h0"])
+    with pytest.raises(UserError):
+        make_certificates(tmp_path, None, ["../evil"])
+
+
+def test_config_string_is_what_flower_parses():
+    from flwr.common.config import parse_config_args
+
+    config = {"hospital-id": "h0", "data-dir": "/data/with space/h0", "teachers-per-hospital": 2,
+              "ratio": 0.5, "flag": True}
+    assert parse_config_args([config_string(config)]) == config
+    with pytest.raises(UserError):
+        config_string({"bad key": 1})
+
+
+def test_parse_run_id():
+    assert parse_run_id("\x1b[32mSuccessfully started run 123456\x1b[0m\n...") == 123456
+    assert parse_run_id("error") is None
+
+
+def test_deployment_commands_cover_every_hospital(certs):
+    text = deployment_commands(certs["ca_cert"].parent, "agg.example.org:9093",
+                               [("h0", "/data/h0"), ("h1", "/srv/msd/h1")], teachers_per_hospital=2)
+    assert "flower-superlink --host 0.0.0.0 --port 9093" in text
+    assert "--enable-supernode-auth" in text
+    for hid, data in (("h0", "/data/h0"), ("h1", "/srv/msd/h1")):
+        assert f"flwr supernode register /etc/fedpate/certs/{hid}.pub fedpate" in text
+        assert f"--auth-supernode-private-key /etc/fedpate/certs/{hid}.key" in text
+        assert f'data-dir="{data}"' in text
+    assert text.count("flower-supernode --superlink agg.example.org:9093") == 2
+    with pytest.raises(UserError):
+        deployment_commands(certs["ca_cert"].parent, "no-port", [("h0", "/d")])
+
+
+def test_echo_app_is_a_valid_flower_app(tmp_path):
+    from flwr.common.config import validate_fields_in_config
+    import tomllib
+
+    app = write_echo_app(tmp_path / "app")
+    ok, errors, _ = validate_fields_in_config(tomllib.loads((app / "pyproject.toml").read_text()))
+    assert ok, errors

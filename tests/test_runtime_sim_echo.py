@@ -1,0 +1,36 @@
+"""Flower's simulation runtime (`flwr run` against our own `--simulation` SuperLink), with the echo app."""
+
+import json
+
+import pytest
+
+from sim.errors import UserError
+from sim.runners.deploy import write_echo_app
+from sim.runners.processes import pid_alive
+from sim.runners.runtime_sim import run_runtime_simulation, simulation_federation_config
+
+
+@pytest.mark.slow
+def test_runtime_simulation_two_supernodes(tmp_path):
+    app = write_echo_app(tmp_path / "app")
+    result = tmp_path / "result.json"
+    status = run_runtime_simulation(app, {"result-file": str(result), "expected-nodes": 2,
+                                          "wait-seconds": 120.0},
+                                    num_supernodes=2, work_dir=tmp_path / "sim", timeout=400.0)
+    assert status.ok, status
+    data = json.loads(result.read_text())
+    assert len(data["replies"]) == 2 and data["errors"] == []
+    assert sorted(r["node-config"]["partition-id"] for r in data["replies"]) == [0, 1]
+    # every process it started (SuperLink, SuperExec, simulation, Ray) is gone
+    assert status.details["supervised-pids"]
+    assert status.details["leftover-pids"] == []
+    assert [p for p in status.details["supervised-pids"] if pid_alive(p)] == []
+    assert "insecure = true" in (tmp_path / "sim" / "flwr-home" / "config.toml").read_text()
+
+
+def test_federation_config_validation():
+    assert simulation_federation_config(3)["num-supernodes"] == 3
+    with pytest.raises(UserError):
+        simulation_federation_config(0)
+    with pytest.raises(UserError):
+        run_runtime_simulation("/nonexistent-app", {}, 2, "/tmp/unused-fedpate-sim")
