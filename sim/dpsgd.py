@@ -156,7 +156,7 @@ class DPSession:
 
             guard = BudgetGuard(Ledger(None), dp.epsilon, dp.delta)
         self.guard = guard
-        self.ledger = getattr(guard, "ledger", None) or getattr(guard, "_ledger")
+        self.ledger = guard.ledger
         self.noise_generator = torch.Generator().manual_seed(int(seed) * 7919 + 17)
         self.sigmas: list[float] = []       # sigma of every charged epoch, in order
         self.stopped_reason: str | None = None
