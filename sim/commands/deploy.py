@@ -1,0 +1,133 @@
+"""``fedpate deploy``: certificates, the commands for real machines, or a full deployment on localhost.
+
+    fedpate deploy certs    --out DIR --hospitals K [--host H ...]
+    fedpate deploy commands --certs DIR --superlink HOST:PORT --hospital h0=/data/h0 --hospital h1=/data/h1
+    fedpate deploy local    --out DIR --hospitals K [--app DIR | --echo] [-c key=value ...]
+
+The work is done in ``sim/runners/deploy.py`` / ``sim/runners/tls.py`` (see docs/DEPLOYMENT.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+
+from sim.errors import UserError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]   # the fedpate Flower app (pyproject.toml)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("deploy", help="TLS certificates, SuperLink/SuperNode commands, local deployment",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="deploy_command", metavar="STEP")
+    sub.required = True
+
+    certs = sub.add_parser("certs", help="make a CA, the SuperLink certificate and one key pair per hospital")
+    certs.add_argument("--out", required=True, help="folder for ca.crt, superlink.crt/.key, supernodes/h<i>.key/.pub")
+    certs.add_argument("--hospitals", type=int, required=True, help="number of hospitals (names h0, h1, ...)")
+    certs.add_argument("--host", action="append", default=None,
+                       help="name or IP the SuperNodes use to reach the SuperLink (repeatable; "
+                            "default: localhost 127.0.0.1 ::1)")
+    certs.set_defaults(func=_certs)
+
+    commands = sub.add_parser("commands", help="print the step-by-step commands for separate machines")
+    commands.add_argument("--certs", required=True, help="folder written by `fedpate deploy certs`")
+    commands.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink as the hospitals see it")
+    commands.add_argument("--hospital", action="append", required=True, metavar="ID=DATA_DIR",
+                          help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
+    commands.add_argument("--teachers-per-hospital", type=int, default=None)
+    commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
+    commands.set_defaults(func=_commands)
+
+    local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
+    local.add_argument("--out", required=True, help="work folder (certs, logs, pids, results)")
+    local.add_argument("--hospitals", type=int, required=True)
+    local.add_argument("--app", default=None, help=f"Flower app folder (default: fedpate, {PROJECT_ROOT})")
+    local.add_argument("--echo", action="store_true", help="run the built-in echo app (plumbing check)")
+    local.add_argument("--hospital-data", action="append", default=[], metavar="ID=DATA_DIR",
+                       help="data-dir of a hospital (default: empty = the preset's phantoms)")
+    local.add_argument("--teachers-per-hospital", type=int, default=0)
+    local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key of the app's [tool.flwr.app.config] (repeatable)")
+    local.add_argument("--no-tls", action="store_true", help="plain HTTP and no SuperNode authentication")
+    local.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
+    local.set_defaults(func=_local)
+
+
+def _hospital_pairs(values: list[str], option: str) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        hid, sep, data = value.partition("=")
+        if not sep or not hid or not data:
+            raise UserError(f"{option} {value!r}: expected ID=DATA_DIR, e.g. h0=/data/h0")
+        pairs.append((hid, data))
+    return pairs
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _certs(args) -> int:
+    from sim.runners.tls import make_certificates
+
+    if args.hospitals < 1:
+        raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
+    paths = make_certificates(args.out, args.host, [f"h{i}" for i in range(args.hospitals)])
+    print(f"CA:        {paths['ca_cert']}   (ca.key: keep offline)")
+    print(f"SuperLink: {paths['server_cert']}  {paths['server_key']}")
+    for name, keys in paths["supernodes"].items():
+        print(f"{name}: private {keys['private']} (to that hospital only), public {keys['public']} (register it)")
+    return 0
+
+
+def _commands(args) -> int:
+    from sim.runners.deploy import deployment_commands
+
+    print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
+                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital), end="")
+    return 0
+
+
+def _local(args) -> int:
+    from sim.runners.deploy import LocalDeployment, write_echo_app
+
+    if args.hospitals < 1:
+        raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
+    out = Path(args.out).resolve()
+    data = dict(_hospital_pairs(args.hospital_data, "--hospital-data"))
+    names = [f"h{i}" for i in range(args.hospitals)]
+    if unknown := set(data) - set(names):
+        raise UserError(f"--hospital-data: unknown hospital(s) {sorted(unknown)}; expected ids {names}")
+    app = write_echo_app(out / "echo-app") if args.echo else Path(args.app or PROJECT_ROOT).resolve()
+    try:
+        app_config = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"].get("config", {})
+    except (OSError, KeyError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"--app {app}: expected a Flower app folder with [tool.flwr.app] in pyproject.toml ({exc})")
+
+    run_config: dict = {}
+    defaults = {"out": str(out / "run"), "hospitals": args.hospitals, "expected-nodes": args.hospitals,
+                "result-file": str(out / "echo-result.json")}
+    run_config.update({k: v for k, v in defaults.items() if k in app_config})
+    for item in args.run_config:
+        key, sep, value = item.partition("=")
+        if not sep or key not in app_config:
+            raise UserError(f"-c {item!r}: expected KEY=VALUE with KEY one of {sorted(app_config)}")
+        run_config[key] = _parse_value(value)
+
+    hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),
+                  "teachers-per-hospital": args.teachers_per_hospital} for hid in names]
+    tls = not args.no_tls
+    with LocalDeployment(app, out / "deployment", hospitals, tls=tls, auth=tls, verbose=True) as dep:
+        status = dep.run(run_config, timeout=args.timeout)
+    print(json.dumps({"run-id": status.run_id, "status": status.status, "seconds": round(status.seconds, 1),
+                      "log": str(status.log_path)}, indent=1))
+    if args.echo and (out / "echo-result.json").exists():
+        print((out / "echo-result.json").read_text())
+    return 0 if status.ok else 1
