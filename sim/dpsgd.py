@@ -228,17 +228,16 @@ class DPSession:
 
         sigma = self.sigma_for_epoch(epoch)
         event = _epoch_event(self.dp.sampling, self.sampling_rate, sigma, self.steps)
-        if self.dp.mode in ("fixed", "schedule"):
-            try:
-                self.guard.check(self.owners, event)
-            except BudgetExceeded:
-                self.stopped_reason = "budget spent: the next epoch would exceed it"
-                return False
-        # target mode: a refusal here is a real error (the plan was calibrated to fit) -> propagate
-        self.guard.charge(self.owners, event, release_id=self.release_id(epoch),
-                          note={"epoch": epoch, "sigma": sigma, "sampling": self.dp.sampling,
-                                "sampling_rate": self.sampling_rate, "steps": self.steps,
-                                "max_grad_norm": self.dp.max_grad_norm, "per_layer": self.dp.per_layer})
+        note = {"epoch": epoch, "sigma": sigma, "sampling": self.dp.sampling, "sampling_rate": self.sampling_rate,
+                "steps": self.steps, "max_grad_norm": self.dp.max_grad_norm, "per_layer": self.dp.per_layer}
+        try:
+            # charge = check, then a durable ledger record; a refusal records nothing
+            self.guard.charge(self.owners, event, release_id=self.release_id(epoch), note=note)
+        except BudgetExceeded:
+            if self.dp.mode == "target":
+                raise  # the plan was calibrated to fit: a refusal is a real error (e.g. an already used ledger)
+            self.stopped_reason = "budget spent: the next epoch would exceed it"
+            return False
         self.sigmas.append(sigma)
         self.optimizer.noise_multiplier = sigma
         return True

@@ -36,6 +36,7 @@ def _pld_epsilon(q, sigma, steps, delta):
     return acc.get_epsilon(delta)
 
 
+@pytest.mark.slow  # PLD accounting of q = 0.5 takes seconds per epoch
 def test_epsilon_equals_dp_accounting_pld(tmp_path):
     guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)
     dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=1.5)
@@ -82,14 +83,15 @@ def _next_epoch_exceeds(result, guard, sampling="poisson"):
         guard.check(["central"], event)
 
 
-def test_fixed_sigma_stops_when_the_next_epoch_would_exceed():
+@pytest.mark.parametrize("sampling", ["shuffle", pytest.param("poisson", marks=pytest.mark.slow)])
+def test_fixed_sigma_stops_when_the_next_epoch_would_exceed(sampling):
     guard = BudgetGuard(Ledger(None), 2.0, 1e-3)
-    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=6 ** 0.5)
+    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=6 ** 0.5, sampling=sampling)
     _, result = _train(dp, epochs=100, guard=guard)
     assert 0 < result.epochs_completed < 100
     assert result.stopped_reason and "budget" in result.stopped_reason
     assert result.epsilon <= 2.0
-    _next_epoch_exceeds(result, guard)
+    _next_epoch_exceeds(result, guard, sampling=sampling)
 
 
 @pytest.mark.parametrize("family", ["exp", "time", "step", "poly"])
@@ -117,8 +119,9 @@ def test_validation_schedule_needs_a_public_validation_set():
     _next_epoch_exceeds(result, guard, sampling="shuffle")
 
 
-def test_dp_resume_continues_identically(tmp_path):
-    dp = DPConfig(mode="fixed", epsilon=100.0, delta=1e-3, noise_multiplier=1.0)
+@pytest.mark.parametrize("sampling", ["shuffle", pytest.param("poisson", marks=pytest.mark.slow)])
+def test_dp_resume_continues_identically(tmp_path, sampling):
+    dp = DPConfig(mode="fixed", epsilon=100.0, delta=1e-3, noise_multiplier=1.0, sampling=sampling)
     straight, r1 = _train(dp, epochs=3, checkpoint=tmp_path / "a.pt")
     _train(dp, epochs=2, checkpoint=tmp_path / "b.pt")
     resumed, r2 = _train(dp, epochs=3, checkpoint=tmp_path / "b.pt", seed=0)
