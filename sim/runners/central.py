@@ -42,7 +42,7 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cac
     if data is None:
         from sim.data.phantoms import ensure_phantoms
 
-        root = Path(ensure_phantoms(preset, cache))
+        root = Path(ensure_phantoms(preset, cache, progress=progress))
         tag = f"phantoms-{preset.name}"
     else:
         root = Path(data)
