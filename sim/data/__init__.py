@@ -1,0 +1,9 @@
+"""The data layer (issue 3): MSD Task01 reader, phantom generator, preprocessing, partitions, augmentation.
+
+Submodules are imported on demand (``from sim.data.preprocess import prepare_dataset``) so that reading a
+manifest does not import torch or nilearn.
+"""
+
+from sim.data.errors import DataError
+
+__all__ = ["DataError"]

@@ -1,0 +1,302 @@
+"""Reader and validator for the Medical Segmentation Decathlon Task01_BrainTumour layout (SPEC section 8).
+
+The folder as distributed::
+
+    dataset.json      {"modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
+                       "labels": {"0": "background", "1": "edema", "2": "non-enhancing tumor",
+                                  "3": "enhancing tumour"},
+                       "training": [{"image": "./imagesTr/BRATS_001.nii.gz",
+                                     "label": "./labelsTr/BRATS_001.nii.gz"}, ...],
+                       "test": ["./imagesTs/BRATS_485.nii.gz", ...]}
+    imagesTr/*.nii.gz 4D NIfTI (x, y, z, 4 modalities)
+    labelsTr/*.nii.gz 3D label maps with values 0..3
+    imagesTs/*.nii.gz 4D NIfTI without labels
+
+The phantom generator (``sim.data.phantoms``) writes the same layout plus an ``"institution"`` field per
+training entry and a ``"phantoms"`` block describing how it was generated; both are optional here.
+
+Every problem with the user's data becomes a one-line :class:`~sim.data.errors.DataError` naming the file
+and what was expected -- never a raw nibabel/gzip/zlib traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.data.errors import DataError
+
+MODALITIES = ("FLAIR", "T1w", "t1gd", "T2w")
+LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+N_CHANNELS = 4
+N_CLASSES = 4
+AFFINE_TOLERANCE = 1e-3   # mm; image and label affines must agree to this (rounding in headers is ~1e-6)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scan: its id (file name without ``.nii.gz``), image path, label path (None for test scans)."""
+
+    case_id: str
+    image: Path
+    label: Path | None = None
+    institution: str | None = None
+
+
+@dataclass
+class MSDDataset:
+    """A parsed ``dataset.json`` with resolved paths (files are checked to exist, not yet read)."""
+
+    root: Path
+    training: list[Case]
+    test: list[Case]
+    labels: dict
+    modalities: dict
+    name: str = ""
+    extra: dict = field(default_factory=dict)   # other dataset.json keys (e.g. the "phantoms" block)
+
+    @property
+    def institutions(self) -> list[str]:
+        """Sorted distinct institutions of the training cases (empty when dataset.json does not say)."""
+        return sorted({c.institution for c in self.training if c.institution is not None})
+
+    def case(self, case_id: str) -> Case:
+        for case in self.training + self.test:
+            if case.case_id == case_id:
+                return case
+        raise DataError(f"{self.root / 'dataset.json'}: no case {case_id!r}")
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """Short, unambiguous form of a path for one-line messages (relative to the cwd when inside it)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def case_id_from_path(path: str | os.PathLike) -> str:
+    name = Path(path).name
+    for suffix in (".nii.gz", ".nii"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+# ------------------------------------------------------------------------------------------ dataset.json
+def read_msd(root: str | os.PathLike) -> MSDDataset:
+    """Parse and check ``root/dataset.json``; every listed file must exist. Raises :class:`DataError`."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{display_path(root)}: expected an MSD Task01 folder (dataset.json, imagesTr/, labelsTr/), "
+                        "but it is not a folder")
+    meta_path = root / "dataset.json"
+    where = display_path(meta_path)
+    if not meta_path.is_file():
+        raise DataError(f"{where}: missing; expected the MSD dataset description (a half-generated phantom folder "
+                        "has no dataset.json until it is complete)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: expected UTF-8 JSON text, got binary data") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(meta).__name__}")
+    missing = [key for key in ("modality", "labels", "training") if key not in meta]
+    if missing:
+        raise DataError(f"{where}: missing key(s) {', '.join(map(repr, missing))}; "
+                        "expected 'modality', 'labels', 'training' (and optionally 'test')")
+    modalities, labels = meta["modality"], meta["labels"]
+    if not isinstance(modalities, dict) or sorted(modalities) != [str(i) for i in range(N_CHANNELS)]:
+        raise DataError(f"{where}: 'modality' must map '0'..'3' to the four MRI sequences "
+                        f"{dict(enumerate(MODALITIES))}, got {modalities!r}")
+    if not isinstance(labels, dict) or not set(LABELS) <= set(map(str, labels)):
+        raise DataError(f"{where}: 'labels' must name classes '0'..'3' {LABELS}, got {labels!r}")
+    training_entries = meta["training"]
+    if not isinstance(training_entries, list) or not training_entries:
+        raise DataError(f"{where}: 'training' must be a non-empty list of {{'image', 'label'}} entries, "
+                        f"got {'an empty list' if training_entries == [] else type(training_entries).__name__}")
+    training: list[Case] = []
+    for index, entry in enumerate(training_entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) \
+                or not isinstance(entry.get("label"), str):
+            raise DataError(f"{where}: training[{index}] must be an object with string 'image' and 'label' paths, "
+                            f"got {entry!r:.80}")
+        institution = entry.get("institution")
+        training.append(Case(case_id_from_path(entry["image"]), root / entry["image"], root / entry["label"],
+                             None if institution is None else str(institution)))
+    test_entries = meta.get("test", [])
+    if not isinstance(test_entries, list):
+        raise DataError(f"{where}: 'test' must be a list of image paths, got {type(test_entries).__name__}")
+    test: list[Case] = []
+    for index, entry in enumerate(test_entries):
+        image = entry.get("image") if isinstance(entry, dict) else entry
+        if not isinstance(image, str):
+            raise DataError(f"{where}: test[{index}] must be an image path string, got {entry!r:.80}")
+        test.append(Case(case_id_from_path(image), root / image, None, None))
+    seen: dict[str, str] = {}
+    for kind, cases in (("training", training), ("test", test)):
+        for case in cases:
+            if case.case_id in seen:
+                raise DataError(f"{where}: duplicate case id {case.case_id!r} (in {seen[case.case_id]} and {kind}); "
+                                "expected every image file name to be unique")
+            seen[case.case_id] = kind
+    for case in training + test:
+        if not case.image.is_file():
+            raise DataError(f"{display_path(case.image)}: missing image file listed in {where}")
+        if case.label is not None and not case.label.is_file():
+            raise DataError(f"{display_path(case.label)}: missing label file listed in {where}")
+    extra = {k: v for k, v in meta.items() if k not in ("modality", "labels", "training", "test")}
+    return MSDDataset(root=root, training=training, test=test, labels=dict(labels), modalities=dict(modalities),
+                      name=str(meta.get("name") or root.name), extra=extra)
+
+
+# ------------------------------------------------------------------------------------------------ NIfTI
+def _open_nifti(path: Path, what: str):
+    """Load header and voxel array, turning every nibabel/gzip/zlib failure into a one-line DataError."""
+    import gzip
+    import zlib
+
+    import nibabel as nib
+
+    where = display_path(path)
+    if not path.is_file():
+        raise DataError(f"{where}: missing {what} file")
+    if path.name.endswith(".gz"):
+        with open(path, "rb") as handle:
+            magic = handle.read(2)
+        if magic != b"\x1f\x8b":
+            raise DataError(f"{where}: not a gzip file; expected a gzip-compressed NIfTI (.nii.gz) {what}")
+    try:
+        img = nib.load(str(path))
+    except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise DataError(f"{where}: corrupted or truncated gzip data ({_one_line(exc)}); "
+                        f"expected a readable .nii.gz {what}") from None
+    except Exception as exc:  # nibabel raises ImageFileError, HeaderDataError, ValueError, struct.error...
+        raise DataError(f"{where}: not a NIfTI {what} ({_one_line(exc)})") from None
+    if not isinstance(img, (nib.Nifti1Image, nib.Nifti2Image)):
+        raise DataError(f"{where}: expected a NIfTI {what}, got {type(img).__name__}")
+    try:
+        data = np.asanyarray(img.dataobj)
+    except (gzip.BadGzipFile, zlib.error, EOFError, OSError) as exc:
+        raise DataError(f"{where}: corrupted or truncated gzip data ({_one_line(exc)}); "
+                        f"expected a readable .nii.gz {what}") from None
+    except Exception as exc:
+        raise DataError(f"{where}: unreadable voxel data ({_one_line(exc)}); expected a NIfTI {what}") from None
+    affine = np.asarray(img.affine, dtype=np.float64)
+    return data, affine
+
+
+def _check_affine(affine: np.ndarray, where: str) -> None:
+    if affine.shape != (4, 4) or not np.all(np.isfinite(affine)):
+        raise DataError(f"{where}: affine is not a finite 4x4 matrix")
+    if abs(np.linalg.det(affine[:3, :3])) < 1e-9:
+        raise DataError(f"{where}: affine is not invertible (zero voxel size or degenerate axes); "
+                        "expected a voxel-to-world matrix with non-zero determinant")
+
+
+def load_image(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """Read and check a 4D MSD-order scan: returns (image float32 (X, Y, Z, 4), affine (4, 4)).
+
+    Used for training cases and for scans given to ``fedpate predict``.
+    """
+    path = Path(path)
+    where = display_path(path)
+    data, affine = _open_nifti(path, "image")
+    if data.ndim != 4:
+        raise DataError(f"{where}: expected a 4D image (x, y, z, {N_CHANNELS} modalities: "
+                        f"{', '.join(MODALITIES)}), got a {data.ndim}D array of shape {tuple(data.shape)}")
+    if data.shape[3] != N_CHANNELS:
+        raise DataError(f"{where}: expected {N_CHANNELS} channels ({', '.join(MODALITIES)}) on the last axis, "
+                        f"got {data.shape[3]} (shape {tuple(data.shape)})")
+    if not np.issubdtype(data.dtype, np.number) or np.issubdtype(data.dtype, np.complexfloating):
+        raise DataError(f"{where}: expected real-valued voxels, got dtype {data.dtype}")
+    image = np.asarray(data, dtype=np.float32)
+    if not np.all(np.isfinite(image)):
+        bad = int(np.size(image) - np.count_nonzero(np.isfinite(image)))
+        raise DataError(f"{where}: {bad} non-finite voxel(s) (NaN or inf); expected finite intensities")
+    if not np.any(image):
+        raise DataError(f"{where}: empty brain (every voxel is zero); expected a skull-stripped scan with "
+                        "non-zero intensities inside the brain")
+    _check_affine(affine, where)
+    return image, affine
+
+
+def load_label(path: str | os.PathLike, shape: tuple[int, ...] | None = None,
+               affine: np.ndarray | None = None, image_path: str | os.PathLike | None = None) -> np.ndarray:
+    """Read and check a 3D label map with values in 0..3 (optionally against its image's shape/affine)."""
+    path = Path(path)
+    where = display_path(path)
+    data, label_affine = _open_nifti(path, "label")
+    against = f" of {display_path(image_path)}" if image_path is not None else ""
+    if data.ndim == 4 and data.shape[3] == 1:
+        data = data[..., 0]
+    if data.ndim != 3:
+        raise DataError(f"{where}: expected a 3D label map (x, y, z), got shape {tuple(data.shape)}")
+    if shape is not None and tuple(data.shape) != tuple(shape[:3]):
+        raise DataError(f"{where}: label shape {tuple(data.shape)} does not match the image shape "
+                        f"{tuple(shape[:3])}{against}")
+    _check_affine(label_affine, where)
+    if affine is not None and not np.allclose(label_affine, affine, atol=AFFINE_TOLERANCE):
+        raise DataError(f"{where}: label affine differs from the image affine{against} "
+                        f"(max difference {np.max(np.abs(label_affine - affine)):.3g}); expected the same grid")
+    if not np.issubdtype(data.dtype, np.number):
+        raise DataError(f"{where}: expected integer labels 0..3, got dtype {data.dtype}")
+    if np.issubdtype(data.dtype, np.floating):
+        values = np.asarray(data, dtype=np.float64)
+        if not np.all(np.isfinite(values)):
+            raise DataError(f"{where}: non-finite label values (NaN or inf); expected integers 0..3")
+        if np.any(values != np.round(values)):
+            raise DataError(f"{where}: non-integer label values (e.g. {values[values != np.round(values)][0]:g}); "
+                            "expected integers 0..3")
+        data = values
+    lo, hi = int(np.min(data)), int(np.max(data))
+    if lo < 0 or hi >= N_CLASSES:
+        found = sorted(int(v) for v in np.unique(data) if not 0 <= v < N_CLASSES)[:5]
+        raise DataError(f"{where}: label values {found} outside 0..3; expected 0 background, 1 edema, "
+                        "2 non-enhancing tumour, 3 enhancing tumour")
+    return np.asarray(data, dtype=np.uint8)
+
+
+def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Read one case: (image float32 (X, Y, Z, 4), label uint8 (X, Y, Z) or None, affine (4, 4))."""
+    image, affine = load_image(case.image)
+    label = None
+    if case.label is not None:
+        label = load_label(case.label, image.shape, affine, image_path=case.image)
+    return image, label, affine
+
+
+def validate_case(case: Case) -> dict[str, Any]:
+    """Read and check one case; return a summary (shape, spacing, label voxel counts per class)."""
+    image, label, affine = load_case(case)
+    summary: dict[str, Any] = {
+        "case_id": case.case_id,
+        "shape": tuple(int(s) for s in image.shape),
+        "spacing": tuple(float(s) for s in np.sqrt((affine[:3, :3] ** 2).sum(axis=0))),
+        "institution": case.institution,
+    }
+    if label is not None:
+        counts = np.bincount(label.ravel(), minlength=N_CLASSES)
+        summary["label_counts"] = {str(k): int(counts[k]) for k in range(N_CLASSES)}
+    return summary
+
+
+def validate_dataset(root: str | os.PathLike, include_test: bool = True) -> MSDDataset:
+    """Check ``dataset.json`` and read every listed case; raise the first :class:`DataError` found."""
+    dataset = read_msd(root)
+    for case in dataset.training + (dataset.test if include_test else []):
+        validate_case(case)
+    return dataset

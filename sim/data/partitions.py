@@ -1,0 +1,257 @@
+"""Who holds which patient: hospitals, their teacher partitions, and the server's public sets (SPEC 1-2).
+
+Order of drawing (deterministic per seed): the test set, then the public query set (the student's
+unlabelled inputs), the public reference set (labels for fitting the PCA basis / autoencoder) and the
+public validation set are drawn first, each stratified over institutions; the remaining cases are private
+and go to hospitals by ``scheme``; each hospital's cases are then split into ``teachers_per_hospital``
+disjoint, non-empty teacher partitions (a patient influences exactly one teacher, SPEC section 2).
+
+Schemes:
+* ``institution`` -- natural: institution j goes to hospital j mod H (when there are fewer institutions
+  than hospitals, each institution's cases are shared evenly among the hospitals mapped to it, h mod M).
+* ``iid`` -- shuffled and dealt evenly.
+* ``dirichlet`` -- size-skewed: hospital shares ~ Dirichlet(alpha), every hospital keeps at least one case
+  per teacher.
+* ``paper`` -- Fay et al. Sec. 5: private cases spread evenly over all K = H x T teachers; with
+  ``n_reference == 0`` the public reference set *is* the query set's labels (the paper trained its
+  autoencoder on the student partition's labels); the split records ``reference_is_query = True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from sim.errors import UserError
+
+SCHEMES = ("institution", "iid", "dirichlet", "paper")
+UNKNOWN_INSTITUTION = "unknown"
+
+
+@dataclass
+class Split:
+    """Case ids per party. ``hospitals[h][t]`` is teacher t's partition at hospital h."""
+
+    hospitals: dict[str, list[list[str]]]
+    public_query: list[str]
+    public_reference: list[str]
+    public_validation: list[str]
+    test: list[str]
+    reference_is_query: bool = False
+    scheme: str = ""
+    seed: int = 0
+    params: dict = field(default_factory=dict)
+
+    def teacher_ids(self) -> list[tuple[str, int]]:
+        return [(h, t) for h in sorted(self.hospitals) for t in range(len(self.hospitals[h]))]
+
+    def hospital_cases(self, hospital: str) -> list[str]:
+        return [cid for part in self.hospitals[hospital] for cid in part]
+
+    def private_cases(self) -> list[str]:
+        return [cid for h in sorted(self.hospitals) for cid in self.hospital_cases(h)]
+
+    @property
+    def teachers(self) -> int:
+        return sum(len(parts) for parts in self.hospitals.values())
+
+    def to_dict(self) -> dict:
+        return {"format": 1, "scheme": self.scheme, "seed": self.seed, "params": dict(self.params),
+                "reference_is_query": bool(self.reference_is_query),
+                "hospitals": {h: [list(p) for p in parts] for h, parts in self.hospitals.items()},
+                "public_query": list(self.public_query), "public_reference": list(self.public_reference),
+                "public_validation": list(self.public_validation), "test": list(self.test)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Split":
+        return cls(hospitals={str(h): [list(map(str, p)) for p in parts] for h, parts in d["hospitals"].items()},
+                   public_query=list(d["public_query"]), public_reference=list(d["public_reference"]),
+                   public_validation=list(d["public_validation"]), test=list(d["test"]),
+                   reference_is_query=bool(d.get("reference_is_query", False)), scheme=str(d.get("scheme", "")),
+                   seed=int(d.get("seed", 0)), params=dict(d.get("params") or {}))
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        from sim.io import atomic_write_json
+
+        return atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Split":
+        path = Path(path)
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise UserError(f"{path}: missing split manifest; expected the JSON written by Split.to_json") from None
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise UserError(f"{path}: invalid split manifest ({type(exc).__name__}: {exc}); "
+                            "expected the JSON written by Split.to_json") from None
+
+
+def hospital_name(index: int, count: int) -> str:
+    """Zero-padded so that sorting names gives hospital order (nodes pick ``sorted(hospitals)[id]``)."""
+    return f"hospital-{index:0{max(2, len(str(count - 1)))}d}"
+
+
+def split_into_teachers(case_ids: Sequence[str], teachers: int, seed: int = 0) -> list[list[str]]:
+    """Shuffle ``case_ids`` and cut them into ``teachers`` disjoint non-empty partitions of near-equal size."""
+    teachers = int(teachers)
+    if teachers < 1:
+        raise UserError(f"--teachers-per-hospital={teachers}: expected at least 1")
+    ids = sorted(case_ids)
+    if len(ids) < teachers:
+        raise UserError(f"--teachers-per-hospital={teachers}: only {len(ids)} private case(s) to split; "
+                        "expected at least one case per teacher")
+    order = np.random.default_rng([int(seed), 104_729]).permutation(len(ids))
+    return [[ids[i] for i in chunk] for chunk in np.array_split(order, teachers)]
+
+
+def _cases_and_institutions(prepared) -> dict[str, str]:
+    if isinstance(prepared, Mapping):
+        return {str(c): str(i) if i is not None else UNKNOWN_INSTITUTION for c, i in prepared.items()}
+    if hasattr(prepared, "case_ids"):
+        get = getattr(prepared, "institution", lambda c: None)
+        return {c: (get(c) or UNKNOWN_INSTITUTION) for c in prepared.case_ids}
+    return {str(c): UNKNOWN_INSTITUTION for c in prepared}
+
+
+def _stratified_draw(rng: np.random.Generator, pool: dict[str, list[str]], n: int) -> list[str]:
+    """Draw ``n`` cases from ``pool`` (institution -> ids, modified in place) proportionally per institution."""
+    if n <= 0:
+        return []
+    sizes = {k: len(v) for k, v in pool.items() if v}
+    total = sum(sizes.values())
+    keys = sorted(sizes)
+    exact = np.array([n * sizes[k] / total for k in keys])
+    take = np.floor(exact).astype(int)
+    remainder = n - take.sum()
+    # largest remainders first; ties broken randomly so no institution is always favoured
+    order = sorted(range(len(keys)), key=lambda i: (-(exact[i] - take[i]), rng.random()))
+    for i in order[:remainder]:
+        take[i] += 1
+    chosen = []
+    for k, m in zip(keys, take):
+        ids = pool[k]
+        picks = set(rng.choice(len(ids), size=int(m), replace=False).tolist()) if m else set()
+        chosen += [ids[i] for i in sorted(picks)]
+        pool[k] = [ids[i] for i in range(len(ids)) if i not in picks]
+    return sorted(chosen)
+
+
+def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str, n_query: int,
+               n_reference: int, n_validation: int, n_test: int, seed: int, alpha: float = 0.5) -> Split:
+    """Partition the cases of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids)."""
+    if scheme not in SCHEMES:
+        raise UserError(f"--split={scheme!r}: unknown scheme; expected one of {', '.join(SCHEMES)}")
+    if hospitals < 1:
+        raise UserError(f"--hospitals={hospitals}: expected at least 1")
+    if teachers_per_hospital < 1:
+        raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: expected at least 1")
+    for name, value in (("n_query", n_query), ("n_reference", n_reference), ("n_validation", n_validation),
+                        ("n_test", n_test)):
+        if value < 0:
+            raise UserError(f"{name}={value}: expected 0 or more")
+    if scheme == "dirichlet" and not alpha > 0:
+        raise UserError(f"--alpha={alpha}: expected a positive Dirichlet concentration")
+    institution_of = _cases_and_institutions(prepared)
+    total = len(institution_of)
+    public = n_query + n_reference + n_validation + n_test
+    needed = public + hospitals * teachers_per_hospital
+    if needed > total:
+        raise UserError(f"n_query + n_reference + n_validation + n_test = {public} plus one case per teacher "
+                        f"({hospitals} hospitals x {teachers_per_hospital} teachers) needs {needed} cases; "
+                        f"the dataset has {total}")
+    rng = np.random.default_rng([int(seed), 15_485_863])
+    pool: dict[str, list[str]] = {}
+    for cid in sorted(institution_of):
+        pool.setdefault(institution_of[cid], []).append(cid)
+    test = _stratified_draw(rng, pool, n_test)
+    query = _stratified_draw(rng, pool, n_query)
+    reference = _stratified_draw(rng, pool, n_reference)
+    validation = _stratified_draw(rng, pool, n_validation)
+    reference_is_query = scheme == "paper" and n_reference == 0
+    if reference_is_query:
+        reference = list(query)
+    names = [hospital_name(h, hospitals) for h in range(hospitals)]
+    private = {k: sorted(v) for k, v in pool.items() if v}
+    all_private = sorted(cid for ids in private.values() for cid in ids)
+
+    holdings: dict[str, list[str]] = {name: [] for name in names}
+    if scheme == "institution":
+        institutions = sorted(private)
+        if UNKNOWN_INSTITUTION in institutions and len(institutions) == 1 and hospitals > 1:
+            raise UserError("--split=institution: the dataset does not say which institution each case comes from "
+                            "(no 'institution' in dataset.json); expected --split iid or dirichlet")
+        if len(institutions) >= hospitals:
+            for j, inst in enumerate(institutions):
+                holdings[names[j % hospitals]] += private[inst]
+        else:
+            for j, inst in enumerate(institutions):
+                sharing = [names[h] for h in range(hospitals) if h % len(institutions) == j]
+                order = rng.permutation(len(private[inst]))
+                for name, chunk in zip(sharing, np.array_split(order, len(sharing))):
+                    holdings[name] += [private[inst][i] for i in chunk]
+    elif scheme == "iid":
+        order = rng.permutation(len(all_private))
+        for name, chunk in zip(names, np.array_split(order, hospitals)):
+            holdings[name] = [all_private[i] for i in chunk]
+    elif scheme == "dirichlet":
+        order = [all_private[i] for i in rng.permutation(len(all_private))]
+        minimum = teachers_per_hospital
+        shares = rng.dirichlet(np.full(hospitals, float(alpha)))
+        extra = len(order) - minimum * hospitals
+        counts = np.full(hospitals, minimum) + _apportion(extra, shares)
+        start = 0
+        for name, count in zip(names, counts):
+            holdings[name] = order[start:start + int(count)]
+            start += int(count)
+    else:  # paper: even over all K teachers, hospital h holds teachers [h*T, (h+1)*T)
+        order = [all_private[i] for i in rng.permutation(len(all_private))]
+        chunks = np.array_split(np.arange(len(order)), hospitals * teachers_per_hospital)
+        split_hospitals = {}
+        for h, name in enumerate(names):
+            parts = chunks[h * teachers_per_hospital:(h + 1) * teachers_per_hospital]
+            split_hospitals[name] = [sorted(order[i] for i in part) for part in parts]
+        for name, parts in split_hospitals.items():
+            if any(not p for p in parts):
+                raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} would get an empty "
+                                "teacher partition; expected at least one private case per teacher")
+        return Split(split_hospitals, query, reference, validation, test, reference_is_query, scheme, int(seed),
+                     _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha))
+
+    split_hospitals = {}
+    for h, name in enumerate(names):
+        ids = holdings[name]
+        if len(ids) < teachers_per_hospital:
+            raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} has only {len(ids)} private "
+                            f"case(s) under --split={scheme}; expected at least one per teacher")
+        split_hospitals[name] = [sorted(p) for p in split_into_teachers(ids, teachers_per_hospital, seed=seed * 1000 + h)]
+    return Split(split_hospitals, query, reference, validation, test, reference_is_query, scheme, int(seed),
+                 _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha))
+
+
+def _apportion(n: int, shares: np.ndarray) -> np.ndarray:
+    """Integer counts summing to ``n`` proportional to ``shares`` (largest remainders)."""
+    exact = n * shares / shares.sum()
+    counts = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - counts))[: n - counts.sum()]:
+        counts[i] += 1
+    return counts
+
+
+def _params(hospitals, teachers, n_query, n_reference, n_validation, n_test, alpha) -> dict:
+    return {"hospitals": hospitals, "teachers_per_hospital": teachers, "n_query": n_query,
+            "n_reference": n_reference, "n_validation": n_validation, "n_test": n_test, "alpha": alpha}
+
+
+def split_for_preset(prepared, preset, seed: int = 0, **overrides) -> Split:
+    """The preset's split (``overrides`` replace any make_split argument)."""
+    args = dict(hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
+                scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
+                n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
+    args.update({k: v for k, v in overrides.items() if v is not None})
+    return make_split(prepared, **args)

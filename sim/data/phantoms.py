@@ -1,0 +1,550 @@
+"""Deterministic multi-institution brain-tumour phantoms in the MSD Task01 layout (SPEC section 8).
+
+Why phantoms: no download is possible here, yet the whole pipeline (reader, preprocessing, federation,
+``fedpate predict``) must run on something that looks like BraTS. The generator builds each subject from
+real anatomy and randomises everything a model should not rely on (SynthSeg-style domain randomisation,
+Billot et al. 2023), so that a model trained on phantoms has a chance on real skull-stripped scans:
+
+* Anatomy: the MNI152 T1 template and its grey/white-matter probability maps bundled with nilearn (no
+  network); CSF = brain mask minus GM and WM. Resampled once per resolution and cached in-process.
+* Subject: random affine (rotation <= 10 deg, scale 0.9-1.1, translation <= 4 mm) plus a smooth elastic
+  displacement (random control grid, interpolated separably), applied with ``scipy.ndimage.map_coordinates``.
+* Tumour: centred in white matter at a random depth; irregular shapes from smooth noise perturbing an
+  anisotropic distance; labels 1 oedema (finger-like, spares CSF) around a core whose outer shell is
+  enhancing (3) around a necrotic or solid non-enhancing centre (2); optional mass effect pushes tissue out.
+* Contrasts: per-class mean intensities per sequence (FLAIR: oedema bright, CSF dark; T2: oedema and CSF
+  bright; T1: WM > GM > CSF, core dark; T1-Gd: enhancing rim bright), randomised per case and per channel
+  (class means, gamma, scale) in ranges that keep these contrast directions.
+* Scanner: per-institution profiles (intensity scale, gamma, bias-field strength, noise level, blur) spread
+  over their ranges so sites measurably differ; Rician noise; skull-stripped (background exactly 0).
+
+Case ``i`` depends only on ``(seed, i)`` (``numpy.random.default_rng([seed, i])``), so generation can be
+resumed or run in parallel and gives identical bytes. Files are written atomically; ``dataset.json`` is
+written last, so a folder without it is recognisably incomplete and a rerun resumes it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import ndimage
+
+from sim.data.errors import DataError
+from sim.data.msd import LABELS, MODALITIES
+from sim.io import atomic_write_bytes, atomic_write_json
+
+GENERATOR_VERSION = "1"
+PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
+MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
+
+# Mean intensity of each tissue class per sequence (FLAIR, T1, T1-Gd, T2), relative units before the
+# scanner scale. Orders follow clinical appearance of gliomas (e.g. BraTS, Menze et al. 2015).
+CLASSES = ("csf", "gm", "wm", "edema", "necrotic", "solid", "enhancing")
+CONTRAST = {
+    #             FLAIR  T1    T1Gd  T2
+    "csf":       (0.12, 0.25, 0.27, 1.00),
+    "gm":        (0.55, 0.58, 0.60, 0.62),
+    "wm":        (0.42, 0.80, 0.78, 0.42),
+    "edema":     (0.95, 0.52, 0.54, 0.85),
+    "necrotic":  (0.55, 0.28, 0.32, 0.95),   # fluid-filled centre: FLAIR partly suppressed, T2 bright
+    "solid":     (0.82, 0.45, 0.50, 0.72),   # non-enhancing solid tumour
+    "enhancing": (0.75, 0.55, 1.25, 0.70),   # gadolinium uptake: bright on T1-Gd only
+}
+
+
+@dataclass(frozen=True)
+class ScannerProfile:
+    """How one institution's scanner renders the same anatomy (all multiplicative/relative)."""
+
+    name: str
+    intensity_scale: float        # arbitrary scanner units per relative intensity
+    channel_gain: tuple           # per-channel gain on top of the scale
+    gamma: tuple                  # per-channel gamma on the relative intensities
+    bias_strength: float          # std of the log bias field
+    noise: float                  # Rician noise std relative to the mean brain intensity
+    blur_mm: float                # Gaussian PSF std (mm)
+
+
+def institution_name(k: int) -> str:
+    return f"site{k}"
+
+
+def institution_profiles(institutions: int, seed: int) -> list[ScannerProfile]:
+    """Scanner profiles of ``institutions`` sites, spread over their ranges (Latin hypercube) so sites differ.
+
+    Depends only on (seed, institutions); each parameter uses its own random permutation of the sites, so
+    two sites never share the same rank in every parameter.
+    """
+    rng = np.random.default_rng([seed, 7_919, institutions])
+    m = max(institutions, 1)
+
+    def spread(lo: float, hi: float, log: bool = False) -> np.ndarray:
+        u = (rng.permutation(m) + rng.uniform(0.2, 0.8, m)) / m
+        if log:
+            return np.exp(np.log(lo) + u * (np.log(hi) - np.log(lo)))
+        return lo + u * (hi - lo)
+
+    scale, bias, noise, blur = spread(250, 1200, log=True), spread(0.05, 0.3), spread(0.01, 0.06), spread(0.0, 1.5)
+    profiles = []
+    for k in range(institutions):
+        profiles.append(ScannerProfile(
+            name=institution_name(k), intensity_scale=float(scale[k]),
+            channel_gain=tuple(float(g) for g in np.exp(rng.normal(0, 0.15, 4))),
+            gamma=tuple(float(g) for g in np.exp(rng.normal(0, 0.12, 4))),
+            bias_strength=float(bias[k]), noise=float(noise[k]), blur_mm=float(blur[k]),
+        ))
+    return profiles
+
+
+# ------------------------------------------------------------------------------------------------ anatomy
+_ANATOMY: dict[float, dict[str, Any]] = {}
+
+
+def _anatomy(resolution_mm: float) -> dict[str, Any]:
+    """MNI152 tissue maps resampled once to ``resolution_mm`` on the brain's box plus a margin (cached)."""
+    key = round(float(resolution_mm), 4)
+    if key in _ANATOMY:
+        return _ANATOMY[key]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from nilearn import datasets
+
+        mask_img = datasets.load_mni152_brain_mask(resolution=1)
+        gm = np.asarray(datasets.load_mni152_gm_template(resolution=1).get_fdata(), np.float32)
+        wm = np.asarray(datasets.load_mni152_wm_template(resolution=1).get_fdata(), np.float32)
+    mask = np.asarray(mask_img.get_fdata(), np.float32)
+    template_affine = np.asarray(mask_img.affine, np.float64)   # 1 mm, axis-aligned (RAS)
+    gm, wm = gm * mask, wm * mask
+    total = np.maximum(gm + wm, 1.0)
+    gm, wm = gm / total, wm / total                             # keep gm + wm <= 1
+    csf = np.clip(mask - gm - wm, 0.0, 1.0)
+
+    nz = np.argwhere(mask > 0.5)
+    lo, hi = nz.min(axis=0) - MARGIN_MM, nz.max(axis=0) + MARGIN_MM         # template voxel (= mm) box
+    res = float(resolution_mm)
+    shape = tuple(int(math.ceil((h - l) / res)) + 1 for l, h in zip(lo, hi))
+    affine = np.diag([res, res, res, 1.0])
+    affine[:3, 3] = template_affine[:3, 3] + lo
+    # Template voxel coordinates of the output grid, separable because both grids are axis-aligned.
+    axes = [lo[d] + res * np.arange(shape[d]) for d in range(3)]
+    coords = np.meshgrid(*axes, indexing="ij")
+    sigma = max(0.0, 0.42 * (res - 1.0))   # anti-aliasing before downsampling (Gaussian ~ box of width res)
+    maps = {}
+    for name, volume in (("gm", gm), ("wm", wm), ("csf", csf), ("mask", mask)):
+        if sigma > 0:
+            volume = ndimage.gaussian_filter(volume, sigma, truncate=2.5)
+        maps[name] = ndimage.map_coordinates(volume, coords, order=1, mode="constant", cval=0.0).astype(np.float32)
+    # distance to the brain surface in mm, on the output grid (cheaper than at 1 mm; only used for placement)
+    maps["depth"] = (ndimage.distance_transform_edt(maps["mask"] > 0.5) * res).astype(np.float32)
+    anatomy = {"shape": shape, "affine": affine, "resolution": res, **maps}
+    _ANATOMY[key] = anatomy
+    return anatomy
+
+
+# ------------------------------------------------------------------------------------- random smooth fields
+def _basis(n: int, controls: int) -> np.ndarray:
+    """(n, controls) Gaussian interpolation weights: smooth, separable upsampling of a control grid."""
+    if controls <= 1:
+        return np.ones((n, 1), np.float32)
+    pos = np.linspace(0, controls - 1, n)[:, None]
+    weights = np.exp(-0.5 * ((pos - np.arange(controls)[None, :]) / 0.7) ** 2)
+    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def smooth_field(rng: np.random.Generator, shape: tuple[int, ...], controls: tuple[int, ...],
+                 count: int = 1) -> np.ndarray:
+    """``count`` random smooth fields of ``shape`` (about unit std), from Gaussian control grids.
+
+    Separable contraction (control grid x three 1D bases) costs O(voxels x controls), far less than
+    ``ndimage.zoom`` with cubic splines, which is why the generator stays under a second per case.
+    """
+    grid = rng.standard_normal((count, *controls)).astype(np.float32)
+    bx, by, bz = (_basis(n, c) for n, c in zip(shape, controls))
+    out = np.einsum("nabc,zc->nabz", grid, bz)
+    out = np.einsum("nabz,yb->nayz", out, by)
+    out = np.einsum("nayz,xa->nxyz", out, bx)
+    # Interpolation shrinks the variance; restore roughly unit std so amplitudes mean what they say.
+    out /= max(float(out.std()), 1e-6)
+    return out
+
+
+def _rotation(angles: np.ndarray) -> np.ndarray:
+    cx, cy, cz = np.cos(angles)
+    sx, sy, sz = np.sin(angles)
+    rx = np.array([[1, 0, 0], [0, cx, -sx], [0, sx, cx]])
+    ry = np.array([[cy, 0, sy], [0, 1, 0], [-sy, 0, cy]])
+    rz = np.array([[cz, -sz, 0], [sz, cz, 0], [0, 0, 1]])
+    return rz @ ry @ rx
+
+
+# ------------------------------------------------------------------------------------------------- a case
+@dataclass
+class PhantomCase:
+    image: np.ndarray      # (X, Y, Z, 4) int16 scanner units, 0 outside the brain
+    label: np.ndarray      # (X, Y, Z) uint8 0..3
+    affine: np.ndarray     # (4, 4)
+    institution: str
+    info: dict
+
+
+def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2.0) -> PhantomCase:
+    """Generate case ``index`` of the phantom world ``seed`` (depends only on these and the settings)."""
+    anatomy = _anatomy(resolution_mm)
+    rng = np.random.default_rng([int(seed), int(index)])
+    k = index % institutions
+    profile = institution_profiles(institutions, seed)[k]
+    res = anatomy["resolution"]
+    shape = anatomy["shape"]
+    centre = (np.asarray(shape) - 1) / 2.0
+
+    # --- subject shape: affine + elastic, as a map from output voxels to template-grid voxels
+    angles = np.deg2rad(rng.uniform(-10, 10, 3))
+    scales = rng.uniform(0.92, 1.08) * rng.uniform(0.95, 1.05, 3)
+    matrix = (_rotation(angles) @ np.diag(1.0 / scales)).astype(np.float32)
+    shift = (rng.uniform(-4, 4, 3) / res).astype(np.float32)
+    elastic = smooth_field(rng, shape, (5, 6, 5), count=3) * np.float32(rng.uniform(1.0, 3.0) / res)
+    grids = [np.arange(n, dtype=np.float32) - np.float32(c) for n, c in zip(shape, centre)]
+
+    def source(points: list[np.ndarray]) -> list[np.ndarray]:
+        """Template coordinates of (broadcastable) output coordinates ``points`` relative to the centre."""
+        return [matrix[d, 0] * points[0] + matrix[d, 1] * points[1] + matrix[d, 2] * points[2]
+                + np.float32(centre[d]) + shift[d] for d in range(3)]
+
+    base = source([grids[0][:, None, None], grids[1][None, :, None], grids[2][None, None, :]])
+    coords = [np.broadcast_to(base[d], shape) + elastic[d] for d in range(3)]
+
+    # --- tumour centre: white matter, deep enough, found by rejection on template lookups
+    nearest = lambda volume, idx: volume[tuple(np.clip(np.rint(coords[d][idx]), 0, shape[d] - 1).astype(int)
+                                               for d in range(3))]
+    r_edema = rng.uniform(20.0, 38.0)
+    candidates = tuple(rng.integers(0, n, 4000) for n in shape)
+    ok = (nearest(anatomy["wm"], candidates) > 0.5) & (nearest(anatomy["depth"], candidates) > 0.45 * r_edema + 6)
+    if not ok.any():
+        ok = nearest(anatomy["mask"], candidates) > 0.5
+    pick = int(np.flatnonzero(ok)[0])
+    p = np.array([c[pick] for c in candidates], np.float32)
+
+    # --- mass effect: tissue within ~R of p is pushed outward (monotone radial warp, m < 1)
+    mass = rng.uniform(0.0, 0.45) if rng.random() < 0.7 else 0.0
+    if mass > 0:
+        radius_vox = r_edema / res
+        rel = [(np.arange(n, dtype=np.float32) - pc) for n, pc in zip(shape, p)]
+        d2 = rel[0][:, None, None] ** 2 + rel[1][None, :, None] ** 2 + rel[2][None, None, :] ** 2
+        factor = (1.0 - mass * np.exp(-d2 / (2.0 * radius_vox ** 2))).astype(np.float32) - 1.0
+        # x' = p + (x - p) * (1 - m e^{...}); apply the subject transform to the displacement (linear part)
+        disp = [rel[0][:, None, None] * factor, rel[1][None, :, None] * factor, rel[2][None, None, :] * factor]
+        for d in range(3):
+            coords[d] = coords[d] + matrix[d, 0] * disp[0] + matrix[d, 1] * disp[1] + matrix[d, 2] * disp[2]
+
+    tissue = {name: ndimage.map_coordinates(anatomy[name], coords, order=1, mode="constant", cval=0.0,
+                                            output=np.float32)
+              for name in ("gm", "wm", "csf", "mask")}
+    brain = tissue["mask"] > 0.5
+
+    label, tumour_weights, core_kind = _tumour(rng, shape, p, r_edema, res, tissue, brain)
+
+    # --- intensities: class means randomised per case and channel (directions preserved)
+    image = np.zeros((4, *shape), np.float32)
+    tumour_total = sum(tumour_weights.values())
+    healthy = 1.0 - tumour_total
+    texture = 1.0 + 0.04 * smooth_field(rng, shape, (9, 11, 9), count=1)[0]
+    for c in range(4):
+        means = {name: CONTRAST[name][c] * float(np.exp(rng.normal(0.0, 0.07))) for name in CONTRAST}
+        channel = (tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]) * healthy
+        for name, weight in tumour_weights.items():
+            channel += weight * means[core_kind if name == "core" else name]
+        image[c] = channel * texture
+    # tumour heterogeneity: fine-grained multiplicative texture inside the lesion only
+    lesion = label > 0
+    if lesion.any():
+        speckle = ndimage.gaussian_filter(rng.standard_normal(shape).astype(np.float32), 0.8) * 0.25
+        for c in range(4):
+            image[c][lesion] *= 1.0 + speckle[lesion]
+
+    image = _scanner(rng, image, brain, profile, res)
+    label[~brain] = 0
+    volume = image
+    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
+            "edema_radius_mm": round(float(r_edema), 2)}
+    return PhantomCase(image=volume, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
+                       info=info)
+
+
+def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
+            tissue: dict[str, np.ndarray], brain: np.ndarray):
+    """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights."""
+    rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
+    r_core = max(r_edema * rng.uniform(0.45, 0.75), rim + 1.6 * res)
+    r_edema = max(r_edema, r_core + 2.5 * res)
+    # the box holds the largest extent the clipped noise allows (r x 1.45 x stretch 1.3 < 2 r): no flat cuts
+    half = int(math.ceil(2.0 * r_edema / res)) + 2
+    lo = np.maximum(np.floor(p).astype(int) - half, 0)
+    hi = np.minimum(np.floor(p).astype(int) + half + 1, shape)
+    box = tuple(slice(a, b) for a, b in zip(lo, hi))
+    bshape = tuple(int(b - a) for a, b in zip(lo, hi))
+    rel = [(np.arange(a, b, dtype=np.float32) - pc) * res for a, b, pc in zip(lo, hi, p)]   # mm
+    axes = _rotation(rng.uniform(0, np.pi, 3)).astype(np.float32)
+    stretch = rng.uniform(0.75, 1.3, 3).astype(np.float32)
+    u = [(axes[d, 0] * rel[0][:, None, None] + axes[d, 1] * rel[1][None, :, None]
+          + axes[d, 2] * rel[2][None, None, :]) / stretch[d] for d in range(3)]
+    dist = np.sqrt(u[0] ** 2 + u[1] ** 2 + u[2] ** 2)                    # anisotropic distance (mm)
+    # additive perturbation of the normalised distance by clipped smooth noise: irregular, bounded shapes
+    noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=3), -1.5, 1.5)
+    f_core = dist / r_core + rng.uniform(0.08, 0.18) * noise[0]
+    f_edema = dist / r_edema + rng.uniform(0.15, 0.3) * noise[1]
+    inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])                 # variable shell thickness
+
+    in_brain = brain[box]
+    spared = tissue["csf"][box] > 0.6                                    # oedema does not fill ventricles
+    core = (f_core < 1.0) & in_brain
+    necrotic = core & (f_core < inner)
+    enhancing = core & ~necrotic
+    edema = (f_edema < 1.0) & in_brain & ~core & ~spared
+    local = np.zeros(bshape, np.uint8)
+    local[edema], local[necrotic], local[enhancing] = 1, 2, 3
+    label = np.zeros(shape, np.uint8)
+    label[box] = local
+
+    core_kind = "necrotic" if rng.random() < 0.6 else "solid"
+    weights = {}
+    for name, value in (("edema", 1), ("core", 2), ("enhancing", 3)):
+        w = np.zeros(shape, np.float32)
+        w[box] = ndimage.gaussian_filter((local == value).astype(np.float32), 0.6)   # partial-volume edges
+        weights[name] = w
+    # oedema fades towards its border (water content falls off away from the tumour)
+    fade = np.ones(shape, np.float32)
+    fade[box] = 1.0 - 0.45 * np.clip(f_edema, 0.0, 1.0) ** 2
+    weights["edema"] *= fade
+    total = weights["edema"] + weights["core"] + weights["enhancing"]
+    over = total > 1.0
+    for w in weights.values():
+        w[over] /= total[over]
+    return label, weights, core_kind
+
+
+def _scanner(rng: np.random.Generator, image: np.ndarray, brain: np.ndarray, profile: ScannerProfile,
+             res: float) -> np.ndarray:
+    """Apply an institution's scanner (and per-case jitter): blur, bias, gamma, scale, Rician noise, mask."""
+    shape = image.shape[1:]
+    shared_bias = smooth_field(rng, shape, (3, 3, 3), count=1)[0]
+    own_bias = smooth_field(rng, shape, (3, 3, 3), count=4)
+    blur = profile.blur_mm * rng.uniform(0.8, 1.2) / res
+    out = np.empty(shape + (4,), np.int16)
+    scale = profile.intensity_scale * float(np.exp(rng.normal(0.0, 0.08)))
+    for c in range(4):
+        channel = image[c]
+        if blur > 0.3:
+            channel = ndimage.gaussian_filter(channel, blur)
+        strength = profile.bias_strength * rng.uniform(0.8, 1.2)
+        channel = channel * np.exp(strength * (0.7 * shared_bias + 0.3 * own_bias[c]))
+        gamma = profile.gamma[c] * float(np.exp(rng.normal(0.0, 0.08)))
+        channel = np.power(np.maximum(channel, 0.0), gamma)
+        channel = channel * (scale * profile.channel_gain[c] * float(np.exp(rng.normal(0.0, 0.1))))
+        sigma = profile.noise * float(channel[brain].mean()) * rng.uniform(0.8, 1.2)
+        real = channel + sigma * rng.standard_normal(shape, dtype=np.float32)
+        imag = sigma * rng.standard_normal(shape, dtype=np.float32)
+        channel = np.sqrt(real * real + imag * imag)
+        channel[~brain] = 0.0
+        # keep every brain voxel non-zero so the brain mask survives the rounding to integers
+        out[..., c] = np.where(brain, np.clip(np.rint(channel), 1, 32767), 0).astype(np.int16)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _nifti_gz_bytes(data: np.ndarray, affine: np.ndarray) -> bytes:
+    import nibabel as nib
+
+    img = nib.Nifti1Image(data, affine)
+    img.header.set_xyzt_units("mm", "sec")
+    img.set_qform(affine, code=1)
+    img.set_sform(affine, code=1)
+    # mtime=0 and a fixed level: identical inputs give identical files (determinism is tested on bytes)
+    return gzip.compress(img.to_bytes(), compresslevel=1, mtime=0)
+
+
+def _case_name(index: int, total: int) -> str:
+    return f"BRATS_{index + 1:0{max(3, len(str(total)))}d}"
+
+
+def _generation_config(cases: int, institutions: int, seed: int, resolution_mm: float, test_cases: int) -> dict:
+    return {"generator_version": GENERATOR_VERSION, "seed": int(seed), "cases": int(cases),
+            "institutions": int(institutions), "resolution_mm": float(resolution_mm), "test_cases": int(test_cases)}
+
+
+def _write_case(out: Path, index: int, total: int, config: dict, labelled: bool) -> dict:
+    name = _case_name(index, total)
+    image_path = out / ("imagesTr" if labelled else "imagesTs") / f"{name}.nii.gz"
+    label_path = out / "labelsTr" / f"{name}.nii.gz"
+    institution = institution_name(index % config["institutions"])
+    if image_path.exists() and (not labelled or label_path.exists()):
+        return {"name": name, "institution": institution}                 # resumed: already complete
+    case = make_case(config["seed"], index, config["institutions"], config["resolution_mm"])
+    if labelled:
+        atomic_write_bytes(label_path, _nifti_gz_bytes(case.label, case.affine))
+    atomic_write_bytes(image_path, _nifti_gz_bytes(case.image, case.affine))   # image last = case complete
+    return {"name": name, "institution": case.institution}
+
+
+def _generate_one(args: tuple) -> dict:
+    return _write_case(*args)
+
+
+def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, seed: int,
+                      resolution_mm: float = 2.0, test_cases: int = 0, progress: bool = True,
+                      workers: int = 1) -> Path:
+    """Write ``cases`` labelled (+ ``test_cases`` unlabelled) phantoms in the MSD Task01 layout under ``out``.
+
+    Resumes an incomplete folder made with the same settings; refuses a folder holding other data.
+    ``workers > 1`` generates in that many processes (same bytes as serial generation).
+    """
+    if cases < 1:
+        raise DataError(f"--cases={cases}: expected at least 1 labelled case")
+    if institutions < 1:
+        raise DataError(f"--institutions={institutions}: expected at least 1 institution")
+    if test_cases < 0:
+        raise DataError(f"--test-cases={test_cases}: expected 0 or more")
+    if not 0.5 <= resolution_mm <= 8.0:
+        raise DataError(f"--resolution={resolution_mm}: expected a voxel size between 0.5 and 8 mm")
+    if seed < 0:
+        raise DataError(f"--seed={seed}: expected a non-negative integer")
+    out = Path(out)
+    config = _generation_config(cases, institutions, seed, resolution_mm, test_cases)
+    meta_path, progress_path = out / "dataset.json", out / PROGRESS_FILE
+    if meta_path.exists():
+        existing = _read_config(meta_path)
+        if existing == config:
+            return out
+        raise DataError(f"{meta_path}: folder already holds a dataset "
+                        f"({'other phantom settings' if existing else 'not phantoms of this generator'}); "
+                        "expected an empty or missing --out folder")
+    if progress_path.exists():
+        try:
+            previous = json.loads(progress_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            previous = None
+        if previous != config:
+            raise DataError(f"{progress_path}: incomplete phantoms with other settings ({previous}); "
+                            "expected the same settings to resume, or a new --out folder")
+    elif out.exists() and any(p for p in out.iterdir() if not p.name.startswith(".")):
+        raise DataError(f"{out}: folder is not empty; expected an empty or missing --out folder")
+    for sub in ("imagesTr", "labelsTr", "imagesTs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(progress_path, config)
+
+    total = cases + test_cases
+    jobs = [(out, i, total, config, i < cases) for i in range(total)]
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"phantoms {out.name}", unit="case", disable=not progress, leave=False)
+    results: list[dict] = []
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for result in pool.map(_generate_one, jobs, chunksize=2):
+                results.append(result)
+                bar.update(1)
+    else:
+        for job in jobs:
+            results.append(_generate_one(job))
+            bar.update(1)
+    bar.close()
+
+    profiles = institution_profiles(institutions, seed)
+    meta = {
+        "name": "BrainTumourPhantoms",
+        "description": "Deterministic MNI152-based brain-tumour phantoms in the MSD Task01 layout (fedpate)",
+        "reference": "fedpate sim.data.phantoms; anatomy: MNI152 template (nilearn)",
+        "licence": "CC-BY-SA 4.0 (MNI152 ICBM 2009 template terms apply)",
+        "tensorImageSize": "4D",
+        "modality": {str(i): m for i, m in enumerate(MODALITIES)},
+        "labels": dict(LABELS),
+        "numTraining": cases,
+        "numTest": test_cases,
+        "training": [{"image": f"./imagesTr/{r['name']}.nii.gz", "label": f"./labelsTr/{r['name']}.nii.gz",
+                      "institution": r["institution"]} for r in results[:cases]],
+        "test": [f"./imagesTs/{r['name']}.nii.gz" for r in results[cases:]],
+        "phantoms": {**config, "profiles": [asdict(p) for p in profiles]},
+    }
+    atomic_write_json(meta_path, meta)      # last: its presence means the folder is complete
+    try:
+        progress_path.unlink()
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _read_config(meta_path: Path) -> dict | None:
+    try:
+        block = json.loads(meta_path.read_text()).get("phantoms")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(block, dict):
+        return None
+    return {k: block.get(k) for k in ("generator_version", "seed", "cases", "institutions", "resolution_mm",
+                                      "test_cases")}
+
+
+def default_cache_root() -> Path:
+    """``$FEDPATE_CACHE`` or ``~/.cache/fedpate``."""
+    env = os.environ.get("FEDPATE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fedpate"
+
+
+def phantom_folder_name(preset, seed: int = 0) -> str:
+    return (f"phantoms-{preset.name}-n{preset.phantom_cases}-t{preset.phantom_test_cases}"
+            f"-m{preset.institutions}-{preset.phantom_resolution_mm:g}mm-seed{seed}-v{GENERATOR_VERSION}")
+
+
+def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
+                    progress: bool = True, workers: int = 1) -> Path:
+    """Phantoms for ``preset`` (a name or :class:`sim.presets.Preset`), generated once and cached.
+
+    Cached under ``cache_root`` (default ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``) in a folder named after
+    the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`. A file lock serialises
+    concurrent callers (several test sessions or runs share the cache).
+    """
+    from sim.presets import get_preset
+
+    if isinstance(preset, str):
+        preset = get_preset(preset)
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / phantom_folder_name(preset, seed)
+    if (out / "dataset.json").exists():
+        return out
+    with _file_lock(root / f".{out.name}.lock"):
+        return generate_phantoms(out, preset.phantom_cases, preset.institutions, seed,
+                                 resolution_mm=preset.phantom_resolution_mm, test_cases=preset.phantom_test_cases,
+                                 progress=progress, workers=workers)
+
+
+class _file_lock:
+    """Exclusive advisory lock on ``path`` (POSIX ``flock``); a no-op where fcntl is unavailable."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle = None
+
+    def __enter__(self):
+        self.handle = open(self.path, "a+")
+        try:
+            import fcntl
+
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()   # closing releases the lock
+        return False
