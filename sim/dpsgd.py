@@ -41,6 +41,7 @@ Noise modes:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -53,6 +54,12 @@ from sim.errors import UserError
 DEFAULT_GRAD_SAMPLE_MODE = "functorch"
 
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
+
+# Known, harmless Opacus/torch messages that would otherwise print on every run: secure_mode is a
+# deployment choice (see privacy.mechanisms.make_generator(secure=True)), and the full-backward-hook note
+# fires because the network's *inputs* (scans) never require gradients.
+warnings.filterwarnings("ignore", message="Secure RNG turned off")
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
 @dataclass

@@ -59,3 +59,46 @@ def test_central_dpsgd_cli(tmp_path, monkeypatch, tiny_phantoms):
     assert main(["central", "--preset", "tiny", "--data", str(tiny_phantoms), "--out", str(out), "--method",
                  "dp-sgd", "--no-progress", "--epochs", "2", "--sampling", "shuffle"]) == 0
     assert (out / "ledger.jsonl").read_text() == before
+
+
+def _fake_loader(preset, seed=0, data=None, cache_root=None, progress=True):
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    @dataclass
+    class Config:
+        grid: tuple
+        margin_voxels: int = 2
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(6, 4, *preset.grid)).astype(np.float32)
+    y = (x[:, 0] > 0.5).astype(np.int64) + (x[:, 1] > 1.2).astype(np.int64)
+    return {"config": Config(tuple(preset.grid)), "train_ids": ["a", "b", "c", "d"], "test_ids": ["e", "f"],
+            "train_images": x[:4], "train_labels": y[:4], "test_images": x[4:], "test_labels": y[4:],
+            "validation": None, "hospitals": 2, "source": {"kind": "synthetic-test"}}
+
+
+@pytest.mark.parametrize("method", ["nonprivate", "dp-sgd"])
+def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
+    import sim.runners.central as central
+
+    monkeypatch.setattr(central, "load_central_data", _fake_loader)
+    results = central.run_central(method=method, preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+                                  progress=False, epochs=1, sampling="shuffle", augment=False)
+    written = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert written == json.loads(json.dumps(results))
+    assert all(key in written for key in SCHEMA) and set(written["dice"]) == DICE
+    from sim.bundle import load_bundle
+
+    bundle = load_bundle(tmp_path / "run")   # verifies weights digest and the card against the ledger
+    assert bundle.card["epsilon"] == written["epsilon"]
+    if method == "dp-sgd":
+        from privacy.ledger import Ledger
+
+        spent = Ledger.load(tmp_path / "run" / "ledger.jsonl").spent("central", 1e-3)
+        assert written["epsilon"] == pytest.approx(spent.epsilon) and written["accountant"] == "zcdp"
+        assert written["relation"] == "add-remove" and written["epsilon_budget"] == 8.0
+    else:
+        assert written["epsilon"] is None and written["relation"] is None and written["delta"] is None
+        assert (tmp_path / "run" / "ledger.jsonl").read_text() == ""
