@@ -94,3 +94,18 @@ def test_echo_app_is_a_valid_flower_app(tmp_path):
     app = write_echo_app(tmp_path / "app")
     ok, errors, _ = validate_fields_in_config(tomllib.loads((app / "pyproject.toml").read_text()))
     assert ok, errors
+
+
+def test_cli_certs_and_commands(tmp_path, capsys):
+    from sim.cli import main
+
+    assert main(["deploy", "certs", "--out", str(tmp_path / "c"), "--hospitals", "2", "--host", "agg.test"]) == 0
+    assert certificate_sans(tmp_path / "c" / "superlink.crt") == ["agg.test"]
+    assert (tmp_path / "c" / "supernodes" / "h1.pub").exists()
+    assert main(["deploy", "commands", "--certs", str(tmp_path / "c"), "--superlink", "agg.test:9093",
+                 "--hospital", "h0=/d0", "--hospital", "h1=/d1"]) == 0
+    out = capsys.readouterr().out
+    assert "flwr supernode register /etc/fedpate/certs/h1.pub fedpate" in out
+    assert main(["deploy", "commands", "--certs", str(tmp_path / "c"), "--superlink", "agg.test:9093",
+                 "--hospital", "h0"]) == 2
+    assert main(["deploy", "local", "--out", str(tmp_path / "l"), "--hospitals", "2", "-c", "no-such-key=1"]) == 2
