@@ -52,9 +52,14 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cac
     config = PreprocessConfig(grid=tuple(preset.grid))
     prepared = prepare_dataset(root, cache / f"prepared-{tag}-{'x'.join(map(str, preset.grid))}", config,
                                progress=progress)
-    split = make_split(prepared, hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
-                       scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
-                       n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
+    try:
+        from sim.data.partitions import split_for_preset
+    except ImportError:
+        split = make_split(prepared, hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
+                           scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
+                           n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
+    else:
+        split = split_for_preset(prepared, preset, seed=seed)
     train_ids = [case for partitions in split.hospitals.values() for part in partitions for case in part]
     test_ids = list(split.test)
     if not train_ids:
