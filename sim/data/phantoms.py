@@ -285,8 +285,8 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
     r_core = max(r_edema * rng.uniform(0.45, 0.75), rim + 1.6 * res)
     r_edema = max(r_edema, r_core + 2.5 * res)
-    # the box holds the largest extent the clipped noise allows (r x 1.45 x stretch 1.3 < 2 r): no flat cuts
-    half = int(math.ceil(2.0 * r_edema / res)) + 2
+    # the box holds the largest extent the clipped noise allows (r x 1.675 x stretch 1.3 < 2.2 r): no flat cuts
+    half = int(math.ceil(2.2 * r_edema / res)) + 2
     lo = np.maximum(np.floor(p).astype(int) - half, 0)
     hi = np.minimum(np.floor(p).astype(int) + half + 1, shape)
     box = tuple(slice(a, b) for a, b in zip(lo, hi))
@@ -299,8 +299,9 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     dist = np.sqrt(u[0] ** 2 + u[1] ** 2 + u[2] ** 2)                    # anisotropic distance (mm)
     # additive perturbation of the normalised distance by clipped smooth noise: irregular, bounded shapes
     noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=3), -1.5, 1.5)
-    f_core = dist / r_core + rng.uniform(0.08, 0.18) * noise[0]
-    f_edema = dist / r_edema + rng.uniform(0.15, 0.3) * noise[1]
+    f_core = dist / r_core + rng.uniform(0.1, 0.25) * noise[0]
+    finger = np.clip(smooth_field(rng, bshape, (8, 8, 8), count=1)[0], -1.5, 1.5)   # finer: finger-like oedema
+    f_edema = dist / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
     inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])                 # variable shell thickness
 
     in_brain = brain[box]

@@ -1,0 +1,133 @@
+"""``fedpate data phantoms|inspect|prepare|gallery`` -- make, check, preprocess and look at tumour data.
+
+Data problems raise :class:`sim.data.errors.DataError`; ``sim/cli.py`` prints them as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("data", help="generate, inspect, preprocess and draw MSD-layout tumour data",
+                                   description=__doc__)
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION")
+    sub.required = True
+
+    p = sub.add_parser("phantoms", help="write deterministic multi-institution phantoms in the MSD Task01 layout")
+    p.add_argument("--out", required=True, help="output folder (created; an incomplete one is resumed)")
+    p.add_argument("--cases", type=int, required=True, help="labelled cases (imagesTr + labelsTr)")
+    p.add_argument("--institutions", type=int, default=4, help="scanner profiles / sites (default: 4)")
+    p.add_argument("--seed", type=int, default=0, help="world seed; case i depends only on (seed, i)")
+    p.add_argument("--resolution", type=float, default=2.0, help="voxel size in mm (default: 2)")
+    p.add_argument("--test-cases", type=int, default=0, help="unlabelled cases in imagesTs (default: 0)")
+    p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_phantoms)
+
+    p = sub.add_parser("inspect", help="validate an MSD-layout folder and summarise it")
+    p.add_argument("dir", help="MSD Task01-layout folder")
+    p.add_argument("--quick", action="store_true", help="check dataset.json and the first case only")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("prepare", help="crop, normalise and resample every training case into a cache")
+    p.add_argument("dir", help="MSD Task01-layout folder")
+    p.add_argument("--grid", default="32", help="working grid: N or X,Y,Z (default: 32)")
+    p.add_argument("--margin", type=int, default=2, help="voxels kept around the brain's box (default: 2)")
+    p.add_argument("--out", required=True, help="cache folder (images.npy, labels.npy, records.json, manifest.json)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_prepare)
+
+    p = sub.add_parser("gallery", help="draw mid axial slices (4 modalities + labels) of a few cases to a PNG")
+    p.add_argument("dir", help="MSD Task01-layout folder")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--cases", type=int, default=4, help="how many cases (default: 4)")
+    p.add_argument("--case", action="append", default=None, help="draw this case id (repeatable)")
+    p.set_defaults(func=_gallery)
+
+
+def parse_grid(text: str) -> tuple[int, int, int]:
+    from sim.data.errors import DataError
+
+    try:
+        sizes = [int(v) for v in str(text).replace("x", ",").split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if len(sizes) == 1:
+        sizes *= 3
+    if len(sizes) != 3 or min(sizes) < 2:
+        raise DataError(f"--grid={text}: expected N or X,Y,Z with sizes >= 2 (e.g. 32 or 32,32,24)")
+    return tuple(sizes)
+
+
+def _phantoms(args: argparse.Namespace) -> int:
+    from sim.data.phantoms import generate_phantoms
+
+    start = time.perf_counter()
+    out = generate_phantoms(args.out, cases=args.cases, institutions=args.institutions, seed=args.seed,
+                            resolution_mm=args.resolution, test_cases=args.test_cases,
+                            progress=not args.no_progress, workers=max(1, args.workers))
+    seconds = time.perf_counter() - start
+    total = args.cases + args.test_cases
+    print(f"wrote {args.cases} labelled + {args.test_cases} test phantoms ({args.institutions} institutions, "
+          f"{args.resolution:g} mm, seed {args.seed}) to {out} in {seconds:.1f} s "
+          f"({seconds / max(total, 1):.2f} s/case)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from sim.data.msd import read_msd, validate_case
+
+    dataset = read_msd(args.dir)
+    cases = dataset.training[:1] if args.quick else dataset.training
+    summaries = [validate_case(c) for c in cases]
+    test_summaries = [validate_case(c) for c in ([] if args.quick else dataset.test)]
+    print(f"{dataset.root}: {dataset.name}")
+    print(f"  modalities: {', '.join(dataset.modalities[str(i)] for i in range(4))}")
+    print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(dataset.labels.items()))}")
+    print(f"  cases:      {len(dataset.training)} labelled, {len(dataset.test)} test"
+          + (" (checked: first case only)" if args.quick else " (all checked)"))
+    shapes = sorted({s["shape"] for s in summaries + test_summaries})
+    spacings = sorted({tuple(round(v, 3) for v in s["spacing"]) for s in summaries + test_summaries})
+    print(f"  shapes:     {', '.join('x'.join(map(str, s)) for s in shapes)}")
+    print(f"  spacing mm: {', '.join('x'.join(f'{v:g}' for v in s) for s in spacings)}")
+    counts = np.array([[s["label_counts"][str(k)] for k in range(4)] for s in summaries])
+    names = {"1": "edema", "2": "non-enhancing", "3": "enhancing"}
+    for k in (1, 2, 3):
+        column = counts[:, k]
+        print(f"  label {k} {names[str(k)]:<14} voxels/case: mean {column.mean():9.1f}  min {column.min():7d}  "
+              f"max {column.max():7d}  present in {int((column > 0).sum())}/{len(column)}")
+    if dataset.institutions:
+        per_site = {inst: sum(c.institution == inst for c in dataset.training) for inst in dataset.institutions}
+        print(f"  institutions: {', '.join(f'{k} ({v})' for k, v in per_site.items())}")
+    else:
+        print("  institutions: not recorded")
+    phantoms = dataset.extra.get("phantoms")
+    if isinstance(phantoms, dict):
+        print(f"  phantoms:   seed {phantoms.get('seed')}, generator v{phantoms.get('generator_version')}, "
+              f"{phantoms.get('resolution_mm')} mm")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+
+    start = time.perf_counter()
+    prepared = prepare_dataset(args.dir, args.out, PreprocessConfig(grid=parse_grid(args.grid),
+                                                                  margin_voxels=args.margin),
+                               progress=not args.no_progress)
+    print(f"prepared {len(prepared)} cases on the {'x'.join(map(str, prepared.grid))} grid in {prepared.path} "
+          f"({time.perf_counter() - start:.1f} s; source {prepared.source})")
+    return 0
+
+
+def _gallery(args: argparse.Namespace) -> int:
+    from sim.data.gallery import render_gallery
+
+    out = render_gallery(args.dir, args.out, cases=max(1, args.cases), case_ids=args.case)
+    print(f"wrote {out}")
+    return 0
