@@ -83,6 +83,16 @@ def calibrate(
     lo, hi = _positive("lo", lo), _positive("hi", hi)
     if lo >= hi:
         raise PrivacyError(f"calibrate: lo must be smaller than hi, got lo={lo}, hi={hi}")
+    if accountant == "pld" and hi / lo > 1.7:
+        # PLD at an extreme bracket end can take minutes (a sampled Gaussian with z = 0.05 has a huge
+        # privacy-loss support). RDP is fast and always at least as pessimistic, so locate the answer
+        # with RDP first and give PLD a narrow bracket around it (widened again below if needed).
+        try:
+            rough = calibrate(make_event, target, delta, "rdp", lo, hi, rtol=1e-2)
+        except PrivacyError:
+            rough = None
+        if rough is not None:
+            lo, hi = rough / 1.3, rough * 1.3
     epsilon = _epsilon_of(make_event, accountant, delta, accountant_options or {})
     floor = target * (1 - rtol)
 
@@ -239,7 +249,7 @@ def dpsgd_noise_multiplier(
         options["value_discretization_interval"] = value_discretization_interval or min(
             DEFAULT_PLD_DISCRETIZATION, epsilon * 1e-4
         )
-    # Start from the RDP answer (fast) so that PLD only needs a narrow bracket.
+    # Start from the RDP answer (fast) so that PLD only needs a narrow bracket (PLD's z is below RDP's).
     make = lambda z: SampledGaussianEvent(sampling_rate, z, steps)  # noqa: E731
     guess = calibrate(make, epsilon, delta, "rdp", 0.5, 2.0, rtol=1e-2)
     if accountant == "rdp":

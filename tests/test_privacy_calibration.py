@@ -16,7 +16,7 @@ from privacy.calibration import (
     shuffled_noise_multiplier,
 )
 from privacy.errors import PrivacyError
-from privacy.events import GaussianEvent, SampledGaussianEvent, ZCDPEvent
+from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent, ZCDPEvent
 
 
 def _exact_epsilon(sigma, queries, sens, delta):
@@ -133,3 +133,12 @@ def test_invalid_inputs_name_the_parameter():
 def test_gdp_epsilon_of_calibrated_mu():
     sigma = pate_sigma(8, 1e-3, 80, 0.25)
     assert gdp_epsilon(math.sqrt(80) * 0.25 / sigma, 1e-3) <= 8.0
+
+
+def test_pld_calibration_with_wide_bracket_is_prescreened_by_rdp():
+    """A wide bracket must not make PLD evaluate z = 0.05 (minutes): RDP narrows it first."""
+    make = lambda z: ComposedEvent((GaussianEvent(1.0, 20.0, relation="add-remove"),  # noqa: E731
+                                    SampledGaussianEvent(0.01, z, 100)))
+    z = calibrate(make, 2.0, 1e-5, "pld", 0.05, 500.0)
+    eps = epsilon_spent([make(z)], 1e-5, "pld")[0]
+    assert 2.0 * (1 - 1e-3) <= eps <= 2.0
