@@ -45,20 +45,17 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
         raise UserError("message config: simulation messages must carry 'world' (the prepared world folder)")
     key = ("sim", str(world_dir), int(node_config["partition-id"]))
     if key not in _HOSPITALS:
-        from sim.data.partitions import Split
-        from sim.data.preprocess import PreparedDataset
+        from sim.runners.world_setup import open_world
 
-        world = Path(world_dir)
-        split = Split.from_json(world / "split.json")
+        prepared, split = open_world(world_dir)
         hospital_ids = sorted(split.hospitals)
         index = int(node_config["partition-id"])
         if index >= len(hospital_ids):
             raise UserError(
-                f"node-config partition-id={index}: the world at {world} has only {len(hospital_ids)} hospitals"
+                f"node-config partition-id={index}: the world at {world_dir} has only {len(hospital_ids)} hospitals"
             )
         hospital_id = hospital_ids[index]
-        prepared = PreparedDataset.open(world / "prepared")
-        workdir = world / "nodes" / hospital_id
+        workdir = Path(world_dir) / "nodes" / hospital_id
         _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir, seed)
     return _HOSPITALS[key]
 

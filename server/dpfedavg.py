@@ -52,7 +52,7 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
                  rounds: int | None = None, local_epochs: int = 1, progress: bool = True) -> dict[str, Any]:
     import torch
 
-    from sim.bundle import privacy_card, save_bundle
+    from sim.bundle import preprocessing_of, privacy_card, save_bundle
     from sim.io import atomic_write_json
     from sim.networks import build_unet, network_config
     from sim.training import evaluate_segmentation
@@ -106,6 +106,6 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,
                         relation="add-remove", accountant=results["accountant"], teachers=None,
                         hospitals=results["hospitals"], data_source=world.source)
-    save_bundle(out, model, network_config(preset.unet), world.preprocessing, card)
+    save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
     atomic_write_json(out / "results.json", results)
     return results

@@ -51,6 +51,13 @@ class LoadedBundle:
     path: Path
 
 
+def preprocessing_of(world_or_prepared) -> dict:
+    """The preprocessing a model was trained with, as `fedpate predict` must repeat it."""
+    prepared = getattr(world_or_prepared, "prepared", None) or world_or_prepared
+    config = prepared.config.to_dict()
+    return {"grid": list(config["grid"]), "config": config}
+
+
 def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | None,
                  epsilon_budget: float | None, relation: str | None, accountant: str | None,
                  teachers: int | None, hospitals: int | None, data_source: Mapping[str, Any],

@@ -41,7 +41,7 @@ class FlowerTransport:
         self.teachers_of: dict[str, int] = {}
         self.dropped: dict[str, str] = {}       # hospital id -> why
         self.codec_sent: dict[str, str] = {}    # hospital id -> digest of the compressor state it holds
-        self.bytes_up: list[dict[str, int]] = []  # per query round: hospital -> payload bytes received
+        self.bytes_up: list[dict[str, float]] = []  # per query round: hospital -> bytes per teacher per scan
         self._round = 0
 
     # ----------------------------------------------------------------------------------------------
@@ -92,7 +92,8 @@ class FlowerTransport:
         replies = self._send_to_all(build, retry_on="codec-missing")
         for hospital in replies:
             self.codec_sent[hospital] = digest
-        self.bytes_up.append({h: int(sum(a.nbytes for a in arrays["encodings"].values()))
+        # Payload bytes per (teacher, scan): what one teacher uploads for one query.
+        self.bytes_up.append({h: arrays["encodings"]["z"].nbytes / max(1, arrays["encodings"]["z"].shape[0] * len(scans))
                               for h, (_, arrays) in replies.items()})
         return {h: arrays["encodings"]["z"] for h, (_, arrays) in replies.items()}
 

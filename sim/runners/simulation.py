@@ -1,0 +1,106 @@
+"""Run the fedpate Flower apps in Flower's simulation engine (``fedpate simulate``, ``fedpate compare``).
+
+Engines:
+- ``flower`` (default): ``flwr.simulation.run_simulation`` in this process (Ray backend, one virtual
+  SuperNode per hospital, 1 CPU each). The ServerApp's settings are bound in with ``make_app``.
+- ``runtime``: the simulation runtime behind ``flwr run`` (a ``--simulation`` SuperLink started on a free
+  loopback port and stopped by PID; sim/runners/runtime_sim.py) -- the same path ``flwr run .`` takes.
+- ``inprocess``: no Flower at all (sim/runners/inprocess.py); same protocol code, fastest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from sim.errors import UserError
+from sim.runconfig import RunSettings
+from sim.runners.world_setup import materialise_world
+
+ENGINES = ("flower", "runtime", "inprocess")
+FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_DEDUP_LOGS": "0"}
+
+
+def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[str, Any]] | None = None) -> list[dict]:
+    """Run the configured method (or the given cells) with all hospitals simulated on this machine."""
+    if engine not in ENGINES:
+        raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    for key, value in FLOWER_ENV.items():
+        os.environ.setdefault(key, value)
+    preset = settings.resolved_preset
+    world = materialise_world(preset, settings.data, settings.seed, settings.progress)
+    settings = settings.replace(world=str(world))
+    cells = list(cells or [{"method": settings.method, "epsilon": settings.budget, "out": settings.out}])
+    if engine == "inprocess":
+        return _run_inprocess(settings, cells)
+    if engine == "flower":
+        _run_flower_inprocess(settings, cells)
+    else:
+        _run_runtime(settings, cells)
+    results = []
+    for cell in cells:
+        path = Path(cell["out"]) / "results.json"
+        if not path.exists():
+            raise UserError(f"simulation finished without {path}: the ServerApp failed (see the log above)")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def _settings_fields(settings: RunSettings) -> dict[str, Any]:
+    return {"method": settings.method, "preset": settings.preset, "epsilon": settings.budget,
+            "delta": settings.resolved_delta, "seed": settings.seed, "out": settings.out, "data": settings.data,
+            "hospitals": settings.hospitals, "teachers_per_hospital": settings.teachers_per_hospital,
+            "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
+            "world": settings.world, "calibration": settings.calibration, "progress": settings.progress}
+
+
+def _run_flower_inprocess(settings: RunSettings, cells) -> None:
+    import logging
+
+    from flwr.simulation import run_simulation
+
+    from clients.client_app import app as client_app
+    from server.server_app import make_app
+
+    for cell in cells:  # a stale result must not pass for this run's
+        (Path(cell["out"]) / "results.json").unlink(missing_ok=True)
+    server_app = make_app(extra={"cells": list(cells)}, **_settings_fields(settings))
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    run_simulation(server_app=server_app, client_app=client_app,
+                   num_supernodes=settings.resolved_preset.hospitals,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"log_to_driver": True}})
+
+
+def _run_runtime(settings: RunSettings, cells) -> None:
+    from sim.runners.runtime_sim import run_runtime_simulation
+
+    if len(cells) != 1:
+        raise UserError("--engine runtime runs one cell at a time (use --engine flower for comparisons)")
+    cell = cells[0]
+    (Path(cell["out"]) / "results.json").unlink(missing_ok=True)
+    run_config = {**settings.replace(method=cell["method"], epsilon=cell["epsilon"],
+                                     out=str(Path(cell["out"]).resolve())).to_run_config(),
+                  "world": settings.world}
+    app_dir = Path(__file__).resolve().parents[2]
+    run_runtime_simulation(app_dir, run_config, settings.resolved_preset.hospitals,
+                           Path(cell["out"]) / "runtime", timeout=3600)
+
+
+def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
+    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.world_setup import open_world
+
+    prepared, split = open_world(settings.world)
+    results = []
+    for cell in cells:
+        if cell["method"] == "dp-fedavg":
+            raise UserError("--engine inprocess runs the PATE methods; dp-fedavg needs --engine flower")
+        results.append(run_pate_inprocess(settings.resolved_preset, cell["method"], cell["epsilon"],
+                                          settings.resolved_delta, cell["out"], settings.seed,
+                                          progress=settings.progress, prepared=prepared, split=split,
+                                          calibration=settings.calibration))
+    return results
