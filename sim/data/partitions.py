@@ -162,9 +162,9 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
     public = n_query + n_reference + n_validation + n_test
     needed = public + hospitals * teachers_per_hospital
     if needed > total:
-        raise UserError(f"n_query + n_reference + n_validation + n_test = {public} plus one case per teacher "
-                        f"({hospitals} hospitals x {teachers_per_hospital} teachers) needs {needed} cases; "
-                        f"the dataset has {total}")
+        raise UserError(f"--hospitals={hospitals} x --teachers-per-hospital={teachers_per_hospital} (one case per "
+                        f"teacher) plus n_query + n_reference + n_validation + n_test = {public} public cases "
+                        f"need {needed} cases; the dataset has {total}")
     rng = np.random.default_rng([int(seed), 15_485_863])
     pool: dict[str, list[str]] = {}
     for cid in sorted(institution_of):

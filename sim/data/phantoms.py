@@ -55,7 +55,7 @@ CONTRAST = {
     "edema":     (0.95, 0.52, 0.54, 0.85),
     "necrotic":  (0.55, 0.28, 0.32, 0.95),   # fluid-filled centre: FLAIR partly suppressed, T2 bright
     "solid":     (0.82, 0.45, 0.50, 0.72),   # non-enhancing solid tumour
-    "enhancing": (0.75, 0.55, 1.25, 0.70),   # gadolinium uptake: bright on T1-Gd only
+    "enhancing": (0.75, 0.55, 1.40, 0.70),   # gadolinium uptake: bright on T1-Gd only
 }
 
 
@@ -194,6 +194,7 @@ class PhantomCase:
     affine: np.ndarray     # (4, 4)
     institution: str
     info: dict
+    tissue: dict | None = None   # deformed tissue probability maps (gm, wm, csf, mask): for tests and studies
 
 
 def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2.0) -> PhantomCase:
@@ -276,7 +277,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
             "edema_radius_mm": round(float(r_edema), 2)}
     return PhantomCase(image=volume, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
-                       info=info)
+                       info=info, tissue=tissue)
 
 
 def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
@@ -319,7 +320,9 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     weights = {}
     for name, value in (("edema", 1), ("core", 2), ("enhancing", 3)):
         w = np.zeros(shape, np.float32)
-        w[box] = ndimage.gaussian_filter((local == value).astype(np.float32), 0.6)   # partial-volume edges
+        inside = (local == value).astype(np.float32)
+        # labelled voxels are pure; partial volume only spills into the healthy neighbours (label 0)
+        w[box] = np.where(local > 0, inside, ndimage.gaussian_filter(inside, 0.6))
         weights[name] = w
     # oedema fades towards its border (water content falls off away from the tumour)
     fade = np.ones(shape, np.float32)

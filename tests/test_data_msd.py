@@ -1,0 +1,160 @@
+"""The MSD Task01 reader: a valid folder loads; every kind of corruption gives a one-line DataError naming the file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from sim.data.errors import DataError
+from sim.data.msd import load_case, read_msd, validate_dataset
+from sim.errors import UserError
+
+SHAPE = (10, 12, 9)
+AFFINE = np.diag([2.0, 2.0, 2.0, 1.0])
+
+
+def _save(path, data, affine=AFFINE):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(data, affine), str(path))
+
+
+def _save_singular(path, data):
+    """nibabel refuses to build an image from a singular affine; write the sform into the header directly."""
+    header = nib.Nifti1Header()
+    header.set_data_dtype(data.dtype)
+    header.set_sform(np.diag([2.0, 0.0, 2.0, 1.0]), code=1)
+    header.set_qform(None, code=0)
+    image = nib.Nifti1Image(data, None, header=header)
+    path.write_bytes(gzip.compress(image.to_bytes()))
+
+
+def _image(seed=0):
+    rng = np.random.default_rng(seed)
+    image = np.zeros(SHAPE + (4,), np.float32)
+    image[2:8, 3:9, 2:7] = rng.uniform(50, 100, (6, 6, 5, 4))
+    return image
+
+
+def _label():
+    label = np.zeros(SHAPE, np.uint8)
+    label[4:6, 5:7, 3:5] = 1
+    label[5, 6, 4] = 2
+    label[4, 5, 3] = 3
+    return label
+
+
+def make_msd(root, cases=2):
+    entries = []
+    for i in range(1, cases + 1):
+        name = f"BRATS_{i:03d}.nii.gz"
+        _save(root / "imagesTr" / name, _image(i))
+        _save(root / "labelsTr" / name, _label())
+        entries.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
+    _save(root / "imagesTs" / "BRATS_485.nii.gz", _image(99))
+    meta = {"name": "BrainTumour", "modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
+            "labels": {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"},
+            "training": entries, "test": ["./imagesTs/BRATS_485.nii.gz"]}
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def _meta(root):
+    return json.loads((root / "dataset.json").read_text())
+
+
+def _write_meta(root, meta):
+    (root / "dataset.json").write_text(json.dumps(meta))
+
+
+IMG = "imagesTr/BRATS_001.nii.gz"
+LAB = "labelsTr/BRATS_001.nii.gz"
+
+
+def _edit_meta(change):
+    def mutate(root):
+        meta = _meta(root)
+        change(meta)
+        _write_meta(root, meta)
+    return mutate
+
+
+CORRUPTIONS = {
+    "missing dataset.json": (lambda r: (r / "dataset.json").unlink(), "dataset.json", "missing"),
+    "invalid JSON": (lambda r: (r / "dataset.json").write_text('{"training": [,]}'), "dataset.json", "invalid JSON"),
+    "missing keys": (_edit_meta(lambda m: m.pop("labels")), "dataset.json", "'labels'"),
+    "wrong modality map": (_edit_meta(lambda m: m.update(modality={"0": "FLAIR"})), "dataset.json", "modality"),
+    "empty training list": (_edit_meta(lambda m: m.update(training=[])), "dataset.json", "non-empty"),
+    "duplicate case ids": (_edit_meta(lambda m: m["training"].append(dict(m["training"][0]))), "dataset.json",
+                           "duplicate"),
+    "missing image file": (lambda r: (r / IMG).unlink(), IMG, "missing image"),
+    "missing label file": (lambda r: (r / LAB).unlink(), LAB, "missing label"),
+    "not gzip": (lambda r: (r / IMG).write_bytes(nib.Nifti1Image(_image(), AFFINE).to_bytes()), IMG, "not a gzip"),
+    "truncated gzip": (lambda r: (r / IMG).write_bytes((r / IMG).read_bytes()[:200]), IMG, "gzip"),
+    "corrupted gzip stream": (lambda r: (r / IMG).write_bytes((r / IMG).read_bytes()[:20] + b"\x00" * 500), IMG,
+                              "gzip"),
+    "not NIfTI": (lambda r: (r / IMG).write_bytes(gzip.compress(b"hello, this is not an image" * 40)), IMG,
+                  "not a NIfTI"),
+    "3D image": (lambda r: _save(r / IMG, _image()[..., 0]), IMG, "4D"),
+    "wrong channel count": (lambda r: _save(r / IMG, _image()[..., :3]), IMG, "channels"),
+    "image/label shape mismatch": (lambda r: _save(r / LAB, _label()[:-1]), LAB, "shape"),
+    "image/label affine mismatch": (lambda r: _save(r / LAB, _label(), np.diag([1.0, 2.0, 2.0, 1.0])), LAB, "affine"),
+    "label values outside 0-3": (lambda r: _save(r / LAB, np.where(_label() == 3, 5, _label()).astype(np.uint8)),
+                                 LAB, "outside 0..3"),
+    "negative label values": (lambda r: _save(r / LAB, np.where(_label() == 3, -1, _label()).astype(np.int16)),
+                              LAB, "outside 0..3"),
+    "non-integer label values": (lambda r: _save(r / LAB, _label().astype(np.float32) * 0.5), LAB, "non-integer"),
+    "NaN voxels": (lambda r: _save(r / IMG, np.where(_image() > 90, np.nan, _image()).astype(np.float32)), IMG,
+                   "non-finite"),
+    "inf voxels": (lambda r: _save(r / IMG, np.where(_image() > 90, np.inf, _image()).astype(np.float32)), IMG,
+                   "non-finite"),
+    "empty brain": (lambda r: _save(r / IMG, np.zeros(SHAPE + (4,), np.float32)), IMG, "empty brain"),
+    "non-invertible affine": (lambda r: _save_singular(r / IMG, _image()), IMG,
+                              "not invertible"),
+    "4D label map": (lambda r: _save(r / LAB, np.stack([_label()] * 2, -1)), LAB, "3D label"),
+}
+
+
+def test_valid_folder_loads(tmp_path):
+    root = make_msd(tmp_path / "Task01")
+    dataset = validate_dataset(root)
+    assert [c.case_id for c in dataset.training] == ["BRATS_001", "BRATS_002"]
+    assert [c.case_id for c in dataset.test] == ["BRATS_485"] and dataset.test[0].label is None
+    image, label, affine = load_case(dataset.training[0])
+    assert image.shape == SHAPE + (4,) and image.dtype == np.float32
+    assert label.dtype == np.uint8 and set(np.unique(label)) == {0, 1, 2, 3}
+    np.testing.assert_allclose(affine, AFFINE)
+    assert dataset.institutions == []
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corruption_gives_one_line_error_naming_the_file(tmp_path, kind):
+    mutate, file_part, words = CORRUPTIONS[kind]
+    root = make_msd(tmp_path / "Task01")
+    mutate(root)
+    with pytest.raises(DataError) as info:
+        validate_dataset(root)
+    message = str(info.value)
+    assert isinstance(info.value, UserError)
+    assert "\n" not in message and len(message) < 400
+    assert file_part in message, message
+    assert words.lower() in message.lower(), message
+
+
+def test_at_least_fifteen_corruption_kinds():
+    assert len(CORRUPTIONS) >= 15
+
+
+def test_inspect_cli_reports_corruption_in_one_line(tmp_path, capsys):
+    from sim.cli import main
+
+    root = make_msd(tmp_path / "Task01")
+    assert main(["data", "inspect", str(root)]) == 0
+    assert "2 labelled, 1 test" in capsys.readouterr().out
+    CORRUPTIONS["truncated gzip"][0](root)
+    assert main(["data", "inspect", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedpate data: error:") and "BRATS_001.nii.gz" in err and "\n" not in err

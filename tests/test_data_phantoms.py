@@ -1,0 +1,120 @@
+"""Phantoms: load through the MSD reader, carry every tumour class, respect contrasts, differ by site, and are
+deterministic per seed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sim.data.errors import DataError
+from sim.data.msd import load_case, read_msd, validate_case
+from sim.data.phantoms import GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
+
+FLAIR, T1, T1GD, T2 = range(4)
+
+
+@pytest.fixture(scope="module")
+def sample_cases():
+    """Twelve cases at 4 mm with their tissue maps (the files do not store tissue)."""
+    return [make_case(0, i, 2, 4.0) for i in range(12)]
+
+
+def test_tiny_phantoms_load_through_the_reader(tiny_phantoms):
+    dataset = read_msd(tiny_phantoms)
+    assert len(dataset.training) == 48 and len(dataset.test) == 2
+    assert dataset.institutions == ["site0", "site1"]
+    assert dataset.extra["phantoms"]["generator_version"] == GENERATOR_VERSION
+    for case in dataset.training[:6] + dataset.test:
+        summary = validate_case(case)
+        assert summary["spacing"] == pytest.approx((4.0, 4.0, 4.0))
+
+
+def test_every_case_has_every_tumour_class_and_zero_background(tiny_phantoms):
+    dataset = read_msd(tiny_phantoms)
+    for case in dataset.training:
+        image, label, _ = load_case(case)
+        counts = np.bincount(label.ravel(), minlength=4)
+        assert (counts[1:] > 0).all(), (case.case_id, counts)
+        brain = np.any(image != 0, axis=-1)
+        assert not label[~brain].any()                       # tumour only inside the brain
+        assert brain.mean() < 0.8 and not image[0, 0, 0].any()   # skull-stripped: zero background
+
+
+def test_contrast_directions_per_modality(sample_cases):
+    for case in sample_cases:
+        image, label = case.image.astype(np.float64), case.label
+        wm = (case.tissue["wm"] > 0.8) & (label == 0)
+        csf = (case.tissue["csf"] > 0.8) & (label == 0)
+        gm = (case.tissue["gm"] > 0.7) & (label == 0)
+
+        def mean(channel, mask):
+            return image[..., channel][mask].mean()
+
+        assert mean(FLAIR, label == 1) > 1.15 * mean(FLAIR, wm)          # oedema bright on FLAIR
+        assert mean(FLAIR, csf) < mean(FLAIR, wm)                        # CSF dark on FLAIR
+        assert mean(T2, label == 1) > mean(T2, wm) and mean(T2, csf) > mean(T2, wm)   # oedema, CSF bright on T2
+        assert mean(T1GD, label == 3) > 1.3 * mean(T1GD, label == 2)     # enhancing rim bright on T1-Gd
+        assert mean(T1GD, label == 3) > mean(T1GD, wm)
+        assert mean(T1, label == 2) < mean(T1, wm)                       # core dark on T1
+        assert mean(T1, wm) > mean(T1, gm) > mean(T1, csf)               # WM > GM > CSF on T1
+
+
+def test_institutions_measurably_differ(sample_cases):
+    features = {0: [], 1: []}
+    for i, case in enumerate(sample_cases):
+        brain = case.tissue["mask"] > 0.5
+        features[i % 2].append([np.log(case.image[..., c][brain].mean()) for c in range(4)])
+    a, b = np.array(features[0]), np.array(features[1])
+    effect = np.abs(a.mean(0) - b.mean(0)) / np.sqrt((a.var(0) + b.var(0)) / 2)
+    assert effect.max() > 3.0, effect
+    profiles = institution_profiles(4, seed=0)
+    assert len({round(p.intensity_scale) for p in profiles}) == 4 and len({p.noise for p in profiles}) == 4
+
+
+def test_same_seed_same_arrays_other_seed_different():
+    one, again, other = make_case(5, 3, 3, 4.0), make_case(5, 3, 3, 4.0), make_case(6, 3, 3, 4.0)
+    assert one.image.tobytes() == again.image.tobytes() and one.label.tobytes() == again.label.tobytes()
+    assert one.image.tobytes() != other.image.tobytes()
+    assert make_case(5, 4, 3, 4.0).image.tobytes() != one.image.tobytes()
+
+
+def test_written_files_are_byte_identical_and_resumable(tmp_path):
+    first = generate_phantoms(tmp_path / "a", cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    second_root = tmp_path / "b"
+    generate_phantoms(second_root, cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    for sub in ("imagesTr", "labelsTr"):
+        for path in sorted((first / sub).iterdir()):
+            assert path.read_bytes() == (second_root / sub / path.name).read_bytes()
+    # simulate an interrupted run: dataset.json missing and one case gone -> incomplete, then resumed
+    (second_root / "dataset.json").unlink()
+    (second_root / "imagesTr" / "BRATS_002.nii.gz").unlink()
+    (second_root / ".phantoms-config.json").write_text(json.dumps(
+        {"generator_version": GENERATOR_VERSION, "seed": 1, "cases": 3, "institutions": 2, "resolution_mm": 4.0,
+         "test_cases": 0}))
+    with pytest.raises(DataError, match="dataset.json"):
+        read_msd(second_root)
+    generate_phantoms(second_root, cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    assert (second_root / "imagesTr" / "BRATS_002.nii.gz").read_bytes() == \
+        (first / "imagesTr" / "BRATS_002.nii.gz").read_bytes()
+    assert json.loads((second_root / "dataset.json").read_text())["training"] == \
+        json.loads((first / "dataset.json").read_text())["training"]
+
+
+def test_refuses_a_folder_with_other_data(tmp_path):
+    root = generate_phantoms(tmp_path / "a", cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    assert generate_phantoms(root, cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False) == root
+    with pytest.raises(DataError, match="already holds"):
+        generate_phantoms(root, cases=2, institutions=2, seed=2, resolution_mm=4.0, progress=False)
+    with pytest.raises(DataError, match="--cases"):
+        generate_phantoms(tmp_path / "c", cases=0, institutions=2, seed=1, progress=False)
+
+
+def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
+    from sim.data.phantoms import ensure_phantoms
+
+    assert "tiny" in tiny_phantoms.name and "seed0" in tiny_phantoms.name and f"v{GENERATOR_VERSION}" in tiny_phantoms.name
+    stamp = (tiny_phantoms / "dataset.json").stat().st_mtime_ns
+    assert ensure_phantoms("tiny", cache_root=tiny_phantoms.parent, seed=0, progress=False) == tiny_phantoms
+    assert (tiny_phantoms / "dataset.json").stat().st_mtime_ns == stamp
