@@ -1,0 +1,101 @@
+"""The real fedpate app as a multi-process deployment on this machine (``fedpate deploy local --preset``).
+
+Each hospital gets *its own* MSD-layout folder holding only its patients (files linked from the
+simulated world's data), runs as its own SuperNode process (TLS, authenticated key) and prepares and
+partitions that folder itself -- exactly what a hospital machine does. The aggregator reads only the
+public sets of the world. Processes are started and stopped by PID (sim/runners/deploy.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sim.errors import UserError
+from sim.io import atomic_write_json
+from sim.runconfig import RunSettings
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
+    """One MSD Task01-layout folder per hospital of the world's split, with only that hospital's cases."""
+    from sim.runners.world_setup import open_world
+
+    prepared, split = open_world(world_dir)
+    source_root = Path(prepared.manifest["source_root"])
+    dataset = json.loads((source_root / "dataset.json").read_text())
+    by_id = {Path(entry["image"]).name.split(".nii")[0]: entry for entry in dataset["training"]}
+    folders = {}
+    for hospital in sorted(split.hospitals):
+        folder = Path(out_root) / hospital
+        cases = split.hospital_cases(hospital)
+        entries = []
+        for case in cases:
+            entry = by_id[case]
+            for key in ("image", "label"):
+                target = folder / entry[key]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists():
+                    try:
+                        os.link(source_root / entry[key], target)
+                    except OSError:  # another file system: copy instead
+                        shutil.copyfile(source_root / entry[key], target)
+            entries.append(entry)
+        atomic_write_json(folder / "dataset.json", {**dataset, "training": entries, "numTraining": len(entries),
+                                                    "test": [], "numTest": 0,
+                                                    "description": f"{hospital}'s own patients (fedpate deployment)"})
+        folders[hospital] = folder
+    return folders
+
+
+def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bool = True, timeout: float = 3600.0,
+                         kill_hospital_during_queries: str | None = None) -> dict[str, Any]:
+    """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json.
+
+    ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
+    first PATE query has been charged to the ledger -- the dropout test of issue 6.
+    """
+    from sim.runners.deploy import LocalDeployment
+    from sim.runners.world_setup import materialise_world
+
+    work = Path(work_dir).resolve()
+    preset = settings.resolved_preset
+    world = materialise_world(preset, settings.data, settings.seed, settings.progress)
+    folders = export_hospital_folders(world, work / "hospital-data")
+    out = Path(settings.out).resolve()
+    (out / "results.json").unlink(missing_ok=True)
+    hospitals = [{"hospital-id": h, "data-dir": str(folder), "workdir": str(work / "hospitals" / h),
+                  "teachers-per-hospital": preset.teachers_per_hospital} for h, folder in folders.items()]
+    run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
+    with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
+        if kill_hospital_during_queries is None:
+            status = deployment.run(run_config, timeout=timeout)
+        else:
+            future = deployment.submit(run_config, timeout=timeout)
+            _wait_for_first_query(out / "ledger.jsonl", future, timeout)
+            deployment.kill_supernode(kill_hospital_during_queries)
+            status = future.result()
+    if not (out / "results.json").exists():
+        raise UserError(f"deployment run {status.run_id} ended '{status.status}' without results.json "
+                        f"(ServerApp log: {status.log_path})")
+    results = json.loads((out / "results.json").read_text())
+    results["deployment"] = {"run_id": status.run_id, "status": status.status, "seconds": status.seconds,
+                             "tls": tls, "supernode_auth": tls}
+    atomic_write_json(out / "results.json", results)
+    return results
+
+
+def _wait_for_first_query(ledger: Path, future, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ledger.exists() and '"query-' in ledger.read_text():
+            return
+        if future.done():
+            raise UserError("the run ended before its query phase began")
+        time.sleep(0.5)
+    raise UserError(f"no PATE query was released within {timeout:.0f} s")
