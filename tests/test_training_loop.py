@@ -86,3 +86,18 @@ def test_resume_continues_identically(tmp_path):
     assert result.resumed_from_epoch == 2 and len(result.history) == 3
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_augmentation_is_used_and_seeded():
+    pytest.importorskip("sim.data.augment")
+    x, y = _data()
+
+    def run(augment, seed=0):
+        model = _model()
+        train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-2, progress=False,
+                                                    augment=augment, seed=seed))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    with_aug = run(True)
+    assert torch.equal(with_aug, run(True))            # reproducible
+    assert not torch.equal(with_aug, run(False))       # and actually applied
