@@ -53,7 +53,7 @@ def query(msg: Message, context: Context) -> Message:
         codec = read_content(context.state)[1][_CODEC_RECORD]
     if codec is None or arrays_digest(codec) != config["codec_digest"]:
         # The server re-sends the state when it sees this (e.g. after this node restarted).
-        raise LookupError("codec-missing")
+        return Message(make_content({"hospital_id": hospital.hospital_id, "status": "codec-missing"}), reply_to=msg)
     encodings = hospital.answer_query(arrays["scans"]["scans"], codec, config)
     return Message(make_content({"hospital_id": hospital.hospital_id}, encodings={"z": encodings}),
                    reply_to=msg)

@@ -34,6 +34,7 @@ class RunSettings:
     world: str | None = None          # a prepared world folder (set by fedpate's runners)
     progress: bool = True
     calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
+    query_batch: int = 8              # public scans per query message
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name.replace('_', '-')}: expected a positive integer, got {value}")
+        if self.query_batch < 1:
+            raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
 
@@ -79,7 +82,7 @@ class RunSettings:
             out=str(get("out", "runs/flwr")), data=get("data"), hospitals=hospitals,
             teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
             reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
-            calibration=str(get("calibration", "exact")),
+            calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -90,7 +93,8 @@ class RunSettings:
             "method": self.method, "preset": self.preset, "epsilon": self.budget, "delta": self.resolved_delta,
             "seed": self.seed, "out": self.out, "data": self.data or "", "hospitals": self.hospitals or 0,
             "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
-            "reply-timeout": self.reply_timeout,
+            "reply-timeout": self.reply_timeout, "calibration": self.calibration,
+            "query-batch": self.query_batch,
         }
 
     def replace(self, **changes) -> "RunSettings":

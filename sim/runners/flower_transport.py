@@ -138,7 +138,12 @@ class FlowerTransport:
                 self._last_errors[str(key)] = f"error reply: {reply.error.reason}"
                 continue
             try:
-                replies[key] = read_content(reply.content)
+                config, arrays = read_content(reply.content)
             except (KeyError, ValueError) as exc:  # malformed reply: treat as that hospital's fault
                 self._last_errors[str(key)] = f"malformed reply: {exc}"
+                continue
+            if config.get("status"):  # e.g. "codec-missing": the hospital asks for something first
+                self._last_errors[str(key)] = str(config["status"])
+                continue
+            replies[key] = (config, arrays)
         return replies
