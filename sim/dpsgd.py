@@ -49,8 +49,9 @@ import torch
 
 from sim.errors import UserError
 
-#: Default Opacus per-sample gradient engine. Chosen by ``benchmarks/bench_dpsgd.py`` (see the report in
-#: the module docstring of that file): functorch matched hooks to float precision and was faster.
+#: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
+#: batch 2): DP/plain step time hooks x2.76 vs functorch x2.49 (quiet machine), x6.2 vs x3.6 (loaded);
+#: their clipped gradient sums agree to 7e-9.
 DEFAULT_GRAD_SAMPLE_MODE = "functorch"
 
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
