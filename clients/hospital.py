@@ -81,6 +81,10 @@ class Hospital:
 
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
+        fingerprint = self._training_fingerprint(init, epochs, seed, local_dp)
+        cached = self._cached_training(fingerprint)
+        if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
+            return cached
         self._models.clear()
         validation_dice = []
         for k, case_ids in enumerate(self.partitions):
@@ -111,12 +115,44 @@ class Hospital:
             delta = float(local_dp.get("delta", self.preset.delta))
             local_epsilon = max(ledger.spent(owner, delta).epsilon for owner in ledger.owners())
         valid = [d for d in validation_dice if d is not None]
-        return {"hospital_id": self.hospital_id, "teachers": self.num_teachers,
+        metrics = {"hospital_id": self.hospital_id, "teachers": self.num_teachers,
                 "patients": int(sum(len(p) for p in self.partitions)),
                 "teacher_dice_validation": float(np.mean(valid)) if valid else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
                 "local_relation": "add-remove" if local_dp else None}
+        from sim.io import atomic_write_json
+
+        atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
+        return metrics
+
+    def _training_fingerprint(self, init, epochs: int, seed: int, local_dp) -> str:
+        """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time)."""
+        import hashlib
+        import json
+
+        digest = hashlib.sha256()
+        for name in sorted(init or {}):
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(np.asarray(init[name])).tobytes())
+        digest.update(json.dumps({"epochs": epochs, "seed": seed, "partitions": self.partitions,
+                                  "unet": self.preset.unet, "lr": self.preset.learning_rate,
+                                  "batch": self.preset.batch_size, "local_dp": local_dp,
+                                  "grid": list(getattr(self.prepared, "grid", ()))},
+                                 sort_keys=True, default=str).encode())
+        return digest.hexdigest()
+
+    def _cached_training(self, fingerprint: str) -> dict | None:
+        import json
+
+        record = self.workdir / "teachers" / "training.json"
+        if not record.exists() or not all(self._teacher_path(k).exists() for k in range(self.num_teachers)):
+            return None
+        saved = json.loads(record.read_text())
+        if saved.get("fingerprint") != fingerprint:
+            return None
+        self._models.clear()
+        return {**saved["metrics"], "reused": True}
 
     def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
         from sim.training import predict_probs

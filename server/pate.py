@@ -75,7 +75,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
              out_dir, seed: int = 0, calibration: str = "exact", progress: bool = True, soft_labels: bool = True,
              *, pca_mode: str = "public", query_batch: int = 8, diagnostics: bool = True,
              include_reference: bool = True, local_dp: Mapping | None = None,
-             compressor_options: Mapping | None = None) -> dict:
+             compressor_options: Mapping | None = None, shared_dir: str | Path | None = None) -> dict:
     """Run PATE end to end and write ``out_dir/results.json`` (SPEC section 10); returns the results."""
     import torch
 
@@ -97,7 +97,11 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     torch.manual_seed(seed)
 
     # (a) public model -> teachers' initialisation; teachers trained at the hospitals
-    public_model = train_public_model(world, preset, seed=seed, progress=progress)
+    # ``shared_dir``: checkpoints of the epsilon-independent public models, so a comparison trains them
+    # (and, through identical initial weights, the teachers) once for all its cells.
+    shared = Path(shared_dir) if shared_dir is not None else None
+    public_model = train_public_model(world, preset, seed=seed, progress=progress,
+                                      checkpoint=shared / "public-model.pt" if shared else None)
     train_metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": seed,
                                      **({"local_dp": dict(local_dp)} if local_dp else {})},
                                     init_weights=_state_arrays(public_model))
@@ -188,7 +192,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     student = train_student(world, targets, answered, preset, seed=seed, init=public_init,
                             include_reference=include_reference, progress=progress)
     public_only = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=public_init,
-                                     progress=progress)
+                                     progress=progress, checkpoint=shared / "public-only.pt" if shared else None)
 
     # (e) evaluation
     student_dice = _dice(student, world.test_images, world.test_labels)

@@ -46,7 +46,7 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
         else:
             result = run_pate(hospitals, world, preset, cell["method"], cell["epsilon"], settings.resolved_delta,
                               cell["out"], seed=settings.seed, calibration=settings.calibration,
-                              query_batch=settings.query_batch,
+                              query_batch=settings.query_batch, shared_dir=cell.get("shared_dir"),
                               progress=settings.progress)
         result["dropped_hospitals"] = dict(hospitals.dropped)
         result["bytes_up_measured_per_query_per_teacher"] = measured_bytes_per_teacher(hospitals)

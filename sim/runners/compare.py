@@ -1,0 +1,234 @@
+"""``fedpate compare``: every method x epsilon (x K) on the same world, then one report (issue 8).
+
+Cells and where they run:
+- ``pate-ae``, ``pate-pca``, ``pate-naive``, ``dp-fedavg``: one Flower simulation per teacher count K,
+  running all of that K's cells in sequence (sim/runners/simulation.py). Teachers are trained once per K
+  and reused across epsilon: they do not depend on it (PATE spends its budget at query time).
+- ``dp-sgd-central``, ``nonprivate-central``: pooled training (sim/runners/central.py).
+- ``public-only``: the student trained only on the public labelled reference set -- the honest baseline
+  PATE must beat (SPEC section 11).
+
+Resumable: a cell whose results.json exists is skipped. Every cell writes results.json, ledger.jsonl
+and a model bundle; the report re-checks each epsilon against its ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from sim.errors import UserError
+from sim.io import atomic_write_json
+
+FEDERATED = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg")
+CENTRAL = ("dp-sgd-central", "nonprivate-central")
+ALL_METHODS = FEDERATED + CENTRAL + ("public-only",)
+DEFAULT_METHODS = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg", "dp-sgd-central", "nonprivate-central",
+                   "public-only")
+
+
+def parse_list(text: str, kind, option: str) -> list:
+    try:
+        values = [kind(item) for item in str(text).split(",") if item.strip()]
+    except ValueError:
+        raise UserError(f"{option}: expected a comma-separated list, got {text!r}") from None
+    if not values:
+        raise UserError(f"{option}: empty list")
+    return values
+
+
+def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int | None = None) -> Path:
+    path = out / method
+    if epsilon is not None:
+        path = path / f"eps-{epsilon:g}"
+    if teachers is not None:
+        path = path / f"K-{teachers}"
+    return path
+
+
+def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
+                seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
+                teachers_per_hospital: Sequence[int] | None = None, engine: str = "flower",
+                progress: bool = True) -> Path:
+    from sim.presets import get_preset
+    from sim.report import write_report
+    from sim.runconfig import RunSettings
+    from sim.runners.simulation import simulate
+
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(ALL_METHODS)}")
+    if any(not (e > 0) for e in epsilons):
+        raise UserError(f"--epsilons: expected positive numbers, got {list(epsilons)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = get_preset(preset_name, hospitals=hospitals)
+    delta = base.delta if delta is None else delta
+    sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
+    sweeping = len(sweep) > 1
+    started = time.perf_counter()
+    atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
+                                             "epsilons": list(epsilons), "delta": delta, "seed": seed,
+                                             "hospitals": base.hospitals, "teachers_per_hospital": sweep,
+                                             "data": data, "engine": engine})
+
+    def done(path: Path) -> bool:
+        return (path / "results.json").exists()
+
+    # --- federated cells: one Flower simulation per K -------------------------------------------------
+    worlds: dict[int, str] = {}
+    for index, per_hospital in enumerate(sweep):
+        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
+        cells = []
+        for method in methods:
+            if method not in FEDERATED or (method == "dp-fedavg" and index > 0):
+                continue  # DP-FedAvg has no teachers: one K is enough
+            for epsilon in epsilons:
+                teachers = preset.teachers if sweeping and method != "dp-fedavg" else None
+                path = cell_dir(out, method, epsilon, teachers)
+                if not done(path):
+                    cells.append({"method": method, "epsilon": float(epsilon), "out": str(path),
+                                  "shared_dir": str(out / "_shared" / f"K-{preset.teachers}")})
+        settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
+                               hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
+                               out=str(out / "_shared"))
+        if cells:
+            if engine == "inprocess" and any(c["method"] == "dp-fedavg" for c in cells):
+                raise UserError("--engine inprocess cannot run dp-fedavg; use --engine flower")
+            print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
+                  f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
+            simulate(settings, engine=engine, cells=cells)
+        from sim.runners.world_setup import materialise_world
+
+        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress=False))
+
+    # --- central cells and the public-only baseline --------------------------------------------------
+    from sim.runners.central import run_central
+
+    if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
+        run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
+                    delta=delta, seed=seed, data=data, progress=progress)
+    if "dp-sgd-central" in methods:
+        for epsilon in epsilons:
+            path = cell_dir(out, "dp-sgd-central", epsilon)
+            if not done(path):
+                run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
+                            seed=seed, data=data, progress=progress)
+    first_k = min(worlds) if worlds else None
+    if "public-only" in methods and not done(out / "public-only"):
+        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+        run_public_only(preset, data, seed, out / "public-only", out / "_shared" / f"K-{preset.teachers}",
+                        progress=progress)
+
+    # --- report --------------------------------------------------------------------------------------
+    overlays = []
+    try:
+        overlay = plot_comparison_overlays(out, worlds.get(first_k) if first_k else None, preset_name, data, seed,
+                                           hospitals, sweep[0])
+        if overlay is not None:
+            overlays.append(overlay)
+    except Exception as exc:  # a plot must never lose the finished cells' report
+        print(f"compare: overlay plot skipped ({exc.__class__.__name__}: {exc})")
+    title = f"fedpate comparison — preset {preset_name}"
+    report = write_report(out, title, settings={"preset": preset_name, "hospitals": base.hospitals,
+                                                "teachers per hospital": ",".join(map(str, sweep)),
+                                                "δ": delta, "seed": seed, "engine": engine,
+                                                "wall minutes": round((time.perf_counter() - started) / 60, 1)},
+                          overlays=overlays)
+    return report
+
+
+def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True) -> dict:
+    """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
+    from server.student import train_public_model
+    from sim.bundle import preprocessing_of, privacy_card, save_bundle
+    from sim.networks import network_config
+    from sim.runners.inprocess import build_world
+    from sim.training import evaluate_segmentation
+    from sim.world import load_world
+
+    started = time.perf_counter()
+    prepared, split = build_world(preset, data, seed, progress)
+    world = load_world(prepared, split)
+    public_model = train_public_model(world, preset, seed=seed, progress=progress,
+                                      checkpoint=shared_dir / "public-model.pt")
+    init = {k: v.clone() for k, v in public_model.state_dict().items()}
+    model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
+                               checkpoint=shared_dir / "public-only.pt")
+    dice = evaluate_segmentation(model, world.test_images, world.test_labels)
+    out.mkdir(parents=True, exist_ok=True)
+    card = privacy_card(method="public-only", ledger_path=None, delta=None, epsilon_budget=None, relation=None,
+                        accountant=None, teachers=None, hospitals=None, data_source=world.source,
+                        extra={"note": "trained on public reference data only: no private data, no privacy cost"})
+    save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
+    (out / "ledger.jsonl").touch()
+    results = {"method": "public-only", "dice": dice, "epsilon": None, "epsilon_budget": None, "delta": None,
+               "relation": None, "accountant": None, "teachers": None, "hospitals": None, "queries": None,
+               "sigma": None, "teacher_dice_mean": None, "ensemble_dice_mean": None,
+               "bytes_up_per_query_per_teacher": None, "wall_seconds": round(time.perf_counter() - started, 2),
+               "seed": seed, "reference_cases": len(world.reference_labels)}
+    atomic_write_json(out / "results.json", results)
+    return results
+
+
+def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):
+    """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD, public-only."""
+    from sim.bundle import load_bundle
+    from sim.report import load_cells, plot_overlays
+    from sim.training import predict_probs
+    from sim.world import load_world
+
+    if world_dir is None:
+        return None
+    from sim.runners.world_setup import open_world
+
+    world = load_world(*open_world(world_dir))
+    images, truth = world.test_images[:3], world.test_labels[:3]
+    cells = load_cells(out)
+
+    def best(prefix):
+        found = [c for c in cells if str(c.get("method", "")).startswith(prefix) and (c.get("dice") or {}).get("mean")
+                 is not None]
+        return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["dice"]["mean"]), default=None)
+
+    predictions: dict[str, Any] = {}
+    for prefix in ("pate", "dp-sgd-central", "public-only"):
+        cell = best(prefix)
+        if cell is None:
+            continue
+        model = load_bundle(out / cell["_cell"]).model
+        eps = cell.get("epsilon_budget")
+        name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
+        predictions[name] = predict_probs(model, images).argmax(axis=1)
+        if prefix == "pate":
+            ensemble = teacher_ensemble_from_disk(Path(world_dir), images, preset_name, hospitals, per_hospital)
+            if ensemble is not None:
+                predictions["teacher ensemble (no noise)"] = ensemble.argmax(axis=1)
+    if not predictions:
+        return None
+    return plot_overlays(out / "overlays.png", images, truth, predictions)
+
+
+def teacher_ensemble_from_disk(world_dir: Path, images, preset_name, hospitals, per_hospital) -> np.ndarray | None:
+    """Simulation-only diagnostic: average the simulated hospitals' saved teachers' probabilities."""
+    import torch
+
+    from sim.networks import build_unet
+    from sim.presets import get_preset
+    from sim.training import predict_probs
+
+    preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
+    paths = sorted((world_dir / "nodes").glob("*/teachers/teacher-*.pt"))
+    if not paths:
+        return None
+    total = None
+    for path in paths:
+        model = build_unet(preset.unet)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        probs = predict_probs(model.eval(), images)
+        total = probs if total is None else total + probs
+    return total / len(paths)
