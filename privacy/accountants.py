@@ -321,6 +321,24 @@ class PLDAccountant(_DpAccountingWrapper):
         return f"the pld accountant cannot account {type(event).__name__} (use zcdp or basic)"
 
 
+class _DropNonConvergingOrders:
+    """dp_accounting logs one warning per fractional order whose series does not converge (small sigma,
+    orders 1.1-1.6) and excludes that order: epsilon stays a valid upper bound, so the warning is noise
+    in every DP-SGD log. Only that message is dropped."""
+
+    def filter(self, record) -> bool:
+        return "_compute_log_a_frac failed to converge" not in str(record.msg)
+
+
+def _quiet_nonconverging_orders() -> None:
+    import logging
+
+    for name in ("absl", ""):  # dp_accounting logs through absl, which forwards to the "absl" logger
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNonConvergingOrders) for f in logger.filters):
+            logger.addFilter(_DropNonConvergingOrders())
+
+
 class RDPAccountant(_DpAccountingWrapper):
     """dp_accounting's RDP accountant; ε uses the improved conversion (Balle et al. 2020, Prop. 12)."""
 
@@ -333,6 +351,7 @@ class RDPAccountant(_DpAccountingWrapper):
     def _make_inner(self):
         from dp_accounting.rdp import rdp_privacy_accountant
 
+        _quiet_nonconverging_orders()
         return rdp_privacy_accountant.RdpAccountant(orders=self.orders)
 
     def _supports_leaf(self, event: Event) -> bool:
