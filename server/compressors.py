@@ -279,6 +279,27 @@ class PCACompressor(Compressor):
 
 
 # --------------------------------------------------------------------------------------------------
+def _reconstruction_loss(logits, target):
+    """Cross-entropy (Fay et al., Alg. 2) plus a soft Dice term over the tumour classes.
+
+    Why the Dice term: tumour is ~2.5% of the voxels of a brain-cropped volume; with cross-entropy alone
+    the autoencoder reaches its loss floor by decoding everything to background (measured on the quick
+    preset's 40 reference maps: foreground Dice 0.001 after 60 epochs), i.e. the SPEC section 11 collapse
+    even without noise. The Dice term weights each tumour class by its own volume.
+    """
+    import torch
+
+    log_probs = torch.log_softmax(logits, dim=1)
+    cross_entropy = -(target * log_probs).sum(dim=1).mean()
+    probs = log_probs.exp()[:, 1:]
+    truth = target[:, 1:]
+    dims = tuple(range(2, probs.ndim))
+    intersection = (probs * truth).sum(dim=dims)
+    denominator = probs.sum(dim=dims) + truth.sum(dim=dims)
+    dice = (2 * intersection + 1.0) / (denominator + 1.0)
+    return cross_entropy + (1 - dice).mean()
+
+
 class AutoencoderCompressor(Compressor):
     """Autoencoded PATE (Fay et al., Algorithm 2; SPEC section 4).
 
@@ -351,7 +372,7 @@ class AutoencoderCompressor(Compressor):
                 if flips:  # public-data augmentation: mirrored label maps are plausible label maps
                     batch = torch.flip(batch, dims=flips)
                 logits = self.net(batch, noise_sigma=self.train_sigma, generator=generator)
-                loss = -(batch * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+                loss = _reconstruction_loss(logits, batch)
                 optimiser.zero_grad()
                 loss.backward()
                 optimiser.step()
