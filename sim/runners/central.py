@@ -38,7 +38,15 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cac
     from sim.data.partitions import make_split
     from sim.data.preprocess import PreprocessConfig, prepare_dataset
 
-    cache = Path(cache_root) if cache_root is not None else default_cache_root()
+    if cache_root is None:
+        # the same prepared world and split as the federated runs (one phantom generation, one test set)
+        from sim.runners.inprocess import build_world
+
+        if data is not None and not Path(data).exists():
+            raise UserError(f"--data: {data} does not exist (expected an MSD Task01-layout folder)")
+        prepared, split = build_world(preset, data, seed, progress)
+        return _pooled(prepared, split, prepared.config, Path(data) if data else None)
+    cache = Path(cache_root)
     if data is None:
         from sim.data.phantoms import ensure_phantoms
 
@@ -60,6 +68,10 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cac
                            n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
     else:
         split = split_for_preset(prepared, preset, seed=seed)
+    return _pooled(prepared, split, config, root)
+
+
+def _pooled(prepared, split, config, root) -> dict[str, Any]:
     train_ids = [case for partitions in split.hospitals.values() for part in partitions for case in part]
     test_ids = list(split.test)
     if not train_ids:

@@ -50,6 +50,9 @@ class InProcessTransport:
         return total / max(count, 1)
 
 
+PHANTOM_SEED = 0
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
 
@@ -60,7 +63,10 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
     from sim.data.phantoms import ensure_phantoms
     from sim.data.preprocess import PreprocessConfig, prepare_dataset
 
-    root = Path(data) if data is not None else ensure_phantoms(preset, _cache_root() / "phantoms")
+    # The simulated dataset is one fixed world (generator seed PHANTOM_SEED) whatever the run's seed, which
+    # drives the split and training: runs with different seeds are comparable on the same patients.
+    root = Path(data) if data is not None else ensure_phantoms(preset, _cache_root() / "phantoms",
+                                                               seed=PHANTOM_SEED, progress=progress)
     cache = _cache_root() / "prepared" / f"{root.name}-{'x'.join(map(str, preset.grid))}"
     prepared = prepare_dataset(root, cache, PreprocessConfig(grid=tuple(preset.grid)), progress=progress)
     split = make_split(prepared, hospitals or preset.hospitals, teachers_per_hospital or preset.teachers_per_hospital,
