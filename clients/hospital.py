@@ -186,8 +186,32 @@ class Hospital:
                 "own-validation"
         else:
             return {"hospital_id": self.hospital_id, "teacher_dice": [], "teacher_dice_mean": None, "on": None}
+        # Teachers do not change across a comparison's cells: evaluate each (teachers, test set) pair once.
+        cache = self._evaluation_cache(images, labels)
+        if cache is not None and cache.exists():
+            import json
+
+            return json.loads(cache.read_text())
         scores = [evaluate_segmentation(self._teacher(k), images, labels) for k in range(self.num_teachers)]
         means = [s.get("mean") for s in scores]
         valid = [m for m in means if m is not None]
-        return {"hospital_id": self.hospital_id, "teacher_dice": means,
-                "teacher_dice_mean": float(np.mean(valid)) if valid else None, "on": on}
+        result = {"hospital_id": self.hospital_id, "teacher_dice": means,
+                  "teacher_dice_mean": float(np.mean(valid)) if valid else None, "on": on}
+        if cache is not None:
+            from sim.io import atomic_write_json
+
+            atomic_write_json(cache, result)
+        return result
+
+    def _evaluation_cache(self, images: np.ndarray, labels: np.ndarray):
+        import hashlib
+        import json
+
+        record = self.workdir / "teachers" / "training.json"
+        if not record.exists():
+            return None
+        fingerprint = json.loads(record.read_text()).get("fingerprint", "")
+        digest = hashlib.sha256(fingerprint.encode())
+        digest.update(np.ascontiguousarray(images).tobytes())
+        digest.update(np.ascontiguousarray(labels).tobytes())
+        return self.workdir / "teachers" / f"evaluation-{digest.hexdigest()[:16]}.json"

@@ -121,6 +121,8 @@ def _local(args) -> int:
             raise UserError(f"-c {item!r}: expected KEY=VALUE with KEY one of {sorted(app_config)}")
         run_config[key] = _parse_value(value)
 
+    if not args.echo and not data and args.app is None:
+        return _local_fedpate(args, out, run_config)
     hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),
                   "teachers-per-hospital": args.teachers_per_hospital} for hid in names]
     tls = not args.no_tls
@@ -131,3 +133,21 @@ def _local(args) -> int:
     if args.echo and (out / "echo-result.json").exists():
         print((out / "echo-result.json").read_text())
     return 0 if status.ok else 1
+
+
+def _local_fedpate(args, out: Path, run_config: dict) -> int:
+    """The real fedpate app on the preset's world: one MSD folder per hospital, exported from the world."""
+    from sim.runconfig import RunSettings
+    from sim.runners.deploy_fedpate import run_local_deployment
+
+    config = {"hospitals": args.hospitals, **run_config}
+    if args.teachers_per_hospital:
+        config["teachers-per-hospital"] = args.teachers_per_hospital
+    settings = RunSettings.from_run_config(config, out=str(run_config.get("out", out / "run")))
+    results = run_local_deployment(settings, out, tls=not args.no_tls, timeout=args.timeout)
+    dice = (results.get("dice") or {}).get("mean")
+    print(json.dumps({"method": results["method"], "mean_dice": dice, "epsilon": results["epsilon"],
+                      "delta": results["delta"], "relation": results["relation"],
+                      "dropped_hospitals": results.get("dropped_hospitals"), **results["deployment"]}, indent=1))
+    print(f"results: {settings.out}/results.json")
+    return 0
