@@ -1,0 +1,148 @@
+"""``fedpate predict``: label maps in each scan's own grid, overlapping the phantom's labels; bad input
+gets a one-line error naming the file, and outputs already written survive a later failure."""
+
+import gzip
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from sim.cli import main
+from sim.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_prepared, tmp_path_factory):
+    """A small U-Net trained on the tiny phantoms, saved as a (non-private) bundle."""
+    import torch
+
+    from sim.bundle import preprocessing_of, privacy_card, save_bundle
+    from sim.networks import build_unet, network_config
+    from sim.training import TrainConfig, train_segmentation
+
+    torch.manual_seed(0)
+    images, labels = tiny_prepared.images(), tiny_prepared.labels()
+    model = train_segmentation(build_unet("tiny"), images, labels,
+                               TrainConfig(epochs=12, batch_size=4, learning_rate=5e-3, seed=0, augment=False,
+                                           progress=False)).model
+    run = tmp_path_factory.mktemp("run")
+    card = privacy_card(method="nonprivate-central", ledger_path=None, delta=None, epsilon_budget=None,
+                        relation=None, accountant=None, teachers=None, hospitals=None,
+                        data_source=tiny_prepared.source)
+    save_bundle(run, model, network_config("tiny"), preprocessing_of(tiny_prepared), card)
+    return run
+
+
+def _training_scans(root, n=2):
+    dataset = json.loads((root / "dataset.json").read_text())
+    return [(root / e["image"], root / e["label"]) for e in dataset["training"][:n]]
+
+
+def test_predictions_land_in_the_scan_grid_and_overlap_the_tumour(trained_run, tiny_phantoms, tmp_path):
+    from sim.predict import predict_scans
+
+    scans = _training_scans(tiny_phantoms)
+    predictions = predict_scans(trained_run, [s for s, _ in scans], tmp_path, progress=False)
+    for (scan, label_path), prediction in zip(scans, predictions):
+        image, out, truth = nib.load(scan), nib.load(prediction.output), nib.load(label_path)
+        assert out.shape == image.shape[:3]
+        np.testing.assert_allclose(out.affine, image.affine)
+        predicted = np.asarray(out.dataobj)
+        assert predicted.dtype == np.uint8 and set(np.unique(predicted)) <= {0, 1, 2, 3}
+        truth = np.asarray(truth.dataobj) > 0
+        whole = predicted > 0
+        dice = 2 * (whole & truth).sum() / (whole.sum() + truth.sum())
+        assert dice > 0.3, f"{scan.name}: whole-tumour Dice {dice:.2f}"
+        voxel_ml = abs(np.linalg.det(image.affine[:3, :3])) / 1000
+        assert prediction.volumes_ml[1] == pytest.approx((predicted == 1).sum() * voxel_ml)
+
+
+def test_a_shifted_affine_is_preserved(trained_run, tiny_phantoms, tmp_path):
+    from sim.predict import predict_scans
+
+    scan, _ = _training_scans(tiny_phantoms, 1)[0]
+    image = nib.load(scan)
+    shifted_affine = image.affine.copy()
+    shifted_affine[:3, 3] += [12.5, -7.0, 30.0]
+    shifted = tmp_path / "shifted.nii.gz"
+    nib.save(nib.Nifti1Image(np.asarray(image.dataobj), shifted_affine, image.header), shifted)
+    original, moved = predict_scans(trained_run, [scan, shifted], tmp_path / "out", progress=False)
+    moved_image = nib.load(moved.output)
+    np.testing.assert_allclose(moved_image.affine, shifted_affine)
+    assert np.array_equal(np.asarray(moved_image.dataobj), np.asarray(nib.load(original.output).dataobj))
+
+
+def _bad_scans(tmp_path, tiny_phantoms):
+    scan, _ = _training_scans(tiny_phantoms, 1)[0]
+    image = nib.load(scan)
+    data = np.asarray(image.dataobj).astype(np.float32)
+    cases = {}
+
+    def save(name, array, affine=image.affine):
+        path = tmp_path / name
+        nib.save(nib.Nifti1Image(array, affine), path)
+        cases[name] = path
+
+    save("three_d.nii.gz", data[..., 0])
+    save("three_channels.nii.gz", data[..., :3])
+    with_nan = data.copy()
+    with_nan[5, 5, 5, 0] = np.nan
+    save("nan.nii.gz", with_nan)
+    singular = image.affine.copy()
+    singular[:3, :3] = 0
+    broken = nib.Nifti1Image(data, None)   # only the sform carries the (singular) affine
+    broken.set_sform(singular, code=1)
+    broken.set_qform(None, code=0)
+    nib.save(broken, tmp_path / "singular.nii.gz")
+    cases["singular.nii.gz"] = tmp_path / "singular.nii.gz"
+    save("empty.nii.gz", np.zeros_like(data))
+    truncated = tmp_path / "truncated.nii.gz"
+    truncated.write_bytes(scan.read_bytes()[:200])
+    cases["truncated.nii.gz"] = truncated
+    not_gzip = tmp_path / "text.nii.gz"
+    not_gzip.write_text("not an image")
+    cases["text.nii.gz"] = not_gzip
+    cases["missing.nii.gz"] = tmp_path / "missing.nii.gz"
+    return cases
+
+
+@pytest.mark.parametrize("name, message", [
+    ("three_d.nii.gz", "expected a 4D image"), ("three_channels.nii.gz", "expected 4 channels"),
+    ("nan.nii.gz", "non-finite"), ("singular.nii.gz", "not invertible"), ("empty.nii.gz", "empty"),
+    ("truncated.nii.gz", "not a readable NIfTI"), ("text.nii.gz", "not a readable NIfTI"),
+    ("missing.nii.gz", "not found"),
+])
+def test_bad_scans_get_one_line_errors_naming_the_file(trained_run, tiny_phantoms, tmp_path, capsys, name, message):
+    bad = _bad_scans(tmp_path, tiny_phantoms)[name]
+    status = main(["predict", "--model", str(trained_run), "--image", str(bad), "--out", str(tmp_path / "o"),
+                   "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1 and name in err and message in err, err
+
+
+def test_outputs_written_before_a_failing_scan_are_kept(trained_run, tiny_phantoms, tmp_path):
+    from sim.predict import predict_scans
+
+    good, _ = _training_scans(tiny_phantoms, 1)[0]
+    bad = _bad_scans(tmp_path, tiny_phantoms)["nan.nii.gz"]
+    with pytest.raises(UserError, match="nan.nii.gz"):
+        predict_scans(trained_run, [good, bad], tmp_path / "out", progress=False)
+    written = list((tmp_path / "out").glob("*_seg.nii.gz"))
+    assert [p.name for p in written] == [good.name.replace(".nii.gz", "_seg.nii.gz")]
+    assert nib.load(written[0]).shape == nib.load(good).shape[:3]
+
+
+def test_missing_model_is_a_one_line_error(tmp_path, capsys, tiny_phantoms):
+    scan, _ = _training_scans(tiny_phantoms, 1)[0]
+    assert main(["predict", "--model", str(tmp_path / "nope"), "--image", str(scan), "--out", str(tmp_path)]) == 2
+    assert "no model bundle" in capsys.readouterr().err
+
+
+def test_msd_folder_as_input(trained_run, tiny_phantoms, tmp_path, capsys):
+    assert main(["predict", "--model", str(trained_run), "--image", str(tiny_phantoms), "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "not private" in out and out.count(" ml (") == len(list((tiny_phantoms / "imagesTs").glob("*.nii.gz")))
+    assert gzip.open(next(tmp_path.glob("*_seg.nii.gz"))).read(4)  # real gzip-compressed NIfTI
