@@ -1,0 +1,245 @@
+"""Grid of seed systems × ε on a classification task, with per-cell results, a CSV and a report (issue 7).
+
+Entry point for ``fedpate compare --task mnist5k|slice-classification``::
+
+    from sim.runners.classification import run_classification_compare
+    cells = run_classification_compare(task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8],
+                                       out="runs/cls", seed=0, delta=1e-5, hospitals=None, progress=True,
+                                       preset="tiny", data=None, teachers_per_hospital=None)
+
+Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``, ``"accuracy"`` set) and
+``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``), ``out/cells.csv``,
+``out/report.md`` and ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
+(the maximum over hospitals; all hospitals carry the same events here).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import time
+import traceback
+from pathlib import Path
+
+from sim.errors import UserError
+from sim.io import atomic_write_json, atomic_write_text
+from sim.seeds import METHODS
+
+# per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3)
+PRESET_SETTINGS = {
+    "tiny": {"epochs": 5, "adlm_epochs": 10, "teachers_per_hospital": 5, "queries": 100, "teacher_epochs": 30},
+    "quick": {"epochs": 15, "adlm_epochs": 30, "teachers_per_hospital": 10, "queries": 300, "teacher_epochs": 40},
+}
+RESULT_KEYS = ("method", "task", "dice", "accuracy", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
+               "teachers", "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
+               "teacher_accuracy_mean", "ensemble_accuracy", "bytes_up_per_query_per_teacher", "wall_seconds",
+               "seed", "preset", "privacy_unit", "details", "error")
+
+
+def _eps_dir(epsilon: float | None) -> str:
+    return "eps-inf" if epsilon is None else f"eps-{epsilon:g}"
+
+
+def _batch_size(n: int, wanted: int) -> int:
+    """Keep the sampling rate meaningful on small tasks (slices of the tiny phantoms): about n/10."""
+    return int(max(16, min(wanted, n // 10)))
+
+
+def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, seed: int, progress: bool,
+                teachers_per_hospital: int | None):
+    settings = PRESET_SETTINGS[preset]
+    n = len(task.y_private)
+    if method == "dp-mac":
+        from sim.seeds.dpmac import DPMACConfig, train_dpmac
+
+        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
+                          pca_components=min(60, task.input_dim))
+        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+    if method in ("adlm", "ilm"):
+        from sim.seeds.adlm import AdLMConfig, train_adlm
+
+        cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
+        return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
+                          progress=progress)
+    if method == "pate-gnmax":
+        from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+
+        cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
+                          queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
+        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+    if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
+        from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+
+        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
+                          schedule="exponential" if method == "dp-sgd-scheduled" else None)
+        return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
+                           progress=progress)
+    raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(METHODS)}")
+
+
+def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, seed: int, preset: str,
+             progress: bool = True, teachers_per_hospital: int | None = None) -> dict:
+    """One method at one ε: fresh ledger + guard in ``out``, train, write results.json."""
+    from privacy.guard import BudgetGuard
+    from privacy.ledger import Ledger
+
+    out.mkdir(parents=True, exist_ok=True)
+    ledger_path = out / "ledger.jsonl"
+    if ledger_path.exists():
+        ledger_path.unlink()        # a cell is re-run from scratch; its ledger describes exactly this run
+    ledger = Ledger(ledger_path)
+    guard = BudgetGuard(ledger, epsilon if epsilon is not None else 1e-9, delta)
+    owners = list(task.hospitals)
+    start = time.perf_counter()
+    error, res = None, None
+    try:
+        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital)
+    except Exception as exc:  # one failing cell must not lose the grid; the error is written into the cell
+        error = f"{type(exc).__name__}: {exc}"
+        if progress:
+            traceback.print_exc()
+    wall = time.perf_counter() - start
+    spent_eps, accountant, relation = None, None, None
+    if ledger.owners():
+        spents = [ledger.spent(owner, delta) for owner in ledger.owners()]
+        worst = max(spents, key=lambda s: s.epsilon)
+        spent_eps, accountant, relation = worst.epsilon, worst.accountant, worst.relation
+    elif epsilon is None:
+        spent_eps = None
+    details = dict(res.details) if res else {}
+    result = {
+        "method": method, "task": task.name, "dice": None,
+        "accuracy": None if res is None else res.accuracy,
+        "epsilon": spent_eps if epsilon is not None else None,
+        "epsilon_budget": epsilon, "delta": delta,
+        "relation": relation or (res.relation if res else None), "accountant": accountant,
+        "teachers": res.teachers if res else None, "hospitals": len(task.hospitals),
+        "queries": res.queries if res else None, "sigma": res.sigma if res else None,
+        "teacher_dice_mean": None, "ensemble_dice_mean": None,
+        "teacher_accuracy_mean": details.get("teacher_accuracy_mean"),
+        "ensemble_accuracy": details.get("ensemble_accuracy"),
+        "bytes_up_per_query_per_teacher": res.bytes_up_per_query_per_teacher if res else None,
+        "wall_seconds": wall, "seed": seed, "preset": preset,
+        "privacy_unit": "one record (digit or slice) at one hospital",
+        "details": details, "error": error,
+    }
+    atomic_write_json(out / "results.json", result)
+    if progress:
+        acc = "n/a" if result["accuracy"] is None else f"{result['accuracy']:.3f}"
+        eps = "—" if result["epsilon"] is None else f"{result['epsilon']:.3f}"
+        print(f"[{method} ε={epsilon}] accuracy {acc}, ε spent {eps} ({accountant}), {wall:.1f}s"
+              + (f"  ERROR {error}" if error else ""), flush=True)
+    return result
+
+
+def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0, delta: float = 1e-5,
+                               hospitals: int | None = None, progress: bool = True, preset: str = "tiny",
+                               data: str | None = None, teachers_per_hospital: int | None = None) -> list[dict]:
+    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot."""
+    from sim.tasks import load_task
+
+    if preset not in PRESET_SETTINGS:
+        raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, got {preset!r}")
+    methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of {', '.join(METHODS)}")
+    epsilons = [float(e) for e in (epsilons.split(",") if isinstance(epsilons, str) else epsilons)]
+    if any(not (e > 0 and math.isfinite(e)) for e in epsilons):
+        raise UserError(f"--epsilons: expected positive numbers, got {epsilons}")
+    if delta is None or not (0 < delta < 1):
+        raise UserError(f"--delta: expected a number in (0, 1), got {delta}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
+    if progress:
+        print(f"task {t.name}: {t.summary()}", flush=True)
+    cells = []
+    for method in methods:
+        for epsilon in ([None] if method == "nonprivate" else epsilons):
+            cells.append(run_cell(t, method, epsilon, out / method / _eps_dir(epsilon), delta, seed, preset, progress,
+                                  teachers_per_hospital))
+    write_cells_csv(cells, out / "cells.csv")
+    write_report(cells, out, t.summary(), delta)
+    return cells
+
+
+CSV_COLUMNS = ("method", "epsilon_budget", "epsilon", "delta", "accuracy", "relation", "accountant", "sigma",
+               "teachers", "queries", "wall_seconds", "error")
+
+
+def write_cells_csv(cells: list[dict], path: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for c in cells:
+        writer.writerow({k: ("" if c.get(k) is None else c.get(k)) for k in CSV_COLUMNS})
+    atomic_write_text(path, buf.getvalue())
+
+
+def _fmt(value, spec=".3f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float) -> None:
+    lines = [f"# Seed systems on `{task_summary['task']}`", "",
+             f"Task: {task_summary}", "",
+             "Privacy unit: one record (a digit / a tumour slice) at one hospital. DP-MAC, DP-SGD: add/remove-one, "
+             "Poisson sampling, PLD accountant. AdLM/ILM: replace-one, pure ε (basic composition ε1+ε2+ε3, "
+             "independent of epochs). PATE-GNMax: replace-one, data-independent accounting of Gaussian noisy-argmax "
+             "(gdp-exact). ε spent is read from each cell's ledger.jsonl.", "",
+             "| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        d = c.get("details") or {}
+        note = c.get("error") or ""
+        if c["method"] == "pate-gnmax" and not note:
+            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
+                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}, label acc {_fmt(d.get('label_accuracy'))}")
+        elif c["method"] in ("dp-mac", "dp-sgd", "dp-sgd-scheduled") and c.get("sigma") and not note:
+            note = f"noise multiplier {_fmt(c['sigma'], '.2f')}"
+        elif c["method"] in ("adlm", "ilm") and not note:
+            note = (f"feature Laplace scale (median) {_fmt(d.get('feature_scale_median'), '.1f')}, "
+                    f"label scale {_fmt(d.get('label_scale'), '.1f')}")
+        lines.append(f"| {c['method']} | {_fmt(c['epsilon_budget'], 'g')} | {_fmt(c['epsilon'])} | "
+                     f"{0 if c['method'] in ('adlm', 'ilm') else c['delta']:g} | "
+                     f"{c['relation'] or '—'} | {c['accountant'] or '—'} | {_fmt(c['accuracy'])} | "
+                     f"{c['wall_seconds']:.1f} | {note} |")
+    try:
+        _plot(cells, out / "accuracy_vs_epsilon.png")
+        lines += ["", "![accuracy vs epsilon](accuracy_vs_epsilon.png)"]
+    except Exception as exc:  # the report must still be written when plotting fails
+        lines += ["", f"(plot failed: {exc})"]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _plot(cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    methods = sorted({c["method"] for c in cells}, key=list(METHODS).index)
+    for m in methods:
+        pts = sorted((c["epsilon_budget"], c["accuracy"]) for c in cells
+                     if c["method"] == m and c["accuracy"] is not None and c["epsilon_budget"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        elif m == "nonprivate":
+            acc = next((c["accuracy"] for c in cells if c["method"] == m and c["accuracy"] is not None), None)
+            if acc is not None:
+                ax.axhline(acc, color="k", linestyle="--", label="nonprivate")
+    ax.set_xscale("log")
+    ax.set_xlabel("ε (budget)")
+    ax.set_ylabel("test accuracy")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    from sim.io import atomic_write_bytes
+
+    atomic_write_bytes(path, buf.getvalue())

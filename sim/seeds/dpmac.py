@@ -1,0 +1,303 @@
+"""DP-MAC (Harder, Park et al., seed paper 001): private method of auxiliary coordinates.
+
+MAC (Carreira-Perpiñán & Wang 2014; paper eq. 2) adds one auxiliary coordinate vector ``z_{k,n}`` per hidden
+layer k and record n, which decouples the nested objective (eq. 1) into per-layer objectives
+
+    output layer:  E_L(W_L) = Σ_n CE(W_L [z_{L-1,n}; 1], y_n)                (classification, paper Sec. 3)
+    hidden layer:  E_k(W_k) = μ Σ_n ||z_{k,n} − h(W_k [z_{k-1,n}; 1])||²     (z_0 = x, h = ReLU)
+
+and alternates a Z-step (optimise the z's with W fixed; never released, so non-private — paper Sec. 2.1)
+with a W-step. The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq.
+4-5): first order ``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a
+diagonal second-order (Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients,
+which are sums over the batch of per-record terms; each per-record term is clipped to norm ``C`` (Sec. 2.2:
+"bound the sensitivities directly by clipping the norms of the coefficients"), so under add/remove-one
+the sum of a coefficient has L2 sensitivity ``C``.
+
+Appendix I (one Gaussian draw per step): the P coefficient blocks of all layers are each divided by their
+sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(0, σ² I)`` and scaled back —
+so block p carries noise of std ``σ · C_p · √P``. With Poisson sampling of rate q every step is one
+sampled Gaussian mechanism with noise multiplier σ, accounted as ``SampledGaussianEvent(q, σ)`` (moments
+accountant, Appendix I "Moments Calculations"; here dp_accounting's PLD through privacy/).
+
+DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): rows clipped to L2 norm 1, the
+second-moment matrix ``Σ_n x_n x_nᵀ`` (Frobenius sensitivity 1 under add/remove) perturbed with a symmetric
+Gaussian matrix (Dwork et al. 2014, "Analyze Gauss"), top-k eigenvectors; accounted as
+``GaussianEvent(sensitivity=1, sigma, relation="add-remove")`` and composed with the training steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sim.seeds import SeedResult, set_seed
+
+
+@dataclass
+class DPMACConfig:
+    hidden: tuple[int, ...] = (300,)   # paper's classifier: one hidden layer of 300 units
+    epochs: int = 10
+    batch_size: int = 250              # expected (Poisson) batch size; q = batch_size / n
+    lr: float = 0.01                   # Adam on the W-step (paper, Appendix B table)
+    lr_decay: float = 0.95             # per epoch
+    z_steps: int = 10
+    z_lr: float = 0.5
+    mu: float = 1.0                    # quadratic-penalty weight of MAC
+    clip: float = 1.0                  # per-record clip of every first-order coefficient block
+    clip2: float = 1.0                 # per-record clip of the second-order blocks (order == 2)
+    order: int = 1                     # 1 = linear Taylor approximation (paper's experiments), 2 = + diag
+    newton_lr: float = 0.5
+    damping: float = 1.0
+    pca_components: int | None = 60    # None = no DP-PCA projection
+    pca_epsilon_fraction: float = 0.1  # share of ε spent on DP-PCA (calibrated alone with gdp-exact)
+    noise_multiplier: float | None = None   # None = calibrate for the target ε
+    accountant: str = "pld"
+
+
+# --------------------------------------------------------------------------------------------- maths
+def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """``min(1, C / ||c_n||)``: scaling that bounds every per-record coefficient by C (paper Sec. 2.2)."""
+    return torch.clamp(clip / (norms + 1e-12), max=1.0)
+
+
+def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.Tensor, z_target: torch.Tensor | None,
+                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0):
+    """Clipped per-layer Taylor coefficients summed over the batch (paper eq. 4-5, Sec. 2.2).
+
+    Every per-record first-order coefficient is an outer product ``u_n v_nᵀ`` with ``v_n = [z_{k-1,n}; 1]``
+    (so its Frobenius norm is ``||u_n||·||v_n||`` and clipping needs no per-record matrices):
+      hidden (MSE, ReLU):  u_n = −2μ (z_{k,n} − h(a_n)) ⊙ h'(a_n)
+      output (softmax CE): u_n = softmax(a_n) − onehot(y_n)
+    Second-order diagonal (Gauss-Newton) coefficient: ``u'_n (v_n²)ᵀ`` with u'_n = 2μ h'(a_n) (hidden) or
+    p(1−p) (output).
+
+    Returns ``(sums, per_record_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
+    first-order block, then (order 2) the second-order block — each with add/remove sensitivity ≤ its clip.
+    """
+    v = torch.cat([z_prev, torch.ones(z_prev.shape[0], 1, dtype=z_prev.dtype)], dim=1)
+    a = v @ torch.cat([weight, bias[:, None]], dim=1).T
+    if labels is None:       # hidden layer
+        active = (a > 0).to(a.dtype)
+        u = -2.0 * mu * (z_target - torch.relu(a)) * active
+        u2 = 2.0 * mu * active
+    else:                    # output layer
+        p = torch.softmax(a, dim=1)
+        u = p - torch.nn.functional.one_hot(labels, p.shape[1]).to(p.dtype)
+        u2 = p * (1 - p)
+    norms = u.norm(dim=1) * v.norm(dim=1)
+    f = clip_factors(norms, clip)
+    sums = [(u * f[:, None]).T @ v]
+    clipped = [norms * f]
+    if order == 2:
+        v2 = v * v
+        norms2 = u2.norm(dim=1) * v2.norm(dim=1)
+        f2 = clip_factors(norms2, clip2)
+        sums.append((u2 * f2[:, None]).T @ v2)
+        clipped.append(norms2 * f2)
+    return sums, clipped
+
+
+def perturb_concatenated(blocks: list[torch.Tensor], sensitivities: list[float], sigma: float, mechanism_factory,
+                         ) -> list[torch.Tensor]:
+    """Appendix I: scale block p by ``1/(S_p √P)``, concatenate (L2 sensitivity 1), add ONE Gaussian draw
+    of std σ, scale back by ``S_p √P``. Block p thus gets noise of std ``σ S_p √P``.
+
+    ``mechanism_factory(sigma)`` returns a callable adding ``N(0, σ² I)`` (privacy.mechanisms.GaussianMechanism)
+    — it is called exactly once per step.
+    """
+    P = len(blocks)
+    scales = [s * math.sqrt(P) for s in sensitivities]
+    flat = torch.cat([(b / sc).reshape(-1) for b, sc in zip(blocks, scales)])
+    noisy = torch.as_tensor(mechanism_factory(sigma)(flat), dtype=flat.dtype)
+    out, start = [], 0
+    for b, sc in zip(blocks, scales):
+        out.append(noisy[start:start + b.numel()].reshape(b.shape) * sc)
+        start += b.numel()
+    return out
+
+
+def dp_pca(x: np.ndarray, components: int, sigma: float, mechanism_factory) -> np.ndarray:
+    """Analyze-Gauss DP-PCA (Dwork, Talwar, Thakurta & Zhang 2014) as used by Abadi et al. / DP-MAC Sec. 3.
+
+    Rows are clipped to L2 norm 1, so ``A = Σ_n x_n x_nᵀ`` has Frobenius (hence upper-triangle L2)
+    sensitivity 1 under add/remove. The upper triangle gets N(0, σ²) noise (one mechanism call) and is
+    mirrored; returns the top-``components`` eigenvectors (d, k).
+    """
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    xc = x / np.maximum(1.0, norms)
+    a = xc.T @ xc
+    d = a.shape[0]
+    iu = np.triu_indices(d)
+    upper = mechanism_factory(sigma)(a[iu].astype(np.float64))
+    noisy = np.zeros_like(a, dtype=np.float64)
+    noisy[iu] = upper
+    noisy = noisy + np.triu(noisy, 1).T
+    vals, vecs = np.linalg.eigh(noisy)
+    return vecs[:, np.argsort(vals)[::-1][:components]].astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------- training
+class MACNet(torch.nn.Module):
+    def __init__(self, dims: list[int], projection: np.ndarray | None = None):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.register_buffer("projection", None if projection is None else torch.as_tensor(projection))
+
+    def project(self, x):
+        return x if self.projection is None else x @ self.projection
+
+    def activations(self, x):
+        zs = [self.project(x)]
+        for i, layer in enumerate(self.layers):
+            a = layer(zs[-1])
+            zs.append(a if i == len(self.layers) - 1 else torch.relu(a))
+        return zs
+
+    def forward(self, x):
+        return self.activations(x)[-1]
+
+
+def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> list[torch.Tensor]:
+    """Initialise the auxiliary coordinates by a forward pass (paper Sec. 3) and refine them by gradient
+    steps on the MAC objective (eq. 2) with W fixed. Returns [z_0 = projected x, z_1, ..., z_{L-1}]."""
+    with torch.no_grad():
+        zs = net.activations(x)[:-1]
+    hidden = [z.clone().requires_grad_(True) for z in zs[1:]]
+    if hidden and cfg.z_steps > 0:
+        opt = torch.optim.SGD(hidden, lr=cfg.z_lr)
+        layers = list(net.layers)
+        for _ in range(cfg.z_steps):
+            opt.zero_grad()
+            prev = [zs[0]] + hidden
+            loss = torch.nn.functional.cross_entropy(layers[-1](prev[-1]), y, reduction="sum")
+            for k in range(len(hidden)):
+                loss = loss + cfg.mu * ((hidden[k] - torch.relu(layers[k](prev[k]))) ** 2).sum()
+            (loss / len(y)).backward()
+            with torch.no_grad():
+                for layer in layers:
+                    for p in layer.parameters():
+                        p.grad = None
+            opt.step()
+    return [zs[0]] + [h.detach() for h in hidden]
+
+
+def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: int, pca_sigma: float | None,
+                    accountant: str = "pld") -> float:
+    """Noise multiplier σ such that [DP-PCA Gaussian] ∘ ``steps`` × SampledGaussian(q, σ) spends ``epsilon``."""
+    from privacy.calibration import calibrate, dpsgd_noise_multiplier
+    from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
+
+    if pca_sigma is None:
+        return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant)
+    pca_event = GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove")
+    return calibrate(lambda z: ComposedEvent((pca_event, SampledGaussianEvent(sampling_rate, z, steps))),
+                     epsilon, delta, accountant, 0.05, 500.0)
+
+
+def pca_sigma_for(epsilon: float, delta: float) -> float:
+    from privacy.calibration import calibrate
+    from privacy.events import GaussianEvent
+
+    return calibrate(lambda s: GaussianEvent(sensitivity=1.0, sigma=s, relation="add-remove"),
+                     epsilon, delta, "gdp-exact", 0.01, 1e4)
+
+
+def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
+                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False) -> SeedResult:
+    """Train a DP-MAC classifier on the pooled private records. ``epsilon=None`` runs MAC without noise."""
+    from privacy.events import GaussianEvent, SampledGaussianEvent
+    from privacy.mechanisms import GaussianMechanism, make_generator
+
+    cfg = cfg or DPMACConfig()
+    set_seed(seed)
+    x = np.asarray(task.x_private, np.float32)
+    y = np.asarray(task.y_private, np.int64)
+    n = len(y)
+    generator = make_generator(seed)
+    mech = (lambda s: GaussianMechanism(s, generator))
+    q = min(1.0, cfg.batch_size / n)
+    steps_per_epoch = max(1, int(round(1.0 / q)))
+    total_steps = steps_per_epoch * cfg.epochs
+    private = epsilon is not None
+
+    projection, pca_sigma = None, None
+    if cfg.pca_components:
+        if private:
+            pca_sigma = pca_sigma_for(cfg.pca_epsilon_fraction * epsilon, delta)
+            guard.charge(owners, GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove"),
+                         release_id=f"{release_prefix}/dp-pca", note={"components": cfg.pca_components})
+            projection = dp_pca(x, cfg.pca_components, pca_sigma, mech)
+        else:
+            u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
+            projection = vt[:cfg.pca_components].T.astype(np.float32)
+    noise_multiplier = None
+    if private:   # calibrate slightly below the budget: the ledger composes per-epoch events on its own PLD grid
+        noise_multiplier = cfg.noise_multiplier or calibrate_dpmac(0.995 * epsilon, delta, q, total_steps, pca_sigma,
+                                                                   cfg.accountant)
+
+    in_dim = cfg.pca_components or x.shape[1]
+    net = MACNet([in_dim, *cfg.hidden, task.n_classes], projection)
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.lr_decay)
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    sample_gen = torch.Generator().manual_seed(seed + 17)
+    layers = list(net.layers)
+    for epoch in range(cfg.epochs):
+        if private:   # charge the whole epoch's steps before any of its noise is drawn
+            guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, steps_per_epoch),
+                         release_id=f"{release_prefix}/epoch-{epoch}",
+                         note={"steps": steps_per_epoch, "order": cfg.order, "clip": cfg.clip})
+        for _ in range(steps_per_epoch):
+            mask = torch.rand(n, generator=sample_gen) < q          # Poisson sampling
+            idx = torch.nonzero(mask).squeeze(1)
+            zs = z_step(net, xt[idx], yt[idx], cfg) if len(idx) else None
+            blocks, sens = [], []
+            for k, layer in enumerate(layers):
+                if zs is None:
+                    out_dim, in_dim_k = layer.weight.shape
+                    sums = [torch.zeros(out_dim, in_dim_k + 1) for _ in range(cfg.order)]
+                else:
+                    last = k == len(layers) - 1
+                    sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
+                                                 None if last else zs[k + 1], yt[idx] if last else None,
+                                                 cfg.mu, cfg.clip, cfg.order, cfg.clip2)
+                blocks += sums
+                sens += [cfg.clip, cfg.clip2][:cfg.order]
+            if private:
+                blocks = perturb_concatenated(blocks, sens, noise_multiplier, mech)
+            denom = q * n     # expected batch size (fixed: the sum, not a data-dependent mean, is what is private)
+            opt.zero_grad()
+            for k, layer in enumerate(layers):
+                g = blocks[k * cfg.order] / denom
+                if cfg.order == 1:
+                    layer.weight.grad = g[:, :-1].clone()
+                    layer.bias.grad = g[:, -1].clone()
+                else:
+                    h = torch.clamp(blocks[k * cfg.order + 1] / denom, min=0.0) + cfg.damping
+                    with torch.no_grad():
+                        step = cfg.newton_lr * g / h
+                        layer.weight -= step[:, :-1]
+                        layer.bias -= step[:, -1]
+            if cfg.order == 1:
+                opt.step()
+        sched.step()
+        if progress:
+            from sim.seeds import accuracy as _acc
+            print(f"  dp-mac epoch {epoch + 1}/{cfg.epochs}: test acc {_acc(net, task.x_test, task.y_test):.3f}",
+                  flush=True)
+    from sim.seeds import accuracy
+
+    return SeedResult(
+        method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
+        relation="add-remove", sigma=noise_multiplier,
+        details={"noise_multiplier": noise_multiplier, "sampling_rate": q, "steps": total_steps,
+                 "epochs": cfg.epochs, "order": cfg.order, "clip": cfg.clip, "hidden": list(cfg.hidden),
+                 "pca_components": cfg.pca_components, "pca_sigma": pca_sigma,
+                 "noise_std_per_block": None if noise_multiplier is None else
+                 noise_multiplier * cfg.clip * math.sqrt(cfg.order * len(layers))},
+        model=net,
+    )

