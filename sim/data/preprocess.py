@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -24,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from sim.data.errors import DataError
+from sim.io import atomic_write_with
 
 PREPARED_FORMAT = 1
 
@@ -193,19 +193,7 @@ def invert_probs(probs: np.ndarray, record: PreprocessRecord) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------ prepared cache
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_with(path, lambda handle: np.save(handle, array))
 
 
 def describe_source(dataset) -> dict:
