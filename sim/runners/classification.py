@@ -100,6 +100,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         if progress:
             traceback.print_exc()
     wall = time.perf_counter() - start
+    if not ledger_path.exists():
+        atomic_write_text(ledger_path, "")   # a non-private cell has an (empty) ledger too: nothing was released
     spent_eps, accountant, relation = None, None, None
     if ledger.owners():
         spents = [ledger.spent(owner, delta) for owner in ledger.owners()]
@@ -137,8 +139,11 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
                                hospitals: int | None = None, progress: bool = True, preset: str = "tiny",
                                data: str | None = None, teachers_per_hospital: int | None = None) -> list[dict]:
     """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot."""
+    import logging
+
     from sim.tasks import load_task
 
+    logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
     if preset not in PRESET_SETTINGS:
         raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, got {preset!r}")
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]

@@ -194,8 +194,9 @@ def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: i
     if pca_sigma is None:
         return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant)
     pca_event = GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove")
-    return calibrate(lambda z: ComposedEvent((pca_event, SampledGaussianEvent(sampling_rate, z, steps))),
-                     epsilon, delta, accountant, 0.05, 500.0)
+    make = lambda z: ComposedEvent((pca_event, SampledGaussianEvent(sampling_rate, z, steps)))  # noqa: E731
+    guess = calibrate(make, epsilon, delta, "rdp", 0.3, 3.0, rtol=1e-2)     # fast bracket, then the exact one
+    return calibrate(make, epsilon, delta, accountant, 0.7 * guess, 1.02 * guess)
 
 
 def pca_sigma_for(epsilon: float, delta: float) -> float:
@@ -246,11 +247,11 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
     sample_gen = torch.Generator().manual_seed(seed + 17)
     layers = list(net.layers)
+    if private:   # charge all planned W-steps before any of their noise is drawn (one guard check)
+        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps),
+                     release_id=f"{release_prefix}/w-steps",
+                     note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
     for epoch in range(cfg.epochs):
-        if private:   # charge the whole epoch's steps before any of its noise is drawn
-            guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, steps_per_epoch),
-                         release_id=f"{release_prefix}/epoch-{epoch}",
-                         note={"steps": steps_per_epoch, "order": cfg.order, "clip": cfg.clip})
         for _ in range(steps_per_epoch):
             mask = torch.rand(n, generator=sample_gen) < q          # Poisson sampling
             idx = torch.nonzero(mask).squeeze(1)

@@ -1,8 +1,8 @@
 """DP-SGD for the small classifiers (Abadi et al. 2016 via Opacus), constant or with a Yu et al. schedule.
 
 * Poisson sampling (Opacus ``poisson_sampling=True``), per-sample clipping to ``max_grad_norm``, Gaussian
-  noise ``z·C``; every epoch is charged as ``SampledGaussianEvent(q, z_t, steps_per_epoch)`` through the
-  budget guard *before* the epoch runs (add/remove-one, PLD — SPEC §6).
+  noise ``z·C``; the planned run (``SampledGaussianEvent(q, z, steps)``, or one such event per epoch for a
+  schedule) is charged through the budget guard *before* training starts (add/remove-one, PLD — SPEC §6).
 * ``schedule="exponential"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
   Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise multiplier for the same
   (ε, δ, epochs), and k is planned with ``privacy.schedules.plan_decay`` so that exactly ``epochs`` epochs
@@ -87,10 +87,17 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         model, opt, dp_loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
                                                     noise_multiplier=sigmas[0], max_grad_norm=cfg.max_grad_norm,
                                                     poisson_sampling=True)
+    # The whole planned run is charged once, before any noise is drawn (one guard check instead of one per
+    # epoch: each check re-composes the owner's PLD). A schedule is charged as its per-epoch composition.
+    if cfg.schedule:
+        from privacy.events import ComposedEvent
+
+        event = ComposedEvent(tuple(SampledGaussianEvent(q, s, steps_per_epoch) for s in sigmas))
+    else:
+        event = SampledGaussianEvent(q, z_constant, steps_per_epoch * cfg.epochs)
+    guard.charge(owners, event, release_id=f"{release_prefix}/training",
+                 note={"clip": cfg.max_grad_norm, "noise_multipliers": sigmas, "epochs": cfg.epochs})
     for epoch in range(cfg.epochs):
-        guard.charge(owners, SampledGaussianEvent(q, sigmas[epoch], steps_per_epoch),
-                     release_id=f"{release_prefix}/epoch-{epoch}",
-                     note={"clip": cfg.max_grad_norm, "noise_multiplier": sigmas[epoch]})
         opt.noise_multiplier = sigmas[epoch]
         model.train()
         with warnings.catch_warnings():

@@ -1,0 +1,68 @@
+"""A tiny seed-system compare on mnist5k writes schema-complete cells, a CSV, a report and a plot."""
+
+import csv
+import json
+
+import pytest
+
+SPEC_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
+             "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
+             "bytes_up_per_query_per_teacher", "wall_seconds", "seed")
+
+
+@pytest.mark.slow
+def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypatch):
+    from sim.runners import classification as runner
+
+    # keep the test small: fewer epochs/queries than the tiny preset
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
+                                                         "queries": 20, "teacher_epochs": 2})
+    cells = runner.run_classification_compare("mnist5k", "nonprivate,adlm,ilm,pate-gnmax,dp-mac", [2.0],
+                                              tmp_path, seed=0, delta=1e-5, hospitals=2, progress=False)
+    assert [c["method"] for c in cells] == ["nonprivate", "adlm", "ilm", "pate-gnmax", "dp-mac"]
+    for cell in cells:
+        folder = tmp_path / cell["method"] / ("eps-inf" if cell["method"] == "nonprivate" else "eps-2")
+        result = json.loads((folder / "results.json").read_text())
+        for key in SPEC_KEYS + ("accuracy",):
+            assert key in result, (cell["method"], key)
+        assert result["error"] is None, result["error"]
+        assert result["dice"] is None
+        assert 0.0 <= result["accuracy"] <= 1.0
+        assert (folder / "ledger.jsonl").exists()
+        if cell["method"] == "nonprivate":
+            assert result["epsilon"] is None
+        else:
+            assert 0 < result["epsilon"] <= 2.0
+            assert result["relation"] in ("replace-one", "add-remove") and result["accountant"]
+    assert cells[0]["accuracy"] > 0.5          # the non-private net learns mnist5k
+    rows = list(csv.DictReader((tmp_path / "cells.csv").open()))
+    assert len(rows) == 5
+    report = (tmp_path / "report.md").read_text()
+    assert "| pate-gnmax | 2 |" in report
+    assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 1000
+
+
+def test_unknown_task_and_method_are_user_errors(tmp_path):
+    from sim.errors import UserError
+    from sim.runners.classification import run_classification_compare
+
+    with pytest.raises(UserError, match="--methods"):
+        run_classification_compare("mnist5k", "dp-mac,bogus", [1], tmp_path)
+    with pytest.raises(UserError, match="--task"):
+        run_classification_compare("cifar", "dp-mac", [1], tmp_path)
+
+
+def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
+    import numpy as np
+
+    from sim.tasks import load_mnist5k
+
+    a, b = load_mnist5k(hospitals=3, seed=0), load_mnist5k(hospitals=3, seed=0)
+    assert np.array_equal(a.x_private, b.x_private) and np.array_equal(a.y_test, b.y_test)
+    assert len(a.y_private) + len(a.y_test) + len(a.x_query) + len(a.y_reference) == 5000
+    assert len(a.y_test) == 1000 and a.x_private.min() >= 0 and a.x_private.max() <= 1
+    counts = np.bincount(a.hospital_of)
+    assert counts.max() - counts.min() <= 1
+    # each hospital gets every digit (stratified)
+    for h in a.hospitals:
+        assert len(np.unique(a.y_private[a.hospital_indices(h)])) == 10
