@@ -42,6 +42,7 @@ class ClassificationTask:
     x_reference: np.ndarray          # public, labelled (AdLM's relevance network)
     y_reference: np.ndarray
     y_query_true: np.ndarray | None = None   # only for evaluating PATE's label accuracy, never for training
+    group_of: np.ndarray | None = None       # (n,) patient index of each private record (slices), else None
     info: dict = field(default_factory=dict)
 
     @property
@@ -123,13 +124,12 @@ def volume_slices(images: np.ndarray, labels: np.ndarray, pool: int) -> tuple[np
 def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-classification") -> ClassificationTask:
     """Build the slice task from a ``PreparedDataset`` and a ``Split`` (the segmentation's partition)."""
     hospitals = list(split.hospitals)
-    xs, ys, hs = [], [], []
+    xs, ys, hs, gs = [], [], [], []
     for index, hospital in enumerate(hospitals):
-        ids = [cid for part in split.hospitals[hospital] for cid in part]
-        if not ids:
-            continue
-        x, y = volume_slices(prepared.images(ids), prepared.labels(ids), pool)
-        xs.append(x), ys.append(y), hs.append(np.full(len(y), index, np.int64))
+        for cid in (c for part in split.hospitals[hospital] for c in part):
+            x, y = volume_slices(prepared.images([cid]), prepared.labels([cid]), pool)
+            xs.append(x), ys.append(y), hs.append(np.full(len(y), index, np.int64))
+            gs.append(np.full(len(y), len(gs), np.int64))
 
     def part(ids):
         ids = list(ids)
@@ -145,7 +145,7 @@ def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-cla
     return ClassificationTask(
         name=name, n_classes=2, x_private=np.concatenate(xs), y_private=np.concatenate(ys),
         hospital_of=np.concatenate(hs), hospitals=hospitals, x_test=x_test, y_test=y_test,
-        x_query=x_query, x_reference=x_ref, y_reference=y_ref, y_query_true=y_query,
+        x_query=x_query, x_reference=x_ref, y_reference=y_ref, y_query_true=y_query, group_of=np.concatenate(gs),
         info={"pool": pool, "grid": list(getattr(prepared, "grid", ())),
               "unit_note": "records are slices; a patient contributes several slices (see report)"},
     )
@@ -153,29 +153,15 @@ def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-cla
 
 def load_slice_classification(preset: str = "tiny", hospitals: int | None = None, seed: int = 0,
                               data: str | Path | None = None, pool: int = 8,
-                              cache_root: str | Path | None = None) -> ClassificationTask:
-    """Phantoms (or the MSD folder ``data``) → prepared grid → the preset's split → slice task."""
-    from sim.data.partitions import make_split
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+                              teachers_per_hospital: int | None = None, progress: bool = False) -> ClassificationTask:
+    """The segmentation world of ``preset`` (same phantoms/MSD folder, prepared grid and hospital split as
+    ``fedpate simulate``/``compare``, via ``sim.runners.inprocess.build_world``) → the slice task."""
     from sim.presets import get_preset
+    from sim.runners.inprocess import build_world
 
-    p = get_preset(preset, hospitals=hospitals)
-    if data is None:
-        from sim.data.phantoms import ensure_phantoms
-
-        root = ensure_phantoms(p, cache_root) if cache_root is not None else ensure_phantoms(p, _default_cache())
-    else:
-        root = Path(data)
-    cache = Path(cache_root or _default_cache()) / f"prepared-{p.name}-{'x'.join(map(str, p.grid))}"
-    prepared = prepare_dataset(root, cache, PreprocessConfig(grid=p.grid), progress=False)
-    split = make_split(prepared, hospitals=p.hospitals, teachers_per_hospital=p.teachers_per_hospital,
-                       scheme=p.split_scheme, n_query=p.n_query, n_reference=p.n_reference,
-                       n_validation=p.n_validation, n_test=p.n_test, seed=seed)
+    p = get_preset(preset)
+    prepared, split = build_world(p, data, seed, progress, hospitals, teachers_per_hospital)
     return slice_task_from_split(prepared, split, pool=min(pool, p.grid[0]))
-
-
-def _default_cache() -> Path:
-    return Path.home() / ".cache" / "fedpate"
 
 
 def load_task(name: str, preset: str = "tiny", hospitals: int | None = None, seed: int = 0,

@@ -66,3 +66,23 @@ def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
     # each hospital gets every digit (stratified)
     for h in a.hospitals:
         assert len(np.unique(a.y_private[a.hospital_indices(h)])) == 10
+
+
+def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
+    import numpy as np
+
+    from sim.seeds.gnmax import teacher_partitions
+    from sim.tasks import slice_task_from_split
+
+    task = slice_task_from_split(tiny_prepared, tiny_split, pool=4)
+    assert task.input_dim == 4 * 4 * 4 and task.n_classes == 2
+    assert task.hospitals == list(tiny_split.hospitals)
+    assert 0 <= task.x_private.min() and task.x_private.max() <= 1
+    assert set(np.unique(task.y_private)) <= {0, 1} and len(task.y_test) > 0
+    # a patient's slices all belong to one hospital and, in PATE, to exactly one teacher
+    for g in np.unique(task.group_of):
+        assert len(np.unique(task.hospital_of[task.group_of == g])) == 1
+    owners = {}
+    for k, (_, idx) in enumerate(teacher_partitions(task, 3)):
+        for g in np.unique(task.group_of[idx]):
+            assert owners.setdefault(int(g), k) == k

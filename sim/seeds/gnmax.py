@@ -44,14 +44,19 @@ class GNMaxConfig:
 
 
 def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
-    """Disjoint partitions of each hospital's records (deterministic)."""
+    """Disjoint partitions of each hospital's records (deterministic). When the task groups records by
+    patient (``group_of``: slices of one volume), whole patients are partitioned, so a patient influences
+    exactly one teacher and GNMax's replace-one guarantee is per patient (SPEC §2)."""
     rng = np.random.default_rng(seed + 31)
     parts = []
     for hospital in task.hospitals:
-        idx = rng.permutation(task.hospital_indices(hospital))
-        for k, chunk in enumerate(np.array_split(idx, teachers_per_hospital)):
-            if len(chunk):
-                parts.append((hospital, chunk))
+        idx = task.hospital_indices(hospital)
+        if task.group_of is None:
+            chunks = np.array_split(rng.permutation(idx), teachers_per_hospital)
+        else:
+            groups = rng.permutation(np.unique(task.group_of[idx]))
+            chunks = [idx[np.isin(task.group_of[idx], g)] for g in np.array_split(groups, teachers_per_hospital)]
+        parts += [(hospital, chunk) for chunk in chunks if len(chunk)]
     return parts
 
 
