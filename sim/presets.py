@@ -75,8 +75,8 @@ PRESETS: dict[str, Preset] = {
         name="quick", phantom_cases=260, phantom_test_cases=4, institutions=4, phantom_resolution_mm=3.0,
         grid=(32, 32, 32), hospitals=4, teachers_per_hospital=32, split_scheme="institution",
         n_query=40, n_reference=40, n_validation=10, n_test=30,
-        unet="small", teacher_epochs=6, pretrain_epochs=20, student_epochs=15, central_epochs=15,
-        batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=120,
+        unet="small", teacher_epochs=6, pretrain_epochs=20, student_epochs=10, central_epochs=10,
+        batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=60,
     ),
     "paper": Preset(
         name="paper", phantom_cases=484, phantom_test_cases=0, institutions=8, phantom_resolution_mm=1.0,
