@@ -33,6 +33,11 @@ def test_segmentation_compare_is_complete_consistent_and_resumable(cache, tmp_pa
         assert (out / cell / "model" / "MODEL_CARD.md").exists()
     # teachers were trained once for both epsilons
     assert len(list((out / "_shared").glob("K-8/public-model.pt"))) == 1
+    results = [json.loads((out / c / "results.json").read_text()) for c in ("pate-pca/eps-2", "pate-pca/eps-8")]
+    assert results[0]["teacher_dice_mean"] == results[1]["teacher_dice_mean"]
+    teachers = list(cache.glob("worlds/*/nodes/*/teachers/teacher-*.pt"))
+    assert len(teachers) == 8 and not list(out.rglob("hospitals"))  # one set of teachers, in the world
+    assert json.loads(next(cache.glob("worlds/*/nodes/*/teachers/training.json")).read_text())["fingerprint"]
     stamps = {c: os.path.getmtime(out / c / "results.json") for c in cells}
     assert main(args) == 0  # resumed: nothing recomputed
     assert stamps == {c: os.path.getmtime(out / c / "results.json") for c in cells}

@@ -78,7 +78,7 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
 def run_pate_inprocess(preset_name: str, method: str, epsilon: float | None, delta: float | None, out,
                        seed: int = 0, data=None, hospitals: int | None = None,
                        teachers_per_hospital: int | None = None, progress: bool = True, *, prepared=None,
-                       split=None, drop: Mapping[str, int] | None = None, **options) -> dict:
+                       split=None, drop: Mapping[str, int] | None = None, hospitals_root=None, **options) -> dict:
     """Build the world (sim.data), one Hospital per split hospital, and run :func:`server.pate.run_pate`."""
     from clients.hospital import Hospital
     from server.pate import run_pate
@@ -95,7 +95,9 @@ def run_pate_inprocess(preset_name: str, method: str, epsilon: float | None, del
         prepared, split = build_world(preset, data, seed, progress, hospitals, teachers_per_hospital)
     out = Path(out)
     world = load_world(prepared, split)
-    members = [Hospital(h, prepared, split.hospitals[h], preset, out / "hospitals" / h, seed)
+    # ``hospitals_root``: where the hospitals keep their teachers (shared across a comparison's cells)
+    root = Path(hospitals_root) if hospitals_root is not None else out / "hospitals"
+    members = [Hospital(h, prepared, split.hospitals[h], preset, root / h, seed)
                for h in sorted(split.hospitals)]
     transport = InProcessTransport(members, drop=drop)
     results = run_pate(transport, world, preset, method, epsilon, delta, out, seed, progress=progress, **options)

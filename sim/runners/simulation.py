@@ -103,5 +103,7 @@ def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
         results.append(run_pate_inprocess(settings.resolved_preset, cell["method"], cell["epsilon"],
                                           settings.resolved_delta, cell["out"], settings.seed,
                                           progress=settings.progress, prepared=prepared, split=split,
-                                          calibration=settings.calibration))
+                                          calibration=settings.calibration, query_batch=settings.query_batch,
+                                          shared_dir=cell.get("shared_dir"),
+                                          hospitals_root=Path(settings.world) / "nodes"))
     return results
