@@ -141,7 +141,8 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
             parts.append(f"it {word} public-only ({public_only:.3f})")
         ceiling = top_pate.get("ensemble_dice_mean")
         if ceiling is not None:
-            parts.append(f"noise-free ensemble ceiling {ceiling:.3f}")
+            parts.append(f"its pseudo-labels could reach at most {ceiling:.3f} through this compressor "
+                         "(teachers' encodings averaged and decoded without noise)")
         lines.append("; ".join(parts) + ".")
     if nonprivate is not None:
         lines.append(f"Non-private centralised training reaches {nonprivate:.3f} (no privacy).")
@@ -162,7 +163,9 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     lines += [
         "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). "
         "PATE methods: replace-one relation, one patient at one hospital; DP-SGD / DP-FedAvg: add/remove one "
-        "patient with Poisson sampling. The noise-free teacher ensemble is a ceiling, not a private result.",
+        "patient with Poisson sampling. Column *ensemble* decodes the teachers' averaged encodings without noise: "
+        "the best pseudo-labels that compressor can deliver (a diagnostic, not a private result); *teacher mean* "
+        "is the teachers' own test Dice.",
         "",
         markdown_table(cells, accuracy=accuracy),
         "",

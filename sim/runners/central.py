@@ -100,8 +100,12 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
                 max_grad_norm: float | None = None, per_layer: bool = True, grad_sample_mode: str | None = None,
                 epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
-                schedule_options: dict | None = None) -> dict[str, Any]:
-    """Train on the pooled private data, evaluate on the test split, write the run folder; return results."""
+                schedule_options: dict | None = None, batch_size: int | None = None) -> dict[str, Any]:
+    """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
+
+    ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
+    DP-SGD needs larger expected batches than plain training: the noise is added once per batch.
+    """
     import torch
 
     from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
@@ -134,7 +138,9 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     model = build_unet(p.unet)
     net_cfg = network_config(p.unet)
     train_config = TrainConfig(epochs=int(epochs if epochs is not None else p.central_epochs),
-                               batch_size=p.batch_size, learning_rate=p.learning_rate, seed=seed, augment=augment,
+                               batch_size=int(batch_size or (p.extra.get("dpsgd_batch_size") if private else None)
+                                              or p.batch_size),
+                               learning_rate=p.learning_rate, seed=seed, augment=augment,
                                progress=progress, checkpoint=checkpoint, description=METHODS[method],
                                extra_checkpoint={"network_config": net_cfg})
     dp = guard = None
