@@ -98,7 +98,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 epsilon: float | None = None, delta: float | None = None, seed: int = 0,
                 data: str | Path | None = None, progress: bool = True, *, noise_mode: str = "target",
                 schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
-                max_grad_norm: float | None = None, per_layer: bool = True, grad_sample_mode: str | None = None,
+                max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
                 epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
                 schedule_options: dict | None = None, batch_size: int | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
@@ -152,7 +152,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                       noise_multiplier=noise_multiplier if noise_multiplier is not None else
                       (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
                       max_grad_norm=float(max_grad_norm if max_grad_norm is not None else p.dpsgd_max_grad_norm),
-                      per_layer=per_layer, sampling=sampling, schedule=schedule,
+                      per_layer=bool(p.extra.get("dpsgd_per_layer", True) if per_layer is None else per_layer),
+                      sampling=sampling, schedule=schedule,
                       schedule_options=dict(schedule_options or {}),
                       grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
                       release_prefix="central-dpsgd").validate()
