@@ -66,3 +66,14 @@ def test_deployment_with_tls_and_a_hospital_killed_during_queries(cache, tmp_pat
     teachers = [r["note"]["teachers"] for r in ledger.records() if r["release_id"].startswith("query-")]
     assert teachers[0] == 8 and teachers[-1] == 4, teachers   # the reduced K is in the ledger
     assert ledger.spent("hospital-00", 1e-3).releases > ledger.spent("hospital-01", 1e-3).releases
+
+
+def test_pate_pca_through_flwr_run_and_a_simulation_superlink(cache, tmp_path):
+    """The path `flwr run .` takes: a --simulation SuperLink (own port, stopped by PID) + flwr run -c ..."""
+    from sim.runners.simulation import simulate
+
+    out = tmp_path / "runtime"
+    settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), progress=False)
+    (results,) = simulate(settings, engine="runtime")
+    _check_run(out, results)
+    assert results["hospitals"] == 2 and results["dropped_hospitals"] == {}
