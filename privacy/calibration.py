@@ -21,24 +21,17 @@ from privacy.accountants import (
     zcdp_rho_for,
 )
 from privacy.errors import PrivacyError
+from privacy.validation import positive_number
 from privacy.events import Event, GaussianEvent, SampledGaussianEvent
 
 #: Relative tolerance: calibrated ε lies in [target·(1 - RELATIVE_TOLERANCE), target].
 RELATIVE_TOLERANCE = 1e-3
 
 
-def _positive(name: str, value: float) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PrivacyError(f"{name} must be a positive finite number, got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise PrivacyError(f"{name} must be a positive finite number, got {value!r}")
-    return number
 
 
 def _delta(value: float) -> float:
-    number = _positive("delta", value)
+    number = positive_number("delta", value)
     if number >= 1:
         raise PrivacyError(f"delta must be in (0, 1), got {value!r}")
     return number
@@ -78,9 +71,9 @@ def calibrate(
     Raises PrivacyError if no bracket is found, or if ε(x) jumps over the tolerance window (e.g. a
     discrete parameter) — in that case the message gives the best safe value.
     """
-    target = _positive("target_epsilon", target_epsilon)
+    target = positive_number("target_epsilon", target_epsilon)
     delta = _delta(delta)
-    lo, hi = _positive("lo", lo), _positive("hi", hi)
+    lo, hi = positive_number("lo", lo), positive_number("hi", hi)
     if lo >= hi:
         raise PrivacyError(f"calibrate: lo must be smaller than hi, got lo={lo}, hi={hi}")
     if accountant == "pld" and hi / lo > 1.7:
@@ -176,10 +169,10 @@ def paper_sigma(epsilon: float, delta: float, queries: int, sensitivity: float) 
     hence valid but looser than :func:`pate_sigma` ``mode="exact"``. (The box of Algorithm 1 has a typo;
     SPEC §5 says to use eq. 15.)
     """
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     delta = _delta(delta)
-    queries = int(_positive("queries", queries))
-    sensitivity = _positive("sensitivity", sensitivity)
+    queries = int(positive_number("queries", queries))
+    sensitivity = positive_number("sensitivity", sensitivity)
     log_inv = math.log(1.0 / delta)
     return (
         math.sqrt(queries) * sensitivity * (math.sqrt(log_inv + epsilon) + math.sqrt(log_inv)) / (math.sqrt(2.0) * epsilon)
@@ -198,10 +191,10 @@ def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float, m
         return paper_sigma(epsilon, delta, queries, sensitivity)
     if mode != "exact":
         raise PrivacyError(f"mode must be 'exact' or 'paper', got {mode!r}")
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     delta = _delta(delta)
-    queries = int(_positive("queries", queries))
-    sensitivity = _positive("sensitivity", sensitivity)
+    queries = int(positive_number("queries", queries))
+    sensitivity = positive_number("sensitivity", sensitivity)
     # Aim a hair (1e-9 relative) below the target: ε(μ) is only determined to ~1e-12 in floating point,
     # and the accountant that later reads the ledger must also see ε ≤ target.
     mu = gdp_mu_for(epsilon * (1 - 1e-9), delta)
@@ -215,7 +208,7 @@ def pate_sigma_for_accountant(
     epsilon: float, delta: float, queries: int, sensitivity: float, accountant: str = "rdp"
 ) -> float:
     """σ for N Gaussian queries calibrated with another accountant (``rdp``/``pld``/``zcdp``), for comparison."""
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     guess = pate_sigma(epsilon, delta, queries, sensitivity)
     return calibrate(
         lambda s: GaussianEvent(sensitivity, s, int(queries)), epsilon, delta, accountant, guess / 2, guess * 2
@@ -240,7 +233,7 @@ def dpsgd_noise_multiplier(
     Accounted with dp_accounting's PLD (default, pessimistic) or RDP. For PLD the discretisation is
     ``min(1e-4, ε·1e-4)`` unless given, so the grid is ten times finer than the 1e-3 tolerance window.
     """
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     SampledGaussianEvent(sampling_rate, 1.0, steps)  # validates q and steps with named errors
     if accountant not in ("pld", "rdp"):
         raise PrivacyError(f"accountant must be 'pld' or 'rdp' for Poisson-sampled DP-SGD, got {accountant!r}")
@@ -263,9 +256,9 @@ def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int) -> floa
     Each epoch is ``1/(2σ²)``-zCDP, epochs add, ``ε = ρ + 2 sqrt(ρ ln 1/δ)`` (Yu et al. Prop. 1, Thm. 2):
     ``ρ = (sqrt(ln(1/δ)+ε) - sqrt(ln 1/δ))²`` and ``σ = sqrt(epochs / (2ρ))``. Closed form, safe side.
     """
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     delta = _delta(delta)
-    epochs = int(_positive("epochs", epochs))
+    epochs = int(positive_number("epochs", epochs))
     rho = zcdp_rho_for(epsilon, delta)
     sigma = math.sqrt(epochs / (2.0 * rho))
     while zcdp_epsilon(epochs / (2.0 * sigma * sigma), delta) > epsilon:

@@ -18,19 +18,12 @@ from typing import Sequence
 from privacy.accountants import make_accountant
 from privacy.calibration import calibrate
 from privacy.errors import PrivacyError
+from privacy.validation import positive_number
 from privacy.events import ComposedEvent, Event, SampledGaussianEvent, ZCDPEvent
 
 MODES = ("poisson", "shuffle")
 
 
-def _positive(name: str, value) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PrivacyError(f"{name} must be a positive finite number, got {value!r}") from None
-    if not math.isfinite(number) or number <= 0:
-        raise PrivacyError(f"{name} must be a positive finite number, got {value!r}")
-    return number
 
 
 def _epoch(epoch) -> int:
@@ -49,10 +42,10 @@ class TimeBasedSchedule:
     family = "time"
 
     def __post_init__(self) -> None:
-        _positive("sigma0", self.sigma0)
+        positive_number("sigma0", self.sigma0)
         if not (self.k >= 0 and math.isfinite(self.k)):
             raise PrivacyError(f"TimeBasedSchedule: k must be >= 0, got {self.k!r}")
-        _positive("period", self.period)
+        positive_number("period", self.period)
 
     def sigma(self, epoch: int) -> float:
         return self.sigma0 / (1.0 + self.k * (_epoch(epoch) // self.period))
@@ -68,10 +61,10 @@ class ExponentialSchedule:
     family = "exponential"
 
     def __post_init__(self) -> None:
-        _positive("sigma0", self.sigma0)
+        positive_number("sigma0", self.sigma0)
         if not (self.k >= 0 and math.isfinite(self.k)):
             raise PrivacyError(f"ExponentialSchedule: k must be >= 0, got {self.k!r}")
-        _positive("period", self.period)
+        positive_number("period", self.period)
 
     def sigma(self, epoch: int) -> float:
         return self.sigma0 * math.exp(-self.k * (_epoch(epoch) // self.period))
@@ -87,10 +80,10 @@ class StepSchedule:
     family = "step"
 
     def __post_init__(self) -> None:
-        _positive("sigma0", self.sigma0)
+        positive_number("sigma0", self.sigma0)
         if not (0 < self.k <= 1):
             raise PrivacyError(f"StepSchedule: k must be in (0, 1], got {self.k!r}")
-        _positive("period", self.period)
+        positive_number("period", self.period)
 
     def sigma(self, epoch: int) -> float:
         return self.sigma0 * self.k ** (_epoch(epoch) // self.period)
@@ -111,13 +104,13 @@ class PolynomialSchedule:
     family = "polynomial"
 
     def __post_init__(self) -> None:
-        _positive("sigma0", self.sigma0)
-        _positive("sigma_end", self.sigma_end)
+        positive_number("sigma0", self.sigma0)
+        positive_number("sigma_end", self.sigma_end)
         if self.sigma_end > self.sigma0:
             raise PrivacyError(f"PolynomialSchedule: sigma_end must be <= sigma0, got {self.sigma_end} > {self.sigma0}")
         if not (self.k >= 0 and math.isfinite(self.k)):
             raise PrivacyError(f"PolynomialSchedule: k must be >= 0, got {self.k!r}")
-        _positive("period", self.period)
+        positive_number("period", self.period)
 
     def sigma(self, epoch: int) -> float:
         t = _epoch(epoch)
@@ -147,10 +140,10 @@ class ValidationSchedule:
     last_average: float = field(default=0.0)
 
     def __post_init__(self) -> None:
-        _positive("sigma0", self.sigma0)
+        positive_number("sigma0", self.sigma0)
         if not (0 < self.k <= 1):
             raise PrivacyError(f"ValidationSchedule: k must be in (0, 1], got {self.k!r}")
-        _positive("window", self.window)
+        positive_number("window", self.window)
         if self.period is None:
             self.period = self.window
         if self.period < self.window:
@@ -195,7 +188,7 @@ def schedule_events(
     schedule, epochs: int, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson"
 ) -> list[Event]:
     """One event per epoch t = 0 .. epochs-1 with σ_t = schedule.sigma(t)."""
-    epochs = int(_positive("epochs", epochs))
+    epochs = int(positive_number("epochs", epochs))
     return [epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode) for t in range(epochs)]
 
 
@@ -222,7 +215,7 @@ def epochs_within_budget(
     accountant: str | None = None,
 ) -> int:
     """How many whole epochs fit before ε would exceed the budget (training stops when it is spent)."""
-    epsilon = _positive("epsilon", epsilon)
+    epsilon = positive_number("epsilon", epsilon)
     name = accountant or _default_accountant(_check_mode(mode))
     acc = make_accountant(name, **_planning_options(name, epsilon))
     for t in range(int(max_epochs)):
@@ -281,8 +274,8 @@ def plan_decay(
     Raises PrivacyError when even no decay (constant σ0) does not fit ``target_epochs``, or when the
     strongest decay still leaves budget (polynomial decay bounded below by σ_end).
     """
-    target_epochs = int(_positive("target_epochs", target_epochs))
-    epsilon = _positive("epsilon", epsilon)
+    target_epochs = int(positive_number("target_epochs", target_epochs))
+    epsilon = positive_number("epsilon", epsilon)
     name = accountant or _default_accountant(_check_mode(mode))
     options = _planning_options(name, epsilon)
 
