@@ -28,7 +28,6 @@ from scipy import optimize, special
 
 from privacy.errors import PrivacyError, UnsupportedEvent
 from privacy.events import (
-    ComposedEvent,
     Event,
     GaussianEvent,
     LaplaceEvent,

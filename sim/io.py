@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 
+def cache_root() -> Path:
+    """Where generated phantoms, prepared datasets and simulated worlds are cached:
+    ``$FEDPATE_CACHE``, or ``~/.cache/fedpate`` when it is unset or empty."""
+    env = os.environ.get("FEDPATE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fedpate"
+
+
 def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(handle)`` on a temporary file in the same folder, fsync, then rename onto ``path``.
 

@@ -31,7 +31,8 @@ def run(args) -> int:
     from sim.presets import get_preset
     from sim.report import load_cells
     from sim.runners.compare import parse_list, run_compare
-    from sim.runners.inprocess import PHANTOM_SEED, _cache_root
+    from sim.io import cache_root
+    from sim.runners.inprocess import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
 
     out = Path(args.out)
@@ -41,7 +42,7 @@ def run(args) -> int:
     cells = [c for c in load_cells(out) if str(c.get("method", "")).startswith("pate") and c.get("dice")]
     if cells:
         best = max(cells, key=lambda c: (c.get("epsilon_budget") or 0, c["dice"]["mean"] or 0))
-        phantoms = ensure_phantoms(get_preset(args.preset), _cache_root() / "phantoms", seed=PHANTOM_SEED,
+        phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
                                    progress=False)
         unseen = sorted((phantoms / "imagesTs").glob("*.nii.gz"))[:1]
         if unseen:

@@ -38,7 +38,8 @@ from scipy import ndimage
 
 from sim.data.errors import DataError
 from sim.data.msd import LABELS, MODALITIES
-from sim.io import atomic_write_bytes, atomic_write_json
+# aliased: ensure_phantoms has a parameter named cache_root
+from sim.io import atomic_write_bytes, atomic_write_json, cache_root as default_cache_root
 
 GENERATOR_VERSION = "1"
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
@@ -496,12 +497,6 @@ def _read_config(meta_path: Path) -> dict | None:
         return None
     return {k: block.get(k) for k in ("generator_version", "seed", "cases", "institutions", "resolution_mm",
                                       "test_cases")}
-
-
-def default_cache_root() -> Path:
-    """``$FEDPATE_CACHE`` or ``~/.cache/fedpate``."""
-    env = os.environ.get("FEDPATE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "fedpate"
 
 
 def phantom_folder_name(preset, seed: int = 0) -> str:

@@ -15,7 +15,6 @@ the model bundle (``model/weights.pt``, ``bundle.json``, card; see ``sim.bundle`
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,6 @@ from sim.errors import UserError
 
 METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
 OWNER = "central"
-
-
-def default_cache_root() -> Path:
-    return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
 
 
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cache_root: str | Path | None = None,

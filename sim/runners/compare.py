@@ -14,7 +14,6 @@ and a model bundle; the report re-checks each epsilon against its ledger.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Sequence

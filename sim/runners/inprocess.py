@@ -6,7 +6,6 @@ Flower ServerApp calls the same :func:`server.pate.run_pate` with a Flower trans
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping
 
@@ -53,21 +52,18 @@ class InProcessTransport:
 PHANTOM_SEED = 0
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
-
-
 def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospitals=None, teachers_per_hospital=None):
     """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None."""
     from sim.data.partitions import make_split
     from sim.data.phantoms import ensure_phantoms
     from sim.data.preprocess import PreprocessConfig, prepare_dataset
+    from sim.io import cache_root
 
     # The simulated dataset is one fixed world (generator seed PHANTOM_SEED) whatever the run's seed, which
     # drives the split and training: runs with different seeds are comparable on the same patients.
-    root = Path(data) if data is not None else ensure_phantoms(preset, _cache_root() / "phantoms",
+    root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
                                                                seed=PHANTOM_SEED, progress=progress)
-    cache = _cache_root() / "prepared" / f"{root.name}-{'x'.join(map(str, preset.grid))}"
+    cache = cache_root() / "prepared" / f"{root.name}-{'x'.join(map(str, preset.grid))}"
     prepared = prepare_dataset(root, cache, PreprocessConfig(grid=tuple(preset.grid)), progress=progress)
     split = make_split(prepared, hospitals or preset.hospitals, teachers_per_hospital or preset.teachers_per_hospital,
                        preset.split_scheme, preset.n_query, preset.n_reference, preset.n_validation, preset.n_test,

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from sim.io import atomic_write_json
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FEDPATE_CACHE", Path.home() / ".cache" / "fedpate"))
+from sim.io import atomic_write_json, cache_root
 
 
 def materialise_world(preset, data: str | Path | None, seed: int, progress: bool = True,

@@ -42,7 +42,6 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     set_seed(seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))
     y = torch.as_tensor(np.asarray(task.y_private, np.int64))
-    n = len(y)
     model = build_mlp(x.shape[1], cfg.hidden, task.n_classes)
     dataset = torch.utils.data.TensorDataset(x, y)
     gen = torch.Generator().manual_seed(seed)
