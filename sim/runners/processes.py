@@ -87,19 +87,24 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _ppid_map() -> dict[int, int]:
-    parents = {}
+def _proc_files(name: str):
+    """(pid, bytes of /proc/<pid>/<name>) for every process whose file can be read now."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+            with open(f"/proc/{entry}/{name}", "rb") as f:
+                yield int(entry), f.read()
+        except OSError:  # the process ended, or is not ours to read
             continue
+
+
+def _ppid_map() -> dict[int, int]:
+    parents = {}
+    for pid, stat in _proc_files("stat"):
         rest = stat[stat.rfind(b")") + 2:].split()
         if len(rest) > 1:
-            parents[int(entry)] = int(rest[1])
+            parents[pid] = int(rest[1])
     return parents
 
 
@@ -126,16 +131,9 @@ def pids_with_tag(tag: str) -> list[int]:
     needle = f"{TAG_VAR}={tag}".encode()
     me = os.getpid()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and pid_alive(int(entry)):
-            found.append(int(entry))
+    for pid, env in _proc_files("environ"):
+        if pid != me and needle in env.split(b"\0") and pid_alive(pid):
+            found.append(pid)
     return found
 
 
