@@ -162,10 +162,11 @@ class Hospital:
     def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping | None = None
                      ) -> np.ndarray:
         """(T, n, l) float32: every teacher's softmax output on the public ``scans``, encoded locally."""
-        from sim.codecs import encode
+        from sim.codecs import make_encoder
 
         scans = np.asarray(scans, np.float32)
-        rows = [encode(codec, self.teacher_probs(k, scans)) for k in range(self.num_teachers)]
+        encode = make_encoder(codec)  # one autoencoder for all of this hospital's teachers
+        rows = [encode(self.teacher_probs(k, scans)) for k in range(self.num_teachers)]
         return np.stack(rows).astype(np.float32)
 
     def ensemble_probability_sum(self, scans: np.ndarray) -> np.ndarray:

@@ -283,12 +283,23 @@ def row_bound(state: Mapping[str, np.ndarray]) -> float:
     return float(scalar(state, "row_bound"))
 
 
-def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, _cache: dict | None = None) -> np.ndarray:
+def encode(state: Mapping[str, np.ndarray], probs: np.ndarray) -> np.ndarray:
     """Encode teacher probabilities (n, C, *grid) into (n, l) float32 rows, bounded by construction.
 
     See the module docstring for the bounding step of each kind/mode. Raises ``UserError`` if the input
-    does not match the codec (shape) or violates what the sensitivity bound assumes.
+    does not match the codec (shape) or violates what the sensitivity bound assumes. To encode many
+    teachers' outputs with one state, use :func:`make_encoder` (builds the autoencoder once).
     """
+    return make_encoder(state)(probs)
+
+
+def make_encoder(state: Mapping[str, np.ndarray]):
+    """``encode`` bound to one codec state: the autoencoder (if any) is rebuilt from its arrays once."""
+    net = autoencoder_from_state(state) if str(scalar(state, "kind")) == "ae" else None
+    return lambda probs: _encode(state, probs, net)
+
+
+def _encode(state: Mapping[str, np.ndarray], probs: np.ndarray, net) -> np.ndarray:
     kind = str(scalar(state, "kind"))
     probs = np.asarray(probs, dtype=np.float32)
     classes = int(scalar(state, "classes"))
@@ -317,7 +328,6 @@ def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, _cache: dict | No
 
         if not np.all(np.isfinite(probs)):
             raise UserError("encode: teacher outputs contain NaN or infinite values")
-        net = autoencoder_from_state(state)
         with torch.no_grad():
             rows = [net.encode(torch.from_numpy(probs[i:i + 4])).numpy() for i in range(0, n, 4)]
         z = np.concatenate(rows, axis=0).astype(np.float64) if rows else np.zeros((0, latent_dim(state)))
