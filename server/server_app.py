@@ -17,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from server.dpfedavg import run_dpfedavg
 from server.pate import run_pate
+from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
 from sim.runners.flower_transport import FlowerTransport
 from sim.runners.world_setup import materialise_world, open_world
@@ -50,7 +51,7 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
                               progress=settings.progress)
         result["dropped_hospitals"] = dict(hospitals.dropped)
         result["bytes_up_measured_per_query_per_teacher"] = measured_bytes_per_teacher(hospitals)
-        _merge_into_results(Path(cell["out"]) / "results.json", result)
+        atomic_write_json(Path(cell["out"]) / "results.json", result)  # the protocol's results + these two
         log.info("%s at epsilon=%g: results in %s", cell["method"], cell["epsilon"], cell["out"])
         results.append(result)
     return results
@@ -68,15 +69,6 @@ def measured_bytes_per_teacher(transport: FlowerTransport) -> float | None:
     """Encoding payload bytes one teacher actually sent for one query (mean over the query rounds)."""
     sizes = [size for round_bytes in transport.bytes_up for size in round_bytes.values()]
     return None if not sizes else float(sum(sizes) / len(sizes))
-
-
-def _merge_into_results(path: Path, extra: Mapping[str, Any]) -> None:
-    from sim.io import atomic_write_json
-
-    if path.exists():
-        current = json.loads(path.read_text())
-        current.update({k: v for k, v in extra.items() if k not in current})
-        atomic_write_json(path, current)
 
 
 def make_app(extra: Mapping[str, Any] | None = None, **overrides) -> ServerApp:

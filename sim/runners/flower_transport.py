@@ -82,9 +82,10 @@ class FlowerTransport:
     def query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, np.ndarray]:
         digest = arrays_digest(codec)
         message_config = {**self.base_config, **config, "codec_digest": digest}
+        scans = np.ascontiguousarray(scans, np.float32)  # once, not per hospital
 
         def build(hospital: str, resend: bool = False):
-            payload: dict[str, dict[str, np.ndarray]] = {"scans": {"scans": np.ascontiguousarray(scans, np.float32)}}
+            payload: dict[str, dict[str, np.ndarray]] = {"scans": {"scans": scans}}
             if resend or self.codec_sent.get(hospital) != digest:
                 payload["codec"] = dict(codec)
             return make_content(message_config, **payload), "query"
