@@ -126,13 +126,8 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         compressor.resolve_components(noise_per_sensitivity, teachers_planned)
     sensitivity = compressor.sensitivity(teachers_planned)
     sigma = pate_sigma(epsilon, delta, queries, sensitivity, mode=calibration)
-    # The guard recomputes epsilon from the ledger numerically: make sure the planned N queries fit its
-    # own arithmetic too (a relative nudge of ~1e-9 per step; reported to issue 2 as a rounding mismatch).
-    from privacy.accountants import epsilon_spent
-
-    while epsilon_spent([GaussianEvent(sensitivity=sensitivity, sigma=sigma, count=queries)], delta,
-                        "gdp-exact")[0] > epsilon:
-        sigma *= 1 + 1e-9
+    # pate_sigma aims 1e-9 below the budget, so the guard's own re-computation of the planned queries
+    # (batch checks and per-query charges) fits it: tests/test_privacy_calibration.py checks exactly that.
     state = compressor.state()
     collapse = compressor.collapsed() if method == "pate-ae" else None
 

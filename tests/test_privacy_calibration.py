@@ -142,3 +142,25 @@ def test_pld_calibration_with_wide_bracket_is_prescreened_by_rdp():
     z = calibrate(make, 2.0, 1e-5, "pld", 0.05, 500.0)
     eps = epsilon_spent([make(z)], 1e-5, "pld")[0]
     assert 2.0 * (1 - 1e-3) <= eps <= 2.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(epsilon=st.floats(0.3, 20), log_delta=st.floats(-7, -2), queries=st.integers(1, 150),
+       teachers=st.integers(2, 512), batch=st.sampled_from([1, 2, 8, 16]))
+def test_a_calibrated_pate_plan_passes_the_budget_guard(epsilon, log_delta, queries, teachers, batch):
+    """The guard recomputes ε from the ledger in its own float order (a count-b check per batch, then one
+    charge per query): every query of a plan calibrated by pate_sigma must be allowed, and ε ≤ budget."""
+    from privacy.guard import BudgetGuard
+    from privacy.ledger import Ledger
+
+    delta = 10 ** log_delta
+    sensitivity = 2 / teachers
+    sigma = pate_sigma(epsilon, delta, queries, sensitivity)
+    ledger = Ledger(None)
+    guard = BudgetGuard(ledger, epsilon, delta)
+    for start in range(0, queries, batch):
+        size = min(batch, queries - start)
+        guard.check(["h0"], GaussianEvent(sensitivity=sensitivity, sigma=sigma, count=size))
+        for j in range(size):
+            guard.charge(["h0"], GaussianEvent(sensitivity=sensitivity, sigma=sigma), f"query-{start + j}")
+    assert ledger.spent("h0", delta).epsilon <= epsilon
