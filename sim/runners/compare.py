@@ -57,6 +57,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     from sim.report import write_report
     from sim.runconfig import RunSettings
     from sim.runners.simulation import simulate
+    from sim.runners.world_setup import materialise_world
 
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
@@ -92,18 +93,16 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 if not done(path):
                     cells.append({"method": method, "epsilon": float(epsilon), "out": str(path),
                                   "shared_dir": str(out / "_shared" / f"K-{preset.teachers}")})
+        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress))
         settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
-                               out=str(out / "_shared"))
+                               out=str(out / "_shared"), world=worlds[preset.teachers])
         if cells:
             if engine == "inprocess" and any(c["method"] == "dp-fedavg" for c in cells):
                 raise UserError("--engine inprocess cannot run dp-fedavg; use --engine flower")
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
             simulate(settings, engine=engine, cells=cells)
-        from sim.runners.world_setup import materialise_world
-
-        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress=False))
 
     # --- central cells and the public-only baseline --------------------------------------------------
     from sim.runners.central import run_central

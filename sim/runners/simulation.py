@@ -30,9 +30,9 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[
         raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)
-    preset = settings.resolved_preset
-    world = materialise_world(preset, settings.data, settings.seed, settings.progress)
-    settings = settings.replace(world=str(world))
+    if not settings.world:  # a caller (compare) may already have materialised it
+        world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress)
+        settings = settings.replace(world=str(world))
     cells = list(cells or [{"method": settings.method, "epsilon": settings.budget, "out": settings.out}])
     if engine == "inprocess":
         return _run_inprocess(settings, cells)
