@@ -255,20 +255,14 @@ def _save_outputs(out: Path, student, world, preset, results: dict) -> None:
     """Model bundle (sim.bundle) and predicted test segmentations as NIfTI."""
     from sim.training import predict_probs
 
-    try:
-        from sim.bundle import privacy_card, save_bundle
-        from sim.networks import network_config
+    from sim.bundle import preprocessing_of, privacy_card, save_bundle
+    from sim.networks import network_config
 
-        card = privacy_card(method=results["method"], ledger_path=out / "ledger.jsonl", delta=results["delta"],
-                            epsilon_budget=results["epsilon_budget"], relation="replace-one",
-                            accountant=results["accountant"], teachers=results["teachers"],
-                            hospitals=results["hospitals"], data_source=world.source, queries=results["queries"])
-        save_bundle(out, student, network_config(preset.unet), {"grid": list(world.grid)}, card)
-    except ImportError as exc:  # pragma: no cover - bundle module owned elsewhere
-        from sim.io import atomic_save_torch
-
-        atomic_save_torch(out / "model" / "model.pt", student.state_dict())
-        results["model_note"] = f"sim.bundle unavailable ({exc}); raw state dict saved"
+    card = privacy_card(method=results["method"], ledger_path=out / "ledger.jsonl", delta=results["delta"],
+                        epsilon_budget=results["epsilon_budget"], relation="replace-one",
+                        accountant=results["accountant"], teachers=results["teachers"],
+                        hospitals=results["hospitals"], data_source=world.source, queries=results["queries"])
+    save_bundle(out, student, network_config(preset.unet), preprocessing_of(world), card)
     labels = predict_probs(student, world.test_images).argmax(axis=1).astype(np.uint8)
     results["predictions"] = _write_predictions(out / "predictions", labels, world)
 
@@ -280,24 +274,17 @@ def _write_predictions(folder: Path, labels: np.ndarray, world) -> dict:
 
     from sim.io import atomic_write_bytes
 
-    invert, note = None, "working grid (identity affine)"
-    try:
-        from sim.data.preprocess import invert_label
+    from sim.data.preprocess import invert_label
 
-        records = getattr(world.prepared, "record", None)
-        if callable(records):
-            invert, note = invert_label, "each scan's own grid (sim.data.preprocess.invert_label)"
-    except ImportError:
-        pass
+    note = "each scan's own grid (sim.data.preprocess.invert_label)"
     for case_id, label in zip(world.test_ids, labels):
         affine = np.eye(4)
-        if invert is not None:
-            try:
-                record = world.prepared.record(case_id)
-                label = invert(label, record)
-                affine = np.asarray(getattr(record, "affine", affine))
-            except Exception as exc:  # noqa: BLE001 - fall back to the working grid, say so
-                note = f"working grid (inversion failed: {exc})"
+        try:
+            record = world.prepared.record(case_id)
+            label = invert_label(label, record)
+            affine = np.asarray(getattr(record, "affine", affine))
+        except Exception as exc:  # noqa: BLE001 - fall back to the working grid, say so
+            note = f"working grid (inversion failed: {exc})"
         image = nib.Nifti1Image(np.asarray(label, np.uint8), affine)
         buffer = io.BytesIO()
         file_map = image.make_file_map({"image": buffer, "header": buffer})

@@ -54,7 +54,10 @@ class LoadedBundle:
 def preprocessing_of(world_or_prepared) -> dict:
     """The preprocessing a model was trained with, as `fedpate predict` must repeat it."""
     prepared = getattr(world_or_prepared, "prepared", None) or world_or_prepared
-    config = prepared.config.to_dict()
+    config = getattr(prepared, "config", None)
+    if config is None:  # no preprocessing record (synthetic arrays): the grid is all there is to repeat
+        return {"grid": list(world_or_prepared.grid)}
+    config = config.to_dict()
     return {"grid": list(config["grid"]), "config": config}
 
 

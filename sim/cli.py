@@ -16,16 +16,10 @@ COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "pred
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
+    from privacy.errors import PrivacyError
     from sim.errors import UserError
 
-    types: list[type[BaseException]] = [UserError]
-    try:
-        from privacy.errors import PrivacyError
-
-        types.append(PrivacyError)
-    except ImportError:  # privacy/ not importable is a packaging bug, reported by the traceback below
-        pass
-    return tuple(types)
+    return (UserError, PrivacyError)
 
 
 def build_parser() -> argparse.ArgumentParser:

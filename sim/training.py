@@ -81,11 +81,9 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------------- augmentation
-def _augmenter(seed: int) -> Callable | None:
-    try:
-        from sim.data.augment import training_augmentation
-    except ImportError:  # data layer (issue 3) not available: train without augmentation
-        return None
+def _augmenter(seed: int) -> Callable:
+    from sim.data.augment import training_augmentation
+
     return training_augmentation(seed)
 
 

@@ -30,7 +30,7 @@ OWNER = "central"
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cache_root: str | Path | None = None,
                       progress: bool = True) -> dict[str, Any]:
     """Phantoms (or the MSD folder ``data``) -> prepared grid -> the preset's split -> pooled arrays."""
-    from sim.data.partitions import make_split
+    from sim.data.partitions import split_for_preset
     from sim.data.preprocess import PreprocessConfig, prepare_dataset
 
     if cache_root is None:
@@ -55,14 +55,7 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cac
     config = PreprocessConfig(grid=tuple(preset.grid))
     prepared = prepare_dataset(root, cache / f"prepared-{tag}-{'x'.join(map(str, preset.grid))}", config,
                                progress=progress)
-    try:
-        from sim.data.partitions import split_for_preset
-    except ImportError:
-        split = make_split(prepared, hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
-                           scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
-                           n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
-    else:
-        split = split_for_preset(prepared, preset, seed=seed)
+    split = split_for_preset(prepared, preset, seed=seed)
     return _pooled(prepared, split, config, root)
 
 
@@ -221,10 +214,8 @@ def _config_dict(config) -> dict:
 def _save_bundle(out, model, net_cfg, preprocessing, method, ledger_path, budget, delta, relation, accountant,
                  hospitals, source) -> None:
     """Model bundle for ``fedpate predict`` (``sim.bundle``), its card computed from the ledger."""
-    try:
-        from sim.bundle import privacy_card, save_bundle
-    except ImportError:  # bundles (issue 10) not available: model/model.pt is still written
-        return
+    from sim.bundle import privacy_card, save_bundle
+
     card = privacy_card(method=method, ledger_path=ledger_path, delta=delta, epsilon_budget=budget,
                         relation=relation, accountant=accountant, teachers=None, hospitals=hospitals,
                         data_source=source)
