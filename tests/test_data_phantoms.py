@@ -10,7 +10,7 @@ import pytest
 
 from sim.data.errors import DataError
 from sim.data.msd import load_case, read_msd, validate_case
-from sim.data.phantoms import GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
+from sim.data.phantoms import SHIFTS, GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
 
 FLAIR, T1, T1GD, T2 = range(4)
 
@@ -92,7 +92,7 @@ def test_written_files_are_byte_identical_and_resumable(tmp_path):
     (second_root / "imagesTr" / "BRATS_002.nii.gz").unlink()
     (second_root / ".phantoms-config.json").write_text(json.dumps(
         {"generator_version": GENERATOR_VERSION, "seed": 1, "cases": 3, "institutions": 2, "resolution_mm": 4.0,
-         "test_cases": 0}))
+         "test_cases": 0, "shift": "none"}))
     with pytest.raises(DataError, match="dataset.json"):
         read_msd(second_root)
     generate_phantoms(second_root, cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
@@ -118,3 +118,37 @@ def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
     stamp = (tiny_phantoms / "dataset.json").stat().st_mtime_ns
     assert ensure_phantoms("tiny", cache_root=tiny_phantoms.parent, seed=0, progress=False) == tiny_phantoms
     assert (tiny_phantoms / "dataset.json").stat().st_mtime_ns == stamp
+
+
+def test_shifts_keep_the_subject_and_move_only_their_factor():
+    """Held-out regimes render the same subject: same brain and tumour unless the shift is about them."""
+    base = make_case(3, 2, 2, 4.0)
+    for shift in ("scanner", "contrast", "skull"):
+        shifted = make_case(3, 2, 2, 4.0, shift)
+        assert np.array_equal(shifted.label, base.label), shift
+        assert np.array_equal(shifted.tissue["mask"], base.tissue["mask"]), shift
+        assert not np.array_equal(shifted.image, base.image), shift
+    brain = base.tissue["mask"] > 0.5
+    head = np.any(make_case(3, 2, 2, 4.0, "skull").image != 0, axis=-1)
+    assert head[brain].all() and (head & ~brain).sum() > 0.01 * brain.sum()    # a rim outside the brain
+    lesions = make_case(3, 2, 2, 4.0, "lesions").label
+    components = __import__("scipy.ndimage", fromlist=["label"]).label(lesions > 0)[1]
+    assert components >= 2                                                   # multifocal
+    assert {1, 2, 3} <= set(np.unique(lesions).tolist())
+
+
+def test_scanner_shift_is_noisier_than_every_training_site():
+    def noise_ratio(case):
+        wm = (case.tissue["wm"] > 0.9) & (case.label == 0)
+        values = case.image[..., 1][wm].astype(np.float64)
+        return values.std() / values.mean()
+
+    base = [noise_ratio(make_case(4, i, 3, 4.0)) for i in range(6)]
+    shifted = [noise_ratio(make_case(4, i, 3, 4.0, "scanner")) for i in range(6)]
+    assert min(shifted) > max(base) * 0.9 and np.median(shifted) > 1.3 * np.median(base)
+
+
+def test_unknown_shift_is_a_one_line_error(tmp_path):
+    assert SHIFTS[0] == "none" and "all" in SHIFTS
+    with pytest.raises(DataError, match="--shift=warp: expected one of none"):
+        generate_phantoms(tmp_path / "x", cases=1, institutions=1, seed=0, shift="warp", progress=False)

@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--resolution", type=float, default=2.0, help="voxel size in mm (default: 2)")
     p.add_argument("--test-cases", type=int, default=0, help="unlabelled cases in imagesTs (default: 0)")
     p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
+    p.add_argument("--shift", default="none",
+                   help="held-out regime for measuring generalisation: none (training distribution), scanner, "
+                        "contrast, lesions, skull or all (docs/GENERALISATION.md)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_phantoms)
 
@@ -67,11 +70,12 @@ def _phantoms(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = generate_phantoms(args.out, cases=args.cases, institutions=args.institutions, seed=args.seed,
                             resolution_mm=args.resolution, test_cases=args.test_cases,
-                            progress=not args.no_progress, workers=max(1, args.workers))
+                            progress=not args.no_progress, workers=max(1, args.workers), shift=args.shift)
     seconds = time.perf_counter() - start
     total = args.cases + args.test_cases
+    shifted = "" if args.shift == "none" else f", shift {args.shift}"
     print(f"wrote {args.cases} labelled + {args.test_cases} test phantoms ({args.institutions} institutions, "
-          f"{args.resolution:g} mm, seed {args.seed}) to {out} in {seconds:.1f} s "
+          f"{args.resolution:g} mm, seed {args.seed}{shifted}) to {out} in {seconds:.1f} s "
           f"({seconds / max(total, 1):.2f} s/case)")
     return 0
 

@@ -10,13 +10,19 @@ Billot et al. 2023), so that a model trained on phantoms has a chance on real sk
 * Subject: random affine (rotation <= 10 deg, scale 0.9-1.1, translation <= 4 mm) plus a smooth elastic
   displacement (random control grid, interpolated separably), applied with ``scipy.ndimage.map_coordinates``.
 * Tumour: centred in white matter at a random depth; irregular shapes from smooth noise perturbing an
-  anisotropic distance; labels 1 oedema (finger-like, spares CSF) around a core whose outer shell is
-  enhancing (3) around a necrotic or solid non-enhancing centre (2); optional mass effect pushes tissue out.
+  anisotropic distance, often with a second lobe; labels 1 oedema (finger-like: it spreads along white
+  matter, retreats from cortex and spares CSF) around a core whose outer shell is enhancing (3) around a
+  necrotic or solid non-enhancing centre (2); optional mass effect pushes tissue out.
 * Contrasts: per-class mean intensities per sequence (FLAIR: oedema bright, CSF dark; T2: oedema and CSF
   bright; T1: WM > GM > CSF, core dark; T1-Gd: enhancing rim bright), randomised per case and per channel
   (class means, gamma, scale) in ranges that keep these contrast directions.
 * Scanner: per-institution profiles (intensity scale, gamma, bias-field strength, noise level, blur) spread
   over their ranges so sites measurably differ; Rician noise; skull-stripped (background exactly 0).
+
+Held-out regimes (``shift``, :data:`SHIFTS`) render the *same* subjects with one factor moved outside the
+training distribution -- scanner physics, tissue contrast, lesion pattern, skull-stripping quality -- so the
+drop in Dice measures how far a model trained on the default regime carries (``benchmarks/bench_domain_gap.py``,
+docs/GENERALISATION.md). Shift draws come from their own stream, so case ``i`` keeps its anatomy and tumour.
 
 Case ``i`` depends only on ``(seed, i)`` (``numpy.random.default_rng([seed, i])``), so generation can be
 resumed or run in parallel and gives identical bytes. Files are written atomically; ``dataset.json`` is
@@ -41,7 +47,19 @@ from sim.data.msd import LABELS, MODALITIES
 # aliased: ensure_phantoms has a parameter named cache_root
 from sim.io import atomic_write_bytes, atomic_write_json, cache_root as default_cache_root
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+
+# Held-out regimes for measuring the phantom-to-real gap; "none" is the training distribution.
+SHIFT_PARTS = ("scanner", "contrast", "lesions", "skull")
+SHIFTS = ("none", *SHIFT_PARTS, "all")
+SHIFT_HELP = {
+    "none": "the training distribution",
+    "scanner": "bias field, noise, blur and gamma beyond every training site's range",
+    "contrast": "tissue intensities jittered 3x more per case and channel (orders may flip)",
+    "lesions": "a smaller primary tumour plus 1-2 satellite lesions (multifocal)",
+    "skull": "imperfect skull stripping: a patchy rim of dura/fat/bone left around the brain",
+    "all": "every shift at once",
+}
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
 
@@ -198,12 +216,27 @@ class PhantomCase:
     tissue: dict | None = None   # deformed tissue probability maps (gm, wm, csf, mask): for tests and studies
 
 
-def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2.0) -> PhantomCase:
+def shift_parts(shift: str) -> frozenset[str]:
+    """The factors a ``shift`` name moves (``"all"`` moves every one); raises DataError for unknown names."""
+    if shift not in SHIFTS:
+        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)}")
+    if shift == "all":
+        return frozenset(SHIFT_PARTS)
+    return frozenset() if shift == "none" else frozenset({shift})
+
+
+def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2.0,
+              shift: str = "none") -> PhantomCase:
     """Generate case ``index`` of the phantom world ``seed`` (depends only on these and the settings)."""
+    parts = shift_parts(shift)
     anatomy = _anatomy(resolution_mm)
     rng = np.random.default_rng([int(seed), int(index)])
+    # shifted factors draw from their own stream: the subject and its tumour stay those of the unshifted case
+    shift_rng = np.random.default_rng([int(seed), int(index), 104_729])
     k = index % institutions
     profile = institution_profiles(institutions, seed)[k]
+    if "scanner" in parts:
+        profile = _shifted_scanner(shift_rng, profile)
     res = anatomy["resolution"]
     shape = anatomy["shape"]
     centre = (np.asarray(shape) - 1) / 2.0
@@ -212,14 +245,14 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     angles = np.deg2rad(rng.uniform(-10, 10, 3))
     scales = rng.uniform(0.92, 1.08) * rng.uniform(0.95, 1.05, 3)
     matrix = (_rotation(angles) @ np.diag(1.0 / scales)).astype(np.float32)
-    shift = (rng.uniform(-4, 4, 3) / res).astype(np.float32)
+    translation = (rng.uniform(-4, 4, 3) / res).astype(np.float32)
     elastic = smooth_field(rng, shape, (5, 6, 5), count=3) * np.float32(rng.uniform(1.0, 3.0) / res)
     grids = [np.arange(n, dtype=np.float32) - np.float32(c) for n, c in zip(shape, centre)]
 
     def source(points: list[np.ndarray]) -> list[np.ndarray]:
         """Template coordinates of (broadcastable) output coordinates ``points`` relative to the centre."""
         return [matrix[d, 0] * points[0] + matrix[d, 1] * points[1] + matrix[d, 2] * points[2]
-                + np.float32(centre[d]) + shift[d] for d in range(3)]
+                + np.float32(centre[d]) + translation[d] for d in range(3)]
 
     base = source([grids[0][:, None, None], grids[1][None, :, None], grids[2][None, None, :]])
     coords = [np.broadcast_to(base[d], shape) + elastic[d] for d in range(3)]
@@ -252,7 +285,10 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
               for name in ("gm", "wm", "csf", "mask")}
     brain = tissue["mask"] > 0.5
 
-    label, tumour_weights, core_kind = _tumour(rng, shape, p, r_edema, res, tissue, brain)
+    label, tumour_weights, core_kind = _tumour(rng, shape, p, r_edema * (0.6 if "lesions" in parts else 1.0),
+                                               res, tissue, brain)
+    if "lesions" in parts:
+        _add_satellites(shift_rng, label, tumour_weights, p, res, tissue, brain)
 
     # --- intensities: class means randomised per case and channel (directions preserved)
     image = np.zeros((4, *shape), np.float32)
@@ -260,7 +296,8 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     healthy = 1.0 - tumour_total
     texture = 1.0 + 0.04 * smooth_field(rng, shape, (9, 11, 9), count=1)[0]
     for c in range(4):
-        means = {name: CONTRAST[name][c] * float(np.exp(rng.normal(0.0, 0.07))) for name in CONTRAST}
+        jitter = 0.21 if "contrast" in parts else 0.07     # log-std of each class mean per case and channel
+        means = {name: CONTRAST[name][c] * float(np.exp(jitter * rng.normal(0.0, 1.0))) for name in CONTRAST}
         channel = (tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]) * healthy
         for name, weight in tumour_weights.items():
             channel += weight * means[core_kind if name == "core" else name]
@@ -272,11 +309,14 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
         for c in range(4):
             image[c][lesion] *= 1.0 + speckle[lesion]
 
-    image = _scanner(rng, image, brain, profile, res)
+    head = brain
+    if "skull" in parts:
+        head = _skull_residue(shift_rng, image, brain, res)
+    image = _scanner(rng, image, head, profile, res)
     label[~brain] = 0
     volume = image
     info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
-            "edema_radius_mm": round(float(r_edema), 2)}
+            "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
     return PhantomCase(image=volume, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
                        info=info, tissue=tissue)
 
@@ -287,8 +327,9 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
     r_core = max(r_edema * rng.uniform(0.45, 0.75), rim + 1.6 * res)
     r_edema = max(r_edema, r_core + 2.5 * res)
-    # the box holds the largest extent the clipped noise allows (r x 1.675 x stretch 1.3 < 2.2 r): no flat cuts
-    half = int(math.ceil(2.2 * r_edema / res)) + 2
+    # the box holds the largest extent the clipped noise, the white-matter pull and a second lobe allow:
+    # f_edema < 1 needs dist < 1.825 r_edema, so |u| < 0.675 r + 0.8 x 1.825 r < 2.14 r; x stretch 1.3 < 2.8 r
+    half = int(math.ceil(2.8 * r_edema / res)) + 2
     lo = np.maximum(np.floor(p).astype(int) - half, 0)
     hi = np.minimum(np.floor(p).astype(int) + half + 1, shape)
     box = tuple(slice(a, b) for a, b in zip(lo, hi))
@@ -299,11 +340,20 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     u = [(axes[d, 0] * rel[0][:, None, None] + axes[d, 1] * rel[1][None, :, None]
           + axes[d, 2] * rel[2][None, None, :]) / stretch[d] for d in range(3)]
     dist = np.sqrt(u[0] ** 2 + u[1] ** 2 + u[2] ** 2)                    # anisotropic distance (mm)
+    if rng.random() < 0.45:
+        # a second, smaller lobe off-centre: gliomas are rarely one convex blob
+        direction = rng.normal(size=3)
+        offset = direction / max(float(np.linalg.norm(direction)), 1e-6) * rng.uniform(0.5, 0.9) * r_core
+        lobe_scale = rng.uniform(0.5, 0.8)
+        lobe = np.sqrt((u[0] - offset[0]) ** 2 + (u[1] - offset[1]) ** 2 + (u[2] - offset[2]) ** 2) / lobe_scale
+        dist = np.minimum(dist, lobe.astype(np.float32))
     # additive perturbation of the normalised distance by clipped smooth noise: irregular, bounded shapes
     noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=3), -1.5, 1.5)
     f_core = dist / r_core + rng.uniform(0.1, 0.25) * noise[0]
     finger = np.clip(smooth_field(rng, bshape, (8, 8, 8), count=1)[0], -1.5, 1.5)   # finer: finger-like oedema
     f_edema = dist / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
+    # vasogenic oedema spreads along white-matter tracts and stops at the cortex (it rarely enters grey matter)
+    f_edema = f_edema - rng.uniform(0.1, 0.3) * (tissue["wm"][box] - 0.5)
     inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])                 # variable shell thickness
 
     in_brain = brain[box]
@@ -334,6 +384,57 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     for w in weights.values():
         w[over] /= total[over]
     return label, weights, core_kind
+
+
+def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[str, np.ndarray], p: np.ndarray,
+                    res: float, tissue: dict[str, np.ndarray], brain: np.ndarray) -> None:
+    """Shift "lesions": add 1-2 small satellite tumours in white matter away from the primary (in place)."""
+    shape = label.shape
+    depth = ndimage.distance_transform_edt(brain) * res
+    candidates = np.argwhere((tissue["wm"] > 0.5) & (depth > 12.0) & (label == 0))
+    for _ in range(int(rng.integers(1, 3))):
+        if len(candidates) == 0:
+            return
+        far = np.linalg.norm((candidates - p) * res, axis=1) > 25.0
+        pool = candidates[far] if far.any() else candidates
+        centre = pool[int(rng.integers(len(pool)))].astype(np.float32)
+        extra_label, extra_weights, _ = _tumour(rng, shape, centre, rng.uniform(7.0, 12.0), res, tissue, brain)
+        free = (label == 0) & (extra_label > 0)
+        label[free] = extra_label[free]
+        for name in weights:
+            weights[name] += extra_weights[name]
+    total = weights["edema"] + weights["core"] + weights["enhancing"]
+    over = total > 1.0
+    for w in weights.values():
+        w[over] /= total[over]
+
+
+def _skull_residue(rng: np.random.Generator, image: np.ndarray, brain: np.ndarray, res: float) -> np.ndarray:
+    """Shift "skull": leave a patchy 2-5 mm rim of dura, fat and bone marrow outside the brain (in place).
+
+    Real skull stripping is imperfect; the rim is bright on T1 (fat) and T1-Gd (dura enhances). Returns the
+    new head mask (brain or rim), which the scanner keeps non-zero; labels stay inside the brain.
+    """
+    outside = ndimage.distance_transform_edt(~brain) * res
+    shell = (outside > 0) & (outside <= max(rng.uniform(2.0, 5.0), 1.01 * res))   # at least a voxel
+    shell &= smooth_field(rng, brain.shape, (6, 6, 6), count=1)[0] > rng.uniform(-0.6, 0.3)
+    texture = 1.0 + 0.15 * smooth_field(rng, brain.shape, (12, 12, 12), count=1)[0]
+    #                     FLAIR T1   T1Gd T2
+    for c, value in enumerate((0.7, 1.0, 1.1, 0.6)):
+        image[c][shell] = value * float(np.exp(rng.normal(0.0, 0.2))) * texture[shell]
+    return brain | shell
+
+
+def _shifted_scanner(rng: np.random.Generator, profile: ScannerProfile) -> ScannerProfile:
+    """Shift "scanner": bias, noise and blur beyond every training site's range; gamma and gains wider."""
+    from dataclasses import replace
+
+    return replace(profile,
+                   bias_strength=float(rng.uniform(0.4, 0.6)),      # training sites: 0.05-0.3 (x0.8-1.2)
+                   noise=float(rng.uniform(0.08, 0.12)),            # training sites: 0.01-0.06
+                   blur_mm=float(rng.uniform(2.0, 3.0)),            # training sites: 0-1.5 mm
+                   gamma=tuple(float(g * np.exp(rng.normal(0, 0.25))) for g in profile.gamma),
+                   channel_gain=tuple(float(g * np.exp(rng.normal(0, 0.3))) for g in profile.channel_gain))
 
 
 def _scanner(rng: np.random.Generator, image: np.ndarray, brain: np.ndarray, profile: ScannerProfile,
@@ -380,9 +481,11 @@ def _case_name(index: int, total: int) -> str:
     return f"BRATS_{index + 1:0{max(3, len(str(total)))}d}"
 
 
-def _generation_config(cases: int, institutions: int, seed: int, resolution_mm: float, test_cases: int) -> dict:
+def _generation_config(cases: int, institutions: int, seed: int, resolution_mm: float, test_cases: int,
+                       shift: str = "none") -> dict:
     return {"generator_version": GENERATOR_VERSION, "seed": int(seed), "cases": int(cases),
-            "institutions": int(institutions), "resolution_mm": float(resolution_mm), "test_cases": int(test_cases)}
+            "institutions": int(institutions), "resolution_mm": float(resolution_mm), "test_cases": int(test_cases),
+            "shift": shift}
 
 
 def _write_case(out: Path, index: int, total: int, config: dict, labelled: bool) -> dict:
@@ -392,7 +495,7 @@ def _write_case(out: Path, index: int, total: int, config: dict, labelled: bool)
     institution = institution_name(index % config["institutions"])
     if image_path.exists() and (not labelled or label_path.exists()):
         return {"name": name, "institution": institution}                 # resumed: already complete
-    case = make_case(config["seed"], index, config["institutions"], config["resolution_mm"])
+    case = make_case(config["seed"], index, config["institutions"], config["resolution_mm"], config["shift"])
     if labelled:
         atomic_write_bytes(label_path, _nifti_gz_bytes(case.label, case.affine))
     atomic_write_bytes(image_path, _nifti_gz_bytes(case.image, case.affine))   # image last = case complete
@@ -405,12 +508,14 @@ def _generate_one(args: tuple) -> dict:
 
 def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, seed: int,
                       resolution_mm: float = 2.0, test_cases: int = 0, progress: bool = True,
-                      workers: int = 1) -> Path:
+                      workers: int = 1, shift: str = "none") -> Path:
     """Write ``cases`` labelled (+ ``test_cases`` unlabelled) phantoms in the MSD Task01 layout under ``out``.
 
     Resumes an incomplete folder made with the same settings; refuses a folder holding other data.
-    ``workers > 1`` generates in that many processes (same bytes as serial generation).
+    ``workers > 1`` generates in that many processes (same bytes as serial generation). ``shift`` renders
+    the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation.
     """
+    shift_parts(shift)
     if cases < 1:
         raise DataError(f"--cases={cases}: expected at least 1 labelled case")
     if institutions < 1:
@@ -422,7 +527,7 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     if seed < 0:
         raise DataError(f"--seed={seed}: expected a non-negative integer")
     out = Path(out)
-    config = _generation_config(cases, institutions, seed, resolution_mm, test_cases)
+    config = _generation_config(cases, institutions, seed, resolution_mm, test_cases, shift)
     meta_path, progress_path = out / "dataset.json", out / PROGRESS_FILE
     if meta_path.exists():
         existing = _read_config(meta_path)
@@ -496,7 +601,7 @@ def _read_config(meta_path: Path) -> dict | None:
     if not isinstance(block, dict):
         return None
     return {k: block.get(k) for k in ("generator_version", "seed", "cases", "institutions", "resolution_mm",
-                                      "test_cases")}
+                                      "test_cases", "shift")}
 
 
 def phantom_folder_name(preset, seed: int = 0) -> str:
