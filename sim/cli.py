@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Order is the order shown in --help.
-COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "predict", "demo")
+COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "predict", "evaluate", "demo")
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

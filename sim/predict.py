@@ -81,6 +81,35 @@ def scan_paths(images: Sequence[str | Path]) -> list[Path]:
     return paths
 
 
+def _bundle_model(model_dir: str | Path, device: str):
+    """(bundle, preprocessing config, network on ``device``) of a verified bundle."""
+    from sim.bundle import load_bundle
+    from sim.data.preprocess import PreprocessConfig
+
+    bundle = load_bundle(model_dir)
+    config = PreprocessConfig(**bundle.preprocessing["config"]) if "config" in bundle.preprocessing else \
+        PreprocessConfig(grid=tuple(bundle.preprocessing["grid"]))
+    return bundle, config, bundle.model.to(device).eval()
+
+
+def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: str = "cpu") -> np.ndarray:
+    """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid."""
+    import torch
+    from monai.inferers import sliding_window_inference
+
+    from sim.data.preprocess import invert_probs, preprocess_case
+
+    image_grid, _, record = preprocess_case(data, None, affine, config)
+    with torch.no_grad():
+        x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
+        logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
+                                          overlap=0.25)
+        probs = torch.softmax(logits, dim=1)[0].cpu().numpy()
+    # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
+    # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
+    return np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
+
+
 def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: str | Path,
                   progress: bool = True, device: str = "cpu") -> list[Prediction]:
     """Segment each scan with the bundle in ``model_dir``; returns one :class:`Prediction` per scan.
@@ -88,17 +117,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
     Every output is written atomically as soon as it is ready, so an error on a later scan loses
     nothing already written.
     """
-    import torch
-    from monai.inferers import sliding_window_inference
-
-    from sim.bundle import load_bundle
-    from sim.data.preprocess import PreprocessConfig, invert_probs, preprocess_case
-
-    bundle = load_bundle(model_dir)
-    config = PreprocessConfig(**bundle.preprocessing["config"]) if "config" in bundle.preprocessing else \
-        PreprocessConfig(grid=tuple(bundle.preprocessing["grid"]))
-    grid = tuple(config.grid)
-    model = bundle.model.to(device)
+    _, config, model = _bundle_model(model_dir, device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = scan_paths(images)
@@ -110,20 +129,55 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         iterator = tqdm(paths, desc="predict", unit="scan")
     for path in iterator:
         data, affine, header = load_scan(path)
-        image_grid, _, record = preprocess_case(data, None, affine, config)
-        with torch.no_grad():
-            x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
-            logits = sliding_window_inference(x, roi_size=grid, sw_batch_size=1, predictor=model, overlap=0.25)
-            probs = torch.softmax(logits, dim=1)[0].cpu().numpy()
-        # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
-        # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
-        labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
+        labels = segment_scan(model, config, data, affine, device)
         output = out_dir / _output_name(path)
         _write_label_map(output, labels, affine, header)
-        voxel_ml = abs(np.linalg.det(affine[:3, :3])) / 1000.0
-        volumes = {c: float((labels == c).sum() * voxel_ml) for c in (1, 2, 3)}
-        results.append(Prediction(scan=path, output=output, volumes_ml=volumes))
+        results.append(Prediction(scan=path, output=output, volumes_ml=_volumes_ml(labels, affine)))
     return results
+
+
+def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
+    voxel_ml = abs(np.linalg.det(affine[:3, :3])) / 1000.0
+    return {c: float((labels == c).sum() * voxel_ml) for c in (1, 2, 3)}
+
+
+def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path | None = None,
+                   progress: bool = True, device: str = "cpu", limit: int | None = None) -> dict:
+    """Dice of the bundle's segmentations of every labelled case of an MSD-layout folder, in each scan's grid.
+
+    Scores what a user of ``fedpate predict`` gets (preprocessing, network, mapping back to the scan), not
+    the working-grid Dice of training. Returns ``{"dice": summary, "cases": [per-case rows]}`` with
+    :func:`sim.metrics.summarise`'s keys; ``out_dir`` also receives each label map.
+    """
+    from sim.data.msd import load_case, read_msd
+    from sim.metrics import per_case_dice, summarise
+
+    _, config, model = _bundle_model(model_dir, device)
+    cases = read_msd(data_dir).training[:limit]
+    if not cases:
+        raise UserError(f"--data {data_dir}: no labelled cases (imagesTr with labelsTr) to evaluate")
+    iterator: Iterable = cases
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(cases, desc="evaluate", unit="scan")
+    class_rows, region_rows, rows = [], [], []
+    for case in iterator:
+        image, truth, affine = load_case(case)
+        labels = segment_scan(model, config, image, affine, device)
+        if out_dir is not None:
+            import nibabel as nib
+
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", labels, affine,
+                             nib.load(str(case.label)).header)
+        class_dice, region_dice = per_case_dice(labels[None], np.asarray(truth)[None])
+        class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
+        rows.append({"case": case.case_id, "institution": case.institution,
+                     **summarise(class_dice, region_dice),
+                     "volume_ml": sum(_volumes_ml(labels, affine).values()),
+                     "true_volume_ml": sum(_volumes_ml(np.asarray(truth), affine).values())})
+    return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows}
 
 
 def _output_name(scan: Path) -> str:

@@ -35,7 +35,8 @@ class TrainConfig:
     batch_size: int
     learning_rate: float
     seed: int = 0
-    augment: bool = True
+    augment: bool | str = True             # True = "domain" (flips, rotations, intensity randomisation),
+                                           # "geometric" (flips, rotations only) or False
     progress: bool = True
     checkpoint: str | Path | None = None   # saved after every epoch; resumed from when it exists
     init_from: Any = None                  # path to a checkpoint / state_dict to start from (e.g. public pre-training)
@@ -81,10 +82,10 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------------- augmentation
-def _augmenter(seed: int) -> Callable:
+def _augmenter(seed: int, level: bool | str = True) -> Callable:
     from sim.data.augment import training_augmentation
 
-    return training_augmentation(seed)
+    return training_augmentation(seed, level="domain" if level is True else str(level))
 
 
 def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +184,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         if session is not None and not session.begin_epoch(epoch):
             break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
         train_model.train()
-        aug = _augmenter(config.seed * 100_003 + epoch) if config.augment else None
+        aug = _augmenter(config.seed * 100_003 + epoch, config.augment) if config.augment else None
         if session is not None:
             batches = session.batches(generator)
         else:

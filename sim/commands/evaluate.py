@@ -1,0 +1,40 @@
+"""``fedpate evaluate --model RUN_DIR --data MSD_DIR`` -- Dice of a saved model on labelled scans, in their grid."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="score a saved model on a labelled MSD-layout folder (Dice in each scan's own grid)",
+        description="Segment every labelled case (imagesTr + labelsTr) of an MSD-layout folder exactly as "
+                    "`fedpate predict` would, and compare with its label map in the scan's own grid: Dice per "
+                    "class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and WT/TC/ET.",
+    )
+    parser.add_argument("--model", required=True, help="run folder (or its model/ subfolder) with a model bundle")
+    parser.add_argument("--data", required=True, help="MSD Task01-layout folder with labelsTr")
+    parser.add_argument("--out", default=None, help="also write each label map here")
+    parser.add_argument("--json", default=None, help="write the summary and per-case rows to this JSON file")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N cases")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from sim.io import atomic_write_json
+    from sim.predict import evaluate_scans
+
+    result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit)
+    for row in result["cases"]:
+        print(f"{row['case']}: mean Dice {_fmt(row['mean'])} (WT {_fmt(row['WT'])}, TC {_fmt(row['TC'])}, "
+              f"ET {_fmt(row['ET'])}); tumour {row['volume_ml']:.1f} ml predicted, {row['true_volume_ml']:.1f} ml true")
+    dice = result["dice"]
+    print(f"{len(result['cases'])} cases: mean Dice {_fmt(dice['mean'])} (1: {_fmt(dice['1'])}, 2: {_fmt(dice['2'])}, "
+          f"3: {_fmt(dice['3'])}; WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, ET {_fmt(dice['ET'])})")
+    if args.json:
+        atomic_write_json(args.json, result)
+    return 0
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
