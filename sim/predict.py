@@ -87,8 +87,9 @@ def _bundle_model(model_dir: str | Path, device: str):
     from sim.data.preprocess import PreprocessConfig
 
     bundle = load_bundle(model_dir)
-    config = PreprocessConfig(**bundle.preprocessing["config"]) if "config" in bundle.preprocessing else \
-        PreprocessConfig(grid=tuple(bundle.preprocessing["grid"]))
+    # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
+    config = PreprocessConfig.from_dict(bundle.preprocessing["config"]) if "config" in bundle.preprocessing else \
+        PreprocessConfig(grid=tuple(bundle.preprocessing["grid"]), antialias=False)
     return bundle, config, bundle.model.to(device).eval()
 
 

@@ -84,3 +84,25 @@ def test_cache_is_rebuilt_for_another_config(tiny_phantoms, tmp_path):
         other.images(["BRATS_999"])
     with pytest.raises(DataError, match="manifest.json"):
         PreparedDataset.open(tmp_path / "nothing")
+
+
+def test_antialiasing_averages_voxel_noise_when_downsampling_a_fine_scan():
+    """A 1 mm-like scan squeezed onto a coarse grid: without smoothing, trilinear keeps the voxel noise."""
+    rng = np.random.default_rng(3)
+    image = np.zeros((100, 100, 100, 4), np.float32)
+    inside = (slice(10, 90),) * 3
+    image[inside] = 500.0 + 50.0 * rng.standard_normal((80, 80, 80, 4)).astype(np.float32)
+    image[30:50, 30:50, 30:50] += 200.0                              # a bright block: structure must survive
+    plain, _, _ = preprocess_case(image, None, np.eye(4), PreprocessConfig(grid=16, antialias=False))
+    smooth, _, _ = preprocess_case(image, None, np.eye(4), PreprocessConfig(grid=16))
+    flat = (slice(None), slice(10, 14), slice(10, 14), slice(10, 14))     # far from the block and the edge
+    assert smooth[flat].std() < 0.35 * plain[flat].std()
+    assert smooth[:, 5, 5, 5].mean() > smooth[flat].mean() + 1.0        # the block is still clearly brighter
+    edge = smooth[:, 0, 8, 8]                                          # edge voxels are not dimmed by the background
+    assert abs(edge.mean() - smooth[flat].mean()) < 0.5
+
+
+def test_artefacts_without_the_antialias_key_repeat_the_old_preprocessing():
+    assert PreprocessConfig.from_dict({"grid": [8, 8, 8], "margin_voxels": 2}).antialias is False
+    config = PreprocessConfig(grid=8)
+    assert config.antialias is True and PreprocessConfig.from_dict(config.to_dict()) == config
