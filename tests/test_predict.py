@@ -146,3 +146,37 @@ def test_msd_folder_as_input(trained_run, tiny_phantoms, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "not private" in out and out.count(" ml (") == len(list((tiny_phantoms / "imagesTs").glob("*.nii.gz")))
     assert gzip.open(next(tmp_path.glob("*_seg.nii.gz"))).read(4)  # real gzip-compressed NIfTI
+
+
+def test_evaluate_scores_the_predicted_label_maps_in_each_scan_grid(trained_run, tiny_phantoms, tmp_path, capsys):
+    """`fedpate evaluate` = predict + Dice against labelsTr in the scan's own grid, checked independently."""
+    from sim.metrics import dice_scores
+
+    report = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(trained_run), "--data", str(tiny_phantoms), "--out", str(tmp_path / "seg"),
+                 "--json", str(report), "--limit", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "3 cases: mean Dice" in out
+    result = json.loads(report.read_text())
+    assert [row["case"] for row in result["cases"]] == ["BRATS_001", "BRATS_002", "BRATS_003"]
+    for (scan, label_path), row in zip(_training_scans(tiny_phantoms, 3), result["cases"]):
+        predicted = np.asarray(nib.load(tmp_path / "seg" / f"{row['case']}_seg.nii.gz").dataobj)
+        truth = np.asarray(nib.load(label_path).dataobj)
+        assert predicted.shape == truth.shape
+        expected = dice_scores(predicted[None], truth[None])
+        assert row["WT"] == pytest.approx(expected["WT"]) and row["mean"] == pytest.approx(expected["mean"])
+    assert result["dice"]["WT"] > 0.3
+
+
+def test_bundles_from_before_antialiasing_repeat_their_preprocessing(trained_run, tmp_path):
+    import shutil
+
+    from sim.predict import _bundle_model
+
+    assert _bundle_model(trained_run, "cpu")[1].antialias is True
+    old = tmp_path / "old"
+    shutil.copytree(trained_run, old)
+    bundle = json.loads((old / "model" / "bundle.json").read_text())
+    del bundle["preprocessing"]["config"]["antialias"]
+    (old / "model" / "bundle.json").write_text(json.dumps(bundle))
+    assert _bundle_model(old, "cpu")[1].antialias is False
