@@ -108,17 +108,22 @@ def main() -> None:
 
 
 def _table(results: dict[str, dict], sets: list[str]) -> str:
+    """Mean Dice ± its standard error over cases, WT Dice, and the ratio to the in-distribution set."""
+    import numpy as np
+
     levels = list(results)
-    head = "| evaluation set | " + " | ".join(f"{lv}: mean | {lv}: WT | {lv}: mean / none" for lv in levels) + " |"
+    head = "| evaluation set | " + " | ".join(f"{lv}: mean ± se | {lv}: WT | {lv}: mean / none" for lv in levels) + " |"
     rule = "|---" * (1 + 3 * len(levels)) + "|"
     lines = [head, rule]
     for name in sets:
         cells = []
         for level in levels:
             dice = results[level][name]["dice"]
+            per_case = np.array([row["mean"] for row in results[level][name]["cases"] if row["mean"] is not None])
+            se = per_case.std(ddof=1) / np.sqrt(len(per_case)) if len(per_case) > 1 else float("nan")
             base = results[level].get("none", {}).get("dice", {}).get("mean")
             ratio = f"{dice['mean'] / base:.2f}" if base and dice["mean"] is not None else "n/a"
-            cells += [_fmt(dice["mean"]), _fmt(dice["WT"]), ratio]
+            cells += [f"{_fmt(dice['mean'])} ± {se:.3f}", _fmt(dice["WT"]), ratio]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

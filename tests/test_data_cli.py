@@ -36,3 +36,13 @@ def test_data_errors_exit_2_with_one_line(tmp_path, capsys):
     assert err.startswith("fedpate data: error:") and "dataset.json" in err and "\n" not in err
     assert main(["data", "prepare", str(tmp_path), "--grid", "ab", "--out", str(tmp_path / "c")]) == 2
     assert "--grid=ab" in capsys.readouterr().err
+
+
+def test_shifted_phantoms_from_the_cli(tmp_path, capsys):
+    out = tmp_path / "shifted"
+    assert main(["data", "phantoms", "--out", str(out), "--cases", "1", "--resolution", "4", "--shift", "skull",
+                 "--no-progress"]) == 0
+    assert "shift skull" in capsys.readouterr().out
+    assert json.loads((out / "dataset.json").read_text())["phantoms"]["shift"] == "skull"
+    assert main(["data", "phantoms", "--out", str(tmp_path / "bad"), "--cases", "1", "--shift", "warp"]) == 2
+    assert "--shift=warp: expected one of" in capsys.readouterr().err
