@@ -112,8 +112,10 @@ def _table(results: dict[str, dict], sets: list[str]) -> str:
     import numpy as np
 
     levels = list(results)
-    head = "| evaluation set | " + " | ".join(f"{lv}: mean ± se | {lv}: WT | {lv}: mean / none" for lv in levels) + " |"
-    rule = "|---" * (1 + 3 * len(levels)) + "|"
+    paired = len(levels) >= 2     # same cases for every model: the per-case difference is the sharper statistic
+    head = "| evaluation set | " + " | ".join(f"{lv}: mean ± se | {lv}: WT | {lv}: mean / none" for lv in levels)
+    head += f" | {levels[-1]} − {levels[0]}, paired ± se | cases {levels[-1]} better |" if paired else " |"
+    rule = "|---" * (1 + 3 * len(levels) + 2 * paired) + "|"
     lines = [head, rule]
     for name in sets:
         cells = []
@@ -124,6 +126,13 @@ def _table(results: dict[str, dict], sets: list[str]) -> str:
             base = results[level].get("none", {}).get("dice", {}).get("mean")
             ratio = f"{dice['mean'] / base:.2f}" if base and dice["mean"] is not None else "n/a"
             cells += [f"{_fmt(dice['mean'])} ± {se:.3f}", _fmt(dice["WT"]), ratio]
+        if paired:
+            first, last = ([np.nan if row["mean"] is None else row["mean"] for row in results[lv][name]["cases"]]
+                           for lv in (levels[0], levels[-1]))
+            diff = np.array(last) - np.array(first)
+            diff = diff[~np.isnan(diff)]
+            se = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+            cells += [f"{diff.mean():+.3f} ± {se:.3f}", f"{int((diff > 0).sum())}/{len(diff)}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
