@@ -55,7 +55,7 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     from sim.bundle import preprocessing_of, privacy_card, save_bundle
     from sim.io import atomic_write_json
     from sim.networks import build_unet, network_config
-    from sim.training import evaluate_segmentation
+    from sim.training import evaluate_segmentation_per_case
 
     started = time.perf_counter()
     out = Path(out_dir)
@@ -90,12 +90,12 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         weights = federated_average(updates)
         history.append({"round": round_index, "hospitals": len(updates)})
     model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
-    dice = evaluate_segmentation(model, world.test_images, world.test_labels)
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
     owners = ledger.owners()
     spent = [ledger.spent(owner, delta) for owner in owners]
     worst = max(spent, key=lambda s: s.epsilon) if spent else None
     results = {
-        "method": "dp-fedavg", "dice": dice, "epsilon": worst.epsilon if worst else None,
+        "method": "dp-fedavg", "dice": dice, "dice_per_case": dice_per_case, "epsilon": worst.epsilon if worst else None,
         "epsilon_budget": epsilon, "delta": delta, "relation": "add-remove",
         "accountant": worst.accountant if worst else None, "teachers": None,
         "hospitals": len(transport.hospital_ids()), "queries": None, "sigma": None,

@@ -59,10 +59,11 @@ def _state_arrays(model) -> dict[str, np.ndarray]:
     return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
 
 
-def _dice(model, images, labels) -> dict:
-    from sim.training import evaluate_segmentation
+def _dice(model, images, labels) -> tuple[dict, list]:
+    """(Dice dict, per-case mean Dice) on the test set."""
+    from sim.training import evaluate_segmentation_per_case
 
-    return evaluate_segmentation(model, images, labels)
+    return evaluate_segmentation_per_case(model, images, labels)
 
 
 def _label_dice(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -190,8 +191,8 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
                                      progress=progress, checkpoint=shared / "public-only.pt" if shared else None)
 
     # (e) evaluation
-    student_dice = _dice(student, world.test_images, world.test_labels)
-    public_dice = _dice(public_only, world.test_images, world.test_labels)
+    student_dice, student_per_case = _dice(student, world.test_images, world.test_labels)
+    public_dice, public_per_case = _dice(public_only, world.test_images, world.test_labels)
     evaluation = transport.evaluate({"seed": seed}, test={"images": world.test_images,
                                                           "labels": world.test_labels})
     teacher_scores = [d for m in evaluation.values() for d in (m.get("teacher_dice") or []) if d is not None]
@@ -214,7 +215,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     accountant = spent[0].accountant if spent else "gdp-exact"
     results: dict[str, Any] = {
         "method": method,
-        "dice": student_dice,
+        "dice": student_dice, "dice_per_case": student_per_case,
         "epsilon": epsilon_spent, "epsilon_budget": float(epsilon), "delta": float(delta),
         "relation": "replace-one", "accountant": accountant,
         "teachers": teachers_planned, "hospitals": len(planned), "queries": len(answered), "sigma": float(sigma),
@@ -231,6 +232,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         "compressor": compressor.describe(), "components": int(compressor.latent_dim),
         "ae_collapsed": None if collapse is None else collapse["collapsed"], "ae_collapse": collapse,
         "public_only_dice": public_dice, "public_only_dice_mean": public_dice.get("mean"),
+        "public_only_dice_per_case": public_per_case,
         "ensemble_dice": ensemble_dice,
         "ensemble_vote_dice_mean": None if ensemble_vote_dice is None else ensemble_vote_dice.get("mean"),
         "pseudo_label_dice_mean": None if pseudo_dice is None else pseudo_dice.get("mean"),

@@ -117,6 +117,17 @@ class DiceAccumulator:
         self._regions.reset()
         self.cases = 0
 
+    def case_means(self) -> list[float | None]:
+        """Per case, the mean Dice over its valid classes (None when every class was excluded).
+
+        What paired comparisons need: two models scored on the same cases differ per case by much less
+        than their averages' spread (``sim.report`` uses this).
+        """
+        if self.cases == 0:
+            return []
+        classes = np.asarray(self._classes.get_buffer(), dtype=np.float64)
+        return [None if np.isnan(row).all() else float(np.nanmean(row)) for row in classes]
+
     def aggregate(self) -> dict[str, float | None]:
         if self.cases == 0:
             return {k: None for k in DICE_KEYS}

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from sim.io import atomic_write_bytes, atomic_write_text
 
 DICE_COLUMNS = ("1", "2", "3", "mean", "WT", "TC", "ET")
@@ -134,11 +136,13 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         parts = [f"ε = {eps:g}: best PATE is {top_pate_method} (K = {top_pate.get('teachers')}) with mean Dice "
                  f"{mean_dice(top_pate):.3f}"]
         for name, cell in sorted(dpsgd.items()):
-            word = "beats" if mean_dice(top_pate) > mean_dice(cell) else "does not beat"
-            parts.append(f"it {word} {name} ({mean_dice(cell):.3f})")
+            parts.append("it " + _versus(top_pate, mean_dice(top_pate), name, mean_dice(cell),
+                                         cell.get("dice_per_case")))
         if public_only is not None:
-            word = "beats" if mean_dice(top_pate) > public_only else "does NOT beat"
-            parts.append(f"it {word} public-only ({public_only:.3f})")
+            public_cell = max((c for c in baselines if c["method"] == "public-only"), key=mean_dice)
+            per_case = public_cell.get("dice_per_case") or top_pate.get("public_only_dice_per_case")
+            parts.append("it " + _versus(top_pate, mean_dice(top_pate), "public-only", public_only, per_case,
+                                         loud=True))
         ceiling = top_pate.get("ensemble_dice_mean")
         if ceiling is not None:
             parts.append(f"its pseudo-labels could reach at most {ceiling:.3f} through this compressor "
@@ -147,6 +151,39 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     if nonprivate is not None:
         lines.append(f"Non-private centralised training reaches {nonprivate:.3f} (no privacy).")
     return lines
+
+
+def paired_difference(first: Sequence[float | None] | None,
+                      second: Sequence[float | None] | None) -> tuple[float, float, int] | None:
+    """(mean, standard error, n) of first - second over the cases both scored; None if not comparable.
+
+    Two models evaluated on the same test cases: the per-case difference removes the between-case spread
+    that dominates each model's own average, so a real gap shows up with far fewer cases.
+    """
+    if not first or not second or len(first) != len(second):
+        return None
+    diffs = np.array([a - b for a, b in zip(first, second) if a is not None and b is not None], dtype=np.float64)
+    if len(diffs) < 3:
+        return None
+    return float(diffs.mean()), float(diffs.std(ddof=1) / np.sqrt(len(diffs))), int(len(diffs))
+
+
+def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: float,
+            other_per_case: Sequence[float | None] | None, loud: bool = False) -> str:
+    """Says "beats" only when the paired difference exceeds two standard errors, "is level with" otherwise."""
+    paired = paired_difference(cell.get("dice_per_case"), other_per_case)
+    if paired is None:                                   # older results without per-case Dice: compare means
+        word = "beats" if score > other_score else ("does NOT beat" if loud else "does not beat")
+        return f"{word} {other} ({other_score:.3f})"
+    mean, se, n = paired
+    if abs(mean) <= 2 * se:
+        word = "is level with"
+    elif mean > 0:
+        word = "beats"
+    else:
+        word = "does NOT beat" if loud else "does not beat"
+    return (f"{word} {other} ({other_score:.3f}; paired difference {mean:+.3f} ± {se:.3f} over {n} test cases"
+            f"{', within two standard errors' if word == 'is level with' else ''})")
 
 
 def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | None = None,

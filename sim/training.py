@@ -279,6 +279,12 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2) -> 
 
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2) -> dict:
     """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``."""
+    return evaluate_segmentation_per_case(model, images, labels, batch_size)[0]
+
+
+def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any,
+                                   batch_size: int = 2) -> tuple[dict, list[float | None]]:
+    """(Dice dict, per-case mean Dice) -- results.json stores the latter as ``dice_per_case``."""
     from sim.metrics import DiceAccumulator
 
     x_all = _as_tensor(images, torch.float32)
@@ -287,4 +293,4 @@ def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batc
     for start in range(0, len(x_all), batch_size):
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
-    return acc.aggregate()
+    return acc.aggregate(), acc.case_means()

@@ -86,6 +86,8 @@ def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_pa
     assert written["bytes_up_per_query_per_teacher"] == 4 * written["components"]
     assert (tmp_path / "model" / "weights.pt").exists() or (tmp_path / "model" / "model.pt").exists()
     assert len(list((tmp_path / "predictions").glob("*.nii.gz"))) == 4
+    # per-case test Dice for the report's paired comparisons: one entry per test case, student and public-only
+    assert len(written["dice_per_case"]) == len(written["public_only_dice_per_case"]) == len(split.test)
     # nothing a hospital keeps leaves its folder: teacher weights are under hospitals/<id>/teachers
     assert len(list(Path(tmp_path, "hospitals", "h0", "teachers").glob("*.pt"))) == 3
     assert results["epsilon"] == written["epsilon"]

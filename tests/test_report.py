@@ -9,7 +9,7 @@ from privacy.ledger import Ledger
 from sim.report import load_cells, markdown_table, verdicts, write_report
 
 
-def _cell(root, name, method, budget, dice_mean, teachers=8, tamper=0.0):
+def _cell(root, name, method, budget, dice_mean, teachers=8, tamper=0.0, per_case=None):
     cell = root / name
     cell.mkdir(parents=True)
     epsilon = None
@@ -25,6 +25,8 @@ def _cell(root, name, method, budget, dice_mean, teachers=8, tamper=0.0):
         "teachers": teachers, "hospitals": 2, "queries": 4, "sigma": 0.5, "teacher_dice_mean": 0.4,
         "ensemble_dice_mean": 0.6, "bytes_up_per_query_per_teacher": 64, "wall_seconds": 3.0, "seed": 0,
     }
+    if per_case is not None:
+        result["dice_per_case"] = per_case
     (cell / "results.json").write_text(json.dumps(result))
 
 
@@ -58,3 +60,22 @@ def test_accuracy_table(tmp_path):
     cells = load_cells(tmp_path)
     cells[0]["accuracy"] = 0.91
     assert "0.910" in markdown_table(cells, accuracy=True)
+
+
+def test_verdicts_use_the_paired_difference_on_the_same_test_cases(tmp_path):
+    """A 0.02 gap in the means is 'level' when per-case differences are noisy, 'beats' when consistent."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    public = rng.uniform(0.4, 0.9, 30)
+    noisy = public + 0.02 + 0.15 * np.resize([1.0, -1.0], 30)   # mean gap exactly 0.02, se ~ 0.028
+    steady = public + 0.02 + rng.normal(0, 0.005, 30)          # se ~ 0.001
+    _cell(tmp_path, "public-only", "public-only", None, float(public.mean()), per_case=public.tolist())
+    _cell(tmp_path, "pate-ae/eps-1", "pate-ae", 1.0, float(noisy.mean()), per_case=noisy.tolist())
+    _cell(tmp_path, "pate-ae/eps-8", "pate-ae", 8.0, float(steady.mean()),
+          per_case=steady.tolist()[:-1] + [None])               # a case with no valid class is skipped
+    lines = {line.split(":")[0]: line for line in verdicts(load_cells(tmp_path)) if line.startswith("ε")}
+    assert "is level with public-only" in lines["ε = 1"] and "within two standard errors" in lines["ε = 1"]
+    assert "it beats public-only" in lines["ε = 8"] and "over 29 test cases" in lines["ε = 8"]
+    diff = steady[:-1] - public[:-1]
+    assert f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(29):.3f}" in lines["ε = 8"]

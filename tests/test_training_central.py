@@ -23,6 +23,7 @@ def _run(tmp_path, monkeypatch, data, *extra):
     results = json.loads(text)
     assert all(key in results for key in SCHEMA)
     assert set(results["dice"]) == DICE
+    assert len(results["dice_per_case"]) > 0 and all(v is None or 0 <= v <= 1 for v in results["dice_per_case"])
     assert (out / "model" / "model.pt").is_file() and (out / "ledger.jsonl").is_file()
     return out, results
 

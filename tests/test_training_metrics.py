@@ -92,3 +92,16 @@ def test_accumulator_equals_one_shot():
 def test_float_predictions_are_rejected():
     with pytest.raises(ValueError, match="argmax"):
         dice_scores(np.zeros((1, 2, 2, 2), np.float32), np.zeros((1, 2, 2, 2), np.int64))
+
+
+def test_case_means_are_each_cases_mean_over_its_valid_classes():
+    from sim.metrics import DiceAccumulator
+
+    truth = np.zeros((3, 4, 4, 4), np.int64)
+    pred = np.zeros_like(truth)
+    truth[0, :2], pred[0, :2] = 1, 1                 # case 0: class 1 perfect; 2, 3 empty in both -> excluded
+    truth[1, :2], pred[1, :1] = 1, 1                 # case 1: class 1 Dice 2*32/(64+32) = 2/3
+    truth[1, 3], pred[1, 3] = 3, 2                   # class 2 predicted where none is: 0; class 3 missed: 0
+    acc = DiceAccumulator().add(pred[:2], truth[:2]).add(pred[2:], truth[2:])   # case 2: all empty
+    means = acc.case_means()
+    assert means[0] == pytest.approx(1.0) and means[1] == pytest.approx((2 / 3 + 0 + 0) / 3) and means[2] is None

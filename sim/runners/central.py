@@ -100,7 +100,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     from sim.io import atomic_save_torch, atomic_write_bytes, atomic_write_json
     from sim.networks import build_unet, network_config
     from sim.presets import get_preset
-    from sim.training import TrainConfig, evaluate_segmentation, train_segmentation
+    from sim.training import TrainConfig, evaluate_segmentation_per_case, train_segmentation
 
     started = time.perf_counter()
     if method not in METHODS:
@@ -151,7 +151,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
 
     result = train_segmentation(model, world["train_images"], world["train_labels"], train_config, dp=dp,
                                 guard=guard, owners=(OWNER,), validation=world["validation"])
-    dice = evaluate_segmentation(result.model, world["test_images"], world["test_labels"])
+    dice, dice_per_case = evaluate_segmentation_per_case(result.model, world["test_images"], world["test_labels"])
 
     atomic_save_torch(out / "model" / "model.pt", {"model": result.model.state_dict(), "network_config": net_cfg,
                                                    "preset": p.name, "grid": list(p.grid), "method": METHODS[method]})
@@ -167,6 +167,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     results = {
         "method": METHODS[method],
         "dice": dice,
+        "dice_per_case": dice_per_case,
         "epsilon": float(spent.epsilon) if spent else None,
         "epsilon_budget": epsilon if private else None,
         "delta": delta if private else None,

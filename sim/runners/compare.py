@@ -146,7 +146,7 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     from sim.bundle import preprocessing_of, privacy_card, save_bundle
     from sim.networks import network_config
     from sim.runners.inprocess import build_world
-    from sim.training import evaluate_segmentation
+    from sim.training import evaluate_segmentation_per_case
     from sim.world import load_world
 
     started = time.perf_counter()
@@ -157,14 +157,14 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     init = {k: v.clone() for k, v in public_model.state_dict().items()}
     model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
                                checkpoint=shared_dir / "public-only.pt")
-    dice = evaluate_segmentation(model, world.test_images, world.test_labels)
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
     out.mkdir(parents=True, exist_ok=True)
     card = privacy_card(method="public-only", ledger_path=None, delta=None, epsilon_budget=None, relation=None,
                         accountant=None, teachers=None, hospitals=None, data_source=world.source,
                         extra={"note": "trained on public reference data only: no private data, no privacy cost"})
     save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
     (out / "ledger.jsonl").touch()
-    results = {"method": "public-only", "dice": dice, "epsilon": None, "epsilon_budget": None, "delta": None,
+    results = {"method": "public-only", "dice": dice, "dice_per_case": dice_per_case, "epsilon": None, "epsilon_budget": None, "delta": None,
                "relation": None, "accountant": None, "teachers": None, "hospitals": None, "queries": None,
                "sigma": None, "teacher_dice_mean": None, "ensemble_dice_mean": None,
                "bytes_up_per_query_per_teacher": None, "wall_seconds": round(time.perf_counter() - started, 2),
