@@ -53,8 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--qtim", required=True, type=Path, help=".../qtim_tools/test_data/test_data_features")
     parser.add_argument("--colin", required=True, type=Path, help="folder with ch2.nii.gz and ch2bet.nii.gz")
-    parser.add_argument("--train", required=True, type=Path, help="prepared phantom cache (32^3) to train on, "
-                        "e.g. bench_domain_gap.py's OUT/prepared")
+    parser.add_argument("--train", required=True, type=Path, action="append",
+                        help="prepared phantom cache (32^3) to train on, e.g. bench_domain_gap.py's OUT/prepared; "
+                             "repeat to train on several (e.g. shifted regimes too)")
     parser.add_argument("--out", default="runs/real-scan-check", type=Path)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--augment", default="domain")
@@ -71,10 +72,11 @@ def main() -> None:
 
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
-    prepared = PreparedDataset.open(args.train)
+    caches = [PreparedDataset.open(path) for path in args.train]
+    images = np.concatenate([c.images()[:, 2:3] for c in caches])                   # t1gd only
+    labels = np.concatenate([c.labels() for c in caches])
     torch.manual_seed(0)
-    model = train_segmentation(build_unet_from_config(network_config("small", in_channels=1)),
-                               prepared.images()[:, 2:3], prepared.labels(),           # t1gd only
+    model = train_segmentation(build_unet_from_config(network_config("small", in_channels=1)), images, labels,
                                TrainConfig(epochs=args.epochs, batch_size=2, learning_rate=2e-3, seed=0,
                                            augment=args.augment, progress=True)).model.eval()
     report = {}
