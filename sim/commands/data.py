@@ -10,6 +10,8 @@ import time
 
 
 def register(subparsers) -> None:
+    from sim.data.shifts import SHIFT_HELP
+
     parser = subparsers.add_parser("data", help="generate, inspect, preprocess and draw MSD-layout tumour data",
                                    description=__doc__)
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION")
@@ -24,8 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--test-cases", type=int, default=0, help="unlabelled cases in imagesTs (default: 0)")
     p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
     p.add_argument("--shift", default="none",
-                   help="held-out regime for measuring generalisation: none (training distribution), scanner, "
-                        "contrast, lesions, skull or all (docs/GENERALISATION.md)")
+                   help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "
+                        + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items()))
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_phantoms)
 

@@ -35,7 +35,7 @@ import gzip
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,22 +44,12 @@ from scipy import ndimage
 
 from sim.data.errors import DataError
 from sim.data.msd import LABELS, MODALITIES
+from sim.data.shifts import SHIFT_PARTS, SHIFTS
 # aliased: ensure_phantoms has a parameter named cache_root
 from sim.io import atomic_write_bytes, atomic_write_json, cache_root as default_cache_root
 
 GENERATOR_VERSION = "2"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
 
-# Held-out regimes for measuring the phantom-to-real gap; "none" is the training distribution.
-SHIFT_PARTS = ("scanner", "contrast", "lesions", "skull")
-SHIFTS = ("none", *SHIFT_PARTS, "all")
-SHIFT_HELP = {
-    "none": "the training distribution",
-    "scanner": "bias field, noise, blur and gamma beyond every training site's range",
-    "contrast": "tissue intensities jittered 3x more per case and channel (orders may flip)",
-    "lesions": "a smaller primary tumour plus 1-2 satellite lesions (multifocal)",
-    "skull": "imperfect skull stripping: a patchy rim of dura/fat/bone left around the brain",
-    "all": "every shift at once",
-}
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
 
@@ -379,11 +369,16 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     fade = np.ones(shape, np.float32)
     fade[box] = 1.0 - 0.45 * np.clip(f_edema, 0.0, 1.0) ** 2
     weights["edema"] *= fade
+    _cap_tumour_weights(weights)
+    return label, weights, core_kind
+
+
+def _cap_tumour_weights(weights: dict[str, np.ndarray]) -> None:
+    """Rescale (in place) wherever the tumour classes' partial volumes sum past 1, so healthy tissue >= 0."""
     total = weights["edema"] + weights["core"] + weights["enhancing"]
     over = total > 1.0
     for w in weights.values():
         w[over] /= total[over]
-    return label, weights, core_kind
 
 
 def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[str, np.ndarray], p: np.ndarray,
@@ -403,10 +398,7 @@ def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[s
         label[free] = extra_label[free]
         for name in weights:
             weights[name] += extra_weights[name]
-    total = weights["edema"] + weights["core"] + weights["enhancing"]
-    over = total > 1.0
-    for w in weights.values():
-        w[over] /= total[over]
+    _cap_tumour_weights(weights)
 
 
 def _skull_residue(rng: np.random.Generator, image: np.ndarray, brain: np.ndarray, res: float) -> np.ndarray:
@@ -427,8 +419,6 @@ def _skull_residue(rng: np.random.Generator, image: np.ndarray, brain: np.ndarra
 
 def _shifted_scanner(rng: np.random.Generator, profile: ScannerProfile) -> ScannerProfile:
     """Shift "scanner": bias, noise and blur beyond every training site's range; gamma and gains wider."""
-    from dataclasses import replace
-
     return replace(profile,
                    bias_strength=float(rng.uniform(0.4, 0.6)),      # training sites: 0.05-0.3 (x0.8-1.2)
                    noise=float(rng.uniform(0.08, 0.12)),            # training sites: 0.01-0.06
