@@ -108,7 +108,13 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
         probs = torch.softmax(logits, dim=1)[0].cpu().numpy()
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
     # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
-    return np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
+    labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
+    # Tumour lies inside the brain: MSD/BraTS scans are skull-stripped with zero background, and the reader
+    # defines the brain as the voxels where any channel is non-zero (as preprocessing does). Without this the
+    # coarse grid's smooth probabilities spill into the background at the brain's edge (on Slicer's real
+    # scans, 40 ml of "tumour" outside the brain mask; docs/GENERALISATION.md).
+    labels[~np.any(data != 0, axis=-1)] = 0
+    return labels
 
 
 def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: str | Path,

@@ -152,3 +152,52 @@ def test_unknown_shift_is_a_one_line_error(tmp_path):
     assert SHIFTS[0] == "none" and "all" in SHIFTS
     with pytest.raises(DataError, match="--shift=warp: expected one of none"):
         generate_phantoms(tmp_path / "x", cases=1, institutions=1, seed=0, shift="warp", progress=False)
+
+
+def test_enhancement_strength_varies_per_case_and_is_rendered(sample_cases):
+    """v3: the T1-Gd brightness of enhancing tumour relative to white matter is drawn per case over a wide
+    range (ENHANCEMENT_RATIO), and the rendered images follow the drawn ratio."""
+    from sim.data.phantoms import ENHANCEMENT_RATIO
+
+    drawn, rendered = [], []
+    for case in sample_cases:
+        image, label = case.image.astype(np.float64), case.label
+        wm = (case.tissue["wm"] > 0.8) & (label == 0)
+        core = (label == 3) & (np.asarray(case.tissue["mask"]) > 0.9)
+        drawn.append(case.info["enhancement_ratio"])
+        rendered.append(image[..., T1GD][core].mean() / image[..., T1GD][wm].mean())
+        assert ENHANCEMENT_RATIO[0] <= drawn[-1] <= ENHANCEMENT_RATIO[1]
+    assert max(drawn) / min(drawn) > 1.3                           # wide, not a constant
+    assert np.corrcoef(drawn, rendered)[0, 1] > 0.7, (drawn, rendered)
+
+
+def test_solidly_enhancing_cores_are_mostly_enhancing():
+    cases = [make_case(3, i, 2, 3.0) for i in range(16)]
+    share = {True: [], False: []}
+    for case in cases:
+        counts = np.bincount(case.label.ravel(), minlength=4)
+        share[case.info["solid_enhancing"]].append(counts[3] / (counts[2] + counts[3]))
+    assert share[True] and share[False], share                    # both patterns occur
+    assert min(share[True]) > 0.6 and np.mean(share[True]) > np.mean(share[False]) + 0.15, share
+
+
+def test_healthy_tissue_enhances_too_vessels_and_choroid_plexus(sample_cases):
+    """v3: bright-on-T1-Gd structures that are not tumour (label 0), so brightness alone is not tumour."""
+    from sim.data.phantoms import _enhancing_structures
+
+    rng = np.random.default_rng(0)
+    case = sample_cases[0]
+    brain = case.tissue["mask"] > 0.5
+    weight = _enhancing_structures(rng, 4.0, case.tissue, brain, case.label)
+    assert weight.max() == pytest.approx(1.0) and 0.002 < (weight > 0.5)[brain].mean() < 0.08
+    assert not weight[case.label > 0].any() and not weight[~brain].any()
+    # in the rendered images: the structures are brighter on T1-Gd than white matter, and darker on T2 than
+    # grey matter (flow), in every case
+    for case in sample_cases:
+        image, label = case.image.astype(np.float64), case.label
+        wm = (case.tissue["wm"] > 0.8) & (label == 0) & (case.tissue["vessels"] == 0)
+        gm = (case.tissue["gm"] > 0.7) & (label == 0) & (case.tissue["vessels"] == 0)
+        vessels = (case.tissue["vessels"] > 0.9) & (case.tissue["mask"] > 0.9)
+        assert vessels.sum() >= 5, case.info
+        assert image[..., T1GD][vessels].mean() > 1.05 * image[..., T1GD][wm].mean(), case.info
+        assert image[..., T2][vessels].mean() < image[..., T2][gm].mean(), case.info

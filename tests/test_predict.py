@@ -180,3 +180,25 @@ def test_bundles_from_before_antialiasing_repeat_their_preprocessing(trained_run
     del bundle["preprocessing"]["config"]["antialias"]
     (old / "model" / "bundle.json").write_text(json.dumps(bundle))
     assert _bundle_model(old, "cpu")[1].antialias is False
+
+
+def test_no_tumour_is_predicted_outside_the_brain(tiny_phantoms):
+    """segment_scan keeps labels inside the brain (voxels where any channel is non-zero), even for a network
+    that calls every voxel of its working grid enhancing tumour."""
+    import torch
+
+    from sim.data.msd import load_case, read_msd
+    from sim.data.preprocess import PreprocessConfig
+    from sim.predict import segment_scan
+
+    class EverythingEnhancing(torch.nn.Module):
+        def forward(self, x):
+            logits = torch.zeros((x.shape[0], 4, *x.shape[2:]))
+            logits[:, 3] = 10.0
+            return logits
+
+    image, _, affine = load_case(read_msd(tiny_phantoms).training[0])
+    labels = segment_scan(EverythingEnhancing(), PreprocessConfig(grid=(16, 16, 16)), image, affine)
+    brain = np.any(image != 0, axis=-1)
+    assert labels.shape == brain.shape and 0 < brain.mean() < 1
+    assert (labels[brain] == 3).all() and not labels[~brain].any()

@@ -12,10 +12,14 @@ Billot et al. 2023), so that a model trained on phantoms has a chance on real sk
 * Tumour: centred in white matter at a random depth; irregular shapes from smooth noise perturbing an
   anisotropic distance, often with a second lobe; labels 1 oedema (finger-like: it spreads along white
   matter, retreats from cortex and spares CSF) around a core whose outer shell is enhancing (3) around a
-  necrotic or solid non-enhancing centre (2); optional mass effect pushes tissue out.
+  necrotic or solid non-enhancing centre (2); a third of cores enhance solidly around a small focus, and
+  one lesion in five has little oedema; optional mass effect pushes tissue out.
 * Contrasts: per-class mean intensities per sequence (FLAIR: oedema bright, CSF dark; T2: oedema and CSF
-  bright; T1: WM > GM > CSF, core dark; T1-Gd: enhancing rim bright), randomised per case and per channel
-  (class means, gamma, scale) in ranges that keep these contrast directions.
+  bright; T1: WM > GM > CSF, core dark; T1-Gd: enhancing tissue bright), randomised per case and per
+  channel (class means, grey/white and CSF contrast, gamma, scale) in ranges that keep these directions.
+  How much brighter enhancing tissue is than white matter on T1-Gd is drawn per case over 1.12-2x, and
+  healthy structures enhance too (vessels near the surface, choroid plexus), so brightness alone is not
+  tumour. These came from the real-scan check (benchmarks/real_scan_check, docs/GENERALISATION.md).
 * Scanner: per-institution profiles (intensity scale, gamma, bias-field strength, noise level, blur) spread
   over their ranges so sites measurably differ; Rician noise; skull-stripped (background exactly 0).
 
@@ -48,7 +52,9 @@ from sim.data.shifts import SHIFT_PARTS, SHIFTS
 # aliased: ensure_phantoms has a parameter named cache_root
 from sim.io import atomic_write_bytes, atomic_write_json, cache_root as default_cache_root
 
-GENERATOR_VERSION = "2"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+GENERATOR_VERSION = "3"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+                          # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
+                          #    lesions, enhancing healthy structures (vessels, choroid plexus)
 
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
@@ -64,8 +70,20 @@ CONTRAST = {
     "edema":     (0.95, 0.52, 0.54, 0.85),
     "necrotic":  (0.55, 0.28, 0.32, 0.95),   # fluid-filled centre: FLAIR partly suppressed, T2 bright
     "solid":     (0.82, 0.45, 0.50, 0.72),   # non-enhancing solid tumour
-    "enhancing": (0.75, 0.55, 1.40, 0.70),   # gadolinium uptake: bright on T1-Gd only
+    "enhancing": (0.75, 0.55, 1.40, 0.70),   # gadolinium uptake: bright on T1-Gd only (T1-Gd: see below)
+    "vessel":    (0.35, 0.50, 1.30, 0.40),   # vessels, choroid plexus: enhance too; darker on T2/FLAIR (flow)
 }
+# T1-Gd brightness of enhancing tissue (tumour and healthy) relative to this case's white matter, log-uniform.
+# Why so wide: enhancement depends on dose, timing and lesion; 3D Slicer's MRBrainTumor1/2 lesions sit at
+# z 1.6-2.1 after per-scan normalisation where generator v2 (fixed ratio 1.8) put them at z 2.1-4.2, and a
+# v2-trained model missed them entirely (docs/GENERALISATION.md). The floor keeps "enhancing > white matter".
+ENHANCEMENT_RATIO = (1.12, 2.0)
+VESSEL_RATIO = (1.1, 1.9)
+# Per case and channel, the grey-white and the CSF-grey differences are scaled by these factors (log-uniform):
+# healthy contrast differs by sequence and scanner. The Slicer T1-Gd scans have little grey/white contrast
+# (their brain's 10-90% range is z -0.55..0.6 where v2 phantoms, with a fixed 1.3 ratio, had -1..1).
+GREY_WHITE_CONTRAST = (0.15, 1.1)
+CSF_CONTRAST = (0.3, 1.1)
 
 
 @dataclass(frozen=True)
@@ -203,7 +221,7 @@ class PhantomCase:
     affine: np.ndarray     # (4, 4)
     institution: str
     info: dict
-    tissue: dict | None = None   # deformed tissue probability maps (gm, wm, csf, mask): for tests and studies
+    tissue: dict | None = None   # deformed tissue maps (gm, wm, csf, mask, vessels): for tests and studies
 
 
 def shift_parts(shift: str) -> frozenset[str]:
@@ -275,20 +293,32 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
               for name in ("gm", "wm", "csf", "mask")}
     brain = tissue["mask"] > 0.5
 
-    label, tumour_weights, core_kind = _tumour(rng, shape, p, r_edema * (0.6 if "lesions" in parts else 1.0),
+    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, r_edema * (0.6 if "lesions" in parts else 1.0),
                                                res, tissue, brain)
     if "lesions" in parts:
-        _add_satellites(shift_rng, label, tumour_weights, p, res, tissue, brain)
+        _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain)
+
+    vessels = _enhancing_structures(rng, res, tissue, brain, label)
 
     # --- intensities: class means randomised per case and channel (directions preserved)
     image = np.zeros((4, *shape), np.float32)
     tumour_total = sum(tumour_weights.values())
     healthy = 1.0 - tumour_total
     texture = 1.0 + 0.04 * smooth_field(rng, shape, (9, 11, 9), count=1)[0]
+    enhancement = _log_uniform(rng, *ENHANCEMENT_RATIO)
+    vessel_enhancement = _log_uniform(rng, *VESSEL_RATIO)
     for c in range(4):
         jitter = 0.21 if "contrast" in parts else 0.07     # log-std of each class mean per case and channel
         means = {name: CONTRAST[name][c] * float(np.exp(jitter * rng.normal(0.0, 1.0))) for name in CONTRAST}
-        channel = (tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]) * healthy
+        # grey/white and CSF/grey contrasts scaled separately (order kept): real sequences differ in how far
+        # apart the healthy tissues sit, and z-scoring removes only a common scale, not their ratio
+        means["wm"] = means["gm"] + _log_uniform(rng, *GREY_WHITE_CONTRAST) * (means["wm"] - means["gm"])
+        means["csf"] = means["gm"] + _log_uniform(rng, *CSF_CONTRAST) * (means["csf"] - means["gm"])
+        if MODALITIES[c] == "t1gd":   # enhancement is set against this case's brightest parenchyma
+            means["enhancing"] = max(means["wm"], means["gm"]) * enhancement
+            means["vessel"] = max(means["wm"], means["gm"]) * vessel_enhancement
+        parenchyma = tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]
+        channel = (parenchyma * (1.0 - vessels) + vessels * means["vessel"]) * healthy
         for name, weight in tumour_weights.items():
             channel += weight * means[core_kind if name == "core" else name]
         image[c] = channel * texture
@@ -306,16 +336,21 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     label[~brain] = 0
     volume = image
     info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
+            "solid_enhancing": bool(solid_enhancing), "enhancement_ratio": round(enhancement, 3),
             "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
     return PhantomCase(image=volume, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
-                       info=info, tissue=tissue)
+                       info=info, tissue={**tissue, "vessels": vessels})
 
 
 def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
             tissue: dict[str, np.ndarray], brain: np.ndarray):
     """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights."""
     rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
-    r_core = max(r_edema * rng.uniform(0.45, 0.75), rim + 1.6 * res)
+    # one lesion in five has little oedema (a thin rim): enhancing masses are not always wrapped in oedema
+    core_share = rng.uniform(0.8, 0.92) if rng.random() < 0.2 else rng.uniform(0.45, 0.75)
+    r_core = max(r_edema * core_share, rim + 1.6 * res)
+    # a third of cores enhance solidly around a small non-enhancing focus; the rest are rim-enhancing
+    solid_enhancing = rng.random() < 0.35
     r_edema = max(r_edema, r_core + 2.5 * res)
     # the box holds the largest extent the clipped noise, the white-matter pull and a second lobe allow:
     # f_edema < 1 needs dist < 1.825 r_edema, so |u| < 0.675 r + 0.8 x 1.825 r < 2.14 r; x stretch 1.3 < 2.8 r
@@ -344,7 +379,10 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     f_edema = dist / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
     # vasogenic oedema spreads along white-matter tracts and stops at the cortex (it rarely enters grey matter)
     f_edema = f_edema - rng.uniform(0.1, 0.3) * (tissue["wm"][box] - 0.5)
-    inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])                 # variable shell thickness
+    if solid_enhancing:
+        inner = rng.uniform(0.2, 0.4) * (1.0 + 0.3 * noise[2])            # small necrotic/solid focus
+    else:
+        inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])             # variable shell thickness
 
     in_brain = brain[box]
     spared = tissue["csf"][box] > 0.6                                    # oedema does not fill ventricles
@@ -370,7 +408,36 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     fade[box] = 1.0 - 0.45 * np.clip(f_edema, 0.0, 1.0) ** 2
     weights["edema"] *= fade
     _cap_tumour_weights(weights)
-    return label, weights, core_kind
+    return label, weights, core_kind, solid_enhancing
+
+
+def _log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
+    return float(np.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str, np.ndarray], brain: np.ndarray,
+                          label: np.ndarray) -> np.ndarray:
+    """Partial-volume weight (0..1, label-0 voxels only) of healthy tissue that enhances on T1-Gd.
+
+    Why: in v2 only tumour was bright on T1-Gd, so "bright" alone meant "tumour", and on real scans a
+    phantom-trained model marked enhancing non-tumour tissue. Two structures, both labelled background:
+    cortical and sulcal vessels -- curves where the zero level sets of two smooth random fields cross, kept
+    within 20 mm of the brain surface -- and, in most cases, choroid plexus: smooth blobs inside the ventricles.
+    """
+    shape = label.shape
+    controls = tuple(max(4, int(round(n * res / 16.0))) for n in shape)   # ~16 mm between control points
+    fields = smooth_field(rng, shape, controls, count=3)
+    width = rng.uniform(0.05, 0.1) * max(1.0, res / 2.0) ** 0.5          # tube radius ~ one voxel or more
+    depth = ndimage.distance_transform_edt(brain) * res
+    vessels = (np.abs(fields[0]) < width) & (np.abs(fields[1]) < width) & (depth < 20.0)
+    if rng.random() < 0.7:
+        ventricles = (tissue["csf"] > 0.6) & (depth > 25.0)
+        vessels |= ventricles & (fields[2] > rng.uniform(0.3, 0.9))
+    weight = ndimage.gaussian_filter(vessels.astype(np.float32), 0.5)
+    weight = np.clip(weight / max(float(weight.max()), 1e-6) * 1.5, 0.0, 1.0)
+    weight[label > 0] = 0.0
+    weight[~brain] = 0.0
+    return weight
 
 
 def _cap_tumour_weights(weights: dict[str, np.ndarray]) -> None:
@@ -381,19 +448,22 @@ def _cap_tumour_weights(weights: dict[str, np.ndarray]) -> None:
         w[over] /= total[over]
 
 
-def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[str, np.ndarray], p: np.ndarray,
-                    res: float, tissue: dict[str, np.ndarray], brain: np.ndarray) -> None:
+def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[str, np.ndarray], res: float,
+                    tissue: dict[str, np.ndarray], brain: np.ndarray) -> None:
     """Shift "lesions": add 1-2 small satellite tumours in white matter away from the primary (in place)."""
     shape = label.shape
     depth = ndimage.distance_transform_edt(brain) * res
-    candidates = np.argwhere((tissue["wm"] > 0.5) & (depth > 12.0) & (label == 0))
     for _ in range(int(rng.integers(1, 3))):
+        radius = rng.uniform(7.0, 12.0)
+        # far enough from every lesion so far that the satellite's oedema (< ~2.2 radii) stays separate
+        clearance = ndimage.distance_transform_edt(label == 0) * res
+        candidates = np.argwhere((tissue["wm"] > 0.5) & (depth > 12.0) & (clearance > 2.2 * radius + res))
         if len(candidates) == 0:
-            return
-        far = np.linalg.norm((candidates - p) * res, axis=1) > 25.0
-        pool = candidates[far] if far.any() else candidates
-        centre = pool[int(rng.integers(len(pool)))].astype(np.float32)
-        extra_label, extra_weights, _ = _tumour(rng, shape, centre, rng.uniform(7.0, 12.0), res, tissue, brain)
+            candidates = np.argwhere((tissue["wm"] > 0.5) & (depth > 12.0) & (label == 0))
+            if len(candidates) == 0:
+                return
+        centre = candidates[int(rng.integers(len(candidates)))].astype(np.float32)
+        extra_label, extra_weights, _, _ = _tumour(rng, shape, centre, radius, res, tissue, brain)
         free = (label == 0) & (extra_label > 0)
         label[free] = extra_label[free]
         for name in weights:
