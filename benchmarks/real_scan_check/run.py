@@ -119,7 +119,7 @@ def skull_strip(scan):
     smooth = ndimage.gaussian_filter(data, 1.0)
     tissue = candidate & (smooth > 0.5 * _otsu(smooth[candidate]))
     ball = _ball(4.0, zooms)
-    parts, count = ndimage.label(ndimage.binary_erosion(tissue, ball))
+    parts, _ = ndimage.label(ndimage.binary_erosion(tissue, ball))
     largest = parts == (np.argmax(np.bincount(parts.ravel())[1:]) + 1)
     brain = ndimage.binary_fill_holes(ndimage.binary_dilation(largest, ball) & candidate)
     for z in range(brain.shape[2]):            # ventricles can open to the outside in 3D: fill per slice too

@@ -84,6 +84,8 @@ VESSEL_RATIO = (1.1, 1.9)
 # (their brain's 10-90% range is z -0.55..0.6 where v2 phantoms, with a fixed 1.3 ratio, had -1..1).
 GREY_WHITE_CONTRAST = (0.15, 1.1)
 CSF_CONTRAST = (0.3, 1.1)
+SOLID_ENHANCING_SHARE = 0.35   # cores that enhance throughout, around a small focus (rim-enhancing otherwise)
+LITTLE_OEDEMA_SHARE = 0.2      # lesions whose oedema is a thin rim (core radius 0.8-0.92 of the oedema's)
 
 
 @dataclass(frozen=True)
@@ -347,10 +349,10 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights."""
     rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
     # one lesion in five has little oedema (a thin rim): enhancing masses are not always wrapped in oedema
-    core_share = rng.uniform(0.8, 0.92) if rng.random() < 0.2 else rng.uniform(0.45, 0.75)
+    core_share = rng.uniform(0.8, 0.92) if rng.random() < LITTLE_OEDEMA_SHARE else rng.uniform(0.45, 0.75)
     r_core = max(r_edema * core_share, rim + 1.6 * res)
     # a third of cores enhance solidly around a small non-enhancing focus; the rest are rim-enhancing
-    solid_enhancing = rng.random() < 0.35
+    solid_enhancing = rng.random() < SOLID_ENHANCING_SHARE
     r_edema = max(r_edema, r_core + 2.5 * res)
     # the box holds the largest extent the clipped noise, the white-matter pull and a second lobe allow:
     # f_edema < 1 needs dist < 1.825 r_edema, so |u| < 0.675 r + 0.8 x 1.825 r < 2.14 r; x stretch 1.3 < 2.8 r
