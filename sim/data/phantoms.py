@@ -71,7 +71,8 @@ CONTRAST = {
     "necrotic":  (0.55, 0.28, 0.32, 0.95),   # fluid-filled centre: FLAIR partly suppressed, T2 bright
     "solid":     (0.82, 0.45, 0.50, 0.72),   # non-enhancing solid tumour
     "enhancing": (0.75, 0.55, 1.40, 0.70),   # gadolinium uptake: bright on T1-Gd only (T1-Gd: see below)
-    "vessel":    (0.35, 0.50, 1.30, 0.40),   # vessels, choroid plexus: enhance too; darker on T2/FLAIR (flow)
+    "vessel":    (0.35, 0.50, 1.30, 0.40),   # vessels, choroid plexus: enhance too (T1-Gd: VESSEL_RATIO);
+                                             # darker on T2/FLAIR (flow)
 }
 # T1-Gd brightness of enhancing tissue (tumour and healthy) relative to this case's white matter, log-uniform.
 # Why so wide: enhancement depends on dose, timing and lesion; 3D Slicer's MRBrainTumor1/2 lesions sit at
@@ -295,8 +296,8 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
               for name in ("gm", "wm", "csf", "mask")}
     brain = tissue["mask"] > 0.5
 
-    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, r_edema * (0.6 if "lesions" in parts else 1.0),
-                                               res, tissue, brain)
+    primary_radius = r_edema * (0.6 if "lesions" in parts else 1.0)
+    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
     if "lesions" in parts:
         _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain)
 
