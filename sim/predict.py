@@ -111,8 +111,8 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
     labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
     # Tumour lies inside the brain: MSD/BraTS scans are skull-stripped with zero background, and the reader
     # defines the brain as the voxels where any channel is non-zero (as preprocessing does). Without this the
-    # coarse grid's smooth probabilities spill into the background at the brain's edge (on Slicer's real
-    # scans, 40 ml of "tumour" outside the brain mask; docs/GENERALISATION.md).
+    # coarse grid's smooth probabilities spill into the zero background at the brain's edge (about 2 ml per
+    # scan on Slicer's real scans; docs/GENERALISATION.md).
     labels[~np.any(data != 0, axis=-1)] = 0
     return labels
 
