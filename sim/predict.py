@@ -98,7 +98,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
     import torch
     from monai.inferers import sliding_window_inference
 
-    from sim.data.preprocess import invert_probs, preprocess_case
+    from sim.data.preprocess import brain_mask, invert_probs, preprocess_case
 
     image_grid, _, record = preprocess_case(data, None, affine, config)
     with torch.no_grad():
@@ -109,11 +109,11 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
     # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
     labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
-    # Tumour lies inside the brain: MSD/BraTS scans are skull-stripped with zero background, and the reader
-    # defines the brain as the voxels where any channel is non-zero (as preprocessing does). Without this the
-    # coarse grid's smooth probabilities spill into the zero background at the brain's edge (about 2 ml per
+    # Tumour lies inside the brain: MSD/BraTS scans are skull-stripped with zero background, and the brain is
+    # the voxels where any channel is non-zero (brain_mask, as preprocessing crops and normalises). Without this
+    # rule the coarse grid's smooth probabilities spill into the zero background at the brain's edge (about 2 ml per
     # scan on Slicer's real scans; docs/GENERALISATION.md).
-    labels[~np.any(data != 0, axis=-1)] = 0
+    labels[~brain_mask(data)] = 0
     return labels
 
 

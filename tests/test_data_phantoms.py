@@ -183,12 +183,15 @@ def test_solidly_enhancing_cores_are_mostly_enhancing():
 
 def test_healthy_tissue_enhances_too_vessels_and_choroid_plexus(sample_cases):
     """v3: bright-on-T1-Gd structures that are not tumour (label 0), so brightness alone is not tumour."""
+    from scipy import ndimage
+
     from sim.data.phantoms import _enhancing_structures
 
     rng = np.random.default_rng(0)
     case = sample_cases[0]
     brain = case.tissue["mask"] > 0.5
-    weight = _enhancing_structures(rng, 4.0, case.tissue, brain, case.label)
+    depth = ndimage.distance_transform_edt(brain) * 4.0
+    weight = _enhancing_structures(rng, 4.0, case.tissue, depth, case.label)
     assert weight.max() == pytest.approx(1.0) and 0.002 < (weight > 0.5)[brain].mean() < 0.08
     assert not weight[case.label > 0].any() and not weight[~brain].any()
     # in the rendered images: the structures are brighter on T1-Gd than white matter, and darker on T2 than

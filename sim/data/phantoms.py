@@ -298,10 +298,11 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
 
     primary_radius = r_edema * (0.6 if "lesions" in parts else 1.0)
     label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
+    depth = ndimage.distance_transform_edt(brain) * res                  # mm inside the brain
     if "lesions" in parts:
-        _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain)
+        _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain, depth)
 
-    vessels = _enhancing_structures(rng, res, tissue, brain, label)
+    vessels = _enhancing_structures(rng, res, tissue, depth, label)
 
     # --- intensities: class means randomised per case and channel (directions preserved)
     image = np.zeros((4, *shape), np.float32)
@@ -418,7 +419,7 @@ def _log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
     return float(np.exp(rng.uniform(math.log(low), math.log(high))))
 
 
-def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str, np.ndarray], brain: np.ndarray,
+def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str, np.ndarray], depth: np.ndarray,
                           label: np.ndarray) -> np.ndarray:
     """Partial-volume weight (0..1, label-0 voxels only) of healthy tissue that enhances on T1-Gd.
 
@@ -431,7 +432,6 @@ def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str
     controls = tuple(max(4, int(round(n * res / 16.0))) for n in shape)   # ~16 mm between control points
     fields = smooth_field(rng, shape, controls, count=3)
     width = rng.uniform(0.05, 0.1) * max(1.0, res / 2.0) ** 0.5          # tube radius ~ one voxel or more
-    depth = ndimage.distance_transform_edt(brain) * res
     vessels = (np.abs(fields[0]) < width) & (np.abs(fields[1]) < width) & (depth < 20.0)
     if rng.random() < 0.7:
         ventricles = (tissue["csf"] > 0.6) & (depth > 25.0)
@@ -439,7 +439,7 @@ def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str
     weight = ndimage.gaussian_filter(vessels.astype(np.float32), 0.5)
     weight = np.clip(weight / max(float(weight.max()), 1e-6) * 1.5, 0.0, 1.0)
     weight[label > 0] = 0.0
-    weight[~brain] = 0.0
+    weight[depth == 0] = 0.0                                             # outside the brain
     return weight
 
 
@@ -452,10 +452,9 @@ def _cap_tumour_weights(weights: dict[str, np.ndarray]) -> None:
 
 
 def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[str, np.ndarray], res: float,
-                    tissue: dict[str, np.ndarray], brain: np.ndarray) -> None:
+                    tissue: dict[str, np.ndarray], brain: np.ndarray, depth: np.ndarray) -> None:
     """Shift "lesions": add 1-2 small satellite tumours in white matter away from the primary (in place)."""
     shape = label.shape
-    depth = ndimage.distance_transform_edt(brain) * res
     for _ in range(int(rng.integers(1, 3))):
         radius = rng.uniform(7.0, 12.0)
         # far enough from every lesion so far that the satellite's oedema (< ~2.2 radii) stays separate

@@ -141,9 +141,14 @@ def _smooth_inside(volume: np.ndarray, mask: np.ndarray, sigmas: Sequence[float]
     return out
 
 
+def brain_mask(image: np.ndarray) -> np.ndarray:
+    """The brain of a skull-stripped scan (X, Y, Z, C): voxels non-zero in any channel (MSD/BraTS convention)."""
+    return np.any(image != 0, axis=-1)
+
+
 def brain_bbox(image: np.ndarray, margin: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Bounding box [lo, hi) of voxels non-zero in any channel of ``image`` (X, Y, Z, C), plus ``margin``."""
-    brain = np.any(image != 0, axis=-1)
+    """Bounding box [lo, hi) of :func:`brain_mask` of ``image`` (X, Y, Z, C), plus ``margin``."""
+    brain = brain_mask(image)
     if not brain.any():
         raise DataError("image: empty brain (every voxel is zero); expected a skull-stripped scan")
     lo, hi = [], []
@@ -168,7 +173,7 @@ def preprocess_case(image: np.ndarray, label: np.ndarray | None, affine: np.ndar
     lo, hi = brain_bbox(image, config.margin_voxels)
     box = tuple(slice(l, h) for l, h in zip(lo, hi))
     crop = np.moveaxis(image[box], -1, 0).copy()                        # (C, cx, cy, cz)
-    brain = np.any(crop != 0, axis=0)
+    brain = brain_mask(image[box])
     means, stds = [], []
     for c in range(crop.shape[0]):
         values = crop[c][brain]
