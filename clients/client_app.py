@@ -30,8 +30,8 @@ _CODEC_RECORD = "codec"
 def identify(msg: Message, context: Context) -> Message:
     config, _ = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
-    return Message(make_content({"hospital_id": hospital.hospital_id, "teachers": hospital.num_teachers}),
-                   reply_to=msg)
+    return Message(make_content({"hospital_id": hospital.hospital_id, "teachers": hospital.num_teachers,
+                                 "deployed": hospital.deployed}), reply_to=msg)
 
 
 @app.train()

@@ -24,10 +24,15 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     from privacy.calibration import dpsgd_noise_multiplier
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
+    from privacy.mechanisms import NoiseSource
     from sim.dpsgd import DPConfig, steps_per_epoch
+    from sim.errors import UserError
     from sim.networks import build_unet
     from sim.training import TrainConfig, train_segmentation
 
+    if config.get("reproducible_noise") and hospital.deployed:   # refused before anything is touched
+        raise UserError(f"hospital {hospital.hospital_id}: refuses reproducible (seeded) noise: "
+                        "it is for simulations only")
     preset = hospital.preset
     round_index = int(config["round"])
     rounds = int(config["rounds"])
@@ -43,6 +48,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
     steps = steps_per_epoch(len(case_ids), preset.batch_size)
     noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds)
+    noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id, run_tag)
+             if config.get("reproducible_noise") else NoiseSource())
     ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
     guard = BudgetGuard(ledger, epsilon, delta)
     before = {record["release_id"] for record in ledger.records()}
@@ -54,7 +61,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
                                progress=False, description=f"{hospital.hospital_id} round {round_index}")
     result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
-                                owners=(hospital.hospital_id,))
+                                owners=(hospital.hospital_id,), noise=noise)
     new_records = [record for record in ledger.records() if record["release_id"] not in before]
     spent = ledger.spent(hospital.hospital_id, delta) if len(ledger) else None
     new_weights = {name: value.detach().cpu().numpy() for name, value in result.model.state_dict().items()}

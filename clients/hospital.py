@@ -24,7 +24,7 @@ import numpy as np
 
 class Hospital:
     def __init__(self, hospital_id: str, prepared, partitions, preset, workdir, seed: int = 0,
-                 validation: list | None = None):
+                 validation: list | None = None, deployed: bool = False):
         self.hospital_id = str(hospital_id)
         self.prepared = prepared
         self.partitions = [list(p) for p in partitions]
@@ -32,6 +32,9 @@ class Hospital:
         self.workdir = Path(workdir)
         self.seed = int(seed)
         self.validation = list(validation or [])
+        #: a hospital on its own machine with its own patients (not a simulated node): refuses everything
+        #: meant for simulations only (seeded noise, un-noised diagnostics)
+        self.deployed = bool(deployed)
         self._models: dict[int, Any] = {}
 
     @property

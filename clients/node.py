@@ -76,5 +76,5 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
                                    progress=False)
         partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed)
-        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed)
+        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True)
     return _HOSPITALS[key]

@@ -3,14 +3,24 @@
 Flow everywhere (docs/ARCHITECTURE.md): ``guard.charge(...)`` (ledger written) → add noise → release.
 These classes only add noise; they do not account.
 
-Security note: noise is drawn in floating point (PCG64 when seeded; ``secrets``/os.urandom bits when
-``secure=True``). Floating-point samplers are *not* hardened against Mironov's floating-point attack on
-the Laplace mechanism (CCS 2012) or its Gaussian analogues (Jin et al. 2022, precision-based attacks);
-``secure=True`` only makes the randomness unpredictable, not the sampler exact.
+Where the randomness of a release comes from is a :class:`NoiseSource` (SPEC section 2): by default
+every stream is drawn from the operating system's cryptographically secure generator (``secrets`` /
+``os.urandom``), so nobody can regenerate the noise and subtract it. Seeded, reproducible noise exists
+only for simulations that ask for it explicitly (``--reproducible-noise``); its streams are then derived
+from the seed *and the release's name* through :class:`numpy.random.SeedSequence`, so two releases (two
+cells of a comparison, two queries, two epochs) never share a stream. A reproducible source is not a
+private release: whoever knows the seed can remove the noise; runners never write that seed into an
+artefact.
+
+Security note: noise is drawn in floating point. Floating-point samplers are *not* hardened against
+Mironov's floating-point attack on the Laplace mechanism (CCS 2012) or its Gaussian analogues (Jin et al.
+2022, precision-based attacks); the secure source only makes the randomness unpredictable, not the
+sampler exact.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from typing import Any
@@ -34,6 +44,10 @@ class NoiseGenerator:
 
     def laplace(self, shape: tuple[int, ...], scale: float) -> np.ndarray:
         return self.rng.laplace(0.0, scale, shape)
+
+    def uniform(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Uniform doubles in [0, 1) (Poisson sampling and shuffling of private records)."""
+        return self.rng.random(shape)
 
 
 class SecureNoiseGenerator(NoiseGenerator):
@@ -62,6 +76,10 @@ class SecureNoiseGenerator(NoiseGenerator):
         u = self._uniform_open(size) - 0.5
         return (-scale * np.sign(u) * np.log1p(-2.0 * np.abs(u))).reshape(shape)
 
+    def uniform(self, shape: tuple[int, ...]) -> np.ndarray:
+        size = int(np.prod(shape, dtype=np.int64))
+        return self._uniform_open(size).reshape(shape)
+
 
 def make_generator(seed: int | None, secure: bool = False) -> NoiseGenerator:
     """``NoiseGenerator`` over numpy ``Generator(PCG64(seed))``; ``secure=True`` ⇒ ``secrets``-based source.
@@ -76,6 +94,74 @@ def make_generator(seed: int | None, secure: bool = False) -> NoiseGenerator:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
         raise PrivacyError(f"seed must be a non-negative integer or None, got {seed!r}")
     return NoiseGenerator(np.random.Generator(np.random.PCG64(seed)))
+
+
+def _name_words(name: str) -> list[int]:
+    """A release name as four 32-bit words (sha256 prefix): a SeedSequence spawn key per name."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return [int.from_bytes(digest[i:i + 4], "little") for i in range(0, 16, 4)]
+
+
+class NoiseSource:
+    """Where every noisy release gets its randomness (SPEC section 2): secure unless asked otherwise.
+
+    ``NoiseSource()`` (the default everywhere) hands out :class:`SecureNoiseGenerator` streams: nothing
+    about them can be reproduced. ``NoiseSource.reproducible(seed)`` is for simulations that must repeat
+    exactly; its stream for a name path ``(a, b, ...)`` is ``PCG64(SeedSequence(seed, spawn_key=words of
+    a, b, ...))`` (the ``SeedSequence.spawn`` mechanism keyed by names rather than by call order), so
+    streams of different names are independent and a resumed run draws what it drew before.
+
+    ``child(*names)`` narrows the namespace (a comparison cell, a hospital, a training run);
+    ``generator(*names)`` is the stream of one release. ``describe()`` is what results and model cards
+    may say about the noise -- never the seed.
+    """
+
+    def __init__(self, seed: int | None = None, _path: tuple[str, ...] = ()) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise PrivacyError(f"reproducible noise needs a non-negative integer seed, got {seed!r}")
+        self._seed = None if seed is None else int(seed)
+        self.path = tuple(str(p) for p in _path)
+
+    @classmethod
+    def secure(cls) -> "NoiseSource":
+        return cls(None)
+
+    @classmethod
+    def reproducible(cls, seed: int) -> "NoiseSource":
+        if seed is None:
+            raise PrivacyError("reproducible noise needs a seed")
+        return cls(seed)
+
+    @property
+    def is_reproducible(self) -> bool:
+        return self._seed is not None
+
+    def child(self, *names: Any) -> "NoiseSource":
+        if not names:
+            raise PrivacyError("NoiseSource.child: give at least one name")
+        return NoiseSource(self._seed, self.path + tuple(str(n) for n in names))
+
+    def generator(self, *names: Any) -> NoiseGenerator:
+        """The noise stream of the release named ``names`` under this source's namespace."""
+        if self._seed is None:
+            return SecureNoiseGenerator()
+        path = self.path + tuple(str(n) for n in names)
+        if not path:
+            raise PrivacyError("a reproducible noise stream needs a name (release or run)")
+        key = [word for part in path for word in _name_words(part)]
+        sequence = np.random.SeedSequence(self._seed, spawn_key=key)
+        return NoiseGenerator(np.random.Generator(np.random.PCG64(sequence)))
+
+    def describe(self) -> dict:
+        if self._seed is None:
+            return {"noise": "secure", "noise_source": "operating-system CSPRNG (secrets/os.urandom); "
+                                                        "every release draws its own stream"}
+        return {"noise": "reproducible", "noise_source": "seeded PCG64 per release name (simulation only: "
+                                                          "whoever knows the seed can remove the noise)"}
+
+    def __repr__(self) -> str:
+        kind = "reproducible" if self._seed is not None else "secure"
+        return f"NoiseSource({kind}, path={'/'.join(self.path) or '-'})"
 
 
 def _is_torch(x: Any) -> bool:

@@ -71,8 +71,8 @@ def validate_reply(hospital: str, rows, state: Mapping[str, np.ndarray], latent_
 
 
 def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compressor, guard, release_id: str,
-                    mechanism, note: Mapping | None = None, rejected: dict | None = None,
-                    state: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray | None, int]:
+                    mechanism=None, note: Mapping | None = None, rejected: dict | None = None,
+                    state: Mapping[str, np.ndarray] | None = None, noise=None) -> tuple[np.ndarray | None, int]:
     """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").
 
     ``encodings``: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
@@ -81,10 +81,14 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
     recorded by ``guard.charge`` before the noise is drawn. ``rejected`` (optional dict) collects
     hospital -> reason for replies that failed validation; ``state`` is the codec state the hospitals
     used (default ``compressor.state()``).
+
+    Noise: ``mechanism`` (a ready ``GaussianMechanism``, for tests) or, by default, a Gaussian mechanism on
+    this release's own stream of ``noise`` (a ``privacy.mechanisms.NoiseSource``; secure when None),
+    opened only after the charge.
     """
     from privacy.events import GaussianEvent
 
-    if getattr(mechanism, "sigma", sigma) != sigma:
+    if mechanism is not None and getattr(mechanism, "sigma", sigma) != sigma:
         raise ValueError(f"{release_id}: the mechanism's sigma {mechanism.sigma} differs from the planned {sigma}")
     state = compressor.state() if state is None else state
     latent = int(compressor.latent_dim)
@@ -106,5 +110,9 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
                  note={"teachers": teachers, "hospitals": len(owners), "compressor": compressor.name,
                        "latent_dim": latent, "sensitivity": sensitivity, "sigma": float(sigma), **dict(note or {})})
     clean_mean = np.concatenate(list(accepted.values()), axis=0).mean(axis=0)
+    if mechanism is None:
+        from privacy.mechanisms import GaussianMechanism, NoiseSource
+
+        mechanism = GaussianMechanism(sigma, (noise or NoiseSource()).generator(release_id))
     noisy = mechanism(clean_mean)
     return np.asarray(noisy, dtype=np.float32), teachers

@@ -49,7 +49,8 @@ def mirror_hospital_records(ledger: Ledger, hospital: str, records_json: str) ->
 
 
 def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir: str | Path, seed: int = 0,
-                 rounds: int | None = None, local_epochs: int = 1, progress: bool = True) -> dict[str, Any]:
+                 rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
+                 reproducible_noise: bool = False) -> dict[str, Any]:
     import torch
 
     from sim.bundle import preprocessing_of, privacy_card, save_bundle
@@ -75,7 +76,7 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     for round_index in iterator:
         replies = transport.fedavg_round(weights, {
             "round": round_index, "rounds": rounds, "local_epochs": local_epochs, "epsilon": epsilon,
-            "delta": delta, "seed": seed, "run_tag": run_tag})
+            "delta": delta, "seed": seed, "run_tag": run_tag, "reproducible_noise": bool(reproducible_noise)})
         if not replies:
             history.append({"round": round_index, "hospitals": 0})
             break
@@ -100,7 +101,10 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         "accountant": worst.accountant if worst else None, "teachers": None,
         "hospitals": len(transport.hospital_ids()), "queries": None, "sigma": None,
         "teacher_dice_mean": None, "ensemble_dice_mean": None, "bytes_up_per_query_per_teacher": None,
-        "wall_seconds": round(time.perf_counter() - started, 2), "seed": seed,
+        "wall_seconds": round(time.perf_counter() - started, 2),
+        # the seed drives the hospitals' noise when it is reproducible: then it is never published
+        "seed": None if reproducible_noise else seed,
+        "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: s.epsilon for o, s in zip(owners, spent)},
     }
     card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,

@@ -76,8 +76,13 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
              out_dir, seed: int = 0, calibration: str = "exact", progress: bool = True, soft_labels: bool = True,
              *, pca_mode: str = "public", query_batch: int = 8, diagnostics: bool = True,
              include_reference: bool = True, local_dp: Mapping | None = None,
-             compressor_options: Mapping | None = None, shared_dir: str | Path | None = None) -> dict:
-    """Run PATE end to end and write ``out_dir/results.json`` (SPEC section 10); returns the results."""
+             compressor_options: Mapping | None = None, shared_dir: str | Path | None = None,
+             noise=None) -> dict:
+    """Run PATE end to end and write ``out_dir/results.json`` (SPEC section 10); returns the results.
+
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); each
+    query draws from its own stream named after its release id.
+    """
     import torch
 
     from privacy.calibration import pate_sigma
@@ -85,7 +90,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     from privacy.errors import BudgetExceeded
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
-    from privacy.mechanisms import GaussianMechanism, make_generator
+    from privacy.mechanisms import NoiseSource
     from server.student import train_public_model, train_student
     from sim.errors import UserError
     from sim.io import atomic_write_json
@@ -138,7 +143,7 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         ledger_path.unlink()  # a fresh run: an old ledger would be charged again
     ledger = Ledger(ledger_path)
     guard = BudgetGuard(ledger, float(epsilon), float(delta))
-    mechanism = GaussianMechanism(sigma, make_generator(seed))
+    noise = noise if noise is not None else NoiseSource()
     answered, latents, teachers_seen, rejected = [], [], [], {}
     stopped_early = None
     bar = None
@@ -162,8 +167,9 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
                 rows = np.asarray(rows)
                 per_query[hospital] = rows[:, j, :] if rows.ndim == 3 and rows.shape[1] == len(batch) else rows
             try:
-                noisy, teachers = aggregate_query(per_query, sigma, compressor, guard, f"query-{index}", mechanism,
-                                                  note={"query": int(index)}, rejected=rejected, state=state)
+                noisy, teachers = aggregate_query(per_query, sigma, compressor, guard, f"query-{index}",
+                                                  note={"query": int(index)}, rejected=rejected, state=state,
+                                                  noise=noise)
             except BudgetExceeded as exc:
                 stopped_early = str(exc)
                 break
@@ -222,7 +228,9 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         "teacher_dice_mean": teacher_dice_mean,
         "ensemble_dice_mean": None if ensemble_dice is None else ensemble_dice.get("mean"),
         "bytes_up_per_query_per_teacher": int(compressor.bytes_per_query_per_teacher),
-        "wall_seconds": 0.0, "seed": int(seed),
+        "wall_seconds": 0.0,
+        # with reproducible noise the seed would let anyone regenerate and subtract it: never published
+        "seed": None if noise.is_reproducible else int(seed), **noise.describe(),
         # --- extras ---
         "preset": preset.name, "grid": list(world.grid), "calibration": calibration,
         "queries_planned": queries, "sensitivity": float(sensitivity),

@@ -19,7 +19,9 @@ from server.dpfedavg import run_dpfedavg
 from server.pate import run_pate
 from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
+from sim.errors import UserError
 from sim.runners.flower_transport import FlowerTransport
+from sim.runners.simulation import cell_noise_names
 from sim.runners.world_setup import materialise_world, open_world
 from sim.world import load_world
 
@@ -38,23 +40,34 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
                      "preset_overrides": {"hospitals": preset.hospitals,
                                           "teachers_per_hospital": preset.teachers_per_hospital}})
     hospitals.connect()
+    refuse_seeded_noise_in_deployment(settings, hospitals.deployed)
 
     results = []
     for cell in plan_cells(settings):
+        noise = settings.noise_source(*cell_noise_names(cell, settings))
         if cell["method"] == "dp-fedavg":
             result = run_dpfedavg(hospitals, world, preset, cell["epsilon"], settings.resolved_delta, cell["out"],
-                                  seed=settings.seed, progress=settings.progress)
+                                  seed=settings.seed, progress=settings.progress,
+                                  reproducible_noise=settings.reproducible_noise)
         else:
             result = run_pate(hospitals, world, preset, cell["method"], cell["epsilon"], settings.resolved_delta,
                               cell["out"], seed=settings.seed, calibration=settings.calibration,
                               query_batch=settings.query_batch, shared_dir=cell.get("shared_dir"),
-                              progress=settings.progress)
+                              progress=settings.progress, noise=noise)
         result["dropped_hospitals"] = dict(hospitals.dropped)
         result["bytes_up_measured_per_query_per_teacher"] = measured_bytes_per_teacher(hospitals)
         atomic_write_json(Path(cell["out"]) / "results.json", result)  # the protocol's results + these two
         log.info("%s at epsilon=%g: results in %s", cell["method"], cell["epsilon"], cell["out"])
         results.append(result)
     return results
+
+
+def refuse_seeded_noise_in_deployment(settings: RunSettings, deployed: Mapping[str, bool]) -> None:
+    """Seeded noise can be regenerated and subtracted by whoever knows the seed: simulations only."""
+    real = sorted(h for h, is_deployed in deployed.items() if is_deployed)
+    if settings.reproducible_noise and real:
+        raise UserError(f"reproducible-noise: refused because hospitals {', '.join(real)} are deployed "
+                        "(seeded noise can be regenerated and subtracted; it is for simulations only)")
 
 
 def plan_cells(settings: RunSettings) -> list[dict[str, Any]]:

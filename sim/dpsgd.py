@@ -23,6 +23,13 @@ Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers
   *empty* Poisson batch still takes a noise-only step (clipped sum = 0, plus noise): that is what the
   sampled-Gaussian analysis assumes, and skipping forward/backward avoids the crash Opacus hits on
   empty inputs (FIELD_NOTES).
+* Randomness: the Poisson masks (or the shuffle) and the Gaussian noise of epoch e come from one stream
+  of a :class:`privacy.mechanisms.NoiseSource`, named after the epoch's release id and opened only after
+  the epoch is charged. By default that stream is the OS's CSPRNG (Opacus' ``secure_mode`` needs
+  torchcsprng, which does not fit our torch -- FIELD_NOTES -- so the optimizer's ``add_noise`` draws from
+  our stream instead of a ``torch.Generator``); amplification by subsampling also needs the batches to be
+  secret, hence the masks come from the same source, never from the training seed. Seeded streams only
+  with an explicit reproducible source (simulations).
 * ``sampling="shuffle"``: a random permutation cut into disjoint batches each epoch; each record is used
   once per epoch, so an epoch is ``1/(2 sigma^2)``-zCDP (Yu et al., Theorem 3 + parallel composition)
   and is charged only as ``ZCDPEvent.shuffled_epochs(sigma, 1)`` -- never as a Poisson event.
@@ -45,6 +52,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from sim.errors import UserError
@@ -56,8 +64,8 @@ DEFAULT_GRAD_SAMPLE_MODE = "functorch"
 
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
 
-# Known, harmless Opacus/torch messages that would otherwise print on every run: secure_mode is a
-# deployment choice (see privacy.mechanisms.make_generator(secure=True)), and the full-backward-hook note
+# Known, harmless Opacus/torch messages that would otherwise print on every run: Opacus' secure_mode is off
+# because the noise comes from privacy.mechanisms.NoiseSource (secure by default), and the full-backward-hook note
 # fires because the network's *inputs* (scans) never require gradients.
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -110,18 +118,43 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
     return max(1, math.ceil(n / batch_size))
 
 
-def poisson_batches(n: int, sampling_rate: float, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """``steps`` Poisson-sampled batches: each index joins each batch with prob. q (may be empty)."""
+def poisson_batches(n: int, sampling_rate: float, steps: int, stream) -> Iterator[torch.Tensor]:
+    """``steps`` Poisson-sampled batches: each index joins each batch with prob. q (may be empty).
+
+    ``stream``: a ``privacy.mechanisms.NoiseGenerator`` (secure by default): which records are in a batch
+    must stay secret for the amplification by subsampling to hold."""
     for _ in range(steps):
-        mask = torch.rand(n, generator=generator) < sampling_rate
-        yield torch.nonzero(mask, as_tuple=False).flatten()
+        mask = stream.uniform((n,)) < sampling_rate
+        yield torch.from_numpy(np.flatnonzero(mask))
 
 
-def shuffled_batches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+def shuffled_batches(n: int, batch_size: int, stream) -> Iterator[torch.Tensor]:
     """One epoch of disjoint batches from a random permutation (Yu et al.'s "random reshuffling")."""
-    order = torch.randperm(n, generator=generator)
+    order = torch.from_numpy(np.argsort(stream.uniform((n,)), kind="stable"))
     for start in range(0, n, batch_size):
         yield order[start:start + batch_size]
+
+
+def _install_stream_noise(optimizer, session: "DPSession") -> None:
+    """Make the Opacus optimizer draw its Gaussian noise from the session's current epoch stream.
+
+    Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
+    total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
+    """
+    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+    def add_noise() -> None:
+        stream = session.stream
+        if stream is None:
+            raise RuntimeError("DP-SGD noise requested before begin_epoch charged the epoch to the ledger")
+        std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
+        for p in optimizer.params:
+            _check_processed_flag(p.summed_grad)
+            noise = std * stream.standard_normal(tuple(p.summed_grad.shape))
+            p.grad = (p.summed_grad + torch.from_numpy(noise).to(p.summed_grad)).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    optimizer.add_noise = add_noise
 
 
 # --------------------------------------------------------------------------------------------- the engine
@@ -142,7 +175,7 @@ class DPSession:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: int,
                  epochs: int, dp: DPConfig, guard=None, owners: Sequence[str] = ("central",),
-                 seed: int = 0, has_validation: bool = False) -> None:
+                 noise=None, has_validation: bool = False) -> None:
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
 
@@ -165,7 +198,10 @@ class DPSession:
             guard = BudgetGuard(Ledger(None), dp.epsilon, dp.delta)
         self.guard = guard
         self.ledger = guard.ledger
-        self.noise_generator = torch.Generator().manual_seed(int(seed) * 7919 + 17)
+        from privacy.mechanisms import NoiseSource
+
+        self.noise = noise if noise is not None else NoiseSource()
+        self.stream = None                  # the charged epoch's stream (batches + noise); None = not charged
         self.sigmas: list[float] = []       # sigma of every charged epoch, in order
         self.stopped_reason: str | None = None
         self._schedule = None
@@ -173,7 +209,7 @@ class DPSession:
 
         # Opacus wiring. The data loader only tells make_private the dataset size and batch size (it derives
         # q = 1/len(loader) and the expected batch size from it); batches themselves come from
-        # poisson_batches / shuffled_batches with our own seeded generator, so resume is exact.
+        # poisson_batches / shuffled_batches, drawn from the epoch's noise stream.
         index_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(self.n)),
                                                    batch_size=self.batch_size)
         if dp.per_layer:
@@ -187,8 +223,8 @@ class DPSession:
         self.model, self.optimizer, _ = self.engine.make_private(
             module=model, optimizer=optimizer, data_loader=index_loader, noise_multiplier=self.base_sigma,
             max_grad_norm=max_grad_norm, poisson_sampling=False, clipping=clipping,
-            noise_generator=self.noise_generator, grad_sample_mode=dp.grad_sample_mode,
-            loss_reduction="mean")
+            grad_sample_mode=dp.grad_sample_mode, loss_reduction="mean")
+        _install_stream_noise(self.optimizer, self)
         self.expected_batch_size = self.optimizer.expected_batch_size
         #: L2 sensitivity of one sample's clipped gradient (sqrt(sum C_i^2) for per-layer clipping)
         self.total_clip = float(self.optimizer.max_grad_norm)
@@ -248,6 +284,7 @@ class DPSession:
             return False
         self.sigmas.append(sigma)
         self.optimizer.noise_multiplier = sigma
+        self.stream = self.noise.generator(self.release_id(epoch))  # opened only after the charge
         return True
 
     def spent(self, owner: str | None = None, with_rdp: bool = True) -> dict[str, Any]:
@@ -267,10 +304,13 @@ class DPSession:
         return out
 
     # -- steps -----------------------------------------------------------------------------------------
-    def batches(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    def batches(self) -> Iterator[torch.Tensor]:
+        """The charged epoch's batches (Poisson or shuffled), from the epoch's noise stream."""
+        if self.stream is None:
+            raise RuntimeError("DPSession.batches: begin_epoch must charge the epoch first")
         if self.dp.sampling == "poisson":
-            return poisson_batches(self.n, self.sampling_rate, self.steps, generator)
-        return shuffled_batches(self.n, self.batch_size, generator)
+            return poisson_batches(self.n, self.sampling_rate, self.steps, self.stream)
+        return shuffled_batches(self.n, self.batch_size, self.stream)
 
     def noise_only_step(self) -> None:
         """An empty Poisson batch: clipped sum 0, plus noise, then the optimizer step.
@@ -286,8 +326,8 @@ class DPSession:
 
     # -- checkpoint ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state = {"sigmas": list(self.sigmas), "noise_generator": self.noise_generator.get_state(),
-                 "stopped_reason": self.stopped_reason, "schedule": None}
+        # No noise state: every epoch opens its own stream (secure, or derived from the epoch's name).
+        state = {"sigmas": list(self.sigmas), "stopped_reason": self.stopped_reason, "schedule": None}
         if self._schedule is not None:
             state["schedule"] = {k: v for k, v in vars(self._schedule).items()
                                  if isinstance(v, (int, float, str, list, tuple, type(None)))}
@@ -295,7 +335,6 @@ class DPSession:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sigmas = list(state["sigmas"])
-        self.noise_generator.set_state(state["noise_generator"])
         self.stopped_reason = state.get("stopped_reason")
         if self._schedule is not None and state.get("schedule"):
             for key, value in state["schedule"].items():

@@ -35,6 +35,7 @@ class RunSettings:
     progress: bool = True
     calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
     query_batch: int = 8              # public scans per query message
+    reproducible_noise: bool = False  # simulation only: noise streams seeded by ``seed`` (not private)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ class RunSettings:
             teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
             reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
+            reproducible_noise=_flag(get("reproducible-noise", False), "reproducible-noise"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -94,8 +96,28 @@ class RunSettings:
             "seed": self.seed, "out": self.out, "data": self.data or "", "hospitals": self.hospitals or 0,
             "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
             "reply-timeout": self.reply_timeout, "calibration": self.calibration,
-            "query-batch": self.query_batch,
+            "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
         }
+
+    def noise_source(self, *names):
+        """The privacy noise of the run (or of one cell, named by ``names``): secure unless this is a
+        simulation that asked for reproducible noise (``--reproducible-noise``)."""
+        from privacy.mechanisms import NoiseSource
+
+        source = NoiseSource.reproducible(self.seed) if self.reproducible_noise else NoiseSource()
+        return source.child(*names) if names else source
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A boolean run-config value (Flower passes TOML booleans; ``-c`` may pass strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise UserError(f"{key}: expected true or false, got {value!r}")

@@ -10,9 +10,10 @@ Alg. 1 line "train student on (x_n, y_hat_n)"); for soft targets both terms use 
 directly (soft Dice, soft-target CE).
 
 Adam, seeded batch order (``torch.Generator``), optional augmentation (``sim.data.augment``), tqdm
-progress, an atomic checkpoint after every epoch and exact resume (model, optimizer, epoch, RNG states,
-DP session: sigmas charged so far and the noise generator). DP-SGD is switched on by passing a
-``sim.dpsgd.DPConfig``.
+progress, an atomic checkpoint after every epoch and resume (model, optimizer, epoch, RNG states, DP
+session: sigmas charged so far). DP-SGD is switched on by passing a ``sim.dpsgd.DPConfig``; its batches
+and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
+the training seed.
 """
 
 from __future__ import annotations
@@ -119,12 +120,13 @@ def _load_init(model: torch.nn.Module, init_from: Any) -> None:
 
 def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,
                        dp: Any = None, guard: Any = None, owners: Sequence[str] = ("central",),
-                       validation: tuple[Any, Any] | None = None) -> TrainResult:
+                       validation: tuple[Any, Any] | None = None, noise: Any = None) -> TrainResult:
     """Train ``model`` on ``images`` (n, 4, *g) float and ``targets`` (int labels or soft probabilities).
 
     ``dp`` (``sim.dpsgd.DPConfig``) switches on DP-SGD, charged to ``owners`` through ``guard`` (a
     ``privacy.guard.BudgetGuard``; an in-memory one with ``dp.epsilon`` is made when None).
     ``validation`` = public (images, labels), used by the validation-based noise schedule and logged.
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of the DP-SGD batches and noise (default: secure).
     Returns the trained (unwrapped) model and a history with one dict per epoch.
     """
     started = time.perf_counter()
@@ -158,7 +160,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         from sim.dpsgd import DPSession
 
         session = DPSession(base_model, optimizer, n=n, batch_size=config.batch_size, epochs=config.epochs,
-                            dp=dp, guard=guard, owners=owners, seed=config.seed,
+                            dp=dp, guard=guard, owners=owners, noise=noise,
                             has_validation=validation is not None)
         train_model, optimizer = session.model, session.optimizer
 
@@ -186,7 +188,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         train_model.train()
         aug = _augmenter(config.seed * 100_003 + epoch, config.augment) if config.augment else None
         if session is not None:
-            batches = session.batches(generator)
+            batches = session.batches()
         else:
             order = torch.randperm(n, generator=generator)
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))

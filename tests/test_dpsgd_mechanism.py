@@ -12,7 +12,9 @@ from sim.training import per_sample_loss
 def _session(model, optimizer, n=3, batch=3, clip=0.01, per_layer=True, mode="hooks", sigma=1.0):
     dp = DPConfig(mode="fixed", epsilon=1e6, delta=1e-5, noise_multiplier=sigma, max_grad_norm=clip,
                   per_layer=per_layer, grad_sample_mode=mode)
-    return DPSession(model, optimizer, n=n, batch_size=batch, epochs=1, dp=dp)
+    session = DPSession(model, optimizer, n=n, batch_size=batch, epochs=1, dp=dp)
+    assert session.begin_epoch(0)   # charge first: the noise stream opens only after the charge
+    return session
 
 
 def _manual_clipped_sum(model, x, y, clip, per_layer):
@@ -105,9 +107,36 @@ def test_empty_poisson_batch_is_a_safe_noise_only_step(mode):
 
 
 def test_poisson_batches_can_be_empty_and_training_survives():
+    from privacy.mechanisms import NoiseSource
     from sim.dpsgd import poisson_batches
 
-    gen = torch.Generator().manual_seed(0)
-    sizes = [len(b) for b in poisson_batches(2, 0.5, 200, gen)]
+    sizes = [len(b) for b in poisson_batches(2, 0.5, 200, NoiseSource().generator("test"))]
     assert 0 in sizes and max(sizes) == 2 and len(sizes) == 200
     assert abs(np.mean(sizes) - 1.0) < 0.2
+
+
+def test_noise_is_refused_before_the_epoch_is_charged():
+    """No stream exists until begin_epoch has charged the ledger: drawing noise or batches first fails."""
+    model = _Zero()
+    dp = DPConfig(mode="fixed", epsilon=1e6, delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
+    session = DPSession(model, torch.optim.SGD(model.parameters(), lr=1.0), n=4, batch_size=2, epochs=1, dp=dp)
+    with pytest.raises(RuntimeError):
+        session.batches()
+    with pytest.raises(RuntimeError):
+        session.noise_only_step()     # add_noise finds no stream
+    assert len(session.ledger) == 0
+
+
+def test_secure_noise_differs_between_identical_sessions():
+    """Default noise is unpredictable: two sessions with the same seed and data draw different noise."""
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _Zero()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        session = _session(model, torch.optim.SGD(model.parameters(), lr=1.0), n=4, batch=2, clip=1.0)
+        session.noise_only_step()
+        draws.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.equal(draws[0], draws[1])

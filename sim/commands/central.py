@@ -39,7 +39,8 @@ def run(args) -> int:
         seed=args.seed, data=args.data, progress=not args.no_progress, noise_mode=args.noise_mode,
         schedule=args.schedule, sampling=args.sampling, noise_multiplier=args.noise_multiplier,
         max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
-        grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment)
+        grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
+        reproducible_noise=args.reproducible_noise)
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

@@ -15,6 +15,10 @@ def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quic
     parser.add_argument("--data", default=None,
                         help="MSD Task01-layout folder; when omitted, the preset's phantoms are generated once and cached")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--reproducible-noise", action="store_true",
+                        help="SIMULATION ONLY: draw the privacy noise from streams seeded by --seed so a run can be "
+                             "repeated exactly. Such results are not private (whoever knows the seed can remove the "
+                             "noise), so the seed is then left out of every artefact. Default: secure OS noise")
 
 
 def add_federation_options(parser: argparse.ArgumentParser) -> None:

@@ -46,6 +46,6 @@ def run(args) -> int:
     sweep = parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital") if args.teachers_per_hospital else None
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
                          hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
     print(f"report: {report}")
     return 0

@@ -20,6 +20,8 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", default="quick", choices=("tiny", "quick"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--reproducible-noise", action="store_true",
+                        help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
     parser.set_defaults(func=run)
 
 
@@ -38,7 +40,7 @@ def run(args) -> int:
     out = Path(args.out)
     report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                          parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
     cells = [c for c in load_cells(out) if str(c.get("method", "")).startswith("pate") and c.get("dice")]
     if cells:
         best = max(cells, key=lambda c: (c.get("epsilon_budget") or 0, c["dice"]["mean"] or 0))

@@ -121,6 +121,9 @@ def _local(args) -> int:
             raise UserError(f"-c {item!r}: expected KEY=VALUE with KEY one of {sorted(app_config)}")
         run_config[key] = _parse_value(value)
 
+    if str(run_config.get("reproducible-noise", "false")).lower() in ("true", "1", "yes"):
+        raise UserError("-c reproducible-noise=true: refused; a deployment always draws secure noise "
+                        "(seeded noise is for simulations only)")
     if not args.echo and not data and args.app is None:
         return _local_fedpate(args, out, run_config)
     hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),

@@ -28,7 +28,7 @@ def run(args) -> int:
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
                            seed=args.seed, out=str(args.out), data=args.data, hospitals=args.hospitals,
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
     for result in simulate(settings, engine=args.engine):
         dice = (result.get("dice") or {}).get("mean")
         eps = result.get("epsilon")

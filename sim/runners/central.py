@@ -88,11 +88,14 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
                 max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
                 epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
-                schedule_options: dict | None = None, batch_size: int | None = None) -> dict[str, Any]:
+                schedule_options: dict | None = None, batch_size: int | None = None,
+                reproducible_noise: bool = False) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
     DP-SGD needs larger expected batches than plain training: the noise is added once per batch.
+    ``reproducible_noise`` (simulation only): DP-SGD noise and batches seeded by ``seed``; the seed is then
+    left out of results.json. Default: secure noise.
     """
     import torch
 
@@ -149,8 +152,12 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     else:
         atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
 
+    from privacy.mechanisms import NoiseSource
+
+    noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
+        METHODS[method], f"eps-{epsilon:g}")
     result = train_segmentation(model, world["train_images"], world["train_labels"], train_config, dp=dp,
-                                guard=guard, owners=(OWNER,), validation=world["validation"])
+                                guard=guard, owners=(OWNER,), validation=world["validation"], noise=noise)
     dice, dice_per_case = evaluate_segmentation_per_case(result.model, world["test_images"], world["test_labels"])
 
     atomic_save_torch(out / "model" / "model.pt", {"model": result.model.state_dict(), "network_config": net_cfg,
@@ -181,7 +188,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "ensemble_dice_mean": None,
         "bytes_up_per_query_per_teacher": None,
         "wall_seconds": round(time.perf_counter() - started, 3),
-        "seed": seed,
+        "seed": None if (private and reproducible_noise) else seed,
+        **(noise.describe() if private else {}),
         # --- extras (SPEC: add freely) ---
         "preset": p.name,
         "grid": list(p.grid),

@@ -52,7 +52,7 @@ def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int
 def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
                 seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
                 teachers_per_hospital: Sequence[int] | None = None, engine: str = "flower",
-                progress: bool = True) -> Path:
+                progress: bool = True, reproducible_noise: bool = False) -> Path:
     from sim.presets import get_preset
     from sim.report import write_report
     from sim.runconfig import RunSettings
@@ -74,7 +74,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
                                              "epsilons": list(epsilons), "delta": delta, "seed": seed,
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                             "data": data, "engine": engine})
+                                             "data": data, "engine": engine,
+                                             "noise": "reproducible" if reproducible_noise else "secure"})
 
     def done(path: Path) -> bool:
         return (path / "results.json").exists()
@@ -96,7 +97,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress))
         settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
-                               out=str(out / "_shared"), world=worlds[preset.teachers])
+                               out=str(out / "_shared"), world=worlds[preset.teachers],
+                               reproducible_noise=reproducible_noise)
         if cells:
             if engine == "inprocess" and any(c["method"] == "dp-fedavg" for c in cells):
                 raise UserError("--engine inprocess cannot run dp-fedavg; use --engine flower")
@@ -109,13 +111,13 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
 
     if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
         run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
-                    delta=delta, seed=seed, data=data, progress=progress)
+                    delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise)
     if "dp-sgd-central" in methods:
         for epsilon in epsilons:
             path = cell_dir(out, "dp-sgd-central", epsilon)
             if not done(path):
                 run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
-                            seed=seed, data=data, progress=progress)
+                            seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise)
     first_k = min(worlds) if worlds else None
     if "public-only" in methods and not done(out / "public-only"):
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])

@@ -63,6 +63,9 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     from sim.runners.deploy import LocalDeployment
     from sim.runners.world_setup import materialise_world
 
+    if settings.reproducible_noise:
+        raise UserError("reproducible-noise: a deployment always draws secure noise (seeded noise can be "
+                        "regenerated and subtracted; it is for simulations only)")
     work = Path(work_dir).resolve()
     preset = settings.resolved_preset
     world = materialise_world(preset, settings.data, settings.seed, settings.progress)

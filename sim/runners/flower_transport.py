@@ -39,6 +39,7 @@ class FlowerTransport:
         self.clock = clock
         self.node_of: dict[str, int] = {}       # hospital id -> node id
         self.teachers_of: dict[str, int] = {}
+        self.deployed: dict[str, bool] = {}     # hospital id -> runs on its own data (not a simulated node)
         self.dropped: dict[str, str] = {}       # hospital id -> why
         self.codec_sent: dict[str, str] = {}    # hospital id -> digest of the compressor state it holds
         self.bytes_up: list[dict[str, float]] = []  # per query round: hospital -> bytes per teacher per scan
@@ -66,6 +67,7 @@ class FlowerTransport:
             hospital = str(config["hospital_id"])
             self.node_of[hospital] = node
             self.teachers_of[hospital] = int(config["teachers"])
+            self.deployed[hospital] = bool(config.get("deployed", False))
         if len(self.node_of) < self.min_hospitals:
             raise HospitalsUnavailable(f"only {len(self.node_of)} hospitals answered the identify round")
         return self.hospital_ids()

@@ -55,7 +55,7 @@ def _settings_fields(settings: RunSettings) -> dict[str, Any]:
             "hospitals": settings.hospitals, "teachers_per_hospital": settings.teachers_per_hospital,
             "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
             "world": settings.world, "calibration": settings.calibration, "progress": settings.progress,
-            "query_batch": settings.query_batch}
+            "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise}
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
@@ -91,6 +91,11 @@ def _run_runtime(settings: RunSettings, cells) -> None:
                            Path(cell["out"]) / "runtime", timeout=3600)
 
 
+def cell_noise_names(cell: Mapping[str, Any], settings: RunSettings) -> tuple[str, ...]:
+    """The noise namespace of one cell: its method, budget and K (unique within a comparison)."""
+    return (str(cell["method"]), f"eps-{float(cell['epsilon']):g}", f"K-{settings.resolved_preset.teachers}")
+
+
 def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
     from sim.runners.inprocess import run_pate_inprocess
     from sim.runners.world_setup import open_world
@@ -105,5 +110,6 @@ def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
                                           progress=settings.progress, prepared=prepared, split=split,
                                           calibration=settings.calibration, query_batch=settings.query_batch,
                                           shared_dir=cell.get("shared_dir"),
+                                          noise=settings.noise_source(*cell_noise_names(cell, settings)),
                                           hospitals_root=Path(settings.world) / "nodes"))
     return results
