@@ -11,17 +11,37 @@ Message types (``message_type`` = ``<category>[.<action>]``):
                          and kept in the node's ``context.state``
 - ``evaluate``        -> per-teacher Dice on the public test scans and labels sent
 - ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
+
+A request the hospital refuses (its budget would be exceeded, a codec it does not accept, a diagnostic
+asked of a deployed hospital, a query that does not declare what it releases) is answered with
+``{"status": "refused: <why>"}`` and nothing else; the server treats that hospital as not answering.
 """
 
 from __future__ import annotations
+
+import functools
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.node import hospital_for
+from privacy.errors import PrivacyError
+from sim.errors import UserError
 from sim.runners.flower_records import arrays_digest, make_content, read_content
 
 app = ClientApp()
+
+
+def refusals_as_replies(handler):
+    """A refusal (UserError: bad request; PrivacyError: budget) becomes a one-line status reply."""
+    @functools.wraps(handler)
+    def wrapped(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except (UserError, PrivacyError) as exc:
+            return Message(make_content({"status": f"refused: {exc}"}), reply_to=msg)
+
+    return wrapped
 
 _CODEC_RECORD = "codec"
 
@@ -35,6 +55,7 @@ def identify(msg: Message, context: Context) -> Message:
 
 
 @app.train()
+@refusals_as_replies
 def train(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
@@ -43,6 +64,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.query()
+@refusals_as_replies
 def query(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
@@ -54,12 +76,13 @@ def query(msg: Message, context: Context) -> Message:
     if codec is None or arrays_digest(codec) != config["codec_digest"]:
         # The server re-sends the state when it sees this (e.g. after this node restarted).
         return Message(make_content({"hospital_id": hospital.hospital_id, "status": "codec-missing"}), reply_to=msg)
-    encodings = hospital.answer_query(arrays["scans"]["scans"], codec, config)
-    return Message(make_content({"hospital_id": hospital.hospital_id}, encodings={"z": encodings}),
+    encodings, notes = hospital.answer_query(arrays["scans"]["scans"], codec, config)
+    return Message(make_content({"hospital_id": hospital.hospital_id, **notes}, encodings={"z": encodings}),
                    reply_to=msg)
 
 
 @app.evaluate()
+@refusals_as_replies
 def evaluate(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
@@ -68,6 +91,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 @app.train("fedavg")
+@refusals_as_replies
 def fedavg_round(msg: Message, context: Context) -> Message:
     from clients.fedavg import local_dpsgd_round
 

@@ -22,7 +22,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     import torch
 
     from privacy.calibration import dpsgd_noise_multiplier
-    from privacy.guard import BudgetGuard
+    from privacy.guard import BudgetGuard, GuardChain
     from privacy.ledger import Ledger
     from privacy.mechanisms import NoiseSource
     from sim.dpsgd import DPConfig, steps_per_epoch
@@ -51,7 +51,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id, run_tag)
              if config.get("reproducible_noise") else NoiseSource())
     ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
-    guard = BudgetGuard(ledger, epsilon, delta)
+    # this run's budget, and the hospital's lifetime budget over everything released from its patients
+    guard = GuardChain(BudgetGuard(ledger, epsilon, delta), [(hospital.lifetime_guard(config), [hospital.hospital_id])])
     before = {record["release_id"] for record in ledger.records()}
     prefix = f"dpfedavg:{run_tag}:round-{round_index}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,

@@ -12,6 +12,17 @@ Optional local DP-SGD (``config["local_dp"]`` = DPConfig fields): the teacher we
 own add-remove guarantee, recorded in the hospital's own ledger ``workdir/ledger.jsonl``. Owners are
 ``"<hospital>/teacher-<k>"``: teachers see disjoint patients, so a patient's local guarantee is its own
 teacher's (parallel composition); the reported local epsilon is the max over the hospital's teachers.
+
+The hospital owns its patients' budget (SPEC section 2; issue 15). Threat model: the aggregator is
+trusted with the teachers' un-noised encodings; differential privacy protects the patients against
+everyone who sees what the aggregator releases. The hospital still does not take the aggregator's word for
+the accounting: before it answers a query batch it checks the codec it was sent
+(:func:`sim.codecs.verify_codec`), computes the replace-one sensitivity itself from that codec and the
+number of teachers the server declares it will average (the server releases nothing when fewer answer),
+and charges its **own** privacy ledger (``privacy_ledger``) through a guard with its lifetime budget,
+refusing the batch if the budget would be exceeded. A deployed hospital (its own machine and patients)
+also refuses everything meant for simulations only: un-noised diagnostic queries, per-teacher test Dice,
+seeded noise.
 """
 
 from __future__ import annotations
@@ -21,10 +32,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from sim.errors import UserError
+
 
 class Hospital:
     def __init__(self, hospital_id: str, prepared, partitions, preset, workdir, seed: int = 0,
-                 validation: list | None = None, deployed: bool = False):
+                 validation: list | None = None, deployed: bool = False, privacy_ledger=None,
+                 lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None):
         self.hospital_id = str(hospital_id)
         self.prepared = prepared
         self.partitions = [list(p) for p in partitions]
@@ -35,6 +49,13 @@ class Hospital:
         #: a hospital on its own machine with its own patients (not a simulated node): refuses everything
         #: meant for simulations only (seeded noise, un-noised diagnostics)
         self.deployed = bool(deployed)
+        #: this hospital's own ledger of everything released from its patients, with its lifetime budget
+        self.privacy_ledger = Path(privacy_ledger) if privacy_ledger else self.workdir / "privacy-ledger.jsonl"
+        self.lifetime_epsilon = None if lifetime_epsilon is None else float(lifetime_epsilon)
+        self.delta = float(delta if delta is not None else preset.delta)
+        from sim.codecs import CodecPolicy
+
+        self.codec_policy = codec_policy or CodecPolicy()
         self._models: dict[int, Any] = {}
 
     @property
@@ -55,8 +76,6 @@ class Hospital:
         if k not in self._models:
             path = self._teacher_path(k)
             if not path.exists():
-                from sim.errors import UserError
-
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
             model = self._new_model()
             model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -120,7 +139,8 @@ class Hospital:
         valid = [d for d in validation_dice if d is not None]
         metrics = {"hospital_id": self.hospital_id, "teachers": self.num_teachers,
                 "patients": int(sum(len(p) for p in self.partitions)),
-                "teacher_dice_validation": float(np.mean(valid)) if valid else None,
+                # un-noised: only simulated hospitals report it
+                "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
                 "local_relation": "add-remove" if local_dp else None}
@@ -162,15 +182,93 @@ class Hospital:
 
         return predict_probs(self._teacher(k), np.asarray(scans, np.float32), batch_size=2)
 
-    def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping | None = None
-                     ) -> np.ndarray:
-        """(T, n, l) float32: every teacher's softmax output on the public ``scans``, encoded locally."""
-        from sim.codecs import make_encoder
+    # ----------------------------------------------------------------------------------------------
+    def lifetime_guard(self, config: Mapping[str, Any] | None = None):
+        """A guard over this hospital's own ledger with its lifetime budget, re-read from disk (other runs
+        or processes may have appended). A deployed hospital uses its node config only; a simulated one
+        keeps its ledger where the simulation says (``ledger_dir``, e.g. one comparison's folder) with the
+        simulation's ``lifetime_epsilon``."""
+        from privacy.guard import BudgetGuard
+        from privacy.ledger import Ledger
 
+        config = {} if self.deployed else dict(config or {})
+        path = (Path(config["ledger_dir"]) / f"{self.hospital_id}.jsonl" if config.get("ledger_dir")
+                else self.privacy_ledger)
+        budget = config.get("lifetime_epsilon", self.lifetime_epsilon)
+        if budget is None:
+            raise UserError(f"hospital {self.hospital_id}: no lifetime privacy budget configured "
+                            "(node-config epsilon-budget, or the simulation's lifetime epsilon)")
+        return BudgetGuard(Ledger(path), {self.hospital_id: float(budget)}, float(config.get("delta", self.delta)))
+
+    def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping | None = None
+                     ) -> tuple[np.ndarray, dict]:
+        """(T, n, l) float32 encodings of every teacher's softmax output on the public ``scans``, plus what
+        the hospital may say about them (``{"fallback_teachers": count}``).
+
+        A normal query batch must declare ``release_ids`` (one per scan), ``sigma`` and ``teachers`` (the K
+        the server will average, or release nothing): the hospital verifies the codec, charges
+        ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
+        and K, and only then runs its teachers. ``config["diagnostic"]`` (an un-noised query, simulation
+        only) is refused by a deployed hospital and charged nothing (it is reported as not private).
+        """
+        from sim.codecs import fallback_encoding, make_encoder, verify_codec
+
+        config = dict(config or {})
+        codec = verify_codec(codec, self._codec_policy(config))
         scans = np.asarray(scans, np.float32)
+        if config.get("diagnostic"):
+            if self.deployed:
+                raise UserError(f"hospital {self.hospital_id}: refuses un-noised diagnostic queries "
+                                "(simulation only)")
+        else:
+            self._charge_query(codec, config, len(scans))
         encode = make_encoder(codec)  # one autoencoder for all of this hospital's teachers
-        rows = [encode(self.teacher_probs(k, scans)) for k in range(self.num_teachers)]
-        return np.stack(rows).astype(np.float32)
+        rows, fallbacks = [], 0
+        for k in range(self.num_teachers):
+            probs = self.teacher_probs(k, scans)
+            if np.all(np.isfinite(probs)):
+                rows.append(encode(probs))
+            else:  # a broken teacher answers a fixed row; only the count leaves the hospital
+                rows.append(fallback_encoding(codec, len(scans)))
+                fallbacks += 1
+        return np.stack(rows).astype(np.float32), {"fallback_teachers": fallbacks}
+
+    def _codec_policy(self, config: Mapping[str, Any]):
+        """A deployed hospital's own policy (node config); a simulated one takes the simulation's."""
+        from sim.codecs import CodecPolicy
+
+        if self.deployed or "allow_identity" not in config:
+            return self.codec_policy
+        return CodecPolicy(max_latent_dim=int(config.get("max_latent_dim", self.codec_policy.max_latent_dim)),
+                           allow_identity=bool(config["allow_identity"]))
+
+    def _charge_query(self, codec: Mapping[str, np.ndarray], config: Mapping, scans: int) -> None:
+        """Charge this batch to the hospital's own ledger before any teacher sees a scan."""
+        from privacy.events import GaussianEvent
+        from sim.codecs import codec_sensitivity
+
+        try:
+            release_ids = [str(r) for r in config["release_ids"]]
+            sigma = float(config["sigma"])
+            teachers = int(config["teachers"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"hospital {self.hospital_id}: a query must declare release_ids, sigma and "
+                            "teachers (the hospital charges its own ledger before answering)") from None
+        if len(release_ids) != scans or len(set(release_ids)) != scans:
+            raise UserError(f"hospital {self.hospital_id}: {scans} scans need {scans} distinct release ids, "
+                            f"got {len(release_ids)}")
+        if teachers < self.num_teachers:
+            raise UserError(f"hospital {self.hospital_id}: the server declares K={teachers} teachers, fewer "
+                            f"than this hospital's own {self.num_teachers}")
+        guard = self.lifetime_guard(config)
+        event = GaussianEvent(sensitivity=codec_sensitivity(codec, teachers), sigma=sigma)
+        note = {"teachers": teachers, "sigma": sigma, "codec": str(np.asarray(codec["kind"]).item()),
+                "latent_dim": int(np.asarray(codec["latent_dim"]).item())}
+        fresh = [r for r in release_ids if not guard.ledger.has_release(r)]
+        if fresh:  # the whole batch must fit, or nothing is recorded
+            guard.check([self.hospital_id], GaussianEvent(event.sensitivity, sigma, count=len(fresh)))
+        for release_id in release_ids:
+            guard.charge([self.hospital_id], event, release_id, note)
 
     def ensemble_probability_sum(self, scans: np.ndarray) -> np.ndarray:
         """Sum of the teachers' probabilities (C, ...): a SIMULATION-ONLY diagnostic (the noise-free
@@ -179,9 +277,15 @@ class Hospital:
 
     def evaluate(self, config: Mapping[str, Any] | None = None) -> dict:
         """Per-teacher Dice (scalars only) on the public test scans + labels the server sends
-        (``config["images"]``, ``config["labels"]``), else on this hospital's validation cases."""
+        (``config["images"]``, ``config["labels"]``), else on this hospital's validation cases.
+
+        Un-noised statistics of models trained on private patients: a simulation-only diagnostic, refused
+        by a deployed hospital."""
         from sim.training import evaluate_segmentation
 
+        if self.deployed:
+            raise UserError(f"hospital {self.hospital_id}: refuses to report per-teacher Dice (an un-noised "
+                            "statistic of its patients; simulation only)")
         config = dict(config or {})
         if config.get("images") is not None and config.get("labels") is not None:
             images, labels, on = np.asarray(config["images"], np.float32), np.asarray(config["labels"]), "public-test"

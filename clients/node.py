@@ -5,7 +5,11 @@ Two ways a node learns who it is:
 * **Deployment** (a SuperNode on a hospital's own machine): ``--node-config "hospital-id='h0'
   data-dir='/data/msd' workdir='/var/fedpate'"``. The hospital reads *its own* MSD folder, prepares it
   at the grid the server asks for and splits its patients into ``teachers-per-hospital`` disjoint
-  teacher partitions itself. Nothing about its patients is known to the server.
+  teacher partitions itself. Nothing about its patients is known to the server. Its privacy settings
+  are its own, in the node config: ``epsilon-budget`` (lifetime ε over every run, default 8),
+  ``delta`` (default 1e-3), ``max-latent-dim`` (longest encoding it uploads, default 1024) and
+  ``allow-identity`` (whether it ever uploads full-resolution one-hot votes, default false); its ledger
+  is ``workdir/privacy-ledger.jsonl``.
 * **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
   carry the path of the simulated world (prepared cases + the split manifest every party reads), and
   the node takes the ``partition-id``-th hospital of that split.
@@ -76,5 +80,22 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
                                    progress=False)
         partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed)
-        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True)
+        from sim.codecs import CodecPolicy
+
+        policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),
+                             allow_identity=_node_flag(node_config.get("allow-identity", False)))
+        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True,
+                                       lifetime_epsilon=float(node_config.get("epsilon-budget", 8.0)),
+                                       delta=float(node_config.get("delta", 1e-3)), codec_policy=policy)
     return _HOSPITALS[key]
+
+
+def _node_flag(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise UserError(f"node-config allow-identity: expected true or false, got {value!r}")

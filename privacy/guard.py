@@ -93,3 +93,51 @@ class BudgetGuard:
             return
         self.check(owners, event)
         self.ledger.record(owners, event, release_id, note)
+
+
+class GuardChain:
+    """Several budgets over one release: a run's own budget and each data owner's lifetime budget.
+
+    ``lifetime`` pairs a guard with the owners it accounts for (a hospital's own ledger knows only that
+    hospital): ``GuardChain(run_guard, [(hospital_guard, ["h0"]), ...])``. ``check`` asks every guard
+    (nothing is written if any refuses); ``charge`` then records in the lifetime ledgers first and the
+    run's ledger last, each durably, so a crash in between leaves a lifetime ledger counting a release that
+    never happened (safe), never the reverse. Same interface as :class:`BudgetGuard` (``ledger`` and
+    ``delta`` are the run's), so DP-SGD and PATE take either.
+    """
+
+    def __init__(self, primary: BudgetGuard, lifetime: Sequence[tuple[BudgetGuard, Sequence[str]]] = ()) -> None:
+        if not isinstance(primary, BudgetGuard):
+            raise PrivacyError(f"GuardChain needs BudgetGuards, got {type(primary).__name__}")
+        pairs = []
+        for guard, owners in lifetime:
+            if not isinstance(guard, BudgetGuard) or isinstance(owners, str) or not owners:
+                raise PrivacyError("GuardChain: lifetime entries must be (BudgetGuard, [owner, ...]) pairs")
+            pairs.append((guard, [str(o) for o in owners]))
+        self.primary = primary
+        self.lifetime = tuple(pairs)
+        self.ledger = primary.ledger
+        self.delta = primary.delta
+
+    def _targets(self, owners: Sequence[str]) -> list[tuple[BudgetGuard, list[str]]]:
+        wanted = set(owners)
+        pairs = [(guard, [o for o in mine if o in wanted]) for guard, mine in self.lifetime]
+        return [(guard, mine) for guard, mine in pairs if mine] + [(self.primary, list(owners))]
+
+    def budget_of(self, owner: str) -> float:
+        return self.primary.budget_of(owner)
+
+    def remaining(self, owner: str) -> float:
+        return min(guard.remaining(owner) for guard, mine in self._targets([owner]))
+
+    def check(self, owners: Sequence[str], event: Event) -> None:
+        for guard, mine in self._targets(owners):
+            guard.check(mine, event)
+
+    def charge(self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None) -> None:
+        targets = self._targets(owners)
+        for guard, mine in targets:
+            if not guard.ledger.has_release(release_id):
+                guard.check(mine, event)
+        for guard, mine in targets:
+            guard.ledger.record(mine, event, release_id, note)

@@ -16,7 +16,8 @@ Validation of every hospital's reply (issue 6: never trust what arrives):
   to R would only give 2R/K, twice the sensitivity the noise was calibrated for);
 * ``identity``: every row must be exact one-hot votes (checked exactly) -> otherwise rejected.
 
-K = the number of teacher rows accepted; the replace-one sensitivity S is the compressor's at that K,
+K = the number of teacher rows accepted; the replace-one sensitivity S is the codec state's at that K
+(``sim.codecs.codec_sensitivity``, the same function the hospitals charge with),
 so a dropout (smaller K) is recorded with its larger S and the accountant composes what was actually
 released. If the charge would exceed any answering hospital's budget, ``BudgetExceeded`` propagates
 *before* any noise is drawn or anything is released (the protocol then stops querying).
@@ -72,15 +73,22 @@ def validate_reply(hospital: str, rows, state: Mapping[str, np.ndarray], latent_
 
 def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compressor, guard, release_id: str,
                     mechanism=None, note: Mapping | None = None, rejected: dict | None = None,
-                    state: Mapping[str, np.ndarray] | None = None, noise=None) -> tuple[np.ndarray | None, int]:
+                    state: Mapping[str, np.ndarray] | None = None, noise=None,
+                    expected_rows: Mapping[str, int] | None = None) -> tuple[np.ndarray | None, int]:
     """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").
 
     ``encodings``: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
     Returns ``(noisy mean (l,) float32, K)``; ``(None, 0)`` when no valid row arrived (nothing released,
     nothing charged). One ledger event per query, charged to every hospital whose rows were used,
     recorded by ``guard.charge`` before the noise is drawn. ``rejected`` (optional dict) collects
-    hospital -> reason for replies that failed validation; ``state`` is the codec state the hospitals
-    used (default ``compressor.state()``).
+    hospital -> list of reasons for replies that failed validation (server log only: reasons can carry
+    numbers computed from private data); ``state`` is the codec state the hospitals used (default
+    ``compressor.state()``).
+
+    ``expected_rows`` (hospital -> its number of teachers): the hospitals the server asked, each of which
+    charged its own ledger for K = the sum of these; a reply with another number of rows is rejected, and
+    if not every asked teacher answered, nothing is released (``(None, 0)``, nothing charged), because a
+    smaller K would mean a larger sensitivity than the hospitals were charged for.
 
     Noise: ``mechanism`` (a ready ``GaussianMechanism``, for tests) or, by default, a Gaussian mechanism on
     this release's own stream of ``noise`` (a ``privacy.mechanisms.NoiseSource``; secure when None),
@@ -95,15 +103,23 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
     accepted: dict[str, np.ndarray] = {}
     for hospital in sorted(encodings):
         try:
-            accepted[hospital] = validate_reply(hospital, encodings[hospital], state, latent)
+            rows = validate_reply(hospital, encodings[hospital], state, latent)
+            if expected_rows is not None and len(rows) != int(expected_rows.get(hospital, -1)):
+                raise ReplyRejected(f"hospital {hospital}: {len(rows)} encodings, but it was asked for "
+                                    f"{expected_rows.get(hospital, 0)} teachers")
+            accepted[hospital] = rows
         except ReplyRejected as exc:
             log.warning("%s: %s", release_id, exc)
             if rejected is not None:
-                rejected[hospital] = str(exc)
+                rejected.setdefault(hospital, []).append(str(exc))
     teachers = int(sum(len(rows) for rows in accepted.values()))
     if teachers == 0:
         return None, 0
-    sensitivity = float(compressor.sensitivity(teachers))
+    if expected_rows is not None and teachers < sum(int(v) for v in expected_rows.values()):
+        log.warning("%s: %d of %d asked teachers answered; not released", release_id, teachers,
+                    sum(int(v) for v in expected_rows.values()))
+        return None, 0
+    sensitivity = float(codecs.codec_sensitivity(state, teachers))
     event = GaussianEvent(sensitivity=sensitivity, sigma=float(sigma))
     owners = sorted(accepted)
     guard.charge(owners, event, release_id=release_id,

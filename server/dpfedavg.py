@@ -10,6 +10,7 @@ global model is computed from a ledger (the worst hospital's), never from a repo
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -66,7 +67,8 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     model = build_unet(preset.unet)
     weights = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
     rounds = int(rounds or max(1, preset.central_epochs // max(1, local_epochs)))
-    run_tag = f"{out.resolve().name}-s{seed}-e{epsilon:g}"
+    # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs
+    run_tag = f"{out.resolve().name}-e{epsilon:g}-{secrets.token_hex(4)}"
     history = []
     iterator = range(rounds)
     if progress:
@@ -92,6 +94,9 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         history.append({"round": round_index, "hospitals": len(updates)})
     model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
+    from sim.world import public_validation_dice
+
+    validation_dice = public_validation_dice(model, world)
     owners = ledger.owners()
     spent = [ledger.spent(owner, delta) for owner in owners]
     worst = max(spent, key=lambda s: s.epsilon) if spent else None
@@ -106,6 +111,7 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         "seed": None if reproducible_noise else seed,
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: s.epsilon for o, s in zip(owners, spent)},
+        "validation_dice_mean": validation_dice,   # public: what model selection may look at
     }
     card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,
                         relation="add-remove", accountant=results["accountant"], teachers=None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+import secrets
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -34,10 +35,13 @@ import numpy as np
 from server.aggregation import aggregate_query
 from server.compressors import make_compressor
 from sim import codecs
+from sim.world import public_validation_dice
 
 log = logging.getLogger("fedpate.pate")
 
 METHODS = ("pate-pca", "pate-ae", "pate-naive")
+#: the server checks its own codec as the hospitals will (any kind it can build, any length)
+SERVER_POLICY = codecs.CodecPolicy(max_latent_dim=1 << 62, allow_identity=True)
 
 
 class HospitalTransport(Protocol):
@@ -99,8 +103,17 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         raise UserError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     started = time.perf_counter()
     out = Path(out_dir)
+    ledger_path = out / "ledger.jsonl"
+    if ledger_path.exists() and ledger_path.stat().st_size > 0:
+        # an earlier run released from these patients: running again would be a second release that a
+        # fresh ledger would hide (its releases stay counted in the hospitals' own ledgers)
+        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    # Un-noised diagnostics (teacher Dice, noise-free ensembles) exist only in simulation: deployed
+    # hospitals refuse them, so the server does not ask.
+    deployed = sorted(h for h, is_deployed in getattr(transport, "deployed", {}).items() if is_deployed)
+    diagnostics = diagnostics and not deployed
 
     # (a) public model -> teachers' initialisation; teachers trained at the hospitals
     # ``shared_dir``: checkpoints of the epsilon-independent public models, so a comparison trains them
@@ -130,22 +143,25 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     compressor.fit(reference_maps)
     if method == "pate-pca":
         compressor.resolve_components(noise_per_sensitivity, teachers_planned)
-    sensitivity = compressor.sensitivity(teachers_planned)
+    # The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
+    # (sim.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the
+    # very same numbers (the float32 basis shipped, not the float64 one kept here).
+    state = codecs.verify_codec(compressor.state(), SERVER_POLICY)
+    sensitivity = codecs.codec_sensitivity(state, teachers_planned)
     sigma = pate_sigma(epsilon, delta, queries, sensitivity, mode=calibration)
     # pate_sigma aims 1e-9 below the budget, so the guard's own re-computation of the planned queries
     # (batch checks and per-query charges) fits it: tests/test_privacy_calibration.py checks exactly that.
-    state = compressor.state()
     collapse = compressor.collapsed() if method == "pate-ae" else None
 
     # (c) the query loop under the budget guard
-    ledger_path = out / "ledger.jsonl"
-    if ledger_path.exists():
-        ledger_path.unlink()  # a fresh run: an old ledger would be charged again
     ledger = Ledger(ledger_path)
     guard = BudgetGuard(ledger, float(epsilon), float(delta))
     noise = noise if noise is not None else NoiseSource()
-    answered, latents, teachers_seen, rejected = [], [], [], {}
+    answered, latents, teachers_seen, rejected, unreleased = [], [], [], {}, []
     stopped_early = None
+    # Release ids are unique per run (a nonce): the hospitals' own ledgers outlive this run, and an
+    # identical id would merge a new release into an old one.
+    run_nonce = secrets.token_hex(4)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -153,26 +169,38 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         bar = tqdm(total=queries, desc=f"{method} queries", leave=False)
     for start in range(0, queries, max(1, int(query_batch))):
         batch = list(range(start, min(queries, start + query_batch)))
-        try:  # refuse before any teacher runs if even the planned K would not fit the budget
-            guard.check(transport.hospital_ids() or list(planned),
-                        GaussianEvent(sensitivity=sensitivity, sigma=sigma, count=len(batch)))
-        except BudgetExceeded as exc:
-            stopped_early = str(exc)
+        # The K this batch will be averaged over: the teachers of the hospitals still connected. The
+        # hospitals charge their own ledgers for that K, so a query with fewer answers is not released.
+        asked = {h: planned[h] for h in transport.hospital_ids() if h in planned}
+        declared = int(sum(asked.values()))
+        if declared == 0:
+            stopped_early = "no hospital with teachers is connected"
             break
-        replies = transport.query(world.query_images[batch], state, {"method": method, "seed": seed,
-                                                                      "queries": batch})
+        # refuse before any teacher runs if not even one query of the batch fits the budget; after a
+        # dropout (larger S) only a prefix of the batch may still fit
+        batch, refusal = _largest_affordable(batch, guard, sorted(asked), codecs.codec_sensitivity(state, declared),
+                                             sigma)
+        if not batch:
+            stopped_early = refusal
+            break
+        release_ids = [f"{method}:{run_nonce}:query-{index}" for index in batch]
+        replies = transport.query(world.query_images[batch], state, {
+            "method": method, "seed": seed, "queries": batch, "release_ids": release_ids, "sigma": float(sigma),
+            "teachers": declared, "delta": float(delta)})
         for j, index in enumerate(batch):
             per_query = {}
             for hospital, rows in replies.items():
                 rows = np.asarray(rows)
                 per_query[hospital] = rows[:, j, :] if rows.ndim == 3 and rows.shape[1] == len(batch) else rows
             try:
-                noisy, teachers = aggregate_query(per_query, sigma, compressor, guard, f"query-{index}",
+                noisy, teachers = aggregate_query(per_query, sigma, compressor, guard, release_ids[j],
                                                   note={"query": int(index)}, rejected=rejected, state=state,
-                                                  noise=noise)
+                                                  noise=noise, expected_rows=asked)
             except BudgetExceeded as exc:
                 stopped_early = str(exc)
                 break
+            if noisy is None:
+                unreleased.append(index)
             if noisy is not None:
                 answered.append(index)
                 latents.append(noisy)
@@ -199,8 +227,9 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     # (e) evaluation
     student_dice, student_per_case = _dice(student, world.test_images, world.test_labels)
     public_dice, public_per_case = _dice(public_only, world.test_images, world.test_labels)
+    student_validation = public_validation_dice(student, world)
     evaluation = transport.evaluate({"seed": seed}, test={"images": world.test_images,
-                                                          "labels": world.test_labels})
+                                                          "labels": world.test_labels}) if diagnostics else {}
     teacher_scores = [d for m in evaluation.values() for d in (m.get("teacher_dice") or []) if d is not None]
     teacher_dice_mean = float(np.mean(teacher_scores)) if teacher_scores else None
     ensemble_dice, ensemble_vote_dice, pseudo_dice = None, None, None
@@ -247,10 +276,17 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
         "teacher_dice_per_hospital": {h: m.get("teacher_dice_mean") for h, m in evaluation.items()},
         "local_epsilon": {h: m.get("local_epsilon") for h, m in train_metrics.items()},
         "soft_labels": bool(soft_labels), "student_includes_reference": bool(include_reference),
-        "stopped_early": stopped_early, "rejected_replies": rejected,
+        "stopped_early": stopped_early,
+        # counts only: a rejection's reason can carry numbers computed from private data (norms)
+        "rejected_replies": {h: len(reasons) for h, reasons in rejected.items()},
+        "unreleased_queries": len(unreleased),
+        "fallback_teachers": _fallback_counts(transport),
+        # public validation Dice: what model selection may look at (never the test set)
+        "validation_dice_mean": student_validation,
         "ledger_owners": ledger.owners(),
-        "not_private_diagnostics": ["teacher_dice_mean", "ensemble_dice_mean", "ensemble_vote_dice_mean",
-                                    "pseudo_label_dice_mean", "teacher_dice_per_hospital"],
+        "not_private_diagnostics": ["teacher_dice_mean", "ensemble_dice_mean", "ensemble_dice",
+                                    "ensemble_vote_dice_mean", "pseudo_label_dice_mean",
+                                    "teacher_dice_per_hospital"] if diagnostics else [],
         "privacy_statement": (f"({epsilon_spent:.4g}, {delta:g})-DP per patient, replace-one adjacency, "
                               f"{accountant} accountant over {len(answered)} Gaussian queries (sigma={sigma:.4g}); "
                               "covers the pseudo-labels and the student"),
@@ -259,6 +295,31 @@ def run_pate(transport: HospitalTransport, world, preset, method: str, epsilon: 
     results["wall_seconds"] = float(time.perf_counter() - started)
     atomic_write_json(out / "results.json", results)
     return results
+
+
+def _largest_affordable(batch: list, guard, owners: list, sensitivity: float, sigma: float) -> tuple[list, str | None]:
+    """The longest prefix of ``batch`` whose queries all fit every owner's budget (and, when none fits,
+    the guard's reason); nothing is recorded."""
+    from privacy.errors import BudgetExceeded
+    from privacy.events import GaussianEvent
+
+    refusal = None
+    for size in range(len(batch), 0, -1):
+        try:
+            guard.check(owners, GaussianEvent(sensitivity=sensitivity, sigma=sigma, count=size))
+            return batch[:size], None
+        except BudgetExceeded as exc:
+            refusal = refusal or str(exc)
+    return [], refusal
+
+
+def _fallback_counts(transport) -> dict[str, int]:
+    """How many teacher answers each hospital replaced by its fixed fallback row (counts only)."""
+    totals: dict[str, int] = {}
+    for round_notes in getattr(transport, "notes", []):
+        for hospital, notes in round_notes.items():
+            totals[hospital] = totals.get(hospital, 0) + int(notes.get("fallback_teachers", 0) or 0)
+    return totals
 
 
 def _save_outputs(out: Path, student, world, preset, results: dict) -> None:

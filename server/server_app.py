@@ -38,7 +38,8 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
         grid, preset.hospitals, wait_seconds=settings.wait_seconds, reply_timeout=settings.reply_timeout,
         base_config={"preset": preset.name, "seed": settings.seed, "world": str(world_dir),
                      "preset_overrides": {"hospitals": preset.hospitals,
-                                          "teachers_per_hospital": preset.teachers_per_hospital}})
+                                          "teachers_per_hospital": preset.teachers_per_hospital},
+                     **settings.hospital_privacy_config()})
     hospitals.connect()
     refuse_seeded_noise_in_deployment(settings, hospitals.deployed)
 

@@ -14,6 +14,14 @@ Non-private models carry a card too, saying so.
 Loading verifies everything it can from the files alone: the weights' digest, that the card is
 complete, and that the ledger next to it has the recorded digest and still gives the recorded epsilon.
 A bundle failing any check is refused with one line (:class:`BundleError`).
+
+Models released together (the cells of one comparison, trained on the same patients) carry, in their
+card's ``released_with``, the combined epsilon of everything released with them, computed from the
+hospitals' own ledgers (:func:`attach_release`); loading re-checks it when those ledgers are reachable.
+
+Every card states the threat model (SPEC section 2): the aggregator is trusted with the teachers'
+un-noised encodings; differential privacy protects the patients against everyone who sees what is
+released (pseudo-labels, models, reports).
 """
 
 from __future__ import annotations
@@ -139,11 +147,52 @@ def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBun
         raise BundleError(f"{weights_file}: weights do not match the digest in bundle.json (modified or corrupt)")
     if verify_ledger:
         verify_card_against_ledger(card, bundle_dir.parent / "ledger.jsonl", bundle_file)
+        _verify_release(card, bundle_dir.parent, bundle_file)
     model = build_unet_from_config(bundle["network"])
     model.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
     model.eval()
     return LoadedBundle(model=model, network=bundle["network"], preprocessing=bundle["preprocessing"],
                         card=card, path=bundle_dir)
+
+
+def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
+    """Record in a bundle's card what it was released together with (a comparison's combined epsilon,
+    from the hospitals' own ledgers) and rewrite MODEL_CARD.md; the weights are untouched."""
+    import os
+
+    run_dir = Path(run_dir)
+    bundle_file = run_dir / "model" / "bundle.json"
+    bundle = json.loads(bundle_file.read_text())
+    comparison = run_dir
+    while comparison != comparison.parent and not (comparison / release["hospital_ledgers"]).exists():
+        comparison = comparison.parent
+    ledgers = os.path.relpath(comparison / release["hospital_ledgers"], run_dir)
+    bundle["card"]["released_with"] = {**dict(release), "hospital_ledgers": ledgers}
+    atomic_write_json(bundle_file, bundle)
+    atomic_write_text(run_dir / "model" / "MODEL_CARD.md", model_card_markdown(bundle))
+
+
+def _verify_release(card: Mapping[str, Any], run_dir: Path, where: Path) -> None:
+    """The combined epsilon a card states must still be what the hospitals' ledgers give (when present)."""
+    from privacy.ledger import Ledger
+
+    release = card.get("released_with")
+    if not release:
+        return
+    folder = run_dir / release["hospital_ledgers"]
+    if not folder.is_dir():
+        return  # the bundle travelled without its comparison: its own ledger was checked above
+    combined = {}
+    for name, digest in release["hospital_ledger_digests"].items():
+        path = folder / name
+        ledger = Ledger.load(path) if path.exists() else None
+        if ledger is None or ledger.digest() != digest:
+            raise BundleError(f"{where}: the card's combined epsilon does not match {path} (ledger changed)")
+        combined.update({o: ledger.spent(o, release["delta"]).epsilon for o in ledger.owners()})
+    worst = max(combined.values()) if combined else None
+    stated = release.get("combined_epsilon")
+    if (worst is None) != (stated is None) or (worst is not None and not math.isclose(worst, stated, rel_tol=1e-6)):
+        raise BundleError(f"{where}: the card says combined epsilon={stated} but the hospitals' ledgers give {worst}")
 
 
 def verify_card_against_ledger(card: Mapping[str, Any], ledger_path: Path, where: Path) -> None:
@@ -192,6 +241,25 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
     else:
         lines += ["**Privacy: none.** This model was trained without a differential-privacy guarantee; "
                   "it may memorise its training patients."]
+    release = card.get("released_with")
+    if release:
+        combined = release.get("combined_epsilon")
+        lines += [
+            "",
+            "**Released together with the other models of its comparison:** every model of that comparison "
+            "was trained on the same hospitals' patients, so what they reveal together adds up. Combined: "
+            + (f"ε = {combined:.4g} per patient at δ = {release['delta']:g} ({release['relation']}, accountant "
+               f"`{release['accountant']}`), the worst hospital's, from the hospitals' own ledgers "
+               f"(`{release['hospital_ledgers']}`)." if combined is not None else
+               "no private release (the hospitals' ledgers are empty).")
+            + " A non-private baseline of that comparison, if shipped too, voids every guarantee.",
+        ]
+    lines += [
+        "",
+        "Threat model: the aggregator (the PATE server) is trusted with the teachers' un-noised encodings; "
+        "differential privacy protects the patients against everyone who sees what is released (pseudo-labels, "
+        "models, reports). Each hospital keeps its own ledger and lifetime budget and refuses queries beyond it.",
+    ]
     lines += [
         "",
         "| field | value |",

@@ -23,11 +23,18 @@ identity    one-hot votes                                   ``sqrt(2 * voxels)``
 
 A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
 arrays) so that it travels as Flower arrays (sim/runners/flower_records.py) unchanged.
+
+The hospital does not take the server's word for any of this (SPEC section 2, "it checks the codec it
+is sent"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer than its
+maximum, PCA bases whose rows are not orthonormal or whose mean is not a probability map, and replaces
+the state's claimed row bound by the one it computes itself; :func:`codec_sensitivity` is the replace-one
+sensitivity the hospital charges to its own ledger, computed from the verified state alone.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -264,6 +271,138 @@ def encoder_arrays(net) -> dict[str, np.ndarray]:
     """Only the encoder + bottleneck weights: what hospitals need (the decoder stays on the server)."""
     return {name: value for name, value in module_to_arrays(net, _ENCODER_PREFIX).items()
             if name[len(_ENCODER_PREFIX):].split(".")[0] in ("encoder", "bottleneck")}
+
+
+# --------------------------------------------------------------------------------------------------
+# the hospital's checks (issue 15: hospitals own their patients' budget and check what they are sent)
+# --------------------------------------------------------------------------------------------------
+ORTHONORMAL_TOLERANCE = 1e-3
+
+
+class CodecRefused(UserError):
+    """A codec the hospital will not run (the message names the check that failed)."""
+
+
+@dataclass(frozen=True)
+class CodecPolicy:
+    """What a hospital accepts (node config: ``max-latent-dim``, ``allow-identity``).
+
+    The identity codec uploads a full-resolution one-hot map per teacher (its sensitivity is correct, but
+    the trusted aggregator then sees every teacher's segmentation): only for hospitals that opt in.
+    """
+
+    max_latent_dim: int = 1024
+    allow_identity: bool = False
+    kinds: tuple = ("ae", "pca")
+
+    def allowed(self) -> tuple:
+        return self.kinds + (("identity",) if self.allow_identity else ())
+
+
+def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = None) -> dict:
+    """The hospital's check of a codec state; returns a copy whose ``row_bound`` is the hospital's own.
+
+    Raises :class:`CodecRefused`. Checks (SPEC sections 3-4): the kind is allowed; ``l`` is at most the
+    policy's maximum; shapes agree with ``classes x grid``; PCA: rows orthonormal (the ``sqrt(d)`` and
+    public bounds need ``||A_l||_op <= 1``), the mean in [0, 1]^d (so ``y - mu`` lies in [-1, 1]^d), a
+    positive finite clip in clip mode; the row bound every encoding is clipped to is recomputed from the
+    basis (public mode), sqrt(d) (paper), C (clip), 1 (ae) or sqrt(voxels) (identity).
+    """
+    policy = policy or CodecPolicy()
+    try:
+        kind = str(scalar(state, "kind"))
+        classes = int(scalar(state, "classes"))
+        grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
+        latent = int(scalar(state, "latent_dim"))
+    except (KeyError, TypeError, ValueError, UserError) as exc:
+        raise CodecRefused(f"codec: incomplete state ({exc})") from None
+    if kind not in policy.allowed():
+        raise CodecRefused(f"codec kind {kind!r} is not allowed by this hospital (allowed: "
+                           f"{', '.join(policy.allowed())}; identity needs node-config allow-identity=true)")
+    voxels = int(np.prod(grid)) if grid else 0
+    if classes < 1 or voxels < 1 or latent < 1:
+        raise CodecRefused(f"codec: classes={classes}, grid={grid}, latent_dim={latent} must be positive")
+    if kind != "identity" and latent > policy.max_latent_dim:
+        raise CodecRefused(f"codec latent_dim {latent} exceeds this hospital's max-latent-dim "
+                           f"{policy.max_latent_dim}")
+    verified = dict(state)
+    if kind == "pca":
+        mode = str(scalar(state, "mode"))
+        components = np.asarray(state.get("components"), dtype=np.float64)
+        mean = np.asarray(state.get("mean"), dtype=np.float64)
+        d = classes * voxels
+        if components.shape != (latent, d) or mean.shape != (d,):
+            raise CodecRefused(f"codec: PCA components {components.shape} / mean {mean.shape} do not match "
+                               f"latent_dim {latent} and d = {classes} x {voxels}")
+        if not (np.all(np.isfinite(components)) and np.all(np.isfinite(mean))):
+            raise CodecRefused("codec: PCA components or mean are not finite")
+        gram = components @ components.T
+        if np.abs(gram - np.eye(latent)).max() > ORTHONORMAL_TOLERANCE:
+            raise CodecRefused("codec: PCA basis rows are not orthonormal (the sensitivity bound needs "
+                               "||A_l||_op <= 1)")
+        if mean.min() < -PROBABILITY_TOLERANCE or mean.max() > 1 + PROBABILITY_TOLERANCE:
+            raise CodecRefused("codec: PCA mean is not a probability map in [0, 1]")
+        if mode == "clip":
+            clip = float(scalar(state, "clip"))
+            if not (math.isfinite(clip) and clip > 0):
+                raise CodecRefused(f"codec: PCA clip must be a positive number, got {clip}")
+            bound = clip
+        elif mode == "paper":
+            bound = math.sqrt(d)
+        elif mode == "public":
+            bound = min(math.sqrt(d), float(np.sqrt(np.sum(np.abs(components).sum(axis=1) ** 2))))
+        else:
+            raise CodecRefused(f"codec: unknown PCA mode {mode!r}")
+    elif kind == "ae":
+        bound = 1.0
+    else:
+        if latent != classes * voxels:
+            raise CodecRefused(f"codec: identity latent_dim {latent} must be classes x voxels")
+        bound = math.sqrt(voxels)
+    verified["row_bound"] = np.array(bound)
+    return verified
+
+
+def codec_sensitivity(state: Mapping[str, np.ndarray], teachers: int) -> float:
+    """Replace-one L2 sensitivity of the mean of ``teachers`` encodings under a *verified* codec state.
+
+    One patient changes one teacher's row (SPEC section 2), so the mean moves by at most
+    ``max ||z - z'|| / K``: ``2R/K`` when rows are clipped to norm R (ae: R = 1, Fay et al. Prop. 2;
+    pca clip: R = C); ``R/K`` for PCA of probabilities, where ``z - z' = A_l (y - y')`` with
+    ``y - y' in [-1, 1]^d`` is itself bounded by R (eq. 3-4; public bound of SPEC section 3);
+    ``sqrt(2 voxels)/K`` for one-hot votes (two entries change per voxel).
+    """
+    from privacy import sensitivity as sens
+
+    kind = str(scalar(state, "kind"))
+    bound = row_bound(state)
+    if kind == "ae":
+        return float(sens.unit_ball_bound(teachers))
+    if kind == "pca":
+        mode = str(scalar(state, "mode"))
+        if mode == "clip":
+            return float(sens.clipped_bound(bound, teachers))
+        return float(sens.pca_row_bound(bound, teachers))
+    if kind == "identity":
+        classes = int(scalar(state, "classes"))
+        return float(sens.onehot_vote_bound(latent_dim(state) // classes, teachers))
+    raise CodecRefused(f"codec: unknown kind {kind!r}")
+
+
+def fallback_encoding(state: Mapping[str, np.ndarray], n: int) -> np.ndarray:
+    """What a teacher whose output is unusable (NaN, infinite) answers: a fixed, data-independent row.
+
+    Zeros for pca / ae (norm 0 is inside every bound); background votes for identity. A fixed answer keeps
+    the teacher in K -- the sensitivity the hospital was charged for stays true -- and reveals nothing;
+    the hospital reports only how many teachers fell back (issue 15), never their outputs.
+    """
+    latent = latent_dim(state)
+    if str(scalar(state, "kind")) == "identity":
+        classes = int(scalar(state, "classes"))
+        votes = np.zeros((n, classes, latent // classes), np.float32)
+        votes[:, 0] = 1.0
+        return votes.reshape(n, latent)
+    return np.zeros((n, latent), np.float32)
 
 
 # --------------------------------------------------------------------------------------------------

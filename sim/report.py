@@ -187,8 +187,12 @@ def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: floa
 
 
 def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | None = None,
-                 accuracy: bool = False, overlays: Iterable[Path] = ()) -> Path:
-    """Write cells.csv, report.md and plots into ``root``; returns the report path."""
+                 accuracy: bool = False, overlays: Iterable[Path] = (),
+                 release: Mapping[str, Any] | None = None) -> Path:
+    """Write cells.csv, report.md and plots into ``root``; returns the report path.
+
+    ``release``: what the comparison released together (``sim.runners.compare.combined_release``): the
+    combined epsilon per hospital from the hospitals' own ledgers, stated before the table."""
     root = Path(root)
     cells = load_cells(root)
     atomic_write_text(root / "cells.csv", cells_to_csv(cells))
@@ -197,12 +201,12 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     lines = [f"# {title}", ""]
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
+    lines += privacy_statement(cells, release)
     lines += [
-        "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). "
-        "PATE methods: replace-one relation, one patient at one hospital; DP-SGD / DP-FedAvg: add/remove one "
-        "patient with Poisson sampling. Column *ensemble* decodes the teachers' averaged encodings without noise: "
-        "the best pseudo-labels that compressor can deliver (a diagnostic, not a private result); *teacher mean* "
-        "is the teachers' own test Dice.",
+        "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). Column "
+        "*ensemble* decodes the teachers' averaged encodings without noise: the best pseudo-labels that "
+        "compressor can deliver (a simulation-only diagnostic, not a private result); *teacher mean* is the "
+        "teachers' own test Dice (likewise).",
         "",
         markdown_table(cells, accuracy=accuracy),
         "",
@@ -217,6 +221,41 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     report = root / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report
+
+
+def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None) -> list[str]:
+    """The relation every ε is stated under (one per comparison, else a warning), the threat model, and
+    the combined ε of everything released together."""
+    relations = sorted({c.get("relation") for c in cells if c.get("relation")})
+    lines = ["## Privacy", ""]
+    if len(relations) == 1:
+        lines.append(f"- One neighbouring relation for every method: **{relations[0]}** (one patient at one "
+                     "hospital), so the ε columns are comparable.")
+    elif relations:
+        lines.append(f"- WARNING: the cells use different neighbouring relations ({', '.join(relations)}); "
+                     "their ε are not comparable at face value.")
+    lines.append("- Threat model: the aggregator is trusted with the teachers' un-noised encodings; differential "
+                 "privacy protects the patients against everyone who sees what is released (pseudo-labels, "
+                 "models, this report). Each hospital keeps its own ledger and lifetime budget.")
+    noise = sorted({c.get("noise") for c in cells if c.get("noise")})
+    if "reproducible" in noise:
+        lines.append("- The noise of this comparison was **reproducible** (seeded, `--reproducible-noise`): a "
+                     "simulation, not a private release.")
+    if release:
+        combined = release.get("combined_epsilon")
+        if combined is None:
+            lines.append("- Nothing was released from the hospitals' patients under privacy accounting.")
+        else:
+            per = ", ".join(f"{h} {e:.3g}" for h, e in sorted(release["combined_epsilon_per_hospital"].items()))
+            lines.append(f"- **Everything this comparison released, together: ε = {combined:.3g} per patient** "
+                         f"at δ = {release['delta']:g} ({release['relation']}, accountant {release['accountant']}), "
+                         f"the worst hospital's, from the hospitals' own ledgers `{release['hospital_ledgers']}` "
+                         f"({per}). The cells share patients: shipping several models together spends their "
+                         "combined ε, not each cell's.")
+    if any(c.get("method") == "nonprivate-central" for c in cells):
+        lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
+                     "for the simulation, never a release.")
+    return lines + [""]
 
 
 def _pyplot():

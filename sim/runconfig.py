@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from sim.errors import UserError
@@ -36,6 +37,8 @@ class RunSettings:
     calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
     query_batch: int = 8              # public scans per query message
     reproducible_noise: bool = False  # simulation only: noise streams seeded by ``seed`` (not private)
+    lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
+    ledger_dir: str | None = None     # simulated hospitals' own ledgers (default: <out>/hospital-ledgers)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +56,9 @@ class RunSettings:
                 raise UserError(f"{name.replace('_', '-')}: expected a positive integer, got {value}")
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
+        if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)
+                                                      and self.lifetime_epsilon > 0):
+            raise UserError(f"lifetime-epsilon: expected a positive number, got {self.lifetime_epsilon}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
 
@@ -67,6 +73,14 @@ class RunSettings:
     @property
     def resolved_delta(self) -> float:
         return self.delta if self.delta is not None else self.resolved_preset.delta
+
+    def hospital_privacy_config(self) -> dict[str, Any]:
+        """What simulated hospitals are told about their own privacy (deployed ones use their node config):
+        where each keeps its ledger, its lifetime budget and delta, and their codec policy -- simulated
+        hospitals opt in to the identity codec, whose full-resolution votes only the simulation sees."""
+        return {"ledger_dir": self.ledger_dir or str(Path(self.out) / "hospital-ledgers"),
+                "lifetime_epsilon": float(self.lifetime_epsilon or self.budget), "delta": self.resolved_delta,
+                "allow_identity": True}
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":
@@ -85,6 +99,7 @@ class RunSettings:
             reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
             reproducible_noise=_flag(get("reproducible-noise", False), "reproducible-noise"),
+            lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -97,6 +112,7 @@ class RunSettings:
             "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
             "reply-timeout": self.reply_timeout, "calibration": self.calibration,
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
+            "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
         }
 
     def noise_source(self, *names):

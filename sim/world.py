@@ -67,3 +67,13 @@ def load_world(prepared, split, *, with_query_labels: bool = True) -> PublicWorl
         query_labels=np.asarray(prepared.labels(query)).astype(np.int64) if with_query_labels else None,
         prepared=prepared, source=dict(getattr(prepared, "source", {}) or {}),
     )
+
+
+def public_validation_dice(model, world: PublicWorld) -> float | None:
+    """Mean Dice of ``model`` on the public validation set (public labels: free to use for choosing a
+    model or a setting; the test set never is). None when the world has no validation set."""
+    if world.validation_images is None or not len(world.validation_images):
+        return None
+    from sim.training import evaluate_segmentation
+
+    return evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")

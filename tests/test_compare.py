@@ -38,9 +38,31 @@ def test_segmentation_compare_is_complete_consistent_and_resumable(cache, tmp_pa
     teachers = list(cache.glob("worlds/*/nodes/*/teachers/teacher-*.pt"))
     assert len(teachers) == 8 and not list(out.rglob("hospitals"))  # one set of teachers, in the world
     assert json.loads(next(cache.glob("worlds/*/nodes/*/teachers/training.json")).read_text())["fingerprint"]
+    # releases add up: each hospital's own ledger holds both cells' queries; the report and every card
+    # state the combined epsilon, which exceeds each cell's
+    from privacy.ledger import Ledger
+    from sim.bundle import load_bundle
+
+    ledgers = sorted((out / "hospital-ledgers").glob("*.jsonl"))
+    assert len(ledgers) == 2
+    combined = max(Ledger.load(p).spent(p.stem, 1e-3).epsilon for p in ledgers)
+    assert max(r["epsilon"] for r in results) < combined <= 2 + 8
+    assert len(Ledger.load(ledgers[0]).records()) == sum(r["queries"] for r in results)
+    assert f"ε = {combined:.3g} per patient" in report and "One neighbouring relation" in report
+    card = load_bundle(out / "pate-pca/eps-8").card       # verifies the combined epsilon too
+    assert card["released_with"]["combined_epsilon"] == pytest.approx(combined)
+    assert "Threat model" in (out / "pate-pca/eps-8/model/MODEL_CARD.md").read_text()
+    # selection never looks at the test set: every cell reports its public validation Dice
+    assert all(r["validation_dice_mean"] is not None for r in results)
     stamps = {c: os.path.getmtime(out / c / "results.json") for c in cells}
     assert main(args) == 0  # resumed: nothing recomputed
     assert stamps == {c: os.path.getmtime(out / c / "results.json") for c in cells}
+    # a cell interrupted after releasing is kept aside and run again; the hospitals keep counting both
+    (out / "pate-pca/eps-2/results.json").unlink()
+    before = len(Ledger.load(ledgers[0]).records())
+    assert main(args) == 0
+    assert len(list(out.glob("pate-pca/eps-2.interrupted-*"))) == 1
+    assert len(Ledger.load(ledgers[0]).records()) == before + results[0]["queries"]
 
 
 def test_classification_task_path(tmp_path):

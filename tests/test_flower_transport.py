@@ -75,7 +75,10 @@ def world_dir(tiny_prepared, tiny_split, tmp_path):
 def _transport(grid, world_dir, **kw):
     return FlowerTransport(grid, 2, wait_seconds=1, reply_timeout=5, poll_seconds=0.01,
                            base_config={"preset": "tiny", "seed": 0, "world": str(world_dir),
-                                        "preset_overrides": {"teacher_epochs": 1}}, **kw)
+                                        "preset_overrides": {"teacher_epochs": 1},
+                                        # the simulated hospitals' own ledgers and lifetime budget
+                                        "ledger_dir": str(world_dir / "hospital-ledgers"),
+                                        "lifetime_epsilon": 8.0, "delta": 1e-3}, **kw)
 
 
 def test_connect_maps_nodes_to_hospitals(world_dir, tiny_split):
@@ -103,7 +106,9 @@ def test_error_reply_drops_that_hospital_only(world_dir):
 
 
 def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, tiny_prepared, tiny_split, tmp_path):
-    """Hospital 1 dies after the first query message: later queries are accounted with K = 4, not 8."""
+    """Hospital 1 dies after the first query message: the batch it missed is not released (its partner was
+    charged for K = 8), and later queries are accounted with K = 4, not 8 -- on the server and in the
+    surviving hospital's own ledger."""
     from server.pate import run_pate
     from sim.world import load_world
 
@@ -124,7 +129,7 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     results = run_pate(transport, world, PRESET, "pate-pca", 8.0, 1e-3, out, seed=0, progress=False,
                        query_batch=2, pca_mode="clip")
     ledger = Ledger.load(out / "ledger.jsonl")
-    queries = [r for r in ledger.records() if r["release_id"].startswith("query-")]
+    queries = [r for r in ledger.records() if ":query-" in r["release_id"]]
     teachers = [r["note"]["teachers"] for r in queries]
     assert teachers[:2] == [8, 8] and set(teachers[2:]) <= {4} and teachers[2:]
     dead_hospital = sorted(tiny_split.hospitals)[1]
@@ -136,6 +141,14 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     # ...and the results' epsilon is the ledger's, within the budget
     worst = max(ledger.spent(o, 1e-3).epsilon for o in ledger.owners())
     assert results["epsilon"] == pytest.approx(worst) and results["epsilon"] <= 8.0
+    # the surviving hospital charged its own ledger for every batch it answered, including the unreleased
+    # one (K = 8 declared, only 4 answered): its own epsilon is never below the server's
+    alive = sorted(tiny_split.hospitals)[0]
+    own = Ledger.load(world_dir / "hospital-ledgers" / f"{alive}.jsonl")
+    released = {r["release_id"] for r in queries}
+    assert released < {r["release_id"] for r in own.records()}
+    assert results["unreleased_queries"] == len(own.records()) - len(released) > 0
+    assert own.spent(alive, 1e-3).epsilon >= ledger.spent(alive, 1e-3).epsilon
     # the compressor state travelled once per hospital, not with every query
     codec_sizes = [size for node, kind, size in grid.sent if kind == "query" and node == 100]
     assert codec_sizes[0] > codec_sizes[1]

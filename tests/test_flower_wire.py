@@ -47,6 +47,14 @@ def node(world_dir):
     return send, context
 
 
+def world_dir_ledgers(context) -> "Path":
+    """A fresh folder for the simulated hospital's own ledgers (the server says where, in simulation)."""
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp(prefix="hospital-ledgers-"))
+
+
 def _all_arrays(reply) -> dict:
     _, arrays = read_content(reply.content)
     return {f"{record}/{name}": value for record, values in arrays.items() for name, value in values.items()}
@@ -73,7 +81,10 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     reference = one_hot(tiny_prepared.labels(tiny_split.public_reference), 4)
     codec = PCACompressor(n_components=3, sensitivity_mode="clip", clip=1.0).fit(reference).state()
     latent_dim = 3
-    reply = send("query", {"codec_digest": arrays_digest(codec)}, scans={"scans": scans}, codec=codec)
+    ledgers = world_dir_ledgers(context)
+    declared = {"sigma": 0.5, "teachers": 2 * teachers, "ledger_dir": str(ledgers), "lifetime_epsilon": 50.0}
+    reply = send("query", {"codec_digest": arrays_digest(codec), "release_ids": ["q-0", "q-1", "q-2"], **declared},
+                 scans={"scans": scans}, codec=codec)
     assert not reply.has_error(), reply.error
     arrays = _all_arrays(reply)
     assert list(arrays) == ["encodings/z"]
@@ -85,9 +96,24 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     assert z.nbytes == teachers * len(scans) * latent_dim * 4
 
     # The compressor state is kept in the node's context: the next query need not carry it.
-    again = send("query", {"codec_digest": arrays_digest(codec)}, scans={"scans": scans[:1]})
+    again = send("query", {"codec_digest": arrays_digest(codec), "release_ids": ["q-3"], **declared},
+                 scans={"scans": scans[:1]})
     assert not again.has_error()
     assert _all_arrays(again)["encodings/z"].shape == (teachers, 1, latent_dim)
+
+    # The hospital charged its own ledger for every scan, with the sensitivity it computed from the codec
+    from privacy.ledger import Ledger
+
+    ledger = Ledger.load(ledgers / f"{identity['hospital_id']}.jsonl")
+    assert [r["release_id"] for r in ledger.records()] == ["q-0", "q-1", "q-2", "q-3"]
+    assert [r["event"]["sensitivity"] for r in ledger.records()] == [pytest.approx(2 * 1.0 / (2 * teachers))] * 4
+    assert ledger.owners() == [identity["hospital_id"]]
+
+    # A query that does not declare what it releases is refused, and nothing is charged
+    undeclared = send("query", {"codec_digest": arrays_digest(codec)}, scans={"scans": scans[:1]})
+    status = read_content(undeclared.content)[0]["status"]
+    assert status.startswith("refused:") and "release_ids" in status and _all_arrays(undeclared) == {}
+    assert len(Ledger.load(ledgers / f"{identity['hospital_id']}.jsonl")) == 4
 
     # A stale or unknown compressor state is refused (the server then re-sends it).
     stale = send("query", {"codec_digest": "0" * 16}, scans={"scans": scans[:1]})

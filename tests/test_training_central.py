@@ -24,7 +24,8 @@ def _run(tmp_path, monkeypatch, data, *extra):
     assert all(key in results for key in SCHEMA)
     assert set(results["dice"]) == DICE
     assert len(results["dice_per_case"]) > 0 and all(v is None or 0 <= v <= 1 for v in results["dice_per_case"])
-    assert (out / "model" / "model.pt").is_file() and (out / "ledger.jsonl").is_file()
+    assert (out / "model" / "weights.pt").is_file() and (out / "ledger.jsonl").is_file()
+    assert not (out / "model" / "model.pt").exists(), "one weight file per bundle, covered by its digest"
     return out, results
 
 
@@ -36,12 +37,9 @@ def test_central_nonprivate_cli(tmp_path, monkeypatch, tiny_phantoms):
         assert results[key] is None
     assert (out / "ledger.jsonl").read_text() == ""
     assert results["dice"]["mean"] is None or 0.0 <= results["dice"]["mean"] <= 1.0
-    import torch
+    from sim.bundle import load_bundle
 
-    from sim.networks import build_unet_from_config
-
-    saved = torch.load(out / "model" / "model.pt", weights_only=False)
-    build_unet_from_config(saved["network_config"]).load_state_dict(saved["model"])
+    assert load_bundle(out).card["private"] is False
 
 
 @pytest.mark.slow
@@ -52,7 +50,9 @@ def test_central_dpsgd_cli(tmp_path, monkeypatch, tiny_phantoms):
 
     assert results["method"] == "dp-sgd-central"
     assert results["relation"] == "add-remove" and results["accountant"] == "zcdp"
-    spent = Ledger.load(out / "ledger.jsonl").spent("central", 1e-3)
+    ledger = Ledger.load(out / "ledger.jsonl")
+    assert ledger.owners() == ["hospital-00", "hospital-01"]     # the pooled patients' hospitals
+    spent = ledger.spent("hospital-00", 1e-3)
     assert results["epsilon"] == pytest.approx(spent.epsilon)
     assert 0 < results["epsilon"] <= 8.0 and results["epsilon_budget"] == 8.0 and results["sigma"] > 0
     # a rerun into the same folder resumes from the checkpoint: no epoch is charged twice
@@ -77,7 +77,7 @@ def _fake_loader(preset, seed=0, data=None, cache_root=None, progress=True):
     y = (x[:, 0] > 0.5).astype(np.int64) + (x[:, 1] > 1.2).astype(np.int64)
     return {"config": Config(tuple(preset.grid)), "train_ids": ["a", "b", "c", "d"], "test_ids": ["e", "f"],
             "train_images": x[:4], "train_labels": y[:4], "test_images": x[4:], "test_labels": y[4:],
-            "validation": None, "hospitals": 2, "source": {"kind": "synthetic-test"}}
+            "validation": None, "hospitals": 2, "hospital_ids": ["h0", "h1"], "source": {"kind": "synthetic-test"}}
 
 
 @pytest.mark.parametrize("method", ["nonprivate", "dp-sgd"])
@@ -97,9 +97,33 @@ def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
     if method == "dp-sgd":
         from privacy.ledger import Ledger
 
-        spent = Ledger.load(tmp_path / "run" / "ledger.jsonl").spent("central", 1e-3)
+        spent = Ledger.load(tmp_path / "run" / "ledger.jsonl").spent("h1", 1e-3)
         assert written["epsilon"] == pytest.approx(spent.epsilon) and written["accountant"] == "zcdp"
         assert written["relation"] == "add-remove" and written["epsilon_budget"] == 8.0
     else:
         assert written["epsilon"] is None and written["relation"] is None and written["delta"] is None
         assert (tmp_path / "run" / "ledger.jsonl").read_text() == ""
+
+
+def test_central_dpsgd_charges_every_hospitals_lifetime_ledger(tmp_path, monkeypatch):
+    """In a comparison the pooled DP-SGD run spends each hospital's lifetime budget too, and is refused
+    before any epoch when a hospital's lifetime ledger has no room left."""
+    import sim.runners.central as central
+    from privacy.errors import BudgetExceeded
+    from privacy.ledger import Ledger
+
+    monkeypatch.setattr(central, "load_central_data", _fake_loader)
+    ledgers = tmp_path / "hospital-ledgers"
+    results = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "a", epsilon=2.0, delta=1e-3,
+                                  progress=False, epochs=1, sampling="shuffle", augment=False,
+                                  hospital_ledger_dir=ledgers, lifetime_epsilon=3.0)
+    for h in ("h0", "h1"):
+        own = Ledger.load(ledgers / f"{h}.jsonl")
+        assert own.owners() == [h] and own.spent(h, 1e-3).epsilon == pytest.approx(results["epsilon"])
+    spent_elsewhere = next(e for e in Ledger.load(ledgers / "h1.jsonl").events("h1"))   # same kind of event
+    Ledger(ledgers / "h1.jsonl").record(["h1"], spent_elsewhere, "another-run:epoch-0")
+    with pytest.raises(BudgetExceeded, match="h1"):
+        central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "b", epsilon=2.0, delta=1e-3,
+                            progress=False, epochs=1, sampling="shuffle", augment=False,
+                            hospital_ledger_dir=ledgers, lifetime_epsilon=3.0)
+    assert len(Ledger.load(ledgers / "h0.jsonl")) == 1        # nothing recorded for the refused run

@@ -24,6 +24,9 @@ def register(subparsers) -> None:
     parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
     parser.add_argument("--teachers-per-hospital", default=None,
                         help="one value or a comma-separated sweep, e.g. 1,4,16 (K = hospitals x this)")
+    parser.add_argument("--lifetime-epsilon", type=float, default=None,
+                        help="each hospital's lifetime budget over every cell of this comparison (default: the "
+                             "sum of the private cells' budgets); a cell that would exceed it is refused")
     parser.add_argument("--engine", default="flower", choices=("flower", "inprocess"),
                         help="federated cells through Flower's simulation engine (default) or in-process")
     parser.set_defaults(func=run)
@@ -46,6 +49,7 @@ def run(args) -> int:
     sweep = parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital") if args.teachers_per_hospital else None
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
                          hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
-                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
+                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
+                         lifetime_epsilon=args.lifetime_epsilon)
     print(f"report: {report}")
     return 0

@@ -41,9 +41,12 @@ def run(args) -> int:
     report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                          parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
-    cells = [c for c in load_cells(out) if str(c.get("method", "")).startswith("pate") and c.get("dice")]
+    # The student to show is chosen on the PUBLIC validation set (never the test set): the largest budget,
+    # then the best public validation Dice.
+    cells = [c for c in load_cells(out) if str(c.get("method", "")).startswith("pate")
+             and c.get("validation_dice_mean") is not None]
     if cells:
-        best = max(cells, key=lambda c: (c.get("epsilon_budget") or 0, c["dice"]["mean"] or 0))
+        best = max(cells, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]))
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
                                    progress=False)
         unseen = sorted((phantoms / "imagesTs").glob("*.nii.gz"))[:1]
@@ -51,7 +54,8 @@ def run(args) -> int:
             model_dir = out / best["_cell"]
             predictions = predict_scans(model_dir, unseen, out / "predict-demo", progress=False)
             print(f"\npredicted an unseen scan with {best['method']} at epsilon {best['epsilon']:.3g} "
-                  f"(delta {best['delta']:g}, {best['relation']}):")
+                  f"(delta {best['delta']:g}, {best['relation']}; chosen on public validation Dice "
+                  f"{best['validation_dice_mean']:.3f}):")
             for prediction in predictions:
                 print("  " + prediction.summary())
             print(f"  same command yourself: fedpate predict --model {model_dir} --image {unseen[0]} "

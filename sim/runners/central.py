@@ -3,12 +3,14 @@
 The pooled data are every hospital's teacher partitions together (the ``Split``'s private part): the
 upper bound that no federation can beat (non-private) and the seed paper's DP-SGD baseline (Fay et al.
 ``../shared/papers/004_*`` Sec. 5: same U-Net, per-layer clipping at 4, sigma^2 = 6, epsilon = 8,
-delta = 1e-3). Privacy unit: one patient volume; DP-SGD is add/remove-one with Poisson sampling (or
-zCDP for shuffled batches, Yu et al.), charged to the single owner ``"central"`` (the pooled data holder).
+delta = 1e-3). Privacy unit: one patient volume; DP-SGD with Poisson sampling (or zCDP for shuffled
+batches, Yu et al.). Every epoch is charged to every hospital whose patients are pooled (the owners of
+the data: a patient's guarantee is this run's ε), and, in a comparison, also to each hospital's own
+lifetime ledger (``hospital_ledger_dir``) through a :class:`privacy.guard.GuardChain`.
 
 Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null where it does not apply),
-``ledger.jsonl`` (empty for non-private training), ``model/model.pt`` (state dict + ``network_config``),
-the model bundle (``model/weights.pt``, ``bundle.json``, card; see ``sim.bundle``) and
+``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
+``bundle.json``, card; see ``sim.bundle``; the only copy of the weights, covered by its digest) and
 ``checkpoint/train.pt`` (resumed when the run is restarted in the same folder).
 """
 
@@ -24,7 +26,6 @@ import numpy as np
 from sim.errors import UserError
 
 METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
-OWNER = "central"
 
 
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cache_root: str | Path | None = None,
@@ -73,7 +74,7 @@ def _pooled(prepared, split, config, root) -> dict[str, Any]:
         "train_labels": np.asarray(prepared.labels(train_ids), np.int64),
         "test_images": np.asarray(prepared.images(test_ids), np.float32),
         "test_labels": np.asarray(prepared.labels(test_ids), np.int64),
-        "validation": None, "hospitals": len(split.hospitals),
+        "validation": None, "hospitals": len(split.hospitals), "hospital_ids": sorted(split.hospitals),
         "source": dict(getattr(prepared, "source", {}) or {"root": str(root)}),
     }
     if validation_ids:
@@ -89,18 +90,21 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
                 epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
                 schedule_options: dict | None = None, batch_size: int | None = None,
-                reproducible_noise: bool = False) -> dict[str, Any]:
+                reproducible_noise: bool = False, hospital_ledger_dir: str | Path | None = None,
+                lifetime_epsilon: float | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
     DP-SGD needs larger expected batches than plain training: the noise is added once per batch.
     ``reproducible_noise`` (simulation only): DP-SGD noise and batches seeded by ``seed``; the seed is then
-    left out of results.json. Default: secure noise.
+    left out of results.json. Default: secure noise. ``hospital_ledger_dir`` / ``lifetime_epsilon``: the
+    hospitals' own ledgers of a comparison (``<dir>/<hospital>.jsonl``) and their lifetime budget; every
+    epoch is then also charged there, and refused when a hospital's lifetime budget would be exceeded.
     """
     import torch
 
     from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
-    from sim.io import atomic_save_torch, atomic_write_bytes, atomic_write_json
+    from sim.io import atomic_write_bytes, atomic_write_json
     from sim.networks import build_unet, network_config
     from sim.presets import get_preset
     from sim.training import TrainConfig, evaluate_segmentation_per_case, train_segmentation
@@ -147,8 +151,14 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                       sampling=sampling, schedule=schedule,
                       schedule_options=dict(schedule_options or {}),
                       grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                      release_prefix="central-dpsgd").validate()
+                      release_prefix=_release_prefix(ledger_path)).validate()
         guard = BudgetGuard(Ledger(ledger_path), epsilon, delta)
+        if hospital_ledger_dir is not None:
+            from privacy.guard import GuardChain
+
+            lifetime = float(lifetime_epsilon or epsilon)
+            guard = GuardChain(guard, [(BudgetGuard(Ledger(Path(hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
+                                                    delta), [h]) for h in world["hospital_ids"]])
     else:
         atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
 
@@ -157,14 +167,19 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
         METHODS[method], f"eps-{epsilon:g}")
     result = train_segmentation(model, world["train_images"], world["train_labels"], train_config, dp=dp,
-                                guard=guard, owners=(OWNER,), validation=world["validation"], noise=noise)
+                                guard=guard, owners=tuple(world["hospital_ids"]), validation=world["validation"],
+                                noise=noise)
     dice, dice_per_case = evaluate_segmentation_per_case(result.model, world["test_images"], world["test_labels"])
 
-    atomic_save_torch(out / "model" / "model.pt", {"model": result.model.state_dict(), "network_config": net_cfg,
-                                                   "preset": p.name, "grid": list(p.grid), "method": METHODS[method]})
     spent = None
-    if private:
-        spent = guard.ledger.spent(OWNER, delta)   # the epsilon written anywhere is the ledger's
+    if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
+        ledger = guard.ledger
+        spent = max((ledger.spent(owner, delta) for owner in ledger.owners()), key=lambda s: s.epsilon)
+    validation_dice = None
+    if world["validation"] is not None:
+        from sim.training import evaluate_segmentation
+
+        validation_dice = evaluate_segmentation(result.model, *world["validation"]).get("mean")
     preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
     _save_bundle(out, result.model, net_cfg, preprocessing, METHODS[method], ledger_path if private else None,
                  epsilon if private else None, delta if private else None,
@@ -207,9 +222,24 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
             "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
         },
         "data_source": world["source"],
+        # public validation Dice: what model selection may look at (never the test set)
+        "validation_dice_mean": validation_dice,
     }
     atomic_write_json(out / "results.json", results)
     return results
+
+
+def _release_prefix(ledger_path: Path) -> str:
+    """Release ids unique to this run: the hospitals' lifetime ledgers outlive it, and an id they already
+    hold would merge a new release into an old one. A resumed run (checkpoint + ledger) keeps its ids."""
+    import secrets
+
+    from privacy.ledger import Ledger
+
+    if ledger_path.exists() and ledger_path.stat().st_size > 0:
+        first = Ledger.load(ledger_path).records()[0]["release_id"]
+        return first.rsplit(":epoch-", 1)[0]
+    return f"central-dpsgd:{secrets.token_hex(4)}"
 
 
 def _config_dict(config) -> dict:

@@ -8,8 +8,16 @@ Cells and where they run:
 - ``public-only``: the student trained only on the public labelled reference set -- the honest baseline
   PATE must beat (SPEC section 11).
 
-Resumable: a cell whose results.json exists is skipped. Every cell writes results.json, ledger.jsonl
-and a model bundle; the report re-checks each epsilon against its ledger.
+Resumable: a cell whose results.json exists is skipped; a cell interrupted after it had released
+something (a ledger but no results) is kept aside as ``<cell>.interrupted-<time>`` and run again -- its
+releases stay counted. Every cell writes results.json, ledger.jsonl and a model bundle; the report
+re-checks each epsilon against its ledger.
+
+Releases add up (SPEC section 2): the cells share the hospitals' patients, so every cell that touches
+them also charges each hospital's own ledger, ``hospital-ledgers/<hospital>.jsonl``, persistent across
+the cells and across resumes, under a lifetime budget per hospital (``lifetime_epsilon``; default: the
+sum of the private cells' budgets). The report and every model card state the combined ε of everything
+the comparison released together, from those ledgers.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from privacy.errors import BudgetExceeded
 from sim.errors import UserError
 from sim.io import atomic_write_json
 
@@ -52,7 +61,8 @@ def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int
 def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
                 seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
                 teachers_per_hospital: Sequence[int] | None = None, engine: str = "flower",
-                progress: bool = True, reproducible_noise: bool = False) -> Path:
+                progress: bool = True, reproducible_noise: bool = False,
+                lifetime_epsilon: float | None = None) -> Path:
     from sim.presets import get_preset
     from sim.report import write_report
     from sim.runconfig import RunSettings
@@ -71,14 +81,22 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
     sweeping = len(sweep) > 1
     started = time.perf_counter()
+    ledger_dir = out / HOSPITAL_LEDGERS
+    lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
                                              "epsilons": list(epsilons), "delta": delta, "seed": seed,
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
                                              "data": data, "engine": engine,
-                                             "noise": "reproducible" if reproducible_noise else "secure"})
+                                             "noise": "reproducible" if reproducible_noise else "secure",
+                                             "lifetime_epsilon": lifetime})
+    print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
+          f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
 
     def done(path: Path) -> bool:
-        return (path / "results.json").exists()
+        if (path / "results.json").exists():
+            return True
+        set_aside_interrupted(path)
+        return False
 
     # --- federated cells: one Flower simulation per K -------------------------------------------------
     worlds: dict[int, str] = {}
@@ -98,7 +116,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
-                               reproducible_noise=reproducible_noise)
+                               reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
+                               lifetime_epsilon=lifetime)
         if cells:
             if engine == "inprocess" and any(c["method"] == "dp-fedavg" for c in cells):
                 raise UserError("--engine inprocess cannot run dp-fedavg; use --engine flower")
@@ -116,8 +135,12 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         for epsilon in epsilons:
             path = cell_dir(out, "dp-sgd-central", epsilon)
             if not done(path):
-                run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
-                            seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise)
+                try:
+                    run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
+                                seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
+                                hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime)
+                except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
+                    print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
     if "public-only" in methods and not done(out / "public-only"):
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
@@ -133,13 +156,69 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
             overlays.append(overlay)
     except Exception as exc:  # a plot must never lose the finished cells' report
         print(f"compare: overlay plot skipped ({exc.__class__.__name__}: {exc})")
+    from sim.bundle import attach_release
+
+    release = combined_release(out, delta)
+    for cell in sorted(out.rglob("results.json")):
+        if (cell.parent / "model" / "bundle.json").exists():
+            attach_release(cell.parent, release)
     title = f"fedpate comparison — preset {preset_name}"
     report = write_report(out, title, settings={"preset": preset_name, "hospitals": base.hospitals,
                                                 "teachers per hospital": ",".join(map(str, sweep)),
                                                 "δ": delta, "seed": seed, "engine": engine,
                                                 "wall minutes": round((time.perf_counter() - started) / 60, 1)},
-                          overlays=overlays)
+                          overlays=overlays, release=release)
     return report
+
+
+HOSPITAL_LEDGERS = "hospital-ledgers"
+PRIVATE_METHODS = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg", "dp-sgd-central")
+
+
+def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], teacher_counts: int) -> float:
+    """Default lifetime budget per hospital: the sum of the budgets of every cell that touches its
+    patients (PATE cells once per K of a sweep; DP-FedAvg and DP-SGD once). Basic composition's total;
+    the ledgers' accountants compose tighter, and the report states what was actually spent."""
+    total = 0.0
+    for method in methods:
+        if method in PRIVATE_METHODS:
+            repeats = teacher_counts if method.startswith("pate") else 1
+            total += repeats * sum(float(e) for e in epsilons)
+    return total or max(float(e) for e in epsilons)
+
+
+def set_aside_interrupted(path: Path) -> Path | None:
+    """A cell folder with a ledger but no results was interrupted after releasing: keep it (renamed), so
+    the cell can run again in a fresh folder. Its releases stay in the hospitals' own ledgers."""
+    ledger = path / "ledger.jsonl"
+    if (path / "results.json").exists() or not ledger.exists() or ledger.stat().st_size == 0:
+        return None
+    aside = path.with_name(f"{path.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.rename(aside)
+    print(f"compare: {path} was interrupted after releasing; kept as {aside.name} and run again "
+          "(its releases stay counted in the hospitals' ledgers)", flush=True)
+    return aside
+
+
+def combined_release(out: Path, delta: float) -> dict[str, Any]:
+    """What the comparison released together, per hospital, from the hospitals' own ledgers: the combined
+    epsilon of every cell (all methods, all budgets, all K) that touched that hospital's patients."""
+    from privacy.ledger import Ledger
+
+    per_hospital, digests, relations, accountants = {}, {}, set(), set()
+    for path in sorted((out / HOSPITAL_LEDGERS).glob("*.jsonl")):
+        ledger = Ledger.load(path)
+        for owner in ledger.owners():
+            spent = ledger.spent(owner, delta)
+            per_hospital[owner] = spent.epsilon
+            relations.add(spent.relation)
+            accountants.add(spent.accountant)
+        digests[path.name] = ledger.digest()
+    return {"combined_epsilon": max(per_hospital.values()) if per_hospital else None,
+            "combined_epsilon_per_hospital": per_hospital, "delta": delta,
+            "relation": ", ".join(sorted(r for r in relations if r)) or None,
+            "accountant": ", ".join(sorted(accountants)) or None,
+            "hospital_ledgers": f"{HOSPITAL_LEDGERS}/", "hospital_ledger_digests": digests}
 
 
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True) -> dict:
@@ -160,6 +239,9 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
                                checkpoint=shared_dir / "public-only.pt")
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
+    from sim.world import public_validation_dice
+
+    validation_dice = public_validation_dice(model, world)
     out.mkdir(parents=True, exist_ok=True)
     card = privacy_card(method="public-only", ledger_path=None, delta=None, epsilon_budget=None, relation=None,
                         accountant=None, teachers=None, hospitals=None, data_source=world.source,
@@ -170,7 +252,8 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
                "relation": None, "accountant": None, "teachers": None, "hospitals": None, "queries": None,
                "sigma": None, "teacher_dice_mean": None, "ensemble_dice_mean": None,
                "bytes_up_per_query_per_teacher": None, "wall_seconds": round(time.perf_counter() - started, 2),
-               "seed": seed, "reference_cases": len(world.reference_labels)}
+               "seed": seed, "reference_cases": len(world.reference_labels),
+               "validation_dice_mean": validation_dice}
     atomic_write_json(out / "results.json", results)
     return results
 
@@ -190,10 +273,10 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
     images, truth = world.test_images[:3], world.test_labels[:3]
     cells = load_cells(out)
 
-    def best(prefix):
-        found = [c for c in cells if str(c.get("method", "")).startswith(prefix) and (c.get("dice") or {}).get("mean")
-                 is not None]
-        return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["dice"]["mean"]), default=None)
+    def best(prefix):   # chosen on public validation Dice, never on the test set
+        found = [c for c in cells if str(c.get("method", "")).startswith(prefix)
+                 and c.get("validation_dice_mean") is not None]
+        return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
     predictions: dict[str, Any] = {}
     for prefix in ("pate", "dp-sgd-central", "public-only"):

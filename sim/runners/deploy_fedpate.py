@@ -72,8 +72,11 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     folders = export_hospital_folders(world, work / "hospital-data")
     out = Path(settings.out).resolve()
     (out / "results.json").unlink(missing_ok=True)
+    # each hospital's own lifetime budget and delta, as its IT would set them in the node config
     hospitals = [{"hospital-id": h, "data-dir": str(folder), "workdir": str(work / "hospitals" / h),
-                  "teachers-per-hospital": preset.teachers_per_hospital} for h, folder in folders.items()]
+                  "teachers-per-hospital": preset.teachers_per_hospital,
+                  "epsilon-budget": float(settings.lifetime_epsilon or settings.budget),
+                  "delta": float(settings.resolved_delta)} for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
         if kill_hospital_during_queries is None:
@@ -96,7 +99,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
 def _wait_for_first_query(ledger: Path, future, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if ledger.exists() and '"query-' in ledger.read_text():
+        if ledger.exists() and 'query-' in ledger.read_text():
             return
         if future.done():
             raise UserError("the run ended before its query phase began")

@@ -43,6 +43,7 @@ class FlowerTransport:
         self.dropped: dict[str, str] = {}       # hospital id -> why
         self.codec_sent: dict[str, str] = {}    # hospital id -> digest of the compressor state it holds
         self.bytes_up: list[dict[str, float]] = []  # per query round: hospital -> bytes per teacher per scan
+        self.notes: list[dict[str, dict]] = []       # per query round: hospital -> what it said (counts only)
         self._round = 0
 
     # ----------------------------------------------------------------------------------------------
@@ -96,8 +97,12 @@ class FlowerTransport:
         for hospital in replies:
             self.codec_sent[hospital] = digest
         # Payload bytes per (teacher, scan): what one teacher uploads for one query.
-        self.bytes_up.append({h: arrays["encodings"]["z"].nbytes / max(1, arrays["encodings"]["z"].shape[0] * len(scans))
-                              for h, (_, arrays) in replies.items()})
+        if not config.get("diagnostic"):
+            self.bytes_up.append({h: arrays["encodings"]["z"].nbytes / max(1, arrays["encodings"]["z"].shape[0]
+                                                                          * len(scans))
+                                  for h, (_, arrays) in replies.items()})
+            self.notes.append({h: {"fallback_teachers": int(reply.get("fallback_teachers", 0) or 0)}
+                               for h, (reply, _) in replies.items()})
         return {h: arrays["encodings"]["z"] for h, (_, arrays) in replies.items()}
 
     def evaluate(self, config: Mapping[str, Any], test: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:

@@ -16,9 +16,12 @@ class InProcessTransport:
     """``server.pate.HospitalTransport`` over in-process hospitals. ``drop`` ({hospital: query round
     from which it stops answering}) simulates dropouts."""
 
-    def __init__(self, hospitals, drop: Mapping[str, int] | None = None):
+    def __init__(self, hospitals, drop: Mapping[str, int] | None = None, base_config: Mapping | None = None):
         self.hospitals = {h.hospital_id: h for h in hospitals}
         self.drop = dict(drop or {})
+        self.base_config = dict(base_config or {})   # what every message carries (ledger_dir, lifetime ε)
+        self.deployed = {h: False for h in self.hospitals}
+        self.notes: list[dict[str, dict]] = []       # per query round: hospital -> what it said (counts)
         self.query_rounds = 0
         self.bytes_up: list[dict[str, int]] = []
 
@@ -26,18 +29,22 @@ class InProcessTransport:
         return sorted(h for h in self.hospitals if self.drop.get(h, 1 << 60) > self.query_rounds)
 
     def train(self, config: dict, init_weights: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
-        return {h: self.hospitals[h].train_teachers({**config, "init_weights": init_weights})
+        return {h: self.hospitals[h].train_teachers({**self.base_config, **config, "init_weights": init_weights})
                 for h in self.hospital_ids()}
 
     def query(self, scans, codec, config) -> dict[str, np.ndarray]:
-        replies = {h: self.hospitals[h].answer_query(scans, codec, config) for h in self.hospital_ids()}
+        answers = {h: self.hospitals[h].answer_query(scans, codec, {**self.base_config, **config})
+                   for h in self.hospital_ids()}
+        replies = {h: rows for h, (rows, _) in answers.items()}
         if not config.get("diagnostic"):
             self.query_rounds += 1
             self.bytes_up.append({h: int(r.nbytes) for h, r in replies.items()})
+            self.notes.append({h: notes for h, (_, notes) in answers.items()})
         return replies
 
     def evaluate(self, config: dict, test: Mapping[str, np.ndarray] | None = None) -> dict[str, dict]:
-        return {h: self.hospitals[h].evaluate({**config, **dict(test or {})}) for h in self.hospital_ids()}
+        return {h: self.hospitals[h].evaluate({**self.base_config, **config, **dict(test or {})})
+                for h in self.hospital_ids()}
 
     def ensemble_probabilities(self, scans) -> np.ndarray:
         """Simulation-only diagnostic: the teachers' averaged probabilities (SPEC section 11 ceiling)."""
@@ -74,8 +81,13 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
 def run_pate_inprocess(preset_name: str, method: str, epsilon: float | None, delta: float | None, out,
                        seed: int = 0, data=None, hospitals: int | None = None,
                        teachers_per_hospital: int | None = None, progress: bool = True, *, prepared=None,
-                       split=None, drop: Mapping[str, int] | None = None, hospitals_root=None, **options) -> dict:
-    """Build the world (sim.data), one Hospital per split hospital, and run :func:`server.pate.run_pate`."""
+                       split=None, drop: Mapping[str, int] | None = None, hospitals_root=None,
+                       hospital_config: Mapping | None = None, **options) -> dict:
+    """Build the world (sim.data), one Hospital per split hospital, and run :func:`server.pate.run_pate`.
+
+    ``hospital_config``: where the simulated hospitals keep their own ledgers and their lifetime budget
+    (``RunSettings.hospital_privacy_config``); default: ``out/hospital-ledgers`` and this run's epsilon.
+    """
     from clients.hospital import Hospital
     from server.pate import run_pate
     from sim.presets import get_preset
@@ -95,6 +107,8 @@ def run_pate_inprocess(preset_name: str, method: str, epsilon: float | None, del
     root = Path(hospitals_root) if hospitals_root is not None else out / "hospitals"
     members = [Hospital(h, prepared, split.hospitals[h], preset, root / h, seed)
                for h in sorted(split.hospitals)]
-    transport = InProcessTransport(members, drop=drop)
+    hospital_config = dict(hospital_config or {"ledger_dir": str(out / "hospital-ledgers"),
+                                               "lifetime_epsilon": epsilon, "delta": delta, "allow_identity": True})
+    transport = InProcessTransport(members, drop=drop, base_config=hospital_config)
     results = run_pate(transport, world, preset, method, epsilon, delta, out, seed, progress=progress, **options)
     return results

@@ -55,7 +55,8 @@ def _settings_fields(settings: RunSettings) -> dict[str, Any]:
             "hospitals": settings.hospitals, "teachers_per_hospital": settings.teachers_per_hospital,
             "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
             "world": settings.world, "calibration": settings.calibration, "progress": settings.progress,
-            "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise}
+            "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise,
+            "lifetime_epsilon": settings.lifetime_epsilon, "ledger_dir": settings.ledger_dir}
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
@@ -111,5 +112,7 @@ def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
                                           calibration=settings.calibration, query_batch=settings.query_batch,
                                           shared_dir=cell.get("shared_dir"),
                                           noise=settings.noise_source(*cell_noise_names(cell, settings)),
+                                          hospital_config=settings.replace(out=cell["out"])
+                                          .hospital_privacy_config(),
                                           hospitals_root=Path(settings.world) / "nodes"))
     return results

@@ -1,0 +1,183 @@
+"""The hospital owns its patients' budget (issue 15, item 2): it checks the codec it is sent, charges its
+own ledger with the sensitivity it computes itself before any teacher runs, refuses what would exceed its
+lifetime budget, and a deployed hospital refuses everything meant for simulations only."""
+
+import numpy as np
+import pytest
+
+from clients.hospital import Hospital
+from privacy.errors import BudgetExceeded, PrivacyError
+from privacy.events import GaussianEvent
+from privacy.guard import BudgetGuard, GuardChain
+from privacy.ledger import Ledger
+from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
+from sim import codecs
+from sim.errors import UserError
+from sim.presets import get_preset
+
+GRID = (8, 8, 8)
+PRESET = get_preset("tiny")
+
+
+def _maps(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return codecs.one_hot(rng.integers(0, 4, size=(n, *GRID)), 4)
+
+
+class FixedTeachers(Hospital):
+    """A hospital whose teachers answer fixed probabilities (no training needed); ``broken`` teachers
+    answer NaN. Counts how often any teacher ran."""
+
+    def __init__(self, tmp_path, teachers=3, broken=(), deployed=False, lifetime=4.0, **kw):
+        super().__init__("h0", prepared=None, partitions=[[f"p{k}"] for k in range(teachers)], preset=PRESET,
+                         workdir=tmp_path / "h0", deployed=deployed, lifetime_epsilon=lifetime, delta=1e-3, **kw)
+        self.broken = set(broken)
+        self.runs = 0
+
+    def teacher_probs(self, k, scans):
+        self.runs += 1
+        probs = np.full((len(scans), 4, *GRID), 0.25, np.float32)
+        if k in self.broken:
+            probs[:] = np.nan
+        return probs
+
+
+def _query(release_ids, sigma=0.5, teachers=6, **extra):
+    return {"release_ids": list(release_ids), "sigma": sigma, "teachers": teachers, **extra}
+
+
+# ---------------------------------------------------------------------------------------- codec checks
+def test_codec_sensitivity_is_the_compressors_for_every_kind():
+    maps = _maps()
+    compressors = [PCACompressor(4, "public").fit(maps), PCACompressor(4, "paper").fit(maps),
+                   PCACompressor(4, "clip", clip=2.0).fit(maps), IdentityCompressor().fit(maps)]
+    for compressor in compressors:
+        state = codecs.verify_codec(compressor.state(), codecs.CodecPolicy(allow_identity=True))
+        for k in (1, 7, 128):
+            assert codecs.codec_sensitivity(state, k) == pytest.approx(compressor.sensitivity(k), rel=1e-5)
+    assert codecs.codec_sensitivity({"kind": np.array("ae"), "row_bound": np.array(1.0)}, 8) == 0.25
+
+
+def test_hospital_refuses_codecs_it_cannot_bound():
+    maps = _maps()
+    good = PCACompressor(4, "public").fit(maps).state()
+    skewed = dict(good, components=good["components"] * 1.5)             # not orthonormal: ||A||_op > 1
+    with pytest.raises(codecs.CodecRefused, match="orthonormal"):
+        codecs.verify_codec(skewed)
+    with pytest.raises(codecs.CodecRefused, match="probability map"):
+        codecs.verify_codec(dict(good, mean=good["mean"] + 2.0))
+    with pytest.raises(codecs.CodecRefused, match="max-latent-dim"):
+        codecs.verify_codec(good, codecs.CodecPolicy(max_latent_dim=3))
+    identity = IdentityCompressor().fit(maps).state()
+    with pytest.raises(codecs.CodecRefused, match="allow-identity"):
+        codecs.verify_codec(identity)
+    codecs.verify_codec(identity, codecs.CodecPolicy(allow_identity=True))
+    # a claimed row bound smaller than the truth is replaced by the hospital's own computation
+    lying = dict(good, row_bound=np.array(1e-3))
+    assert float(codecs.verify_codec(lying)["row_bound"]) == pytest.approx(float(good["row_bound"]), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------- own ledger
+def test_hospital_charges_its_own_ledger_before_answering(tmp_path):
+    hospital = FixedTeachers(tmp_path)
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    rows, notes = hospital.answer_query(np.zeros((2, 4, *GRID), np.float32), state, _query(["a", "b"]))
+    assert rows.shape == (3, 2, 3) and notes == {"fallback_teachers": 0}
+    ledger = Ledger.load(hospital.privacy_ledger)
+    assert [r["release_id"] for r in ledger.records()] == ["a", "b"]
+    # S = 2C/K for the declared K = 6 (not the hospital's own 3 teachers), computed from the codec
+    assert [r["event"]["sensitivity"] for r in ledger.records()] == [pytest.approx(2 * 1.0 / 6)] * 2
+    assert ledger.owners() == ["h0"]
+
+
+def test_hospital_refuses_a_batch_beyond_its_lifetime_budget_and_runs_no_teacher(tmp_path):
+    hospital = FixedTeachers(tmp_path, lifetime=1.0)
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    scans = np.zeros((3, 4, *GRID), np.float32)
+    with pytest.raises(BudgetExceeded):    # sigma far too small for epsilon 1
+        hospital.answer_query(scans, state, _query(["a", "b", "c"], sigma=0.01))
+    assert hospital.runs == 0 and not hospital.privacy_ledger.exists()
+    # the budget spans runs: a second run cannot spend what the first did
+    hospital.answer_query(scans[:1], state, _query(["r1"], sigma=1.5))      # epsilon 0.51
+    spent = Ledger.load(hospital.privacy_ledger).spent("h0", 1e-3).epsilon
+    assert 0 < spent < 1.0
+    with pytest.raises(BudgetExceeded):
+        FixedTeachers(tmp_path, lifetime=1.0).answer_query(scans[:1], state, _query(["r2"], sigma=1.0))
+    assert len(Ledger.load(hospital.privacy_ledger)) == 1
+
+
+def test_a_query_must_declare_what_it_releases(tmp_path):
+    hospital = FixedTeachers(tmp_path)
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    scans = np.zeros((2, 4, *GRID), np.float32)
+    for bad in ({}, _query(["a"]), _query(["a", "a"]), _query(["a", "b"], teachers=2)):
+        with pytest.raises(UserError):
+            hospital.answer_query(scans, state, bad)
+    assert hospital.runs == 0
+
+
+def test_nan_teacher_answers_a_fixed_row_and_only_its_count_leaves(tmp_path):
+    hospital = FixedTeachers(tmp_path, broken={1})
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    rows, notes = hospital.answer_query(np.zeros((2, 4, *GRID), np.float32), state, _query(["a", "b"]))
+    assert notes == {"fallback_teachers": 1}
+    np.testing.assert_array_equal(rows[1], 0.0)
+    assert np.all(np.isfinite(rows)) and np.any(rows[0] != 0)
+
+
+# --------------------------------------------------------------------- deployment vs simulation
+def test_deployed_hospital_refuses_simulation_only_requests(tmp_path):
+    deployed = FixedTeachers(tmp_path, deployed=True)
+    simulated = FixedTeachers(tmp_path / "sim")
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    scans = np.zeros((1, 4, *GRID), np.float32)
+    with pytest.raises(UserError, match="diagnostic"):
+        deployed.answer_query(scans, state, {"diagnostic": True})
+    with pytest.raises(UserError, match="Dice"):
+        deployed.evaluate({"images": scans, "labels": np.zeros((1, *GRID), np.int64)})
+    rows, _ = simulated.answer_query(scans, state, {"diagnostic": True})   # simulation: a flagged diagnostic
+    assert rows.shape == (3, 1, 3) and not simulated.privacy_ledger.exists()
+    # a deployed hospital keeps its own ledger and budget whatever the server says
+    with pytest.raises(BudgetExceeded):
+        deployed.answer_query(scans, state, _query(["x"], sigma=0.01, lifetime_epsilon=1e9,
+                                                   ledger_dir=str(tmp_path / "elsewhere")))
+    identity = IdentityCompressor().fit(_maps()).state()
+    with pytest.raises(codecs.CodecRefused):
+        deployed.answer_query(scans, identity, _query(["y"], allow_identity=True))
+
+
+# ------------------------------------------------------------------------------ the server's side
+def test_server_releases_nothing_when_fewer_teachers_answer_than_declared(tmp_path):
+    from server.aggregation import aggregate_query
+
+    compressor = PCACompressor(3, "clip", clip=1.0).fit(_maps())
+    state = codecs.verify_codec(compressor.state())
+    guard = BudgetGuard(Ledger(None), 100.0, 1e-3)
+    rows = np.full((3, 3), 0.1)
+    noisy, k = aggregate_query({"h0": rows}, 0.5, compressor, guard, "q0", state=state,
+                               expected_rows={"h0": 3, "h1": 3})
+    assert noisy is None and k == 0 and len(guard.ledger) == 0
+    noisy, k = aggregate_query({"h0": rows, "h1": rows}, 0.5, compressor, guard, "q1", state=state,
+                               expected_rows={"h0": 3, "h1": 3})
+    assert noisy is not None and k == 6
+    assert guard.ledger.records()[0]["event"]["sensitivity"] == pytest.approx(2 / 6)
+
+
+def test_guard_chain_checks_every_budget_and_records_lifetime_first(tmp_path):
+    run = BudgetGuard(Ledger(tmp_path / "run.jsonl"), 3.0, 1e-3)
+    h0 = BudgetGuard(Ledger(tmp_path / "h0.jsonl"), {"h0": 2.0}, 1e-3)
+    h1 = BudgetGuard(Ledger(tmp_path / "h1.jsonl"), {"h1": 0.5}, 1e-3)
+    chain = GuardChain(run, [(h0, ["h0"]), (h1, ["h1"])])
+    small = GaussianEvent(sensitivity=0.05, sigma=1.0)
+    chain.charge(["h0", "h1"], small, "r0")
+    assert Ledger.load(tmp_path / "h0.jsonl").owners() == ["h0"]          # each ledger its own owner
+    assert Ledger.load(tmp_path / "h1.jsonl").owners() == ["h1"]
+    assert Ledger.load(tmp_path / "run.jsonl").owners() == ["h0", "h1"]
+    big = GaussianEvent(sensitivity=0.4, sigma=1.0)                        # fits run and h0, not h1
+    with pytest.raises(BudgetExceeded, match="h1"):
+        chain.charge(["h0", "h1"], big, "r1")
+    assert all(len(Ledger.load(tmp_path / f"{n}.jsonl")) == 1 for n in ("run", "h0", "h1"))
+    chain.charge(["h0"], big, "r2")                                         # h1 not involved: fine
+    assert len(Ledger.load(tmp_path / "h1.jsonl")) == 1
+    with pytest.raises(PrivacyError):
+        GuardChain(run, [(h0, "h0")])
