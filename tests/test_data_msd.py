@@ -201,3 +201,27 @@ def test_dataset_json_patient_key_and_naming_rule(tmp_path, capsys):
 
     assert main(["data", "inspect", str(root)]) == 0
     assert "patients:   3 (5 scans; a patient's scans stay together)" in capsys.readouterr().out
+
+
+def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
+    from sim.data.preprocess import PreparedDataset, PreprocessConfig, prepare_dataset
+
+    root = make_msd(tmp_path / "Task01", names=["BRATS_001", "BRATS_002", "Brats18_2013_10_1"],
+                    patients={"BRATS_001": "P1", "BRATS_002": "P1"})
+    prepared = prepare_dataset(root, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
+    assert prepared.manifest["patients"] == {"BRATS_001": "P1", "BRATS_002": "P1", "Brats18_2013_10_1": "2013_10"}
+    assert [prepared.patient(c) for c in prepared.case_ids] == ["P1", "P1", "2013_10"]
+    with pytest.raises(DataError, match="no case"):
+        prepared.patient("BRATS_999")
+    # a manifest written before patients were recorded: the naming rule on the case id ...
+    manifest_path = tmp_path / "cache" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["patients"]
+    manifest_path.write_text(json.dumps(manifest))
+    old = PreparedDataset.open(tmp_path / "cache")
+    assert [old.patient(c) for c in old.case_ids] == ["BRATS_001", "BRATS_002", "2013_10"]
+    # ... until prepare_dataset reuses the cache: it adds what dataset.json declares (arrays untouched)
+    stamp = (tmp_path / "cache" / "images.npy").stat().st_mtime_ns
+    again = prepare_dataset(root, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
+    assert [again.patient(c) for c in again.case_ids] == ["P1", "P1", "2013_10"]
+    assert (tmp_path / "cache" / "images.npy").stat().st_mtime_ns == stamp
