@@ -75,6 +75,7 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
     if key not in _HOSPITALS:
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
                                    progress=False)
-        partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed)
+        # by patient: a hospital's scans of one patient (timepoints) all go to one teacher
+        partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed, patients=prepared.patient)
         _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True)
     return _HOSPITALS[key]

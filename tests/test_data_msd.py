@@ -225,3 +225,28 @@ def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
     again = prepare_dataset(root, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
     assert [again.patient(c) for c in again.case_ids] == ["P1", "P1", "2013_10"]
     assert (tmp_path / "cache" / "images.npy").stat().st_mtime_ns == stamp
+
+
+def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
+    """A hospital's own folder with two scans of several patients: each patient's scans at one teacher."""
+    from clients.node import _deployed_hospital
+    from sim.presets import get_preset
+
+    names = [f"BraTS19_TCIA01_{p:03d}_{t}" for p in range(1, 5) for t in (1, 2)] + ["BRATS_010", "BRATS_011"]
+    root = make_msd(tmp_path / "h0", names=names, patients={"BRATS_010": "TCIA01_001"})   # a third scan of 001
+    made = {}
+
+    def hospital(hospital_id, prepared, partitions, preset, workdir, seed, deployed):
+        made.update(prepared=prepared, partitions=partitions)
+        return made
+
+    node = {"hospital-id": "h0", "data-dir": str(root), "workdir": str(tmp_path / "work"), "teachers-per-hospital": 3}
+    _deployed_hospital(node, {"preset": "tiny"}, get_preset("tiny"), 0, hospital)
+    partitions, prepared = made["partitions"], made["prepared"]
+    assert sorted(c for part in partitions for c in part) == sorted(names) and len(partitions) == 3
+    teacher_of = {}
+    for t, part in enumerate(partitions):
+        for cid in part:
+            assert teacher_of.setdefault(prepared.patient(cid), t) == t, f"{cid} split from its patient"
+    assert sorted(teacher_of) == ["BRATS_011", "TCIA01_001", "TCIA01_002", "TCIA01_003", "TCIA01_004"]
+    assert sorted(len({prepared.patient(c) for c in part}) for part in partitions) == [1, 2, 2]   # even in patients
