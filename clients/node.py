@@ -79,7 +79,8 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
     if key not in _HOSPITALS:
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
                                    progress=False)
-        partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed)
+        # by patient: a hospital's scans of one patient (timepoints) all go to one teacher
+        partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed, patients=prepared.patient)
         from sim.codecs import CodecPolicy
 
         policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),

@@ -47,13 +47,16 @@ def _label():
     return label
 
 
-def make_msd(root, cases=2):
+def make_msd(root, cases=2, names=None, patients=None):
+    """A small valid MSD folder; ``names`` replace BRATS_001..., ``patients`` (case -> id) adds 'patient' keys."""
     entries = []
-    for i in range(1, cases + 1):
-        name = f"BRATS_{i:03d}.nii.gz"
+    for i, case in enumerate(names or [f"BRATS_{i:03d}" for i in range(1, cases + 1)], start=1):
+        name = f"{case}.nii.gz"
         _save(root / "imagesTr" / name, _image(i))
         _save(root / "labelsTr" / name, _label())
         entries.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
+        if patients and case in patients:
+            entries[-1]["patient"] = patients[case]
     _save(root / "imagesTs" / "BRATS_485.nii.gz", _image(99))
     meta = {"name": "BrainTumour", "modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
             "labels": {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"},
@@ -115,6 +118,10 @@ CORRUPTIONS = {
     "non-invertible affine": (lambda r: _save_singular(r / IMG, _image()), IMG,
                               "not invertible"),
     "4D label map": (lambda r: _save(r / LAB, np.stack([_label()] * 2, -1)), LAB, "3D label"),
+    "empty patient id": (_edit_meta(lambda m: m["training"][1].update(patient="  ")), "dataset.json",
+                         "training[1] (BRATS_002) has 'patient'"),
+    "non-string patient id": (_edit_meta(lambda m: m["training"][0].update(patient=["a"])), "dataset.json",
+                              "non-empty patient id"),
 }
 
 
@@ -158,3 +165,88 @@ def test_inspect_cli_reports_corruption_in_one_line(tmp_path, capsys):
     assert main(["data", "inspect", str(root)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fedpate data: error:") and "BRATS_001.nii.gz" in err and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------------------ patients
+@pytest.mark.parametrize("case_id, patient", [
+    ("BraTS19_TCIA01_131_1", "TCIA01_131"),        # BraTS 2019: <site>_<subject>_<timepoint>
+    ("BraTS19_TCIA01_131_2", "TCIA01_131"),
+    ("Brats18_2013_10_1", "2013_10"),              # BraTS 2018, the 2013 challenge's cases
+    ("Brats17_CBICA_AAB_1", "CBICA_AAB"),
+    ("BraTS-GLI-00008-000", "GLI-00008"),          # BraTS 2023: <cohort>-<subject>-<timepoint>
+    ("BraTS-GLI-00008-001", "GLI-00008"),
+    ("BraTS-GLI-02060-101", "GLI-02060"),          # BraTS 2024 post-treatment timepoints
+    ("BraTS-MEN-00008-000", "MEN-00008"),          # another cohort: another patient
+    ("BRATS_001", "BRATS_001"),                    # MSD Task01: one volume, one patient
+    ("BraTS20_Training_001", "BraTS20_Training_001"),
+    ("BraTS2021_00000", "BraTS2021_00000"),
+    ("case-7", "case-7"),
+])
+def test_patient_id_rule(case_id, patient):
+    from sim.data.msd import patient_id
+
+    assert patient_id(case_id) == patient
+    assert patient_id(case_id, declared="P-42") == "P-42"        # dataset.json's key wins
+
+
+def test_dataset_json_patient_key_and_naming_rule(tmp_path, capsys):
+    names = ["BRATS_001", "BRATS_002", "BRATS_003", "BraTS19_CBICA_AAB_1", "BraTS19_CBICA_AAB_2"]
+    root = make_msd(tmp_path / "Task01", names=names, patients={"BRATS_001": "P1", "BRATS_002": "P1",
+                                                                 "BRATS_003": 7})
+    dataset = read_msd(root)
+    assert [c.patient for c in dataset.training] == ["P1", "P1", "7", "CBICA_AAB", "CBICA_AAB"]
+    assert dataset.patients == ["7", "CBICA_AAB", "P1"]
+    assert dataset.test[0].patient == "BRATS_485"
+    from sim.cli import main
+
+    assert main(["data", "inspect", str(root)]) == 0
+    assert "patients:   3 (5 scans; a patient's scans stay together)" in capsys.readouterr().out
+
+
+def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
+    from sim.data.preprocess import PreparedDataset, PreprocessConfig, prepare_dataset
+
+    root = make_msd(tmp_path / "Task01", names=["BRATS_001", "BRATS_002", "Brats18_2013_10_1"],
+                    patients={"BRATS_001": "P1", "BRATS_002": "P1"})
+    prepared = prepare_dataset(root, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
+    assert prepared.manifest["patients"] == {"BRATS_001": "P1", "BRATS_002": "P1", "Brats18_2013_10_1": "2013_10"}
+    assert [prepared.patient(c) for c in prepared.case_ids] == ["P1", "P1", "2013_10"]
+    with pytest.raises(DataError, match="no case"):
+        prepared.patient("BRATS_999")
+    # a manifest written before patients were recorded: the naming rule on the case id ...
+    manifest_path = tmp_path / "cache" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["patients"]
+    manifest_path.write_text(json.dumps(manifest))
+    old = PreparedDataset.open(tmp_path / "cache")
+    assert [old.patient(c) for c in old.case_ids] == ["BRATS_001", "BRATS_002", "2013_10"]
+    # ... until prepare_dataset reuses the cache: it adds what dataset.json declares (arrays untouched)
+    stamp = (tmp_path / "cache" / "images.npy").stat().st_mtime_ns
+    again = prepare_dataset(root, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
+    assert [again.patient(c) for c in again.case_ids] == ["P1", "P1", "2013_10"]
+    assert (tmp_path / "cache" / "images.npy").stat().st_mtime_ns == stamp
+
+
+def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
+    """A hospital's own folder with two scans of several patients: each patient's scans at one teacher."""
+    from clients.node import _deployed_hospital
+    from sim.presets import get_preset
+
+    names = [f"BraTS19_TCIA01_{p:03d}_{t}" for p in range(1, 5) for t in (1, 2)] + ["BRATS_010", "BRATS_011"]
+    root = make_msd(tmp_path / "h0", names=names, patients={"BRATS_010": "TCIA01_001"})   # a third scan of 001
+    made = {}
+
+    def hospital(hospital_id, prepared, partitions, preset, workdir, seed, deployed):
+        made.update(prepared=prepared, partitions=partitions)
+        return made
+
+    node = {"hospital-id": "h0", "data-dir": str(root), "workdir": str(tmp_path / "work"), "teachers-per-hospital": 3}
+    _deployed_hospital(node, {"preset": "tiny"}, get_preset("tiny"), 0, hospital)
+    partitions, prepared = made["partitions"], made["prepared"]
+    assert sorted(c for part in partitions for c in part) == sorted(names) and len(partitions) == 3
+    teacher_of = {}
+    for t, part in enumerate(partitions):
+        for cid in part:
+            assert teacher_of.setdefault(prepared.patient(cid), t) == t, f"{cid} split from its patient"
+    assert sorted(teacher_of) == ["BRATS_011", "TCIA01_001", "TCIA01_002", "TCIA01_003", "TCIA01_004"]
+    assert sorted(len({prepared.patient(c) for c in part}) for part in partitions) == [1, 2, 2]   # even in patients

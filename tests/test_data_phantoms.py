@@ -31,6 +31,15 @@ def test_tiny_phantoms_load_through_the_reader(tiny_phantoms):
         assert summary["spacing"] == pytest.approx((4.0, 4.0, 4.0))
 
 
+def test_each_phantom_subject_is_one_patient(tiny_phantoms):
+    """dataset.json names the patient explicitly: the case name, which is also what a folder written before
+    the key existed resolves to, so both give the same patients and splits."""
+    entries = json.loads((tiny_phantoms / "dataset.json").read_text())["training"]
+    assert [e["patient"] for e in entries] == [e["image"].split("/")[-1].split(".")[0] for e in entries]
+    dataset = read_msd(tiny_phantoms)
+    assert all(c.patient == c.case_id for c in dataset.training) and len(dataset.patients) == 48
+
+
 def test_every_case_has_every_tumour_class_and_zero_background(tiny_phantoms):
     dataset = read_msd(tiny_phantoms)
     for case in dataset.training:

@@ -111,6 +111,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  institutions: {', '.join(f'{k} ({v})' for k, v in per_site.items())}")
     else:
         print("  institutions: not recorded")
+    patients = len(dataset.patients)
+    print(f"  patients:   {patients}" + ("" if patients == len(dataset.training) else
+                                          f" ({len(dataset.training)} scans; a patient's scans stay together)"))
     phantoms = dataset.extra.get("phantoms")
     if isinstance(phantoms, dict):
         print(f"  phantoms:   seed {phantoms.get('seed')}, generator v{phantoms.get('generator_version')}, "

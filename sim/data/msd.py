@@ -12,8 +12,10 @@ The folder as distributed::
     labelsTr/*.nii.gz 3D label maps with values 0..3
     imagesTs/*.nii.gz 4D NIfTI without labels
 
-The phantom generator (``sim.data.phantoms``) writes the same layout plus an ``"institution"`` field per
-training entry and a ``"phantoms"`` block describing how it was generated; both are optional here.
+The phantom generator (``sim.data.phantoms``) writes the same layout plus an ``"institution"`` and a
+``"patient"`` field per training entry and a ``"phantoms"`` block describing how it was generated; all are
+optional here. Which scans belong to one patient is decided by :func:`patient_id` (the one place that rule
+lives).
 
 Every problem with the user's data becomes a one-line :class:`~sim.data.errors.DataError` naming the file
 and what was expected -- never a raw nibabel/gzip/zlib traceback.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,16 +39,56 @@ LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enh
 N_CHANNELS = 4
 N_CLASSES = 4
 AFFINE_TOLERANCE = 1e-3   # mm; image and label affines must agree to this (rounding in headers is ~1e-6)
+PATIENT_KEY = "patient"   # optional per-entry key of dataset.json: the patient the scan belongs to
+
+# Released naming schemes that put a subject and a timepoint in the case id (checked against their public
+# file lists). The subject keeps its site or cohort, since subject numbers are only unique within one.
+_PATIENT_SCHEMES = (
+    # BraTS 2017-2019: <Brats17|Brats18|BraTS19>_<site>_<subject>_<timepoint>, e.g. BraTS19_TCIA01_131_1,
+    # Brats18_2013_10_1, BraTS19_CBICA_AAB_1 -> TCIA01_131, 2013_10, CBICA_AAB (release prefix and timepoint
+    # dropped)
+    re.compile(r"^brats\d{2}_(?P<subject>[a-z0-9]+_[a-z0-9]+)_\d+$", re.IGNORECASE),
+    # BraTS 2023-2024 (GLI, MEN, MET, PED, SSA): BraTS-<cohort>-<subject:5 digits>-<timepoint:3 digits>, e.g.
+    # BraTS-GLI-00008-000 and BraTS-GLI-00008-001 -> GLI-00008 (post-treatment GLI 2024: -100, -101, ...)
+    re.compile(r"^brats-(?P<subject>[a-z]+-\d{5})-\d{3}$", re.IGNORECASE),
+)
+
+
+def patient_id(case_id: str, declared: str | None = None) -> str:
+    """The patient a scan belongs to -- the unit of privacy (SPEC section 2) and of every split.
+
+    The rule, in order: the ``"patient"`` a dataset.json entry declares; else the subject of a known naming
+    scheme with timepoints (:data:`_PATIENT_SCHEMES`: BraTS 2017-2019 ``BraTS19_TCIA01_131_1`` -> ``TCIA01_131``,
+    BraTS 2023-2024 ``BraTS-GLI-00008-001`` -> ``GLI-00008``); else the case id itself (one volume, one patient).
+    Names without a subject/timepoint structure stay their own patient: MSD Task01 ``BRATS_001``, BraTS 2020
+    ``BraTS20_Training_001`` and BraTS 2021 ``BraTS2021_00000`` (anonymised, one scan each). Why it matters:
+    two scans of one patient at two teachers (or one public and one private) would let that patient
+    influence more than one teacher, and the 2/K sensitivity would no longer hold.
+    """
+    if declared is not None:
+        return declared
+    for scheme in _PATIENT_SCHEMES:
+        match = scheme.match(case_id)
+        if match:
+            return match.group("subject")
+    return case_id
 
 
 @dataclass(frozen=True)
 class Case:
-    """One scan: its id (file name without ``.nii.gz``), image path, label path (None for test scans)."""
+    """One scan: its id (file name without ``.nii.gz``), image path, label path (None for test scans).
+
+    ``patient``: the id dataset.json declares, resolved by :func:`patient_id` (None -> from the case id).
+    """
 
     case_id: str
     image: Path
     label: Path | None = None
     institution: str | None = None
+    patient: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "patient", patient_id(self.case_id, self.patient))
 
 
 @dataclass
@@ -64,6 +107,11 @@ class MSDDataset:
     def institutions(self) -> list[str]:
         """Sorted distinct institutions of the training cases (empty when dataset.json does not say)."""
         return sorted({c.institution for c in self.training if c.institution is not None})
+
+    @property
+    def patients(self) -> list[str]:
+        """Sorted distinct patients of the training cases (:func:`patient_id`)."""
+        return sorted({c.patient for c in self.training})
 
     def case(self, case_id: str) -> Case:
         for case in self.training + self.test:
@@ -95,6 +143,19 @@ def case_id_from_path(path: str | os.PathLike) -> str:
 
 
 # ------------------------------------------------------------------------------------------ dataset.json
+def _declared_patient(entry: Any, where: str, what: str) -> str | None:
+    """The entry's ``"patient"`` (None when absent); an empty or non-string id is a DataError."""
+    if not isinstance(entry, dict) or PATIENT_KEY not in entry:
+        return None
+    value = entry[PATIENT_KEY]
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{where}: {what} has {PATIENT_KEY!r} {value!r}; expected a non-empty patient id shared "
+                        f"by all scans of one patient (or no {PATIENT_KEY!r} key: one scan, one patient)")
+    return value.strip()
+
+
 def read_msd(root: str | os.PathLike) -> MSDDataset:
     """Parse and check ``root/dataset.json``; every listed file must exist. Raises :class:`DataError`."""
     root = Path(root)
@@ -135,8 +196,10 @@ def read_msd(root: str | os.PathLike) -> MSDDataset:
             raise DataError(f"{where}: training[{index}] must be an object with string 'image' and 'label' paths, "
                             f"got {entry!r:.80}")
         institution = entry.get("institution")
-        training.append(Case(case_id_from_path(entry["image"]), root / entry["image"], root / entry["label"],
-                             None if institution is None else str(institution)))
+        case_id = case_id_from_path(entry["image"])
+        training.append(Case(case_id, root / entry["image"], root / entry["label"],
+                             None if institution is None else str(institution),
+                             _declared_patient(entry, where, f"training[{index}] ({case_id})")))
     test_entries = meta.get("test", [])
     if not isinstance(test_entries, list):
         raise DataError(f"{where}: 'test' must be a list of image paths, got {type(test_entries).__name__}")
@@ -145,7 +208,9 @@ def read_msd(root: str | os.PathLike) -> MSDDataset:
         image = entry.get("image") if isinstance(entry, dict) else entry
         if not isinstance(image, str):
             raise DataError(f"{where}: test[{index}] must be an image path string, got {entry!r:.80}")
-        test.append(Case(case_id_from_path(image), root / image, None, None))
+        case_id = case_id_from_path(image)
+        test.append(Case(case_id, root / image, None, None,
+                         _declared_patient(entry, where, f"test[{index}] ({case_id})")))
     seen: dict[str, str] = {}
     for kind, cases in (("training", training), ("test", test)):
         for case in cases:

@@ -6,6 +6,12 @@ public validation set are drawn first, each stratified over institutions; the re
 and go to hospitals by ``scheme``; each hospital's cases are then split into ``teachers_per_hospital``
 disjoint, non-empty teacher partitions (a patient influences exactly one teacher, SPEC section 2).
 
+Everything is drawn in patients (:func:`sim.data.msd.patient_id`), not scans: all scans of a patient go to
+one party -- one public set, the test set, or one teacher of one hospital -- and the sizes (``n_query``,
+``n_test``, ..., hospital shares, the one-per-teacher minimum) count patients, so a set holds at least that
+many scans. A patient's institution is that of its first scan (sorted case ids). Patients are ordered by
+their first case id, so data with one scan per patient is split exactly as before patients were grouped.
+
 Schemes:
 * ``institution`` -- natural: institution j goes to hospital j mod H (when there are fewer institutions
   than hospitals, each institution's cases are shared evenly among the hospitals mapped to it, h mod M).
@@ -23,7 +29,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +52,25 @@ class Split:
     scheme: str = ""
     seed: int = 0
     params: dict = field(default_factory=dict)
+    patients: dict = field(default_factory=dict)   # case -> patient, only where they differ (see :meth:`patient`)
+
+    def patient(self, case_id: str) -> str:
+        """The patient of ``case_id``: a case not in :attr:`patients` is its own patient (one scan, one patient)."""
+        return self.patients.get(case_id, case_id)
+
+    def patients_of(self, case_ids: Sequence[str]) -> set[str]:
+        return {self.patient(cid) for cid in case_ids}
+
+    def party_cases(self) -> dict[str, list[str]]:
+        """Case ids per party: every hospital by name, then the public sets and the test set."""
+        parties = {h: self.hospital_cases(h) for h in sorted(self.hospitals)}
+        parties.update(public_query=list(self.public_query), public_reference=list(self.public_reference),
+                       public_validation=list(self.public_validation), test=list(self.test))
+        return parties
+
+    def party_patients(self) -> dict[str, set[str]]:
+        """The patients each party holds (keys as :meth:`party_cases`): what privacy and leakage checks compare."""
+        return {party: self.patients_of(ids) for party, ids in self.party_cases().items()}
 
     def teacher_ids(self) -> list[tuple[str, int]]:
         return [(h, t) for h in sorted(self.hospitals) for t in range(len(self.hospitals[h]))]
@@ -65,7 +90,8 @@ class Split:
                 "reference_is_query": bool(self.reference_is_query),
                 "hospitals": {h: [list(p) for p in parts] for h, parts in self.hospitals.items()},
                 "public_query": list(self.public_query), "public_reference": list(self.public_reference),
-                "public_validation": list(self.public_validation), "test": list(self.test)}
+                "public_validation": list(self.public_validation), "test": list(self.test),
+                "patients": dict(sorted(self.patients.items()))}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Split":
@@ -73,7 +99,8 @@ class Split:
                    public_query=list(d["public_query"]), public_reference=list(d["public_reference"]),
                    public_validation=list(d["public_validation"]), test=list(d["test"]),
                    reference_is_query=bool(d.get("reference_is_query", False)), scheme=str(d.get("scheme", "")),
-                   seed=int(d.get("seed", 0)), params=dict(d.get("params") or {}))
+                   seed=int(d.get("seed", 0)), params=dict(d.get("params") or {}),
+                   patients={str(c): str(p) for c, p in (d.get("patients") or {}).items()})
 
     def to_json(self, path: str | os.PathLike) -> Path:
         from sim.io import atomic_write_json
@@ -97,30 +124,77 @@ def hospital_name(index: int, count: int) -> str:
     return f"hospital-{index:0{max(2, len(str(count - 1)))}d}"
 
 
-def split_into_teachers(case_ids: Sequence[str], teachers: int, seed: int = 0) -> list[list[str]]:
-    """Shuffle ``case_ids`` and cut them into ``teachers`` disjoint non-empty partitions of near-equal size."""
+PatientsArg = Mapping[str, str] | Callable[[str], str] | None
+
+
+def _patient_map(case_ids: Sequence[str], patients: PatientsArg) -> dict[str, str]:
+    """case -> patient from a mapping or a function (a PreparedDataset's ``patient``); cases a mapping does not
+    name, and every case when ``patients`` is None, get :func:`sim.data.msd.patient_id` of their id."""
+    from sim.data.msd import patient_id
+
+    get = patients if callable(patients) else (patients or {}).get
+    out = {}
+    for cid in case_ids:
+        value = get(cid)
+        value = patient_id(cid) if value is None else str(value)
+        if not value.strip():
+            raise UserError(f"patients: case {cid!r} has an empty patient id; expected a non-empty id per patient")
+        out[cid] = value
+    return out
+
+
+def _group_by_patient(patient_of: Mapping[str, str]) -> list[tuple[str, ...]]:
+    """Each patient's case ids (sorted), patients ordered by their first case id.
+
+    Ordering by the first case id rather than the patient id means that with one scan per patient every group
+    is ``(case_id,)`` in sorted case order: the same items, in the same order, that the splits drew from
+    before patients were grouped, so the same seed gives the same split.
+    """
+    groups: dict[str, list[str]] = {}
+    for cid in sorted(patient_of):
+        groups.setdefault(patient_of[cid], []).append(cid)
+    return sorted(tuple(ids) for ids in groups.values())
+
+
+def _cases(groups) -> list[str]:
+    """Sorted case ids of patient groups."""
+    return sorted(cid for group in groups for cid in group)
+
+
+def split_into_teachers(case_ids: Sequence[str], teachers: int, seed: int = 0,
+                        patients: PatientsArg = None) -> list[list[str]]:
+    """Shuffle the patients of ``case_ids`` and cut them into ``teachers`` disjoint non-empty partitions of
+    near-equal size in patients; all scans of a patient go to one teacher, so a patient influences exactly one
+    teacher (SPEC section 2). ``patients``: case -> patient (a mapping, or a function such as
+    ``PreparedDataset.patient``); default :func:`sim.data.msd.patient_id` of each case id."""
     teachers = int(teachers)
     if teachers < 1:
         raise UserError(f"--teachers-per-hospital={teachers}: expected at least 1")
-    ids = sorted(case_ids)
-    if len(ids) < teachers:
-        raise UserError(f"--teachers-per-hospital={teachers}: only {len(ids)} private case(s) to split; "
-                        "expected at least one case per teacher")
-    order = np.random.default_rng([int(seed), 104_729]).permutation(len(ids))
-    return [[ids[i] for i in chunk] for chunk in np.array_split(order, teachers)]
+    groups = _group_by_patient(_patient_map(case_ids, patients))
+    if len(groups) < teachers:
+        raise UserError(f"--teachers-per-hospital={teachers}: only {len(groups)} private patient(s) "
+                        f"({len(set(case_ids))} scans) to split; expected at least one patient per teacher")
+    order = np.random.default_rng([int(seed), 104_729]).permutation(len(groups))
+    return [[cid for i in chunk for cid in groups[i]] for chunk in np.array_split(order, teachers)]
 
 
-def _cases_and_institutions(prepared) -> dict[str, str]:
+def _cases_institutions_patients(prepared, patients: PatientsArg) -> tuple[dict[str, str], dict[str, str]]:
+    """(case -> institution, case -> patient) of a PreparedDataset, a {case: institution} map or a list of ids."""
     if isinstance(prepared, Mapping):
-        return {str(c): str(i) if i is not None else UNKNOWN_INSTITUTION for c, i in prepared.items()}
-    if hasattr(prepared, "case_ids"):
+        institution_of = {str(c): str(i) if i is not None else UNKNOWN_INSTITUTION for c, i in prepared.items()}
+    elif hasattr(prepared, "case_ids"):
         get = getattr(prepared, "institution", lambda c: None)
-        return {c: (get(c) or UNKNOWN_INSTITUTION) for c in prepared.case_ids}
-    return {str(c): UNKNOWN_INSTITUTION for c in prepared}
+        institution_of = {c: (get(c) or UNKNOWN_INSTITUTION) for c in prepared.case_ids}
+        if patients is None:
+            patients = getattr(prepared, "patient", None)
+    else:
+        institution_of = {str(c): UNKNOWN_INSTITUTION for c in prepared}
+    return institution_of, _patient_map(list(institution_of), patients)
 
 
-def _stratified_draw(rng: np.random.Generator, pool: dict[str, list[str]], n: int) -> list[str]:
-    """Draw ``n`` cases from ``pool`` (institution -> ids, modified in place) proportionally per institution."""
+def _stratified_draw(rng: np.random.Generator, pool: dict[str, list], n: int) -> list:
+    """Draw ``n`` patients from ``pool`` (institution -> patient groups, modified in place) proportionally per
+    institution; returns the drawn groups, sorted."""
     if n <= 0:
         return []
     sizes = {k: len(v) for k, v in pool.items() if v}
@@ -143,8 +217,13 @@ def _stratified_draw(rng: np.random.Generator, pool: dict[str, list[str]], n: in
 
 
 def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str, n_query: int,
-               n_reference: int, n_validation: int, n_test: int, seed: int, alpha: float = 0.5) -> Split:
-    """Partition the cases of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids)."""
+               n_reference: int, n_validation: int, n_test: int, seed: int, alpha: float = 0.5,
+               patients: PatientsArg = None) -> Split:
+    """Partition the patients of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids).
+
+    Sizes count patients and every patient's scans stay together (module docstring). ``patients``: case ->
+    patient, overriding the dataset's own (default: ``prepared.patient``, else :func:`sim.data.msd.patient_id`).
+    """
     if scheme not in SCHEMES:
         raise UserError(f"--split={scheme!r}: unknown scheme; expected one of {', '.join(SCHEMES)}")
     if hospitals < 1:
@@ -157,18 +236,19 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
             raise UserError(f"{name}={value}: expected 0 or more")
     if scheme == "dirichlet" and not alpha > 0:
         raise UserError(f"--alpha={alpha}: expected a positive Dirichlet concentration")
-    institution_of = _cases_and_institutions(prepared)
-    total = len(institution_of)
+    institution_of, patient_of = _cases_institutions_patients(prepared, patients)
+    groups = _group_by_patient(patient_of)
+    total = len(groups)
     public = n_query + n_reference + n_validation + n_test
     needed = public + hospitals * teachers_per_hospital
     if needed > total:
-        raise UserError(f"--hospitals={hospitals} x --teachers-per-hospital={teachers_per_hospital} (one case per "
-                        f"teacher) plus n_query + n_reference + n_validation + n_test = {public} public cases "
-                        f"need {needed} cases; the dataset has {total}")
+        raise UserError(f"--hospitals={hospitals} x --teachers-per-hospital={teachers_per_hospital} (one patient "
+                        f"per teacher) plus n_query + n_reference + n_validation + n_test = {public} public "
+                        f"patients need {needed} patients; the dataset has {total} ({len(patient_of)} scans)")
     rng = np.random.default_rng([int(seed), 15_485_863])
-    pool: dict[str, list[str]] = {}
-    for cid in sorted(institution_of):
-        pool.setdefault(institution_of[cid], []).append(cid)
+    pool: dict[str, list[tuple[str, ...]]] = {}
+    for group in groups:
+        pool.setdefault(institution_of[group[0]], []).append(group)
     test = _stratified_draw(rng, pool, n_test)
     query = _stratified_draw(rng, pool, n_query)
     reference = _stratified_draw(rng, pool, n_reference)
@@ -178,9 +258,10 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
         reference = list(query)
     names = [hospital_name(h, hospitals) for h in range(hospitals)]
     private = {k: sorted(v) for k, v in pool.items() if v}
-    all_private = sorted(cid for ids in private.values() for cid in ids)
+    all_private = sorted(group for held in private.values() for group in held)
 
-    holdings: dict[str, list[str]] = {name: [] for name in names}
+    holdings: dict[str, list[tuple[str, ...]]] = {name: [] for name in names}
+    split_hospitals: dict[str, list[list[str]]] = {}
     if scheme == "institution":
         institutions = sorted(private)
         if UNKNOWN_INSTITUTION in institutions and len(institutions) == 1 and hospitals > 1:
@@ -212,26 +293,58 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
     else:  # paper: even over all K teachers, hospital h holds teachers [h*T, (h+1)*T)
         order = [all_private[i] for i in rng.permutation(len(all_private))]
         chunks = np.array_split(np.arange(len(order)), hospitals * teachers_per_hospital)
-        split_hospitals = {}
         for h, name in enumerate(names):
             parts = chunks[h * teachers_per_hospital:(h + 1) * teachers_per_hospital]
-            split_hospitals[name] = [sorted(order[i] for i in part) for part in parts]
+            split_hospitals[name] = [_cases(order[i] for i in part) for part in parts]
         for name, parts in split_hospitals.items():
             if any(not p for p in parts):
                 raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} would get an empty "
-                                "teacher partition; expected at least one private case per teacher")
-        return Split(split_hospitals, query, reference, validation, test, reference_is_query, scheme, int(seed),
-                     _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha))
+                                "teacher partition; expected at least one private patient per teacher")
 
-    split_hospitals = {}
-    for h, name in enumerate(names):
-        ids = holdings[name]
-        if len(ids) < teachers_per_hospital:
-            raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} has only {len(ids)} private "
-                            f"case(s) under --split={scheme}; expected at least one per teacher")
-        split_hospitals[name] = [sorted(p) for p in split_into_teachers(ids, teachers_per_hospital, seed=seed * 1000 + h)]
-    return Split(split_hospitals, query, reference, validation, test, reference_is_query, scheme, int(seed),
-                 _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha))
+    if scheme != "paper":
+        for h, name in enumerate(names):
+            held = holdings[name]
+            if len(held) < teachers_per_hospital:
+                raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} has only {len(held)} "
+                                f"private patient(s) under --split={scheme}; expected at least one per teacher")
+            parts = split_into_teachers(_cases(held), teachers_per_hospital, seed=seed * 1000 + h,
+                                        patients=patient_of)
+            split_hospitals[name] = [sorted(part) for part in parts]
+    split = Split(split_hospitals, _cases(query), _cases(reference), _cases(validation), _cases(test),
+                  reference_is_query, scheme, int(seed),
+                  _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha),
+                  patients={c: p for c, p in patient_of.items() if p != c})
+    check_patients_disjoint(split)
+    return split
+
+
+def check_patients_disjoint(split: Split) -> None:
+    """Raise a one-line UserError when a patient is held by two parties that must not share one.
+
+    Why: the unit of privacy is a patient (SPEC section 2). A patient at two teachers (of one or two hospitals)
+    influences two teachers and breaks the 2/K sensitivity; a hospital's patient in a public set or in the
+    test set would be private and public at once (and inflate test Dice); a test patient in a public set
+    would score the public model on data it learnt from. Public sets may share patients with each other
+    (``reference_is_query`` makes the reference set the query set).
+    """
+    holder: dict[str, str] = {}
+    for hospital in sorted(split.hospitals):
+        for t, part in enumerate(split.hospitals[hospital]):
+            for patient in sorted(split.patients_of(part)):
+                if patient in holder:
+                    raise UserError(f"split: patient {patient!r} is held by {holder[patient]} and {hospital} "
+                                    f"teacher {t}; expected every patient at exactly one teacher")
+                holder[patient] = f"{hospital} teacher {t}"
+    test = split.patients_of(split.test)
+    for party, ids in (("test", split.test), ("public_query", split.public_query),
+                       ("public_reference", split.public_reference), ("public_validation", split.public_validation)):
+        for patient in sorted(split.patients_of(ids)):
+            if patient in holder:
+                raise UserError(f"split: patient {patient!r} is in {party} and at {holder[patient]}; expected "
+                                "public and test sets disjoint from every hospital's patients")
+            if party != "test" and patient in test:
+                raise UserError(f"split: patient {patient!r} is in {party} and in test; expected the test set "
+                                "disjoint from the public sets")
 
 
 def _apportion(n: int, shares: np.ndarray) -> np.ndarray:

@@ -642,8 +642,10 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
         "labels": dict(LABELS),
         "numTraining": cases,
         "numTest": test_cases,
+        # one subject, one scan: the patient id is the case name, which is also what patient_id() gives folders
+        # written before this key existed (same generator version), so their splits and patients agree
         "training": [{"image": f"./imagesTr/{r['name']}.nii.gz", "label": f"./labelsTr/{r['name']}.nii.gz",
-                      "institution": r["institution"]} for r in results[:cases]],
+                      "institution": r["institution"], "patient": r["name"]} for r in results[:cases]],
         "test": [f"./imagesTs/{r['name']}.nii.gz" for r in results[cases:]],
         "phantoms": {**config, "profiles": [asdict(p) for p in profiles]},
     }

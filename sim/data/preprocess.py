@@ -248,7 +248,8 @@ class PreparedDataset:
     """Preprocessed training cases on the working grid, memory-mapped from a cache folder.
 
     Files: ``images.npy`` (n, 4, *grid) float32, ``labels.npy`` (n, *grid) uint8, ``records.json``
-    (one :class:`PreprocessRecord` per case), ``manifest.json`` (written last).
+    (one :class:`PreprocessRecord` per case), ``manifest.json`` (written last; its ``"patients"`` maps each
+    case to its patient, :func:`sim.data.msd.patient_id`, so splits can keep a patient's scans together).
     """
 
     def __init__(self, path: Path, manifest: dict, images: np.ndarray, labels: np.ndarray,
@@ -260,6 +261,7 @@ class PreparedDataset:
         self.case_ids: list[str] = list(manifest["case_ids"])
         self._index = {cid: i for i, cid in enumerate(self.case_ids)}
         self._institutions: dict[str, str | None] = dict(manifest.get("institutions") or {})
+        self._patients: dict[str, str] = dict(manifest.get("patients") or {})
         self.records = records
 
     @classmethod
@@ -305,6 +307,14 @@ class PreparedDataset:
     @property
     def institutions(self) -> list[str]:
         return sorted({v for v in self._institutions.values() if v is not None})
+
+    def patient(self, case_id: str) -> str:
+        """The patient of ``case_id``; manifests written before patients were recorded fall back to the
+        naming rule on the case id (:func:`sim.data.msd.patient_id`: the case id itself for MSD/phantom names)."""
+        from sim.data.msd import patient_id
+
+        self._position(case_id)
+        return self._patients.get(case_id) or patient_id(case_id)
 
     def record(self, case_id: str) -> PreprocessRecord:
         self._position(case_id)
@@ -366,6 +376,12 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             return None
         if any(manifest.get(k) != v for k, v in wanted.items()):
             return None
+        if "patients" not in manifest:
+            # prepared before patients were recorded: add them (the arrays do not depend on them), so that ids
+            # dataset.json declares count here too and not only in caches prepared from now on
+            from sim.io import atomic_write_json
+
+            atomic_write_json(manifest_path, {**manifest, "patients": {c.case_id: c.patient for c in dataset.training}})
         return PreparedDataset.open(cache)
 
     cached = valid()
@@ -402,6 +418,7 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             "source_root": str(root.resolve()),
             "case_ids": [c.case_id for c in cases],
             "institutions": {c.case_id: c.institution for c in cases},
+            "patients": {c.case_id: c.patient for c in cases},
             "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
         }
         atomic_write_json(cache / "manifest.json", manifest)
