@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/bench_dpsgd.py [--grid 32] [--preset small] [--batch 2] [--steps 6]
 
+Also the cost of where the noise comes from (issue 15): fedpate draws DP-SGD noise from a
+``privacy.mechanisms.NoiseSource`` stream instead of Opacus' torch generator -- the OS's CSPRNG by default
+(``secure``), a seeded PCG64 stream only with ``--reproducible-noise`` (``seeded``) -- compared with
+Opacus' own ``torch.Generator`` noise (``torch-rng``), all functorch, in the same run.
+
 Same network (``sim.networks`` preset), same per-sample Dice+CE loss (``sim.training.per_sample_loss``),
 Adam, per-layer clipping at 4 and sigma = sqrt 6 (Fay et al. Sec. 5). Prints median seconds per step and
 the ratios DP/plain; also checks that both modes give the same clipped gradient sum (max abs difference).
@@ -86,10 +91,23 @@ def main(argv=None) -> int:
         opt.step()
         return torch.cat([p.grad.flatten() for p in params])
 
+    def noise_from(source):
+        """functorch DP step whose noise comes from a NoiseSource stream (sim.dpsgd's own wiring)."""
+        from types import SimpleNamespace
+
+        from privacy.mechanisms import NoiseSource
+        from sim.dpsgd import _install_stream_noise
+
+        step, _, opt = private("functorch")
+        stream = (NoiseSource() if source == "secure" else NoiseSource.reproducible(0)).generator("bench")
+        _install_stream_noise(opt, SimpleNamespace(stream=stream))
+        return step
+
     diff = float((clipped_sum("hooks") - clipped_sum("functorch")).abs().max())
     # Interleave the measurements so that load from other users hits all three alike.
-    results = {"plain": [], "hooks": [], "functorch": []}
-    steppers = {"plain": plain(), "hooks": private("hooks")[0], "functorch": private("functorch")[0]}
+    results = {"plain": [], "hooks": [], "functorch": [], "secure": [], "seeded": []}
+    steppers = {"plain": plain(), "hooks": private("hooks")[0], "functorch": private("functorch")[0],
+                "secure": noise_from("secure"), "seeded": noise_from("seeded")}
     for _ in range(3):
         for name, step in steppers.items():
             results[name].append(_time_steps(step, max(1, args.steps // 3), warmup=1))
@@ -98,6 +116,13 @@ def main(argv=None) -> int:
     print(f"plain step      {med['plain']:.3f} s")
     for mode in ("hooks", "functorch"):
         print(f"dp-sgd {mode:9s} {med[mode]:.3f} s   ratio x{med[mode] / med['plain']:.2f}")
+    parameters = sum(p.numel() for p in build_unet(args.preset).parameters())
+    print(f"noise source (functorch, {parameters} noised parameters per step):")
+    print(f"  torch-rng (Opacus' generator)   {med['functorch']:.3f} s")
+    for name, label in (("secure", "secure (OS CSPRNG, default)"), ("seeded", "seeded PCG64 (simulation)")):
+        extra = med[name] - med["functorch"]
+        print(f"  {label:31s} {med[name]:.3f} s   x{med[name] / med['functorch']:.2f} of torch-rng "
+              f"({extra * 1e3:+.1f} ms per step)")
     best = min(("hooks", "functorch"), key=lambda m: med[m])
     print(f"max |clipped-sum(hooks) - clipped-sum(functorch)| = {diff:.2e}")
     print(f"fastest correct mode: {best}")
