@@ -680,3 +680,24 @@ def epsilon_under(events: Sequence[Event], delta: float, relation: str) -> tuple
     if not moved or any(event is None for event in moved):
         return None
     return epsilon_spent(moved, delta)
+
+
+def epsilon_per_relation(events: Sequence[Event], delta: float, relation: str | None,
+                         epsilon: float | None) -> dict[str, float | None]:
+    """``{"epsilon_add_remove": ..., "epsilon_replace_one": ...}`` for results that state both relations.
+
+    ``events`` were accounted under ``relation`` to ``epsilon`` (the ledger's figure, reused as is); the
+    other relation's value is :func:`epsilon_under`, or None where it is undefined (explicit sensitivities,
+    shuffled epochs) or has no valid accountant (adaptive events under replace-one).
+    """
+    out: dict[str, float | None] = {}
+    for name in ("add-remove", "replace-one"):
+        value = epsilon if name == relation else None
+        if name != relation and events:
+            try:
+                moved = epsilon_under(events, delta, name)
+            except PrivacyError:
+                moved = None
+            value = None if moved is None else float(moved[0])
+        out[f"epsilon_{name.replace('-', '_')}"] = None if value is None else float(value)
+    return out

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from privacy.accountants import epsilon_under
+from privacy.accountants import epsilon_per_relation
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 
@@ -110,8 +110,10 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     owners = ledger.owners()
     spent = [ledger.spent(owner, delta) for owner in owners]
     worst = max(spent, key=lambda s: s.epsilon) if spent else None
-    other = {"replace-one": "add-remove", "add-remove": "replace-one"}.get(worst.relation if worst else relation)
-    under_other = [epsilon_under(ledger.events(owner), delta, other) for owner in owners] if other else []
+    # the same mechanisms under each relation (worst hospital; None if undefined for one), so reports print both
+    rows = [epsilon_per_relation(ledger.events(o), delta, s.relation, s.epsilon) for o, s in zip(owners, spent)]
+    both = {key: None if not rows or any(row[key] is None for row in rows) else max(row[key] for row in rows)
+            for key in ("epsilon_add_remove", "epsilon_replace_one")}
     results = {
         "method": "dp-fedavg", "dice": dice, "dice_per_case": dice_per_case, "epsilon": worst.epsilon if worst else None,
         "epsilon_budget": epsilon, "delta": delta, "relation": worst.relation if worst else relation,
@@ -123,14 +125,9 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         "seed": None if reproducible_noise else seed,
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: s.epsilon for o, s in zip(owners, spent)},
-        # the same mechanisms under the other relation (max over hospitals), so reports can print both
-        "epsilon_add_remove": None, "epsilon_replace_one": None,
+        **both,
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
     }
-    if worst is not None:
-        results[f"epsilon_{worst.relation.replace('-', '_')}"] = worst.epsilon
-    if other and under_other and all(item is not None for item in under_other):
-        results[f"epsilon_{other.replace('-', '_')}"] = max(item[0] for item in under_other)
     card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,
                         relation=results["relation"], accountant=results["accountant"], teachers=None,
                         hospitals=results["hospitals"], data_source=world.source)

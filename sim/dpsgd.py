@@ -340,28 +340,20 @@ class DPSession:
         (``epsilon_add_remove`` / ``epsilon_replace_one``; defined for Poisson sampling only, None otherwise):
         the relation's own key always equals ``epsilon``.
         """
-        from privacy.accountants import epsilon_spent, epsilon_under
+        from privacy.accountants import epsilon_per_relation, epsilon_spent
 
         owner = owner or self.owners[0]
         spent = self.ledger.spent(owner, self.dp.delta)
         out = {"epsilon": float(spent.epsilon), "delta": self.dp.delta, "accountant": spent.accountant,
                "relation": spent.relation, "releases": spent.releases, "adaptive": self.dp.adaptive,
                "epsilon_rdp": None, "epsilon_add_remove": None, "epsilon_replace_one": None}
-        if spent.relation in ("add-remove", "replace-one"):
-            out[f"epsilon_{spent.relation.replace('-', '_')}"] = float(spent.epsilon)
+        events = self.ledger.events(owner) if with_rdp else []
+        out.update(epsilon_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
         if with_rdp and self.dp.sampling == "poisson":
-            events = self.ledger.events(owner)
             try:
                 out["epsilon_rdp"] = float(epsilon_spent(events, self.dp.delta, accountant="rdp")[0])
             except Exception:  # RDP is informative only (refuses replace-one/adaptive); never break a run
                 out["epsilon_rdp"] = None
-            other = {"add-remove": "replace-one", "replace-one": "add-remove"}.get(spent.relation)
-            if other is not None:
-                try:
-                    moved = epsilon_under(events, self.dp.delta, other)
-                except Exception:  # e.g. adaptive add/remove events have no replace-one filter: not defined
-                    moved = None
-                out[f"epsilon_{other.replace('-', '_')}"] = float(moved[0]) if moved else None
         return out
 
     # -- steps -----------------------------------------------------------------------------------------

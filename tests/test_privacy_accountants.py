@@ -337,6 +337,13 @@ def test_epsilon_under_the_other_relation():
     assert epsilon_under(events, 1e-3, "replace-one")[0] == pytest.approx(2.12, abs=0.01)
     assert epsilon_under([GaussianEvent(0.25, 1.0)], 1e-3, "add-remove") is None  # S was derived for replace-one
     assert epsilon_under([], 1e-3, "add-remove") is None
+    from privacy.accountants import epsilon_per_relation
+
+    both = epsilon_per_relation(events, 1e-3, "replace-one", 2.1208)
+    assert both["epsilon_replace_one"] == 2.1208 and both["epsilon_add_remove"] == pytest.approx(add_remove)
+    adaptive = [SampledGaussianEvent(0.1, 2.0, 5, adaptive=True)]
+    assert epsilon_per_relation(adaptive, 1e-3, "add-remove", 1.0) == {  # no filter for replace-one Poisson
+        "epsilon_add_remove": 1.0, "epsilon_replace_one": None}
 
 
 # ------------------------------------------------------------------ adaptively chosen events: privacy filters
