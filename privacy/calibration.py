@@ -80,8 +80,15 @@ def calibrate(
         # PLD at an extreme bracket end can take minutes (a sampled Gaussian with z = 0.05 has a huge
         # privacy-loss support). RDP is fast and always at least as pessimistic, so locate the answer
         # with RDP first and give PLD a narrow bracket around it (widened again below if needed).
+        # dp_accounting's RDP has no replace-one Poisson subsampling: such events are located through the
+        # same mechanisms read under add/remove (a rough locator only; the PLD search below is exact).
+        def rough_event(x: float) -> Event:
+            event = make_event(x)
+            moved = event.with_relation("add-remove") if event.relation == "replace-one" else None
+            return event if moved is None else moved
+
         try:
-            rough = calibrate(make_event, target, delta, "rdp", lo, hi, rtol=1e-2)
+            rough = calibrate(rough_event, target, delta, "rdp", lo, hi, rtol=1e-2)
         except PrivacyError:
             rough = None
         if rough is not None:
