@@ -376,7 +376,7 @@ class PLDAccountant(_DpAccountingWrapper):
     and Laplace; not zCDP, bare pure-ε events, or adaptively chosen events. Laplace has no dp_accounting PLD
     under REPLACE_ONE, so it cannot share an accountant with replace-one Poisson-sampled events.
     ``neighboring_relation`` pins the inner dp_accounting relation from the start (for cross-checks);
-    by default it follows the events (module docstring of :class:`_DpAccountingWrapper`).
+    by default it follows the events (see :class:`_DpAccountingWrapper`).
     """
 
     name = "pld"
