@@ -2,7 +2,10 @@
 
 The privacy accounting is the hospital's (SPEC section 6): each hospital runs DP-SGD with Poisson
 sampling on its own patients, charged to its own ledger (``workdir/dpfedavg-<run>.jsonl``, owner =
-the hospital, add/remove relation) through a budget guard *before* each epoch touches data. The noise
+the hospital) through a budget guard *before* each epoch touches data, under the relation the server
+asks for (``config["relation"]``, default replace-one: the federation treats dataset sizes as public,
+and add/remove would not survive publishing them). The hospital does not report its number of
+examples: the server's FedAvg weights are public (equal per hospital, ``server.dpfedavg``). The noise
 multiplier is calibrated once for the whole federation plan (rounds x local epochs at this hospital's
 sampling rate), so the planned rounds spend exactly the budget; a round the budget cannot pay for
 trains nothing. The reply carries the ledger records of this round so the server can mirror them: the
@@ -40,6 +43,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     epsilon = float(config["epsilon"])
     delta = float(config["delta"])
     run_tag = str(config.get("run_tag", "run"))
+    relation = str(config.get("relation", "replace-one"))
     case_ids = [case for partition in hospital.partitions for case in partition]
     images = hospital.prepared.images(case_ids)
     labels = hospital.prepared.labels(case_ids)
@@ -47,7 +51,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     model = build_unet(preset.unet)
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
     steps = steps_per_epoch(len(case_ids), preset.batch_size)
-    noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds)
+    noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds,
+                                              relation=relation)
     noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id, run_tag)
              if config.get("reproducible_noise") else NoiseSource())
     ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
@@ -56,7 +61,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     before = {record["release_id"] for record in ledger.records()}
     prefix = f"dpfedavg:{run_tag}:round-{round_index}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix)
+                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix, relation=relation)
     train_config = TrainConfig(epochs=local_epochs, batch_size=preset.batch_size,
                                learning_rate=preset.learning_rate,
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
@@ -67,7 +72,6 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     spent = ledger.spent(hospital.hospital_id, delta) if len(ledger) else None
     new_weights = {name: value.detach().cpu().numpy() for name, value in result.model.state_dict().items()}
     metrics = {
-        "n_examples": len(case_ids),
         "epochs_trained": result.epochs_completed,
         "noise_multiplier": noise_multiplier,
         "sampling_rate": 1.0 / steps,

@@ -12,9 +12,12 @@ from privacy.accountants import (
     PLDAccountant,
     PureDPAccountant,
     RDPAccountant,
+    RDPFilterAccountant,
     ZCDPAccountant,
     accountant_for,
+    epsilon_per_relation,
     epsilon_spent,
+    epsilon_under,
     gdp_delta,
     gdp_epsilon,
     gdp_mu,
@@ -44,7 +47,8 @@ from privacy.mechanisms import GaussianMechanism, LaplaceMechanism, make_generat
 
 __all__ = [
     "ACCOUNTANTS", "Accountant", "GaussianGDPAccountant", "PLDAccountant", "PureDPAccountant", "RDPAccountant",
-    "ZCDPAccountant", "accountant_for", "epsilon_spent", "gdp_delta", "gdp_epsilon", "gdp_mu", "make_accountant",
+    "RDPFilterAccountant", "ZCDPAccountant", "accountant_for", "epsilon_per_relation", "epsilon_spent",
+    "epsilon_under", "gdp_delta", "gdp_epsilon", "gdp_mu", "make_accountant",
     "calibrate", "dpsgd_noise_multiplier", "paper_sigma", "pate_sigma", "shuffled_noise_multiplier",
     "BudgetExceeded", "PrivacyError", "UnsupportedEvent",
     "ComposedEvent", "Event", "GaussianEvent", "LaplaceEvent", "PureDPEvent", "SampledGaussianEvent", "ZCDPEvent",

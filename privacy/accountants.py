@@ -9,14 +9,30 @@ name        what it accounts                                             source
 gdp-exact   un-subsampled Gaussians (heterogeneous S, σ): exact μ-GDP     SPEC §5; Dong, Roth &
             ``μ = sqrt(Σ count·S²/σ²)``, ``δ(ε) = Φ(-ε/μ+μ/2) -          Su 2019; Balle & Wang
             e^ε Φ(-ε/μ-μ/2)``                                             2018 Thm. 8
-pld         dp_accounting privacy-loss distributions (sampled Gaussian,   dp_accounting
-            Gaussian, Laplace); pessimistic discretisation
+pld         dp_accounting privacy-loss distributions (sampled Gaussian    dp_accounting
+            under add/remove or replace-one, Gaussian, Laplace);
+            pessimistic discretisation
 rdp         dp_accounting RDP with the improved RDP→DP conversion         Balle et al. 2020
-            (sampled Gaussian, Gaussian, Laplace, zCDP)
+            (add/remove sampled Gaussian, Gaussian, Laplace, zCDP)
+rdp-filter  the same RDP curves under a Rényi filter: valid when event    Feldman & Zrnic 2021;
+            parameters are chosen adaptively (see RDPFilterAccountant)    Lécuyer 2021
 zcdp        ρ-zCDP: shuffled epochs, Gaussians (ρ = S²/2σ²), pure ε       Yu et al. Prop. 1-2,
             (ρ = ε²/2); ``ε = ρ + 2 sqrt(ρ ln 1/δ)``                      Thm. 1-2; Bun & Steinke
 basic       pure ε (Laplace, PureDP): ε = Σ ε_i, δ = 0                     Dwork et al.
 =========== ============================================================ ======================
+
+Neighbouring relations: an accountant accounts one relation (the first event's); composing an event
+under another raises PrivacyError. Poisson-sampled Gaussians under replace-one are accounted only by
+``pld`` (dp_accounting's ``NeighboringRelation.REPLACE_ONE``); its RDP accountant refuses them, and so
+does ours.
+
+Adaptively chosen events (``event.adaptive``: parameters picked from earlier outputs, e.g. the
+validation-driven DP-SGD schedule) are composed only by accountants that remain valid under *fully
+adaptive* composition when the budget guard stops before the budget would be exceeded (a privacy filter,
+Rogers et al. 2016): ``gdp-exact`` (Gaussian-DP filter, Smith & Thakurta 2022), ``zcdp`` (ρ adds; a
+Rényi filter at every order, Feldman & Zrnic 2021), ``basic`` (pure-ε filter, Rogers et al. 2016) and
+``rdp-filter``. ``pld`` and ``rdp`` refuse them: the PLD of a composition, and the choice of the best
+RDP order after the fact, both assume parameters fixed in advance.
 """
 
 from __future__ import annotations
@@ -36,7 +52,14 @@ from privacy.events import (
     ZCDPEvent,
 )
 
-ACCOUNTANTS = ("gdp-exact", "pld", "rdp", "zcdp", "basic")
+ACCOUNTANTS = ("gdp-exact", "pld", "rdp", "rdp-filter", "zcdp", "basic")
+
+#: Accountants valid under fully adaptive composition (privacy filters); see the module docstring.
+FILTER_ACCOUNTANTS = ("gdp-exact", "basic", "zcdp", "rdp-filter")
+
+#: RDP orders of the Rényi filter: fixed in advance and few, because the filter pays ln|orders| in ln(1/δ).
+FILTER_RDP_ORDERS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32.0,
+                     48.0, 64.0, 128.0, 256.0)
 
 #: PLD value discretisation (privacy-loss grid). 1e-4 keeps ε within ~1e-3 of the continuous value for
 #: the compositions fedpate runs (hundreds to thousands of steps) while staying fast.
@@ -189,12 +212,18 @@ def zcdp_rho_for(epsilon: float, delta: float) -> float:
 
 
 class Accountant:
-    """Accumulates events; ``compose`` checks with ``supports`` first and leaves state unchanged on refusal."""
+    """Accumulates events; ``compose`` checks with ``supports`` first and leaves state unchanged on refusal.
+
+    One accountant accounts one neighbouring relation (``relation``, set by the first event).
+    """
 
     name = ""
+    #: True when the accountant stays valid for adaptively chosen events (a privacy filter).
+    filter_valid = False
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.relation: str | None = None
 
     def supports(self, event: Event) -> bool:
         return all(self._supports_leaf(leaf) for leaf in event.leaves())
@@ -203,16 +232,32 @@ class Accountant:
         raise NotImplementedError
 
     def _why_not(self, event: Event) -> str:
+        if event.adaptive and not self.filter_valid:
+            return (
+                f"the {self.name} accountant refuses adaptively chosen events (adaptive=True, "
+                f"{type(event).__name__}): it assumes parameters fixed in advance; account them with a privacy "
+                f"filter ({', '.join(FILTER_ACCOUNTANTS)})"
+            )
         return f"the {self.name} accountant cannot account {type(event).__name__}"
 
-    def compose(self, event: Event) -> "Accountant":
+    def _check(self, event: Event) -> None:
+        """Refuse (before any state changes) an event this accountant cannot compose."""
         if not isinstance(event, Event):
             raise PrivacyError(f"compose expects a privacy event, got {event!r}")
         for leaf in event.leaves():
             if not self._supports_leaf(leaf):
                 raise UnsupportedEvent(self._why_not(leaf))
+        if self.relation is not None and event.relation != self.relation:
+            raise PrivacyError(
+                f"the {self.name} accountant holds {self.relation} events; an event under {event.relation} "
+                "must not be added to them (account each neighbouring relation separately)"
+            )
+
+    def compose(self, event: Event) -> "Accountant":
+        self._check(event)
         self._apply(event)
         self.events.append(event)
+        self.relation = event.relation
         return self
 
     def _apply(self, event: Event) -> None:  # pragma: no cover - abstract
@@ -226,9 +271,14 @@ class Accountant:
 
 
 class GaussianGDPAccountant(Accountant):
-    """Exact accounting of un-subsampled Gaussians through μ-GDP (SPEC §5)."""
+    """Exact accounting of un-subsampled Gaussians through μ-GDP (SPEC §5).
+
+    Filter-valid: with σ_i chosen adaptively, stopping before ``sqrt(Σ μ_i²)`` exceeds μ keeps the run μ-GDP
+    (Smith & Thakurta 2022, fully adaptive composition for Gaussian DP), and ε(μ) is increasing in μ.
+    """
 
     name = "gdp-exact"
+    filter_valid = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,31 +304,47 @@ class GaussianGDPAccountant(Accountant):
 class _DpAccountingWrapper(Accountant):
     """Shared plumbing for accountants that delegate to a dp_accounting ``PrivacyAccountant``.
 
-    The inner accountant uses ``ADD_OR_REMOVE_ONE`` because our events carry the sensitivity under their
-    own relation explicitly (see privacy/events.py); un-subsampled mechanisms then have the same PLD under
-    either relation, and Poisson-sampled events are add/remove by construction.
+    The inner accountant runs under ``ADD_OR_REMOVE_ONE`` (``_inner_relation = "add-remove"``) while it
+    only holds events whose analysis does not depend on the relation (un-subsampled mechanisms carry their
+    sensitivity under their own relation explicitly, see privacy/events.py) or add/remove Poisson-sampled
+    events. A replace-one Poisson-sampled event needs ``REPLACE_ONE``: then (PLD only) a new inner
+    accountant is built under ``REPLACE_ONE`` and everything held is composed again, each event converted
+    by ``Event.to_dp_accounting("replace-one")`` (an explicit Gaussian sensitivity S becomes the norm bound
+    S/2 that REPLACE_ONE doubles). PLD composition commutes, so the order of the events does not matter.
     """
 
-    def _make_inner(self):  # pragma: no cover - abstract
+    def _make_inner(self, relation: str):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def __init__(self) -> None:
+    def __init__(self, inner_relation: str = "add-remove") -> None:
         super().__init__()
-        self._inner = self._make_inner()
+        self._inner_relation = inner_relation
+        self._inner = self._make_inner(inner_relation)
+
+    def _inner_relation_for(self, event: Event) -> str:
+        """The inner relation needed once ``event`` is held as well (a relation, once replace-one, stays)."""
+        return self._inner_relation
 
     def compose(self, event: Event) -> "Accountant":
-        if not isinstance(event, Event):
-            raise PrivacyError(f"compose expects a privacy event, got {event!r}")
-        for leaf in event.leaves():
-            if not self._supports_leaf(leaf):
-                raise UnsupportedEvent(self._why_not(leaf))
-        dp_event = event.to_dp_accounting()
+        self._check(event)
+        target = self._inner_relation_for(event)
+        inner, pending = self._inner, [event]
+        if target != self._inner_relation:
+            inner, pending = self._make_inner(target), [*self.events, event]
+        try:
+            dp_events = [item.to_dp_accounting(target) for item in pending]
+        except UnsupportedEvent as exc:
+            raise UnsupportedEvent(f"the {self.name} accountant (dp_accounting under {target}): {exc}") from None
         # dp_accounting's own check, also before anything is applied (its compose is all-or-nothing only
         # after this check passes).
-        if not self._inner.supports(dp_event):
-            raise UnsupportedEvent(self._why_not(event))
-        self._inner.compose(dp_event)
+        for dp_event in dp_events:
+            if not inner.supports(dp_event):
+                raise UnsupportedEvent(self._why_not(event))
+        for dp_event in dp_events:
+            inner.compose(dp_event)
+        self._inner, self._inner_relation = inner, target
         self.events.append(event)
+        self.relation = event.relation
         return self
 
     def get_epsilon(self, delta: float) -> float:
@@ -294,29 +360,54 @@ class _DpAccountingWrapper(Accountant):
         return float(self._inner.get_delta(epsilon))
 
 
+def _dp_accounting_relation(relation: str):
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    return {"add-remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace-one": NeighboringRelation.REPLACE_ONE}[
+        relation
+    ]
+
+
 class PLDAccountant(_DpAccountingWrapper):
     """dp_accounting's PLD accountant (pessimistic discretisation, so ε is an upper bound).
 
-    Supports Poisson-sampled Gaussians (DP-SGD), Gaussians and Laplace; not zCDP or bare pure-ε events.
+    Supports Poisson-sampled Gaussians (DP-SGD) under add/remove (``ADD_OR_REMOVE_ONE``) or replace-one
+    (``REPLACE_ONE``: the sampled mixture ``q·N(-C)+(1-q)·N(0)`` against ``q·N(C)+(1-q)·N(0)``), Gaussians
+    and Laplace; not zCDP, bare pure-ε events, or adaptively chosen events. Laplace has no dp_accounting PLD
+    under REPLACE_ONE, so it cannot share an accountant with replace-one Poisson-sampled events.
+    ``neighboring_relation`` pins the inner dp_accounting relation from the start (for cross-checks);
+    by default it follows the events (see :class:`_DpAccountingWrapper`).
     """
 
     name = "pld"
 
-    def __init__(self, value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION) -> None:
+    def __init__(
+        self, value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION, neighboring_relation: str | None = None
+    ) -> None:
         self.value_discretization_interval = float(value_discretization_interval)
-        super().__init__()
+        if neighboring_relation not in (None, "add-remove", "replace-one"):
+            raise PrivacyError(f"neighboring_relation must be add-remove or replace-one, got {neighboring_relation!r}")
+        super().__init__(neighboring_relation or "add-remove")
 
-    def _make_inner(self):
+    def _make_inner(self, relation: str):
         from dp_accounting.pld import pld_privacy_accountant
 
         return pld_privacy_accountant.PLDAccountant(
-            value_discretization_interval=self.value_discretization_interval
+            neighboring_relation=_dp_accounting_relation(relation),
+            value_discretization_interval=self.value_discretization_interval,
         )
 
+    def _inner_relation_for(self, event: Event) -> str:
+        if any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one" for leaf in event.leaves()):
+            return "replace-one"
+        return self._inner_relation
+
     def _supports_leaf(self, event: Event) -> bool:
-        return isinstance(event, (GaussianEvent, SampledGaussianEvent, LaplaceEvent))
+        return isinstance(event, (GaussianEvent, SampledGaussianEvent, LaplaceEvent)) and not event.adaptive
 
     def _why_not(self, event: Event) -> str:
+        if event.adaptive:
+            return super()._why_not(event)
         return f"the pld accountant cannot account {type(event).__name__} (use zcdp or basic)"
 
 
@@ -339,7 +430,13 @@ def _quiet_nonconverging_orders() -> None:
 
 
 class RDPAccountant(_DpAccountingWrapper):
-    """dp_accounting's RDP accountant; ε uses the improved conversion (Balle et al. 2020, Prop. 12)."""
+    """dp_accounting's RDP accountant; ε uses the improved conversion (Balle et al. 2020, Prop. 12).
+
+    The inner accountant stays ``ADD_OR_REMOVE_ONE``: dp_accounting's RDP reads an un-subsampled Gaussian's
+    multiplier as σ/S under any relation, and it has no Poisson-sampled Gaussian under REPLACE_ONE
+    (``rdp_privacy_accountant.RdpAccountant`` refuses it) — so replace-one Poisson-sampled events are refused
+    here too (account them with pld).
+    """
 
     name = "rdp"
 
@@ -347,14 +444,81 @@ class RDPAccountant(_DpAccountingWrapper):
         self.orders = orders
         super().__init__()
 
-    def _make_inner(self):
+    def _make_inner(self, relation: str):
         from dp_accounting.rdp import rdp_privacy_accountant
 
         _quiet_nonconverging_orders()
         return rdp_privacy_accountant.RdpAccountant(orders=self.orders)
 
     def _supports_leaf(self, event: Event) -> bool:
-        return isinstance(event, (GaussianEvent, SampledGaussianEvent, LaplaceEvent, ZCDPEvent))
+        if event.adaptive and not self.filter_valid:
+            return False
+        if isinstance(event, SampledGaussianEvent):
+            return event.relation == "add-remove"
+        return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent))
+
+    def _why_not(self, event: Event) -> str:
+        if isinstance(event, SampledGaussianEvent) and event.relation != "add-remove":
+            return (
+                f"the {self.name} accountant refuses Poisson-sampled Gaussians under {event.relation}: "
+                "dp_accounting's RDP accountant supports Poisson subsampling only under ADD_OR_REMOVE_ONE "
+                "(account replace-one DP-SGD with pld)"
+            )
+        return super()._why_not(event)
+
+
+class RDPFilterAccountant(RDPAccountant):
+    """RDP under a Rényi *filter*: valid when event parameters are chosen adaptively from earlier outputs.
+
+    Feldman & Zrnic 2021 (Sec. 3, the Rényi filter): if the privacy parameters ρ_t(α) are chosen adaptively
+    and the run stops before ``Σ_t ρ_t(α)`` would exceed a budget B_α fixed in advance, the whole run is
+    (α, B_α)-RDP — for *one* order α. Choosing the best order after the fact (what ``rdp`` does) is not
+    covered, so this accountant pays for its fixed set of orders Λ (:data:`FILTER_RDP_ORDERS`) with a union
+    bound, as Lécuyer 2021 does for filters over several orders: with the privacy loss L_T of the stopped
+    run and ``M_t = exp((α-1)(L_t - Σ_{s≤t} ρ_s(α)))`` a non-negative supermartingale (one per α),
+
+    ``E[(1 - e^{ε-L_T})_+] ≤ Σ_{α∈Λ} E[(1 - e^{ε-L_T})_+ · 1{α is the first order within B_α}]
+    ≤ Σ_α (1/α)(1-1/α)^{α-1} e^{(α-1)(B_α-ε)}``
+
+    (the pointwise bound behind Balle et al. 2020, Prop. 12, and ``E[M_T] ≤ 1``). Taking each term ≤ δ/|Λ|:
+    the run is (ε, δ)-DP if, when it stops, *some* α ∈ Λ has
+
+    ``Σ ρ_t(α) + ln(1 - 1/α) - ln(α·δ/|Λ|)/(α - 1) ≤ ε``,
+
+    which is the ε reported here (the minimum over Λ of the left side). The budget guard refuses the event
+    that would take it past the budget, which makes the guard this filter. Note for results: the (ε, δ)
+    guarantee of an adaptively stopped run is the *budget* the filter enforced; the ε of the realised
+    sequence reported here is at most that.
+    """
+
+    name = "rdp-filter"
+    filter_valid = True
+
+    def __init__(self, orders: Sequence[float] | None = None) -> None:
+        super().__init__(orders=tuple(orders) if orders is not None else FILTER_RDP_ORDERS)
+        if min(self.orders) <= 1.0:
+            raise PrivacyError(f"rdp-filter: orders must be > 1, got {min(self.orders)}")
+
+    def _curve(self):
+        # dp_accounting keeps the composed RDP curve in _rdp over _orders (RdpAccountant has no public getter)
+        return self._inner._orders, self._inner._rdp
+
+    def get_epsilon(self, delta: float) -> float:
+        delta = _check_delta(delta)
+        if not self.events:
+            return 0.0
+        orders, rdp = self._curve()
+        share = math.log(delta / len(orders))
+        values = [r + math.log1p(-1.0 / a) - (share + math.log(a)) / (a - 1) for a, r in zip(orders, rdp)]
+        return float(max(0.0, min(values)))
+
+    def get_delta(self, epsilon: float) -> float:
+        epsilon = _check_epsilon(epsilon)
+        if not self.events:
+            return 0.0
+        orders, rdp = self._curve()
+        logs = [(a - 1) * (r - epsilon + math.log1p(-1.0 / a)) - math.log(a) for a, r in zip(orders, rdp)]
+        return float(min(1.0, len(orders) * math.exp(min(logs))))
 
 
 class ZCDPAccountant(Accountant):
@@ -364,9 +528,14 @@ class ZCDPAccountant(Accountant):
     Yu et al. Prop. 2) and pure-ε events (ε-DP ⇒ ε²/2-zCDP, Bun & Steinke Prop. 1.4). It refuses
     ``SampledGaussianEvent``: a Poisson-sampled step is not a shuffled epoch, and zCDP cannot express its
     amplification (Yu et al. Sec. IV-B-2) — account those with pld or rdp.
+
+    Filter-valid: ρ-zCDP is (α, ρα)-RDP at every order, so stopping before ``Σ ρ_i`` exceeds ρ_budget is a
+    Rényi filter at every α at once (Feldman & Zrnic 2021, Sec. 3) and the run is ρ_budget-zCDP; ε(ρ) is
+    increasing in ρ, so the guard's ε check is that filter.
     """
 
     name = "zcdp"
+    filter_valid = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -410,9 +579,14 @@ class ZCDPAccountant(Accountant):
 
 
 class PureDPAccountant(Accountant):
-    """Basic composition of pure-ε mechanisms: ``ε = Σ ε_i``, δ = 0 (Dwork et al. 2006)."""
+    """Basic composition of pure-ε mechanisms: ``ε = Σ ε_i``, δ = 0 (Dwork et al. 2006).
+
+    Filter-valid: basic composition holds with adaptively chosen ε_i as long as Σ ε_i stays within the
+    budget (Rogers, Roth, Ullman & Vadhan 2016, privacy filters).
+    """
 
     name = "basic"
+    filter_valid = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -436,6 +610,7 @@ _FACTORIES = {
     "gdp-exact": GaussianGDPAccountant,
     "pld": PLDAccountant,
     "rdp": RDPAccountant,
+    "rdp-filter": RDPFilterAccountant,
     "zcdp": ZCDPAccountant,
     "basic": PureDPAccountant,
 }
@@ -454,20 +629,34 @@ def accountant_for(events: Iterable[Event]) -> Accountant:
 
     gdp-exact if all are Gaussians; basic if all are pure ε; zcdp if any is a ZCDPEvent (shuffled epochs)
     and the rest convert; otherwise pld; then rdp; zcdp last (e.g. Gaussians mixed with pure-ε events).
-    Raises UnsupportedEvent when no accountant fits (e.g. shuffled ZCDPEvent mixed with Poisson events).
+    If *any* event was chosen adaptively (``adaptive=True``) the whole composition is accounted by a privacy
+    filter instead (gdp-exact, basic, zcdp, then rdp-filter; module docstring): a fixed-parameter event is a
+    special case of an adaptive one, so one filter covers the whole sequence.
+    Raises UnsupportedEvent when no accountant fits (e.g. shuffled ZCDPEvent mixed with Poisson events, or
+    adaptively chosen replace-one Poisson-sampled events, which only PLD could account).
     """
     leaves = [leaf for event in events for leaf in event.leaves()]
     if not leaves:
         return GaussianGDPAccountant()
-    order = ["gdp-exact", "basic"]
-    if any(isinstance(leaf, ZCDPEvent) for leaf in leaves):
-        order.append("zcdp")
-    order += ["pld", "rdp", "zcdp"]
+    adaptive = any(leaf.adaptive for leaf in leaves)
+    if adaptive:
+        order = list(FILTER_ACCOUNTANTS)
+    else:
+        order = ["gdp-exact", "basic"]
+        if any(isinstance(leaf, ZCDPEvent) for leaf in leaves):
+            order.append("zcdp")
+        order += ["pld", "rdp", "zcdp"]
     for name in order:
         candidate = make_accountant(name)
         if all(candidate._supports_leaf(leaf) for leaf in leaves):
             return candidate
-    kinds = sorted({type(leaf).__name__ for leaf in leaves})
+    kinds = sorted({type(leaf).__name__ + (f"({leaf.relation})" if isinstance(leaf, SampledGaussianEvent) else "")
+                    for leaf in leaves})
+    if adaptive:
+        raise UnsupportedEvent(
+            f"no privacy filter supports the adaptively chosen combination {kinds} (PLD is not valid under "
+            "adaptive composition, and dp_accounting's RDP has no replace-one Poisson subsampling)"
+        )
     raise UnsupportedEvent(f"no single accountant supports the combination {kinds}")
 
 
@@ -478,3 +667,37 @@ def epsilon_spent(events: Sequence[Event], delta: float, accountant: str | None 
     for event in events:
         acc.compose(event)
     return acc.get_epsilon(delta), acc.name
+
+
+def epsilon_under(events: Sequence[Event], delta: float, relation: str) -> tuple[float, str] | None:
+    """ε at ``delta`` of the *same mechanisms* analysed under ``relation``, or None when that is undefined.
+
+    Only mechanisms described without a relation-specific parameter can be re-read (Poisson-sampled
+    Gaussians: q, z, steps; see :meth:`Event.with_relation`); None if any event has an explicit sensitivity
+    or ρ under another relation. Lets a report print, e.g., the add/remove ε of a replace-one DP-SGD run.
+    """
+    moved = [event.with_relation(relation) for event in events]
+    if not moved or any(event is None for event in moved):
+        return None
+    return epsilon_spent(moved, delta)
+
+
+def epsilon_per_relation(events: Sequence[Event], delta: float, relation: str | None,
+                         epsilon: float | None) -> dict[str, float | None]:
+    """``{"epsilon_add_remove": ..., "epsilon_replace_one": ...}`` for results that state both relations.
+
+    ``events`` were accounted under ``relation`` to ``epsilon`` (the ledger's figure, reused as is); the
+    other relation's value is :func:`epsilon_under`, or None where it is undefined (explicit sensitivities,
+    shuffled epochs) or has no valid accountant (adaptive events under replace-one).
+    """
+    out: dict[str, float | None] = {}
+    for name in ("add-remove", "replace-one"):
+        value = epsilon if name == relation else None
+        if name != relation and events:
+            try:
+                moved = epsilon_under(events, delta, name)
+            except PrivacyError:
+                moved = None
+            value = None if moved is None else float(moved[0])
+        out[f"epsilon_{name.replace('-', '_')}"] = None if value is None else float(value)
+    return out

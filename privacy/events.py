@@ -3,22 +3,41 @@
 An event says *what was released and how*, never what the data were. Each event names its neighbouring
 relation (SPEC section 2):
 
-* ``"replace-one"`` — D and D' have the same size and differ in one patient's record (PATE, as in the
-  sensitivity proofs of Fay et al., Sec. 3-4);
-* ``"add-remove"`` — D' is D with one patient added or removed (DP-SGD with Poisson sampling, the Opacus /
-  dp_accounting convention; Yu et al. for shuffled epochs).
+* ``"replace-one"`` — D and D' have the same size and differ in one patient's record. PATE (as in the
+  sensitivity proofs of Fay et al., Sec. 3-4), and the relation every comparison uses: it is the only one
+  that holds when dataset sizes are published (FedAvg weights, ``train_cases``), so DP-SGD and DP-FedAvg
+  run under it by default (``sim.dpsgd.DPConfig.relation``);
+* ``"add-remove"`` — D' is D with one patient added or removed (the Opacus / dp_accounting convention for
+  Poisson-sampled DP-SGD; kept for standalone runs whose dataset sizes stay private);
+* ``"zero-out"`` — D' is D with one patient's record replaced by a null record that contributes nothing
+  (same size, so shuffled batches keep their boundaries; dp_accounting's ``REPLACE_SPECIAL``). Yu et al.'s
+  ``1/(2σ²)``-zCDP per shuffled epoch holds for this relation (sensitivity C of the clipped sum), not for
+  add/remove, where removing a record shifts every later batch.
 
-Sensitivities stored in events are *already* the sensitivity under the event's relation (for example
-2C/K for replace-one PATE aggregation of vectors clipped to norm C). So an un-subsampled Gaussian or
-Laplace event has the same privacy-loss distribution whatever the relation; the relation is recorded so
-that one owner's guarantees under different relations are never silently added up (``ledger.spent``).
+Sensitivities stored in un-subsampled events (Gaussian, Laplace, zCDP's ρ) are *already* the sensitivity
+under the event's relation (for example 2C/K for replace-one PATE aggregation of vectors clipped to norm C),
+so their privacy-loss distribution is that of ``N(0, σ²)`` against ``N(S, σ²)`` whatever the relation. A
+Poisson-sampled event (:class:`SampledGaussianEvent`) instead describes the mechanism only (q, z, steps);
+its relation decides the analysis (dp_accounting's PLD under ``ADD_OR_REMOVE_ONE`` or ``REPLACE_ONE``).
+The relation is recorded so that one owner's guarantees under different relations are never silently
+added up (``ledger.spent``).
 
 Every event round-trips through JSON (``to_dict`` / ``event_from_dict``) and, where dp_accounting's
-``DpEvent`` algebra fits, converts with ``to_dp_accounting()``. Those DpEvents are meant for
-dp_accounting accountants built with ``NeighboringRelation.ADD_OR_REMOVE_ONE``, because with that relation
-dp_accounting reads a Gaussian/Laplace noise multiplier as noise / sensitivity; with ``REPLACE_ONE`` its
-PLD accountant would double the sensitivity of an un-subsampled Gaussian (it reads the multiplier relative
-to a norm bound), which would double-count our explicit replace-one sensitivity.
+``DpEvent`` algebra fits, converts with ``to_dp_accounting(inner)`` for a dp_accounting accountant built
+with the neighbouring relation ``inner``:
+
+* ``inner="add-remove"`` (``ADD_OR_REMOVE_ONE``): dp_accounting reads an un-subsampled Gaussian/Laplace
+  noise multiplier as noise / sensitivity, so ``σ/S`` is passed as is;
+* ``inner="replace-one"`` (``REPLACE_ONE``): dp_accounting's PLD reads an un-subsampled Gaussian's
+  multiplier relative to a *norm bound* and doubles it (replacing a record moves the mean by twice the
+  bound; ``privacy_loss_mechanism.GaussianPrivacyLoss``, REPLACE adjacency), so our explicit replace-one
+  sensitivity S is passed as the norm bound S/2, i.e. multiplier ``2σ/S``. It has no Laplace PLD under
+  ``REPLACE_ONE`` (such events are refused). Poisson-sampled Gaussians are passed as (q, z) under the
+  accountant's relation, which must be the event's.
+
+Events whose parameters were *chosen adaptively* from earlier outputs (``adaptive=True``; e.g. the
+validation-driven DP-SGD noise schedule) are only composed by accountants that stay valid under fully
+adaptive composition — privacy filters (see ``privacy.accountants.accountant_for``).
 """
 
 from __future__ import annotations
@@ -30,7 +49,16 @@ from typing import Any, ClassVar, Iterator
 
 from privacy.errors import PrivacyError, UnsupportedEvent
 
-RELATIONS = ("replace-one", "add-remove")
+RELATIONS = ("replace-one", "add-remove", "zero-out")
+
+#: Relations under which dp_accounting analyses Poisson-sampled Gaussians (``REPLACE_ONE`` / ``ADD_OR_REMOVE_ONE``).
+SAMPLED_RELATIONS = ("replace-one", "add-remove")
+
+#: Inner relations of dp_accounting accountants that :meth:`Event.to_dp_accounting` converts for.
+INNER_RELATIONS = ("add-remove", "replace-one")
+
+#: L2 sensitivity of one shuffled batch's clipped gradient sum, in units of the clip norm C, per relation.
+SHUFFLED_SENSITIVITY = {"zero-out": 1.0, "replace-one": 2.0}
 
 
 def _positive_finite(name: str, value: Any, owner: str) -> float:
@@ -60,6 +88,32 @@ def _relation(value: Any, owner: str) -> str:
     return value
 
 
+def _flag(name: str, value: Any, owner: str) -> bool:
+    if not isinstance(value, bool):
+        raise PrivacyError(f"{owner}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _inner(inner: Any) -> str:
+    if inner not in INNER_RELATIONS:
+        raise PrivacyError(f"inner relation must be one of {', '.join(INNER_RELATIONS)}, got {inner!r}")
+    return inner
+
+
+def _gaussian_dp_event(sigma_over_sensitivity: float, count: int, inner: str):
+    """dp_accounting Gaussian for an un-subsampled Gaussian of explicit sensitivity (module docstring)."""
+    from dp_accounting import dp_event
+
+    multiplier = sigma_over_sensitivity * (2.0 if _inner(inner) == "replace-one" else 1.0)
+    single = dp_event.GaussianDpEvent(noise_multiplier=multiplier)
+    return single if count == 1 else dp_event.SelfComposedDpEvent(single, count)
+
+
+#: Fields left out of ``to_dict`` while they hold their default, so ledgers written before the field
+#: existed keep their bytes (a repeated release id compares the canonical event).
+_OMIT_WHEN_DEFAULT = {"adaptive": False}
+
+
 class Event:
     """Base class of all privacy events (frozen dataclasses)."""
 
@@ -69,16 +123,35 @@ class Event:
     def relation(self) -> str:  # overridden by fields in the leaf events
         raise NotImplementedError
 
+    @property
+    def adaptive(self) -> bool:  # overridden by a field in the events that may be chosen adaptively
+        return False
+
     def to_dict(self) -> dict:
         """JSON-ready dict with a ``"type"`` key; inverse of :func:`event_from_dict`."""
         out: dict[str, Any] = {"type": self.kind}
         for field in dataclasses.fields(self):
-            out[field.name] = getattr(self, field.name)
+            value = getattr(self, field.name)
+            if field.name in _OMIT_WHEN_DEFAULT and value == _OMIT_WHEN_DEFAULT[field.name]:
+                continue
+            out[field.name] = value
         return out
 
-    def to_dp_accounting(self):
-        """The equivalent dp_accounting ``DpEvent`` (for an ``ADD_OR_REMOVE_ONE`` accountant)."""
+    def to_dp_accounting(self, inner: str = "add-remove"):
+        """The equivalent dp_accounting ``DpEvent`` for an accountant under relation ``inner``.
+
+        ``inner`` is ``"add-remove"`` (``ADD_OR_REMOVE_ONE``) or ``"replace-one"`` (``REPLACE_ONE``); see the
+        module docstring for how each reads a noise multiplier. UnsupportedEvent when there is none.
+        """
         raise UnsupportedEvent(f"{type(self).__name__} has no dp_accounting DpEvent equivalent")
+
+    def with_relation(self, relation: str) -> "Event | None":
+        """The same mechanism analysed under ``relation``, or None when its parameters depend on the relation.
+
+        Only a Poisson-sampled Gaussian is described by its mechanism alone (q, z, steps); an explicit
+        sensitivity or ρ was derived for one relation and cannot be re-read under another.
+        """
+        return self if self.relation == relation else None
 
     def leaves(self) -> Iterator["Event"]:
         """The non-composite events this event is made of (itself for a leaf)."""
@@ -93,12 +166,17 @@ class GaussianEvent(Event):
     One release is exactly μ-GDP with ``μ = S/σ`` (Dong, Roth & Su 2019, Thm. 2.7); ``count`` of them
     compose to ``μ = sqrt(count)·S/σ`` (their Cor. 3.3), which is what the ``gdp-exact`` accountant uses
     (SPEC §5; Balle & Wang 2018, Thm. 8 gives the matching δ(ε)). ``noise_multiplier = σ/S``.
+
+    ``adaptive=True``: σ was chosen from earlier outputs. Gaussian DP composes under such fully adaptive
+    choices as long as ``Σ μ_i² ≤ μ²`` is enforced by a filter (Smith & Thakurta 2022, "Fully adaptive
+    composition for Gaussian differential privacy"), which is what the budget guard does with ``gdp-exact``.
     """
 
     sensitivity: float
     sigma: float
     count: int = 1
     relation: str = "replace-one"
+    adaptive: bool = False
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self) -> None:
@@ -106,6 +184,7 @@ class GaussianEvent(Event):
         object.__setattr__(self, "sigma", _positive_finite("sigma", self.sigma, "GaussianEvent"))
         object.__setattr__(self, "count", _positive_int("count", self.count, "GaussianEvent"))
         _relation(self.relation, "GaussianEvent")
+        _flag("adaptive", self.adaptive, "GaussianEvent")
 
     @property
     def noise_multiplier(self) -> float:
@@ -116,11 +195,8 @@ class GaussianEvent(Event):
         """GDP parameter of the whole event, ``sqrt(count)·S/σ``."""
         return math.sqrt(self.count) * self.sensitivity / self.sigma
 
-    def to_dp_accounting(self):
-        from dp_accounting import dp_event
-
-        single = dp_event.GaussianDpEvent(noise_multiplier=self.noise_multiplier)
-        return single if self.count == 1 else dp_event.SelfComposedDpEvent(single, self.count)
+    def to_dp_accounting(self, inner: str = "add-remove"):
+        return _gaussian_dp_event(self.noise_multiplier, self.count, inner)
 
 
 @dataclass(frozen=True)
@@ -129,16 +205,30 @@ class SampledGaussianEvent(Event):
 
     Each record joins a step's batch independently with probability ``sampling_rate`` = q; per-sample
     gradients are clipped to norm C and ``N(0, (zC)² I)`` is added, z = ``noise_multiplier``
-    (Abadi et al. 2016; Opacus). Relation: add/remove-one (the only one accepted here, since it is the one
-    Poisson amplification and dp_accounting's/Opacus' analyses use for DP-SGD). Accounted by the PLD of
-    the subsampled Gaussian (dp_accounting) or by RDP; never by zCDP (Yu et al. Sec. IV-B show zCDP cannot
-    express the amplification, and a shuffled loader is not Poisson sampling).
+    (Abadi et al. 2016; Opacus). Never accounted by zCDP (Yu et al. Sec. IV-B show zCDP cannot express the
+    amplification, and a shuffled loader is not Poisson sampling).
+
+    ``relation``:
+
+    * ``"add-remove"`` (default; Opacus, Abadi et al.): the step's output is ``q·N(C, z²C²) + (1-q)·N(0,
+      z²C²)`` against ``N(0, z²C²)``; PLD (dp_accounting, ``ADD_OR_REMOVE_ONE``) or RDP (Mironov, Talwar &
+      Zhang 2019);
+    * ``"replace-one"``: ``q·N(-C, ·) + (1-q)·N(0, ·)`` against ``q·N(C, ·) + (1-q)·N(0, ·)`` (the replaced
+      record's clipped gradient may point the other way), which dp_accounting's PLD accounts exactly with
+      ``NeighboringRelation.REPLACE_ONE`` (``privacy_loss_mechanism.GaussianPrivacyLoss``, REPLACE
+      adjacency with sampling). dp_accounting's RDP accountant refuses Poisson sampling under REPLACE_ONE,
+      so this event is PLD-only. Example (FIELD_NOTES): q = 1/9, 90 steps, δ = 1e-3 at the z that makes
+      add/remove ε = 8 (z ≈ 0.7987) spends ε ≈ 11.74 under replace-one.
+
+    ``adaptive=True``: z was chosen from earlier outputs (validation-driven schedule); then only a filter
+    (``rdp-filter``, add/remove only) may compose it — PLD composition needs parameters fixed in advance.
     """
 
     sampling_rate: float
     noise_multiplier: float
     steps: int = 1
     relation: str = "add-remove"
+    adaptive: bool = False
     kind: ClassVar[str] = "sampled-gaussian"
 
     def __post_init__(self) -> None:
@@ -150,20 +240,33 @@ class SampledGaussianEvent(Event):
             self, "noise_multiplier", _positive_finite("noise_multiplier", self.noise_multiplier, "SampledGaussianEvent")
         )
         object.__setattr__(self, "steps", _positive_int("steps", self.steps, "SampledGaussianEvent"))
-        if self.relation != "add-remove":
+        if self.relation not in SAMPLED_RELATIONS:
             raise PrivacyError(
-                "SampledGaussianEvent: relation must be 'add-remove' (Poisson-sampled DP-SGD), "
-                f"got {self.relation!r}"
+                f"SampledGaussianEvent: relation must be one of {', '.join(SAMPLED_RELATIONS)} "
+                f"(Poisson-sampled DP-SGD), got {self.relation!r}"
             )
+        _flag("adaptive", self.adaptive, "SampledGaussianEvent")
 
-    def to_dp_accounting(self):
+    def to_dp_accounting(self, inner: str = "add-remove"):
         from dp_accounting import dp_event
 
+        if _inner(inner) != self.relation:
+            raise UnsupportedEvent(
+                f"SampledGaussianEvent under {self.relation} cannot be accounted by a dp_accounting accountant "
+                f"under {inner}: Poisson subsampling is analysed under the event's own relation"
+            )
         single = dp_event.PoissonSampledDpEvent(
             sampling_probability=self.sampling_rate,
             event=dp_event.GaussianDpEvent(noise_multiplier=self.noise_multiplier),
         )
         return single if self.steps == 1 else dp_event.SelfComposedDpEvent(single, self.steps)
+
+    def with_relation(self, relation: str) -> "SampledGaussianEvent":
+        if relation not in SAMPLED_RELATIONS:
+            raise PrivacyError(
+                f"SampledGaussianEvent: relation must be one of {', '.join(SAMPLED_RELATIONS)}, got {relation!r}"
+            )
+        return dataclasses.replace(self, relation=relation)
 
 
 @dataclass(frozen=True)
@@ -172,14 +275,22 @@ class ZCDPEvent(Event):
 
     fedpate uses it for DP-SGD with *shuffled disjoint batches* (Yu et al., Sec. IV-B-1, Thm. 2 and
     Prop. 2): within one epoch every record is in exactly one batch, each step adds ``N(0, (σC)² I)`` to a
-    sum of gradients clipped to C, so the epoch is ``1/(2σ²)``-zCDP (parallel composition over the disjoint
-    batches); epochs add (Thm. 1). Relation: add/remove-one (sensitivity C of the clipped sum).
+    sum of gradients clipped to C; a Gaussian of L2 sensitivity Δ and std σC is ``Δ²/(2σ²C²)``-zCDP
+    (Bun & Steinke 2016, Prop. 1.6), the disjoint batches compose in parallel and epochs add (Yu et al.
+    Thm. 1). Δ depends on the relation (:data:`SHUFFLED_SENSITIVITY`): C under zero-out adjacency (the
+    record's gradient becomes zero; Yu et al.'s ``1/(2σ²)`` per epoch), 2C under replace-one (``2/σ²`` per
+    epoch). There is no add/remove analysis: removing a record shifts every later batch boundary.
     Converted to (ε, δ) by ``ε = ρ + 2 sqrt(ρ ln(1/δ))`` (Yu et al. Prop. 1).
+
+    ``adaptive=True``: ρ was chosen from earlier outputs. zCDP is RDP of order α with ``ρα`` for every α,
+    so the filter ``Σ ρ_i ≤ ρ_budget`` is one Rényi filter at every order at once (Feldman & Zrnic 2021,
+    Sec. 3, the Rényi filter) and the whole run is ``ρ_budget``-zCDP: the ``zcdp`` accountant stays valid.
     """
 
     rho: float
     relation: str = "add-remove"
     description: str = ""
+    adaptive: bool = False
     kind: ClassVar[str] = "zcdp"
 
     def __post_init__(self) -> None:
@@ -187,21 +298,42 @@ class ZCDPEvent(Event):
         _relation(self.relation, "ZCDPEvent")
         if not isinstance(self.description, str):
             raise PrivacyError(f"ZCDPEvent: description must be a string, got {self.description!r}")
+        _flag("adaptive", self.adaptive, "ZCDPEvent")
+
+    @staticmethod
+    def shuffled_epoch_rho(noise_multiplier: float, relation: str = "zero-out") -> float:
+        """ρ of one shuffled epoch at noise multiplier σ: ``(Δ/C)² / (2σ²)`` with Δ from the relation."""
+        sigma = _positive_finite("noise_multiplier", noise_multiplier, "ZCDPEvent.shuffled_epochs")
+        if relation not in SHUFFLED_SENSITIVITY:
+            raise PrivacyError(
+                f"shuffled epochs: relation must be one of {', '.join(SHUFFLED_SENSITIVITY)}, got {relation!r} "
+                "(a shuffled epoch has no add/remove analysis: removing a record shifts every later batch; "
+                "Yu et al.'s 1/(2 sigma^2) per epoch is for zero-out adjacency)"
+            )
+        return SHUFFLED_SENSITIVITY[relation] ** 2 / (2.0 * sigma * sigma)
 
     @classmethod
-    def shuffled_epochs(cls, noise_multiplier: float, epochs: int = 1, relation: str = "add-remove") -> "ZCDPEvent":
-        """``epochs`` shuffled epochs at noise multiplier σ: ``ρ = epochs / (2σ²)`` (Yu et al. Sec. IV-B-1)."""
-        sigma = _positive_finite("noise_multiplier", noise_multiplier, "ZCDPEvent.shuffled_epochs")
+    def shuffled_epochs(
+        cls, noise_multiplier: float, epochs: int = 1, relation: str = "zero-out", adaptive: bool = False
+    ) -> "ZCDPEvent":
+        """``epochs`` shuffled epochs at noise multiplier σ (Yu et al. Sec. IV-B-1).
+
+        ``ρ = epochs/(2σ²)`` under ``"zero-out"`` (default: the relation Yu et al.'s analysis holds for),
+        ``ρ = 2·epochs/σ²`` under ``"replace-one"`` (sensitivity 2C); ``"add-remove"`` is refused.
+        """
         epochs = _positive_int("epochs", epochs, "ZCDPEvent.shuffled_epochs")
+        rho = epochs * cls.shuffled_epoch_rho(noise_multiplier, relation)
         return cls(
-            rho=epochs / (2.0 * sigma * sigma),
+            rho=rho,
             relation=relation,
-            description=f"{epochs} shuffled epoch(s), noise multiplier {sigma:.6g}",
+            description=f"{epochs} shuffled epoch(s), noise multiplier {float(noise_multiplier):.6g}",
+            adaptive=adaptive,
         )
 
-    def to_dp_accounting(self):
+    def to_dp_accounting(self, inner: str = "add-remove"):
         from dp_accounting import dp_event
 
+        _inner(inner)
         return dp_event.ZCDpEvent(rho=self.rho)
 
 
@@ -230,9 +362,14 @@ class LaplaceEvent(Event):
         """Basic composition: ``count · S / b``."""
         return self.count * self.sensitivity / self.scale
 
-    def to_dp_accounting(self):
+    def to_dp_accounting(self, inner: str = "add-remove"):
         from dp_accounting import dp_event
 
+        if _inner(inner) == "replace-one":
+            raise UnsupportedEvent(
+                "LaplaceEvent: dp_accounting has no Laplace PLD under REPLACE_ONE (its accountants read the "
+                "scale relative to a norm bound); it composes only in an add/remove-convention accountant"
+            )
         single = dp_event.LaplaceDpEvent(noise_multiplier=self.scale / self.sensitivity)
         return single if self.count == 1 else dp_event.SelfComposedDpEvent(single, self.count)
 
@@ -278,6 +415,10 @@ class ComposedEvent(Event):
     def relation(self) -> str:
         return next(iter(self.leaves())).relation
 
+    @property
+    def adaptive(self) -> bool:
+        return any(leaf.adaptive for leaf in self.leaves())
+
     def leaves(self) -> Iterator[Event]:
         for item in self.events:
             yield from item.leaves()
@@ -285,10 +426,14 @@ class ComposedEvent(Event):
     def to_dict(self) -> dict:
         return {"type": self.kind, "events": [item.to_dict() for item in self.events]}
 
-    def to_dp_accounting(self):
+    def to_dp_accounting(self, inner: str = "add-remove"):
         from dp_accounting import dp_event
 
-        return dp_event.ComposedDpEvent([item.to_dp_accounting() for item in self.events])
+        return dp_event.ComposedDpEvent([item.to_dp_accounting(inner) for item in self.events])
+
+    def with_relation(self, relation: str) -> "ComposedEvent | None":
+        items = [item.with_relation(relation) for item in self.events]
+        return None if any(item is None for item in items) else ComposedEvent(tuple(items))
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

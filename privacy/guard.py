@@ -3,6 +3,11 @@
 Mechanism flow (docs/ARCHITECTURE.md): ``guard.charge(owners, event, release_id)`` → add noise → release.
 ``check`` computes, for every owner, ε of (ledger events + the new event) with the accountant the ledger
 would pick, and raises :class:`BudgetExceeded` without writing anything if one would exceed its budget.
+
+For adaptively chosen events (``event.adaptive``, e.g. σ_t of the validation-driven DP-SGD schedule) the
+ledger picks a filter-valid accountant (``privacy.accountants.accountant_for``), and this refusal *is* the
+privacy filter's stopping rule (Rogers et al. 2016; Feldman & Zrnic 2021, Sec. 3): the run as a whole is
+then (budget, δ)-DP even though its parameters were chosen from its own outputs.
 """
 
 from __future__ import annotations

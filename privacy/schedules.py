@@ -6,7 +6,15 @@ The noise multiplier decreases over epochs (less noise as the model converges); 
 for which exactly ``target_epochs`` fit.
 
 Accounting must match batching (SPEC §6): ``mode="poisson"`` gives one SampledGaussianEvent per epoch
-(PLD or RDP), ``mode="shuffle"`` one ZCDPEvent ``1/(2σ_t²)`` per epoch (Yu et al. Thm. 2).
+(PLD or RDP), ``mode="shuffle"`` one ZCDPEvent per epoch (Yu et al. Thm. 2: ``1/(2σ²)`` under zero-out
+adjacency, ``2/σ²`` under replace-one). ``relation`` (default: add-remove for Poisson, zero-out for
+shuffled epochs) is the neighbouring relation of those events; comparisons use replace-one (SPEC §2).
+
+These pre-defined schedules fix every σ_t before training, so PLD composition is valid for them. The
+validation-based schedule is different: σ_t depends on earlier (private) outputs through the validation
+score, and training stops adaptively, so its epochs are charged with ``adaptive=True`` and accounted by
+a privacy filter (``privacy.accountants.accountant_for``; see ``sim.dpsgd``). The validation set itself
+is public (SPEC §6): the scores cost no privacy, only the adaptivity must be accounted.
 """
 
 from __future__ import annotations
@@ -127,6 +135,14 @@ class ValidationSchedule:
     Checks happen every ``period`` (≥ m) observations; the first check compares with 0 (S_0 = 0). Scores must
     come from a *public* validation set, otherwise the schedule itself leaks (SPEC §6). ``sigma(epoch)``
     returns the current σ (the schedule is stateful, so it cannot be planned ahead by :func:`plan_decay`).
+
+    Accounting: the score is computed from the model, i.e. from earlier private outputs, so σ_t and the
+    stopping time are chosen *adaptively*. PLD (and RDP with the best order picked afterwards) assume
+    parameters fixed in advance; the epochs of this schedule are therefore charged as ``adaptive=True``
+    events and accounted by a privacy filter — a Rényi filter (Feldman & Zrnic 2021) for Poisson sampling
+    under add/remove (``rdp-filter``), zCDP for shuffled epochs (``zcdp``), whose stopping rule is the
+    budget guard's refusal. Validity needs only that the *scores* are post-processing: the validation
+    set is public, so observing it costs nothing.
     """
 
     sigma0: float
@@ -177,19 +193,32 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-def epoch_event(sigma: float, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson") -> Event:
-    """The privacy event of one epoch at noise multiplier σ (Poisson-sampled steps or one shuffled epoch)."""
+def default_relation(mode: str) -> str:
+    """The one-record-in-or-out relation of a batching mode: add-remove (Poisson), zero-out (shuffled)."""
+    return "add-remove" if _check_mode(mode) == "poisson" else "zero-out"
+
+
+def epoch_event(
+    sigma: float, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson", relation: str | None = None,
+    adaptive: bool = False,
+) -> Event:
+    """The privacy event of one epoch at noise multiplier σ (Poisson-sampled steps or one shuffled epoch).
+
+    ``adaptive``: σ was chosen from earlier outputs (validation-based schedule); see the module docstring.
+    """
+    relation = relation or default_relation(mode)
     if _check_mode(mode) == "poisson":
-        return SampledGaussianEvent(sampling_rate, sigma, steps_per_epoch)
-    return ZCDPEvent.shuffled_epochs(sigma, 1)
+        return SampledGaussianEvent(sampling_rate, sigma, steps_per_epoch, relation=relation, adaptive=adaptive)
+    return ZCDPEvent.shuffled_epochs(sigma, 1, relation=relation, adaptive=adaptive)
 
 
 def schedule_events(
-    schedule, epochs: int, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson"
+    schedule, epochs: int, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson",
+    relation: str | None = None,
 ) -> list[Event]:
     """One event per epoch t = 0 .. epochs-1 with σ_t = schedule.sigma(t)."""
     epochs = int(positive_number("epochs", epochs))
-    return [epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode) for t in range(epochs)]
+    return [epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode, relation) for t in range(epochs)]
 
 
 def _default_accountant(mode: str) -> str:
@@ -213,13 +242,14 @@ def epochs_within_budget(
     mode: str = "poisson",
     max_epochs: int = 1000,
     accountant: str | None = None,
+    relation: str | None = None,
 ) -> int:
     """How many whole epochs fit before ε would exceed the budget (training stops when it is spent)."""
     epsilon = positive_number("epsilon", epsilon)
     name = accountant or _default_accountant(_check_mode(mode))
     acc = make_accountant(name, **_planning_options(name, epsilon))
     for t in range(int(max_epochs)):
-        acc.compose(epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode))
+        acc.compose(epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode, relation))
         if acc.get_epsilon(delta) > epsilon:
             return t
     return int(max_epochs)
@@ -227,12 +257,12 @@ def epochs_within_budget(
 
 def schedule_epsilon(
     schedule, epochs: int, delta: float, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson",
-    accountant: str | None = None, accountant_options: dict | None = None,
+    accountant: str | None = None, accountant_options: dict | None = None, relation: str | None = None,
 ) -> float:
     """ε after ``epochs`` epochs of ``schedule``."""
     name = accountant or _default_accountant(_check_mode(mode))
     acc = make_accountant(name, **(accountant_options or {}))
-    for event in schedule_events(schedule, epochs, sampling_rate, steps_per_epoch, mode):
+    for event in schedule_events(schedule, epochs, sampling_rate, steps_per_epoch, mode, relation):
         acc.compose(event)
     return acc.get_epsilon(delta)
 
@@ -264,6 +294,7 @@ def plan_decay(
     steps_per_epoch: int = 1,
     mode: str = "poisson",
     accountant: str | None = None,
+    relation: str | None = None,
     **schedule_kwargs,
 ) -> float:
     """Decay parameter k so that exactly ``target_epochs`` epochs fit in (ε, δ) (bisection, safe side).
@@ -281,7 +312,8 @@ def plan_decay(
 
     def eps_of(k: float) -> float:
         schedule = make_schedule(family, sigma0, k, **dict(schedule_kwargs))
-        return schedule_epsilon(schedule, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options)
+        return schedule_epsilon(schedule, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
+                                relation)
 
     no_decay = 1.0 if family == "step" else 0.0
     eps_constant = eps_of(no_decay)
@@ -292,7 +324,8 @@ def plan_decay(
         )
     if family == "polynomial":
         floor = make_schedule(family, sigma0, 1e6, **dict(schedule_kwargs))
-        eps_fastest = schedule_epsilon(floor, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options)
+        eps_fastest = schedule_epsilon(floor, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
+                                       relation)
         if eps_fastest <= epsilon:
             raise PrivacyError(
                 f"plan_decay: even the fastest polynomial decay to sigma_end spends only epsilon="
@@ -301,7 +334,8 @@ def plan_decay(
 
     def make_event(k: float) -> Event:
         schedule = make_schedule(family, sigma0, k, **dict(schedule_kwargs))
-        return ComposedEvent(tuple(schedule_events(schedule, target_epochs, sampling_rate, steps_per_epoch, mode)))
+        return ComposedEvent(tuple(schedule_events(schedule, target_epochs, sampling_rate, steps_per_epoch, mode,
+                                                   relation)))
 
     # ε(k) is increasing in k for time/exponential/polynomial and decreasing for step (k is a factor);
     # calibrate() finds the direction from the bracket ends.
@@ -314,6 +348,7 @@ __all__: Sequence[str] = (
     "StepSchedule",
     "PolynomialSchedule",
     "ValidationSchedule",
+    "default_relation",
     "epoch_event",
     "schedule_events",
     "schedule_epsilon",

@@ -1,7 +1,11 @@
 """DP-FedAvg: rounds of local DP-SGD at each hospital, averaged by the server (the federated baseline).
 
-Privacy (SPEC section 6): a patient's guarantee is its hospital's DP-SGD accountant (add/remove one
-patient, Poisson sampling). Averaging and evaluating the global model are post-processing. Each
+Privacy (SPEC section 6): a patient's guarantee is its hospital's DP-SGD accountant (Poisson sampling,
+replace-one by default: dataset sizes are treated as public and fixed, so add/remove would not hold once
+they are known). Averaging and evaluating the global model are post-processing. FedAvg weights are
+public -- equal per hospital -- and never the example counts hospitals report: a reported count is
+itself an un-noised statistic of the private data, and weighting by it would make the update depend on it
+outside any accountant. Each
 hospital charges its own ledger before every local epoch and sends this round's records with its
 update; the server mirrors them into the run's ``ledger.jsonl`` under the same owner, so the ε of the
 global model is computed from a ledger (the worst hospital's), never from a reported number.
@@ -17,23 +21,33 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from privacy.accountants import epsilon_per_relation
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 
 
-def federated_average(updates: Mapping[str, tuple[Mapping[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
-    """FedAvg (McMahan et al. 2017): the example-weighted mean of the hospitals' weights."""
-    total = sum(n for _, n in updates.values())
+def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
+                      public_weights: Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+    """FedAvg (McMahan et al. 2017, Alg. 1 with weights n_k/n) with *public* weights.
+
+    ``public_weights`` (hospital -> weight): equal when None (the default of the DP-FedAvg baseline), or
+    planned public sizes. Never pass sizes the hospitals report: with published, data-dependent weights
+    only replace-one DP can hold, and the weights themselves would be an unaccounted release.
+    """
+    if not updates:
+        raise ValueError("federated_average: no updates")
+    weights = {h: 1.0 for h in updates} if public_weights is None else {h: float(public_weights[h]) for h in updates}
+    total = sum(weights.values())
     if total <= 0:
-        raise ValueError("federated_average: no examples in any update")
-    names = next(iter(updates.values()))[0].keys()
+        raise ValueError("federated_average: the public weights of the updates sum to zero")
+    first = next(iter(updates.values()))
     averaged = {}
-    for name in names:
+    for name in first.keys():
         acc = None
-        for weights, n in updates.values():
-            value = np.asarray(weights[name], dtype=np.float64) * (n / total)
+        for hospital, params in updates.items():
+            value = np.asarray(params[name], dtype=np.float64) * (weights[hospital] / total)
             acc = value if acc is None else acc + value
-        averaged[name] = acc.astype(np.asarray(next(iter(updates.values()))[0][name]).dtype)
+        averaged[name] = acc.astype(np.asarray(first[name]).dtype)
     return averaged
 
 
@@ -51,7 +65,7 @@ def mirror_hospital_records(ledger: Ledger, hospital: str, records_json: str) ->
 
 def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir: str | Path, seed: int = 0,
                  rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
-                 reproducible_noise: bool = False) -> dict[str, Any]:
+                 reproducible_noise: bool = False, relation: str = "replace-one") -> dict[str, Any]:
     import torch
 
     from sim.bundle import preprocessing_of, privacy_card, save_bundle
@@ -78,7 +92,8 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     for round_index in iterator:
         replies = transport.fedavg_round(weights, {
             "round": round_index, "rounds": rounds, "local_epochs": local_epochs, "epsilon": epsilon,
-            "delta": delta, "seed": seed, "run_tag": run_tag, "reproducible_noise": bool(reproducible_noise)})
+            "delta": delta, "seed": seed, "run_tag": run_tag, "reproducible_noise": bool(reproducible_noise),
+            "relation": relation})
         if not replies:
             history.append({"round": round_index, "hospitals": 0})
             break
@@ -86,7 +101,7 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         for hospital, (metrics, new_weights) in replies.items():
             mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
             if int(metrics.get("epochs_trained", 0)) > 0:
-                updates[hospital] = (new_weights, int(metrics["n_examples"]))
+                updates[hospital] = new_weights   # equal public weights: no reported size is used
         if not updates:  # every hospital's budget is spent
             history.append({"round": round_index, "hospitals": 0, "reason": "budget spent"})
             break
@@ -100,9 +115,13 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     owners = ledger.owners()
     spent = [ledger.spent(owner, delta) for owner in owners]
     worst = max(spent, key=lambda s: s.epsilon) if spent else None
+    # the same mechanisms under each relation (worst hospital; None if undefined for one), so reports print both
+    rows = [epsilon_per_relation(ledger.events(o), delta, s.relation, s.epsilon) for o, s in zip(owners, spent)]
+    both = {key: None if not rows or any(row[key] is None for row in rows) else max(row[key] for row in rows)
+            for key in ("epsilon_add_remove", "epsilon_replace_one")}
     results = {
         "method": "dp-fedavg", "dice": dice, "dice_per_case": dice_per_case, "epsilon": worst.epsilon if worst else None,
-        "epsilon_budget": epsilon, "delta": delta, "relation": "add-remove",
+        "epsilon_budget": epsilon, "delta": delta, "relation": worst.relation if worst else relation,
         "accountant": worst.accountant if worst else None, "teachers": None,
         "hospitals": len(transport.hospital_ids()), "queries": None, "sigma": None,
         "teacher_dice_mean": None, "ensemble_dice_mean": None, "bytes_up_per_query_per_teacher": None,
@@ -112,9 +131,11 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: s.epsilon for o, s in zip(owners, spent)},
         "validation_dice_mean": validation_dice,   # public: what model selection may look at
+        **both,
+        "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
     }
     card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,
-                        relation="add-remove", accountant=results["accountant"], teachers=None,
+                        relation=results["relation"], accountant=results["accountant"], teachers=None,
                         hospitals=results["hospitals"], data_source=world.source)
     save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
     atomic_write_json(out / "results.json", results)

@@ -1,9 +1,14 @@
 """DP-SGD for the segmentation networks: Opacus per-sample clipping and noise, accounting via privacy/.
 
-What is private (SPEC section 2 and 6): one patient volume, add/remove-one adjacency. Every epoch is
-charged to the data owners' ledger through ``privacy.guard.BudgetGuard.charge`` *before* the epoch's
-batches are drawn, so a refused budget stops training before any data is touched. Every epsilon this
-module reports comes from ``ledger.spent(owner, delta)``.
+What is private (SPEC section 2 and 6): one patient volume, under the neighbouring relation
+``DPConfig.relation``: **replace-one** by default -- the only relation that holds when dataset sizes are
+published (FedAvg weights, ``train_cases`` in results) and the one comparisons with PATE use -- or
+add/remove-one for standalone runs whose dataset sizes stay private (zero-out for shuffled batches, see
+below). Every epoch is charged to the data owners' ledger through ``privacy.guard.BudgetGuard.charge``
+*before* the epoch's batches are drawn, so a refused budget stops training before any data is touched.
+Every epsilon this module reports comes from ``ledger.spent(owner, delta)``; ``DPSession.spent`` also
+gives the same mechanism's epsilon under the other relation where it is defined (Poisson sampling), so
+reports can print both.
 
 Mechanism (Abadi et al. 2016, as used by Fay et al. ``../shared/papers/004_*`` Sec. 5 "Baseline": "we
 clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
@@ -19,7 +24,9 @@ clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
 Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers/003_*``, Sec. 4):
 
 * ``sampling="poisson"``: each record joins each step's batch independently with probability q; an epoch
-  of T steps is ``SampledGaussianEvent(q, sigma, steps=T)`` (PLD by default, RDP also reported). An
+  of T steps is ``SampledGaussianEvent(q, sigma, steps=T, relation=...)``: PLD by default
+  (dp_accounting, ``REPLACE_ONE`` or ``ADD_OR_REMOVE_ONE``), RDP also reported under add/remove (dp_accounting
+  has no replace-one RDP for Poisson sampling). An
   *empty* Poisson batch still takes a noise-only step (clipped sum = 0, plus noise): that is what the
   sampled-Gaussian analysis assumes, and skipping forward/backward avoids the crash Opacus hits on
   empty inputs (FIELD_NOTES).
@@ -31,8 +38,10 @@ Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers
   secret, hence the masks come from the same source, never from the training seed. Seeded streams only
   with an explicit reproducible source (simulations).
 * ``sampling="shuffle"``: a random permutation cut into disjoint batches each epoch; each record is used
-  once per epoch, so an epoch is ``1/(2 sigma^2)``-zCDP (Yu et al., Theorem 3 + parallel composition)
-  and is charged only as ``ZCDPEvent.shuffled_epochs(sigma, 1)`` -- never as a Poisson event.
+  once per epoch, so an epoch is ``Delta^2/(2 sigma^2 C^2)``-zCDP (Yu et al., Theorem 3 + parallel
+  composition) with Delta = 2C under replace-one (``2/sigma^2``) and Delta = C under zero-out adjacency
+  (``1/(2 sigma^2)``, Yu et al.'s figure); add/remove has no analysis here (removing a record shifts the
+  batches). Charged only as ``ZCDPEvent.shuffled_epochs(sigma, 1, relation)`` -- never as a Poisson event.
 
 Noise modes:
 
@@ -43,6 +52,16 @@ Noise modes:
 * ``"schedule"``: sigma_t from a Yu et al. dynamic schedule (``privacy.schedules``: time, exp, step, poly,
   validation; Sec. 5 eq. 9-13), changed per epoch on the optimizer; training stops exactly when the
   next epoch would exceed the budget. The validation-based schedule needs a *public* validation set.
+
+The validation-based schedule chooses sigma_t from earlier outputs (the validation score of the model
+trained so far) and stops adaptively, so its epochs are not a composition of mechanisms fixed in advance:
+they are charged with ``adaptive=True``, and the ledger then accounts the owner with a *privacy filter*
+(``privacy.accountants.accountant_for``): a Renyi filter (``rdp-filter``; Feldman & Zrnic 2021) for Poisson
+sampling under add/remove, zCDP (``zcdp``, a Renyi filter at every order) for shuffled epochs. The budget
+guard's check uses the same accountant, so its refusal is the filter's stopping rule and the run is
+(budget, delta)-DP. PLD is not valid here; dp_accounting has no replace-one RDP for Poisson sampling, so
+``schedule="validation"`` with Poisson sampling under replace-one is refused (use shuffled batches, or
+add/remove). The validation set is public: its scores are post-processing and cost no privacy.
 """
 
 from __future__ import annotations
@@ -64,6 +83,9 @@ DEFAULT_GRAD_SAMPLE_MODE = "functorch"
 
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
 
+#: Neighbouring relations each batching method is accounted under (privacy.events module docstring).
+RELATIONS_FOR_SAMPLING = {"poisson": ("replace-one", "add-remove"), "shuffle": ("replace-one", "zero-out")}
+
 # Known, harmless Opacus/torch messages that would otherwise print on every run: Opacus' secure_mode is off
 # because the noise comes from privacy.mechanisms.NoiseSource (secure by default), and the full-backward-hook note
 # fires because the network's *inputs* (scans) never require gradients.
@@ -82,7 +104,8 @@ class DPConfig:
     max_grad_norm: float = 4.0           # per parameter tensor when per_layer, else of the whole gradient
     per_layer: bool = True
     sampling: str = "poisson"            # "poisson" | "shuffle"
-    accountant: str = "pld"              # reporting accountant for Poisson events ("pld" | "rdp")
+    accountant: str = "pld"              # calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)
+    relation: str = "replace-one"        # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle); SPEC section 2
     schedule: str | None = None          # family for mode="schedule"
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
@@ -106,7 +129,28 @@ class DPConfig:
             raise UserError(f"--schedule: expected one of {', '.join(SCHEDULE_FAMILIES)}, got {self.schedule!r}")
         if self.grad_sample_mode not in ("hooks", "functorch"):
             raise UserError(f"grad_sample_mode: expected hooks or functorch, got {self.grad_sample_mode!r}")
+        relations = RELATIONS_FOR_SAMPLING[self.sampling]
+        if self.relation not in relations:
+            why = (" (shuffled batches have no add/remove analysis: removing a record shifts the batches; Yu et al.'s "
+                   "1/(2 sigma^2) per epoch is for zero-out adjacency)" if self.sampling == "shuffle" else "")
+            raise UserError(f"--relation: expected one of {', '.join(relations)} with --sampling {self.sampling}, "
+                            f"got {self.relation!r}{why}")
+        if self.accountant not in ("pld", "rdp"):
+            raise UserError(f"accountant: expected pld or rdp, got {self.accountant!r}")
+        if self.sampling == "poisson" and self.relation == "replace-one" and self.accountant != "pld":
+            raise UserError("accountant: replace-one Poisson-sampled DP-SGD is accounted with pld only "
+                            "(dp_accounting has no replace-one RDP for Poisson sampling)")
+        if self.adaptive and self.sampling == "poisson" and self.relation == "replace-one":
+            raise UserError("--schedule validation chooses sigma from earlier outputs, so it needs a privacy filter "
+                            "(Feldman & Zrnic 2021); PLD is not valid under adaptive choices and dp_accounting has no "
+                            "replace-one RDP for Poisson sampling: use --sampling shuffle (zCDP filter) or "
+                            "--relation add-remove (Renyi filter)")
         return self
+
+    @property
+    def adaptive(self) -> bool:
+        """True when sigma_t is chosen from earlier outputs (the validation-based schedule)."""
+        return self.mode == "schedule" and self.schedule == "validation"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,12 +202,11 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
 
 
 # --------------------------------------------------------------------------------------------- the engine
-def _epoch_event(sampling: str, sampling_rate: float, sigma: float, steps: int):
-    from privacy.events import SampledGaussianEvent, ZCDPEvent
+def _epoch_event(dp: DPConfig, sampling_rate: float, sigma: float, steps: int):
+    """The epoch's privacy event (``privacy.schedules.epoch_event``) under the run's relation and adaptivity."""
+    from privacy.schedules import epoch_event
 
-    if sampling == "poisson":
-        return SampledGaussianEvent(sampling_rate, sigma, steps=steps)
-    return ZCDPEvent.shuffled_epochs(sigma, 1)
+    return epoch_event(sigma, sampling_rate, steps, mode=dp.sampling, relation=dp.relation, adaptive=dp.adaptive)
 
 
 class DPSession:
@@ -240,8 +283,9 @@ class DPSession:
             if dp.sampling == "poisson":
                 return float(calibration.dpsgd_noise_multiplier(
                     dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
-                    accountant=dp.accountant))
-            return float(calibration.shuffled_noise_multiplier(dp.epsilon, dp.delta, self.planned_epochs))
+                    accountant=dp.accountant, relation=dp.relation))
+            return float(calibration.shuffled_noise_multiplier(dp.epsilon, dp.delta, self.planned_epochs,
+                                                               relation=dp.relation))
         # schedule
         if dp.schedule == "validation" and not has_validation:
             raise UserError("--schedule validation: needs a public validation set (none was given)")
@@ -249,7 +293,8 @@ class DPSession:
         self._schedule = make_schedule(dp.schedule, sigma0, target_epochs=self.planned_epochs,
                                        epsilon=dp.epsilon, delta=dp.delta, sampling=dp.sampling,
                                        sampling_rate=self.sampling_rate, steps_per_epoch=self.steps,
-                                       accountant=dp.accountant, options=dp.schedule_options)
+                                       accountant=dp.accountant, options=dp.schedule_options,
+                                       relation=dp.relation)
         return float(self._schedule.sigma(0))
 
     def sigma_for_epoch(self, epoch: int) -> float:
@@ -271,9 +316,10 @@ class DPSession:
         from privacy.errors import BudgetExceeded
 
         sigma = self.sigma_for_epoch(epoch)
-        event = _epoch_event(self.dp.sampling, self.sampling_rate, sigma, self.steps)
+        event = _epoch_event(self.dp, self.sampling_rate, sigma, self.steps)
         note = {"epoch": epoch, "sigma": sigma, "sampling": self.dp.sampling, "sampling_rate": self.sampling_rate,
-                "steps": self.steps, "max_grad_norm": self.dp.max_grad_norm, "per_layer": self.dp.per_layer}
+                "steps": self.steps, "max_grad_norm": self.dp.max_grad_norm, "per_layer": self.dp.per_layer,
+                "relation": self.dp.relation}
         try:
             # charge = check, then a durable ledger record; a refusal records nothing
             self.guard.charge(self.owners, event, release_id=self.release_id(epoch), note=note)
@@ -288,18 +334,25 @@ class DPSession:
         return True
 
     def spent(self, owner: str | None = None, with_rdp: bool = True) -> dict[str, Any]:
-        """epsilon from the ledger (the reporting accountant), plus RDP for comparison when it applies."""
+        """epsilon from the ledger (the reporting accountant and relation), plus comparison figures.
+
+        ``with_rdp``: also RDP (where it applies) and the same mechanism's epsilon under the other relation
+        (``epsilon_add_remove`` / ``epsilon_replace_one``; defined for Poisson sampling only, None otherwise):
+        the relation's own key always equals ``epsilon``.
+        """
+        from privacy.accountants import epsilon_per_relation, epsilon_spent
+
         owner = owner or self.owners[0]
         spent = self.ledger.spent(owner, self.dp.delta)
         out = {"epsilon": float(spent.epsilon), "delta": self.dp.delta, "accountant": spent.accountant,
-               "relation": spent.relation, "releases": spent.releases, "epsilon_rdp": None}
+               "relation": spent.relation, "releases": spent.releases, "adaptive": self.dp.adaptive,
+               "epsilon_rdp": None, "epsilon_add_remove": None, "epsilon_replace_one": None}
+        events = self.ledger.events(owner) if with_rdp else []
+        out.update(epsilon_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
         if with_rdp and self.dp.sampling == "poisson":
             try:
-                from privacy.accountants import epsilon_spent
-
-                out["epsilon_rdp"] = float(epsilon_spent(self.ledger.events(owner), self.dp.delta,
-                                                         accountant="rdp")[0])
-            except Exception:  # RDP is informative only; never let it break a run
+                out["epsilon_rdp"] = float(epsilon_spent(events, self.dp.delta, accountant="rdp")[0])
+            except Exception:  # RDP is informative only (refuses replace-one/adaptive); never break a run
                 out["epsilon_rdp"] = None
         return out
 
@@ -344,7 +397,7 @@ class DPSession:
         for epoch, sigma in enumerate(self.sigmas):
             release = self.release_id(epoch)
             if not self.ledger.has_release(release):
-                event = _epoch_event(self.dp.sampling, self.sampling_rate, sigma, self.steps)
+                event = _epoch_event(self.dp, self.sampling_rate, sigma, self.steps)
                 self.ledger.record(self.owners, event, release, note={"epoch": epoch, "sigma": sigma, "resumed": True})
         if self.sigmas:
             self.optimizer.noise_multiplier = self.sigmas[-1]
@@ -356,14 +409,14 @@ _FAMILY_NAMES = {"time": "time", "exp": "exponential", "exponential": "exponenti
 
 def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
                   sampling: str, sampling_rate: float, steps_per_epoch: int, accountant: str | None = None,
-                  options: dict | None = None):
+                  options: dict | None = None, relation: str | None = None):
     """A Yu et al. schedule (``privacy.schedules``) whose decay k is planned so the budget lasts
     ``target_epochs`` (``plan_decay``, Yu et al. Sec. IV-A-2).
 
     ``options``: ``k`` (skip planning), ``period`` (step/time/exp/poly), ``sigma_end`` (poly; default
     sigma0/4); validation: ``k`` (default 0.9), ``threshold`` (0.0), ``window`` (m, default 1), ``period``.
     The validation-based schedule is stateful and cannot be planned ahead: it simply runs until the budget
-    is spent.
+    is spent (checked by a privacy filter, see the module docstring). ``relation``: of the planned events.
     """
     from privacy import schedules
 
@@ -381,5 +434,6 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
         mode = "poisson" if sampling == "poisson" else "shuffle"
         k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, sampling_rate=sampling_rate,
                                  steps_per_epoch=steps_per_epoch, mode=mode,
-                                 accountant=accountant if sampling == "poisson" else None, **options)
+                                 accountant=accountant if sampling == "poisson" else None, relation=relation,
+                                 **options)
     return schedules.make_schedule(name, sigma0, float(k), **options)

@@ -19,7 +19,8 @@ import numpy as np
 from sim.io import atomic_write_bytes, atomic_write_text
 
 DICE_COLUMNS = ("1", "2", "3", "mean", "WT", "TC", "ET")
-CSV_COLUMNS = ("cell", "method", "epsilon_budget", "epsilon", "delta", "relation", "accountant", "sigma",
+CSV_COLUMNS = ("cell", "method", "epsilon_budget", "epsilon", "epsilon_add_remove", "delta", "relation",
+               "accountant", "sigma",
                "teachers", "hospitals", "queries", "bytes_up_per_query_per_teacher", "wall_seconds",
                "teacher_dice_mean", "ensemble_dice_mean", "accuracy", "ledger_check") + tuple(
                    f"dice_{c}" for c in DICE_COLUMNS)
@@ -90,7 +91,7 @@ def markdown_table(cells: Sequence[Mapping[str, Any]], accuracy: bool = False) -
     if accuracy:
         header = ["method", "ε budget", "ε spent", "δ", "relation", "accountant", "accuracy", "wall s", "ledger"]
     else:
-        header = ["method", "ε budget", "ε spent", "δ", "relation", "accountant", "σ", "K", "H", "N",
+        header = ["method", "ε budget", "ε spent", "ε add/remove", "δ", "relation", "accountant", "σ", "K", "H", "N",
                   "Dice 1", "Dice 2", "Dice 3", "mean", "WT", "TC", "ET", "teacher mean", "ensemble",
                   "bytes up", "wall s", "ledger"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -102,7 +103,8 @@ def markdown_table(cells: Sequence[Mapping[str, Any]], accuracy: bool = False) -
             row = common + [_fmt(cell.get("accuracy")), _fmt(cell.get("wall_seconds"), 0), cell["_ledger_check"]]
         else:
             dice = cell.get("dice") or {}
-            row = common + [_fmt(cell.get("sigma"), 4), _fmt(cell.get("teachers")), _fmt(cell.get("hospitals")),
+            row = common[:3] + [_fmt(cell.get("epsilon_add_remove"), 3)] + common[3:] + [
+                _fmt(cell.get("sigma"), 4), _fmt(cell.get("teachers")), _fmt(cell.get("hospitals")),
                             _fmt(cell.get("queries"))] + [_fmt(dice.get(c)) for c in DICE_COLUMNS] + [
                 _fmt(cell.get("teacher_dice_mean")), _fmt(cell.get("ensemble_dice_mean")),
                 _fmt(cell.get("bytes_up_per_query_per_teacher")), _fmt(cell.get("wall_seconds"), 0),

@@ -55,6 +55,9 @@ class TrainResult:
     accountant: str | None = None
     relation: str | None = None
     epsilon_rdp: float | None = None
+    epsilon_add_remove: float | None = None   # the same mechanism's epsilon under each relation (None: undefined)
+    epsilon_replace_one: float | None = None
+    adaptive: bool = False                    # sigma chosen from earlier outputs: accounted by a privacy filter
     epochs_completed: int = 0
     sigmas: list[float] = field(default_factory=list)
     sampling_rate: float | None = None
@@ -241,6 +244,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         spent = session.spent()
         result.epsilon, result.delta = spent["epsilon"], spent["delta"]
         result.accountant, result.relation, result.epsilon_rdp = spent["accountant"], spent["relation"], spent["epsilon_rdp"]
+        result.epsilon_add_remove, result.epsilon_replace_one = spent["epsilon_add_remove"], spent["epsilon_replace_one"]
+        result.adaptive = spent["adaptive"]
         result.sigmas = list(session.sigmas)
         result.sampling_rate, result.steps_per_epoch = session.sampling_rate, session.steps
         result.stopped_reason = session.stopped_reason

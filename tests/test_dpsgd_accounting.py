@@ -31,8 +31,10 @@ def _train(dp, epochs, tmp_path=None, guard=None, checkpoint=None, validation=No
     return model, train_segmentation(model, x, y, cfg, dp=dp, guard=guard, validation=validation, noise=noise)
 
 
-def _pld_epsilon(q, sigma, steps, delta):
-    acc = dp_accounting.pld.PLDAccountant()
+def _pld_epsilon(q, sigma, steps, delta, relation="ADD_OR_REMOVE_ONE"):
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    acc = dp_accounting.pld.PLDAccountant(getattr(NeighboringRelation, relation))
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     return acc.get_epsilon(delta)
 
@@ -40,7 +42,7 @@ def _pld_epsilon(q, sigma, steps, delta):
 @pytest.mark.slow  # PLD accounting of q = 0.5 takes seconds per epoch
 def test_epsilon_equals_dp_accounting_pld(tmp_path):
     guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)
-    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=1.5)
+    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=1.5, relation="add-remove")
     _, result = _train(dp, epochs=3, guard=guard)
     q, steps = result.sampling_rate, result.steps_per_epoch * 3
     assert q == 0.5 and steps == 6
@@ -51,6 +53,40 @@ def test_epsilon_equals_dp_accounting_pld(tmp_path):
     assert reread.spent("central", 1e-3).epsilon == pytest.approx(result.epsilon)
     assert all(isinstance(e, SampledGaussianEvent) for e in reread.events("central"))
     assert result.epsilon_rdp is not None and result.epsilon_rdp >= result.epsilon * 0.99
+    assert result.epsilon_add_remove == result.epsilon
+    assert result.epsilon_replace_one == pytest.approx(_pld_epsilon(q, 1.5, steps, 1e-3, "REPLACE_ONE"), rel=1e-3)
+
+
+def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path):
+    """DP-SGD's default is replace-one (SPEC §2): epochs are charged as replace-one Poisson events, ε is
+    dp_accounting's REPLACE_ONE PLD, and the add/remove ε of the same mechanism is reported beside it."""
+    assert DPConfig().relation == "replace-one"
+    guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)
+    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=3.0)
+    _, result = _train(dp, epochs=2, guard=guard)
+    q, steps = result.sampling_rate, result.steps_per_epoch * 2
+    events = Ledger.load(tmp_path / "ledger.jsonl").events("central")
+    assert {(e.relation, e.adaptive) for e in events} == {("replace-one", False)}
+    assert result.accountant == "pld" and result.relation == "replace-one"
+    assert result.epsilon == pytest.approx(_pld_epsilon(q, 3.0, steps, 1e-3, "REPLACE_ONE"), rel=1e-3)
+    assert result.epsilon_replace_one == result.epsilon
+    assert result.epsilon_add_remove == pytest.approx(_pld_epsilon(q, 3.0, steps, 1e-3), rel=1e-3)
+    assert result.epsilon_add_remove < result.epsilon
+    assert result.epsilon_rdp is None  # dp_accounting has no replace-one RDP for Poisson sampling
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"sampling": "shuffle", "relation": "add-remove"}, "zero-out"),
+    ({"sampling": "poisson", "relation": "zero-out"}, "relation"),
+    ({"accountant": "rdp"}, "pld"),
+    ({"mode": "schedule", "schedule": "validation"}, "filter"),
+])
+def test_dp_config_refuses_relations_without_an_analysis(config, message):
+    with pytest.raises(UserError, match=message):
+        DPConfig(**config).validate()
+    DPConfig(accountant="rdp", relation="add-remove").validate()
+    DPConfig(mode="schedule", schedule="validation", relation="add-remove").validate()
+    DPConfig(mode="schedule", schedule="validation", sampling="shuffle").validate()
 
 
 def test_target_mode_spends_the_budget_for_the_planned_epochs():
@@ -60,26 +96,29 @@ def test_target_mode_spends_the_budget_for_the_planned_epochs():
     assert result.epsilon <= 4.0 and result.epsilon == pytest.approx(4.0, rel=1e-2)
 
 
-def test_shuffled_batches_are_accounted_with_zcdp_only(tmp_path):
+@pytest.mark.parametrize("relation, rho_per_epoch", [("zero-out", 1 / (2 * 2.0 ** 2)), ("replace-one", 2 / 2.0 ** 2)])
+def test_shuffled_batches_are_accounted_with_zcdp_only(tmp_path, relation, rho_per_epoch):
+    """Yu et al.'s 1/(2σ²) per shuffled epoch is zero-out adjacency (sensitivity C); replace-one is 2C."""
     ledger = Ledger(tmp_path / "ledger.jsonl")
-    dp = DPConfig(mode="fixed", epsilon=30.0, delta=1e-3, noise_multiplier=2.0, sampling="shuffle")
+    dp = DPConfig(mode="fixed", epsilon=30.0, delta=1e-3, noise_multiplier=2.0, sampling="shuffle", relation=relation)
     _, result = _train(dp, epochs=2, guard=BudgetGuard(ledger, 30.0, 1e-3))
     events = ledger.events("central")
     assert len(events) == 2
     assert all(isinstance(e, ZCDPEvent) and not isinstance(e, SampledGaussianEvent) for e in events)
-    assert all(e.rho == pytest.approx(1 / (2 * 2.0 ** 2)) for e in events)
-    rho = 2 / (2 * 2.0 ** 2)
-    assert result.accountant == "zcdp"
+    assert all(e.rho == pytest.approx(rho_per_epoch) and e.relation == relation for e in events)
+    rho = 2 * rho_per_epoch
+    assert result.accountant == "zcdp" and result.relation == relation
     assert result.epsilon == pytest.approx(rho + 2 * np.sqrt(rho * np.log(1 / 1e-3)), rel=1e-6)
     assert result.epsilon_rdp is None
 
 
-def _next_epoch_exceeds(result, guard, sampling="poisson"):
+def _next_epoch_exceeds(result, guard, sampling="poisson", relation="replace-one", adaptive=False):
     from privacy.errors import BudgetExceeded
 
     sigma = result.sigmas[-1]
-    event = (SampledGaussianEvent(result.sampling_rate, sigma, steps=result.steps_per_epoch)
-             if sampling == "poisson" else ZCDPEvent.shuffled_epochs(sigma, 1))
+    event = (SampledGaussianEvent(result.sampling_rate, sigma, steps=result.steps_per_epoch, relation=relation,
+                                  adaptive=adaptive)
+             if sampling == "poisson" else ZCDPEvent.shuffled_epochs(sigma, 1, relation, adaptive=adaptive))
     with pytest.raises(BudgetExceeded):
         guard.check(["central"], event)
 
@@ -87,7 +126,8 @@ def _next_epoch_exceeds(result, guard, sampling="poisson"):
 @pytest.mark.parametrize("sampling", ["shuffle", pytest.param("poisson", marks=pytest.mark.slow)])
 def test_fixed_sigma_stops_when_the_next_epoch_would_exceed(sampling):
     guard = BudgetGuard(Ledger(None), 2.0, 1e-3)
-    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=6 ** 0.5, sampling=sampling)
+    # replace-one (the default) doubles a shuffled batch's sensitivity: 2·sqrt(6) here is sqrt(6) under zero-out
+    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=2 * 6 ** 0.5, sampling=sampling)
     _, result = _train(dp, epochs=100, guard=guard)
     assert 0 < result.epochs_completed < 100
     assert result.stopped_reason and "budget" in result.stopped_reason
@@ -99,7 +139,8 @@ def test_fixed_sigma_stops_when_the_next_epoch_would_exceed(sampling):
 def test_schedule_stops_exactly_when_the_budget_is_spent(family):
     guard = BudgetGuard(Ledger(None), 3.0, 1e-3)
     options = {"period": 2} if family == "step" else {}
-    dp = DPConfig(mode="schedule", schedule=family, epsilon=3.0, delta=1e-3, noise_multiplier=4.0,
+    # σ0 = 8 under replace-one (sensitivity 2C) is σ0 = 4 under zero-out
+    dp = DPConfig(mode="schedule", schedule=family, epsilon=3.0, delta=1e-3, noise_multiplier=8.0,
                   sampling="shuffle", target_epochs=4, schedule_options=options)
     _, result = _train(dp, epochs=50, guard=guard)
     sigmas = result.sigmas
@@ -110,14 +151,39 @@ def test_schedule_stops_exactly_when_the_budget_is_spent(family):
 
 
 def test_validation_schedule_needs_a_public_validation_set():
-    dp = DPConfig(mode="schedule", schedule="validation", epsilon=3.0, delta=1e-3, sampling="shuffle")
+    dp = DPConfig(mode="schedule", schedule="validation", epsilon=3.0, delta=1e-3, sampling="shuffle",
+                  noise_multiplier=5.0)
     with pytest.raises(UserError, match="validation"):
         _train(dp, epochs=2)
     x, y = _data(n=2)
     guard = BudgetGuard(Ledger(None), 3.0, 1e-3)
     _, result = _train(dp, epochs=40, guard=guard, validation=(x, y))
     assert "validation_dice_mean" in result.history[0]
-    _next_epoch_exceeds(result, guard, sampling="shuffle")
+    # σ_t chosen from earlier outputs: adaptive events, accounted by a filter-valid accountant (zCDP)
+    assert all(e.adaptive for e in guard.ledger.events("central"))
+    assert result.adaptive and result.accountant == "zcdp" and result.epsilon <= 3.0
+    _next_epoch_exceeds(result, guard, sampling="shuffle", adaptive=True)
+
+
+def test_validation_schedule_with_poisson_sampling_uses_the_renyi_filter():
+    """Poisson sampling under add/remove: the adaptive epochs are accounted by rdp-filter (not PLD), and the
+    guard stops training when the filter's ε would pass the budget."""
+    dp = DPConfig(mode="schedule", schedule="validation", epsilon=4.0, delta=1e-3, noise_multiplier=2.0,
+                  relation="add-remove", schedule_options={"k": 0.8})
+    x, y = _data(n=2)
+    guard = BudgetGuard(Ledger(None), 4.0, 1e-3)
+    _, result = _train(dp, epochs=40, guard=guard, validation=(x, y))
+    events = guard.ledger.events("central")
+    assert events and all(e.adaptive and e.relation == "add-remove" for e in events)
+    assert result.accountant == "rdp-filter" and 0 < result.epochs_completed < 40
+    from privacy.accountants import RDPFilterAccountant
+
+    filt = RDPFilterAccountant()
+    for event in events:
+        filt.compose(event)
+    assert result.epsilon == pytest.approx(filt.get_epsilon(1e-3)) and result.epsilon <= 4.0
+    assert result.epsilon_replace_one is None  # no filter for adaptive replace-one Poisson events
+    _next_epoch_exceeds(result, guard, relation="add-remove", adaptive=True)
 
 
 @pytest.mark.parametrize("sampling", ["shuffle", pytest.param("poisson", marks=pytest.mark.slow)])

@@ -216,3 +216,204 @@ def test_epsilon_spent_and_names():
 
 def test_zcdp_epsilon_function():
     assert zcdp_epsilon(0.5, 1e-3) == pytest.approx(0.5 + 2 * math.sqrt(0.5 * math.log(1e3)))
+
+
+# ------------------------------------------------------------------ replace-one DP-SGD (issue 15)
+
+# z that makes q = 1/9, 90 steps, δ = 1e-3 cost exactly ε = 8 and ε = 1 under add/remove: computed with
+# dp_accounting directly (mechanism_calibration.calibrate_dp_mechanism, PLD ADD_OR_REMOVE_ONE, grid 1e-4,
+# tol 1e-6), as the demo's DP-SGD cells calibrate them.
+DEMO_Z = {8.0: 0.7987086695279885, 1.0: 2.89144950957031}
+
+
+def _dp_accounting_pld(q, z, steps, delta, relation):
+    import dp_accounting
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    acc = dp_accounting.pld.PLDAccountant(getattr(NeighboringRelation, relation), value_discretization_interval=1e-4)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), steps)
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("nominal, replace_one", [(8.0, 11.74), (1.0, 2.12)])
+def test_replace_one_dpsgd_golden_field_notes(nominal, replace_one):
+    """FIELD_NOTES: the demo's add/remove ε = 8 (1) DP-SGD spends ε ≈ 11.7 (2.1) under replace-one."""
+    z = DEMO_Z[nominal]
+    ours = PLDAccountant().compose(SampledGaussianEvent(1 / 9, z, 90, relation="replace-one")).get_epsilon(1e-3)
+    assert ours == pytest.approx(_dp_accounting_pld(1 / 9, z, 90, 1e-3, "REPLACE_ONE"), rel=1e-9)
+    assert ours == pytest.approx(replace_one, abs=0.01)
+    # the same mechanism under add/remove is the nominal budget
+    assert PLDAccountant().compose(SampledGaussianEvent(1 / 9, z, 90)).get_epsilon(1e-3) == pytest.approx(
+        nominal, abs=1e-3)
+    assert accountant_for([SampledGaussianEvent(1 / 9, z, 90, relation="replace-one")]).name == "pld"
+
+
+@pytest.mark.parametrize("interval, settings", [(1e-3, 12), (1e-4, 3)])
+def test_gdp_agrees_with_pld_under_replace_one(interval, settings):
+    """A replace-one Gaussian (explicit S = 2C/K) in a REPLACE_ONE dp_accounting PLD: the wrapper passes S/2 as
+    the norm bound that REPLACE_ONE doubles, so ε matches exact GDP (a doubled S would give μ twice as big)."""
+    rng = np.random.default_rng(15)
+    checked = 0
+    while checked < settings:
+        sigma, count = float(rng.uniform(0.5, 5.0)), int(rng.integers(1, 200))
+        sens, delta = float(rng.uniform(0.05, 2.0)), float(10 ** rng.uniform(-7, -2))
+        event = GaussianEvent(sens, sigma, count)
+        if not 0.1 <= event.mu <= 6:
+            continue
+        checked += 1
+        exact = GaussianGDPAccountant().compose(event).get_epsilon(delta)
+        pld = PLDAccountant(interval, neighboring_relation="replace-one").compose(event)
+        assert pld._inner_relation == "replace-one"
+        assert exact - 1e-9 <= pld.get_epsilon(delta) <= exact + interval * (1 + exact), (sigma, count, sens, delta)
+
+
+def test_owner_with_pate_and_replace_one_dpsgd_composes_with_pld():
+    """One owner: PATE queries (replace-one Gaussians, S = 2/K) then replace-one DP-SGD. PLD composes them;
+    the result matches composing dp_accounting's PLDs directly (explicit-sensitivity Gaussian ∘ REPLACE_ONE
+    sampled Gaussian), lies between each part alone and their basic composition, and does not depend on
+    the order in which the ledger saw them."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    from privacy.ledger import Ledger
+
+    delta, z = 1e-3, DEMO_Z[1.0]
+    pate, sgd = GaussianEvent(0.25, 1.0733, 80), SampledGaussianEvent(1 / 9, z, 90, relation="replace-one")
+    ledger = Ledger(None)
+    ledger.record(["h1"], pate, "pate:query-batch")
+    assert ledger.spent("h1", delta).accountant == "gdp-exact"
+    ledger.record(["h1"], sgd, "dpsgd:epochs")
+    both = ledger.spent("h1", delta)
+    assert (both.accountant, both.relation, both.releases) == ("pld", "replace-one", 2)
+
+    direct = (pld_lib.from_gaussian_mechanism(1.0733, sensitivity=0.25, value_discretization_interval=1e-4)
+              .self_compose(80)
+              .compose(pld_lib.from_gaussian_mechanism(z, sampling_prob=1 / 9, value_discretization_interval=1e-4,
+                                                      neighboring_relation=NeighboringRelation.REPLACE_ONE)
+                       .self_compose(90)))
+    assert both.epsilon == pytest.approx(direct.get_epsilon_for_delta(delta), rel=1e-6)
+    assert both.epsilon == pytest.approx(8.6307, abs=1e-3)
+
+    alone_pate = GaussianGDPAccountant().compose(pate)
+    alone_sgd = PLDAccountant().compose(sgd)
+    assert both.epsilon >= max(alone_pate.get_epsilon(delta), alone_sgd.get_epsilon(delta))
+    # (ε1, δ/2) ∘ (ε2, δ/2) is (ε1 + ε2, δ): basic composition is the ceiling
+    assert both.epsilon <= alone_pate.get_epsilon(delta / 2) + alone_sgd.get_epsilon(delta / 2)
+    reverse = PLDAccountant().compose(sgd).compose(pate)
+    assert reverse.get_epsilon(delta) == pytest.approx(both.epsilon, rel=1e-9)
+
+
+def test_replace_one_poisson_is_pld_only_and_refusals_change_nothing():
+    sgd = SampledGaussianEvent(0.1, 1.0, 5, relation="replace-one")
+    for acc in (RDPAccountant(), ZCDPAccountant()):
+        with pytest.raises(UnsupportedEvent, match="pld"):
+            acc.compose(sgd)
+        assert acc.events == [] and acc.relation is None
+    # Laplace has no REPLACE_ONE PLD in dp_accounting: it cannot join replace-one Poisson events (either order)
+    held = PLDAccountant().compose(LaplaceEvent(1.0, 2.0))
+    eps = held.get_epsilon(1e-5)
+    with pytest.raises(UnsupportedEvent, match="REPLACE_ONE"):
+        held.compose(sgd)
+    assert held.get_epsilon(1e-5) == eps and held._inner_relation == "add-remove" and len(held.events) == 1
+    with pytest.raises(UnsupportedEvent, match="REPLACE_ONE"):
+        PLDAccountant().compose(sgd).compose(LaplaceEvent(1.0, 2.0))
+
+
+def test_an_accountant_accounts_one_relation():
+    acc = PLDAccountant().compose(SampledGaussianEvent(0.1, 1.0, 5))
+    with pytest.raises(PrivacyError, match="relation"):
+        acc.compose(SampledGaussianEvent(0.1, 1.0, 5, relation="replace-one"))
+    with pytest.raises(PrivacyError, match="relation"):
+        GaussianGDPAccountant().compose(GaussianEvent(1, 2)).compose(GaussianEvent(1, 2, relation="add-remove"))
+    assert len(acc.events) == 1 and acc.relation == "add-remove"
+
+
+def test_epsilon_under_the_other_relation():
+    from privacy.accountants import epsilon_under
+
+    events = [SampledGaussianEvent(1 / 9, DEMO_Z[1.0], 45, relation="replace-one")] * 2
+    add_remove, name = epsilon_under(events, 1e-3, "add-remove")
+    assert name == "pld" and add_remove == pytest.approx(1.0, abs=1e-3)
+    assert epsilon_under(events, 1e-3, "replace-one")[0] == pytest.approx(2.12, abs=0.01)
+    assert epsilon_under([GaussianEvent(0.25, 1.0)], 1e-3, "add-remove") is None  # S was derived for replace-one
+    assert epsilon_under([], 1e-3, "add-remove") is None
+    from privacy.accountants import epsilon_per_relation
+
+    both = epsilon_per_relation(events, 1e-3, "replace-one", 2.1208)
+    assert both["epsilon_replace_one"] == 2.1208 and both["epsilon_add_remove"] == pytest.approx(add_remove)
+    adaptive = [SampledGaussianEvent(0.1, 2.0, 5, adaptive=True)]
+    assert epsilon_per_relation(adaptive, 1e-3, "add-remove", 1.0) == {  # no filter for replace-one Poisson
+        "epsilon_add_remove": 1.0, "epsilon_replace_one": None}
+
+
+# ------------------------------------------------------------------ adaptively chosen events: privacy filters
+
+def test_adaptive_events_get_a_filter_valid_accountant():
+    from privacy.accountants import FILTER_ACCOUNTANTS, RDPFilterAccountant
+
+    adaptive = SampledGaussianEvent(0.1, 1.0, 10, adaptive=True)
+    fixed = SampledGaussianEvent(0.1, 1.5, 10)
+    assert accountant_for([fixed]).name == "pld"
+    assert accountant_for([fixed, adaptive]).name == "rdp-filter"  # one adaptive event: a filter for all
+    assert accountant_for([ZCDPEvent.shuffled_epochs(2.0, 1, "replace-one", adaptive=True)]).name == "zcdp"
+    assert accountant_for([GaussianEvent(0.25, 1.0, adaptive=True)]).name == "gdp-exact"
+    for acc in (PLDAccountant(), RDPAccountant()):
+        with pytest.raises(UnsupportedEvent, match="filter"):
+            acc.compose(adaptive)
+    with pytest.raises(UnsupportedEvent, match="filter"):
+        accountant_for([SampledGaussianEvent(0.1, 1.0, 10, relation="replace-one", adaptive=True)])
+    assert all(make_accountant(name).filter_valid for name in FILTER_ACCOUNTANTS)
+    assert not PLDAccountant.filter_valid and not RDPAccountant.filter_valid
+    assert isinstance(make_accountant("rdp-filter"), RDPFilterAccountant)
+
+
+def dp_accounting_sampled(q, z):
+    import dp_accounting
+
+    return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+
+
+def test_rdp_filter_epsilon_is_the_union_bound_over_its_orders():
+    """ε = min over the filter's orders of the improved conversion (Balle et al. 2020, Prop. 12) at δ/|Λ|,
+    checked against dp_accounting's own conversion; it is above the ordinary RDP ε (the price of validity
+    under adaptive choices) and get_delta inverts it."""
+    from dp_accounting.rdp import rdp_privacy_accountant as dpa
+
+    from privacy.accountants import FILTER_RDP_ORDERS, RDPFilterAccountant
+
+    events = [SampledGaussianEvent(1 / 9, s, 9, adaptive=True) for s in (1.2, 1.1, 1.0, 0.9)]
+    acc = RDPFilterAccountant()
+    for event in events:
+        acc.compose(event)
+    direct = dpa.RdpAccountant(orders=FILTER_RDP_ORDERS)
+    for s in (1.2, 1.1, 1.0, 0.9):
+        direct.compose(dp_accounting_sampled(1 / 9, s), 9)
+    delta = 1e-3
+    expected, _ = dpa.compute_epsilon(FILTER_RDP_ORDERS, direct._rdp, delta / len(FILTER_RDP_ORDERS))
+    assert acc.get_epsilon(delta) == pytest.approx(expected, rel=1e-9)
+    plain = RDPAccountant(orders=FILTER_RDP_ORDERS)
+    for event in events:
+        plain.compose(SampledGaussianEvent(event.sampling_rate, event.noise_multiplier, event.steps))
+    assert acc.get_epsilon(delta) > plain.get_epsilon(delta)
+    assert acc.get_delta(acc.get_epsilon(delta)) == pytest.approx(delta, rel=1e-6)
+
+
+def test_guard_checks_adaptive_events_with_the_filter():
+    """A budget the PLD of a fixed event fits is refused for the same event chosen adaptively."""
+    from privacy.accountants import RDPFilterAccountant
+    from privacy.errors import BudgetExceeded
+    from privacy.guard import BudgetGuard
+    from privacy.ledger import Ledger
+
+    fixed, adaptive = SampledGaussianEvent(1 / 9, 1.0, 90), SampledGaussianEvent(1 / 9, 1.0, 90, adaptive=True)
+    pld = PLDAccountant().compose(fixed).get_epsilon(1e-3)
+    filt = RDPFilterAccountant().compose(adaptive).get_epsilon(1e-3)
+    assert pld < 6.0 < filt
+    guard = BudgetGuard(Ledger(None), 6.0, 1e-3)
+    guard.charge(["h"], fixed, "fixed")
+    guard2 = BudgetGuard(Ledger(None), 6.0, 1e-3)
+    with pytest.raises(BudgetExceeded, match="rdp-filter"):
+        guard2.charge(["h"], adaptive, "adaptive")
+    assert len(guard2.ledger) == 0
+    spent = guard.ledger.spent("h", 1e-3, extra=[SampledGaussianEvent(1 / 9, 5.0, 1, adaptive=True)])
+    assert spent.accountant == "rdp-filter"

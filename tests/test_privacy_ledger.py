@@ -139,7 +139,7 @@ def test_accounting_is_incremental_and_matches_fresh(tmp_path):
         ledger.record(["h"], ZCDPEvent.shuffled_epochs(2.0, 1), f"e{epoch}")
         fresh = Ledger.load(tmp_path / "l.jsonl").spent("h", 1e-5)
         assert ledger.spent("h", 1e-5) == fresh
-    ledger.record(["h"], LaplaceEvent(1.0, 10.0, relation="add-remove"), "lap")
+    ledger.record(["h"], LaplaceEvent(1.0, 10.0, relation="zero-out"), "lap")
     assert ledger.spent("h", 1e-5).accountant == "zcdp"
 
 

@@ -66,6 +66,27 @@ def test_schedule_events_match_batching():
     assert all(isinstance(e, ZCDPEvent) for e in shuffle)
 
 
+def test_schedule_events_carry_the_relation():
+    schedule = ExponentialSchedule(2.0, 0.1)
+    shuffle = schedule_events(schedule, 3, 0.05, 20, mode="shuffle")
+    assert {e.relation for e in shuffle} == {"zero-out"}  # Yu et al.'s 1/(2σ²) holds for zero-out adjacency
+    replace = schedule_events(schedule, 3, 0.05, 20, mode="shuffle", relation="replace-one")
+    assert [e.rho for e in replace] == pytest.approx([2 / schedule.sigma(t) ** 2 for t in range(3)])
+    poisson = schedule_events(schedule, 2, 0.05, 20, relation="replace-one")
+    assert poisson == [SampledGaussianEvent(0.05, schedule.sigma(t), 20, relation="replace-one") for t in range(2)]
+    with pytest.raises(PrivacyError, match="zero-out"):
+        schedule_events(schedule, 1, 0.05, 20, mode="shuffle", relation="add-remove")
+
+
+def test_plan_decay_shuffle_under_replace_one():
+    k = plan_decay("exponential", 6.0, 10, 6.0, 1e-5, mode="shuffle", relation="replace-one")
+    schedule = make_schedule("exponential", 6.0, k)
+    eps = schedule_epsilon(schedule, 10, 1e-5, 1.0, 1, mode="shuffle", relation="replace-one")
+    assert 6.0 * (1 - 1e-3) <= eps <= 6.0
+    # the same σ_t under zero-out spend a quarter of the ρ: far less than the budget
+    assert schedule_epsilon(schedule, 10, 1e-5, 1.0, 1, mode="shuffle") < 3.0
+
+
 def test_epochs_within_budget_shuffle_constant_matches_closed_form():
     # constant σ: E epochs give ρ = E/(2σ²); the number that fits is the largest E with ε(ρ) ≤ budget
     sigma, eps, delta = 3.0, 4.0, 1e-5

@@ -49,7 +49,7 @@ def test_central_dpsgd_cli(tmp_path, monkeypatch, tiny_phantoms):
     from privacy.ledger import Ledger
 
     assert results["method"] == "dp-sgd-central"
-    assert results["relation"] == "add-remove" and results["accountant"] == "zcdp"
+    assert results["relation"] == "replace-one" and results["accountant"] == "zcdp"  # the default relation
     ledger = Ledger.load(out / "ledger.jsonl")
     assert ledger.owners() == ["hospital-00", "hospital-01"]     # the pooled patients' hospitals
     spent = ledger.spent("hospital-00", 1e-3)
@@ -99,7 +99,9 @@ def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
 
         spent = Ledger.load(tmp_path / "run" / "ledger.jsonl").spent("h1", 1e-3)
         assert written["epsilon"] == pytest.approx(spent.epsilon) and written["accountant"] == "zcdp"
-        assert written["relation"] == "add-remove" and written["epsilon_budget"] == 8.0
+        assert written["relation"] == "replace-one" and written["epsilon_budget"] == 8.0
+        # shuffled epochs (explicit ρ) cannot be re-read under another relation: null, never absent
+        assert written["epsilon_replace_one"] == written["epsilon"] and written["epsilon_add_remove"] is None
     else:
         assert written["epsilon"] is None and written["relation"] is None and written["delta"] is None
         assert (tmp_path / "run" / "ledger.jsonl").read_text() == ""
@@ -127,3 +129,23 @@ def test_central_dpsgd_charges_every_hospitals_lifetime_ledger(tmp_path, monkeyp
                             progress=False, epochs=1, sampling="shuffle", augment=False,
                             hospital_ledger_dir=ledgers, lifetime_epsilon=3.0)
     assert len(Ledger.load(ledgers / "h0.jsonl")) == 1        # nothing recorded for the refused run
+
+
+def test_run_central_poisson_states_both_relations(tmp_path, monkeypatch):
+    """Replace-one by default (train_cases is published); the add/remove ε of the same run is stated beside it."""
+    import sim.runners.central as central
+    from privacy.accountants import epsilon_under
+    from privacy.ledger import Ledger
+
+    monkeypatch.setattr(central, "load_central_data", _fake_loader)
+    written = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+                                  progress=False, epochs=1, sampling="poisson", augment=False,
+                                  noise_mode="fixed", noise_multiplier=2.0)
+    ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
+    spent = ledger.spent("h0", 1e-3)
+    assert (written["relation"], written["accountant"]) == ("replace-one", "pld") == (spent.relation, spent.accountant)
+    assert written["epsilon"] == pytest.approx(spent.epsilon) and written["epsilon"] <= 8.0
+    assert written["epsilon_replace_one"] == written["epsilon"] and written["train_cases"] == 4
+    add_remove = epsilon_under(ledger.events("h0"), 1e-3, "add-remove")[0]
+    assert written["epsilon_add_remove"] == pytest.approx(add_remove) and add_remove < written["epsilon"]
+    assert written["dpsgd"]["adaptive"] is False

@@ -19,6 +19,10 @@ def register(subparsers) -> None:
                         help="noise schedule for --noise-mode schedule (Yu et al.)")
     parser.add_argument("--sampling", default="poisson", choices=("poisson", "shuffle"),
                         help="batching: Poisson sampling (PLD/RDP accounting) or shuffled disjoint batches (zCDP)")
+    parser.add_argument("--relation", default="replace-one", choices=("replace-one", "add-remove", "zero-out"),
+                        help="neighbouring relation of the DP-SGD guarantee: replace-one (default; the only one "
+                             "that holds when dataset sizes are published, and the one comparisons use), "
+                             "add-remove (Poisson) or zero-out (shuffle) for standalone runs")
     parser.add_argument("--noise-multiplier", type=float, default=None,
                         help="sigma for fixed mode / sigma_0 for schedules (default: the preset's, sqrt 6)")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip norm (default: preset's, 4)")
@@ -40,7 +44,7 @@ def run(args) -> int:
         schedule=args.schedule, sampling=args.sampling, noise_multiplier=args.noise_multiplier,
         max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
         grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
-        reproducible_noise=args.reproducible_noise)
+        reproducible_noise=args.reproducible_noise, relation=args.relation)
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     spent = sub.add_parser("spent", help="epsilon spent per data owner, from a ledger.jsonl")
     spent.add_argument("ledger", help="path to ledger.jsonl")
     spent.add_argument("--delta", type=float, default=1e-3, help="delta at which to report epsilon (default 1e-3)")
-    spent.add_argument("--relation", choices=("replace-one", "add-remove"), default=None,
+    spent.add_argument("--relation", choices=("replace-one", "add-remove", "zero-out"), default=None,
                        help="account only events under this neighbouring relation")
     spent.add_argument("--json", action="store_true", help="machine-readable output")
     spent.set_defaults(func=run_spent)

@@ -3,10 +3,13 @@
 The pooled data are every hospital's teacher partitions together (the ``Split``'s private part): the
 upper bound that no federation can beat (non-private) and the seed paper's DP-SGD baseline (Fay et al.
 ``../shared/papers/004_*`` Sec. 5: same U-Net, per-layer clipping at 4, sigma^2 = 6, epsilon = 8,
-delta = 1e-3). Privacy unit: one patient volume; DP-SGD with Poisson sampling (or zCDP for shuffled
-batches, Yu et al.). Every epoch is charged to every hospital whose patients are pooled (the owners of
-the data: a patient's guarantee is this run's ε), and, in a comparison, also to each hospital's own
-lifetime ledger (``hospital_ledger_dir``) through a :class:`privacy.guard.GuardChain`.
+delta = 1e-3). Privacy unit: one patient volume; DP-SGD with Poisson sampling (or zCDP for shuffled batches,
+Yu et al.) under ``relation`` -- replace-one by default, since results publish ``train_cases`` (SPEC section 2;
+add-remove for Poisson / zero-out for shuffle on request). Every epoch is charged to every hospital whose
+patients are pooled (the owners of the data: a patient's guarantee is this run's ε), and, in a comparison,
+also to each hospital's own lifetime ledger (``hospital_ledger_dir``) through a
+:class:`privacy.guard.GuardChain`. results.json states the relation from the ledger and the same run's
+epsilon under the other relation where it is defined (``epsilon_add_remove`` / ``epsilon_replace_one``).
 
 Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null where it does not apply),
 ``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
@@ -90,8 +93,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
                 epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
                 schedule_options: dict | None = None, batch_size: int | None = None,
-                reproducible_noise: bool = False, hospital_ledger_dir: str | Path | None = None,
-                lifetime_epsilon: float | None = None) -> dict[str, Any]:
+                reproducible_noise: bool = False, relation: str = "replace-one",
+                hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -151,7 +154,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                       sampling=sampling, schedule=schedule,
                       schedule_options=dict(schedule_options or {}),
                       grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                      release_prefix=_release_prefix(ledger_path)).validate()
+                      release_prefix=_release_prefix(ledger_path), relation=relation).validate()
         guard = BudgetGuard(Ledger(ledger_path), epsilon, delta)
         if hospital_ledger_dir is not None:
             from privacy.guard import GuardChain
@@ -215,11 +218,14 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "epochs_completed": result.epochs_completed,
         "final_loss": result.history[-1]["loss"] if result.history else None,
         "epsilon_rdp": result.epsilon_rdp if private else None,
+        "epsilon_add_remove": result.epsilon_add_remove if private else None,
+        "epsilon_replace_one": result.epsilon_replace_one if private else None,
         "dpsgd": None if not private else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
             "sigmas": result.sigmas, "max_grad_norm": dp.max_grad_norm, "per_layer": dp.per_layer,
             "sampling_rate": result.sampling_rate, "steps_per_epoch": result.steps_per_epoch,
             "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
+            "adaptive": result.adaptive,
         },
         "data_source": world["source"],
         # public validation Dice: what model selection may look at (never the test set)
