@@ -181,3 +181,45 @@ def test_guard_chain_checks_every_budget_and_records_lifetime_first(tmp_path):
     assert len(Ledger.load(tmp_path / "h1.jsonl")) == 1
     with pytest.raises(PrivacyError):
         GuardChain(run, [(h0, "h0")])
+
+
+def test_the_demo_chooses_its_student_on_public_validation_not_test_dice():
+    from sim.commands.demo import choose_student
+
+    cells = [{"method": "pate-ae", "epsilon_budget": 8, "dice": {"mean": 0.9}, "validation_dice_mean": 0.5},
+             {"method": "pate-pca", "epsilon_budget": 8, "dice": {"mean": 0.1}, "validation_dice_mean": 0.6},
+             {"method": "dp-sgd-central", "epsilon_budget": 8, "dice": {"mean": 0.95}, "validation_dice_mean": 0.9}]
+    assert choose_student(cells)["method"] == "pate-pca"
+    assert choose_student([{"method": "pate-ae", "dice": {"mean": 0.9}}]) is None
+
+
+@pytest.mark.slow
+def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_folder(tmp_path):
+    """Against deployed hospitals the server runs no un-noised query and asks no teacher Dice; and a
+    second run into a folder whose ledger is not empty is refused (its releases would be hidden)."""
+    from test_pate_run import FakePrepared, FakeSplit
+
+    from sim.runners.inprocess import InProcessTransport
+    from sim.world import load_world
+    from server.pate import run_pate
+
+    prepared = FakePrepared(24)
+    ids = prepared.case_ids
+    split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]]},
+                      public_query=ids[4:8], public_reference=ids[8:16], public_validation=ids[16:18],
+                      test=ids[18:22])
+    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=1, student_epochs=1, hospitals=2,
+                                        teachers_per_hospital=2)
+    hospitals = [Hospital(h, prepared, split.hospitals[h], preset, tmp_path / h, deployed=True,
+                          lifetime_epsilon=8.0) for h in sorted(split.hospitals)]
+    transport = InProcessTransport(hospitals)
+    world = load_world(prepared, split)
+    results = run_pate(transport, world, preset, "pate-pca", 8.0, 1e-3, tmp_path / "run", progress=False)
+    assert results["queries"] == 4 and results["teacher_dice_mean"] is None
+    assert results["ensemble_dice_mean"] is None and results["not_private_diagnostics"] == []
+    assert results["validation_dice_mean"] is not None
+    # each deployed hospital charged its own ledger (workdir/privacy-ledger.jsonl) exactly the released queries
+    for h in hospitals:
+        assert len(Ledger.load(h.privacy_ledger)) == 4
+    with pytest.raises(UserError, match="earlier run"):
+        run_pate(transport, world, preset, "pate-pca", 8.0, 1e-3, tmp_path / "run", progress=False)

@@ -91,6 +91,9 @@ def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_pa
     # nothing a hospital keeps leaves its folder: teacher weights are under hospitals/<id>/teachers
     assert len(list(Path(tmp_path, "hospitals", "h0", "teachers").glob("*.pt"))) == 3
     assert results["epsilon"] == written["epsilon"]
+    # everything un-noised is flagged, the full ensemble Dice dict included; rejections are counts only
+    assert {"ensemble_dice", "ensemble_dice_mean", "teacher_dice_mean"} <= set(written["not_private_diagnostics"])
+    assert all(isinstance(v, int) for v in written["rejected_replies"].values())
 
 
 @pytest.mark.slow

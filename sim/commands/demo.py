@@ -25,6 +25,14 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def choose_student(cells):
+    """The PATE student to show, chosen on the PUBLIC validation set, never on the test set: the largest
+    budget, then the best public validation Dice. None when no cell has a validation score."""
+    candidates = [c for c in cells if str(c.get("method", "")).startswith("pate")
+                  and c.get("validation_dice_mean") is not None]
+    return max(candidates, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
+
+
 def run(args) -> int:
     import json
     from pathlib import Path
@@ -41,12 +49,8 @@ def run(args) -> int:
     report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                          parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
-    # The student to show is chosen on the PUBLIC validation set (never the test set): the largest budget,
-    # then the best public validation Dice.
-    cells = [c for c in load_cells(out) if str(c.get("method", "")).startswith("pate")
-             and c.get("validation_dice_mean") is not None]
-    if cells:
-        best = max(cells, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]))
+    best = choose_student(load_cells(out))
+    if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
                                    progress=False)
         unseen = sorted((phantoms / "imagesTs").glob("*.nii.gz"))[:1]

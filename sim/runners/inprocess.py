@@ -20,7 +20,7 @@ class InProcessTransport:
         self.hospitals = {h.hospital_id: h for h in hospitals}
         self.drop = dict(drop or {})
         self.base_config = dict(base_config or {})   # what every message carries (ledger_dir, lifetime ε)
-        self.deployed = {h: False for h in self.hospitals}
+        self.deployed = {h: bool(getattr(m, "deployed", False)) for h, m in self.hospitals.items()}
         self.notes: list[dict[str, dict]] = []       # per query round: hospital -> what it said (counts)
         self.query_rounds = 0
         self.bytes_up: list[dict[str, int]] = []
