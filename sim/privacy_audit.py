@@ -1,0 +1,617 @@
+"""Empirical privacy audit of fedpate's two private mechanisms (issue 15, "Empirical check").
+
+An audit that does not trust our own maths: run the product's mechanism many times on two worst-case
+neighbouring inputs D and D', score every run with the optimal (likelihood-ratio) statistic of an
+adversary who knows everything except which of the two inputs was used, and turn the test's error rates
+into a lower bound on ε (:func:`privacy.audit.epsilon_lower_bound`: Clopper-Pearson bounds, threshold
+chosen on held-out runs). The many-runs method of Jagielski, Ullman & Oprea (NeurIPS 2020) and Nasr,
+Song, Thakurta, Papernot & Carlini (IEEE S&P 2021), with their strongest adversaries: a worst-case input
+for PATE, a "dirac" gradient canary seen in every intermediate model for DP-SGD (Nasr et al.'s
+white-box gradient-canary threat model, the one DP-SGD's accounting covers). Steinke, Nasr & Jagielski
+(NeurIPS 2023) audit from a single run with many canaries, which matters when one training run is
+expensive; their bound is looser than the many-runs one, and here a run costs milliseconds, so the
+many-runs method is used.
+
+**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5): a PCA codec in clip mode fitted on public
+maps (real :class:`server.compressors.PCACompressor`, its real codec state), K teachers over several
+hospitals, the other K-1 teachers' rows real codec encodings of random probability maps, and the
+replace-one pair: one teacher's row ``+C u`` in D and ``-C u`` in D' (``||u|| = 1``), the two ends of
+the bound the sensitivity 2C/K assumes. Every query goes through :func:`server.aggregation.
+aggregate_query` (validation, ``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` --
+accountant verdicts memoised, :func:`make_guard` -- then noise from a
+:class:`privacy.mechanisms.NoiseSource` stream), with σ from :func:`privacy.calibration.
+pate_sigma` for the full N-query composition; the claimed ε is what the ledger says after the N
+charges. The adversary knows u and the other teachers' rows, so its optimal statistic is the sum over
+queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is linear in it).
+
+**DP-SGD** (:class:`sim.dpsgd.DPSession`, Opacus per-sample clipping, Poisson batches and noise from the
+charged epoch's stream, σ calibrated by the session in ``target`` mode): a tiny linear model with two
+parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2) and a loss linear in the
+parameters, so every record's gradient is constant. The other records' gradients all point along one
+coordinate; the canary's gradient is large along another coordinate in both tensors, which nobody else
+uses, so after clipping it contributes exactly C_total in a direction where the only other thing is the
+noise. D = others + canary, D' = others (add/remove, as the accountant assumes; both give the same number
+of steps so the sampling rate is the same). SGD with learning rate 1 makes every step's parameter change
+the noisy clipped sum / expected batch size: the adversary reads each step's projection
+``x_t ~ b_t + σ ξ`` (b_t = canary in the Poisson batch, ξ standard normal) and scores the run by the
+exact log-likelihood ratio ``Σ_t log(1 - q + q exp((2 x_t - 1)/(2σ²)))``.
+
+Vectorised trials: both mechanisms reduce, for the adversary, to draws that numpy can make by the
+million. :func:`pate_vectorised_scores` draws the full l-dimensional releases ``clean mean + σ Z`` (the
+formula of ``aggregate_query`` with the clean means the product computed), :func:`dpsgd_vectorised_scores`
+the per-step projections. ``tests/test_privacy_audit.py`` checks that they match the product paths
+(exactly, for the PATE release formula on a shared stream; in distribution, by two-sample tests on the
+scores, for both).
+
+Broken controls (to show the audit can fail): PATE with a compressor that understates its sensitivity
+(4x, or 16x: σ that much too small while the ledger claims the budget); DP-SGD with a session whose
+optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from privacy.audit import AuditBound, epsilon_lower_bound
+
+# ======================================================================================== accounting
+
+_VERDICTS: dict = {}
+_SPENT: dict = {}
+
+
+def _events_key(ledger, owners, extra=None) -> str:
+    import json
+
+    return json.dumps([[owner, [e.to_dict() for e in ledger.events(owner)]] for owner in owners]
+                      + ([extra.to_dict()] if extra is not None else []), sort_keys=True)
+
+
+def make_guard(epsilon: float, delta: float):
+    """A fresh in-memory ``Ledger`` and ``BudgetGuard`` whose accountant verdicts are memoised.
+
+    Every audit run charges the *same* sequence of events (the mechanism's randomness does not enter the
+    accounting), and a PLD composition of a DP-SGD epoch costs seconds, so ``check`` caches the real
+    ``BudgetGuard.check`` verdict per (budget, δ, owners' ledger events, new event): the first run
+    computes it, later runs reuse it. Recording, release ids and the charge-before-noise order are the
+    product's own; :func:`ledger_epsilon` memoises ``ledger.spent`` the same way.
+    """
+    from privacy.errors import BudgetExceeded
+    from privacy.guard import BudgetGuard
+    from privacy.ledger import Ledger
+
+    class MemoisedGuard(BudgetGuard):
+        def check(self, owners, event) -> None:
+            key = (repr(sorted(self.budget.items())), self.delta, _events_key(self.ledger, list(owners), event))
+            verdict = _VERDICTS.get(key)
+            if verdict is None:
+                try:
+                    super().check(owners, event)
+                    verdict = "ok"
+                except BudgetExceeded as exc:
+                    verdict = exc
+                _VERDICTS[key] = verdict
+            if verdict != "ok":
+                raise verdict
+
+    return MemoisedGuard(Ledger(None), epsilon, delta)
+
+
+def ledger_epsilon(ledger, owner: str, delta: float) -> float:
+    """``ledger.spent(owner, delta).epsilon``, memoised on the owner's events (see :func:`make_guard`)."""
+    key = (owner, delta, _events_key(ledger, [owner]))
+    if key not in _SPENT:
+        _SPENT[key] = float(ledger.spent(owner, delta).epsilon)
+    return _SPENT[key]
+
+
+# ================================================================================================ PATE
+
+
+def understated_sensitivity(compressor, factor: float = 4.0):
+    """Broken control: a copy of a fitted PCACompressor that reports ``1/factor`` of its real sensitivity
+    (its codec still clips rows to C), so ``pate_sigma`` and the ledger both use S/factor."""
+    from server.compressors import PCACompressor
+
+    class UnderstatedSensitivityPCA(PCACompressor):
+        def sensitivity(self, teachers: int) -> float:   # the bug: S / factor
+            return super().sensitivity(teachers) / factor
+
+    broken = UnderstatedSensitivityPCA.__new__(UnderstatedSensitivityPCA)
+    broken.__dict__.update(compressor.__dict__)
+    return broken
+
+
+@dataclass
+class PateSetup:
+    """Everything a PATE audit run needs; built by :func:`pate_setup`."""
+
+    epsilon: float
+    delta: float
+    teachers: int
+    hospitals: int
+    queries: int
+    clip: float
+    compressor: object
+    state: dict
+    sigma: float
+    direction: np.ndarray                 # u, unit norm (l,)
+    others: list                          # per query: {hospital: rows (T_h, l)} without the audited teacher
+    audited_hospital: str
+    clean_means: dict = field(default_factory=dict)   # side (+1/-1) -> (N, l) what aggregate_query averages
+    broken_factor: float | None = None   # broken control: the compressor reports S / broken_factor
+
+    @property
+    def broken(self) -> bool:
+        return self.broken_factor is not None
+
+    @property
+    def latent_dim(self) -> int:
+        return int(self.compressor.latent_dim)
+
+    @property
+    def sensitivity(self) -> float:
+        """What the product's compressor claims (and the ledger records)."""
+        return float(self.compressor.sensitivity(self.teachers))
+
+    @property
+    def mu_claimed(self) -> float:
+        return math.sqrt(self.queries) * self.sensitivity / self.sigma
+
+    @property
+    def mu_true(self) -> float:
+        """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C."""
+        return math.sqrt(self.queries) * (2.0 * self.clip / self.teachers) / self.sigma
+
+    def replies(self, query: int, side: int) -> dict:
+        """The hospitals' replies to one query in D (side=+1) or D' (side=-1)."""
+        replies = {h: rows.copy() for h, rows in self.others[query].items()}
+        row = (side * self.clip * self.direction)[None, :]
+        replies[self.audited_hospital] = np.concatenate([row, replies[self.audited_hospital]], axis=0)
+        return replies
+
+
+def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hospitals: int = 8,
+               queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=(4, 4, 4), seed: int = 0,
+               broken_factor: float | None = None) -> PateSetup:
+    """A PCA codec (clip mode, fitted on random public one-hot maps), the other teachers' real encodings,
+    σ from ``pate_sigma`` for the N-query composition at the compressor's sensitivity."""
+    from privacy.calibration import pate_sigma
+    from server.aggregation import validate_reply
+    from server.compressors import PCACompressor
+    from sim import codecs
+
+    if teachers % hospitals:
+        raise ValueError("teachers must be a multiple of hospitals")
+    rng = np.random.default_rng(seed)
+    classes = 4
+    public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
+    compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
+    if broken_factor is not None:
+        compressor = understated_sensitivity(compressor, broken_factor)
+    state = compressor.state()
+    l = int(compressor.latent_dim)
+    per_hospital = teachers // hospitals
+    names = [f"h{i}" for i in range(hospitals)]
+    others = []
+    for _ in range(queries):
+        replies = {}
+        for j, name in enumerate(names):
+            count = per_hospital - (1 if j == 0 else 0)   # h0 also holds the audited teacher
+            logits = rng.normal(0.0, 2.0, size=(count, classes, *grid))
+            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs = (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
+            replies[name] = codecs.encode(state, probs)       # what a hospital uploads (clipped to C)
+        others.append(replies)
+    direction = rng.normal(size=l)
+    direction /= np.linalg.norm(direction)
+    sigma = pate_sigma(epsilon, delta, queries, float(compressor.sensitivity(teachers)))
+    setup = PateSetup(epsilon=float(epsilon), delta=float(delta), teachers=teachers, hospitals=hospitals,
+                      queries=queries, clip=float(clip), compressor=compressor, state=state, sigma=float(sigma),
+                      direction=direction, others=others, audited_hospital=names[0],
+                      broken_factor=broken_factor)
+    for side in (+1, -1):   # the server's validated rows, averaged (what aggregate_query adds noise to)
+        means = []
+        for n in range(queries):
+            rows = [validate_reply(h, r, state, l) for h, r in sorted(setup.replies(n, side).items())]
+            means.append(np.concatenate(rows, axis=0).mean(axis=0))
+        setup.clean_means[side] = np.stack(means)
+    return setup
+
+
+def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarray, float]:
+    """One full run of the query phase through ``aggregate_query`` on a fresh ledger and guard.
+
+    Returns the N releases (N, l) float32 and the ε the ledger says was spent (for the audited hospital).
+    """
+    from server.aggregation import aggregate_query
+
+    guard = make_guard(setup.epsilon, setup.delta)
+    releases = []
+    for n in range(setup.queries):
+        noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
+                                          f"query-{n}", state=setup.state, noise=noise)
+        if noisy is None or teachers != setup.teachers:
+            raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
+        releases.append(noisy)
+    claimed = ledger_epsilon(guard.ledger, setup.audited_hospital, setup.delta)
+    return np.stack(releases), float(claimed)
+
+
+def pate_scores(setup: PateSetup, releases: np.ndarray) -> np.ndarray:
+    """The adversary's statistic for releases (..., N, l): ``Σ_n <release_n - m_n, u> / (σ sqrt N)``,
+    m_n = the midpoint of the two clean means (the others' rows / K). Larger = more like D."""
+    middle = 0.5 * (setup.clean_means[+1] + setup.clean_means[-1])
+    projected = (np.asarray(releases, dtype=np.float64) - middle) @ setup.direction
+    return projected.sum(axis=-1) / (setup.sigma * math.sqrt(setup.queries))
+
+
+def pate_vectorised_releases(setup: PateSetup, side: int, trials: int, rng: np.random.Generator) -> np.ndarray:
+    """``trials`` runs of the N releases at once: clean mean + σ Z, rounded to float32 as the product does."""
+    noise = rng.standard_normal((trials, setup.queries, setup.latent_dim))
+    return (setup.clean_means[side][None] + setup.sigma * noise).astype(np.float32)
+
+
+def pate_vectorised_scores(setup: PateSetup, side: int, trials: int, rng: np.random.Generator,
+                           chunk: int = 20_000) -> np.ndarray:
+    out = []
+    for start in range(0, trials, chunk):
+        out.append(pate_scores(setup, pate_vectorised_releases(setup, side, min(chunk, trials - start), rng)))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+# ============================================================================================== DP-SGD
+
+
+def _canary_model(dim: int):
+    import torch
+
+    class CanaryModel(torch.nn.Module):
+        """Two parameter tensors; per-sample loss ``-(a·x + b·x)``, so every gradient is ``-x`` in each."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(dim, 1, bias=False)
+            self.b = torch.nn.Linear(dim, 1, bias=False)
+
+        def forward(self, x):
+            return -(self.a(x) + self.b(x)).squeeze(-1)     # the per-sample loss itself
+
+    return CanaryModel()
+
+
+@dataclass
+class DPSGDSetup:
+    epsilon: float
+    delta: float
+    others: int            # records in D' (D has one more: the canary)
+    batch_size: int
+    epochs: int
+    clip: float            # per-layer clip C (each of the two tensors)
+    dim: int = 4
+    scale: float = 100.0   # gradient norms before clipping (>> C: every record is clipped)
+    sigma: float = 0.0     # the session's calibrated noise multiplier (filled by dpsgd_setup)
+    sampling_rate: float = 0.0
+    steps_per_epoch: int = 0
+    noise_factor: float = 1.0   # broken control: the optimizer adds noise_factor x the charged noise
+    unclipped: bool = False     # broken control: per-sample gradients are not clipped (noise still σ C_total)
+
+    @property
+    def steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    @property
+    def broken(self) -> bool:
+        return self.noise_factor != 1.0 or self.unclipped
+
+    @property
+    def signal(self) -> float:
+        """The canary's contribution to x_t when it is in the batch (1 when clipped, as accounted)."""
+        return self.scale / self.clip if self.unclipped else 1.0
+
+    @property
+    def bug(self) -> str:
+        parts = ([f"noise x{self.noise_factor:g}"] if self.noise_factor != 1.0 else []) + (
+            ["no clipping"] if self.unclipped else [])
+        return ", ".join(parts)
+
+    def data(self, with_canary: bool):
+        import torch
+
+        x = torch.zeros(self.others + int(with_canary), self.dim)
+        x[: self.others, 0] = self.scale        # everyone else: coordinate 0
+        if with_canary:
+            x[-1, 1] = self.scale               # the canary: coordinate 1, used by nobody else
+        return x
+
+    def config(self, release_prefix: str = "audit"):
+        from sim.dpsgd import DPConfig
+
+        return DPConfig(mode="target", epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.clip,
+                        per_layer=True, sampling="poisson", grad_sample_mode="functorch",
+                        release_prefix=release_prefix)
+
+
+def _make_session(setup: DPSGDSetup, with_canary: bool, noise, sigma: float | None = None):
+    import torch
+
+    from sim.dpsgd import DPSession
+
+    x = setup.data(with_canary)
+    model = _canary_model(setup.dim)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    dp = setup.config()
+    if sigma is not None:  # the σ the session calibrated in target mode, reused (calibration is costly)
+        dp.mode, dp.noise_multiplier = "fixed", float(sigma)
+    guard = make_guard(setup.epsilon, setup.delta)
+    session_cls = DPSession if not setup.broken else _broken_session(setup.noise_factor, setup.unclipped)
+    session = session_cls(model, optimizer, n=len(x), batch_size=setup.batch_size, epochs=setup.epochs, dp=dp,
+                          guard=guard, owners=("h0",), noise=noise)
+    return session, model, x
+
+
+def _broken_session(noise_factor: float, unclipped: bool):
+    """Broken controls: a DPSession that charges σ to the ledger, then runs the epoch with noise_factor x
+    the noise, and/or without per-sample clipping (the per-layer clip bounds lifted to 1e12; the noise
+    std stays σ C_total, as the ledger assumes)."""
+    from sim.dpsgd import DPSession
+
+    class BrokenSession(DPSession):
+        def begin_epoch(self, epoch: int) -> bool:
+            ok = super().begin_epoch(epoch)
+            if ok:
+                self.optimizer.noise_multiplier = self.sigmas[-1] * noise_factor
+                if unclipped:  # Opacus clips per layer with max_grad_norms; its noise uses max_grad_norm
+                    self.optimizer.max_grad_norms = [1e12] * len(self.optimizer.max_grad_norms)
+            return ok
+
+    return BrokenSession
+
+
+def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
+                clip: float = 1.0, noise_factor: float = 1.0, unclipped: bool = False,
+                sigma: float | None = None) -> DPSGDSetup:
+    """σ from a real ``target``-mode session (its own calibration), or the given ``sigma`` (the session's
+    ``fixed`` mode: no calibration, the ledger still says what it costs); D and D' must have the same q
+    and steps."""
+    from privacy.mechanisms import NoiseSource
+
+    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
+                       epochs=epochs, clip=float(clip), noise_factor=float(noise_factor), unclipped=bool(unclipped))
+    from sim.dpsgd import steps_per_epoch
+
+    steps = {steps_per_epoch(others + c, batch_size) for c in (0, 1)}
+    if len(steps) != 1:
+        raise ValueError(f"D and D' give different numbers of steps per epoch {steps} (so different sampling "
+                         "rates): choose sizes with the same number of steps")
+    # target mode: the session calibrates σ itself; fixed mode: the given σ
+    session = _make_session(setup, True, NoiseSource(), sigma=sigma)[0]
+    setup.sigma, setup.sampling_rate, setup.steps_per_epoch = session.base_sigma, session.sampling_rate, session.steps
+    return setup
+
+
+@dataclass
+class DPSGDRun:
+    observations: np.ndarray    # (T,) projected, normalised per-step updates x_t
+    members: np.ndarray         # (T,) bool: canary in step t's Poisson batch (for tests; D only)
+    claimed_epsilon: float      # what the ledger says after the run
+
+
+def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
+    """One DP-SGD training run through ``DPSession`` (the loop of ``sim.training.train_segmentation``:
+    charge the epoch, Poisson batches from its stream, noise-only step for an empty batch, Opacus step),
+    recording the parameters after every step."""
+    import torch
+
+    session, model, x = _make_session(setup, with_canary, noise, sigma=setup.sigma)
+    canary = len(x) - 1 if with_canary else -1
+    # the canary's clipped gradient is -C e_1 in each tensor: unit direction over both, as one flat vector
+    params = list(model.parameters())
+    direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1]), -1.0)
+                           for p in params]) / math.sqrt(len(params))
+    flat = lambda: torch.cat([p.detach().flatten() for p in params]).clone()  # noqa: E731
+    total_clip = session.total_clip
+    scale = session.expected_batch_size
+    observations, members = [], []
+    for epoch in range(setup.epochs):
+        if not session.begin_epoch(epoch):
+            raise RuntimeError("the budget refused an epoch the session was calibrated for")
+        for batch in session.batches():
+            before = flat()
+            if len(batch) == 0:
+                session.noise_only_step()
+            else:
+                session.optimizer.zero_grad(set_to_none=True)
+                session.model(x[batch]).mean().backward()
+                session.optimizer.step()
+            update = (before - flat()) * scale          # lr = 1: the noisy clipped sum
+            observations.append(float(update @ direction) / total_clip)
+            members.append(bool((batch == canary).any()))
+    claimed = ledger_epsilon(session.ledger, "h0", setup.delta)
+    return DPSGDRun(np.array(observations), np.array(members), float(claimed))
+
+
+def dpsgd_scores(setup: DPSGDSetup, observations: np.ndarray) -> np.ndarray:
+    """Exact log-likelihood ratio of "canary present" over (..., T) per-step observations."""
+    x = np.asarray(observations, dtype=np.float64)
+    q, s2 = setup.sampling_rate, setup.sigma ** 2
+    gaussian = (2.0 * x - 1.0) / (2.0 * s2)           # log N(x; 1, σ²) - log N(x; 0, σ²)
+    if q >= 1.0:
+        return gaussian.sum(axis=-1)
+    return np.logaddexp(math.log1p(-q), math.log(q) + gaussian).sum(axis=-1)
+
+
+def dpsgd_vectorised_observations(setup: DPSGDSetup, with_canary: bool, trials: int,
+                                  rng: np.random.Generator) -> np.ndarray:
+    """Per-step observations of ``trials`` runs: ``signal·b_t + factor·σ ξ_t``, b_t ~ Bernoulli(q) (D only)."""
+    member = (rng.random((trials, setup.steps)) < setup.sampling_rate) if with_canary else 0.0
+    return setup.signal * member + setup.noise_factor * setup.sigma * rng.standard_normal((trials, setup.steps))
+
+
+def dpsgd_vectorised_scores(setup: DPSGDSetup, with_canary: bool, trials: int, rng: np.random.Generator,
+                            chunk: int = 50_000) -> np.ndarray:
+    out = []
+    for start in range(0, trials, chunk):
+        obs = dpsgd_vectorised_observations(setup, with_canary, min(chunk, trials - start), rng)
+        out.append(dpsgd_scores(setup, obs))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+# ============================================================================================ the audit
+
+
+@dataclass
+class AuditRow:
+    mechanism: str
+    claimed_epsilon: float
+    delta: float
+    path: str              # "product" (the product's code, run by run) or "vectorised"
+    trials: int            # runs per side (D and D')
+    bound: AuditBound
+    seconds: float
+    broken: bool = False
+    limit: float | None = None   # ε a perfect test of this pair would approach (the μ-GDP curve), if known
+
+    @property
+    def violated(self) -> bool:
+        return self.bound.epsilon_lower > self.claimed_epsilon
+
+    @property
+    def resolvable(self) -> float:
+        """The largest bound these runs could give (an error-free test): the audit's ceiling."""
+        from privacy.audit import largest_resolvable
+
+        return largest_resolvable(self.bound.runs_positive, self.bound.runs_negative, self.delta,
+                                  self.bound.confidence)
+
+
+def pate_product_scores(setup: PateSetup, trials: int, noise=None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Scores of ``trials`` product-path runs on D and on D', and the ledger's claimed ε (the same for all
+    runs: the accounting does not depend on the noise). ``noise``: a NoiseSource whose child streams the
+    runs use (reproducible in tests), or None for the secure source."""
+    scores, claimed = {}, set()
+    for side in (+1, -1):
+        values = []
+        for t in range(trials):
+            source = noise.child("audit", side, t) if noise is not None else None
+            releases, eps = pate_product_run(setup, side, source)
+            values.append(float(pate_scores(setup, releases)))
+            claimed.add(eps)
+        scores[side] = np.array(values)
+    if len(claimed) != 1:
+        raise RuntimeError(f"the ledger claimed different ε in different runs: {sorted(claimed)}")
+    return scores[+1], scores[-1], claimed.pop()
+
+
+def dpsgd_product_runs(setup: DPSGDSetup, trials: int, noise=None) -> tuple[list, list, float]:
+    """``trials`` product-path runs on D (with the canary) and on D', and the ledger's claimed ε."""
+    runs, claimed = {}, set()
+    for with_canary in (True, False):
+        runs[with_canary] = []
+        for t in range(trials):
+            source = noise.child("audit", int(with_canary), t) if noise is not None else None
+            run = dpsgd_product_run(setup, with_canary, source)
+            runs[with_canary].append(run)
+            claimed.add(run.claimed_epsilon)
+    if len(claimed) != 1:
+        raise RuntimeError(f"the ledger claimed different ε in different runs: {sorted(claimed)}")
+    return runs[True], runs[False], claimed.pop()
+
+
+def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
+               confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
+    """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one."""
+    from privacy.accountants import gdp_epsilon
+
+    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (f" [broken: S/{setup.broken_factor:g}]" if setup.broken else "")
+    limit = float(gdp_epsilon(setup.mu_true, setup.delta))
+    rows = []
+    claimed = None
+    if trials:
+        started = time.perf_counter()
+        pos, neg, claimed = pate_product_scores(setup, trials, noise)
+        bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
+        rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
+                             time.perf_counter() - started, setup.broken, limit))
+    if vectorised_trials:
+        started = time.perf_counter()
+        if claimed is None:
+            claimed = pate_product_run(setup, +1, noise)[1]
+        rng = np.random.default_rng(seed + 1)
+        pos = pate_vectorised_scores(setup, +1, vectorised_trials, rng)
+        neg = pate_vectorised_scores(setup, -1, vectorised_trials, rng)
+        bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
+        rows.append(AuditRow(label, claimed, setup.delta, "vectorised", vectorised_trials, bound,
+                             time.perf_counter() - started, setup.broken, limit))
+    return rows
+
+
+def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
+                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
+    """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one."""
+    label = label or (f"DP-SGD q={setup.sampling_rate:.3g} T={setup.steps}"
+                      + (f" [broken: {setup.bug}]" if setup.broken else ""))
+    rows = []
+    claimed = None
+    if trials:
+        started = time.perf_counter()
+        with_runs, without_runs, claimed = dpsgd_product_runs(setup, trials, noise)
+        pos = dpsgd_scores(setup, np.stack([r.observations for r in with_runs]))
+        neg = dpsgd_scores(setup, np.stack([r.observations for r in without_runs]))
+        bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
+        rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
+                             time.perf_counter() - started, setup.broken))
+    if vectorised_trials:
+        started = time.perf_counter()
+        if claimed is None:
+            claimed = dpsgd_product_run(setup, True, noise).claimed_epsilon
+        rng = np.random.default_rng(seed + 2)
+        pos = dpsgd_vectorised_scores(setup, True, vectorised_trials, rng)
+        neg = dpsgd_vectorised_scores(setup, False, vectorised_trials, rng)
+        bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
+        rows.append(AuditRow(label, claimed, setup.delta, "vectorised", vectorised_trials, bound,
+                             time.perf_counter() - started, setup.broken))
+    return rows
+
+
+def format_table(rows: list[AuditRow]) -> str:
+    """Markdown table: claim, lower bound, its ceiling at this many runs, the perfect-test limit, verdict."""
+    header = ("| mechanism | path | runs per side | δ | claimed ε (ledger) | ε lower bound (95%) | "
+              "ceiling at these runs | perfect-test limit | verdict | seconds |")
+    lines = [header, "|" + "---|" * 10]
+    for r in rows:
+        limit = "—" if r.limit is None else f"{r.limit:.3g}"
+        if not r.broken:
+            verdict = "VIOLATION (lb > claim)" if r.violated else "ok (lb ≤ claim)"
+        elif r.violated:
+            verdict = "caught (lb > claim)"
+        else:
+            verdict = ("not caught (ceiling below claim)" if r.resolvable <= r.claimed_epsilon
+                       else "NOT caught")
+        lines.append(f"| {r.mechanism} | {r.path} | {r.trials:,} | {r.delta:g} | {r.claimed_epsilon:.4g} | "
+                     f"{r.bound.epsilon_lower:.3f} | {r.resolvable:.2f} | {limit} | {verdict} | {r.seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def audit_failures(rows: list[AuditRow]) -> list[str]:
+    """What would make the audit fail: a real mechanism whose bound exceeds its claim, or a broken
+    control that no path caught."""
+    problems = [f"{r.mechanism} ({r.path}): lower bound {r.bound.epsilon_lower:.3f} > claimed "
+                f"{r.claimed_epsilon:.4g}" for r in rows if not r.broken and r.violated]
+    for name in dict.fromkeys(r.mechanism for r in rows if r.broken):
+        if not any(r.violated for r in rows if r.mechanism == name):
+            problems.append(f"{name}: broken control not caught by any path")
+    return problems
+
+
+__all__ = ["AuditRow", "audit_failures", "DPSGDRun", "DPSGDSetup", "PateSetup", "understated_sensitivity", "audit_dpsgd",
+           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_vectorised_observations",
+           "dpsgd_vectorised_scores", "format_table", "pate_product_run", "pate_product_scores", "pate_scores", "pate_setup",
+           "pate_vectorised_releases", "pate_vectorised_scores"]

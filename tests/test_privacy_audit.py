@@ -1,0 +1,199 @@
+"""Empirical privacy audit, fast version (issue 15; the full one is benchmarks/audit_privacy.py).
+
+For the PATE aggregator and for DP-SGD, the product's own mechanism is run on worst-case neighbouring
+inputs and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold
+chosen on held-out runs; Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what
+the ledger claims for the real mechanisms and rise above it for deliberately broken ones (so this test
+can fail). The vectorised trials are checked against the product paths before they are trusted.
+
+Product runs use reproducible noise streams (fixed seeds), so the test is deterministic; the benchmark
+uses the secure source.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from privacy.accountants import gdp_mu_for
+from privacy.audit import clopper_pearson_upper, epsilon_from_rates, epsilon_lower_bound, largest_resolvable
+from privacy.mechanisms import NoiseSource
+from sim import privacy_audit as pa
+
+DELTA = 1e-3
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing")]
+
+
+# ------------------------------------------------------------------------------------------ statistics
+def test_clopper_pearson_upper_bound():
+    assert clopper_pearson_upper(0, 100, 0.05) == pytest.approx(1 - 0.05 ** (1 / 100))
+    assert clopper_pearson_upper(100, 100, 0.05) == 1.0
+    # exact tail: P[Bin(n, upper) <= k] = alpha
+    n, k, alpha = 50, 7, 0.025
+    upper = float(clopper_pearson_upper(k, n, alpha))
+    assert stats.binom.cdf(k, n, upper) == pytest.approx(alpha, rel=1e-6)
+    # coverage over many binomial draws at a fixed rate
+    rng = np.random.default_rng(0)
+    draws = rng.binomial(200, 0.03, size=4000)
+    assert np.mean(clopper_pearson_upper(draws, 200, 0.05) >= 0.03) >= 0.95
+
+
+def test_epsilon_from_rates_and_the_gaussian_pair():
+    # a test with FPR = 0.01 and FNR = 0.5 forces eps >= log(0.499 / 0.01)
+    assert epsilon_from_rates(0.01, 0.5, DELTA) == pytest.approx(math.log((1 - DELTA - 0.5) / 0.01))
+    assert epsilon_from_rates(0.5, 0.5, DELTA) == 0.0
+    # scores from an exactly mu-GDP pair: the bound approaches eps(mu) from below, and exceeds it for 4 mu
+    rng = np.random.default_rng(1)
+    mu = gdp_mu_for(1.0, DELTA)
+    tight = epsilon_lower_bound(rng.normal(mu, 1, 200_000), rng.normal(0, 1, 200_000), DELTA)
+    assert 0.75 < tight.epsilon_lower <= 1.0
+    loose = epsilon_lower_bound(rng.normal(4 * mu, 1, 200_000), rng.normal(0, 1, 200_000), DELTA)
+    assert loose.epsilon_lower > 3.0
+    same = epsilon_lower_bound(rng.normal(0, 1, 20_000), rng.normal(0, 1, 20_000), DELTA)
+    assert same.epsilon_lower < 0.1
+    assert largest_resolvable(100, 100, DELTA) == pytest.approx(
+        math.log((1 - DELTA - (1 - 0.025 ** 0.01)) / (1 - 0.025 ** 0.01)))
+
+
+# ------------------------------------------------------------------------------------------------ PATE
+@pytest.fixture(scope="module")
+def pate():
+    return pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def pate_runs(pate):
+    return pa.pate_product_scores(pate, 200, NoiseSource.reproducible(1))
+
+
+def test_pate_setup_is_the_worst_case_of_the_claimed_sensitivity(pate):
+    assert pate.sensitivity == pytest.approx(2 * pate.clip / pate.teachers)     # PCA clip mode: 2C/K
+    assert pate.mu_true == pytest.approx(pate.mu_claimed)                       # the pair uses all of it
+    gap = pate.clean_means[+1] - pate.clean_means[-1]
+    assert np.allclose(np.linalg.norm(gap, axis=1), 2 * pate.clip / pate.teachers, rtol=1e-6)
+    for reply in pate.others[0].values():     # the other teachers' rows are real codec outputs
+        assert np.all(np.linalg.norm(reply, axis=1) <= pate.clip * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("broken_factor", [None, 4.0])
+def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
+    """Same inputs, same noise stream: aggregate_query's release == clean mean + sigma Z, to the bit
+    (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
+    if broken_factor is not None:
+        pate = pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0,
+                             broken_factor=broken_factor)
+    source = NoiseSource.reproducible(7)
+    for side in (+1, -1):
+        releases, claimed = pa.pate_product_run(pate, side, source)
+        expected = np.stack([
+            (pate.clean_means[side][n] + pate.sigma * source.generator(f"query-{n}").standard_normal(
+                (pate.latent_dim,))).astype(np.float32) for n in range(pate.queries)])
+        assert releases.dtype == np.float32 and np.array_equal(releases, expected)
+        assert 0.999 * pate.epsilon <= claimed <= pate.epsilon          # the ledger's ε for the N queries
+
+
+def test_pate_vectorised_scores_match_the_product_distribution(pate, pate_runs):
+    pos, neg, _ = pate_runs
+    rng = np.random.default_rng(3)
+    for side, product in ((+1, pos), (-1, neg)):
+        vectorised = pa.pate_vectorised_scores(pate, side, 20_000, rng)
+        assert stats.ks_2samp(product, vectorised).pvalue > 1e-3
+        assert np.std(vectorised) == pytest.approx(1.0, abs=0.02)      # normalised: unit variance
+        assert np.mean(vectorised) == pytest.approx(side * pate.mu_claimed / 2, abs=0.03)
+
+
+def test_pate_audit_stays_below_the_claim(pate, pate_runs):
+    pos, neg, claimed = pate_runs
+    assert epsilon_lower_bound(pos, neg, DELTA).epsilon_lower <= claimed
+    (row,) = pa.audit_pate(pate, 0, vectorised_trials=200_000, seed=0)
+    assert row.claimed_epsilon == claimed
+    assert row.bound.epsilon_lower <= claimed
+    assert row.bound.epsilon_lower > 0.6 * claimed     # and the audit is nearly tight (limit: the claim)
+
+
+def test_pate_audit_catches_an_understated_sensitivity():
+    """Sensitivity understated 4x (sigma 4x too small, the ledger still claims eps = 1): the vectorised
+    audit refutes the claim; a grosser bug (16x, like a clip bound far looser than the one accounted)
+    is refuted by the product path itself within 150 runs per side. (Refuting the 4x bug on the product
+    path reliably needs ~1000 runs per side: the benchmark does it.)"""
+    kwargs = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **kwargs)
+    assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
+    (vectorised,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
+    assert 0.999 <= vectorised.claimed_epsilon <= 1.0       # the ledger believes the budget holds
+    assert vectorised.violated and vectorised.bound.epsilon_lower > 3.0
+    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **kwargs)
+    (product,) = pa.audit_pate(gross, 150, noise=NoiseSource.reproducible(2), seed=0)
+    assert product.claimed_epsilon <= 1.0 and product.violated and product.bound.epsilon_lower > 2.0
+
+
+# ---------------------------------------------------------------------------------------------- DP-SGD
+DPSGD = dict(others=3, batch_size=2, epochs=2, sigma=3.0)   # q = 1/2, 4 steps; ledger: ε ≈ 0.94 at 1e-3
+
+
+@pytest.fixture(scope="module")
+def dpsgd():
+    return pa.dpsgd_setup(1.0, DELTA, **DPSGD)
+
+
+@pytest.fixture(scope="module")
+def dpsgd_runs(dpsgd):
+    return pa.dpsgd_product_runs(dpsgd, 100, NoiseSource.reproducible(4))
+
+
+def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
+    """With the noise switched off, every step's projected update is 1 when the canary was in the Poisson
+    batch and 0 otherwise: clipping to C per tensor (C_total in all) and nothing else in its direction."""
+    silent = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, **DPSGD)
+    seen = 0
+    for t in range(6):
+        run = pa.dpsgd_product_run(silent, True, NoiseSource.reproducible(5).child(t))
+        assert np.allclose(run.observations, run.members.astype(float), atol=1e-5)
+        seen += int(run.members.sum())
+    assert seen > 0
+    unclipped = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, unclipped=True, **DPSGD)
+    run = pa.dpsgd_product_run(unclipped, True, NoiseSource.reproducible(6))
+    assert np.allclose(run.observations, unclipped.signal * run.members, rtol=1e-5)
+
+
+def test_dpsgd_vectorised_matches_the_product(dpsgd, dpsgd_runs):
+    with_runs, without_runs, claimed = dpsgd_runs
+    assert dpsgd.sampling_rate == 0.5 and dpsgd.steps == 4
+    members = np.stack([r.members for r in with_runs])
+    obs = {True: np.stack([r.observations for r in with_runs]), False: np.stack([r.observations for r in without_runs])}
+    assert abs(members.mean() - dpsgd.sampling_rate) < 4 * math.sqrt(0.25 / members.size)   # Poisson rate q
+    assert not np.stack([r.members for r in without_runs]).any()
+    residual = np.concatenate([(obs[True] - members).ravel(), obs[False].ravel()])
+    assert np.std(residual) == pytest.approx(dpsgd.sigma, rel=0.08)          # noise sigma * C_total
+    assert abs(np.mean(residual)) < 4 * dpsgd.sigma / math.sqrt(residual.size)
+    rng = np.random.default_rng(8)
+    for with_canary in (True, False):
+        product = pa.dpsgd_scores(dpsgd, obs[with_canary])
+        vectorised = pa.dpsgd_vectorised_scores(dpsgd, with_canary, 20_000, rng)
+        assert stats.ks_2samp(product, vectorised).pvalue > 1e-3
+
+
+def test_dpsgd_audit_stays_below_the_claim(dpsgd, dpsgd_runs):
+    with_runs, without_runs, claimed = dpsgd_runs
+    assert 0.9 < claimed < 1.0
+    pos = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in with_runs]))
+    neg = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in without_runs]))
+    assert epsilon_lower_bound(pos, neg, DELTA).epsilon_lower <= claimed
+    (row,) = pa.audit_dpsgd(dpsgd, 0, vectorised_trials=200_000, seed=0)
+    assert row.claimed_epsilon == claimed
+    assert 0.5 * claimed < row.bound.epsilon_lower <= claimed
+
+
+def test_dpsgd_audit_catches_missing_clipping_and_missing_noise(dpsgd):
+    unclipped = pa.dpsgd_setup(1.0, DELTA, unclipped=True, **DPSGD)
+    (row,) = pa.audit_dpsgd(unclipped, 60, noise=NoiseSource.reproducible(9), seed=0)
+    assert row.claimed_epsilon < 1.0 and row.violated and row.bound.epsilon_lower > 1.5
+    quarter = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.25, **DPSGD)
+    # the product's broken session really adds a quarter of the noise (what the vectorised path draws)
+    runs = [pa.dpsgd_product_run(quarter, False, NoiseSource.reproducible(10).child(t)) for t in range(40)]
+    assert np.std(np.concatenate([r.observations for r in runs])) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
+    (row,) = pa.audit_dpsgd(quarter, 0, vectorised_trials=100_000, seed=0)
+    assert row.violated and row.bound.epsilon_lower > 3.0
