@@ -51,6 +51,31 @@ def test_dpmac_per_record_coefficients_are_clipped(order):
         assert float(sums[0].norm()) <= 30 * 0.5 + 1e-4
 
 
+@pytest.mark.parametrize("order", [1, 2])
+def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
+    """Add/remove sensitivity of a W-step (paper Sec. 2.2, Appendix I) on real MNIST batches through the
+    product path (Z-step + clipped coefficients): B ∪ {r} minus B is exactly r's own clipped term, so every
+    block moves by at most its clip. With the old ``loss / len(y)`` Z-step every record's z depended on |B|."""
+    from sim.seeds.dpmac import DPMACConfig, MACNet, w_step_coefficients
+    from sim.tasks import load_mnist5k
+
+    task = load_mnist5k(hospitals=1)
+    torch.manual_seed(0)
+    net = MACNet([task.input_dim, 16, 10])
+    cfg = DPMACConfig(hidden=(16,), z_steps=10, z_lr=0.1, clip=0.5, clip2=0.25, order=order)
+    x, y = torch.as_tensor(task.x_private), torch.as_tensor(task.y_private)
+    rng = np.random.default_rng(0)
+    for size in (1, 3, 8, 40):
+        batch = rng.choice(len(y), size + 1, replace=False)
+        base, sens = w_step_coefficients(net, x[batch[:-1]], y[batch[:-1]], cfg)
+        added, _ = w_step_coefficients(net, x[batch], y[batch], cfg)
+        alone, _ = w_step_coefficients(net, x[batch[-1:]], y[batch[-1:]], cfg)
+        assert len(base) == 2 * order and sens == [0.5, 0.25][:order] * 2
+        for b, a, r, s in zip(base, added, alone, sens):
+            assert float((a - b).norm()) <= s + 1e-5
+            assert torch.allclose(a - b, r, atol=1e-5)
+
+
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
     from sim.seeds.dpmac import layer_coefficients
 

@@ -7,7 +7,10 @@ layer k and record n, which decouples the nested objective (eq. 1) into per-laye
     hidden layer:  E_k(W_k) = μ Σ_n ||z_{k,n} − h(W_k [z_{k-1,n}; 1])||²     (z_0 = x, h = ReLU)
 
 and alternates a Z-step (optimise the z's with W fixed; never released, so non-private — paper Sec. 2.1)
-with a W-step. The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq.
+with a W-step. The Z-step descends the *summed* objective: its terms separate over records, so record n's
+``z_{k,n}`` depends on record n alone. (Dividing by the batch size |B| — a data-dependent mean — made every
+record's z, hence its clipped coefficient, depend on how many other records were sampled: adding one record
+then changed all the others' terms and the sum moved by more than C.) The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq.
 4-5): first order ``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a
 diagonal second-order (Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients,
 which are sums over the batch of per-record terms; each per-record term is clipped to norm ``C`` (Sec. 2.2:
@@ -45,7 +48,7 @@ class DPMACConfig:
     lr: float = 0.01                   # Adam on the W-step (paper, Appendix B table)
     lr_decay: float = 0.95             # per epoch
     z_steps: int = 10
-    z_lr: float = 0.5
+    z_lr: float = 0.1                  # per-record step on the summed Z-step objective (μ = 1: 0.5 jumps onto h)
     mu: float = 1.0                    # quadratic-penalty weight of MAC
     clip: float = 1.0                  # per-record clip of every first-order coefficient block
     clip2: float = 1.0                 # per-record clip of the second-order blocks (order == 2)
@@ -163,7 +166,10 @@ class MACNet(torch.nn.Module):
 
 def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> list[torch.Tensor]:
     """Initialise the auxiliary coordinates by a forward pass (paper Sec. 3) and refine them by gradient
-    steps on the MAC objective (eq. 2) with W fixed. Returns [z_0 = projected x, z_1, ..., z_{L-1}]."""
+    steps on the MAC objective (eq. 2) with W fixed. Returns [z_0 = projected x, z_1, ..., z_{L-1}].
+
+    The objective is the sum over records (no division by the batch size): each record's z then follows
+    from that record alone, which the W-step's add/remove sensitivity C (Sec. 2.2) relies on."""
     with torch.no_grad():
         zs = net.activations(x)[:-1]
     hidden = [z.clone().requires_grad_(True) for z in zs[1:]]
@@ -176,13 +182,39 @@ def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> l
             loss = torch.nn.functional.cross_entropy(layers[-1](prev[-1]), y, reduction="sum")
             for k in range(len(hidden)):
                 loss = loss + cfg.mu * ((hidden[k] - torch.relu(layers[k](prev[k]))) ** 2).sum()
-            (loss / len(y)).backward()
+            loss.backward()
             with torch.no_grad():
                 for layer in layers:
                     for p in layer.parameters():
                         p.grad = None
             opt.step()
     return [zs[0]] + [h.detach() for h in hidden]
+
+
+def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig
+                        ) -> tuple[list[torch.Tensor], list[float]]:
+    """The data-dependent part of one W-step on a sampled batch: the Z-step, then every layer's clipped
+    coefficient sums (eq. 4-5, Sec. 2.2), in the order Appendix I concatenates them.
+
+    Returns ``(blocks, sensitivities)``: per layer the first-order block (and, order 2, the second-order
+    block); adding or removing one record changes block p by at most ``sensitivities[p]`` (L2). An empty
+    batch gives zero blocks (the step still releases noise).
+    """
+    layers = list(net.layers)
+    zs = z_step(net, x, y, cfg) if len(y) else None
+    blocks, sens = [], []
+    for k, layer in enumerate(layers):
+        if zs is None:
+            out_dim, in_dim = layer.weight.shape
+            sums = [torch.zeros(out_dim, in_dim + 1) for _ in range(cfg.order)]
+        else:
+            last = k == len(layers) - 1
+            sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
+                                         None if last else zs[k + 1], y if last else None,
+                                         cfg.mu, cfg.clip, cfg.order, cfg.clip2)
+        blocks += sums
+        sens += [cfg.clip, cfg.clip2][:cfg.order]
+    return blocks, sens
 
 
 def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: int, pca_sigma: float | None,
@@ -255,19 +287,7 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         for _ in range(steps_per_epoch):
             mask = torch.rand(n, generator=sample_gen) < q          # Poisson sampling
             idx = torch.nonzero(mask).squeeze(1)
-            zs = z_step(net, xt[idx], yt[idx], cfg) if len(idx) else None
-            blocks, sens = [], []
-            for k, layer in enumerate(layers):
-                if zs is None:
-                    out_dim, in_dim_k = layer.weight.shape
-                    sums = [torch.zeros(out_dim, in_dim_k + 1) for _ in range(cfg.order)]
-                else:
-                    last = k == len(layers) - 1
-                    sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
-                                                 None if last else zs[k + 1], yt[idx] if last else None,
-                                                 cfg.mu, cfg.clip, cfg.order, cfg.clip2)
-                blocks += sums
-                sens += [cfg.clip, cfg.clip2][:cfg.order]
+            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg)
             if private:
                 blocks = perturb_concatenated(blocks, sens, noise_multiplier, mech)
             denom = q * n     # expected batch size (fixed: the sum, not a data-dependent mean, is what is private)
