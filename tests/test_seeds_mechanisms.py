@@ -10,7 +10,7 @@ import torch
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from privacy.mechanisms import GaussianMechanism, make_generator
+from privacy.mechanisms import GaussianMechanism, NoiseSource, make_generator
 from sim.tasks import ClassificationTask
 
 
@@ -296,3 +296,45 @@ def test_dpsgd_guard_refuses_over_budget():
     with pytest.raises(BudgetExceeded):
         train_dpsgd(task, 1.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(8,), epochs=1, batch_size=40))
     assert ledger.owners() == []
+
+
+# ------------------------------------------------------------------------------------------------ noise
+class WatchedSource(NoiseSource):
+    """A reproducible NoiseSource that fails when a stream is opened before its release is in the ledger, and
+    logs every opened stream and every Gaussian draw (the privacy maths itself is untouched)."""
+
+    def __init__(self, ledger, seed=0, path=(), log=None):
+        super().__init__(seed, path)
+        self.ledger, self.log = ledger, log if log is not None else {"opened": [], "normal": []}
+
+    def child(self, *names):
+        return WatchedSource(self.ledger, self._seed, self.path + tuple(map(str, names)), self.log)
+
+    def generator(self, *names):
+        assert len(names) == 1 and self.ledger.has_release(names[0]), f"stream {names} opened before its charge"
+        self.log["opened"].append(names[0])
+        gen = super().generator(*names)
+        draw = gen.standard_normal
+
+        def standard_normal(shape):
+            self.log["normal"].append(tuple(shape))
+            return draw(shape)
+
+        gen.standard_normal = standard_normal
+        return gen
+
+
+def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch():
+    """The sampled-Gaussian analysis assumes every step releases noise: with many empty Poisson batches the
+    number of Gaussian draws still equals (accounted steps) x (parameter tensors)."""
+    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+
+    task = synthetic_task(n=60)
+    ledger, guard = guard_for(8.0)
+    source = WatchedSource(ledger, seed=3)
+    res = train_dpsgd(task, 8.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(4,), epochs=2, batch_size=2),
+                      noise=source.child("dp-sgd", "eps-8"))
+    steps = res.details["steps"]
+    assert steps == 2 * 30 and res.details["empty_batches"] >= 3        # q = 1/30, n = 60: ~e^-2 empty
+    assert sum(e.steps for e in ledger.events("h0")) == steps
+    assert len(source.log["normal"]) == 4 * steps                          # W1, b1, W2, b2 at every step

@@ -72,7 +72,7 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
         from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
         cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
-                          schedule="exponential" if method == "dp-sgd-scheduled" else None)
+                          schedule="exp" if method == "dp-sgd-scheduled" else None)
         return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
                            progress=progress)
     raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(METHODS)}")

@@ -1,18 +1,25 @@
 """DP-SGD for the small classifiers (Abadi et al. 2016 via Opacus), constant or with a Yu et al. schedule.
 
-* Poisson sampling (Opacus ``poisson_sampling=True``), per-sample clipping to ``max_grad_norm``, Gaussian
-  noise ``z·C``; the planned run (``SampledGaussianEvent(q, z, steps)``, or one such event per epoch for a
-  schedule) is charged through the budget guard *before* training starts (add/remove-one, PLD — SPEC §6).
-* ``schedule="exponential"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
-  Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise multiplier for the same
-  (ε, δ, epochs), and k is planned with ``privacy.schedules.plan_decay`` so that exactly ``epochs`` epochs
-  spend the budget (early epochs noisier, later epochs cleaner).
+Runs on ``sim.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
+the guarantee rests on:
+
+* Poisson sampling at rate q = 1 / steps per epoch, per-sample clipping to ``max_grad_norm`` (flat), Gaussian
+  noise ``z·C`` (add/remove-one, sampled Gaussian, PLD — SPEC §6). Each epoch is charged through the budget
+  guard (``SampledGaussianEvent(q, z_e, steps)``, release ``<prefix>:epoch-e``) *before* its stream is
+  opened; the epoch's Poisson masks and noise both come from that stream of the ``NoiseSource`` (secure
+  unless a simulation asks for reproducible noise), never from the training seed.
+* An empty Poisson batch takes a noise-only step: the sampled-Gaussian analysis assumes every step releases
+  noise (Abadi et al. 2016, Sec. 3.1; skipping it would release less noise than accounted *and* reveal the
+  empty batch).
+* ``schedule="exp"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
+  ``../shared/papers/003_*`` Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise
+  multiplier for the same (ε, δ, epochs), and k is planned (``privacy.schedules.plan_decay``) so that exactly
+  ``epochs`` epochs spend the budget (early epochs noisier, later epochs cleaner).
 * ``epsilon=None``: the non-private baseline (same net, same optimiser, no clipping, no noise).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,24 +38,25 @@ class DPSGDConfig:
     lr: float = 0.05
     momentum: float = 0.9
     max_grad_norm: float = 1.0
-    schedule: str | None = None        # None | "exponential"
+    schedule: str | None = None        # None | a sim.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
     sigma0_factor: float = 1.5
     nonprivate_lr: float = 1e-3
 
 
 def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: DPSGDConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False) -> SeedResult:
+                seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False, noise=None) -> SeedResult:
+    """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records. ``noise``: the cell's
+    ``privacy.mechanisms.NoiseSource`` (secure when None); ``seed`` only initialises the network."""
     cfg = cfg or DPSGDConfig()
     set_seed(seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))
     y = torch.as_tensor(np.asarray(task.y_private, np.int64))
     model = build_mlp(x.shape[1], cfg.hidden, task.n_classes)
-    dataset = torch.utils.data.TensorDataset(x, y)
-    gen = torch.Generator().manual_seed(seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=gen)
     method = "nonprivate" if epsilon is None else ("dp-sgd-scheduled" if cfg.schedule else "dp-sgd")
 
     if epsilon is None:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=cfg.batch_size,
+                                             shuffle=True, generator=torch.Generator().manual_seed(seed))
         opt = torch.optim.Adam(model.parameters(), lr=cfg.nonprivate_lr)
         for epoch in range(cfg.epochs):
             model.train()
@@ -60,61 +68,46 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                           delta=delta, relation=None, details={"epochs": cfg.epochs, "hidden": list(cfg.hidden)},
                           model=model)
 
-    from opacus import PrivacyEngine
     from privacy.calibration import dpsgd_noise_multiplier
-    from privacy.events import SampledGaussianEvent
+    from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 
-    steps_per_epoch = len(loader)
-    q = 1.0 / steps_per_epoch       # Opacus' Poisson sample rate for this loader
     target = epsilon * CALIBRATION_MARGIN
-    z_constant = dpsgd_noise_multiplier(target, delta, q, steps_per_epoch * cfg.epochs)
+    common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False,
+                  sampling="poisson", release_prefix=release_prefix, target_epochs=cfg.epochs,
+                  grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
     if cfg.schedule:
-        from privacy.schedules import make_schedule, plan_decay
-
-        sigma0 = cfg.sigma0_factor * z_constant
-        k = plan_decay(cfg.schedule, sigma0, cfg.epochs, target, delta, sampling_rate=q,
-                       steps_per_epoch=steps_per_epoch)
-        schedule = make_schedule(cfg.schedule, sigma0, k)
-        sigmas = [schedule.sigma(t) for t in range(cfg.epochs)]
+        steps = steps_per_epoch(len(y), cfg.batch_size)
+        z_constant = dpsgd_noise_multiplier(target, delta, 1.0 / steps, steps * cfg.epochs)
+        dp = DPConfig(mode="schedule", schedule=cfg.schedule, noise_multiplier=cfg.sigma0_factor * z_constant,
+                      **common)
     else:
-        k, sigmas = None, [z_constant] * cfg.epochs
-
+        dp = DPConfig(mode="target", **common)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    engine = PrivacyEngine(accountant="prv", secure_mode=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, dp_loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                    noise_multiplier=sigmas[0], max_grad_norm=cfg.max_grad_norm,
-                                                    poisson_sampling=True)
-    # The whole planned run is charged once, before any noise is drawn (one guard check instead of one per
-    # epoch: each check re-composes the owner's PLD). A schedule is charged as its per-epoch composition.
-    if cfg.schedule:
-        from privacy.events import ComposedEvent
-
-        event = ComposedEvent(tuple(SampledGaussianEvent(q, s, steps_per_epoch) for s in sigmas))
-    else:
-        event = SampledGaussianEvent(q, z_constant, steps_per_epoch * cfg.epochs)
-    guard.charge(owners, event, release_id=f"{release_prefix}/training",
-                 note={"clip": cfg.max_grad_norm, "noise_multipliers": sigmas, "epochs": cfg.epochs})
+    session = DPSession(model, opt, n=len(y), batch_size=cfg.batch_size, epochs=cfg.epochs, dp=dp, guard=guard,
+                        owners=owners, noise=noise)
+    empty = 0
     for epoch in range(cfg.epochs):
-        opt.noise_multiplier = sigmas[epoch]
-        model.train()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for xb, yb in dp_loader:
-                opt.zero_grad()
-                if len(yb) == 0:   # empty Poisson batch: skip the step (releasing nothing is still covered)
-                    continue
-                torch.nn.functional.cross_entropy(model(xb), yb).backward()
-                opt.step()
+        if not session.begin_epoch(epoch):      # charged before the epoch's stream is opened
+            break
+        session.model.train()
+        for idx in session.batches():
+            if len(idx) == 0:
+                empty += 1
+                session.noise_only_step()
+                continue
+            session.optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(session.model(x[idx]), y[idx]).backward()
+            session.optimizer.step()
         if progress:
-            print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={sigmas[epoch]:.3f}: test acc "
-                  f"{accuracy(model, task.x_test, task.y_test):.3f}", flush=True)
+            print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={session.sigmas[-1]:.3f}: test acc "
+                  f"{accuracy(session.model, task.x_test, task.y_test):.3f}", flush=True)
+    sigmas = list(session.sigmas)
     return SeedResult(
-        method=method, accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
-        relation="add-remove", sigma=float(np.mean(sigmas)),
-        details={"noise_multipliers": sigmas, "decay_k": k, "sampling_rate": q, "steps": steps_per_epoch * cfg.epochs,
-                 "epochs": cfg.epochs, "clip": cfg.max_grad_norm, "hidden": list(cfg.hidden),
-                 "schedule": cfg.schedule},
-        model=model,
+        method=method, accuracy=accuracy(session.model, task.x_test, task.y_test), epsilon_budget=epsilon,
+        delta=delta, relation="add-remove", sigma=float(np.mean(sigmas)),
+        details={"noise_multipliers": sigmas, "decay_k": getattr(session.schedule, "k", None),
+                 "sampling_rate": session.sampling_rate, "steps": session.steps * len(sigmas),
+                 "empty_batches": empty, "epochs": len(sigmas), "clip": cfg.max_grad_norm,
+                 "hidden": list(cfg.hidden), "schedule": cfg.schedule, "stopped_reason": session.stopped_reason},
+        model=session.model,
     )
