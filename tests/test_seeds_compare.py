@@ -86,3 +86,29 @@ def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
     for k, (_, idx) in enumerate(teacher_partitions(task, 3)):
         for g in np.unique(task.group_of[idx]):
             assert owners.setdefault(int(g), k) == k
+
+
+def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_written_nowhere(tmp_path, monkeypatch):
+    """``fedpate compare --task ... --reproducible-noise`` seeds the cells' noise (two runs agree) but no file
+    of the comparison names the seed; without the flag the cells say their noise is secure."""
+    import json
+
+    from sim.cli import main
+    from sim.runners import classification as runner
+
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
+                                                         "queries": 20, "teacher_epochs": 2})
+    args = ["compare", "--task", "mnist5k", "--methods", "pate-gnmax", "--epsilons", "1", "--preset", "tiny",
+            "--seed", "424242", "--no-progress"]
+    runs = {}
+    for name, extra in (("a", ["--reproducible-noise"]), ("b", ["--reproducible-noise"]), ("secure", [])):
+        assert main(args + extra + ["--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "pate-gnmax" / "eps-1" / "results.json").read_text())
+    for name in ("a", "b"):
+        assert runs[name]["seed"] is None and runs[name]["noise"] == "reproducible"
+        for path in (tmp_path / name).rglob("*"):
+            if path.is_file() and path.suffix != ".png":
+                assert "424242" not in path.read_text(), path
+    assert runs["a"]["accuracy"] == runs["b"]["accuracy"]
+    assert runs["a"]["details"]["label_accuracy"] == runs["b"]["details"]["label_accuracy"]
+    assert runs["secure"]["noise"] == "secure" and runs["secure"]["seed"] == 424242

@@ -10,7 +10,7 @@ import torch
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from privacy.mechanisms import GaussianMechanism, NoiseSource, make_generator
+from privacy.mechanisms import GaussianMechanism, NoiseSource
 from sim.tasks import ClassificationTask
 
 
@@ -94,7 +94,7 @@ def test_dpmac_single_draw_noise_std_per_block():
     """Appendix I: block p gets std σ·S_p·√P from one concatenated draw (zero data signal)."""
     from sim.seeds.dpmac import perturb_concatenated
 
-    gen = make_generator(3)
+    gen = NoiseSource.reproducible(3).generator("step")
     calls = []
 
     def factory(sigma):
@@ -169,7 +169,7 @@ def test_adlm_feature_noise_scales_statistically():
     assert beta.sum() == pytest.approx(d)
     scales = feature_scales(beta, eps2)
     ledger, guard = guard_for(10.0)
-    noisy = perturb_features(np.zeros((n, d)), scales, guard, ["h0"], "affine", make_generator(1))
+    noisy = perturb_features(np.zeros((n, d)), scales, guard, ["h0"], "affine", NoiseSource.reproducible(1))
     mean_abs = np.abs(noisy).mean(axis=0)               # E|Lap(b)| = b
     assert np.allclose(mean_abs / scales, 1.0, atol=0.03)
     # per-record privacy loss Σ_j Δ_x / b_j is exactly ε2 (Lemma 4 with per-record calibration)
@@ -184,7 +184,7 @@ def test_adlm_label_noise_scale_statistically():
 
     ledger, guard = guard_for(10.0)
     y = np.zeros(30000, np.int64)
-    phi = perturb_label_coefficients(y, 3, 0.5, guard, ["h0"], "loss", make_generator(2))
+    phi = perturb_label_coefficients(y, 3, 0.5, guard, ["h0"], "loss", NoiseSource.reproducible(2))
     clean = 0.5 - np.eye(3)[y]
     b = LABEL_SENSITIVITY / 0.5
     assert np.abs(phi - clean).mean() == pytest.approx(b, rel=0.03)
@@ -232,7 +232,7 @@ def test_gnmax_noise_scale_and_ledger_composition():
     # zero data signal: every histogram is flat → the answer is argmax of pure noise (uniform over classes)
     ledger, guard = guard_for(100.0)
     hist = np.zeros((400, 4))
-    labels = gnmax_answer(hist, 30.0, guard, ["h0", "h1"], "q", make_generator(0))
+    labels = gnmax_answer(hist, 30.0, guard, ["h0", "h1"], "q", NoiseSource.reproducible(0))
     counts = np.bincount(labels, minlength=4)
     assert counts.min() > 60
     events = ledger.events("h0")
@@ -249,7 +249,8 @@ def test_gnmax_threshold_noise_std_statistically():
     ledger, guard = guard_for(1e6)
     hist = np.zeros((800, 3))     # (the guard re-accounts every record per charge: keep N moderate)
     hist[:, 0] = 13.0
-    labels = gnmax_answer(hist, 1.0, guard, ["h0"], "c", make_generator(5), threshold=10.0, sigma_threshold=3.0)
+    labels = gnmax_answer(hist, 1.0, guard, ["h0"], "c", NoiseSource.reproducible(5), threshold=10.0,
+                          sigma_threshold=3.0)
     frac = (labels >= 0).mean()
     assert frac == pytest.approx(0.8413, abs=0.045)   # 3.5 binomial std
     kinds = [e.sensitivity for e in ledger.events("h0")]
@@ -322,6 +323,62 @@ class WatchedSource(NoiseSource):
 
         gen.standard_normal = standard_normal
         return gen
+
+
+def _run_seed_method(method, task, guard, noise, seed=0, epsilon=2.0):
+    """One small private run (DP-MAC at a fixed noise multiplier: no calibration, which is slow)."""
+    from sim.seeds.adlm import AdLMConfig, train_adlm
+    from sim.seeds.dpmac import DPMACConfig, train_dpmac
+    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+
+    if method == "dp-mac":
+        return train_dpmac(task, epsilon, 1e-5, guard, task.hospitals, DPMACConfig(
+            hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, noise_multiplier=2.0), seed=seed,
+            noise=noise)
+    if method == "adlm":
+        return train_adlm(task, epsilon, 1e-5, guard, task.hospitals, AdLMConfig(
+            hidden=(8, 4), epochs=1, batch_size=32, relevance_epochs=2), seed=seed, noise=noise)
+    if method == "pate-gnmax":
+        return train_pate_gnmax(task, epsilon, 1e-5, guard, task.hospitals, GNMaxConfig(
+            teachers_per_hospital=2, queries=20, teacher_epochs=2, student_epochs=3, confident=True,
+            threshold_fraction=0.3), seed=seed, noise=noise)
+    return train_dpsgd(task, epsilon, 1e-5, guard, task.hospitals, DPSGDConfig(
+        hidden=(4,), epochs=2, batch_size=60, schedule="exp" if method == "dp-sgd-scheduled" else None),
+        seed=seed, noise=noise)
+
+
+SEED_METHODS = ("dp-mac", "adlm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled")
+
+
+@pytest.mark.parametrize("method", SEED_METHODS)
+def test_every_release_is_charged_before_its_own_stream_is_opened(method):
+    """SPEC §2: each release draws from its own stream, opened only once the release is in the ledger."""
+    task = synthetic_task()
+    ledger, guard = guard_for(50.0)
+    source = WatchedSource(ledger, seed=0)
+    _run_seed_method(method, task, guard, source.child(method, "eps-2"))
+    released = [r["release_id"] for r in ledger.records()]
+    assert released and sorted(source.log["opened"]) == sorted(released)   # one stream per release, each once
+
+
+@pytest.mark.parametrize("method", SEED_METHODS[:4])    # the scheduled DP-SGD shares DP-SGD's session
+def test_noise_is_unpredictable_unless_reproducible_noise_is_asked_for(method):
+    """Secure by default: the same seed twice gives different releases (noise and Poisson batches no longer
+    follow the published seed); a reproducible source repeats a cell exactly, and two cells differ."""
+    task = synthetic_task()
+
+    def outputs(noise):
+        _, guard = guard_for(50.0)
+        res = _run_seed_method(method, task, guard, noise, seed=0)
+        with torch.no_grad():
+            return res.model(torch.as_tensor(task.x_test)).numpy()
+
+    secure = [outputs(None), outputs(NoiseSource())]
+    assert not np.allclose(secure[0], secure[1])
+    cell = outputs(NoiseSource.reproducible(11).child(method, "eps-2"))
+    np.testing.assert_array_equal(cell, outputs(NoiseSource.reproducible(11).child(method, "eps-2")))
+    assert not np.allclose(cell, outputs(NoiseSource.reproducible(11).child(method, "eps-4")))
 
 
 def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch():

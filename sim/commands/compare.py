@@ -39,6 +39,7 @@ def run(args) -> int:
         methods = parse_list(args.methods, str, "--methods") if args.methods else list(CLASSIFICATION_METHODS)
         run_classification_compare(args.task, methods, epsilons, args.out, seed=args.seed,
                                    progress=not args.no_progress, preset=args.preset, data=args.data,
+                                   reproducible_noise=args.reproducible_noise,
                                    **({"delta": args.delta} if args.delta else {}))
         print(f"report: {args.out}/report.md")
         return 0

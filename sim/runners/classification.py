@@ -5,12 +5,18 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
     from sim.runners.classification import run_classification_compare
     cells = run_classification_compare(task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8],
                                        out="runs/cls", seed=0, delta=1e-5, hospitals=None, progress=True,
-                                       preset="tiny", data=None, teachers_per_hospital=None)
+                                       preset="tiny", data=None, teachers_per_hospital=None,
+                                       reproducible_noise=False)
 
 Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``, ``"accuracy"`` set) and
 ``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``), ``out/cells.csv``,
 ``out/report.md`` and ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
 (the maximum over hospitals; all hospitals carry the same events here).
+
+Noise (SPEC §2): every cell gets its own namespace ``<method>/eps-<E>`` of a ``privacy.mechanisms.NoiseSource``
+and every release in it its own stream; secure by default. ``reproducible_noise=True`` (simulation only) seeds
+the streams from ``seed``; the seed is then written nowhere (``"seed": null``, not in the task summary) and
+each cell says ``"noise": "reproducible"``.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def _batch_size(n: int, wanted: int) -> int:
 
 
 def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, seed: int, progress: bool,
-                teachers_per_hospital: int | None):
+                teachers_per_hospital: int | None, noise):
     settings = PRESET_SETTINGS[preset]
     n = len(task.y_private)
     if method == "dp-mac":
@@ -55,34 +61,40 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
 
         cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
                           pca_components=min(60, task.input_dim))
-        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("adlm", "ilm"):
         from sim.seeds.adlm import AdLMConfig, train_adlm
 
         cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
         return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
-                          progress=progress)
+                          progress=progress, noise=noise)
     if method == "pate-gnmax":
         from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
 
         cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
                           queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
-        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
         from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
         cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
                           schedule="exp" if method == "dp-sgd-scheduled" else None)
         return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
-                           progress=progress)
+                           progress=progress, noise=noise)
     raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(METHODS)}")
 
 
 def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, seed: int, preset: str,
-             progress: bool = True, teachers_per_hospital: int | None = None) -> dict:
-    """One method at one ε: fresh ledger + guard in ``out``, train, write results.json."""
+             progress: bool = True, teachers_per_hospital: int | None = None, noise=None) -> dict:
+    """One method at one ε: fresh ledger + guard in ``out``, train, write results.json.
+
+    ``noise``: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
+    child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json."""
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
+    from privacy.mechanisms import NoiseSource
+
+    noise = (noise if noise is not None else NoiseSource()).child(method, _eps_dir(epsilon))
 
     out.mkdir(parents=True, exist_ok=True)
     ledger_path = out / "ledger.jsonl"
@@ -94,7 +106,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
     start = time.perf_counter()
     error, res = None, None
     try:
-        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital)
+        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital,
+                          noise)
     except Exception as exc:  # one failing cell must not lose the grid; the error is written into the cell
         error = f"{type(exc).__name__}: {exc}"
         if progress:
@@ -122,7 +135,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         "teacher_accuracy_mean": details.get("teacher_accuracy_mean"),
         "ensemble_accuracy": details.get("ensemble_accuracy"),
         "bytes_up_per_query_per_teacher": res.bytes_up_per_query_per_teacher if res else None,
-        "wall_seconds": wall, "seed": seed, "preset": preset,
+        "wall_seconds": wall, "seed": None if noise.is_reproducible else seed,
+        **(noise.describe() if epsilon is not None else {}), "preset": preset,
         "privacy_unit": "one record (digit or slice) at one hospital",
         "details": details, "error": error,
     }
@@ -137,10 +151,15 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
 
 def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0, delta: float = 1e-5,
                                hospitals: int | None = None, progress: bool = True, preset: str = "tiny",
-                               data: str | None = None, teachers_per_hospital: int | None = None) -> list[dict]:
-    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot."""
+                               data: str | None = None, teachers_per_hospital: int | None = None,
+                               reproducible_noise: bool = False) -> list[dict]:
+    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot.
+
+    ``reproducible_noise`` (simulation only): noise and private sampling seeded by ``seed`` (per cell and
+    release); the seed is then left out of everything written. Default: secure noise."""
     import logging
 
+    from privacy.mechanisms import NoiseSource
     from sim.tasks import load_task
 
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
@@ -158,15 +177,19 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
+    noise = NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()
+    summary = t.summary()
+    if reproducible_noise:
+        summary.pop("seed", None)      # the seed of reproducible noise must not appear in anything written
     if progress:
-        print(f"task {t.name}: {t.summary()}", flush=True)
+        print(f"task {t.name}: {summary}", flush=True)
     cells = []
     for method in methods:
         for epsilon in ([None] if method == "nonprivate" else epsilons):
             cells.append(run_cell(t, method, epsilon, out / method / _eps_dir(epsilon), delta, seed, preset, progress,
-                                  teachers_per_hospital))
+                                  teachers_per_hospital, noise))
     write_cells_csv(cells, out / "cells.csv")
-    write_report(cells, out, t.summary(), delta)
+    write_report(cells, out, summary, delta)
     return cells
 
 

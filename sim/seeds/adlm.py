@@ -19,6 +19,11 @@ Algorithm 1 of the paper, three Laplace releases composed by basic composition (
    (φ⁽⁰⁾ = log 2 and φ⁽²⁾ = ⅛ are constants, Appendix D); each record's φ⁽¹⁾ gets ``Lap(Δ_y/ε3)``, Δ_y = 2
    (a one-hot label changes two entries by 1 under replace-one).
 
+Randomness (SPEC §2): each of the three releases draws its Laplace noise from its own stream of a
+``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
+release id and opened only after the release is charged; the training shuffles afterwards only
+post-process released data and may follow the seed.
+
 Normalisation layers (Sec. III-B, "Local Response Normalization" for fully connected layers): after each
 hidden ReLU, ``(h − χ)/(φ − χ)`` with χ, φ the per-neuron batch min and max, so 𝔥̄ ∈ [0, 1].
 
@@ -89,8 +94,9 @@ def relevance_sensitivity(d: int, n: int) -> float:
     return 2.0 * d / n
 
 
-def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, release_id: str, generator) -> np.ndarray:
-    """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1)."""
+def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, release_id: str, noise) -> np.ndarray:
+    """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1), then drawn
+    from ``noise``'s stream ``release_id`` (a ``privacy.mechanisms.NoiseSource``)."""
     from privacy.events import LaplaceEvent
     from privacy.mechanisms import LaplaceMechanism
 
@@ -100,7 +106,7 @@ def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, re
     scale = sens / epsilon1
     guard.charge(owners, LaplaceEvent(sensitivity=sens, scale=scale, relation="replace-one"), release_id=release_id,
                  note={"step": "adlm-relevance", "d": d, "n": n})
-    return np.asarray(LaplaceMechanism(scale, generator)(per_record.mean(axis=0)))
+    return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(per_record.mean(axis=0)))
 
 
 def budget_ratios(noisy_relevance: np.ndarray | None, d: int) -> np.ndarray:
@@ -119,7 +125,7 @@ def feature_scales(beta: np.ndarray, epsilon2: float) -> np.ndarray:
         return np.where(beta > 0, FEATURE_SENSITIVITY * d / (beta * epsilon2), np.inf)
 
 
-def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_id: str, generator) -> np.ndarray:
+def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_id: str, noise) -> np.ndarray:
     """x̄_ij = clip(x_ij, 0, 1) + Lap(b_j) (Alg. 1 lines 10-13, per-record calibration; see module doc).
 
     Charged as one Laplace mechanism on the whitened record ``x_j / b_j`` (scale 1), whose L1 sensitivity is
@@ -134,12 +140,12 @@ def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_i
     guard.charge(owners, LaplaceEvent(sensitivity=eps, scale=1.0, relation="replace-one"), release_id=release_id,
                  note={"step": "adlm-affine", "d": int(len(scales)), "withheld": int((~finite).sum())})
     white = np.where(finite, x / np.where(finite, scales, 1.0), 0.0)
-    noisy = np.asarray(LaplaceMechanism(1.0, generator)(white))
+    noisy = np.asarray(LaplaceMechanism(1.0, noise.generator(release_id))(white))
     return np.where(finite, noisy * np.where(finite, scales, 1.0), 0.5).astype(np.float32)
 
 
 def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, guard, owners, release_id: str,
-                               generator) -> np.ndarray:
+                               noise) -> np.ndarray:
     """φ̄⁽¹⁾_il = (½ − y_il) + Lap(Δ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration)."""
     from privacy.events import LaplaceEvent
     from privacy.mechanisms import LaplaceMechanism
@@ -148,7 +154,7 @@ def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, gua
     guard.charge(owners, LaplaceEvent(sensitivity=LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
                  release_id=release_id, note={"step": "adlm-loss", "classes": classes})
     phi = 0.5 - np.eye(classes)[np.asarray(y)]
-    return np.asarray(LaplaceMechanism(scale, generator)(phi)).astype(np.float32)
+    return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(phi)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------- network
@@ -193,19 +199,21 @@ def taylor_loss(logits: torch.Tensor, phi1: torch.Tensor) -> torch.Tensor:
 
 
 def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfig | None = None, seed: int = 0,
-               adaptive: bool = True, release_prefix: str | None = None, progress: bool = False) -> SeedResult:
+               adaptive: bool = True, release_prefix: str | None = None, progress: bool = False,
+               noise=None) -> SeedResult:
     """AdLM (``adaptive=True``) or ILM (``adaptive=False``) on the pooled private records.
 
     All three releases are made (and charged) before training; the epochs only post-process them, so the
-    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1).
+    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1). ``noise``: the
+    ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
     """
-    from privacy.mechanisms import make_generator
+    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or AdLMConfig()
+    noise = noise if noise is not None else NoiseSource()
     method = "adlm" if adaptive else "ilm"
     prefix = release_prefix or method
     set_seed(seed)
-    generator = make_generator(seed)
     x = np.asarray(task.x_private, np.float32)
     y = np.asarray(task.y_private, np.int64)
     n, d = x.shape
@@ -225,11 +233,11 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
         ref_model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
                                      hidden=cfg.relevance_hidden, epochs=cfg.relevance_epochs, seed=seed)
         per_record = lrp_relevance(ref_model, torch.as_tensor(x), cfg.lrp_epsilon).numpy()
-        noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", generator)
+        noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", noise)
     beta = budget_ratios(noisy_relevance, d)
     scales = feature_scales(beta, e2)
-    x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", generator)
-    phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", generator)
+    x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", noise)
+    phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", noise)
 
     model = build_adlm_net(d, cfg.hidden, task.n_classes)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)

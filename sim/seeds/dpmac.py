@@ -23,6 +23,12 @@ so block p carries noise of std ``σ · C_p · √P``. With Poisson sampling of 
 sampled Gaussian mechanism with noise multiplier σ, accounted as ``SampledGaussianEvent(q, σ)`` (moments
 accountant, Appendix I "Moments Calculations"; here dp_accounting's PLD through privacy/).
 
+Randomness (SPEC §2): the DP-PCA noise and, after the planned W-steps are charged, every step's Poisson
+batch and Gaussian draw come from named streams of a ``privacy.mechanisms.NoiseSource`` (secure unless a
+simulation asks for reproducible noise; ``<prefix>/dp-pca`` and ``<prefix>/w-steps``), each opened only
+after its release is in the ledger — never from the training seed: amplification by subsampling needs the
+batches to be secret as much as the noise.
+
 DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): rows clipped to L2 norm 1, the
 second-moment matrix ``Σ_n x_n x_nᵀ`` (Frobenius sensitivity 1 under add/remove) perturbed with a symmetric
 Gaussian matrix (Dwork et al. 2014, "Analyze Gauss"), top-k eigenvectors; accounted as
@@ -240,18 +246,21 @@ def pca_sigma_for(epsilon: float, delta: float) -> float:
 
 
 def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False) -> SeedResult:
-    """Train a DP-MAC classifier on the pooled private records. ``epsilon=None`` runs MAC without noise."""
+                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False, noise=None) -> SeedResult:
+    """Train a DP-MAC classifier on the pooled private records. ``epsilon=None`` runs MAC without noise.
+
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); ``seed``
+    only initialises the network."""
     from privacy.events import GaussianEvent, SampledGaussianEvent
-    from privacy.mechanisms import GaussianMechanism, make_generator
+    from privacy.mechanisms import GaussianMechanism, NoiseSource
+    from sim.dpsgd import poisson_batches
 
     cfg = cfg or DPMACConfig()
+    noise = noise if noise is not None else NoiseSource()
     set_seed(seed)
     x = np.asarray(task.x_private, np.float32)
     y = np.asarray(task.y_private, np.int64)
     n = len(y)
-    generator = make_generator(seed)
-    mech = (lambda s: GaussianMechanism(s, generator))
     q = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, int(round(1.0 / q)))
     total_steps = steps_per_epoch * cfg.epochs
@@ -261,9 +270,11 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     if cfg.pca_components:
         if private:
             pca_sigma = pca_sigma_for(cfg.pca_epsilon_fraction * epsilon, delta)
+            release = f"{release_prefix}/dp-pca"
             guard.charge(owners, GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove"),
-                         release_id=f"{release_prefix}/dp-pca", note={"components": cfg.pca_components})
-            projection = dp_pca(x, cfg.pca_components, pca_sigma, mech)
+                         release_id=release, note={"components": cfg.pca_components})
+            stream = noise.generator(release)          # opened after the charge
+            projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream))
         else:
             u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
             projection = vt[:cfg.pca_components].T.astype(np.float32)
@@ -277,19 +288,20 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.lr_decay)
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
-    sample_gen = torch.Generator().manual_seed(seed + 17)
     layers = list(net.layers)
-    if private:   # charge all planned W-steps before any of their noise is drawn (one guard check)
-        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps),
-                     release_id=f"{release_prefix}/w-steps",
+    release = f"{release_prefix}/w-steps"
+    if private:   # charge all planned W-steps before any of their batches or noise is drawn (one guard check)
+        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps), release_id=release,
                      note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
+    stream = noise.generator(release)      # Poisson batches and the steps' noise (opened after the charge)
+    batches = poisson_batches(n, q, total_steps, stream)
     for epoch in range(cfg.epochs):
         for _ in range(steps_per_epoch):
-            mask = torch.rand(n, generator=sample_gen) < q          # Poisson sampling
-            idx = torch.nonzero(mask).squeeze(1)
+            idx = next(batches)
             blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg)
-            if private:
-                blocks = perturb_concatenated(blocks, sens, noise_multiplier, mech)
+            if private:   # every step releases noise, an empty batch too (the sampled Gaussian's analysis)
+                blocks = perturb_concatenated(blocks, sens, noise_multiplier,
+                                              lambda s: GaussianMechanism(s, stream))
             denom = q * n     # expected batch size (fixed: the sum, not a data-dependent mean, is what is private)
             opt.zero_grad()
             for k, layer in enumerate(layers):

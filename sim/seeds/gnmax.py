@@ -14,6 +14,10 @@ Private Learning with PATE"), teachers at the hospitals.
   smooth-sensitivity analysis).
 * σ is calibrated so that the worst case (all N queries answered) spends exactly the budget.
 * Student: trained non-privately on the public query records with their noisy labels (answered ones only).
+* Randomness (SPEC §2): every noisy threshold check and every noisy answer draws from its own stream of a
+  ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
+  release id (``<prefix>/q<i>/threshold``, ``<prefix>/q<i>/answer``) and opened after the release is charged.
+  The seed only drives the non-private parts (teacher partition and training, student training).
 """
 
 from __future__ import annotations
@@ -85,11 +89,12 @@ def calibrate_gnmax(epsilon: float, delta: float, queries: int, confident: bool,
     return sigma, ratio * sigma
 
 
-def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_prefix: str, generator,
+def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_prefix: str, noise,
                  threshold: float | None = None, sigma_threshold: float | None = None) -> np.ndarray:
     """Noisy-argmax labels for each query row (−1 = not answered by Confident-GNMax).
 
-    Every noisy quantity is charged to the ledger (``guard.charge``) before its noise is drawn.
+    Every noisy quantity is charged to the ledger (``guard.charge``) before its stream of ``noise`` (a
+    ``privacy.mechanisms.NoiseSource``) is opened.
     """
     from privacy.events import GaussianEvent
     from privacy.mechanisms import GaussianMechanism
@@ -97,21 +102,26 @@ def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_pr
     labels = np.full(len(histograms), -1, np.int64)
     for i, hist in enumerate(histograms):
         if threshold is not None:
-            guard.charge(owners, GaussianEvent(THRESHOLD_SENSITIVITY, sigma_threshold),
-                         release_id=f"{release_prefix}/q{i}/threshold")
-            noisy_max = float(GaussianMechanism(sigma_threshold, generator)(np.array([hist.max()]))[0])
+            release = f"{release_prefix}/q{i}/threshold"
+            guard.charge(owners, GaussianEvent(THRESHOLD_SENSITIVITY, sigma_threshold), release_id=release)
+            noisy_max = float(GaussianMechanism(sigma_threshold, noise.generator(release))(np.array([hist.max()]))[0])
             if noisy_max < threshold:
                 continue
-        guard.charge(owners, GaussianEvent(VOTE_SENSITIVITY, sigma), release_id=f"{release_prefix}/q{i}/answer")
-        labels[i] = int(np.argmax(GaussianMechanism(sigma, generator)(hist)))
+        release = f"{release_prefix}/q{i}/answer"
+        guard.charge(owners, GaussianEvent(VOTE_SENSITIVITY, sigma), release_id=release)
+        labels[i] = int(np.argmax(GaussianMechanism(sigma, noise.generator(release))(hist)))
     return labels
 
 
 def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNMaxConfig | None = None,
-                     seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False) -> SeedResult:
-    from privacy.mechanisms import make_generator
+                     seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False,
+                     noise=None) -> SeedResult:
+    """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None)."""
+    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or GNMaxConfig()
+    noise = noise if noise is not None else NoiseSource()
     parts = teacher_partitions(task, cfg.teachers_per_hospital, seed)
     teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
                                  epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
@@ -127,7 +137,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
     accountant = cfg.accountant or "gdp-exact"
     sigma, sigma1 = calibrate_gnmax(epsilon, delta, nq, cfg.confident, cfg.threshold_sigma_ratio, accountant)
     threshold = cfg.threshold_fraction * K if cfg.confident else None
-    labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, make_generator(seed), threshold, sigma1)
+    labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, noise, threshold, sigma1)
     answered = labels >= 0
     label_acc = None
     if task.y_query_true is not None and answered.any():
