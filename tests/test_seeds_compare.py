@@ -86,6 +86,13 @@ def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
     for k, (_, idx) in enumerate(teacher_partitions(task, 3)):
         for g in np.unique(task.group_of[idx]):
             assert owners.setdefault(int(g), k) == k
+            assert set(np.flatnonzero(task.group_of == g)) <= set(idx)     # with all of its slices
+    # the privacy unit is the patient: one unit per private case, holding exactly that case's slices
+    cases = [c for parts in tiny_split.hospitals.values() for part in parts for c in part]
+    units = task.unit_records()
+    assert task.privacy_unit == "patient" and task.summary()["privacy_unit"] == "patient"
+    assert len(units) == len(cases) and all(len(np.unique(task.group_of[r])) == 1 for r in units)
+    assert max(len(r) for r in units) <= tiny_prepared.grid[2] and min(len(r) for r in units) > 1
 
 
 def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_written_nowhere(tmp_path, monkeypatch):

@@ -43,6 +43,11 @@ RESULT_KEYS = ("method", "task", "dice", "accuracy", "epsilon", "epsilon_budget"
                "seed", "preset", "privacy_unit", "details", "error")
 
 
+#: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
+PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
+                 "patient": "one patient (all of the patient's slices) at one hospital"}
+
+
 def _eps_dir(epsilon: float | None) -> str:
     return "eps-inf" if epsilon is None else f"eps-{epsilon:g}"
 
@@ -56,10 +61,11 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
                 teachers_per_hospital: int | None, noise):
     settings = PRESET_SETTINGS[preset]
     n = len(task.y_private)
+    units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
     if method == "dp-mac":
         from sim.seeds.dpmac import DPMACConfig, train_dpmac
 
-        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
+        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           pca_components=min(60, task.input_dim))
         return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("adlm", "ilm"):
@@ -77,7 +83,7 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
         from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
-        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
+        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           schedule="exp" if method == "dp-sgd-scheduled" else None)
         return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
                            progress=progress, noise=noise)
@@ -137,7 +143,7 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         "bytes_up_per_query_per_teacher": res.bytes_up_per_query_per_teacher if res else None,
         "wall_seconds": wall, "seed": None if noise.is_reproducible else seed,
         **(noise.describe() if epsilon is not None else {}), "preset": preset,
-        "privacy_unit": "one record (digit or slice) at one hospital",
+        "privacy_unit": PRIVACY_UNITS[task.privacy_unit],
         "details": details, "error": error,
     }
     atomic_write_json(out / "results.json", result)
@@ -211,14 +217,20 @@ def _fmt(value, spec=".3f") -> str:
 
 
 def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float) -> None:
+    unit = task_summary.get("privacy_unit", "record")
     lines = [f"# Seed systems on `{task_summary['task']}`", "",
              f"Task: {task_summary}", "",
-             "Privacy unit: one record (a digit / a tumour slice) at one hospital. DP-MAC, DP-SGD: add/remove-one, "
-             "Poisson sampling, PLD accountant. AdLM/ILM: replace-one, pure ε (basic composition ε1+ε2+ε3, "
-             "independent of epochs). PATE-GNMax: replace-one, data-independent accounting of Gaussian noisy-argmax "
-             "(gdp-exact). ε spent is read from each cell's ledger.jsonl.", "",
-             "| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: add/remove-one {unit}, Poisson sampling of "
+             f"{unit}s, PLD accountant. AdLM/ILM: replace-one {unit}, pure ε (basic composition ε1+ε2+ε3, "
+             f"independent of epochs). PATE-GNMax: replace-one {unit}, data-independent accounting of Gaussian "
+             "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl.", ""]
+    if unit == "patient":
+        lines += ["Every ε here is per patient, not per slice: DP-MAC and DP-SGD sample whole patients and clip "
+                  "the sum of a patient's slice contributions (coefficients, DP-PCA second moment, gradient) to C; "
+                  "AdLM/ILM take exactly k slices per patient (`records_per_unit` in results) and size every "
+                  "slice's noise for ε/k; PATE-GNMax's teachers partition whole patients.", ""]
+    lines += ["| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         d = c.get("details") or {}
         note = c.get("error") or ""

@@ -10,12 +10,15 @@ and alternates a Z-step (optimise the z's with W fixed; never released, so non-p
 with a W-step. The Z-step descends the *summed* objective: its terms separate over records, so record n's
 ``z_{k,n}`` depends on record n alone. (Dividing by the batch size |B| — a data-dependent mean — made every
 record's z, hence its clipped coefficient, depend on how many other records were sampled: adding one record
-then changed all the others' terms and the sum moved by more than C.) The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq.
-4-5): first order ``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a
-diagonal second-order (Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients,
-which are sums over the batch of per-record terms; each per-record term is clipped to norm ``C`` (Sec. 2.2:
-"bound the sensitivities directly by clipping the norms of the coefficients"), so under add/remove-one
-the sum of a coefficient has L2 sensitivity ``C``.
+then changed all the others' terms and the sum moved by more than C.)
+
+The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq. 4-5): first order
+``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a diagonal second-order
+(Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients, which are sums over the
+batch of per-record terms; the terms of one privacy unit (a record, or all slices of one patient) are summed
+and that sum is clipped to norm ``C`` (Sec. 2.2: "bound the sensitivities directly by clipping the norms of
+the coefficients"), so under add/remove-one unit the sum of a coefficient has L2 sensitivity ``C``.
+Batches are Poisson samples of units (``sim.seeds`` module note: user-level DP on the slice task).
 
 Appendix I (one Gaussian draw per step): the P coefficient blocks of all layers are each divided by their
 sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(0, σ² I)`` and scaled back —
@@ -29,10 +32,11 @@ simulation asks for reproducible noise; ``<prefix>/dp-pca`` and ``<prefix>/w-ste
 after its release is in the ledger — never from the training seed: amplification by subsampling needs the
 batches to be secret as much as the noise.
 
-DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): rows clipped to L2 norm 1, the
-second-moment matrix ``Σ_n x_n x_nᵀ`` (Frobenius sensitivity 1 under add/remove) perturbed with a symmetric
-Gaussian matrix (Dwork et al. 2014, "Analyze Gauss"), top-k eigenvectors; accounted as
-``GaussianEvent(sensitivity=1, sigma, relation="add-remove")`` and composed with the training steps.
+DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): each unit's second-moment matrix
+``Σ_{n∈unit} x_n x_nᵀ`` clipped to Frobenius norm 1 (for single records: rows clipped to L2 norm 1), their
+sum (Frobenius sensitivity 1 under add/remove-one unit) perturbed with a symmetric Gaussian matrix (Dwork et
+al. 2014, "Analyze Gauss"), top-k eigenvectors; accounted as ``GaussianEvent(sensitivity=1, sigma,
+relation="add-remove")`` and composed with the training steps.
 """
 
 from __future__ import annotations
@@ -43,14 +47,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, set_seed
+from sim.seeds import SeedResult, gather_units, set_seed
 
 
 @dataclass
 class DPMACConfig:
     hidden: tuple[int, ...] = (300,)   # paper's classifier: one hidden layer of 300 units
     epochs: int = 10
-    batch_size: int = 250              # expected (Poisson) batch size; q = batch_size / n
+    batch_size: int = 250              # expected (Poisson) batch size in units; q = batch_size / units
     lr: float = 0.01                   # Adam on the W-step (paper, Appendix B table)
     lr_decay: float = 0.95             # per epoch
     z_steps: int = 10
@@ -69,23 +73,38 @@ class DPMACConfig:
 
 # --------------------------------------------------------------------------------------------- maths
 def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """``min(1, C / ||c_n||)``: scaling that bounds every per-record coefficient by C (paper Sec. 2.2)."""
+    """``min(1, C / ||c_n||)``: scaling that bounds every per-unit coefficient by C (paper Sec. 2.2)."""
     return torch.clamp(clip / (norms + 1e-12), max=1.0)
 
 
+def unit_norms(u: torch.Tensor, v: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """Frobenius norms of the per-unit coefficient sums ``Σ_{n∈g} u_n v_nᵀ``, without forming them:
+    ``||Σ u_n v_nᵀ||_F² = Σ_{n,m∈g} (u_n·u_m)(v_n·v_m)``. ``groups=None``: every row is its own unit
+    (``||u_n||·||v_n||``); else ``groups[n]`` is row n's unit index (0..G−1)."""
+    if groups is None:
+        return u.norm(dim=1) * v.norm(dim=1)
+    same = (groups[:, None] == groups[None, :]).to(u.dtype)
+    per_row = ((u @ u.T) * (v @ v.T) * same).sum(dim=1)
+    squares = torch.zeros(int(groups.max()) + 1, dtype=u.dtype).index_add_(0, groups, per_row)
+    return squares.clamp(min=0.0).sqrt()
+
+
 def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.Tensor, z_target: torch.Tensor | None,
-                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0):
+                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0,
+                       groups: torch.Tensor | None = None):
     """Clipped per-layer Taylor coefficients summed over the batch (paper eq. 4-5, Sec. 2.2).
 
     Every per-record first-order coefficient is an outer product ``u_n v_nᵀ`` with ``v_n = [z_{k-1,n}; 1]``
-    (so its Frobenius norm is ``||u_n||·||v_n||`` and clipping needs no per-record matrices):
+    (so clipping needs no per-record matrices, see ``unit_norms``); the terms of one unit (``groups``: row →
+    unit index; None = one unit per row) are summed, then clipped:
       hidden (MSE, ReLU):  u_n = −2μ (z_{k,n} − h(a_n)) ⊙ h'(a_n)
       output (softmax CE): u_n = softmax(a_n) − onehot(y_n)
     Second-order diagonal (Gauss-Newton) coefficient: ``u'_n (v_n²)ᵀ`` with u'_n = 2μ h'(a_n) (hidden) or
     p(1−p) (output).
 
-    Returns ``(sums, per_record_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
-    first-order block, then (order 2) the second-order block — each with add/remove sensitivity ≤ its clip.
+    Returns ``(sums, per_unit_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
+    first-order block, then (order 2) the second-order block — each with add/remove-one-unit sensitivity
+    ≤ its clip.
     """
     v = torch.cat([z_prev, torch.ones(z_prev.shape[0], 1, dtype=z_prev.dtype)], dim=1)
     a = v @ torch.cat([weight, bias[:, None]], dim=1).T
@@ -97,15 +116,16 @@ def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.T
         p = torch.softmax(a, dim=1)
         u = p - torch.nn.functional.one_hot(labels, p.shape[1]).to(p.dtype)
         u2 = p * (1 - p)
-    norms = u.norm(dim=1) * v.norm(dim=1)
+    rows = slice(None) if groups is None else groups      # a unit's clip factor applies to all its rows
+    norms = unit_norms(u, v, groups)
     f = clip_factors(norms, clip)
-    sums = [(u * f[:, None]).T @ v]
+    sums = [(u * f[rows][:, None]).T @ v]
     clipped = [norms * f]
     if order == 2:
         v2 = v * v
-        norms2 = u2.norm(dim=1) * v2.norm(dim=1)
+        norms2 = unit_norms(u2, v2, groups)
         f2 = clip_factors(norms2, clip2)
-        sums.append((u2 * f2[:, None]).T @ v2)
+        sums.append((u2 * f2[rows][:, None]).T @ v2)
         clipped.append(norms2 * f2)
     return sums, clipped
 
@@ -129,16 +149,26 @@ def perturb_concatenated(blocks: list[torch.Tensor], sensitivities: list[float],
     return out
 
 
-def dp_pca(x: np.ndarray, components: int, sigma: float, mechanism_factory) -> np.ndarray:
+def clipped_second_moment(x: np.ndarray, units: list[np.ndarray]) -> np.ndarray:
+    """``Σ_g M_g / max(1, ||M_g||_F)`` over ``units`` (record indices into x), ``M_g = Σ_{n∈g} x_n x_nᵀ``:
+    Frobenius sensitivity 1 under add/remove-one unit. Computed as ``X̃ᵀX̃`` with unit g's rows scaled by
+    ``max(1, ||M_g||_F)^{-1/2}`` (``||M_g||_F = ||X_g X_gᵀ||_F``); a single record is the usual row clip
+    to L2 norm 1."""
+    x = np.asarray(x, np.float64)
+    parts = [x[records] / math.sqrt(max(1.0, float(np.linalg.norm(x[records] @ x[records].T)))) for records in units]
+    xc = np.concatenate(parts) if parts else np.zeros((0, x.shape[1]))
+    return xc.T @ xc
+
+
+def dp_pca(x: np.ndarray, components: int, sigma: float, mechanism_factory,
+           units: list[np.ndarray] | None = None) -> np.ndarray:
     """Analyze-Gauss DP-PCA (Dwork, Talwar, Thakurta & Zhang 2014) as used by Abadi et al. / DP-MAC Sec. 3.
 
-    Rows are clipped to L2 norm 1, so ``A = Σ_n x_n x_nᵀ`` has Frobenius (hence upper-triangle L2)
-    sensitivity 1 under add/remove. The upper triangle gets N(0, σ²) noise (one mechanism call) and is
-    mirrored; returns the top-``components`` eigenvectors (d, k).
+    ``A = clipped_second_moment(x, units)`` (units default: one per record) has Frobenius (hence
+    upper-triangle L2) sensitivity 1 under add/remove-one unit. The upper triangle gets N(0, σ²) noise (one
+    mechanism call) and is mirrored; returns the top-``components`` eigenvectors (d, k).
     """
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    xc = x / np.maximum(1.0, norms)
-    a = xc.T @ xc
+    a = clipped_second_moment(x, units if units is not None else list(np.arange(len(x))[:, None]))
     d = a.shape[0]
     iu = np.triu_indices(d)
     upper = mechanism_factory(sigma)(a[iu].astype(np.float64))
@@ -197,14 +227,15 @@ def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> l
     return [zs[0]] + [h.detach() for h in hidden]
 
 
-def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig
-                        ) -> tuple[list[torch.Tensor], list[float]]:
+def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig,
+                        groups: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """The data-dependent part of one W-step on a sampled batch: the Z-step, then every layer's clipped
     coefficient sums (eq. 4-5, Sec. 2.2), in the order Appendix I concatenates them.
 
-    Returns ``(blocks, sensitivities)``: per layer the first-order block (and, order 2, the second-order
-    block); adding or removing one record changes block p by at most ``sensitivities[p]`` (L2). An empty
-    batch gives zero blocks (the step still releases noise).
+    ``groups``: each row's unit index within the batch (a patient's slices share one; None = one unit per
+    row). Returns ``(blocks, sensitivities)``: per layer the first-order block (and, order 2, the
+    second-order block); adding or removing one unit changes block p by at most ``sensitivities[p]`` (L2).
+    An empty batch gives zero blocks (the step still releases noise).
     """
     layers = list(net.layers)
     zs = z_step(net, x, y, cfg) if len(y) else None
@@ -217,7 +248,7 @@ def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMA
             last = k == len(layers) - 1
             sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
                                          None if last else zs[k + 1], y if last else None,
-                                         cfg.mu, cfg.clip, cfg.order, cfg.clip2)
+                                         cfg.mu, cfg.clip, cfg.order, cfg.clip2, groups)
         blocks += sums
         sens += [cfg.clip, cfg.clip2][:cfg.order]
     return blocks, sens
@@ -247,7 +278,8 @@ def pca_sigma_for(epsilon: float, delta: float) -> float:
 
 def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
                 seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False, noise=None) -> SeedResult:
-    """Train a DP-MAC classifier on the pooled private records. ``epsilon=None`` runs MAC without noise.
+    """Train a DP-MAC classifier on the pooled private records, sampled and clipped per privacy unit
+    (``task.unit_records()``: a record, or a patient's slices). ``epsilon=None`` runs MAC without noise.
 
     ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); ``seed``
     only initialises the network."""
@@ -260,7 +292,9 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     set_seed(seed)
     x = np.asarray(task.x_private, np.float32)
     y = np.asarray(task.y_private, np.int64)
-    n = len(y)
+    units = task.unit_records()
+    per_record = task.privacy_unit == "record"      # one record per unit: the cheap clipping path
+    n = len(units)
     q = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, int(round(1.0 / q)))
     total_steps = steps_per_epoch * cfg.epochs
@@ -274,7 +308,7 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
             guard.charge(owners, GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove"),
                          release_id=release, note={"components": cfg.pca_components})
             stream = noise.generator(release)          # opened after the charge
-            projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream))
+            projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream), units)
         else:
             u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
             projection = vt[:cfg.pca_components].T.astype(np.float32)
@@ -294,15 +328,16 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps), release_id=release,
                      note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
     stream = noise.generator(release)      # Poisson batches and the steps' noise (opened after the charge)
-    batches = poisson_batches(n, q, total_steps, stream)
+    batches = poisson_batches(n, q, total_steps, stream)      # Poisson sampling of units
     for epoch in range(cfg.epochs):
         for _ in range(steps_per_epoch):
-            idx = next(batches)
-            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg)
+            idx, groups = gather_units(units, next(batches))
+            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg,
+                                               None if per_record else torch.from_numpy(groups))
             if private:   # every step releases noise, an empty batch too (the sampled Gaussian's analysis)
                 blocks = perturb_concatenated(blocks, sens, noise_multiplier,
                                               lambda s: GaussianMechanism(s, stream))
-            denom = q * n     # expected batch size (fixed: the sum, not a data-dependent mean, is what is private)
+            denom = q * n     # expected units per batch (fixed: the sum, not a data-dependent mean, is private)
             opt.zero_grad()
             for k, layer in enumerate(layers):
                 g = blocks[k * cfg.order] / denom
@@ -328,6 +363,7 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
         relation="add-remove", sigma=noise_multiplier,
         details={"noise_multiplier": noise_multiplier, "sampling_rate": q, "steps": total_steps,
+                 "privacy_unit": task.privacy_unit, "units": n,
                  "epochs": cfg.epochs, "order": cfg.order, "clip": cfg.clip, "hidden": list(cfg.hidden),
                  "pca_components": cfg.pca_components, "pca_sigma": pca_sigma,
                  "noise_std_per_block": None if noise_multiplier is None else

@@ -3,8 +3,11 @@
 Runs on ``sim.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
 the guarantee rests on:
 
-* Poisson sampling at rate q = 1 / steps per epoch, per-sample clipping to ``max_grad_norm`` (flat), Gaussian
-  noise ``z·C`` (add/remove-one, sampled Gaussian, PLD — SPEC §6). Each epoch is charged through the budget
+* Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
+  (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD — SPEC §6). A unit is a record,
+  or on the slice task a patient: its slices sit in one row of ``sim.seeds.padded_units`` and ``unit_loss``
+  sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
+  (user-level DP, ``sim.seeds`` module note). Each epoch is charged through the budget
   guard (``SampledGaussianEvent(q, z_e, steps)``, release ``<prefix>:epoch-e``) *before* its stream is
   opened; the epoch's Poisson masks and noise both come from that stream of the ``NoiseSource`` (secure
   unless a simulation asks for reproducible noise), never from the training seed.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, accuracy, build_mlp, set_seed
+from sim.seeds import SeedResult, accuracy, build_mlp, padded_units, set_seed
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
@@ -34,7 +37,7 @@ CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's
 class DPSGDConfig:
     hidden: tuple[int, ...] = (300,)
     epochs: int = 10
-    batch_size: int = 250
+    batch_size: int = 250              # expected Poisson batch in units (records, or patients on the slice task)
     lr: float = 0.05
     momentum: float = 0.9
     max_grad_norm: float = 1.0
@@ -43,10 +46,20 @@ class DPSGDConfig:
     nonprivate_lr: float = 1e-3
 
 
+def unit_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over each unit's records (``mask`` drops padding), averaged over the batch's units.
+
+    Opacus (``loss_reduction="mean"``) turns row i's gradient of this into unit i's per-sample gradient: the
+    gradient of the unit's *summed* loss, which it then clips to C."""
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    return (ce.view_as(mask) * mask).sum(dim=1).mean()
+
+
 def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: DPSGDConfig | None = None,
                 seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False, noise=None) -> SeedResult:
-    """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records. ``noise``: the cell's
-    ``privacy.mechanisms.NoiseSource`` (secure when None); ``seed`` only initialises the network."""
+    """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records, sampled and clipped per privacy
+    unit (``task.unit_records()``). ``noise``: the cell's ``privacy.mechanisms.NoiseSource`` (secure when
+    None); ``seed`` only initialises the network."""
     cfg = cfg or DPSGDConfig()
     set_seed(seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))
@@ -75,16 +88,18 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False,
                   sampling="poisson", release_prefix=release_prefix, target_epochs=cfg.epochs,
                   grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
+    units = task.unit_records()
+    xu, yu, mask = padded_units(x.numpy(), y.numpy(), units)
     if cfg.schedule:
-        steps = steps_per_epoch(len(y), cfg.batch_size)
+        steps = steps_per_epoch(len(units), cfg.batch_size)
         z_constant = dpsgd_noise_multiplier(target, delta, 1.0 / steps, steps * cfg.epochs)
         dp = DPConfig(mode="schedule", schedule=cfg.schedule, noise_multiplier=cfg.sigma0_factor * z_constant,
                       **common)
     else:
         dp = DPConfig(mode="target", **common)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    session = DPSession(model, opt, n=len(y), batch_size=cfg.batch_size, epochs=cfg.epochs, dp=dp, guard=guard,
-                        owners=owners, noise=noise)
+    session = DPSession(model, opt, n=len(units), batch_size=cfg.batch_size, epochs=cfg.epochs, dp=dp,
+                        guard=guard, owners=owners, noise=noise)
     empty = 0
     for epoch in range(cfg.epochs):
         if not session.begin_epoch(epoch):      # charged before the epoch's stream is opened
@@ -96,7 +111,7 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                 session.noise_only_step()
                 continue
             session.optimizer.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(session.model(x[idx]), y[idx]).backward()
+            unit_loss(session.model(xu[idx]), yu[idx], mask[idx]).backward()
             session.optimizer.step()
         if progress:
             print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={session.sigmas[-1]:.3f}: test acc "
@@ -108,6 +123,7 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         details={"noise_multipliers": sigmas, "decay_k": getattr(session.schedule, "k", None),
                  "sampling_rate": session.sampling_rate, "steps": session.steps * len(sigmas),
                  "empty_batches": empty, "epochs": len(sigmas), "clip": cfg.max_grad_norm,
+                 "privacy_unit": task.privacy_unit, "units": len(units),
                  "hidden": list(cfg.hidden), "schedule": cfg.schedule, "stopped_reason": session.stopped_reason},
         model=session.model,
     )

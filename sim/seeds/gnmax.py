@@ -1,10 +1,11 @@
 """Classic PATE with GNMax (Papernot, Song, Mironov, Raghunathan, Talwar & Erlingsson 2018, "Scalable
 Private Learning with PATE"), teachers at the hospitals.
 
-* Teachers: each hospital splits its private records into ``teachers_per_hospital`` disjoint partitions and
-  trains one non-private classifier per partition; K = total teachers. A record influences one teacher.
+* Teachers: each hospital splits its privacy units (records, or patients on the slice task) into
+  ``teachers_per_hospital`` disjoint partitions and trains one non-private classifier per partition;
+  K = total teachers. A unit influences one teacher.
 * GNMax (their Sec. 4.1): for a public query x, the vote histogram ``n_c(x) = |{k : teacher_k(x) = c}|``;
-  the answer is ``argmax_c n_c(x) + N(0, σ²)``. Under replace-one (one record changes one teacher's vote)
+  the answer is ``argmax_c n_c(x) + N(0, σ²)``. Under replace-one (one unit changes one teacher's vote)
   the histogram moves by −1 in one class and +1 in another: L2 sensitivity √2, so each answer is a
   ``GaussianEvent(sensitivity=√2, sigma=σ)`` (data-independent RDP: ε(λ) = λ/σ², their Prop. 8; here composed
   exactly through privacy/'s accountants — the Gaussian events are μ-GDP with μ = √2/σ).
@@ -48,19 +49,18 @@ class GNMaxConfig:
 
 
 def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
-    """Disjoint partitions of each hospital's records (deterministic). When the task groups records by
-    patient (``group_of``: slices of one volume), whole patients are partitioned, so a patient influences
-    exactly one teacher and GNMax's replace-one guarantee is per patient (SPEC §2)."""
+    """Disjoint partitions of each hospital's privacy units (``task.unit_records()``; deterministic): on the
+    slice task whole patients are partitioned, so a patient influences exactly one teacher and GNMax's
+    replace-one guarantee is per patient (SPEC §2). Returns ``(hospital, record indices)`` per teacher."""
     rng = np.random.default_rng(seed + 31)
+    units = task.unit_records()
+    unit_hospital = task.unit_hospital(units)
     parts = []
-    for hospital in task.hospitals:
-        idx = task.hospital_indices(hospital)
-        if task.group_of is None:
-            chunks = np.array_split(rng.permutation(idx), teachers_per_hospital)
-        else:
-            groups = rng.permutation(np.unique(task.group_of[idx]))
-            chunks = [idx[np.isin(task.group_of[idx], g)] for g in np.array_split(groups, teachers_per_hospital)]
-        parts += [(hospital, chunk) for chunk in chunks if len(chunk)]
+    for index, hospital in enumerate(task.hospitals):
+        mine = rng.permutation(np.flatnonzero(unit_hospital == index))
+        for chosen in np.array_split(mine, teachers_per_hospital):
+            if len(chosen):
+                parts.append((hospital, np.sort(np.concatenate([units[u] for u in chosen]))))
     return parts
 
 
@@ -157,6 +157,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
         details={"teacher_accuracy_mean": float(np.mean(teacher_acc)), "ensemble_accuracy": ensemble_acc,
                  "answered": int(answered.sum()), "label_accuracy": label_acc, "confident": cfg.confident,
                  "sigma_threshold": sigma1, "threshold": threshold,
-                 "records_per_teacher": float(np.mean([len(i) for _, i in parts]))},
+                 "records_per_teacher": float(np.mean([len(i) for _, i in parts])),
+                 "privacy_unit": task.privacy_unit},
         model=student,
     )
