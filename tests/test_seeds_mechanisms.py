@@ -395,3 +395,31 @@ def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch(
     assert steps == 2 * 30 and res.details["empty_batches"] >= 3        # q = 1/30, n = 60: ~e^-2 empty
     assert sum(e.steps for e in ledger.events("h0")) == steps
     assert len(source.log["normal"]) == 4 * steps                          # W1, b1, W2, b2 at every step
+
+
+# ------------------------------------------------------------------------------------------------ results
+def test_results_flag_what_no_epsilon_covers(tmp_path, monkeypatch):
+    """GNMax's teacher and noise-free ensemble accuracies (and DP-SGD's empty-batch count) are listed under
+    ``not_private_diagnostics``; every listed name points at a value the cell actually wrote."""
+    import json
+
+    from sim.runners import classification as runner
+
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
+                                                         "queries": 20, "teacher_epochs": 2})
+    task = synthetic_task()
+    for method in ("pate-gnmax", "dp-sgd", "nonprivate"):
+        cell = runner.run_cell(task, method, None if method == "nonprivate" else 4.0, tmp_path / method, 1e-5, 0,
+                               "tiny", progress=False)
+        written = json.loads((tmp_path / method / "results.json").read_text())
+        flagged = written["not_private_diagnostics"]
+        assert cell["error"] is None and flagged == cell["not_private_diagnostics"]
+        for name in flagged:
+            value = written["details"][name[len("details."):]] if name.startswith("details.") else written[name]
+            assert value is not None, name
+        if method == "pate-gnmax":
+            assert {"teacher_accuracy_mean", "ensemble_accuracy"} <= set(flagged)
+        elif method == "dp-sgd":
+            assert "details.empty_batches" in flagged and "accuracy" not in flagged
+        else:
+            assert flagged == ["accuracy"]

@@ -40,12 +40,31 @@ PRESET_SETTINGS = {
 RESULT_KEYS = ("method", "task", "dice", "accuracy", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
                "teachers", "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
                "teacher_accuracy_mean", "ensemble_accuracy", "bytes_up_per_query_per_teacher", "wall_seconds",
-               "seed", "preset", "privacy_unit", "details", "error")
+               "seed", "preset", "privacy_unit", "details", "error", "not_private_diagnostics")
 
 
 #: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
 PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
                  "patient": "one patient (all of the patient's slices) at one hospital"}
+
+
+#: numbers a cell writes that the DP guarantee does NOT cover (simulation diagnostics; SPEC §2), by method:
+#: GNMax's teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch
+#: count is a function of the secret Poisson batches, dataset sizes are published as they are, and the
+#: non-private baseline covers nothing. Dotted names point into ``details``.
+NOT_PRIVATE = {
+    "pate-gnmax": ("teacher_accuracy_mean", "ensemble_accuracy", "details.teacher_accuracy_mean",
+                   "details.ensemble_accuracy", "details.records_per_teacher"),
+    "dp-sgd": ("details.empty_batches",),
+    "dp-sgd-scheduled": ("details.empty_batches",),
+    "nonprivate": ("accuracy",),
+}
+SIZE_DETAILS = ("units",)       # dataset sizes in ``details``, published as they are
+
+
+def not_private_diagnostics(method: str, details: dict) -> list[str]:
+    """The result keys of one cell that are not covered by its ε (see ``NOT_PRIVATE``)."""
+    return list(NOT_PRIVATE.get(method, ())) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
 
 
 def _eps_dir(epsilon: float | None) -> str:
@@ -145,6 +164,7 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         **(noise.describe() if epsilon is not None else {}), "preset": preset,
         "privacy_unit": PRIVACY_UNITS[task.privacy_unit],
         "details": details, "error": error,
+        "not_private_diagnostics": not_private_diagnostics(method, details),
     }
     atomic_write_json(out / "results.json", result)
     if progress:
@@ -223,7 +243,10 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
              f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: add/remove-one {unit}, Poisson sampling of "
              f"{unit}s, PLD accountant. AdLM/ILM: replace-one {unit}, pure ε (basic composition ε1+ε2+ε3, "
              f"independent of epochs). PATE-GNMax: replace-one {unit}, data-independent accounting of Gaussian "
-             "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl.", ""]
+             "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl. Numbers listed under "
+             "`not_private_diagnostics` in a cell's results.json (GNMax's teacher and noise-free ensemble "
+             "accuracies, DP-SGD's empty-batch count, dataset sizes) are simulation diagnostics that no ε covers.",
+             ""]
     if unit == "patient":
         lines += ["Every ε here is per patient, not per slice: DP-MAC and DP-SGD sample whole patients and clip "
                   "the sum of a patient's slice contributions (coefficients, DP-PCA second moment, gradient) to C; "
@@ -235,8 +258,9 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
         d = c.get("details") or {}
         note = c.get("error") or ""
         if c["method"] == "pate-gnmax" and not note:
-            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
-                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}, label acc {_fmt(d.get('label_accuracy'))}")
+            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, label acc {_fmt(d.get('label_accuracy'))}; "
+                    f"not private: teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
+                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}")
         elif c["method"] in ("dp-mac", "dp-sgd", "dp-sgd-scheduled") and c.get("sigma") and not note:
             note = f"noise multiplier {_fmt(c['sigma'], '.2f')}"
         elif c["method"] in ("adlm", "ilm") and not note:
