@@ -97,7 +97,8 @@ def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
 
 def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_written_nowhere(tmp_path, monkeypatch):
     """``fedpate compare --task ... --reproducible-noise`` seeds the cells' noise (two runs agree) but no file
-    of the comparison names the seed; without the flag the cells say their noise is secure."""
+    of the comparison names the seed; without the flag the cells say their noise is secure. The CLI's
+    --hospitals / --teachers-per-hospital reach the cells too."""
     import json
 
     from sim.cli import main
@@ -106,7 +107,7 @@ def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_wri
     monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
                                                          "queries": 20, "teacher_epochs": 2})
     args = ["compare", "--task", "mnist5k", "--methods", "pate-gnmax", "--epsilons", "1", "--preset", "tiny",
-            "--seed", "424242", "--no-progress"]
+            "--seed", "424242", "--no-progress", "--hospitals", "3", "--teachers-per-hospital", "2"]
     runs = {}
     for name, extra in (("a", ["--reproducible-noise"]), ("b", ["--reproducible-noise"]), ("secure", [])):
         assert main(args + extra + ["--out", str(tmp_path / name)]) == 0
@@ -119,3 +120,6 @@ def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_wri
     assert runs["a"]["accuracy"] == runs["b"]["accuracy"]
     assert runs["a"]["details"]["label_accuracy"] == runs["b"]["details"]["label_accuracy"]
     assert runs["secure"]["noise"] == "secure" and runs["secure"]["seed"] == 424242
+    # --hospitals and --teachers-per-hospital reach the classification cells (they were ignored)
+    assert all(r["hospitals"] == 3 and r["teachers"] == 6 for r in runs.values())
+    assert main(args[:-1] + ["1,2", "--out", str(tmp_path / "sweep")]) == 2
