@@ -7,13 +7,14 @@ the guarantee rests on:
   (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD — SPEC §6). A unit is a record,
   or on the slice task a patient: its slices sit in one row of ``sim.seeds.padded_units`` and ``unit_loss``
   sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
-  (user-level DP, ``sim.seeds`` module note). Each epoch is charged through the budget
-  guard (``SampledGaussianEvent(q, z_e, steps)``, release ``<prefix>:epoch-e``) *before* its stream is
-  opened; the epoch's Poisson masks and noise both come from that stream of the ``NoiseSource`` (secure
-  unless a simulation asks for reproducible noise), never from the training seed.
-* An empty Poisson batch takes a noise-only step: the sampled-Gaussian analysis assumes every step releases
-  noise (Abadi et al. 2016, Sec. 3.1; skipping it would release less noise than accounted *and* reveal the
-  empty batch).
+  (user-level DP, ``sim.seeds`` module note).
+* Each epoch is charged through the budget guard (``SampledGaussianEvent(q, z_e, steps)``, release
+  ``<prefix>:epoch-e``) *before* its stream is opened; the epoch's Poisson masks and noise both come from
+  that stream of the ``NoiseSource`` (secure unless a simulation asks for reproducible noise), never from
+  the training seed.
+* An empty Poisson batch takes a noise-only step: the sampled-Gaussian analysis (Abadi et al. 2016,
+  Theorem 1: each of the T steps is a subsampled Gaussian release) assumes every step releases noise;
+  skipping it would release less than was accounted *and* reveal that the batch was empty.
 * ``schedule="exp"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
   ``../shared/papers/003_*`` Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise
   multiplier for the same (ε, δ, epochs), and k is planned (``privacy.schedules.plan_decay``) so that exactly
