@@ -297,6 +297,11 @@ class DPSession:
                                        relation=dp.relation)
         return float(self._schedule.sigma(0))
 
+    @property
+    def schedule(self):
+        """The Yu et al. schedule of ``mode="schedule"`` (None otherwise)."""
+        return self._schedule
+
     def sigma_for_epoch(self, epoch: int) -> float:
         if self._schedule is not None:
             return float(self._schedule.sigma(epoch))

@@ -14,6 +14,10 @@ relevance network) and a held-out test set.
   (``sim.data.partitions.make_split``), average-pooled to ``pool``×``pool`` per channel and flattened.
   Intensities (per-channel z-scores inside the brain after preprocessing) are mapped to [0, 1] with the
   fixed, data-independent map ``clip((x + 3) / 6, 0, 1)``.
+
+Privacy unit (SPEC §2): what a method protects is a *unit* of ``unit_records()``. On ``mnist5k`` a unit is one
+record (a digit). On the slice task it is one **patient**: ``group_of`` ties every slice to its patient, and
+the seed systems sample, clip and partition whole patients (``sim.seeds``), never single slices.
 """
 
 from __future__ import annotations
@@ -52,12 +56,31 @@ class ClassificationTask:
     def hospital_indices(self, hospital: str) -> np.ndarray:
         return np.flatnonzero(self.hospital_of == self.hospitals.index(hospital))
 
+    @property
+    def privacy_unit(self) -> str:
+        """``"patient"`` when records are grouped by patient (slices), else ``"record"``."""
+        return "record" if self.group_of is None else "patient"
+
+    def unit_records(self) -> list[np.ndarray]:
+        """Record indices of every privacy unit, in unit order: a patient's slices (in slice order) when
+        records are grouped by patient, else one record each. The units partition the private records."""
+        n = len(self.y_private)
+        if self.group_of is None:
+            return list(np.arange(n, dtype=np.int64)[:, None])
+        order = np.argsort(self.group_of, kind="stable")
+        return np.split(order, np.flatnonzero(np.diff(self.group_of[order])) + 1)
+
+    def unit_hospital(self, units: list[np.ndarray]) -> np.ndarray:
+        """The hospital index of every unit (a patient never spans hospitals)."""
+        return np.array([self.hospital_of[records[0]] for records in units], np.int64)
+
     def summary(self) -> dict:
         return {
             "task": self.name, "classes": self.n_classes, "input_dim": self.input_dim,
             "private": int(len(self.y_private)), "test": int(len(self.y_test)),
             "query": int(len(self.x_query)), "reference": int(len(self.y_reference)),
             "hospitals": {h: int((self.hospital_of == i).sum()) for i, h in enumerate(self.hospitals)},
+            "privacy_unit": self.privacy_unit, "units": len(self.unit_records()),
             **self.info,
         }
 
@@ -147,7 +170,7 @@ def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-cla
         hospital_of=np.concatenate(hs), hospitals=hospitals, x_test=x_test, y_test=y_test,
         x_query=x_query, x_reference=x_ref, y_reference=y_ref, y_query_true=y_query, group_of=np.concatenate(gs),
         info={"pool": pool, "grid": list(getattr(prepared, "grid", ())),
-              "unit_note": "records are slices; a patient contributes several slices (see report)"},
+              "unit_note": "records are slices; every method samples, clips or partitions whole patients"},
     )
 
 

@@ -86,3 +86,40 @@ def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
     for k, (_, idx) in enumerate(teacher_partitions(task, 3)):
         for g in np.unique(task.group_of[idx]):
             assert owners.setdefault(int(g), k) == k
+            assert set(np.flatnonzero(task.group_of == g)) <= set(idx)     # with all of its slices
+    # the privacy unit is the patient: one unit per private case, holding exactly that case's slices
+    cases = [c for parts in tiny_split.hospitals.values() for part in parts for c in part]
+    units = task.unit_records()
+    assert task.privacy_unit == "patient" and task.summary()["privacy_unit"] == "patient"
+    assert len(units) == len(cases) and all(len(np.unique(task.group_of[r])) == 1 for r in units)
+    assert max(len(r) for r in units) <= tiny_prepared.grid[2] and min(len(r) for r in units) > 1
+
+
+def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_written_nowhere(tmp_path, monkeypatch):
+    """``fedpate compare --task ... --reproducible-noise`` seeds the cells' noise (two runs agree) but no file
+    of the comparison names the seed; without the flag the cells say their noise is secure. The CLI's
+    --hospitals / --teachers-per-hospital reach the cells too."""
+    import json
+
+    from sim.cli import main
+    from sim.runners import classification as runner
+
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
+                                                         "queries": 20, "teacher_epochs": 2})
+    args = ["compare", "--task", "mnist5k", "--methods", "pate-gnmax", "--epsilons", "1", "--preset", "tiny",
+            "--seed", "424242", "--no-progress", "--hospitals", "3", "--teachers-per-hospital", "2"]
+    runs = {}
+    for name, extra in (("a", ["--reproducible-noise"]), ("b", ["--reproducible-noise"]), ("secure", [])):
+        assert main(args + extra + ["--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "pate-gnmax" / "eps-1" / "results.json").read_text())
+    for name in ("a", "b"):
+        assert runs[name]["seed"] is None and runs[name]["noise"] == "reproducible"
+        for path in (tmp_path / name).rglob("*"):
+            if path.is_file() and path.suffix != ".png":
+                assert "424242" not in path.read_text(), path
+    assert runs["a"]["accuracy"] == runs["b"]["accuracy"]
+    assert runs["a"]["details"]["label_accuracy"] == runs["b"]["details"]["label_accuracy"]
+    assert runs["secure"]["noise"] == "secure" and runs["secure"]["seed"] == 424242
+    # --hospitals and --teachers-per-hospital reach the classification cells (they were ignored)
+    assert all(r["hospitals"] == 3 and r["teachers"] == 6 for r in runs.values())
+    assert main(args[:-1] + ["1,2", "--out", str(tmp_path / "sweep")]) == 2

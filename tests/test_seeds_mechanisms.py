@@ -10,7 +10,7 @@ import torch
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from privacy.mechanisms import GaussianMechanism, make_generator
+from privacy.mechanisms import GaussianMechanism, NoiseSource
 from sim.tasks import ClassificationTask
 
 
@@ -51,6 +51,31 @@ def test_dpmac_per_record_coefficients_are_clipped(order):
         assert float(sums[0].norm()) <= 30 * 0.5 + 1e-4
 
 
+@pytest.mark.parametrize("order", [1, 2])
+def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
+    """Add/remove sensitivity of a W-step (paper Sec. 2.2, Appendix I) on real MNIST batches through the
+    product path (Z-step + clipped coefficients): B ∪ {r} minus B is exactly r's own clipped term, so every
+    block moves by at most its clip. With the old ``loss / len(y)`` Z-step every record's z depended on |B|."""
+    from sim.seeds.dpmac import DPMACConfig, MACNet, w_step_coefficients
+    from sim.tasks import load_mnist5k
+
+    task = load_mnist5k(hospitals=1)
+    torch.manual_seed(0)
+    net = MACNet([task.input_dim, 16, 10])
+    cfg = DPMACConfig(hidden=(16,), z_steps=10, z_lr=0.1, clip=0.5, clip2=0.25, order=order)
+    x, y = torch.as_tensor(task.x_private), torch.as_tensor(task.y_private)
+    rng = np.random.default_rng(0)
+    for size in (1, 3, 8, 40):
+        batch = rng.choice(len(y), size + 1, replace=False)
+        base, sens = w_step_coefficients(net, x[batch[:-1]], y[batch[:-1]], cfg)
+        added, _ = w_step_coefficients(net, x[batch], y[batch], cfg)
+        alone, _ = w_step_coefficients(net, x[batch[-1:]], y[batch[-1:]], cfg)
+        assert len(base) == 2 * order and sens == [0.5, 0.25][:order] * 2
+        for b, a, r, s in zip(base, added, alone, sens):
+            assert float((a - b).norm()) <= s + 1e-5
+            assert torch.allclose(a - b, r, atol=1e-5)
+
+
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
     from sim.seeds.dpmac import layer_coefficients
 
@@ -69,7 +94,7 @@ def test_dpmac_single_draw_noise_std_per_block():
     """Appendix I: block p gets std σ·S_p·√P from one concatenated draw (zero data signal)."""
     from sim.seeds.dpmac import perturb_concatenated
 
-    gen = make_generator(3)
+    gen = NoiseSource.reproducible(3).generator("step")
     calls = []
 
     def factory(sigma):
@@ -88,6 +113,7 @@ def test_dpmac_single_draw_noise_std_per_block():
 def test_dpmac_ledger_epsilon_matches_dp_accounting():
     from dp_accounting import dp_event
     from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.privacy_accountant import NeighboringRelation
 
     from sim.seeds.dpmac import DPMACConfig, train_dpmac
 
@@ -96,12 +122,13 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
     res = train_dpmac(task, 2.0, 1e-5, guard, task.hospitals,
                       DPMACConfig(hidden=(16,), epochs=2, batch_size=40, pca_components=None, z_steps=2), seed=0)
     q, z, steps = res.details["sampling_rate"], res.details["noise_multiplier"], res.details["steps"]
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    # the comparison's one relation, replace-one (sizes are published), straight from dp_accounting
+    acc = pld_privacy_accountant.PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-4)
     acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), steps)
     reference = acc.get_epsilon(1e-5)
     for owner in task.hospitals:
         spent = ledger.spent(owner, 1e-5)
-        assert spent.accountant == "pld" and spent.relation == "add-remove"
+        assert spent.accountant == "pld" and spent.relation == "replace-one"
         assert spent.epsilon == pytest.approx(reference, rel=2e-3)
         assert 0.99 * 2.0 <= spent.epsilon <= 2.0
 
@@ -144,7 +171,7 @@ def test_adlm_feature_noise_scales_statistically():
     assert beta.sum() == pytest.approx(d)
     scales = feature_scales(beta, eps2)
     ledger, guard = guard_for(10.0)
-    noisy = perturb_features(np.zeros((n, d)), scales, guard, ["h0"], "affine", make_generator(1))
+    noisy = perturb_features(np.zeros((n, d)), scales, guard, ["h0"], "affine", NoiseSource.reproducible(1))
     mean_abs = np.abs(noisy).mean(axis=0)               # E|Lap(b)| = b
     assert np.allclose(mean_abs / scales, 1.0, atol=0.03)
     # per-record privacy loss Σ_j Δ_x / b_j is exactly ε2 (Lemma 4 with per-record calibration)
@@ -159,7 +186,7 @@ def test_adlm_label_noise_scale_statistically():
 
     ledger, guard = guard_for(10.0)
     y = np.zeros(30000, np.int64)
-    phi = perturb_label_coefficients(y, 3, 0.5, guard, ["h0"], "loss", make_generator(2))
+    phi = perturb_label_coefficients(y, 3, 0.5, guard, ["h0"], "loss", NoiseSource.reproducible(2))
     clean = 0.5 - np.eye(3)[y]
     b = LABEL_SENSITIVITY / 0.5
     assert np.abs(phi - clean).mean() == pytest.approx(b, rel=0.03)
@@ -207,7 +234,7 @@ def test_gnmax_noise_scale_and_ledger_composition():
     # zero data signal: every histogram is flat → the answer is argmax of pure noise (uniform over classes)
     ledger, guard = guard_for(100.0)
     hist = np.zeros((400, 4))
-    labels = gnmax_answer(hist, 30.0, guard, ["h0", "h1"], "q", make_generator(0))
+    labels = gnmax_answer(hist, 30.0, guard, ["h0", "h1"], "q", NoiseSource.reproducible(0))
     counts = np.bincount(labels, minlength=4)
     assert counts.min() > 60
     events = ledger.events("h0")
@@ -224,7 +251,8 @@ def test_gnmax_threshold_noise_std_statistically():
     ledger, guard = guard_for(1e6)
     hist = np.zeros((800, 3))     # (the guard re-accounts every record per charge: keep N moderate)
     hist[:, 0] = 13.0
-    labels = gnmax_answer(hist, 1.0, guard, ["h0"], "c", make_generator(5), threshold=10.0, sigma_threshold=3.0)
+    labels = gnmax_answer(hist, 1.0, guard, ["h0"], "c", NoiseSource.reproducible(5), threshold=10.0,
+                          sigma_threshold=3.0)
     frac = (labels >= 0).mean()
     assert frac == pytest.approx(0.8413, abs=0.045)   # 3.5 binomial std
     kinds = [e.sensitivity for e in ledger.events("h0")]
@@ -271,3 +299,129 @@ def test_dpsgd_guard_refuses_over_budget():
     with pytest.raises(BudgetExceeded):
         train_dpsgd(task, 1.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(8,), epochs=1, batch_size=40))
     assert ledger.owners() == []
+
+
+# ------------------------------------------------------------------------------------------------ noise
+class WatchedSource(NoiseSource):
+    """A reproducible NoiseSource that fails when a stream is opened before its release is in the ledger, and
+    logs every opened stream and every Gaussian draw (the privacy maths itself is untouched)."""
+
+    def __init__(self, ledger, seed=0, path=(), log=None):
+        super().__init__(seed, path)
+        self.ledger, self.log = ledger, log if log is not None else {"opened": [], "normal": []}
+
+    def child(self, *names):
+        return WatchedSource(self.ledger, self._seed, self.path + tuple(map(str, names)), self.log)
+
+    def generator(self, *names):
+        assert len(names) == 1 and self.ledger.has_release(names[0]), f"stream {names} opened before its charge"
+        self.log["opened"].append(names[0])
+        gen = super().generator(*names)
+        draw = gen.standard_normal
+
+        def standard_normal(shape):
+            self.log["normal"].append(tuple(shape))
+            return draw(shape)
+
+        gen.standard_normal = standard_normal
+        return gen
+
+
+def _run_seed_method(method, task, guard, noise, seed=0, epsilon=2.0):
+    """One small private run (DP-MAC at a fixed noise multiplier: no calibration, which is slow)."""
+    from sim.seeds.adlm import AdLMConfig, train_adlm
+    from sim.seeds.dpmac import DPMACConfig, train_dpmac
+    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+
+    if method == "dp-mac":
+        return train_dpmac(task, epsilon, 1e-5, guard, task.hospitals, DPMACConfig(
+            hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, noise_multiplier=2.0), seed=seed,
+            noise=noise)
+    if method == "adlm":
+        return train_adlm(task, epsilon, 1e-5, guard, task.hospitals, AdLMConfig(
+            hidden=(8, 4), epochs=1, batch_size=32, relevance_epochs=2), seed=seed, noise=noise)
+    if method == "pate-gnmax":
+        return train_pate_gnmax(task, epsilon, 1e-5, guard, task.hospitals, GNMaxConfig(
+            teachers_per_hospital=2, queries=20, teacher_epochs=2, student_epochs=3, confident=True,
+            threshold_fraction=0.3), seed=seed, noise=noise)
+    return train_dpsgd(task, epsilon, 1e-5, guard, task.hospitals, DPSGDConfig(
+        hidden=(4,), epochs=2, batch_size=60, schedule="exp" if method == "dp-sgd-scheduled" else None),
+        seed=seed, noise=noise)
+
+
+SEED_METHODS = ("dp-mac", "adlm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled")
+
+
+@pytest.mark.parametrize("method", SEED_METHODS)
+def test_every_release_is_charged_before_its_own_stream_is_opened(method):
+    """SPEC §2: each release draws from its own stream, opened only once the release is in the ledger."""
+    task = synthetic_task()
+    ledger, guard = guard_for(50.0)
+    source = WatchedSource(ledger, seed=0)
+    _run_seed_method(method, task, guard, source.child(method, "eps-2"))
+    released = [r["release_id"] for r in ledger.records()]
+    assert released and sorted(source.log["opened"]) == sorted(released)   # one stream per release, each once
+
+
+@pytest.mark.parametrize("method", SEED_METHODS[:4])    # the scheduled DP-SGD shares DP-SGD's session
+def test_noise_is_unpredictable_unless_reproducible_noise_is_asked_for(method):
+    """Secure by default: the same seed twice gives different releases (noise and Poisson batches no longer
+    follow the published seed); a reproducible source repeats a cell exactly, and two cells differ."""
+    task = synthetic_task()
+
+    def outputs(noise):
+        _, guard = guard_for(50.0)
+        res = _run_seed_method(method, task, guard, noise, seed=0)
+        with torch.no_grad():
+            return res.model(torch.as_tensor(task.x_test)).numpy()
+
+    secure = [outputs(None), outputs(NoiseSource())]
+    assert not np.allclose(secure[0], secure[1])
+    cell = outputs(NoiseSource.reproducible(11).child(method, "eps-2"))
+    np.testing.assert_array_equal(cell, outputs(NoiseSource.reproducible(11).child(method, "eps-2")))
+    assert not np.allclose(cell, outputs(NoiseSource.reproducible(11).child(method, "eps-4")))
+
+
+def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch():
+    """The sampled-Gaussian analysis assumes every step releases noise: with many empty Poisson batches the
+    number of Gaussian draws still equals (accounted steps) x (parameter tensors)."""
+    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+
+    task = synthetic_task(n=60)
+    ledger, guard = guard_for(8.0)
+    source = WatchedSource(ledger, seed=3)
+    res = train_dpsgd(task, 8.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(4,), epochs=2, batch_size=2),
+                      noise=source.child("dp-sgd", "eps-8"))
+    steps = res.details["steps"]
+    assert steps == 2 * 30 and res.details["empty_batches"] >= 3        # q = 1/30, n = 60: ~e^-2 empty
+    assert sum(e.steps for e in ledger.events("h0")) == steps
+    assert len(source.log["normal"]) == 4 * steps                          # W1, b1, W2, b2 at every step
+
+
+# ------------------------------------------------------------------------------------------------ results
+def test_results_flag_what_no_epsilon_covers(tmp_path, monkeypatch):
+    """GNMax's teacher and noise-free ensemble accuracies (and DP-SGD's empty-batch count) are listed under
+    ``not_private_diagnostics``; every listed name points at a value the cell actually wrote."""
+    import json
+
+    from sim.runners import classification as runner
+
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
+                                                         "queries": 20, "teacher_epochs": 2})
+    task = synthetic_task()
+    for method in ("pate-gnmax", "dp-sgd", "nonprivate"):
+        cell = runner.run_cell(task, method, None if method == "nonprivate" else 4.0, tmp_path / method, 1e-5, 0,
+                               "tiny", progress=False)
+        written = json.loads((tmp_path / method / "results.json").read_text())
+        flagged = written["not_private_diagnostics"]
+        assert cell["error"] is None and flagged == cell["not_private_diagnostics"]
+        for name in flagged:
+            value = written["details"][name[len("details."):]] if name.startswith("details.") else written[name]
+            assert value is not None, name
+        if method == "pate-gnmax":
+            assert {"teacher_accuracy_mean", "ensemble_accuracy"} <= set(flagged)
+        elif method == "dp-sgd":
+            assert "details.empty_batches" in flagged and "accuracy" not in flagged
+        else:
+            assert flagged == ["accuracy"]

@@ -36,17 +36,24 @@ def run(args) -> int:
     from sim.runners.compare import DEFAULT_METHODS, parse_list, run_compare
 
     epsilons = parse_list(args.epsilons, float, "--epsilons")
+    sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
+             if args.teachers_per_hospital else None)
     if args.task != "segmentation":
+        from sim.errors import UserError
         from sim.runners.classification import run_classification_compare
 
+        if sweep and len(sweep) > 1:
+            raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
+                            f"got {args.teachers_per_hospital}")
         methods = parse_list(args.methods, str, "--methods") if args.methods else list(CLASSIFICATION_METHODS)
         run_classification_compare(args.task, methods, epsilons, args.out, seed=args.seed,
                                    progress=not args.no_progress, preset=args.preset, data=args.data,
+                                   hospitals=args.hospitals, teachers_per_hospital=sweep[0] if sweep else None,
+                                   reproducible_noise=args.reproducible_noise,
                                    **({"delta": args.delta} if args.delta else {}))
         print(f"report: {args.out}/report.md")
         return 0
     methods = parse_list(args.methods, str, "--methods") if args.methods else list(DEFAULT_METHODS)
-    sweep = parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital") if args.teachers_per_hospital else None
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
                          hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise,

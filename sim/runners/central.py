@@ -216,7 +216,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "test_cases": len(world["test_ids"]),
         "epochs_planned": train_config.epochs,
         "epochs_completed": result.epochs_completed,
-        "final_loss": result.history[-1]["loss"] if result.history else None,
+        # the training loss is an un-noised statistic of the private data: only non-private runs show it
+        "final_loss": (result.history[-1]["loss"] if result.history else None) if not private else None,
         "epsilon_rdp": result.epsilon_rdp if private else None,
         "epsilon_add_remove": result.epsilon_add_remove if private else None,
         "epsilon_replace_one": result.epsilon_replace_one if private else None,

@@ -5,12 +5,18 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
     from sim.runners.classification import run_classification_compare
     cells = run_classification_compare(task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8],
                                        out="runs/cls", seed=0, delta=1e-5, hospitals=None, progress=True,
-                                       preset="tiny", data=None, teachers_per_hospital=None)
+                                       preset="tiny", data=None, teachers_per_hospital=None,
+                                       reproducible_noise=False)
 
 Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``, ``"accuracy"`` set) and
 ``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``), ``out/cells.csv``,
 ``out/report.md`` and ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
 (the maximum over hospitals; all hospitals carry the same events here).
+
+Noise (SPEC §2): every cell gets its own namespace ``<method>/eps-<E>`` of a ``privacy.mechanisms.NoiseSource``
+and every release in it its own stream; secure by default. ``reproducible_noise=True`` (simulation only) seeds
+the streams from ``seed``; the seed is then written nowhere (``"seed": null``, not in the task summary) and
+each cell says ``"noise": "reproducible"``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,31 @@ PRESET_SETTINGS = {
 RESULT_KEYS = ("method", "task", "dice", "accuracy", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
                "teachers", "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
                "teacher_accuracy_mean", "ensemble_accuracy", "bytes_up_per_query_per_teacher", "wall_seconds",
-               "seed", "preset", "privacy_unit", "details", "error")
+               "seed", "preset", "privacy_unit", "details", "error", "not_private_diagnostics")
+
+
+#: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
+PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
+                 "patient": "one patient (all of the patient's slices) at one hospital"}
+
+
+#: numbers a cell writes that the DP guarantee does NOT cover (simulation diagnostics; SPEC §2), by method:
+#: GNMax's teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch
+#: count is a function of the secret Poisson batches, dataset sizes are published as they are, and the
+#: non-private baseline covers nothing. Dotted names point into ``details``.
+NOT_PRIVATE = {
+    "pate-gnmax": ("teacher_accuracy_mean", "ensemble_accuracy", "details.teacher_accuracy_mean",
+                   "details.ensemble_accuracy", "details.records_per_teacher"),
+    "dp-sgd": ("details.empty_batches",),
+    "dp-sgd-scheduled": ("details.empty_batches",),
+    "nonprivate": ("accuracy",),
+}
+SIZE_DETAILS = ("units",)       # dataset sizes in ``details``, published as they are
+
+
+def not_private_diagnostics(method: str, details: dict) -> list[str]:
+    """The result keys of one cell that are not covered by its ε (see ``NOT_PRIVATE``)."""
+    return list(NOT_PRIVATE.get(method, ())) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
 
 
 def _eps_dir(epsilon: float | None) -> str:
@@ -47,42 +77,49 @@ def _batch_size(n: int, wanted: int) -> int:
 
 
 def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, seed: int, progress: bool,
-                teachers_per_hospital: int | None):
+                teachers_per_hospital: int | None, noise):
     settings = PRESET_SETTINGS[preset]
     n = len(task.y_private)
+    units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
     if method == "dp-mac":
         from sim.seeds.dpmac import DPMACConfig, train_dpmac
 
-        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
+        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           pca_components=min(60, task.input_dim))
-        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("adlm", "ilm"):
         from sim.seeds.adlm import AdLMConfig, train_adlm
 
         cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
         return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
-                          progress=progress)
+                          progress=progress, noise=noise)
     if method == "pate-gnmax":
         from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
 
         cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
                           queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
-        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress)
+        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
         from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
-        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(n, 250),
-                          schedule="exponential" if method == "dp-sgd-scheduled" else None)
+        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
+                          schedule="exp" if method == "dp-sgd-scheduled" else None)
         return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
-                           progress=progress)
+                           progress=progress, noise=noise)
     raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(METHODS)}")
 
 
 def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, seed: int, preset: str,
-             progress: bool = True, teachers_per_hospital: int | None = None) -> dict:
-    """One method at one ε: fresh ledger + guard in ``out``, train, write results.json."""
+             progress: bool = True, teachers_per_hospital: int | None = None, noise=None) -> dict:
+    """One method at one ε: fresh ledger + guard in ``out``, train, write results.json.
+
+    ``noise``: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
+    child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json."""
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
+    from privacy.mechanisms import NoiseSource
+
+    noise = (noise if noise is not None else NoiseSource()).child(method, _eps_dir(epsilon))
 
     out.mkdir(parents=True, exist_ok=True)
     ledger_path = out / "ledger.jsonl"
@@ -94,7 +131,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
     start = time.perf_counter()
     error, res = None, None
     try:
-        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital)
+        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital,
+                          noise)
     except Exception as exc:  # one failing cell must not lose the grid; the error is written into the cell
         error = f"{type(exc).__name__}: {exc}"
         if progress:
@@ -122,9 +160,11 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         "teacher_accuracy_mean": details.get("teacher_accuracy_mean"),
         "ensemble_accuracy": details.get("ensemble_accuracy"),
         "bytes_up_per_query_per_teacher": res.bytes_up_per_query_per_teacher if res else None,
-        "wall_seconds": wall, "seed": seed, "preset": preset,
-        "privacy_unit": "one record (digit or slice) at one hospital",
+        "wall_seconds": wall, "seed": None if noise.is_reproducible else seed,
+        **(noise.describe() if epsilon is not None else {}), "preset": preset,
+        "privacy_unit": PRIVACY_UNITS[task.privacy_unit],
         "details": details, "error": error,
+        "not_private_diagnostics": not_private_diagnostics(method, details),
     }
     atomic_write_json(out / "results.json", result)
     if progress:
@@ -137,10 +177,15 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
 
 def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0, delta: float = 1e-5,
                                hospitals: int | None = None, progress: bool = True, preset: str = "tiny",
-                               data: str | None = None, teachers_per_hospital: int | None = None) -> list[dict]:
-    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot."""
+                               data: str | None = None, teachers_per_hospital: int | None = None,
+                               reproducible_noise: bool = False) -> list[dict]:
+    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot.
+
+    ``reproducible_noise`` (simulation only): noise and private sampling seeded by ``seed`` (per cell and
+    release); the seed is then left out of everything written. Default: secure noise."""
     import logging
 
+    from privacy.mechanisms import NoiseSource
     from sim.tasks import load_task
 
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
@@ -158,15 +203,19 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
+    noise = NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()
+    summary = t.summary()
+    if reproducible_noise:
+        summary.pop("seed", None)      # the seed of reproducible noise must not appear in anything written
     if progress:
-        print(f"task {t.name}: {t.summary()}", flush=True)
+        print(f"task {t.name}: {summary}", flush=True)
     cells = []
     for method in methods:
         for epsilon in ([None] if method == "nonprivate" else epsilons):
             cells.append(run_cell(t, method, epsilon, out / method / _eps_dir(epsilon), delta, seed, preset, progress,
-                                  teachers_per_hospital))
+                                  teachers_per_hospital, noise))
     write_cells_csv(cells, out / "cells.csv")
-    write_report(cells, out, t.summary(), delta)
+    write_report(cells, out, summary, delta)
     return cells
 
 
@@ -188,20 +237,30 @@ def _fmt(value, spec=".3f") -> str:
 
 
 def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float) -> None:
+    unit = task_summary.get("privacy_unit", "record")
     lines = [f"# Seed systems on `{task_summary['task']}`", "",
              f"Task: {task_summary}", "",
-             "Privacy unit: one record (a digit / a tumour slice) at one hospital. DP-MAC, DP-SGD: add/remove-one, "
-             "Poisson sampling, PLD accountant. AdLM/ILM: replace-one, pure ε (basic composition ε1+ε2+ε3, "
-             "independent of epochs). PATE-GNMax: replace-one, data-independent accounting of Gaussian noisy-argmax "
-             "(gdp-exact). ε spent is read from each cell's ledger.jsonl.", "",
-             "| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: add/remove-one {unit}, Poisson sampling of "
+             f"{unit}s, PLD accountant. AdLM/ILM: replace-one {unit}, pure ε (basic composition ε1+ε2+ε3, "
+             f"independent of epochs). PATE-GNMax: replace-one {unit}, data-independent accounting of Gaussian "
+             "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl. Numbers listed under "
+             "`not_private_diagnostics` in a cell's results.json (GNMax's teacher and noise-free ensemble "
+             "accuracies, DP-SGD's empty-batch count, dataset sizes) are simulation diagnostics that no ε covers.",
+             ""]
+    if unit == "patient":
+        lines += ["Every ε here is per patient, not per slice: DP-MAC and DP-SGD sample whole patients and clip "
+                  "the sum of a patient's slice contributions (coefficients, DP-PCA second moment, gradient) to C; "
+                  "AdLM/ILM take exactly k slices per patient (`records_per_unit` in results) and size every "
+                  "slice's noise for ε/k; PATE-GNMax's teachers partition whole patients.", ""]
+    lines += ["| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         d = c.get("details") or {}
         note = c.get("error") or ""
         if c["method"] == "pate-gnmax" and not note:
-            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
-                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}, label acc {_fmt(d.get('label_accuracy'))}")
+            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, label acc {_fmt(d.get('label_accuracy'))}; "
+                    f"not private: teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
+                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}")
         elif c["method"] in ("dp-mac", "dp-sgd", "dp-sgd-scheduled") and c.get("sigma") and not note:
             note = f"noise multiplier {_fmt(c['sigma'], '.2f')}"
         elif c["method"] in ("adlm", "ilm") and not note:

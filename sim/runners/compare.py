@@ -84,7 +84,9 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     ledger_dir = out / HOSPITAL_LEDGERS
     lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
-                                             "epsilons": list(epsilons), "delta": delta, "seed": seed,
+                                             "epsilons": list(epsilons), "delta": delta,
+                                             # the seed drives the noise when it is reproducible: not published
+                                             "seed": None if reproducible_noise else seed,
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
                                              "data": data, "engine": engine,
                                              "noise": "reproducible" if reproducible_noise else "secure",
@@ -165,7 +167,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     title = f"fedpate comparison — preset {preset_name}"
     report = write_report(out, title, settings={"preset": preset_name, "hospitals": base.hospitals,
                                                 "teachers per hospital": ",".join(map(str, sweep)),
-                                                "δ": delta, "seed": seed, "engine": engine,
+                                                "δ": delta, "seed": "—" if reproducible_noise else seed,
+                                                "engine": engine,
                                                 "wall minutes": round((time.perf_counter() - started) / 60, 1)},
                           overlays=overlays, release=release)
     return report

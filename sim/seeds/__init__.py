@@ -4,9 +4,22 @@ Every method here trains a small fully connected classifier on a :class:`sim.tas
 returns a :class:`SeedResult`. All noisy releases go through ``privacy.guard.BudgetGuard.charge`` (ledger
 record first, then noise, then release); the epsilon a result reports is what the ledger says.
 
-Privacy unit: one record (an MNIST digit, or a tumour *slice*) at one hospital. The centralised methods
-(DP-MAC, AdLM/ILM, DP-SGD) train on the pooled private records of all hospitals, so every hospital is a
-ledger owner with the same events; PATE's teachers sit at the hospitals (disjoint partitions).
+Privacy unit (SPEC §2): one unit of ``task.unit_records()`` at one hospital — an MNIST digit, or on the slice
+task one **patient** with all of its slices. Every method works on units, not slices:
+
+* DP-MAC and DP-SGD (user-level DP, the per-user clipping of McMahan, Ramage, Talwar & Zhang 2018, "Learning
+  Differentially Private Recurrent Language Models", Alg. 1): Poisson sampling over patients; a patient's
+  slices' contributions are *summed, then clipped* to C (DP-MAC's coefficients, its DP-PCA
+  second-moment matrix, DP-SGD's per-sample gradient), so adding or removing a patient moves each sum by at
+  most C whatever the number of slices (add/remove-one patient).
+* AdLM/ILM perturb records one by one, so a patient's budget depends on how many records it has: each
+  patient contributes exactly ``records_per_patient`` slices (evenly spaced; repeated when it has fewer) and
+  every sensitivity is taken for that group, i.e. each record's noise is sized for ε/k (replace-one patient;
+  the k records' pure-ε Laplace releases compose to ε per patient).
+* PATE-GNMax: teachers partition whole patients, so a patient changes one teacher's vote (replace-one patient).
+
+The centralised methods train on the pooled private records of all hospitals, so every hospital is a ledger
+owner with the same events; PATE's teachers sit at the hospitals (disjoint partitions).
 """
 
 from __future__ import annotations
@@ -96,6 +109,41 @@ def train_nonprivate(x: np.ndarray, y: np.ndarray, classes: int, hidden=(128,), 
             loss.backward()
             opt.step()
     return model
+
+
+def gather_units(units: list[np.ndarray], chosen) -> tuple[np.ndarray, np.ndarray]:
+    """Records of the ``chosen`` units and, per record, the position of its unit among them (the groups that
+    are clipped together). A unit is always taken whole."""
+    parts = [units[int(u)] for u in chosen]
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(parts), np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+
+
+def padded_units(x: np.ndarray, y: np.ndarray, units: list[np.ndarray]):
+    """``(X, Y, mask)``: unit i's records in row i, ``X`` (U, S, d) float32, ``Y`` (U, S) int64 and ``mask``
+    (U, S) float32 (1 = a real record, 0 = padding), S = the largest unit. Per-sample gradients over the first
+    axis are then per-unit gradients (a patient's slices summed) — what user-level clipping needs."""
+    import torch
+
+    width = max(len(r) for r in units)
+    X = np.zeros((len(units), width, x.shape[1]), np.float32)
+    Y = np.zeros((len(units), width), np.int64)
+    mask = np.zeros((len(units), width), np.float32)
+    for i, records in enumerate(units):
+        X[i, :len(records)], Y[i, :len(records)], mask[i, :len(records)] = x[records], y[records], 1.0
+    return torch.from_numpy(X), torch.from_numpy(Y), torch.from_numpy(mask)
+
+
+def capped_units(units: list[np.ndarray], per_unit: int) -> np.ndarray:
+    """(U, per_unit) record indices: exactly ``per_unit`` records of every unit, evenly spaced over the unit's
+    records (slice order), repeating records when the unit has fewer. A function of each unit's own records,
+    so a unit's contribution has a fixed size whatever its number of slices."""
+    if per_unit < 1:
+        from sim.errors import UserError
+
+        raise UserError(f"records_per_patient: expected a positive integer, got {per_unit}")
+    return np.stack([r[np.round(np.linspace(0, len(r) - 1, per_unit)).astype(np.int64)] for r in units])
 
 
 def owners_of(task) -> list[str]:

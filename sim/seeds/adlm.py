@@ -19,6 +19,16 @@ Algorithm 1 of the paper, three Laplace releases composed by basic composition (
    (φ⁽⁰⁾ = log 2 and φ⁽²⁾ = ⅛ are constants, Appendix D); each record's φ⁽¹⁾ gets ``Lap(Δ_y/ε3)``, Δ_y = 2
    (a one-hot label changes two entries by 1 under replace-one).
 
+Privacy unit (``sim.seeds`` module note): the releases perturb records one by one, so on the slice task every
+patient contributes exactly k = ``records_per_patient`` slices (``sim.seeds.capped_units``) and each
+sensitivity is that of k records — Δ_R = 2dk/|D|, feature scales and Δ_y multiplied by k — so ε1, ε2, ε3 hold
+per patient under replace-one patient (each slice's noise is sized for ε/k). On mnist5k k = 1.
+
+Randomness (SPEC §2): each of the three releases draws its Laplace noise from its own stream of a
+``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
+release id and opened only after the release is charged; the training shuffles afterwards only
+post-process released data and may follow the seed.
+
 Normalisation layers (Sec. III-B, "Local Response Normalization" for fully connected layers): after each
 hidden ReLU, ``(h − χ)/(φ − χ)`` with χ, φ the per-neuron batch min and max, so 𝔥̄ ∈ [0, 1].
 
@@ -40,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, accuracy, set_seed, train_nonprivate
+from sim.seeds import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
 
 FEATURE_SENSITIVITY = 1.0   # |x_ij − x'_ij| ≤ 1 for x ∈ [0, 1] (Lemma 3's domain), replace-one
 LABEL_SENSITIVITY = 2.0     # ||(½ − y) − (½ − y')||_1 for one-hot y, y' (replace-one)
@@ -56,6 +66,7 @@ class AdLMConfig:
     relevance_hidden: tuple[int, ...] = (64,)
     relevance_epochs: int = 30
     lrp_epsilon: float = 1e-6
+    records_per_patient: int = 4            # k slices per patient on the slice task (noise grows with k)
 
 
 # --------------------------------------------------------------------------------------------- LRP
@@ -84,23 +95,26 @@ def lrp_relevance(model: torch.nn.Sequential, x: torch.Tensor, eps: float = 1e-6
     return (rel - lo) / torch.clamp(hi - lo, min=1e-12)
 
 
-def relevance_sensitivity(d: int, n: int) -> float:
-    """Δ_R = 2d/|D| (Lemma 1, eq. 13; replace-one)."""
-    return 2.0 * d / n
+def relevance_sensitivity(d: int, n: int, group: int = 1) -> float:
+    """Δ_R = 2d/|D| (Lemma 1, eq. 13; replace-one record); replacing a unit of ``group`` records: 2dk/|D|."""
+    return 2.0 * d * group / n
 
 
-def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, release_id: str, generator) -> np.ndarray:
-    """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1)."""
+def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, release_id: str, noise,
+                      group: int = 1) -> np.ndarray:
+    """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1), then drawn
+    from ``noise``'s stream ``release_id`` (a ``privacy.mechanisms.NoiseSource``). ``group``: records per
+    privacy unit."""
     from privacy.events import LaplaceEvent
     from privacy.mechanisms import LaplaceMechanism
 
     per_record = np.clip(np.asarray(per_record, np.float64), 0.0, 1.0)   # bounded by construction
     n, d = per_record.shape
-    sens = relevance_sensitivity(d, n)
+    sens = relevance_sensitivity(d, n, group)
     scale = sens / epsilon1
     guard.charge(owners, LaplaceEvent(sensitivity=sens, scale=scale, relation="replace-one"), release_id=release_id,
-                 note={"step": "adlm-relevance", "d": d, "n": n})
-    return np.asarray(LaplaceMechanism(scale, generator)(per_record.mean(axis=0)))
+                 note={"step": "adlm-relevance", "d": d, "n": n, "records_per_unit": group})
+    return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(per_record.mean(axis=0)))
 
 
 def budget_ratios(noisy_relevance: np.ndarray | None, d: int) -> np.ndarray:
@@ -112,43 +126,48 @@ def budget_ratios(noisy_relevance: np.ndarray | None, d: int) -> np.ndarray:
     return np.ones(d) if total <= 0 else d * a / total
 
 
-def feature_scales(beta: np.ndarray, epsilon2: float) -> np.ndarray:
-    """Per-feature Laplace scales b_j = Δ_x d / (β_j ε2) (∞ where β_j = 0: the feature is withheld)."""
+def feature_scales(beta: np.ndarray, epsilon2: float, group: int = 1) -> np.ndarray:
+    """Per-feature Laplace scales b_j = k Δ_x d / (β_j ε2) for units of k = ``group`` records (shares β_j of
+    eq. 16, ε2/k per record; ∞ where β_j = 0: the feature is withheld)."""
     d = len(beta)
     with np.errstate(divide="ignore"):
-        return np.where(beta > 0, FEATURE_SENSITIVITY * d / (beta * epsilon2), np.inf)
+        return np.where(beta > 0, group * FEATURE_SENSITIVITY * d / (beta * epsilon2), np.inf)
 
 
-def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_id: str, generator) -> np.ndarray:
+def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_id: str, noise,
+                     group: int = 1) -> np.ndarray:
     """x̄_ij = clip(x_ij, 0, 1) + Lap(b_j) (Alg. 1 lines 10-13, per-record calibration; see module doc).
 
-    Charged as one Laplace mechanism on the whitened record ``x_j / b_j`` (scale 1), whose L1 sensitivity is
-    ``Σ_j Δ_x / b_j`` (= ε2 by construction). Withheld features (b_j = ∞) are replaced by 0.5.
+    Charged as one Laplace mechanism on the whitened records ``x_j / b_j`` (scale 1), whose L1 sensitivity
+    for a unit of k = ``group`` records is ``k Σ_j Δ_x / b_j`` (= ε2 by construction of ``feature_scales``).
+    Withheld features (b_j = ∞) are replaced by 0.5.
     """
     from privacy.events import LaplaceEvent
     from privacy.mechanisms import LaplaceMechanism
 
     x = np.clip(np.asarray(x, np.float64), 0.0, 1.0)
     finite = np.isfinite(scales)
-    eps = float(np.sum(FEATURE_SENSITIVITY / scales[finite]))
+    eps = group * float(np.sum(FEATURE_SENSITIVITY / scales[finite]))
     guard.charge(owners, LaplaceEvent(sensitivity=eps, scale=1.0, relation="replace-one"), release_id=release_id,
-                 note={"step": "adlm-affine", "d": int(len(scales)), "withheld": int((~finite).sum())})
+                 note={"step": "adlm-affine", "d": int(len(scales)), "withheld": int((~finite).sum()),
+                       "records_per_unit": group})
     white = np.where(finite, x / np.where(finite, scales, 1.0), 0.0)
-    noisy = np.asarray(LaplaceMechanism(1.0, generator)(white))
+    noisy = np.asarray(LaplaceMechanism(1.0, noise.generator(release_id))(white))
     return np.where(finite, noisy * np.where(finite, scales, 1.0), 0.5).astype(np.float32)
 
 
 def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, guard, owners, release_id: str,
-                               generator) -> np.ndarray:
-    """φ̄⁽¹⁾_il = (½ − y_il) + Lap(Δ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration)."""
+                               noise, group: int = 1) -> np.ndarray:
+    """φ̄⁽¹⁾_il = (½ − y_il) + Lap(kΔ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration;
+    k = ``group`` records per unit)."""
     from privacy.events import LaplaceEvent
     from privacy.mechanisms import LaplaceMechanism
 
-    scale = LABEL_SENSITIVITY / epsilon3
-    guard.charge(owners, LaplaceEvent(sensitivity=LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
-                 release_id=release_id, note={"step": "adlm-loss", "classes": classes})
+    scale = group * LABEL_SENSITIVITY / epsilon3
+    guard.charge(owners, LaplaceEvent(sensitivity=group * LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
+                 release_id=release_id, note={"step": "adlm-loss", "classes": classes, "records_per_unit": group})
     phi = 0.5 - np.eye(classes)[np.asarray(y)]
-    return np.asarray(LaplaceMechanism(scale, generator)(phi)).astype(np.float32)
+    return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(phi)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------- network
@@ -193,21 +212,26 @@ def taylor_loss(logits: torch.Tensor, phi1: torch.Tensor) -> torch.Tensor:
 
 
 def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfig | None = None, seed: int = 0,
-               adaptive: bool = True, release_prefix: str | None = None, progress: bool = False) -> SeedResult:
+               adaptive: bool = True, release_prefix: str | None = None, progress: bool = False,
+               noise=None) -> SeedResult:
     """AdLM (``adaptive=True``) or ILM (``adaptive=False``) on the pooled private records.
 
     All three releases are made (and charged) before training; the epochs only post-process them, so the
-    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1).
+    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1). ``noise``: the
+    ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
     """
-    from privacy.mechanisms import make_generator
+    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or AdLMConfig()
+    noise = noise if noise is not None else NoiseSource()
     method = "adlm" if adaptive else "ilm"
     prefix = release_prefix or method
     set_seed(seed)
-    generator = make_generator(seed)
-    x = np.asarray(task.x_private, np.float32)
-    y = np.asarray(task.y_private, np.int64)
+    units = task.unit_records()
+    k = 1 if task.privacy_unit == "record" else cfg.records_per_patient
+    chosen = capped_units(units, k).reshape(-1)            # exactly k records per unit
+    x = np.asarray(task.x_private, np.float32)[chosen]
+    y = np.asarray(task.y_private, np.int64)[chosen]
     n, d = x.shape
     f1, f2, f3 = cfg.budget_split
     if not adaptive:                         # ILM needs no relevance: give ε1's share to the features
@@ -225,11 +249,11 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
         ref_model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
                                      hidden=cfg.relevance_hidden, epochs=cfg.relevance_epochs, seed=seed)
         per_record = lrp_relevance(ref_model, torch.as_tensor(x), cfg.lrp_epsilon).numpy()
-        noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", generator)
+        noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", noise, k)
     beta = budget_ratios(noisy_relevance, d)
-    scales = feature_scales(beta, e2)
-    x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", generator)
-    phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", generator)
+    scales = feature_scales(beta, e2, k)
+    x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", noise, k)
+    phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", noise, k)
 
     model = build_adlm_net(d, cfg.hidden, task.n_classes)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -255,8 +279,9 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
         details={"epsilon_split": [e1, e2, e3], "epochs": cfg.epochs, "hidden": list(cfg.hidden),
                  "feature_scale_median": float(np.median(scales[finite])) if finite.any() else None,
                  "feature_scale_min": float(scales[finite].min()) if finite.any() else None,
-                 "label_scale": LABEL_SENSITIVITY / e3,
-                 "relevance_scale": None if not adaptive else relevance_sensitivity(d, n) / e1,
+                 "label_scale": k * LABEL_SENSITIVITY / e3,
+                 "relevance_scale": None if not adaptive else relevance_sensitivity(d, n, k) / e1,
+                 "privacy_unit": task.privacy_unit, "units": len(units), "records_per_unit": k,
                  "features_withheld": int((~finite).sum())},
         model=model,
     )

@@ -7,23 +7,39 @@ layer k and record n, which decouples the nested objective (eq. 1) into per-laye
     hidden layer:  E_k(W_k) = μ Σ_n ||z_{k,n} − h(W_k [z_{k-1,n}; 1])||²     (z_0 = x, h = ReLU)
 
 and alternates a Z-step (optimise the z's with W fixed; never released, so non-private — paper Sec. 2.1)
-with a W-step. The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq.
-4-5): first order ``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a
-diagonal second-order (Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients,
-which are sums over the batch of per-record terms; each per-record term is clipped to norm ``C`` (Sec. 2.2:
-"bound the sensitivities directly by clipping the norms of the coefficients"), so under add/remove-one
-the sum of a coefficient has L2 sensitivity ``C``.
+with a W-step. The Z-step descends the *summed* objective: its terms separate over records, so record n's
+``z_{k,n}`` depends on record n alone. (Dividing by the batch size |B| — a data-dependent mean — made every
+record's z, hence its clipped coefficient, depend on how many other records were sampled: adding one record
+then changed all the others' terms and the sum moved by more than C.)
+
+The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 2.2, eq. 4-5): first order
+``E_k(W) ≈ E_k(W⁰) + <c¹_k, W − W⁰>`` (the paper's experiments), optionally with a diagonal second-order
+(Gauss-Newton) coefficient ``c²_k``. The data enter only through these coefficients, which are sums over the
+batch of per-record terms; the terms of one privacy unit (a record, or all slices of one patient) are summed
+and that sum is clipped to norm ``C`` (Sec. 2.2: "bound the sensitivities directly by clipping the norms of
+the coefficients"), so under add/remove-one unit the sum of a coefficient has L2 sensitivity ``C``.
+Batches are Poisson samples of units (``sim.seeds`` module note: user-level DP on the slice task).
 
 Appendix I (one Gaussian draw per step): the P coefficient blocks of all layers are each divided by their
 sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(0, σ² I)`` and scaled back —
 so block p carries noise of std ``σ · C_p · √P``. With Poisson sampling of rate q every step is one
 sampled Gaussian mechanism with noise multiplier σ, accounted as ``SampledGaussianEvent(q, σ)`` (moments
-accountant, Appendix I "Moments Calculations"; here dp_accounting's PLD through privacy/).
+accountant, Appendix I "Moments Calculations"; here dp_accounting's PLD through privacy/) under the
+**replace-one** relation every method of a comparison uses (SPEC section 2; a replaced unit moves a block
+by at most 2·C_p, which dp_accounting's REPLACE_ONE sampled Gaussian accounts).
 
-DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): rows clipped to L2 norm 1, the
-second-moment matrix ``Σ_n x_n x_nᵀ`` (Frobenius sensitivity 1 under add/remove) perturbed with a symmetric
-Gaussian matrix (Dwork et al. 2014, "Analyze Gauss"), top-k eigenvectors; accounted as
-``GaussianEvent(sensitivity=1, sigma, relation="add-remove")`` and composed with the training steps.
+Randomness (SPEC §2): the DP-PCA noise and, after the planned W-steps are charged, every step's Poisson
+batch and Gaussian draw come from named streams of a ``privacy.mechanisms.NoiseSource`` (secure unless a
+simulation asks for reproducible noise; ``<prefix>/dp-pca`` and ``<prefix>/w-steps``), each opened only
+after its release is in the ledger — never from the training seed: amplification by subsampling needs the
+batches to be secret as much as the noise.
+
+DP-PCA input projection (paper Sec. 3, following Abadi et al. 2016): each unit's second-moment matrix
+``Σ_{n∈unit} x_n x_nᵀ`` clipped to Frobenius norm 1 (for single records: rows clipped to L2 norm 1), their
+sum (Frobenius sensitivity 1 under add/remove-one unit, sqrt 2 under replace-one: see ``PCA_SENSITIVITY``)
+perturbed with a symmetric Gaussian matrix (Dwork et al. 2014, "Analyze Gauss"), top-k eigenvectors;
+accounted as ``GaussianEvent(sensitivity=sqrt 2, sigma, relation="replace-one")`` and composed with the
+training steps.
 """
 
 from __future__ import annotations
@@ -34,18 +50,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, set_seed
+from sim.seeds import SeedResult, gather_units, set_seed
 
 
 @dataclass
 class DPMACConfig:
     hidden: tuple[int, ...] = (300,)   # paper's classifier: one hidden layer of 300 units
     epochs: int = 10
-    batch_size: int = 250              # expected (Poisson) batch size; q = batch_size / n
+    batch_size: int = 250              # expected (Poisson) batch size in units; q = batch_size / units
     lr: float = 0.01                   # Adam on the W-step (paper, Appendix B table)
     lr_decay: float = 0.95             # per epoch
     z_steps: int = 10
-    z_lr: float = 0.5
+    z_lr: float = 0.1                  # per-record step on the summed Z-step objective (μ = 1: 0.5 jumps onto h)
     mu: float = 1.0                    # quadratic-penalty weight of MAC
     clip: float = 1.0                  # per-record clip of every first-order coefficient block
     clip2: float = 1.0                 # per-record clip of the second-order blocks (order == 2)
@@ -60,23 +76,38 @@ class DPMACConfig:
 
 # --------------------------------------------------------------------------------------------- maths
 def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """``min(1, C / ||c_n||)``: scaling that bounds every per-record coefficient by C (paper Sec. 2.2)."""
+    """``min(1, C / ||c_n||)``: scaling that bounds every per-unit coefficient by C (paper Sec. 2.2)."""
     return torch.clamp(clip / (norms + 1e-12), max=1.0)
 
 
+def unit_norms(u: torch.Tensor, v: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """Frobenius norms of the per-unit coefficient sums ``Σ_{n∈g} u_n v_nᵀ``, without forming them:
+    ``||Σ u_n v_nᵀ||_F² = Σ_{n,m∈g} (u_n·u_m)(v_n·v_m)``. ``groups=None``: every row is its own unit
+    (``||u_n||·||v_n||``); else ``groups[n]`` is row n's unit index (0..G−1)."""
+    if groups is None:
+        return u.norm(dim=1) * v.norm(dim=1)
+    same = (groups[:, None] == groups[None, :]).to(u.dtype)
+    per_row = ((u @ u.T) * (v @ v.T) * same).sum(dim=1)
+    squares = torch.zeros(int(groups.max()) + 1, dtype=u.dtype).index_add_(0, groups, per_row)
+    return squares.clamp(min=0.0).sqrt()
+
+
 def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.Tensor, z_target: torch.Tensor | None,
-                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0):
+                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0,
+                       groups: torch.Tensor | None = None):
     """Clipped per-layer Taylor coefficients summed over the batch (paper eq. 4-5, Sec. 2.2).
 
     Every per-record first-order coefficient is an outer product ``u_n v_nᵀ`` with ``v_n = [z_{k-1,n}; 1]``
-    (so its Frobenius norm is ``||u_n||·||v_n||`` and clipping needs no per-record matrices):
+    (so clipping needs no per-record matrices, see ``unit_norms``); the terms of one unit (``groups``: row →
+    unit index; None = one unit per row) are summed, then clipped:
       hidden (MSE, ReLU):  u_n = −2μ (z_{k,n} − h(a_n)) ⊙ h'(a_n)
       output (softmax CE): u_n = softmax(a_n) − onehot(y_n)
     Second-order diagonal (Gauss-Newton) coefficient: ``u'_n (v_n²)ᵀ`` with u'_n = 2μ h'(a_n) (hidden) or
     p(1−p) (output).
 
-    Returns ``(sums, per_record_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
-    first-order block, then (order 2) the second-order block — each with add/remove sensitivity ≤ its clip.
+    Returns ``(sums, per_unit_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
+    first-order block, then (order 2) the second-order block — each with add/remove-one-unit sensitivity
+    ≤ its clip.
     """
     v = torch.cat([z_prev, torch.ones(z_prev.shape[0], 1, dtype=z_prev.dtype)], dim=1)
     a = v @ torch.cat([weight, bias[:, None]], dim=1).T
@@ -88,15 +119,16 @@ def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.T
         p = torch.softmax(a, dim=1)
         u = p - torch.nn.functional.one_hot(labels, p.shape[1]).to(p.dtype)
         u2 = p * (1 - p)
-    norms = u.norm(dim=1) * v.norm(dim=1)
+    rows = slice(None) if groups is None else groups      # a unit's clip factor applies to all its rows
+    norms = unit_norms(u, v, groups)
     f = clip_factors(norms, clip)
-    sums = [(u * f[:, None]).T @ v]
+    sums = [(u * f[rows][:, None]).T @ v]
     clipped = [norms * f]
     if order == 2:
         v2 = v * v
-        norms2 = u2.norm(dim=1) * v2.norm(dim=1)
+        norms2 = unit_norms(u2, v2, groups)
         f2 = clip_factors(norms2, clip2)
-        sums.append((u2 * f2[:, None]).T @ v2)
+        sums.append((u2 * f2[rows][:, None]).T @ v2)
         clipped.append(norms2 * f2)
     return sums, clipped
 
@@ -120,16 +152,26 @@ def perturb_concatenated(blocks: list[torch.Tensor], sensitivities: list[float],
     return out
 
 
-def dp_pca(x: np.ndarray, components: int, sigma: float, mechanism_factory) -> np.ndarray:
+def clipped_second_moment(x: np.ndarray, units: list[np.ndarray]) -> np.ndarray:
+    """``Σ_g M_g / max(1, ||M_g||_F)`` over ``units`` (record indices into x), ``M_g = Σ_{n∈g} x_n x_nᵀ``:
+    Frobenius sensitivity 1 under add/remove-one unit. Computed as ``X̃ᵀX̃`` with unit g's rows scaled by
+    ``max(1, ||M_g||_F)^{-1/2}`` (``||M_g||_F = ||X_g X_gᵀ||_F``); a single record is the usual row clip
+    to L2 norm 1."""
+    x = np.asarray(x, np.float64)
+    parts = [x[records] / math.sqrt(max(1.0, float(np.linalg.norm(x[records] @ x[records].T)))) for records in units]
+    xc = np.concatenate(parts) if parts else np.zeros((0, x.shape[1]))
+    return xc.T @ xc
+
+
+def dp_pca(x: np.ndarray, components: int, sigma: float, mechanism_factory,
+           units: list[np.ndarray] | None = None) -> np.ndarray:
     """Analyze-Gauss DP-PCA (Dwork, Talwar, Thakurta & Zhang 2014) as used by Abadi et al. / DP-MAC Sec. 3.
 
-    Rows are clipped to L2 norm 1, so ``A = Σ_n x_n x_nᵀ`` has Frobenius (hence upper-triangle L2)
-    sensitivity 1 under add/remove. The upper triangle gets N(0, σ²) noise (one mechanism call) and is
-    mirrored; returns the top-``components`` eigenvectors (d, k).
+    ``A = clipped_second_moment(x, units)`` (units default: one per record) has Frobenius (hence
+    upper-triangle L2) sensitivity 1 under add/remove-one unit. The upper triangle gets N(0, σ²) noise (one
+    mechanism call) and is mirrored; returns the top-``components`` eigenvectors (d, k).
     """
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    xc = x / np.maximum(1.0, norms)
-    a = xc.T @ xc
+    a = clipped_second_moment(x, units if units is not None else list(np.arange(len(x))[:, None]))
     d = a.shape[0]
     iu = np.triu_indices(d)
     upper = mechanism_factory(sigma)(a[iu].astype(np.float64))
@@ -163,7 +205,10 @@ class MACNet(torch.nn.Module):
 
 def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> list[torch.Tensor]:
     """Initialise the auxiliary coordinates by a forward pass (paper Sec. 3) and refine them by gradient
-    steps on the MAC objective (eq. 2) with W fixed. Returns [z_0 = projected x, z_1, ..., z_{L-1}]."""
+    steps on the MAC objective (eq. 2) with W fixed. Returns [z_0 = projected x, z_1, ..., z_{L-1}].
+
+    The objective is the sum over records (no division by the batch size): each record's z then follows
+    from that record alone, which the W-step's add/remove sensitivity C (Sec. 2.2) relies on."""
     with torch.no_grad():
         zs = net.activations(x)[:-1]
     hidden = [z.clone().requires_grad_(True) for z in zs[1:]]
@@ -176,7 +221,7 @@ def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> l
             loss = torch.nn.functional.cross_entropy(layers[-1](prev[-1]), y, reduction="sum")
             for k in range(len(hidden)):
                 loss = loss + cfg.mu * ((hidden[k] - torch.relu(layers[k](prev[k]))) ** 2).sum()
-            (loss / len(y)).backward()
+            loss.backward()
             with torch.no_grad():
                 for layer in layers:
                     for p in layer.parameters():
@@ -185,41 +230,91 @@ def z_step(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig) -> l
     return [zs[0]] + [h.detach() for h in hidden]
 
 
+def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMACConfig,
+                        groups: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """The data-dependent part of one W-step on a sampled batch: the Z-step, then every layer's clipped
+    coefficient sums (eq. 4-5, Sec. 2.2), in the order Appendix I concatenates them.
+
+    ``groups``: each row's unit index within the batch (a patient's slices share one; None = one unit per
+    row). Returns ``(blocks, sensitivities)``: per layer the first-order block (and, order 2, the
+    second-order block); adding or removing one unit changes block p by at most ``sensitivities[p]`` (L2).
+    An empty batch gives zero blocks (the step still releases noise).
+    """
+    layers = list(net.layers)
+    zs = z_step(net, x, y, cfg) if len(y) else None
+    blocks, sens = [], []
+    for k, layer in enumerate(layers):
+        if zs is None:
+            out_dim, in_dim = layer.weight.shape
+            sums = [torch.zeros(out_dim, in_dim + 1) for _ in range(cfg.order)]
+        else:
+            last = k == len(layers) - 1
+            sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
+                                         None if last else zs[k + 1], y if last else None,
+                                         cfg.mu, cfg.clip, cfg.order, cfg.clip2, groups)
+        blocks += sums
+        sens += [cfg.clip, cfg.clip2][:cfg.order]
+    return blocks, sens
+
+
+#: One relation for every method of a comparison (SPEC section 2): replace-one, the only one that holds
+#: once dataset sizes are published. A unit's clipped W-step term moves the sum by at most 2C when it is
+#: replaced (its term and its replacement's, each of norm <= C): dp_accounting's REPLACE_ONE sampled
+#: Gaussian accounts that with the multiplier relative to C.
+RELATION = "replace-one"
+#: DP-PCA's second-moment matrix under replace-one: one unit's moment (PSD, Frobenius norm <= 1) is
+#: replaced by another, ||A - B||_F^2 = ||A||^2 + ||B||^2 - 2<A, B> <= 2 since <A, B> >= 0 for PSD
+#: matrices; the upper triangle that gets the noise has at most that norm.
+PCA_SENSITIVITY = 2 ** 0.5
+
+
 def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: int, pca_sigma: float | None,
                     accountant: str = "pld") -> float:
-    """Noise multiplier σ such that [DP-PCA Gaussian] ∘ ``steps`` × SampledGaussian(q, σ) spends ``epsilon``."""
+    """Noise multiplier σ such that [DP-PCA Gaussian] ∘ ``steps`` × SampledGaussian(q, σ) spends ``epsilon``
+    under replace-one (PLD; dp_accounting's RDP has no replace-one Poisson subsampling)."""
     from privacy.calibration import calibrate, dpsgd_noise_multiplier
     from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
 
     if pca_sigma is None:
-        return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant)
-    pca_event = GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove")
-    make = lambda z: ComposedEvent((pca_event, SampledGaussianEvent(sampling_rate, z, steps)))  # noqa: E731
-    guess = calibrate(make, epsilon, delta, "rdp", 0.3, 3.0, rtol=1e-2)     # fast bracket, then the exact one
-    return calibrate(make, epsilon, delta, accountant, 0.7 * guess, 1.02 * guess)
+        return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant, relation=RELATION)
+    pca_event = GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=pca_sigma, relation=RELATION)
+    make = lambda z: ComposedEvent((pca_event, SampledGaussianEvent(sampling_rate, z, steps,  # noqa: E731
+                                                                    relation=RELATION)))
+    # A fast RDP locator on the add/remove reading of the same steps gives a lower end (replace-one needs
+    # more noise); PLD then searches a bracket above it (calibrate widens it when it has to).
+    rough = lambda z: ComposedEvent((GaussianEvent(PCA_SENSITIVITY, pca_sigma, relation="add-remove"),  # noqa: E731
+                                     SampledGaussianEvent(sampling_rate, z, steps)))
+    guess = calibrate(rough, epsilon, delta, "rdp", 0.3, 3.0, rtol=1e-2)
+    return calibrate(make, epsilon, delta, accountant, 0.9 * guess, 1.6 * guess)
 
 
 def pca_sigma_for(epsilon: float, delta: float) -> float:
     from privacy.calibration import calibrate
     from privacy.events import GaussianEvent
 
-    return calibrate(lambda s: GaussianEvent(sensitivity=1.0, sigma=s, relation="add-remove"),
+    return calibrate(lambda s: GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=s, relation=RELATION),
                      epsilon, delta, "gdp-exact", 0.01, 1e4)
 
 
 def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False) -> SeedResult:
-    """Train a DP-MAC classifier on the pooled private records. ``epsilon=None`` runs MAC without noise."""
+                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False, noise=None) -> SeedResult:
+    """Train a DP-MAC classifier on the pooled private records, sampled and clipped per privacy unit
+    (``task.unit_records()``: a record, or a patient's slices). ``epsilon=None`` runs MAC without noise.
+
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); ``seed``
+    only initialises the network."""
     from privacy.events import GaussianEvent, SampledGaussianEvent
-    from privacy.mechanisms import GaussianMechanism, make_generator
+    from privacy.mechanisms import GaussianMechanism, NoiseSource
+    from sim.dpsgd import poisson_batches
 
     cfg = cfg or DPMACConfig()
+    noise = noise if noise is not None else NoiseSource()
     set_seed(seed)
     x = np.asarray(task.x_private, np.float32)
     y = np.asarray(task.y_private, np.int64)
-    n = len(y)
-    generator = make_generator(seed)
-    mech = (lambda s: GaussianMechanism(s, generator))
+    units = task.unit_records()
+    per_record = task.privacy_unit == "record"      # one record per unit: the cheap clipping path
+    n = len(units)
     q = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, int(round(1.0 / q)))
     total_steps = steps_per_epoch * cfg.epochs
@@ -229,9 +324,11 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     if cfg.pca_components:
         if private:
             pca_sigma = pca_sigma_for(cfg.pca_epsilon_fraction * epsilon, delta)
-            guard.charge(owners, GaussianEvent(sensitivity=1.0, sigma=pca_sigma, relation="add-remove"),
-                         release_id=f"{release_prefix}/dp-pca", note={"components": cfg.pca_components})
-            projection = dp_pca(x, cfg.pca_components, pca_sigma, mech)
+            release = f"{release_prefix}/dp-pca"
+            guard.charge(owners, GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=pca_sigma, relation=RELATION),
+                         release_id=release, note={"components": cfg.pca_components})
+            stream = noise.generator(release)          # opened after the charge
+            projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream), units)
         else:
             u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
             projection = vt[:cfg.pca_components].T.astype(np.float32)
@@ -245,32 +342,22 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.lr_decay)
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
-    sample_gen = torch.Generator().manual_seed(seed + 17)
     layers = list(net.layers)
-    if private:   # charge all planned W-steps before any of their noise is drawn (one guard check)
-        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps),
-                     release_id=f"{release_prefix}/w-steps",
+    release = f"{release_prefix}/w-steps"
+    if private:   # charge all planned W-steps before any of their batches or noise is drawn (one guard check)
+        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps, relation=RELATION), release_id=release,
                      note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
+    stream = noise.generator(release)      # Poisson batches and the steps' noise (opened after the charge)
+    batches = poisson_batches(n, q, total_steps, stream)      # Poisson sampling of units
     for epoch in range(cfg.epochs):
         for _ in range(steps_per_epoch):
-            mask = torch.rand(n, generator=sample_gen) < q          # Poisson sampling
-            idx = torch.nonzero(mask).squeeze(1)
-            zs = z_step(net, xt[idx], yt[idx], cfg) if len(idx) else None
-            blocks, sens = [], []
-            for k, layer in enumerate(layers):
-                if zs is None:
-                    out_dim, in_dim_k = layer.weight.shape
-                    sums = [torch.zeros(out_dim, in_dim_k + 1) for _ in range(cfg.order)]
-                else:
-                    last = k == len(layers) - 1
-                    sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
-                                                 None if last else zs[k + 1], yt[idx] if last else None,
-                                                 cfg.mu, cfg.clip, cfg.order, cfg.clip2)
-                blocks += sums
-                sens += [cfg.clip, cfg.clip2][:cfg.order]
-            if private:
-                blocks = perturb_concatenated(blocks, sens, noise_multiplier, mech)
-            denom = q * n     # expected batch size (fixed: the sum, not a data-dependent mean, is what is private)
+            idx, groups = gather_units(units, next(batches))
+            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg,
+                                               None if per_record else torch.from_numpy(groups))
+            if private:   # every step releases noise, an empty batch too (the sampled Gaussian's analysis)
+                blocks = perturb_concatenated(blocks, sens, noise_multiplier,
+                                              lambda s: GaussianMechanism(s, stream))
+            denom = q * n     # expected units per batch (fixed: the sum, not a data-dependent mean, is private)
             opt.zero_grad()
             for k, layer in enumerate(layers):
                 g = blocks[k * cfg.order] / denom
@@ -294,8 +381,9 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
 
     return SeedResult(
         method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
-        relation="add-remove", sigma=noise_multiplier,
+        relation=RELATION if private else None, sigma=noise_multiplier,
         details={"noise_multiplier": noise_multiplier, "sampling_rate": q, "steps": total_steps,
+                 "privacy_unit": task.privacy_unit, "units": n,
                  "epochs": cfg.epochs, "order": cfg.order, "clip": cfg.clip, "hidden": list(cfg.hidden),
                  "pca_components": cfg.pca_components, "pca_sigma": pca_sigma,
                  "noise_std_per_block": None if noise_multiplier is None else

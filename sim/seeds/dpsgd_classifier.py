@@ -1,54 +1,81 @@
 """DP-SGD for the small classifiers (Abadi et al. 2016 via Opacus), constant or with a Yu et al. schedule.
 
-* Poisson sampling (Opacus ``poisson_sampling=True``), per-sample clipping to ``max_grad_norm``, Gaussian
-  noise ``z·C``; the planned run (``SampledGaussianEvent(q, z, steps)``, or one such event per epoch for a
-  schedule) is charged through the budget guard *before* training starts (add/remove-one, PLD — SPEC §6).
-* ``schedule="exponential"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
-  Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise multiplier for the same
-  (ε, δ, epochs), and k is planned with ``privacy.schedules.plan_decay`` so that exactly ``epochs`` epochs
-  spend the budget (early epochs noisier, later epochs cleaner).
+Runs on ``sim.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
+the guarantee rests on:
+
+* Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
+  (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD — SPEC §6). A unit is a record,
+  or on the slice task a patient: its slices sit in one row of ``sim.seeds.padded_units`` and ``unit_loss``
+  sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
+  (user-level DP, ``sim.seeds`` module note).
+* Each epoch is charged through the budget guard (``SampledGaussianEvent(q, z_e, steps)``, release
+  ``<prefix>:epoch-e``) *before* its stream is opened; the epoch's Poisson masks and noise both come from
+  that stream of the ``NoiseSource`` (secure unless a simulation asks for reproducible noise), never from
+  the training seed.
+* An empty Poisson batch takes a noise-only step: the sampled-Gaussian analysis (Abadi et al. 2016,
+  Theorem 1: each of the T steps is a subsampled Gaussian release) assumes every step releases noise;
+  skipping it would release less than was accounted *and* reveal that the batch was empty.
+* ``schedule="exp"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
+  ``../shared/papers/003_*`` Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise
+  multiplier for the same (ε, δ, epochs), and k is planned (``privacy.schedules.plan_decay``) so that exactly
+  ``epochs`` epochs spend the budget (early epochs noisier, later epochs cleaner).
 * ``epsilon=None``: the non-private baseline (same net, same optimiser, no clipping, no noise).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, accuracy, build_mlp, set_seed
+from sim.seeds import SeedResult, accuracy, build_mlp, padded_units, set_seed
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
+
+
+#: One relation for every method of a comparison (SPEC section 2): replace-one, the only one that holds
+#: once dataset sizes are published (the task summary publishes them).
+RELATION = "replace-one"
 
 
 @dataclass
 class DPSGDConfig:
     hidden: tuple[int, ...] = (300,)
     epochs: int = 10
-    batch_size: int = 250
+    batch_size: int = 250              # expected Poisson batch in units (records, or patients on the slice task)
     lr: float = 0.05
     momentum: float = 0.9
     max_grad_norm: float = 1.0
-    schedule: str | None = None        # None | "exponential"
+    schedule: str | None = None        # None | a sim.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
     sigma0_factor: float = 1.5
     nonprivate_lr: float = 1e-3
 
 
+def unit_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over each unit's records (``mask`` drops padding), averaged over the batch's units.
+
+    Opacus (``loss_reduction="mean"``) turns row i's gradient of this into unit i's per-sample gradient: the
+    gradient of the unit's *summed* loss, which it then clips to C."""
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    return (ce.view_as(mask) * mask).sum(dim=1).mean()
+
+
 def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: DPSGDConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False) -> SeedResult:
+                seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False, noise=None) -> SeedResult:
+    """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records, sampled and clipped per privacy
+    unit (``task.unit_records()``). ``noise``: the cell's ``privacy.mechanisms.NoiseSource`` (secure when
+    None); ``seed`` only initialises the network."""
     cfg = cfg or DPSGDConfig()
     set_seed(seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))
     y = torch.as_tensor(np.asarray(task.y_private, np.int64))
     model = build_mlp(x.shape[1], cfg.hidden, task.n_classes)
-    dataset = torch.utils.data.TensorDataset(x, y)
-    gen = torch.Generator().manual_seed(seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=gen)
     method = "nonprivate" if epsilon is None else ("dp-sgd-scheduled" if cfg.schedule else "dp-sgd")
 
     if epsilon is None:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=cfg.batch_size,
+                                             shuffle=True, generator=torch.Generator().manual_seed(seed))
         opt = torch.optim.Adam(model.parameters(), lr=cfg.nonprivate_lr)
         for epoch in range(cfg.epochs):
             model.train()
@@ -60,61 +87,49 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                           delta=delta, relation=None, details={"epochs": cfg.epochs, "hidden": list(cfg.hidden)},
                           model=model)
 
-    from opacus import PrivacyEngine
     from privacy.calibration import dpsgd_noise_multiplier
-    from privacy.events import SampledGaussianEvent
+    from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 
-    steps_per_epoch = len(loader)
-    q = 1.0 / steps_per_epoch       # Opacus' Poisson sample rate for this loader
     target = epsilon * CALIBRATION_MARGIN
-    z_constant = dpsgd_noise_multiplier(target, delta, q, steps_per_epoch * cfg.epochs)
+    common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False, relation=RELATION,
+                  sampling="poisson", release_prefix=release_prefix, target_epochs=cfg.epochs,
+                  grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
+    units = task.unit_records()
+    xu, yu, mask = padded_units(x.numpy(), y.numpy(), units)
     if cfg.schedule:
-        from privacy.schedules import make_schedule, plan_decay
-
-        sigma0 = cfg.sigma0_factor * z_constant
-        k = plan_decay(cfg.schedule, sigma0, cfg.epochs, target, delta, sampling_rate=q,
-                       steps_per_epoch=steps_per_epoch)
-        schedule = make_schedule(cfg.schedule, sigma0, k)
-        sigmas = [schedule.sigma(t) for t in range(cfg.epochs)]
+        steps = steps_per_epoch(len(units), cfg.batch_size)
+        z_constant = dpsgd_noise_multiplier(target, delta, 1.0 / steps, steps * cfg.epochs, relation=RELATION)
+        dp = DPConfig(mode="schedule", schedule=cfg.schedule, noise_multiplier=cfg.sigma0_factor * z_constant,
+                      **common)
     else:
-        k, sigmas = None, [z_constant] * cfg.epochs
-
+        dp = DPConfig(mode="target", **common)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    engine = PrivacyEngine(accountant="prv", secure_mode=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, dp_loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                    noise_multiplier=sigmas[0], max_grad_norm=cfg.max_grad_norm,
-                                                    poisson_sampling=True)
-    # The whole planned run is charged once, before any noise is drawn (one guard check instead of one per
-    # epoch: each check re-composes the owner's PLD). A schedule is charged as its per-epoch composition.
-    if cfg.schedule:
-        from privacy.events import ComposedEvent
-
-        event = ComposedEvent(tuple(SampledGaussianEvent(q, s, steps_per_epoch) for s in sigmas))
-    else:
-        event = SampledGaussianEvent(q, z_constant, steps_per_epoch * cfg.epochs)
-    guard.charge(owners, event, release_id=f"{release_prefix}/training",
-                 note={"clip": cfg.max_grad_norm, "noise_multipliers": sigmas, "epochs": cfg.epochs})
+    session = DPSession(model, opt, n=len(units), batch_size=cfg.batch_size, epochs=cfg.epochs, dp=dp,
+                        guard=guard, owners=owners, noise=noise)
+    empty = 0
     for epoch in range(cfg.epochs):
-        opt.noise_multiplier = sigmas[epoch]
-        model.train()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for xb, yb in dp_loader:
-                opt.zero_grad()
-                if len(yb) == 0:   # empty Poisson batch: skip the step (releasing nothing is still covered)
-                    continue
-                torch.nn.functional.cross_entropy(model(xb), yb).backward()
-                opt.step()
+        if not session.begin_epoch(epoch):      # charged before the epoch's stream is opened
+            break
+        session.model.train()
+        for idx in session.batches():
+            if len(idx) == 0:
+                empty += 1
+                session.noise_only_step()
+                continue
+            session.optimizer.zero_grad(set_to_none=True)
+            unit_loss(session.model(xu[idx]), yu[idx], mask[idx]).backward()
+            session.optimizer.step()
         if progress:
-            print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={sigmas[epoch]:.3f}: test acc "
-                  f"{accuracy(model, task.x_test, task.y_test):.3f}", flush=True)
+            print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={session.sigmas[-1]:.3f}: test acc "
+                  f"{accuracy(session.model, task.x_test, task.y_test):.3f}", flush=True)
+    sigmas = list(session.sigmas)
     return SeedResult(
-        method=method, accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
-        relation="add-remove", sigma=float(np.mean(sigmas)),
-        details={"noise_multipliers": sigmas, "decay_k": k, "sampling_rate": q, "steps": steps_per_epoch * cfg.epochs,
-                 "epochs": cfg.epochs, "clip": cfg.max_grad_norm, "hidden": list(cfg.hidden),
-                 "schedule": cfg.schedule},
-        model=model,
+        method=method, accuracy=accuracy(session.model, task.x_test, task.y_test), epsilon_budget=epsilon,
+        delta=delta, relation=RELATION, sigma=float(np.mean(sigmas)),
+        details={"noise_multipliers": sigmas, "decay_k": getattr(session.schedule, "k", None),
+                 "sampling_rate": session.sampling_rate, "steps": session.steps * len(sigmas),
+                 "empty_batches": empty, "epochs": len(sigmas), "clip": cfg.max_grad_norm,
+                 "privacy_unit": task.privacy_unit, "units": len(units),
+                 "hidden": list(cfg.hidden), "schedule": cfg.schedule, "stopped_reason": session.stopped_reason},
+        model=session.model,
     )

@@ -1,10 +1,11 @@
 """Classic PATE with GNMax (Papernot, Song, Mironov, Raghunathan, Talwar & Erlingsson 2018, "Scalable
 Private Learning with PATE"), teachers at the hospitals.
 
-* Teachers: each hospital splits its private records into ``teachers_per_hospital`` disjoint partitions and
-  trains one non-private classifier per partition; K = total teachers. A record influences one teacher.
+* Teachers: each hospital splits its privacy units (records, or patients on the slice task) into
+  ``teachers_per_hospital`` disjoint partitions and trains one non-private classifier per partition;
+  K = total teachers. A unit influences one teacher.
 * GNMax (their Sec. 4.1): for a public query x, the vote histogram ``n_c(x) = |{k : teacher_k(x) = c}|``;
-  the answer is ``argmax_c n_c(x) + N(0, σ²)``. Under replace-one (one record changes one teacher's vote)
+  the answer is ``argmax_c n_c(x) + N(0, σ²)``. Under replace-one (one unit changes one teacher's vote)
   the histogram moves by −1 in one class and +1 in another: L2 sensitivity √2, so each answer is a
   ``GaussianEvent(sensitivity=√2, sigma=σ)`` (data-independent RDP: ε(λ) = λ/σ², their Prop. 8; here composed
   exactly through privacy/'s accountants — the Gaussian events are μ-GDP with μ = √2/σ).
@@ -14,6 +15,10 @@ Private Learning with PATE"), teachers at the hospitals.
   smooth-sensitivity analysis).
 * σ is calibrated so that the worst case (all N queries answered) spends exactly the budget.
 * Student: trained non-privately on the public query records with their noisy labels (answered ones only).
+* Randomness (SPEC §2): every noisy threshold check and every noisy answer draws from its own stream of a
+  ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
+  release id (``<prefix>/q<i>/threshold``, ``<prefix>/q<i>/answer``) and opened after the release is charged.
+  The seed only drives the non-private parts (teacher partition and training, student training).
 """
 
 from __future__ import annotations
@@ -44,19 +49,18 @@ class GNMaxConfig:
 
 
 def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
-    """Disjoint partitions of each hospital's records (deterministic). When the task groups records by
-    patient (``group_of``: slices of one volume), whole patients are partitioned, so a patient influences
-    exactly one teacher and GNMax's replace-one guarantee is per patient (SPEC §2)."""
+    """Disjoint partitions of each hospital's privacy units (``task.unit_records()``; deterministic): on the
+    slice task whole patients are partitioned, so a patient influences exactly one teacher and GNMax's
+    replace-one guarantee is per patient (SPEC §2). Returns ``(hospital, record indices)`` per teacher."""
     rng = np.random.default_rng(seed + 31)
+    units = task.unit_records()
+    unit_hospital = task.unit_hospital(units)
     parts = []
-    for hospital in task.hospitals:
-        idx = task.hospital_indices(hospital)
-        if task.group_of is None:
-            chunks = np.array_split(rng.permutation(idx), teachers_per_hospital)
-        else:
-            groups = rng.permutation(np.unique(task.group_of[idx]))
-            chunks = [idx[np.isin(task.group_of[idx], g)] for g in np.array_split(groups, teachers_per_hospital)]
-        parts += [(hospital, chunk) for chunk in chunks if len(chunk)]
+    for index, hospital in enumerate(task.hospitals):
+        mine = rng.permutation(np.flatnonzero(unit_hospital == index))
+        for chosen in np.array_split(mine, teachers_per_hospital):
+            if len(chosen):
+                parts.append((hospital, np.sort(np.concatenate([units[u] for u in chosen]))))
     return parts
 
 
@@ -85,11 +89,12 @@ def calibrate_gnmax(epsilon: float, delta: float, queries: int, confident: bool,
     return sigma, ratio * sigma
 
 
-def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_prefix: str, generator,
+def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_prefix: str, noise,
                  threshold: float | None = None, sigma_threshold: float | None = None) -> np.ndarray:
     """Noisy-argmax labels for each query row (−1 = not answered by Confident-GNMax).
 
-    Every noisy quantity is charged to the ledger (``guard.charge``) before its noise is drawn.
+    Every noisy quantity is charged to the ledger (``guard.charge``) before its stream of ``noise`` (a
+    ``privacy.mechanisms.NoiseSource``) is opened.
     """
     from privacy.events import GaussianEvent
     from privacy.mechanisms import GaussianMechanism
@@ -97,21 +102,26 @@ def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_pr
     labels = np.full(len(histograms), -1, np.int64)
     for i, hist in enumerate(histograms):
         if threshold is not None:
-            guard.charge(owners, GaussianEvent(THRESHOLD_SENSITIVITY, sigma_threshold),
-                         release_id=f"{release_prefix}/q{i}/threshold")
-            noisy_max = float(GaussianMechanism(sigma_threshold, generator)(np.array([hist.max()]))[0])
+            release = f"{release_prefix}/q{i}/threshold"
+            guard.charge(owners, GaussianEvent(THRESHOLD_SENSITIVITY, sigma_threshold), release_id=release)
+            noisy_max = float(GaussianMechanism(sigma_threshold, noise.generator(release))(np.array([hist.max()]))[0])
             if noisy_max < threshold:
                 continue
-        guard.charge(owners, GaussianEvent(VOTE_SENSITIVITY, sigma), release_id=f"{release_prefix}/q{i}/answer")
-        labels[i] = int(np.argmax(GaussianMechanism(sigma, generator)(hist)))
+        release = f"{release_prefix}/q{i}/answer"
+        guard.charge(owners, GaussianEvent(VOTE_SENSITIVITY, sigma), release_id=release)
+        labels[i] = int(np.argmax(GaussianMechanism(sigma, noise.generator(release))(hist)))
     return labels
 
 
 def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNMaxConfig | None = None,
-                     seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False) -> SeedResult:
-    from privacy.mechanisms import make_generator
+                     seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False,
+                     noise=None) -> SeedResult:
+    """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
+    ``noise``: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None)."""
+    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or GNMaxConfig()
+    noise = noise if noise is not None else NoiseSource()
     parts = teacher_partitions(task, cfg.teachers_per_hospital, seed)
     teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
                                  epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
@@ -127,7 +137,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
     accountant = cfg.accountant or "gdp-exact"
     sigma, sigma1 = calibrate_gnmax(epsilon, delta, nq, cfg.confident, cfg.threshold_sigma_ratio, accountant)
     threshold = cfg.threshold_fraction * K if cfg.confident else None
-    labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, make_generator(seed), threshold, sigma1)
+    labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, noise, threshold, sigma1)
     answered = labels >= 0
     label_acc = None
     if task.y_query_true is not None and answered.any():
@@ -147,6 +157,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
         details={"teacher_accuracy_mean": float(np.mean(teacher_acc)), "ensemble_accuracy": ensemble_acc,
                  "answered": int(answered.sum()), "label_accuracy": label_acc, "confident": cfg.confident,
                  "sigma_threshold": sigma1, "threshold": threshold,
-                 "records_per_teacher": float(np.mean([len(i) for _, i in parts]))},
+                 "records_per_teacher": float(np.mean([len(i) for _, i in parts])),
+                 "privacy_unit": task.privacy_unit},
         model=student,
     )
