@@ -206,7 +206,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "ensemble_dice_mean": None,
         "bytes_up_per_query_per_teacher": None,
         "wall_seconds": round(time.perf_counter() - started, 3),
-        "seed": None if (private and reproducible_noise) else seed,
+        # under reproducible noise the seed also drives the other cells' noise: never published
+        "seed": None if reproducible_noise else seed,
         **(noise.describe() if private else {}),
         # --- extras (SPEC: add freely) ---
         "preset": p.name,

@@ -147,7 +147,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     if "public-only" in methods and not done(out / "public-only"):
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
         run_public_only(preset, data, seed, out / "public-only", out / "_shared" / f"K-{preset.teachers}",
-                        progress=progress)
+                        progress=progress, publish_seed=not reproducible_noise)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
@@ -224,7 +224,8 @@ def combined_release(out: Path, delta: float) -> dict[str, Any]:
             "hospital_ledgers": f"{HOSPITAL_LEDGERS}/", "hospital_ledger_digests": digests}
 
 
-def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True) -> dict:
+def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
+                    publish_seed: bool = True) -> dict:
     """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
     from server.student import train_public_model
     from sim.bundle import preprocessing_of, privacy_card, save_bundle
@@ -255,7 +256,7 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
                "relation": None, "accountant": None, "teachers": None, "hospitals": None, "queries": None,
                "sigma": None, "teacher_dice_mean": None, "ensemble_dice_mean": None,
                "bytes_up_per_query_per_teacher": None, "wall_seconds": round(time.perf_counter() - started, 2),
-               "seed": seed, "reference_cases": len(world.reference_labels),
+               "seed": seed if publish_seed else None, "reference_cases": len(world.reference_labels),
                "validation_dice_mean": validation_dice}
     atomic_write_json(out / "results.json", results)
     return results
