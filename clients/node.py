@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sim.errors import UserError
+from sim.runconfig import config_flag
 
 _HOSPITALS: dict[tuple, Any] = {}
 
@@ -84,19 +85,9 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         from sim.codecs import CodecPolicy
 
         policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),
-                             allow_identity=_node_flag(node_config.get("allow-identity", False)))
+                             allow_identity=config_flag(node_config.get("allow-identity", False), "node-config allow-identity"))
         _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True,
                                        lifetime_epsilon=float(node_config.get("epsilon-budget", 8.0)),
                                        delta=float(node_config.get("delta", 1e-3)), codec_policy=policy)
     return _HOSPITALS[key]
 
-
-def _node_flag(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", ""):
-        return False
-    raise UserError(f"node-config allow-identity: expected true or false, got {value!r}")

@@ -98,7 +98,7 @@ class RunSettings:
             teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
             reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
-            reproducible_noise=_flag(get("reproducible-noise", False), "reproducible-noise"),
+            reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -127,8 +127,8 @@ class RunSettings:
         return dataclasses.replace(self, **changes)
 
 
-def _flag(value: Any, key: str) -> bool:
-    """A boolean run-config value (Flower passes TOML booleans; ``-c`` may pass strings)."""
+def config_flag(value: Any, key: str) -> bool:
+    """A boolean run-config or node-config value (Flower passes TOML booleans; ``-c`` may pass strings)."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
