@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 from clients.node import hospital_for
 from privacy.errors import PrivacyError
 from sim.errors import UserError
-from sim.runners.flower_records import arrays_digest, make_content, read_content
+from sim.flower_wire import arrays_digest, make_content, read_content
 
 app = ClientApp()
 

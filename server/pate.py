@@ -45,7 +45,7 @@ SERVER_POLICY = codecs.CodecPolicy(max_latent_dim=1 << 62, allow_identity=True)
 
 
 class HospitalTransport(Protocol):
-    """How the protocol talks to hospitals (in-process, or Flower: sim/runners/flower_transport.py)."""
+    """How the protocol talks to hospitals (in-process, or Flower: server/flower_transport.py)."""
 
     def hospital_ids(self) -> list[str]: ...
 

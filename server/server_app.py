@@ -20,7 +20,7 @@ from server.pate import run_pate
 from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
 from sim.errors import UserError
-from sim.runners.flower_transport import FlowerTransport
+from server.flower_transport import FlowerTransport
 from sim.runners.simulation import cell_noise_names
 from sim.runners.world_setup import materialise_world, open_world
 from sim.world import load_world

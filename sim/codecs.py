@@ -22,7 +22,7 @@ identity    one-hot votes                                   ``sqrt(2 * voxels)``
 ==========  ==============================================  =======================================
 
 A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
-arrays) so that it travels as Flower arrays (sim/runners/flower_records.py) unchanged.
+arrays) so that it travels as Flower arrays (sim/flower_wire.py) unchanged.
 
 The hospital does not take the server's word for any of this (SPEC section 2, "it checks the codec it
 is sent"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer than its

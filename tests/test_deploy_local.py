@@ -1,13 +1,13 @@
 """Real multi-process deployment on localhost: SuperLink with TLS + SuperNode authentication, one SuperNode
-per hospital, driven with the echo app (sim/runners/deploy.py). Every process is checked dead afterwards."""
+per hospital, driven with the echo app (sim/deployment/local.py). Every process is checked dead afterwards."""
 
 import json
 import time
 
 import pytest
 
-from sim.runners.deploy import LocalDeployment, write_echo_app
-from sim.runners.processes import pid_alive
+from sim.deployment.local import LocalDeployment, write_echo_app
+from sim.deployment.processes import pid_alive
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""TLS material for a deployment (sim/runners/tls.py) and the pure helpers of sim/runners/deploy.py."""
+"""TLS material for a deployment (sim/deployment/tls.py) and the pure helpers of sim/deployment/local.py."""
 
 import stat
 
@@ -8,8 +8,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from sim.errors import UserError
-from sim.runners.deploy import config_string, deployment_commands, parse_run_id, write_echo_app
-from sim.runners.tls import certificate_sans, make_certificates, verify_chain
+from sim.deployment.local import config_string, deployment_commands, parse_run_id, write_echo_app
+from sim.deployment.tls import certificate_sans, make_certificates, verify_chain
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_pate_ae_in_flower_simulation_engine(cache, tmp_path):
 
 
 def test_deployment_with_tls_and_a_hospital_killed_during_queries(cache, tmp_path):
-    from sim.runners.deploy_fedpate import run_local_deployment
+    from sim.deployment.fedpate_local import run_local_deployment
 
     out = tmp_path / "run"
     settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), progress=False, query_batch=2,

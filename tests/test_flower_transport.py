@@ -11,8 +11,8 @@ from flwr.app import Context, Message, Metadata, RecordDict
 
 from privacy.ledger import Ledger
 from sim.presets import get_preset
-from sim.runners.flower_records import read_content
-from sim.runners.flower_transport import FlowerTransport, HospitalsUnavailable
+from sim.flower_wire import read_content
+from server.flower_transport import FlowerTransport, HospitalsUnavailable
 
 PRESET = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=1, student_epochs=1)
 

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from sim.presets import get_preset
-from sim.runners.flower_records import arrays_digest, make_content, read_content
+from sim.flower_wire import arrays_digest, make_content, read_content
 
 PRESET = get_preset("tiny").replace(teacher_epochs=1)
 

@@ -106,7 +106,7 @@ def test_deployment_refuses_seeded_noise():
     from server.server_app import refuse_seeded_noise_in_deployment
     from sim.errors import UserError
     from sim.runconfig import RunSettings
-    from sim.runners.deploy_fedpate import run_local_deployment
+    from sim.deployment.fedpate_local import run_local_deployment
 
     seeded = RunSettings.from_run_config({"reproducible-noise": True})
     assert seeded.reproducible_noise and not RunSettings.from_run_config({}).reproducible_noise

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from sim.errors import UserError
-from sim.runners.deploy import write_echo_app
-from sim.runners.processes import pid_alive
-from sim.runners.runtime_sim import run_runtime_simulation, simulation_federation_config
+from sim.deployment.local import write_echo_app
+from sim.deployment.processes import pid_alive
+from sim.deployment.runtime_simulation import run_runtime_simulation, simulation_federation_config
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ def run(args) -> int:
              if args.teachers_per_hospital else None)
     if args.task != "segmentation":
         from sim.errors import UserError
-        from sim.runners.classification import run_classification_compare
+        from sim.runners.classification_compare import run_classification_compare
 
         if sweep and len(sweep) > 1:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "

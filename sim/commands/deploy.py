@@ -4,7 +4,7 @@
     fedpate deploy commands --certs DIR --superlink HOST:PORT --hospital h0=/data/h0 --hospital h1=/data/h1
     fedpate deploy local    --out DIR --hospitals K [--app DIR | --echo] [-c key=value ...]
 
-The work is done in ``sim/runners/deploy.py`` / ``sim/runners/tls.py`` (see docs/DEPLOYMENT.md).
+The work is done in ``sim/deployment/local.py`` / ``sim/deployment/tls.py`` (see docs/DEPLOYMENT.md).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _parse_value(text: str):
 
 
 def _certs(args) -> int:
-    from sim.runners.tls import make_certificates
+    from sim.deployment.tls import make_certificates
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -88,7 +88,7 @@ def _certs(args) -> int:
 
 
 def _commands(args) -> int:
-    from sim.runners.deploy import deployment_commands
+    from sim.deployment.local import deployment_commands
 
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
                               app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital), end="")
@@ -96,7 +96,7 @@ def _commands(args) -> int:
 
 
 def _local(args) -> int:
-    from sim.runners.deploy import LocalDeployment, write_echo_app
+    from sim.deployment.local import LocalDeployment, write_echo_app
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -141,7 +141,7 @@ def _local(args) -> int:
 def _local_fedpate(args, out: Path, run_config: dict) -> int:
     """The real fedpate app on the preset's world: one MSD folder per hospital, exported from the world."""
     from sim.runconfig import RunSettings
-    from sim.runners.deploy_fedpate import run_local_deployment
+    from sim.deployment.fedpate_local import run_local_deployment
 
     config = {"hospitals": args.hospitals, **run_config}
     if args.teachers_per_hospital:

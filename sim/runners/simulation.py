@@ -4,7 +4,7 @@ Engines:
 - ``flower`` (default): ``flwr.simulation.run_simulation`` in this process (Ray backend, one virtual
   SuperNode per hospital, 1 CPU each). The ServerApp's settings are bound in with ``make_app``.
 - ``runtime``: the simulation runtime behind ``flwr run`` (a ``--simulation`` SuperLink started on a free
-  loopback port and stopped by PID; sim/runners/runtime_sim.py) -- the same path ``flwr run .`` takes.
+  loopback port and stopped by PID; sim/deployment/runtime_simulation.py) -- the same path ``flwr run .`` takes.
 - ``inprocess``: no Flower at all (sim/runners/inprocess.py); same protocol code, fastest.
 """
 
@@ -78,7 +78,7 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
 
 
 def _run_runtime(settings: RunSettings, cells) -> None:
-    from sim.runners.runtime_sim import run_runtime_simulation
+    from sim.deployment.runtime_simulation import run_runtime_simulation
 
     if len(cells) != 1:
         raise UserError("--engine runtime runs one cell at a time (use --engine flower for comparisons)")

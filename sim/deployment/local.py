@@ -3,7 +3,7 @@ and print the equivalent commands for real separate machines.
 
 Layout of one ``LocalDeployment`` (all under ``work_dir``; every server binds 127.0.0.1 only)::
 
-    certs/ca.crt certs/superlink.crt|.key certs/supernodes/<hospital>.key|.pub   (sim/runners/tls.py)
+    certs/ca.crt certs/superlink.crt|.key certs/supernodes/<hospital>.key|.pub   (sim/deployment/tls.py)
     flwr-home/config.toml          # [superlink.fedpate-local] address + root-certificates (FLWR_HOME)
     superlink.db                   # SuperLink state (--database)
     logs/<process>.log  pids/<process>.pid
@@ -33,17 +33,17 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from sim.errors import UserError
-from sim.runners.processes import (
+from sim.deployment.processes import (
     ManagedProcess, ProcessError, Supervisor, free_ports, wait_for_http_health, wait_for_port,
 )
-from sim.runners.tls import DEFAULT_HOSTS, make_certificates, make_supernode_keys
+from sim.deployment.tls import DEFAULT_HOSTS, make_certificates, make_supernode_keys
 
 CONNECTION = "fedpate-local"
 LOOPBACK = "127.0.0.1"
 
 
 # -------------------------------------------------------------------------------------------------
-# small helpers shared with runtime_sim.py
+# small helpers shared with runtime_simulation.py
 def flower_tool(name: str) -> str:
     """Path of a Flower console script next to the running interpreter (the venv), else on PATH."""
     candidate = Path(sys.executable).parent / name

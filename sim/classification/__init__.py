@@ -1,6 +1,6 @@
 """The other seed systems on classification tasks (issue 7): DP-MAC, AdLM/ILM, classic PATE (GNMax), DP-SGD.
 
-Every method here trains a small fully connected classifier on a :class:`sim.tasks.ClassificationTask` and
+Every method here trains a small fully connected classifier on a :class:`sim.classification.tasks.ClassificationTask` and
 returns a :class:`SeedResult`. All noisy releases go through ``privacy.guard.BudgetGuard.charge`` (ledger
 record first, then noise, then release); the epsilon a result reports is what the ledger says.
 

@@ -11,7 +11,7 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from sim.tasks import ClassificationTask
+from sim.classification.tasks import ClassificationTask
 
 
 def synthetic_task(n=240, d=12, classes=3, hospitals=2, seed=0):
@@ -36,7 +36,7 @@ def guard_for(budget, delta=1e-5):
 # ------------------------------------------------------------------------------------------------ DP-MAC
 @pytest.mark.parametrize("order", [1, 2])
 def test_dpmac_per_record_coefficients_are_clipped(order):
-    from sim.seeds.dpmac import layer_coefficients
+    from sim.classification.dpmac import layer_coefficients
 
     torch.manual_seed(0)
     w, b = torch.randn(7, 5) * 10, torch.randn(7)
@@ -56,8 +56,8 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
     """Add/remove sensitivity of a W-step (paper Sec. 2.2, Appendix I) on real MNIST batches through the
     product path (Z-step + clipped coefficients): B ∪ {r} minus B is exactly r's own clipped term, so every
     block moves by at most its clip. With the old ``loss / len(y)`` Z-step every record's z depended on |B|."""
-    from sim.seeds.dpmac import DPMACConfig, MACNet, w_step_coefficients
-    from sim.tasks import load_mnist5k
+    from sim.classification.dpmac import DPMACConfig, MACNet, w_step_coefficients
+    from sim.classification.tasks import load_mnist5k
 
     task = load_mnist5k(hospitals=1)
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
 
 
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
-    from sim.seeds.dpmac import layer_coefficients
+    from sim.classification.dpmac import layer_coefficients
 
     torch.manual_seed(1)
     w = torch.randn(4, 6, requires_grad=True)
@@ -92,7 +92,7 @@ def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
 
 def test_dpmac_single_draw_noise_std_per_block():
     """Appendix I: block p gets std σ·S_p·√P from one concatenated draw (zero data signal)."""
-    from sim.seeds.dpmac import perturb_concatenated
+    from sim.classification.dpmac import perturb_concatenated
 
     gen = NoiseSource.reproducible(3).generator("step")
     calls = []
@@ -115,7 +115,7 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    from sim.seeds.dpmac import DPMACConfig, train_dpmac
+    from sim.classification.dpmac import DPMACConfig, train_dpmac
 
     task = synthetic_task()
     ledger, guard = guard_for(2.0)
@@ -134,7 +134,7 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
 
 
 def test_dpmac_with_dp_pca_is_accounted_and_within_budget():
-    from sim.seeds.dpmac import DPMACConfig, train_dpmac
+    from sim.classification.dpmac import DPMACConfig, train_dpmac
 
     task = synthetic_task()
     ledger, guard = guard_for(3.0)
@@ -147,8 +147,8 @@ def test_dpmac_with_dp_pca_is_accounted_and_within_budget():
 
 # ------------------------------------------------------------------------------------------------ AdLM
 def test_adlm_relevance_is_bounded_and_sensitivity_is_2d_over_n():
-    from sim.seeds import build_mlp
-    from sim.seeds.adlm import lrp_relevance, relevance_sensitivity
+    from sim.classification import build_mlp
+    from sim.classification.adlm import lrp_relevance, relevance_sensitivity
 
     torch.manual_seed(0)
     model = build_mlp(12, (8,), 3)
@@ -164,7 +164,7 @@ def test_adlm_relevance_is_bounded_and_sensitivity_is_2d_over_n():
 
 
 def test_adlm_feature_noise_scales_statistically():
-    from sim.seeds.adlm import budget_ratios, feature_scales, perturb_features
+    from sim.classification.adlm import budget_ratios, feature_scales, perturb_features
 
     d, n, eps2 = 4, 40000, 2.0
     beta = budget_ratios(np.array([0.1, 0.2, 0.3, 0.4]), d)
@@ -182,7 +182,7 @@ def test_adlm_feature_noise_scales_statistically():
 
 
 def test_adlm_label_noise_scale_statistically():
-    from sim.seeds.adlm import LABEL_SENSITIVITY, perturb_label_coefficients
+    from sim.classification.adlm import LABEL_SENSITIVITY, perturb_label_coefficients
 
     ledger, guard = guard_for(10.0)
     y = np.zeros(30000, np.int64)
@@ -195,7 +195,7 @@ def test_adlm_label_noise_scale_statistically():
 
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
-    from sim.seeds.adlm import AdLMConfig, train_adlm
+    from sim.classification.adlm import AdLMConfig, train_adlm
 
     task = synthetic_task()
     spent = []
@@ -215,7 +215,7 @@ def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
 
 # ------------------------------------------------------------------------------------------------ GNMax
 def test_vote_histogram_replace_one_sensitivity_is_sqrt2():
-    from sim.seeds.gnmax import VOTE_SENSITIVITY, vote_histograms
+    from sim.classification.gnmax import VOTE_SENSITIVITY, vote_histograms
 
     rng = np.random.default_rng(0)
     preds = rng.integers(0, 5, (9, 100))
@@ -229,7 +229,7 @@ def test_vote_histogram_replace_one_sensitivity_is_sqrt2():
 def test_gnmax_noise_scale_and_ledger_composition():
     from privacy.accountants import epsilon_spent
     from privacy.events import GaussianEvent
-    from sim.seeds.gnmax import VOTE_SENSITIVITY, gnmax_answer
+    from sim.classification.gnmax import VOTE_SENSITIVITY, gnmax_answer
 
     # zero data signal: every histogram is flat → the answer is argmax of pure noise (uniform over classes)
     ledger, guard = guard_for(100.0)
@@ -244,7 +244,7 @@ def test_gnmax_noise_scale_and_ledger_composition():
 
 
 def test_gnmax_threshold_noise_std_statistically():
-    from sim.seeds.gnmax import gnmax_answer
+    from sim.classification.gnmax import gnmax_answer
 
     # histograms with max vote exactly at the threshold: P(answer) = 1/2 for any σ1 ; with the max vote
     # one σ1 above the threshold P(answer) = Φ(1) ≈ 0.841 — checks the noise std actually used
@@ -261,7 +261,7 @@ def test_gnmax_threshold_noise_std_statistically():
 
 
 def test_gnmax_end_to_end_spends_at_most_budget():
-    from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     task = synthetic_task()
     ledger, guard = guard_for(4.0)
@@ -275,8 +275,8 @@ def test_gnmax_end_to_end_spends_at_most_budget():
 
 # ------------------------------------------------------------------------------------------------ guard
 def test_budget_guard_refuses_before_anything_is_recorded():
-    from sim.seeds.adlm import AdLMConfig, train_adlm
-    from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+    from sim.classification.adlm import AdLMConfig, train_adlm
+    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
@@ -292,7 +292,7 @@ def test_budget_guard_refuses_before_anything_is_recorded():
 
 
 def test_dpsgd_guard_refuses_over_budget():
-    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
@@ -329,10 +329,10 @@ class WatchedSource(NoiseSource):
 
 def _run_seed_method(method, task, guard, noise, seed=0, epsilon=2.0):
     """One small private run (DP-MAC at a fixed noise multiplier: no calibration, which is slow)."""
-    from sim.seeds.adlm import AdLMConfig, train_adlm
-    from sim.seeds.dpmac import DPMACConfig, train_dpmac
-    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
-    from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+    from sim.classification.adlm import AdLMConfig, train_adlm
+    from sim.classification.dpmac import DPMACConfig, train_dpmac
+    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     if method == "dp-mac":
         return train_dpmac(task, epsilon, 1e-5, guard, task.hospitals, DPMACConfig(
@@ -386,7 +386,7 @@ def test_noise_is_unpredictable_unless_reproducible_noise_is_asked_for(method):
 def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch():
     """The sampled-Gaussian analysis assumes every step releases noise: with many empty Poisson batches the
     number of Gaussian draws still equals (accounted steps) x (parameter tensors)."""
-    from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
     task = synthetic_task(n=60)
     ledger, guard = guard_for(8.0)
@@ -405,7 +405,7 @@ def test_results_flag_what_no_epsilon_covers(tmp_path, monkeypatch):
     ``not_private_diagnostics``; every listed name points at a value the cell actually wrote."""
     import json
 
-    from sim.runners import classification as runner
+    from sim.runners import classification_compare as runner
 
     monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
                                                          "queries": 20, "teacher_epochs": 2})

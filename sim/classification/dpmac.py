@@ -18,7 +18,7 @@ The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 
 batch of per-record terms; the terms of one privacy unit (a record, or all slices of one patient) are summed
 and that sum is clipped to norm ``C`` (Sec. 2.2: "bound the sensitivities directly by clipping the norms of
 the coefficients"), so under add/remove-one unit the sum of a coefficient has L2 sensitivity ``C``.
-Batches are Poisson samples of units (``sim.seeds`` module note: user-level DP on the slice task).
+Batches are Poisson samples of units (``sim.classification`` module note: user-level DP on the slice task).
 
 Appendix I (one Gaussian draw per step): the P coefficient blocks of all layers are each divided by their
 sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(0, σ² I)`` and scaled back —
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, gather_units, set_seed
+from sim.classification import SeedResult, gather_units, set_seed
 
 
 @dataclass
@@ -374,10 +374,10 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                 opt.step()
         sched.step()
         if progress:
-            from sim.seeds import accuracy as _acc
+            from sim.classification import accuracy as _acc
             print(f"  dp-mac epoch {epoch + 1}/{cfg.epochs}: test acc {_acc(net, task.x_test, task.y_test):.3f}",
                   flush=True)
-    from sim.seeds import accuracy
+    from sim.classification import accuracy
 
     return SeedResult(
         method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,

@@ -2,7 +2,7 @@
 
 Entry point for ``fedpate compare --task mnist5k|slice-classification``::
 
-    from sim.runners.classification import run_classification_compare
+    from sim.runners.classification_compare import run_classification_compare
     cells = run_classification_compare(task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8],
                                        out="runs/cls", seed=0, delta=1e-5, hospitals=None, progress=True,
                                        preset="tiny", data=None, teachers_per_hospital=None,
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sim.errors import UserError
 from sim.io import atomic_write_json, atomic_write_text
-from sim.seeds import METHODS
+from sim.classification import METHODS
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3)
 PRESET_SETTINGS = {
@@ -82,25 +82,25 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
     n = len(task.y_private)
     units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
     if method == "dp-mac":
-        from sim.seeds.dpmac import DPMACConfig, train_dpmac
+        from sim.classification.dpmac import DPMACConfig, train_dpmac
 
         cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           pca_components=min(60, task.input_dim))
         return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("adlm", "ilm"):
-        from sim.seeds.adlm import AdLMConfig, train_adlm
+        from sim.classification.adlm import AdLMConfig, train_adlm
 
         cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
         return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
                           progress=progress, noise=noise)
     if method == "pate-gnmax":
-        from sim.seeds.gnmax import GNMaxConfig, train_pate_gnmax
+        from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
         cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
                           queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
         return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
-        from sim.seeds.dpsgd_classifier import DPSGDConfig, train_dpsgd
+        from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
         cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           schedule="exp" if method == "dp-sgd-scheduled" else None)
@@ -186,7 +186,7 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     import logging
 
     from privacy.mechanisms import NoiseSource
-    from sim.tasks import load_task
+    from sim.classification.tasks import load_task
 
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
     if preset not in PRESET_SETTINGS:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.seeds import SeedResult, accuracy, predict, train_nonprivate
+from sim.classification import SeedResult, accuracy, predict, train_nonprivate
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
 THRESHOLD_SENSITIVITY = 1.0            # replace-one on the maximum vote count

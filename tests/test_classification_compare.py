@@ -12,7 +12,7 @@ SPEC_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation",
 
 @pytest.mark.slow
 def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypatch):
-    from sim.runners import classification as runner
+    from sim.runners import classification_compare as runner
 
     # keep the test small: fewer epochs/queries than the tiny preset
     monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
@@ -44,7 +44,7 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
 
 def test_unknown_task_and_method_are_user_errors(tmp_path):
     from sim.errors import UserError
-    from sim.runners.classification import run_classification_compare
+    from sim.runners.classification_compare import run_classification_compare
 
     with pytest.raises(UserError, match="--methods"):
         run_classification_compare("mnist5k", "dp-mac,bogus", [1], tmp_path)
@@ -55,7 +55,7 @@ def test_unknown_task_and_method_are_user_errors(tmp_path):
 def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
     import numpy as np
 
-    from sim.tasks import load_mnist5k
+    from sim.classification.tasks import load_mnist5k
 
     a, b = load_mnist5k(hospitals=3, seed=0), load_mnist5k(hospitals=3, seed=0)
     assert np.array_equal(a.x_private, b.x_private) and np.array_equal(a.y_test, b.y_test)
@@ -71,8 +71,8 @@ def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
 def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
     import numpy as np
 
-    from sim.seeds.gnmax import teacher_partitions
-    from sim.tasks import slice_task_from_split
+    from sim.classification.gnmax import teacher_partitions
+    from sim.classification.tasks import slice_task_from_split
 
     task = slice_task_from_split(tiny_prepared, tiny_split, pool=4)
     assert task.input_dim == 4 * 4 * 4 and task.n_classes == 2
@@ -102,7 +102,7 @@ def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_wri
     import json
 
     from sim.cli import main
-    from sim.runners import classification as runner
+    from sim.runners import classification_compare as runner
 
     monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
                                                          "queries": 20, "teacher_epochs": 2})

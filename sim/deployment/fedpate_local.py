@@ -3,7 +3,7 @@
 Each hospital gets *its own* MSD-layout folder holding only its patients (files linked from the
 simulated world's data), runs as its own SuperNode process (TLS, authenticated key) and prepares and
 partitions that folder itself -- exactly what a hospital machine does. The aggregator reads only the
-public sets of the world. Processes are started and stopped by PID (sim/runners/deploy.py).
+public sets of the world. Processes are started and stopped by PID (sim/deployment/local.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
     first PATE query has been charged to the ledger -- the dropout test of issue 6.
     """
-    from sim.runners.deploy import LocalDeployment
+    from sim.deployment.local import LocalDeployment
     from sim.runners.world_setup import materialise_world
 
     if settings.reproducible_noise:

@@ -17,7 +17,7 @@ relevance network) and a held-out test set.
 
 Privacy unit (SPEC §2): what a method protects is a *unit* of ``unit_records()``. On ``mnist5k`` a unit is one
 record (a digit). On the slice task it is one **patient**: ``group_of`` ties every slice to its patient, and
-the seed systems sample, clip and partition whole patients (``sim.seeds``), never single slices.
+the seed systems sample, clip and partition whole patients (``sim.classification``), never single slices.
 """
 
 from __future__ import annotations

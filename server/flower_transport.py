@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from flwr.app import Message
 
-from sim.runners.flower_records import arrays_digest, make_content, read_content
+from sim.flower_wire import arrays_digest, make_content, read_content
 
 log = logging.getLogger("fedpate.flower")
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sim.errors import UserError
-from sim.runners.deploy import (
+from sim.deployment.local import (
     RunStatus, config_string, flower_tool, flwr_run, write_flower_config,
 )
-from sim.runners.processes import Supervisor, free_ports, wait_for_http_health
+from sim.deployment.processes import Supervisor, free_ports, wait_for_http_health
 
 CONNECTION = "fedpate-sim"
 LOOPBACK = "127.0.0.1"
@@ -51,7 +51,7 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
     """Start a simulation SuperLink, ``flwr run`` the app with ``num_supernodes`` virtual SuperNodes, stop.
 
     ``run_config`` overrides keys of the app's ``[tool.flwr.app.config]`` (only existing keys).
-    Returns the :class:`~sim.runners.deploy.RunStatus` (``ok`` only for ``finished:completed``); every
+    Returns the :class:`~sim.deployment.local.RunStatus` (``ok`` only for ``finished:completed``); every
     process started here is gone when it returns, whatever happened.
     """
     app = Path(app_dir).resolve()

@@ -5,9 +5,9 @@ the guarantee rests on:
 
 * Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
   (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD — SPEC §6). A unit is a record,
-  or on the slice task a patient: its slices sit in one row of ``sim.seeds.padded_units`` and ``unit_loss``
+  or on the slice task a patient: its slices sit in one row of ``sim.classification.padded_units`` and ``unit_loss``
   sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
-  (user-level DP, ``sim.seeds`` module note).
+  (user-level DP, ``sim.classification`` module note).
 * Each epoch is charged through the budget guard (``SampledGaussianEvent(q, z_e, steps)``, release
   ``<prefix>:epoch-e``) *before* its stream is opened; the epoch's Poisson masks and noise both come from
   that stream of the ``NoiseSource`` (secure unless a simulation asks for reproducible noise), never from
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.seeds import SeedResult, accuracy, build_mlp, padded_units, set_seed
+from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
