@@ -1,4 +1,4 @@
-"""TLS material for a deployment (sim/deployment/tls.py) and the pure helpers of sim/deployment/local.py."""
+"""TLS material for a deployment (sim/deployment/tls.py) and the pure helpers of sim/deployment/ (flower_cli, recipe, the echo app)."""
 
 import stat
 
@@ -8,7 +8,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from sim.errors import UserError
-from sim.deployment.local import config_string, deployment_commands, parse_run_id, write_echo_app
+from sim.deployment.flower_cli import config_string, parse_run_id
+from sim.deployment.local import write_echo_app
+from sim.deployment.recipe import deployment_commands
 from sim.deployment.tls import certificate_sans, make_certificates, verify_chain
 
 

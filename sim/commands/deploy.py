@@ -4,7 +4,7 @@
     fedpate deploy commands --certs DIR --superlink HOST:PORT --hospital h0=/data/h0 --hospital h1=/data/h1
     fedpate deploy local    --out DIR --hospitals K [--app DIR | --echo] [-c key=value ...]
 
-The work is done in ``sim/deployment/local.py`` / ``sim/deployment/tls.py`` (see docs/DEPLOYMENT.md).
+The work is done in ``sim/deployment/`` (``tls.py``, ``recipe.py``, ``local.py``, ``fedpate_local.py``) (see docs/DEPLOYMENT.md).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import json
 import tomllib
 from pathlib import Path
 
+from sim.deployment.flower_cli import PROJECT_ROOT
 from sim.errors import UserError
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]   # the fedpate Flower app (pyproject.toml)
 
 
 def register(subparsers) -> None:
@@ -88,7 +87,7 @@ def _certs(args) -> int:
 
 
 def _commands(args) -> int:
-    from sim.deployment.local import deployment_commands
+    from sim.deployment.recipe import deployment_commands
 
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
                               app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital), end="")

@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sim.deployment.flower_cli import PROJECT_ROOT
 from sim.errors import UserError
 from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:

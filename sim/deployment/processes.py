@@ -38,13 +38,6 @@ from typing import Iterable, Mapping, Sequence
 TAG_VAR = "FEDPATE_PROC_TAG"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-# Environment every Flower process gets (see ../shared/FIELD_NOTES.md, "Flower 1.41").
-FLOWER_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "PYTHONUNBUFFERED": "1",
-}
 
 
 class ProcessError(RuntimeError):
@@ -289,7 +282,7 @@ class Supervisor:
 
     def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         merged = dict(os.environ)
-        merged.update(FLOWER_ENV)
+        merged["PYTHONUNBUFFERED"] = "1"   # the logs must show what a process printed before it died
         # Flower processes start their helpers by bare name (the SuperLink and SuperNode run
         # `flower-superexec`, which runs `flwr-serverapp` / `flwr-clientapp`): the venv must be on PATH.
         bin_dir = str(Path(sys.executable).parent)

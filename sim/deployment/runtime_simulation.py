@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sim.errors import UserError
-from sim.deployment.local import (
-    RunStatus, config_string, flower_tool, flwr_run, write_flower_config,
+from sim.deployment.flower_cli import (
+    FLOWER_ENV, RunStatus, config_string, flower_tool, flwr_run, write_flower_config,
 )
 from sim.deployment.processes import Supervisor, free_ports, wait_for_http_health
 
@@ -51,7 +51,7 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
     """Start a simulation SuperLink, ``flwr run`` the app with ``num_supernodes`` virtual SuperNodes, stop.
 
     ``run_config`` overrides keys of the app's ``[tool.flwr.app.config]`` (only existing keys).
-    Returns the :class:`~sim.deployment.local.RunStatus` (``ok`` only for ``finished:completed``); every
+    Returns the :class:`~sim.deployment.flower_cli.RunStatus` (``ok`` only for ``finished:completed``); every
     process started here is gone when it returns, whatever happened.
     """
     app = Path(app_dir).resolve()
@@ -61,7 +61,7 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
     work.mkdir(parents=True, exist_ok=True)
     federation = simulation_federation_config(num_supernodes, num_cpus, num_gpus, init_num_cpus)
     flwr_home = work / "flwr-home"
-    environment = {"FLWR_HOME": str(flwr_home), **(env or {})}
+    environment = {**FLOWER_ENV, "FLWR_HOME": str(flwr_home), **(env or {})}
     port = free_ports(1)[0]
     write_flower_config(flwr_home, CONNECTION, f"{LOOPBACK}:{port}", None)
     with Supervisor(work) as sup:

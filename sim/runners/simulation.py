@@ -15,20 +15,21 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
 from sim.errors import UserError
 from sim.runconfig import RunSettings
 from sim.runners.world_setup import materialise_world
 
 ENGINES = ("flower", "runtime", "inprocess")
-FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_DEDUP_LOGS": "0"}
+#: Flower's environment, and every hospital's log line shown (Ray folds repeated lines by default)
+SIMULATION_ENV = {**FLOWER_ENV, "RAY_DEDUP_LOGS": "0"}
 
 
 def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[str, Any]] | None = None) -> list[dict]:
     """Run the configured method (or the given cells) with all hospitals simulated on this machine."""
     if engine not in ENGINES:
         raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
-    for key, value in FLOWER_ENV.items():
+    for key, value in SIMULATION_ENV.items():
         os.environ.setdefault(key, value)
     if not settings.world:  # a caller (compare) may already have materialised it
         world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress)
@@ -87,8 +88,7 @@ def _run_runtime(settings: RunSettings, cells) -> None:
     run_config = {**settings.replace(method=cell["method"], epsilon=cell["epsilon"],
                                      out=str(Path(cell["out"]).resolve())).to_run_config(),
                   "world": settings.world}
-    app_dir = Path(__file__).resolve().parents[2]
-    run_runtime_simulation(app_dir, run_config, settings.resolved_preset.hospitals,
+    run_runtime_simulation(PROJECT_ROOT, run_config, settings.resolved_preset.hospitals,
                            Path(cell["out"]) / "runtime", timeout=3600)
 
 

@@ -1,0 +1,94 @@
+"""The step-by-step commands for a deployment on real separate machines, as text (``fedpate deploy commands``).
+
+One aggregator (SuperLink + ServerApp) and one SuperNode per hospital, TLS and SuperNode authentication
+with the certificates ``fedpate deploy certs`` made (sim/deployment/tls.py); docs/DEPLOYMENT.md explains
+every step.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Sequence
+
+from sim.deployment.flower_cli import FLOWER_ENV, config_string
+from sim.errors import UserError
+
+
+def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequence[tuple[str, str]],
+                        app_dir: str = ".", superlink_port: int | None = None,
+                        supernode_port: int = 9094, teachers_per_hospital: int | None = None,
+                        remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate") -> str:
+    """The step-by-step commands for real separate machines, as text.
+
+    ``superlink`` is ``HOST:PORT`` as the hospitals reach the aggregator; ``hospitals`` is
+    ``[(hospital_id, data_dir_on_that_hospital), ...]``; ``certs_dir`` is where ``fedpate deploy certs``
+    wrote the CA, the SuperLink certificate and one key pair per hospital.
+    """
+    if ":" not in superlink:
+        raise UserError(f"--superlink {superlink!r}: expected HOST:PORT")
+    host, port = superlink.rsplit(":", 1)
+    if not port.isdigit():
+        raise UserError(f"--superlink {superlink!r}: port must be a number")
+    certs = Path(certs_dir)
+    q = shlex.quote
+    r = remote_certs.rstrip("/")
+    lines = [
+        "# fedpate deployment: one aggregator (SuperLink + ServerApp) and one SuperNode per hospital.",
+        f"# Generated from certificates in {certs}. Run each block on the machine named in its heading.",
+        "# Every machine: the same fedpate + flwr 1.41 installation (bash .ci/install), and for every command",
+        "export " + " ".join(f"{key}={value}" for key, value in FLOWER_ENV.items()),
+        "",
+        "## 0. On the machine that made the certificates: distribute the files (never copy *.key elsewhere",
+        "##    than stated; ca.key stays offline)",
+        f"ssh {host} 'mkdir -p {r} && chmod 700 {r}'",
+        f"scp {q(str(certs / 'ca.crt'))} {q(str(certs / 'superlink.crt'))} {q(str(certs / 'superlink.key'))} "
+        f"{host}:{r}/",
+    ]
+    for hid, _ in hospitals:
+        lines += [
+            f"ssh <{hid}-machine> 'mkdir -p {r} && chmod 700 {r}'",
+            f"scp {q(str(certs / 'ca.crt'))} {q(str(certs / 'supernodes' / (hid + '.key')))} <{hid}-machine>:{r}/",
+            f"scp {q(str(certs / 'supernodes' / (hid + '.pub')))} {host}:{r}/   # public key, for registration",
+        ]
+    lines += [
+        "",
+        f"## 1. Aggregator ({host}): open TCP {port} to the hospitals only (the SuperLink's single HTTPS port:",
+        "##    Fleet API for SuperNodes, Control API for `flwr`, Runtime API for its ServerApp)",
+        f"flower-superlink --host 0.0.0.0 --port {port} \\",
+        f"    --ssl-ca-certfile {r}/ca.crt --ssl-certfile {r}/superlink.crt --ssl-keyfile {r}/superlink.key \\",
+        "    --enable-supernode-auth --database /var/lib/fedpate/superlink.db \\",
+        "    --disable-runtime-dependency-installation",
+        "",
+        f"## 2. Aggregator ({host}): a FLWR_HOME with the connection, then register every hospital's key",
+        "export FLWR_HOME=/var/lib/fedpate/flwr-home && mkdir -p $FLWR_HOME",
+        "cat > $FLWR_HOME/config.toml <<'EOF'",
+        "[superlink]",
+        'default = "fedpate"',
+        "[superlink.fedpate]",
+        f'address = "{host}:{port}"',
+        f'root-certificates = "{r}/ca.crt"',
+        "EOF",
+    ]
+    for hid, _ in hospitals:
+        lines.append(f"flwr supernode register {r}/{hid}.pub fedpate --name {hid}")
+    lines.append("flwr supernode ls fedpate        # every hospital listed, status 'registered'")
+    lines.append("")
+    for hid, data in hospitals:
+        node_config = {"hospital-id": hid, "data-dir": data, "workdir": f"{workdir_root}/{hid}"}
+        if teachers_per_hospital:
+            node_config["teachers-per-hospital"] = teachers_per_hospital
+        lines += [
+            f"## 3. Hospital {hid}: outbound TCP to {host}:{port} only; nothing listens except 127.0.0.1:{supernode_port}",
+            f"flower-supernode --superlink {host}:{port} --root-certificates {r}/ca.crt \\",
+            f"    --auth-supernode-private-key {r}/{hid}.key \\",
+            f"    --host 127.0.0.1 --port {supernode_port} \\",
+            "    --node-config " + q(config_string(node_config, quote='"')),
+            "",
+        ]
+    lines += [
+        f"## 4. Aggregator ({host}), from the fedpate source folder: start the run (logs stream back)",
+        f"flwr run {app_dir} fedpate --stream -c \"method='pate-ae' preset='quick' hospitals={len(hospitals)}\"",
+        "flwr ls fedpate --format json     # the run's real status: finished:completed (flwr run exits 0 anyway)",
+    ]
+    return "\n".join(lines) + "\n"
