@@ -4,7 +4,7 @@ at several epsilons, with bytes uploaded per query per teacher. One command:
     .venv/bin/python benchmarks/bench_pate.py --preset tiny --epsilons 1 8 [--synthetic]
 
 Uses the preset's phantom world (sim.data) unless --synthetic (or sim.data is unavailable): then a
-synthetic spherical-tumour world at 16^3 (tests/test_pate_run.py) with the preset's budgets.
+synthetic spherical-tumour world at 16^3 (sim.data.synthetic) with the preset's budgets.
 """
 
 from __future__ import annotations
@@ -19,16 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def synthetic_world(preset, seed=0):
-    from tests.test_pate_run import FakePrepared, FakeSplit
+    from sim.data.partitions import Split
+    from sim.data.synthetic import SyntheticPrepared
 
     per_hospital = preset.teachers_per_hospital
     needed = preset.hospitals * per_hospital + preset.n_query + preset.n_reference + preset.n_test
-    prepared = FakePrepared(needed, seed=seed)
+    prepared = SyntheticPrepared(needed, seed=seed)
     ids = iter(prepared.case_ids)
     hospitals = {f"h{h}": [[next(ids)] for _ in range(per_hospital)] for h in range(preset.hospitals)}
     take = lambda n: [next(ids) for _ in range(n)]  # noqa: E731
-    return prepared, FakeSplit(hospitals=hospitals, public_query=take(preset.n_query),
-                               public_reference=take(preset.n_reference), test=take(preset.n_test))
+    return prepared, Split(hospitals=hospitals, public_query=take(preset.n_query),
+                           public_reference=take(preset.n_reference), public_validation=[],
+                           test=take(preset.n_test))
 
 
 def main() -> None:

@@ -62,6 +62,10 @@ class Hospital:
     def num_teachers(self) -> int:
         return len(self.partitions)
 
+    def has_trained_teachers(self) -> bool:
+        """Whether every teacher's weights are on this hospital's disk."""
+        return all(self._teacher_path(k).exists() for k in range(self.num_teachers))
+
     def _teacher_path(self, k: int) -> Path:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
 
@@ -169,7 +173,7 @@ class Hospital:
         import json
 
         record = self.workdir / "teachers" / "training.json"
-        if not record.exists() or not all(self._teacher_path(k).exists() for k in range(self.num_teachers)):
+        if not record.exists() or not self.has_trained_teachers():
             return None
         saved = json.loads(record.read_text())
         if saved.get("fingerprint") != fingerprint:

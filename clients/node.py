@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from sim.errors import UserError
 from sim.runconfig import config_flag
+from sim.world import open_world
 
 _HOSPITALS: dict[tuple, Any] = {}
 
@@ -50,8 +51,6 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
         raise UserError("message config: simulation messages must carry 'world' (the prepared world folder)")
     key = ("sim", str(world_dir), int(node_config["partition-id"]))
     if key not in _HOSPITALS:
-        from sim.runners.world_setup import open_world
-
         prepared, split = open_world(world_dir)
         hospital_ids = sorted(split.hospitals)
         index = int(node_config["partition-id"])

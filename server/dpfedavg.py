@@ -21,9 +21,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from privacy.accountants import epsilon_per_relation
+import torch
+from tqdm import tqdm
+
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
+from server.transport import HospitalTransport
+from sim.bundle import preprocessing_of
+from sim.networks import build_unet, network_config
+from sim.results import ModelRelease, RunResults, write_run
+from sim.training import evaluate_segmentation_per_case, public_validation_dice
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -63,16 +70,10 @@ def mirror_hospital_records(ledger: Ledger, hospital: str, records_json: str) ->
     return count
 
 
-def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir: str | Path, seed: int = 0,
-                 rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
+def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, delta: float, out_dir: str | Path,
+                 seed: int = 0, rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
                  reproducible_noise: bool = False, relation: str = "replace-one") -> dict[str, Any]:
-    import torch
-
-    from sim.bundle import preprocessing_of, privacy_card, save_bundle
-    from sim.io import atomic_write_json
-    from sim.networks import build_unet, network_config
-    from sim.training import evaluate_segmentation_per_case
-
+    """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results."""
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,8 +87,6 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
     history = []
     iterator = range(rounds)
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(iterator, desc="dp-fedavg rounds", unit="round")
     for round_index in iterator:
         replies = transport.fedavg_round(weights, {
@@ -109,34 +108,18 @@ def run_dpfedavg(transport, world, preset, epsilon: float, delta: float, out_dir
         history.append({"round": round_index, "hospitals": len(updates)})
     model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
-    from sim.world import public_validation_dice
-
-    validation_dice = public_validation_dice(model, world)
-    owners = ledger.owners()
-    spent = [ledger.spent(owner, delta) for owner in owners]
-    worst = max(spent, key=lambda s: s.epsilon) if spent else None
-    # the same mechanisms under each relation (worst hospital; None if undefined for one), so reports print both
-    rows = [epsilon_per_relation(ledger.events(o), delta, s.relation, s.epsilon) for o, s in zip(owners, spent)]
-    both = {key: None if not rows or any(row[key] is None for row in rows) else max(row[key] for row in rows)
-            for key in ("epsilon_add_remove", "epsilon_replace_one")}
-    results = {
-        "method": "dp-fedavg", "dice": dice, "dice_per_case": dice_per_case, "epsilon": worst.epsilon if worst else None,
-        "epsilon_budget": epsilon, "delta": delta, "relation": worst.relation if worst else relation,
-        "accountant": worst.accountant if worst else None, "teachers": None,
-        "hospitals": len(transport.hospital_ids()), "queries": None, "sigma": None,
-        "teacher_dice_mean": None, "ensemble_dice_mean": None, "bytes_up_per_query_per_teacher": None,
-        "wall_seconds": round(time.perf_counter() - started, 2),
+    results = RunResults(
+        method="dp-fedavg", dice=dice, epsilon_budget=epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published
-        "seed": None if reproducible_noise else seed,
+        seed=None if reproducible_noise else seed,
+    ).account(ledger, delta, relation=relation)   # the worst hospital's, from the mirrored records
+    results.extras = {
+        "dice_per_case": dice_per_case,
         "noise": "reproducible" if reproducible_noise else "secure",
-        "rounds": history, "epsilon_per_hospital": {o: s.epsilon for o, s in zip(owners, spent)},
-        "validation_dice_mean": validation_dice,   # public: what model selection may look at
-        **both,
+        "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
+        "validation_dice_mean": public_validation_dice(model, world),   # public: what model selection may use
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
+        "dropped_hospitals": dict(transport.dropped),
     }
-    card = privacy_card(method="dp-fedavg", ledger_path=out / "ledger.jsonl", delta=delta, epsilon_budget=epsilon,
-                        relation=results["relation"], accountant=results["accountant"], teachers=None,
-                        hospitals=results["hospitals"], data_source=world.source)
-    save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
-    atomic_write_json(out / "results.json", results)
-    return results
+    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source)
+    return write_run(out, results, release, started=started)

@@ -16,14 +16,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from privacy.ledger import Ledger
 from sim.io import atomic_write_bytes, atomic_write_text
+from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
-DICE_COLUMNS = ("1", "2", "3", "mean", "WT", "TC", "ET")
-CSV_COLUMNS = ("cell", "method", "epsilon_budget", "epsilon", "epsilon_add_remove", "delta", "relation",
-               "accountant", "sigma",
-               "teachers", "hospitals", "queries", "bytes_up_per_query_per_teacher", "wall_seconds",
-               "teacher_dice_mean", "ensemble_dice_mean", "accuracy", "ledger_check") + tuple(
-                   f"dice_{c}" for c in DICE_COLUMNS)
+DICE_COLUMNS = DICE_KEYS
+#: the results record's columns (sim.results.RunResults), with the cell's folder and the ledger re-check
+CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
 
 
 def load_cells(root: str | Path) -> list[dict]:
@@ -42,8 +41,6 @@ def load_cells(root: str | Path) -> list[dict]:
 
 def ledger_check(cell_dir: Path, result: Mapping[str, Any]) -> str:
     """'ok' when the cell's epsilon equals its ledger's worst owner (or both are absent), else why not."""
-    from privacy.ledger import Ledger
-
     ledger_path = cell_dir / "ledger.jsonl"
     epsilon = result.get("epsilon")
     if not ledger_path.exists():
@@ -63,13 +60,7 @@ def cells_to_csv(cells: Sequence[Mapping[str, Any]]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
     writer.writeheader()
     for cell in cells:
-        row = {key: cell.get(key) for key in CSV_COLUMNS}
-        row["cell"] = cell["_cell"]
-        row["ledger_check"] = cell["_ledger_check"]
-        dice = cell.get("dice") or {}
-        for c in DICE_COLUMNS:
-            row[f"dice_{c}"] = dice.get(c)
-        writer.writerow(row)
+        writer.writerow({"cell": cell["_cell"], **csv_row(cell), "ledger_check": cell["_ledger_check"]})
     return buffer.getvalue()
 
 
@@ -261,6 +252,7 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
 
 
 def _pyplot():
+    # matplotlib only where a plot is drawn (about 1.5 s to import): reading cells and tables stays light
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,8 +333,6 @@ def plot_overlays(path: Path, images, truth, predictions: Mapping[str, Any], sli
 
     ``images`` (n, 4, X, Y, Z), ``truth`` (n, X, Y, Z), ``predictions`` {name: (n, X, Y, Z)}.
     """
-    import numpy as np
-
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sim.errors import UserError
+from sim.methods import FEDERATED_METHODS
 from sim.presets import PRESETS, Preset, get_preset
 
-PATE_METHODS = ("pate-ae", "pate-pca", "pate-naive")
-FEDERATED_METHODS = PATE_METHODS + ("dp-fedavg",)
 
 
 @dataclass(frozen=True)
@@ -122,6 +121,12 @@ class RunSettings:
 
         source = NoiseSource.reproducible(self.seed) if self.reproducible_noise else NoiseSource()
         return source.child(*names) if names else source
+
+    def cell_noise_source(self, cell: Mapping[str, Any]):
+        """The noise of one cell of a comparison, in its own namespace: method, budget and K (unique within
+        a comparison, so no two cells ever share a draw)."""
+        return self.noise_source(str(cell["method"]), f"eps-{float(cell['epsilon']):g}",
+                                 f"K-{self.resolved_preset.teachers}")
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)

@@ -301,3 +301,12 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate(), acc.case_means()
+
+
+def public_validation_dice(model, world) -> float | None:
+    """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`sim.world.PublicWorld`).
+    Public labels: free to use for choosing a model or a setting; the test set never is. None when the
+    world has no validation set."""
+    if world.validation_images is None or not len(world.validation_images):
+        return None
+    return evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")

@@ -87,6 +87,8 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
     seen = []
 
     class Transport:
+        dropped = {}
+
         def hospital_ids(self):
             return ["h0", "h1"]
 

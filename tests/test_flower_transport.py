@@ -109,7 +109,7 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     """Hospital 1 dies after the first query message: the batch it missed is not released (its partner was
     charged for K = 8), and later queries are accounted with K = 4, not 8 -- on the server and in the
     surviving hospital's own ledger."""
-    from server.pate import run_pate
+    from server.pate import PateConfig, run_pate
     from sim.world import load_world
 
     grid = MemoryGrid(world_dir)
@@ -126,8 +126,8 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     grid.on_send = kill_after_first_query
     world = load_world(tiny_prepared, tiny_split)
     out = tmp_path / "run"
-    results = run_pate(transport, world, PRESET, "pate-pca", 8.0, 1e-3, out, seed=0, progress=False,
-                       query_batch=2, pca_mode="clip")
+    results = run_pate(transport, world, PRESET, PateConfig("pate-pca", 8.0, 1e-3, seed=0, progress=False,
+                                                            query_batch=2, pca_mode="clip"), out)
     ledger = Ledger.load(out / "ledger.jsonl")
     queries = [r for r in ledger.records() if ":query-" in r["release_id"]]
     teachers = [r["note"]["teachers"] for r in queries]

@@ -201,7 +201,7 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
 
     from sim.runners.inprocess import InProcessTransport
     from sim.world import load_world
-    from server.pate import run_pate
+    from server.pate import PateConfig, run_pate
 
     prepared = FakePrepared(24)
     ids = prepared.case_ids
@@ -214,7 +214,8 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
                           lifetime_epsilon=8.0) for h in sorted(split.hospitals)]
     transport = InProcessTransport(hospitals)
     world = load_world(prepared, split)
-    results = run_pate(transport, world, preset, "pate-pca", 8.0, 1e-3, tmp_path / "run", progress=False)
+    config = PateConfig("pate-pca", 8.0, 1e-3, progress=False)
+    results = run_pate(transport, world, preset, config, tmp_path / "run")
     assert results["queries"] == 4 and results["teacher_dice_mean"] is None
     assert results["ensemble_dice_mean"] is None and results["not_private_diagnostics"] == []
     assert results["validation_dice_mean"] is not None
@@ -222,4 +223,4 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
     for h in hospitals:
         assert len(Ledger.load(h.privacy_ledger)) == 4
     with pytest.raises(UserError, match="earlier run"):
-        run_pate(transport, world, preset, "pate-pca", 8.0, 1e-3, tmp_path / "run", progress=False)
+        run_pate(transport, world, preset, config, tmp_path / "run")

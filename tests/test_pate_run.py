@@ -1,46 +1,17 @@
-"""End-to-end in-process PATE on a synthetic world (independent of sim.data): schema, ledger, budget."""
+"""End-to-end in-process PATE on a synthetic world (sim.data.synthetic, not the phantoms): schema, ledger, budget."""
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from sim.data.synthetic import SyntheticPrepared as FakePrepared
 from sim.presets import get_preset
 
 SCHEMA = ["method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
           "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
           "bytes_up_per_query_per_teacher", "wall_seconds", "seed"]
-GRID = (16, 16, 16)
-
-
-class FakePrepared:
-    """Enough of sim.data's PreparedDataset for the protocol: synthetic tumours with image contrast."""
-
-    def __init__(self, n, seed=0):
-        rng = np.random.default_rng(seed)
-        axes = np.stack(np.meshgrid(*[np.arange(g) for g in GRID], indexing="ij"), axis=-1)
-        self.grid, self.source = GRID, {"synthetic": True}
-        self.case_ids = [f"case{i:03d}" for i in range(n)]
-        self._labels, self._images = {}, {}
-        for case in self.case_ids:
-            centre, radius = rng.uniform(5, 11, size=3), rng.uniform(2.5, 4.5)
-            distance = np.linalg.norm(axes - centre, axis=-1)
-            label = np.zeros(GRID, np.int64)
-            label[distance < radius] = 1
-            label[distance < 0.7 * radius] = 3
-            label[distance < 0.4 * radius] = 2
-            image = rng.normal(0, 0.3, size=(4, *GRID)).astype(np.float32)
-            for c in range(4):
-                image[c] += (label == (c % 3) + 1) * 1.5 + (label > 0) * 0.5
-            self._labels[case], self._images[case] = label, image
-
-    def images(self, ids):
-        return np.stack([self._images[i] for i in ids])
-
-    def labels(self, ids):
-        return np.stack([self._labels[i] for i in ids])
 
 
 @dataclass

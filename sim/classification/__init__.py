@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METHODS = ("dp-mac", "adlm", "ilm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled", "nonprivate")
+from sim.methods import CLASSIFICATION_METHODS
+
+METHODS = CLASSIFICATION_METHODS
 
 
 @dataclass

@@ -178,9 +178,9 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
                               data: str | Path | None = None, pool: int = 8,
                               teachers_per_hospital: int | None = None, progress: bool = False) -> ClassificationTask:
     """The segmentation world of ``preset`` (same phantoms/MSD folder, prepared grid and hospital split as
-    ``fedpate simulate``/``compare``, via ``sim.runners.inprocess.build_world``) → the slice task."""
+    ``fedpate simulate``/``compare``, via ``sim.world.build_world``) → the slice task."""
     from sim.presets import get_preset
-    from sim.runners.inprocess import build_world
+    from sim.world import build_world
 
     p = get_preset(preset)
     prepared, split = build_world(p, data, seed, progress, hospitals, teachers_per_hospital)

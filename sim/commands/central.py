@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sim.commands.common import add_run_options
+from sim.methods import CENTRAL_METHODS
 
 
 def register(subparsers) -> None:
@@ -10,7 +11,7 @@ def register(subparsers) -> None:
         "central", help="centralised baselines on pooled data (non-private, DP-SGD)",
         description="Train one U-Net on all hospitals' private volumes pooled together, evaluate on the test "
                     "split and write results.json, ledger.jsonl and model/ in --out.")
-    parser.add_argument("--method", required=True, choices=("nonprivate", "dp-sgd"))
+    parser.add_argument("--method", required=True, choices=tuple(CENTRAL_METHODS))
     add_run_options(parser)
     parser.add_argument("--noise-mode", default="target", choices=("target", "fixed", "schedule"),
                         help="DP-SGD noise: calibrated to the budget for the planned epochs (target), the "

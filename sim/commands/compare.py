@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from sim.commands.common import add_run_options
-
-CLASSIFICATION_METHODS = ("dp-mac", "adlm", "ilm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled", "nonprivate")
+from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 
 
 def register(subparsers) -> None:
@@ -14,12 +13,11 @@ def register(subparsers) -> None:
                     "DP-SGD and non-private training on pooled data, and the public-only baseline; writes "
                     "report.md, cells.csv, plots and one results.json + ledger.jsonl + model bundle per cell. "
                     "Resumable: finished cells are skipped. --task slice-classification|mnist5k compares the "
-                    "classification seed systems (dp-mac, adlm, ilm, pate-gnmax, dp-sgd, dp-sgd-scheduled, nonprivate).")
+                    f"classification seed systems ({', '.join(CLASSIFICATION_METHODS)}).")
     add_run_options(parser, default_preset="quick")
     parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"))
     parser.add_argument("--methods", default=None,
-                        help="comma-separated (default for segmentation: pate-ae,pate-pca,pate-naive,dp-fedavg,"
-                             "dp-sgd-central,nonprivate-central,public-only)")
+                        help=f"comma-separated (default for segmentation: {','.join(SEGMENTATION_METHODS)})")
     parser.add_argument("--epsilons", default="1,2,4,8", help="comma-separated budgets (default 1,2,4,8)")
     parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
     parser.add_argument("--teachers-per-hospital", default=None,
@@ -33,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.runners.compare import DEFAULT_METHODS, parse_list, run_compare
+    from sim.runners.compare import parse_list, run_compare
 
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
@@ -53,7 +51,7 @@ def run(args) -> int:
                                    **({"delta": args.delta} if args.delta else {}))
         print(f"report: {args.out}/report.md")
         return 0
-    methods = parse_list(args.methods, str, "--methods") if args.methods else list(DEFAULT_METHODS)
+    methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
                          hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise,

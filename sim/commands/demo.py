@@ -42,7 +42,7 @@ def run(args) -> int:
     from sim.report import load_cells
     from sim.runners.compare import parse_list, run_compare
     from sim.io import cache_root
-    from sim.runners.inprocess import PHANTOM_SEED
+    from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
 
     out = Path(args.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sim.commands.common import add_federation_options, add_run_options
+from sim.methods import FEDERATED_METHODS
 
 
 def register(subparsers) -> None:
@@ -10,7 +11,7 @@ def register(subparsers) -> None:
         "simulate", help="run one federated method (PATE or DP-FedAvg) in Flower's simulation engine",
         description="Hospitals are Flower ClientApps, the aggregator a ServerApp; all run on this machine. "
                     "Writes results.json, ledger.jsonl, model/ (bundle + MODEL_CARD.md) and predictions/ into --out.")
-    parser.add_argument("--method", default="pate-ae", choices=("pate-ae", "pate-pca", "pate-naive", "dp-fedavg"))
+    parser.add_argument("--method", default="pate-ae", choices=FEDERATED_METHODS)
     add_run_options(parser, default_preset="tiny")
     add_federation_options(parser)
     parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),

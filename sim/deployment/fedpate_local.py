@@ -21,9 +21,13 @@ from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
 
 
+#: written beside results.json by :func:`run_local_deployment`
+DEPLOYMENT_FILE = "deployment.json"
+
+
 def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
     """One MSD Task01-layout folder per hospital of the world's split, with only that hospital's cases."""
-    from sim.runners.world_setup import open_world
+    from sim.world import open_world
 
     prepared, split = open_world(world_dir)
     source_root = Path(prepared.manifest["source_root"])
@@ -54,13 +58,14 @@ def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict
 
 def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bool = True, timeout: float = 3600.0,
                          kill_hospital_during_queries: str | None = None) -> dict[str, Any]:
-    """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json.
+    """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json's content
+    with ``"deployment"`` (run id, status, TLS), which is also written to ``deployment.json`` beside it.
 
     ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
     first PATE query has been charged to the ledger -- the dropout test of issue 6.
     """
     from sim.deployment.local import LocalDeployment
-    from sim.runners.world_setup import materialise_world
+    from sim.world import materialise_world
 
     if settings.reproducible_noise:
         raise UserError("reproducible-noise: a deployment always draws secure noise (seeded noise can be "
@@ -88,11 +93,11 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     if not (out / "results.json").exists():
         raise UserError(f"deployment run {status.run_id} ended '{status.status}' without results.json "
                         f"(ServerApp log: {status.log_path})")
-    results = json.loads((out / "results.json").read_text())
-    results["deployment"] = {"run_id": status.run_id, "status": status.status, "seconds": status.seconds,
-                             "tls": tls, "supernode_auth": tls}
-    atomic_write_json(out / "results.json", results)
-    return results
+    # how the run was deployed, beside its results (results.json has one writer: sim.results.write_run)
+    deployment = {"run_id": status.run_id, "status": status.status, "seconds": status.seconds,
+                  "tls": tls, "supernode_auth": tls}
+    atomic_write_json(out / DEPLOYMENT_FILE, deployment)
+    return {**json.loads((out / "results.json").read_text()), "deployment": deployment}
 
 
 def _wait_for_first_query(ledger: Path, future, timeout: float) -> None:

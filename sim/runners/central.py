@@ -19,71 +19,37 @@ Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import torch
 
+from privacy.guard import BudgetGuard, GuardChain
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
+from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
 from sim.errors import UserError
+from sim.io import atomic_write_bytes
+from sim.methods import CENTRAL_METHODS
+from sim.networks import build_unet, network_config
+from sim.presets import get_preset
+from sim.results import ModelRelease, RunResults, write_run
+from sim.training import TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, train_segmentation
+from sim.world import build_world, pooled_private_data
 
-METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
-
-
-def load_central_data(preset, seed: int = 0, data: str | Path | None = None, cache_root: str | Path | None = None,
-                      progress: bool = True) -> dict[str, Any]:
-    """Phantoms (or the MSD folder ``data``) -> prepared grid -> the preset's split -> pooled arrays."""
-    from sim.data.partitions import split_for_preset
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
-
-    if cache_root is None:
-        # the same prepared world and split as the federated runs (one phantom generation, one test set)
-        from sim.runners.inprocess import build_world
-
-        if data is not None and not Path(data).exists():
-            raise UserError(f"--data: {data} does not exist (expected an MSD Task01-layout folder)")
-        prepared, split = build_world(preset, data, seed, progress)
-        return _pooled(prepared, split, prepared.config, Path(data) if data else None)
-    cache = Path(cache_root)
-    if data is None:
-        from sim.data.phantoms import ensure_phantoms
-
-        root = Path(ensure_phantoms(preset, cache, progress=progress))
-        tag = f"phantoms-{preset.name}"
-    else:
-        root = Path(data)
-        if not root.exists():
-            raise UserError(f"--data: {root} does not exist (expected an MSD Task01-layout folder)")
-        tag = "msd-" + hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    config = PreprocessConfig(grid=tuple(preset.grid))
-    prepared = prepare_dataset(root, cache / f"prepared-{tag}-{'x'.join(map(str, preset.grid))}", config,
-                               progress=progress)
-    split = split_for_preset(prepared, preset, seed=seed)
-    return _pooled(prepared, split, config, root)
+METHODS = CENTRAL_METHODS
 
 
-def _pooled(prepared, split, config, root) -> dict[str, Any]:
-    train_ids = [case for partitions in split.hospitals.values() for part in partitions for case in part]
-    test_ids = list(split.test)
-    if not train_ids:
-        raise UserError("central: the split has no private (hospital) cases to train on")
-    if not test_ids:
-        raise UserError("central: the split has no test cases")
-    validation_ids = list(getattr(split, "public_validation", None) or [])
-    out = {
-        "prepared": prepared, "split": split, "config": config, "train_ids": train_ids, "test_ids": test_ids,
-        "train_images": np.asarray(prepared.images(train_ids), np.float32),
-        "train_labels": np.asarray(prepared.labels(train_ids), np.int64),
-        "test_images": np.asarray(prepared.images(test_ids), np.float32),
-        "test_labels": np.asarray(prepared.labels(test_ids), np.int64),
-        "validation": None, "hospitals": len(split.hospitals), "hospital_ids": sorted(split.hospitals),
-        "source": dict(getattr(prepared, "source", {}) or {"root": str(root)}),
-    }
-    if validation_ids:
-        out["validation"] = (np.asarray(prepared.images(validation_ids), np.float32),
-                             np.asarray(prepared.labels(validation_ids), np.int64))
-    return out
+def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """The federated runs' world (sim.world.build_world: one phantom generation, one split, one test set),
+    its hospitals' partitions pooled (sim.world.pooled_private_data)."""
+    if data is not None and not Path(data).exists():
+        raise UserError(f"--data: {data} does not exist (expected an MSD Task01-layout folder)")
+    prepared, split = build_world(preset, data, seed, progress)
+    return pooled_private_data(prepared, split, Path(data) if data else None)
 
 
 def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Path = "runs/central",
@@ -91,7 +57,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 data: str | Path | None = None, progress: bool = True, *, noise_mode: str = "target",
                 schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
                 max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
-                epochs: int | None = None, augment: bool = True, cache_root: str | Path | None = None,
+                epochs: int | None = None, augment: bool = True,
                 schedule_options: dict | None = None, batch_size: int | None = None,
                 reproducible_noise: bool = False, relation: str = "replace-one",
                 hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None) -> dict[str, Any]:
@@ -104,14 +70,6 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     hospitals' own ledgers of a comparison (``<dir>/<hospital>.jsonl``) and their lifetime budget; every
     epoch is then also charged there, and refused when a hospital's lifetime budget would be exceeded.
     """
-    import torch
-
-    from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
-    from sim.io import atomic_write_bytes, atomic_write_json
-    from sim.networks import build_unet, network_config
-    from sim.presets import get_preset
-    from sim.training import TrainConfig, evaluate_segmentation_per_case, train_segmentation
-
     started = time.perf_counter()
     if method not in METHODS:
         raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
@@ -132,7 +90,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
 
     torch.manual_seed(seed)
-    world = load_central_data(p, seed=seed, data=data, cache_root=cache_root, progress=progress)
+    world = load_central_data(p, seed=seed, data=data, progress=progress)
     model = build_unet(p.unet)
     net_cfg = network_config(p.unet)
     train_config = TrainConfig(epochs=int(epochs if epochs is not None else p.central_epochs),
@@ -142,10 +100,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                progress=progress, checkpoint=checkpoint, description=METHODS[method],
                                extra_checkpoint={"network_config": net_cfg})
     dp = guard = None
+    ledger = Ledger(ledger_path)
     if private:
-        from privacy.guard import BudgetGuard
-        from privacy.ledger import Ledger
-
         dp = DPConfig(mode=noise_mode, epsilon=epsilon, delta=delta,
                       noise_multiplier=noise_multiplier if noise_multiplier is not None else
                       (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
@@ -155,17 +111,13 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                       schedule_options=dict(schedule_options or {}),
                       grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
                       release_prefix=_release_prefix(ledger_path), relation=relation).validate()
-        guard = BudgetGuard(Ledger(ledger_path), epsilon, delta)
+        guard = BudgetGuard(ledger, epsilon, delta)
         if hospital_ledger_dir is not None:
-            from privacy.guard import GuardChain
-
             lifetime = float(lifetime_epsilon or epsilon)
             guard = GuardChain(guard, [(BudgetGuard(Ledger(Path(hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
                                                     delta), [h]) for h in world["hospital_ids"]])
     else:
         atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
-
-    from privacy.mechanisms import NoiseSource
 
     noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
         METHODS[method], f"eps-{epsilon:g}")
@@ -173,43 +125,20 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                 guard=guard, owners=tuple(world["hospital_ids"]), validation=world["validation"],
                                 noise=noise)
     dice, dice_per_case = evaluate_segmentation_per_case(result.model, world["test_images"], world["test_labels"])
-
-    spent = None
-    if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
-        ledger = guard.ledger
-        spent = max((ledger.spent(owner, delta) for owner in ledger.owners()), key=lambda s: s.epsilon)
     validation_dice = None
     if world["validation"] is not None:
-        from sim.training import evaluate_segmentation
-
         validation_dice = evaluate_segmentation(result.model, *world["validation"]).get("mean")
-    preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
-    _save_bundle(out, result.model, net_cfg, preprocessing, METHODS[method], ledger_path if private else None,
-                 epsilon if private else None, delta if private else None,
-                 spent.relation if spent else None, spent.accountant if spent else None,
-                 world["hospitals"], world["source"])
 
-    results = {
-        "method": METHODS[method],
-        "dice": dice,
+    results = RunResults(method=METHODS[method], dice=dice, hospitals=world["hospitals"],
+                         # under reproducible noise the seed also drives the other cells' noise: never published
+                         seed=None if reproducible_noise else seed)
+    if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
+        results.account(ledger, delta, relation=relation)
+        results.epsilon_budget = epsilon
+        results.sigma = result.sigmas[0] if result.sigmas else None
+    results.extras = {
         "dice_per_case": dice_per_case,
-        "epsilon": float(spent.epsilon) if spent else None,
-        "epsilon_budget": epsilon if private else None,
-        "delta": delta if private else None,
-        "relation": spent.relation if spent else None,
-        "accountant": spent.accountant if spent else None,
-        "teachers": None,
-        "hospitals": world["hospitals"],
-        "queries": None,
-        "sigma": (result.sigmas[0] if result.sigmas else None) if private else None,
-        "teacher_dice_mean": None,
-        "ensemble_dice_mean": None,
-        "bytes_up_per_query_per_teacher": None,
-        "wall_seconds": round(time.perf_counter() - started, 3),
-        # under reproducible noise the seed also drives the other cells' noise: never published
-        "seed": None if reproducible_noise else seed,
         **(noise.describe() if private else {}),
-        # --- extras (SPEC: add freely) ---
         "preset": p.name,
         "grid": list(p.grid),
         "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
@@ -220,8 +149,6 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         # the training loss is an un-noised statistic of the private data: only non-private runs show it
         "final_loss": (result.history[-1]["loss"] if result.history else None) if not private else None,
         "epsilon_rdp": result.epsilon_rdp if private else None,
-        "epsilon_add_remove": result.epsilon_add_remove if private else None,
-        "epsilon_replace_one": result.epsilon_replace_one if private else None,
         "dpsgd": None if not private else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
             "sigmas": result.sigmas, "max_grad_norm": dp.max_grad_norm, "per_layer": dp.per_layer,
@@ -233,17 +160,14 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         # public validation Dice: what model selection may look at (never the test set)
         "validation_dice_mean": validation_dice,
     }
-    atomic_write_json(out / "results.json", results)
-    return results
+    preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
+    return write_run(out, results, ModelRelease(result.model, net_cfg, preprocessing, world["source"]),
+                     started=started)
 
 
 def _release_prefix(ledger_path: Path) -> str:
     """Release ids unique to this run: the hospitals' lifetime ledgers outlive it, and an id they already
     hold would merge a new release into an old one. A resumed run (checkpoint + ledger) keeps its ids."""
-    import secrets
-
-    from privacy.ledger import Ledger
-
     if ledger_path.exists() and ledger_path.stat().st_size > 0:
         first = Ledger.load(ledger_path).records()[0]["release_id"]
         return first.rsplit(":epoch-", 1)[0]
@@ -251,19 +175,6 @@ def _release_prefix(ledger_path: Path) -> str:
 
 
 def _config_dict(config) -> dict:
-    import dataclasses
-
     if dataclasses.is_dataclass(config):
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
     return {"grid": list(config.grid)}
-
-
-def _save_bundle(out, model, net_cfg, preprocessing, method, ledger_path, budget, delta, relation, accountant,
-                 hospitals, source) -> None:
-    """Model bundle for ``fedpate predict`` (``sim.bundle``), its card computed from the ledger."""
-    from sim.bundle import privacy_card, save_bundle
-
-    card = privacy_card(method=method, ledger_path=ledger_path, delta=delta, epsilon_budget=budget,
-                        relation=relation, accountant=accountant, teachers=None, hospitals=hospitals,
-                        data_source=source)
-    save_bundle(out, model, net_cfg, preprocessing, card)

@@ -29,7 +29,8 @@ import traceback
 from pathlib import Path
 
 from sim.errors import UserError
-from sim.io import atomic_write_json, atomic_write_text
+from sim.io import atomic_write_text
+from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, RunResults, csv_row, write_run
 from sim.classification import METHODS
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3)
@@ -37,11 +38,6 @@ PRESET_SETTINGS = {
     "tiny": {"epochs": 5, "adlm_epochs": 10, "teachers_per_hospital": 5, "queries": 100, "teacher_epochs": 30},
     "quick": {"epochs": 15, "adlm_epochs": 30, "teachers_per_hospital": 10, "queries": 300, "teacher_epochs": 40},
 }
-RESULT_KEYS = ("method", "task", "dice", "accuracy", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
-               "teachers", "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
-               "teacher_accuracy_mean", "ensemble_accuracy", "bytes_up_per_query_per_teacher", "wall_seconds",
-               "seed", "preset", "privacy_unit", "details", "error", "not_private_diagnostics")
-
 
 #: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
 PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
@@ -140,37 +136,33 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
     wall = time.perf_counter() - start
     if not ledger_path.exists():
         atomic_write_text(ledger_path, "")   # a non-private cell has an (empty) ledger too: nothing was released
-    spent_eps, accountant, relation = None, None, None
-    if ledger.owners():
-        spents = [ledger.spent(owner, delta) for owner in ledger.owners()]
-        worst = max(spents, key=lambda s: s.epsilon)
-        spent_eps, accountant, relation = worst.epsilon, worst.accountant, worst.relation
-    elif epsilon is None:
-        spent_eps = None
     details = dict(res.details) if res else {}
-    result = {
-        "method": method, "task": task.name, "dice": None,
-        "accuracy": None if res is None else res.accuracy,
-        "epsilon": spent_eps if epsilon is not None else None,
-        "epsilon_budget": epsilon, "delta": delta,
-        "relation": relation or (res.relation if res else None), "accountant": accountant,
-        "teachers": res.teachers if res else None, "hospitals": len(task.hospitals),
-        "queries": res.queries if res else None, "sigma": res.sigma if res else None,
-        "teacher_dice_mean": None, "ensemble_dice_mean": None,
+    results = RunResults(
+        method=method, accuracy=None if res is None else res.accuracy, epsilon_budget=epsilon,
+        teachers=res.teachers if res else None, hospitals=len(task.hospitals),
+        queries=res.queries if res else None, sigma=res.sigma if res else None,
+        bytes_up_per_query_per_teacher=res.bytes_up_per_query_per_teacher if res else None,
+        seed=None if noise.is_reproducible else seed)
+    if epsilon is not None:   # every epsilon written is the ledger's (the worst hospital's)
+        results.account(ledger, delta, relation=res.relation if res else None)
+    else:
+        results.relation = res.relation if res else None
+    results.delta = delta
+    results.wall_seconds = wall
+    results.extras = {
+        "task": task.name,
         "teacher_accuracy_mean": details.get("teacher_accuracy_mean"),
         "ensemble_accuracy": details.get("ensemble_accuracy"),
-        "bytes_up_per_query_per_teacher": res.bytes_up_per_query_per_teacher if res else None,
-        "wall_seconds": wall, "seed": None if noise.is_reproducible else seed,
         **(noise.describe() if epsilon is not None else {}), "preset": preset,
         "privacy_unit": PRIVACY_UNITS[task.privacy_unit],
         "details": details, "error": error,
         "not_private_diagnostics": not_private_diagnostics(method, details),
     }
-    atomic_write_json(out / "results.json", result)
+    result = write_run(out, results)
     if progress:
         acc = "n/a" if result["accuracy"] is None else f"{result['accuracy']:.3f}"
         eps = "—" if result["epsilon"] is None else f"{result['epsilon']:.3f}"
-        print(f"[{method} ε={epsilon}] accuracy {acc}, ε spent {eps} ({accountant}), {wall:.1f}s"
+        print(f"[{method} ε={epsilon}] accuracy {acc}, ε spent {eps} ({results.accountant}), {wall:.1f}s"
               + (f"  ERROR {error}" if error else ""), flush=True)
     return result
 
@@ -219,8 +211,8 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     return cells
 
 
-CSV_COLUMNS = ("method", "epsilon_budget", "epsilon", "delta", "accuracy", "relation", "accountant", "sigma",
-               "teachers", "queries", "wall_seconds", "error")
+#: the results record's columns (sim.results), and a failed cell's error
+CSV_COLUMNS = RESULT_CSV_COLUMNS + ("error",)
 
 
 def write_cells_csv(cells: list[dict], path: Path) -> None:
@@ -228,7 +220,8 @@ def write_cells_csv(cells: list[dict], path: Path) -> None:
     writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     for c in cells:
-        writer.writerow({k: ("" if c.get(k) is None else c.get(k)) for k in CSV_COLUMNS})
+        row = {**csv_row(c), "error": c.get("error")}
+        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
     atomic_write_text(path, buf.getvalue())
 
 

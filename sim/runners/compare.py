@@ -29,14 +29,23 @@ from typing import Any, Sequence
 import numpy as np
 
 from privacy.errors import BudgetExceeded
+from privacy.ledger import Ledger
+from server.student import train_public_model
+from sim.bundle import attach_release, load_bundle, preprocessing_of
 from sim.errors import UserError
 from sim.io import atomic_write_json
+from sim.methods import FEDERATED_METHODS, PRIVATE_METHODS, SEGMENTATION_METHODS
+from sim.networks import network_config
+from sim.presets import get_preset
+from sim.report import load_cells, plot_overlays, write_report
+from sim.results import ModelRelease, RunResults, write_run
+from sim.runconfig import RunSettings
+from sim.runners.central import run_central
+from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+from sim.runners.simulation import simulate
+from sim.training import evaluate_segmentation_per_case, predict_probs, public_validation_dice
+from sim.world import build_world, load_world, materialise_world, open_world
 
-FEDERATED = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg")
-CENTRAL = ("dp-sgd-central", "nonprivate-central")
-ALL_METHODS = FEDERATED + CENTRAL + ("public-only",)
-DEFAULT_METHODS = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg", "dp-sgd-central", "nonprivate-central",
-                   "public-only")
 
 
 def parse_list(text: str, kind, option: str) -> list:
@@ -63,15 +72,9 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 teachers_per_hospital: Sequence[int] | None = None, engine: str = "flower",
                 progress: bool = True, reproducible_noise: bool = False,
                 lifetime_epsilon: float | None = None) -> Path:
-    from sim.presets import get_preset
-    from sim.report import write_report
-    from sim.runconfig import RunSettings
-    from sim.runners.simulation import simulate
-    from sim.runners.world_setup import materialise_world
-
-    unknown = [m for m in methods if m not in ALL_METHODS]
+    unknown = [m for m in methods if m not in SEGMENTATION_METHODS]
     if unknown:
-        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(ALL_METHODS)}")
+        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(SEGMENTATION_METHODS)}")
     if any(not (e > 0) for e in epsilons):
         raise UserError(f"--epsilons: expected positive numbers, got {list(epsilons)}")
     out = Path(out)
@@ -106,7 +109,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
         cells = []
         for method in methods:
-            if method not in FEDERATED or (method == "dp-fedavg" and index > 0):
+            if method not in FEDERATED_METHODS or (method == "dp-fedavg" and index > 0):
                 continue  # DP-FedAvg has no teachers: one K is enough
             for epsilon in epsilons:
                 teachers = preset.teachers if sweeping and method != "dp-fedavg" else None
@@ -121,15 +124,11 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
                                lifetime_epsilon=lifetime)
         if cells:
-            if engine == "inprocess" and any(c["method"] == "dp-fedavg" for c in cells):
-                raise UserError("--engine inprocess cannot run dp-fedavg; use --engine flower")
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
             simulate(settings, engine=engine, cells=cells)
 
     # --- central cells and the public-only baseline --------------------------------------------------
-    from sim.runners.central import run_central
-
     if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
         run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
                     delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise)
@@ -158,8 +157,6 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
             overlays.append(overlay)
     except Exception as exc:  # a plot must never lose the finished cells' report
         print(f"compare: overlay plot skipped ({exc.__class__.__name__}: {exc})")
-    from sim.bundle import attach_release
-
     release = combined_release(out, delta)
     for cell in sorted(out.rglob("results.json")):
         if (cell.parent / "model" / "bundle.json").exists():
@@ -175,7 +172,6 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
 
 
 HOSPITAL_LEDGERS = "hospital-ledgers"
-PRIVATE_METHODS = ("pate-ae", "pate-pca", "pate-naive", "dp-fedavg", "dp-sgd-central")
 
 
 def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], teacher_counts: int) -> float:
@@ -206,8 +202,6 @@ def set_aside_interrupted(path: Path) -> Path | None:
 def combined_release(out: Path, delta: float) -> dict[str, Any]:
     """What the comparison released together, per hospital, from the hospitals' own ledgers: the combined
     epsilon of every cell (all methods, all budgets, all K) that touched that hospital's patients."""
-    from privacy.ledger import Ledger
-
     per_hospital, digests, relations, accountants = {}, {}, set(), set()
     for path in sorted((out / HOSPITAL_LEDGERS).glob("*.jsonl")):
         ledger = Ledger.load(path)
@@ -227,52 +221,29 @@ def combined_release(out: Path, delta: float) -> dict[str, Any]:
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
                     publish_seed: bool = True) -> dict:
     """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
-    from server.student import train_public_model
-    from sim.bundle import preprocessing_of, privacy_card, save_bundle
-    from sim.networks import network_config
-    from sim.runners.inprocess import build_world
-    from sim.training import evaluate_segmentation_per_case
-    from sim.world import load_world
-
     started = time.perf_counter()
-    prepared, split = build_world(preset, data, seed, progress)
-    world = load_world(prepared, split)
+    world = load_world(*build_world(preset, data, seed, progress))
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
                                       checkpoint=shared_dir / "public-model.pt")
     init = {k: v.clone() for k, v in public_model.state_dict().items()}
     model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
                                checkpoint=shared_dir / "public-only.pt")
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
-    from sim.world import public_validation_dice
-
-    validation_dice = public_validation_dice(model, world)
     out.mkdir(parents=True, exist_ok=True)
-    card = privacy_card(method="public-only", ledger_path=None, delta=None, epsilon_budget=None, relation=None,
-                        accountant=None, teachers=None, hospitals=None, data_source=world.source,
-                        extra={"note": "trained on public reference data only: no private data, no privacy cost"})
-    save_bundle(out, model, network_config(preset.unet), preprocessing_of(world), card)
-    (out / "ledger.jsonl").touch()
-    results = {"method": "public-only", "dice": dice, "dice_per_case": dice_per_case, "epsilon": None, "epsilon_budget": None, "delta": None,
-               "relation": None, "accountant": None, "teachers": None, "hospitals": None, "queries": None,
-               "sigma": None, "teacher_dice_mean": None, "ensemble_dice_mean": None,
-               "bytes_up_per_query_per_teacher": None, "wall_seconds": round(time.perf_counter() - started, 2),
-               "seed": seed if publish_seed else None, "reference_cases": len(world.reference_labels),
-               "validation_dice_mean": validation_dice}
-    atomic_write_json(out / "results.json", results)
-    return results
+    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
+    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None)
+    results.extras = {"dice_per_case": dice_per_case, "reference_cases": len(world.reference_labels),
+                      "validation_dice_mean": public_validation_dice(model, world)}
+    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
+                           card_extra={"note": "trained on public reference data only: no private data, "
+                                               "no privacy cost"})
+    return write_run(out, results, release, started=started)
 
 
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):
     """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD, public-only."""
-    from sim.bundle import load_bundle
-    from sim.report import load_cells, plot_overlays
-    from sim.training import predict_probs
-    from sim.world import load_world
-
     if world_dir is None:
         return None
-    from sim.runners.world_setup import open_world
-
     world = load_world(*open_world(world_dir))
     images, truth = world.test_images[:3], world.test_labels[:3]
     cells = load_cells(out)
@@ -292,7 +263,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
         predictions[name] = predict_probs(model, images).argmax(axis=1)
         if prefix == "pate":
-            ensemble = teacher_ensemble_from_disk(Path(world_dir), images, preset_name, hospitals, per_hospital)
+            ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed)
             if ensemble is not None:
                 predictions["teacher ensemble (no noise)"] = ensemble.argmax(axis=1)
     if not predictions:
@@ -300,22 +271,12 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
     return plot_overlays(out / "overlays.png", images, truth, predictions)
 
 
-def teacher_ensemble_from_disk(world_dir: Path, images, preset_name, hospitals, per_hospital) -> np.ndarray | None:
-    """Simulation-only diagnostic: average the simulated hospitals' saved teachers' probabilities."""
-    import torch
-
-    from sim.networks import build_unet
-    from sim.presets import get_preset
-    from sim.training import predict_probs
-
+def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0) -> np.ndarray | None:
+    """Simulation-only diagnostic: the simulated hospitals' teachers' averaged probabilities, asked of the
+    hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers."""
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
-    paths = sorted((world_dir / "nodes").glob("*/teachers/teacher-*.pt"))
-    if not paths:
+    prepared, split = open_world(world_dir)
+    members = simulated_hospitals(prepared, split, preset, world_dir / "nodes", seed)
+    if not all(member.has_trained_teachers() for member in members):
         return None
-    total = None
-    for path in paths:
-        model = build_unet(preset.unet)
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        probs = predict_probs(model.eval(), images)
-        total = probs if total is None else total + probs
-    return total / len(paths)
+    return InProcessTransport(members).ensemble_probabilities(images)

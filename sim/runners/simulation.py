@@ -5,20 +5,25 @@ Engines:
   SuperNode per hospital, 1 CPU each). The ServerApp's settings are bound in with ``make_app``.
 - ``runtime``: the simulation runtime behind ``flwr run`` (a ``--simulation`` SuperLink started on a free
   loopback port and stopped by PID; sim/deployment/runtime_simulation.py) -- the same path ``flwr run .`` takes.
-- ``inprocess``: no Flower at all (sim/runners/inprocess.py); same protocol code, fastest.
+- ``inprocess``: no Flower at all (sim/runners/inprocess.py); same protocol code (server/protocols.py),
+  fastest.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
+from sim.deployment.runtime_simulation import run_runtime_simulation
+from server.protocols import run_cell
 from sim.errors import UserError
 from sim.runconfig import RunSettings
-from sim.runners.world_setup import materialise_world
+from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+from sim.world import load_world, materialise_world, open_world
 
 ENGINES = ("flower", "runtime", "inprocess")
 #: Flower's environment, and every hospital's log line shown (Ray folds repeated lines by default)
@@ -61,8 +66,7 @@ def _settings_fields(settings: RunSettings) -> dict[str, Any]:
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
-    import logging
-
+    # Flower (and Ray behind it) only for this engine: the in-process engine never pays for importing them
     from flwr.simulation import run_simulation
 
     from clients.client_app import app as client_app
@@ -79,8 +83,6 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
 
 
 def _run_runtime(settings: RunSettings, cells) -> None:
-    from sim.deployment.runtime_simulation import run_runtime_simulation
-
     if len(cells) != 1:
         raise UserError("--engine runtime runs one cell at a time (use --engine flower for comparisons)")
     cell = cells[0]
@@ -92,27 +94,16 @@ def _run_runtime(settings: RunSettings, cells) -> None:
                            Path(cell["out"]) / "runtime", timeout=3600)
 
 
-def cell_noise_names(cell: Mapping[str, Any], settings: RunSettings) -> tuple[str, ...]:
-    """The noise namespace of one cell: its method, budget and K (unique within a comparison)."""
-    return (str(cell["method"]), f"eps-{float(cell['epsilon']):g}", f"K-{settings.resolved_preset.teachers}")
-
-
 def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
-    from sim.runners.inprocess import run_pate_inprocess
-    from sim.runners.world_setup import open_world
-
+    """Every cell through the same protocol code as the ServerApp, the hospitals as objects in this process
+    (their teachers under the world's ``nodes/``, shared by the cells)."""
     prepared, split = open_world(settings.world)
+    world = load_world(prepared, split)
     results = []
     for cell in cells:
-        if cell["method"] == "dp-fedavg":
-            raise UserError("--engine inprocess runs the PATE methods; dp-fedavg needs --engine flower")
-        results.append(run_pate_inprocess(settings.resolved_preset, cell["method"], cell["epsilon"],
-                                          settings.resolved_delta, cell["out"], settings.seed,
-                                          progress=settings.progress, prepared=prepared, split=split,
-                                          calibration=settings.calibration, query_batch=settings.query_batch,
-                                          shared_dir=cell.get("shared_dir"),
-                                          noise=settings.noise_source(*cell_noise_names(cell, settings)),
-                                          hospital_config=settings.replace(out=cell["out"])
-                                          .hospital_privacy_config(),
-                                          hospitals_root=Path(settings.world) / "nodes"))
+        hospitals = simulated_hospitals(prepared, split, settings.resolved_preset, Path(settings.world) / "nodes",
+                                        settings.seed)
+        transport = InProcessTransport(hospitals,
+                                       base_config=settings.replace(out=cell["out"]).hospital_privacy_config())
+        results.append(run_cell(transport, world, settings, cell))
     return results

@@ -1,0 +1,74 @@
+"""How the aggregator's protocols talk to the hospitals: everything PATE (server/pate.py) and DP-FedAvg
+(server/dpfedavg.py) call, declared once. Framework-free.
+
+Implementations: :class:`server.flower_transport.FlowerTransport` (Flower messages over a ``Grid``: the
+ServerApp, simulated or deployed) and ``sim.runners.inprocess.InProcessTransport`` (hospitals as objects in
+this process). A hospital that does not answer is simply absent from a reply; once dropped it does not
+come back, and the protocol decides what that means for sensitivity and the ledger.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+class HospitalTransport(Protocol):
+    """The hospitals as the protocols see them."""
+
+    #: hospital id -> whether it runs on its own machine with its own patients (it then refuses everything
+    #: meant for simulations only: un-noised diagnostics, seeded noise)
+    deployed: Mapping[str, bool]
+    #: hospital id -> why it left (timed out, error reply, refusal); it is not asked again
+    dropped: Mapping[str, str]
+    #: per query round: hospital id -> encoding bytes one teacher uploaded for one scan (measured)
+    bytes_up: Sequence[Mapping[str, float]]
+    #: per query round: hospital id -> what it said about its answer (counts only, e.g. fallback_teachers)
+    notes: Sequence[Mapping[str, Mapping[str, Any]]]
+
+    def hospital_ids(self) -> list[str]:
+        """The hospitals still connected, sorted."""
+
+    def train(self, config: Mapping[str, Any], init_weights: Mapping[str, np.ndarray] | None = None
+              ) -> dict[str, dict]:
+        """Train every hospital's teachers from ``init_weights``; per hospital: metrics (incl. "teachers")
+        and its local epsilon."""
+
+    def query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping[str, Any]
+              ) -> dict[str, np.ndarray]:
+        """Per responding hospital: (T_h, n, l) encodings of the public ``scans``. ``config`` declares what
+        is released (release ids, sigma, K); ``config["diagnostic"]`` asks for an un-noised answer."""
+
+    def evaluate(self, config: Mapping[str, Any], test: Mapping[str, np.ndarray] | None = None
+                 ) -> dict[str, dict]:
+        """Per hospital: {"teacher_dice": [...], "teacher_dice_mean": ...} on the public test arrays sent."""
+
+    def fedavg_round(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]
+                     ) -> dict[str, tuple[dict, dict]]:
+        """One DP-FedAvg round of local DP-SGD from ``weights``: {hospital: (metrics, new local weights)}."""
+
+
+@runtime_checkable
+class TeacherEnsembleDiagnostics(Protocol):
+    """Optional, simulation only: the teachers' averaged full-resolution probabilities on some scans (the
+    noise-free ceiling of SPEC section 11). Those probabilities never travel over the wire, so only a
+    transport that holds the hospitals in this process offers it; no guarantee covers it."""
+
+    def ensemble_probabilities(self, scans: np.ndarray) -> np.ndarray:
+        """(n, C, *grid) mean of every teacher's softmax output."""
+
+
+def measured_bytes_per_teacher(rounds: Sequence[Mapping[str, float]]) -> float | None:
+    """Mean encoding bytes one teacher uploaded for one scan over ``rounds`` (``HospitalTransport.bytes_up``)."""
+    sizes = [size for round_bytes in rounds for size in round_bytes.values()]
+    return None if not sizes else float(sum(sizes) / len(sizes))
+
+
+def fallback_counts(notes: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, int]:
+    """How many teacher answers each hospital replaced by its fixed fallback row (counts only)."""
+    totals: dict[str, int] = {}
+    for round_notes in notes:
+        for hospital, note in round_notes.items():
+            totals[hospital] = totals.get(hospital, 0) + int(note.get("fallback_teachers", 0) or 0)
+    return totals

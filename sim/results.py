@@ -1,0 +1,175 @@
+"""The results record of one run (SPEC section 10) and the one place a run folder is written.
+
+:class:`RunResults` holds every key of SPEC section 10's ``results.json`` schema -- always present, ``None``
+where it does not apply (``dice`` on a classification task, ``accuracy`` on segmentation, every privacy
+field of a non-private run) -- plus the same run's ε under each neighbouring relation where it is defined,
+and one dict of method-specific ``extras`` that is merged in without ever overriding a schema key.
+
+Its privacy fields are read from the run's ledger (:meth:`RunResults.account`): ε is the worst owner's
+(a model trained on several owners' patients is as private as its least private owner), with that owner's
+relation and accountant, never a number a caller computed.
+
+:func:`write_run` is the only writer of ``results.json``: model bundle first (``sim.bundle.save_bundle``,
+its privacy card built from the same ledger), then the predicted test segmentations if any, then
+``results.json`` atomically. Nothing patches ``results.json`` afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from privacy.accountants import epsilon_per_relation
+from privacy.ledger import Ledger
+from sim.bundle import privacy_card, save_bundle
+from sim.data.preprocess import invert_label
+from sim.io import atomic_write_bytes, atomic_write_json
+
+DICE_KEYS = ("1", "2", "3", "mean", "WT", "TC", "ET")
+
+
+@dataclass
+class RunResults:
+    """One run's ``results.json``: SPEC section 10's schema, then ``extras``."""
+
+    method: str
+    dice: dict | None = None                  # {"1", "2", "3", "mean", "WT", "TC", "ET"}; None on classification
+    accuracy: float | None = None             # classification tasks only
+    epsilon: float | None = None              # what the ledger says was spent (worst owner)
+    epsilon_budget: float | None = None
+    delta: float | None = None
+    relation: str | None = None               # "replace-one" | "add-remove" | "zero-out"
+    accountant: str | None = None
+    epsilon_add_remove: float | None = None   # the same mechanisms under each relation (None: undefined)
+    epsilon_replace_one: float | None = None
+    teachers: int | None = None
+    hospitals: int | None = None
+    queries: int | None = None
+    sigma: float | None = None
+    teacher_dice_mean: float | None = None
+    ensemble_dice_mean: float | None = None
+    bytes_up_per_query_per_teacher: int | None = None
+    wall_seconds: float | None = None
+    seed: int | None = None                   # None when it would let anyone regenerate the noise
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
+        """Fill ε, δ, relation and accountant from ``ledger``: the worst owner's, plus that mechanism's ε
+        under each relation where it is defined (``privacy.accountants.epsilon_per_relation``). An empty
+        ledger has spent nothing: ε = 0 under the ``relation`` the method declares."""
+        self.delta = float(delta)
+        owners = ledger.owners()
+        if not owners:
+            self.epsilon, self.relation, self.accountant = 0.0, relation, None
+            self.epsilon_add_remove = self.epsilon_replace_one = None
+            return self
+        spent = {owner: ledger.spent(owner, delta) for owner in owners}
+        worst = max(spent.values(), key=lambda s: s.epsilon)
+        self.epsilon, self.relation, self.accountant = float(worst.epsilon), worst.relation, worst.accountant
+        per_relation = _worst_per_relation(ledger, spent, delta)
+        self.epsilon_add_remove = per_relation["epsilon_add_remove"]
+        self.epsilon_replace_one = per_relation["epsilon_replace_one"]
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``results.json`` content: every schema key, then the extras (which may add, never override)."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
+        clash = sorted(set(record) & set(self.extras))
+        if clash:
+            raise ValueError(f"results extras may not override schema keys: {clash}")
+        return {**record, **self.extras}
+
+
+#: scalar schema fields, in record order: the columns every comparison's cells.csv has (sim.report)
+SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(RunResults) if f.name not in ("dice", "extras"))
+CSV_COLUMNS = SCALAR_FIELDS + tuple(f"dice_{key}" for key in DICE_KEYS)
+
+
+def csv_row(results: Mapping[str, Any]) -> dict[str, Any]:
+    """One results.json as a row of :data:`CSV_COLUMNS` (Dice flattened into ``dice_<key>``)."""
+    row = {key: results.get(key) for key in SCALAR_FIELDS}
+    dice = results.get("dice") or {}
+    row.update({f"dice_{key}": dice.get(key) for key in DICE_KEYS})
+    return row
+
+
+def _worst_per_relation(ledger: Ledger, spent: Mapping[str, Any], delta: float) -> dict[str, float | None]:
+    """Max over owners of each relation's ε (None as soon as one owner's is undefined). Owners charged the
+    same events (pooled training: every hospital alike) are accounted once."""
+    rows, seen = [], {}
+    for owner, owner_spent in spent.items():
+        events = ledger.events(owner)
+        key = (tuple(repr(event) for event in events), owner_spent.relation)
+        if key not in seen:
+            seen[key] = epsilon_per_relation(events, delta, owner_spent.relation, owner_spent.epsilon)
+        rows.append(seen[key])
+    return {name: None if any(row[name] is None for row in rows) else max(row[name] for row in rows)
+            for name in ("epsilon_add_remove", "epsilon_replace_one")}
+
+
+@dataclass
+class ModelRelease:
+    """A trained model leaving with its results: what ``fedpate predict`` needs, and its card's inputs."""
+
+    model: Any                                  # torch.nn.Module
+    network: Mapping[str, Any]                  # sim.networks.network_config
+    preprocessing: Mapping[str, Any]            # sim.bundle.preprocessing_of
+    data_source: Mapping[str, Any]
+    card_extra: Mapping[str, Any] | None = None
+    #: predicted test label maps (n, *grid) and the world they belong to: written as NIfTI in each scan's grid
+    test_predictions: tuple[np.ndarray, Any] | None = None
+
+
+def write_run(out: str | Path, results: RunResults, release: ModelRelease | None = None,
+              started: float | None = None) -> dict[str, Any]:
+    """Write a run folder: the model bundle (card from ``out/ledger.jsonl``), predictions, results.json.
+
+    ``started`` (``time.perf_counter()`` at the start of the run): ``wall_seconds`` then covers
+    everything up to this write. Returns the dict written.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if release is not None:
+        card = privacy_card(method=results.method, ledger_path=out / "ledger.jsonl", delta=results.delta,
+                            epsilon_budget=results.epsilon_budget, relation=results.relation,
+                            accountant=results.accountant, teachers=results.teachers,
+                            hospitals=results.hospitals, data_source=release.data_source,
+                            queries=results.queries, extra=release.card_extra)
+        save_bundle(out, release.model, release.network, release.preprocessing, card)
+        if release.test_predictions is not None:
+            labels, world = release.test_predictions
+            results.extras["predictions"] = write_test_predictions(out / "predictions", labels, world)
+    if started is not None:
+        results.wall_seconds = round(time.perf_counter() - started, 3)
+    record = results.to_dict()
+    atomic_write_json(out / "results.json", record)
+    return record
+
+
+def write_test_predictions(folder: Path, labels: np.ndarray, world) -> dict:
+    """Predicted test label maps as NIfTI, each back in its scan's own grid (SPEC section 10)."""
+    import nibabel as nib   # NIfTI only where predictions are written; nibabel costs ~0.5 s to import
+
+    note = "each scan's own grid (sim.data.preprocess.invert_label)"
+    for case_id, label in zip(world.test_ids, labels):
+        affine = np.eye(4)
+        try:
+            record = world.prepared.record(case_id)
+            label = invert_label(label, record)
+            affine = np.asarray(getattr(record, "affine", affine))
+        except Exception as exc:  # noqa: BLE001 - fall back to the working grid, say so
+            note = f"working grid (inversion failed: {exc})"
+        image = nib.Nifti1Image(np.asarray(label, np.uint8), affine)
+        buffer = io.BytesIO()
+        file_map = image.make_file_map({"image": buffer, "header": buffer})
+        image.to_file_map(file_map)
+        # mtime=0: the same labels give the same bytes
+        atomic_write_bytes(folder / f"{case_id}.nii.gz", gzip.compress(buffer.getvalue(), compresslevel=6, mtime=0))
+    return {"folder": str(folder), "cases": len(labels), "grid": note}
