@@ -37,6 +37,7 @@ RDP order after the fact, both assume parameters fixed in advance.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Iterable, Sequence
 
@@ -51,6 +52,7 @@ from privacy.events import (
     SampledGaussianEvent,
     ZCDPEvent,
 )
+from privacy.validation import non_negative_number, probability
 
 ACCOUNTANTS = ("gdp-exact", "pld", "rdp", "rdp-filter", "zcdp", "basic")
 
@@ -67,23 +69,11 @@ DEFAULT_PLD_DISCRETIZATION = 1e-4
 
 
 def _check_delta(delta: float) -> float:
-    try:
-        value = float(delta)
-    except (TypeError, ValueError):
-        raise PrivacyError(f"delta must be a number in (0, 1), got {delta!r}") from None
-    if not (0 < value < 1):
-        raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
-    return value
+    return probability("delta", delta)
 
 
 def _check_epsilon(epsilon: float) -> float:
-    try:
-        value = float(epsilon)
-    except (TypeError, ValueError):
-        raise PrivacyError(f"epsilon must be a non-negative number, got {epsilon!r}") from None
-    if not (value >= 0) or math.isnan(value):
-        raise PrivacyError(f"epsilon must be a non-negative number, got {epsilon!r}")
-    return value
+    return non_negative_number("epsilon", epsilon)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -211,10 +201,12 @@ def zcdp_rho_for(epsilon: float, delta: float) -> float:
 # ----------------------------------------------------------------------------------------------------
 
 
-class Accountant:
+class Accountant(abc.ABC):
     """Accumulates events; ``compose`` checks with ``supports`` first and leaves state unchanged on refusal.
 
-    One accountant accounts one neighbouring relation (``relation``, set by the first event).
+    One accountant accounts one neighbouring relation (``relation``, set by the first event). A subclass
+    says which events it supports (``_supports_leaf``), how one is added to its state (``_apply``, which
+    must itself leave the state unchanged when it raises) and how ε and δ are read from that state.
     """
 
     name = ""
@@ -228,8 +220,9 @@ class Accountant:
     def supports(self, event: Event) -> bool:
         return all(self._supports_leaf(leaf) for leaf in event.leaves())
 
-    def _supports_leaf(self, event: Event) -> bool:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _supports_leaf(self, event: Event) -> bool:
+        """Whether one leaf event (not a composition) can be composed here."""
 
     def _why_not(self, event: Event) -> str:
         if event.adaptive and not self.filter_valid:
@@ -254,20 +247,30 @@ class Accountant:
             )
 
     def compose(self, event: Event) -> "Accountant":
+        """Add one event (refused, state unchanged, if this accountant cannot account it)."""
         self._check(event)
         self._apply(event)
         self.events.append(event)
         self.relation = event.relation
         return self
 
-    def _apply(self, event: Event) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def compose_all(self, events: Iterable[Event]) -> "Accountant":
+        """Add ``events`` in order (each checked before it is applied)."""
+        for event in events:
+            self.compose(event)
+        return self
 
-    def get_epsilon(self, delta: float) -> float:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _apply(self, event: Event) -> None:
+        """Add an already checked event to the state."""
 
-    def get_delta(self, epsilon: float) -> float:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get_epsilon(self, delta: float) -> float:
+        """ε of everything composed, at ``delta``."""
+
+    @abc.abstractmethod
+    def get_delta(self, epsilon: float) -> float:
+        """δ of everything composed, at ``epsilon``."""
 
 
 class GaussianGDPAccountant(Accountant):
@@ -313,8 +316,9 @@ class _DpAccountingWrapper(Accountant):
     S/2 that REPLACE_ONE doubles). PLD composition commutes, so the order of the events does not matter.
     """
 
-    def _make_inner(self, relation: str):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _make_inner(self, relation: str):
+        """A fresh dp_accounting accountant under ``relation``."""
 
     def __init__(self, inner_relation: str = "add-remove") -> None:
         super().__init__()
@@ -325,8 +329,7 @@ class _DpAccountingWrapper(Accountant):
         """The inner relation needed once ``event`` is held as well (a relation, once replace-one, stays)."""
         return self._inner_relation
 
-    def compose(self, event: Event) -> "Accountant":
-        self._check(event)
+    def _apply(self, event: Event) -> None:
         target = self._inner_relation_for(event)
         inner, pending = self._inner, [event]
         if target != self._inner_relation:
@@ -343,9 +346,6 @@ class _DpAccountingWrapper(Accountant):
         for dp_event in dp_events:
             inner.compose(dp_event)
         self._inner, self._inner_relation = inner, target
-        self.events.append(event)
-        self.relation = event.relation
-        return self
 
     def get_epsilon(self, delta: float) -> float:
         delta = _check_delta(delta)
@@ -664,8 +664,7 @@ def epsilon_spent(events: Sequence[Event], delta: float, accountant: str | None 
     """ε at ``delta`` of the composition of ``events``; returns ``(epsilon, accountant name)``."""
     events = list(events)
     acc = accountant_for(events) if accountant is None else make_accountant(accountant)
-    for event in events:
-        acc.compose(event)
+    acc.compose_all(events)
     return acc.get_epsilon(delta), acc.name
 
 

@@ -13,7 +13,6 @@ from typing import Callable
 
 from privacy.accountants import (
     DEFAULT_PLD_DISCRETIZATION,
-    epsilon_spent,
     gdp_epsilon,
     gdp_mu_for,
     make_accountant,
@@ -21,7 +20,7 @@ from privacy.accountants import (
     zcdp_rho_for,
 )
 from privacy.errors import PrivacyError
-from privacy.validation import positive_number
+from privacy.validation import positive_number, probability
 from privacy.events import SAMPLED_RELATIONS, Event, GaussianEvent, SampledGaussianEvent, ZCDPEvent
 
 #: Relative tolerance: calibrated ε lies in [target·(1 - RELATIVE_TOLERANCE), target].
@@ -31,10 +30,7 @@ RELATIVE_TOLERANCE = 1e-3
 
 
 def _delta(value: float) -> float:
-    number = positive_number("delta", value)
-    if number >= 1:
-        raise PrivacyError(f"delta must be in (0, 1), got {value!r}")
-    return number
+    return probability("delta", value)
 
 
 def _epsilon_of(make_event: Callable[[float], Event], accountant: str, delta: float, options: dict):
@@ -290,8 +286,3 @@ def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relatio
     while zcdp_epsilon(ZCDPEvent.shuffled_epochs(sigma, epochs, relation).rho, delta) > epsilon:
         sigma *= 1 + 1e-12
     return sigma
-
-
-def epsilon_for(events, delta: float, accountant: str | None = None) -> float:
-    """Convenience: ε of a list of events (see ``accountants.epsilon_spent``)."""
-    return epsilon_spent(list(events), delta, accountant)[0]

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
 from privacy.errors import PrivacyError, UnsupportedEvent
+from privacy.validation import positive_integer, positive_number
 
 RELATIONS = ("replace-one", "add-remove", "zero-out")
 
@@ -59,27 +60,6 @@ INNER_RELATIONS = ("add-remove", "replace-one")
 
 #: L2 sensitivity of one shuffled batch's clipped gradient sum, in units of the clip norm C, per relation.
 SHUFFLED_SENSITIVITY = {"zero-out": 1.0, "replace-one": 2.0}
-
-
-def _positive_finite(name: str, value: Any, owner: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PrivacyError(f"{owner}: {name} must be a positive finite number, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
-        raise PrivacyError(f"{owner}: {name} must be a positive finite number, got {value!r}")
-    return number
-
-
-def _positive_int(name: str, value: Any, owner: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
-        isinstance(value, float) and value.is_integer()
-    ):
-        raise PrivacyError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    number = int(value)
-    if number < 1:
-        raise PrivacyError(f"{owner}: {name} must be a positive integer, got {value!r}")
-    return number
 
 
 def _relation(value: Any, owner: str) -> str:
@@ -180,9 +160,9 @@ class GaussianEvent(Event):
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sensitivity", _positive_finite("sensitivity", self.sensitivity, "GaussianEvent"))
-        object.__setattr__(self, "sigma", _positive_finite("sigma", self.sigma, "GaussianEvent"))
-        object.__setattr__(self, "count", _positive_int("count", self.count, "GaussianEvent"))
+        object.__setattr__(self, "sensitivity", positive_number("sensitivity", self.sensitivity, "GaussianEvent"))
+        object.__setattr__(self, "sigma", positive_number("sigma", self.sigma, "GaussianEvent"))
+        object.__setattr__(self, "count", positive_integer("count", self.count, "GaussianEvent"))
         _relation(self.relation, "GaussianEvent")
         _flag("adaptive", self.adaptive, "GaussianEvent")
 
@@ -232,14 +212,14 @@ class SampledGaussianEvent(Event):
     kind: ClassVar[str] = "sampled-gaussian"
 
     def __post_init__(self) -> None:
-        q = _positive_finite("sampling_rate", self.sampling_rate, "SampledGaussianEvent")
+        q = positive_number("sampling_rate", self.sampling_rate, "SampledGaussianEvent")
         if q > 1:
             raise PrivacyError(f"SampledGaussianEvent: sampling_rate must be in (0, 1], got {self.sampling_rate!r}")
         object.__setattr__(self, "sampling_rate", q)
         object.__setattr__(
-            self, "noise_multiplier", _positive_finite("noise_multiplier", self.noise_multiplier, "SampledGaussianEvent")
+            self, "noise_multiplier", positive_number("noise_multiplier", self.noise_multiplier, "SampledGaussianEvent")
         )
-        object.__setattr__(self, "steps", _positive_int("steps", self.steps, "SampledGaussianEvent"))
+        object.__setattr__(self, "steps", positive_integer("steps", self.steps, "SampledGaussianEvent"))
         if self.relation not in SAMPLED_RELATIONS:
             raise PrivacyError(
                 f"SampledGaussianEvent: relation must be one of {', '.join(SAMPLED_RELATIONS)} "
@@ -294,7 +274,7 @@ class ZCDPEvent(Event):
     kind: ClassVar[str] = "zcdp"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rho", _positive_finite("rho", self.rho, "ZCDPEvent"))
+        object.__setattr__(self, "rho", positive_number("rho", self.rho, "ZCDPEvent"))
         _relation(self.relation, "ZCDPEvent")
         if not isinstance(self.description, str):
             raise PrivacyError(f"ZCDPEvent: description must be a string, got {self.description!r}")
@@ -303,7 +283,7 @@ class ZCDPEvent(Event):
     @staticmethod
     def shuffled_epoch_rho(noise_multiplier: float, relation: str = "zero-out") -> float:
         """ρ of one shuffled epoch at noise multiplier σ: ``(Δ/C)² / (2σ²)`` with Δ from the relation."""
-        sigma = _positive_finite("noise_multiplier", noise_multiplier, "ZCDPEvent.shuffled_epochs")
+        sigma = positive_number("noise_multiplier", noise_multiplier, "ZCDPEvent.shuffled_epochs")
         if relation not in SHUFFLED_SENSITIVITY:
             raise PrivacyError(
                 f"shuffled epochs: relation must be one of {', '.join(SHUFFLED_SENSITIVITY)}, got {relation!r} "
@@ -321,7 +301,7 @@ class ZCDPEvent(Event):
         ``ρ = epochs/(2σ²)`` under ``"zero-out"`` (default: the relation Yu et al.'s analysis holds for),
         ``ρ = 2·epochs/σ²`` under ``"replace-one"`` (sensitivity 2C); ``"add-remove"`` is refused.
         """
-        epochs = _positive_int("epochs", epochs, "ZCDPEvent.shuffled_epochs")
+        epochs = positive_integer("epochs", epochs, "ZCDPEvent.shuffled_epochs")
         rho = epochs * cls.shuffled_epoch_rho(noise_multiplier, relation)
         return cls(
             rho=rho,
@@ -352,9 +332,9 @@ class LaplaceEvent(Event):
     kind: ClassVar[str] = "laplace"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sensitivity", _positive_finite("sensitivity", self.sensitivity, "LaplaceEvent"))
-        object.__setattr__(self, "scale", _positive_finite("scale", self.scale, "LaplaceEvent"))
-        object.__setattr__(self, "count", _positive_int("count", self.count, "LaplaceEvent"))
+        object.__setattr__(self, "sensitivity", positive_number("sensitivity", self.sensitivity, "LaplaceEvent"))
+        object.__setattr__(self, "scale", positive_number("scale", self.scale, "LaplaceEvent"))
+        object.__setattr__(self, "count", positive_integer("count", self.count, "LaplaceEvent"))
         _relation(self.relation, "LaplaceEvent")
 
     @property
@@ -384,7 +364,7 @@ class PureDPEvent(Event):
     kind: ClassVar[str] = "pure-dp"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", _positive_finite("epsilon", self.epsilon, "PureDPEvent"))
+        object.__setattr__(self, "epsilon", positive_number("epsilon", self.epsilon, "PureDPEvent"))
         _relation(self.relation, "PureDPEvent")
         if not isinstance(self.description, str):
             raise PrivacyError(f"PureDPEvent: description must be a string, got {self.description!r}")

@@ -12,13 +12,13 @@ then (budget, δ)-DP even though its parameters were chosen from its own outputs
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 from privacy.accountants import epsilon_spent
 from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import Event
 from privacy.ledger import Ledger
+from privacy.validation import positive_number, probability
 
 
 def _format_delta(delta: float) -> str:
@@ -40,20 +40,12 @@ class BudgetGuard:
             self.budget = {str(k): self._check_budget(v, str(k)) for k, v in budget.items()}
         else:
             self.budget = {"*": self._check_budget(budget, "*")}
-        delta = float(delta)
-        if not (0 < delta < 1):
-            raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
-        self.delta = delta
+        self.delta = probability("delta", delta)
 
     @staticmethod
     def _check_budget(value, owner: str) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if math.isnan(number) or number <= 0:
-            raise PrivacyError(f"budget for owner {owner!r} must be a positive number, got {value!r}")
-        return number
+        # an infinite budget is allowed: an owner whose releases are only recorded, never refused
+        return positive_number(f"budget for owner {owner!r}", value, finite=False)
 
     def budget_of(self, owner: str) -> float:
         if owner in self.budget:

@@ -290,9 +290,7 @@ class Ledger:
         acc = self._accountant(owner, relation, name, len(events) - len(extra))
         if extra:
             # Hypothetical events go on a copy: the cached state must keep matching the ledger.
-            acc = copy.deepcopy(acc)
-            for event in extra:
-                acc.compose(event)
+            acc = copy.deepcopy(acc).compose_all(extra)
         epsilon = acc.get_epsilon(delta) if events else 0.0
         releases = len(events) - len(extra)
         return Spent(
@@ -314,8 +312,7 @@ class Ledger:
         if cached is None or cached[1] > upto:
             cached = (make_accountant(name), 0)
         acc, done = cached
-        for event in self.events(owner, relation)[done:upto]:
-            acc.compose(event)
+        acc.compose_all(self.events(owner, relation)[done:upto])
         self._accountant_cache[key] = (acc, upto)
         return acc
 

@@ -21,7 +21,6 @@ sampler exact.
 from __future__ import annotations
 
 import hashlib
-import math
 import secrets
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 from scipy import special
 
 from privacy.errors import PrivacyError
+from privacy.validation import positive_number
 
 
 class NoiseGenerator:
@@ -188,10 +188,7 @@ class GaussianMechanism:
     """``x + N(0, σ² I)``; σ comes from calibration for an already charged event."""
 
     def __init__(self, sigma: float, generator: NoiseGenerator) -> None:
-        sigma = float(sigma)
-        if not math.isfinite(sigma) or sigma <= 0:
-            raise PrivacyError(f"GaussianMechanism: sigma must be a positive finite number, got {sigma!r}")
-        self.sigma = sigma
+        self.sigma = positive_number("sigma", sigma, "GaussianMechanism")
         self.generator = generator
 
     def __call__(self, x: Any) -> Any:
@@ -202,10 +199,7 @@ class LaplaceMechanism:
     """``x + Lap(b)`` coordinate-wise (density ``exp(-|t|/b)/(2b)``); ε = S₁/b."""
 
     def __init__(self, scale: float, generator: NoiseGenerator) -> None:
-        scale = float(scale)
-        if not math.isfinite(scale) or scale <= 0:
-            raise PrivacyError(f"LaplaceMechanism: scale must be a positive finite number, got {scale!r}")
-        self.scale = scale
+        self.scale = positive_number("scale", scale, "LaplaceMechanism")
         self.generator = generator
 
     def __call__(self, x: Any) -> Any:
