@@ -24,6 +24,7 @@ import functools
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from clients.fedavg import local_dpsgd_round
 from clients.node import hospital_for
 from privacy.errors import PrivacyError
 from sim.errors import UserError
@@ -93,8 +94,6 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.train("fedavg")
 @refusals_as_replies
 def fedavg_round(msg: Message, context: Context) -> Message:
-    from clients.fedavg import local_dpsgd_round
-
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
     weights, metrics = local_dpsgd_round(hospital, arrays["weights"], config)

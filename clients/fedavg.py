@@ -19,20 +19,19 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+import torch
+
+from privacy.calibration import dpsgd_noise_multiplier
+from privacy.guard import BudgetGuard, GuardChain
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
+from sim.dpsgd import DPConfig, steps_per_epoch
+from sim.errors import UserError
+from sim.networks import build_unet
+from sim.training import TrainConfig, train_segmentation
 
 
 def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]):
-    import torch
-
-    from privacy.calibration import dpsgd_noise_multiplier
-    from privacy.guard import BudgetGuard, GuardChain
-    from privacy.ledger import Ledger
-    from privacy.mechanisms import NoiseSource
-    from sim.dpsgd import DPConfig, steps_per_epoch
-    from sim.errors import UserError
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
-
     if config.get("reproducible_noise") and hospital.deployed:   # refused before anything is touched
         raise UserError(f"hospital {hospital.hospital_id}: refuses reproducible (seeded) noise: "
                         "it is for simulations only")

@@ -27,12 +27,23 @@ seeded noise.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 
+from privacy.events import GaussianEvent
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
+from sim.codecs import CodecPolicy, codec_sensitivity, fallback_encoding, make_encoder, verify_codec
+from sim.dpsgd import DPConfig
 from sim.errors import UserError
+from sim.io import atomic_save_torch, atomic_write_json
+from sim.networks import build_unet
+from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
 
 
 class Hospital:
@@ -53,7 +64,6 @@ class Hospital:
         self.privacy_ledger = Path(privacy_ledger) if privacy_ledger else self.workdir / "privacy-ledger.jsonl"
         self.lifetime_epsilon = None if lifetime_epsilon is None else float(lifetime_epsilon)
         self.delta = float(delta if delta is not None else preset.delta)
-        from sim.codecs import CodecPolicy
 
         self.codec_policy = codec_policy or CodecPolicy()
         self._models: dict[int, Any] = {}
@@ -70,13 +80,9 @@ class Hospital:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
 
     def _new_model(self):
-        from sim.networks import build_unet
-
         return build_unet(self.preset.unet)
 
     def _teacher(self, k: int):
-        import torch
-
         if k not in self._models:
             path = self._teacher_path(k)
             if not path.exists():
@@ -89,10 +95,6 @@ class Hospital:
     # ----------------------------------------------------------------------------------------------
     def train_teachers(self, config: Mapping[str, Any] | None = None) -> dict:
         """Train (fine-tune) every teacher on its own partition; return metrics only."""
-        import torch
-
-        from sim.io import atomic_save_torch
-        from sim.training import TrainConfig, evaluate_segmentation, train_segmentation
 
         config = dict(config or {})
         init = config.get("init_weights")
@@ -102,9 +104,6 @@ class Hospital:
         local_dp = config.get("local_dp")
         guard, ledger = None, None
         if local_dp:
-            from privacy.guard import BudgetGuard
-            from privacy.ledger import Ledger
-
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp)
@@ -117,8 +116,6 @@ class Hospital:
             model = self._new_model()
             dp = None
             if local_dp:
-                from sim.dpsgd import DPConfig
-
                 dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
             train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
                                 learning_rate=self.preset.learning_rate, seed=seed * 1009 + k,
@@ -148,15 +145,12 @@ class Hospital:
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
                 "local_relation": "add-remove" if local_dp else None}
-        from sim.io import atomic_write_json
 
         atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
         return metrics
 
     def _training_fingerprint(self, init, epochs: int, seed: int, local_dp) -> str:
         """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time)."""
-        import hashlib
-        import json
 
         digest = hashlib.sha256()
         for name in sorted(init or {}):
@@ -170,8 +164,6 @@ class Hospital:
         return digest.hexdigest()
 
     def _cached_training(self, fingerprint: str) -> dict | None:
-        import json
-
         record = self.workdir / "teachers" / "training.json"
         if not record.exists() or not self.has_trained_teachers():
             return None
@@ -182,8 +174,6 @@ class Hospital:
         return {**saved["metrics"], "reused": True}
 
     def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
-        from sim.training import predict_probs
-
         return predict_probs(self._teacher(k), np.asarray(scans, np.float32), batch_size=2)
 
     # ----------------------------------------------------------------------------------------------
@@ -192,8 +182,6 @@ class Hospital:
         or processes may have appended). A deployed hospital uses its node config only; a simulated one
         keeps its ledger where the simulation says (``ledger_dir``, e.g. one comparison's folder) with the
         simulation's ``lifetime_epsilon``."""
-        from privacy.guard import BudgetGuard
-        from privacy.ledger import Ledger
 
         config = {} if self.deployed else dict(config or {})
         path = (Path(config["ledger_dir"]) / f"{self.hospital_id}.jsonl" if config.get("ledger_dir")
@@ -215,7 +203,6 @@ class Hospital:
         and K, and only then runs its teachers. ``config["diagnostic"]`` (an un-noised query, simulation
         only) is refused by a deployed hospital and charged nothing (it is reported as not private).
         """
-        from sim.codecs import fallback_encoding, make_encoder, verify_codec
 
         config = dict(config or {})
         codec = verify_codec(codec, self._codec_policy(config))
@@ -239,7 +226,6 @@ class Hospital:
 
     def _codec_policy(self, config: Mapping[str, Any]):
         """A deployed hospital's own policy (node config); a simulated one takes the simulation's."""
-        from sim.codecs import CodecPolicy
 
         if self.deployed or "allow_identity" not in config:
             return self.codec_policy
@@ -248,8 +234,6 @@ class Hospital:
 
     def _charge_query(self, codec: Mapping[str, np.ndarray], config: Mapping, scans: int) -> None:
         """Charge this batch to the hospital's own ledger before any teacher sees a scan."""
-        from privacy.events import GaussianEvent
-        from sim.codecs import codec_sensitivity
 
         try:
             release_ids = [str(r) for r in config["release_ids"]]
@@ -285,7 +269,6 @@ class Hospital:
 
         Un-noised statistics of models trained on private patients: a simulation-only diagnostic, refused
         by a deployed hospital."""
-        from sim.training import evaluate_segmentation
 
         if self.deployed:
             raise UserError(f"hospital {self.hospital_id}: refuses to report per-teacher Dice (an un-noised "
@@ -301,8 +284,6 @@ class Hospital:
         # Teachers do not change across a comparison's cells: evaluate each (teachers, test set) pair once.
         cache = self._evaluation_cache(images, labels)
         if cache is not None and cache.exists():
-            import json
-
             return json.loads(cache.read_text())
         scores = [evaluate_segmentation(self._teacher(k), images, labels) for k in range(self.num_teachers)]
         means = [s.get("mean") for s in scores]
@@ -310,15 +291,10 @@ class Hospital:
         result = {"hospital_id": self.hospital_id, "teacher_dice": means,
                   "teacher_dice_mean": float(np.mean(valid)) if valid else None, "on": on}
         if cache is not None:
-            from sim.io import atomic_write_json
-
             atomic_write_json(cache, result)
         return result
 
     def _evaluation_cache(self, images: np.ndarray, labels: np.ndarray):
-        import hashlib
-        import json
-
         record = self.workdir / "teachers" / "training.json"
         if not record.exists():
             return None

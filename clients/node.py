@@ -24,7 +24,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from clients.hospital import Hospital
+from sim.codecs import CodecPolicy
+from sim.data.partitions import split_into_teachers
+from sim.data.preprocess import PreprocessConfig, prepare_dataset
 from sim.errors import UserError
+from sim.presets import get_preset
 from sim.runconfig import config_flag
 from sim.world import open_world
 
@@ -37,8 +42,6 @@ def _default_workroot() -> Path:
 
 def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
     """Return the (cached) :class:`clients.hospital.Hospital` this node plays."""
-    from clients.hospital import Hospital
-    from sim.presets import get_preset
 
     preset = get_preset(str(config["preset"]), **(config.get("preset_overrides") or {}))
     seed = int(config.get("seed", 0))
@@ -65,9 +68,6 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
 
 
 def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
-    from sim.data.partitions import split_into_teachers
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
-
     hospital_id = str(node_config.get("hospital-id") or "")
     if not hospital_id:
         raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
@@ -81,7 +81,6 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
                                    progress=False)
         # by patient: a hospital's scans of one patient (timepoints) all go to one teacher
         partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed, patients=prepared.patient)
-        from sim.codecs import CodecPolicy
 
         policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),
                              allow_identity=config_flag(node_config.get("allow-identity", False), "node-config allow-identity"))

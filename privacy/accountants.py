@@ -38,6 +38,7 @@ RDP order after the fact, both assume parameters fixed in advance.
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from typing import Iterable, Sequence
 
@@ -361,6 +362,8 @@ class _DpAccountingWrapper(Accountant):
 
 
 def _dp_accounting_relation(relation: str):
+    # dp_accounting (~2 s to import) only when an accountant delegates to it: `fedpate privacy` and the
+    # gdp-exact / zcdp / basic accountants never pay for it
     from dp_accounting.privacy_accountant import NeighboringRelation
 
     return {"add-remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace-one": NeighboringRelation.REPLACE_ONE}[
@@ -390,6 +393,7 @@ class PLDAccountant(_DpAccountingWrapper):
         super().__init__(neighboring_relation or "add-remove")
 
     def _make_inner(self, relation: str):
+        # dp_accounting only when this accountant is built (see _dp_accounting_relation)
         from dp_accounting.pld import pld_privacy_accountant
 
         return pld_privacy_accountant.PLDAccountant(
@@ -421,8 +425,6 @@ class _DropNonConvergingOrders:
 
 
 def _quiet_nonconverging_orders() -> None:
-    import logging
-
     for name in ("absl", ""):  # dp_accounting logs through absl, which forwards to the "absl" logger
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNonConvergingOrders) for f in logger.filters):
@@ -445,6 +447,7 @@ class RDPAccountant(_DpAccountingWrapper):
         super().__init__()
 
     def _make_inner(self, relation: str):
+        # dp_accounting only when this accountant is built (see _dp_accounting_relation)
         from dp_accounting.rdp import rdp_privacy_accountant
 
         _quiet_nonconverging_orders()

@@ -82,6 +82,7 @@ def _inner(inner: Any) -> str:
 
 def _gaussian_dp_event(sigma_over_sensitivity: float, count: int, inner: str):
     """dp_accounting Gaussian for an un-subsampled Gaussian of explicit sensitivity (module docstring)."""
+    # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
     from dp_accounting import dp_event
 
     multiplier = sigma_over_sensitivity * (2.0 if _inner(inner) == "replace-one" else 1.0)
@@ -228,6 +229,7 @@ class SampledGaussianEvent(Event):
         _flag("adaptive", self.adaptive, "SampledGaussianEvent")
 
     def to_dp_accounting(self, inner: str = "add-remove"):
+        # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
         if _inner(inner) != self.relation:
@@ -311,6 +313,7 @@ class ZCDPEvent(Event):
         )
 
     def to_dp_accounting(self, inner: str = "add-remove"):
+        # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
         _inner(inner)
@@ -343,6 +346,7 @@ class LaplaceEvent(Event):
         return self.count * self.sensitivity / self.scale
 
     def to_dp_accounting(self, inner: str = "add-remove"):
+        # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
         if _inner(inner) == "replace-one":
@@ -407,6 +411,7 @@ class ComposedEvent(Event):
         return {"type": self.kind, "events": [item.to_dict() for item in self.events]}
 
     def to_dp_accounting(self, inner: str = "add-remove"):
+        # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
         return dp_event.ComposedDpEvent([item.to_dp_accounting(inner) for item in self.events])

@@ -171,6 +171,7 @@ def _is_torch(x: Any) -> bool:
 
 def _add_noise(x: Any, noise_fn) -> Any:
     if _is_torch(x):
+        # torch only for torch inputs: privacy/ stays framework-free (docs/ARCHITECTURE.md)
         import torch
 
         if not torch.is_floating_point(x):

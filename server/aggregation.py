@@ -30,6 +30,8 @@ from typing import Mapping
 
 import numpy as np
 
+from privacy.events import GaussianEvent
+from privacy.mechanisms import GaussianMechanism, NoiseSource
 from sim import codecs
 
 log = logging.getLogger("fedpate.pate")
@@ -94,7 +96,6 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
     this release's own stream of ``noise`` (a ``privacy.mechanisms.NoiseSource``; secure when None),
     opened only after the charge.
     """
-    from privacy.events import GaussianEvent
 
     if mechanism is not None and getattr(mechanism, "sigma", sigma) != sigma:
         raise ValueError(f"{release_id}: the mechanism's sigma {mechanism.sigma} differs from the planned {sigma}")
@@ -127,8 +128,6 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
                        "latent_dim": latent, "sensitivity": sensitivity, "sigma": float(sigma), **dict(note or {})})
     clean_mean = np.concatenate(list(accepted.values()), axis=0).mean(axis=0)
     if mechanism is None:
-        from privacy.mechanisms import GaussianMechanism, NoiseSource
-
         mechanism = GaussianMechanism(sigma, (noise or NoiseSource()).generator(release_id))
     noisy = mechanism(clean_mean)
     return np.asarray(noisy, dtype=np.float32), teachers

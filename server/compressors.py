@@ -23,9 +23,13 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
+from privacy import sensitivity as sens
 from sim import codecs
 from sim.errors import UserError
+from sim.io import atomic_save_torch
 
 
 def choose_components(eigenvalues: np.ndarray, sigma: float) -> int:
@@ -183,7 +187,6 @@ class PCACompressor(Compressor):
     def norm_bound(self, l: int | None = None) -> float:
         """Per-teacher bound R on ``||A_l (y - y')||`` for ``y, y' in [0,1]^d`` (paper/public modes)
         or the clip C; the replace-one sensitivity of the mean is R/K (paper/public) or 2C/K (clip)."""
-        from privacy import sensitivity as sens
 
         self._require_fit()
         l = self.latent_dim if l is None else int(l)
@@ -194,8 +197,6 @@ class PCACompressor(Compressor):
         return float(self.clip)
 
     def sensitivity(self, teachers: int) -> float:
-        from privacy import sensitivity as sens
-
         teachers = _teachers(teachers)
         self._require_fit()
         if self.sensitivity_mode == "paper":
@@ -221,7 +222,6 @@ class PCACompressor(Compressor):
         For the "public" mode S depends on l; see the class docstring for why we minimise
         ``E(l) = sum_{j>l} lambda_j + l (c S(l))^2`` instead of iterating eq. 7 to a fixed point.
         """
-        from privacy import sensitivity as sens
 
         self._require_fit()
         c = float(noise_per_sensitivity)
@@ -287,7 +287,6 @@ def _reconstruction_loss(logits, target):
     preset's 40 reference maps: foreground Dice 0.001 after 60 epochs), i.e. the SPEC section 11 collapse
     even without noise. The Dice term weights each tumour class by its own volume.
     """
-    import torch
 
     log_probs = torch.log_softmax(logits, dim=1)
     cross_entropy = -(target * log_probs).sum(dim=1).mean()
@@ -337,10 +336,6 @@ class AutoencoderCompressor(Compressor):
         return digest.hexdigest()[:16]
 
     def fit(self, public_onehot: np.ndarray) -> "AutoencoderCompressor":
-        import torch
-
-        from sim.io import atomic_save_torch
-
         maps = self._check_fit_input(public_onehot)
         self._reference = maps
         torch.manual_seed(self.seed)
@@ -359,8 +354,6 @@ class AutoencoderCompressor(Compressor):
         data = torch.from_numpy(maps)
         epochs = range(self.epochs)
         if self.progress:
-            from tqdm.auto import tqdm
-
             epochs = tqdm(epochs, desc="autoencoder", leave=False)
         self.net.train()
         for _ in epochs:
@@ -389,8 +382,6 @@ class AutoencoderCompressor(Compressor):
             raise UserError("AutoencoderCompressor: call fit(public reference maps) first")
 
     def sensitivity(self, teachers: int) -> float:
-        from privacy import sensitivity as sens
-
         return float(sens.unit_ball_bound(_teachers(teachers)))
 
     def state(self) -> dict:
@@ -402,8 +393,6 @@ class AutoencoderCompressor(Compressor):
         return state
 
     def decode(self, z: np.ndarray) -> np.ndarray:
-        import torch
-
         self._require_fit()
         z = torch.as_tensor(np.asarray(z, dtype=np.float32).reshape(-1, self.latent_dim))
         with torch.no_grad():
@@ -450,8 +439,6 @@ class IdentityCompressor(Compressor):
         return int(np.prod(self.grid))
 
     def sensitivity(self, teachers: int) -> float:
-        from privacy import sensitivity as sens
-
         return float(sens.onehot_vote_bound(self.voxels, _teachers(teachers)))
 
     def state(self) -> dict:

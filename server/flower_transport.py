@@ -1,6 +1,6 @@
 """The PATE / DP-FedAvg protocols' view of the hospitals, over a Flower ``Grid``.
 
-Implements ``server.pate.HospitalTransport``. Faults never stop a run: a hospital that times out or
+Implements ``server.transport.HospitalTransport``. Faults never stop a run: a hospital that times out or
 replies with an error is reported and left out of that round (and, for the query phase, of later
 rounds: a dropped hospital does not come back mid-phase, so every later query is accounted with the
 reduced number of teachers rather than waiting for it again). The protocol decides what that means

@@ -40,6 +40,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from privacy.calibration import pate_sigma
 from privacy.errors import BudgetExceeded
@@ -51,7 +52,10 @@ from server.aggregation import aggregate_query
 from server.compressors import Compressor, make_compressor
 from server.student import train_public_model, train_student
 from server.transport import (
-    HospitalTransport, TeacherEnsembleDiagnostics, fallback_counts, measured_bytes_per_teacher,
+    HospitalTransport,
+    TeacherEnsembleDiagnostics,
+    fallback_counts,
+    measured_bytes_per_teacher,
 )
 from sim import codecs
 from sim.bundle import preprocessing_of
@@ -450,8 +454,6 @@ def _largest_affordable(batch: list, guard, owners: list, sensitivity: float, si
 
 
 def _progress_bar(total: int, description: str):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=description, leave=False)
 
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from sim.codecs import one_hot
+from sim.networks import build_unet
+from sim.training import TrainConfig, train_segmentation
 
 
 def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description):
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
-
-    import torch
-
     torch.manual_seed(seed)
     model = build_unet(preset.unet)
     if epochs <= 0:
@@ -52,7 +52,6 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
 
     ``pseudo_labels``: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
     """
-    from sim.codecs import one_hot
 
     epochs = preset.student_epochs if epochs is None else epochs
     images = world.query_images[np.asarray(query_indices, dtype=int)]

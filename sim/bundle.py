@@ -30,18 +30,26 @@ import hashlib
 import io
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
+from privacy.errors import PrivacyError
+from privacy.ledger import Ledger
+from sim.data.msd import LABELS, MODALITIES
 from sim.errors import UserError
 from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from sim.networks import build_unet_from_config
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
 BUNDLE_VERSION = 1
-MSD_LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
-MSD_MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
+#: the label and channel conventions a bundle states: MSD Task01's (sim.data.msd)
+MSD_LABELS = dict(LABELS)
+MSD_MODALITIES = {str(index): name for index, name in enumerate(MODALITIES)}
 CARD_KEYS = ("method", "private", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
              "teachers", "hospitals", "data_source", "ledger_digest")
 
@@ -74,7 +82,6 @@ def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | 
                  teachers: int | None, hospitals: int | None, data_source: Mapping[str, Any],
                  queries: int | None = None, extra: Mapping[str, Any] | None = None) -> dict:
     """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in)."""
-    from privacy.ledger import Ledger
 
     ledger = Ledger(ledger_path) if ledger_path is not None and Path(ledger_path).exists() else Ledger(None)
     private = len(ledger) > 0
@@ -93,7 +100,6 @@ def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | 
 def save_bundle(run_dir: str | Path, model, network: Mapping[str, Any], preprocessing: Mapping[str, Any],
                 card: Mapping[str, Any]) -> Path:
     """Write weights, bundle.json and MODEL_CARD.md into ``run_dir/model`` (each file atomically)."""
-    import torch
 
     missing = [key for key in CARD_KEYS if key not in card]
     if missing:
@@ -117,9 +123,6 @@ def save_bundle(run_dir: str | Path, model, network: Mapping[str, Any], preproce
 
 def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBundle:
     """Load and verify a bundle from a run folder (or its ``model`` subfolder)."""
-    import torch
-
-    from sim.networks import build_unet_from_config
 
     run_dir = Path(run_dir)
     bundle_dir = run_dir if (run_dir / "bundle.json").exists() else run_dir / "model"
@@ -158,7 +161,6 @@ def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBun
 def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
     """Record in a bundle's card what it was released together with (a comparison's combined epsilon,
     from the hospitals' own ledgers) and rewrite MODEL_CARD.md; the weights are untouched."""
-    import os
 
     run_dir = Path(run_dir)
     bundle_file = run_dir / "model" / "bundle.json"
@@ -174,7 +176,6 @@ def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
 
 def _verify_release(card: Mapping[str, Any], run_dir: Path, where: Path) -> None:
     """The combined epsilon a card states must still be what the hospitals' ledgers give (when present)."""
-    from privacy.ledger import Ledger
 
     release = card.get("released_with")
     if not release:
@@ -197,8 +198,6 @@ def _verify_release(card: Mapping[str, Any], run_dir: Path, where: Path) -> None
 
 def verify_card_against_ledger(card: Mapping[str, Any], ledger_path: Path, where: Path) -> None:
     """The card must describe the ledger beside it: same digest and the same epsilon."""
-    from privacy.errors import PrivacyError
-    from privacy.ledger import Ledger
 
     if not ledger_path.exists():
         if card["private"]:

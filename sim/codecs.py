@@ -38,7 +38,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
+import torch
+from torch import nn
 
+from privacy import sensitivity as sens
 from sim.errors import UserError
 
 CodecState = dict  # dict[str, np.ndarray]
@@ -88,11 +91,7 @@ def unit_ball(o):
     undefined, the radius multiplies a zero vector). Works on numpy arrays and torch tensors of shape
     (..., l+1); returns (..., l).
     """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency of sim
-        torch = None
-    if torch is not None and isinstance(o, torch.Tensor):
+    if isinstance(o, torch.Tensor):
         latent = o.shape[-1] - 1
         if latent < 1:
             raise UserError("unit_ball: expected at least 2 inputs (radius + direction)")
@@ -168,9 +167,6 @@ def _levels(grid) -> int:
 
 
 def _build_autoencoder_class():
-    import torch
-    from torch import nn
-
     class AutoencoderNet(nn.Module):
         """3D convolutional autoencoder of Fay et al., Algorithm 2 / SPEC section 4.
 
@@ -250,7 +246,6 @@ def module_to_arrays(module, prefix: str = "") -> dict[str, np.ndarray]:
 
 def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "", strict: bool = True):
     """Load named numpy arrays (as written by :func:`module_to_arrays`) into ``module``."""
-    import torch
 
     state = {name[len(prefix):]: torch.as_tensor(np.asarray(value))
              for name, value in arrays.items() if name.startswith(prefix)}
@@ -372,7 +367,6 @@ def codec_sensitivity(state: Mapping[str, np.ndarray], teachers: int) -> float:
     ``y - y' in [-1, 1]^d`` is itself bounded by R (eq. 3-4; public bound of SPEC section 3);
     ``sqrt(2 voxels)/K`` for one-hot votes (two entries change per voxel).
     """
-    from privacy import sensitivity as sens
 
     kind = str(scalar(state, "kind"))
     bound = row_bound(state)
@@ -463,8 +457,6 @@ def _encode(state: Mapping[str, np.ndarray], probs: np.ndarray, net) -> np.ndarr
         # clipping to it is a no-op for valid input and guards float round-off.
         return clip_rows(z, row_bound(state) * (1 + 1e-6))
     if kind == "ae":
-        import torch
-
         if not np.all(np.isfinite(probs)):
             raise UserError("encode: teacher outputs contain NaN or infinite values")
         with torch.no_grad():

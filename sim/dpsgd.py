@@ -19,7 +19,8 @@ clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
   ``C_total = sqrt(sum_i C_i^2)`` is the L2 sensitivity of the concatenated gradient (Opacus
   ``DPPerLayerOptimizer`` convention; with flat clipping ``C_total = C``); the sum is then divided by
   the *expected* batch size (``loss_reduction="mean"``), so the noise std on the applied gradient is
-  ``noise_multiplier * C_total / expected_batch_size`` (checked by ``tests/test_dpsgd_noise.py``).
+  ``noise_multiplier * C_total / expected_batch_size`` (checked by
+  ``tests/test_dpsgd_mechanism.py::test_zero_gradient_noise_std``).
 
 Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers/003_*``, Sec. 4):
 
@@ -74,6 +75,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from privacy import calibration, schedules
+from privacy.accountants import epsilon_per_relation, epsilon_spent
+from privacy.errors import BudgetExceeded
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
+from privacy.schedules import epoch_event
 from sim.errors import UserError
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
@@ -185,6 +193,7 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
     Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
     total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
     """
+    # Opacus (~9 s to import) only for DP-SGD sessions: non-private training never pays for it
     from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
     def add_noise() -> None:
@@ -204,7 +213,6 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
 # --------------------------------------------------------------------------------------------- the engine
 def _epoch_event(dp: DPConfig, sampling_rate: float, sigma: float, steps: int):
     """The epoch's privacy event (``privacy.schedules.epoch_event``) under the run's relation and adaptivity."""
-    from privacy.schedules import epoch_event
 
     return epoch_event(sigma, sampling_rate, steps, mode=dp.sampling, relation=dp.relation, adaptive=dp.adaptive)
 
@@ -219,6 +227,7 @@ class DPSession:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: int,
                  epochs: int, dp: DPConfig, guard=None, owners: Sequence[str] = ("central",),
                  noise=None, has_validation: bool = False) -> None:
+        # Opacus (~9 s to import) only for DP-SGD sessions: non-private training never pays for it
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
 
@@ -235,13 +244,9 @@ class DPSession:
         self.steps = steps_per_epoch(self.n, self.batch_size)
         self.sampling_rate = 1.0 / self.steps
         if guard is None:
-            from privacy.guard import BudgetGuard
-            from privacy.ledger import Ledger
-
             guard = BudgetGuard(Ledger(None), dp.epsilon, dp.delta)
         self.guard = guard
         self.ledger = guard.ledger
-        from privacy.mechanisms import NoiseSource
 
         self.noise = noise if noise is not None else NoiseSource()
         self.stream = None                  # the charged epoch's stream (batches + noise); None = not charged
@@ -278,8 +283,6 @@ class DPSession:
         if dp.mode == "fixed":
             return float(dp.noise_multiplier or 6 ** 0.5)
         if dp.mode == "target":
-            from privacy import calibration
-
             if dp.sampling == "poisson":
                 return float(calibration.dpsgd_noise_multiplier(
                     dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
@@ -318,7 +321,6 @@ class DPSession:
 
     def begin_epoch(self, epoch: int) -> bool:
         """Charge epoch ``epoch`` (0-based) before touching data. False = stop (budget spent)."""
-        from privacy.errors import BudgetExceeded
 
         sigma = self.sigma_for_epoch(epoch)
         event = _epoch_event(self.dp, self.sampling_rate, sigma, self.steps)
@@ -345,7 +347,6 @@ class DPSession:
         (``epsilon_add_remove`` / ``epsilon_replace_one``; defined for Poisson sampling only, None otherwise):
         the relation's own key always equals ``epsilon``.
         """
-        from privacy.accountants import epsilon_per_relation, epsilon_spent
 
         owner = owner or self.owners[0]
         spent = self.ledger.spent(owner, self.dp.delta)
@@ -423,7 +424,6 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
     The validation-based schedule is stateful and cannot be planned ahead: it simply runs until the budget
     is spent (checked by a privacy filter, see the module docstring). ``relation``: of the planned events.
     """
-    from privacy import schedules
 
     options = dict(options or {})
     name = _FAMILY_NAMES.get(family)

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+import numpy as np
+
 
 def cache_root() -> Path:
     """Where generated phantoms, prepared datasets and simulated worlds are cached:
@@ -54,6 +56,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 
 def atomic_save_torch(path: str | os.PathLike, obj: Any) -> Path:
+    # torch only here: sim.io is imported by the torch-free modules (reports, world building, results)
     import torch
 
     buffer = io.BytesIO()
@@ -62,15 +65,10 @@ def atomic_save_torch(path: str | os.PathLike, obj: Any) -> Path:
 
 
 def _json_default(value: Any) -> Any:
-    try:
-        import numpy as np
-
-        if isinstance(value, np.generic):
-            return value.item()
-        if isinstance(value, np.ndarray):
-            return value.tolist()
-    except ImportError:  # numpy is a hard dependency; this only guards odd environments
-        pass
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -39,6 +39,7 @@ def _as_label_tensor(x: Any) -> torch.Tensor:
 
 def _case_dice(binary_pred: torch.Tensor, binary_true: torch.Tensor) -> np.ndarray:
     """Per-case, per-channel Dice (n, c) with both-empty entries set to NaN (see module docstring)."""
+    # MONAI (~10 s to import) only when Dice is computed
     from monai.metrics import compute_dice
 
     pred_f = binary_pred.float()
@@ -99,6 +100,7 @@ class DiceAccumulator:
     """
 
     def __init__(self) -> None:
+        # MONAI (~10 s to import) only when Dice is computed
         from monai.metrics import Cumulative
 
         self._classes = Cumulative()

@@ -48,6 +48,7 @@ def network_config(preset: str, in_channels: int = 4, out_channels: int = 4) -> 
 
 def build_unet_from_config(cfg: dict[str, Any]) -> torch.nn.Module:
     """Rebuild the network described by ``network_config`` (weights are loaded separately)."""
+    # MONAI (~10 s to import) only when a network is built: reading a network config stays light
     from monai.networks.nets import UNet
 
     if cfg.get("architecture", "monai.networks.nets.UNet") != "monai.networks.nets.UNet":

@@ -15,10 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import nibabel as nib
 import numpy as np
+import torch
+from tqdm import tqdm
 
+from sim.bundle import load_bundle
+from sim.data.msd import load_case, read_msd
+from sim.data.preprocess import PreprocessConfig, brain_mask, invert_probs, preprocess_case
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
+from sim.metrics import per_case_dice, summarise
 
 CLASS_NAMES = {1: "oedema", 2: "non-enhancing core", 3: "enhancing"}
 
@@ -37,7 +44,6 @@ class Prediction:
 
 def load_scan(path: str | Path):
     """Read one scan; one-line UserError naming the file for anything a user could have got wrong."""
-    import nibabel as nib
 
     path = Path(path)
     if not path.is_file():
@@ -83,8 +89,6 @@ def scan_paths(images: Sequence[str | Path]) -> list[Path]:
 
 def _bundle_model(model_dir: str | Path, device: str):
     """(bundle, preprocessing config, network on ``device``) of a verified bundle."""
-    from sim.bundle import load_bundle
-    from sim.data.preprocess import PreprocessConfig
 
     bundle = load_bundle(model_dir)
     # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
@@ -95,10 +99,8 @@ def _bundle_model(model_dir: str | Path, device: str):
 
 def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: str = "cpu") -> np.ndarray:
     """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid."""
-    import torch
+    # MONAI (~10 s to import) only when a scan is segmented
     from monai.inferers import sliding_window_inference
-
-    from sim.data.preprocess import brain_mask, invert_probs, preprocess_case
 
     image_grid, _, record = preprocess_case(data, None, affine, config)
     with torch.no_grad():
@@ -131,8 +133,6 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
     results: list[Prediction] = []
     iterator: Iterable[Path] = paths
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(paths, desc="predict", unit="scan")
     for path in iterator:
         data, affine, header = load_scan(path)
@@ -156,8 +156,6 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
     the working-grid Dice of training. Returns ``{"dice": summary, "cases": [per-case rows]}`` with
     :func:`sim.metrics.summarise`'s keys; ``out_dir`` also receives each label map.
     """
-    from sim.data.msd import load_case, read_msd
-    from sim.metrics import per_case_dice, summarise
 
     _, config, model = _bundle_model(model_dir, device)
     cases = read_msd(data_dir).training[:limit]
@@ -165,16 +163,12 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
         raise UserError(f"--data {data_dir}: no labelled cases (imagesTr with labelsTr) to evaluate")
     iterator: Iterable = cases
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(cases, desc="evaluate", unit="scan")
     class_rows, region_rows, rows = [], [], []
     for case in iterator:
         image, truth, affine = load_case(case)
         labels = segment_scan(model, config, image, affine, device)
         if out_dir is not None:
-            import nibabel as nib
-
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", labels, affine,
                              nib.load(str(case.label)).header)
@@ -197,8 +191,6 @@ def _output_name(scan: Path) -> str:
 
 
 def _write_label_map(path: Path, labels: np.ndarray, affine: np.ndarray, header) -> None:
-    import nibabel as nib
-
     out_header = header.copy()
     out_header.set_data_dtype(np.uint8)
     image = nib.Nifti1Image(labels, affine, header=out_header)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import nibabel as nib
 import numpy as np
 
 from privacy.accountants import epsilon_per_relation
@@ -155,8 +156,6 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
 
 def write_test_predictions(folder: Path, labels: np.ndarray, world) -> dict:
     """Predicted test label maps as NIfTI, each back in its scan's own grid (SPEC section 10)."""
-    import nibabel as nib   # NIfTI only where predictions are written; nibabel costs ~0.5 s to import
-
     note = "each scan's own grid (sim.data.preprocess.invert_label)"
     for case_id, label in zip(world.test_ids, labels):
         affine = np.eye(4)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from privacy.mechanisms import NoiseSource
 from sim.errors import UserError
 from sim.methods import FEDERATED_METHODS
 from sim.presets import PRESETS, Preset, get_preset
-
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,6 @@ class RunSettings:
     def noise_source(self, *names):
         """The privacy noise of the run (or of one cell, named by ``names``): secure unless this is a
         simulation that asked for reproducible noise (``--reproducible-noise``)."""
-        from privacy.mechanisms import NoiseSource
 
         source = NoiseSource.reproducible(self.seed) if self.reproducible_noise else NoiseSource()
         return source.child(*names) if names else source

@@ -26,8 +26,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from sim.data.augment import training_augmentation
+from sim.dpsgd import DPSession
 from sim.errors import UserError
+from sim.io import atomic_save_torch
+from sim.metrics import DiceAccumulator
 
 
 @dataclass
@@ -70,6 +75,7 @@ class TrainResult:
 # ----------------------------------------------------------------------------------------------------- loss
 def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Dice + CE for each sample (shape (n,)); ``targets`` int (n, *g) or probabilities (n, C, *g)."""
+    # MONAI (~10 s to import) only when a loss is built
     from monai.losses import DiceLoss
 
     n, classes = logits.shape[:2]
@@ -87,8 +93,6 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 # -------------------------------------------------------------------------------------------- augmentation
 def _augmenter(seed: int, level: bool | str = True) -> Callable:
-    from sim.data.augment import training_augmentation
-
     return training_augmentation(seed, level="domain" if level is True else str(level))
 
 
@@ -160,8 +164,6 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     session = None
     train_model: torch.nn.Module = base_model
     if dp is not None:
-        from sim.dpsgd import DPSession
-
         session = DPSession(base_model, optimizer, n=n, batch_size=config.batch_size, epochs=config.epochs,
                             dp=dp, guard=guard, owners=owners, noise=noise,
                             has_validation=validation is not None)
@@ -180,8 +182,6 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             if resume_state.get("dp") is None:
                 raise UserError(f"checkpoint {checkpoint}: was written without DP-SGD; cannot resume with it")
             session.load_state_dict(resume_state["dp"])
-
-    from tqdm.auto import tqdm
 
     bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.progress,
                initial=start_epoch, total=config.epochs, leave=False)
@@ -225,8 +225,6 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                          if k in ("loss", "epsilon")})
         if checkpoint is not None:
-            from sim.io import atomic_save_torch
-
             inner_opt = getattr(optimizer, "original_optimizer", optimizer)
             atomic_save_torch(checkpoint, {
                 "model": base_model.state_dict(), "optimizer": inner_opt.state_dict(), "epoch": epoch + 1,
@@ -292,7 +290,6 @@ def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batc
 def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any,
                                    batch_size: int = 2) -> tuple[dict, list[float | None]]:
     """(Dice dict, per-case mean Dice) -- results.json stores the latter as ``dice_per_case``."""
-    from sim.metrics import DiceAccumulator
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)

@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import torch.nn as nn
 
+from sim.errors import UserError
 from sim.methods import CLASSIFICATION_METHODS
 
 METHODS = CLASSIFICATION_METHODS
@@ -50,15 +53,12 @@ class SeedResult:
 
 
 def set_seed(seed: int) -> None:
-    import torch
-
     torch.manual_seed(seed)
     np.random.seed(seed % (2**32))
 
 
 def build_mlp(input_dim: int, hidden: tuple[int, ...], classes: int):
     """Fully connected ReLU net (the nets of DP-MAC's classifier experiment: one hidden layer of 300)."""
-    import torch.nn as nn
 
     layers, width = [], input_dim
     for h in hidden:
@@ -69,8 +69,6 @@ def build_mlp(input_dim: int, hidden: tuple[int, ...], classes: int):
 
 
 def accuracy(model, x: np.ndarray, y: np.ndarray, transform=None) -> float:
-    import torch
-
     if len(y) == 0:
         return float("nan")
     model.eval()
@@ -83,8 +81,6 @@ def accuracy(model, x: np.ndarray, y: np.ndarray, transform=None) -> float:
 
 
 def predict(model, x: np.ndarray) -> np.ndarray:
-    import torch
-
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(x, dtype=torch.float32)).argmax(dim=1).numpy()
@@ -93,7 +89,6 @@ def predict(model, x: np.ndarray) -> np.ndarray:
 def train_nonprivate(x: np.ndarray, y: np.ndarray, classes: int, hidden=(128,), epochs: int = 20,
                      batch_size: int = 64, lr: float = 1e-3, seed: int = 0, weight_decay: float = 0.0):
     """Plain Adam/cross-entropy training (the non-private baseline, PATE teachers and students)."""
-    import torch
 
     set_seed(seed)
     model = build_mlp(x.shape[1], tuple(hidden), classes)
@@ -126,7 +121,6 @@ def padded_units(x: np.ndarray, y: np.ndarray, units: list[np.ndarray]):
     """``(X, Y, mask)``: unit i's records in row i, ``X`` (U, S, d) float32, ``Y`` (U, S) int64 and ``mask``
     (U, S) float32 (1 = a real record, 0 = padding), S = the largest unit. Per-sample gradients over the first
     axis are then per-unit gradients (a patient's slices summed) — what user-level clipping needs."""
-    import torch
 
     width = max(len(r) for r in units)
     X = np.zeros((len(units), width, x.shape[1]), np.float32)
@@ -142,8 +136,6 @@ def capped_units(units: list[np.ndarray], per_unit: int) -> np.ndarray:
     records (slice order), repeating records when the unit has fewer. A function of each unit's own records,
     so a unit's contribution has a fixed size whatever its number of slices."""
     if per_unit < 1:
-        from sim.errors import UserError
-
         raise UserError(f"records_per_patient: expected a positive integer, got {per_unit}")
     return np.stack([r[np.round(np.linspace(0, len(r) - 1, per_unit)).astype(np.int64)] for r in units])
 

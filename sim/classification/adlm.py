@@ -50,7 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from privacy.events import LaplaceEvent
+from privacy.mechanisms import LaplaceMechanism, NoiseSource
 from sim.classification import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
+from sim.errors import UserError
 
 FEATURE_SENSITIVITY = 1.0   # |x_ij − x'_ij| ≤ 1 for x ∈ [0, 1] (Lemma 3's domain), replace-one
 LABEL_SENSITIVITY = 2.0     # ||(½ − y) − (½ − y')||_1 for one-hot y, y' (replace-one)
@@ -105,8 +108,6 @@ def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, re
     """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1), then drawn
     from ``noise``'s stream ``release_id`` (a ``privacy.mechanisms.NoiseSource``). ``group``: records per
     privacy unit."""
-    from privacy.events import LaplaceEvent
-    from privacy.mechanisms import LaplaceMechanism
 
     per_record = np.clip(np.asarray(per_record, np.float64), 0.0, 1.0)   # bounded by construction
     n, d = per_record.shape
@@ -142,8 +143,6 @@ def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_i
     for a unit of k = ``group`` records is ``k Σ_j Δ_x / b_j`` (= ε2 by construction of ``feature_scales``).
     Withheld features (b_j = ∞) are replaced by 0.5.
     """
-    from privacy.events import LaplaceEvent
-    from privacy.mechanisms import LaplaceMechanism
 
     x = np.clip(np.asarray(x, np.float64), 0.0, 1.0)
     finite = np.isfinite(scales)
@@ -160,8 +159,6 @@ def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, gua
                                noise, group: int = 1) -> np.ndarray:
     """φ̄⁽¹⁾_il = (½ − y_il) + Lap(kΔ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration;
     k = ``group`` records per unit)."""
-    from privacy.events import LaplaceEvent
-    from privacy.mechanisms import LaplaceMechanism
 
     scale = group * LABEL_SENSITIVITY / epsilon3
     guard.charge(owners, LaplaceEvent(sensitivity=group * LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
@@ -220,7 +217,6 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
     ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1). ``noise``: the
     ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
     """
-    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or AdLMConfig()
     noise = noise if noise is not None else NoiseSource()
@@ -243,8 +239,6 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
     noisy_relevance = None
     if adaptive:
         if len(task.y_reference) == 0:
-            from sim.errors import UserError
-
             raise UserError("adlm: the task has no public labelled reference records for the LRP network")
         ref_model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
                                      hidden=cfg.relevance_hidden, epochs=cfg.relevance_epochs, seed=seed)

@@ -50,7 +50,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sim.classification import SeedResult, gather_units, set_seed
+from privacy.calibration import calibrate, dpsgd_noise_multiplier
+from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
+from privacy.mechanisms import GaussianMechanism, NoiseSource
+from sim.classification import SeedResult
+from sim.classification import accuracy
+from sim.classification import accuracy as _acc
+from sim.classification import gather_units, set_seed
+from sim.dpsgd import poisson_batches
 
 
 @dataclass
@@ -272,8 +279,6 @@ def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: i
                     accountant: str = "pld") -> float:
     """Noise multiplier σ such that [DP-PCA Gaussian] ∘ ``steps`` × SampledGaussian(q, σ) spends ``epsilon``
     under replace-one (PLD; dp_accounting's RDP has no replace-one Poisson subsampling)."""
-    from privacy.calibration import calibrate, dpsgd_noise_multiplier
-    from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
 
     if pca_sigma is None:
         return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant, relation=RELATION)
@@ -289,9 +294,6 @@ def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: i
 
 
 def pca_sigma_for(epsilon: float, delta: float) -> float:
-    from privacy.calibration import calibrate
-    from privacy.events import GaussianEvent
-
     return calibrate(lambda s: GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=s, relation=RELATION),
                      epsilon, delta, "gdp-exact", 0.01, 1e4)
 
@@ -303,9 +305,6 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
 
     ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); ``seed``
     only initialises the network."""
-    from privacy.events import GaussianEvent, SampledGaussianEvent
-    from privacy.mechanisms import GaussianMechanism, NoiseSource
-    from sim.dpsgd import poisson_batches
 
     cfg = cfg or DPMACConfig()
     noise = noise if noise is not None else NoiseSource()
@@ -374,10 +373,8 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                 opt.step()
         sched.step()
         if progress:
-            from sim.classification import accuracy as _acc
             print(f"  dp-mac epoch {epoch + 1}/{cfg.epochs}: test acc {_acc(net, task.x_test, task.y_test):.3f}",
                   flush=True)
-    from sim.classification import accuracy
 
     return SeedResult(
         method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,

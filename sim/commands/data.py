@@ -85,7 +85,7 @@ def _phantoms(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from sim.data.msd import read_msd, validate_case
+    from sim.data.msd import LABELS, read_msd, validate_case
 
     dataset = read_msd(args.dir)
     cases = dataset.training[:1] if args.quick else dataset.training
@@ -101,7 +101,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"  shapes:     {', '.join('x'.join(map(str, s)) for s in shapes)}")
     print(f"  spacing mm: {', '.join('x'.join(f'{v:g}' for v in s) for s in spacings)}")
     counts = np.array([[s["label_counts"][str(k)] for k in range(4)] for s in summaries])
-    names = {"1": "edema", "2": "non-enhancing", "3": "enhancing"}
+    names = {key: name.split()[0] for key, name in LABELS.items()}   # "non-enhancing tumor" -> "non-enhancing"
     for k in (1, 2, 3):
         column = counts[:, k]
         print(f"  label {k} {names[str(k)]:<14} voxels/case: mean {column.mean():9.1f}  min {column.min():7d}  "

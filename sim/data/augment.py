@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 
 class TrainingAugmentation:
@@ -28,8 +29,18 @@ class TrainingAugmentation:
 
     def __init__(self, seed: int = 0, prob: float = 0.5, max_rotation_deg: float = 10.0,
                  intensity: bool = True, intensity_prob: float = 0.3, classes: int = 4):
-        from monai.transforms import (Compose, RandAdjustContrast, RandBiasField, RandFlip, RandGaussianNoise,
-                                      RandGaussianSmooth, RandHistogramShift, RandRotate, RandScaleIntensity)
+        # MONAI (~10 s to import) only when augmentation is built, not whenever sim.data is imported
+        from monai.transforms import (
+            Compose,
+            RandAdjustContrast,
+            RandBiasField,
+            RandFlip,
+            RandGaussianNoise,
+            RandGaussianSmooth,
+            RandHistogramShift,
+            RandRotate,
+            RandScaleIntensity,
+        )
 
         self.prob = float(prob)
         self.classes = int(classes)
@@ -73,8 +84,6 @@ class TrainingAugmentation:
         return self._apply(image, label)
 
     def _apply(self, image: Any, label: Any):
-        import torch
-
         image_is_torch = isinstance(image, torch.Tensor)
         img = torch.as_tensor(np.asarray(image) if not image_is_torch else image.detach().cpu(),
                               dtype=torch.float32)
@@ -130,7 +139,6 @@ class TrainingAugmentation:
 
 def _plain(tensor):
     """MONAI returns MetaTensors; callers get plain tensors (Opacus and torch.stack expect them)."""
-    import torch
 
     return tensor.as_tensor() if hasattr(tensor, "as_tensor") else torch.as_tensor(tensor)
 

@@ -1,7 +1,6 @@
 """Reader and validator for the Medical Segmentation Decathlon Task01_BrainTumour layout (SPEC section 8).
 
 The folder as distributed::
-
     dataset.json      {"modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
                        "labels": {"0": "background", "1": "edema", "2": "non-enhancing tumor",
                                   "3": "enhancing tumour"},
@@ -23,13 +22,16 @@ and what was expected -- never a raw nibabel/gzip/zlib traceback.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 
 from sim.data.errors import DataError
@@ -231,10 +233,6 @@ def read_msd(root: str | os.PathLike) -> MSDDataset:
 # ------------------------------------------------------------------------------------------------ NIfTI
 def _open_nifti(path: Path, what: str):
     """Load header and voxel array, turning every nibabel/gzip/zlib failure into a one-line DataError."""
-    import gzip
-    import zlib
-
-    import nibabel as nib
 
     where = display_path(path)
     if not path.is_file():

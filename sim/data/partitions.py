@@ -33,7 +33,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from sim.data.msd import patient_id
 from sim.errors import UserError
+from sim.io import atomic_write_json
 
 SCHEMES = ("institution", "iid", "dirichlet", "paper")
 UNKNOWN_INSTITUTION = "unknown"
@@ -103,8 +105,6 @@ class Split:
                    patients={str(c): str(p) for c, p in (d.get("patients") or {}).items()})
 
     def to_json(self, path: str | os.PathLike) -> Path:
-        from sim.io import atomic_write_json
-
         return atomic_write_json(path, self.to_dict())
 
     @classmethod
@@ -130,7 +130,6 @@ PatientsArg = Mapping[str, str] | Callable[[str], str] | None
 def _patient_map(case_ids: Sequence[str], patients: PatientsArg) -> dict[str, str]:
     """case -> patient from a mapping or a function (a PreparedDataset's ``patient``); cases a mapping does not
     name, and every case when ``patients`` is None, get :func:`sim.data.msd.patient_id` of their id."""
-    from sim.data.msd import patient_id
 
     get = patients if callable(patients) else (patients or {}).get
     out = {}

@@ -39,18 +39,25 @@ import gzip
 import json
 import math
 import os
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 from scipy import ndimage
+from tqdm import tqdm
 
 from sim.data.errors import DataError
 from sim.data.msd import LABELS, MODALITIES
 from sim.data.shifts import SHIFT_PARTS, SHIFTS
+
 # aliased: ensure_phantoms has a parameter named cache_root
-from sim.io import atomic_write_bytes, atomic_write_json, cache_root as default_cache_root
+from sim.io import atomic_write_bytes, atomic_write_json
+from sim.io import cache_root as default_cache_root
+from sim.presets import get_preset
 
 GENERATOR_VERSION = "3"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
@@ -142,10 +149,10 @@ def _anatomy(resolution_mm: float) -> dict[str, Any]:
     key = round(float(resolution_mm), 4)
     if key in _ANATOMY:
         return _ANATOMY[key]
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # nilearn (~4 s to import) only when the MNI template is loaded, once per generator process
         from nilearn import datasets
 
         mask_img = datasets.load_mni152_brain_mask(resolution=1)
@@ -529,8 +536,6 @@ def _scanner(rng: np.random.Generator, image: np.ndarray, brain: np.ndarray, pro
 
 # ------------------------------------------------------------------------------------------------ writing
 def _nifti_gz_bytes(data: np.ndarray, affine: np.ndarray) -> bytes:
-    import nibabel as nib
-
     img = nib.Nifti1Image(data, affine)
     img.header.set_xyzt_units("mm", "sec")
     img.set_qform(affine, code=1)
@@ -614,13 +619,10 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
 
     total = cases + test_cases
     jobs = [(out, i, total, config, i < cases) for i in range(total)]
-    from tqdm import tqdm
 
     bar = tqdm(total=total, desc=f"phantoms {out.name}", unit="case", disable=not progress, leave=False)
     results: list[dict] = []
     if workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
         with ProcessPoolExecutor(max_workers=workers) as pool:
             for result in pool.map(_generate_one, jobs, chunksize=2):
                 results.append(result)
@@ -681,7 +683,6 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
     the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`. A file lock serialises
     concurrent callers (several test sessions or runs share the cache).
     """
-    from sim.presets import get_preset
 
     if isinstance(preset, str):
         preset = get_preset(preset)

@@ -21,9 +21,15 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy import ndimage
+from tqdm import tqdm
 
 from sim.data.errors import DataError
-from sim.io import atomic_write_with
+from sim.data.msd import load_case, patient_id, read_msd
+from sim.data.phantoms import _file_lock
+from sim.io import atomic_write_json, atomic_write_with
 
 PREPARED_FORMAT = 1
 
@@ -109,8 +115,6 @@ class PreprocessRecord:
 
 def _resize(volume: np.ndarray, size: Sequence[int], mode: str) -> np.ndarray:
     """(C, *shape) -> (C, *size) with torch interpolate (align_corners=False conventions)."""
-    import torch
-    import torch.nn.functional as F
 
     tensor = torch.from_numpy(np.ascontiguousarray(volume, dtype=np.float32))[None]
     if tuple(tensor.shape[2:]) == tuple(size):
@@ -128,7 +132,6 @@ def _smooth_inside(volume: np.ndarray, mask: np.ndarray, sigmas: Sequence[float]
     Dividing by the smoothed mask keeps edge voxels unbiased by the zero background; outside stays 0.
     Axes with sigma <= 0.3 (no real downsampling) are left alone.
     """
-    from scipy import ndimage
 
     sigmas = [s if s > 0.3 else 0.0 for s in sigmas]
     if not any(sigmas):
@@ -311,7 +314,6 @@ class PreparedDataset:
     def patient(self, case_id: str) -> str:
         """The patient of ``case_id``; manifests written before patients were recorded fall back to the
         naming rule on the case id (:func:`sim.data.msd.patient_id`: the case id itself for MSD/phantom names)."""
-        from sim.data.msd import patient_id
 
         self._position(case_id)
         return self._patients.get(case_id) or patient_id(case_id)
@@ -355,8 +357,6 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
     The cache is valid when ``manifest.json`` records the same config and the same ``dataset.json``
     fingerprint. Files are written atomically, the manifest last; a lock serialises concurrent callers.
     """
-    from sim.data.msd import load_case, read_msd
-    from sim.data.phantoms import _file_lock
 
     if not isinstance(config, PreprocessConfig):
         config = PreprocessConfig.from_dict(config) if isinstance(config, dict) else PreprocessConfig(grid=config)
@@ -379,7 +379,6 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
         if "patients" not in manifest:
             # prepared before patients were recorded: add them (the arrays do not depend on them), so that ids
             # dataset.json declares count here too and not only in caches prepared from now on
-            from sim.io import atomic_write_json
 
             atomic_write_json(manifest_path, {**manifest, "patients": {c.case_id: c.patient for c in dataset.training}})
         return PreparedDataset.open(cache)
@@ -392,7 +391,6 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
         cached = valid()
         if cached is not None:
             return cached
-        from tqdm import tqdm
 
         cases = dataset.training
         images = np.zeros((len(cases), 4, *config.grid), np.float32)
@@ -409,7 +407,6 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             pass
         _atomic_save_npy(cache / "images.npy", images)
         _atomic_save_npy(cache / "labels.npy", labels)
-        from sim.io import atomic_write_json
 
         atomic_write_json(cache / "records.json", records)
         manifest = {

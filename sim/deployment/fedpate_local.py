@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from sim.deployment.flower_cli import PROJECT_ROOT
+from sim.deployment.local import LocalDeployment
 from sim.errors import UserError
 from sim.io import atomic_write_json
 from sim.runconfig import RunSettings
-
+from sim.world import materialise_world, open_world
 
 #: written beside results.json by :func:`run_local_deployment`
 DEPLOYMENT_FILE = "deployment.json"
@@ -27,7 +28,6 @@ DEPLOYMENT_FILE = "deployment.json"
 
 def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
     """One MSD Task01-layout folder per hospital of the world's split, with only that hospital's cases."""
-    from sim.world import open_world
 
     prepared, split = open_world(world_dir)
     source_root = Path(prepared.manifest["source_root"])
@@ -64,8 +64,6 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
     first PATE query has been charged to the ledger -- the dropout test of issue 6.
     """
-    from sim.deployment.local import LocalDeployment
-    from sim.world import materialise_world
 
     if settings.reproducible_noise:
         raise UserError("reproducible-noise: a deployment always draws secure noise (seeded noise can be "

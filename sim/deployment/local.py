@@ -1,7 +1,6 @@
 """Run a Flower app as a real multi-process deployment on localhost (TLS + SuperNode authentication).
 
 Layout of one ``LocalDeployment`` (all under ``work_dir``; every server binds 127.0.0.1 only)::
-
     certs/ca.crt certs/superlink.crt|.key certs/supernodes/<hospital>.key|.pub   (sim/deployment/tls.py)
     flwr-home/config.toml          # [superlink.fedpate-local] address + root-certificates (FLWR_HOME)
     superlink.db                   # SuperLink state (--database)
@@ -25,18 +24,30 @@ from __future__ import annotations
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from sim.deployment.flower_cli import (
-    FLOWER_ENV, RunStatus, config_string, flower_tool, flwr_run, parse_json_output, write_flower_config,
+    FLOWER_ENV,
+    RunStatus,
+    config_string,
+    flower_tool,
+    flwr_run,
+    parse_json_output,
+    write_flower_config,
 )
-from sim.errors import UserError
 from sim.deployment.processes import (
-    ManagedProcess, ProcessError, Supervisor, free_ports, wait_for_http_health, wait_for_port,
+    ManagedProcess,
+    ProcessError,
+    Supervisor,
+    free_ports,
+    wait_for_http_health,
+    wait_for_port,
 )
 from sim.deployment.tls import DEFAULT_HOSTS, make_certificates, make_supernode_keys
+from sim.errors import UserError
 
 CONNECTION = "fedpate-local"
 LOOPBACK = "127.0.0.1"
@@ -193,7 +204,6 @@ class LocalDeployment:
     def submit(self, run_config: Mapping[str, Any] | None = None, timeout: float = 1800.0):
         """Like :meth:`run` but in a background thread (for killing a SuperNode mid-run); returns a
         ``concurrent.futures.Future`` of the RunStatus."""
-        from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(max_workers=1)
         future = pool.submit(self.run, run_config, timeout)

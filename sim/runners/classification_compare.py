@@ -23,15 +23,25 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import math
 import time
 import traceback
 from pathlib import Path
 
-from sim.errors import UserError
-from sim.io import atomic_write_text
-from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, RunResults, csv_row, write_run
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
 from sim.classification import METHODS
+from sim.classification.adlm import AdLMConfig, train_adlm
+from sim.classification.dpmac import DPMACConfig, train_dpmac
+from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
+from sim.classification.tasks import load_task
+from sim.errors import UserError
+from sim.io import atomic_write_bytes, atomic_write_text
+from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
+from sim.results import RunResults, csv_row, write_run
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3)
 PRESET_SETTINGS = {
@@ -78,26 +88,18 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
     n = len(task.y_private)
     units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
     if method == "dp-mac":
-        from sim.classification.dpmac import DPMACConfig, train_dpmac
-
         cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           pca_components=min(60, task.input_dim))
         return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("adlm", "ilm"):
-        from sim.classification.adlm import AdLMConfig, train_adlm
-
         cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
         return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
                           progress=progress, noise=noise)
     if method == "pate-gnmax":
-        from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
-
         cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
                           queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
         return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
-        from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
-
         cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
                           schedule="exp" if method == "dp-sgd-scheduled" else None)
         return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
@@ -111,9 +113,6 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
 
     ``noise``: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
     child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json."""
-    from privacy.guard import BudgetGuard
-    from privacy.ledger import Ledger
-    from privacy.mechanisms import NoiseSource
 
     noise = (noise if noise is not None else NoiseSource()).child(method, _eps_dir(epsilon))
 
@@ -175,10 +174,6 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
 
     ``reproducible_noise`` (simulation only): noise and private sampling seeded by ``seed`` (per cell and
     release); the seed is then left out of everything written. Default: secure noise."""
-    import logging
-
-    from privacy.mechanisms import NoiseSource
-    from sim.classification.tasks import load_task
 
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
     if preset not in PRESET_SETTINGS:
@@ -272,6 +267,7 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
 
 
 def _plot(cells: list[dict], path: Path) -> None:
+    # matplotlib (~1.5 s) only where the plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,6 +293,5 @@ def _plot(cells: list[dict], path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    from sim.io import atomic_write_bytes
 
     atomic_write_bytes(path, buf.getvalue())
