@@ -52,7 +52,10 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     steps = steps_per_epoch(len(case_ids), preset.batch_size)
     noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds,
                                               relation=relation)
-    noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id, run_tag)
+    # reproducible noise (simulation only) is named by what the run is, not by its nonce: the same seed and
+    # budget repeat the same streams; every round and epoch still draws its own
+    noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id,
+                                                                          f"eps-{epsilon:g}")
              if config.get("reproducible_noise") else NoiseSource())
     ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
     # this run's budget, and the hospital's lifetime budget over everything released from its patients
@@ -60,7 +63,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     before = {record["release_id"] for record in ledger.records()}
     prefix = f"dpfedavg:{run_tag}:round-{round_index}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix, relation=relation)
+                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix,
+                  stream_prefix=f"round-{round_index}", relation=relation)
     train_config = TrainConfig(epochs=local_epochs, batch_size=preset.batch_size,
                                learning_rate=preset.learning_rate,
                                seed=int(config.get("seed", 0)) * 1009 + round_index,

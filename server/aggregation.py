@@ -76,7 +76,8 @@ def validate_reply(hospital: str, rows, state: Mapping[str, np.ndarray], latent_
 def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compressor, guard, release_id: str,
                     mechanism=None, note: Mapping | None = None, rejected: dict | None = None,
                     state: Mapping[str, np.ndarray] | None = None, noise=None,
-                    expected_rows: Mapping[str, int] | None = None) -> tuple[np.ndarray | None, int]:
+                    expected_rows: Mapping[str, int] | None = None,
+                    stream: str | None = None) -> tuple[np.ndarray | None, int]:
     """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").
 
     ``encodings``: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
@@ -94,7 +95,8 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
 
     Noise: ``mechanism`` (a ready ``GaussianMechanism``, for tests) or, by default, a Gaussian mechanism on
     this release's own stream of ``noise`` (a ``privacy.mechanisms.NoiseSource``; secure when None),
-    opened only after the charge.
+    opened only after the charge. ``stream`` names that stream (default: the release id): a caller whose
+    release ids carry a per-run nonce passes the name without it, so that reproducible noise repeats.
     """
 
     if mechanism is not None and getattr(mechanism, "sigma", sigma) != sigma:
@@ -128,6 +130,6 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
                        "latent_dim": latent, "sensitivity": sensitivity, "sigma": float(sigma), **dict(note or {})})
     clean_mean = np.concatenate(list(accepted.values()), axis=0).mean(axis=0)
     if mechanism is None:
-        mechanism = GaussianMechanism(sigma, (noise or NoiseSource()).generator(release_id))
+        mechanism = GaussianMechanism(sigma, (noise or NoiseSource()).generator(stream or release_id))
     noisy = mechanism(clean_mean)
     return np.asarray(noisy, dtype=np.float32), teachers

@@ -426,7 +426,8 @@ def _aggregate_batch(phase: QueryPhase, batch: list[int], release_ids: list[str]
         try:
             noisy, teachers = aggregate_query(per_query, plan.sigma, plan.compressor, guard, release_ids[j],
                                               note={"query": int(index)}, rejected=phase.rejected,
-                                              state=plan.codec, noise=noise, expected_rows=asked)
+                                              state=plan.codec, noise=noise, expected_rows=asked,
+                                              stream=f"query-{index}")
         except BudgetExceeded as exc:
             return str(exc)
         if noisy is None:

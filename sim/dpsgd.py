@@ -118,6 +118,9 @@ class DPConfig:
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
     release_prefix: str = "dpsgd"        # ledger release ids: f"{release_prefix}:epoch-{e}" (unique per model!)
+    #: noise stream names f"{stream_prefix}:epoch-{e}" under the session's NoiseSource (default: the release
+    #: prefix). Without the per-run nonce release ids carry, so that reproducible noise repeats across runs.
+    stream_prefix: str | None = None
     target_epochs: int | None = None     # planning horizon for target/schedule (default: the training epochs)
 
     def validate(self) -> "DPConfig":
@@ -337,7 +340,8 @@ class DPSession:
             return False
         self.sigmas.append(sigma)
         self.optimizer.noise_multiplier = sigma
-        self.stream = self.noise.generator(self.release_id(epoch))  # opened only after the charge
+        # opened only after the charge
+        self.stream = self.noise.generator(f"{self.dp.stream_prefix or self.dp.release_prefix}:epoch-{epoch}")
         return True
 
     def spent(self, owner: str | None = None, with_rdp: bool = True) -> dict[str, Any]:

@@ -110,7 +110,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                       sampling=sampling, schedule=schedule,
                       schedule_options=dict(schedule_options or {}),
                       grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                      release_prefix=_release_prefix(ledger_path), relation=relation).validate()
+                      release_prefix=_release_prefix(ledger_path), stream_prefix="central-dpsgd",
+                      relation=relation).validate()
         guard = BudgetGuard(ledger, epsilon, delta)
         if hospital_ledger_dir is not None:
             lifetime = float(lifetime_epsilon or epsilon)
