@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from privacy.calibration import dpsgd_noise_multiplier
+from privacy import calibration
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
@@ -50,8 +50,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     model = build_unet(preset.unet)
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
     steps = steps_per_epoch(len(case_ids), preset.batch_size)
-    noise_multiplier = dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps, steps * local_epochs * rounds,
-                                              relation=relation)
+    noise_multiplier = calibration.dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps,
+                                                          steps * local_epochs * rounds, relation=relation)
     # reproducible noise (simulation only) is named by what the run is, not by its nonce: the same seed and
     # budget repeat the same streams; every round and epoch still draws its own
     noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id,
