@@ -180,7 +180,7 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
     """Run PATE end to end and write ``out_dir`` (SPEC section 10); returns results.json's content.
 
     ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); each
-    query draws from its own stream named after its release id.
+    query draws from its own stream, named after its query index (not the run's nonce).
     """
     started = time.perf_counter()
     out = _fresh_run_folder(out_dir)
