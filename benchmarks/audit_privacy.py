@@ -6,7 +6,7 @@ For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, PCA code
 δ=1e-3, ε ∈ {1, 8}) and for DP-SGD (``DPSession``, ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer
 clipping), runs the product's own mechanism on worst-case neighbouring inputs many times, scores each
 run with the optimal likelihood-ratio statistic and prints the Clopper-Pearson lower bound on ε
-(threshold chosen on held-out runs; ``sim/privacy_audit.py`` and ``privacy/audit.py`` explain the
+(threshold chosen on held-out runs; ``sim/runners/privacy_audit.py`` and ``privacy/audit.py`` explain the
 method: Jagielski et al. 2020, Nasr et al. 2021). Each mechanism appears twice: "product" (every run
 through ``aggregate_query`` / ``DPSession`` with a fresh ledger and guard, noise from the secure
 ``NoiseSource`` unless ``--seed``) and "vectorised" (the same releases drawn by numpy a million times
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from privacy.mechanisms import NoiseSource
-    from sim.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
+    from sim.runners.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
                                    pate_setup)
 
     pate_runs = args.pate_runs if args.pate_runs is not None else (200 if args.quick else 600)

@@ -19,7 +19,7 @@ from scipy import stats
 from privacy.accountants import gdp_mu_for
 from privacy.audit import clopper_pearson_upper, epsilon_from_rates, epsilon_lower_bound, largest_resolvable
 from privacy.mechanisms import NoiseSource
-from sim import privacy_audit as pa
+from sim.runners import privacy_audit as pa
 
 DELTA = 1e-3
 

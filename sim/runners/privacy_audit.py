@@ -1,5 +1,10 @@
 """Empirical privacy audit of fedpate's two private mechanisms (issue 15, "Empirical check").
 
+The product harness: it drives the server's aggregation (``server.*``) and the DP-SGD engine, so it lives
+with the orchestration in ``sim/runners/`` (``sim`` core never imports ``server``); the framework-free
+statistics are :mod:`privacy.audit`. Used by ``benchmarks/audit_privacy.py`` and
+``tests/test_privacy_audit.py``.
+
 An audit that does not trust our own maths: run the product's mechanism many times on two worst-case
 neighbouring inputs D and D', score every run with the optimal (likelihood-ratio) statistic of an
 adversary who knows everything except which of the two inputs was used, and turn the test's error rates
