@@ -1,10 +1,11 @@
 """Empirical privacy audit, fast version (issue 15; the full one is benchmarks/audit_privacy.py).
 
-For the PATE aggregator and for DP-SGD, the product's own mechanism is run on worst-case neighbouring
-inputs and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold
-chosen on held-out runs; Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what
-the ledger claims for the real mechanisms and rise above it for deliberately broken ones (so this test
-can fail). The vectorised trials are checked against the product paths before they are trusted.
+For the PATE aggregator and for DP-SGD under both relations it can claim (replace-one, the default, and
+add-remove), the product's own mechanism is run on worst-case neighbouring inputs and a 95% lower bound
+on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
+Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what the ledger claims for the
+real mechanisms and rise above it for deliberately broken ones (so this test can fail). The vectorised
+trials are checked against the product paths before they are trusted.
 
 Product runs use reproducible noise streams (fixed seeds), so the test is deterministic; the benchmark
 uses the secure source.
@@ -18,7 +19,13 @@ from scipy import stats
 
 from privacy.accountants import gdp_mu_for
 from privacy.audit import clopper_pearson_upper, epsilon_from_rates, epsilon_lower_bound, largest_resolvable
+from privacy.calibration import pate_sigma
+from privacy.errors import BudgetExceeded
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from server.aggregation import aggregate_query
+from sim import codecs
 from sim.runners import privacy_audit as pa
 
 DELTA = 1e-3
@@ -59,9 +66,12 @@ def test_epsilon_from_rates_and_the_gaussian_pair():
 
 
 # ------------------------------------------------------------------------------------------------ PATE
+PATE = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+
+
 @pytest.fixture(scope="module")
 def pate():
-    return pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+    return pa.pate_setup(1.0, DELTA, **PATE)
 
 
 @pytest.fixture(scope="module")
@@ -69,27 +79,34 @@ def pate_runs(pate):
     return pa.pate_product_scores(pate, 200, NoiseSource.reproducible(1))
 
 
-def test_pate_setup_is_the_worst_case_of_the_claimed_sensitivity(pate):
+def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
     assert pate.sensitivity == pytest.approx(2 * pate.clip / pate.teachers)     # PCA clip mode: 2C/K
+    assert pate.charged_sensitivity == pate.sensitivity                         # honest: nothing patched
+    assert pate.sigma == pa.pate_calibration(pate.compressor, 1.0, DELTA, pate.queries, pate.teachers)[2]
     assert pate.mu_true == pytest.approx(pate.mu_claimed)                       # the pair uses all of it
     gap = pate.clean_means[+1] - pate.clean_means[-1]
     assert np.allclose(np.linalg.norm(gap, axis=1), 2 * pate.clip / pate.teachers, rtol=1e-6)
-    for reply in pate.others[0].values():     # the other teachers' rows are real codec outputs
-        assert np.all(np.linalg.norm(reply, axis=1) <= pate.clip * (1 + 1e-6))
+    assert np.allclose(gap / np.linalg.norm(gap, axis=1, keepdims=True), pate.direction, atol=1e-6)
+    for side in (+1, -1):      # every row is what a hospital's codec produced: norms at most C
+        for rows in pate.answers[side].values():
+            assert np.all(np.linalg.norm(rows, axis=-1) <= pate.clip * (1 + 1e-6))
+    # every hospital charged its own ledger, with the S it computed from the codec: the same ε as the server
+    claimed = pa.pate_product_run(pate, +1, NoiseSource.reproducible(0))[1]
+    assert set(pate.hospital_epsilon) == {"h0", "h1"}
+    assert all(eps == pytest.approx(claimed, rel=1e-12) for eps in pate.hospital_epsilon.values())
 
 
 @pytest.mark.parametrize("broken_factor", [None, 4.0])
 def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
-    """Same inputs, same noise stream: aggregate_query's release == clean mean + sigma Z, to the bit
-    (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
+    """Same inputs, same noise stream (the release's own): aggregate_query's release == clean mean + sigma Z,
+    to the bit (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
     if broken_factor is not None:
-        pate = pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0,
-                             broken_factor=broken_factor)
+        pate = pa.pate_setup(1.0, DELTA, broken_factor=broken_factor, **PATE)
     source = NoiseSource.reproducible(7)
     for side in (+1, -1):
         releases, claimed = pa.pate_product_run(pate, side, source)
         expected = np.stack([
-            (pate.clean_means[side][n] + pate.sigma * source.generator(f"query-{n}").standard_normal(
+            (pate.clean_means[side][n] + pate.sigma * source.generator(pate.release_id(n)).standard_normal(
                 (pate.latent_dim,))).astype(np.float32) for n in range(pate.queries)])
         assert releases.dtype == np.float32 and np.array_equal(releases, expected)
         assert 0.999 * pate.epsilon <= claimed <= pate.epsilon          # the ledger's ε for the N queries
@@ -114,18 +131,63 @@ def test_pate_audit_stays_below_the_claim(pate, pate_runs):
     assert row.bound.epsilon_lower > 0.6 * claimed     # and the audit is nearly tight (limit: the claim)
 
 
-def test_pate_audit_catches_an_understated_sensitivity():
-    """Sensitivity understated 4x (sigma 4x too small, the ledger still claims eps = 1): the vectorised
-    audit refutes the claim; a grosser bug (16x, like a clip bound far looser than the one accounted)
-    is refuted by the product path itself within 150 runs per side. (Refuting the 4x bug on the product
-    path reliably needs ~1000 runs per side: the benchmark does it.)"""
-    kwargs = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
-    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **kwargs)
+def test_pate_release_needs_every_declared_teacher(pate):
+    """aggregate_query with expected_rows: the audited hospital answering without the audited teacher (a
+    K-1 release, whose S would exceed the charged one) releases nothing and charges nothing."""
+    guard = pa.make_guard(pate.epsilon, pate.delta)
+    replies = pate.replies(0, +1)
+    replies[pate.audited_hospital] = replies[pate.audited_hospital][1:]
+    assert aggregate_query(replies, pate.sigma, pate.compressor, guard, pate.release_id(0), state=pate.state,
+                           expected_rows=pate.expected_rows) == (None, 0)
+    assert guard.ledger.events(pate.audited_hospital) == []
+
+
+def test_a_compressor_misreporting_its_sensitivity_is_caught_by_construction(pate, tmp_path):
+    """The old broken control (the compressor reports S/4) no longer breaks anything: calibration reads S
+    from the shipped codec state, and a server that took the compressor's word anyway is refused by the
+    guard, which charges the true S -- as does every hospital's own ledger."""
+    liar = pa.misreporting_compressor(pate.compressor, 4.0)
+    assert liar.sensitivity(pate.teachers) == pytest.approx(pate.sensitivity / 4)
+    state, sensitivity, sigma = pa.pate_calibration(liar, 1.0, DELTA, pate.queries, pate.teachers)
+    assert (sensitivity, sigma) == (pate.sensitivity, pate.sigma)
+    word = pate_sigma(1.0, DELTA, pate.queries, liar.sensitivity(pate.teachers))   # the old calibration
+    assert word == pytest.approx(pate.sigma / 4)
+    guard = pa.make_guard(1.0, DELTA)
+    with pytest.raises(BudgetExceeded):
+        aggregate_query(pate.replies(0, +1), word, liar, guard, pate.release_id(0), state=state,
+                        expected_rows=pate.expected_rows)
+    assert guard.ledger.events(pate.audited_hospital) == []          # refused: nothing recorded or released
+    roomy = BudgetGuard(Ledger(None), 1e6, DELTA)
+    aggregate_query(pate.replies(0, +1), word, liar, roomy, pate.release_id(0), state=state,
+                    expected_rows=pate.expected_rows)
+    (event,) = roomy.ledger.events(pate.audited_hospital)
+    assert event.sensitivity == pytest.approx(pate.sensitivity)      # the true S, not the compressor's
+    hospital = pa.audit_hospital("h0", np.full((8, 1, 4, 4, 4, 4), 0.25, np.float32), tmp_path, 1.0, DELTA)
+    with pytest.raises(BudgetExceeded):
+        hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+                                                               "teachers": pate.teachers})
+    hospital.lifetime_epsilon = 1e6
+    hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+                                                           "teachers": pate.teachers})
+    (event,) = Ledger(hospital.privacy_ledger).events("h0")
+    assert event.sensitivity == pytest.approx(pate.sensitivity)
+
+
+def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
+    """codec_sensitivity understated 4x (the one function calibration, the server's charge and every
+    hospital's charge use): sigma 4x too small while every ledger claims eps = 1. The vectorised audit
+    refutes the claim; a grosser bug (16x) is refuted by the product path itself within 150 runs per side.
+    (Refuting the 4x bug on the product path reliably needs ~1000 runs per side: the benchmark does it.)"""
+    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **PATE)
+    assert broken.sensitivity == pate.sensitivity and broken.charged_sensitivity == pate.sensitivity / 4
+    assert broken.sigma == pytest.approx(pate.sigma / 4)
     assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
+    assert all(0.999 <= eps <= 1.0 for eps in broken.hospital_epsilon.values())   # the hospitals are fooled too
+    assert codecs.codec_sensitivity(broken.state, broken.teachers) == pate.sensitivity   # the patch is closed
     (vectorised,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
     assert 0.999 <= vectorised.claimed_epsilon <= 1.0       # the ledger believes the budget holds
     assert vectorised.violated and vectorised.bound.epsilon_lower > 3.0
-    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **kwargs)
+    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **PATE)
     (product,) = pa.audit_pate(gross, 150, noise=NoiseSource.reproducible(2), seed=0)
     assert product.claimed_epsilon <= 1.0 and product.violated and product.bound.epsilon_lower > 2.0
 

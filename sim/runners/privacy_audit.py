@@ -57,7 +57,10 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -117,18 +120,68 @@ def ledger_epsilon(ledger, owner: str, delta: float) -> float:
 # ================================================================================================ PATE
 
 
-def understated_sensitivity(compressor, factor: float = 4.0):
-    """Broken control: a copy of a fitted PCACompressor that reports ``1/factor`` of its real sensitivity
-    (its codec still clips rows to C), so ``pate_sigma`` and the ledger both use S/factor."""
+def misreporting_compressor(compressor, factor: float = 4.0):
+    """A copy of a fitted PCACompressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
+    still clips rows to C). The product no longer reads ``compressor.sensitivity``: the sensitivity comes
+    from the shipped codec state (``sim.codecs.codec_sensitivity``), so this bug is caught by construction
+    (``tests/test_privacy_audit.py``), and the broken PATE control is :func:`understated_codec_sensitivity`."""
     from server.compressors import PCACompressor
 
-    class UnderstatedSensitivityPCA(PCACompressor):
+    class MisreportingPCA(PCACompressor):
         def sensitivity(self, teachers: int) -> float:   # the bug: S / factor
             return super().sensitivity(teachers) / factor
 
-    broken = UnderstatedSensitivityPCA.__new__(UnderstatedSensitivityPCA)
+    broken = MisreportingPCA.__new__(MisreportingPCA)
     broken.__dict__.update(compressor.__dict__)
     return broken
+
+
+@contextmanager
+def understated_codec_sensitivity(factor: float | None):
+    """Broken control: while open, ``sim.codecs.codec_sensitivity`` returns ``1/factor`` of the truth.
+
+    That function is the one source of PATE's sensitivity -- the server's calibration (``run_pate``), its
+    charge in ``aggregate_query`` and every hospital's charge to its own ledger -- so a bug in it is the
+    one left that understates S everywhere at once: σ ``factor`` x too small while every ledger says the
+    budget holds. ``factor=None``: the unpatched product (a no-op context)."""
+    if factor is None:
+        yield
+        return
+    from sim import codecs
+
+    true = codecs.codec_sensitivity
+
+    def understated(state, teachers):
+        return true(state, teachers) / factor
+
+    with mock.patch.object(codecs, "codec_sensitivity", understated):
+        yield
+
+
+def pate_calibration(compressor, epsilon: float, delta: float, queries: int, teachers: int):
+    """The server's calibration, step (b) of ``server.pate.run_pate``: the codec state as shipped, verified
+    as the hospitals verify it; S from that state (``codec_sensitivity``), never from the compressor; σ from
+    ``pate_sigma`` (exact μ-GDP) for the N queries. Returns (verified state, S, σ)."""
+    from privacy.calibration import pate_sigma
+    from server.pate import SERVER_POLICY
+    from sim import codecs
+
+    state = codecs.verify_codec(compressor.state(), SERVER_POLICY)
+    sensitivity = float(codecs.codec_sensitivity(state, teachers))
+    return state, sensitivity, float(pate_sigma(epsilon, delta, queries, sensitivity))
+
+
+def audit_hospital(name: str, probs: np.ndarray, workdir, lifetime_epsilon: float, delta: float):
+    """A real ``clients.hospital.Hospital`` whose teachers answer fixed maps ``probs`` (T, N, C, *grid)."""
+    from clients.hospital import Hospital
+    from sim.presets import get_preset
+
+    class AuditHospital(Hospital):
+        def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
+            return probs[k][: len(scans)]
+
+    return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(len(probs))],
+                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta)
 
 
 @dataclass
@@ -142,13 +195,17 @@ class PateSetup:
     queries: int
     clip: float
     compressor: object
-    state: dict
-    sigma: float
+    state: dict                           # the codec state as verified by the server (and the hospitals)
+    sigma: float                          # calibrated by pate_calibration (under the bug, for a broken setup)
+    sensitivity: float                    # the true S of the shipped codec: codec_sensitivity(state, K), 2C/K
+    charged_sensitivity: float            # what calibration and every ledger used (S/factor when broken)
     direction: np.ndarray                 # u, unit norm (l,)
-    others: list                          # per query: {hospital: rows (T_h, l)} without the audited teacher
+    answers: dict                         # side (+1/-1) -> hospital -> (T_h, N, l) its answer_query rows
+    expected_rows: dict                   # hospital -> teachers: the K the server declares (aggregate_query)
+    hospital_epsilon: dict                # hospital -> ε its own ledger records for the N queries
     audited_hospital: str
     clean_means: dict = field(default_factory=dict)   # side (+1/-1) -> (N, l) what aggregate_query averages
-    broken_factor: float | None = None   # broken control: the compressor reports S / broken_factor
+    broken_factor: float | None = None   # broken control: codec_sensitivity understated by this factor
 
     @property
     def broken(self) -> bool:
@@ -159,33 +216,36 @@ class PateSetup:
         return int(self.compressor.latent_dim)
 
     @property
-    def sensitivity(self) -> float:
-        """What the product's compressor claims (and the ledger records)."""
-        return float(self.compressor.sensitivity(self.teachers))
-
-    @property
     def mu_claimed(self) -> float:
-        return math.sqrt(self.queries) * self.sensitivity / self.sigma
+        return math.sqrt(self.queries) * self.charged_sensitivity / self.sigma
 
     @property
     def mu_true(self) -> float:
-        """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C."""
+        """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C (the true S = 2C/K)."""
         return math.sqrt(self.queries) * (2.0 * self.clip / self.teachers) / self.sigma
+
+    @staticmethod
+    def release_id(query: int) -> str:
+        return f"pate-pca:audit:query-{query}"
 
     def replies(self, query: int, side: int) -> dict:
         """The hospitals' replies to one query in D (side=+1) or D' (side=-1)."""
-        replies = {h: rows.copy() for h, rows in self.others[query].items()}
-        row = (side * self.clip * self.direction)[None, :]
-        replies[self.audited_hospital] = np.concatenate([row, replies[self.audited_hospital]], axis=0)
-        return replies
+        return {h: rows[:, query, :].copy() for h, rows in self.answers[side].items()}
 
 
 def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hospitals: int = 8,
                queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=(4, 4, 4), seed: int = 0,
                broken_factor: float | None = None) -> PateSetup:
-    """A PCA codec (clip mode, fitted on random public one-hot maps), the other teachers' real encodings,
-    σ from ``pate_sigma`` for the N-query composition at the compressor's sensitivity."""
-    from privacy.calibration import pate_sigma
+    """A PCA codec (clip mode, fitted on random public one-hot maps), calibrated as the server does
+    (:func:`pate_calibration`), and every hospital's answer to the N queries through the real
+    ``Hospital.answer_query`` (codec verified, the N releases charged to its own ledger with the S it
+    computes itself, then every teacher's map encoded): the other teachers answer random probability maps;
+    the audited teacher (h0's first) answers ``mean ± t A_l^T u`` (t = 10 C), which the codec clips to ``±C u``
+    -- the two ends of the bound behind S = 2C/K. ``broken_factor``: all of it under
+    :func:`understated_codec_sensitivity`."""
+    import tempfile
+
+    from privacy.ledger import Ledger
     from server.aggregation import validate_reply
     from server.compressors import PCACompressor
     from sim import codecs
@@ -196,28 +256,47 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
     classes = 4
     public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
     compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
-    if broken_factor is not None:
-        compressor = understated_sensitivity(compressor, broken_factor)
-    state = compressor.state()
+    true_state = codecs.verify_codec(compressor.state())
+    true_sensitivity = float(codecs.codec_sensitivity(true_state, teachers))   # outside any patch
     l = int(compressor.latent_dim)
     per_hospital = teachers // hospitals
     names = [f"h{i}" for i in range(hospitals)]
-    others = []
-    for _ in range(queries):
-        replies = {}
-        for j, name in enumerate(names):
-            count = per_hospital - (1 if j == 0 else 0)   # h0 also holds the audited teacher
-            logits = rng.normal(0.0, 2.0, size=(count, classes, *grid))
-            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-            probs = (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
-            replies[name] = codecs.encode(state, probs)       # what a hospital uploads (clipped to C)
-        others.append(replies)
     direction = rng.normal(size=l)
     direction /= np.linalg.norm(direction)
-    sigma = pate_sigma(epsilon, delta, queries, float(compressor.sensitivity(teachers)))
+    probs = {}
+    for name in names:
+        logits = rng.normal(0.0, 2.0, size=(per_hospital, queries, classes, *grid))
+        maps = np.exp(logits - logits.max(axis=2, keepdims=True))
+        probs[name] = (maps / maps.sum(axis=2, keepdims=True)).astype(np.float32)
+    components = np.asarray(true_state["components"], np.float64)
+    mean = np.asarray(true_state["mean"], np.float64)
+    audited = names[0]
+    answers: dict = {+1: {}, -1: {}}
+    hospital_epsilon = {}
+    with understated_codec_sensitivity(broken_factor), tempfile.TemporaryDirectory() as tmp:
+        state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
+        config = {"release_ids": [PateSetup.release_id(n) for n in range(queries)], "sigma": sigma,
+                  "teachers": teachers, "delta": float(delta)}
+        scans = np.zeros((queries, 1), np.float32)      # the teachers ignore them (fixed maps)
+        for side in (+1, -1):
+            for name in names if side == +1 else [audited]:
+                maps = probs[name].copy()
+                if name == audited:       # y with A_l (y - mean) = side t u: clipped to side C u by the codec
+                    target = mean + side * 10.0 * clip * (components.T @ direction)
+                    maps[0] = target.reshape(classes, *grid).astype(np.float32)[None]
+                hospital = audit_hospital(name, maps, Path(tmp) / f"{name}{side:+d}", epsilon, delta)
+                answers[side][name], _ = hospital.answer_query(scans, state, config)
+                spent = Ledger(hospital.privacy_ledger).spent(name, delta).epsilon
+                hospital_epsilon.setdefault(name, set()).add(float(spent))
+        for name in names[1:]:
+            answers[-1][name] = answers[+1][name]
+    if any(len(v) != 1 for v in hospital_epsilon.values()):
+        raise RuntimeError(f"a hospital's ledger recorded different ε for D and D': {hospital_epsilon}")
     setup = PateSetup(epsilon=float(epsilon), delta=float(delta), teachers=teachers, hospitals=hospitals,
                       queries=queries, clip=float(clip), compressor=compressor, state=state, sigma=float(sigma),
-                      direction=direction, others=others, audited_hospital=names[0],
+                      sensitivity=true_sensitivity, charged_sensitivity=float(charged), direction=direction,
+                      answers=answers, expected_rows={h: per_hospital for h in names},
+                      hospital_epsilon={h: v.pop() for h, v in hospital_epsilon.items()}, audited_hospital=audited,
                       broken_factor=broken_factor)
     for side in (+1, -1):   # the server's validated rows, averaged (what aggregate_query adds noise to)
         means = []
@@ -229,20 +308,24 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
 
 
 def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarray, float]:
-    """One full run of the query phase through ``aggregate_query`` on a fresh ledger and guard.
+    """One full run of the query phase through ``aggregate_query`` (the server declares every hospital's
+    teachers, ``expected_rows``) on a fresh server ledger and guard; each release's noise from its own
+    stream of ``noise`` (secure when None), opened after the charge. A broken setup runs under its bug.
 
-    Returns the N releases (N, l) float32 and the ε the ledger says was spent (for the audited hospital).
+    Returns the N releases (N, l) float32 and the ε the server's ledger says the audited hospital spent.
     """
     from server.aggregation import aggregate_query
 
     guard = make_guard(setup.epsilon, setup.delta)
     releases = []
-    for n in range(setup.queries):
-        noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
-                                          f"query-{n}", state=setup.state, noise=noise)
-        if noisy is None or teachers != setup.teachers:
-            raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
-        releases.append(noisy)
+    with understated_codec_sensitivity(setup.broken_factor):
+        for n in range(setup.queries):
+            noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
+                                              setup.release_id(n), state=setup.state, noise=noise,
+                                              expected_rows=setup.expected_rows)
+            if noisy is None or teachers != setup.teachers:
+                raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
+            releases.append(noisy)
     claimed = ledger_epsilon(guard.ledger, setup.audited_hospital, setup.delta)
     return np.stack(releases), float(claimed)
 
@@ -532,10 +615,14 @@ def dpsgd_product_runs(setup: DPSGDSetup, trials: int, noise=None) -> tuple[list
 
 def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
-    """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one."""
+    """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one.
+
+    The claimed ε is the server ledger's; it must equal what the audited hospital's own ledger recorded
+    (both come from ``codec_sensitivity``), else this raises."""
     from privacy.accountants import gdp_epsilon
 
-    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (f" [broken: S/{setup.broken_factor:g}]" if setup.broken else "")
+    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (
+        f" [broken: codec_sensitivity S/{setup.broken_factor:g}]" if setup.broken else "")
     limit = float(gdp_epsilon(setup.mu_true, setup.delta))
     rows = []
     claimed = None
@@ -545,10 +632,14 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
                              time.perf_counter() - started, setup.broken, limit))
+    if claimed is None:
+        claimed = pate_product_run(setup, +1, noise)[1]
+    own = setup.hospital_epsilon[setup.audited_hospital]
+    if not math.isclose(own, claimed, rel_tol=1e-9):
+        raise RuntimeError(f"the server's ledger claims ε={claimed!r}, hospital {setup.audited_hospital}'s own "
+                           f"ledger ε={own!r}: the two charges disagree")
     if vectorised_trials:
         started = time.perf_counter()
-        if claimed is None:
-            claimed = pate_product_run(setup, +1, noise)[1]
         rng = np.random.default_rng(seed + 1)
         pos = pate_vectorised_scores(setup, +1, vectorised_trials, rng)
         neg = pate_vectorised_scores(setup, -1, vectorised_trials, rng)
@@ -616,7 +707,8 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
     return problems
 
 
-__all__ = ["AuditRow", "audit_failures", "DPSGDRun", "DPSGDSetup", "PateSetup", "understated_sensitivity", "audit_dpsgd",
+__all__ = ["AuditRow", "audit_failures", "DPSGDRun", "DPSGDSetup", "PateSetup", "audit_dpsgd", "misreporting_compressor", "pate_calibration",
+           "understated_codec_sensitivity", "audit_hospital",
            "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_vectorised_observations",
            "dpsgd_vectorised_scores", "format_table", "pate_product_run", "pate_product_scores", "pate_scores", "pate_setup",
            "pate_vectorised_releases", "pate_vectorised_scores"]
