@@ -193,12 +193,15 @@ def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
 
 
 # ---------------------------------------------------------------------------------------------- DP-SGD
-DPSGD = dict(others=3, batch_size=2, epochs=2, sigma=3.0)   # q = 1/2, 4 steps; ledger: ε ≈ 0.94 at 1e-3
+# q = 1/2, 4 steps, fixed sigma chosen so each relation's ledger says eps ~ 0.94 at 1e-3 (budget 1)
+DPSGD = dict(others=3, batch_size=2, epochs=2)
+SIGMA = {"replace-one": 5.4, "add-remove": 3.0}
+RELATIONS = ("replace-one", "add-remove")
 
 
-@pytest.fixture(scope="module")
-def dpsgd():
-    return pa.dpsgd_setup(1.0, DELTA, **DPSGD)
+@pytest.fixture(scope="module", params=RELATIONS)
+def dpsgd(request):
+    return pa.dpsgd_setup(1.0, DELTA, relation=request.param, sigma=SIGMA[request.param], **DPSGD)
 
 
 @pytest.fixture(scope="module")
@@ -206,29 +209,75 @@ def dpsgd_runs(dpsgd):
     return pa.dpsgd_product_runs(dpsgd, 100, NoiseSource.reproducible(4))
 
 
+def _contribution(setup, with_canary):
+    return setup.signal if with_canary else setup.replacement
+
+
+@pytest.mark.parametrize("relation", RELATIONS)
+def test_dpsgd_pair_has_the_relations_sizes(relation):
+    setup = pa.DPSGDSetup(1.0, DELTA, relation=relation, clip=1.0, **DPSGD)
+    with_canary, without = setup.data(True), setup.data(False)
+    assert with_canary[-1, 1] == setup.scale
+    if relation == "replace-one":   # same size; the last record's gradient points the other way
+        assert len(without) == len(with_canary) and without[-1, 1] == -setup.scale
+    else:                           # one record fewer
+        assert len(without) == len(with_canary) - 1 and not without[:, 1].any()
+
+
 def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
-    """With the noise switched off, every step's projected update is 1 when the canary was in the Poisson
-    batch and 0 otherwise: clipping to C per tensor (C_total in all) and nothing else in its direction."""
-    silent = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, **DPSGD)
+    """With the noise switched off, every step's projected update is +1 when the canary was in the Poisson
+    batch (-1 when its replacement was, under replace-one) and 0 otherwise: clipping to C per tensor
+    (C_total in all) and nothing else in its direction."""
+    silent = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, sigma=dpsgd.sigma, **DPSGD)
     seen = 0
-    for t in range(6):
-        run = pa.dpsgd_product_run(silent, True, NoiseSource.reproducible(5).child(t))
-        assert np.allclose(run.observations, run.members.astype(float), atol=1e-5)
-        seen += int(run.members.sum())
+    for with_canary in (True, False):
+        for t in range(4):
+            run = pa.dpsgd_product_run(silent, with_canary, NoiseSource.reproducible(5).child(with_canary, t))
+            expected = _contribution(silent, with_canary) * run.members
+            assert np.allclose(run.observations, expected, atol=1e-5)
+            seen += int(run.members.sum())
     assert seen > 0
-    unclipped = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, unclipped=True, **DPSGD)
+    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, unclipped=True,
+                               sigma=dpsgd.sigma, **DPSGD)
     run = pa.dpsgd_product_run(unclipped, True, NoiseSource.reproducible(6))
     assert np.allclose(run.observations, unclipped.signal * run.members, rtol=1e-5)
+
+
+def test_dpsgd_batches_and_noise_come_from_the_charged_epochs_stream(dpsgd):
+    """Replaying the stream DPSession opens after charging epoch e (named after its release id): its
+    Poisson masks and then each tensor's Gaussian draw, step by step, give the product's observations
+    exactly (float32): ``c b_t + sigma (-xi_a - xi_b)[canary coordinate] / sqrt 2``."""
+    source = NoiseSource.reproducible(11)
+    for with_canary in (True, False):
+        run = pa.dpsgd_product_run(dpsgd, with_canary, source)
+        n = dpsgd.size(with_canary)
+        expected, members = [], []
+        for epoch in range(dpsgd.epochs):
+            stream = source.generator(f"audit:epoch-{epoch}")
+            for _ in range(dpsgd.steps_per_epoch):
+                member = bool((stream.uniform((n,)) < dpsgd.sampling_rate)[-1])
+                xi_a, xi_b = (stream.standard_normal((1, dpsgd.dim)) for _ in range(2))
+                members.append(member)
+                expected.append(_contribution(dpsgd, with_canary) * member
+                                + dpsgd.sigma * (-xi_a[0, 1] - xi_b[0, 1]) / math.sqrt(2))
+        last_present = with_canary or dpsgd.relation == "replace-one"
+        assert np.array_equal(run.members, np.array(members) & last_present)
+        assert np.allclose(run.observations, expected, atol=1e-4)
 
 
 def test_dpsgd_vectorised_matches_the_product(dpsgd, dpsgd_runs):
     with_runs, without_runs, claimed = dpsgd_runs
     assert dpsgd.sampling_rate == 0.5 and dpsgd.steps == 4
-    members = np.stack([r.members for r in with_runs])
-    obs = {True: np.stack([r.observations for r in with_runs]), False: np.stack([r.observations for r in without_runs])}
-    assert abs(members.mean() - dpsgd.sampling_rate) < 4 * math.sqrt(0.25 / members.size)   # Poisson rate q
-    assert not np.stack([r.members for r in without_runs]).any()
-    residual = np.concatenate([(obs[True] - members).ravel(), obs[False].ravel()])
+    obs, residual = {}, []
+    for with_canary, runs in ((True, with_runs), (False, without_runs)):
+        members = np.stack([r.members for r in runs])
+        obs[with_canary] = np.stack([r.observations for r in runs])
+        if with_canary or dpsgd.relation == "replace-one":   # Poisson rate q for the canary / its replacement
+            assert abs(members.mean() - dpsgd.sampling_rate) < 4 * math.sqrt(0.25 / members.size)
+        else:
+            assert not members.any()
+        residual.append((obs[with_canary] - _contribution(dpsgd, with_canary) * members).ravel())
+    residual = np.concatenate(residual)
     assert np.std(residual) == pytest.approx(dpsgd.sigma, rel=0.08)          # noise sigma * C_total
     assert abs(np.mean(residual)) < 4 * dpsgd.sigma / math.sqrt(residual.size)
     rng = np.random.default_rng(8)
@@ -244,18 +293,20 @@ def test_dpsgd_audit_stays_below_the_claim(dpsgd, dpsgd_runs):
     pos = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in with_runs]))
     neg = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in without_runs]))
     assert epsilon_lower_bound(pos, neg, DELTA).epsilon_lower <= claimed
-    (row,) = pa.audit_dpsgd(dpsgd, 0, vectorised_trials=200_000, seed=0)
+    (row,) = pa.audit_dpsgd(dpsgd, 0, vectorised_trials=200_000, seed=0, limit=True)
     assert row.claimed_epsilon == claimed
+    assert row.limit == pytest.approx(claimed, rel=1e-6)      # the pair run is the one the accountant analyses
     assert 0.5 * claimed < row.bound.epsilon_lower <= claimed
 
 
 def test_dpsgd_audit_catches_missing_clipping_and_missing_noise(dpsgd):
-    unclipped = pa.dpsgd_setup(1.0, DELTA, unclipped=True, **DPSGD)
+    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, unclipped=True, sigma=dpsgd.sigma, **DPSGD)
     (row,) = pa.audit_dpsgd(unclipped, 60, noise=NoiseSource.reproducible(9), seed=0)
     assert row.claimed_epsilon < 1.0 and row.violated and row.bound.epsilon_lower > 1.5
-    quarter = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.25, **DPSGD)
+    quarter = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, sigma=dpsgd.sigma, **DPSGD)
     # the product's broken session really adds a quarter of the noise (what the vectorised path draws)
     runs = [pa.dpsgd_product_run(quarter, False, NoiseSource.reproducible(10).child(t)) for t in range(40)]
-    assert np.std(np.concatenate([r.observations for r in runs])) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
+    residual = np.concatenate([r.observations - quarter.replacement * r.members for r in runs])
+    assert np.std(residual) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
     (row,) = pa.audit_dpsgd(quarter, 0, vectorised_trials=100_000, seed=0)
     assert row.violated and row.bound.epsilon_lower > 3.0

@@ -374,12 +374,22 @@ def _canary_model(dim: int):
 
 @dataclass
 class DPSGDSetup:
+    """A DP-SGD audit under one neighbouring relation (``DPConfig.relation``).
+
+    D = others + the canary (``with_canary=True``). D' (``with_canary=False``): under ``"replace-one"`` (the
+    product's default) the canary replaced by a record whose gradient points the opposite way, so the two
+    clipped gradients differ by 2C_total -- the pair dp_accounting's PLD analyses under ``REPLACE_ONE``
+    (``q·N(C) + (1-q)·N(0)`` against ``q·N(-C) + (1-q)·N(0)`` per step); under ``"add-remove"`` the others
+    alone (one record fewer).
+    """
+
     epsilon: float
     delta: float
-    others: int            # records in D' (D has one more: the canary)
+    others: int            # records besides the canary (or its replacement)
     batch_size: int
     epochs: int
     clip: float            # per-layer clip C (each of the two tensors)
+    relation: str = "replace-one"
     dim: int = 4
     scale: float = 100.0   # gradient norms before clipping (>> C: every record is clipped)
     sigma: float = 0.0     # the session's calibrated noise multiplier (filled by dpsgd_setup)
@@ -402,26 +412,50 @@ class DPSGDSetup:
         return self.scale / self.clip if self.unclipped else 1.0
 
     @property
+    def replacement(self) -> float:
+        """What D' contributes to x_t when its last record is in the batch: ``-signal`` under replace-one
+        (the opposite gradient), 0 under add-remove (no such record)."""
+        return -self.signal if self.relation == "replace-one" else 0.0
+
+    @property
     def bug(self) -> str:
         parts = ([f"noise x{self.noise_factor:g}"] if self.noise_factor != 1.0 else []) + (
             ["no clipping"] if self.unclipped else [])
         return ", ".join(parts)
 
+    def size(self, with_canary: bool) -> int:
+        return self.others + (1 if with_canary or self.relation == "replace-one" else 0)
+
     def data(self, with_canary: bool):
         import torch
 
-        x = torch.zeros(self.others + int(with_canary), self.dim)
+        x = torch.zeros(self.size(with_canary), self.dim)
         x[: self.others, 0] = self.scale        # everyone else: coordinate 0
         if with_canary:
             x[-1, 1] = self.scale               # the canary: coordinate 1, used by nobody else
+        elif self.relation == "replace-one":
+            x[-1, 1] = -self.scale              # its replacement: the same coordinate, the opposite gradient
         return x
 
     def config(self, release_prefix: str = "audit"):
         from sim.dpsgd import DPConfig
 
         return DPConfig(mode="target", epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.clip,
-                        per_layer=True, sampling="poisson", grad_sample_mode="functorch",
+                        per_layer=True, sampling="poisson", relation=self.relation, grad_sample_mode="functorch",
                         release_prefix=release_prefix)
+
+    def perfect_test_limit(self) -> float | None:
+        """ε(δ) of the pair actually run (PLD under the relation, noise multiplier ``factor·σ/signal``): what
+        a perfect test would approach. Equal to the claim for an honest setup; None without clipping (the
+        unclipped pair's noise is 100x smaller than accounted: too costly for the PLD and off any scale)."""
+        if self.unclipped:
+            return None
+        from privacy.accountants import epsilon_spent
+        from privacy.events import SampledGaussianEvent
+
+        event = SampledGaussianEvent(self.sampling_rate, self.noise_factor * self.sigma / self.signal,
+                                     steps=self.steps, relation=self.relation)
+        return float(epsilon_spent([event], self.delta)[0])   # the accountant the ledger would choose
 
 
 def _make_session(setup: DPSGDSetup, with_canary: bool, noise, sigma: float | None = None):
@@ -464,18 +498,19 @@ def _broken_session(noise_factor: float, unclipped: bool):
 
 
 def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
-                clip: float = 1.0, noise_factor: float = 1.0, unclipped: bool = False,
+                clip: float = 1.0, relation: str = "replace-one", noise_factor: float = 1.0, unclipped: bool = False,
                 sigma: float | None = None) -> DPSGDSetup:
-    """σ from a real ``target``-mode session (its own calibration), or the given ``sigma`` (the session's
-    ``fixed`` mode: no calibration, the ledger still says what it costs); D and D' must have the same q
-    and steps."""
+    """σ from a real ``target``-mode session under ``relation`` (its own calibration), or the given
+    ``sigma`` (the session's ``fixed`` mode: no calibration, the ledger still says what it costs). Under
+    add-remove, D and D' must have the same number of steps (so the same q): otherwise the step count,
+    which results publish, tells them apart (docs/PRIVACY_AUDIT.md)."""
     from privacy.mechanisms import NoiseSource
-
-    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
-                       epochs=epochs, clip=float(clip), noise_factor=float(noise_factor), unclipped=bool(unclipped))
     from sim.dpsgd import steps_per_epoch
 
-    steps = {steps_per_epoch(others + c, batch_size) for c in (0, 1)}
+    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
+                       epochs=epochs, clip=float(clip), relation=relation, noise_factor=float(noise_factor),
+                       unclipped=bool(unclipped))
+    steps = {steps_per_epoch(setup.size(c), batch_size) for c in (False, True)}
     if len(steps) != 1:
         raise ValueError(f"D and D' give different numbers of steps per epoch {steps} (so different sampling "
                          "rates): choose sizes with the same number of steps")
@@ -488,18 +523,19 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
 @dataclass
 class DPSGDRun:
     observations: np.ndarray    # (T,) projected, normalised per-step updates x_t
-    members: np.ndarray         # (T,) bool: canary in step t's Poisson batch (for tests; D only)
+    members: np.ndarray         # (T,) bool: the last record (canary, or its replacement) in step t's batch
     claimed_epsilon: float      # what the ledger says after the run
 
 
 def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
     """One DP-SGD training run through ``DPSession`` (the loop of ``sim.training.train_segmentation``:
-    charge the epoch, Poisson batches from its stream, noise-only step for an empty batch, Opacus step),
-    recording the parameters after every step."""
+    charge the epoch, then Poisson batches and noise from the stream the session opens after the charge
+    (``session.stream``), a noise-only step for an empty batch, the Opacus step), recording the parameters
+    after every step. Raises if the ledger's events are not under the setup's relation."""
     import torch
 
     session, model, x = _make_session(setup, with_canary, noise, sigma=setup.sigma)
-    canary = len(x) - 1 if with_canary else -1
+    last = len(x) - 1 if with_canary or setup.relation == "replace-one" else -1
     # the canary's clipped gradient is -C e_1 in each tensor: unit direction over both, as one flat vector
     params = list(model.parameters())
     direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1]), -1.0)
@@ -521,26 +557,38 @@ def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGD
                 session.optimizer.step()
             update = (before - flat()) * scale          # lr = 1: the noisy clipped sum
             observations.append(float(update @ direction) / total_clip)
-            members.append(bool((batch == canary).any()))
+            members.append(bool((batch == last).any()))
+    relations = {leaf.relation for event in session.ledger.events("h0") for leaf in event.leaves()}
+    if relations != {setup.relation}:
+        raise RuntimeError(f"the ledger accounted {sorted(relations)}, the audit pairs {setup.relation}")
     claimed = ledger_epsilon(session.ledger, "h0", setup.delta)
     return DPSGDRun(np.array(observations), np.array(members), float(claimed))
 
 
 def dpsgd_scores(setup: DPSGDSetup, observations: np.ndarray) -> np.ndarray:
-    """Exact log-likelihood ratio of "canary present" over (..., T) per-step observations."""
+    """Exact log-likelihood ratio of D over D' for (..., T) per-step observations at the claimed σ:
+    ``Σ_t log((1-q) + q e^{(2x-1)/(2σ²)})`` against the others alone (add-remove), minus the same with
+    ``-x`` (replace-one: the replacement moves x_t by -1 when sampled)."""
     x = np.asarray(observations, dtype=np.float64)
     q, s2 = setup.sampling_rate, setup.sigma ** 2
-    gaussian = (2.0 * x - 1.0) / (2.0 * s2)           # log N(x; 1, σ²) - log N(x; 0, σ²)
-    if q >= 1.0:
-        return gaussian.sum(axis=-1)
-    return np.logaddexp(math.log1p(-q), math.log(q) + gaussian).sum(axis=-1)
+    absent = math.log1p(-q) if q < 1.0 else -math.inf
+
+    def mixture(shift):            # log of q N(x; shift, σ²) + (1-q) N(x; 0, σ²), over N(x; 0, σ²)
+        return np.logaddexp(absent, math.log(q) + (2.0 * shift * x - 1.0) / (2.0 * s2))
+
+    score = mixture(+1.0)
+    if setup.relation == "replace-one":
+        score = score - mixture(-1.0)
+    return score.sum(axis=-1)
 
 
 def dpsgd_vectorised_observations(setup: DPSGDSetup, with_canary: bool, trials: int,
                                   rng: np.random.Generator) -> np.ndarray:
-    """Per-step observations of ``trials`` runs: ``signal·b_t + factor·σ ξ_t``, b_t ~ Bernoulli(q) (D only)."""
-    member = (rng.random((trials, setup.steps)) < setup.sampling_rate) if with_canary else 0.0
-    return setup.signal * member + setup.noise_factor * setup.sigma * rng.standard_normal((trials, setup.steps))
+    """Per-step observations of ``trials`` runs: ``c·b_t + factor·σ ξ_t``, b_t ~ Bernoulli(q), with
+    c = ``signal`` on D and ``replacement`` on D' (-signal under replace-one, 0 under add-remove)."""
+    member = rng.random((trials, setup.steps)) < setup.sampling_rate
+    contribution = setup.signal if with_canary else setup.replacement
+    return contribution * member + setup.noise_factor * setup.sigma * rng.standard_normal((trials, setup.steps))
 
 
 def dpsgd_vectorised_scores(setup: DPSGDSetup, with_canary: bool, trials: int, rng: np.random.Generator,
@@ -650,10 +698,12 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
 
 
 def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
-                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
-    """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one."""
-    label = label or (f"DP-SGD q={setup.sampling_rate:.3g} T={setup.steps}"
+                confidence: float = 0.95, label: str | None = None, limit: bool = False) -> list[AuditRow]:
+    """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one.
+    ``limit``: also compute the pair's perfect-test limit (a PLD composition, seconds)."""
+    label = label or (f"DP-SGD {setup.relation} q={setup.sampling_rate:.3g} T={setup.steps}"
                       + (f" [broken: {setup.bug}]" if setup.broken else ""))
+    limit = setup.perfect_test_limit() if limit else None
     rows = []
     claimed = None
     if trials:
@@ -663,7 +713,7 @@ def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, n
         neg = dpsgd_scores(setup, np.stack([r.observations for r in without_runs]))
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
-                             time.perf_counter() - started, setup.broken))
+                             time.perf_counter() - started, setup.broken, limit))
     if vectorised_trials:
         started = time.perf_counter()
         if claimed is None:
@@ -673,7 +723,7 @@ def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, n
         neg = dpsgd_vectorised_scores(setup, False, vectorised_trials, rng)
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "vectorised", vectorised_trials, bound,
-                             time.perf_counter() - started, setup.broken))
+                             time.perf_counter() - started, setup.broken, limit))
     return rows
 
 
