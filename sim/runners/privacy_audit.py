@@ -18,39 +18,58 @@ expensive; their bound is looser than the many-runs one, and here a run costs mi
 many-runs method is used.
 
 **PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5): a PCA codec in clip mode fitted on public
-maps (real :class:`server.compressors.PCACompressor`, its real codec state), K teachers over several
-hospitals, the other K-1 teachers' rows real codec encodings of random probability maps, and the
-replace-one pair: one teacher's row ``+C u`` in D and ``-C u`` in D' (``||u|| = 1``), the two ends of
-the bound the sensitivity 2C/K assumes. Every query goes through :func:`server.aggregation.
-aggregate_query` (validation, ``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` --
-accountant verdicts memoised, :func:`make_guard` -- then noise from a
-:class:`privacy.mechanisms.NoiseSource` stream), with σ from :func:`privacy.calibration.
-pate_sigma` for the full N-query composition; the claimed ε is what the ledger says after the N
-charges. The adversary knows u and the other teachers' rows, so its optimal statistic is the sum over
-queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is linear in it).
+maps (real :class:`server.compressors.PCACompressor`), calibrated as ``server.pate.run_pate`` does
+(:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
+codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
+hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
+composition). K teachers over several hospitals, each hospital a real :class:`clients.hospital.Hospital`
+answering the N queries through ``answer_query`` (it verifies the codec, charges its own ledger with the S
+it computes itself, then encodes its teachers' maps); the other K-1 teachers answer random probability
+maps, and the audited teacher answers the replace-one pair: a map the codec clips to ``+C u`` in D and to
+``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind S = 2C/K. Every query goes through
+:func:`server.aggregation.aggregate_query` with the declared ``expected_rows`` (validation,
+``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` -- accountant verdicts memoised,
+:func:`make_guard` -- then noise from the release's own :class:`privacy.mechanisms.NoiseSource` stream);
+the claimed ε is what the server's ledger says after the N charges, which must equal the audited
+hospital's own ledger. The adversary knows u and the other teachers' rows, so its optimal statistic is
+the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
+linear in it).
 
 **DP-SGD** (:class:`sim.dpsgd.DPSession`, Opacus per-sample clipping, Poisson batches and noise from the
-charged epoch's stream, σ calibrated by the session in ``target`` mode): a tiny linear model with two
-parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2) and a loss linear in the
-parameters, so every record's gradient is constant. The other records' gradients all point along one
-coordinate; the canary's gradient is large along another coordinate in both tensors, which nobody else
-uses, so after clipping it contributes exactly C_total in a direction where the only other thing is the
-noise. D = others + canary, D' = others (add/remove, as the accountant assumes; both give the same number
-of steps so the sampling rate is the same). SGD with learning rate 1 makes every step's parameter change
-the noisy clipped sum / expected batch size: the adversary reads each step's projection
-``x_t ~ b_t + σ ξ`` (b_t = canary in the Poisson batch, ξ standard normal) and scores the run by the
-exact log-likelihood ratio ``Σ_t log(1 - q + q exp((2 x_t - 1)/(2σ²)))``.
+stream the session opens after charging each epoch, σ calibrated by the session in ``target`` mode):
+a tiny linear model with two parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2)
+and a loss linear in the parameters, so every record's gradient is constant. The other records'
+gradients all point along one coordinate; the canary's gradient is large along another coordinate in
+both tensors, which nobody else uses, so after clipping it contributes exactly C_total in a direction
+where the only other thing is the noise. Both relations the product can claim (``DPConfig.relation``):
+
+* ``"replace-one"`` (the default, what comparisons report): D = others + canary, D' = others + a record
+  whose gradient points the opposite way (clipped: ``-C_total`` along the canary's direction). The clipped
+  sums differ by 2C_total, the most a replacement can move them, and the per-step pair is exactly the one
+  dp_accounting's PLD analyses under ``REPLACE_ONE`` (``q N(C) + (1-q) N(0)`` against ``q N(-C) + (1-q)
+  N(0)``), so a perfect test converges to the claimed ε. Same size, same steps.
+* ``"add-remove"`` (standalone runs): D = others + canary, D' = others (sizes chosen with the same number of
+  steps, so the same q).
+
+SGD with learning rate 1 makes every step's parameter change the noisy clipped sum / expected batch size:
+the adversary reads each step's projection ``x_t ~ c b_t + σ ξ`` (b_t = the last record in the Poisson
+batch; c = +1 on D, -1 on D' under replace-one, 0 on D' under add-remove; ξ standard normal) and scores
+the run by the exact log-likelihood ratio ``Σ_t log(1 - q + q exp((2 x_t - 1)/(2σ²)))``, minus the same
+with ``-x_t`` under replace-one.
 
 Vectorised trials: both mechanisms reduce, for the adversary, to draws that numpy can make by the
 million. :func:`pate_vectorised_scores` draws the full l-dimensional releases ``clean mean + σ Z`` (the
 formula of ``aggregate_query`` with the clean means the product computed), :func:`dpsgd_vectorised_scores`
 the per-step projections. ``tests/test_privacy_audit.py`` checks that they match the product paths
-(exactly, for the PATE release formula on a shared stream; in distribution, by two-sample tests on the
-scores, for both).
+(exactly, for the PATE releases and the DP-SGD steps replayed from the same streams; in distribution, by
+two-sample tests on the scores, for both).
 
-Broken controls (to show the audit can fail): PATE with a compressor that understates its sensitivity
-(4x, or 16x: σ that much too small while the ledger claims the budget); DP-SGD with a session whose
-optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample gradients.
+Broken controls (to show the audit can fail): PATE with ``codec_sensitivity`` understated 4x (or 16x),
+patched for the broken run only (:func:`understated_codec_sensitivity`): σ that much too small while
+the server's and every hospital's ledger claim the budget. (A compressor that misreports its sensitivity,
+the earlier control, no longer reaches the mechanism: S comes from the codec state.) DP-SGD with a
+session whose optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample
+gradients.
 """
 
 from __future__ import annotations
@@ -665,8 +684,8 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
     """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one.
 
-    The claimed ε is the server ledger's; it must equal what the audited hospital's own ledger recorded
-    (both come from ``codec_sensitivity``), else this raises."""
+    The claimed ε is the server ledger's; it must equal what every hospital's own ledger recorded (both
+    come from ``codec_sensitivity``), else this raises."""
     from privacy.accountants import gdp_epsilon
 
     label = label or f"PATE K={setup.teachers} N={setup.queries}" + (
@@ -682,10 +701,10 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
                              time.perf_counter() - started, setup.broken, limit))
     if claimed is None:
         claimed = pate_product_run(setup, +1, noise)[1]
-    own = setup.hospital_epsilon[setup.audited_hospital]
-    if not math.isclose(own, claimed, rel_tol=1e-9):
-        raise RuntimeError(f"the server's ledger claims ε={claimed!r}, hospital {setup.audited_hospital}'s own "
-                           f"ledger ε={own!r}: the two charges disagree")
+    for hospital, own in setup.hospital_epsilon.items():
+        if not math.isclose(own, claimed, rel_tol=1e-9):
+            raise RuntimeError(f"the server's ledger claims ε={claimed!r}, hospital {hospital}'s own ledger "
+                               f"ε={own!r}: the two charges disagree")
     if vectorised_trials:
         started = time.perf_counter()
         rng = np.random.default_rng(seed + 1)
@@ -732,14 +751,17 @@ def format_table(rows: list[AuditRow]) -> str:
     header = ("| mechanism | path | runs per side | δ | claimed ε (ledger) | ε lower bound (95%) | "
               "ceiling at these runs | perfect-test limit | verdict | seconds |")
     lines = [header, "|" + "---|" * 10]
+    caught = {(r.mechanism, r.claimed_epsilon) for r in rows if r.broken and r.violated}
     for r in rows:
         limit = "—" if r.limit is None else f"{r.limit:.3g}"
         if not r.broken:
             verdict = "VIOLATION (lb > claim)" if r.violated else "ok (lb ≤ claim)"
         elif r.violated:
             verdict = "caught (lb > claim)"
+        elif r.resolvable <= r.claimed_epsilon:
+            verdict = "not caught (ceiling below claim)"
         else:
-            verdict = ("not caught (ceiling below claim)" if r.resolvable <= r.claimed_epsilon
+            verdict = ("not caught by this row (too few runs)" if (r.mechanism, r.claimed_epsilon) in caught
                        else "NOT caught")
         lines.append(f"| {r.mechanism} | {r.path} | {r.trials:,} | {r.delta:g} | {r.claimed_epsilon:.4g} | "
                      f"{r.bound.epsilon_lower:.3f} | {r.resolvable:.2f} | {limit} | {verdict} | {r.seconds:.0f} |")
