@@ -106,10 +106,11 @@ def main(argv=None) -> int:
     print(f"DP-SGD: {dpsgd_note} (each calibrated by DPSession in target mode under its relation), "
           f"q={real.sampling_rate:g}, {real.steps} steps, per-layer clip C={real.clip:g} on 2 tensors. "
           f"PATE: l=8, C=1, sigma from pate_sigma (exact GDP) at S = codec_sensitivity(verified state, K); "
-          f"{len(hospital_eps)} hospital ledgers (each hospital charged its own, through Hospital.answer_query) "
-          f"claimed the server ledger's epsilon in every PATE row. Lower bounds at 95% confidence (Clopper-Pearson, each rate at 97.5%, threshold chosen on the "
-          f"other half of the runs). Noise: {'reproducible (seed given)' if noise is not None else 'secure (OS CSPRNG)'} "
-          f"for product runs. Total {seconds:.0f} s wall, {time.process_time() - cpu_started:.0f} s CPU.")
+          f"{len(hospital_eps)} hospital ledgers (each charged by its hospital, through Hospital.answer_query) "
+          f"claimed the server ledger's epsilon in every PATE row. Lower bounds at 95% confidence "
+          f"(Clopper-Pearson, each rate at 97.5%, threshold chosen on the other half of the runs). Noise: "
+          f"{'reproducible (seed given)' if noise is not None else 'secure (OS CSPRNG)'} for product runs. "
+          f"Total {seconds:.0f} s wall, {time.process_time() - cpu_started:.0f} s CPU.")
     if args.out:
         Path(args.out).write_text(json.dumps([
             {"mechanism": r.mechanism, "claimed_epsilon": r.claimed_epsilon, "delta": r.delta, "path": r.path,

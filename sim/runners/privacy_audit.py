@@ -779,8 +779,8 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
     return problems
 
 
-__all__ = ["AuditRow", "audit_failures", "DPSGDRun", "DPSGDSetup", "PateSetup", "audit_dpsgd", "misreporting_compressor", "pate_calibration",
-           "understated_codec_sensitivity", "audit_hospital",
-           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_vectorised_observations",
-           "dpsgd_vectorised_scores", "format_table", "pate_product_run", "pate_product_scores", "pate_scores", "pate_setup",
-           "pate_vectorised_releases", "pate_vectorised_scores"]
+__all__ = ["AuditRow", "DPSGDRun", "DPSGDSetup", "PateSetup", "audit_dpsgd", "audit_failures", "audit_hospital",
+           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup",
+           "dpsgd_vectorised_observations", "dpsgd_vectorised_scores", "format_table", "make_guard",
+           "misreporting_compressor", "pate_calibration", "pate_product_run", "pate_product_scores", "pate_scores",
+           "pate_setup", "pate_vectorised_releases", "pate_vectorised_scores", "understated_codec_sensitivity"]
