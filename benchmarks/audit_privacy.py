@@ -3,23 +3,26 @@
     PYTHONPATH=. .venv/bin/python benchmarks/audit_privacy.py [--quick] [--out audit.json]
 
 For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, PCA codec clipped at C=1,
-δ=1e-3, ε ∈ {1, 8}) and for DP-SGD (``DPSession``, ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer
-clipping), runs the product's own mechanism on worst-case neighbouring inputs many times, scores each
-run with the optimal likelihood-ratio statistic and prints the Clopper-Pearson lower bound on ε
-(threshold chosen on held-out runs; ``sim/privacy_audit.py`` and ``privacy/audit.py`` explain the
-method: Jagielski et al. 2020, Nasr et al. 2021). Each mechanism appears twice: "product" (every run
-through ``aggregate_query`` / ``DPSession`` with a fresh ledger and guard, noise from the secure
-``NoiseSource`` unless ``--seed``) and "vectorised" (the same releases drawn by numpy a million times
-per side; ``tests/test_privacy_audit.py`` checks they match the product's). Broken controls (sensitivity
-understated 4x; a quarter of the DP-SGD noise; DP-SGD without clipping) must come out above their claim.
+δ=1e-3, ε ∈ {1, 8}; σ calibrated as ``run_pate`` does, from the verified codec state) and for DP-SGD
+(``DPSession``, ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it can
+claim -- replace-one (the default: the canary against a record whose gradient points the other way) and
+add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
+neighbouring inputs many times, scores each run with the optimal likelihood-ratio statistic and prints
+the Clopper-Pearson lower bound on ε (threshold chosen on held-out runs; ``sim/runners/privacy_audit.py``
+and ``privacy/audit.py`` explain the method: Jagielski et al. 2020, Nasr et al. 2021). Each mechanism
+appears twice: "product" (every run through ``aggregate_query`` / ``DPSession`` with a fresh ledger and
+guard, noise from the secure ``NoiseSource`` unless ``--seed``) and "vectorised" (the same releases drawn
+by numpy a million times per side; ``tests/test_privacy_audit.py`` checks they match the product's).
+Broken controls must come out above their claim: PATE with ``codec_sensitivity`` understated 4x (the one
+function calibration and every ledger use, patched for that run only); DP-SGD with a quarter of the
+noise, and without clipping, under each relation.
 
-The "perfect-test limit" column is ε(δ) of the worst-case pair's exact μ-GDP curve: what the PATE bound
-would approach with unlimited runs. "ceiling at these runs" is the bound an error-free test would give
+The "perfect-test limit" column is ε(δ) of the pair actually run (PATE: its exact μ-GDP curve; DP-SGD:
+the PLD of the pair under its relation): what the bound would approach with unlimited runs; for an
+honest mechanism it is the claim. "ceiling at these runs" is the bound an error-free test would give
 with that many held-out runs: a claim above it cannot be refuted by that row.
 
-Runtime (measured on the shared 2-core machine, load average ~6): 12.4 minutes wall, 4.2 minutes of CPU
-(one thread); ``--quick``: 2.5 minutes wall, 1.5 of CPU, with fewer runs and so looser bounds. Results
-and their reading: docs/PRIVACY_AUDIT.md.
+Runtime and results: docs/PRIVACY_AUDIT.md (``--quick``: fewer runs, looser bounds).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer runs (about 2 minutes; looser bounds)")
+    parser.add_argument("--quick", action="store_true", help="fewer runs (a few minutes; looser bounds)")
     parser.add_argument("--pate-runs", type=int, default=None, help="product-path runs per side (default 600)")
     parser.add_argument("--dpsgd-runs", type=int, default=None, help="product-path runs per side (default 400)")
     parser.add_argument("--vectorised", type=int, default=None, help="vectorised runs per side (default 1e6)")
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from privacy.mechanisms import NoiseSource
-    from sim.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
+    from sim.runners.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
                                    pate_setup)
 
     pate_runs = args.pate_runs if args.pate_runs is not None else (200 if args.quick else 600)
@@ -63,8 +66,8 @@ def main(argv=None) -> int:
     broken_runs = max(100, pate_runs // 2)
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None
     seed = args.seed or 0
-    started = time.perf_counter()
-    rows = []
+    started, cpu_started = time.perf_counter(), time.process_time()
+    rows, hospital_eps, sigmas = [], [], {}
 
     def show(new):
         rows.extend(new)
@@ -72,30 +75,42 @@ def main(argv=None) -> int:
             print(f"  {r.mechanism} ({r.path}, {r.trials:,} runs/side): claimed ε {r.claimed_epsilon:.4g}, "
                   f"lower bound {r.bound.epsilon_lower:.3f} [{r.seconds:.0f} s]", file=sys.stderr, flush=True)
 
+    def streams(*names):          # independent reproducible streams per row (None: the secure source)
+        return noise.child(*names) if noise is not None else None
+
     for epsilon in args.epsilons:
         for broken in (None, 4.0):
             setup = pate_setup(epsilon, args.delta, teachers=args.teachers, hospitals=args.hospitals,
                                queries=args.queries, seed=seed, broken_factor=broken)
             show(audit_pate(setup, broken_runs if broken else pate_runs, vectorised_trials=vectorised,
-                            noise=noise, seed=seed))
+                            noise=streams("pate", epsilon, broken or 1), seed=seed))
+            hospital_eps.extend(setup.hospital_epsilon.values())     # audit_pate: equal to the server's
 
-    real = dpsgd_setup(args.dpsgd_epsilon, args.delta)           # target mode: the session calibrates σ
-    show(audit_dpsgd(real, dpsgd_runs, vectorised_trials=vectorised, noise=noise, seed=seed))
-    quarter = dpsgd_setup(args.dpsgd_epsilon, args.delta, noise_factor=0.25, sigma=real.sigma)
-    show(audit_dpsgd(quarter, max(100, dpsgd_runs // 2), vectorised_trials=vectorised, noise=noise, seed=seed))
-    unclipped = dpsgd_setup(args.dpsgd_epsilon, args.delta, unclipped=True, sigma=real.sigma)
-    show(audit_dpsgd(unclipped, 100, noise=noise, seed=seed))
+    for relation in ("replace-one", "add-remove"):
+        real = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation)   # target mode: DPSession calibrates σ
+        sigmas[relation] = real
+        show(audit_dpsgd(real, dpsgd_runs, vectorised_trials=vectorised, noise=streams("dpsgd", relation),
+                         seed=seed, limit=True))
+        quarter = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation, noise_factor=0.25, sigma=real.sigma)
+        show(audit_dpsgd(quarter, max(100, dpsgd_runs // 2), vectorised_trials=vectorised,
+                         noise=streams("dpsgd", relation, "quarter"), seed=seed, limit=True))
+        unclipped = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation, unclipped=True, sigma=real.sigma)
+        show(audit_dpsgd(unclipped, 100, noise=streams("dpsgd", relation, "unclipped"), seed=seed))
 
     seconds = time.perf_counter() - started
     print()
     print(format_table(rows))
     print()
-    print(f"DP-SGD: sigma={real.sigma:.4f} (calibrated by DPSession, target mode), q={real.sampling_rate:g}, "
-          f"{real.steps} steps, per-layer clip C={real.clip:g} on 2 tensors; PATE: l=8, C=1, sigma from "
-          f"pate_sigma (exact GDP). Lower bounds at 95% confidence (Clopper-Pearson, each rate at 97.5%, "
-          f"threshold chosen on the other half of the runs). Noise: "
+    dpsgd_note = "; ".join(f"{rel}: sigma={setup.sigma:.4f}" for rel, setup in sigmas.items())
+    real = next(iter(sigmas.values()))
+    print(f"DP-SGD: {dpsgd_note} (each calibrated by DPSession in target mode under its relation), "
+          f"q={real.sampling_rate:g}, {real.steps} steps, per-layer clip C={real.clip:g} on 2 tensors. "
+          f"PATE: l=8, C=1, sigma from pate_sigma (exact GDP) at S = codec_sensitivity(verified state, K); "
+          f"{len(hospital_eps)} hospital ledgers (each charged by its hospital, through Hospital.answer_query) "
+          f"claimed the server ledger's epsilon in every PATE row. Lower bounds at 95% confidence "
+          f"(Clopper-Pearson, each rate at 97.5%, threshold chosen on the other half of the runs). Noise: "
           f"{'reproducible (seed given)' if noise is not None else 'secure (OS CSPRNG)'} for product runs. "
-          f"Total {seconds:.0f} s.")
+          f"Total {seconds:.0f} s wall, {time.process_time() - cpu_started:.0f} s CPU.")
     if args.out:
         Path(args.out).write_text(json.dumps([
             {"mechanism": r.mechanism, "claimed_epsilon": r.claimed_epsilon, "delta": r.delta, "path": r.path,

@@ -1,10 +1,11 @@
 """Empirical privacy audit, fast version (issue 15; the full one is benchmarks/audit_privacy.py).
 
-For the PATE aggregator and for DP-SGD, the product's own mechanism is run on worst-case neighbouring
-inputs and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold
-chosen on held-out runs; Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what
-the ledger claims for the real mechanisms and rise above it for deliberately broken ones (so this test
-can fail). The vectorised trials are checked against the product paths before they are trusted.
+For the PATE aggregator and for DP-SGD under both relations it can claim (replace-one, the default, and
+add-remove), the product's own mechanism is run on worst-case neighbouring inputs and a 95% lower bound
+on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
+Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what the ledger claims for the
+real mechanisms and rise above it for deliberately broken ones (so this test can fail). The vectorised
+trials are checked against the product paths before they are trusted.
 
 Product runs use reproducible noise streams (fixed seeds), so the test is deterministic; the benchmark
 uses the secure source.
@@ -18,8 +19,14 @@ from scipy import stats
 
 from privacy.accountants import gdp_mu_for
 from privacy.audit import clopper_pearson_upper, epsilon_from_rates, epsilon_lower_bound, largest_resolvable
+from privacy.calibration import pate_sigma
+from privacy.errors import BudgetExceeded
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from sim import privacy_audit as pa
+from server.aggregation import aggregate_query
+from sim import codecs
+from sim.runners import privacy_audit as pa
 
 DELTA = 1e-3
 
@@ -59,9 +66,12 @@ def test_epsilon_from_rates_and_the_gaussian_pair():
 
 
 # ------------------------------------------------------------------------------------------------ PATE
+PATE = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+
+
 @pytest.fixture(scope="module")
 def pate():
-    return pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+    return pa.pate_setup(1.0, DELTA, **PATE)
 
 
 @pytest.fixture(scope="module")
@@ -69,27 +79,34 @@ def pate_runs(pate):
     return pa.pate_product_scores(pate, 200, NoiseSource.reproducible(1))
 
 
-def test_pate_setup_is_the_worst_case_of_the_claimed_sensitivity(pate):
+def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
     assert pate.sensitivity == pytest.approx(2 * pate.clip / pate.teachers)     # PCA clip mode: 2C/K
+    assert pate.charged_sensitivity == pate.sensitivity                         # honest: nothing patched
+    assert pate.sigma == pa.pate_calibration(pate.compressor, 1.0, DELTA, pate.queries, pate.teachers)[2]
     assert pate.mu_true == pytest.approx(pate.mu_claimed)                       # the pair uses all of it
     gap = pate.clean_means[+1] - pate.clean_means[-1]
     assert np.allclose(np.linalg.norm(gap, axis=1), 2 * pate.clip / pate.teachers, rtol=1e-6)
-    for reply in pate.others[0].values():     # the other teachers' rows are real codec outputs
-        assert np.all(np.linalg.norm(reply, axis=1) <= pate.clip * (1 + 1e-6))
+    assert np.allclose(gap / np.linalg.norm(gap, axis=1, keepdims=True), pate.direction, atol=1e-6)
+    for side in (+1, -1):      # every row is what a hospital's codec produced: norms at most C
+        for rows in pate.answers[side].values():
+            assert np.all(np.linalg.norm(rows, axis=-1) <= pate.clip * (1 + 1e-6))
+    # every hospital charged its own ledger, with the S it computed from the codec: the same ε as the server
+    claimed = pa.pate_product_run(pate, +1, NoiseSource.reproducible(0))[1]
+    assert set(pate.hospital_epsilon) == {"h0", "h1"}
+    assert all(eps == pytest.approx(claimed, rel=1e-12) for eps in pate.hospital_epsilon.values())
 
 
 @pytest.mark.parametrize("broken_factor", [None, 4.0])
 def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
-    """Same inputs, same noise stream: aggregate_query's release == clean mean + sigma Z, to the bit
-    (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
+    """Same inputs, same noise stream (the release's own): aggregate_query's release == clean mean + sigma Z,
+    to the bit (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
     if broken_factor is not None:
-        pate = pa.pate_setup(1.0, DELTA, teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0,
-                             broken_factor=broken_factor)
+        pate = pa.pate_setup(1.0, DELTA, broken_factor=broken_factor, **PATE)
     source = NoiseSource.reproducible(7)
     for side in (+1, -1):
         releases, claimed = pa.pate_product_run(pate, side, source)
         expected = np.stack([
-            (pate.clean_means[side][n] + pate.sigma * source.generator(f"query-{n}").standard_normal(
+            (pate.clean_means[side][n] + pate.sigma * source.generator(pate.release_id(n)).standard_normal(
                 (pate.latent_dim,))).astype(np.float32) for n in range(pate.queries)])
         assert releases.dtype == np.float32 and np.array_equal(releases, expected)
         assert 0.999 * pate.epsilon <= claimed <= pate.epsilon          # the ledger's ε for the N queries
@@ -114,29 +131,77 @@ def test_pate_audit_stays_below_the_claim(pate, pate_runs):
     assert row.bound.epsilon_lower > 0.6 * claimed     # and the audit is nearly tight (limit: the claim)
 
 
-def test_pate_audit_catches_an_understated_sensitivity():
-    """Sensitivity understated 4x (sigma 4x too small, the ledger still claims eps = 1): the vectorised
-    audit refutes the claim; a grosser bug (16x, like a clip bound far looser than the one accounted)
-    is refuted by the product path itself within 150 runs per side. (Refuting the 4x bug on the product
-    path reliably needs ~1000 runs per side: the benchmark does it.)"""
-    kwargs = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
-    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **kwargs)
+def test_pate_release_needs_every_declared_teacher(pate):
+    """aggregate_query with expected_rows: the audited hospital answering without the audited teacher (a
+    K-1 release, whose S would exceed the charged one) releases nothing and charges nothing."""
+    guard = pa.make_guard(pate.epsilon, pate.delta)
+    replies = pate.replies(0, +1)
+    replies[pate.audited_hospital] = replies[pate.audited_hospital][1:]
+    assert aggregate_query(replies, pate.sigma, pate.compressor, guard, pate.release_id(0), state=pate.state,
+                           expected_rows=pate.expected_rows) == (None, 0)
+    assert guard.ledger.events(pate.audited_hospital) == []
+
+
+def test_a_compressor_misreporting_its_sensitivity_is_caught_by_construction(pate, tmp_path):
+    """The old broken control (the compressor reports S/4) no longer breaks anything: calibration reads S
+    from the shipped codec state, and a server that took the compressor's word anyway is refused by the
+    guard, which charges the true S -- as does every hospital's own ledger."""
+    liar = pa.misreporting_compressor(pate.compressor, 4.0)
+    assert liar.sensitivity(pate.teachers) == pytest.approx(pate.sensitivity / 4)
+    state, sensitivity, sigma = pa.pate_calibration(liar, 1.0, DELTA, pate.queries, pate.teachers)
+    assert (sensitivity, sigma) == (pate.sensitivity, pate.sigma)
+    word = pate_sigma(1.0, DELTA, pate.queries, liar.sensitivity(pate.teachers))   # the old calibration
+    assert word == pytest.approx(pate.sigma / 4)
+    guard = pa.make_guard(1.0, DELTA)
+    with pytest.raises(BudgetExceeded):
+        aggregate_query(pate.replies(0, +1), word, liar, guard, pate.release_id(0), state=state,
+                        expected_rows=pate.expected_rows)
+    assert guard.ledger.events(pate.audited_hospital) == []          # refused: nothing recorded or released
+    roomy = BudgetGuard(Ledger(None), 1e6, DELTA)
+    aggregate_query(pate.replies(0, +1), word, liar, roomy, pate.release_id(0), state=state,
+                    expected_rows=pate.expected_rows)
+    (event,) = roomy.ledger.events(pate.audited_hospital)
+    assert event.sensitivity == pytest.approx(pate.sensitivity)      # the true S, not the compressor's
+    hospital = pa.audit_hospital("h0", np.full((8, 1, 4, 4, 4, 4), 0.25, np.float32), tmp_path, 1.0, DELTA)
+    with pytest.raises(BudgetExceeded):
+        hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+                                                               "teachers": pate.teachers})
+    hospital.lifetime_epsilon = 1e6
+    hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+                                                           "teachers": pate.teachers})
+    (event,) = Ledger(hospital.privacy_ledger).events("h0")
+    assert event.sensitivity == pytest.approx(pate.sensitivity)
+
+
+def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
+    """codec_sensitivity understated 4x (the one function calibration, the server's charge and every
+    hospital's charge use): sigma 4x too small while every ledger claims eps = 1. The vectorised audit
+    refutes the claim; a grosser bug (16x) is refuted by the product path itself within 150 runs per side.
+    (Refuting the 4x bug on the product path reliably needs ~1000 runs per side: the benchmark does it.)"""
+    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **PATE)
+    assert broken.sensitivity == pate.sensitivity and broken.charged_sensitivity == pate.sensitivity / 4
+    assert broken.sigma == pytest.approx(pate.sigma / 4)
     assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
+    assert all(0.999 <= eps <= 1.0 for eps in broken.hospital_epsilon.values())   # the hospitals are fooled too
+    assert codecs.codec_sensitivity(broken.state, broken.teachers) == pate.sensitivity   # the patch is closed
     (vectorised,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
     assert 0.999 <= vectorised.claimed_epsilon <= 1.0       # the ledger believes the budget holds
     assert vectorised.violated and vectorised.bound.epsilon_lower > 3.0
-    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **kwargs)
+    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **PATE)
     (product,) = pa.audit_pate(gross, 150, noise=NoiseSource.reproducible(2), seed=0)
     assert product.claimed_epsilon <= 1.0 and product.violated and product.bound.epsilon_lower > 2.0
 
 
 # ---------------------------------------------------------------------------------------------- DP-SGD
-DPSGD = dict(others=3, batch_size=2, epochs=2, sigma=3.0)   # q = 1/2, 4 steps; ledger: ε ≈ 0.94 at 1e-3
+# q = 1/2, 4 steps, fixed sigma chosen so each relation's ledger says eps ~ 0.94 at 1e-3 (budget 1)
+DPSGD = dict(others=3, batch_size=2, epochs=2)
+SIGMA = {"replace-one": 5.4, "add-remove": 3.0}
+RELATIONS = ("replace-one", "add-remove")
 
 
-@pytest.fixture(scope="module")
-def dpsgd():
-    return pa.dpsgd_setup(1.0, DELTA, **DPSGD)
+@pytest.fixture(scope="module", params=RELATIONS)
+def dpsgd(request):
+    return pa.dpsgd_setup(1.0, DELTA, relation=request.param, sigma=SIGMA[request.param], **DPSGD)
 
 
 @pytest.fixture(scope="module")
@@ -144,29 +209,75 @@ def dpsgd_runs(dpsgd):
     return pa.dpsgd_product_runs(dpsgd, 100, NoiseSource.reproducible(4))
 
 
+def _contribution(setup, with_canary):
+    return setup.signal if with_canary else setup.replacement
+
+
+@pytest.mark.parametrize("relation", RELATIONS)
+def test_dpsgd_pair_has_the_relations_sizes(relation):
+    setup = pa.DPSGDSetup(1.0, DELTA, relation=relation, clip=1.0, **DPSGD)
+    with_canary, without = setup.data(True), setup.data(False)
+    assert with_canary[-1, 1] == setup.scale
+    if relation == "replace-one":   # same size; the last record's gradient points the other way
+        assert len(without) == len(with_canary) and without[-1, 1] == -setup.scale
+    else:                           # one record fewer
+        assert len(without) == len(with_canary) - 1 and not without[:, 1].any()
+
+
 def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
-    """With the noise switched off, every step's projected update is 1 when the canary was in the Poisson
-    batch and 0 otherwise: clipping to C per tensor (C_total in all) and nothing else in its direction."""
-    silent = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, **DPSGD)
+    """With the noise switched off, every step's projected update is +1 when the canary was in the Poisson
+    batch (-1 when its replacement was, under replace-one) and 0 otherwise: clipping to C per tensor
+    (C_total in all) and nothing else in its direction."""
+    silent = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, sigma=dpsgd.sigma, **DPSGD)
     seen = 0
-    for t in range(6):
-        run = pa.dpsgd_product_run(silent, True, NoiseSource.reproducible(5).child(t))
-        assert np.allclose(run.observations, run.members.astype(float), atol=1e-5)
-        seen += int(run.members.sum())
+    for with_canary in (True, False):
+        for t in range(4):
+            run = pa.dpsgd_product_run(silent, with_canary, NoiseSource.reproducible(5).child(with_canary, t))
+            expected = _contribution(silent, with_canary) * run.members
+            assert np.allclose(run.observations, expected, atol=1e-5)
+            seen += int(run.members.sum())
     assert seen > 0
-    unclipped = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.0, unclipped=True, **DPSGD)
+    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, unclipped=True,
+                               sigma=dpsgd.sigma, **DPSGD)
     run = pa.dpsgd_product_run(unclipped, True, NoiseSource.reproducible(6))
     assert np.allclose(run.observations, unclipped.signal * run.members, rtol=1e-5)
+
+
+def test_dpsgd_batches_and_noise_come_from_the_charged_epochs_stream(dpsgd):
+    """Replaying the stream DPSession opens after charging epoch e (named after its release id): its
+    Poisson masks and then each tensor's Gaussian draw, step by step, give the product's observations
+    exactly (float32): ``c b_t + sigma (-xi_a - xi_b)[canary coordinate] / sqrt 2``."""
+    source = NoiseSource.reproducible(11)
+    for with_canary in (True, False):
+        run = pa.dpsgd_product_run(dpsgd, with_canary, source)
+        n = dpsgd.size(with_canary)
+        expected, members = [], []
+        for epoch in range(dpsgd.epochs):
+            stream = source.generator(f"audit:epoch-{epoch}")
+            for _ in range(dpsgd.steps_per_epoch):
+                member = bool((stream.uniform((n,)) < dpsgd.sampling_rate)[-1])
+                xi_a, xi_b = (stream.standard_normal((1, dpsgd.dim)) for _ in range(2))
+                members.append(member)
+                expected.append(_contribution(dpsgd, with_canary) * member
+                                + dpsgd.sigma * (-xi_a[0, 1] - xi_b[0, 1]) / math.sqrt(2))
+        last_present = with_canary or dpsgd.relation == "replace-one"
+        assert np.array_equal(run.members, np.array(members) & last_present)
+        assert np.allclose(run.observations, expected, atol=1e-4)
 
 
 def test_dpsgd_vectorised_matches_the_product(dpsgd, dpsgd_runs):
     with_runs, without_runs, claimed = dpsgd_runs
     assert dpsgd.sampling_rate == 0.5 and dpsgd.steps == 4
-    members = np.stack([r.members for r in with_runs])
-    obs = {True: np.stack([r.observations for r in with_runs]), False: np.stack([r.observations for r in without_runs])}
-    assert abs(members.mean() - dpsgd.sampling_rate) < 4 * math.sqrt(0.25 / members.size)   # Poisson rate q
-    assert not np.stack([r.members for r in without_runs]).any()
-    residual = np.concatenate([(obs[True] - members).ravel(), obs[False].ravel()])
+    obs, residual = {}, []
+    for with_canary, runs in ((True, with_runs), (False, without_runs)):
+        members = np.stack([r.members for r in runs])
+        obs[with_canary] = np.stack([r.observations for r in runs])
+        if with_canary or dpsgd.relation == "replace-one":   # Poisson rate q for the canary / its replacement
+            assert abs(members.mean() - dpsgd.sampling_rate) < 4 * math.sqrt(0.25 / members.size)
+        else:
+            assert not members.any()
+        residual.append((obs[with_canary] - _contribution(dpsgd, with_canary) * members).ravel())
+    residual = np.concatenate(residual)
     assert np.std(residual) == pytest.approx(dpsgd.sigma, rel=0.08)          # noise sigma * C_total
     assert abs(np.mean(residual)) < 4 * dpsgd.sigma / math.sqrt(residual.size)
     rng = np.random.default_rng(8)
@@ -182,18 +293,20 @@ def test_dpsgd_audit_stays_below_the_claim(dpsgd, dpsgd_runs):
     pos = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in with_runs]))
     neg = pa.dpsgd_scores(dpsgd, np.stack([r.observations for r in without_runs]))
     assert epsilon_lower_bound(pos, neg, DELTA).epsilon_lower <= claimed
-    (row,) = pa.audit_dpsgd(dpsgd, 0, vectorised_trials=200_000, seed=0)
+    (row,) = pa.audit_dpsgd(dpsgd, 0, vectorised_trials=200_000, seed=0, limit=True)
     assert row.claimed_epsilon == claimed
+    assert row.limit == pytest.approx(claimed, rel=1e-6)      # the pair run is the one the accountant analyses
     assert 0.5 * claimed < row.bound.epsilon_lower <= claimed
 
 
 def test_dpsgd_audit_catches_missing_clipping_and_missing_noise(dpsgd):
-    unclipped = pa.dpsgd_setup(1.0, DELTA, unclipped=True, **DPSGD)
+    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, unclipped=True, sigma=dpsgd.sigma, **DPSGD)
     (row,) = pa.audit_dpsgd(unclipped, 60, noise=NoiseSource.reproducible(9), seed=0)
     assert row.claimed_epsilon < 1.0 and row.violated and row.bound.epsilon_lower > 1.5
-    quarter = pa.dpsgd_setup(1.0, DELTA, noise_factor=0.25, **DPSGD)
+    quarter = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, sigma=dpsgd.sigma, **DPSGD)
     # the product's broken session really adds a quarter of the noise (what the vectorised path draws)
     runs = [pa.dpsgd_product_run(quarter, False, NoiseSource.reproducible(10).child(t)) for t in range(40)]
-    assert np.std(np.concatenate([r.observations for r in runs])) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
+    residual = np.concatenate([r.observations - quarter.replacement * r.members for r in runs])
+    assert np.std(residual) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
     (row,) = pa.audit_dpsgd(quarter, 0, vectorised_trials=100_000, seed=0)
     assert row.violated and row.bound.epsilon_lower > 3.0

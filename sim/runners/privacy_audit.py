@@ -1,5 +1,10 @@
 """Empirical privacy audit of fedpate's two private mechanisms (issue 15, "Empirical check").
 
+The product harness: it drives the server's aggregation (``server.*``) and the DP-SGD engine, so it lives
+with the orchestration in ``sim/runners/`` (``sim`` core never imports ``server``); the framework-free
+statistics are :mod:`privacy.audit`. Used by ``benchmarks/audit_privacy.py`` and
+``tests/test_privacy_audit.py``.
+
 An audit that does not trust our own maths: run the product's mechanism many times on two worst-case
 neighbouring inputs D and D', score every run with the optimal (likelihood-ratio) statistic of an
 adversary who knows everything except which of the two inputs was used, and turn the test's error rates
@@ -13,46 +18,68 @@ expensive; their bound is looser than the many-runs one, and here a run costs mi
 many-runs method is used.
 
 **PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5): a PCA codec in clip mode fitted on public
-maps (real :class:`server.compressors.PCACompressor`, its real codec state), K teachers over several
-hospitals, the other K-1 teachers' rows real codec encodings of random probability maps, and the
-replace-one pair: one teacher's row ``+C u`` in D and ``-C u`` in D' (``||u|| = 1``), the two ends of
-the bound the sensitivity 2C/K assumes. Every query goes through :func:`server.aggregation.
-aggregate_query` (validation, ``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` --
-accountant verdicts memoised, :func:`make_guard` -- then noise from a
-:class:`privacy.mechanisms.NoiseSource` stream), with σ from :func:`privacy.calibration.
-pate_sigma` for the full N-query composition; the claimed ε is what the ledger says after the N
-charges. The adversary knows u and the other teachers' rows, so its optimal statistic is the sum over
-queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is linear in it).
+maps (real :class:`server.compressors.PCACompressor`), calibrated as ``server.pate.run_pate`` does
+(:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
+codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
+hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
+composition). K teachers over several hospitals, each hospital a real :class:`clients.hospital.Hospital`
+answering the N queries through ``answer_query`` (it verifies the codec, charges its own ledger with the S
+it computes itself, then encodes its teachers' maps); the other K-1 teachers answer random probability
+maps, and the audited teacher answers the replace-one pair: a map the codec clips to ``+C u`` in D and to
+``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind S = 2C/K. Every query goes through
+:func:`server.aggregation.aggregate_query` with the declared ``expected_rows`` (validation,
+``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` -- accountant verdicts memoised,
+:func:`make_guard` -- then noise from the release's own :class:`privacy.mechanisms.NoiseSource` stream);
+the claimed ε is what the server's ledger says after the N charges, which must equal the audited
+hospital's own ledger. The adversary knows u and the other teachers' rows, so its optimal statistic is
+the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
+linear in it).
 
 **DP-SGD** (:class:`sim.dpsgd.DPSession`, Opacus per-sample clipping, Poisson batches and noise from the
-charged epoch's stream, σ calibrated by the session in ``target`` mode): a tiny linear model with two
-parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2) and a loss linear in the
-parameters, so every record's gradient is constant. The other records' gradients all point along one
-coordinate; the canary's gradient is large along another coordinate in both tensors, which nobody else
-uses, so after clipping it contributes exactly C_total in a direction where the only other thing is the
-noise. D = others + canary, D' = others (add/remove, as the accountant assumes; both give the same number
-of steps so the sampling rate is the same). SGD with learning rate 1 makes every step's parameter change
-the noisy clipped sum / expected batch size: the adversary reads each step's projection
-``x_t ~ b_t + σ ξ`` (b_t = canary in the Poisson batch, ξ standard normal) and scores the run by the
-exact log-likelihood ratio ``Σ_t log(1 - q + q exp((2 x_t - 1)/(2σ²)))``.
+stream the session opens after charging each epoch, σ calibrated by the session in ``target`` mode):
+a tiny linear model with two parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2)
+and a loss linear in the parameters, so every record's gradient is constant. The other records'
+gradients all point along one coordinate; the canary's gradient is large along another coordinate in
+both tensors, which nobody else uses, so after clipping it contributes exactly C_total in a direction
+where the only other thing is the noise. Both relations the product can claim (``DPConfig.relation``):
+
+* ``"replace-one"`` (the default, what comparisons report): D = others + canary, D' = others + a record
+  whose gradient points the opposite way (clipped: ``-C_total`` along the canary's direction). The clipped
+  sums differ by 2C_total, the most a replacement can move them, and the per-step pair is exactly the one
+  dp_accounting's PLD analyses under ``REPLACE_ONE`` (``q N(C) + (1-q) N(0)`` against ``q N(-C) + (1-q)
+  N(0)``), so a perfect test converges to the claimed ε. Same size, same steps.
+* ``"add-remove"`` (standalone runs): D = others + canary, D' = others (sizes chosen with the same number of
+  steps, so the same q).
+
+SGD with learning rate 1 makes every step's parameter change the noisy clipped sum / expected batch size:
+the adversary reads each step's projection ``x_t ~ c b_t + σ ξ`` (b_t = the last record in the Poisson
+batch; c = +1 on D, -1 on D' under replace-one, 0 on D' under add-remove; ξ standard normal) and scores
+the run by the exact log-likelihood ratio ``Σ_t log(1 - q + q exp((2 x_t - 1)/(2σ²)))``, minus the same
+with ``-x_t`` under replace-one.
 
 Vectorised trials: both mechanisms reduce, for the adversary, to draws that numpy can make by the
 million. :func:`pate_vectorised_scores` draws the full l-dimensional releases ``clean mean + σ Z`` (the
 formula of ``aggregate_query`` with the clean means the product computed), :func:`dpsgd_vectorised_scores`
 the per-step projections. ``tests/test_privacy_audit.py`` checks that they match the product paths
-(exactly, for the PATE release formula on a shared stream; in distribution, by two-sample tests on the
-scores, for both).
+(exactly, for the PATE releases and the DP-SGD steps replayed from the same streams; in distribution, by
+two-sample tests on the scores, for both).
 
-Broken controls (to show the audit can fail): PATE with a compressor that understates its sensitivity
-(4x, or 16x: σ that much too small while the ledger claims the budget); DP-SGD with a session whose
-optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample gradients.
+Broken controls (to show the audit can fail): PATE with ``codec_sensitivity`` understated 4x (or 16x),
+patched for the broken run only (:func:`understated_codec_sensitivity`): σ that much too small while
+the server's and every hospital's ledger claim the budget. (A compressor that misreports its sensitivity,
+the earlier control, no longer reaches the mechanism: S comes from the codec state.) DP-SGD with a
+session whose optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample
+gradients.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -112,18 +139,68 @@ def ledger_epsilon(ledger, owner: str, delta: float) -> float:
 # ================================================================================================ PATE
 
 
-def understated_sensitivity(compressor, factor: float = 4.0):
-    """Broken control: a copy of a fitted PCACompressor that reports ``1/factor`` of its real sensitivity
-    (its codec still clips rows to C), so ``pate_sigma`` and the ledger both use S/factor."""
+def misreporting_compressor(compressor, factor: float = 4.0):
+    """A copy of a fitted PCACompressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
+    still clips rows to C). The product no longer reads ``compressor.sensitivity``: the sensitivity comes
+    from the shipped codec state (``sim.codecs.codec_sensitivity``), so this bug is caught by construction
+    (``tests/test_privacy_audit.py``), and the broken PATE control is :func:`understated_codec_sensitivity`."""
     from server.compressors import PCACompressor
 
-    class UnderstatedSensitivityPCA(PCACompressor):
+    class MisreportingPCA(PCACompressor):
         def sensitivity(self, teachers: int) -> float:   # the bug: S / factor
             return super().sensitivity(teachers) / factor
 
-    broken = UnderstatedSensitivityPCA.__new__(UnderstatedSensitivityPCA)
+    broken = MisreportingPCA.__new__(MisreportingPCA)
     broken.__dict__.update(compressor.__dict__)
     return broken
+
+
+@contextmanager
+def understated_codec_sensitivity(factor: float | None):
+    """Broken control: while open, ``sim.codecs.codec_sensitivity`` returns ``1/factor`` of the truth.
+
+    That function is the one source of PATE's sensitivity -- the server's calibration (``run_pate``), its
+    charge in ``aggregate_query`` and every hospital's charge to its own ledger -- so a bug in it is the
+    one left that understates S everywhere at once: σ ``factor`` x too small while every ledger says the
+    budget holds. ``factor=None``: the unpatched product (a no-op context)."""
+    if factor is None:
+        yield
+        return
+    from sim import codecs
+
+    true = codecs.codec_sensitivity
+
+    def understated(state, teachers):
+        return true(state, teachers) / factor
+
+    with mock.patch.object(codecs, "codec_sensitivity", understated):
+        yield
+
+
+def pate_calibration(compressor, epsilon: float, delta: float, queries: int, teachers: int):
+    """The server's calibration, step (b) of ``server.pate.run_pate``: the codec state as shipped, verified
+    as the hospitals verify it; S from that state (``codec_sensitivity``), never from the compressor; σ from
+    ``pate_sigma`` (exact μ-GDP) for the N queries. Returns (verified state, S, σ)."""
+    from privacy.calibration import pate_sigma
+    from server.pate import SERVER_POLICY
+    from sim import codecs
+
+    state = codecs.verify_codec(compressor.state(), SERVER_POLICY)
+    sensitivity = float(codecs.codec_sensitivity(state, teachers))
+    return state, sensitivity, float(pate_sigma(epsilon, delta, queries, sensitivity))
+
+
+def audit_hospital(name: str, probs: np.ndarray, workdir, lifetime_epsilon: float, delta: float):
+    """A real ``clients.hospital.Hospital`` whose teachers answer fixed maps ``probs`` (T, N, C, *grid)."""
+    from clients.hospital import Hospital
+    from sim.presets import get_preset
+
+    class AuditHospital(Hospital):
+        def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
+            return probs[k][: len(scans)]
+
+    return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(len(probs))],
+                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta)
 
 
 @dataclass
@@ -137,13 +214,17 @@ class PateSetup:
     queries: int
     clip: float
     compressor: object
-    state: dict
-    sigma: float
+    state: dict                           # the codec state as verified by the server (and the hospitals)
+    sigma: float                          # calibrated by pate_calibration (under the bug, for a broken setup)
+    sensitivity: float                    # the true S of the shipped codec: codec_sensitivity(state, K), 2C/K
+    charged_sensitivity: float            # what calibration and every ledger used (S/factor when broken)
     direction: np.ndarray                 # u, unit norm (l,)
-    others: list                          # per query: {hospital: rows (T_h, l)} without the audited teacher
+    answers: dict                         # side (+1/-1) -> hospital -> (T_h, N, l) its answer_query rows
+    expected_rows: dict                   # hospital -> teachers: the K the server declares (aggregate_query)
+    hospital_epsilon: dict                # hospital -> ε its own ledger records for the N queries
     audited_hospital: str
     clean_means: dict = field(default_factory=dict)   # side (+1/-1) -> (N, l) what aggregate_query averages
-    broken_factor: float | None = None   # broken control: the compressor reports S / broken_factor
+    broken_factor: float | None = None   # broken control: codec_sensitivity understated by this factor
 
     @property
     def broken(self) -> bool:
@@ -154,33 +235,36 @@ class PateSetup:
         return int(self.compressor.latent_dim)
 
     @property
-    def sensitivity(self) -> float:
-        """What the product's compressor claims (and the ledger records)."""
-        return float(self.compressor.sensitivity(self.teachers))
-
-    @property
     def mu_claimed(self) -> float:
-        return math.sqrt(self.queries) * self.sensitivity / self.sigma
+        return math.sqrt(self.queries) * self.charged_sensitivity / self.sigma
 
     @property
     def mu_true(self) -> float:
-        """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C."""
+        """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C (the true S = 2C/K)."""
         return math.sqrt(self.queries) * (2.0 * self.clip / self.teachers) / self.sigma
+
+    @staticmethod
+    def release_id(query: int) -> str:
+        return f"pate-pca:audit:query-{query}"
 
     def replies(self, query: int, side: int) -> dict:
         """The hospitals' replies to one query in D (side=+1) or D' (side=-1)."""
-        replies = {h: rows.copy() for h, rows in self.others[query].items()}
-        row = (side * self.clip * self.direction)[None, :]
-        replies[self.audited_hospital] = np.concatenate([row, replies[self.audited_hospital]], axis=0)
-        return replies
+        return {h: rows[:, query, :].copy() for h, rows in self.answers[side].items()}
 
 
 def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hospitals: int = 8,
                queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=(4, 4, 4), seed: int = 0,
                broken_factor: float | None = None) -> PateSetup:
-    """A PCA codec (clip mode, fitted on random public one-hot maps), the other teachers' real encodings,
-    σ from ``pate_sigma`` for the N-query composition at the compressor's sensitivity."""
-    from privacy.calibration import pate_sigma
+    """A PCA codec (clip mode, fitted on random public one-hot maps), calibrated as the server does
+    (:func:`pate_calibration`), and every hospital's answer to the N queries through the real
+    ``Hospital.answer_query`` (codec verified, the N releases charged to its own ledger with the S it
+    computes itself, then every teacher's map encoded): the other teachers answer random probability maps;
+    the audited teacher (h0's first) answers ``mean ± t A_l^T u`` (t = 10 C), which the codec clips to ``±C u``
+    -- the two ends of the bound behind S = 2C/K. ``broken_factor``: all of it under
+    :func:`understated_codec_sensitivity`."""
+    import tempfile
+
+    from privacy.ledger import Ledger
     from server.aggregation import validate_reply
     from server.compressors import PCACompressor
     from sim import codecs
@@ -191,28 +275,47 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
     classes = 4
     public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
     compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
-    if broken_factor is not None:
-        compressor = understated_sensitivity(compressor, broken_factor)
-    state = compressor.state()
+    true_state = codecs.verify_codec(compressor.state())
+    true_sensitivity = float(codecs.codec_sensitivity(true_state, teachers))   # outside any patch
     l = int(compressor.latent_dim)
     per_hospital = teachers // hospitals
     names = [f"h{i}" for i in range(hospitals)]
-    others = []
-    for _ in range(queries):
-        replies = {}
-        for j, name in enumerate(names):
-            count = per_hospital - (1 if j == 0 else 0)   # h0 also holds the audited teacher
-            logits = rng.normal(0.0, 2.0, size=(count, classes, *grid))
-            probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-            probs = (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
-            replies[name] = codecs.encode(state, probs)       # what a hospital uploads (clipped to C)
-        others.append(replies)
     direction = rng.normal(size=l)
     direction /= np.linalg.norm(direction)
-    sigma = pate_sigma(epsilon, delta, queries, float(compressor.sensitivity(teachers)))
+    probs = {}
+    for name in names:
+        logits = rng.normal(0.0, 2.0, size=(per_hospital, queries, classes, *grid))
+        maps = np.exp(logits - logits.max(axis=2, keepdims=True))
+        probs[name] = (maps / maps.sum(axis=2, keepdims=True)).astype(np.float32)
+    components = np.asarray(true_state["components"], np.float64)
+    mean = np.asarray(true_state["mean"], np.float64)
+    audited = names[0]
+    answers: dict = {+1: {}, -1: {}}
+    hospital_epsilon = {}
+    with understated_codec_sensitivity(broken_factor), tempfile.TemporaryDirectory() as tmp:
+        state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
+        config = {"release_ids": [PateSetup.release_id(n) for n in range(queries)], "sigma": sigma,
+                  "teachers": teachers, "delta": float(delta)}
+        scans = np.zeros((queries, 1), np.float32)      # the teachers ignore them (fixed maps)
+        for side in (+1, -1):
+            for name in names if side == +1 else [audited]:
+                maps = probs[name].copy()
+                if name == audited:       # y with A_l (y - mean) = side t u: clipped to side C u by the codec
+                    target = mean + side * 10.0 * clip * (components.T @ direction)
+                    maps[0] = target.reshape(classes, *grid).astype(np.float32)[None]
+                hospital = audit_hospital(name, maps, Path(tmp) / f"{name}{side:+d}", epsilon, delta)
+                answers[side][name], _ = hospital.answer_query(scans, state, config)
+                spent = Ledger(hospital.privacy_ledger).spent(name, delta).epsilon
+                hospital_epsilon.setdefault(name, set()).add(float(spent))
+        for name in names[1:]:
+            answers[-1][name] = answers[+1][name]
+    if any(len(v) != 1 for v in hospital_epsilon.values()):
+        raise RuntimeError(f"a hospital's ledger recorded different ε for D and D': {hospital_epsilon}")
     setup = PateSetup(epsilon=float(epsilon), delta=float(delta), teachers=teachers, hospitals=hospitals,
                       queries=queries, clip=float(clip), compressor=compressor, state=state, sigma=float(sigma),
-                      direction=direction, others=others, audited_hospital=names[0],
+                      sensitivity=true_sensitivity, charged_sensitivity=float(charged), direction=direction,
+                      answers=answers, expected_rows={h: per_hospital for h in names},
+                      hospital_epsilon={h: v.pop() for h, v in hospital_epsilon.items()}, audited_hospital=audited,
                       broken_factor=broken_factor)
     for side in (+1, -1):   # the server's validated rows, averaged (what aggregate_query adds noise to)
         means = []
@@ -224,20 +327,24 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
 
 
 def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarray, float]:
-    """One full run of the query phase through ``aggregate_query`` on a fresh ledger and guard.
+    """One full run of the query phase through ``aggregate_query`` (the server declares every hospital's
+    teachers, ``expected_rows``) on a fresh server ledger and guard; each release's noise from its own
+    stream of ``noise`` (secure when None), opened after the charge. A broken setup runs under its bug.
 
-    Returns the N releases (N, l) float32 and the ε the ledger says was spent (for the audited hospital).
+    Returns the N releases (N, l) float32 and the ε the server's ledger says the audited hospital spent.
     """
     from server.aggregation import aggregate_query
 
     guard = make_guard(setup.epsilon, setup.delta)
     releases = []
-    for n in range(setup.queries):
-        noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
-                                          f"query-{n}", state=setup.state, noise=noise)
-        if noisy is None or teachers != setup.teachers:
-            raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
-        releases.append(noisy)
+    with understated_codec_sensitivity(setup.broken_factor):
+        for n in range(setup.queries):
+            noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
+                                              setup.release_id(n), state=setup.state, noise=noise,
+                                              expected_rows=setup.expected_rows)
+            if noisy is None or teachers != setup.teachers:
+                raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
+            releases.append(noisy)
     claimed = ledger_epsilon(guard.ledger, setup.audited_hospital, setup.delta)
     return np.stack(releases), float(claimed)
 
@@ -286,12 +393,22 @@ def _canary_model(dim: int):
 
 @dataclass
 class DPSGDSetup:
+    """A DP-SGD audit under one neighbouring relation (``DPConfig.relation``).
+
+    D = others + the canary (``with_canary=True``). D' (``with_canary=False``): under ``"replace-one"`` (the
+    product's default) the canary replaced by a record whose gradient points the opposite way, so the two
+    clipped gradients differ by 2C_total -- the pair dp_accounting's PLD analyses under ``REPLACE_ONE``
+    (``q·N(C) + (1-q)·N(0)`` against ``q·N(-C) + (1-q)·N(0)`` per step); under ``"add-remove"`` the others
+    alone (one record fewer).
+    """
+
     epsilon: float
     delta: float
-    others: int            # records in D' (D has one more: the canary)
+    others: int            # records besides the canary (or its replacement)
     batch_size: int
     epochs: int
     clip: float            # per-layer clip C (each of the two tensors)
+    relation: str = "replace-one"
     dim: int = 4
     scale: float = 100.0   # gradient norms before clipping (>> C: every record is clipped)
     sigma: float = 0.0     # the session's calibrated noise multiplier (filled by dpsgd_setup)
@@ -314,26 +431,50 @@ class DPSGDSetup:
         return self.scale / self.clip if self.unclipped else 1.0
 
     @property
+    def replacement(self) -> float:
+        """What D' contributes to x_t when its last record is in the batch: ``-signal`` under replace-one
+        (the opposite gradient), 0 under add-remove (no such record)."""
+        return -self.signal if self.relation == "replace-one" else 0.0
+
+    @property
     def bug(self) -> str:
         parts = ([f"noise x{self.noise_factor:g}"] if self.noise_factor != 1.0 else []) + (
             ["no clipping"] if self.unclipped else [])
         return ", ".join(parts)
 
+    def size(self, with_canary: bool) -> int:
+        return self.others + (1 if with_canary or self.relation == "replace-one" else 0)
+
     def data(self, with_canary: bool):
         import torch
 
-        x = torch.zeros(self.others + int(with_canary), self.dim)
+        x = torch.zeros(self.size(with_canary), self.dim)
         x[: self.others, 0] = self.scale        # everyone else: coordinate 0
         if with_canary:
             x[-1, 1] = self.scale               # the canary: coordinate 1, used by nobody else
+        elif self.relation == "replace-one":
+            x[-1, 1] = -self.scale              # its replacement: the same coordinate, the opposite gradient
         return x
 
     def config(self, release_prefix: str = "audit"):
         from sim.dpsgd import DPConfig
 
         return DPConfig(mode="target", epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.clip,
-                        per_layer=True, sampling="poisson", grad_sample_mode="functorch",
+                        per_layer=True, sampling="poisson", relation=self.relation, grad_sample_mode="functorch",
                         release_prefix=release_prefix)
+
+    def perfect_test_limit(self) -> float | None:
+        """ε(δ) of the pair actually run (PLD under the relation, noise multiplier ``factor·σ/signal``): what
+        a perfect test would approach. Equal to the claim for an honest setup; None without clipping (the
+        unclipped pair's noise is 100x smaller than accounted: too costly for the PLD and off any scale)."""
+        if self.unclipped:
+            return None
+        from privacy.accountants import epsilon_spent
+        from privacy.events import SampledGaussianEvent
+
+        event = SampledGaussianEvent(self.sampling_rate, self.noise_factor * self.sigma / self.signal,
+                                     steps=self.steps, relation=self.relation)
+        return float(epsilon_spent([event], self.delta)[0])   # the accountant the ledger would choose
 
 
 def _make_session(setup: DPSGDSetup, with_canary: bool, noise, sigma: float | None = None):
@@ -376,18 +517,19 @@ def _broken_session(noise_factor: float, unclipped: bool):
 
 
 def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
-                clip: float = 1.0, noise_factor: float = 1.0, unclipped: bool = False,
+                clip: float = 1.0, relation: str = "replace-one", noise_factor: float = 1.0, unclipped: bool = False,
                 sigma: float | None = None) -> DPSGDSetup:
-    """σ from a real ``target``-mode session (its own calibration), or the given ``sigma`` (the session's
-    ``fixed`` mode: no calibration, the ledger still says what it costs); D and D' must have the same q
-    and steps."""
+    """σ from a real ``target``-mode session under ``relation`` (its own calibration), or the given
+    ``sigma`` (the session's ``fixed`` mode: no calibration, the ledger still says what it costs). Under
+    add-remove, D and D' must have the same number of steps (so the same q): otherwise the step count,
+    which results publish, tells them apart (docs/PRIVACY_AUDIT.md)."""
     from privacy.mechanisms import NoiseSource
-
-    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
-                       epochs=epochs, clip=float(clip), noise_factor=float(noise_factor), unclipped=bool(unclipped))
     from sim.dpsgd import steps_per_epoch
 
-    steps = {steps_per_epoch(others + c, batch_size) for c in (0, 1)}
+    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
+                       epochs=epochs, clip=float(clip), relation=relation, noise_factor=float(noise_factor),
+                       unclipped=bool(unclipped))
+    steps = {steps_per_epoch(setup.size(c), batch_size) for c in (False, True)}
     if len(steps) != 1:
         raise ValueError(f"D and D' give different numbers of steps per epoch {steps} (so different sampling "
                          "rates): choose sizes with the same number of steps")
@@ -400,18 +542,19 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
 @dataclass
 class DPSGDRun:
     observations: np.ndarray    # (T,) projected, normalised per-step updates x_t
-    members: np.ndarray         # (T,) bool: canary in step t's Poisson batch (for tests; D only)
+    members: np.ndarray         # (T,) bool: the last record (canary, or its replacement) in step t's batch
     claimed_epsilon: float      # what the ledger says after the run
 
 
 def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
     """One DP-SGD training run through ``DPSession`` (the loop of ``sim.training.train_segmentation``:
-    charge the epoch, Poisson batches from its stream, noise-only step for an empty batch, Opacus step),
-    recording the parameters after every step."""
+    charge the epoch, then Poisson batches and noise from the stream the session opens after the charge
+    (``session.stream``), a noise-only step for an empty batch, the Opacus step), recording the parameters
+    after every step. Raises if the ledger's events are not under the setup's relation."""
     import torch
 
     session, model, x = _make_session(setup, with_canary, noise, sigma=setup.sigma)
-    canary = len(x) - 1 if with_canary else -1
+    last = len(x) - 1 if with_canary or setup.relation == "replace-one" else -1
     # the canary's clipped gradient is -C e_1 in each tensor: unit direction over both, as one flat vector
     params = list(model.parameters())
     direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1]), -1.0)
@@ -433,26 +576,38 @@ def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGD
                 session.optimizer.step()
             update = (before - flat()) * scale          # lr = 1: the noisy clipped sum
             observations.append(float(update @ direction) / total_clip)
-            members.append(bool((batch == canary).any()))
+            members.append(bool((batch == last).any()))
+    relations = {leaf.relation for event in session.ledger.events("h0") for leaf in event.leaves()}
+    if relations != {setup.relation}:
+        raise RuntimeError(f"the ledger accounted {sorted(relations)}, the audit pairs {setup.relation}")
     claimed = ledger_epsilon(session.ledger, "h0", setup.delta)
     return DPSGDRun(np.array(observations), np.array(members), float(claimed))
 
 
 def dpsgd_scores(setup: DPSGDSetup, observations: np.ndarray) -> np.ndarray:
-    """Exact log-likelihood ratio of "canary present" over (..., T) per-step observations."""
+    """Exact log-likelihood ratio of D over D' for (..., T) per-step observations at the claimed σ:
+    ``Σ_t log((1-q) + q e^{(2x-1)/(2σ²)})`` against the others alone (add-remove), minus the same with
+    ``-x`` (replace-one: the replacement moves x_t by -1 when sampled)."""
     x = np.asarray(observations, dtype=np.float64)
     q, s2 = setup.sampling_rate, setup.sigma ** 2
-    gaussian = (2.0 * x - 1.0) / (2.0 * s2)           # log N(x; 1, σ²) - log N(x; 0, σ²)
-    if q >= 1.0:
-        return gaussian.sum(axis=-1)
-    return np.logaddexp(math.log1p(-q), math.log(q) + gaussian).sum(axis=-1)
+    absent = math.log1p(-q) if q < 1.0 else -math.inf
+
+    def mixture(shift):            # log of q N(x; shift, σ²) + (1-q) N(x; 0, σ²), over N(x; 0, σ²)
+        return np.logaddexp(absent, math.log(q) + (2.0 * shift * x - 1.0) / (2.0 * s2))
+
+    score = mixture(+1.0)
+    if setup.relation == "replace-one":
+        score = score - mixture(-1.0)
+    return score.sum(axis=-1)
 
 
 def dpsgd_vectorised_observations(setup: DPSGDSetup, with_canary: bool, trials: int,
                                   rng: np.random.Generator) -> np.ndarray:
-    """Per-step observations of ``trials`` runs: ``signal·b_t + factor·σ ξ_t``, b_t ~ Bernoulli(q) (D only)."""
-    member = (rng.random((trials, setup.steps)) < setup.sampling_rate) if with_canary else 0.0
-    return setup.signal * member + setup.noise_factor * setup.sigma * rng.standard_normal((trials, setup.steps))
+    """Per-step observations of ``trials`` runs: ``c·b_t + factor·σ ξ_t``, b_t ~ Bernoulli(q), with
+    c = ``signal`` on D and ``replacement`` on D' (-signal under replace-one, 0 under add-remove)."""
+    member = rng.random((trials, setup.steps)) < setup.sampling_rate
+    contribution = setup.signal if with_canary else setup.replacement
+    return contribution * member + setup.noise_factor * setup.sigma * rng.standard_normal((trials, setup.steps))
 
 
 def dpsgd_vectorised_scores(setup: DPSGDSetup, with_canary: bool, trials: int, rng: np.random.Generator,
@@ -527,10 +682,14 @@ def dpsgd_product_runs(setup: DPSGDSetup, trials: int, noise=None) -> tuple[list
 
 def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
-    """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one."""
+    """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one.
+
+    The claimed ε is the server ledger's; it must equal what every hospital's own ledger recorded (both
+    come from ``codec_sensitivity``), else this raises."""
     from privacy.accountants import gdp_epsilon
 
-    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (f" [broken: S/{setup.broken_factor:g}]" if setup.broken else "")
+    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (
+        f" [broken: codec_sensitivity S/{setup.broken_factor:g}]" if setup.broken else "")
     limit = float(gdp_epsilon(setup.mu_true, setup.delta))
     rows = []
     claimed = None
@@ -540,10 +699,14 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
                              time.perf_counter() - started, setup.broken, limit))
+    if claimed is None:
+        claimed = pate_product_run(setup, +1, noise)[1]
+    for hospital, own in setup.hospital_epsilon.items():
+        if not math.isclose(own, claimed, rel_tol=1e-9):
+            raise RuntimeError(f"the server's ledger claims ε={claimed!r}, hospital {hospital}'s own ledger "
+                               f"ε={own!r}: the two charges disagree")
     if vectorised_trials:
         started = time.perf_counter()
-        if claimed is None:
-            claimed = pate_product_run(setup, +1, noise)[1]
         rng = np.random.default_rng(seed + 1)
         pos = pate_vectorised_scores(setup, +1, vectorised_trials, rng)
         neg = pate_vectorised_scores(setup, -1, vectorised_trials, rng)
@@ -554,10 +717,12 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
 
 
 def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
-                confidence: float = 0.95, label: str | None = None) -> list[AuditRow]:
-    """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one."""
-    label = label or (f"DP-SGD q={setup.sampling_rate:.3g} T={setup.steps}"
+                confidence: float = 0.95, label: str | None = None, limit: bool = False) -> list[AuditRow]:
+    """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one.
+    ``limit``: also compute the pair's perfect-test limit (a PLD composition, seconds)."""
+    label = label or (f"DP-SGD {setup.relation} q={setup.sampling_rate:.3g} T={setup.steps}"
                       + (f" [broken: {setup.bug}]" if setup.broken else ""))
+    limit = setup.perfect_test_limit() if limit else None
     rows = []
     claimed = None
     if trials:
@@ -567,7 +732,7 @@ def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, n
         neg = dpsgd_scores(setup, np.stack([r.observations for r in without_runs]))
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "product", trials, bound,
-                             time.perf_counter() - started, setup.broken))
+                             time.perf_counter() - started, setup.broken, limit))
     if vectorised_trials:
         started = time.perf_counter()
         if claimed is None:
@@ -577,7 +742,7 @@ def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, n
         neg = dpsgd_vectorised_scores(setup, False, vectorised_trials, rng)
         bound = epsilon_lower_bound(pos, neg, setup.delta, confidence, seed=seed)
         rows.append(AuditRow(label, claimed, setup.delta, "vectorised", vectorised_trials, bound,
-                             time.perf_counter() - started, setup.broken))
+                             time.perf_counter() - started, setup.broken, limit))
     return rows
 
 
@@ -586,14 +751,17 @@ def format_table(rows: list[AuditRow]) -> str:
     header = ("| mechanism | path | runs per side | δ | claimed ε (ledger) | ε lower bound (95%) | "
               "ceiling at these runs | perfect-test limit | verdict | seconds |")
     lines = [header, "|" + "---|" * 10]
+    caught = {(r.mechanism, r.claimed_epsilon) for r in rows if r.broken and r.violated}
     for r in rows:
         limit = "—" if r.limit is None else f"{r.limit:.3g}"
         if not r.broken:
             verdict = "VIOLATION (lb > claim)" if r.violated else "ok (lb ≤ claim)"
         elif r.violated:
             verdict = "caught (lb > claim)"
+        elif r.resolvable <= r.claimed_epsilon:
+            verdict = "not caught (ceiling below claim)"
         else:
-            verdict = ("not caught (ceiling below claim)" if r.resolvable <= r.claimed_epsilon
+            verdict = ("not caught by this row (too few runs)" if (r.mechanism, r.claimed_epsilon) in caught
                        else "NOT caught")
         lines.append(f"| {r.mechanism} | {r.path} | {r.trials:,} | {r.delta:g} | {r.claimed_epsilon:.4g} | "
                      f"{r.bound.epsilon_lower:.3f} | {r.resolvable:.2f} | {limit} | {verdict} | {r.seconds:.0f} |")
@@ -611,7 +779,8 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
     return problems
 
 
-__all__ = ["AuditRow", "audit_failures", "DPSGDRun", "DPSGDSetup", "PateSetup", "understated_sensitivity", "audit_dpsgd",
-           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_vectorised_observations",
-           "dpsgd_vectorised_scores", "format_table", "pate_product_run", "pate_product_scores", "pate_scores", "pate_setup",
-           "pate_vectorised_releases", "pate_vectorised_scores"]
+__all__ = ["AuditRow", "DPSGDRun", "DPSGDSetup", "PateSetup", "audit_dpsgd", "audit_failures", "audit_hospital",
+           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup",
+           "dpsgd_vectorised_observations", "dpsgd_vectorised_scores", "format_table", "make_guard",
+           "misreporting_compressor", "pate_calibration", "pate_product_run", "pate_product_scores", "pate_scores",
+           "pate_setup", "pate_vectorised_releases", "pate_vectorised_scores", "understated_codec_sensitivity"]
