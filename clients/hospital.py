@@ -38,7 +38,8 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from sim.codecs import CodecPolicy, codec_sensitivity, fallback_encoding, make_encoder, verify_codec
+from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
+from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
 from sim.io import atomic_save_torch, atomic_write_json
@@ -249,7 +250,7 @@ class Hospital:
             raise UserError(f"hospital {self.hospital_id}: the server declares K={teachers} teachers, fewer "
                             f"than this hospital's own {self.num_teachers}")
         guard = self.lifetime_guard(config)
-        event = GaussianEvent(sensitivity=codec_sensitivity(codec, teachers), sigma=sigma)
+        event = GaussianEvent(sensitivity=codecs.codec_sensitivity(codec, teachers), sigma=sigma)
         note = {"teachers": teachers, "sigma": sigma, "codec": str(np.asarray(codec["kind"]).item()),
                 "latent_dim": int(np.asarray(codec["latent_dim"]).item())}
         fresh = [r for r in release_ids if not guard.ledger.has_release(r)]
