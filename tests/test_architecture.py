@@ -25,9 +25,6 @@ LAYERS = {"privacy": 0, "sim": 1, "server": 2, "clients": 2, **{name: 3 for name
 #: the in-process simulation engine (flwr.simulation.run_simulation) and the echo app
 FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "sim.flower_wire",
                    "sim.runners.simulation", "sim.deployment.echo_app")
-#: being moved out of sim core by the privacy-audit rework (a harness that drives server.aggregation):
-#: named here so the exception is visible, and to be removed with the move
-PENDING_MOVES = ("sim.privacy_audit",)
 
 
 def unit_of(module: str) -> str | None:
@@ -74,7 +71,7 @@ def check_tree(root: Path) -> list[str]:
                     problems.setdefault((where, "flwr"), f"{where}: {module} imports flwr (only the Flower "
                                                          f"adapters {', '.join(FLOWER_ADAPTERS)} may)")
                 destination = unit_of(target)
-                if destination is None or destination == source or module in PENDING_MOVES:
+                if destination is None or destination == source:
                     continue
                 edges.add((source, destination))
                 if LAYERS[destination] > LAYERS[source]:

@@ -104,6 +104,8 @@ def _wait_for_first_query(ledger: Path, future, timeout: float) -> None:
         if ledger.exists() and 'query-' in ledger.read_text():
             return
         if future.done():
-            raise UserError("the run ended before its query phase began")
+            status = future.result()
+            raise UserError(f"deployment run {status.run_id} ended '{status.status}' before its query phase "
+                            f"began (ServerApp log: {status.log_path})")
         time.sleep(0.5)
     raise UserError(f"no PATE query was released within {timeout:.0f} s")
