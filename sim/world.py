@@ -120,7 +120,8 @@ def describe_world(prepared, split) -> dict[str, Any]:
     for name in (POPULATION_SOURCE, PUBLIC_SOURCE):
         part = parts.get(name)
         if part is not None:
-            sources[name] = _collection(part.get("root"), int(part.get("cases", 0)), part)
+            sources[name] = _collection((prepared.manifest.get("part_roots") or {}).get(name),
+                                        int(part.get("cases", 0)), part)
     if not sources:
         sources[POPULATION_SOURCE] = _collection(prepared.manifest.get("source_root"), len(prepared),
                                                  dict(prepared.source))

@@ -81,8 +81,11 @@ def test_world_is_deterministic(tiny_world):
     assert other.to_dict() != split.to_dict()
 
 
-def test_describe_world_counts_patients_per_hospital(tiny_world):
+def test_describe_world_counts_patients_per_hospital(tiny_world, world_cache):
     prepared, split = tiny_world
+    # the dataset's source goes into model cards: both collections named, no folder of this machine
+    assert [p["name"] for p in prepared.source["parts"]] == ["hospitals-population", PUBLIC_SOURCE]
+    assert str(world_cache) not in json.dumps(prepared.source)
     described = json.loads(json.dumps(describe_world(prepared, split)))   # what the report reads
     assert described["two_sources"] is True
     assert {h: v["patients"] for h, v in described["hospitals"].items()} == {
@@ -141,3 +144,17 @@ def test_report_opens_with_the_world_and_its_headroom(tiny_world, tmp_path):
     for hospital in split.hospitals:
         assert f"{hospital} {len(split.patients_of(split.hospital_cases(hospital)))} (" in world
     assert "headroom: nonprivate-central minus public-only mean Dice +0.350 ± 0.050 (paired over 4" in world
+
+
+def test_combined_shift_names_move_each_named_factor():
+    from sim.data.errors import DataError
+    from sim.data.phantoms import make_case, shift_parts
+
+    assert shift_parts("scanner+lesions") == {"scanner", "lesions"}
+    for bad in ("scanner+scanner", "scanner+nothing", "all+lesions"):
+        with pytest.raises(DataError, match="--shift"):
+            shift_parts(bad)
+    base, lesions, both = (make_case(5, 1, 2, 4.0, s) for s in ("none", "lesions", "scanner+lesions"))
+    # the lesions moved (a smaller primary plus satellites) and so did the scanner
+    assert not np.array_equal(both.label, base.label) and not np.array_equal(lesions.label, base.label)
+    assert not np.array_equal(both.image, lesions.image) and both.info["shift"] == "scanner+lesions"

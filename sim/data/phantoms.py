@@ -235,9 +235,16 @@ class PhantomCase:
 
 
 def shift_parts(shift: str) -> frozenset[str]:
-    """The factors a ``shift`` name moves (``"all"`` moves every one); raises DataError for unknown names."""
+    """The factors a ``shift`` name moves (``"all"`` moves every one; ``"scanner+lesions"`` names several, as
+    another centre differs in scanners and in its patients' lesions); raises DataError for unknown names."""
+    if "+" in shift:
+        parts = shift.split("+")
+        if any(p not in SHIFT_PARTS for p in parts) or len(set(parts)) != len(parts):
+            raise DataError(f"--shift={shift}: expected distinct factors joined by '+' from "
+                            f"{', '.join(SHIFT_PARTS)}")
+        return frozenset(parts)
     if shift not in SHIFTS:
-        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)}")
+        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)} (or factors joined by '+')")
     if shift == "all":
         return frozenset(SHIFT_PARTS)
     return frozenset() if shift == "none" else frozenset({shift})

@@ -453,7 +453,7 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
                                          d.manifest.get("case_ids")] for name, prefix, d in parts],
                                        sort_keys=True).encode()).hexdigest()[:16]
     config = dict(parts[0][2].manifest["config"])
-    wanted = {"format": PREPARED_FORMAT, "config": config, "source_fingerprint": digest}
+    wanted = {"format": PREPARED_FORMAT, "config": config, "source_fingerprint": digest, "combined_format": 1}
 
     def valid() -> PreparedDataset | None:
         try:
@@ -470,7 +470,7 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
         cached = valid()
         if cached is not None:
             return cached
-        case_ids, institutions, patients, sources, records, described = [], {}, {}, {}, {}, []
+        case_ids, institutions, patients, sources, records, described, roots = [], {}, {}, {}, {}, [], {}
         for name, prefix, dataset in parts:
             for cid in dataset.case_ids:
                 qualified = prefix + cid
@@ -483,8 +483,8 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
                 institutions[qualified] = prefix + institution if institution is not None else None
                 patients[qualified] = prefix + dataset.patient(cid)
                 records[qualified] = dataset.record(cid).to_dict()
-            described.append({"name": name, "prefix": prefix, "cases": len(dataset), **dataset.source,
-                              "root": dataset.manifest.get("source_root")})
+            described.append({"name": name, "prefix": prefix, "cases": len(dataset), **dataset.source})
+            roots[name] = dataset.manifest.get("source_root")
         try:
             (cache / "manifest.json").unlink()                 # invalidate before overwriting the arrays
         except FileNotFoundError:
@@ -494,10 +494,11 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
         _atomic_save_npy(cache / "images.npy", images)
         _atomic_save_npy(cache / "labels.npy", labels)
         atomic_write_json(cache / "records.json", records)
-        # "source": the first part's description (model cards name the population a model is for), plus all parts
+        # "source" (model cards): the first part's description -- the population a model is for -- plus every
+        # part's; local folders only in "part_roots" (a card names no path of this machine)
         atomic_write_json(cache / "manifest.json", {
             **wanted, "source": {**parts[0][2].source, "parts": described},
-            "source_root": parts[0][2].manifest.get("source_root"), "case_ids": case_ids,
+            "source_root": parts[0][2].manifest.get("source_root"), "part_roots": roots, "case_ids": case_ids,
             "institutions": institutions, "patients": patients, "sources": sources,
             "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
         })
