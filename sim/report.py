@@ -21,6 +21,8 @@ from sim.io import atomic_write_bytes, atomic_write_text
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
 DICE_COLUMNS = DICE_KEYS
+#: the comparison's world (sim.world.describe_world), written by sim.runners.compare beside the cells
+WORLD_FILE = "world.json"
 #: the results record's columns (sim.results.RunResults), with the cell's folder and the ledger re-check
 CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
 
@@ -194,6 +196,8 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     lines = [f"# {title}", ""]
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
+    if (root / WORLD_FILE).exists():
+        lines += world_section(json.loads((root / WORLD_FILE).read_text()), cells)
     lines += privacy_statement(cells, release)
     lines += [
         "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). Column "
@@ -214,6 +218,47 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     report = root / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report
+
+
+def _describe_source(source: Mapping[str, Any]) -> str:
+    if source.get("kind") == "phantoms":
+        return (f"phantoms, generator seed {source.get('seed')}, {source.get('institutions')} institution(s), "
+                f"shift regime '{source.get('shift')}', {source.get('cases')} cases "
+                f"(generator v{source.get('generator_version')})")
+    return f"{source.get('kind', 'data')} {source.get('name', '')} ({source.get('cases')} cases)".replace("  ", " ")
+
+
+def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """The report's opening: who holds what, how many, from which distribution (issue 17), and the room
+    between the public-only and the non-private baselines that every private method is placed in."""
+    lines = ["## World", ""]
+    for name, source in (world.get("sources") or {}).items():
+        lines.append(f"- source **{name}**: {_describe_source(source)}")
+    if not world.get("two_sources"):
+        lines.append("- one population: the public sets are drawn from the same distribution as the hospitals' "
+                     "patients (an MSD folder has one population)")
+    hospitals = world.get("hospitals") or {}
+    per = ", ".join(f"{h} {v['patients']} ({'/'.join(v['institutions'])}, {v['teachers']} teachers)"
+                    for h, v in hospitals.items())
+    lines.append(f"- hospitals (private, {world.get('private_patients')} patients, split seed "
+                 f"{world.get('split_seed')}, scheme {world.get('scheme')}): {per}")
+    for name, info in (world.get("sets") or {}).items():
+        lines.append(f"- {name}: {info['patients']} patients from {info['source']} "
+                     f"({'/'.join(info['institutions'])}); {info['role']}")
+    if world.get("reference_is_query"):
+        lines.append("- the public reference set is the query set's labels (Fay et al.)")
+    best = {}
+    for method in ("public-only", "nonprivate-central"):
+        found = [c for c in cells if c.get("method") == method and c.get("dice_per_case")]
+        if found:
+            best[method] = found[0]
+    if len(best) == 2:
+        paired = paired_difference(best["nonprivate-central"]["dice_per_case"], best["public-only"]["dice_per_case"])
+        if paired is not None:
+            mean, se, n = paired
+            lines.append(f"- headroom: nonprivate-central minus public-only mean Dice {mean:+.3f} ± {se:.3f} "
+                         f"(paired over {n} test cases): the room every private method is placed in")
+    return lines + [""]
 
 
 def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None) -> list[str]:

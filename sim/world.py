@@ -4,6 +4,17 @@ party sees of it (SPEC sections 1, 8).
 * :func:`build_world` -- the preset's phantoms (generated once and cached; one fixed world, generator seed
   :data:`PHANTOM_SEED`) or an MSD folder, prepared at the preset's grid, split by ``seed`` into hospitals'
   teacher partitions and the public sets: ``(PreparedDataset, Split)``.
+
+  Who holds what (issue 17, as a consortium looks): the hospitals' population -- the patients the model is
+  for -- gives every hospital's patients, the public unlabelled query scans (an unlabelled public archive of
+  that population) and the held-out test patients, whom nobody sees during training or selection. The public
+  labelled data (reference maps and the validation set, which makes every public choice) are scarce and come
+  from *another centre* (``preset.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`),
+  other scanners (``public_institutions``) and another lesion regime (``public_shift``,
+  sim/data/shifts.py). Its case ids carry the prefix :data:`PUBLIC_PREFIX`, so they never collide with the
+  population's (both phantom folders name cases ``BRATS_001...``). An MSD folder (``data``) is one
+  population: all sets are then drawn from it (:func:`describe_world` says so).
+* :func:`describe_world` -- that, as a record for reports: sources, sizes, patients per hospital.
 * :func:`materialise_world` / :func:`open_world` -- that world on disk (``world.json`` + ``split.json``),
   the folder every party of a simulation reads (the server for the public sets, each simulated hospital
   for its own partitions). The prepared cases stay in the shared preparation cache; ``world.json`` says
@@ -32,28 +43,106 @@ from typing import Any
 
 import numpy as np
 
-from sim.data.partitions import Split, make_split
+from sim.data.partitions import PUBLIC_SOURCE, Split, make_split
 from sim.data.phantoms import ensure_phantoms
-from sim.data.preprocess import PreparedDataset, PreprocessConfig, prepare_dataset
+from sim.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
 from sim.errors import UserError
 from sim.io import atomic_write_json, cache_root
 
 #: The simulated dataset is one fixed world whatever a run's seed, which drives the split and training:
 #: runs with different seeds are comparable on the same patients.
 PHANTOM_SEED = 0
+#: The other centre's public labelled collection: its own generator seed (other subjects, other scanner
+#: profiles), fixed like :data:`PHANTOM_SEED`.
+PUBLIC_PHANTOM_SEED = 1001
+#: case-id prefix of the other centre's cases (the population's cases keep their own names)
+PUBLIC_PREFIX = "other-"
+POPULATION_SOURCE = "hospitals-population"
+
+
+def _prepared_population(preset, data, progress: bool) -> PreparedDataset:
+    """The preset's two-source world (population + other centre) when it has one and no ``data`` is given,
+    else the one population (phantoms or the MSD folder)."""
+    grid = "x".join(map(str, preset.grid))
+    config = PreprocessConfig(grid=tuple(preset.grid))
+    root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
+                                                               seed=PHANTOM_SEED, progress=progress)
+    prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress)
+    if data is not None or not preset.public_cases:
+        return prepared
+    other = ensure_phantoms(preset, cache_root() / "phantoms", seed=PUBLIC_PHANTOM_SEED, progress=progress,
+                            cases=preset.public_cases, institutions=preset.public_institutions, test_cases=0,
+                            shift=preset.public_shift)
+    other_prepared = prepare_dataset(other, cache_root() / "prepared" / f"{other.name}-{grid}", config,
+                                     progress=progress)
+    # the folder names carry every generation setting of both sources: a changed world gets a new cache
+    return combine_prepared([(POPULATION_SOURCE, "", prepared), (PUBLIC_SOURCE, PUBLIC_PREFIX, other_prepared)],
+                            cache_root() / "prepared" / f"world-{root.name}+{other.name}-{grid}")
 
 
 def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospitals=None,
                 teachers_per_hospital=None) -> tuple[PreparedDataset, Split]:
-    """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None."""
-    root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
-                                                               seed=PHANTOM_SEED, progress=progress)
-    cache = cache_root() / "prepared" / f"{root.name}-{'x'.join(map(str, preset.grid))}"
-    prepared = prepare_dataset(root, cache, PreprocessConfig(grid=tuple(preset.grid)), progress=progress)
+    """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None.
+
+    Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``."""
+    prepared = _prepared_population(preset, data, progress)
     split = make_split(prepared, hospitals or preset.hospitals, teachers_per_hospital or preset.teachers_per_hospital,
                        preset.split_scheme, preset.n_query, preset.n_reference, preset.n_validation, preset.n_test,
-                       seed)
+                       seed, public_pool=prepared.cases_from(PUBLIC_SOURCE) or None)
     return prepared, split
+
+
+def _collection(root: str | None, cases: int, fallback: dict) -> dict[str, Any]:
+    """What generated a collection: the phantom generator's settings from its dataset.json, else its name."""
+    block = None
+    try:
+        block = json.loads((Path(root) / "dataset.json").read_text()).get("phantoms") if root else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    if isinstance(block, dict):
+        return {"kind": "phantoms", "cases": cases, **{k: block.get(k) for k in (
+            "seed", "institutions", "shift", "resolution_mm", "generator_version")}}
+    return {**fallback, "cases": cases}
+
+
+def describe_world(prepared, split) -> dict[str, Any]:
+    """Who holds what, how many, from which distribution (the report's World section, issue 17)."""
+    parts = {p.get("name"): p for p in (prepared.source.get("parts") or [])}
+
+    def origin(ids) -> str:
+        names = sorted({prepared.source_of(c) or POPULATION_SOURCE for c in ids})
+        return ", ".join(names) if names else "—"
+
+    def institutions(ids) -> list[str]:
+        return sorted({str(prepared.institution(c) or "unknown") for c in ids})
+
+    sources = {}
+    for name in (POPULATION_SOURCE, PUBLIC_SOURCE):
+        part = parts.get(name)
+        if part is not None:
+            sources[name] = _collection((prepared.manifest.get("part_roots") or {}).get(name),
+                                        int(part.get("cases", 0)), part)
+    if not sources:
+        sources[POPULATION_SOURCE] = _collection(prepared.manifest.get("source_root"), len(prepared),
+                                                 dict(prepared.source))
+    holdings = {h: {"patients": len(split.patients_of(split.hospital_cases(h))),
+                    "scans": len(split.hospital_cases(h)), "teachers": len(split.hospitals[h]),
+                    "institutions": institutions(split.hospital_cases(h))}
+                for h in sorted(split.hospitals)}
+    sets = {}
+    for name, ids, role in (
+            ("public_reference", split.public_reference, "labelled: public pre-training, PCA / autoencoder fitting"),
+            ("public_validation", split.public_validation, "labelled: every public choice (model selection)"),
+            ("public_query", split.public_query, "unlabelled: the PATE student's inputs"),
+            ("test", split.test, "held out: scores every method; seen by nobody in training or selection")):
+        sets[name] = {"patients": len(split.patients_of(ids)), "source": origin(ids),
+                      "institutions": institutions(ids), "role": role}
+    return {
+        "two_sources": PUBLIC_SOURCE in parts, "sources": sources,
+        "hospitals": holdings, "sets": sets, "split_seed": split.seed, "scheme": split.scheme,
+        "reference_is_query": bool(split.reference_is_query),
+        "private_patients": sum(h["patients"] for h in holdings.values()),
+    }
 
 
 def materialise_world(preset, data: str | Path | None, seed: int, progress: bool = True,
@@ -70,6 +159,7 @@ def materialise_world(preset, data: str | Path | None, seed: int, progress: bool
     atomic_write_json(folder / "world.json", {
         "prepared": str(prepared.path), "data": str(data) if data else None, "grid": list(preset.grid),
         "preset": preset.name, "seed": seed, "hospitals": sorted(split.hospitals),
+        "description": describe_world(prepared, split),
     })
     return folder
 

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
     p.add_argument("--shift", default="none",
                    help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "
-                        + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items()))
+                        + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items())
+                        + "; factors combine with '+' (e.g. scanner+lesions)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_phantoms)
 

@@ -12,6 +12,11 @@ one party -- one public set, the test set, or one teacher of one hospital -- and
 many scans. A patient's institution is that of its first scan (sorted case ids). Patients are ordered by
 their first case id, so data with one scan per patient is split exactly as before patients were grouped.
 
+Two sources (``public_pool``, issue 17): when the public labelled data come from another centre than the
+hospitals' population, the reference and validation sets are drawn from those cases only (stratified over
+their institutions), and the test set, the query set and the hospitals from the population only; pool cases
+not drawn stay unused (never private, never test). Without a pool all sets come from one population.
+
 Schemes:
 * ``institution`` -- natural: institution j goes to hospital j mod H (when there are fewer institutions
   than hospitals, each institution's cases are shared evenly among the hospitals mapped to it, h mod M).
@@ -39,6 +44,8 @@ from sim.io import atomic_write_json
 
 SCHEMES = ("institution", "iid", "dirichlet", "paper")
 UNKNOWN_INSTITUTION = "unknown"
+#: source name (PreparedDataset.source_of) of the public labelled collection in a two-source world (sim.world)
+PUBLIC_SOURCE = "other-centre"
 
 
 @dataclass
@@ -217,11 +224,13 @@ def _stratified_draw(rng: np.random.Generator, pool: dict[str, list], n: int) ->
 
 def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str, n_query: int,
                n_reference: int, n_validation: int, n_test: int, seed: int, alpha: float = 0.5,
-               patients: PatientsArg = None) -> Split:
+               patients: PatientsArg = None, public_pool: Sequence[str] | None = None) -> Split:
     """Partition the patients of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids).
 
     Sizes count patients and every patient's scans stay together (module docstring). ``patients``: case ->
     patient, overriding the dataset's own (default: ``prepared.patient``, else :func:`sim.data.msd.patient_id`).
+    ``public_pool``: the case ids of the public labelled source (another centre): the reference and validation
+    sets come from these only, everything else from the other cases (module docstring).
     """
     if scheme not in SCHEMES:
         raise UserError(f"--split={scheme!r}: unknown scheme; expected one of {', '.join(SCHEMES)}")
@@ -237,21 +246,41 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
         raise UserError(f"--alpha={alpha}: expected a positive Dirichlet concentration")
     institution_of, patient_of = _cases_institutions_patients(prepared, patients)
     groups = _group_by_patient(patient_of)
+    external = set(map(str, public_pool or ()))
+    if external - set(patient_of):
+        raise UserError(f"public_pool: {len(external - set(patient_of))} case(s) not in the dataset, e.g. "
+                        f"{sorted(external - set(patient_of))[0]!r}; expected case ids of the dataset")
+    public_groups = [g for g in groups if g[0] in external]
+    if any(set(g) - external for g in public_groups) or any(set(g) & external for g in groups
+                                                              if g[0] not in external):
+        raise UserError("public_pool: a patient has scans inside and outside the public source; expected each "
+                        "patient's scans in one source")
+    groups = [g for g in groups if g[0] not in external]
     total = len(groups)
-    public = n_query + n_reference + n_validation + n_test
+    labelled_public = n_reference + n_validation
+    if external and labelled_public > len(public_groups):
+        raise UserError(f"n_reference + n_validation = {labelled_public} public labelled patients need that many "
+                        f"in the public source; it has {len(public_groups)}")
+    public = n_query + n_test + (0 if external else labelled_public)
     needed = public + hospitals * teachers_per_hospital
     if needed > total:
+        what = "n_query + n_test" if external else "n_query + n_reference + n_validation + n_test"
         raise UserError(f"--hospitals={hospitals} x --teachers-per-hospital={teachers_per_hospital} (one patient "
-                        f"per teacher) plus n_query + n_reference + n_validation + n_test = {public} public "
-                        f"patients need {needed} patients; the dataset has {total} ({len(patient_of)} scans)")
+                        f"per teacher) plus {what} = {public} public patients need {needed} patients; the "
+                        f"{'population' if external else 'dataset'} has {total} ({len(patient_of)} scans)")
     rng = np.random.default_rng([int(seed), 15_485_863])
     pool: dict[str, list[tuple[str, ...]]] = {}
     for group in groups:
         pool.setdefault(institution_of[group[0]], []).append(group)
+    labelled: dict[str, list[tuple[str, ...]]] = pool
+    if external:
+        labelled = {}
+        for group in public_groups:
+            labelled.setdefault(institution_of[group[0]], []).append(group)
     test = _stratified_draw(rng, pool, n_test)
     query = _stratified_draw(rng, pool, n_query)
-    reference = _stratified_draw(rng, pool, n_reference)
-    validation = _stratified_draw(rng, pool, n_validation)
+    reference = _stratified_draw(rng, labelled, n_reference)
+    validation = _stratified_draw(rng, labelled, n_validation)
     reference_is_query = scheme == "paper" and n_reference == 0
     if reference_is_query:
         reference = list(query)
@@ -311,7 +340,8 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
             split_hospitals[name] = [sorted(part) for part in parts]
     split = Split(split_hospitals, _cases(query), _cases(reference), _cases(validation), _cases(test),
                   reference_is_query, scheme, int(seed),
-                  _params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha),
+                  {**_params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha),
+                   **({"public_pool": len(public_groups)} if external else {})},
                   patients={c: p for c, p in patient_of.items() if p != c})
     check_patients_disjoint(split)
     return split
@@ -361,9 +391,11 @@ def _params(hospitals, teachers, n_query, n_reference, n_validation, n_test, alp
 
 
 def split_for_preset(prepared, preset, seed: int = 0, **overrides) -> Split:
-    """The preset's split (``overrides`` replace any make_split argument)."""
+    """The preset's split (``overrides`` replace any make_split argument); the public labelled sets come from
+    the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world, sim.world.build_world)."""
+    pool = prepared.cases_from(PUBLIC_SOURCE) if hasattr(prepared, "cases_from") else []
     args = dict(hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
                 scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
-                n_validation=preset.n_validation, n_test=preset.n_test, seed=seed)
+                n_validation=preset.n_validation, n_test=preset.n_test, seed=seed, public_pool=pool or None)
     args.update({k: v for k, v in overrides.items() if v is not None})
     return make_split(prepared, **args)

@@ -235,9 +235,16 @@ class PhantomCase:
 
 
 def shift_parts(shift: str) -> frozenset[str]:
-    """The factors a ``shift`` name moves (``"all"`` moves every one); raises DataError for unknown names."""
+    """The factors a ``shift`` name moves (``"all"`` moves every one; ``"scanner+lesions"`` names several, as
+    another centre differs in scanners and in its patients' lesions); raises DataError for unknown names."""
+    if "+" in shift:
+        parts = shift.split("+")
+        if any(p not in SHIFT_PARTS for p in parts) or len(set(parts)) != len(parts):
+            raise DataError(f"--shift={shift}: expected distinct factors joined by '+' from "
+                            f"{', '.join(SHIFT_PARTS)}")
+        return frozenset(parts)
     if shift not in SHIFTS:
-        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)}")
+        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)} (or factors joined by '+')")
     if shift == "all":
         return frozenset(SHIFT_PARTS)
     return frozenset() if shift == "none" else frozenset({shift})
@@ -670,31 +677,43 @@ def _read_config(meta_path: Path) -> dict | None:
                                       "test_cases", "shift")}
 
 
-def phantom_folder_name(preset, seed: int = 0) -> str:
-    return (f"phantoms-{preset.name}-n{preset.phantom_cases}-t{preset.phantom_test_cases}"
-            f"-m{preset.institutions}-{preset.phantom_resolution_mm:g}mm-seed{seed}-v{GENERATOR_VERSION}")
+def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, institutions: int | None = None,
+                        test_cases: int | None = None, shift: str = "none") -> str:
+    """Cache folder of a phantom collection: every generation setting is in the name, so a folder is reused
+    only for identical bytes (the shift is named when there is one, keeping older names for "none")."""
+    cases = preset.phantom_cases if cases is None else cases
+    institutions = preset.institutions if institutions is None else institutions
+    test_cases = preset.phantom_test_cases if test_cases is None else test_cases
+    return (f"phantoms-{preset.name}-n{cases}-t{test_cases}-m{institutions}-{preset.phantom_resolution_mm:g}mm"
+            f"-seed{seed}{'' if shift == 'none' else '-' + shift}-v{GENERATOR_VERSION}")
 
 
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
-                    progress: bool = True, workers: int = 1) -> Path:
+                    progress: bool = True, workers: int = 1, *, cases: int | None = None,
+                    institutions: int | None = None, test_cases: int | None = None, shift: str = "none") -> Path:
     """Phantoms for ``preset`` (a name or :class:`sim.presets.Preset`), generated once and cached.
 
     Cached under ``cache_root`` (default ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``) in a folder named after
     the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`. A file lock serialises
-    concurrent callers (several test sessions or runs share the cache).
+    concurrent callers (several test sessions or runs share the cache). ``cases``, ``institutions``,
+    ``test_cases`` and ``shift`` override the preset's (the other centre's public collection, sim.world).
     """
 
     if isinstance(preset, str):
         preset = get_preset(preset)
+    shift_parts(shift)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    out = root / phantom_folder_name(preset, seed)
+    cases = preset.phantom_cases if cases is None else cases
+    institutions = preset.institutions if institutions is None else institutions
+    test_cases = preset.phantom_test_cases if test_cases is None else test_cases
+    out = root / phantom_folder_name(preset, seed, cases=cases, institutions=institutions, test_cases=test_cases,
+                                     shift=shift)
     if (out / "dataset.json").exists():
         return out
     with _file_lock(root / f".{out.name}.lock"):
-        return generate_phantoms(out, preset.phantom_cases, preset.institutions, seed,
-                                 resolution_mm=preset.phantom_resolution_mm, test_cases=preset.phantom_test_cases,
-                                 progress=progress, workers=workers)
+        return generate_phantoms(out, cases, institutions, seed, resolution_mm=preset.phantom_resolution_mm,
+                                 test_cases=test_cases, progress=progress, workers=workers, shift=shift)
 
 
 class _file_lock:

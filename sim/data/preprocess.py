@@ -265,6 +265,7 @@ class PreparedDataset:
         self._index = {cid: i for i, cid in enumerate(self.case_ids)}
         self._institutions: dict[str, str | None] = dict(manifest.get("institutions") or {})
         self._patients: dict[str, str] = dict(manifest.get("patients") or {})
+        self._sources: dict[str, str] = dict(manifest.get("sources") or {})
         self.records = records
 
     @classmethod
@@ -321,6 +322,15 @@ class PreparedDataset:
     def record(self, case_id: str) -> PreprocessRecord:
         self._position(case_id)
         return self.records[case_id]
+
+    def source_of(self, case_id: str) -> str | None:
+        """Which collection ``case_id`` comes from in a dataset made by :func:`combine_prepared` (None otherwise)."""
+        self._position(case_id)
+        return self._sources.get(case_id)
+
+    def cases_from(self, source: str) -> list[str]:
+        """The case ids of one collection of a combined dataset, in dataset order."""
+        return [c for c in self.case_ids if self._sources.get(c) == source]
 
     # --- arrays
     def _position(self, case_id: str) -> int:
@@ -419,4 +429,77 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
         }
         atomic_write_json(cache / "manifest.json", manifest)
+    return PreparedDataset.open(cache)
+
+
+def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
+                     cache_dir: str | os.PathLike) -> PreparedDataset:
+    """One dataset of several prepared collections (``parts``: (source name, case-id prefix, dataset)).
+
+    Why: the simulated world draws its public labelled data from another centre than the hospitals' population
+    (issue 17), yet every party reads one dataset by case id. Both phantom folders name their cases
+    ``BRATS_001...``, so each part's case ids, patients and institutions are qualified by its prefix (one part
+    may keep an empty prefix); colliding ids are refused. ``manifest.json`` records each case's source
+    (:meth:`PreparedDataset.source_of`) and every part's own source description. Reused when the parts'
+    manifests are unchanged; a lock serialises concurrent callers.
+    """
+    cache = Path(cache_dir)
+    if not parts:
+        raise DataError("combine_prepared: expected at least one prepared dataset")
+    configs = {json.dumps(d.manifest["config"], sort_keys=True) for _, _, d in parts}
+    if len(configs) != 1:
+        raise DataError("combine_prepared: the datasets were prepared with different settings; expected one grid")
+    digest = hashlib.sha256(json.dumps([[name, prefix, d.manifest.get("source_fingerprint"),
+                                         d.manifest.get("case_ids")] for name, prefix, d in parts],
+                                       sort_keys=True).encode()).hexdigest()[:16]
+    config = dict(parts[0][2].manifest["config"])
+    wanted = {"format": PREPARED_FORMAT, "config": config, "source_fingerprint": digest, "combined_format": 1}
+
+    def valid() -> PreparedDataset | None:
+        try:
+            manifest = json.loads((cache / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return PreparedDataset.open(cache) if all(manifest.get(k) == v for k, v in wanted.items()) else None
+
+    cached = valid()
+    if cached is not None:
+        return cached
+    cache.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache / ".prepare.lock"):
+        cached = valid()
+        if cached is not None:
+            return cached
+        case_ids, institutions, patients, sources, records, described, roots = [], {}, {}, {}, {}, [], {}
+        for name, prefix, dataset in parts:
+            for cid in dataset.case_ids:
+                qualified = prefix + cid
+                if qualified in sources:
+                    raise DataError(f"combine_prepared: case {qualified!r} is in {sources[qualified]} and {name}; "
+                                    "expected a distinct id prefix per collection")
+                case_ids.append(qualified)
+                sources[qualified] = name
+                institution = dataset.institution(cid)
+                institutions[qualified] = prefix + institution if institution is not None else None
+                patients[qualified] = prefix + dataset.patient(cid)
+                records[qualified] = dataset.record(cid).to_dict()
+            described.append({"name": name, "prefix": prefix, "cases": len(dataset), **dataset.source})
+            roots[name] = dataset.manifest.get("source_root")
+        try:
+            (cache / "manifest.json").unlink()                 # invalidate before overwriting the arrays
+        except FileNotFoundError:
+            pass
+        images = np.concatenate([np.asarray(d.images(), np.float32) for _, _, d in parts])
+        labels = np.concatenate([np.asarray(d._labels, np.uint8) for _, _, d in parts])
+        _atomic_save_npy(cache / "images.npy", images)
+        _atomic_save_npy(cache / "labels.npy", labels)
+        atomic_write_json(cache / "records.json", records)
+        # "source" (model cards): the first part's description -- the population a model is for -- plus every
+        # part's; local folders only in "part_roots" (a card names no path of this machine)
+        atomic_write_json(cache / "manifest.json", {
+            **wanted, "source": {**parts[0][2].source, "parts": described},
+            "source_root": parts[0][2].manifest.get("source_root"), "part_roots": roots, "case_ids": case_ids,
+            "institutions": institutions, "patients": patients, "sources": sources,
+            "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
+        })
     return PreparedDataset.open(cache)

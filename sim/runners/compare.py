@@ -37,14 +37,14 @@ from sim.io import atomic_write_json
 from sim.methods import FEDERATED_METHODS, PRIVATE_METHODS, SEGMENTATION_METHODS
 from sim.networks import network_config
 from sim.presets import get_preset
-from sim.report import load_cells, plot_overlays, write_report
+from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.results import ModelRelease, RunResults, write_run
 from sim.runconfig import RunSettings
 from sim.runners.central import run_central
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.simulation import simulate
 from sim.training import evaluate_segmentation_per_case, predict_probs, public_validation_dice
-from sim.world import build_world, load_world, materialise_world, open_world
+from sim.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
 
@@ -94,6 +94,9 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                              "data": data, "engine": engine,
                                              "noise": "reproducible" if reproducible_noise else "secure",
                                              "lifetime_epsilon": lifetime})
+    # who holds what in this comparison's world (the report's World section); the split of the first K
+    world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress)))
     print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
           f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
 
