@@ -77,7 +77,7 @@ SERVER_POLICY = codecs.CodecPolicy(max_latent_dim=1 << 62, allow_identity=True)
 class PateConfig:
     """What one PATE run is asked to do (everything but the hospitals, the world and the preset)."""
 
-    method: str                           # pate-pca | pate-ae | pate-naive
+    method: str                           # pate-pca | pate-ae | pate-anchored | pate-naive
     epsilon: float
     delta: float
     seed: int = 0
@@ -122,6 +122,26 @@ class ReleasePlan:
     sensitivity: float                    # S(K) of the codec as shipped, K = every planned teacher
     sigma: float
     collapse: dict | None                 # the autoencoder's collapse check (SPEC section 11)
+    #: the public model's probabilities on the query scans: the anchored codec's p_n (shipped with each batch,
+    #: public side information) and, for every method, what the pseudo-labels must beat (issue 18)
+    public_query_probs: np.ndarray | None = None
+    public_test_probs: np.ndarray | None = None
+
+    def codec_for(self, indices, on: str = "query") -> dict:
+        """The codec state shipped with the scans ``indices`` (the anchored codec carries their anchor)."""
+        anchors = self.public_query_probs if on == "query" else self.public_test_probs
+        if str(codecs.scalar(self.codec, "kind")) != "anchored":
+            return self.codec
+        return codecs.with_anchor(self.codec, anchors[np.asarray(indices, dtype=int)])
+
+    def decode(self, latents: np.ndarray, indices, on: str = "query", noisy: bool = True) -> np.ndarray:
+        """Pseudo-labels from mean latents; the anchored codec decodes against the scans' anchors and shrinks
+        noisy latents towards them (``noisy=False``: the un-noised diagnostic, no shrinkage)."""
+        if str(codecs.scalar(self.codec, "kind")) != "anchored":
+            return self.compressor.decode(latents)
+        anchors = self.public_query_probs if on == "query" else self.public_test_probs
+        return self.compressor.decode(latents, anchors[np.asarray(indices, dtype=int)],
+                                      sigma=self.sigma if noisy else 0.0)
 
 
 @dataclass
@@ -157,6 +177,7 @@ class Evaluation:
     ensemble_dice: dict | None = None                               # not private
     ensemble_vote_dice: dict | None = None                          # not private
     pseudo_label_dice: dict | None = None                           # not private
+    public_model_query_dice: dict | None = None                     # public model, the same query scans
     diagnostics: bool = False
 
 
@@ -190,7 +211,7 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
     config = _without_diagnostics_if_deployed(config, transport)
     public_model = pretrain_public_model(world, preset, config)
     teachers = train_teachers(transport, preset, config, public_model)
-    plan = plan_release(world, preset, config, teachers, out)
+    plan = plan_release(world, preset, config, teachers, out, public_model)
     ledger = Ledger(out / "ledger.jsonl")
     guard = BudgetGuard(ledger, float(config.epsilon), float(config.delta))
     queries = run_query_phase(transport, world, plan, teachers, config, guard, noise)
@@ -220,7 +241,8 @@ def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
     return Teachers(per_hospital, metrics)
 
 
-def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teachers, out: Path) -> ReleasePlan:
+def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teachers, out: Path,
+                 public_model: torch.nn.Module | None = None) -> ReleasePlan:
     """Step 3: calibration (SPEC section 5) and the compressor (fitted on PUBLIC reference label maps only).
 
     The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
@@ -239,14 +261,24 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
                                  progress=config.progress, **options)
     if method == "pate-ae":   # Alg. 2: the decoder learns on the noise it will see
         compressor.train_sigma = noise_per_sensitivity * compressor.sensitivity(K)
-    compressor.fit(codecs.one_hot(world.reference_labels, world.classes))
+    public_query = predict_probs(public_model, world.query_images) if public_model is not None else None
+    if method == "pate-anchored":
+        # issue 18: anchored at the public model; C from its residual on the public reference scans
+        if public_model is None or world.reference_images is None:
+            raise UserError("pate-anchored needs the public model and public reference scans with labels")
+        compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
+                       predict_probs(public_model, world.reference_images))
+    else:
+        compressor.fit(codecs.one_hot(world.reference_labels, world.classes))
     if method == "pate-pca":  # eq. 7: keep the components with lambda_j > sigma^2
         compressor.resolve_components(noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
     sigma = pate_sigma(config.epsilon, config.delta, queries, sensitivity, mode=config.calibration)
+    public_test = (predict_probs(public_model, world.test_images)
+                   if public_model is not None and method == "pate-anchored" else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
-                       compressor.collapsed() if method == "pate-ae" else None)
+                       compressor.collapsed() if method == "pate-ae" else None, public_query, public_test)
 
 
 def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: ReleasePlan, teachers: Teachers,
@@ -277,7 +309,7 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
             phase.stopped_early = refusal
             break
         release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
-        replies = transport.query(world.query_images[batch], plan.codec, {
+        replies = transport.query(world.query_images[batch], plan.codec_for(batch), {
             "method": config.method, "seed": config.seed, "queries": batch, "release_ids": release_ids,
             "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta)})
         phase.stopped_early = _aggregate_batch(phase, batch, release_ids, replies, plan, guard, noise, asked, bar)
@@ -296,7 +328,7 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
                              queries: QueryPhase, public_model: torch.nn.Module) -> Student:
     """Step 5: pseudo-labels from the noisy latents; the student (and, on the same schedule without them,
     the public-only baseline) starts from the public model."""
-    pseudo = (plan.compressor.decode(np.stack(queries.latents)) if queries.latents
+    pseudo = (plan.decode(np.stack(queries.latents), queries.answered) if queries.latents
               else np.zeros((0, world.classes, *world.grid), np.float32))
     targets = pseudo if config.soft_labels else pseudo.argmax(axis=1)
     public_init = {k: v.clone() for k, v in public_model.state_dict().items()}
@@ -327,16 +359,22 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
     scores = [d for m in teacher_dice.values() for d in (m.get("teacher_dice") or []) if d is not None]
     result.teacher_dice_mean = float(np.mean(scores)) if scores else None
     result.teacher_dice_per_hospital = {h: m.get("teacher_dice_mean") for h, m in teacher_dice.items()}
-    clean = transport.query(world.test_images, plan.codec, {"method": config.method, "diagnostic": True})
+    test_indices = np.arange(len(world.test_images))
+    clean = transport.query(world.test_images, plan.codec_for(test_indices, on="test"),
+                            {"method": config.method, "diagnostic": True})
     rows = [np.asarray(r, np.float64) for r in clean.values() if np.asarray(r).ndim == 3]
     if rows:
         mean_latent = np.concatenate(rows, axis=0).mean(axis=0)
-        result.ensemble_dice = _label_dice(plan.compressor.decode(mean_latent), world.test_labels)
+        result.ensemble_dice = _label_dice(plan.decode(mean_latent, test_indices, on="test", noisy=False),
+                                           world.test_labels)
     if isinstance(transport, TeacherEnsembleDiagnostics):
         result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images),
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])
+        if plan.public_query_probs is not None:   # issue 18: what the pseudo-labels must beat, same scans
+            result.public_model_query_dice = _label_dice(plan.public_query_probs[queries.answered],
+                                                         world.query_labels[queries.answered])
     return result
 
 
@@ -369,6 +407,13 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "ensemble_dice": evaluation.ensemble_dice,
         "ensemble_vote_dice_mean": _mean(evaluation.ensemble_vote_dice),
         "pseudo_label_dice_mean": _mean(evaluation.pseudo_label_dice),
+        # issue 18: the two ratios that say whether PATE carries what the hospitals know (simulation only:
+        # the probability average needs every teacher's full-resolution output, which never leaves a hospital)
+        "ensemble_probability_average_dice_mean": _mean(evaluation.ensemble_vote_dice),
+        "ensemble_decoded_over_probability_average": _ratio(evaluation.ensemble_dice, evaluation.ensemble_vote_dice),
+        "public_model_query_dice_mean": _mean(evaluation.public_model_query_dice),
+        "pseudo_label_minus_public_model_query_dice": _difference(evaluation.pseudo_label_dice,
+                                                                  evaluation.public_model_query_dice),
         "teacher_dice_per_hospital": evaluation.teacher_dice_per_hospital,
         "local_epsilon": {h: m.get("local_epsilon") for h, m in teachers.metrics.items()},
         "soft_labels": bool(config.soft_labels), "student_includes_reference": bool(config.include_reference),
@@ -384,6 +429,9 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "ledger_owners": ledger.owners(),
         "not_private_diagnostics": ["teacher_dice_mean", "ensemble_dice_mean", "ensemble_dice",
                                     "ensemble_vote_dice_mean", "pseudo_label_dice_mean",
+                                    "ensemble_probability_average_dice_mean",
+                                    "ensemble_decoded_over_probability_average",
+                                    "pseudo_label_minus_public_model_query_dice",
                                     "teacher_dice_per_hospital"] if evaluation.diagnostics else [],
         "privacy_statement": (f"({results.epsilon:.4g}, {config.delta:g})-DP per patient, replace-one adjacency, "
                               f"{results.accountant} accountant over {len(queries.answered)} Gaussian queries "
@@ -468,3 +516,13 @@ def _label_dice(probs: np.ndarray, labels: np.ndarray) -> dict:
 
 def _mean(dice: dict | None) -> float | None:
     return None if dice is None else dice.get("mean")
+
+
+def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+    top, bottom = _mean(numerator), _mean(denominator)
+    return None if top is None or not bottom else float(top / bottom)
+
+
+def _difference(first: dict | None, second: dict | None) -> float | None:
+    a, b = _mean(first), _mean(second)
+    return None if a is None or b is None else float(a - b)

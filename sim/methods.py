@@ -9,7 +9,7 @@ it for its help without paying for torch.
 
 from __future__ import annotations
 
-PATE_METHODS = ("pate-ae", "pate-pca", "pate-naive")
+PATE_METHODS = ("pate-ae", "pate-pca", "pate-anchored", "pate-naive")
 FEDERATED_METHODS = PATE_METHODS + ("dp-fedavg",)
 #: ``fedpate central --method`` name -> the method it writes
 CENTRAL_METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}

@@ -35,7 +35,7 @@ def world():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["pate-pca", "pate-ae", "pate-naive"])
+@pytest.mark.parametrize("method", ["pate-pca", "pate-ae", "pate-anchored", "pate-naive"])
 def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_path):
     from privacy.ledger import Ledger
     from sim.runners.inprocess import run_pate_inprocess
