@@ -2,7 +2,6 @@
 SuperNode authentication on localhost -- including a hospital killed during the query phase."""
 
 import json
-import os
 
 import pytest
 
@@ -16,13 +15,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("fedpate-cache")
-    old = os.environ.get("FEDPATE_CACHE")
-    os.environ["FEDPATE_CACHE"] = str(root)
-    yield root
-    if old is None:
-        os.environ.pop("FEDPATE_CACHE", None)
-    else:
-        os.environ["FEDPATE_CACHE"] = old
+    with pytest.MonkeyPatch.context() as env:   # module scope: the function-scoped monkeypatch cannot
+        env.setenv("FEDPATE_CACHE", str(root))
+        yield root
 
 
 def _check_run(out, results):

@@ -2,7 +2,6 @@
 population the model is for; nobody's patients shared; one seed, one world."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -20,13 +19,9 @@ def world_cache(tmp_path_factory, tiny_phantoms):
     root = tmp_path_factory.mktemp("world-cache")
     (root / "phantoms").mkdir()
     (root / "phantoms" / tiny_phantoms.name).symlink_to(tiny_phantoms)
-    old = os.environ.get("FEDPATE_CACHE")
-    os.environ["FEDPATE_CACHE"] = str(root)
-    yield root
-    if old is None:
-        os.environ.pop("FEDPATE_CACHE", None)
-    else:
-        os.environ["FEDPATE_CACHE"] = old
+    with pytest.MonkeyPatch.context() as env:   # module scope: the function-scoped monkeypatch cannot
+        env.setenv("FEDPATE_CACHE", str(root))
+        yield root
 
 
 @pytest.fixture(scope="module")

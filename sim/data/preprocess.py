@@ -393,15 +393,7 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             atomic_write_json(manifest_path, {**manifest, "patients": {c.case_id: c.patient for c in dataset.training}})
         return PreparedDataset.open(cache)
 
-    cached = valid()
-    if cached is not None:
-        return cached
-    cache.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache / ".prepare.lock"):
-        cached = valid()
-        if cached is not None:
-            return cached
-
+    def write() -> None:   # under the cache's lock, once valid() has failed twice
         cases = dataset.training
         images = np.zeros((len(cases), 4, *config.grid), np.float32)
         labels = np.zeros((len(cases), *config.grid), np.uint8)
@@ -429,7 +421,8 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
         }
         atomic_write_json(cache / "manifest.json", manifest)
-    return PreparedDataset.open(cache)
+
+    return _prepared_once(cache, valid, write)
 
 
 def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
@@ -462,14 +455,7 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
             return None
         return PreparedDataset.open(cache) if all(manifest.get(k) == v for k, v in wanted.items()) else None
 
-    cached = valid()
-    if cached is not None:
-        return cached
-    cache.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache / ".prepare.lock"):
-        cached = valid()
-        if cached is not None:
-            return cached
+    def write() -> None:   # under the cache's lock, once valid() has failed twice
         case_ids, institutions, patients, sources, records, described, roots = [], {}, {}, {}, {}, [], {}
         for name, prefix, dataset in parts:
             for cid in dataset.case_ids:
@@ -502,4 +488,20 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
             "institutions": institutions, "patients": patients, "sources": sources,
             "shapes": {"images": list(images.shape), "labels": list(labels.shape)},
         })
+
+    return _prepared_once(cache, valid, write)
+
+
+def _prepared_once(cache: Path, valid, write) -> "PreparedDataset":
+    """The prepared cache at ``cache``: ``valid()`` when it holds; else ``write()`` under the cache's file lock,
+    checking ``valid()`` again inside it (another process may have written it meanwhile), then open it."""
+    cached = valid()
+    if cached is not None:
+        return cached
+    cache.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache / ".prepare.lock"):
+        cached = valid()
+        if cached is not None:
+            return cached
+        write()
     return PreparedDataset.open(cache)
