@@ -14,6 +14,7 @@ server's ε for the global model comes from those mirrored ledgers (the worst ho
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,6 +30,13 @@ from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.networks import build_unet
 from sim.training import TrainConfig, train_segmentation
+
+
+@functools.lru_cache(maxsize=64)
+def plan_noise_multiplier(epsilon: float, delta: float, plan: tuple, relation: str) -> float:
+    """Noise multiplier for a plan of (steps per epoch, epochs) runs composed (cached: every round asks)."""
+    return calibration.composed_dpsgd_noise_multiplier(
+        epsilon, delta, [(1.0 / steps, steps * epochs) for steps, epochs in plan], relation=relation)
 
 
 def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]):
@@ -49,9 +57,15 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
 
     model = build_unet(preset.unet)
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
-    steps = steps_per_epoch(len(case_ids), preset.batch_size)
-    noise_multiplier = calibration.dpsgd_noise_multiplier(epsilon, delta, 1.0 / steps,
-                                                          steps * local_epochs * rounds, relation=relation)
+    batch_size = int(config.get("batch_size") or preset.batch_size)
+    steps = steps_per_epoch(len(case_ids), batch_size)
+    # one sigma for every setting of the server's grid (its plan: expected batch and epochs of each), at this
+    # hospital's own sampling rates: all of them together spend this run's budget (issue 17)
+    plan = json.loads(config["plan"]) if config.get("plan") else [{"batch_size": batch_size,
+                                                                   "epochs": local_epochs * rounds}]
+    noise_multiplier = plan_noise_multiplier(
+        epsilon, delta, tuple((steps_per_epoch(len(case_ids), int(s["batch_size"])), int(s["epochs"])) for s in plan),
+        relation)
     # reproducible noise (simulation only) is named by what the run is, not by its nonce: the same seed and
     # budget repeat the same streams; every round and epoch still draws its own
     noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id,
@@ -61,12 +75,14 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     # this run's budget, and the hospital's lifetime budget over everything released from its patients
     guard = GuardChain(BudgetGuard(ledger, epsilon, delta), [(hospital.lifetime_guard(config), [hospital.hospital_id])])
     before = {record["release_id"] for record in ledger.records()}
-    prefix = f"dpfedavg:{run_tag}:round-{round_index}"
+    setting = f"setting-{int(config['setting'])}:" if config.get("plan") else ""
+    prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=preset.dpsgd_max_grad_norm, release_prefix=prefix,
-                  stream_prefix=f"round-{round_index}", relation=relation)
-    train_config = TrainConfig(epochs=local_epochs, batch_size=preset.batch_size,
-                               learning_rate=preset.learning_rate,
+                  max_grad_norm=float(config.get("max_grad_norm") or preset.dpsgd_max_grad_norm),
+                  per_layer=bool(preset.extra.get("dpsgd_per_layer", True)), release_prefix=prefix,
+                  stream_prefix=f"{setting}round-{round_index}", relation=relation)
+    train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
+                               learning_rate=float(config.get("learning_rate") or preset.learning_rate),
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
                                progress=False, description=f"{hospital.hospital_id} round {round_index}")
     result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
@@ -78,6 +94,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
         "epochs_trained": result.epochs_completed,
         "noise_multiplier": noise_multiplier,
         "sampling_rate": 1.0 / steps,
+        "batch_size": batch_size,
         "epsilon": spent.epsilon if spent else 0.0,
         "ledger_records": json.dumps(new_records),
         "stopped_reason": result.stopped_reason or "",

@@ -70,43 +70,93 @@ def mirror_hospital_records(ledger: Ledger, hospital: str, records_json: str) ->
     return count
 
 
+#: the settings a DP-FedAvg grid entry may fix (anything else comes from the preset)
+FEDAVG_SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "rounds", "local_epochs")
+
+
+def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) -> list[dict]:
+    """The DP-FedAvg settings to try: one per entry of the preset's ``dpfedavg_grid`` (one when empty).
+    Defaults: the preset's learning rate and clipping norm, its DP-SGD expected batch (``dpsgd_batch_size``)
+    capped by what a hospital's few patients allow in the local sampler, ``central_epochs`` rounds of
+    ``local_epochs`` local epochs. ``rounds`` given explicitly fixes the rounds of every entry."""
+    base = {"learning_rate": preset.learning_rate, "max_grad_norm": preset.dpsgd_max_grad_norm,
+            "batch_size": int(preset.extra.get("dpfedavg_batch_size") or preset.batch_size),
+            "rounds": int(rounds or max(1, preset.central_epochs // max(1, local_epochs))),
+            "local_epochs": int(local_epochs)}
+    settings = []
+    for entry in (preset.dpfedavg_grid or ({},)):
+        unknown = set(entry) - set(FEDAVG_SETTING_KEYS)
+        if unknown:
+            raise ValueError(f"preset {preset.name}: dpfedavg_grid entry has unknown keys {sorted(unknown)}")
+        setting = {**base, **entry}
+        if rounds:
+            setting["rounds"] = int(rounds)
+        setting = {k: (float(setting[k]) if k in ("learning_rate", "max_grad_norm") else int(setting[k]))
+                   for k in FEDAVG_SETTING_KEYS}
+        if setting not in settings:
+            settings.append(setting)
+    return settings
+
+
 def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, delta: float, out_dir: str | Path,
                  seed: int = 0, rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
-                 reproducible_noise: bool = False, relation: str = "replace-one") -> dict[str, Any]:
-    """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results."""
+                 reproducible_noise: bool = False, relation: str = "replace-one",
+                 init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public") -> dict[str, Any]:
+    """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results.
+
+    ``init_weights``: the starting global model -- the public model (issue 17: every method starts from the
+    model pre-trained on the public reference set, as PATE's teachers and student); random weights when None.
+    Settings grid (``dpfedavg_settings``): every entry is a full federated run from the same start; the
+    hospitals calibrate one noise multiplier for all entries together (the plan travels in each round's
+    config), so their ledgers' ε over the whole grid is the budget; the entry whose global model has the best
+    public validation Dice is kept (post-processing of released models).
+    """
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out / "ledger.jsonl")
     torch.manual_seed(seed)
     model = build_unet(preset.unet)
-    weights = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
-    rounds = int(rounds or max(1, preset.central_epochs // max(1, local_epochs)))
+    if init_weights is not None:
+        model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
+    start = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+    settings = dpfedavg_settings(preset, rounds, local_epochs)
     # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs
     run_tag = f"{out.resolve().name}-e{epsilon:g}-{secrets.token_hex(4)}"
-    history = []
-    iterator = range(rounds)
-    if progress:
-        iterator = tqdm(iterator, desc="dp-fedavg rounds", unit="round")
-    for round_index in iterator:
-        replies = transport.fedavg_round(weights, {
-            "round": round_index, "rounds": rounds, "local_epochs": local_epochs, "epsilon": epsilon,
-            "delta": delta, "seed": seed, "run_tag": run_tag, "reproducible_noise": bool(reproducible_noise),
-            "relation": relation})
-        if not replies:
-            history.append({"round": round_index, "hospitals": 0})
-            break
-        updates = {}
-        for hospital, (metrics, new_weights) in replies.items():
-            mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
-            if int(metrics.get("epochs_trained", 0)) > 0:
-                updates[hospital] = new_weights   # equal public weights: no reported size is used
-        if not updates:  # every hospital's budget is spent
-            history.append({"round": round_index, "hospitals": 0, "reason": "budget spent"})
-            break
-        weights = federated_average(updates)
-        history.append({"round": round_index, "hospitals": len(updates)})
-    model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
+    plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
+    candidates = []
+    for index, setting in enumerate(settings):
+        weights, history = dict(start), []
+        iterator = range(setting["rounds"])
+        if progress:
+            label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
+            iterator = tqdm(iterator, desc=label, unit="round")
+        for round_index in iterator:
+            replies = transport.fedavg_round(weights, {
+                "round": round_index, "rounds": setting["rounds"], "local_epochs": setting["local_epochs"],
+                "epsilon": epsilon, "delta": delta, "seed": seed, "run_tag": run_tag,
+                "reproducible_noise": bool(reproducible_noise), "relation": relation,
+                "setting": index, "plan": plan, "learning_rate": setting["learning_rate"],
+                "max_grad_norm": setting["max_grad_norm"], "batch_size": setting["batch_size"]})
+            if not replies:
+                history.append({"round": round_index, "hospitals": 0})
+                break
+            updates = {}
+            for hospital, (metrics, new_weights) in replies.items():
+                mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
+                if int(metrics.get("epochs_trained", 0)) > 0:
+                    updates[hospital] = new_weights   # equal public weights: no reported size is used
+            if not updates:  # every hospital's budget is spent
+                history.append({"round": round_index, "hospitals": 0, "reason": "budget spent"})
+                break
+            weights = federated_average(updates)
+            history.append({"round": round_index, "hospitals": len(updates)})
+        candidate = build_unet(preset.unet)
+        candidate.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
+        # public labels only: what may choose among the released global models
+        candidates.append((setting, candidate, history, public_validation_dice(candidate, world)))
+    chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i][3] is None else candidates[i][3], -i))
+    setting, model, history, validation_dice = candidates[chosen]
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
     results = RunResults(
         method="dp-fedavg", dice=dice, epsilon_budget=epsilon, hospitals=len(transport.hospital_ids()),
@@ -117,9 +167,21 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         "dice_per_case": dice_per_case,
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
-        "validation_dice_mean": public_validation_dice(model, world),   # public: what model selection may use
+        "validation_dice_mean": validation_dice,   # public: what model selection may use
+        "init": init if init_weights is not None else "scratch",
+        "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
+                  if init_weights is not None else "random weights"),
+        "settings_grid": [dict(c[0]) for c in candidates],
+        "settings_validation_dice": [c[3] for c in candidates],
+        "setting_chosen": chosen,
+        "setting_selection": ("best Dice on the public validation set among the grid; every entry was a full "
+                              "federated run on the private data, charged to the hospitals' ledgers"
+                              if len(candidates) > 1 else "one setting (the preset's)"),
+        "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
+        "max_grad_norm": setting["max_grad_norm"],
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
         "dropped_hospitals": dict(transport.dropped),
     }
-    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source)
+    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
+                           card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})
     return write_run(out, results, release, started=started)

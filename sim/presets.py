@@ -61,6 +61,13 @@ class Preset:
     delta: float = 1e-3
     dpsgd_max_grad_norm: float = 4.0
     dpsgd_noise_multiplier: float = 6 ** 0.5   # the paper's setting (Fay et al., Sec. 5)
+    # The DP baselines' settings grids (issue 17): each entry fixes some of learning_rate, max_grad_norm,
+    # batch_size (expected batch) and epochs (DP-FedAvg: rounds); the rest come from the fields above. Every
+    # entry is trained on the private data under one noise multiplier calibrated for all of them together,
+    # and the entry with the best public validation Dice is kept (sim.runners.central, server.dpfedavg).
+    # Empty: one setting, the preset's.
+    dpsgd_grid: tuple = field(default=(), kw_only=True)
+    dpfedavg_grid: tuple = field(default=(), kw_only=True)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -79,6 +86,8 @@ PRESETS: dict[str, Preset] = {
         public_cases=12, public_institutions=2, public_shift="lesions",
         unet="tiny", teacher_epochs=3, pretrain_epochs=3, student_epochs=4, central_epochs=4,
         batch_size=2, learning_rate=3e-3, pca_components=None, ae_latent_dim=8, ae_epochs=10,
+        dpsgd_grid=({"learning_rate": 3e-3}, {"learning_rate": 1e-3, "epochs": 2}),
+        dpfedavg_grid=({"learning_rate": 3e-3}, {"learning_rate": 1e-3}),
     ),
     "quick": Preset(
         name="quick", phantom_cases=260, phantom_test_cases=4, institutions=4, phantom_resolution_mm=3.0,
@@ -97,7 +106,11 @@ PRESETS: dict[str, Preset] = {
         batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=60,
         # DP-SGD on 140 volumes: with batch 2 and per-layer clipping at 4 the noise swamps the signal (mean
         # Dice 0.02 at eps 8); expected batch 16 with flat clipping gave 0.229 (C=1) and 0.247 (C=0.1).
-        dpsgd_max_grad_norm=0.1, extra={"dpsgd_batch_size": 16, "dpsgd_per_layer": False},
+        # DP-FedAvg: a hospital's 45 patients at expected batch 8 (q = 1/6)
+        dpsgd_max_grad_norm=0.1, extra={"dpsgd_batch_size": 16, "dpsgd_per_layer": False, "dpfedavg_batch_size": 8},
+        # fine-tuning the public model privately: the pre-training learning rate, or a quarter of it
+        dpsgd_grid=({"learning_rate": 2e-3}, {"learning_rate": 5e-4}),
+        dpfedavg_grid=({"learning_rate": 2e-3}, {"learning_rate": 5e-4}),
     ),
     "paper": Preset(
         name="paper", phantom_cases=484, phantom_test_cases=0, institutions=8, phantom_resolution_mm=1.0,

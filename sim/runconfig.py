@@ -38,6 +38,7 @@ class RunSettings:
     reproducible_noise: bool = False  # simulation only: noise streams seeded by ``seed`` (not private)
     lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
     ledger_dir: str | None = None     # simulated hospitals' own ledgers (default: <out>/hospital-ledgers)
+    init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class RunSettings:
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)
                                                       and self.lifetime_epsilon > 0):
             raise UserError(f"lifetime-epsilon: expected a positive number, got {self.lifetime_epsilon}")
+        if self.init not in ("public", "scratch"):
+            raise UserError(f"init: expected 'public' or 'scratch', got {self.init!r}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
 
@@ -99,6 +102,7 @@ class RunSettings:
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
             reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
+            init=str(get("init", "public")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -112,6 +116,7 @@ class RunSettings:
             "reply-timeout": self.reply_timeout, "calibration": self.calibration,
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
             "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
+            "init": self.init,
         }
 
     def noise_source(self, *names):

@@ -33,6 +33,13 @@ def register(subparsers) -> None:
                         help="Opacus per-sample gradient engine (default: the benchmarked fastest)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: preset's central_epochs)")
     parser.add_argument("--no-augment", action="store_true", help="train without augmentation")
+    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+                        help="start from the public model (pre-trained on the public reference set, as PATE; "
+                             "default) or from random weights")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="learning rate (default: the preset's; DP-SGD: the preset's grid, chosen on public "
+                             "validation)")
+    parser.add_argument("--batch-size", type=int, default=None, help="(expected) batch size (default: preset's)")
     parser.set_defaults(func=run)
 
 
@@ -45,7 +52,8 @@ def run(args) -> int:
         schedule=args.schedule, sampling=args.sampling, noise_multiplier=args.noise_multiplier,
         max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
         grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
-        reproducible_noise=args.reproducible_noise, relation=args.relation)
+        reproducible_noise=args.reproducible_noise, relation=args.relation, init=args.init,
+        learning_rate=args.learning_rate, batch_size=args.batch_size)
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

@@ -17,6 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),
                         help="flower: Flower simulation engine in this process (default); runtime: through a "
                              "--simulation SuperLink and `flwr run`; inprocess: the same protocol without Flower")
+    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+                        help="dp-fedavg: start from the public model (as PATE; default) or random weights")
     parser.add_argument("--calibration", default="exact", choices=("exact", "paper"),
                         help="PATE noise: exact mu-GDP (default) or the paper's eq. 15")
     parser.set_defaults(func=run)
@@ -29,7 +31,8 @@ def run(args) -> int:
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
                            seed=args.seed, out=str(args.out), data=args.data, hospitals=args.hospitals,
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
-                           progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
+                           progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
+                           init=args.init)
     for result in simulate(settings, engine=args.engine):
         dice = (result.get("dice") or {}).get("mean")
         eps = result.get("epsilon")

@@ -30,7 +30,9 @@ import torch
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig
+from privacy import calibration
+from server.student import train_public_model
+from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
 from sim.methods import CENTRAL_METHODS
@@ -38,7 +40,7 @@ from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, train_segmentation
-from sim.world import build_world, pooled_private_data
+from sim.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
 
@@ -60,7 +62,9 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 epochs: int | None = None, augment: bool = True,
                 schedule_options: dict | None = None, batch_size: int | None = None,
                 reproducible_noise: bool = False, relation: str = "replace-one",
-                hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None) -> dict[str, Any]:
+                hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
+                init: str = "public", public_model_checkpoint: str | Path | None = None,
+                learning_rate: float | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -69,10 +73,24 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     left out of results.json. Default: secure noise. ``hospital_ledger_dir`` / ``lifetime_epsilon``: the
     hospitals' own ledgers of a comparison (``<dir>/<hospital>.jsonl``) and their lifetime budget; every
     epoch is then also charged there, and refused when a hospital's lifetime budget would be exceeded.
+
+    ``init`` (issue 17): ``"public"`` (default) starts from the public model -- the same U-Net trained on the
+    public reference set that PATE's teachers and student start from (``server.student.train_public_model``,
+    shared through ``public_model_checkpoint`` in a comparison) -- and fine-tunes on the private data;
+    ``"scratch"`` starts from random weights (the seed paper's DP-SGD baseline).
+
+    DP-SGD settings grid (issue 17): unless a setting is given explicitly, DP-SGD in ``target`` noise mode
+    trains one model per entry of the preset's ``dpsgd_grid`` (learning rate, clipping norm, expected batch,
+    epochs), all with one noise multiplier calibrated so that the G trainings *together* spend the budget
+    (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
+    public validation set (post-processing: it reads no private label and no test case). The ledger holds
+    every epoch of every grid entry, so its ε is the budget.
     """
     started = time.perf_counter()
     if method not in METHODS:
         raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if init not in INITS:
+        raise UserError(f"--init: expected one of {', '.join(INITS)}, got {init!r}")
     try:
         p = get_preset(preset)
     except ValueError as exc:
@@ -82,53 +100,76 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     private = method == "dp-sgd"
     epsilon = float(epsilon if epsilon is not None else p.epsilon)
     delta = float(delta if delta is not None else p.delta)
-    checkpoint = out / "checkpoint" / "train.pt"
+    checkpoints = out / "checkpoint"
     ledger_path = out / "ledger.jsonl"
-    if ledger_path.exists() and ledger_path.stat().st_size > 0 and not checkpoint.exists():
+    if ledger_path.exists() and ledger_path.stat().st_size > 0 and not any(checkpoints.glob("*.pt")):
         # A ledger without a checkpoint is a finished (or never-started) earlier run: training again from
         # scratch would be a second release of the same data that its release ids would hide.
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
 
     torch.manual_seed(seed)
     world = load_central_data(p, seed=seed, data=data, progress=progress)
-    model = build_unet(p.unet)
     net_cfg = network_config(p.unet)
-    train_config = TrainConfig(epochs=int(epochs if epochs is not None else p.central_epochs),
-                               batch_size=int(batch_size or (p.extra.get("dpsgd_batch_size") if private else None)
-                                              or p.batch_size),
-                               learning_rate=p.learning_rate, seed=seed, augment=augment,
-                               progress=progress, checkpoint=checkpoint, description=METHODS[method],
-                               extra_checkpoint={"network_config": net_cfg})
-    dp = guard = None
+    start_weights = None
+    if init == "public":
+        start_weights = public_start(p, seed=seed, data=data, progress=progress,
+                                     checkpoint=public_model_checkpoint or out / "public-model.pt")
+    explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
+                "batch_size": batch_size}
+    settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target")
     ledger = Ledger(ledger_path)
+    dp = guard = None
+    sigma = None
     if private:
-        dp = DPConfig(mode=noise_mode, epsilon=epsilon, delta=delta,
-                      noise_multiplier=noise_multiplier if noise_multiplier is not None else
-                      (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
-                      max_grad_norm=float(max_grad_norm if max_grad_norm is not None else p.dpsgd_max_grad_norm),
-                      per_layer=bool(p.extra.get("dpsgd_per_layer", True) if per_layer is None else per_layer),
-                      sampling=sampling, schedule=schedule,
-                      schedule_options=dict(schedule_options or {}),
-                      grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                      release_prefix=_release_prefix(ledger_path), stream_prefix="central-dpsgd",
-                      relation=relation).validate()
         guard = BudgetGuard(ledger, epsilon, delta)
         if hospital_ledger_dir is not None:
             lifetime = float(lifetime_epsilon or epsilon)
             guard = GuardChain(guard, [(BudgetGuard(Ledger(Path(hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
                                                     delta), [h]) for h in world["hospital_ids"]])
+        if len(settings) > 1:   # one sigma for the whole grid: the G trainings together spend the budget
+            n = len(world["train_ids"])
+            sigma = calibration.composed_dpsgd_noise_multiplier(
+                epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
+                                  steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
+                relation=relation)
     else:
         atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
 
+    prefix = _release_prefix(ledger_path) if private else None
     noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
         METHODS[method], f"eps-{epsilon:g}")
-    result = train_segmentation(model, world["train_images"], world["train_labels"], train_config, dp=dp,
-                                guard=guard, owners=tuple(world["hospital_ids"]), validation=world["validation"],
-                                noise=noise)
-    dice, dice_per_case = evaluate_segmentation_per_case(result.model, world["test_images"], world["test_labels"])
-    validation_dice = None
-    if world["validation"] is not None:
-        validation_dice = evaluate_segmentation(result.model, *world["validation"]).get("mean")
+    candidates = []
+    for index, setting in enumerate(settings):
+        tag = "" if len(settings) == 1 else f":setting-{index}"
+        train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
+                                   learning_rate=setting["learning_rate"], seed=seed, augment=augment,
+                                   progress=progress, init_from=start_weights,
+                                   checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
+                                   description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
+                                   extra_checkpoint={"network_config": net_cfg})
+        if private:
+            dp = DPConfig(mode=noise_mode if sigma is None else "fixed", epsilon=epsilon, delta=delta,
+                          noise_multiplier=sigma if sigma is not None else noise_multiplier if noise_multiplier is not None else
+                          (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
+                          max_grad_norm=setting["max_grad_norm"],
+                          per_layer=bool(p.extra.get("dpsgd_per_layer", True) if per_layer is None else per_layer),
+                          sampling=sampling, schedule=schedule,
+                          schedule_options=dict(schedule_options or {}),
+                          grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
+                          release_prefix=prefix + tag, stream_prefix="central-dpsgd" + tag,
+                          relation=relation).validate()
+        torch.manual_seed(seed)
+        result = train_segmentation(build_unet(p.unet), world["train_images"], world["train_labels"], train_config,
+                                    dp=dp, guard=guard, owners=tuple(world["hospital_ids"]),
+                                    validation=world["validation"], noise=noise.child(f"setting-{index}") if tag else noise)
+        validation_dice = None
+        if world["validation"] is not None:   # public: the only data a choice of setting may look at
+            validation_dice = evaluate_segmentation(result.model, *world["validation"]).get("mean")
+        candidates.append((setting, result, validation_dice))
+    chosen = choose_setting(candidates)
+    setting, result, validation_dice = candidates[chosen]
+    model = result.model
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world["test_images"], world["test_labels"])
 
     results = RunResults(method=METHODS[method], dice=dice, hospitals=world["hospitals"],
                          # under reproducible noise the seed also drives the other cells' noise: never published
@@ -145,14 +186,24 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
         "train_cases": len(world["train_ids"]),
         "test_cases": len(world["test_ids"]),
-        "epochs_planned": train_config.epochs,
+        "init": init,
+        "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
+                  if init == "public" else "random weights"),
+        "settings_grid": [dict(s) for s, _, _ in candidates],
+        "settings_validation_dice": [v for _, _, v in candidates],
+        "setting_chosen": chosen,
+        "setting_selection": ("best Dice on the public validation set among the grid, every grid entry trained "
+                              "on the private data and charged to the ledger" if len(candidates) > 1 else
+                              "one setting (the preset's, or given explicitly)"),
+        "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
+        "epochs_planned": setting["epochs"],
         "epochs_completed": result.epochs_completed,
         # the training loss is an un-noised statistic of the private data: only non-private runs show it
         "final_loss": (result.history[-1]["loss"] if result.history else None) if not private else None,
         "epsilon_rdp": result.epsilon_rdp if private else None,
         "dpsgd": None if not private else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
-            "sigmas": result.sigmas, "max_grad_norm": dp.max_grad_norm, "per_layer": dp.per_layer,
+            "sigmas": result.sigmas, "max_grad_norm": setting["max_grad_norm"], "per_layer": dp.per_layer,
             "sampling_rate": result.sampling_rate, "steps_per_epoch": result.steps_per_epoch,
             "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
             "adaptive": result.adaptive,
@@ -162,8 +213,49 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "validation_dice_mean": validation_dice,
     }
     preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
-    return write_run(out, results, ModelRelease(result.model, net_cfg, preprocessing, world["source"]),
+    card = {"start": results.extras["start"], "settings": results.extras["setting_selection"]}
+    return write_run(out, results, ModelRelease(model, net_cfg, preprocessing, world["source"], card_extra=card),
                      started=started)
+
+
+INITS = ("public", "scratch")
+#: the settings a grid entry may fix (anything else comes from the preset)
+SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs")
+
+
+def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dict]:
+    """The training settings to try: the preset's ``dpsgd_grid`` for DP-SGD (``grid``), one setting
+    otherwise; any setting given explicitly (not None in ``explicit``) is fixed for every entry."""
+    base = {"learning_rate": preset.learning_rate, "epochs": preset.central_epochs,
+            "max_grad_norm": preset.dpsgd_max_grad_norm,
+            "batch_size": (preset.extra.get("dpsgd_batch_size") if private else None) or preset.batch_size}
+    entries = list(preset.dpsgd_grid) if (private and grid and preset.dpsgd_grid) else [{}]
+    fixed = {k: v for k, v in explicit.items() if v is not None}
+    settings = []
+    for entry in entries:
+        unknown = set(entry) - set(SETTING_KEYS)
+        if unknown:
+            raise UserError(f"preset {preset.name}: dpsgd_grid entry has unknown keys {sorted(unknown)}")
+        setting = {**base, **entry, **fixed}
+        setting = {"learning_rate": float(setting["learning_rate"]), "max_grad_norm": float(setting["max_grad_norm"]),
+                   "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"])}
+        if setting not in settings:
+            settings.append(setting)
+    return settings
+
+
+def choose_setting(candidates) -> int:
+    """Index of the candidate with the best public validation Dice (the first when none has one)."""
+    scores = [(-1.0 if v is None else v) for _, _, v in candidates]
+    return max(range(len(candidates)), key=lambda i: (scores[i], -i))
+
+
+def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path) -> dict:
+    """The public model's weights (server.student.train_public_model on the public reference set, the PATE
+    teachers' and student's start); trained once per checkpoint and reused by every method that passes it."""
+    world = load_world(*build_world(preset, data, seed, progress))
+    model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _release_prefix(ledger_path: Path) -> str:
