@@ -28,15 +28,16 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
     from types import SimpleNamespace
 
     import privacy.calibration as calibration
-    from clients.fedavg import local_dpsgd_round
+    from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital
     from privacy.events import event_from_dict
     from sim.networks import build_unet
     from sim.presets import get_preset
 
     asked = []
-    monkeypatch.setattr(calibration, "dpsgd_noise_multiplier",
+    monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier",
                         lambda *args, **kwargs: asked.append(kwargs.get("relation")) or 3.0)  # skip the PLD search
+    plan_noise_multiplier.cache_clear()
     prepared = SimpleNamespace(images=lambda ids: np.zeros((len(ids), 4, 16, 16, 16), np.float32),
                                labels=lambda ids: np.zeros((len(ids), 16, 16, 16), np.int64))
     weights = {k: v.numpy() for k, v in build_unet("tiny").state_dict().items()}

@@ -62,6 +62,21 @@ def test_central_dpsgd_cli(tmp_path, monkeypatch, tiny_phantoms):
     assert (out / "ledger.jsonl").read_text() == before
 
 
+@pytest.fixture(autouse=True)
+def _no_public_world(monkeypatch):
+    """Runs on synthetic data have no public world to pre-train on: their public start is a fixed U-Net."""
+    import torch
+
+    import sim.runners.central as central
+    from sim.networks import build_unet
+
+    def fixed_public_start(preset, **kwargs):
+        torch.manual_seed(1234)
+        return build_unet(preset.unet).state_dict()
+
+    monkeypatch.setattr(central, "public_start", fixed_public_start)
+
+
 def _fake_loader(preset, seed=0, data=None, cache_root=None, progress=True):
     from dataclasses import dataclass
 

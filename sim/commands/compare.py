@@ -9,7 +9,7 @@ from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "compare", help="run a grid of methods x epsilons (x teachers) and write a report",
-        description="Segmentation: PATE (ae, pca, naive) and DP-FedAvg through Flower's simulation engine, "
+        description="Segmentation: PATE (ae, pca, anchored, naive) and DP-FedAvg (in-process or as Flower apps), "
                     "DP-SGD and non-private training on pooled data, and the public-only baseline; writes "
                     "report.md, cells.csv, plots and one results.json + ledger.jsonl + model bundle per cell. "
                     "Resumable: finished cells are skipped. --task slice-classification|mnist5k compares the "
@@ -25,8 +25,13 @@ def register(subparsers) -> None:
     parser.add_argument("--lifetime-epsilon", type=float, default=None,
                         help="each hospital's lifetime budget over every cell of this comparison (default: the "
                              "sum of the private cells' budgets); a cell that would exceed it is refused")
-    parser.add_argument("--engine", default="flower", choices=("flower", "inprocess"),
-                        help="federated cells through Flower's simulation engine (default) or in-process")
+    parser.add_argument("--engine", default="inprocess", choices=("flower", "inprocess"),
+                        help="federated cells in this process through the same protocol code as the Flower apps, "
+                             "torch on every core (default), or as Flower ClientApps/ServerApp in Flower's "
+                             "simulation engine (flower; Ray gives each hospital one core)")
+    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+                        help="where DP-SGD, DP-FedAvg and non-private training start: the public model that PATE's "
+                             "teachers and student start from (default), or random weights")
     parser.set_defaults(func=run)
 
 
@@ -55,6 +60,6 @@ def run(args) -> int:
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
                          hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                         lifetime_epsilon=args.lifetime_epsilon)
+                         lifetime_epsilon=args.lifetime_epsilon, init=args.init)
     print(f"report: {report}")
     return 0

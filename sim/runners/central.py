@@ -116,7 +116,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                      checkpoint=public_model_checkpoint or out / "public-model.pt")
     explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
                 "batch_size": batch_size}
-    settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target")
+    # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
+    settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target" and sampling == "poisson")
     ledger = Ledger(ledger_path)
     dp = guard = None
     sigma = None

@@ -69,9 +69,18 @@ def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int
 
 def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
                 seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
-                teachers_per_hospital: Sequence[int] | None = None, engine: str = "flower",
+                teachers_per_hospital: Sequence[int] | None = None, engine: str = "inprocess",
                 progress: bool = True, reproducible_noise: bool = False,
-                lifetime_epsilon: float | None = None) -> Path:
+                lifetime_epsilon: float | None = None, init: str = "public") -> Path:
+    """Every method x epsilon (x K) on one world; returns the report's path.
+
+    ``init`` (issue 17): where DP-SGD, DP-FedAvg and non-private training start -- ``public``: the public
+    model PATE's teachers and student start from (one checkpoint, ``_shared/K-<first>/public-model.pt``,
+    shared by every cell), or ``scratch``. ``engine``: ``inprocess`` (default; the same protocol code as the
+    Flower apps, torch on every core) or ``flower`` (Flower's simulation engine).
+    """
+    if init not in ("public", "scratch"):
+        raise UserError(f"--init: expected public or scratch, got {init!r}")
     unknown = [m for m in methods if m not in SEGMENTATION_METHODS]
     if unknown:
         raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(SEGMENTATION_METHODS)}")
@@ -91,7 +100,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                              # the seed drives the noise when it is reproducible: not published
                                              "seed": None if reproducible_noise else seed,
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                             "data": data, "engine": engine,
+                                             "data": data, "engine": engine, "init": init,
                                              "noise": "reproducible" if reproducible_noise else "secure",
                                              "lifetime_epsilon": lifetime})
     # who holds what in this comparison's world (the report's World section); the split of the first K
@@ -108,6 +117,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
 
     # --- federated cells: one Flower simulation per K -------------------------------------------------
     worlds: dict[int, str] = {}
+    first = world_preset
+    public_checkpoint = out / "_shared" / f"K-{first.teachers}" / "public-model.pt"
     for index, per_hospital in enumerate(sweep):
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
         cells = []
@@ -118,8 +129,9 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 teachers = preset.teachers if sweeping and method != "dp-fedavg" else None
                 path = cell_dir(out, method, epsilon, teachers)
                 if not done(path):
-                    cells.append({"method": method, "epsilon": float(epsilon), "out": str(path),
-                                  "shared_dir": str(out / "_shared" / f"K-{preset.teachers}")})
+                    cells.append({"method": method, "epsilon": float(epsilon), "out": str(path), "init": init,
+                                  # dp-fedavg shares the first K's public model (the one every baseline uses)
+                                  "shared_dir": str(out / "_shared" / f"K-{(preset if method != 'dp-fedavg' else first).teachers}")})
         worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress))
         settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
@@ -134,7 +146,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     # --- central cells and the public-only baseline --------------------------------------------------
     if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
         run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
-                    delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise)
+                    delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
+                    init=init, public_model_checkpoint=public_checkpoint)
     if "dp-sgd-central" in methods:
         for epsilon in epsilons:
             path = cell_dir(out, "dp-sgd-central", epsilon)
@@ -142,7 +155,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 try:
                     run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
                                 seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
-                                hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime)
+                                hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime, init=init,
+                                public_model_checkpoint=public_checkpoint)
                 except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
                     print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
