@@ -125,6 +125,12 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         best = {m: max(methods[m], key=mean_dice) for m in methods}
         pate = {m: c for m, c in best.items() if m.startswith("pate")}
         dpsgd = {m: c for m, c in best.items() if m in ("dp-sgd-central", "dp-fedavg")}
+        if public_only is not None:   # the DP baselines against the public model they started from
+            public_cell = max((c for c in baselines if c["method"] == "public-only"), key=mean_dice)
+            for name, cell in sorted(dpsgd.items()):
+                lines.append(f"ε = {eps:g}: {name} (from {cell.get('init') or 'random weights'}) with mean Dice "
+                             f"{mean_dice(cell):.3f} " + _versus(cell, mean_dice(cell), "public-only", public_only,
+                                                                 public_cell.get("dice_per_case")) + ".")
         if not pate:
             continue
         top_pate_method, top_pate = max(pate.items(), key=lambda kv: mean_dice(kv[1]))
@@ -161,6 +167,58 @@ def paired_difference(first: Sequence[float | None] | None,
     if len(diffs) < 3:
         return None
     return float(diffs.mean()), float(diffs.std(ddof=1) / np.sqrt(len(diffs))), int(len(diffs))
+
+
+def headroom_recovered(cell: Sequence[float | None] | None, public_only: Sequence[float | None] | None,
+                       nonprivate: Sequence[float | None] | None) -> tuple[float, float, int] | None:
+    """Share of the headroom a method recovers, paired over test cases: (ratio, standard error, n).
+
+    R = mean(d) / mean(h) with d_i = Dice_i - public-only_i and h_i = non-private_i - public-only_i on the same
+    test case i (issue 17): 0 is the public model's level, 1 the non-private pooled model's. Its standard error
+    is the ratio estimator's (delta method): sqrt(var(d - R h) / n) / |mean(h)|. None when the three were not
+    scored on the same cases or the headroom is not positive.
+    """
+    if not cell or not public_only or not nonprivate or not (len(cell) == len(public_only) == len(nonprivate)):
+        return None
+    rows = [(c, p, q) for c, p, q in zip(cell, public_only, nonprivate) if None not in (c, p, q)]
+    if len(rows) < 3:
+        return None
+    values = np.asarray(rows, dtype=np.float64)
+    d, h = values[:, 0] - values[:, 1], values[:, 2] - values[:, 1]
+    if h.mean() <= 0:
+        return None
+    ratio = d.mean() / h.mean()
+    se = float(np.std(d - ratio * h, ddof=1) / np.sqrt(len(d)) / abs(h.mean()))
+    return float(ratio), se, int(len(d))
+
+
+def _baseline_per_case(cells: Sequence[Mapping[str, Any]], method: str):
+    found = [c for c in cells if c.get("method") == method and c.get("dice_per_case")]
+    return found[0]["dice_per_case"] if found else None
+
+
+def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
+    """The question's table: mean Dice and the share of headroom recovered (paired SE) per method and ε,
+    where each method started and which setting it chose (on public validation)."""
+    public_only = _baseline_per_case(cells, "public-only")
+    nonprivate = _baseline_per_case(cells, "nonprivate-central")
+    header = ["method", "ε budget", "ε spent", "mean Dice", "headroom recovered (± SE)", "started from",
+              "setting (chosen on public validation)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in sorted(cells, key=_sort_key):
+        recovered = headroom_recovered(cell.get("dice_per_case"), public_only, nonprivate)
+        start = cell.get("init") or ("public model" if str(cell.get("method", "")).startswith("pate") else "—")
+        start = {"public": "public model", "scratch": "random weights"}.get(start, start)
+        setting = "—"
+        if cell.get("settings_grid"):
+            chosen = cell["settings_grid"][int(cell.get("setting_chosen") or 0)]
+            setting = (", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in chosen.items())
+                       + f" ({int(cell.get('setting_chosen') or 0) + 1} of {len(cell['settings_grid'])})")
+        lines.append("| " + " | ".join([
+            str(cell.get("method")), _fmt(cell.get("epsilon_budget"), 2), _fmt(cell.get("epsilon"), 3),
+            _fmt((cell.get("dice") or {}).get("mean")),
+            "—" if recovered is None else f"{recovered[0]:+.2f} ± {recovered[1]:.2f}", start, setting]) + " |")
+    return "\n".join(lines)
 
 
 def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: float,
@@ -205,6 +263,14 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
         "compressor can deliver (a simulation-only diagnostic, not a private result); *teacher mean* is the "
         "teachers' own test Dice (likewise).",
         "",
+    ]
+    if not accuracy:
+        lines += ["*Headroom recovered* = (Dice − public-only) / (non-private − public-only), paired over the test "
+                  "cases (0: no better than the public model; 1: as good as pooling every patient without "
+                  "privacy), with its standard error. DP-SGD, DP-FedAvg and non-private training start from the "
+                  "same public model as PATE's teachers and student unless the table says otherwise.", "",
+                  summary_table(cells), "", "All fields:", ""]
+    lines += [
         markdown_table(cells, accuracy=accuracy),
         "",
     ]

@@ -4,6 +4,9 @@ import csv
 import io
 import json
 
+import numpy as np
+import pytest
+
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
 from sim.report import load_cells, markdown_table, verdicts, write_report
@@ -79,3 +82,39 @@ def test_verdicts_use_the_paired_difference_on_the_same_test_cases(tmp_path):
     assert "it beats public-only" in lines["ε = 8"] and "over 29 test cases" in lines["ε = 8"]
     diff = steady[:-1] - public[:-1]
     assert f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(29):.3f}" in lines["ε = 8"]
+
+
+def test_headroom_recovered_is_a_paired_ratio_with_its_standard_error():
+    from sim.report import headroom_recovered
+
+    public = [0.40, 0.50, 0.60, 0.50]
+    nonprivate = [0.60, 0.70, 0.80, 0.70]
+    assert headroom_recovered(public, public, nonprivate) == (0.0, 0.0, 4)
+    ratio, se, n = headroom_recovered(nonprivate, public, nonprivate)
+    assert (ratio, n) == (pytest.approx(1.0), 4) and se == pytest.approx(0.0, abs=1e-12)
+    # d = (0.2, 0.0, 0.1, 0.1) against h = 0.2 everywhere: R = 0.1 / 0.2, SE = std(d) / sqrt(4) / 0.2
+    ratio, se, n = headroom_recovered([0.60, 0.50, 0.70, 0.60], public, nonprivate)
+    assert ratio == pytest.approx(0.5) and se == pytest.approx(0.0816497 / 2 / 0.2, rel=1e-5)
+    assert headroom_recovered([0.5] * 3, [0.5] * 3, [0.4] * 3) is None       # no headroom: no ratio
+    assert headroom_recovered([0.5, 0.6], [0.4, 0.5], [0.6, 0.7]) is None     # too few paired cases
+
+
+def test_report_opens_with_headroom_recovered_and_where_each_method_started(tmp_path):
+    from sim.report import write_report
+
+    per_case = {"public-only": [0.4, 0.5, 0.6, 0.5], "nonprivate-central": [0.6, 0.7, 0.8, 0.7],
+                "dp-sgd-central": [0.5, 0.6, 0.7, 0.6]}
+    for method, values in per_case.items():
+        cell = tmp_path / method
+        cell.mkdir()
+        (cell / "ledger.jsonl").write_text("")
+        result = {"method": method, "dice": {"mean": float(np.mean(values))}, "dice_per_case": values,
+                  "epsilon": None, "epsilon_budget": None, "delta": None}
+        if method == "dp-sgd-central":
+            result.update(init="public", settings_grid=[{"learning_rate": 2e-3}, {"learning_rate": 5e-4}],
+                          setting_chosen=1)
+        (cell / "results.json").write_text(json.dumps(result))
+    text = write_report(tmp_path, "t").read_text()
+    assert "headroom recovered (± SE)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| dp-sgd-central") and "public model" in line)
+    assert "+0.50 ± 0.00" in row and "learning_rate 0.0005 (2 of 2)" in row
