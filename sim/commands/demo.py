@@ -1,13 +1,18 @@
 """``fedpate demo``: the README's main job -- PATE vs DP-SGD vs baselines on freshly generated phantoms.
 
 A ``fedpate compare`` on the quick preset (4 hospitals x 32 teachers = 128 teachers, 32^3 grid), sized
-to finish in about ten minutes on a 2-core CPU, followed by a prediction with the best PATE student on a
-scan it has never seen, written as NIfTI in that scan's own grid.
+to finish in about a quarter of an hour on a 2-core CPU, followed by a prediction with the best PATE
+student on a scan it has never seen, written as NIfTI in that scan's own grid.
+
+Every private method starts from the same public model (issue 17): PATE's teachers and student, DP-SGD
+on the pooled patients and DP-FedAvg across the hospitals (``--init scratch`` for random weights). The
+federated cells run in this process through the same protocol code as the Flower apps, with torch on
+every core; ``--engine flower`` runs them as Flower ClientApps and ServerApp in Flower's simulation engine.
 """
 
 from __future__ import annotations
 
-DEMO_METHODS = "pate-ae,pate-pca,dp-sgd-central,nonprivate-central,public-only"
+DEMO_METHODS = "pate-anchored,pate-ae,dp-sgd-central,dp-fedavg,nonprivate-central,public-only"
 DEMO_EPSILONS = "1,8"
 
 
@@ -15,11 +20,17 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo", help="the quick end-to-end demo (compare on fresh phantoms, then predict a new scan)",
         description=f"Runs `fedpate compare --preset quick --methods {DEMO_METHODS} --epsilons {DEMO_EPSILONS}` "
-                    "through Flower's simulation engine, then `fedpate predict` with the best PATE student.")
+                    "(federated cells in-process by default, --engine flower for Flower's simulation engine), "
+                    "then `fedpate predict` with the best PATE student.")
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--preset", default="quick", choices=("tiny", "quick"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"),
+                        help="federated cells in this process (default; same protocol code as the Flower apps, torch "
+                             "on every core) or as Flower apps in Flower's simulation engine")
+    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+                        help="where DP-SGD, DP-FedAvg and non-private training start (default: the public model)")
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
     parser.set_defaults(func=run)
@@ -48,7 +59,8 @@ def run(args) -> int:
     out = Path(args.out)
     report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                          parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
-                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise)
+                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
+                         engine=args.engine, init=args.init)
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
