@@ -52,6 +52,7 @@ class Hospital:
                  validation: list | None = None, deployed: bool = False, privacy_ledger=None,
                  lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None):
         self.hospital_id = str(hospital_id)
+        self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
         self.prepared = prepared
         self.partitions = [list(p) for p in partitions]
         self.preset = preset
@@ -191,7 +192,15 @@ class Hospital:
         if budget is None:
             raise UserError(f"hospital {self.hospital_id}: no lifetime privacy budget configured "
                             "(node-config epsilon-budget, or the simulation's lifetime epsilon)")
-        return BudgetGuard(Ledger(path), {self.hospital_id: float(budget)}, float(config.get("delta", self.delta)))
+        # one Ledger per file for this hospital's lifetime, refreshed from disk at every use: its accountant
+        # cache then composes only what was appended (re-reading and re-composing a comparison's few hundred
+        # releases cost seconds per round)
+        ledger = self._lifetime_ledgers.get(path)
+        if ledger is None:
+            ledger = self._lifetime_ledgers[path] = Ledger(path)
+        else:
+            ledger.refresh()
+        return BudgetGuard(ledger, {self.hospital_id: float(budget)}, float(config.get("delta", self.delta)))
 
     def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping | None = None
                      ) -> tuple[np.ndarray, dict]:

@@ -330,22 +330,48 @@ class _DpAccountingWrapper(Accountant):
         """The inner relation needed once ``event`` is held as well (a relation, once replace-one, stays)."""
         return self._inner_relation
 
-    def _apply(self, event: Event) -> None:
-        target = self._inner_relation_for(event)
-        inner, pending = self._inner, [event]
-        if target != self._inner_relation:
-            inner, pending = self._make_inner(target), [*self.events, event]
+    def compose_all(self, events: Iterable[Event]) -> "Accountant":
+        """Add ``events``; identical ones are composed as one self-composition (``count``).
+
+        Why: a hospital's lifetime ledger holds hundreds of identical releases (PATE's queries at one σ,
+        DP-SGD's epochs at one σ); composing a PLD event by event took 25 s for 244 of them, while
+        dp_accounting's ``compose(event, count)`` self-composes in one step. Composition commutes (PLD and
+        RDP alike), so grouping equal events regardless of their order gives the same guarantee.
+        """
+        events = list(events)
+        groups: dict[Event, int] = {}
+        held = self.relation
         try:
-            dp_events = [item.to_dp_accounting(target) for item in pending]
+            for event in events:   # every event checked, against the relation of those before it too
+                self._check(event)
+                self.relation = event.relation
+                groups[event] = groups.get(event, 0) + 1
+        finally:
+            self.relation = held
+        for event, count in groups.items():
+            self._apply(event, count)
+            self.events.extend([event] * count)
+            self.relation = event.relation
+        return self
+
+    def _apply(self, event: Event, count: int = 1) -> None:
+        target = self._inner_relation_for(event)
+        inner, pending = self._inner, {event: count}
+        if target != self._inner_relation:
+            inner, pending = self._make_inner(target), {}
+            for item in [*self.events, *[event] * count]:
+                pending[item] = pending.get(item, 0) + 1
+        try:
+            dp_events = [(item.to_dp_accounting(target), n) for item, n in pending.items()]
         except UnsupportedEvent as exc:
             raise UnsupportedEvent(f"the {self.name} accountant (dp_accounting under {target}): {exc}") from None
         # dp_accounting's own check, also before anything is applied (its compose is all-or-nothing only
         # after this check passes).
-        for dp_event in dp_events:
+        for dp_event, _ in dp_events:
             if not inner.supports(dp_event):
                 raise UnsupportedEvent(self._why_not(event))
-        for dp_event in dp_events:
-            inner.compose(dp_event)
+        for dp_event, n in dp_events:
+            inner.compose(dp_event, n)
         self._inner, self._inner_relation = inner, target
 
     def get_epsilon(self, delta: float) -> float:

@@ -177,6 +177,14 @@ class Ledger:
                 self._events_cache[owner].append(event)
         return True
 
+    def refresh(self) -> int:
+        """Merge the records other writers (processes, earlier runs) appended to the file since it was read;
+        returns how many were new. The cached accountants then only compose the new events."""
+        if self.path is None or not self.path.exists():
+            return 0
+        records, _ = self._read(self.path)
+        return sum(1 for record in records if self._merge(record, source=str(self.path)))
+
     # ------------------------------------------------------------------ writing
 
     def record(

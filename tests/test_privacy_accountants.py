@@ -417,3 +417,24 @@ def test_guard_checks_adaptive_events_with_the_filter():
     assert len(guard2.ledger) == 0
     spent = guard.ledger.spent("h", 1e-3, extra=[SampledGaussianEvent(1 / 9, 5.0, 1, adaptive=True)])
     assert spent.accountant == "rdp-filter"
+
+
+def test_identical_events_compose_as_one_self_composition_with_the_same_epsilon():
+    """compose_all groups equal events (dp_accounting's count): same ε as composing them one by one,
+    and a batch that mixes relations is still refused."""
+    from privacy.accountants import make_accountant
+    from privacy.errors import PrivacyError
+    from privacy.events import GaussianEvent, SampledGaussianEvent
+
+    events = ([GaussianEvent(sensitivity=0.1, sigma=0.5)] * 30
+              + [SampledGaussianEvent(0.2, 1.5, 5, relation="replace-one")] * 10
+              + [GaussianEvent(sensitivity=0.1, sigma=0.5)] * 5)
+    one_by_one = make_accountant("pld")
+    for event in events:
+        one_by_one.compose(event)
+    grouped = make_accountant("pld").compose_all(events)
+    assert len(grouped.events) == len(events)
+    assert grouped.get_epsilon(1e-3) == pytest.approx(one_by_one.get_epsilon(1e-3), rel=1e-3)
+    mixed = [SampledGaussianEvent(0.2, 1.5, 5, relation="replace-one"), SampledGaussianEvent(0.2, 1.5, 5)]
+    with pytest.raises(PrivacyError):
+        make_accountant("pld").compose_all(mixed)

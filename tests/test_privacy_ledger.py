@@ -182,3 +182,17 @@ def test_ledger_survives_sigkill(tmp_path):
     assert ledger.spent("h1", 1e-3).releases == len(recorded)
     ledger.record(["h1"], GaussianEvent(1.0, 2.0), "after-kill")  # and it can be appended to
     assert Ledger.load(path).has_release("after-kill")
+
+
+def test_refresh_merges_what_another_writer_appended(tmp_path):
+    from privacy.events import GaussianEvent
+    from privacy.ledger import Ledger
+
+    mine, theirs = Ledger(tmp_path / "h.jsonl"), Ledger(tmp_path / "h.jsonl")
+    mine.record(["h"], GaussianEvent(sensitivity=1.0, sigma=2.0), "a")
+    before = mine.spent("h", 1e-3).epsilon
+    theirs.refresh()
+    theirs.record(["h"], GaussianEvent(sensitivity=1.0, sigma=2.0), "b")
+    assert mine.refresh() == 1 and mine.refresh() == 0
+    assert len(mine) == 2 and mine.spent("h", 1e-3).epsilon > before
+    assert mine.spent("h", 1e-3).epsilon == Ledger.load(tmp_path / "h.jsonl").spent("h", 1e-3).epsilon
