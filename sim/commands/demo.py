@@ -12,7 +12,9 @@ every core; ``--engine flower`` runs them as Flower ClientApps and ServerApp in 
 
 from __future__ import annotations
 
-DEMO_METHODS = "pate-anchored,pate-ae,dp-sgd-central,dp-fedavg,nonprivate-central,public-only"
+#: PATE with its best codec here (pate-ae and pate-pca are one `fedpate compare --methods` away: on this world
+#: their decoded ensembles carry almost nothing, docs/RESULTS.md), the DP baselines, and the two references
+DEMO_METHODS = "pate-anchored,dp-sgd-central,dp-fedavg,nonprivate-central,public-only"
 DEMO_EPSILONS = "1,8"
 
 
