@@ -128,7 +128,8 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         if public_only is not None:   # the DP baselines against the public model they started from
             public_cell = max((c for c in baselines if c["method"] == "public-only"), key=mean_dice)
             for name, cell in sorted(dpsgd.items()):
-                lines.append(f"ε = {eps:g}: {name} (from {cell.get('init') or 'random weights'}) with mean Dice "
+                start = "the public model" if cell.get("init") == "public" else "random weights"
+                lines.append(f"ε = {eps:g}: {name} (from {start}) with mean Dice "
                              f"{mean_dice(cell):.3f} " + _versus(cell, mean_dice(cell), "public-only", public_only,
                                                                  public_cell.get("dice_per_case")) + ".")
         if not pate:

@@ -240,6 +240,8 @@ def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dic
         setting = {**base, **entry, **fixed}
         setting = {"learning_rate": float(setting["learning_rate"]), "max_grad_norm": float(setting["max_grad_norm"]),
                    "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"])}
+        if not private:   # no clipping without DP-SGD
+            del setting["max_grad_norm"]
         if setting not in settings:
             settings.append(setting)
     return settings
