@@ -429,6 +429,17 @@ def plot_dice_vs_teachers(cells, path: Path) -> Path | None:
     for (method, eps), points in sorted(series.items()):
         points.sort()
         ax.plot([k for k, _ in points], [d for _, d in points], marker="o", label=f"{method}, ε={eps:g}")
+    teachers: dict[int, float] = {}   # the teachers' own mean test Dice (a simulation diagnostic)
+    for cell in cells:
+        if str(cell.get("method", "")).startswith("pate") and cell.get("teachers") and cell.get("teacher_dice_mean"):
+            teachers[int(cell["teachers"])] = float(cell["teacher_dice_mean"])
+    if len(teachers) > 1:
+        ks = sorted(teachers)
+        ax.plot(ks, [teachers[k] for k in ks], marker="s", linestyle=":", color="grey", label="mean teacher")
+    for name, style in (("public-only", "--"), ("nonprivate-central", "-.")):   # the two references
+        dice = [(c.get("dice") or {}).get("mean") for c in cells if c.get("method") == name]
+        if dice and dice[0] is not None:
+            ax.axhline(dice[0], linestyle=style, color="black", linewidth=1, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("teachers K")
     ax.set_ylabel("student mean Dice")
