@@ -438,3 +438,41 @@ def test_identical_events_compose_as_one_self_composition_with_the_same_epsilon(
     mixed = [SampledGaussianEvent(0.2, 1.5, 5, relation="replace-one"), SampledGaussianEvent(0.2, 1.5, 5)]
     with pytest.raises(PrivacyError):
         make_accountant("pld").compose_all(mixed)
+
+
+def test_pld_accountant_reuses_an_events_pld_and_gets_dp_accountings_epsilon():
+    """The PLD accountant builds each (event, count)'s PLD once (a guard charges the same DP-SGD epoch
+    event to several ledgers, twice each); the ε is what plain dp_accounting gives for the same events."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from privacy import accountants
+    from privacy.accountants import make_accountant
+    from privacy.events import GaussianEvent, LaplaceEvent, SampledGaussianEvent
+
+    def dp_accounting_epsilon(events, relation):
+        plain = pld_privacy_accountant.PLDAccountant(
+            dp_accounting.privacy_accountant.NeighboringRelation.REPLACE_ONE if relation == "replace-one"
+            else dp_accounting.privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE, 1e-4)
+        for event in events:
+            plain.compose(event.to_dp_accounting(relation))
+        return plain.get_epsilon(1e-3)
+
+    accountants._event_plds.clear()
+    replace_one = [SampledGaussianEvent(0.1, 0.9, 12, relation="replace-one")] * 3 + [
+        GaussianEvent(sensitivity=0.2, sigma=1.0, relation="replace-one")]
+    cached = make_accountant("pld")
+    for event in replace_one:   # one at a time, as a guard charges them: the repeats hit the cache
+        cached.compose(event)
+    assert len(accountants._event_plds) == 2
+    assert cached.get_epsilon(1e-3) == pytest.approx(dp_accounting_epsilon(replace_one, "replace-one"), rel=1e-9)
+
+    add_remove = [LaplaceEvent(sensitivity=1.0, scale=4.0, relation="add-remove"),
+                  SampledGaussianEvent(0.05, 1.2, 40, relation="add-remove")] * 2
+    again = make_accountant("pld")
+    for event in add_remove:
+        again.compose(event)
+    assert again.get_epsilon(1e-3) == pytest.approx(dp_accounting_epsilon(add_remove, "add-remove"), rel=1e-9)
+    # a different σ is a different PLD, never a cache hit
+    louder = make_accountant("pld").compose(SampledGaussianEvent(0.1, 2.0, 12, relation="replace-one"))
+    assert louder.get_epsilon(1e-3) < make_accountant("pld").compose(replace_one[0]).get_epsilon(1e-3)
