@@ -268,8 +268,12 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     if not accuracy:
         lines += ["*Headroom recovered* = (Dice − public-only) / (non-private − public-only), paired over the test "
                   "cases (0: no better than the public model; 1: as good as pooling every patient without "
-                  "privacy), with its standard error. DP-SGD, DP-FedAvg and non-private training start from the "
-                  "same public model as PATE's teachers and student unless the table says otherwise.", "",
+                  "privacy), with its standard error. It and the verdicts below pair each test case's Dice "
+                  "averaged over the classes present in that case; the *mean Dice* column averages each class "
+                  "over the cases that contain it, then the three classes, so a class present in few cases "
+                  "weighs more there and the two can differ by a few hundredths. DP-SGD, DP-FedAvg and "
+                  "non-private training start from the same public model as PATE's teachers and student unless "
+                  "the table says otherwise.", "",
                   summary_table(cells), "", "All fields:", ""]
     lines += [
         markdown_table(cells, accuracy=accuracy),
