@@ -51,20 +51,9 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
 # ------------------------------------------------------------------------------------ central DP-SGD
 def _world(preset, seed=0, data=None, cache_root=None, progress=True):
     """Synthetic pooled world with a public validation set (public labels) and a test set."""
-    from dataclasses import dataclass
+    from synthetic_worlds import pooled_world
 
-    @dataclass
-    class Config:
-        grid: tuple
-        margin_voxels: int = 2
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(10, 4, *preset.grid)).astype(np.float32)
-    y = (x[:, 0] > 0.5).astype(np.int64) + (x[:, 1] > 1.2).astype(np.int64)
-    return {"config": Config(tuple(preset.grid)), "train_ids": list("abcdef"), "test_ids": ["g", "h"],
-            "train_images": x[:6], "train_labels": y[:6], "test_images": x[6:8], "test_labels": y[6:8],
-            "validation": (x[8:], y[8:]), "hospitals": 2, "hospital_ids": ["h0", "h1"],
-            "source": {"kind": "synthetic-test"}}
+    return pooled_world(preset, seed, n_train=6, n_test=2, n_validation=2)
 
 
 def _public_weights(preset):

@@ -78,21 +78,9 @@ def _no_public_world(monkeypatch):
 
 
 def _fake_loader(preset, seed=0, data=None, cache_root=None, progress=True):
-    from dataclasses import dataclass
+    from synthetic_worlds import pooled_world
 
-    import numpy as np
-
-    @dataclass
-    class Config:
-        grid: tuple
-        margin_voxels: int = 2
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(6, 4, *preset.grid)).astype(np.float32)
-    y = (x[:, 0] > 0.5).astype(np.int64) + (x[:, 1] > 1.2).astype(np.int64)
-    return {"config": Config(tuple(preset.grid)), "train_ids": ["a", "b", "c", "d"], "test_ids": ["e", "f"],
-            "train_images": x[:4], "train_labels": y[:4], "test_images": x[4:], "test_labels": y[4:],
-            "validation": None, "hospitals": 2, "hospital_ids": ["h0", "h1"], "source": {"kind": "synthetic-test"}}
+    return pooled_world(preset, seed, n_train=4, n_test=2)
 
 
 @pytest.mark.parametrize("method", ["nonprivate", "dp-sgd"])
