@@ -86,6 +86,9 @@ class PateConfig:
     soft_labels: bool = True              # the student learns the decoded probabilities, not their argmax
     include_reference: bool = True        # the student also trains on the public reference data
     pca_mode: str = "public"              # PCA sensitivity bound: public | paper | clip (SPEC section 3)
+    #: issue 18 lever "fit the compressor on all the public data there is": PCA / autoencoder also fit the
+    #: public model's label maps of the public query scans (public model x public scans: no private input)
+    fit_on_public_predictions: bool = True
     compressor_options: Mapping[str, Any] | None = None
     local_dp: Mapping[str, Any] | None = None   # teachers trained with local DP-SGD (DPConfig fields)
     diagnostics: bool = True              # simulation-only un-noised measurements (never against deployed)
@@ -269,7 +272,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
         compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
                        predict_probs(public_model, world.reference_images))
     else:
-        compressor.fit(codecs.one_hot(world.reference_labels, world.classes))
+        compressor.fit(compressor_fit_maps(world, public_query, config.fit_on_public_predictions))
     if method == "pate-pca":  # eq. 7: keep the components with lambda_j > sigma^2
         compressor.resolve_components(noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
@@ -279,6 +282,23 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
                    if public_model is not None and method == "pate-anchored" else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
                        compressor.collapsed() if method == "pate-ae" else None, public_query, public_test)
+
+
+def compressor_fit_maps(world: PublicWorld, public_query_probs: np.ndarray | None, with_predictions: bool) -> np.ndarray:
+    """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels).
+
+    The public reference labels (another centre's), and -- ``with_predictions`` -- the public model's label
+    maps of the public query scans: these scans come from the hospitals' population, so their lesions'
+    positions and shapes are the ones the teachers will describe, while the reference maps' are not (issue
+    18). Both are public by construction: public labels, and a public model applied to public scans; no
+    teacher output and no private label enters the fit (tests/test_pate_plan.py).
+    """
+    maps = [codecs.one_hot(world.reference_labels, world.classes)]
+    # the paper preset's reference set *is* the query scans with their public labels: nothing to add
+    if (with_predictions and public_query_probs is not None and len(public_query_probs)
+            and list(world.reference_ids) != list(world.query_ids)):
+        maps.append(codecs.one_hot(np.asarray(public_query_probs).argmax(axis=1), world.classes))
+    return np.concatenate(maps, axis=0)
 
 
 def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: ReleasePlan, teachers: Teachers,
@@ -400,6 +420,12 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "teachers_per_query": {"min": int(min(queries.teachers_seen)) if queries.teachers_seen else None,
                                "max": int(max(queries.teachers_seen)) if queries.teachers_seen else None},
         "compressor": plan.compressor.describe(), "components": int(plan.compressor.latent_dim),
+        "compressor_fit_maps": ({"public_reference_labels": int(len(world.reference_labels)),
+                                 "public_model_on_query_scans": int(len(world.query_images))
+                                 if config.fit_on_public_predictions and plan.public_query_probs is not None
+                                 and list(world.reference_ids) != list(world.query_ids) else 0}
+                                if config.method in ("pate-pca", "pate-ae") and world.reference_labels is not None
+                                else None),
         "ae_collapsed": None if plan.collapse is None else plan.collapse["collapsed"], "ae_collapse": plan.collapse,
         "public_only_dice": evaluation.public_only_dice,
         "public_only_dice_mean": evaluation.public_only_dice.get("mean"),
