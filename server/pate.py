@@ -129,6 +129,8 @@ class ReleasePlan:
     #: public side information) and, for every method, what the pseudo-labels must beat (issue 18)
     public_query_probs: np.ndarray | None = None
     public_test_probs: np.ndarray | None = None
+    #: how many public maps of each kind the PCA / autoencoder codec was fitted on (None: other codecs)
+    fit_maps: dict[str, int] | None = None
 
     def codec_for(self, indices, on: str = "query") -> dict:
         """The codec state shipped with the scans ``indices`` (the anchored codec carries their anchor)."""
@@ -271,8 +273,11 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
             raise UserError("pate-anchored needs the public model and public reference scans with labels")
         compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
                        predict_probs(public_model, world.reference_images))
+        fit_maps = None
     else:
-        compressor.fit(compressor_fit_maps(world, public_query, config.fit_on_public_predictions))
+        maps, fit_maps = compressor_fit_maps(world, public_query, config.fit_on_public_predictions)
+        compressor.fit(maps)
+        fit_maps = fit_maps if method in ("pate-pca", "pate-ae") else None   # the identity codec fits nothing
     if method == "pate-pca":  # eq. 7: keep the components with lambda_j > sigma^2
         compressor.resolve_components(noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
@@ -281,24 +286,29 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     public_test = (predict_probs(public_model, world.test_images)
                    if public_model is not None and method == "pate-anchored" else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
-                       compressor.collapsed() if method == "pate-ae" else None, public_query, public_test)
+                       compressor.collapsed() if method == "pate-ae" else None, public_query, public_test,
+                       fit_maps)
 
 
-def compressor_fit_maps(world: PublicWorld, public_query_probs: np.ndarray | None, with_predictions: bool) -> np.ndarray:
-    """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels).
+def compressor_fit_maps(world: PublicWorld, public_query_probs: np.ndarray | None,
+                        with_predictions: bool) -> tuple[np.ndarray, dict[str, int]]:
+    """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels),
+    and how many of each kind.
 
     The public reference labels (another centre's), and -- ``with_predictions`` -- the public model's label
     maps of the public query scans: these scans come from the hospitals' population, so their lesions'
     positions and shapes are the ones the teachers will describe, while the reference maps' are not (issue
     18). Both are public by construction: public labels, and a public model applied to public scans; no
-    teacher output and no private label enters the fit (tests/test_pate_plan.py).
+    teacher output and no private label enters the fit (tests/test_pate_codec_fit.py).
     """
     maps = [codecs.one_hot(world.reference_labels, world.classes)]
+    counts = {"public_reference_labels": len(maps[0]), "public_model_on_query_scans": 0}
     # the paper preset's reference set *is* the query scans with their public labels: nothing to add
     if (with_predictions and public_query_probs is not None and len(public_query_probs)
             and list(world.reference_ids) != list(world.query_ids)):
         maps.append(codecs.one_hot(np.asarray(public_query_probs).argmax(axis=1), world.classes))
-    return np.concatenate(maps, axis=0)
+        counts["public_model_on_query_scans"] = len(maps[1])
+    return np.concatenate(maps, axis=0), counts
 
 
 def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: ReleasePlan, teachers: Teachers,
@@ -420,12 +430,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "teachers_per_query": {"min": int(min(queries.teachers_seen)) if queries.teachers_seen else None,
                                "max": int(max(queries.teachers_seen)) if queries.teachers_seen else None},
         "compressor": plan.compressor.describe(), "components": int(plan.compressor.latent_dim),
-        "compressor_fit_maps": ({"public_reference_labels": int(len(world.reference_labels)),
-                                 "public_model_on_query_scans": int(len(world.query_images))
-                                 if config.fit_on_public_predictions and plan.public_query_probs is not None
-                                 and list(world.reference_ids) != list(world.query_ids) else 0}
-                                if config.method in ("pate-pca", "pate-ae") and world.reference_labels is not None
-                                else None),
+        "compressor_fit_maps": plan.fit_maps,
         "ae_collapsed": None if plan.collapse is None else plan.collapse["collapsed"], "ae_collapse": plan.collapse,
         "public_only_dice": evaluation.public_only_dice,
         "public_only_dice_mean": evaluation.public_only_dice.get("mean"),

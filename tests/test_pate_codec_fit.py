@@ -52,6 +52,7 @@ def test_pca_fits_reference_labels_and_the_public_models_query_maps_only(monkeyp
     maps, plan = _fitted_maps(monkeypatch, tmp_path, world, public_model)
     predicted = predict_probs(public_model, world.query_images).argmax(axis=1)
     assert np.array_equal(maps, np.concatenate([codecs.one_hot(world.reference_labels), codecs.one_hot(predicted)]))
+    assert plan.fit_maps == {"public_reference_labels": 4, "public_model_on_query_scans": 3}
     # the query and test labels (simulation diagnostics) never reach the fit: changing them changes nothing
     world.query_labels = rng.integers(0, 4, world.query_labels.shape)
     world.test_labels = rng.integers(0, 4, world.test_labels.shape)
@@ -66,8 +67,9 @@ def test_the_lever_can_be_switched_off_and_is_moot_when_the_reference_set_is_the
                                                                                          public_model):
     rng = np.random.default_rng(1)
     world = _world(rng)
-    maps, _ = _fitted_maps(monkeypatch, tmp_path, world, public_model, fit_on_public_predictions=False)
+    maps, plan = _fitted_maps(monkeypatch, tmp_path, world, public_model, fit_on_public_predictions=False)
     assert np.array_equal(maps, codecs.one_hot(world.reference_labels))
+    assert plan.fit_maps == {"public_reference_labels": 4, "public_model_on_query_scans": 0}
     paper_like = _world(rng, reference_is_query=True)      # the paper preset: the query scans' public labels
     maps, _ = _fitted_maps(monkeypatch, tmp_path, paper_like, public_model)
     assert np.array_equal(maps, codecs.one_hot(paper_like.reference_labels))
