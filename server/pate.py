@@ -274,10 +274,12 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
         compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
                        predict_probs(public_model, world.reference_images))
         fit_maps = None
-    else:
+    elif method in ("pate-pca", "pate-ae"):
         maps, fit_maps = compressor_fit_maps(world, public_query, config.fit_on_public_predictions)
         compressor.fit(maps)
-        fit_maps = fit_maps if method in ("pate-pca", "pate-ae") else None   # the identity codec fits nothing
+    else:   # the identity codec learns nothing from its fit (shape only)
+        compressor.fit(codecs.one_hot(world.reference_labels, world.classes))
+        fit_maps = None
     if method == "pate-pca":  # eq. 7: keep the components with lambda_j > sigma^2
         compressor.resolve_components(noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
