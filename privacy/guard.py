@@ -12,6 +12,7 @@ then (budget, δ)-DP even though its parameters were chosen from its own outputs
 
 from __future__ import annotations
 
+import contextlib
 from typing import Mapping, Sequence
 
 from privacy.accountants import epsilon_spent
@@ -58,8 +59,9 @@ class BudgetGuard:
         """Budget minus what the ledger says ``owner`` has spent (may be 0, never negative)."""
         return max(0.0, self.budget_of(owner) - self.ledger.spent(owner, self.delta).epsilon)
 
-    def check(self, owners: Sequence[str], event: Event) -> None:
-        """Raise BudgetExceeded if adding ``event`` would take any owner past its budget; writes nothing."""
+    def check(self, owners: Sequence[str], event: Event, count: int = 1) -> None:
+        """Raise BudgetExceeded if adding ``count`` x ``event`` would take any owner past its budget; writes
+        nothing. (A check alone decides nothing another writer cannot change: :meth:`charge` holds the lock.)"""
         if isinstance(owners, str):
             raise PrivacyError(f"owners must be a list of owner names, got the string {owners!r}")
         if not isinstance(event, Event):
@@ -67,11 +69,11 @@ class BudgetGuard:
         alone = None
         for owner in owners:
             budget = self.budget_of(owner)
-            after = self.ledger.spent(owner, self.delta, extra=[event])
+            after = self.ledger.spent(owner, self.delta, extra=[event] * int(count))
             if after.epsilon > budget:
                 before = self.ledger.spent(owner, self.delta)
                 if alone is None:
-                    alone = epsilon_spent([event], self.delta)[0]
+                    alone = epsilon_spent([event] * int(count), self.delta)[0]
                 digits = 2 if f"{after.epsilon:.2f}" != f"{budget:.2f}" else 6
                 raise BudgetExceeded(
                     f"owner {owner!r} would spend ε={after.epsilon:.{digits}f} > budget {budget:.{digits}f} "
@@ -83,13 +85,24 @@ class BudgetGuard:
     def charge(self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None) -> None:
         """``check`` then ``ledger.record`` (durable before returning). Call before adding noise/releasing.
 
-        Re-charging an identical, already recorded ``release_id`` (a retry) is a no-op.
+        Re-charging an identical, already recorded ``release_id`` (a retry) is a no-op: callers must only
+        repeat an id whose mechanism does not draw fresh noise again (see ``privacy.ledger``).
         """
-        if self.ledger.has_release(release_id):
-            self.ledger.record(owners, event, release_id, note)  # validates it is identical; no write
-            return
-        self.check(owners, event)
-        self.ledger.record(owners, event, release_id, note)
+        self.charge_all(owners, event, [release_id], note)
+
+    def charge_all(self, owners: Sequence[str], event: Event, release_ids: Sequence[str],
+                   note: dict | None = None) -> None:
+        """Charge ``event`` once per release id, all or none: the batch is checked as a whole and recorded
+        under one hold of the ledger's lock (a hospital's query batch: one release per public scan)."""
+        with self.ledger.exclusive():
+            self._charge_locked(owners, event, release_ids, note)
+
+    def _charge_locked(self, owners, event, release_ids, note, check: bool = True) -> None:
+        fresh = [r for r in release_ids if not self.ledger.has_release(r)]
+        if fresh and check:
+            self.check(owners, event, count=len(fresh))
+        for release_id in release_ids:   # repeats validate they are identical and write nothing
+            self.ledger.record(owners, event, release_id, note)
 
 
 class GuardChain:
@@ -132,9 +145,21 @@ class GuardChain:
             guard.check(mine, event)
 
     def charge(self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None) -> None:
+        self.charge_all(owners, event, [release_id], note)
+
+    def charge_all(self, owners: Sequence[str], event: Event, release_ids: Sequence[str],
+                   note: dict | None = None) -> None:
+        """Every guard checks, then every ledger records, all under every ledger's lock (taken in one fixed
+        order, by file, so two chains over the same ledgers cannot deadlock)."""
         targets = self._targets(owners)
-        for guard, mine in targets:
-            if not guard.ledger.has_release(release_id):
-                guard.check(mine, event)
-        for guard, mine in targets:
-            guard.ledger.record(mine, event, release_id, note)
+        ledgers = {id(guard.ledger): guard.ledger for guard, _ in targets}
+        order = sorted(ledgers.values(), key=lambda ledger: str(ledger.lock_path or f"~memory-{id(ledger)}"))
+        with contextlib.ExitStack() as held:
+            for ledger in order:
+                held.enter_context(ledger.exclusive())
+            for guard, mine in targets:
+                fresh = [r for r in release_ids if not guard.ledger.has_release(r)]
+                if fresh:
+                    guard.check(mine, event, count=len(fresh))
+            for guard, mine in targets:
+                guard._charge_locked(mine, event, release_ids, note, check=False)

@@ -10,20 +10,35 @@ the complete line (the release may have happened — it is counted) or a truncat
 never returned, so nothing was released — it is dropped on load, and cut off before the next append).
 
 Repeats merge: the same ``release_id`` recorded twice (a retried round, a resumed run) counts once;
-different owners or event under one ``release_id`` is an error.
+different owners or event under one ``release_id`` is an error. A repeat is only sound where the mechanism
+behind it does not run again with fresh noise: release ids that a party outside the data owner can choose
+(a server's round number) must carry a nonce the owner mints (``clients/replay.py``).
+
+Several writers (issue 26): every process and thread that opens the same file serialises on an exclusive
+``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`). ``record`` holds it while it re-reads what others
+appended and appends its own line; opening a file holds it while it reads and cuts a torn tail, so a
+complete record another process appended in between is never cut off. The budget guard holds it from its
+check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
+try:  # POSIX advisory locks; where fcntl does not exist (Windows) only threads are serialised
+    import fcntl
+except ImportError:  # pragma: no cover - not on the platforms we run
+    fcntl = None
 
 from privacy.accountants import accountant_for, make_accountant
 from privacy.errors import PrivacyError
@@ -65,11 +80,48 @@ class Ledger:
         self._by_id: dict[str, dict] = {}
         self._events_cache: dict[str, list[Event]] = {}
         self._accountant_cache: dict[tuple, tuple] = {}
+        self._thread_lock = threading.RLock()
+        self._lock_depth = 0
+        self._lock_handle = None
+        self._offset = 0   # bytes of the file merged so far (always the end of a complete line)
         if self.path is not None and self.path.exists():
-            records, valid_bytes = self._read(self.path)
-            for record in records:
-                self._merge(record, source=str(self.path))
-            self._truncate_partial_tail(valid_bytes)
+            with self.exclusive():   # refresh reads the file; the torn tail is cut while no one appends
+                self._truncate_partial_tail(self._offset)
+
+    # ------------------------------------------------------------------ locking
+
+    @property
+    def lock_path(self) -> Path | None:
+        """``<ledger>.lock`` beside the file: locked, never written (the ledger itself may not exist yet)."""
+        return None if self.path is None else self.path.with_name(self.path.name + ".lock")
+
+    @contextlib.contextmanager
+    def exclusive(self, refresh: bool = True) -> Iterator["Ledger"]:
+        """Hold this ledger's exclusive lock (re-entrant within one thread); on entry, merge what other
+        writers appended (``refresh``). Everything that decides on the ledger's content and then writes to it
+        -- the guard's check-then-record, a batch of charges, cutting a torn tail -- runs inside it."""
+        with self._thread_lock:
+            outermost = self._lock_depth == 0
+            if outermost and self.path is not None and fcntl is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                handle = open(self.lock_path, "a+b")
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+                except BaseException:
+                    handle.close()
+                    raise
+                self._lock_handle = handle
+            self._lock_depth += 1
+            try:
+                if outermost and refresh:
+                    self.refresh()
+                yield self
+            finally:
+                self._lock_depth -= 1
+                if outermost and self._lock_handle is not None:
+                    handle, self._lock_handle = self._lock_handle, None
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+                    handle.close()
 
     # ------------------------------------------------------------------ loading
 
@@ -82,13 +134,16 @@ class Ledger:
         return cls(path)
 
     @staticmethod
-    def _read(path: Path) -> tuple[list[dict], int]:
-        """Parse records; returns them and the byte length of the valid prefix (complete lines)."""
-        data = path.read_bytes()
+    def _read(path: Path, start: int = 0) -> tuple[list[dict], int]:
+        """Parse the records from byte ``start`` (a line boundary) on; returns them and the byte length of the
+        valid prefix (complete lines), counted from the file's start."""
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            data = handle.read()
         lines = data.split(b"\n")
         records: list[dict] = []
-        offset = 0
-        valid_bytes = 0
+        offset = start
+        valid_bytes = start
         for number, raw in enumerate(lines, start=1):
             is_last = number == len(lines)
             line_end = offset + len(raw) + (0 if is_last else 1)
@@ -140,7 +195,10 @@ class Ledger:
         }
 
     def _truncate_partial_tail(self, valid_bytes: int) -> None:
-        assert self.path is not None
+        """Cut a torn last fragment off (callers hold :meth:`exclusive`, so no live writer is mid-line)."""
+        assert self.path is not None and self._lock_depth > 0
+        if not self.path.exists():
+            return
         size = self.path.stat().st_size
         if size > valid_bytes:
             # The fragment belongs to a record() that never returned (its release never happened). Cut it
@@ -158,6 +216,7 @@ class Ledger:
                     handle.write(b"\n")
                     handle.flush()
                     os.fsync(handle.fileno())
+                self._offset = valid_bytes + 1
 
     def _merge(self, record: dict, source: str) -> bool:
         """Add a validated record; False if it repeats an identical one. PrivacyError on a conflict."""
@@ -182,7 +241,9 @@ class Ledger:
         returns how many were new. The cached accountants then only compose the new events."""
         if self.path is None or not self.path.exists():
             return 0
-        records, _ = self._read(self.path)
+        if self.path.stat().st_size < self._offset:   # the file was replaced: read it whole (merges are idempotent)
+            self._offset = 0
+        records, self._offset = self._read(self.path, self._offset)
         return sum(1 for record in records if self._merge(record, source=str(self.path)))
 
     # ------------------------------------------------------------------ writing
@@ -207,16 +268,20 @@ class Ledger:
             line = _canonical(record) + "\n"
         except (TypeError, ValueError) as exc:
             raise PrivacyError(f"release {release_id!r}: note must be JSON-serialisable ({exc})") from None
-        existing = self._by_id.get(release_id)
-        if existing is not None:
-            if _content(existing) != _content(record):
-                raise PrivacyError(
-                    f"release_id {release_id!r} already recorded with different owners or event"
-                )
-            return  # a repeat: already durable, counts once
-        if self.path is not None:
-            self._append(line.encode("utf-8"))
-        self._merge(record, source=str(self.path or "<memory>"))
+        with self.exclusive():   # what other writers appended is merged first: a repeat is seen as one
+            existing = self._by_id.get(release_id)
+            if existing is not None:
+                if _content(existing) != _content(record):
+                    raise PrivacyError(
+                        f"release_id {release_id!r} already recorded with different owners or event"
+                    )
+                return  # a repeat: already durable, counts once
+            if self.path is not None:
+                self._truncate_partial_tail(self._offset)   # a writer killed mid-line left a fragment
+                payload = line.encode("utf-8")
+                self._append(payload)
+                self._offset += len(payload)
+            self._merge(record, source=str(self.path or "<memory>"))
 
     def _append(self, payload: bytes) -> None:
         assert self.path is not None
