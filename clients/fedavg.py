@@ -10,6 +10,10 @@ multiplier is calibrated once for the whole federation plan (rounds x local epoc
 sampling rate), so the planned rounds spend exactly the budget; a round the budget cannot pay for
 trains nothing. The reply carries the ledger records of this round so the server can mirror them: the
 server's ε for the global model comes from those mirrored ledgers (the worst hospital).
+
+Replays (issue 26): the round's release ids carry a nonce this hospital mints, so training a round again is
+always charged again; the identical request sent twice (same weights, same configuration) is answered from
+the hospital's :class:`clients.replay.AnswerBook` with the identical earlier update, and no noise is drawn.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from privacy import calibration
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from clients.replay import AnswerBook, mint_nonce, request_key
 from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.networks import build_unet
@@ -43,6 +48,13 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     if config.get("reproducible_noise") and hospital.deployed:   # refused before anything is touched
         raise UserError(f"hospital {hospital.hospital_id}: refuses reproducible (seeded) noise: "
                         "it is for simulations only")
+    # a genuine retry of this exact request gets the identical update it got before: no new release
+    book = AnswerBook(Path(hospital.workdir) / "answers")
+    key = request_key("dp-fedavg-round", {f"w.{name}": value for name, value in weights.items()},
+                      {name: value for name, value in config.items() if name != "world"})
+    answered = book.lookup(key)
+    if answered is not None:
+        return answered[0], answered[1]
     preset = hospital.preset
     round_index = int(config["round"])
     rounds = int(config["rounds"])
@@ -76,7 +88,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     guard = GuardChain(BudgetGuard(ledger, epsilon, delta), [(hospital.lifetime_guard(config), [hospital.hospital_id])])
     before = {record["release_id"] for record in ledger.records()}
     setting = f"setting-{int(config['setting'])}:" if config.get("plan") else ""
-    prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}"
+    # the server's run tag and round name the release; the hospital's nonce makes every training its own
+    prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}@{mint_nonce()}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
                   max_grad_norm=float(config.get("max_grad_norm") or preset.dpsgd_max_grad_norm),
                   per_layer=bool(preset.extra.get("dpsgd_per_layer", True)), release_prefix=prefix,
@@ -99,4 +112,5 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
         "ledger_records": json.dumps(new_records),
         "stopped_reason": result.stopped_reason or "",
     }
+    book.store(key, new_weights, metrics)
     return new_weights, metrics

@@ -38,8 +38,9 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from clients.replay import AnswerBook, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
-from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
+from sim.codecs import CodecPolicy, CodecRefused, fallback_encoding, make_encoder, verify_codec
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
 from sim.io import atomic_save_torch, atomic_write_json
@@ -50,7 +51,8 @@ from sim.training import TrainConfig, evaluate_segmentation, predict_probs, trai
 class Hospital:
     def __init__(self, hospital_id: str, prepared, partitions, preset, workdir, seed: int = 0,
                  validation: list | None = None, deployed: bool = False, privacy_ledger=None,
-                 lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None):
+                 lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None,
+                 max_teachers: int | None = None):
         self.hospital_id = str(hospital_id)
         self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
         self.prepared = prepared
@@ -68,6 +70,10 @@ class Hospital:
         self.delta = float(delta if delta is not None else preset.delta)
 
         self.codec_policy = codec_policy or CodecPolicy()
+        #: the most teachers the consortium has (node config ``max-teachers``): the K a server may declare.
+        #: A query's sensitivity is 2C/K for the declared K, so without this bound a server declaring K = 1e9
+        #: would make this hospital charge almost nothing (issue 26)
+        self.max_teachers = None if max_teachers is None else int(max_teachers)
         self._models: dict[int, Any] = {}
 
     @property
@@ -111,14 +117,18 @@ class Hospital:
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp)
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
-            return cached
+            return cached       # (an identical request gets the identical teachers: no new noise is drawn)
         self._models.clear()
+        # every training that runs is a new release of the patients (issue 26): its local-DP release ids
+        # carry a nonce this hospital mints, so retraining -- another seed, a cleared cache -- is charged again
+        nonce = mint_nonce()
         validation_dice = []
         for k, case_ids in enumerate(self.partitions):
             model = self._new_model()
             dp = None
             if local_dp:
-                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
+                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
+                                 "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
             train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
                                 learning_rate=self.preset.learning_rate, seed=seed * 1009 + k,
                                 progress=False, init_from=init_state,
@@ -215,15 +225,28 @@ class Hospital:
         """
 
         config = dict(config or {})
-        codec = verify_codec(codec, self._codec_policy(config))
         scans = np.asarray(scans, np.float32)
+        # everything is validated before anything is charged: a request that cannot be answered costs nothing
+        codec = verify_codec(codec, self._codec_policy(config), scans_shape=scans.shape)
+        try:   # one autoencoder for all of this hospital's teachers; built here, so a broken one costs nothing
+            encode = make_encoder(codec)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise CodecRefused(f"codec: the autoencoder cannot be built from the state sent ({exc})") from None
+        key = None
         if config.get("diagnostic"):
             if self.deployed:
                 raise UserError(f"hospital {self.hospital_id}: refuses un-noised diagnostic queries "
                                 "(simulation only)")
         else:
-            self._charge_query(codec, config, len(scans))
-        encode = make_encoder(codec)  # one autoencoder for all of this hospital's teachers
+            release_ids, sigma, teachers = self._query_declaration(config, len(scans))
+            # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
+            key = request_key("query", {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
+                              {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
+                               "teachers_trained": self._teachers_fingerprint()})
+            answered = self.answers.lookup(key)
+            if answered is not None:
+                return answered[0]["rows"], answered[1]
+            self._charge_query(codec, config, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
         for k in range(self.num_teachers):
             probs = self.teacher_probs(k, scans)
@@ -232,7 +255,20 @@ class Hospital:
             else:  # a broken teacher answers a fixed row; only the count leaves the hospital
                 rows.append(fallback_encoding(codec, len(scans)))
                 fallbacks += 1
-        return np.stack(rows).astype(np.float32), {"fallback_teachers": fallbacks}
+        rows = np.stack(rows).astype(np.float32)
+        notes = {"fallback_teachers": fallbacks}
+        if key is not None:
+            self.answers.store(key, {"rows": rows}, notes)
+        return rows, notes
+
+    @property
+    def answers(self) -> AnswerBook:
+        """What this hospital has answered (``workdir/answers``): repeats get the same answer (issue 26)."""
+        return AnswerBook(self.workdir / "answers")
+
+    def _teachers_fingerprint(self) -> str:
+        record = self.workdir / "teachers" / "training.json"
+        return json.loads(record.read_text()).get("fingerprint", "") if record.exists() else ""
 
     def _codec_policy(self, config: Mapping[str, Any]):
         """A deployed hospital's own policy (node config); a simulated one takes the simulation's."""
@@ -242,8 +278,8 @@ class Hospital:
         return CodecPolicy(max_latent_dim=int(config.get("max_latent_dim", self.codec_policy.max_latent_dim)),
                            allow_identity=bool(config["allow_identity"]))
 
-    def _charge_query(self, codec: Mapping[str, np.ndarray], config: Mapping, scans: int) -> None:
-        """Charge this batch to the hospital's own ledger before any teacher sees a scan."""
+    def _query_declaration(self, config: Mapping, scans: int) -> tuple[list[str], float, int]:
+        """(release ids, sigma, K) a query batch declares, checked against what this hospital knows."""
 
         try:
             release_ids = [str(r) for r in config["release_ids"]]
@@ -255,18 +291,28 @@ class Hospital:
         if len(release_ids) != scans or len(set(release_ids)) != scans:
             raise UserError(f"hospital {self.hospital_id}: {scans} scans need {scans} distinct release ids, "
                             f"got {len(release_ids)}")
+        if not (np.isfinite(sigma) and sigma > 0):
+            raise UserError(f"hospital {self.hospital_id}: the server declares sigma={sigma}; expected > 0")
         if teachers < self.num_teachers:
             raise UserError(f"hospital {self.hospital_id}: the server declares K={teachers} teachers, fewer "
                             f"than this hospital's own {self.num_teachers}")
+        if self.max_teachers is not None and teachers > self.max_teachers:
+            # the sensitivity 2C/K shrinks with the K the server declares: a hospital bounds K itself
+            raise UserError(f"hospital {self.hospital_id}: the server declares K={teachers} teachers, more than "
+                            f"the consortium's {self.max_teachers} (node-config max-teachers)")
+        return release_ids, sigma, teachers
+
+    def _charge_query(self, codec: Mapping[str, np.ndarray], config: Mapping, release_ids: list[str],
+                      sigma: float, teachers: int) -> None:
+        """Charge this batch to the hospital's own ledger before any teacher sees a scan: all or nothing,
+        under ids with a nonce this hospital mints (the server's ids alone could be sent again)."""
+
         guard = self.lifetime_guard(config)
         event = GaussianEvent(sensitivity=codecs.codec_sensitivity(codec, teachers), sigma=sigma)
         note = {"teachers": teachers, "sigma": sigma, "codec": str(np.asarray(codec["kind"]).item()),
                 "latent_dim": int(np.asarray(codec["latent_dim"]).item())}
-        fresh = [r for r in release_ids if not guard.ledger.has_release(r)]
-        if fresh:  # the whole batch must fit, or nothing is recorded
-            guard.check([self.hospital_id], GaussianEvent(event.sensitivity, sigma, count=len(fresh)))
-        for release_id in release_ids:
-            guard.charge([self.hospital_id], event, release_id, note)
+        nonce = mint_nonce()
+        guard.charge_all([self.hospital_id], event, [f"{r}@{nonce}" for r in release_ids], note)
 
     def ensemble_probability_sum(self, scans: np.ndarray) -> np.ndarray:
         """Sum of the teachers' probabilities (C, ...): a SIMULATION-ONLY diagnostic (the noise-free

@@ -6,8 +6,9 @@ Two ways a node learns who it is:
   data-dir='/data/msd' workdir='/var/fedpate'"``. The hospital reads *its own* MSD folder, prepares it
   at the grid the server asks for and splits its patients into ``teachers-per-hospital`` disjoint
   teacher partitions itself. Nothing about its patients is known to the server. Its privacy settings
-  are its own, in the node config: ``epsilon-budget`` (lifetime ε over every run, default 8),
-  ``delta`` (default 1e-3), ``max-latent-dim`` (longest encoding it uploads, default 1024) and
+  are its own, in the node config: ``epsilon-budget`` (lifetime ε over every run; required: a node
+  without one refuses to start), ``max-teachers`` (the most teachers the consortium has, the largest K a
+  server may declare; required: the sensitivity 2C/K it charges shrinks with K), ``delta`` (default 1e-3), ``max-latent-dim`` (longest encoding it uploads, default 1024) and
   ``allow-identity`` (whether it ever uploads full-resolution one-hot votes, default false); its ledger
   is ``workdir/privacy-ledger.jsonl``.
 * **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
@@ -63,7 +64,10 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
             )
         hospital_id = hospital_ids[index]
         workdir = Path(world_dir) / "nodes" / hospital_id
-        _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir, seed)
+        # a simulated consortium knows its size: no server may declare more teachers than the world has
+        consortium = sum(len(partitions) for partitions in split.hospitals.values())
+        _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir, seed,
+                                   max_teachers=consortium)
     return _HOSPITALS[key]
 
 
@@ -72,6 +76,11 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
     if not hospital_id:
         raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
     data_dir = Path(str(node_config["data-dir"]))
+    required = {"epsilon-budget": "its lifetime privacy budget", "max-teachers":
+                "the most teachers the consortium has (bounds the K a server may declare)"}
+    for name, meaning in required.items():   # a hospital's privacy settings are never defaulted for it
+        if node_config.get(name) in (None, ""):
+            raise UserError(f"node-config: '{name}' is required on a deployed hospital ({meaning})")
     workdir = Path(str(node_config.get("workdir") or _default_workroot() / hospital_id))
     teachers = int(node_config.get("teachers-per-hospital") or config.get("teachers_per_hospital")
                    or preset.teachers_per_hospital)
@@ -85,7 +94,8 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),
                              allow_identity=config_flag(node_config.get("allow-identity", False), "node-config allow-identity"))
         _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True,
-                                       lifetime_epsilon=float(node_config.get("epsilon-budget", 8.0)),
-                                       delta=float(node_config.get("delta", 1e-3)), codec_policy=policy)
+                                       lifetime_epsilon=float(node_config["epsilon-budget"]),
+                                       delta=float(node_config.get("delta", 1e-3)), codec_policy=policy,
+                                       max_teachers=int(node_config["max-teachers"]))
     return _HOSPITALS[key]
 

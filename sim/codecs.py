@@ -460,8 +460,13 @@ class CodecPolicy:
         return self.kinds + (("identity",) if self.allow_identity else ())
 
 
-def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = None) -> dict:
+def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = None,
+                 scans_shape: tuple | None = None) -> dict:
     """The hospital's check of a codec state; returns a copy whose ``row_bound`` is the hospital's own.
+
+    ``scans_shape`` (the query batch's scans, ``(n, channels, *grid)``): the codec must fit them -- the same
+    grid, and for the anchored codec an anchor for exactly these n scans -- so that a request that cannot be
+    encoded is refused here, before anything is charged (issue 26), not in ``encode`` after the charge.
 
     Raises :class:`CodecRefused`. Checks (SPEC sections 3-4): the kind is allowed; ``l`` is at most the
     policy's maximum; shapes agree with ``classes x grid``; PCA: rows orthonormal (the ``sqrt(d)`` and
@@ -486,6 +491,12 @@ def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = N
     if kind != "identity" and latent > policy.max_latent_dim:
         raise CodecRefused(f"codec latent_dim {latent} exceeds this hospital's max-latent-dim "
                            f"{policy.max_latent_dim}")
+    if scans_shape is not None:
+        scans_shape = tuple(int(v) for v in scans_shape)
+        if len(scans_shape) != 2 + len(grid) or scans_shape[2:] != grid:
+            raise CodecRefused(f"codec: grid {grid} does not match the query scans of shape {scans_shape}")
+        if kind == "anchored" and (ANCHOR_KEY not in state or len(np.asarray(state[ANCHOR_KEY])) != scans_shape[0]):
+            raise CodecRefused(f"codec: the anchored codec needs the public anchor of these {scans_shape[0]} scans")
     verified = dict(state)
     if kind == "pca":
         mode = str(scalar(state, "mode"))

@@ -195,10 +195,9 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         else:
             order = torch.randperm(n, generator=generator)
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
-        losses, seen, empty = [], 0, 0
+        losses, seen = [], 0
         for batch in batches:
             if len(batch) == 0:
-                empty += 1
                 session.noise_only_step()
                 continue
             xb, yb = x_all[batch], y_all[batch]
@@ -209,13 +208,18 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             loss = loss_per_sample.mean()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss.detach()) * len(batch))
+            if session is None:
+                losses.append(float(loss.detach()) * len(batch))
             seen += len(batch)
-        record: dict[str, Any] = {"epoch": epoch + 1, "loss": (sum(losses) / seen) if seen else None,
-                                  "samples": seen, "empty_batches": empty}
-        if session is not None:
-            record["noise_multiplier"] = session.sigmas[-1]
-            record["epsilon"] = session.spent(with_rdp=False)["epsilon"]
+        if session is None:
+            record: dict[str, Any] = {"epoch": epoch + 1, "loss": (sum(losses) / seen) if seen else None,
+                                      "samples": seen}
+        else:
+            # DP-SGD releases only the noisy model: the training loss (unbounded sensitivity) and the Poisson
+            # batch sizes (the sampling's secret randomness, which the amplification relies on) are never
+            # recorded, printed or checkpointed -- only sigma and the ledger's epsilon (issue 26)
+            record = {"epoch": epoch + 1, "noise_multiplier": session.sigmas[-1],
+                      "epsilon": session.spent(with_rdp=False)["epsilon"]}
         if validation is not None:
             val_dice = evaluate_segmentation(base_model, validation[0], validation[1])["mean"]
             record["validation_dice_mean"] = val_dice
@@ -223,7 +227,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
                 session.observe_validation(val_dice if val_dice is not None else 0.0)
         history.append(record)
         bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                         if k in ("loss", "epsilon")})
+                         if k in ("loss", "noise_multiplier", "epsilon")})
         if checkpoint is not None:
             inner_opt = getattr(optimizer, "original_optimizer", optimizer)
             atomic_save_torch(checkpoint, {

@@ -84,7 +84,9 @@ def test_hospital_charges_its_own_ledger_before_answering(tmp_path):
     rows, notes = hospital.answer_query(np.zeros((2, 4, *GRID), np.float32), state, _query(["a", "b"]))
     assert rows.shape == (3, 2, 3) and notes == {"fallback_teachers": 0}
     ledger = Ledger.load(hospital.privacy_ledger)
-    assert [r["release_id"] for r in ledger.records()] == ["a", "b"]
+    # the server's ids, each with the nonce this hospital minted for the batch (one nonce, two releases)
+    ids = [r["release_id"] for r in ledger.records()]
+    assert [i.split("@")[0] for i in ids] == ["a", "b"] and len({i.split("@")[1] for i in ids}) == 1
     # S = 2C/K for the declared K = 6 (not the hospital's own 3 teachers), computed from the codec
     assert [r["event"]["sensitivity"] for r in ledger.records()] == [pytest.approx(2 * 1.0 / 6)] * 2
     assert ledger.owners() == ["h0"]

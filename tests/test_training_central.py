@@ -55,10 +55,11 @@ def test_central_dpsgd_cli(tmp_path, monkeypatch, tiny_phantoms):
     spent = ledger.spent("hospital-00", 1e-3)
     assert results["epsilon"] == pytest.approx(spent.epsilon)
     assert 0 < results["epsilon"] <= 8.0 and results["epsilon_budget"] == 8.0 and results["sigma"] > 0
-    # a rerun into the same folder resumes from the checkpoint: no epoch is charged twice
+    # a finished DP run keeps no resume checkpoint; a rerun into its folder is refused and charges nothing
+    assert not (out / "checkpoint").exists()
     before = (out / "ledger.jsonl").read_text()
     assert main(["central", "--preset", "tiny", "--data", str(tiny_phantoms), "--out", str(out), "--method",
-                 "dp-sgd", "--no-progress", "--epochs", "2", "--sampling", "shuffle"]) == 0
+                 "dp-sgd", "--no-progress", "--epochs", "2", "--sampling", "shuffle"]) == 2
     assert (out / "ledger.jsonl").read_text() == before
 
 
@@ -152,3 +153,41 @@ def test_run_central_poisson_states_both_relations(tmp_path, monkeypatch):
     add_remove = epsilon_under(ledger.events("h0"), 1e-3, "add-remove")[0]
     assert written["epsilon_add_remove"] == pytest.approx(add_remove) and add_remove < written["epsilon"]
     assert written["dpsgd"]["adaptive"] is False
+
+
+def test_a_finished_dpsgd_run_holds_and_prints_no_training_loss_or_sample_count(tmp_path, monkeypatch, capfd):
+    """Issue 26: the training loss (unbounded sensitivity) and the Poisson batch sizes stay inside the run:
+    not in any file of the finished folder, not on the console (the progress bar shows sigma and epsilon)."""
+    import sim.runners.central as central
+    import sim.training as training
+
+    monkeypatch.setattr(central, "load_central_data", _fake_loader)
+    monkeypatch.setattr(training, "tqdm", _EagerBar)
+    central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+                        progress=True, epochs=2, augment=False)
+    console = capfd.readouterr()
+    shown = console.out + console.err
+    assert "epsilon" in shown and "loss" not in shown and "samples" not in shown
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert files and not any(p.suffix == ".pt" and "checkpoint" in p.parts for p in files)
+    for path in files:
+        content = path.read_bytes()
+        assert b"loss" not in content and b"samples" not in content and b"empty_batches" not in content, path
+
+
+class _EagerBar:
+    """tqdm stand-in that prints every postfix it is given (a real bar may skip refreshes)."""
+
+    def __init__(self, iterable, **kwargs):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, values):
+        import sys
+
+        print(f"postfix {values}", file=sys.stderr)
+
+    def close(self):
+        pass

@@ -13,17 +13,22 @@ from typing import Sequence
 
 from sim.deployment.flower_cli import FLOWER_ENV, config_string
 from sim.errors import UserError
+from sim.presets import get_preset
 
 
 def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequence[tuple[str, str]],
                         app_dir: str = ".", superlink_port: int | None = None,
                         supernode_port: int = 9094, teachers_per_hospital: int | None = None,
-                        remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate") -> str:
+                        remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate",
+                        epsilon_budget: float = 8.0, max_teachers: int | None = None) -> str:
     """The step-by-step commands for real separate machines, as text.
 
     ``superlink`` is ``HOST:PORT`` as the hospitals reach the aggregator; ``hospitals`` is
     ``[(hospital_id, data_dir_on_that_hospital), ...]``; ``certs_dir`` is where ``fedpate deploy certs``
-    wrote the CA, the SuperLink certificate and one key pair per hospital.
+    wrote the CA, the SuperLink certificate and one key pair per hospital. ``epsilon_budget`` (each
+    hospital's lifetime ε) and ``max_teachers`` (the consortium's K, default hospitals x
+    ``teachers_per_hospital`` or x the quick preset's) go into every node config: a deployed hospital refuses
+    to start without them.
     """
     if ":" not in superlink:
         raise UserError(f"--superlink {superlink!r}: expected HOST:PORT")
@@ -31,6 +36,7 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
     if not port.isdigit():
         raise UserError(f"--superlink {superlink!r}: port must be a number")
     certs = Path(certs_dir)
+    consortium = int(max_teachers or len(hospitals) * (teachers_per_hospital or get_preset("quick").teachers_per_hospital))
     q = shlex.quote
     r = remote_certs.rstrip("/")
     lines = [
@@ -78,6 +84,8 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
         node_config = {"hospital-id": hid, "data-dir": data, "workdir": f"{workdir_root}/{hid}"}
         if teachers_per_hospital:
             node_config["teachers-per-hospital"] = teachers_per_hospital
+        node_config["epsilon-budget"] = float(epsilon_budget)
+        node_config["max-teachers"] = consortium
         lines += [
             f"## 3. Hospital {hid}: outbound TCP to {host}:{port} only; nothing listens except 127.0.0.1:{supernode_port}",
             f"flower-supernode --superlink {host}:{port} --root-certificates {r}/ca.crt \\",

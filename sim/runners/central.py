@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -199,8 +200,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
         "epochs_planned": setting["epochs"],
         "epochs_completed": result.epochs_completed,
-        # the training loss is an un-noised statistic of the private data: only non-private runs show it
-        "final_loss": (result.history[-1]["loss"] if result.history else None) if not private else None,
+        # the training loss is an un-noised statistic of the private data: only non-private runs have the key
+        **({} if private else {"final_loss": result.history[-1]["loss"] if result.history else None}),
         "epsilon_rdp": result.epsilon_rdp if private else None,
         "dpsgd": None if not private else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
@@ -215,8 +216,12 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     }
     preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
     card = {"start": results.extras["start"], "settings": results.extras["setting_selection"]}
-    return write_run(out, results, ModelRelease(model, net_cfg, preprocessing, world["source"], card_extra=card),
-                     started=started)
+    written = write_run(out, results, ModelRelease(model, net_cfg, preprocessing, world["source"], card_extra=card),
+                        started=started)
+    # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
+    # (and the ledger without a checkpoint marks the folder as finished: see the check above)
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return written
 
 
 INITS = ("public", "scratch")
@@ -263,10 +268,11 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
 
 def _release_prefix(ledger_path: Path) -> str:
     """Release ids unique to this run: the hospitals' lifetime ledgers outlive it, and an id they already
-    hold would merge a new release into an old one. A resumed run (checkpoint + ledger) keeps its ids."""
+    hold would merge a new release into an old one. A resumed run (checkpoint + ledger) keeps its ids
+    (``central-dpsgd:<nonce>``, without the grid entry's ``:setting-i`` or the epoch)."""
     if ledger_path.exists() and ledger_path.stat().st_size > 0:
         first = Ledger.load(ledger_path).records()[0]["release_id"]
-        return first.rsplit(":epoch-", 1)[0]
+        return ":".join(first.split(":")[:2])
     return f"central-dpsgd:{secrets.token_hex(4)}"
 
 

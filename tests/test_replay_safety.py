@@ -1,0 +1,156 @@
+"""A hospital cannot be talked into spending twice (issue 26, item 1): the same request sent twice gets the
+identical earlier answer and no second noise draw; anything else is a new, charged release. Also: requests are
+validated before they are charged, and the server cannot shrink the sensitivity by declaring a huge K."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
+from clients.hospital import Hospital
+from privacy.errors import BudgetExceeded
+from privacy.ledger import Ledger
+from server.compressors import PCACompressor
+from sim import codecs
+from sim.errors import UserError
+from sim.networks import build_unet
+from sim.presets import get_preset
+
+PRESET = get_preset("tiny")
+GRID = (16, 16, 16)
+
+
+def _prepared(n=4):
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(n, 4, *GRID)).astype(np.float32)
+    labels = rng.integers(0, 4, size=(n, *GRID)).astype(np.int64)
+    index = {f"p{i}": i for i in range(n)}
+    return SimpleNamespace(images=lambda ids: images[[index[i] for i in ids]],
+                           labels=lambda ids: labels[[index[i] for i in ids]], grid=GRID)
+
+
+def _weights():
+    return {k: v.numpy().copy() for k, v in build_unet(PRESET.unet).state_dict().items()}
+
+
+@pytest.fixture
+def cheap_sigma(monkeypatch):
+    import privacy.calibration as calibration
+
+    monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **k: 2.0)  # skip the PLD search
+    plan_noise_multiplier.cache_clear()
+    yield
+    plan_noise_multiplier.cache_clear()
+
+
+def test_the_same_dpfedavg_round_twice_gets_the_identical_update_and_one_charge(tmp_path, cheap_sigma):
+    hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
+                        lifetime_epsilon=1000.0, delta=1e-3)
+    weights = _weights()
+    config = {"round": 0, "rounds": 4, "epsilon": 500.0, "delta": 1e-3, "run_tag": "r1"}
+    first, metrics = local_dpsgd_round(hospital, weights, config)
+    charged = len(Ledger.load(hospital.privacy_ledger))
+    assert charged >= 1
+    again, metrics_again = local_dpsgd_round(hospital, weights, config)      # a genuine retry
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name])
+    assert metrics_again == metrics
+    assert len(Ledger.load(hospital.privacy_ledger)) == charged               # no second release
+
+    # the same round name with other weights (a replay the server dressed up) is trained again: charged again
+    moved = {name: value + 0.01 if value.dtype.kind == "f" else value for name, value in weights.items()}
+    replayed, _ = local_dpsgd_round(hospital, moved, config)
+    assert len(Ledger.load(hospital.privacy_ledger)) == 2 * charged
+    assert any(not np.array_equal(first[n], replayed[n]) for n in first)
+
+
+def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
+    hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
+                        lifetime_epsilon=1000.0, delta=1e-3)
+    local_dp = {"mode": "fixed", "noise_multiplier": 2.0, "epsilon": 1000.0, "delta": 1e-3, "max_grad_norm": 1.0}
+    first = hospital.train_teachers({"teacher_epochs": 1, "seed": 0, "local_dp": local_dp})
+    ledger_path = hospital.workdir / "ledger.jsonl"
+    charged = len(Ledger.load(ledger_path))
+    assert charged == 2 and first["local_epsilon"] > 0
+    # the identical request reuses the trained teachers: nothing new is released
+    assert hospital.train_teachers({"teacher_epochs": 1, "seed": 0, "local_dp": local_dp}).get("reused")
+    assert len(Ledger.load(ledger_path)) == charged
+    # another seed trains the teachers again from the same patients: a second release, charged
+    second = hospital.train_teachers({"teacher_epochs": 1, "seed": 1, "local_dp": local_dp})
+    assert len(Ledger.load(ledger_path)) == 2 * charged
+    assert second["local_epsilon"] > first["local_epsilon"]
+
+
+class _FixedTeachers(Hospital):
+    def __init__(self, tmp_path, max_teachers=None, lifetime=50.0):
+        super().__init__("h0", prepared=None, partitions=[["a"], ["b"]], preset=PRESET, workdir=tmp_path / "h0",
+                         lifetime_epsilon=lifetime, delta=1e-3, max_teachers=max_teachers)
+        self.runs = 0
+
+    def teacher_probs(self, k, scans):
+        self.runs += 1
+        rng = np.random.default_rng(self.runs)    # a new answer every run: a repeat must not recompute
+        return codecs.normalise_probabilities(rng.random((len(scans), 4, 8, 8, 8)).astype(np.float32))
+
+
+def _codec():
+    rng = np.random.default_rng(0)
+    maps = codecs.one_hot(rng.integers(0, 4, size=(12, 8, 8, 8)), 4)
+    return PCACompressor(3, "clip", clip=1.0).fit(maps).state()
+
+
+def test_the_same_query_batch_twice_gets_the_identical_answer_and_one_charge(tmp_path):
+    hospital, codec = _FixedTeachers(tmp_path), _codec()
+    scans = np.zeros((2, 4, 8, 8, 8), np.float32)
+    query = {"release_ids": ["q-0", "q-1"], "sigma": 0.5, "teachers": 4}
+    rows, _ = hospital.answer_query(scans, codec, query)
+    runs = hospital.runs
+    again, _ = hospital.answer_query(scans, codec, query)
+    np.testing.assert_array_equal(rows, again)
+    assert hospital.runs == runs and len(Ledger.load(hospital.privacy_ledger)) == 2
+    # the same release ids with another sigma (or scans, or codec) are a new release: charged again
+    hospital.answer_query(scans, codec, {**query, "sigma": 0.6})
+    assert len(Ledger.load(hospital.privacy_ledger)) == 4
+
+
+def test_a_query_that_cannot_be_encoded_is_refused_before_it_is_charged(tmp_path):
+    hospital, codec = _FixedTeachers(tmp_path), _codec()
+    query = {"release_ids": ["q-0", "q-1"], "sigma": 0.5, "teachers": 4}
+    with pytest.raises(codecs.CodecRefused, match="grid"):        # scans on another grid than the codec's
+        hospital.answer_query(np.zeros((2, 4, 6, 6, 6), np.float32), codec, query)
+    anchored = {"kind": np.array("anchored"), "classes": np.array(4), "grid": np.array([8, 8, 8]),
+                "latent_dim": np.array(codecs.anchored_latent_dim(4, (0, 2))), "shells": np.array([0, 2]),
+                "clip": np.array(1.0)}
+    with pytest.raises(codecs.CodecRefused, match="anchor"):      # an anchored codec without its anchor
+        hospital.answer_query(np.zeros((2, 4, 8, 8, 8), np.float32), anchored, query)
+    assert hospital.runs == 0 and not hospital.privacy_ledger.exists()
+
+
+def test_the_hospital_bounds_the_k_a_server_declares(tmp_path):
+    hospital, codec = _FixedTeachers(tmp_path, max_teachers=8), _codec()
+    scans = np.zeros((1, 4, 8, 8, 8), np.float32)
+    with pytest.raises(UserError, match="max-teachers"):
+        hospital.answer_query(scans, codec, {"release_ids": ["q"], "sigma": 0.5, "teachers": 10**9})
+    assert not hospital.privacy_ledger.exists()
+    hospital.answer_query(scans, codec, {"release_ids": ["q"], "sigma": 0.5, "teachers": 8})
+    assert Ledger.load(hospital.privacy_ledger).records()[0]["event"]["sensitivity"] == pytest.approx(2 / 8)
+
+
+def test_a_deployed_node_needs_its_own_budget_and_consortium_size(tmp_path):
+    from clients.node import hospital_for
+
+    base = {"hospital-id": "h0", "data-dir": str(tmp_path / "data"), "workdir": str(tmp_path / "w")}
+    for missing in ("epsilon-budget", "max-teachers"):
+        node = {**base, "epsilon-budget": 8.0, "max-teachers": 16}
+        del node[missing]
+        with pytest.raises(UserError, match=missing):
+            hospital_for(node, {"preset": "tiny"})
+
+
+def test_a_refused_batch_records_nothing(tmp_path):
+    hospital, codec = _FixedTeachers(tmp_path, lifetime=1.0), _codec()
+    with pytest.raises(BudgetExceeded):
+        hospital.answer_query(np.zeros((3, 4, 8, 8, 8), np.float32), codec,
+                              {"release_ids": ["a", "b", "c"], "sigma": 0.05, "teachers": 4})
+    assert hospital.runs == 0 and not hospital.privacy_ledger.exists()
