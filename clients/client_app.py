@@ -14,12 +14,15 @@ Message types (``message_type`` = ``<category>[.<action>]``):
 
 A request the hospital refuses (its budget would be exceeded, a codec it does not accept, a diagnostic
 asked of a deployed hospital, a query that does not declare what it releases) is answered with
-``{"status": "refused: <why>"}`` and nothing else; the server treats that hospital as not answering.
+``{"status": "refused: <why>"}`` and nothing else; the server treats that hospital as not answering. A budget
+refusal says only ``refused: privacy budget``: its full text (what the hospital spent in other runs) stays
+in the hospital's own log.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -31,6 +34,7 @@ from sim.errors import UserError
 from sim.flower_wire import arrays_digest, make_content, read_content
 
 app = ClientApp()
+log = logging.getLogger(__name__)
 
 
 def refusals_as_replies(handler):
@@ -39,7 +43,11 @@ def refusals_as_replies(handler):
     def wrapped(msg: Message, context: Context) -> Message:
         try:
             return handler(msg, context)
-        except (UserError, PrivacyError) as exc:
+        except PrivacyError as exc:
+            # the full text states what this hospital spent in other runs: it stays in the hospital's log
+            log.warning("refused %s: %s", msg.metadata.message_type, exc)
+            return Message(make_content({"status": "refused: privacy budget"}), reply_to=msg)
+        except UserError as exc:   # a request the hospital cannot or will not run: the reason is the request's
             return Message(make_content({"status": f"refused: {exc}"}), reply_to=msg)
 
     return wrapped

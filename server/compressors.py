@@ -484,6 +484,14 @@ class AnchoredResidualCompressor(Compressor):
     public references, 7.3 for the teachers on the query scans), hence ``clip_scale`` 2.5 by default:
     C near the teachers' median norm was the best clip at epsilon 8 (r2/shells.py: pseudo-label Dice
     0.498 at C = median, 0.488 at half of it, with K = 64).
+
+    How the defaults were chosen, stated plainly (issue 26): ``shells`` (-2, 5) and ``clip_scale`` 2.5 were
+    chosen in a research world outside this repository (``/work/research/r2``, not shipped) by looking at
+    *private* quantities of that world -- the teachers' residual norms on its query scans and its
+    pseudo-label Dice -- not at public data alone. That world's patients are not the demo's and nothing of
+    them enters a mechanism here (the clip itself is computed from public arrays on every fit), so no
+    guarantee is affected; but the defaults are not a public-data choice, and a user tuning them on their
+    own hospitals' data would have to charge that selection.
     """
 
     name = "anchored"

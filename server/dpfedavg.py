@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
-from server.transport import HospitalTransport
+from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.networks import build_unet, network_config
 from sim.results import ModelRelease, RunResults, write_run
@@ -180,7 +180,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
         "max_grad_norm": setting["max_grad_norm"],
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
-        "dropped_hospitals": dict(transport.dropped),
+        "dropped_hospitals": {h: public_dropout_reason(why) for h, why in transport.dropped.items()},
     }
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})

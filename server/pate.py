@@ -56,6 +56,7 @@ from server.transport import (
     TeacherEnsembleDiagnostics,
     fallback_counts,
     measured_bytes_per_teacher,
+    public_dropout_reason,
 )
 from sim import codecs
 from sim.bundle import preprocessing_of
@@ -455,17 +456,19 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "rejected_replies": {h: len(reasons) for h, reasons in queries.rejected.items()},
         "unreleased_queries": len(queries.unreleased),
         "fallback_teachers": fallback_counts(queries.notes),
-        "dropped_hospitals": outcome.dropped,
+        "dropped_hospitals": {h: public_dropout_reason(why) for h, why in outcome.dropped.items()},
         "bytes_up_measured_per_query_per_teacher": measured_bytes_per_teacher(queries.bytes_up),
         # public validation Dice: what model selection may look at (never the test set)
         "validation_dice_mean": evaluation.validation_dice_mean,
         "ledger_owners": ledger.owners(),
-        "not_private_diagnostics": ["teacher_dice_mean", "ensemble_dice_mean", "ensemble_dice",
-                                    "ensemble_vote_dice_mean", "pseudo_label_dice_mean",
-                                    "ensemble_probability_average_dice_mean",
-                                    "ensemble_decoded_over_probability_average",
-                                    "pseudo_label_minus_public_model_query_dice",
-                                    "teacher_dice_per_hospital"] if evaluation.diagnostics else [],
+        "not_private_diagnostics": (["teacher_dice_mean", "ensemble_dice_mean", "ensemble_dice",
+                                     "ensemble_vote_dice_mean", "pseudo_label_dice_mean",
+                                     "ensemble_probability_average_dice_mean",
+                                     "ensemble_decoded_over_probability_average",
+                                     "pseudo_label_minus_public_model_query_dice",
+                                     "teacher_dice_per_hospital"] if evaluation.diagnostics else [])
+                                   # counts that depend on the hospitals' teachers, outside any DP guarantee
+                                   + ["fallback_teachers"],
         "privacy_statement": (f"({results.epsilon:.4g}, {config.delta:g})-DP per patient, replace-one adjacency, "
                               f"{results.accountant} accountant over {len(queries.answered)} Gaussian queries "
                               f"(sigma={plan.sigma:.4g}); covers the pseudo-labels and the student"),

@@ -65,6 +65,24 @@ def measured_bytes_per_teacher(rounds: Sequence[Mapping[str, float]]) -> float |
     return None if not sizes else float(sum(sizes) / len(sizes))
 
 
+#: what a published results.json may say about why a hospital left (the full reason stays in the server log)
+DROPOUT_REASONS = ("refused: privacy budget", "refused: request", "no reply", "error reply", "malformed reply")
+
+
+def public_dropout_reason(why: str) -> str:
+    """The category of a dropout reason, for published results: a hospital's refusal text can carry numbers
+    that depend on its other runs (issue 26); only which kind of dropout it was is published."""
+    text = str(why)
+    if text.startswith("refused: privacy budget"):
+        return DROPOUT_REASONS[0]
+    if text.startswith("refused") or text.startswith("codec-missing"):
+        return DROPOUT_REASONS[1]
+    for reason in DROPOUT_REASONS[2:]:
+        if text.startswith(reason):
+            return reason
+    return "no reply"
+
+
 def fallback_counts(notes: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, int]:
     """How many teacher answers each hospital replaced by its fixed fallback row (counts only)."""
     totals: dict[str, int] = {}

@@ -344,12 +344,20 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
         lines.append(f"- WARNING: the cells use different neighbouring relations ({', '.join(relations)}); "
                      "their ε are not comparable at face value.")
     lines.append("- Threat model: the aggregator is trusted with the teachers' un-noised encodings; differential "
-                 "privacy protects the patients against everyone who sees what is released (pseudo-labels, "
-                 "models, this report). Each hospital keeps its own ledger and lifetime budget.")
+                 "privacy protects the patients against everyone who sees what a private method releases: its "
+                 "pseudo-labels, its model, and the Dice of that model on the test patients (a post-processing "
+                 "of the model). Each hospital keeps its own ledger and lifetime budget.")
+    lines.append("- **Simulation-only numbers in this report are not covered by any guarantee**: the "
+                 "`nonprivate-central` row (trained on the pooled patients without noise), and every field a "
+                 "cell lists under `not_private_diagnostics` in its results.json (teacher Dice, the noise-free "
+                 "teacher ensemble, pseudo-label Dice, fallback-teacher counts). A deployment never computes "
+                 "them; they exist here to explain the private numbers.")
     noise = sorted({c.get("noise") for c in cells if c.get("noise")})
     if "reproducible" in noise:
-        lines.append("- The noise of this comparison was **reproducible** (seeded, `--reproducible-noise`): a "
-                     "simulation, not a private release.")
+        lines.append("- The noise of this comparison was **reproducible** (seeded, `--reproducible-noise`): its "
+                     "noise is derived from the run's seed, which is the world's split seed printed in the World "
+                     "section -- **the noise is public** and anyone can subtract it. A simulation, not a private "
+                     "release.")
     if release:
         combined = release.get("combined_epsilon")
         if combined is None:

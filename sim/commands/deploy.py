@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     commands.add_argument("--hospital", action="append", required=True, metavar="ID=DATA_DIR",
                           help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
     commands.add_argument("--teachers-per-hospital", type=int, default=None)
+    commands.add_argument("--epsilon-budget", type=float, default=8.0,
+                          help="each hospital's lifetime epsilon in its node config (default 8; its IT may change it)")
     commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
     commands.set_defaults(func=_commands)
 
@@ -49,6 +51,8 @@ def register(subparsers) -> None:
     local.add_argument("--hospital-data", action="append", default=[], metavar="ID=DATA_DIR",
                        help="data-dir of a hospital (default: empty = the preset's phantoms)")
     local.add_argument("--teachers-per-hospital", type=int, default=0)
+    local.add_argument("--epsilon-budget", type=float, default=8.0,
+                       help="each hospital's lifetime epsilon, written into its node config (default 8)")
     local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the app's [tool.flwr.app.config] (repeatable)")
     local.add_argument("--no-tls", action="store_true", help="plain HTTP and no SuperNode authentication")
@@ -90,12 +94,14 @@ def _commands(args) -> int:
     from sim.deployment.recipe import deployment_commands
 
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
-                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital), end="")
+                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital,
+                              epsilon_budget=args.epsilon_budget), end="")
     return 0
 
 
 def _local(args) -> int:
     from sim.deployment.local import LocalDeployment, write_echo_app
+    from sim.presets import get_preset
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -125,8 +131,11 @@ def _local(args) -> int:
                         "(seeded noise is for simulations only)")
     if not args.echo and not data and args.app is None:
         return _local_fedpate(args, out, run_config)
+    # a deployed hospital sets its own budget and the consortium's size (it refuses to start without them)
+    per_hospital = args.teachers_per_hospital or get_preset(str(run_config.get("preset", "tiny"))).teachers_per_hospital
     hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),
-                  "teachers-per-hospital": args.teachers_per_hospital} for hid in names]
+                  "teachers-per-hospital": args.teachers_per_hospital, "epsilon-budget": args.epsilon_budget,
+                  "max-teachers": per_hospital * len(names)} for hid in names]
     tls = not args.no_tls
     with LocalDeployment(app, out / "deployment", hospitals, tls=tls, auth=tls, verbose=True) as dep:
         status = dep.run(run_config, timeout=args.timeout)
