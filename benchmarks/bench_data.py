@@ -25,14 +25,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from sim.data.msd import load_case, read_msd
-    from sim.data.phantoms import _anatomy, generate_phantoms
+    from sim.data.phantoms import anatomy_shape, generate_phantoms
     from sim.data.preprocess import PreprocessConfig, preprocess_case
 
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         for res in (2.0, 3.0):
             start = time.perf_counter()
-            shape = _anatomy(res)["shape"]
+            shape = anatomy_shape(res)
             setup = time.perf_counter() - start
             start = time.perf_counter()
             root = generate_phantoms(Path(tmp) / f"p{res:g}", cases=args.cases, institutions=4, seed=0,

@@ -196,19 +196,19 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
     Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
     total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
     """
-    # Opacus (~9 s to import) only for DP-SGD sessions: non-private training never pays for it
-    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
-
     def add_noise() -> None:
         stream = session.stream
         if stream is None:
             raise RuntimeError("DP-SGD noise requested before begin_epoch charged the epoch to the ledger")
         std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
         for p in optimizer.params:
-            _check_processed_flag(p.summed_grad)
+            # Opacus builds a fresh summed_grad every step (zero_grad clears it): one marked as noised already
+            # would get a second draw (Opacus guards the same way with private helpers we do not import)
+            if getattr(p.summed_grad, "_fedpate_noised", False):
+                raise RuntimeError("DP-SGD: noise added twice to one step's clipped gradient (zero_grad missing)")
             noise = std * stream.standard_normal(tuple(p.summed_grad.shape))
             p.grad = (p.summed_grad + torch.from_numpy(noise).to(p.summed_grad)).view_as(p)
-            _mark_as_processed(p.summed_grad)
+            p.summed_grad._fedpate_noised = True
 
     optimizer.add_noise = add_noise
 

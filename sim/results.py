@@ -32,8 +32,8 @@ from privacy.ledger import Ledger
 from sim.bundle import privacy_card, save_bundle
 from sim.data.preprocess import invert_label
 from sim.io import atomic_write_bytes, atomic_write_json
+from sim.metrics import DICE_KEYS
 
-DICE_KEYS = ("1", "2", "3", "mean", "WT", "TC", "ET")
 
 
 @dataclass

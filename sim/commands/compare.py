@@ -38,6 +38,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from sim.runners.compare import parse_list, run_compare
 
+    if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
+        from sim.errors import UserError
+
+        raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
+                        f"e.g. --epsilons {args.epsilon:g}")
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
              if args.teachers_per_hospital else None)

@@ -144,6 +144,11 @@ def institution_profiles(institutions: int, seed: int) -> list[ScannerProfile]:
 _ANATOMY: dict[float, dict[str, Any]] = {}
 
 
+def anatomy_shape(resolution_mm: float) -> tuple[int, ...]:
+    """Shape of the phantoms' anatomy grid at ``resolution_mm`` (builds and caches the anatomy)."""
+    return tuple(_anatomy(resolution_mm)["shape"])
+
+
 def _anatomy(resolution_mm: float) -> dict[str, Any]:
     """MNI152 tissue maps resampled once to ``resolution_mm`` on the brain's box plus a margin (cached)."""
     key = round(float(resolution_mm), 4)
