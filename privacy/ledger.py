@@ -85,8 +85,10 @@ class Ledger:
         self._lock_handle = None
         self._offset = 0   # bytes of the file merged so far (always the end of a complete line)
         if self.path is not None and self.path.exists():
-            with self.exclusive():   # refresh reads the file; the torn tail is cut while no one appends
-                self._truncate_partial_tail(self._offset)
+            self.refresh()   # reading needs no lock (complete lines only), so a read-only copy opens too
+            if self.path.stat().st_size > self._offset or not self._ends_with_newline():
+                with self.exclusive():   # re-read under the lock, then cut the torn tail while no one appends
+                    self._truncate_partial_tail(self._offset)
 
     # ------------------------------------------------------------------ locking
 
@@ -193,6 +195,13 @@ class Ledger:
             "note": note,
             "time": record.get("time"),
         }
+
+    def _ends_with_newline(self) -> bool:
+        if self._offset == 0:
+            return True
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offset - 1)
+            return handle.read(1) == b"\n"
 
     def _truncate_partial_tail(self, valid_bytes: int) -> None:
         """Cut a torn last fragment off (callers hold :meth:`exclusive`, so no live writer is mid-line)."""

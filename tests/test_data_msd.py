@@ -240,7 +240,8 @@ def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
         made.update(prepared=prepared, partitions=partitions)
         return made
 
-    node = {"hospital-id": "h0", "data-dir": str(root), "workdir": str(tmp_path / "work"), "teachers-per-hospital": 3}
+    node = {"hospital-id": "h0", "data-dir": str(root), "workdir": str(tmp_path / "work"), "teachers-per-hospital": 3,
+            "epsilon-budget": 8.0, "max-teachers": 12}
     _deployed_hospital(node, {"preset": "tiny"}, get_preset("tiny"), 0, hospital)
     partitions, prepared = made["partitions"], made["prepared"]
     assert sorted(c for part in partitions for c in part) == sorted(names) and len(partitions) == 3

@@ -126,3 +126,22 @@ def test_a_lock_is_held_from_check_to_record(tmp_path):
     with pytest.raises(BudgetExceeded):
         BudgetGuard(second, BUDGET, DELTA).charge(["h0"], GaussianEvent(1.0, SIGMA_EPS6), "two")
     assert len(Ledger(tmp_path / "l.jsonl")) == 1
+
+
+def test_opening_a_ledger_takes_no_lock_unless_it_must_cut_a_torn_tail(tmp_path, monkeypatch):
+    """Reading takes no lock (a model shipped with its ledger on read-only media stays verifiable); only a
+    torn tail, which must be cut, takes it."""
+    import privacy.ledger as ledger_module
+
+    path = tmp_path / "ledger.jsonl"
+    Ledger(path).record(["h0"], GaussianEvent(1.0, SIGMA_EPS6), "one")
+
+    def no_lock(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(ledger_module.fcntl, "flock", no_lock)
+    assert len(Ledger.load(path)) == 1
+    with open(path, "ab") as handle:
+        handle.write(b'{"release_id": "torn"')
+    with pytest.raises(PermissionError):
+        Ledger.load(path)
