@@ -8,11 +8,16 @@ Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with 
   deployment sigma in the bottleneck during training.
 * :class:`IdentityCompressor` — the naive baseline: noisy averaging of per-voxel one-hot votes.
 
-Every compressor: ``fit(public_onehot (n,C,*g))``, ``state() -> CodecState`` (shipped to hospitals, who
-encode locally with :func:`sim.codecs.encode`), ``decode(z (n,l)) -> probs (n,C,*g)``,
-``sensitivity(teachers)`` (replace-one L2 sensitivity of the mean of ``teachers`` encodings),
-``relation = "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher`` (= 4 l, float32).
-Nothing fitted here may see private data: callers pass public reference label maps only.
+The contract every compressor keeps (issue 27; ``server.pate.plan_release`` asks the compressor, it never tests
+its name): ``fit_release(public: PublicFit, noise_per_sensitivity, teachers)`` fits it on the public data it
+needs for a release (``needs_public_model``: the public model's predictions too); ``state() -> CodecState`` is
+what the hospitals are shipped (they encode locally with the codec kind's own module, :mod:`sim.codecs`);
+``batch_state(state, public_probs)`` adds the public side information one query batch travels with;
+``decode_release(z, public_probs, sigma)`` turns noisy mean latents into probabilities;
+``release_checks()`` (e.g. the autoencoder's collapse check) and ``fit_counts`` go on the record;
+``sensitivity(teachers)``, ``relation = "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher``.
+Which compressor a PATE method uses is one registry entry (:func:`register_compressor`). Nothing fitted here
+may see private data: everything in a :class:`PublicFit` is public.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,12 +54,66 @@ def _teachers(teachers: int) -> int:
     return teachers
 
 
+@dataclass
+class PublicFit:
+    """The public data a compressor may be fitted on for one release (nothing in it depends on private data).
+
+    ``reference_maps``: one-hot public reference labels (n, C, *grid); ``reference_probs``: the public model's
+    probabilities on those reference scans; ``query_probs``: the public model's probabilities on the public query
+    scans (None without a public model); ``reference_is_query``: the reference set *is* the query scans (the paper
+    preset); ``with_predictions``: PCA / autoencoder also fit the public model's label maps of the query scans.
+    """
+
+    reference_maps: np.ndarray
+    reference_probs: np.ndarray | None = None
+    query_probs: np.ndarray | None = None
+    reference_is_query: bool = False
+    with_predictions: bool = True
+
+    def label_maps(self) -> tuple[np.ndarray, dict[str, int]]:
+        """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels),
+        and how many of each kind: the public reference labels (another centre's), and -- ``with_predictions``
+        -- the public model's label maps of the public query scans, which come from the hospitals' population,
+        so their lesions' positions and shapes are the ones the teachers will describe (issue 18). Both public
+        by construction (tests/test_pate_codec_fit.py)."""
+        maps = [np.asarray(self.reference_maps, np.float32)]
+        counts = {"public_reference_labels": len(maps[0]), "public_model_on_query_scans": 0}
+        # the paper preset's reference set *is* the query scans with their public labels: nothing to add
+        if self.with_predictions and self.query_probs is not None and len(self.query_probs) and not self.reference_is_query:
+            classes = maps[0].shape[1]
+            maps.append(codecs.one_hot(np.asarray(self.query_probs).argmax(axis=1), classes))
+            counts["public_model_on_query_scans"] = len(maps[1])
+        return np.concatenate(maps, axis=0), counts
+
+
 class Compressor:
     name = "compressor"
     relation = "replace-one"
     latent_dim: int = 0
     grid: tuple = ()
     classes: int = 4
+    #: fit_release needs the public model's predictions (PublicFit.reference_probs / query_probs), and every
+    #: query batch and decode needs them as side information
+    needs_public_model: bool = False
+    #: how many public maps of each kind fit_release fitted on (None: the reference labels alone)
+    fit_counts: dict[str, int] | None = None
+
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "Compressor":
+        """Fit for a release of ``teachers`` answers at ``sigma = noise_per_sensitivity x S``: by default on the
+        public reference labels alone (the identity codec learns only their shape)."""
+        return self.fit(public.reference_maps)
+
+    def batch_state(self, state: dict, public_probs: np.ndarray | None) -> dict:
+        """The codec state one query batch is shipped with (default: the state itself)."""
+        return state
+
+    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float) -> np.ndarray:
+        """Probabilities from noisy mean latents of noise ``sigma`` (default: :meth:`decode`)."""
+        return self.decode(z)
+
+    def release_checks(self) -> dict | None:
+        """What the record should say about the fitted codec's health (default: nothing)."""
+        return None
 
     @property
     def bytes_per_query_per_teacher(self) -> int:
@@ -214,6 +275,13 @@ class PCACompressor(Compressor):
         l = int(l)
         return float(self.eigenvalues[l:].sum() + l * float(sigma) ** 2)
 
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "PCACompressor":
+        """Fit on the public label maps (:meth:`PublicFit.label_maps`), then keep the components eq. 7 says."""
+        maps, self.fit_counts = public.label_maps()
+        self.fit(maps)
+        self.resolve_components(noise_per_sensitivity, teachers)
+        return self
+
     def resolve_components(self, noise_per_sensitivity: float, teachers: int) -> tuple[int, float]:
         """Choose l automatically (eq. 7) when ``n_components`` is None, for a calibration in which
         ``sigma = noise_per_sensitivity * S`` (true for the exact GDP and the paper's eq. 15
@@ -328,6 +396,17 @@ class AutoencoderCompressor(Compressor):
         self.net = None
         self.history: list[float] = []
         self._reference: np.ndarray | None = None
+
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AutoencoderCompressor":
+        """Alg. 2: the decoder learns on the noise it will see (``train_sigma`` = the release's sigma), on the
+        public label maps (:meth:`PublicFit.label_maps`)."""
+        self.train_sigma = noise_per_sensitivity * self.sensitivity(teachers)
+        maps, self.fit_counts = public.label_maps()
+        return self.fit(maps)
+
+    def release_checks(self) -> dict:
+        """The collapse check of SPEC section 11 (a decoder that learnt to decode everything to background)."""
+        return self.collapsed()
 
     def _fingerprint(self, maps: np.ndarray) -> str:
         digest = hashlib.sha256(np.ascontiguousarray(maps).tobytes())
@@ -496,6 +575,8 @@ class AnchoredResidualCompressor(Compressor):
 
     name = "anchored"
 
+    needs_public_model = True
+
     def __init__(self, shells: tuple = (-2, 5), clip: float | None = None, clip_scale: float = 2.5):
         shells = tuple(int(v) for v in shells)
         if len(shells) != 2 or not shells[0] <= 0 < shells[1]:
@@ -558,29 +639,73 @@ class AnchoredResidualCompressor(Compressor):
             raise UserError("anchored codec: decode needs the public anchor (the public model's prediction)")
         return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells)
 
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
+        """Anchored at the public model (issue 18): C from its residual on the public reference scans."""
+        if public.reference_probs is None:
+            raise UserError("pate-anchored needs the public model and public reference scans with labels")
+        return self.fit(public.reference_maps, public.reference_probs)
+
+    def batch_state(self, state: dict, public_probs: np.ndarray | None) -> dict:
+        """Every query batch carries its scans' anchor: the public model's probabilities for exactly them."""
+        return codecs.with_anchor(state, public_probs)
+
+    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float) -> np.ndarray:
+        """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""
+        return self.decode(z, public_probs, sigma=sigma)
+
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
 
+#: PATE method -> the factory of its compressor (issue 27: one entry per method, no name tests elsewhere)
+_COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
+
+
+def register_compressor(method: str, factory: Callable[..., Compressor]) -> Callable[..., Compressor]:
+    """``factory(preset, seed=, checkpoint=, progress=, **options) -> Compressor`` for ``method``."""
+    if method in _COMPRESSORS and _COMPRESSORS[method] is not factory:
+        raise ValueError(f"a compressor for {method!r} is already registered")
+    _COMPRESSORS[method] = factory
+    return factory
+
+
+def unregister_compressor(method: str) -> None:
+    _COMPRESSORS.pop(method, None)
+
+
 def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str | Path | None = None,
                     progress: bool = False, **options) -> Compressor:
-    """The compressor a PATE method uses: pate-pca / pate-ae / pate-anchored / pate-naive."""
-    if method == "pate-pca":
-        return PCACompressor(options.get("n_components", getattr(preset, "pca_components", None)),
-                             options.get("sensitivity_mode", "public"), options.get("clip"))
-    if method == "pate-ae":
-        return AutoencoderCompressor(options.get("latent_dim", getattr(preset, "ae_latent_dim", 8)),
-                                     epochs=options.get("epochs", getattr(preset, "ae_epochs", 20)),
-                                     seed=seed, checkpoint=checkpoint, progress=progress)
-    if method == "pate-naive":
-        return IdentityCompressor()
-    if method == "pate-anchored":
-        extra = getattr(preset, "extra", None) or {}
-        return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
-                                          options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)))
-    raise UserError(f"method: expected pate-pca, pate-ae, pate-anchored or pate-naive, got {method!r}")
+    """The compressor a PATE method uses (the registered factory)."""
+    if method not in _COMPRESSORS:
+        raise UserError(f"method: expected one of {', '.join(_COMPRESSORS)}, got {method!r}")
+    return _COMPRESSORS[method](preset, seed=seed, checkpoint=checkpoint, progress=progress, **options)
 
 
-__all__ = ["Compressor", "PCACompressor", "AutoencoderCompressor", "AnchoredResidualCompressor", "IdentityCompressor",
-           "choose_components",
-           "make_compressor"]
+def _pca(preset, *, seed, checkpoint, progress, **options) -> PCACompressor:
+    return PCACompressor(options.get("n_components", getattr(preset, "pca_components", None)),
+                         options.get("sensitivity_mode", options.get("pca_mode", "public")), options.get("clip"))
+
+
+def _autoencoder(preset, *, seed, checkpoint, progress, **options) -> AutoencoderCompressor:
+    return AutoencoderCompressor(options.get("latent_dim", getattr(preset, "ae_latent_dim", 8)),
+                                 epochs=options.get("epochs", getattr(preset, "ae_epochs", 20)),
+                                 seed=seed, checkpoint=checkpoint, progress=progress)
+
+
+def _identity(preset, *, seed, checkpoint, progress, **options) -> IdentityCompressor:
+    return IdentityCompressor()
+
+
+def _anchored(preset, *, seed, checkpoint, progress, **options) -> AnchoredResidualCompressor:
+    extra = getattr(preset, "extra", None) or {}
+    return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
+                                      options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)))
+
+
+for _method, _factory in (("pate-pca", _pca), ("pate-ae", _autoencoder), ("pate-naive", _identity),
+                          ("pate-anchored", _anchored)):
+    register_compressor(_method, _factory)
+
+
+__all__ = ["Compressor", "PublicFit", "PCACompressor", "AutoencoderCompressor", "AnchoredResidualCompressor",
+           "IdentityCompressor", "choose_components", "make_compressor", "register_compressor", "unregister_compressor"]

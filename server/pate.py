@@ -49,7 +49,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.aggregation import aggregate_query
-from server.compressors import Compressor, make_compressor
+from server.compressors import Compressor, PublicFit, make_compressor
 from server.student import train_public_model, train_student
 from server.transport import (
     HospitalTransport,
@@ -133,21 +133,18 @@ class ReleasePlan:
     #: how many public maps of each kind the PCA / autoencoder codec was fitted on (None: other codecs)
     fit_maps: dict[str, int] | None = None
 
+    def _public_probs(self, indices, on: str) -> np.ndarray | None:
+        probs = self.public_query_probs if on == "query" else self.public_test_probs
+        return None if probs is None else probs[np.asarray(indices, dtype=int)]
+
     def codec_for(self, indices, on: str = "query") -> dict:
-        """The codec state shipped with the scans ``indices`` (the anchored codec carries their anchor)."""
-        anchors = self.public_query_probs if on == "query" else self.public_test_probs
-        if str(codecs.scalar(self.codec, "kind")) != "anchored":
-            return self.codec
-        return codecs.with_anchor(self.codec, anchors[np.asarray(indices, dtype=int)])
+        """The codec state shipped with the scans ``indices`` (with the public side information the compressor
+        says a batch needs, e.g. the anchored codec's anchors)."""
+        return self.compressor.batch_state(self.codec, self._public_probs(indices, on))
 
     def decode(self, latents: np.ndarray, indices, on: str = "query", noisy: bool = True) -> np.ndarray:
-        """Pseudo-labels from mean latents; the anchored codec decodes against the scans' anchors and shrinks
-        noisy latents towards them (``noisy=False``: the un-noised diagnostic, no shrinkage)."""
-        if str(codecs.scalar(self.codec, "kind")) != "anchored":
-            return self.compressor.decode(latents)
-        anchors = self.public_query_probs if on == "query" else self.public_test_probs
-        return self.compressor.decode(latents, anchors[np.asarray(indices, dtype=int)],
-                                      sigma=self.sigma if noisy else 0.0)
+        """Pseudo-labels from mean latents (``noisy=False``: the un-noised diagnostic, decoded as if sigma were 0)."""
+        return self.compressor.decode_release(latents, self._public_probs(indices, on), self.sigma if noisy else 0.0)
 
 
 @dataclass
@@ -249,69 +246,38 @@ def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
 
 def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teachers, out: Path,
                  public_model: torch.nn.Module | None = None) -> ReleasePlan:
-    """Step 3: calibration (SPEC section 5) and the compressor (fitted on PUBLIC reference label maps only).
+    """Step 3: calibration (SPEC section 5) and the compressor (fitted on PUBLIC data only).
 
-    The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
-    (sim.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the
-    very same numbers (the float32 basis shipped, not the float64 one kept here). ``pate_sigma`` aims
-    1e-9 below the budget, so the guard's own re-computation of the planned queries (batch checks and
-    per-query charges) fits it: tests/test_privacy_calibration.py checks exactly that.
+    The compressor is asked, never named (issue 27): its :meth:`server.compressors.Compressor.fit_release`
+    takes the public data of a :class:`server.compressors.PublicFit` it needs. The codec state as shipped is
+    the one source of the sensitivity: the hospitals recompute S from it (sim.codecs.verify_codec /
+    codec_sensitivity) and charge their own ledgers, so the server uses the very same numbers (the float32
+    basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so the guard's
+    own re-computation of the planned queries (batch checks and per-query charges) fits it:
+    tests/test_privacy_calibration.py checks exactly that.
     """
-    method, K = config.method, teachers.total
+    K = teachers.total
     queries = len(world.query_images)
     noise_per_sensitivity = pate_sigma(config.epsilon, config.delta, queries, 1.0, mode=config.calibration)
-    options = dict(config.compressor_options or {})
-    if method == "pate-pca":
-        options.setdefault("sensitivity_mode", config.pca_mode)
-    compressor = make_compressor(method, preset, seed=config.seed, checkpoint=out / "compressor" / "autoencoder.pt",
-                                 progress=config.progress, **options)
-    if method == "pate-ae":   # Alg. 2: the decoder learns on the noise it will see
-        compressor.train_sigma = noise_per_sensitivity * compressor.sensitivity(K)
+    compressor = make_compressor(config.method, preset, seed=config.seed,
+                                 checkpoint=out / "compressor" / "autoencoder.pt", progress=config.progress,
+                                 pca_mode=config.pca_mode, **dict(config.compressor_options or {}))
+    if compressor.needs_public_model and (public_model is None or world.reference_images is None):
+        raise UserError(f"{config.method} needs the public model and public reference scans with labels")
     public_query = predict_probs(public_model, world.query_images) if public_model is not None else None
-    if method == "pate-anchored":
-        # issue 18: anchored at the public model; C from its residual on the public reference scans
-        if public_model is None or world.reference_images is None:
-            raise UserError("pate-anchored needs the public model and public reference scans with labels")
-        compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
-                       predict_probs(public_model, world.reference_images))
-        fit_maps = None
-    elif method in ("pate-pca", "pate-ae"):
-        maps, fit_maps = compressor_fit_maps(world, public_query, config.fit_on_public_predictions)
-        compressor.fit(maps)
-    else:   # the identity codec learns nothing from its fit (shape only)
-        compressor.fit(codecs.one_hot(world.reference_labels, world.classes))
-        fit_maps = None
-    if method == "pate-pca":  # eq. 7: keep the components with lambda_j > sigma^2
-        compressor.resolve_components(noise_per_sensitivity, K)
+    public = PublicFit(
+        reference_maps=codecs.one_hot(world.reference_labels, world.classes),
+        reference_probs=(predict_probs(public_model, world.reference_images)
+                         if compressor.needs_public_model else None),
+        query_probs=public_query, reference_is_query=list(world.reference_ids) == list(world.query_ids),
+        with_predictions=bool(config.fit_on_public_predictions))
+    compressor.fit_release(public, noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
     sigma = pate_sigma(config.epsilon, config.delta, queries, sensitivity, mode=config.calibration)
-    public_test = (predict_probs(public_model, world.test_images)
-                   if public_model is not None and method == "pate-anchored" else None)
+    public_test = predict_probs(public_model, world.test_images) if compressor.needs_public_model else None
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
-                       compressor.collapsed() if method == "pate-ae" else None, public_query, public_test,
-                       fit_maps)
-
-
-def compressor_fit_maps(world: PublicWorld, public_query_probs: np.ndarray | None,
-                        with_predictions: bool) -> tuple[np.ndarray, dict[str, int]]:
-    """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels),
-    and how many of each kind.
-
-    The public reference labels (another centre's), and -- ``with_predictions`` -- the public model's label
-    maps of the public query scans: these scans come from the hospitals' population, so their lesions'
-    positions and shapes are the ones the teachers will describe, while the reference maps' are not (issue
-    18). Both are public by construction: public labels, and a public model applied to public scans; no
-    teacher output and no private label enters the fit (tests/test_pate_codec_fit.py).
-    """
-    maps = [codecs.one_hot(world.reference_labels, world.classes)]
-    counts = {"public_reference_labels": len(maps[0]), "public_model_on_query_scans": 0}
-    # the paper preset's reference set *is* the query scans with their public labels: nothing to add
-    if (with_predictions and public_query_probs is not None and len(public_query_probs)
-            and list(world.reference_ids) != list(world.query_ids)):
-        maps.append(codecs.one_hot(np.asarray(public_query_probs).argmax(axis=1), world.classes))
-        counts["public_model_on_query_scans"] = len(maps[1])
-    return np.concatenate(maps, axis=0), counts
+                       compressor.release_checks(), public_query, public_test, compressor.fit_counts)
 
 
 def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: ReleasePlan, teachers: Teachers,
