@@ -43,7 +43,7 @@ from sim.runconfig import RunSettings
 from sim.runners.central import run_central
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.simulation import simulate
-from sim.training import evaluate_segmentation_per_case, predict_probs, public_validation_dice
+from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
@@ -249,7 +249,8 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
     results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None)
-    results.extras = {"dice_per_case": dice_per_case, "reference_cases": len(world.reference_labels),
+    results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
+                      "reference_cases": len(world.reference_labels),
                       "validation_dice_mean": public_validation_dice(model, world)}
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "trained on public reference data only: no private data, "
