@@ -6,7 +6,8 @@ Cells and where they run:
   and reused across epsilon: they do not depend on it (PATE spends its budget at query time).
 - ``dp-sgd-central``, ``nonprivate-central``: pooled training (sim/runners/central.py).
 - ``public-only``: the student trained only on the public labelled reference set -- the honest baseline
-  PATE must beat (SPEC section 11).
+  PATE must beat (SPEC section 11); ``public-selftrain`` (sim/runners/selftrain.py): the public model
+  self-trained on the public unlabelled query scans -- a floor that uses all public data (issue 28).
 
 Resumable: a cell whose results.json exists is skipped; a cell interrupted after it had released
 something (a ledger but no results) is kept aside as ``<cell>.interrupted-<time>`` and run again -- its
@@ -34,7 +35,7 @@ from server.student import train_public_model
 from sim.bundle import attach_release, load_bundle, preprocessing_of
 from sim.errors import UserError
 from sim.io import atomic_write_json
-from sim.methods import FEDERATED_METHODS, PRIVATE_METHODS, SEGMENTATION_METHODS
+from sim.methods import FEDERATED_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
 from sim.networks import network_config
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
@@ -42,6 +43,7 @@ from sim.results import ModelRelease, RunResults, write_run
 from sim.runconfig import RunSettings
 from sim.runners.central import run_central
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+from sim.runners.selftrain import METHOD as SELFTRAIN_METHOD, run_public_selftrain
 from sim.runners.simulation import simulate
 from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
@@ -160,10 +162,11 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
                     print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
-    if "public-only" in methods and not done(out / "public-only"):
-        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-        run_public_only(preset, data, seed, out / "public-only", out / "_shared" / f"K-{preset.teachers}",
-                        progress=progress, publish_seed=not reproducible_noise)
+    for method in methods:   # the public floors: no hospital involved, nothing charged
+        if METHOD_ROLES.get(method) == "floor" and not done(out / method):
+            preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+            floor_runner(method)(preset, data, seed, out / method, out / "_shared" / f"K-{preset.teachers}",
+                                 progress=progress, publish_seed=not reproducible_noise)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
@@ -256,6 +259,15 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
                            card_extra={"note": "trained on public reference data only: no private data, "
                                                "no privacy cost"})
     return write_run(out, results, release, started=started)
+
+
+def floor_runner(method: str):
+    """The runner of a public floor (``METHOD_ROLES`` role ``floor``); each takes (preset, data, seed, out,
+    shared_dir, progress=, publish_seed=) and writes a cell with an empty ledger."""
+    runners = {"public-only": run_public_only, SELFTRAIN_METHOD: run_public_selftrain}
+    if method not in runners:
+        raise UserError(f"--methods: {method} is a public floor without a runner")
+    return runners[method]
 
 
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):
