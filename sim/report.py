@@ -198,13 +198,13 @@ def headroom_per_class(cell, floor_cell, ceiling_cell) -> dict[str, tuple[float,
     return {key: headroom_of(cell, floor_cell, ceiling_cell, key) for key in HEADROOM_KEYS}
 
 
-def _ratio(value: tuple[float, float, int] | None, se: bool = True) -> str:
+def format_ratio(value: tuple[float, float, int] | None, se: bool = True) -> str:
     if value is None:
         return "—"
     return f"{value[0]:+.2f} ± {value[1]:.2f}" if se else f"{value[0]:+.2f}"
 
 
-def _best_private(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[str, Mapping[str, Any]]]:
+def best_private_cells(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[str, Mapping[str, Any]]]:
     """Per budget, each private method's cell (with a K sweep: its best K by mean Dice, as the verdicts above)."""
     by_eps: dict[float, dict[str, Mapping[str, Any]]] = {}
     for cell in cells:
@@ -225,7 +225,7 @@ def floor_verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     floors = floors_of(cells)
     ceiling = reference_cell(cells, ceiling_of(cells))
     lines = []
-    for eps, methods in sorted(_best_private(cells).items()):
+    for eps, methods in sorted(best_private_cells(cells).items()):
         for name, cell in sorted(methods.items()):
             score = cell["dice"]["mean"]
             for floor in floors[1:]:
@@ -237,7 +237,7 @@ def floor_verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
                 per_class = headroom_per_class(cell, reference_cell(cells, floors[0]), ceiling)
                 if any(v is not None for v in per_class.values()):
                     lines.append(f"Headroom recovered per class at ε = {eps:g}, {name} (over {floors[0]}, ± SE): "
-                                 + ", ".join(f"{'class ' + k if k.isdigit() else k} {_ratio(v)}"
+                                 + ", ".join(f"{'class ' + k if k.isdigit() else k} {format_ratio(v)}"
                                              for k, v in per_class.items()) + ".")
     return lines
 
@@ -294,7 +294,7 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(cells, key=_sort_key):
         recovered = headroom_of(cell, primary, ceiling)
-        others = [_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling)) for floor in floors[1:]]
+        others = [format_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling)) for floor in floors[1:]]
         per_class = headroom_per_class(cell, primary, ceiling)
         start = cell.get("init") or ("public model" if str(cell.get("method", "")).startswith("pate") else "—")
         start = {"public": "public model", "scratch": "random weights"}.get(start, start)
@@ -311,8 +311,8 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
             str(cell.get("method")), _fmt(cell.get("epsilon_budget"), 2), _fmt(cell.get("epsilon"), 3),
             _fmt((cell.get("dice") or {}).get("mean")),
             "—" if recovered is None else f"{recovered[0]:+.2f} ± {recovered[1]:.2f}", *others,
-            " / ".join(_ratio(per_class[k], se=False) for k in ("1", "2", "3")),
-            " / ".join(_ratio(per_class[k], se=False) for k in ("WT", "TC", "ET")), start, setting]) + " |")
+            " / ".join(format_ratio(per_class[k], se=False) for k in ("1", "2", "3")),
+            " / ".join(format_ratio(per_class[k], se=False) for k in ("WT", "TC", "ET")), start, setting]) + " |")
     return "\n".join(lines)
 
 
@@ -335,7 +335,7 @@ def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
             continue
         rows += 1
         lines.append("| " + " | ".join([str(cell.get("method")), _fmt(cell.get("epsilon_budget"), 2),
-                                        _fmt(cell.get("teachers"))] + [_ratio(per_class[k]) for k in HEADROOM_KEYS])
+                                        _fmt(cell.get("teachers"))] + [format_ratio(per_class[k]) for k in HEADROOM_KEYS])
                      + " |")
     return "\n".join(lines) if rows else None
 
@@ -593,7 +593,7 @@ def headroom_rows(cells: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[st
     for floor in floors[1:]:
         rows.append((floor, {k: (v[0], v[1]) if v else None
                              for k, v in headroom_per_class(reference_cell(cells, floor), primary, ceiling).items()}))
-    for eps, methods in sorted(_best_private(cells).items()):
+    for eps, methods in sorted(best_private_cells(cells).items()):
         for name, cell in sorted(methods.items()):
             rows.append((f"{name} ε={eps:g}", {k: (v[0], v[1]) if v else None
                                                for k, v in headroom_per_class(cell, primary, ceiling).items()}))
