@@ -30,7 +30,7 @@ from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.networks import build_unet, network_config
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import evaluate_segmentation_per_case, public_validation_dice
+from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -165,6 +165,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     ).account(ledger, delta, relation=relation)   # the worst hospital's, from the mirrored records
     results.extras = {
         "dice_per_case": dice_per_case,
+        "dice_per_case_class": per_class_of(dice_per_case),
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
         "validation_dice_mean": validation_dice,   # public: what model selection may use

@@ -65,7 +65,7 @@ from sim.methods import PATE_METHODS
 from sim.metrics import dice_scores
 from sim.networks import network_config
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import evaluate_segmentation_per_case, predict_probs, public_validation_dice
+from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import PublicWorld
 
 log = logging.getLogger("fedpate.pate")
@@ -393,6 +393,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
     results.extras = {
         **noise.describe(),
         "dice_per_case": evaluation.dice_per_case,
+        "dice_per_case_class": per_class_of(evaluation.dice_per_case),
         "preset": preset.name, "grid": list(world.grid), "calibration": config.calibration,
         "queries_planned": plan.queries, "sensitivity": float(plan.sensitivity),
         "noise_per_sensitivity": float(plan.noise_per_sensitivity),

@@ -67,6 +67,15 @@ def per_case_dice(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.nd
     return _case_dice(pred_cls, true_cls), _case_dice(pred_reg, true_reg)
 
 
+def truth_presence(true_labels: Any) -> np.ndarray:
+    """(n, 6) booleans: whether each case's truth contains class 1, 2, 3 and region WT, TC, ET."""
+    true = np.asarray(_as_label_tensor(true_labels))
+    flat = true.reshape(len(true), -1)
+    classes = [(flat == c).any(axis=1) for c in (1, 2, 3)]
+    regions = [np.isin(flat, r).any(axis=1) for r in REGIONS.values()]
+    return np.stack(classes + regions, axis=1)
+
+
 def _nanmean_or_none(column: np.ndarray) -> float | None:
     valid = column[~np.isnan(column)]
     return float(valid.mean()) if valid.size else None
@@ -105,19 +114,39 @@ class DiceAccumulator:
 
         self._classes = Cumulative()
         self._regions = Cumulative()
+        self._present: list[np.ndarray] = []   # (n, 6): does the truth contain class 1, 2, 3 / WT, TC, ET
         self.cases = 0
 
     def add(self, pred_labels: Any, true_labels: Any) -> "DiceAccumulator":
         class_dice, region_dice = per_case_dice(pred_labels, true_labels)
         self._classes.extend(torch.from_numpy(class_dice))
         self._regions.extend(torch.from_numpy(region_dice))
+        self._present.append(truth_presence(true_labels))
         self.cases += len(class_dice)
         return self
 
     def reset(self) -> None:
         self._classes.reset()
         self._regions.reset()
+        self._present = []
         self.cases = 0
+
+    def case_table(self) -> dict[str, list[float | None]]:
+        """Per class (1, 2, 3) and region (WT, TC, ET), each case's Dice, ``None`` where the truth does not
+        contain that class or region.
+
+        What per-class paired comparisons need (``sim.report``: headroom per class): a class's Dice is only
+        informative on the cases that have it -- on the others it is 0 (a false positive) or undefined, which
+        says nothing about whether a method learned the class. Results store it as ``dice_per_case_class``.
+        """
+        if self.cases == 0:
+            return {k: [] for k in CLASSES + tuple(REGIONS)}
+        table = np.concatenate([np.asarray(self._classes.get_buffer(), dtype=np.float64),
+                                np.asarray(self._regions.get_buffer(), dtype=np.float64)], axis=1)
+        present = np.concatenate(self._present, axis=0)
+        return {key: [float(table[i, j]) if present[i, j] and not np.isnan(table[i, j]) else None
+                      for i in range(self.cases)]
+                for j, key in enumerate(CLASSES + tuple(REGIONS))}
 
     def case_means(self) -> list[float | None]:
         """Per case, the mean Dice over its valid classes (None when every class was excluded).

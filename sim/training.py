@@ -291,9 +291,23 @@ def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batc
     return evaluate_segmentation_per_case(model, images, labels, batch_size)[0]
 
 
+class PerCaseDice(list):
+    """Per-case mean Dice (a list, as results.json's ``dice_per_case`` has always been) that also carries
+    each case's Dice per class and region, ``by_class`` (``None`` where the truth lacks that class; results
+    store it as ``dice_per_case_class``). One evaluation gives both, so every producer that already pairs
+    test cases gets the per-class pairing the report's headroom per class needs (issue 28) for free."""
+
+    by_class: dict[str, list[float | None]]
+
+    def __init__(self, values=(), by_class: dict | None = None):
+        super().__init__(values)
+        self.by_class = dict(by_class or {})
+
+
 def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any,
-                                   batch_size: int = 2) -> tuple[dict, list[float | None]]:
-    """(Dice dict, per-case mean Dice) -- results.json stores the latter as ``dice_per_case``."""
+                                   batch_size: int = 2) -> tuple[dict, PerCaseDice]:
+    """(Dice dict, per-case mean Dice with ``.by_class``) -- results.json stores the latter as
+    ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`)."""
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
@@ -301,7 +315,12 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
     for start in range(0, len(x_all), batch_size):
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
-    return acc.aggregate(), acc.case_means()
+    return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
+
+
+def per_class_of(per_case: Any) -> dict[str, list[float | None]] | None:
+    """The per-class table of an :func:`evaluate_segmentation_per_case` result (None for a plain list)."""
+    return getattr(per_case, "by_class", None) or None
 
 
 def public_validation_dice(model, world) -> float | None:

@@ -29,6 +29,10 @@ def register(subparsers) -> None:
                         help="federated cells in this process through the same protocol code as the Flower apps, "
                              "torch on every core (default), or as Flower ClientApps/ServerApp in Flower's "
                              "simulation engine (flower; Ray gives each hospital one core)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds, e.g. 0,1,2: the grid once per seed (its own split, public model "
+                             "and training) in OUT/seed-<S>/, one report over all seeds at OUT, every seed charging "
+                             "the same hospital ledgers (default: --seed alone, in OUT itself)")
     parser.add_argument("--init", default="public", choices=("public", "scratch"),
                         help="where DP-SGD, DP-FedAvg and non-private training start: the public model that PATE's "
                              "teachers and student start from (default), or random weights")
@@ -36,7 +40,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.runners.compare import parse_list, run_compare
+    from sim.runners.compare import parse_list, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
         from sim.errors import UserError
@@ -50,6 +54,8 @@ def run(args) -> int:
         from sim.errors import UserError
         from sim.runners.classification_compare import run_classification_compare
 
+        if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:
+            raise UserError(f"--seeds: --task {args.task} takes one seed (--seed), got {args.seeds}")
         if sweep and len(sweep) > 1:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
                             f"got {args.teachers_per_hospital}")
@@ -62,9 +68,12 @@ def run(args) -> int:
         print(f"report: {args.out}/report.md")
         return 0
     methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)
-    report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
-                         hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
-                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                         lifetime_epsilon=args.lifetime_epsilon, init=args.init)
+    # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
+    seeds = parse_list(args.seeds, int, "--seeds") if args.seeds else [args.seed]
+    report = run_compare_seeds(args.preset, methods, epsilons, args.out, seeds=seeds, data=args.data,
+                               delta=args.delta, hospitals=args.hospitals, teachers_per_hospital=sweep,
+                               engine=args.engine, progress=not args.no_progress,
+                               reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
+                               init=args.init)
     print(f"report: {report}")
     return 0

@@ -13,8 +13,9 @@ every core; ``--engine flower`` runs them as Flower ClientApps and ServerApp in 
 from __future__ import annotations
 
 #: PATE with its best codec here (pate-ae and pate-pca are one `fedpate compare --methods` away: on this world
-#: their decoded ensembles carry almost nothing, docs/RESULTS.md), the DP baselines, and the two references
-DEMO_METHODS = "pate-anchored,dp-sgd-central,dp-fedavg,nonprivate-central,public-only"
+#: their decoded ensembles carry almost nothing, docs/RESULTS.md), the DP baselines, the non-private yardstick
+#: and both public floors (public-selftrain, issue 28: what the public query scans give with no hospital)
+DEMO_METHODS = "pate-anchored,dp-sgd-central,dp-fedavg,nonprivate-central,public-only,public-selftrain"
 DEMO_EPSILONS = "1,8"
 
 

@@ -40,7 +40,8 @@ from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, train_segmentation
+from sim.training import (TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, per_class_of,
+                          train_segmentation)
 from sim.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
@@ -182,6 +183,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         results.sigma = result.sigmas[0] if result.sigmas else None
     results.extras = {
         "dice_per_case": dice_per_case,
+        "dice_per_case_class": per_class_of(dice_per_case),
         **(noise.describe() if private else {}),
         "preset": p.name,
         "grid": list(p.grid),

@@ -6,7 +6,8 @@ Cells and where they run:
   and reused across epsilon: they do not depend on it (PATE spends its budget at query time).
 - ``dp-sgd-central``, ``nonprivate-central``: pooled training (sim/runners/central.py).
 - ``public-only``: the student trained only on the public labelled reference set -- the honest baseline
-  PATE must beat (SPEC section 11).
+  PATE must beat (SPEC section 11); ``public-selftrain`` (sim/runners/selftrain.py): the public model
+  self-trained on the public unlabelled query scans -- a floor that uses all public data (issue 28).
 
 Resumable: a cell whose results.json exists is skipped; a cell interrupted after it had released
 something (a ledger but no results) is kept aside as ``<cell>.interrupted-<time>`` and run again -- its
@@ -22,19 +23,22 @@ the comparison released together, from those ledgers.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from privacy.accountants import epsilon_spent
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from server.student import train_public_model
 from sim.bundle import attach_release, load_bundle, preprocessing_of
 from sim.errors import UserError
 from sim.io import atomic_write_json
-from sim.methods import FEDERATED_METHODS, PRIVATE_METHODS, SEGMENTATION_METHODS
+from sim.methods import FEDERATED_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
 from sim.networks import network_config
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
@@ -42,8 +46,9 @@ from sim.results import ModelRelease, RunResults, write_run
 from sim.runconfig import RunSettings
 from sim.runners.central import run_central
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+from sim.runners.selftrain import METHOD as SELFTRAIN_METHOD, run_public_selftrain
 from sim.runners.simulation import simulate
-from sim.training import evaluate_segmentation_per_case, predict_probs, public_validation_dice
+from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
@@ -71,8 +76,12 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
                 teachers_per_hospital: Sequence[int] | None = None, engine: str = "inprocess",
                 progress: bool = True, reproducible_noise: bool = False,
-                lifetime_epsilon: float | None = None, init: str = "public") -> Path:
+                lifetime_epsilon: float | None = None, init: str = "public",
+                ledger_dir: str | Path | None = None) -> Path:
     """Every method x epsilon (x K) on one world; returns the report's path.
+
+    ``ledger_dir`` (default ``out/hospital-ledgers``): the hospitals' own lifetime ledgers every private cell
+    charges. :func:`run_compare_seeds` points every seed's comparison at one folder: seeds share patients.
 
     ``init`` (issue 17): where DP-SGD, DP-FedAvg and non-private training start -- ``public``: the public
     model PATE's teachers and student start from (one checkpoint, ``_shared/K-<first>/public-model.pt``,
@@ -93,7 +102,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
     sweeping = len(sweep) > 1
     started = time.perf_counter()
-    ledger_dir = out / HOSPITAL_LEDGERS
+    ledger_dir = Path(ledger_dir) if ledger_dir is not None else out / HOSPITAL_LEDGERS
     lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
                                              "epsilons": list(epsilons), "delta": delta,
@@ -102,12 +111,14 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
                                              "data": data, "engine": engine, "init": init,
                                              "noise": "reproducible" if reproducible_noise else "secure",
-                                             "lifetime_epsilon": lifetime})
+                                             "lifetime_epsilon": lifetime,
+                                             "hospital_ledgers": os.path.relpath(ledger_dir, out)})
     # who holds what in this comparison's world (the report's World section); the split of the first K
     world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
     atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress)))
-    print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
-          f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
+    if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
+        print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
+              f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
 
     def done(path: Path) -> bool:
         if (path / "results.json").exists():
@@ -160,10 +171,11 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
                     print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
-    if "public-only" in methods and not done(out / "public-only"):
-        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-        run_public_only(preset, data, seed, out / "public-only", out / "_shared" / f"K-{preset.teachers}",
-                        progress=progress, publish_seed=not reproducible_noise)
+    for method in methods:   # the public floors: no hospital involved, nothing charged
+        if METHOD_ROLES.get(method) == "floor" and not done(out / method):
+            preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+            floor_runner(method)(preset, data, seed, out / method, out / "_shared" / f"K-{preset.teachers}",
+                                 progress=progress, publish_seed=not reproducible_noise)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
@@ -174,33 +186,132 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
             overlays.append(overlay)
     except Exception as exc:  # a plot must never lose the finished cells' report
         print(f"compare: overlay plot skipped ({exc.__class__.__name__}: {exc})")
-    release = combined_release(out, delta)
-    for cell in sorted(out.rglob("results.json")):
+    release = combined_release(out, delta, ledger_dir=ledger_dir)
+    attach_release_everywhere(out, release)
+    title = f"fedpate comparison — preset {preset_name}"
+    settings = {"preset": preset_name, "hospitals": base.hospitals, "teachers per hospital": ",".join(map(str, sweep)),
+                "δ": delta, "seed": "—" if reproducible_noise else seed, "engine": engine,
+                "wall minutes": round((time.perf_counter() - started) / 60, 1)}
+    # kept so that a multi-seed comparison can restate this seed's report with everything released after it
+    atomic_write_json(out / REPORT_SETTINGS, {"title": title, "settings": settings,
+                                              "overlays": [str(Path(o).relative_to(out)) for o in overlays]})
+    return write_report(out, title, settings=settings, overlays=overlays, release=release)
+
+
+#: a single-seed comparison's report title, settings and overlays (rewritten by run_compare_seeds at the end)
+REPORT_SETTINGS = "report-settings.json"
+#: a multi-seed comparison's per-seed folders: ``seed-<S>``
+SEED_FOLDER = "seed-{}"
+
+
+def attach_release_everywhere(root: Path, release: dict) -> None:
+    """Every model bundle below ``root`` states what it was released with (the combined ε, ledger digests)."""
+    for cell in sorted(Path(root).rglob("results.json")):
         if (cell.parent / "model" / "bundle.json").exists():
             attach_release(cell.parent, release)
-    title = f"fedpate comparison — preset {preset_name}"
-    report = write_report(out, title, settings={"preset": preset_name, "hospitals": base.hospitals,
-                                                "teachers per hospital": ",".join(map(str, sweep)),
-                                                "δ": delta, "seed": "—" if reproducible_noise else seed,
-                                                "engine": engine,
-                                                "wall minutes": round((time.perf_counter() - started) / 60, 1)},
-                          overlays=overlays, release=release)
-    return report
+
+
+def run_compare_seeds(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
+                      seeds: Sequence[int], data: str | None = None, delta: float | None = None,
+                      hospitals: int | None = None, teachers_per_hospital: Sequence[int] | None = None,
+                      lifetime_epsilon: float | None = None, reproducible_noise: bool = False, **options) -> Path:
+    """The grid once per seed (issue 28): each seed its own world split, public model, training and cells, in
+    ``out/seed-<S>/`` (a complete single-seed comparison with its own report), then one report at ``out``
+    that aggregates across seeds (``sim.report_seeds``). One seed: exactly :func:`run_compare` on ``out``.
+
+    Privacy (SPEC section 2, "releases add up"): the seeds split the *same* patients (one phantom world,
+    ``sim.world.PHANTOM_SEED``), so every seed's cells charge the same per-hospital ledgers,
+    ``out/hospital-ledgers/<hospital>.jsonl``, under one lifetime budget planned over every seed's cells
+    (:func:`planned_lifetime_epsilon` with ``seeds``); a cell that would exceed it is refused before it
+    touches private data. The combined ε stated at the end, in every report and every model card, is
+    composed from those ledgers; where a patient sat at different hospitals in different seeds (a split
+    scheme that moves patients), it composes every ledger that patient was charged in
+    (:func:`patient_homes`, :func:`combined_release`).
+    """
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds: expected distinct seeds, got {seeds}")
+    if len(seeds) == 1:
+        return run_compare(preset_name, methods, epsilons, out, seed=seeds[0], data=data, delta=delta,
+                           hospitals=hospitals, teachers_per_hospital=teachers_per_hospital,
+                           lifetime_epsilon=lifetime_epsilon, reproducible_noise=reproducible_noise, **options)
+    if reproducible_noise:   # each seed would drive its own noise, and the seed folders name them
+        raise UserError("--reproducible-noise: takes one seed (the seed drives the noise and is never published); "
+                        "several --seeds would publish them in the folder names")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = get_preset(preset_name, hospitals=hospitals)
+    delta = base.delta if delta is None else delta
+    sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
+    ledger_dir = out / HOSPITAL_LEDGERS
+    lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep), seeds=len(seeds)))
+    started = time.perf_counter()
+    atomic_write_json(out / "compare-seeds.json", {"preset": preset_name, "methods": list(methods),
+                                                   "epsilons": list(epsilons), "delta": delta, "seeds": seeds,
+                                                   "hospitals": base.hospitals, "teachers_per_hospital": sweep,
+                                                   "data": data, "lifetime_epsilon": lifetime,
+                                                   "hospital_ledgers": f"{HOSPITAL_LEDGERS}/"})
+    print(f"compare: {len(seeds)} seeds; each hospital's lifetime budget over every seed's cells: epsilon "
+          f"{lifetime:g} ({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets over all seeds'})",
+          flush=True)
+    for seed in seeds:
+        print(f"compare: seed {seed}", flush=True)
+        run_compare(preset_name, methods, epsilons, out / SEED_FOLDER.format(seed), seed=seed, data=data,
+                    delta=delta, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital,
+                    lifetime_epsilon=lifetime, ledger_dir=ledger_dir, **options)
+    world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+    homes = patient_homes(world_preset, data, seeds)
+    release = combined_release(out, delta, homes=homes)
+    if release.get("patients_moving_between_hospitals"):
+        print(f"compare: {release['patients_moving_between_hospitals']} patient(s) sat at different hospitals in "
+              "different seeds; no single hospital's guard saw all their releases: the combined epsilon composes "
+              f"every ledger they were charged in ({release.get('combined_epsilon_moving_patients'):.3g})", flush=True)
+    # every seed's bundles and report state everything released together, the later seeds' cells included
+    attach_release_everywhere(out, release)
+    for seed in seeds:
+        folder = out / SEED_FOLDER.format(seed)
+        saved = json.loads((folder / REPORT_SETTINGS).read_text())
+        write_report(folder, saved["title"], settings=saved["settings"],
+                     overlays=[folder / o for o in saved["overlays"]],
+                     release={**release, "hospital_ledgers": os.path.relpath(ledger_dir, folder) + "/"})
+    from sim.report_seeds import write_seeds_report
+
+    return write_seeds_report(out, f"fedpate comparison over seeds {', '.join(map(str, seeds))} — preset {preset_name}",
+                              settings={"preset": preset_name, "hospitals": base.hospitals,
+                                        "teachers per hospital": ",".join(map(str, sweep)), "δ": delta,
+                                        "seeds": ",".join(map(str, seeds)),
+                                        "wall minutes": round((time.perf_counter() - started) / 60, 1)},
+                              release=release)
+
+
+def patient_homes(preset, data, seeds: Sequence[int]) -> dict[str, list[str]]:
+    """Patient -> the hospitals holding that patient in any of ``seeds``' splits (sorted). With the institution
+    scheme and at least as many institutions as hospitals every patient stays at its institution's hospital;
+    other schemes may move patients between hospitals from one seed to the next."""
+    homes: dict[str, set[str]] = {}
+    for seed in seeds:
+        _, split = build_world(preset, data, seed, progress=False)
+        for hospital in split.hospitals:
+            for patient in split.patients_of(split.hospital_cases(hospital)):
+                homes.setdefault(patient, set()).add(hospital)
+    return {patient: sorted(held) for patient, held in homes.items()}
 
 
 HOSPITAL_LEDGERS = "hospital-ledgers"
 
 
-def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], teacher_counts: int) -> float:
+def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], teacher_counts: int,
+                             seeds: int = 1) -> float:
     """Default lifetime budget per hospital: the sum of the budgets of every cell that touches its
-    patients (PATE cells once per K of a sweep; DP-FedAvg and DP-SGD once). Basic composition's total;
-    the ledgers' accountants compose tighter, and the report states what was actually spent."""
+    patients (PATE cells once per K of a sweep; DP-FedAvg and DP-SGD once), once per seed of a multi-seed
+    comparison (every seed's cells release from the same patients). Basic composition's total; the ledgers'
+    accountants compose tighter, and the report states what was actually spent."""
     total = 0.0
     for method in methods:
         if method in PRIVATE_METHODS:
             repeats = teacher_counts if method.startswith("pate") else 1
             total += repeats * sum(float(e) for e in epsilons)
-    return total or max(float(e) for e in epsilons)
+    return int(seeds) * total or max(float(e) for e in epsilons)
 
 
 def set_aside_interrupted(path: Path) -> Path | None:
@@ -216,23 +327,44 @@ def set_aside_interrupted(path: Path) -> Path | None:
     return aside
 
 
-def combined_release(out: Path, delta: float) -> dict[str, Any]:
+def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = None,
+                     homes: dict[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """What the comparison released together, per hospital, from the hospitals' own ledgers: the combined
-    epsilon of every cell (all methods, all budgets, all K) that touched that hospital's patients."""
-    per_hospital, digests, relations, accountants = {}, {}, set(), set()
-    for path in sorted((out / HOSPITAL_LEDGERS).glob("*.jsonl")):
+    epsilon of every cell (all methods, all budgets, all K, all seeds) that touched that hospital's patients.
+
+    ``ledger_dir``: where they are (default ``out/hospital-ledgers``; a seed of a multi-seed comparison
+    points at its parent's). ``homes`` (multi-seed: :func:`patient_homes`): a patient held by several
+    hospitals across the seeds was charged in each of their ledgers, so its ε composes all of them; the
+    combined ε is then the worst of the hospitals' and of those patients'."""
+    ledger_dir = Path(ledger_dir) if ledger_dir is not None else out / HOSPITAL_LEDGERS
+    per_hospital, digests, relations, accountants, events = {}, {}, set(), set(), {}
+    for path in sorted(ledger_dir.glob("*.jsonl")):
         ledger = Ledger.load(path)
         for owner in ledger.owners():
             spent = ledger.spent(owner, delta)
             per_hospital[owner] = spent.epsilon
             relations.add(spent.relation)
             accountants.add(spent.accountant)
+            events[owner] = ledger.events(owner)
         digests[path.name] = ledger.digest()
-    return {"combined_epsilon": max(per_hospital.values()) if per_hospital else None,
-            "combined_epsilon_per_hospital": per_hospital, "delta": delta,
-            "relation": ", ".join(sorted(r for r in relations if r)) or None,
-            "accountant": ", ".join(sorted(accountants)) or None,
-            "hospital_ledgers": f"{HOSPITAL_LEDGERS}/", "hospital_ledger_digests": digests}
+    combined = max(per_hospital.values()) if per_hospital else None
+    release = {"combined_epsilon": combined,
+               "combined_epsilon_per_hospital": per_hospital, "delta": delta,
+               "relation": ", ".join(sorted(r for r in relations if r)) or None,
+               "accountant": ", ".join(sorted(accountants)) or None,
+               "hospital_ledgers": os.path.relpath(ledger_dir, out) + "/", "hospital_ledger_digests": digests}
+    if homes is not None:
+        moving = {tuple(held) for held in homes.values() if len([h for h in held if h in events]) > 1}
+        worst = None
+        for held in moving:   # each distinct set of hospitals once: the same events, the same epsilon
+            charged = [event for h in held for event in events.get(h, [])]
+            worst = max(worst or 0.0, epsilon_spent(charged, delta)[0])
+        release["patients_moving_between_hospitals"] = sum(
+            1 for held in homes.values() if len([h for h in held if h in events]) > 1)
+        if worst is not None:
+            release["combined_epsilon_moving_patients"] = worst
+            release["combined_epsilon"] = max(combined or 0.0, worst)
+    return release
 
 
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
@@ -249,12 +381,22 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
     results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None)
-    results.extras = {"dice_per_case": dice_per_case, "reference_cases": len(world.reference_labels),
+    results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
+                      "reference_cases": len(world.reference_labels),
                       "validation_dice_mean": public_validation_dice(model, world)}
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "trained on public reference data only: no private data, "
                                                "no privacy cost"})
     return write_run(out, results, release, started=started)
+
+
+def floor_runner(method: str):
+    """The runner of a public floor (``METHOD_ROLES`` role ``floor``); each takes (preset, data, seed, out,
+    shared_dir, progress=, publish_seed=) and writes a cell with an empty ledger."""
+    runners = {"public-only": run_public_only, SELFTRAIN_METHOD: run_public_selftrain}
+    if method not in runners:
+        raise UserError(f"--methods: {method} is a public floor without a runner")
+    return runners[method]
 
 
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):

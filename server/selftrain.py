@@ -1,0 +1,99 @@
+"""``public-selftrain``: the public model adapted to the public *unlabelled* query scans, without any label
+of them and without any hospital (issue 28, item 2; SPEC section 11, "the public floor").
+
+Why a second floor: PATE's student trains on the public query scans (the hospitals' population, unlabelled)
+together with the public reference maps. A student that trained on those same scans with the *public
+model's own* predictions as labels gained nearly all of what PATE gained over ``public-only`` (issue 28): the
+scans alone carry information about the population (its scanners, its lesions' appearance) that costs no
+privacy. Whatever a private method gains beyond this floor is what the hospitals taught it.
+
+Pseudo-label self-training, in rounds r = 1..R (each a fixed, stated recipe; nothing chosen on test Dice):
+
+1. the current model (round 1: the public model) predicts soft labels p on every query scan;
+2. the soft labels are *sharpened* with temperature T: ``p_c^(1/T) / sum_k p_k^(1/T)``. Principle (stated,
+   not tuned): at T = 1 the targets are the model's own output, the minimum of its soft cross-entropy, so
+   training on them teaches only what augmentation invariance adds; T < 1 is entropy minimisation (Grandvalet
+   & Bengio 2005), the cluster assumption that decision boundaries belong in low-density regions of the
+   unlabelled scans. T = 0.5 is MixMatch's default (Berthelot et al. 2019), fixed before any result was seen.
+   A confident-voxel mask (FixMatch) is not used: the training loop has no voxel mask, and sharpening is its
+   soft counterpart.
+3. the model is fine-tuned for the student's epochs on the query scans with these targets *together with*
+   the public reference images and their one-hot maps (``server.student.train_student`` with
+   ``include_reference``, exactly PATE's student recipe with the public model in the teachers' place), so
+   labelled public data keep it from drifting towards its own mistakes.
+
+The round kept is the one with the best Dice on the *public validation* set (another centre's labelled
+maps: public data, the only set any choice may look at); the test set is scored once, for that model.
+
+Privacy: reads the public query scans (images only), the public reference images and maps and the public
+validation set; no hospital array, no query label, no release to charge. Its ledger is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from server.student import train_student
+from sim.training import evaluate_segmentation, predict_probs
+
+#: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned)
+DEFAULT_TEMPERATURE = 0.5
+#: rounds of pseudo-labelling; the best on public validation is kept
+DEFAULT_ROUNDS = 2
+
+
+@dataclass
+class SelfTrainOutcome:
+    model: torch.nn.Module
+    chosen_round: int                              # 1-based
+    validation_dice: list = field(default_factory=list)   # per round, public validation mean Dice (None: no set)
+    temperature: float = DEFAULT_TEMPERATURE
+    epochs_per_round: int = 0
+    query_scans: int = 0
+
+
+def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
+    """Per-voxel ``p^(1/T)`` renormalised over the class axis (axis 1); T = 1 returns ``probs``; T -> 0 the
+    one-hot argmax. Computed in log space so that small probabilities raised to a large power do not
+    underflow into an all-zero voxel."""
+    if not temperature > 0:
+        raise ValueError(f"sharpening temperature: expected > 0, got {temperature}")
+    probs = np.asarray(probs, dtype=np.float64)
+    if temperature == 1.0:
+        return probs.astype(np.float32)
+    logits = np.log(np.clip(probs, 1e-12, None)) / temperature
+    logits -= logits.max(axis=1, keepdims=True)
+    sharp = np.exp(logits)
+    return (sharp / sharp.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, rounds: int = DEFAULT_ROUNDS,
+               temperature: float = DEFAULT_TEMPERATURE, epochs: int | None = None, progress: bool = False,
+               checkpoint_dir: str | Path | None = None) -> SelfTrainOutcome:
+    """Rounds of pseudo-labelling on ``world.query_images`` (module docstring); ``world`` is a
+    :class:`sim.world.PublicWorld` and only its public arrays are read (never ``query_labels``)."""
+    if rounds < 1:
+        raise ValueError(f"self-training rounds: expected at least 1, got {rounds}")
+    epochs = preset.student_epochs if epochs is None else int(epochs)
+    queries = np.arange(len(world.query_images))
+    model = public_model
+    candidates: list[tuple[torch.nn.Module, float | None]] = []
+    for round_index in range(1, rounds + 1):
+        targets = sharpen(predict_probs(model, world.query_images), temperature)
+        init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        checkpoint = Path(checkpoint_dir) / f"round-{round_index}.pt" if checkpoint_dir else None
+        model = train_student(world, targets, queries, preset, seed=seed + round_index - 1, init=init,
+                              epochs=epochs, include_reference=True, progress=progress, checkpoint=checkpoint)
+        score = None
+        if world.validation_images is not None and len(world.validation_images):
+            score = evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")
+        candidates.append((model, score))
+    # best public validation Dice; the earliest round on ties or without a validation set
+    chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i][1] is None else candidates[i][1], -i))
+    return SelfTrainOutcome(model=candidates[chosen][0], chosen_round=chosen + 1,
+                            validation_dice=[score for _, score in candidates], temperature=float(temperature),
+                            epochs_per_round=epochs, query_scans=len(queries))

@@ -1,0 +1,60 @@
+"""The ``public-selftrain`` cell of a comparison (issue 28, item 2): ``server.selftrain.self_train`` on the
+comparison's public world, written like ``public-only`` (results.json, an empty ledger, a model bundle).
+
+It reads the world through :func:`sim.world.load_world` without the query scans' labels (they are the
+population's: a simulation diagnostic elsewhere, never a training input here), so it holds only what the
+server holds in a deployment: the query scans, the public reference and validation sets and the test set
+that scores every method. No hospital is asked anything and nothing is charged: ``epsilon`` is null and
+the ledger is empty, as for ``public-only``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from server.selftrain import DEFAULT_ROUNDS, DEFAULT_TEMPERATURE, self_train
+from server.student import train_public_model
+from sim.bundle import preprocessing_of
+from sim.networks import network_config
+from sim.results import ModelRelease, RunResults, write_run
+from sim.training import evaluate_segmentation_per_case, per_class_of
+from sim.world import build_world, load_world
+
+METHOD = "public-selftrain"
+
+
+def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
+                         publish_seed: bool = True) -> dict:
+    """Self-train the public model (``shared_dir/public-model.pt``, the one every cell of the comparison starts
+    from) on the public query scans; rounds and temperature from the preset's extras (``selftrain_rounds``,
+    ``selftrain_temperature``) or the module defaults of ``server.selftrain``."""
+    started = time.perf_counter()
+    out = Path(out)
+    world = load_world(*build_world(preset, data, seed, progress), with_query_labels=False)
+    public_model = train_public_model(world, preset, seed=seed, progress=progress,
+                                      checkpoint=Path(shared_dir) / "public-model.pt")
+    rounds = int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS))
+    temperature = float(preset.extra.get("selftrain_temperature", DEFAULT_TEMPERATURE))
+    outcome = self_train(world, preset, public_model, seed=seed, rounds=rounds, temperature=temperature,
+                         progress=progress, checkpoint_dir=out / "checkpoint")
+    dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
+    results = RunResults(method=METHOD, dice=dice, seed=seed if publish_seed else None)
+    results.extras = {
+        "dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
+        "reference_cases": len(world.reference_labels), "query_scans": outcome.query_scans,
+        "validation_dice_mean": outcome.validation_dice[outcome.chosen_round - 1],
+        "selftrain": {"rounds": rounds, "temperature": outcome.temperature,
+                      "epochs_per_round": outcome.epochs_per_round,
+                      "validation_dice_per_round": outcome.validation_dice, "round_chosen": outcome.chosen_round,
+                      "selection": "best mean Dice on the public validation set",
+                      "labels_used": "public reference maps only; the query scans' labels are never read"},
+        "role": "floor: public data only, no hospital involved",
+    }
+    release = ModelRelease(outcome.model, network_config(preset.unet), preprocessing_of(world), world.source,
+                           card_extra={"note": "the public model self-trained on the public unlabelled query scans "
+                                               "(pseudo-labels) with the public reference data: no private data, "
+                                               "no privacy cost"})
+    return write_run(out, results, release, started=started)

@@ -1,0 +1,82 @@
+"""Issue 28, item 2: ``public-selftrain`` -- the public model self-trained on the public *unlabelled* query scans.
+
+It is a public floor: it must read only public arrays (query scan images, public reference and validation,
+the test set that scores every method), never a hospital's case nor a query scan's label, and charge
+nothing. Its sharpening is the stated recipe (T = 1 is the identity, T -> 0 the argmax)."""
+
+import json
+
+import numpy as np
+import pytest
+
+
+def test_sharpen_is_a_renormalised_power_of_the_probabilities():
+    from server.selftrain import sharpen
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(4), size=(2, 3, 3, 3)).transpose(0, 4, 1, 2, 3).astype(np.float32)
+    np.testing.assert_allclose(sharpen(probs, 1.0), probs, atol=1e-7)
+    half = sharpen(probs, 0.5)
+    expected = probs.astype(np.float64) ** 2 / (probs.astype(np.float64) ** 2).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(half, expected, rtol=1e-5)
+    np.testing.assert_allclose(half.sum(axis=1), 1.0, rtol=1e-6)
+    assert np.array_equal(half.argmax(axis=1), probs.argmax(axis=1))          # sharpening never flips a label
+    assert (half.max(axis=1) >= probs.max(axis=1) - 1e-6).all()               # it only gains confidence
+    cold = sharpen(probs, 0.01)
+    assert np.array_equal(cold.argmax(axis=1), probs.argmax(axis=1))
+    assert cold.max(axis=1).mean() > 0.95 and (cold.max(axis=1) >= half.max(axis=1) - 1e-6).all()
+    with pytest.raises(ValueError):
+        sharpen(probs, 0.0)
+
+
+def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path, monkeypatch, tiny_prepared,
+                                                                       tiny_split):
+    import sim.runners.selftrain as selftrain
+    from sim.data.preprocess import PreparedDataset
+    from sim.methods import METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
+    from sim.presets import get_preset
+
+    assert "public-selftrain" in SEGMENTATION_METHODS and "public-selftrain" not in PRIVATE_METHODS
+    assert METHOD_ROLES["public-selftrain"] == "floor"
+    read = {"images": [], "labels": []}
+    real = {"images": PreparedDataset.images, "labels": PreparedDataset.labels}
+
+    def spy(kind):
+        def read_arrays(self, ids=None):
+            read[kind].append(None if ids is None else list(ids))   # None: every case at once
+            return real[kind](self, ids)
+        return read_arrays
+
+    monkeypatch.setattr(PreparedDataset, "images", spy("images"))
+    monkeypatch.setattr(PreparedDataset, "labels", spy("labels"))
+    monkeypatch.setattr(selftrain, "build_world", lambda preset, data, seed, progress: (tiny_prepared, tiny_split))
+    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 2})
+    results = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "public-selftrain", tmp_path / "_shared",
+                                             progress=False)
+
+    assert None not in read["images"] and None not in read["labels"]        # never "everything"
+    images = {c for ids in read["images"] for c in ids}
+    labels = {c for ids in read["labels"] for c in ids}
+    private = set(tiny_split.private_cases())
+    query = set(tiny_split.public_query)
+    public_labelled = set(tiny_split.public_reference) | set(tiny_split.public_validation) | set(tiny_split.test)
+    assert private and not (images | labels) & private                      # no hospital array at all
+    assert query <= images and not labels & query                          # query scans: images, never labels
+    assert labels <= public_labelled and images <= query | public_labelled
+
+    # nothing charged: an empty ledger, no epsilon, no hospital ledger anywhere
+    out = tmp_path / "public-selftrain"
+    assert (out / "ledger.jsonl").read_text() == ""
+    assert results["epsilon"] is None and results["epsilon_budget"] is None and results["method"] == "public-selftrain"
+    assert not list(tmp_path.rglob("hospital-ledgers"))
+    record = json.loads((out / "results.json").read_text())
+    # the round was chosen on public validation, and that choice is recorded
+    chosen = record["selftrain"]["round_chosen"]
+    scores = record["selftrain"]["validation_dice_per_round"]
+    assert len(scores) == 2 and record["validation_dice_mean"] == scores[chosen - 1] == max(scores)
+    assert len(record["dice_per_case"]) == len(tiny_split.test)
+    assert set(record["dice_per_case_class"]) == {"1", "2", "3", "WT", "TC", "ET"}
+    from sim.bundle import load_bundle
+
+    assert "no privacy cost" in (out / "model" / "MODEL_CARD.md").read_text()
+    load_bundle(out)   # a verifiable bundle (its card agrees with its empty ledger)
