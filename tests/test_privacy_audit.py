@@ -164,10 +164,10 @@ def test_a_compressor_misreporting_its_sensitivity_is_caught_by_construction(pat
     assert event.sensitivity == pytest.approx(pate.sensitivity)      # the true S, not the compressor's
     hospital = pa.audit_hospital("h0", np.full((8, 1, 4, 4, 4, 4), 0.25, np.float32), tmp_path, 1.0, DELTA)
     with pytest.raises(BudgetExceeded):
-        hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+        hospital.answer_query(np.zeros((1, 1, 4, 4, 4)), liar.state(), {"release_ids": ["q"], "sigma": word,
                                                                "teachers": pate.teachers})
     hospital.lifetime_epsilon = 1e6
-    hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
+    hospital.answer_query(np.zeros((1, 1, 4, 4, 4)), liar.state(), {"release_ids": ["q"], "sigma": word,
                                                            "teachers": pate.teachers})
     (event,) = Ledger(hospital.privacy_ledger).events("h0")
     assert event.sensitivity == pytest.approx(pate.sensitivity)

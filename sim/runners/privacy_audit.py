@@ -112,12 +112,13 @@ def make_guard(epsilon: float, delta: float):
     from privacy.ledger import Ledger
 
     class MemoisedGuard(BudgetGuard):
-        def check(self, owners, event) -> None:
-            key = (repr(sorted(self.budget.items())), self.delta, _events_key(self.ledger, list(owners), event))
+        def check(self, owners, event, count: int = 1) -> None:
+            key = (repr(sorted(self.budget.items())), self.delta, int(count),
+                   _events_key(self.ledger, list(owners), event))
             verdict = _VERDICTS.get(key)
             if verdict is None:
                 try:
-                    super().check(owners, event)
+                    super().check(owners, event, count)
                     verdict = "ok"
                 except BudgetExceeded as exc:
                     verdict = exc
@@ -296,7 +297,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
         state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
         config = {"release_ids": [PateSetup.release_id(n) for n in range(queries)], "sigma": sigma,
                   "teachers": teachers, "delta": float(delta)}
-        scans = np.zeros((queries, 1), np.float32)      # the teachers ignore them (fixed maps)
+        scans = np.zeros((queries, 1, *grid), np.float32)   # the teachers ignore them (fixed maps)
         for side in (+1, -1):
             for name in names if side == +1 else [audited]:
                 maps = probs[name].copy()
