@@ -17,17 +17,28 @@ white-box gradient-canary threat model, the one DP-SGD's accounting covers). Ste
 expensive; their bound is looser than the many-runs one, and here a run costs milliseconds, so the
 many-runs method is used.
 
-**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5): a PCA codec in clip mode fitted on public
-maps (real :class:`server.compressors.PCACompressor`), calibrated as ``server.pate.run_pate`` does
-(:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
+**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5, 11): the anchored residual codec the demo runs
+(``pate-anchored``: :class:`server.compressors.AnchoredResidualCompressor` built by ``make_compressor`` with
+the product's defaults, shells (-2, 5), C = 2.5 x the public model's median residual, fitted as
+``plan_release`` fits it, on synthetic public reference maps and a "public model's" probabilities on them,
+:func:`public_lesion_maps`), or a PCA codec in clip mode (:class:`server.compressors.PCACompressor`),
+calibrated as ``server.pate.plan_release`` does (:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
 codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
 hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
 composition). K teachers over several hospitals, each hospital a real :class:`clients.hospital.Hospital`
-answering the N queries through ``answer_query`` (it verifies the codec, charges its own ledger with the S
-it computes itself, then encodes its teachers' maps); the other K-1 teachers answer random probability
-maps, and the audited teacher answers the replace-one pair: a map the codec clips to ``+C u`` in D and to
-``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind S = 2C/K. Every query goes through
-:func:`server.aggregation.aggregate_query` with the declared ``expected_rows`` (validation,
+answering the N queries through ``answer_query`` (it verifies the codec and the request, bounds the
+declared K by its ``max_teachers``, charges its own ledger with the S it computes itself under ids with a
+nonce it mints, then encodes its teachers' maps); the other K-1 teachers answer random probability maps
+(anchored: around the public anchor), and the audited teacher answers the replace-one pair: a map the
+codec clips to ``+C u`` in D and to ``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind
+S = 2C/K. For the anchored codec the query batch ships the public anchor p_n of every scan (the public
+model's prediction, :func:`sim.codecs.with_anchor`) and the pair is ``p_n ± t B_n^T u`` (t = 10C,
+:func:`anchored_lift`): B_n -- per tumour class, the residual summed over each shell around p_n's lesion,
+orthonormal rows -- maps it to ``±t u``, which the clip makes ``±C u``; the anchors are drawn so that every
+shell is non-empty on every query, so u may use all l = 24 coordinates. The anchored encoder, like PCA's
+clip mode, takes any finite map (its bound comes from the clip), so the pair is a valid input. Every query
+goes through :func:`server.aggregation.aggregate_query` as ``server.pate`` calls it, with the server's
+verified state and the declared ``expected_rows`` (validation,
 ``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` -- accountant verdicts memoised,
 :func:`make_guard` -- then noise from the release's own :class:`privacy.mechanisms.NoiseSource` stream);
 the claimed ε is what the server's ledger says after the N charges, which must equal the audited
@@ -35,10 +46,16 @@ hospital's own ledger. The adversary knows u and the other teachers' rows, so it
 the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
 linear in it).
 
-**DP-SGD** (:class:`sim.dpsgd.DPSession`, Opacus per-sample clipping, Poisson batches and noise from the
-stream the session opens after charging each epoch, σ calibrated by the session in ``target`` mode):
-a tiny linear model with two parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2)
-and a loss linear in the parameters, so every record's gradient is constant. The other records'
+**DP-SGD** through the product's training loop, :func:`sim.training.train_segmentation` with a
+:class:`sim.dpsgd.DPConfig` (its :class:`sim.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
+and noise from the stream the session opens after charging each epoch, noise-only steps for empty
+batches, σ calibrated by the session in ``target`` mode; :func:`dpsgd_train`). The canary needs two of
+``TrainConfig``'s optional hooks: ``loss_fn`` (the model's output is the per-sample loss; the targets are
+the records' indices, so the loss also sees whether the watched record is in the batch) and
+``optimizer_factory`` (SGD with learning rate 1 that records every step's parameter change: Opacus' DP
+optimizer calls it once per step). The model is a tiny linear one with two parameter tensors (so
+per-layer clipping is exercised, C_total = C sqrt 2) and a loss linear in the parameters, so every
+record's gradient is constant. The other records'
 gradients all point along one coordinate; the canary's gradient is large along another coordinate in
 both tensors, which nobody else uses, so after clipping it contributes exactly C_total in a direction
 where the only other thing is the noise. Both relations the product can claim (``DPConfig.relation``):
@@ -69,7 +86,8 @@ patched for the broken run only (:func:`understated_codec_sensitivity`): σ that
 the server's and every hospital's ledger claim the budget. (A compressor that misreports its sensitivity,
 the earlier control, no longer reaches the mechanism: S comes from the codec state.) DP-SGD with a
 session whose optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample
-gradients.
+gradients, swapped in for ``DPSession`` inside ``train_segmentation`` for the broken run only
+(:func:`broken_dpsgd_session`).
 """
 
 from __future__ import annotations
