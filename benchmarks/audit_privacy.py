@@ -2,16 +2,18 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_privacy.py [--quick] [--out audit.json]
 
-For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, PCA codec clipped at C=1,
-δ=1e-3, ε ∈ {1, 8}; σ calibrated as ``run_pate`` does, from the verified codec state) and for DP-SGD
-(``DPSession``, ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it can
-claim -- replace-one (the default: the canary against a record whose gradient points the other way) and
-add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
+For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, δ=1e-3, ε ∈ {1, 8}; σ calibrated
+as ``server.pate`` does, from the verified codec state) with the anchored codec (the demo's
+``pate-anchored``: the product's compressor and defaults, C fitted on public maps, a public anchor per
+query) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``sim.training.train_segmentation``
+with a ``DPConfig``: ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it
+can claim -- replace-one (the default: the canary against a record whose gradient points the other way)
+and add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
 neighbouring inputs many times, scores each run with the optimal likelihood-ratio statistic and prints
 the Clopper-Pearson lower bound on ε (threshold chosen on held-out runs; ``sim/runners/privacy_audit.py``
 and ``privacy/audit.py`` explain the method: Jagielski et al. 2020, Nasr et al. 2021). Each mechanism
-appears twice: "product" (every run through ``aggregate_query`` / ``DPSession`` with a fresh ledger and
-guard, noise from the secure ``NoiseSource`` unless ``--seed``) and "vectorised" (the same releases drawn
+appears twice: "product" (every run through ``Hospital.answer_query`` + ``aggregate_query`` /
+``train_segmentation`` with a fresh ledger and guard, noise from the secure ``NoiseSource`` unless ``--seed``) and "vectorised" (the same releases drawn
 by numpy a million times per side; ``tests/test_privacy_audit.py`` checks they match the product's).
 Broken controls must come out above their claim: PATE with ``codec_sensitivity`` understated 4x (the one
 function calibration and every ledger use, patched for that run only); DP-SGD with a quarter of the
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dpsgd-runs", type=int, default=None, help="product-path runs per side (default 400)")
     parser.add_argument("--vectorised", type=int, default=None, help="vectorised runs per side (default 1e6)")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 8.0], help="PATE budgets")
+    parser.add_argument("--codecs", nargs="+", default=None, choices=["anchored", "pca"],
+                        help="PATE codecs to audit (default: anchored and pca; --quick: anchored)")
     parser.add_argument("--dpsgd-epsilon", type=float, default=2.0)
     parser.add_argument("--delta", type=float, default=1e-3)
     parser.add_argument("--teachers", type=int, default=128)
@@ -58,16 +62,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from privacy.mechanisms import NoiseSource
     from sim.runners.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
-                                   pate_setup)
+                                           pate_setup)
 
     pate_runs = args.pate_runs if args.pate_runs is not None else (200 if args.quick else 600)
     dpsgd_runs = args.dpsgd_runs if args.dpsgd_runs is not None else (100 if args.quick else 400)
     vectorised = args.vectorised if args.vectorised is not None else (200_000 if args.quick else 1_000_000)
     broken_runs = max(100, pate_runs // 2)
+    pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None
     seed = args.seed or 0
     started, cpu_started = time.perf_counter(), time.process_time()
-    rows, hospital_eps, sigmas = [], [], {}
+    rows, hospital_eps, sigmas, codec_notes = [], [], {}, {}
 
     def show(new):
         rows.extend(new)
@@ -78,13 +83,19 @@ def main(argv=None) -> int:
     def streams(*names):          # independent reproducible streams per row (None: the secure source)
         return noise.child(*names) if noise is not None else None
 
-    for epsilon in args.epsilons:
-        for broken in (None, 4.0):
-            setup = pate_setup(epsilon, args.delta, teachers=args.teachers, hospitals=args.hospitals,
-                               queries=args.queries, seed=seed, broken_factor=broken)
-            show(audit_pate(setup, broken_runs if broken else pate_runs, vectorised_trials=vectorised,
-                            noise=streams("pate", epsilon, broken or 1), seed=seed))
-            hospital_eps.extend(setup.hospital_epsilon.values())     # audit_pate: equal to the server's
+    for codec in pate_codecs:
+        for epsilon in args.epsilons:
+            for broken in (None, 4.0):
+                setup = pate_setup(epsilon, args.delta, codec=codec, teachers=args.teachers,
+                                   hospitals=args.hospitals, queries=args.queries, seed=seed, broken_factor=broken)
+                show(audit_pate(setup, broken_runs if broken else pate_runs, vectorised_trials=vectorised,
+                                noise=streams("pate", codec, epsilon, broken or 1), seed=seed))
+                hospital_eps.extend(setup.hospital_epsilon.values())     # audit_pate: equal to the server's
+                grid = "x".join(map(str, setup.anchors.shape[2:])) if setup.anchors is not None else "4x4x4"
+                codec_notes[codec] = (f"{codec}: l={setup.latent_dim}, C={setup.clip:.4g}"
+                                      + (f" (2.5 x the public model's median residual), shells "
+                                         f"{setup.compressor.shells}, grid {grid}" if codec == "anchored" else
+                                         f", grid {grid}"))
 
     for relation in ("replace-one", "add-remove"):
         real = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation)   # target mode: DPSession calibrates σ
@@ -103,9 +114,10 @@ def main(argv=None) -> int:
     print()
     dpsgd_note = "; ".join(f"{rel}: sigma={setup.sigma:.4f}" for rel, setup in sigmas.items())
     real = next(iter(sigmas.values()))
-    print(f"DP-SGD: {dpsgd_note} (each calibrated by DPSession in target mode under its relation), "
-          f"q={real.sampling_rate:g}, {real.steps} steps, per-layer clip C={real.clip:g} on 2 tensors. "
-          f"PATE: l=8, C=1, sigma from pate_sigma (exact GDP) at S = codec_sensitivity(verified state, K); "
+    print(f"DP-SGD: {dpsgd_note} (each calibrated by train_segmentation's DPSession in target mode under its "
+          f"relation), q={real.sampling_rate:g}, {real.steps} steps, per-layer clip C={real.clip:g} on 2 tensors. "
+          f"PATE ({'; '.join(codec_notes.values())}): sigma from pate_sigma (exact GDP) at "
+          f"S = codec_sensitivity(verified state, K) = 2C/K; "
           f"{len(hospital_eps)} hospital ledgers (each charged by its hospital, through Hospital.answer_query) "
           f"claimed the server ledger's epsilon in every PATE row. Lower bounds at 95% confidence "
           f"(Clopper-Pearson, each rate at 97.5%, threshold chosen on the other half of the runs). Noise: "

@@ -49,6 +49,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     description: str = "train"
     extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
+    loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
+    optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
 
 
 @dataclass
@@ -158,7 +160,10 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         _load_init(base_model, config.init_from)
 
     torch.manual_seed(config.seed)
-    optimizer = torch.optim.Adam(base_model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    if config.optimizer_factory is not None:
+        optimizer = config.optimizer_factory(base_model.parameters())
+    else:
+        optimizer = torch.optim.Adam(base_model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(int(config.seed))
 
     session = None
@@ -204,7 +209,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             if aug is not None:
                 xb, yb = _augment_batch(aug, xb, yb)
             optimizer.zero_grad(set_to_none=True)
-            loss_per_sample = per_sample_loss(train_model(xb), yb)
+            loss_per_sample = (config.loss_fn or per_sample_loss)(train_model(xb), yb)
             loss = loss_per_sample.mean()
             loss.backward()
             optimizer.step()

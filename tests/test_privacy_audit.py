@@ -1,8 +1,10 @@
 """Empirical privacy audit, fast version (issue 15; the full one is benchmarks/audit_privacy.py).
 
-For the PATE aggregator and for DP-SGD under both relations it can claim (replace-one, the default, and
-add-remove), the product's own mechanism is run on worst-case neighbouring inputs and a 95% lower bound
-on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
+For the PATE aggregator with the anchored codec (the demo's pate-anchored; PCA in clip mode too, on the
+vectorised path) and for DP-SGD under both relations it can claim (replace-one, the default, and
+add-remove), the product's own mechanism is run on worst-case neighbouring inputs -- PATE through
+Hospital.answer_query and aggregate_query, DP-SGD through sim.training.train_segmentation (issue 26) --
+and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
 Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what the ledger claims for the
 real mechanisms and rise above it for deliberately broken ones (so this test can fail). The vectorised
 trials are checked against the product paths before they are trusted.
@@ -24,8 +26,9 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from sim.dpsgd import DPSession
 from server.aggregation import aggregate_query
-from sim import codecs
+from sim import codecs, training
 from sim.runners import privacy_audit as pa
 
 DELTA = 1e-3
@@ -66,7 +69,7 @@ def test_epsilon_from_rates_and_the_gaussian_pair():
 
 
 # ------------------------------------------------------------------------------------------------ PATE
-PATE = dict(teachers=16, hospitals=2, queries=10, latent_dim=8, seed=0)
+PATE = dict(teachers=16, hospitals=2, queries=10, seed=0)     # the anchored codec, grid 16^3, l = 24
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,11 @@ def pate_runs(pate):
 
 
 def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
-    assert pate.sensitivity == pytest.approx(2 * pate.clip / pate.teachers)     # PCA clip mode: 2C/K
+    # the demo's pate-anchored codec, fitted as plan_release fits it: C from the public model's residual
+    assert pate.codec == "anchored" and codecs.scalar(pate.state, "kind") == "anchored"
+    assert pate.compressor.shells == (-2, 5) and pate.latent_dim == 24 and pate.anchors.shape[0] == pate.queries
+    assert pate.clip == pate.compressor.clip == pytest.approx(2.5 * pate.compressor.public_residual_norm)
+    assert pate.sensitivity == pytest.approx(2 * pate.clip / pate.teachers)     # anchored: 2C/K
     assert pate.charged_sensitivity == pate.sensitivity                         # honest: nothing patched
     assert pate.sigma == pa.pate_calibration(pate.compressor, 1.0, DELTA, pate.queries, pate.teachers)[2]
     assert pate.mu_true == pytest.approx(pate.mu_claimed)                       # the pair uses all of it
@@ -90,6 +97,12 @@ def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
     for side in (+1, -1):      # every row is what a hospital's codec produced: norms at most C
         for rows in pate.answers[side].values():
             assert np.all(np.linalg.norm(rows, axis=-1) <= pate.clip * (1 + 1e-6))
+        # the audited teacher: p_n + side t B_n^T u, whose anchored latent is side t u before the clip, side C u after
+        extreme = pate.anchors + side * 10 * pate.clip * pa.anchored_lift(pate.direction, pate.anchors,
+                                                                          pate.compressor.shells)
+        raw = codecs.anchored_encode(extreme, pate.anchors, pate.compressor.shells, None)
+        assert np.allclose(raw, side * 10 * pate.clip * pate.direction, atol=1e-6 * pate.clip)
+        assert np.allclose(pate.answers[side]["h0"][0], side * pate.clip * pate.direction, atol=1e-5)
     # every hospital charged its own ledger, with the S it computed from the codec: the same ε as the server
     claimed = pa.pate_product_run(pate, +1, NoiseSource.reproducible(0))[1]
     assert set(pate.hospital_epsilon) == {"h0", "h1"}
@@ -106,7 +119,7 @@ def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
     for side in (+1, -1):
         releases, claimed = pa.pate_product_run(pate, side, source)
         expected = np.stack([
-            (pate.clean_means[side][n] + pate.sigma * source.generator(pate.release_id(n)).standard_normal(
+            (pate.clean_means[side][n] + pate.sigma * source.generator(pate.stream(n)).standard_normal(
                 (pate.latent_dim,))).astype(np.float32) for n in range(pate.queries)])
         assert releases.dtype == np.float32 and np.array_equal(releases, expected)
         assert 0.999 * pate.epsilon <= claimed <= pate.epsilon          # the ledger's ε for the N queries
@@ -162,13 +175,15 @@ def test_a_compressor_misreporting_its_sensitivity_is_caught_by_construction(pat
                     expected_rows=pate.expected_rows)
     (event,) = roomy.ledger.events(pate.audited_hospital)
     assert event.sensitivity == pytest.approx(pate.sensitivity)      # the true S, not the compressor's
-    hospital = pa.audit_hospital("h0", np.full((8, 1, 4, 4, 4, 4), 0.25, np.float32), tmp_path, 1.0, DELTA)
+    grid = pate.anchors.shape[2:]
+    hospital = pa.audit_hospital("h0", np.full((8, 1, 4, *grid), 0.25, np.float32), tmp_path, 1.0, DELTA,
+                                 max_teachers=pate.teachers)
+    shipped = codecs.with_anchor(liar.state(), pate.anchors[:1])
+    request = {"release_ids": ["q"], "sigma": word, "teachers": pate.teachers}
     with pytest.raises(BudgetExceeded):
-        hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
-                                                               "teachers": pate.teachers})
+        hospital.answer_query(np.zeros((1, 4, *grid)), shipped, request)
     hospital.lifetime_epsilon = 1e6
-    hospital.answer_query(np.zeros((1, 1)), liar.state(), {"release_ids": ["q"], "sigma": word,
-                                                           "teachers": pate.teachers})
+    hospital.answer_query(np.zeros((1, 4, *grid)), shipped, request)
     (event,) = Ledger(hospital.privacy_ledger).events("h0")
     assert event.sensitivity == pytest.approx(pate.sensitivity)
 
@@ -190,6 +205,27 @@ def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
     gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **PATE)
     (product,) = pa.audit_pate(gross, 150, noise=NoiseSource.reproducible(2), seed=0)
     assert product.claimed_epsilon <= 1.0 and product.violated and product.bound.epsilon_lower > 2.0
+
+
+def test_pca_clip_codec_is_audited_too():
+    """PCA in clip mode, the codec the audit exercised before the anchored one: the same pair (rows +-C u)
+    through the same hospitals and aggregate_query; the vectorised audit stays under the claim and
+    catches the 4x understated sensitivity."""
+    pca = pa.pate_setup(1.0, DELTA, codec="pca", latent_dim=8, **PATE)
+    assert codecs.scalar(pca.state, "kind") == "pca" and pca.anchors is None
+    assert pca.sensitivity == pytest.approx(2 * pca.clip / pca.teachers) and pca.mu_true == pytest.approx(pca.mu_claimed)
+    for side in (+1, -1):
+        assert np.allclose(pca.answers[side]["h0"][0], side * pca.clip * pca.direction, atol=1e-5)
+    source = NoiseSource.reproducible(7)
+    releases, claimed = pa.pate_product_run(pca, -1, source)
+    expected = (pca.clean_means[-1] + pca.sigma * np.stack([source.generator(pca.stream(n)).standard_normal(
+        (pca.latent_dim,)) for n in range(pca.queries)])).astype(np.float32)
+    assert np.array_equal(releases, expected) and 0.999 <= claimed <= 1.0
+    (row,) = pa.audit_pate(pca, 0, vectorised_trials=100_000, seed=0)
+    assert row.claimed_epsilon == claimed and 0.6 * claimed < row.bound.epsilon_lower <= claimed
+    broken = pa.pate_setup(1.0, DELTA, codec="pca", latent_dim=8, broken_factor=4.0, **PATE)
+    (row,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
+    assert row.claimed_epsilon <= 1.0 and row.violated and row.bound.epsilon_lower > 3.0
 
 
 # ---------------------------------------------------------------------------------------------- DP-SGD
@@ -222,6 +258,33 @@ def test_dpsgd_pair_has_the_relations_sizes(relation):
         assert len(without) == len(with_canary) and without[-1, 1] == -setup.scale
     else:                           # one record fewer
         assert len(without) == len(with_canary) - 1 and not without[:, 1].any()
+
+
+def test_dpsgd_audit_trains_through_train_segmentation(dpsgd, monkeypatch):
+    """Every DP-SGD audit run is one call of the product's sim.training.train_segmentation (not a copy of its
+    loop), with the run's DPConfig and the two TrainConfig hooks the canary needs; the broken controls swap
+    the session inside it for their run only."""
+    calls = []
+    real = training.train_segmentation
+
+    def spy(model, images, targets, config, **options):
+        calls.append((config, options))
+        return real(model, images, targets, config, **options)
+
+    monkeypatch.setattr(training, "train_segmentation", spy)
+    run = pa.dpsgd_product_run(dpsgd, True, NoiseSource.reproducible(3))
+    ((config, options),) = calls
+    dp = options["dp"]
+    assert (dp.mode, dp.noise_multiplier, dp.relation, dp.sampling, dp.per_layer) == (
+        "fixed", dpsgd.sigma, dpsgd.relation, "poisson", True)
+    assert config.loss_fn is not None and config.optimizer_factory is not None and config.augment is False
+    assert len(run.observations) == dpsgd.steps and 0.9 < run.claimed_epsilon < 1.0
+    quarter = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, sigma=dpsgd.sigma, **DPSGD)
+    pa.dpsgd_product_run(quarter, True, NoiseSource.reproducible(3))
+    assert len(calls) == 3 and calls[-1][1]["dp"].noise_multiplier == dpsgd.sigma   # charged at the full sigma
+    assert training.DPSession is DPSession                                          # the patch is closed
+    defaults = training.TrainConfig(epochs=1, batch_size=1, learning_rate=1e-3)     # the product's own loss / Adam
+    assert defaults.loss_fn is None and defaults.optimizer_factory is None
 
 
 def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):

@@ -17,17 +17,28 @@ white-box gradient-canary threat model, the one DP-SGD's accounting covers). Ste
 expensive; their bound is looser than the many-runs one, and here a run costs milliseconds, so the
 many-runs method is used.
 
-**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5): a PCA codec in clip mode fitted on public
-maps (real :class:`server.compressors.PCACompressor`), calibrated as ``server.pate.run_pate`` does
-(:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
+**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5, 11): the anchored residual codec the demo runs
+(``pate-anchored``: :class:`server.compressors.AnchoredResidualCompressor` built by ``make_compressor`` with
+the product's defaults, shells (-2, 5), C = 2.5 x the public model's median residual, fitted as
+``plan_release`` fits it, on synthetic public reference maps and a "public model's" probabilities on them,
+:func:`public_lesion_maps`), or a PCA codec in clip mode (:class:`server.compressors.PCACompressor`),
+calibrated as ``server.pate.plan_release`` does (:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
 codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
 hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
 composition). K teachers over several hospitals, each hospital a real :class:`clients.hospital.Hospital`
-answering the N queries through ``answer_query`` (it verifies the codec, charges its own ledger with the S
-it computes itself, then encodes its teachers' maps); the other K-1 teachers answer random probability
-maps, and the audited teacher answers the replace-one pair: a map the codec clips to ``+C u`` in D and to
-``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind S = 2C/K. Every query goes through
-:func:`server.aggregation.aggregate_query` with the declared ``expected_rows`` (validation,
+answering the N queries through ``answer_query`` (it verifies the codec and the request, bounds the
+declared K by its ``max_teachers``, charges its own ledger with the S it computes itself under ids with a
+nonce it mints, then encodes its teachers' maps); the other K-1 teachers answer random probability maps
+(anchored: around the public anchor), and the audited teacher answers the replace-one pair: a map the
+codec clips to ``+C u`` in D and to ``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind
+S = 2C/K. For the anchored codec the query batch ships the public anchor p_n of every scan (the public
+model's prediction, :func:`sim.codecs.with_anchor`) and the pair is ``p_n ± t B_n^T u`` (t = 10C,
+:func:`anchored_lift`): B_n -- per tumour class, the residual summed over each shell around p_n's lesion,
+orthonormal rows -- maps it to ``±t u``, which the clip makes ``±C u``; the anchors are drawn so that every
+shell is non-empty on every query, so u may use all l = 24 coordinates. The anchored encoder, like PCA's
+clip mode, takes any finite map (its bound comes from the clip), so the pair is a valid input. Every query
+goes through :func:`server.aggregation.aggregate_query` as ``server.pate`` calls it, with the server's
+verified state and the declared ``expected_rows`` (validation,
 ``BudgetGuard.charge`` on a fresh :class:`privacy.ledger.Ledger` -- accountant verdicts memoised,
 :func:`make_guard` -- then noise from the release's own :class:`privacy.mechanisms.NoiseSource` stream);
 the claimed ε is what the server's ledger says after the N charges, which must equal the audited
@@ -35,10 +46,16 @@ hospital's own ledger. The adversary knows u and the other teachers' rows, so it
 the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
 linear in it).
 
-**DP-SGD** (:class:`sim.dpsgd.DPSession`, Opacus per-sample clipping, Poisson batches and noise from the
-stream the session opens after charging each epoch, σ calibrated by the session in ``target`` mode):
-a tiny linear model with two parameter tensors (so per-layer clipping is exercised, C_total = C sqrt 2)
-and a loss linear in the parameters, so every record's gradient is constant. The other records'
+**DP-SGD** through the product's training loop, :func:`sim.training.train_segmentation` with a
+:class:`sim.dpsgd.DPConfig` (its :class:`sim.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
+and noise from the stream the session opens after charging each epoch, noise-only steps for empty
+batches, σ calibrated by the session in ``target`` mode; :func:`dpsgd_train`). The canary needs two of
+``TrainConfig``'s optional hooks: ``loss_fn`` (the model's output is the per-sample loss; the targets are
+the records' indices, so the loss also sees whether the watched record is in the batch) and
+``optimizer_factory`` (SGD with learning rate 1 that records every step's parameter change: Opacus' DP
+optimizer calls it once per step). The model is a tiny linear one with two parameter tensors (so
+per-layer clipping is exercised, C_total = C sqrt 2) and a loss linear in the parameters, so every
+record's gradient is constant. The other records'
 gradients all point along one coordinate; the canary's gradient is large along another coordinate in
 both tensors, which nobody else uses, so after clipping it contributes exactly C_total in a direction
 where the only other thing is the noise. Both relations the product can claim (``DPConfig.relation``):
@@ -69,7 +86,8 @@ patched for the broken run only (:func:`understated_codec_sensitivity`): σ that
 the server's and every hospital's ledger claim the budget. (A compressor that misreports its sensitivity,
 the earlier control, no longer reaches the mechanism: S comes from the codec state.) DP-SGD with a
 session whose optimizer adds a quarter of the noise the ledger charged, or does not clip per-sample
-gradients.
+gradients, swapped in for ``DPSession`` inside ``train_segmentation`` for the broken run only
+(:func:`broken_dpsgd_session`).
 """
 
 from __future__ import annotations
@@ -89,6 +107,13 @@ from privacy.audit import AuditBound, epsilon_lower_bound
 
 _VERDICTS: dict = {}
 _SPENT: dict = {}
+_ACCOUNTED: dict = {}
+
+
+def _events_json(events) -> str:
+    import json
+
+    return json.dumps([e.to_dict() for e in events], sort_keys=True)
 
 
 def _events_key(ledger, owners, extra=None) -> str:
@@ -98,26 +123,53 @@ def _events_key(ledger, owners, extra=None) -> str:
                       + ([extra.to_dict()] if extra is not None else []), sort_keys=True)
 
 
+def _memoised(key, compute):
+    """``compute()`` once per key; its result or its exception (re-raised) is remembered."""
+    if key not in _ACCOUNTED:
+        try:
+            _ACCOUNTED[key] = (True, compute())
+        except Exception as exc:  # noqa: BLE001 - remembered and re-raised as the product raised it
+            _ACCOUNTED[key] = (False, exc)
+    ok, value = _ACCOUNTED[key]
+    if not ok:
+        raise value
+    return value
+
+
+def _memoised_ledger():
+    """A fresh in-memory :class:`privacy.ledger.Ledger` whose ``spent`` is memoised on the events it composes."""
+    from privacy.ledger import Ledger
+
+    class MemoisedLedger(Ledger):
+        def spent(self, owner, delta, relation=None, accountant=None, extra=()):
+            events = self.events(owner, relation) + list(extra)
+            key = ("spent", owner, float(delta), relation, accountant, len(extra), _events_json(events))
+            return _memoised(key, lambda: super(MemoisedLedger, self).spent(owner, delta, relation, accountant, extra))
+
+    return MemoisedLedger(None)
+
+
 def make_guard(epsilon: float, delta: float):
     """A fresh in-memory ``Ledger`` and ``BudgetGuard`` whose accountant verdicts are memoised.
 
     Every audit run charges the *same* sequence of events (the mechanism's randomness does not enter the
     accounting), and a PLD composition of a DP-SGD epoch costs seconds, so ``check`` caches the real
-    ``BudgetGuard.check`` verdict per (budget, δ, owners' ledger events, new event): the first run
-    computes it, later runs reuse it. Recording, release ids and the charge-before-noise order are the
-    product's own; :func:`ledger_epsilon` memoises ``ledger.spent`` the same way.
+    ``BudgetGuard.check`` verdict per (budget, δ, owners' ledger events, new event) and the ledger caches
+    ``spent`` per (owner, δ, events): the first run computes them, later runs reuse them. Recording,
+    release ids and the charge-before-noise order are the product's own; :func:`ledger_epsilon` memoises
+    ``ledger.spent`` the same way, :func:`memoised_accounting` the session's comparison figures.
     """
     from privacy.errors import BudgetExceeded
     from privacy.guard import BudgetGuard
-    from privacy.ledger import Ledger
 
     class MemoisedGuard(BudgetGuard):
-        def check(self, owners, event) -> None:
-            key = (repr(sorted(self.budget.items())), self.delta, _events_key(self.ledger, list(owners), event))
+        def check(self, owners, event, count: int = 1) -> None:
+            key = (repr(sorted(self.budget.items())), self.delta, int(count),
+                   _events_key(self.ledger, list(owners), event))
             verdict = _VERDICTS.get(key)
             if verdict is None:
                 try:
-                    super().check(owners, event)
+                    super().check(owners, event, count)
                     verdict = "ok"
                 except BudgetExceeded as exc:
                     verdict = exc
@@ -125,7 +177,7 @@ def make_guard(epsilon: float, delta: float):
             if verdict != "ok":
                 raise verdict
 
-    return MemoisedGuard(Ledger(None), epsilon, delta)
+    return MemoisedGuard(_memoised_ledger(), epsilon, delta)
 
 
 def ledger_epsilon(ledger, owner: str, delta: float) -> float:
@@ -136,21 +188,45 @@ def ledger_epsilon(ledger, owner: str, delta: float) -> float:
     return _SPENT[key]
 
 
+@contextmanager
+def memoised_accounting():
+    """While open, the comparison figures ``DPSession.spent`` adds at the end of a run (the same events'
+    ε under the other relation, and RDP) are memoised per (events, δ, ...), like the guard's verdicts:
+    they do not depend on the run's randomness, and each is a PLD / RDP composition."""
+    from sim import dpsgd
+
+    real_per_relation, real_spent = dpsgd.epsilon_per_relation, dpsgd.epsilon_spent
+
+    def per_relation(events, delta, relation, epsilon):
+        key = ("per-relation", _events_json(events), float(delta), relation, epsilon)
+        return dict(_memoised(key, lambda: real_per_relation(events, delta, relation, epsilon)))
+
+    def spent(events, delta, **options):
+        key = ("epsilon_spent", _events_json(events), float(delta), repr(sorted(options.items())))
+        return _memoised(key, lambda: real_spent(events, delta, **options))
+
+    with mock.patch.object(dpsgd, "epsilon_per_relation", per_relation), \
+            mock.patch.object(dpsgd, "epsilon_spent", spent):
+        yield
+
 # ================================================================================================ PATE
+
+#: the codecs the PATE audit knows: "anchored" (the demo's pate-anchored, the default) and "pca" in clip mode
+PATE_CODECS = ("anchored", "pca")
 
 
 def misreporting_compressor(compressor, factor: float = 4.0):
-    """A copy of a fitted PCACompressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
+    """A copy of a fitted compressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
     still clips rows to C). The product no longer reads ``compressor.sensitivity``: the sensitivity comes
     from the shipped codec state (``sim.codecs.codec_sensitivity``), so this bug is caught by construction
     (``tests/test_privacy_audit.py``), and the broken PATE control is :func:`understated_codec_sensitivity`."""
-    from server.compressors import PCACompressor
+    honest = type(compressor)
 
-    class MisreportingPCA(PCACompressor):
+    class Misreporting(honest):
         def sensitivity(self, teachers: int) -> float:   # the bug: S / factor
             return super().sensitivity(teachers) / factor
 
-    broken = MisreportingPCA.__new__(MisreportingPCA)
+    broken = Misreporting.__new__(Misreporting)
     broken.__dict__.update(compressor.__dict__)
     return broken
 
@@ -178,9 +254,9 @@ def understated_codec_sensitivity(factor: float | None):
 
 
 def pate_calibration(compressor, epsilon: float, delta: float, queries: int, teachers: int):
-    """The server's calibration, step (b) of ``server.pate.run_pate``: the codec state as shipped, verified
-    as the hospitals verify it; S from that state (``codec_sensitivity``), never from the compressor; σ from
-    ``pate_sigma`` (exact μ-GDP) for the N queries. Returns (verified state, S, σ)."""
+    """The server's calibration, step 3 of ``server.pate`` (``plan_release``): the codec state as shipped,
+    verified with the server's policy; S from that state (``codec_sensitivity``), never from the compressor;
+    σ from ``pate_sigma`` (exact μ-GDP) for the N queries. Returns (verified state, S, σ)."""
     from privacy.calibration import pate_sigma
     from server.pate import SERVER_POLICY
     from sim import codecs
@@ -190,17 +266,81 @@ def pate_calibration(compressor, epsilon: float, delta: float, queries: int, tea
     return state, sensitivity, float(pate_sigma(epsilon, delta, queries, sensitivity))
 
 
-def audit_hospital(name: str, probs: np.ndarray, workdir, lifetime_epsilon: float, delta: float):
-    """A real ``clients.hospital.Hospital`` whose teachers answer fixed maps ``probs`` (T, N, C, *grid)."""
+def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: float, teachers: int | None = None,
+                   max_teachers: int | None = None):
+    """A real ``clients.hospital.Hospital`` whose teacher k answers the maps ``probs[k]`` (an array
+    (T, N, C, *grid)) or ``probs(k)`` (a function, with ``teachers`` = T), first ``len(scans)`` of them;
+    ``max_teachers``: its node config's bound on the K a server may declare."""
     from clients.hospital import Hospital
     from sim.presets import get_preset
 
+    answer = probs if callable(probs) else (lambda k: probs[k])
+    count = int(teachers) if teachers is not None else len(probs)
+
     class AuditHospital(Hospital):
         def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
-            return probs[k][: len(scans)]
+            return answer(k)[: len(scans)]
 
-    return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(len(probs))],
-                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta)
+    return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(count)],
+                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta,
+                         max_teachers=max_teachers)
+
+
+def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), classes: int = 4, shells=None):
+    """Synthetic public data for the anchored codec: ``n`` label maps (one-hot, (n, C, *grid)) with one
+    ball-shaped lesion each (edema outside, necrosis, an enhancing core), and a "public model's"
+    probabilities on them (``softmax(4 onehot + N(0, 0.5²))``). With ``shells``, every map's anchor regions
+    (:func:`sim.codecs.anchor_regions`) are all non-empty (a map is redrawn until they are), so that every
+    coordinate of the anchored latent is reachable on every query."""
+    from sim import codecs
+
+    grid = tuple(int(g) for g in grid)
+    coords = np.indices(grid).reshape(len(grid), -1).T.astype(np.float64)
+    count = None if shells is None else codecs.anchored_latent_dim(2, shells)
+    onehot, probs = [], []
+    for _ in range(n):
+        for _attempt in range(100):
+            centre = (np.array(grid) - 1) / 2 + rng.uniform(-1.0, 1.0, len(grid))
+            radius = rng.uniform(4.5, 5.5)
+            d = np.linalg.norm(coords - centre, axis=1)
+            labels = np.where(d < radius, 2, 0)
+            labels = np.where(d < 0.7 * radius, 1, labels)
+            labels = np.where(d < 0.4 * radius, 3, labels)
+            one = codecs.one_hot(labels.reshape(1, *grid), classes)
+            logits = 4.0 * one + rng.normal(0.0, 0.5, one.shape)
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p = (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+            if count is None:
+                break
+            regions = codecs.anchor_regions(p, shells)[0]
+            if np.all(np.bincount(regions[regions >= 0].ravel(), minlength=count) > 0):
+                break
+        else:
+            raise ValueError(f"grid {grid} too small for anchored shells {shells}: a region stays empty")
+        onehot.append(one[0])
+        probs.append(p[0])
+    return np.stack(onehot), np.stack(probs)
+
+
+def anchored_lift(direction: np.ndarray, anchor: np.ndarray, shells) -> np.ndarray:
+    """``B_n^T u`` for every query n: the residual map (N, C, *grid) whose anchored latent (before the clip)
+    is exactly ``u`` on every query (the rows of B_n are orthonormal; every region must be non-empty)."""
+    from sim import codecs
+
+    anchor = np.asarray(anchor)
+    classes, count = anchor.shape[1], codecs.anchored_latent_dim(2, shells)
+    per_class = np.asarray(direction, np.float64).reshape(classes - 1, count)
+    regions = codecs.anchor_regions(anchor, shells)
+    out = np.zeros(anchor.shape, np.float64)
+    for n in range(len(anchor)):
+        index = regions[n].reshape(-1)
+        inside = index >= 0
+        size = np.bincount(index[inside], minlength=count)
+        if np.any(size == 0):
+            raise ValueError(f"query {n}: an anchored region is empty, so u is not reachable there")
+        flat = out[n].reshape(classes, -1)
+        flat[1:, inside] = per_class[:, index[inside]] / np.sqrt(size[index[inside]])
+    return out
 
 
 @dataclass
@@ -212,7 +352,7 @@ class PateSetup:
     teachers: int
     hospitals: int
     queries: int
-    clip: float
+    clip: float                           # C: the codec's row clip (anchored: fitted on public data)
     compressor: object
     state: dict                           # the codec state as verified by the server (and the hospitals)
     sigma: float                          # calibrated by pate_calibration (under the bug, for a broken setup)
@@ -223,6 +363,8 @@ class PateSetup:
     expected_rows: dict                   # hospital -> teachers: the K the server declares (aggregate_query)
     hospital_epsilon: dict                # hospital -> ε its own ledger records for the N queries
     audited_hospital: str
+    codec: str = "anchored"               # "anchored" (pate-anchored) or "pca" (clip mode)
+    anchors: np.ndarray | None = None     # anchored: the public anchor of every query (N, C, *grid)
     clean_means: dict = field(default_factory=dict)   # side (+1/-1) -> (N, l) what aggregate_query averages
     broken_factor: float | None = None   # broken control: codec_sensitivity understated by this factor
 
@@ -243,38 +385,71 @@ class PateSetup:
         """GDP μ of the worst-case pair actually run: rows ±C u differ by 2C (the true S = 2C/K)."""
         return math.sqrt(self.queries) * (2.0 * self.clip / self.teachers) / self.sigma
 
+    def release_id(self, query: int) -> str:
+        """As ``server.pate.run_query_phase`` names a release (``<method>:<run nonce>:query-<n>``)."""
+        return f"pate-{self.codec}:audit:query-{query}"
+
     @staticmethod
-    def release_id(query: int) -> str:
-        return f"pate-pca:audit:query-{query}"
+    def stream(query: int) -> str:
+        """The release's noise stream, named as ``server.pate`` names it (without the run nonce)."""
+        return f"query-{query}"
 
     def replies(self, query: int, side: int) -> dict:
         """The hospitals' replies to one query in D (side=+1) or D' (side=-1)."""
         return {h: rows[:, query, :].copy() for h, rows in self.answers[side].items()}
 
 
-def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hospitals: int = 8,
-               queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=(4, 4, 4), seed: int = 0,
-               broken_factor: float | None = None) -> PateSetup:
-    """A PCA codec (clip mode, fitted on random public one-hot maps), calibrated as the server does
-    (:func:`pate_calibration`), and every hospital's answer to the N queries through the real
-    ``Hospital.answer_query`` (codec verified, the N releases charged to its own ledger with the S it
-    computes itself, then every teacher's map encoded): the other teachers answer random probability maps;
-    the audited teacher (h0's first) answers ``mean ± t A_l^T u`` (t = 10 C), which the codec clips to ``±C u``
-    -- the two ends of the bound behind S = 2C/K. ``broken_factor``: all of it under
-    :func:`understated_codec_sensitivity`."""
+def _random_probabilities(rng: np.random.Generator, shape, around: np.ndarray | None = None) -> np.ndarray:
+    """Random probability maps (n, C, *grid): softmax of N(0, 2²) logits, or around given maps
+    (``softmax(log around + N(0, 1.5²))``: teachers that mostly agree with the public model)."""
+    base = 0.0 if around is None else np.log(np.clip(around, 1e-6, 1.0))
+    logits = base + rng.normal(0.0, 2.0 if around is None else 1.5, size=shape)
+    maps = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (maps / maps.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", teachers: int = 128,
+               hospitals: int = 8, queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=None,
+               seed: int = 0, broken_factor: float | None = None) -> PateSetup:
+    """A codec fitted on public data, calibrated as the server does (:func:`pate_calibration`), and every
+    hospital's answer to the N queries through the real ``Hospital.answer_query`` (codec verified, the N
+    releases charged to its own ledger with the S it computes itself, under ids with its own nonce, then
+    every teacher's map encoded). The other teachers answer random probability maps; the audited teacher
+    (h0's first) answers the replace-one pair, maps the codec clips to ``+C u`` in D and to ``-C u`` in D'
+    -- the two ends of the bound behind S = 2C/K.
+
+    ``codec="anchored"`` (the demo's ``pate-anchored``; grid 16³ by default): the product's compressor
+    (``make_compressor("pate-anchored")``: shells (-2, 5), C = 2.5 x the public model's median residual on
+    public reference maps, fitted as ``plan_release`` fits it) and one public anchor per query (the public
+    model's probabilities, shipped with the batch, :func:`sim.codecs.with_anchor`); the other teachers answer
+    maps around the anchor, the audited one ``p_n ± t B_n^T u`` (t = 10 C; the anchored latent before the
+    clip is ``±t u``). ``codec="pca"`` (grid 4³): a PCA codec in clip mode (C = ``clip``, l = ``latent_dim``)
+    fitted on random public one-hot maps; the audited teacher answers ``mean ± t A_l^T u``.
+    ``broken_factor``: all of it under :func:`understated_codec_sensitivity`."""
     import tempfile
 
     from privacy.ledger import Ledger
     from server.aggregation import validate_reply
-    from server.compressors import PCACompressor
+    from server.compressors import PCACompressor, make_compressor
     from sim import codecs
 
+    if codec not in PATE_CODECS:
+        raise ValueError(f"codec: expected one of {PATE_CODECS}, got {codec!r}")
     if teachers % hospitals:
         raise ValueError("teachers must be a multiple of hospitals")
     rng = np.random.default_rng(seed)
     classes = 4
-    public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
-    compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
+    anchors = None
+    if codec == "anchored":
+        grid = tuple(grid or (16, 16, 16))
+        compressor = make_compressor("pate-anchored")          # the product's defaults (shells, clip_scale)
+        compressor.fit(*public_lesion_maps(rng, 24, grid, classes))   # public reference maps + public model
+        anchors = public_lesion_maps(rng, queries, grid, classes, compressor.shells)[1]   # on the query scans
+        clip = float(compressor.clip)
+    else:
+        grid = tuple(grid or (4, 4, 4))
+        public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
+        compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
     true_state = codecs.verify_codec(compressor.state())
     true_sensitivity = float(codecs.codec_sensitivity(true_state, teachers))   # outside any patch
     l = int(compressor.latent_dim)
@@ -282,30 +457,46 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
     names = [f"h{i}" for i in range(hospitals)]
     direction = rng.normal(size=l)
     direction /= np.linalg.norm(direction)
-    probs = {}
-    for name in names:
-        logits = rng.normal(0.0, 2.0, size=(per_hospital, queries, classes, *grid))
-        maps = np.exp(logits - logits.max(axis=2, keepdims=True))
-        probs[name] = (maps / maps.sum(axis=2, keepdims=True)).astype(np.float32)
-    components = np.asarray(true_state["components"], np.float64)
-    mean = np.asarray(true_state["mean"], np.float64)
+    if codec == "anchored":       # p_n + t B_n^T u: anchored latent t u before the clip, C u after it
+        lift = anchored_lift(direction, anchors, compressor.shells)
+        extreme = {side: (anchors + side * 10.0 * clip * lift).astype(np.float32) for side in (+1, -1)}
+    else:                         # y with A_l (y - mean) = t u: clipped to C u by the codec
+        components = np.asarray(true_state["components"], np.float64)
+        mean = np.asarray(true_state["mean"], np.float64)
+        extreme = {side: np.repeat((mean + side * 10.0 * clip * (components.T @ direction)).reshape(
+            1, classes, *grid), queries, axis=0).astype(np.float32) for side in (+1, -1)}
+    seeds = rng.integers(0, 2 ** 63, size=hospitals)
+
+    def answers_of(index: int, side: int):
+        """Teacher k of hospital ``index``: random maps (a fixed stream per teacher), the extreme pair for
+        the audited teacher."""
+        def answer(k: int) -> np.ndarray:
+            if index == 0 and k == 0:
+                return extreme[side]
+            teacher_rng = np.random.default_rng([int(seeds[index]), k])
+            return _random_probabilities(teacher_rng, (queries, classes, *grid), anchors)
+        return answer
+
     audited = names[0]
     answers: dict = {+1: {}, -1: {}}
     hospital_epsilon = {}
     with understated_codec_sensitivity(broken_factor), tempfile.TemporaryDirectory() as tmp:
         state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
-        config = {"release_ids": [PateSetup.release_id(n) for n in range(queries)], "sigma": sigma,
+        shipped = codecs.with_anchor(compressor.state(), anchors) if codec == "anchored" else compressor.state()
+        config = {"method": f"pate-{codec}", "queries": list(range(queries)),
+                  "release_ids": [f"pate-{codec}:audit:query-{n}" for n in range(queries)], "sigma": sigma,
                   "teachers": teachers, "delta": float(delta)}
-        scans = np.zeros((queries, 1), np.float32)      # the teachers ignore them (fixed maps)
+        scans = np.zeros((queries, 4, *grid), np.float32)      # the teachers ignore them (fixed maps)
         for side in (+1, -1):
-            for name in names if side == +1 else [audited]:
-                maps = probs[name].copy()
-                if name == audited:       # y with A_l (y - mean) = side t u: clipped to side C u by the codec
-                    target = mean + side * 10.0 * clip * (components.T @ direction)
-                    maps[0] = target.reshape(classes, *grid).astype(np.float32)[None]
-                hospital = audit_hospital(name, maps, Path(tmp) / f"{name}{side:+d}", epsilon, delta)
-                answers[side][name], _ = hospital.answer_query(scans, state, config)
-                spent = Ledger(hospital.privacy_ledger).spent(name, delta).epsilon
+            for index, name in enumerate(names if side == +1 else [audited]):
+                hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}", epsilon,
+                                          delta, teachers=per_hospital, max_teachers=teachers)
+                answers[side][name], _ = hospital.answer_query(scans, shipped, config)
+                own = Ledger(hospital.privacy_ledger)
+                charged_ids = sorted(r["release_id"].rsplit("@", 1)[0] for r in own.records())
+                if charged_ids != sorted(config["release_ids"]):   # one charge per query, under its own nonce
+                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {config['release_ids']}")
+                spent = own.spent(name, delta).epsilon
                 hospital_epsilon.setdefault(name, set()).add(float(spent))
         for name in names[1:]:
             answers[-1][name] = answers[+1][name]
@@ -316,7 +507,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
                       sensitivity=true_sensitivity, charged_sensitivity=float(charged), direction=direction,
                       answers=answers, expected_rows={h: per_hospital for h in names},
                       hospital_epsilon={h: v.pop() for h, v in hospital_epsilon.items()}, audited_hospital=audited,
-                      broken_factor=broken_factor)
+                      codec=codec, anchors=anchors, broken_factor=broken_factor)
     for side in (+1, -1):   # the server's validated rows, averaged (what aggregate_query adds noise to)
         means = []
         for n in range(queries):
@@ -327,9 +518,11 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, teachers: int = 128, hosp
 
 
 def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarray, float]:
-    """One full run of the query phase through ``aggregate_query`` (the server declares every hospital's
-    teachers, ``expected_rows``) on a fresh server ledger and guard; each release's noise from its own
-    stream of ``noise`` (secure when None), opened after the charge. A broken setup runs under its bug.
+    """One full run of the query phase through ``aggregate_query`` as ``server.pate`` calls it (the codec
+    state the server verified, the server declaring every hospital's teachers, ``expected_rows``; the
+    release's noise stream named ``query-<n>``) on a fresh server ledger and guard; each release's noise
+    from its own stream of ``noise`` (secure when None), opened after the charge. A broken setup runs
+    under its bug.
 
     Returns the N releases (N, l) float32 and the ε the server's ledger says the audited hospital spent.
     """
@@ -340,8 +533,9 @@ def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarra
     with understated_codec_sensitivity(setup.broken_factor):
         for n in range(setup.queries):
             noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
-                                              setup.release_id(n), state=setup.state, noise=noise,
-                                              expected_rows=setup.expected_rows)
+                                              setup.release_id(n), note={"query": n}, state=setup.state,
+                                              noise=noise, expected_rows=setup.expected_rows,
+                                              stream=setup.stream(n))
             if noisy is None or teachers != setup.teachers:
                 raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
             releases.append(noisy)
@@ -442,6 +636,16 @@ class DPSGDSetup:
             ["no clipping"] if self.unclipped else [])
         return ", ".join(parts)
 
+    @property
+    def total_clip(self) -> float:
+        """L2 bound of one record's clipped gradient: per-layer clipping at C on the two tensors, C sqrt 2."""
+        return self.clip * math.sqrt(2.0)
+
+    def expected_batch_size(self, with_canary: bool) -> int:
+        """What Opacus divides the noisy clipped sum by (``loss_reduction="mean"``): ``make_private`` sets it
+        to ``int(len(dataset) * sample_rate)`` for the session's index loader (``DPSession.expected_batch_size``)."""
+        return int(self.size(with_canary) * self.sampling_rate)
+
     def size(self, with_canary: bool) -> int:
         return self.others + (1 if with_canary or self.relation == "replace-one" else 0)
 
@@ -477,25 +681,46 @@ class DPSGDSetup:
         return float(epsilon_spent([event], self.delta)[0])   # the accountant the ledger would choose
 
 
-def _make_session(setup: DPSGDSetup, with_canary: bool, noise, sigma: float | None = None):
-    import torch
+class _StepRecorder:
+    """What the white-box adversary reads from a ``train_segmentation`` run, through the product's own hooks
+    (``TrainConfig.loss_fn`` and ``optimizer_factory``): the parameter change of every optimizer step
+    (Opacus' DP optimizer calls the inner optimizer's ``step`` once per step, noise-only steps included) and
+    whether the step's batch held the record under audit (its index is the target, so the loss sees it)."""
 
-    from sim.dpsgd import DPSession
+    def __init__(self, model, watched: int | None) -> None:
+        self.params = list(model.parameters())
+        self.watched = watched            # the canary's (or its replacement's) index; None: no such record
+        self.updates: list = []           # per step: flat parameters before minus after
+        self.members: list[bool] = []
+        self._member = False
 
-    x = setup.data(with_canary)
-    model = _canary_model(setup.dim)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    dp = setup.config()
-    if sigma is not None:  # the σ the session calibrated in target mode, reused (calibration is costly)
-        dp.mode, dp.noise_multiplier = "fixed", float(sigma)
-    guard = make_guard(setup.epsilon, setup.delta)
-    session_cls = DPSession if not setup.broken else _broken_session(setup.noise_factor, setup.unclipped)
-    session = session_cls(model, optimizer, n=len(x), batch_size=setup.batch_size, epochs=setup.epochs, dp=dp,
-                          guard=guard, owners=("h0",), noise=noise)
-    return session, model, x
+    def _flat(self):
+        import torch
+
+        return torch.cat([p.detach().flatten() for p in self.params]).clone()
+
+    def loss(self, outputs, targets):
+        """The canary model's output is the per-sample loss; ``targets`` are the records' indices."""
+        self._member = self.watched is not None and bool((targets == self.watched).any())
+        return outputs
+
+    def optimizer(self, params):
+        """SGD with learning rate 1 (so a step moves the parameters by the noisy clipped sum / the expected
+        batch size), recording every step."""
+        import torch
+
+        recorder = self
+
+        class RecordingSGD(torch.optim.SGD):
+            def step(self, closure=None):
+                before = recorder._flat()
+                out = super().step(closure)
+                recorder.updates.append(before - recorder._flat())
+                recorder.members.append(recorder._member)
+                recorder._member = False
+                return out
+
+        return RecordingSGD(params, lr=1.0)
 
 
 def _broken_session(noise_factor: float, unclipped: bool):
@@ -516,13 +741,56 @@ def _broken_session(noise_factor: float, unclipped: bool):
     return BrokenSession
 
 
+@contextmanager
+def broken_dpsgd_session(setup: "DPSGDSetup"):
+    """While open, ``train_segmentation`` builds the setup's broken session (:func:`_broken_session`) instead
+    of ``DPSession`` (patched in ``sim.training`` for the broken run only); a no-op for an honest setup."""
+    if not setup.broken:
+        yield
+        return
+    from sim import training
+
+    with mock.patch.object(training, "DPSession", _broken_session(setup.noise_factor, setup.unclipped)):
+        yield
+
+
+def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float | None = None):
+    """One DP-SGD training through the product's ``sim.training.train_segmentation`` on D (``with_canary``)
+    or D': the canary model from zero, SGD with learning rate 1, no augmentation, the setup's ``DPConfig``
+    (Poisson sampling, per-layer clipping, its relation) in ``target`` mode -- the session calibrates σ
+    itself -- or, given ``sigma``, in ``fixed`` mode at that σ (calibration is costly; the ledger still
+    says what it costs); charged through a fresh memoised guard (:func:`make_guard`) to owner ``h0``.
+    Returns (the step recorder, the ``TrainResult``, the guard)."""
+    import torch
+
+    from sim import training
+
+    x = setup.data(with_canary)
+    model = _canary_model(setup.dim)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    recorder = _StepRecorder(model, len(x) - 1 if with_canary or setup.relation == "replace-one" else None)
+    config = training.TrainConfig(epochs=setup.epochs, batch_size=setup.batch_size, learning_rate=1.0,
+                                  augment=False, progress=False, description="privacy audit",
+                                  loss_fn=recorder.loss, optimizer_factory=recorder.optimizer)
+    dp = setup.config()
+    if sigma is not None:
+        dp.mode, dp.noise_multiplier = "fixed", float(sigma)
+    guard = make_guard(setup.epsilon, setup.delta)
+    with memoised_accounting(), broken_dpsgd_session(setup):
+        result = training.train_segmentation(model, x, np.arange(len(x)), config, dp=dp, guard=guard,
+                                             owners=("h0",), noise=noise)
+    return recorder, result, guard
+
+
 def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
                 clip: float = 1.0, relation: str = "replace-one", noise_factor: float = 1.0, unclipped: bool = False,
                 sigma: float | None = None) -> DPSGDSetup:
-    """σ from a real ``target``-mode session under ``relation`` (its own calibration), or the given
-    ``sigma`` (the session's ``fixed`` mode: no calibration, the ledger still says what it costs). Under
-    add-remove, D and D' must have the same number of steps (so the same q): otherwise the step count,
-    which results publish, tells them apart (docs/PRIVACY_AUDIT.md)."""
+    """σ, q and the steps from a first product run (:func:`dpsgd_train` on D): in ``target`` mode under
+    ``relation`` (``train_segmentation``'s session calibrates σ itself), or at the given ``sigma`` (the
+    session's ``fixed`` mode). Under add-remove, D and D' must have the same number of steps (so the same
+    q): otherwise the step count, which results publish, tells them apart (docs/PRIVACY_AUDIT.md)."""
     from privacy.mechanisms import NoiseSource
     from sim.dpsgd import steps_per_epoch
 
@@ -533,9 +801,11 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
     if len(steps) != 1:
         raise ValueError(f"D and D' give different numbers of steps per epoch {steps} (so different sampling "
                          "rates): choose sizes with the same number of steps")
-    # target mode: the session calibrates σ itself; fixed mode: the given σ
-    session = _make_session(setup, True, NoiseSource(), sigma=sigma)[0]
-    setup.sigma, setup.sampling_rate, setup.steps_per_epoch = session.base_sigma, session.sampling_rate, session.steps
+    result = dpsgd_train(setup, True, NoiseSource(), sigma=sigma)[1]
+    if len(set(result.sigmas)) != 1 or result.epochs_completed != epochs:
+        raise RuntimeError(f"the calibrating run trained {result.epochs_completed} of {epochs} epochs at "
+                           f"σ {sorted(set(result.sigmas))}")
+    setup.sigma, setup.sampling_rate, setup.steps_per_epoch = result.sigmas[0], result.sampling_rate, result.steps_per_epoch
     return setup
 
 
@@ -543,45 +813,35 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
 class DPSGDRun:
     observations: np.ndarray    # (T,) projected, normalised per-step updates x_t
     members: np.ndarray         # (T,) bool: the last record (canary, or its replacement) in step t's batch
-    claimed_epsilon: float      # what the ledger says after the run
+    claimed_epsilon: float      # what the run reports (TrainResult.epsilon: the ledger's)
 
 
 def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
-    """One DP-SGD training run through ``DPSession`` (the loop of ``sim.training.train_segmentation``:
-    charge the epoch, then Poisson batches and noise from the stream the session opens after the charge
-    (``session.stream``), a noise-only step for an empty batch, the Opacus step), recording the parameters
-    after every step. Raises if the ledger's events are not under the setup's relation."""
+    """One DP-SGD training run through ``sim.training.train_segmentation`` (:func:`dpsgd_train`: the
+    product's loop -- each epoch charged, then Poisson batches and noise from the stream the session opens
+    after the charge, a noise-only step for an empty batch, the Opacus step), recording the parameters after
+    every step. Each step's update, times the expected batch size Opacus divides by, projected on the
+    canary's direction over C_total, is the observation x_t. Raises if the run was not the one planned or
+    its ledger's events are not under the setup's relation."""
     import torch
 
-    session, model, x = _make_session(setup, with_canary, noise, sigma=setup.sigma)
-    last = len(x) - 1 if with_canary or setup.relation == "replace-one" else -1
+    recorder, result, guard = dpsgd_train(setup, with_canary, noise, sigma=setup.sigma)
+    if result.epochs_completed != setup.epochs or len(recorder.updates) != setup.steps \
+            or any(s != setup.sigma for s in result.sigmas):
+        raise RuntimeError(f"the run trained {result.epochs_completed} epochs / {len(recorder.updates)} steps at "
+                           f"σ {sorted(set(result.sigmas))}, planned {setup.epochs} / {setup.steps} at {setup.sigma}")
     # the canary's clipped gradient is -C e_1 in each tensor: unit direction over both, as one flat vector
-    params = list(model.parameters())
     direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1]), -1.0)
-                           for p in params]) / math.sqrt(len(params))
-    flat = lambda: torch.cat([p.detach().flatten() for p in params]).clone()  # noqa: E731
-    total_clip = session.total_clip
-    scale = session.expected_batch_size
-    observations, members = [], []
-    for epoch in range(setup.epochs):
-        if not session.begin_epoch(epoch):
-            raise RuntimeError("the budget refused an epoch the session was calibrated for")
-        for batch in session.batches():
-            before = flat()
-            if len(batch) == 0:
-                session.noise_only_step()
-            else:
-                session.optimizer.zero_grad(set_to_none=True)
-                session.model(x[batch]).mean().backward()
-                session.optimizer.step()
-            update = (before - flat()) * scale          # lr = 1: the noisy clipped sum
-            observations.append(float(update @ direction) / total_clip)
-            members.append(bool((batch == last).any()))
-    relations = {leaf.relation for event in session.ledger.events("h0") for leaf in event.leaves()}
-    if relations != {setup.relation}:
+                           for p in recorder.params]) / math.sqrt(len(recorder.params))
+    scale = setup.expected_batch_size(with_canary) / setup.total_clip
+    observations = [float(update @ direction) * scale for update in recorder.updates]
+    relations = {leaf.relation for event in guard.ledger.events("h0") for leaf in event.leaves()}
+    if relations != {setup.relation} or result.relation != setup.relation:
         raise RuntimeError(f"the ledger accounted {sorted(relations)}, the audit pairs {setup.relation}")
-    claimed = ledger_epsilon(session.ledger, "h0", setup.delta)
-    return DPSGDRun(np.array(observations), np.array(members), float(claimed))
+    claimed = ledger_epsilon(guard.ledger, "h0", setup.delta)
+    if not math.isclose(result.epsilon, claimed, rel_tol=1e-12):
+        raise RuntimeError(f"train_segmentation reports ε={result.epsilon!r}, its ledger {claimed!r}")
+    return DPSGDRun(np.array(observations), np.array(recorder.members, dtype=bool), float(result.epsilon))
 
 
 def dpsgd_scores(setup: DPSGDSetup, observations: np.ndarray) -> np.ndarray:
@@ -688,7 +948,7 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
     come from ``codec_sensitivity``), else this raises."""
     from privacy.accountants import gdp_epsilon
 
-    label = label or f"PATE K={setup.teachers} N={setup.queries}" + (
+    label = label or f"PATE {setup.codec} K={setup.teachers} N={setup.queries}" + (
         f" [broken: codec_sensitivity S/{setup.broken_factor:g}]" if setup.broken else "")
     limit = float(gdp_epsilon(setup.mu_true, setup.delta))
     rows = []
@@ -779,8 +1039,9 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
     return problems
 
 
-__all__ = ["AuditRow", "DPSGDRun", "DPSGDSetup", "PateSetup", "audit_dpsgd", "audit_failures", "audit_hospital",
-           "audit_pate", "dpsgd_product_run", "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup",
-           "dpsgd_vectorised_observations", "dpsgd_vectorised_scores", "format_table", "make_guard",
-           "misreporting_compressor", "pate_calibration", "pate_product_run", "pate_product_scores", "pate_scores",
-           "pate_setup", "pate_vectorised_releases", "pate_vectorised_scores", "understated_codec_sensitivity"]
+__all__ = ["AuditRow", "DPSGDRun", "DPSGDSetup", "PATE_CODECS", "PateSetup", "anchored_lift", "audit_dpsgd",
+           "audit_failures", "audit_hospital", "audit_pate", "broken_dpsgd_session", "dpsgd_product_run",
+           "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_train", "dpsgd_vectorised_observations",
+           "dpsgd_vectorised_scores", "format_table", "make_guard", "memoised_accounting", "misreporting_compressor",
+           "pate_calibration", "pate_product_run", "pate_product_scores", "pate_scores", "pate_setup",
+           "pate_vectorised_releases", "pate_vectorised_scores", "public_lesion_maps", "understated_codec_sensitivity"]
