@@ -36,7 +36,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from sim.commands.common import data_options, resolve_hospitals
     from sim.runners.compare import parse_list, run_compare
+
+    where = data_options(args)
 
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
@@ -45,6 +48,9 @@ def run(args) -> int:
         from sim.errors import UserError
         from sim.runners.classification_compare import run_classification_compare
 
+        if where["partition_file"] or where["layout"]:
+            raise UserError(f"--partition-file / --layout: --task {args.task} reads no tumour data folder's "
+                            "partitions; they apply to --task segmentation")
         if sweep and len(sweep) > 1:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
                             f"got {args.teachers_per_hospital}")
@@ -58,8 +64,9 @@ def run(args) -> int:
         return 0
     methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)
     report = run_compare(args.preset, methods, epsilons, args.out, seed=args.seed, data=args.data, delta=args.delta,
-                         hospitals=args.hospitals, teachers_per_hospital=sweep, engine=args.engine,
+                         hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
+                         teachers_per_hospital=sweep, engine=args.engine,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                         lifetime_epsilon=args.lifetime_epsilon, init=args.init)
+                         lifetime_epsilon=args.lifetime_epsilon, init=args.init, **where)
     print(f"report: {report}")
     return 0

@@ -403,9 +403,10 @@ def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     return image, label, affine
 
 
-def validate_case(case: Case) -> dict[str, Any]:
-    """Read and check one case; return a summary (shape, spacing, label voxel counts per class)."""
-    image, label, affine = load_case(case)
+def validate_case(case: Case, loaded: tuple | None = None) -> dict[str, Any]:
+    """Read and check one case; return a summary (shape, spacing, label voxel counts per class).
+    ``loaded``: the case's :func:`load_case` result when the caller has read it already."""
+    image, label, affine = loaded if loaded is not None else load_case(case)
     summary: dict[str, Any] = {
         "case_id": case.case_id,
         "shape": tuple(int(s) for s in image.shape),

@@ -70,7 +70,8 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                         "regenerated and subtracted; it is for simulations only)")
     work = Path(work_dir).resolve()
     preset = settings.resolved_preset
-    world = materialise_world(preset, settings.data, settings.seed, settings.progress)
+    world = materialise_world(preset, settings.data, settings.seed, settings.progress, layout=settings.layout,
+                              partition_file=settings.partition_file)
     folders = export_hospital_folders(world, work / "hospital-data")
     out = Path(settings.out).resolve()
     (out / "results.json").unlink(missing_ok=True)
