@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.data.brats import PHANTOMS_MARKER
 from sim.data.partitions import PUBLIC_SOURCE, Split, make_split
 from sim.data.phantoms import ensure_phantoms
 from sim.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
@@ -116,16 +117,20 @@ def partition_split(prepared, preset, partition_file, hospitals: int, teachers: 
     split = make_split(institutions, hospitals, teachers, "institution", preset.n_query, preset.n_reference,
                        preset.n_validation, preset.n_test, seed, patients=prepared.patient)
     split.params["partition_file"] = info
+    split.params["institutions"] = institutions       # each case's partition: who the World section names
     return split
 
 
 def _collection(root: str | None, cases: int, fallback: dict) -> dict[str, Any]:
-    """What generated a collection: the phantom generator's settings from its dataset.json, else its name."""
+    """What generated a collection: the phantom generator's settings from its dataset.json (or, for phantoms
+    written in a BraTS layout, the marker beside their case folders), else its name."""
     block = None
-    try:
-        block = json.loads((Path(root) / "dataset.json").read_text()).get("phantoms") if root else None
-    except (OSError, ValueError, AttributeError):
-        pass
+    for name, get in (("dataset.json", lambda d: d.get("phantoms")), (PHANTOMS_MARKER, lambda d: d)):
+        try:
+            block = get(json.loads((Path(root) / name).read_text())) if root else None
+        except (OSError, ValueError, AttributeError):
+            continue
+        break
     if isinstance(block, dict):
         return {"kind": "phantoms", "cases": cases, **{k: block.get(k) for k in (
             "seed", "institutions", "shift", "resolution_mm", "generator_version")}}
@@ -140,8 +145,10 @@ def describe_world(prepared, split) -> dict[str, Any]:
         names = sorted({prepared.source_of(c) or POPULATION_SOURCE for c in ids})
         return ", ".join(names) if names else "—"
 
+    named = (split.params or {}).get("institutions") or {}   # a partition file's, else the dataset's own
+
     def institutions(ids) -> list[str]:
-        return sorted({str(prepared.institution(c) or "unknown") for c in ids})
+        return sorted({str(named.get(c) or prepared.institution(c) or "unknown") for c in ids})
 
     sources = {}
     for name in (POPULATION_SOURCE, PUBLIC_SOURCE):

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--institutions", type=int, default=4, help="scanner profiles / sites (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="world seed; case i depends only on (seed, i)")
     p.add_argument("--resolution", type=float, default=2.0, help="voxel size in mm (default: 2)")
-    p.add_argument("--test-cases", type=int, default=0, help="unlabelled cases in imagesTs (default: 0)")
+    p.add_argument("--test-cases", type=int, default=0,
+                   help="unlabelled cases in imagesTs (default: 0; MSD layout only)")
     p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
     p.add_argument("--shift", default="none",
                    help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "

@@ -689,6 +689,10 @@ def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path
 
     from sim.data.brats import PHANTOMS_MARKER, convert_msd_folder
 
+    if settings.get("test_cases"):
+        raise DataError(f"--test-cases={settings['test_cases']}: a BraTS training folder holds labelled cases only "
+                        f"(a case folder without seg is an error where labels are needed; BraTS ships unlabelled "
+                        f"validation cases as a separate download); expected --test-cases 0 with --layout {layout}")
     out = Path(out)
     config = {**_generation_config(settings["cases"], settings["institutions"], settings["seed"],
                                    settings["resolution_mm"], settings["test_cases"], settings["shift"]),
