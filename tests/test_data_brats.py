@@ -4,6 +4,7 @@ layouts giving the same arrays, `data inspect` errors naming case and file, and 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -313,3 +314,27 @@ def test_run_settings_carry_layout_and_partition_file_through_flower_config():
     again = RunSettings.from_run_config(settings.to_run_config())
     assert (again.layout, again.partition_file) == ("brats2021", "/p.csv")
     assert RunSettings.from_run_config(RunSettings().to_run_config()).layout is None
+
+
+# ------------------------------------------------------------------------------ end to end (slow)
+@pytest.mark.slow
+def test_compare_gives_the_same_results_on_the_same_phantoms_in_every_layout(tmp_path, monkeypatch):
+    """Issue 29's 'done when': `data phantoms --layout L` + `compare --preset tiny --data X --reproducible-noise`
+    give the same Dice (and the same spent epsilon) for msd, brats2023 and brats2021 (~8 min on 2 cores)."""
+    monkeypatch.setenv("FEDPATE_CACHE", str(tmp_path / "cache"))
+    results = {}
+    for layout in ("msd", "brats2023", "brats2021"):
+        data = tmp_path / layout
+        assert main(["data", "phantoms", "--cases", "48", "--institutions", "2", "--resolution", "4", "--seed", "0",
+                     "--layout", layout, "--out", str(data), "--no-progress"]) == 0
+        out = tmp_path / f"run-{layout}"
+        assert main(["compare", "--preset", "tiny", "--data", str(data), "--reproducible-noise", "--seed", "0",
+                     "--methods", "public-only,pate-anchored", "--epsilons", "8", "--out", str(out),
+                     "--no-progress"]) == 0
+        cells = {cell: json.loads((out / cell / "results.json").read_text())
+                 for cell in ("public-only", "pate-anchored/eps-8")}
+        results[layout] = {cell: (r["dice"], r["epsilon"]) for cell, r in cells.items()}
+        world = json.loads((out / "world.json").read_text())
+        assert world["layout"] == layout
+    assert results["brats2023"] == results["msd"] and results["brats2021"] == results["msd"]
+    assert results["msd"]["pate-anchored/eps-8"][0]["WT"] > 0      # a real segmentation, not an empty one
