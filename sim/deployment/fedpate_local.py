@@ -27,10 +27,13 @@ DEPLOYMENT_FILE = "deployment.json"
 
 
 def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
-    """One MSD Task01-layout folder per hospital of the world's split, with only that hospital's cases."""
+    """One folder per hospital of the world's split, with only that hospital's cases: MSD Task01 layout, or
+    the source's BraTS case folders (each hospital's node detects the layout as ``--data`` does)."""
 
     prepared, split = open_world(world_dir)
     source_root = Path(prepared.manifest["source_root"])
+    if not (source_root / "dataset.json").is_file():
+        return _export_case_folders(source_root, split, out_root)
     dataset = json.loads((source_root / "dataset.json").read_text())
     by_id = {Path(entry["image"]).name.split(".nii")[0]: entry for entry in dataset["training"]}
     folders = {}
@@ -52,6 +55,27 @@ def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict
         atomic_write_json(folder / "dataset.json", {**dataset, "training": entries, "numTraining": len(entries),
                                                     "test": [], "numTest": 0,
                                                     "description": f"{hospital}'s own patients (fedpate deployment)"})
+        folders[hospital] = folder
+    return folders
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        try:
+            os.link(source, target)
+        except OSError:  # another file system: copy instead
+            shutil.copyfile(source, target)
+
+
+def _export_case_folders(source_root: Path, split, out_root: str | Path) -> dict[str, Path]:
+    """BraTS sources: each hospital gets its cases' folders (hard links), as its own download would hold."""
+    folders = {}
+    for hospital in sorted(split.hospitals):
+        folder = Path(out_root) / hospital
+        for case in split.hospital_cases(hospital):
+            for path in sorted((source_root / case).glob("*.nii*")):
+                _link(path, folder / case / path.name)
         folders[hospital] = folder
     return folders
 
