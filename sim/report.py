@@ -307,7 +307,7 @@ def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] =
         lines.append(f"- source **{name}**: {_describe_source(source)}")
     if not world.get("two_sources"):
         lines.append("- one population: the public sets are drawn from the same distribution as the hospitals' "
-                     "patients (an MSD folder has one population)")
+                     "patients (a --data folder, MSD or BraTS, has one population)")
     if world.get("layout") and world.get("layout") != "msd":
         lines.append(f"- data layout: {world['layout']} (label codes mapped to ours: 1 oedema, 2 necrotic / "
                      "non-enhancing core, 3 enhancing; sim/data/layouts.py)")
