@@ -111,7 +111,10 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
 
     torch.manual_seed(seed)
-    where = {"hospitals": hospitals, "layout": layout, "partition_file": partition_file}
+    # only what was given: the world of a run without them is built exactly as before (and callers that stand
+    # in for load_central_data keep their signature)
+    where = {k: v for k, v in (("hospitals", hospitals), ("layout", layout), ("partition_file", partition_file))
+             if v is not None}
     world = load_central_data(p, seed=seed, data=data, progress=progress, **where)
     net_cfg = network_config(p.unet)
     start_weights = None
