@@ -320,7 +320,7 @@ def test_run_settings_carry_layout_and_partition_file_through_flower_config():
 @pytest.mark.slow
 def test_compare_gives_the_same_results_on_the_same_phantoms_in_every_layout(tmp_path, monkeypatch):
     """Issue 29's 'done when': `data phantoms --layout L` + `compare --preset tiny --data X --reproducible-noise`
-    give the same Dice (and the same spent epsilon) for msd, brats2023 and brats2021 (~8 min on 2 cores)."""
+    give the same Dice (and the same spent epsilon) for msd, brats2023 and brats2021 (2-8 min on 2 busy cores)."""
     monkeypatch.setenv("FEDPATE_CACHE", str(tmp_path / "cache"))
     results = {}
     for layout in ("msd", "brats2023", "brats2021"):
