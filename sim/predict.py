@@ -1,10 +1,12 @@
 """Segment new scans with a saved model bundle (``fedpate predict``; SPEC section 10, issue 10).
 
-For each 4D NIfTI scan (x, y, z, 4 channels in MSD order): crop to the brain, normalise and resample
-exactly as in training (the bundle's preprocessing record), run the network (MONAI sliding-window
-inference, a single window when the working grid covers the cropped brain), map the probabilities back
-to the scan's own grid, and write a label map (MSD labels 0-3) with the scan's shape and affine, so
-ITK-SNAP or 3D Slicer overlays it on the scan.
+For each scan -- a 4D NIfTI (x, y, z, 4 channels in MSD order), or a BraTS case as distributed (its folder,
+or its four per-modality files; issue 29) -- crop to the brain, normalise and resample exactly as in training
+(the bundle's preprocessing record), run the network (MONAI sliding-window inference, a single window when
+the working grid covers the cropped brain), map the probabilities back to the scan's own grid, and write a
+label map with the scan's shape and affine, so ITK-SNAP or 3D Slicer overlays it on the scan. The label codes
+are the convention asked for (``labels``: msd, brats2021, brats2023), by default the input's own: a BraTS 2021
+case gets 4 for enhancing tumour, as its own ``seg`` files do (``sim.data.layouts``, the one mapping table).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 from tqdm import tqdm
 
 from sim.bundle import load_bundle
-from sim.data.msd import load_case, read_msd
+from sim.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
+from sim.data.msd import load_case, load_modalities
+from sim.data.reader import read_dataset, require_labels
 from sim.data.preprocess import PreprocessConfig, brain_mask, invert_probs, preprocess_case
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
@@ -35,11 +39,23 @@ class Prediction:
     scan: Path
     output: Path
     volumes_ml: dict[int, float]
+    labels: str = "msd"               # the label convention written (sim.data.layouts)
 
     def summary(self) -> str:
         parts = ", ".join(f"{CLASS_NAMES[c]} {v:.1f} ml" for c, v in self.volumes_ml.items())
         total = sum(self.volumes_ml.values())
-        return f"{self.scan.name} -> {self.output}: tumour {total:.1f} ml ({parts})"
+        return f"{self.scan.name} -> {self.output}: tumour {total:.1f} ml ({parts}; {self.labels} label codes)"
+
+
+@dataclass(frozen=True)
+class ScanInput:
+    """One scan to segment: a 4D file (``files`` has one path, ``layout`` msd), or a BraTS case's four
+    modality files in our channel order (``layout`` its release). ``scan``: what names it (file or folder)."""
+
+    name: str
+    scan: Path
+    files: tuple
+    layout: str = "msd"
 
 
 def load_scan(path: str | Path):
@@ -69,22 +85,95 @@ def load_scan(path: str | Path):
 
 def scan_paths(images: Sequence[str | Path]) -> list[Path]:
     """Expand ``--image`` arguments: files, or an MSD-layout folder (its imagesTs, else imagesTr)."""
-    paths: list[Path] = []
+    return [scan.scan for scan in scan_inputs(images)]
+
+
+def _brats_case_input(folder: Path, layout) -> ScanInput:
+    files = []
+    for channel in range(len(CHANNELS)):
+        path = layout.modality_file(folder, folder.name, channel)
+        if not path.is_file():
+            raise UserError(f"--image {path}: missing {CHANNELS[channel]} file of case {folder.name}; expected "
+                            f"{folder.name}{layout.separator}{{{','.join(layout.modalities)}}}.nii.gz ({layout.title})")
+        files.append(path)
+    return ScanInput(folder.name, folder, tuple(files), layout.name)
+
+
+def scan_inputs(images: Sequence[str | Path]) -> list[ScanInput]:
+    """Expand ``--image`` arguments into scans: a 4D file; a BraTS case folder; a BraTS case's four modality
+    files (given together, in any order); a folder of BraTS case folders (every case); an MSD-layout folder
+    (its imagesTs, else imagesTr). A BraTS case missing a modality, or a ``seg`` file given as a scan, is a
+    one-line UserError naming the case and the file."""
+    scans: list[ScanInput] = []
+    groups: dict[tuple, dict[int, Path]] = {}
     for item in images:
         item = Path(item)
         if item.is_dir():
+            layout = case_folder_layout(item)
+            if layout is not None:
+                scans.append(_brats_case_input(item, layout))
+                continue
+            try:
+                found_layout = detect_layout(item)
+            except UserError:
+                found_layout = None
+            if found_layout is not None and found_layout.per_modality:
+                dataset = read_dataset(item, found_layout.name)
+                scans += [ScanInput(c.case_id, c.image, tuple(c.modalities), c.layout)
+                          for c in dataset.training + dataset.test]
+                continue
             for sub in ("imagesTs", "imagesTr", "."):
                 found = sorted((item / sub).glob("*.nii*"))
                 if found:
-                    paths += found
+                    scans += [ScanInput(p.name, p, (p,)) for p in found]
                     break
             else:
-                raise UserError(f"--image {item}: folder has no .nii/.nii.gz scans (looked in imagesTs, imagesTr)")
-        else:
-            paths.append(item)
-    if not paths:
+                raise UserError(f"--image {item}: folder has no .nii/.nii.gz scans (looked in imagesTs, imagesTr, "
+                                "and for BraTS case folders)")
+            continue
+        parsed = split_modality_name(item)
+        if parsed is None:
+            scans.append(ScanInput(item.name, item, (item,)))
+            continue
+        case_id, layout, channel = parsed
+        if channel is None:
+            raise UserError(f"--image {item}: is the label map (seg) of case {case_id}, not a scan; expected its "
+                            f"four modality files ({', '.join(layout.modalities)}) or its folder")
+        key = (str(item.parent), case_id, layout.name)
+        if key not in groups:
+            groups[key] = {}
+            scans.append(ScanInput(case_id, item.parent / case_id, (), layout.name))   # placeholder: keeps order
+        groups[key][channel] = item
+    for index, scan in enumerate(scans):
+        if scan.files:
+            continue
+        layout = get_layout(scan.layout)
+        given = groups[(str(scan.scan.parent), scan.name, scan.layout)]
+        missing = [c for c in range(len(CHANNELS)) if c not in given]
+        if missing:
+            absent = layout.modality_file(scan.scan.parent, scan.name, missing[0])
+            raise UserError(f"--image: case {scan.name} lacks its {CHANNELS[missing[0]]} file ({absent.name}); "
+                            f"expected all four modality files ({', '.join(layout.modalities)}) or the case folder")
+        scans[index] = ScanInput(scan.name, given[0], tuple(given[c] for c in range(len(CHANNELS))), scan.layout)
+    if not scans:
         raise UserError("--image: no scans given")
-    return paths
+    return scans
+
+
+def load_scan_input(scan: ScanInput):
+    """(image (x, y, z, 4) in our channel order, affine, header to copy) of one scan."""
+    if len(scan.files) == 1:
+        return load_scan(scan.files[0])
+    for path in scan.files:
+        if not Path(path).is_file():
+            raise UserError(f"--image {path}: file not found (a modality of case {scan.name})")
+    image, affine = load_modalities(scan.files, scan.name)
+    return image, affine, nib.load(str(scan.files[0])).header
+
+
+def resolve_labels(labels: str | None, layout: str) -> str:
+    """The label convention to write: the one asked for, else the input's own (MSD for a 4D file)."""
+    return get_layout(labels or layout, "--labels").name
 
 
 def _bundle_model(model_dir: str | Path, device: str):
@@ -120,26 +209,31 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
 
 
 def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: str | Path,
-                  progress: bool = True, device: str = "cpu") -> list[Prediction]:
+                  progress: bool = True, device: str = "cpu", labels: str | None = None) -> list[Prediction]:
     """Segment each scan with the bundle in ``model_dir``; returns one :class:`Prediction` per scan.
 
-    Every output is written atomically as soon as it is ready, so an error on a later scan loses
+    ``labels``: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
+    4D file). Every output is written atomically as soon as it is ready, so an error on a later scan loses
     nothing already written.
     """
+    if labels is not None:
+        get_layout(labels, "--labels")
     _, config, model = _bundle_model(model_dir, device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = scan_paths(images)
+    scans = scan_inputs(images)
     results: list[Prediction] = []
-    iterator: Iterable[Path] = paths
+    iterator: Iterable[ScanInput] = scans
     if progress:
-        iterator = tqdm(paths, desc="predict", unit="scan")
-    for path in iterator:
-        data, affine, header = load_scan(path)
-        labels = segment_scan(model, config, data, affine, device)
-        output = out_dir / _output_name(path)
-        _write_label_map(output, labels, affine, header)
-        results.append(Prediction(scan=path, output=output, volumes_ml=_volumes_ml(labels, affine)))
+        iterator = tqdm(scans, desc="predict", unit="scan")
+    for scan in iterator:
+        data, affine, header = load_scan_input(scan)
+        segmentation = segment_scan(model, config, data, affine, device)
+        convention = resolve_labels(labels, scan.layout)
+        output = out_dir / (_output_name(scan.scan) if scan.layout == "msd" else f"{scan.name}_seg.nii.gz")
+        _write_label_map(output, from_ours(segmentation, convention), affine, header)
+        results.append(Prediction(scan=scan.scan, output=output, volumes_ml=_volumes_ml(segmentation, affine),
+                                  labels=convention))
     return results
 
 
@@ -149,16 +243,21 @@ def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
 
 
 def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path | None = None,
-                   progress: bool = True, device: str = "cpu", limit: int | None = None) -> dict:
-    """Dice of the bundle's segmentations of every labelled case of an MSD-layout folder, in each scan's grid.
+                   progress: bool = True, device: str = "cpu", limit: int | None = None,
+                   layout: str | None = None, labels: str | None = None) -> dict:
+    """Dice of the bundle's segmentations of every labelled case of a data folder, in each scan's grid.
 
-    Scores what a user of ``fedpate predict`` gets (preprocessing, network, mapping back to the scan), not
-    the working-grid Dice of training. Returns ``{"dice": summary, "cases": [per-case rows]}`` with
-    :func:`sim.metrics.summarise`'s keys; ``out_dir`` also receives each label map.
+    The folder is MSD Task01 or BraTS (``layout``; None = detected); Dice is computed in our classes (WT,
+    TC, ET as BraTS defines them) whatever the folder's codes. Scores what a user of ``fedpate predict`` gets
+    (preprocessing, network, mapping back to the scan), not the working-grid Dice of training. Returns
+    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`sim.metrics.summarise`'s keys; ``out_dir`` also
+    receives each label map, in ``labels``' convention (default: the folder's own).
     """
 
+    dataset = require_labels(read_dataset(data_dir, layout), "evaluate")
+    convention = resolve_labels(labels, dataset.layout)
     _, config, model = _bundle_model(model_dir, device)
-    cases = read_msd(data_dir).training[:limit]
+    cases = dataset.training[:limit]
     if not cases:
         raise UserError(f"--data {data_dir}: no labelled cases (imagesTr with labelsTr) to evaluate")
     iterator: Iterable = cases
@@ -170,7 +269,7 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
         labels = segment_scan(model, config, image, affine, device)
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", labels, affine,
+            _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", from_ours(labels, convention), affine,
                              nib.load(str(case.label)).header)
         class_dice, region_dice = per_case_dice(labels[None], np.asarray(truth)[None])
         class_rows.append(class_dice[0]), region_rows.append(region_dice[0])

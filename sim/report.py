@@ -435,7 +435,17 @@ def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] =
         lines.append(f"- source **{name}**: {_describe_source(source)}")
     if not world.get("two_sources"):
         lines.append("- one population: the public sets are drawn from the same distribution as the hospitals' "
-                     "patients (an MSD folder has one population)")
+                     "patients (a --data folder, MSD or BraTS, has one population)")
+    if world.get("layout") and world.get("layout") != "msd":
+        lines.append(f"- data layout: {world['layout']} (label codes mapped to ours: 1 oedema, 2 necrotic / "
+                     "non-enhancing core, 3 enhancing; sim/data/layouts.py)")
+    partitions = world.get("partition_file")
+    if partitions:
+        chosen = ", ".join(f"{k} ({v})" for k, v in (partitions.get("hospital_partitions") or {}).items())
+        lines.append(f"- hospitals from the partition file `{partitions.get('file')}`: {partitions.get('rule')}. "
+                     f"Hospital partitions (patients): {chosen}; left out: {partitions.get('left_out_partitions')} "
+                     f"partition(s) with {partitions.get('left_out_patients')} patient(s), and "
+                     f"{partitions.get('unlisted_cases')} case(s) the file does not list")
     hospitals = world.get("hospitals") or {}
     per = ", ".join(f"{h} {v['patients']} ({'/'.join(v['institutions'])}, {v['teachers']} teachers)"
                     for h, v in hospitals.items())

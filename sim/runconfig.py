@@ -39,6 +39,8 @@ class RunSettings:
     lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
     ledger_dir: str | None = None     # simulated hospitals' own ledgers (default: <out>/hospital-ledgers)
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
+    layout: str | None = None         # the data folder's layout (sim.data.layouts); None = detected
+    partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (sim.world)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,7 +104,7 @@ class RunSettings:
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
             reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
-            init=str(get("init", "public")),
+            init=str(get("init", "public")), layout=get("layout"), partition_file=get("partition-file"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -116,7 +118,7 @@ class RunSettings:
             "reply-timeout": self.reply_timeout, "calibration": self.calibration,
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
             "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
-            "init": self.init,
+            "init": self.init, "layout": self.layout or "", "partition-file": self.partition_file or "",
         }
 
     def noise_source(self, *names):

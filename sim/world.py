@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.data.brats import PHANTOMS_MARKER
 from sim.data.partitions import PUBLIC_SOURCE, Split, make_split
 from sim.data.phantoms import ensure_phantoms
 from sim.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
@@ -60,14 +61,15 @@ PUBLIC_PREFIX = "other-"
 POPULATION_SOURCE = "hospitals-population"
 
 
-def _prepared_population(preset, data, progress: bool) -> PreparedDataset:
+def _prepared_population(preset, data, progress: bool, layout: str | None = None) -> PreparedDataset:
     """The preset's two-source world (population + other centre) when it has one and no ``data`` is given,
-    else the one population (phantoms or the MSD folder)."""
+    else the one population (phantoms, or the MSD / BraTS folder in ``layout``, None = detected)."""
     grid = "x".join(map(str, preset.grid))
     config = PreprocessConfig(grid=tuple(preset.grid))
     root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
                                                                seed=PHANTOM_SEED, progress=progress)
-    prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress)
+    prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress,
+                               layout=layout if data is not None else None)
     if data is not None or not preset.public_cases:
         return prepared
     other = ensure_phantoms(preset, cache_root() / "phantoms", seed=PUBLIC_PHANTOM_SEED, progress=progress,
@@ -81,24 +83,54 @@ def _prepared_population(preset, data, progress: bool) -> PreparedDataset:
 
 
 def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospitals=None,
-                teachers_per_hospital=None) -> tuple[PreparedDataset, Split]:
+                teachers_per_hospital=None, layout: str | None = None,
+                partition_file: str | None = None) -> tuple[PreparedDataset, Split]:
     """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None.
 
+    ``layout``: the data folder's layout (``sim.data.layouts``; None = detected). ``partition_file``: a FeTS
+    partition CSV whose partitions are the hospitals (:func:`partition_split`; needs ``data``).
     Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``."""
-    prepared = _prepared_population(preset, data, progress)
-    split = make_split(prepared, hospitals or preset.hospitals, teachers_per_hospital or preset.teachers_per_hospital,
+    if partition_file and data is None:
+        raise UserError("--partition-file: needs --data (the partitions name the subjects of a data folder)")
+    prepared = _prepared_population(preset, data, progress, layout)
+    hospitals = hospitals or preset.hospitals
+    teachers = teachers_per_hospital or preset.teachers_per_hospital
+    if partition_file:
+        return prepared, partition_split(prepared, preset, partition_file, hospitals, teachers, seed)
+    split = make_split(prepared, hospitals, teachers,
                        preset.split_scheme, preset.n_query, preset.n_reference, preset.n_validation, preset.n_test,
                        seed, public_pool=prepared.cases_from(PUBLIC_SOURCE) or None)
     return prepared, split
 
 
+def partition_split(prepared, preset, partition_file, hospitals: int, teachers: int, seed: int) -> Split:
+    """The split when a FeTS partition file names the institutions (issue 29; rule: ``sim.data.fets.RULE``).
+
+    Each of the ``hospitals`` largest partitions is one hospital (the ``institution`` scheme with one
+    partition per hospital); the test and public sets are drawn first, stratified over those partitions (so
+    held out from each hospital proportionally); partitions beyond the largest H and cases the file does not
+    list are left out. ``split.params["partition_file"]`` records the rule and the counts for the World
+    section."""
+    from sim.data.fets import assign_partitions
+
+    institutions, info = assign_partitions(partition_file, prepared.case_ids, prepared.patient, hospitals)
+    split = make_split(institutions, hospitals, teachers, "institution", preset.n_query, preset.n_reference,
+                       preset.n_validation, preset.n_test, seed, patients=prepared.patient)
+    split.params["partition_file"] = info
+    split.params["institutions"] = institutions       # each case's partition: who the World section names
+    return split
+
+
 def _collection(root: str | None, cases: int, fallback: dict) -> dict[str, Any]:
-    """What generated a collection: the phantom generator's settings from its dataset.json, else its name."""
+    """What generated a collection: the phantom generator's settings from its dataset.json (or, for phantoms
+    written in a BraTS layout, the marker beside their case folders), else its name."""
     block = None
-    try:
-        block = json.loads((Path(root) / "dataset.json").read_text()).get("phantoms") if root else None
-    except (OSError, ValueError, AttributeError):
-        pass
+    for name, get in (("dataset.json", lambda d: d.get("phantoms")), (PHANTOMS_MARKER, lambda d: d)):
+        try:
+            block = get(json.loads((Path(root) / name).read_text())) if root else None
+        except (OSError, ValueError, AttributeError):
+            continue
+        break
     if isinstance(block, dict):
         return {"kind": "phantoms", "cases": cases, **{k: block.get(k) for k in (
             "seed", "institutions", "shift", "resolution_mm", "generator_version")}}
@@ -113,8 +145,10 @@ def describe_world(prepared, split) -> dict[str, Any]:
         names = sorted({prepared.source_of(c) or POPULATION_SOURCE for c in ids})
         return ", ".join(names) if names else "—"
 
+    named = (split.params or {}).get("institutions") or {}   # a partition file's, else the dataset's own
+
     def institutions(ids) -> list[str]:
-        return sorted({str(prepared.institution(c) or "unknown") for c in ids})
+        return sorted({str(named.get(c) or prepared.institution(c) or "unknown") for c in ids})
 
     sources = {}
     for name in (POPULATION_SOURCE, PUBLIC_SOURCE):
@@ -142,16 +176,23 @@ def describe_world(prepared, split) -> dict[str, Any]:
         "hospitals": holdings, "sets": sets, "split_seed": split.seed, "scheme": split.scheme,
         "reference_is_query": bool(split.reference_is_query),
         "private_patients": sum(h["patients"] for h in holdings.values()),
+        "layout": prepared.manifest.get("layout", "msd"),
+        "partition_file": (split.params or {}).get("partition_file"),
     }
 
 
 def materialise_world(preset, data: str | Path | None, seed: int, progress: bool = True,
-                      root: str | Path | None = None) -> Path:
+                      root: str | Path | None = None, layout: str | None = None,
+                      partition_file: str | None = None) -> Path:
     """Prepare the data and the split for ``preset`` (hospitals x teachers already applied); return the folder."""
-    prepared, split = build_world(preset, data, seed, progress)
+    prepared, split = build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file)
+    partitions = None
+    if partition_file:   # the file's content, not its name, decides the split
+        partitions = hashlib.sha256(Path(partition_file).read_bytes()).hexdigest()[:16]
     key = json.dumps({"prepared": str(prepared.path), "hospitals": preset.hospitals,
                       "teachers": preset.teachers_per_hospital, "scheme": preset.split_scheme, "seed": seed,
-                      "sizes": [preset.n_query, preset.n_reference, preset.n_validation, preset.n_test]},
+                      "sizes": [preset.n_query, preset.n_reference, preset.n_validation, preset.n_test],
+                      **({"partitions": partitions} if partitions else {})},
                      sort_keys=True)
     folder = Path(root) if root else cache_root() / "worlds" / hashlib.sha256(key.encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from sim.commands.common import data_options, resolve_hospitals
     from sim.runners.central import run_central
 
+    where = data_options(args)
     results = run_central(
+        hospitals=resolve_hospitals(None, where["partition_file"]), **where,
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
         seed=args.seed, data=args.data, progress=not args.no_progress, noise_mode=args.noise_mode,
         schedule=args.schedule, sampling=args.sampling, noise_multiplier=args.noise_multiplier,

@@ -13,7 +13,14 @@ def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quic
     parser.add_argument("--delta", type=float, default=None, help="privacy parameter delta (default: preset's, 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--data", default=None,
-                        help="MSD Task01-layout folder; when omitted, the preset's phantoms are generated once and cached")
+                        help="MSD Task01 folder or a folder of BraTS case folders (2021/FeTS 2022 or 2023+ naming, "
+                             "detected); when omitted, the preset's phantoms are generated once and cached")
+    parser.add_argument("--layout", default=None, choices=("msd", "brats2021", "brats2023"),
+                        help="the --data folder's layout (default: detected from its files)")
+    parser.add_argument("--partition-file", default=None, metavar="CSV",
+                        help="FeTS-style partition file (Partition_ID,Subject_ID, e.g. FeTS 2022 partitioning_1.csv) "
+                             "with --data: each partition is a hospital (the largest H with --hospitals H, else all); "
+                             "test and public patients are held out from each hospital proportionally")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: draw the privacy noise from streams seeded by --seed so a run can be "
@@ -25,3 +32,23 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
     parser.add_argument("--teachers-per-hospital", type=int, default=None,
                         help="teacher partitions per hospital (default: preset's); K = hospitals x this")
+
+
+def data_options(args) -> dict:
+    """``layout`` / ``partition_file`` of the parsed options, checked (a layout or partition file without
+    --data is a mistake, not something to ignore)."""
+    from sim.errors import UserError
+
+    layout, partition_file = getattr(args, "layout", None), getattr(args, "partition_file", None)
+    if (layout or partition_file) and not getattr(args, "data", None):
+        raise UserError(f"{'--layout' if layout else '--partition-file'}: needs --data (a data folder to read)")
+    return {"layout": layout, "partition_file": partition_file}
+
+
+def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int | None:
+    """With a partition file and no --hospitals, every partition is a hospital (issue 29)."""
+    if partition_file and hospitals is None:
+        from sim.data.fets import count_partitions
+
+        return count_partitions(partition_file)
+    return hospitals

@@ -40,6 +40,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from sim.commands.common import data_options, resolve_hospitals
     from sim.runners.compare import parse_list, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
@@ -47,6 +48,8 @@ def run(args) -> int:
 
         raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
                         f"e.g. --epsilons {args.epsilon:g}")
+    where = data_options(args)
+
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
              if args.teachers_per_hospital else None)
@@ -56,6 +59,9 @@ def run(args) -> int:
 
         if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:
             raise UserError(f"--seeds: --task {args.task} takes one seed (--seed), got {args.seeds}")
+        if where["partition_file"] or where["layout"]:
+            raise UserError(f"--partition-file / --layout: --task {args.task} reads no tumour data folder's "
+                            "partitions; they apply to --task segmentation")
         if sweep and len(sweep) > 1:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
                             f"got {args.teachers_per_hospital}")
@@ -71,9 +77,9 @@ def run(args) -> int:
     # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
     seeds = parse_list(args.seeds, int, "--seeds") if args.seeds else [args.seed]
     report = run_compare_seeds(args.preset, methods, epsilons, args.out, seeds=seeds, data=args.data,
-                               delta=args.delta, hospitals=args.hospitals, teachers_per_hospital=sweep,
-                               engine=args.engine, progress=not args.no_progress,
+                               delta=args.delta, hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
+                               teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
                                reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                               init=args.init)
+                               init=args.init, **where)
     print(f"report: {report}")
     return 0

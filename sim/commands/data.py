@@ -10,35 +10,45 @@ import time
 
 
 def register(subparsers) -> None:
+    from sim.data.layouts import LAYOUT_NAMES
     from sim.data.shifts import SHIFT_HELP
 
-    parser = subparsers.add_parser("data", help="generate, inspect, preprocess and draw MSD-layout tumour data",
+    layout_help = ("data layout: msd (Task01 4D images), brats2021 (X/X_{flair,t1,t1ce,t2,seg}, FeTS 2022 too), "
+                   "brats2023 (X/X-{t2f,t1n,t1c,t2w,seg}); default: detected from the folder")
+
+    parser = subparsers.add_parser("data", help="generate, inspect, preprocess and draw tumour data (MSD or BraTS folders)",
                                    description=__doc__)
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION")
     sub.required = True
 
-    p = sub.add_parser("phantoms", help="write deterministic multi-institution phantoms in the MSD Task01 layout")
+    p = sub.add_parser("phantoms", help="write deterministic multi-institution phantoms (MSD Task01 or a BraTS layout)")
     p.add_argument("--out", required=True, help="output folder (created; an incomplete one is resumed)")
     p.add_argument("--cases", type=int, required=True, help="labelled cases (imagesTr + labelsTr)")
     p.add_argument("--institutions", type=int, default=4, help="scanner profiles / sites (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="world seed; case i depends only on (seed, i)")
     p.add_argument("--resolution", type=float, default=2.0, help="voxel size in mm (default: 2)")
-    p.add_argument("--test-cases", type=int, default=0, help="unlabelled cases in imagesTs (default: 0)")
+    p.add_argument("--test-cases", type=int, default=0,
+                   help="unlabelled cases in imagesTs (default: 0; MSD layout only)")
     p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
     p.add_argument("--shift", default="none",
                    help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "
                         + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items())
                         + "; factors combine with '+' (e.g. scanner+lesions)")
+    p.add_argument("--layout", default="msd", choices=LAYOUT_NAMES,
+                   help="write the phantoms as this release ships its data (default: msd); the same phantoms, "
+                        "voxel for voxel, in every layout (BraTS: one file per modality, its label codes)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_phantoms)
 
-    p = sub.add_parser("inspect", help="validate an MSD-layout folder and summarise it")
-    p.add_argument("dir", help="MSD Task01-layout folder")
-    p.add_argument("--quick", action="store_true", help="check dataset.json and the first case only")
+    p = sub.add_parser("inspect", help="validate an MSD or BraTS folder and summarise it")
+    p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
+    p.add_argument("--layout", default=None, choices=LAYOUT_NAMES, help=layout_help)
+    p.add_argument("--quick", action="store_true", help="check the folder's listing and the first case only")
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("prepare", help="crop, normalise and resample every training case into a cache")
-    p.add_argument("dir", help="MSD Task01-layout folder")
+    p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
+    p.add_argument("--layout", default=None, choices=LAYOUT_NAMES, help=layout_help)
     p.add_argument("--grid", default="32", help="working grid: N or X,Y,Z (default: 32)")
     p.add_argument("--margin", type=int, default=2, help="voxels kept around the brain's box (default: 2)")
     p.add_argument("--out", required=True, help="cache folder (images.npy, labels.npy, records.json, manifest.json)")
@@ -46,7 +56,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=_prepare)
 
     p = sub.add_parser("gallery", help="draw mid axial slices (4 modalities + labels) of a few cases to a PNG")
-    p.add_argument("dir", help="MSD Task01-layout folder")
+    p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--cases", type=int, default=4, help="how many cases (default: 4)")
     p.add_argument("--case", action="append", default=None, help="draw this case id (repeatable)")
@@ -73,12 +83,13 @@ def _phantoms(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = generate_phantoms(args.out, cases=args.cases, institutions=args.institutions, seed=args.seed,
                             resolution_mm=args.resolution, test_cases=args.test_cases,
-                            progress=not args.no_progress, workers=max(1, args.workers), shift=args.shift)
+                            progress=not args.no_progress, workers=max(1, args.workers), shift=args.shift,
+                            layout=args.layout)
     seconds = time.perf_counter() - start
     total = args.cases + args.test_cases
     shifted = "" if args.shift == "none" else f", shift {args.shift}"
     print(f"wrote {args.cases} labelled + {args.test_cases} test phantoms ({args.institutions} institutions, "
-          f"{args.resolution:g} mm, seed {args.seed}{shifted}) to {out} in {seconds:.1f} s "
+          f"{args.resolution:g} mm, seed {args.seed}{shifted}, layout {args.layout}) to {out} in {seconds:.1f} s "
           f"({seconds / max(total, 1):.2f} s/case)")
     return 0
 
@@ -86,24 +97,41 @@ def _phantoms(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from sim.data.msd import LABELS, read_msd, validate_case
+    from sim.data.brats import skull_strip_warnings
+    from sim.data.layouts import CHANNELS, get_layout
+    from sim.data.msd import LABELS, load_case, validate_case
+    from sim.data.reader import read_dataset
 
-    dataset = read_msd(args.dir)
+    dataset = read_dataset(args.dir, args.layout)
+    layout = get_layout(dataset.layout)
     cases = dataset.training[:1] if args.quick else dataset.training
-    summaries = [validate_case(c) for c in cases]
-    test_summaries = [validate_case(c) for c in ([] if args.quick else dataset.test)]
+    warnings: list[str] = []
+
+    def check(case):   # a DataError (one line, naming case and file) stops here; warnings are collected
+        loaded = load_case(case)
+        warnings.extend(skull_strip_warnings(case, loaded[0]))
+        return validate_case(case, loaded)
+
+    summaries = [check(c) for c in cases]
+    test_summaries = [check(c) for c in ([] if args.quick else dataset.test)]
     print(f"{dataset.root}: {dataset.name}")
-    print(f"  modalities: {', '.join(dataset.modalities[str(i)] for i in range(4))}")
+    print(f"  layout:     {layout.name} ({layout.title}; label codes {layout.codes_text()}, read as ours: "
+          "1 oedema, 2 necrotic / non-enhancing core, 3 enhancing)")
+    if layout.per_modality:
+        print(f"  modalities: {', '.join(f'{m} <- {layout.separator}{f}' for m, f in zip(CHANNELS, layout.modalities))}")
+    else:
+        print(f"  modalities: {', '.join(dataset.modalities[str(i)] for i in range(4))}")
     print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(dataset.labels.items()))}")
-    print(f"  cases:      {len(dataset.training)} labelled, {len(dataset.test)} test"
+    unlabelled = "test" if layout.name == "msd" else "without seg (usable by `fedpate predict` only)"
+    print(f"  cases:      {len(dataset.training)} labelled, {len(dataset.test)} {unlabelled}"
           + (" (checked: first case only)" if args.quick else " (all checked)"))
     shapes = sorted({s["shape"] for s in summaries + test_summaries})
     spacings = sorted({tuple(round(v, 3) for v in s["spacing"]) for s in summaries + test_summaries})
     print(f"  shapes:     {', '.join('x'.join(map(str, s)) for s in shapes)}")
     print(f"  spacing mm: {', '.join('x'.join(f'{v:g}' for v in s) for s in spacings)}")
-    counts = np.array([[s["label_counts"][str(k)] for k in range(4)] for s in summaries])
+    counts = np.array([[s["label_counts"][str(k)] for k in range(4)] for s in summaries]).reshape(-1, 4)
     names = {key: name.split()[0] for key, name in LABELS.items()}   # "non-enhancing tumor" -> "non-enhancing"
-    for k in (1, 2, 3):
+    for k in (1, 2, 3) if len(counts) else ():
         column = counts[:, k]
         print(f"  label {k} {names[str(k)]:<14} voxels/case: mean {column.mean():9.1f}  min {column.min():7d}  "
               f"max {column.max():7d}  present in {int((column > 0).sum())}/{len(column)}")
@@ -119,6 +147,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if isinstance(phantoms, dict):
         print(f"  phantoms:   seed {phantoms.get('seed')}, generator v{phantoms.get('generator_version')}, "
               f"{phantoms.get('resolution_mm')} mm")
+    for line in warnings:
+        print(line)
     return 0
 
 
@@ -128,7 +158,7 @@ def _prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     prepared = prepare_dataset(args.dir, args.out, PreprocessConfig(grid=parse_grid(args.grid),
                                                                   margin_voxels=args.margin),
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, layout=args.layout)
     print(f"prepared {len(prepared)} cases on the {'x'.join(map(str, prepared.grid))} grid in {prepared.path} "
           f"({time.perf_counter() - start:.1f} s; source {prepared.source})")
     return 0

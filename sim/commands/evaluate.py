@@ -6,13 +6,19 @@ from __future__ import annotations
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
-        help="score a saved model on a labelled MSD-layout folder (Dice in each scan's own grid)",
-        description="Segment every labelled case (imagesTr + labelsTr) of an MSD-layout folder exactly as "
-                    "`fedpate predict` would, and compare with its label map in the scan's own grid: Dice per "
-                    "class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and WT/TC/ET.",
+        help="score a saved model on a labelled MSD or BraTS folder (Dice in each scan's own grid)",
+        description="Segment every labelled case of an MSD Task01 folder (imagesTr + labelsTr) or a BraTS folder "
+                    "(case folders with their seg file) exactly as `fedpate predict` would, and compare with its "
+                    "label map in the scan's own grid: Dice per class (ours: 1 oedema, 2 non-enhancing core, "
+                    "3 enhancing; BraTS codes are mapped), their mean, and WT/TC/ET.",
     )
     parser.add_argument("--model", required=True, help="run folder (or its model/ subfolder) with a model bundle")
-    parser.add_argument("--data", required=True, help="MSD Task01-layout folder with labelsTr")
+    parser.add_argument("--data", required=True, help="MSD Task01 folder with labelsTr, or a folder of labelled "
+                                                      "BraTS case folders")
+    parser.add_argument("--layout", default=None, choices=("msd", "brats2021", "brats2023"),
+                        help="the --data folder's layout (default: detected)")
+    parser.add_argument("--labels", default=None, choices=("msd", "brats2021", "brats2023"),
+                        help="label codes of the maps written to --out (default: the folder's own)")
     parser.add_argument("--out", default=None, help="also write each label map here")
     parser.add_argument("--json", default=None, help="write the summary and per-case rows to this JSON file")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N cases")
@@ -24,7 +30,8 @@ def run(args) -> int:
     from sim.io import atomic_write_json
     from sim.predict import evaluate_scans
 
-    result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit)
+    result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit,
+                            layout=args.layout, labels=args.labels)
     for row in result["cases"]:
         print(f"{row['case']}: mean Dice {_fmt(row['mean'])} (WT {_fmt(row['WT'])}, TC {_fmt(row['TC'])}, "
               f"ET {_fmt(row['ET'])}); tumour {row['volume_ml']:.1f} ml predicted, {row['true_volume_ml']:.1f} ml true")

@@ -6,14 +6,21 @@ from __future__ import annotations
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "predict",
-        help="segment new 4D NIfTI scans with a saved model (label maps in each scan's own grid)",
-        description="Segment scans (4D NIfTI, channels FLAIR, T1w, t1gd, T2w) with the model a run saved. "
-                    "Checks the bundle's integrity and privacy card first. Writes <scan>_seg.nii.gz (labels 0-3, "
-                    "same shape and affine as the scan) and prints tumour volumes per class.",
+        help="segment new scans (4D NIfTI or BraTS case folders) with a saved model (label maps in each scan's grid)",
+        description="Segment scans with the model a run saved: 4D NIfTI files (channels FLAIR, T1w, t1gd, T2w), "
+                    "BraTS case folders as distributed (X/X_{flair,t1,t1ce,t2}.nii.gz or X/X-{t2f,t1n,t1c,t2w}.nii.gz) "
+                    "or a case's four modality files. Checks the bundle's integrity and privacy card first. Writes "
+                    "<scan>_seg.nii.gz (same shape and affine as the scan; label codes of --labels) and prints tumour "
+                    "volumes per class.",
     )
     parser.add_argument("--model", required=True, help="run folder (or its model/ subfolder) with a model bundle")
     parser.add_argument("--image", action="append", required=True,
-                        help="a 4D NIfTI scan, or an MSD-layout folder (imagesTs/imagesTr); repeat for more")
+                        help="a 4D NIfTI scan, a BraTS case folder, one of a case's four modality files (give all "
+                             "four), a folder of BraTS case folders, or an MSD-layout folder; repeat for more")
+    parser.add_argument("--labels", default=None, choices=("msd", "brats2021", "brats2023"),
+                        help="label codes of the written maps: msd (1 oedema, 2 non-enhancing/necrotic core, "
+                             "3 enhancing), brats2021 (1 NCR/NET, 2 ED, 4 ET), brats2023 (1 NCR, 2 ED, 3 ET); "
+                             "default: the input's own (BraTS cases: their release's; 4D files: msd)")
     parser.add_argument("--out", required=True, help="folder for the label maps")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
@@ -29,6 +36,7 @@ def run(args) -> int:
               f"accountant {card['accountant']}")
     else:
         print(f"model: {card['method']}, not private")
-    for prediction in predict_scans(args.model, args.image, args.out, progress=not args.no_progress):
+    for prediction in predict_scans(args.model, args.image, args.out, progress=not args.no_progress,
+                                    labels=args.labels):
         print(prediction.summary())
     return 0

@@ -25,11 +25,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from sim.commands.common import data_options, resolve_hospitals
     from sim.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
+    where = data_options(args)
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
-                           seed=args.seed, out=str(args.out), data=args.data, hospitals=args.hospitals,
+                           seed=args.seed, out=str(args.out), data=args.data, **where,
+                           hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
                            init=args.init)

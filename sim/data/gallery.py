@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.data.msd import MODALITIES, load_case, read_msd
+from sim.data.msd import MODALITIES, load_case
+from sim.data.reader import read_dataset
 from sim.io import atomic_write_bytes
 
 LABEL_COLOURS = {1: (0.2, 0.8, 0.2), 2: (0.95, 0.2, 0.2), 3: (1.0, 0.9, 0.1)}   # oedema, core, enhancing
@@ -35,7 +36,7 @@ def render_gallery(root: str | os.PathLike, out: str | os.PathLike, cases: int =
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    dataset = read_msd(root)
+    dataset = read_dataset(root)
     chosen = dataset.training
     if case_ids:
         wanted = set(case_ids)

@@ -35,6 +35,7 @@ import nibabel as nib
 import numpy as np
 
 from sim.data.errors import DataError
+from sim.data.layouts import get_layout, to_ours
 
 MODALITIES = ("FLAIR", "T1w", "t1gd", "T2w")
 LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
@@ -50,9 +51,10 @@ _PATIENT_SCHEMES = (
     # Brats18_2013_10_1, BraTS19_CBICA_AAB_1 -> TCIA01_131, 2013_10, CBICA_AAB (release prefix and timepoint
     # dropped)
     re.compile(r"^brats\d{2}_(?P<subject>[a-z0-9]+_[a-z0-9]+)_\d+$", re.IGNORECASE),
-    # BraTS 2023-2024 (GLI, MEN, MET, PED, SSA): BraTS-<cohort>-<subject:5 digits>-<timepoint:3 digits>, e.g.
-    # BraTS-GLI-00008-000 and BraTS-GLI-00008-001 -> GLI-00008 (post-treatment GLI 2024: -100, -101, ...)
-    re.compile(r"^brats-(?P<subject>[a-z]+-\d{5})-\d{3}$", re.IGNORECASE),
+    # BraTS 2023-2025 (GLI, MEN, MET, PED, SSA, MEN-RT, ...): BraTS-<cohort>-<subject:5 digits>-<timepoint:3
+    # digits>, e.g. BraTS-GLI-00008-000 and BraTS-GLI-00008-001 -> GLI-00008 (post-treatment GLI 2024: -100,
+    # -101, ...); a cohort name may carry one hyphen (MEN-RT)
+    re.compile(r"^brats-(?P<subject>[a-z]+(?:-[a-z]+)?-\d{5})-\d{3}$", re.IGNORECASE),
 )
 
 
@@ -81,6 +83,9 @@ class Case:
     """One scan: its id (file name without ``.nii.gz``), image path, label path (None for test scans).
 
     ``patient``: the id dataset.json declares, resolved by :func:`patient_id` (None -> from the case id).
+    ``modalities``: a BraTS case's per-modality files in our channel order (``sim.data.layouts.CHANNELS``);
+    empty for an MSD 4D image. ``image`` is then the case folder. ``layout``: whose label codes ``label`` uses
+    (converted to ours on reading, ``sim.data.layouts``).
     """
 
     case_id: str
@@ -88,6 +93,8 @@ class Case:
     label: Path | None = None
     institution: str | None = None
     patient: str | None = None
+    modalities: tuple = ()
+    layout: str = "msd"
 
     def __post_init__(self):
         object.__setattr__(self, "patient", patient_id(self.case_id, self.patient))
@@ -104,6 +111,7 @@ class MSDDataset:
     modalities: dict
     name: str = ""
     extra: dict = field(default_factory=dict)   # other dataset.json keys (e.g. the "phantoms" block)
+    layout: str = "msd"                           # sim.data.layouts: which release's files and label codes
 
     @property
     def institutions(self) -> list[str]:
@@ -298,8 +306,12 @@ def load_image(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_label(path: str | os.PathLike, shape: tuple[int, ...] | None = None,
-               affine: np.ndarray | None = None, image_path: str | os.PathLike | None = None) -> np.ndarray:
-    """Read and check a 3D label map with values in 0..3 (optionally against its image's shape/affine)."""
+               affine: np.ndarray | None = None, image_path: str | os.PathLike | None = None,
+               layout: str = "msd") -> np.ndarray:
+    """Read and check a 3D label map (optionally against its image's shape/affine); returns our classes 0..3.
+
+    ``layout``: whose codes the file uses (``sim.data.layouts``); they are converted to ours there, the only
+    place label codes are mapped."""
     path = Path(path)
     where = display_path(path)
     data, label_affine = _open_nifti(path, "label")
@@ -325,26 +337,76 @@ def load_label(path: str | os.PathLike, shape: tuple[int, ...] | None = None,
             raise DataError(f"{where}: non-integer label values (e.g. {values[values != np.round(values)][0]:g}); "
                             "expected integers 0..3")
         data = values
-    lo, hi = int(np.min(data)), int(np.max(data))
-    if lo < 0 or hi >= N_CLASSES:
-        found = sorted(int(v) for v in np.unique(data) if not 0 <= v < N_CLASSES)[:5]
-        raise DataError(f"{where}: label values {found} outside 0..3; expected 0 background, 1 edema, "
-                        "2 non-enhancing tumour, 3 enhancing tumour")
-    return np.asarray(data, dtype=np.uint8)
+    if get_layout(layout).name == "msd":
+        lo, hi = int(np.min(data)), int(np.max(data))
+        if lo < 0 or hi >= N_CLASSES:
+            found = sorted(int(v) for v in np.unique(data) if not 0 <= v < N_CLASSES)[:5]
+            raise DataError(f"{where}: label values {found} outside 0..3; expected 0 background, 1 edema, "
+                            "2 non-enhancing tumour, 3 enhancing tumour")
+    return to_ours(np.asarray(data).astype(np.int64), layout, where)
+
+
+def load_modalities(paths, case_id: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Stack one 3D file per modality (our channel order) into (image float32 (X, Y, Z, 4), affine).
+
+    Why here: BraTS ships one file per modality, and the rest of the pipeline (preprocessing, predict) takes
+    the 4-channel array an MSD 4D image gives; stacking in one place means both layouts give the same array.
+    Every modality must be on the first one's grid (shape and affine): a one-line DataError names the case
+    and the file that differs.
+    """
+    paths = [Path(p) for p in paths]
+    if len(paths) != N_CHANNELS:
+        raise DataError(f"{case_id or 'case'}: expected {N_CHANNELS} modality files, got {len(paths)}")
+    channels, first_affine = [], None
+    for path in paths:
+        where = display_path(path)
+        data, affine = _open_nifti(path, "modality image")
+        if data.ndim == 4 and data.shape[3] == 1:
+            data = data[..., 0]
+        if data.ndim != 3:
+            raise DataError(f"{where}: expected a 3D image (x, y, z) of one modality, got shape {tuple(data.shape)}")
+        if not np.issubdtype(data.dtype, np.number) or np.issubdtype(data.dtype, np.complexfloating):
+            raise DataError(f"{where}: expected real-valued voxels, got dtype {data.dtype}")
+        _check_affine(affine, where)
+        if first_affine is None:
+            first_affine, first = affine, path
+        elif tuple(data.shape) != tuple(channels[0].shape):
+            raise DataError(f"{where}: shape {tuple(data.shape)} differs from {display_path(first)} "
+                            f"{tuple(channels[0].shape)}; expected every modality of {case_id} on one grid")
+        elif not np.allclose(affine, first_affine, atol=AFFINE_TOLERANCE):
+            raise DataError(f"{where}: affine differs from {display_path(first)} (max difference "
+                            f"{np.max(np.abs(affine - first_affine)):.3g}); expected every modality of {case_id} "
+                            "on one grid (co-registered, as BraTS distributes them)")
+        channel = np.asarray(data, dtype=np.float32)
+        if not np.all(np.isfinite(channel)):
+            bad = int(np.size(channel) - np.count_nonzero(np.isfinite(channel)))
+            raise DataError(f"{where}: {bad} non-finite voxel(s) (NaN or inf); expected finite intensities")
+        channels.append(channel)
+    image = np.stack(channels, axis=-1)
+    if not np.any(image):
+        raise DataError(f"{case_id}: empty brain (every voxel of every modality is zero); expected a skull-stripped "
+                        "scan with non-zero intensities inside the brain")
+    return image, first_affine
 
 
 def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Read one case: (image float32 (X, Y, Z, 4), label uint8 (X, Y, Z) or None, affine (4, 4))."""
-    image, affine = load_image(case.image)
+    """Read one case: (image float32 (X, Y, Z, 4), label uint8 (X, Y, Z) in our classes or None, affine (4, 4))."""
+    if case.modalities:
+        image, affine = load_modalities(case.modalities, case.case_id)
+        image_path = case.modalities[0]
+    else:
+        image, affine = load_image(case.image)
+        image_path = case.image
     label = None
     if case.label is not None:
-        label = load_label(case.label, image.shape, affine, image_path=case.image)
+        label = load_label(case.label, image.shape, affine, image_path=image_path, layout=case.layout)
     return image, label, affine
 
 
-def validate_case(case: Case) -> dict[str, Any]:
-    """Read and check one case; return a summary (shape, spacing, label voxel counts per class)."""
-    image, label, affine = load_case(case)
+def validate_case(case: Case, loaded: tuple | None = None) -> dict[str, Any]:
+    """Read and check one case; return a summary (shape, spacing, label voxel counts per class).
+    ``loaded``: the case's :func:`load_case` result when the caller has read it already."""
+    image, label, affine = loaded if loaded is not None else load_case(case)
     summary: dict[str, Any] = {
         "case_id": case.case_id,
         "shape": tuple(int(s) for s in image.shape),

@@ -587,13 +587,21 @@ def _generate_one(args: tuple) -> dict:
 
 def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, seed: int,
                       resolution_mm: float = 2.0, test_cases: int = 0, progress: bool = True,
-                      workers: int = 1, shift: str = "none") -> Path:
+                      workers: int = 1, shift: str = "none", layout: str = "msd") -> Path:
     """Write ``cases`` labelled (+ ``test_cases`` unlabelled) phantoms in the MSD Task01 layout under ``out``.
 
     Resumes an incomplete folder made with the same settings; refuses a folder holding other data.
     ``workers > 1`` generates in that many processes (same bytes as serial generation). ``shift`` renders
-    the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation.
+    the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation. ``layout``
+    (``sim.data.layouts``): ``brats2021`` / ``brats2023`` write the same phantoms as BraTS case folders
+    (:func:`_generate_in_layout`).
     """
+    from sim.data.layouts import get_layout
+
+    if get_layout(layout).per_modality:
+        return _generate_in_layout(out, get_layout(layout).name, cases=cases, institutions=institutions, seed=seed,
+                                   resolution_mm=resolution_mm, test_cases=test_cases, progress=progress,
+                                   workers=workers, shift=shift)
     shift_parts(shift)
     if cases < 1:
         raise DataError(f"--cases={cases}: expected at least 1 labelled case")
@@ -669,6 +677,52 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     except FileNotFoundError:
         pass
     return out
+
+
+#: hidden staging folder inside a BraTS-layout phantom folder: the MSD phantoms it is converted from
+STAGING = ".msd-phantoms"
+
+
+def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path:
+    """The phantoms in a BraTS layout: generated in the MSD layout in a hidden staging folder inside ``out``
+    (resumable as usual), converted case by case (``sim.data.brats.convert_msd_folder``), staging removed.
+
+    Why convert rather than generate again: the same phantoms in every layout, voxel for voxel, is what lets
+    the tests show the BraTS path gives the MSD path's arrays and results. A complete folder carries the
+    settings in ``sim.data.brats.PHANTOMS_MARKER``; asking again with the same settings returns it."""
+    import shutil
+
+    from sim.data.brats import PHANTOMS_MARKER, convert_msd_folder
+
+    if settings.get("test_cases"):
+        raise DataError(f"--test-cases={settings['test_cases']}: a BraTS training folder holds labelled cases only "
+                        f"(a case folder without seg is an error where labels are needed; BraTS ships unlabelled "
+                        f"validation cases as a separate download); expected --test-cases 0 with --layout {layout}")
+    out = Path(out)
+    config = {**_generation_config(settings["cases"], settings["institutions"], settings["seed"],
+                                   settings["resolution_mm"], settings["test_cases"], settings["shift"]),
+              "layout": layout}
+    marker, staging = out / PHANTOMS_MARKER, out / STAGING
+    if marker.exists():
+        existing = _read_config_file(marker)
+        if existing is not None and {k: existing.get(k) for k in config} == config:
+            return out
+        raise DataError(f"{marker}: folder already holds phantoms with other settings; expected an empty or "
+                        "missing --out folder")
+    if out.exists() and not staging.exists() and any(p for p in out.iterdir() if not p.name.startswith(".")):
+        raise DataError(f"{out}: folder is not empty; expected an empty or missing --out folder")
+    generate_phantoms(staging, **settings)
+    convert_msd_folder(staging, out, layout)
+    shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _read_config_file(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _read_config(meta_path: Path) -> dict | None:

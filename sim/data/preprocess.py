@@ -27,7 +27,8 @@ from scipy import ndimage
 from tqdm import tqdm
 
 from sim.data.errors import DataError
-from sim.data.msd import load_case, patient_id, read_msd
+from sim.data.msd import load_case, patient_id
+from sim.data.reader import dataset_fingerprint, read_dataset, require_labels
 from sim.data.phantoms import _file_lock
 from sim.io import atomic_write_json, atomic_write_with
 
@@ -236,15 +237,12 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def describe_source(dataset) -> dict:
-    """Source description recorded in manifests and model cards (phantoms: seed + version; MSD: name)."""
+    """Source description recorded in manifests and model cards (phantoms: seed + version; MSD or a BraTS
+    layout: its name)."""
     block = dataset.extra.get("phantoms")
     if isinstance(block, dict):
         return {"kind": "phantoms", "seed": block.get("seed"), "generator_version": block.get("generator_version")}
-    return {"kind": "msd", "name": dataset.root.resolve().name}
-
-
-def _fingerprint(root: Path) -> str:
-    return hashlib.sha256((root / "dataset.json").read_bytes()).hexdigest()[:16]
+    return {"kind": getattr(dataset, "layout", "msd"), "name": dataset.root.resolve().name}
 
 
 class PreparedDataset:
@@ -361,19 +359,22 @@ class PreparedDataset:
 
 
 def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, config: PreprocessConfig,
-                    progress: bool = True) -> PreparedDataset:
-    """Preprocess every training case of an MSD folder into ``cache_dir`` (reused when config and source match).
+                    progress: bool = True, layout: str | None = None) -> PreparedDataset:
+    """Preprocess every training case of a data folder into ``cache_dir`` (reused when config and source match).
 
-    The cache is valid when ``manifest.json`` records the same config and the same ``dataset.json``
-    fingerprint. Files are written atomically, the manifest last; a lock serialises concurrent callers.
+    The folder is MSD Task01 or BraTS (``layout``; None = detected, :func:`sim.data.reader.read_dataset`).
+    The cache is valid when ``manifest.json`` records the same config and the same source fingerprint
+    (``dataset.json`` for MSD, the files for BraTS; the layout is not part of the key beyond that: the same
+    scans in two layouts give the same arrays). Files are written atomically, the manifest last; a lock
+    serialises concurrent callers.
     """
 
     if not isinstance(config, PreprocessConfig):
         config = PreprocessConfig.from_dict(config) if isinstance(config, dict) else PreprocessConfig(grid=config)
     root = Path(msd_root)
     cache = Path(cache_dir)
-    dataset = read_msd(root)
-    fingerprint = _fingerprint(root)
+    dataset = require_labels(read_dataset(root, layout), "train (prepare the dataset)")
+    fingerprint = dataset_fingerprint(dataset)
     wanted = {"format": PREPARED_FORMAT, "config": config.to_dict(), "source_fingerprint": fingerprint}
 
     def valid() -> PreparedDataset | None:
@@ -415,6 +416,7 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
             **wanted,
             "source": describe_source(dataset),
             "source_root": str(root.resolve()),
+            "layout": dataset.layout,
             "case_ids": [c.case_id for c in cases],
             "institutions": {c.case_id: c.institution for c in cases},
             "patients": {c.case_id: c.patient for c in cases},

@@ -27,10 +27,13 @@ DEPLOYMENT_FILE = "deployment.json"
 
 
 def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
-    """One MSD Task01-layout folder per hospital of the world's split, with only that hospital's cases."""
+    """One folder per hospital of the world's split, with only that hospital's cases: MSD Task01 layout, or
+    the source's BraTS case folders (each hospital's node detects the layout as ``--data`` does)."""
 
     prepared, split = open_world(world_dir)
     source_root = Path(prepared.manifest["source_root"])
+    if not (source_root / "dataset.json").is_file():
+        return _export_case_folders(source_root, split, out_root)
     dataset = json.loads((source_root / "dataset.json").read_text())
     by_id = {Path(entry["image"]).name.split(".nii")[0]: entry for entry in dataset["training"]}
     folders = {}
@@ -56,6 +59,27 @@ def export_hospital_folders(world_dir: str | Path, out_root: str | Path) -> dict
     return folders
 
 
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        try:
+            os.link(source, target)
+        except OSError:  # another file system: copy instead
+            shutil.copyfile(source, target)
+
+
+def _export_case_folders(source_root: Path, split, out_root: str | Path) -> dict[str, Path]:
+    """BraTS sources: each hospital gets its cases' folders (hard links), as its own download would hold."""
+    folders = {}
+    for hospital in sorted(split.hospitals):
+        folder = Path(out_root) / hospital
+        for case in split.hospital_cases(hospital):
+            for path in sorted((source_root / case).glob("*.nii*")):
+                _link(path, folder / case / path.name)
+        folders[hospital] = folder
+    return folders
+
+
 def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bool = True, timeout: float = 3600.0,
                          kill_hospital_during_queries: str | None = None) -> dict[str, Any]:
     """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json's content
@@ -70,7 +94,8 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                         "regenerated and subtracted; it is for simulations only)")
     work = Path(work_dir).resolve()
     preset = settings.resolved_preset
-    world = materialise_world(preset, settings.data, settings.seed, settings.progress)
+    world = materialise_world(preset, settings.data, settings.seed, settings.progress, layout=settings.layout,
+                              partition_file=settings.partition_file)
     folders = export_hospital_folders(world, work / "hospital-data")
     out = Path(settings.out).resolve()
     (out / "results.json").unlink(missing_ok=True)

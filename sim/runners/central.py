@@ -47,12 +47,14 @@ from sim.world import build_world, load_world, pooled_private_data
 METHODS = CENTRAL_METHODS
 
 
-def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True,
+                      **world) -> dict[str, Any]:
     """The federated runs' world (sim.world.build_world: one phantom generation, one split, one test set),
-    its hospitals' partitions pooled (sim.world.pooled_private_data)."""
+    its hospitals' partitions pooled (sim.world.pooled_private_data). ``world``: build_world's ``hospitals``,
+    ``layout`` and ``partition_file`` (with a partition file the hospital count decides which patients exist)."""
     if data is not None and not Path(data).exists():
-        raise UserError(f"--data: {data} does not exist (expected an MSD Task01-layout folder)")
-    prepared, split = build_world(preset, data, seed, progress)
+        raise UserError(f"--data: {data} does not exist (expected an MSD Task01 or BraTS folder)")
+    prepared, split = build_world(preset, data, seed, progress, **world)
     return pooled_private_data(prepared, split, Path(data) if data else None)
 
 
@@ -66,7 +68,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 reproducible_noise: bool = False, relation: str = "replace-one",
                 hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
                 init: str = "public", public_model_checkpoint: str | Path | None = None,
-                learning_rate: float | None = None) -> dict[str, Any]:
+                learning_rate: float | None = None, hospitals: int | None = None, layout: str | None = None,
+                partition_file: str | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -110,12 +113,16 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
 
     torch.manual_seed(seed)
-    world = load_central_data(p, seed=seed, data=data, progress=progress)
+    # only what was given: the world of a run without them is built exactly as before (and callers that stand
+    # in for load_central_data keep their signature)
+    where = {k: v for k, v in (("hospitals", hospitals), ("layout", layout), ("partition_file", partition_file))
+             if v is not None}
+    world = load_central_data(p, seed=seed, data=data, progress=progress, **where)
     net_cfg = network_config(p.unet)
     start_weights = None
     if init == "public":
         start_weights = public_start(p, seed=seed, data=data, progress=progress,
-                                     checkpoint=public_model_checkpoint or out / "public-model.pt")
+                                     checkpoint=public_model_checkpoint or out / "public-model.pt", **where)
     explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
                 "batch_size": batch_size}
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
@@ -260,10 +267,10 @@ def choose_setting(candidates) -> int:
     return max(range(len(candidates)), key=lambda i: (scores[i], -i))
 
 
-def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path) -> dict:
+def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path, **where) -> dict:
     """The public model's weights (server.student.train_public_model on the public reference set, the PATE
     teachers' and student's start); trained once per checkpoint and reused by every method that passes it."""
-    world = load_world(*build_world(preset, data, seed, progress))
+    world = load_world(*build_world(preset, data, seed, progress, **where))
     model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

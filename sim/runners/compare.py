@@ -77,7 +77,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 teachers_per_hospital: Sequence[int] | None = None, engine: str = "inprocess",
                 progress: bool = True, reproducible_noise: bool = False,
                 lifetime_epsilon: float | None = None, init: str = "public",
-                ledger_dir: str | Path | None = None) -> Path:
+                ledger_dir: str | Path | None = None, layout: str | None = None,
+                partition_file: str | None = None) -> Path:
     """Every method x epsilon (x K) on one world; returns the report's path.
 
     ``ledger_dir`` (default ``out/hospital-ledgers``): the hospitals' own lifetime ledgers every private cell
@@ -86,8 +87,15 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     ``init`` (issue 17): where DP-SGD, DP-FedAvg and non-private training start -- ``public``: the public
     model PATE's teachers and student start from (one checkpoint, ``_shared/K-<first>/public-model.pt``,
     shared by every cell), or ``scratch``. ``engine``: ``inprocess`` (default; the same protocol code as the
-    Flower apps, torch on every core) or ``flower`` (Flower's simulation engine).
+    Flower apps, torch on every core) or ``flower`` (Flower's simulation engine). ``layout`` / ``partition_file``
+    (issue 29): the data folder's layout (None = detected) and a FeTS partition CSV whose partitions are the
+    hospitals (``sim.world.partition_split``); every cell sees the same world.
     """
+    where = {"layout": layout, "partition_file": partition_file}
+    if partition_file and hospitals is None:   # every partition is a hospital (sim.data.fets)
+        from sim.data.fets import count_partitions
+
+        hospitals = count_partitions(partition_file)
     if init not in ("public", "scratch"):
         raise UserError(f"--init: expected public or scratch, got {init!r}")
     unknown = [m for m in methods if m not in SEGMENTATION_METHODS]
@@ -109,13 +117,13 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                              # the seed drives the noise when it is reproducible: not published
                                              "seed": None if reproducible_noise else seed,
                                              "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                             "data": data, "engine": engine, "init": init,
+                                             "data": data, "engine": engine, "init": init, **where,
                                              "noise": "reproducible" if reproducible_noise else "secure",
                                              "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out)})
     # who holds what in this comparison's world (the report's World section); the split of the first K
     world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress)))
+    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress, **where)))
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
@@ -143,12 +151,12 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                     cells.append({"method": method, "epsilon": float(epsilon), "out": str(path), "init": init,
                                   # dp-fedavg shares the first K's public model (the one every baseline uses)
                                   "shared_dir": str(out / "_shared" / f"K-{(preset if method != 'dp-fedavg' else first).teachers}")})
-        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress))
+        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress, **where))
         settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
-                               lifetime_epsilon=lifetime)
+                               lifetime_epsilon=lifetime, layout=layout, partition_file=partition_file)
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
@@ -158,7 +166,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
         run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
                     delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
-                    init=init, public_model_checkpoint=public_checkpoint)
+                    init=init, public_model_checkpoint=public_checkpoint, hospitals=hospitals, **where)
     if "dp-sgd-central" in methods:
         for epsilon in epsilons:
             path = cell_dir(out, "dp-sgd-central", epsilon)
@@ -167,7 +175,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                     run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
                                 seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
                                 hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime, init=init,
-                                public_model_checkpoint=public_checkpoint)
+                                public_model_checkpoint=public_checkpoint, hospitals=hospitals, **where)
                 except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
                     print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
@@ -175,7 +183,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         if METHOD_ROLES.get(method) == "floor" and not done(out / method):
             preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
             floor_runner(method)(preset, data, seed, out / method, out / "_shared" / f"K-{preset.teachers}",
-                                 progress=progress, publish_seed=not reproducible_noise)
+                                 progress=progress, publish_seed=not reproducible_noise, **where)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
@@ -260,7 +268,8 @@ def run_compare_seeds(preset_name: str, methods: Sequence[str], epsilons: Sequen
                     delta=delta, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital,
                     lifetime_epsilon=lifetime, ledger_dir=ledger_dir, **options)
     world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-    homes = patient_homes(world_preset, data, seeds)
+    homes = patient_homes(world_preset, data, seeds, layout=options.get("layout"),
+                          partition_file=options.get("partition_file"))
     release = combined_release(out, delta, homes=homes)
     if release.get("patients_moving_between_hospitals"):
         print(f"compare: {release['patients_moving_between_hospitals']} patient(s) sat at different hospitals in "
@@ -284,13 +293,13 @@ def run_compare_seeds(preset_name: str, methods: Sequence[str], epsilons: Sequen
                               release=release)
 
 
-def patient_homes(preset, data, seeds: Sequence[int]) -> dict[str, list[str]]:
+def patient_homes(preset, data, seeds: Sequence[int], **where) -> dict[str, list[str]]:
     """Patient -> the hospitals holding that patient in any of ``seeds``' splits (sorted). With the institution
     scheme and at least as many institutions as hospitals every patient stays at its institution's hospital;
     other schemes may move patients between hospitals from one seed to the next."""
     homes: dict[str, set[str]] = {}
     for seed in seeds:
-        _, split = build_world(preset, data, seed, progress=False)
+        _, split = build_world(preset, data, seed, progress=False, **where)
         for hospital in split.hospitals:
             for patient in split.patients_of(split.hospital_cases(hospital)):
                 homes.setdefault(patient, set()).add(hospital)
@@ -368,10 +377,10 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
 
 
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                    publish_seed: bool = True) -> dict:
+                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None) -> dict:
     """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
     started = time.perf_counter()
-    world = load_world(*build_world(preset, data, seed, progress))
+    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
                                       checkpoint=shared_dir / "public-model.pt")
     init = {k: v.clone() for k, v in public_model.state_dict().items()}

@@ -25,13 +25,14 @@ METHOD = "public-selftrain"
 
 
 def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                         publish_seed: bool = True) -> dict:
+                         publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None) -> dict:
     """Self-train the public model (``shared_dir/public-model.pt``, the one every cell of the comparison starts
     from) on the public query scans; rounds and temperature from the preset's extras (``selftrain_rounds``,
     ``selftrain_temperature``) or the module defaults of ``server.selftrain``."""
     started = time.perf_counter()
     out = Path(out)
-    world = load_world(*build_world(preset, data, seed, progress), with_query_labels=False)
+    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
+                       with_query_labels=False)
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
                                       checkpoint=Path(shared_dir) / "public-model.pt")
     rounds = int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS))

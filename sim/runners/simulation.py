@@ -37,7 +37,8 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[
     for key, value in SIMULATION_ENV.items():
         os.environ.setdefault(key, value)
     if not settings.world:  # a caller (compare) may already have materialised it
-        world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress)
+        world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress,
+                                  layout=settings.layout, partition_file=settings.partition_file)
         settings = settings.replace(world=str(world))
     cells = list(cells or [{"method": settings.method, "epsilon": settings.budget, "out": settings.out}])
     if engine == "inprocess":

@@ -1,0 +1,49 @@
+"""One entry for every data folder a user gives (``--data``, ``data inspect|prepare``, ``evaluate``).
+
+:func:`read_dataset` detects the layout (``sim.data.layouts.detect_layout``; ``layout`` overrides) and returns
+the same :class:`~sim.data.msd.MSDDataset` whichever release the folder is, so preprocessing, the world and
+the comparison never need to know it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from sim.data.brats import fingerprint as brats_fingerprint, read_brats
+from sim.data.errors import DataError
+from sim.data.layouts import detect_layout, get_layout
+from sim.data.msd import MSDDataset, display_path, read_msd
+
+
+def read_dataset(root: str | os.PathLike, layout: str | None = None) -> MSDDataset:
+    """The dataset at ``root`` in ``layout`` (``msd``, ``brats2021``, ``brats2023``; None = detect)."""
+    chosen = get_layout(layout) if layout else detect_layout(root)
+    if chosen.per_modality:
+        return read_brats(root, chosen)
+    return read_msd(root)
+
+
+def require_labels(dataset: MSDDataset, purpose: str) -> MSDDataset:
+    """Refuse a BraTS folder in which some case has no ``seg`` file when labels are needed (training,
+    evaluation): a one-line DataError naming the case and the missing file. Why: in a BraTS download a case
+    without seg is a validation case or a lost file, and silently training without it would hide either.
+    (An MSD folder's unlabelled scans live apart, in imagesTs, and stay allowed.)"""
+    if dataset.layout != "msd" and dataset.test:
+        case = dataset.test[0]
+        layout = get_layout(dataset.layout)
+        more = f" (and {len(dataset.test) - 1} more case(s))" if len(dataset.test) > 1 else ""
+        raise DataError(f"{display_path(layout.seg_file(case.image, case.case_id))}: missing label map of case "
+                        f"{case.case_id}{more}; labels are needed to {purpose} (unlabelled cases are for "
+                        "`fedpate predict`)")
+    if not dataset.training:
+        raise DataError(f"{display_path(dataset.root)}: no labelled cases; labels are needed to {purpose}")
+    return dataset
+
+
+def dataset_fingerprint(dataset: MSDDataset) -> str:
+    """What a prepared cache is keyed on: dataset.json's bytes for MSD (as before), the files for BraTS."""
+    if dataset.layout == "msd":
+        return hashlib.sha256((Path(dataset.root) / "dataset.json").read_bytes()).hexdigest()[:16]
+    return brats_fingerprint(dataset)
