@@ -59,6 +59,7 @@ from server.transport import (
 )
 from sim import codecs
 from sim.bundle import preprocessing_of
+from sim.device import check_device_spec, check_precision, device_name, model_device
 from sim.errors import UserError
 from sim.methods import PATE_METHODS
 from sim.metrics import dice_scores
@@ -95,10 +96,21 @@ class PateConfig:
     #: checkpoints of the epsilon-independent public models, shared by a comparison's cells
     shared_dir: str | Path | None = None
     progress: bool = True
+    #: issue 30: where the server's models (public model, autoencoder, student) run, and the spec the simulated
+    #: hospitals are sent for their teachers (deployed hospitals follow their own node config); auto | cpu |
+    #: cuda | cuda:N (sim.device)
+    device: str = "auto"
+    precision: str = "32"                 # "32" | "bf16": autocast around forward passes (sim.device)
 
     def __post_init__(self) -> None:
         if self.method not in PATE_METHODS:
             raise UserError(f"method: expected one of {', '.join(PATE_METHODS)}, got {self.method!r}")
+        object.__setattr__(self, "device", check_device_spec(self.device))
+        object.__setattr__(self, "precision", check_precision(self.precision))
+
+    def compute(self) -> dict[str, str]:
+        """What every message to the hospitals says about device and precision (strings: they travel)."""
+        return {"device": self.device, "precision": self.precision}
 
 
 # ---------------------------------------------------------------------------------------------- steps' data
@@ -231,13 +243,14 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> tor
     """Step 1: the public model (reference images + labels), checkpointed where a comparison shares it."""
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
     return train_public_model(world, preset, seed=config.seed, progress=config.progress,
-                              checkpoint=shared / "public-model.pt" if shared else None)
+                              checkpoint=shared / "public-model.pt" if shared else None,
+                              device=config.device, precision=config.precision)
 
 
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
-    metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed,
+    metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed, **config.compute(),
                                **({"local_dp": dict(config.local_dp)} if config.local_dp else {})},
                               init_weights=_state_arrays(public_model))
     per_hospital = {h: int(m.get("teachers", 0)) for h, m in metrics.items() if int(m.get("teachers", 0)) > 0}
@@ -263,16 +276,17 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     if method == "pate-pca":
         options.setdefault("sensitivity_mode", config.pca_mode)
     compressor = make_compressor(method, preset, seed=config.seed, checkpoint=out / "compressor" / "autoencoder.pt",
-                                 progress=config.progress, **options)
+                                 progress=config.progress, device=config.device, **options)
     if method == "pate-ae":   # Alg. 2: the decoder learns on the noise it will see
         compressor.train_sigma = noise_per_sensitivity * compressor.sensitivity(K)
-    public_query = predict_probs(public_model, world.query_images) if public_model is not None else None
+    public_query = (predict_probs(public_model, world.query_images, precision=config.precision)
+                    if public_model is not None else None)
     if method == "pate-anchored":
         # issue 18: anchored at the public model; C from its residual on the public reference scans
         if public_model is None or world.reference_images is None:
             raise UserError("pate-anchored needs the public model and public reference scans with labels")
         compressor.fit(codecs.one_hot(world.reference_labels, world.classes),
-                       predict_probs(public_model, world.reference_images))
+                       predict_probs(public_model, world.reference_images, precision=config.precision))
         fit_maps = None
     elif method in ("pate-pca", "pate-ae"):
         maps, fit_maps = compressor_fit_maps(world, public_query, config.fit_on_public_predictions)
@@ -285,7 +299,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
     sigma = pate_sigma(config.epsilon, config.delta, queries, sensitivity, mode=config.calibration)
-    public_test = (predict_probs(public_model, world.test_images)
+    public_test = (predict_probs(public_model, world.test_images, precision=config.precision)
                    if public_model is not None and method == "pate-anchored" else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
                        compressor.collapsed() if method == "pate-ae" else None, public_query, public_test,
@@ -343,7 +357,7 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
         release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
         replies = transport.query(world.query_images[batch], plan.codec_for(batch), {
             "method": config.method, "seed": config.seed, "queries": batch, "release_ids": release_ids,
-            "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta)})
+            "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta), **config.compute()})
         phase.stopped_early = _aggregate_batch(phase, batch, release_ids, replies, plan, guard, noise, asked, bar)
         if phase.stopped_early:
             break
@@ -366,10 +380,12 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     public_init = {k: v.clone() for k, v in public_model.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
     student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=public_init,
-                            include_reference=config.include_reference, progress=config.progress)
+                            include_reference=config.include_reference, progress=config.progress,
+                            device=config.device, precision=config.precision)
     public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student_epochs, init=public_init,
                                      progress=config.progress,
-                                     checkpoint=shared / "public-only.pt" if shared else None)
+                                     checkpoint=shared / "public-only.pt" if shared else None,
+                                     device=config.device, precision=config.precision)
     return Student(student, public_only, pseudo)
 
 
@@ -379,21 +395,24 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
     teachers' own Dice (at the hospitals), the noise-free ensemble through the codec (one un-noised query
     of the public test scans), the teachers' averaged probabilities where the transport can give them,
     and the pseudo-labels' Dice. None of the simulation diagnostics is covered by the guarantee."""
-    dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels)
+    precision = config.precision   # the models are already on the run's device
+    dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels,
+                                                    precision=precision)
     public_dice, public_per_case = evaluate_segmentation_per_case(student.public_only, world.test_images,
-                                                                  world.test_labels)
+                                                                  world.test_labels, precision=precision)
     result = Evaluation(dice, per_case, public_dice, public_per_case,
-                        public_validation_dice(student.model, world), diagnostics=config.diagnostics)
+                        public_validation_dice(student.model, world, precision=precision),
+                        diagnostics=config.diagnostics)
     if not config.diagnostics:
         return result
-    teacher_dice = transport.evaluate({"seed": config.seed}, test={"images": world.test_images,
+    teacher_dice = transport.evaluate({"seed": config.seed, **config.compute()}, test={"images": world.test_images,
                                                                    "labels": world.test_labels})
     scores = [d for m in teacher_dice.values() for d in (m.get("teacher_dice") or []) if d is not None]
     result.teacher_dice_mean = float(np.mean(scores)) if scores else None
     result.teacher_dice_per_hospital = {h: m.get("teacher_dice_mean") for h, m in teacher_dice.items()}
     test_indices = np.arange(len(world.test_images))
     clean = transport.query(world.test_images, plan.codec_for(test_indices, on="test"),
-                            {"method": config.method, "diagnostic": True})
+                            {"method": config.method, "diagnostic": True, **config.compute()})
     rows = [np.asarray(r, np.float64) for r in clean.values() if np.asarray(r).ndim == 3]
     if rows:
         mean_latent = np.concatenate(rows, axis=0).mean(axis=0)
@@ -422,6 +441,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         bytes_up_per_query_per_teacher=int(plan.compressor.bytes_per_query_per_teacher),
         # with reproducible noise the seed would let anyone regenerate and subtract it: never published
         seed=None if noise.is_reproducible else int(config.seed),
+        device=device_name(model_device(student.model)), precision=config.precision,
     ).account(ledger, config.delta, relation="replace-one")
     results.extras = {
         **noise.describe(),
@@ -449,6 +469,8 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                                                                   evaluation.public_model_query_dice),
         "teacher_dice_per_hospital": evaluation.teacher_dice_per_hospital,
         "local_epsilon": {h: m.get("local_epsilon") for h, m in teachers.metrics.items()},
+        # where each hospital trained its teachers (a deployed hospital chooses its own device)
+        "hospital_devices": {h: m.get("device") for h, m in teachers.metrics.items()},
         "soft_labels": bool(config.soft_labels), "student_includes_reference": bool(config.include_reference),
         "stopped_early": queries.stopped_early,
         # counts only: a rejection's reason can carry numbers computed from private data (norms)
@@ -470,7 +492,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                               f"{results.accountant} accountant over {len(queries.answered)} Gaussian queries "
                               f"(sigma={plan.sigma:.4g}); covers the pseudo-labels and the student"),
     }
-    labels = predict_probs(student.model, world.test_images).argmax(axis=1).astype(np.uint8)
+    labels = predict_probs(student.model, world.test_images, precision=config.precision).argmax(axis=1).astype(np.uint8)
     release = ModelRelease(student.model, network_config(preset.unet), preprocessing_of(world), world.source,
                            test_predictions=(labels, world))
     return write_run(out, results, release, started=started)

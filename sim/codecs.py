@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from privacy import sensitivity as sens
+from sim.device import resolve_device
 from sim.errors import UserError
 
 CodecState = dict  # dict[str, np.ndarray]
@@ -226,7 +227,9 @@ def _build_autoencoder_class():
         def forward(self, maps, noise_sigma: float = 0.0, generator=None):
             z = self.encode(maps)
             if noise_sigma > 0:  # Algorithm 2: train the decoder on the noise it will see
-                z = z + noise_sigma * torch.randn(z.shape, generator=generator, dtype=z.dtype)
+                # drawn on the host from the (seeded, CPU) generator and copied: the same draws on every device
+                noise = torch.randn(z.shape, generator=generator, dtype=z.dtype)
+                z = z + noise_sigma * noise.to(z.device)
             return self.decode_logits(z)
 
     return AutoencoderNet
@@ -258,13 +261,14 @@ def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "",
     return module
 
 
-def autoencoder_from_state(state: Mapping[str, np.ndarray]):
-    """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae'."""
+def autoencoder_from_state(state: Mapping[str, np.ndarray], device=None):
+    """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae', on ``device``
+    (``sim.device.resolve_device``; None = auto)."""
     grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
     channels = tuple(int(c) for c in np.asarray(state["channels"]).reshape(-1))
     net = AutoencoderNet(int(scalar(state, "latent_dim")), grid, int(scalar(state, "classes")), channels)
     arrays_to_module(net, state, prefix=_ENCODER_PREFIX, strict=False)
-    return net.eval()
+    return net.to(resolve_device(device)).eval()
 
 
 def encoder_arrays(net) -> dict[str, np.ndarray]:
@@ -604,19 +608,22 @@ def row_bound(state: Mapping[str, np.ndarray]) -> float:
     return float(scalar(state, "row_bound"))
 
 
-def encode(state: Mapping[str, np.ndarray], probs: np.ndarray) -> np.ndarray:
+def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, device=None) -> np.ndarray:
     """Encode teacher probabilities (n, C, *grid) into (n, l) float32 rows, bounded by construction.
 
     See the module docstring for the bounding step of each kind/mode. Raises ``UserError`` if the input
     does not match the codec (shape) or violates what the sensitivity bound assumes. To encode many
     teachers' outputs with one state, use :func:`make_encoder` (builds the autoencoder once).
     """
-    return make_encoder(state)(probs)
+    return make_encoder(state, device)(probs)
 
 
-def make_encoder(state: Mapping[str, np.ndarray]):
-    """``encode`` bound to one codec state: the autoencoder (if any) is rebuilt from its arrays once."""
-    net = autoencoder_from_state(state) if str(scalar(state, "kind")) == "ae" else None
+def make_encoder(state: Mapping[str, np.ndarray], device=None):
+    """``encode`` bound to one codec state: the autoencoder (if any) is rebuilt from its arrays once, on
+    ``device`` (None = auto). Only the autoencoder's convolutions run there; every bounding step (clipping,
+    the unit ball's final check, PCA's projection) runs in float64 on the host, so the row bound the
+    sensitivity relies on does not depend on the device."""
+    net = autoencoder_from_state(state, device) if str(scalar(state, "kind")) == "ae" else None
     return lambda probs: _encode(state, probs, net)
 
 
@@ -648,7 +655,8 @@ def _encode(state: Mapping[str, np.ndarray], probs: np.ndarray, net) -> np.ndarr
         if not np.all(np.isfinite(probs)):
             raise UserError("encode: teacher outputs contain NaN or infinite values")
         with torch.no_grad():
-            rows = [net.encode(torch.from_numpy(probs[i:i + 4])).numpy() for i in range(0, n, 4)]
+            device = next(net.parameters()).device
+            rows = [net.encode(torch.from_numpy(probs[i:i + 4]).to(device)).cpu().numpy() for i in range(0, n, 4)]
         z = np.concatenate(rows, axis=0).astype(np.float64) if rows else np.zeros((0, latent_dim(state)))
         return clip_rows(z, 1.0)
     if kind == "identity":

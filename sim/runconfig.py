@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from privacy.mechanisms import NoiseSource
+from sim.device import check_device_spec, check_precision
 from sim.errors import UserError
 from sim.methods import FEDERATED_METHODS
 from sim.presets import PRESETS, Preset, get_preset
@@ -39,6 +40,10 @@ class RunSettings:
     lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
     ledger_dir: str | None = None     # simulated hospitals' own ledgers (default: <out>/hospital-ledgers)
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
+    #: issue 30: where every model trains and predicts (sim.device: auto = CUDA when there is one); the server's
+    #: own models and the simulated hospitals' (deployed hospitals follow their node config)
+    device: str = "auto"
+    precision: str = "32"             # "32" | "bf16": autocast around forward passes
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +68,9 @@ class RunSettings:
             raise UserError(f"init: expected 'public' or 'scratch', got {self.init!r}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
+        # spec syntax only (no torch here): each party resolves it where it runs (sim.device.resolve_device)
+        object.__setattr__(self, "device", check_device_spec(self.device, "device"))
+        object.__setattr__(self, "precision", check_precision(self.precision, "precision"))
 
     @property
     def resolved_preset(self) -> Preset:
@@ -102,7 +110,8 @@ class RunSettings:
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
             reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
-            init=str(get("init", "public")),
+            init=str(get("init", "public")), device=str(get("device", "auto")),
+            precision=str(get("precision", "32")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -116,7 +125,7 @@ class RunSettings:
             "reply-timeout": self.reply_timeout, "calibration": self.calibration,
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
             "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
-            "init": self.init,
+            "init": self.init, "device": self.device, "precision": self.precision,
         }
 
     def noise_source(self, *names):

@@ -14,6 +14,15 @@ progress, an atomic checkpoint after every epoch and resume (model, optimizer, e
 session: sigmas charged so far). DP-SGD is switched on by passing a ``sim.dpsgd.DPConfig``; its batches
 and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
 the training seed.
+
+Device and precision (issue 30; ``sim.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
+auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
+once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
+device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
+calling the augmenter in exactly the same order, so the trained weights do not change
+(``tests/test_device.py``). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
+after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
+forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from sim.data.augment import training_augmentation
+from sim.device import autocast, check_precision, model_device, resolve_device
 from sim.dpsgd import DPSession
 from sim.errors import UserError
 from sim.io import atomic_save_torch
@@ -49,6 +59,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     description: str = "train"
     extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
+    device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (sim.device)
+    precision: str = "32"                  # "32" | "bf16": autocast around the forward pass (sim.device)
+    #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
+    #: host would otherwise starve it; on a shared CPU both compete for the same cores)
+    prefetch: bool | None = None
 
 
 @dataclass
@@ -97,12 +112,53 @@ def _augmenter(seed: int, level: bool | str = True) -> Callable:
 
 
 def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Augment each sample on the host (MONAI transforms, the augmenter's own numpy RNG, in batch order)."""
     out_images, out_targets = [], []
     for image, target in zip(images, targets):
         a_img, a_tgt = aug(image, target)
         out_images.append(torch.as_tensor(np.asarray(a_img), dtype=images.dtype))
         out_targets.append(torch.as_tensor(np.asarray(a_tgt), dtype=targets.dtype))
     return torch.stack(out_images), torch.stack(out_targets)
+
+
+def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Callable | None, device,
+                    prefetch: bool):
+    """Yield ``(indices, images, targets)`` on ``device`` for each batch of indices (empty batches: Nones).
+
+    Without augmentation ``x_all``/``y_all`` already live on the device and a batch is one indexing op. With it,
+    they stay on the host, each batch is augmented there and copied over (pinned, non-blocking on a GPU). With
+    ``prefetch`` one worker thread prepares batch i+1 while the caller trains on batch i: the augmenter is still
+    called batch after batch in the same order, so the result is the same as without prefetching. ``batches``
+    must not draw from anything the training step also draws from (DP-SGD's noise stream): it is advanced one
+    batch ahead.
+    """
+
+    def prepare(batch):
+        if len(batch) == 0:
+            return batch, None, None
+        index = batch if batch.device == x_all.device else batch.to(x_all.device)
+        xb, yb = x_all[index], y_all[index]
+        if aug is not None:
+            xb, yb = _augment_batch(aug, xb, yb)
+            if device.type == "cuda":
+                xb, yb = xb.pin_memory(), yb.pin_memory()
+        return batch, xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+
+    if not prefetch:
+        for batch in batches:
+            yield prepare(batch)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpate-prefetch") as pool:
+        pending = None
+        for batch in batches:
+            future = pool.submit(prepare, batch)
+            if pending is not None:
+                yield pending.result()
+            pending = future
+        if pending is not None:
+            yield pending.result()
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -147,6 +203,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         raise UserError(f"training: {n} images but {len(y_all)} targets")
     if config.epochs < 0 or config.batch_size < 1:
         raise UserError("training: epochs must be >= 0 and batch_size >= 1")
+    device = resolve_device(config.device)
+    precision = check_precision(config.precision)
 
     base_model = model
     checkpoint = Path(config.checkpoint) if config.checkpoint else None
@@ -156,6 +214,12 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         base_model.load_state_dict(resume_state["model"])
     elif config.init_from is not None:
         _load_init(base_model, config.init_from)
+    # model (hence the optimiser's state and Opacus' per-sample gradients) on the device before anything wraps it
+    base_model.to(device)
+    # the dataset on the device once (augmented batches are made on the host and copied per batch instead)
+    if not config.augment:
+        x_all, y_all = x_all.to(device), y_all.to(device)
+    prefetch = (device.type == "cuda") if config.prefetch is None else bool(config.prefetch)
 
     torch.manual_seed(config.seed)
     optimizer = torch.optim.Adam(base_model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -196,18 +260,21 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             order = torch.randperm(n, generator=generator)
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
         losses, seen, empty = [], 0, 0
-        for batch in batches:
+        # DP-SGD's next batch comes from the noise stream after this step's noise: never drawn ahead
+        for batch, xb, yb in _device_batches(batches, x_all, y_all, aug, device, prefetch and session is None):
             if len(batch) == 0:
                 empty += 1
                 session.noise_only_step()
                 continue
-            xb, yb = x_all[batch], y_all[batch]
-            if aug is not None:
-                xb, yb = _augment_batch(aug, xb, yb)
             optimizer.zero_grad(set_to_none=True)
-            loss_per_sample = per_sample_loss(train_model(xb), yb)
+            with autocast(device, precision):
+                logits = train_model(xb)
+            # the loss in float32 (a no-op at precision 32): Dice/CE sums over many voxels lose digits in bf16
+            loss_per_sample = per_sample_loss(logits.float(), yb)
             loss = loss_per_sample.mean()
             loss.backward()
+            if session is not None and precision != "32":
+                session.per_sample_gradients_to_float32()
             optimizer.step()
             losses.append(float(loss.detach()) * len(batch))
             seen += len(batch)
@@ -217,7 +284,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             record["noise_multiplier"] = session.sigmas[-1]
             record["epsilon"] = session.spent(with_rdp=False)["epsilon"]
         if validation is not None:
-            val_dice = evaluate_segmentation(base_model, validation[0], validation[1])["mean"]
+            val_dice = evaluate_segmentation(base_model, validation[0], validation[1], device=device,
+                                             precision=precision)["mean"]
             record["validation_dice_mean"] = val_dice
             if session is not None:
                 session.observe_validation(val_dice if val_dice is not None else 0.0)
@@ -264,46 +332,59 @@ def _unwrap(wrapped: torch.nn.Module) -> None:
 
 # -------------------------------------------------------------------------------------------- inference
 @torch.no_grad()
-def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
-    """Softmax class probabilities (n, C, *g) float32."""
+def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
+                  precision: str = "32") -> np.ndarray:
+    """Softmax class probabilities (n, C, *g) float32, as a host array.
+
+    ``device``: where to run (the model is moved there); None = wherever the model already is. ``precision``
+    "bf16": the forward pass under autocast, the softmax on float32 logits.
+    """
+    device = model_device(model) if device is None else resolve_device(device)
+    model.to(device)
     x_all = _as_tensor(images, torch.float32)
     was_training = model.training
     model.eval()
     outs = []
     for start in range(0, len(x_all), batch_size):
-        outs.append(torch.softmax(model(x_all[start:start + batch_size]), dim=1).numpy().astype(np.float32))
+        with autocast(device, precision):
+            logits = model(x_all[start:start + batch_size].to(device))
+        outs.append(torch.softmax(logits.float(), dim=1).cpu().numpy().astype(np.float32))
     model.train(was_training)
     if not outs:
         return np.zeros((0,), dtype=np.float32)
     return np.concatenate(outs, axis=0)
 
 
-def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
-    return predict_probs(model, images, batch_size).argmax(axis=1).astype(np.int64)
+def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
+                   precision: str = "32") -> np.ndarray:
+    return predict_probs(model, images, batch_size, device, precision).argmax(axis=1).astype(np.int64)
 
 
-def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2) -> dict:
+def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
+                          device: Any = None, precision: str = "32") -> dict:
     """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``."""
-    return evaluate_segmentation_per_case(model, images, labels, batch_size)[0]
+    return evaluate_segmentation_per_case(model, images, labels, batch_size, device, precision)[0]
 
 
-def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any,
-                                   batch_size: int = 2) -> tuple[dict, list[float | None]]:
-    """(Dice dict, per-case mean Dice) -- results.json stores the latter as ``dice_per_case``."""
+def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
+                                   device: Any = None, precision: str = "32") -> tuple[dict, list[float | None]]:
+    """(Dice dict, per-case mean Dice) -- results.json stores the latter as ``dice_per_case``.
+    ``device``/``precision``: as :func:`predict_probs` (None = where the model is)."""
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
     for start in range(0, len(x_all), batch_size):
-        pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
+        pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate(), acc.case_means()
 
 
-def public_validation_dice(model, world) -> float | None:
+def public_validation_dice(model, world, device: Any = None, precision: str = "32") -> float | None:
     """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`sim.world.PublicWorld`).
     Public labels: free to use for choosing a model or a setting; the test set never is. None when the
     world has no validation set."""
     if world.validation_images is None or not len(world.validation_images):
         return None
-    return evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")
+    return evaluate_segmentation(model, world.validation_images, world.validation_labels, device=device,
+                                 precision=precision).get("mean")

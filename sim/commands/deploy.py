@@ -39,6 +39,11 @@ def register(subparsers) -> None:
                           help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
     commands.add_argument("--teachers-per-hospital", type=int, default=None)
     commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
+    commands.add_argument("--device", default=None,
+                          help="node-config device of every hospital: where it trains its teachers (auto: its GPU when "
+                               "it has one, the default when omitted; cpu, cuda or cuda:N)")
+    commands.add_argument("--precision", default=None, choices=("32", "bf16"),
+                          help="node-config precision of every hospital (default when omitted: 32)")
     commands.set_defaults(func=_commands)
 
     local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
@@ -51,6 +56,11 @@ def register(subparsers) -> None:
     local.add_argument("--teachers-per-hospital", type=int, default=0)
     local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the app's [tool.flwr.app.config] (repeatable)")
+    local.add_argument("--device", default=None,
+                       help="auto|cpu|cuda|cuda:N for the aggregator's models and every local hospital's teachers "
+                            "(run config and node config `device`; default: the app's, auto)")
+    local.add_argument("--precision", default=None, choices=("32", "bf16"),
+                       help="forward-pass precision of the run (run config and node config `precision`; default 32)")
     local.add_argument("--no-tls", action="store_true", help="plain HTTP and no SuperNode authentication")
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
     local.set_defaults(func=_local)
@@ -89,8 +99,12 @@ def _certs(args) -> int:
 def _commands(args) -> int:
     from sim.deployment.recipe import deployment_commands
 
+    from sim.device import check_device_spec
+
+    device = check_device_spec(args.device) if args.device else None   # checked here, resolved on each hospital
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
-                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital), end="")
+                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital,
+                              device=device, precision=args.precision), end="")
     return 0
 
 
@@ -120,13 +134,22 @@ def _local(args) -> int:
             raise UserError(f"-c {item!r}: expected KEY=VALUE with KEY one of {sorted(app_config)}")
         run_config[key] = _parse_value(value)
 
+    if args.device or args.precision:
+        from sim.device import resolve_device
+
+        # everything runs on this machine: a GPU asked for and missing is refused before anything starts
+        resolve_device(args.device or run_config.get("device") or "auto")
+        compute = {"device": args.device, "precision": args.precision}
+        run_config.update({k: v for k, v in compute.items() if v and k in app_config})
     if str(run_config.get("reproducible-noise", "false")).lower() in ("true", "1", "yes"):
         raise UserError("-c reproducible-noise=true: refused; a deployment always draws secure noise "
                         "(seeded noise is for simulations only)")
     if not args.echo and not data and args.app is None:
         return _local_fedpate(args, out, run_config)
     hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),
-                  "teachers-per-hospital": args.teachers_per_hospital} for hid in names]
+                  "teachers-per-hospital": args.teachers_per_hospital,
+                  **({"device": args.device} if args.device else {}),
+                  **({"precision": args.precision} if args.precision else {})} for hid in names]
     tls = not args.no_tls
     with LocalDeployment(app, out / "deployment", hospitals, tls=tls, auth=tls, verbose=True) as dep:
         status = dep.run(run_config, timeout=args.timeout)
