@@ -419,7 +419,7 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
         result.ensemble_dice = _label_dice(plan.decode(mean_latent, test_indices, on="test", noisy=False),
                                            world.test_labels)
     if isinstance(transport, TeacherEnsembleDiagnostics):
-        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images),
+        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images, config.compute()),
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])

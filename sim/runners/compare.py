@@ -291,7 +291,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
         predictions[name] = predict_probs(model, images, device=device).argmax(axis=1)
         if prefix == "pate":
-            ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed)
+            ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed, device)
             if ensemble is not None:
                 predictions["teacher ensemble (no noise)"] = ensemble.argmax(axis=1)
     if not predictions:
@@ -299,7 +299,8 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
     return plot_overlays(out / "overlays.png", images, truth, predictions)
 
 
-def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0) -> np.ndarray | None:
+def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0,
+                     device: str = "auto") -> np.ndarray | None:
     """Simulation-only diagnostic: the simulated hospitals' teachers' averaged probabilities, asked of the
     hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers."""
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
@@ -307,4 +308,4 @@ def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospit
     members = simulated_hospitals(prepared, split, preset, world_dir / "nodes", seed)
     if not all(member.has_trained_teachers() for member in members):
         return None
-    return InProcessTransport(members).ensemble_probabilities(images)
+    return InProcessTransport(members).ensemble_probabilities(images, {"device": device})
