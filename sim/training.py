@@ -20,7 +20,9 @@ auto) holds the model, the optimiser state and the dataset tensors -- moved ther
 once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
 device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
 calling the augmenter in exactly the same order, so the trained weights do not change
-(``tests/test_device.py``). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
+(``tests/test_device.py``). Prefetching hides host augmentation only up to one step's time, and a GPU step is
+far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
+(``augment_on``: :class:`sim.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
 after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
 forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sim.data.augment import training_augmentation
+from sim.data.augment import batch_augmentation, training_augmentation
 from sim.device import autocast, check_precision, model_device, resolve_device
 from sim.dpsgd import DPSession
 from sim.errors import UserError
@@ -64,6 +66,10 @@ class TrainConfig:
     #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
     #: host would otherwise starve it; on a shared CPU both compete for the same cores)
     prefetch: bool | None = None
+    #: where augmentation runs: "host" (MONAI, per sample; the CPU default and the reference results) or "device"
+    #: (sim.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
+    #: ranges, other draws). None: "device" on a GPU, "host" otherwise
+    augment_on: str | None = None
 
 
 @dataclass
@@ -107,8 +113,9 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------------- augmentation
-def _augmenter(seed: int, level: bool | str = True) -> Callable:
-    return training_augmentation(seed, level="domain" if level is True else str(level))
+def _augmenter(seed: int, level: bool | str = True, batched: bool = False) -> Callable:
+    level = "domain" if level is True else str(level)
+    return batch_augmentation(seed, level=level) if batched else training_augmentation(seed, level=level)
 
 
 def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +129,7 @@ def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -
 
 
 def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Callable | None, device,
-                    prefetch: bool):
+                    prefetch: bool, batched: bool = False):
     """Yield ``(indices, images, targets)`` on ``device`` for each batch of indices (empty batches: Nones).
 
     Without augmentation ``x_all``/``y_all`` already live on the device and a batch is one indexing op. With it,
@@ -130,7 +137,8 @@ def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Call
     ``prefetch`` one worker thread prepares batch i+1 while the caller trains on batch i: the augmenter is still
     called batch after batch in the same order, so the result is the same as without prefetching. ``batches``
     must not draw from anything the training step also draws from (DP-SGD's noise stream): it is advanced one
-    batch ahead.
+    batch ahead. ``batched``: ``aug`` is a :class:`sim.data.augment.BatchAugmentation` applied to the whole batch
+    where the data already are (the device).
     """
 
     def prepare(batch):
@@ -138,7 +146,9 @@ def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Call
             return batch, None, None
         index = batch if batch.device == x_all.device else batch.to(x_all.device)
         xb, yb = x_all[index], y_all[index]
-        if aug is not None:
+        if aug is not None and batched:
+            xb, yb = aug(xb, yb)
+        elif aug is not None:
             xb, yb = _augment_batch(aug, xb, yb)
             if device.type == "cuda":
                 xb, yb = xb.pin_memory(), yb.pin_memory()
@@ -216,8 +226,12 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         _load_init(base_model, config.init_from)
     # model (hence the optimiser's state and Opacus' per-sample gradients) on the device before anything wraps it
     base_model.to(device)
-    # the dataset on the device once (augmented batches are made on the host and copied per batch instead)
-    if not config.augment:
+    augment_on = config.augment_on or ("device" if device.type == "cuda" else "host")
+    if augment_on not in ("host", "device"):
+        raise UserError(f"augment_on: expected host or device, got {augment_on!r}")
+    batched = bool(config.augment) and augment_on == "device"
+    # the dataset on the device once (host-augmented batches are made on the host and copied per batch instead)
+    if not config.augment or batched:
         x_all, y_all = x_all.to(device), y_all.to(device)
     prefetch = (device.type == "cuda") if config.prefetch is None else bool(config.prefetch)
 
@@ -253,7 +267,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         if session is not None and not session.begin_epoch(epoch):
             break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
         train_model.train()
-        aug = _augmenter(config.seed * 100_003 + epoch, config.augment) if config.augment else None
+        aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
         if session is not None:
             batches = session.batches()
         else:
@@ -261,7 +275,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
         losses, seen, empty = [], 0, 0
         # DP-SGD's next batch comes from the noise stream after this step's noise: never drawn ahead
-        for batch, xb, yb in _device_batches(batches, x_all, y_all, aug, device, prefetch and session is None):
+        for batch, xb, yb in _device_batches(batches, x_all, y_all, aug, device, prefetch and session is None,
+                                             batched):
             if len(batch) == 0:
                 empty += 1
                 session.noise_only_step()

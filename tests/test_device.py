@@ -227,7 +227,11 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
     nib.save(nib.Nifti1Image(image, np.eye(4)), tmp_path / "scan.nii.gz")
     spy.forwards.clear()
     predict_scans(tmp_path / "pate", [tmp_path / "scan.nii.gz"], tmp_path / "pred", progress=False, device="cpu")
-    assert spy.forwards and spy.devices() == {"cpu"}
+    assert spy.forwards and spy.devices() == {"cpu"} and not any(autocast for *_, autocast in spy.forwards)
+    spy.forwards.clear()
+    bf16 = predict_scans(tmp_path / "pate", [tmp_path / "scan.nii.gz"], tmp_path / "pred16", progress=False,
+                         device="cpu", precision="bf16")
+    assert spy.forwards and all(autocast for *_, autocast in spy.forwards) and bf16[0].output.exists()
 
 
 def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, monkeypatch):
@@ -375,3 +379,50 @@ def test_results_record_has_device_and_precision_null_when_not_applicable():
     assert record["device"] is None and record["precision"] is None
     assert {"device", "precision"} <= set(CSV_COLUMNS)
     assert json.loads(json.dumps(RunResults(method="x", device="cpu", precision="bf16").to_dict()))["device"] == "cpu"
+
+
+def test_batch_augmentation_moves_labels_with_the_image_and_keeps_the_background():
+    from sim.data.augment import BatchAugmentation, batch_augmentation
+
+    g = 24
+    labels = torch.zeros(4, g, g, g, dtype=torch.long)
+    labels[:, 6:14, 8:18, 5:12] = 2
+    images = torch.zeros(4, 4, g, g, g)
+    images[:, 0] = (labels == 2).float()
+    images[:, 1, 2:-2, 2:-2, 2:-2] = 1.0                      # the "brain": a zero border around it
+    moved_image, moved_label = BatchAugmentation(seed=3, intensity=False)(images, labels)
+    agree = ((moved_image[:, 0] > 0.5) == (moved_label == 2)).float().mean()
+    assert agree > 0.99                                        # flipped and rotated together
+    assert not torch.equal(moved_label, labels)                # something did move
+    image, label = batch_augmentation(4, "domain")(images, labels)
+    assert image.shape == images.shape and label.dtype == labels.dtype and torch.isfinite(image).all()
+    # the background stays exactly zero: a rotation about the centre keeps the brain inside its circumscribed sphere
+    small = torch.zeros_like(images)
+    small[:, :, 8:16, 8:16, 8:16] = images[:, :, 8:16, 8:16, 8:16] + 0.5
+    image_small, _ = batch_augmentation(4, "domain")(small, labels)
+    axes = torch.arange(g, dtype=torch.float32) - (g - 1) / 2
+    radius = (axes[:, None, None] ** 2 + axes[None, :, None] ** 2 + axes[None, None, :] ** 2).sqrt()
+    assert (image_small[:, :, radius > 4 * 3 ** 0.5 + 1.5] == 0).all()
+    assert (image_small[:, :, radius < 3] != 0).all()
+    again = batch_augmentation(4, "domain")(images, labels)
+    assert torch.equal(again[0], image) and torch.equal(again[1], label)    # deterministic for a seed
+    soft = torch.softmax(torch.randn(2, 4, g, g, g), dim=1)
+    _, soft_out = batch_augmentation(5)(images[:2], soft)
+    assert torch.allclose(soft_out.sum(dim=1), torch.ones(()), atol=1e-5)
+
+
+def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
+    from sim.networks import build_unet
+    from sim.training import TrainConfig, train_segmentation
+
+    x, y = _toy(n=4)
+    results = {}
+    for augment_on in (None, "host", "device"):
+        torch.manual_seed(0)
+        config = TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=True, progress=False, device="cpu",
+                             augment_on=augment_on)
+        result = train_segmentation(build_unet("tiny"), x, y, config)
+        assert np.isfinite(result.history[0]["loss"])
+        results[augment_on] = result.model.state_dict()
+    assert all(torch.equal(results[None][k], results["host"][k]) for k in results[None])
+    assert any(not torch.equal(results["device"][k], results["host"][k]) for k in results[None])
