@@ -14,8 +14,9 @@ On CUDA every timed step ends with ``torch.cuda.synchronize()``. Printed per pre
 step, samples per second, DP/plain; also the host-side augmentation of one batch (``sim.data.augment``, what a
 GPU would wait for without prefetching) over the plain step.
 
-``--pipeline`` also times whole training epochs through ``sim.training.train_segmentation`` with augmentation,
-batch prefetching off and on (issue 30, item 3), and checks the two give the same weights.
+``--pipeline`` also times whole training epochs through ``sim.training.train_segmentation`` with augmentation:
+host augmentation with batch prefetching off and on (issue 30, item 3; checks both give the same weights), and
+batched augmentation on the device (``sim.data.augment.BatchAugmentation``).
 
 Timings on a shared 2-core CPU swing by +-30% between runs: compare the ratios of one run, not seconds.
 """
@@ -98,13 +99,17 @@ def bench_steps(device, precision: str, preset: str, grid: int, batch: int, step
     aug = _augmenter(0, True)
     x_host, y_host = x.cpu(), y.cpu()
     augment_s = median_seconds(lambda: _augment_batch(aug, x_host, y_host), steps, warmup=1)
+    batched = _augmenter(0, True, batched=True)
+    device_augment_s = median_seconds(lambda: batched(x, y), steps, warmup=1)
     return {"precision": precision, "plain_s_per_step": plain_s, "dp_s_per_step": dp_s,
             "plain_samples_per_s": batch / plain_s, "dp_samples_per_s": batch / dp_s, "dp_over_plain": dp_s / plain_s,
-            "host_augment_s_per_batch": augment_s, "augment_over_plain_step": augment_s / plain_s}
+            "host_augment_s_per_batch": augment_s, "augment_over_plain_step": augment_s / plain_s,
+            "device_augment_s_per_batch": device_augment_s, "device_augment_over_plain_step": device_augment_s / plain_s}
 
 
 def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epochs: int) -> dict:
-    """Seconds per epoch of train_segmentation with augmentation, prefetch off then on (same weights)."""
+    """Seconds per epoch of train_segmentation with augmentation: host augmentation with prefetch off and on
+    (same weights), and batched augmentation on the device."""
     from sim.networks import build_unet
     from sim.training import TrainConfig, train_segmentation
 
@@ -112,15 +117,17 @@ def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epoch
     images = rng.normal(size=(cases, 4, grid, grid, grid)).astype(np.float32)
     labels = (images[:, 0] > 0.5).astype(np.int64) + (images[:, 1] > 1.2).astype(np.int64)
     out, weights = {}, []
-    for prefetch in (False, True, False, True):   # interleaved: drift on a shared machine hits both alike
+    variants = {"prefetch_off": ("host", False), "prefetch_on": ("host", True), "device_augment": ("device", False)}
+    for name in list(variants) * 2:   # interleaved: drift on a shared machine hits every variant alike
+        augment_on, prefetch = variants[name]
         torch.manual_seed(0)
         config = TrainConfig(epochs=epochs, batch_size=batch, learning_rate=1e-3, seed=0, augment=True,
-                             progress=False, device=device, prefetch=prefetch)
+                             progress=False, device=device, prefetch=prefetch, augment_on=augment_on)
         start = time.perf_counter()
         model = train_segmentation(build_unet(preset), images, labels, config).model
-        out.setdefault(f"prefetch_{'on' if prefetch else 'off'}_s_per_epoch", []).append(
-            (time.perf_counter() - start) / epochs)
-        weights.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        out.setdefault(f"{name}_s_per_epoch", []).append((time.perf_counter() - start) / epochs)
+        if augment_on == "host":
+            weights.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
     result = {k: min(v) for k, v in out.items()}
     result["prefetch_speedup"] = result["prefetch_off_s_per_epoch"] / result["prefetch_on_s_per_epoch"]
     result["same_weights"] = all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
@@ -164,7 +171,8 @@ def main(argv=None) -> int:
         print(f"precision {precision:>4}: plain {row['plain_s_per_step']:.4f} s/step ({row['plain_samples_per_s']:.2f} "
               f"samples/s), DP-SGD {row['dp_s_per_step']:.4f} s/step ({row['dp_samples_per_s']:.2f} samples/s), "
               f"DP/plain x{row['dp_over_plain']:.2f}; host augmentation {row['host_augment_s_per_batch']:.4f} s/batch "
-              f"= x{row['augment_over_plain_step']:.2f} the plain step")
+              f"= x{row['augment_over_plain_step']:.2f} the plain step, batched on the device "
+              f"{row['device_augment_s_per_batch']:.4f} s/batch = x{row['device_augment_over_plain_step']:.2f}")
     if len(report["steps"]) > 1:
         base = report["steps"][0]
         for row in report["steps"][1:]:
@@ -173,8 +181,10 @@ def main(argv=None) -> int:
     if args.pipeline:
         row = bench_pipeline(device, preset, grid, args.batch, args.cases, args.epochs)
         report["pipeline"] = row
-        print(f"training epoch with augmentation ({args.cases} volumes): prefetch off {row['prefetch_off_s_per_epoch']:.2f} s, "
-              f"on {row['prefetch_on_s_per_epoch']:.2f} s (x{row['prefetch_speedup']:.2f}); same weights: {row['same_weights']}")
+        print(f"training epoch with augmentation ({args.cases} volumes): host augmentation, prefetch off "
+              f"{row['prefetch_off_s_per_epoch']:.2f} s, on {row['prefetch_on_s_per_epoch']:.2f} s "
+              f"(x{row['prefetch_speedup']:.2f}; same weights: {row['same_weights']}); batched on the device "
+              f"{row['device_augment_s_per_epoch']:.2f} s (x{row['prefetch_off_s_per_epoch'] / row['device_augment_s_per_epoch']:.2f})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=1)
