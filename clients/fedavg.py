@@ -94,10 +94,14 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                   max_grad_norm=float(config.get("max_grad_norm") or preset.dpsgd_max_grad_norm),
                   per_layer=bool(preset.extra.get("dpsgd_per_layer", True)), release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
+    # issue 30: local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
+    # on the host from the stream above and copied, sim.dpsgd)
+    device, precision = hospital.compute(config)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
                                learning_rate=float(config.get("learning_rate") or preset.learning_rate),
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
-                               progress=False, description=f"{hospital.hospital_id} round {round_index}")
+                               progress=False, description=f"{hospital.hospital_id} round {round_index}",
+                               device=device, precision=precision)
     result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
                                 owners=(hospital.hospital_id,), noise=noise)
     new_records = [record for record in ledger.records() if record["release_id"] not in before]
@@ -111,6 +115,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
         "epsilon": spent.epsilon if spent else 0.0,
         "ledger_records": json.dumps(new_records),
         "stopped_reason": result.stopped_reason or "",
+        "device": str(device),
     }
     book.store(key, new_weights, metrics)
     return new_weights, metrics

@@ -23,6 +23,12 @@ and charges its **own** privacy ledger (``privacy_ledger``) through a guard with
 refusing the batch if the budget would be exceeded. A deployed hospital (its own machine and patients)
 also refuses everything meant for simulations only: un-noised diagnostic queries, per-teacher test Dice,
 seeded noise.
+
+Device and precision (issue 30, ``sim.device``): a simulated hospital trains, answers and evaluates on the
+device and precision the run's messages name (``config["device"]``, ``config["precision"]``; default auto);
+a deployed hospital on its own node config's (``device``, ``precision``), whatever the server says -- its GPU
+is its own machine's. Teachers are kept on disk on the host and loaded onto that device; the codec's
+autoencoder encodes there too (``sim.codecs.make_encoder``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from privacy.ledger import Ledger
 from clients.replay import AnswerBook, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from sim.codecs import CodecPolicy, CodecRefused, fallback_encoding, make_encoder, verify_codec
+from sim.device import check_device_spec, check_precision, resolve_device
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
 from sim.io import atomic_save_torch, atomic_write_json
@@ -52,7 +59,7 @@ class Hospital:
     def __init__(self, hospital_id: str, prepared, partitions, preset, workdir, seed: int = 0,
                  validation: list | None = None, deployed: bool = False, privacy_ledger=None,
                  lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None,
-                 max_teachers: int | None = None):
+                 max_teachers: int | None = None, device: str | None = None, precision: str | None = None):
         self.hospital_id = str(hospital_id)
         self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
         self.prepared = prepared
@@ -74,6 +81,9 @@ class Hospital:
         #: A query's sensitivity is 2C/K for the declared K, so without this bound a server declaring K = 1e9
         #: would make this hospital charge almost nothing (issue 26)
         self.max_teachers = None if max_teachers is None else int(max_teachers)
+        #: this hospital's own device / precision (a deployed hospital's node config; None: the run's, else auto)
+        self.device = None if device is None else check_device_spec(device, "node-config device")
+        self.precision = None if precision is None else check_precision(precision, "node-config precision")
         self._models: dict[int, Any] = {}
 
     @property
@@ -90,7 +100,18 @@ class Hospital:
     def _new_model(self):
         return build_unet(self.preset.unet)
 
-    def _teacher(self, k: int):
+    def compute(self, config: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+        """(torch.device, precision) for one request: a deployed hospital's own node config; a simulated one
+        the run's (``config["device"]``/``["precision"]``), else its constructor's, else auto / 32."""
+        config = dict(config or {})
+        if self.deployed:
+            device, precision = self.device, self.precision
+        else:
+            device = config.get("device") or self.device
+            precision = config.get("precision") or self.precision
+        return resolve_device(device or "auto"), check_precision(precision or "32")
+
+    def _teacher(self, k: int, device=None):
         if k not in self._models:
             path = self._teacher_path(k)
             if not path.exists():
@@ -98,7 +119,8 @@ class Hospital:
             model = self._new_model()
             model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
             self._models[k] = model.eval()
-        return self._models[k]
+        model = self._models[k]
+        return model if device is None else model.to(device)
 
     # ----------------------------------------------------------------------------------------------
     def train_teachers(self, config: Mapping[str, Any] | None = None) -> dict:
@@ -110,6 +132,7 @@ class Hospital:
         epochs = int(config.get("teacher_epochs", self.preset.teacher_epochs))
         seed = int(config.get("seed", self.seed))
         local_dp = config.get("local_dp")
+        device, precision = self.compute(config)
         guard, ledger = None, None
         if local_dp:
             ledger = Ledger(self.workdir / "ledger.jsonl")
@@ -123,6 +146,9 @@ class Hospital:
         # carry a nonce this hospital mints, so retraining -- another seed, a cleared cache -- is charged again
         nonce = mint_nonce()
         validation_dice = []
+        if self.validation:   # read once, not once per teacher
+            validation_images = self.prepared.images(self.validation)
+            validation_labels = self.prepared.labels(self.validation)
         for k, case_ids in enumerate(self.partitions):
             model = self._new_model()
             dp = None
@@ -132,18 +158,18 @@ class Hospital:
             train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
                                 learning_rate=self.preset.learning_rate, seed=seed * 1009 + k,
                                 progress=False, init_from=init_state,
-                                description=f"{self.hospital_id} teacher {k}")
+                                description=f"{self.hospital_id} teacher {k}", device=device, precision=precision)
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
                                             train, dp=dp, guard=guard, owners=(f"{self.hospital_id}/teacher-{k}",))
                 model = result.model
             elif init_state is not None:
                 model.load_state_dict(init_state)
+            model.to(device)
             atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()})
             self._models[k] = model.eval()
             if self.validation:
-                dice = evaluate_segmentation(model, self.prepared.images(self.validation),
-                                             self.prepared.labels(self.validation))
+                dice = evaluate_segmentation(model, validation_images, validation_labels, precision=precision)
                 validation_dice.append(dice.get("mean"))
         local_epsilon = None
         if ledger is not None and len(ledger):
@@ -156,7 +182,8 @@ class Hospital:
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
-                "local_relation": "add-remove" if local_dp else None}
+                "local_relation": "add-remove" if local_dp else None,
+                "device": str(device), "precision": precision}
 
         atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
         return metrics
@@ -185,8 +212,10 @@ class Hospital:
         self._models.clear()
         return {**saved["metrics"], "reused": True}
 
-    def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
-        return predict_probs(self._teacher(k), np.asarray(scans, np.float32), batch_size=2)
+    def teacher_probs(self, k: int, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
+        device, precision = self.compute(config)
+        return predict_probs(self._teacher(k, device), np.asarray(scans, np.float32), batch_size=2, device=device,
+                             precision=precision)
 
     # ----------------------------------------------------------------------------------------------
     def lifetime_guard(self, config: Mapping[str, Any] | None = None):
@@ -229,7 +258,7 @@ class Hospital:
         # everything is validated before anything is charged: a request that cannot be answered costs nothing
         codec = verify_codec(codec, self._codec_policy(config), scans_shape=scans.shape)
         try:   # one autoencoder for all of this hospital's teachers; built here, so a broken one costs nothing
-            encode = make_encoder(codec)
+            encode = make_encoder(codec, self.compute(config)[0])
         except (KeyError, ValueError, RuntimeError) as exc:
             raise CodecRefused(f"codec: the autoencoder cannot be built from the state sent ({exc})") from None
         key = None
@@ -249,7 +278,7 @@ class Hospital:
             self._charge_query(codec, config, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
         for k in range(self.num_teachers):
-            probs = self.teacher_probs(k, scans)
+            probs = self.teacher_probs(k, scans, config)
             if np.all(np.isfinite(probs)):
                 rows.append(encode(probs))
             else:  # a broken teacher answers a fixed row; only the count leaves the hospital
@@ -314,10 +343,10 @@ class Hospital:
         nonce = mint_nonce()
         guard.charge_all([self.hospital_id], event, [f"{r}@{nonce}" for r in release_ids], note)
 
-    def ensemble_probability_sum(self, scans: np.ndarray) -> np.ndarray:
+    def ensemble_probability_sum(self, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
         """Sum of the teachers' probabilities (C, ...): a SIMULATION-ONLY diagnostic (the noise-free
         probability ensemble of SPEC section 11). Full-resolution: never exposed by the Flower app."""
-        return sum(self.teacher_probs(k, scans) for k in range(self.num_teachers))
+        return sum(self.teacher_probs(k, scans, config) for k in range(self.num_teachers))
 
     def evaluate(self, config: Mapping[str, Any] | None = None) -> dict:
         """Per-teacher Dice (scalars only) on the public test scans + labels the server sends
@@ -341,7 +370,9 @@ class Hospital:
         cache = self._evaluation_cache(images, labels)
         if cache is not None and cache.exists():
             return json.loads(cache.read_text())
-        scores = [evaluate_segmentation(self._teacher(k), images, labels) for k in range(self.num_teachers)]
+        device, precision = self.compute(config)
+        scores = [evaluate_segmentation(self._teacher(k, device), images, labels, device=device, precision=precision)
+                  for k in range(self.num_teachers)]
         means = [s.get("mean") for s in scores]
         valid = [m for m in means if m is not None]
         result = {"hospital_id": self.hospital_id, "teacher_dice": means,

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from privacy import sensitivity as sens
 from sim import codecs
+from sim.device import resolve_device
 from sim.errors import UserError
 from sim.io import atomic_save_torch
 
@@ -136,7 +137,7 @@ class Compressor:
 
     def encode(self, probs: np.ndarray) -> np.ndarray:
         """Server-side convenience (tests, diagnostics): the exact function hospitals run."""
-        return codecs.encode(self.state(), probs)
+        return codecs.encode(self.state(), probs, getattr(self, "device", None))
 
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim)}
@@ -375,13 +376,18 @@ class AutoencoderCompressor(Compressor):
     bottleneck, random flips as augmentation, Adam; seeded, and checkpointed at ``checkpoint`` (a
     checkpoint written for the same data + configuration is reused instead of retraining).
     Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
+
+    ``device`` (issue 30; ``sim.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
+    in float32 whatever the run's precision: it is small, and its unit-ball output is what the sensitivity 2/K
+    rests on. The bottleneck's training noise and the flips are drawn on the host from the seeded generators,
+    then copied, so the trained autoencoder does not depend on where the draws would otherwise have been made.
     """
 
     name = "ae"
 
     def __init__(self, latent_dim: int, train_sigma: float = 0.0, epochs: int = 20, *, learning_rate: float = 2e-3,
                  batch_size: int = 4, seed: int = 0, channels=(8, 16, 32, 32), checkpoint: str | Path | None = None,
-                 progress: bool = False):
+                 progress: bool = False, device=None):
         if int(latent_dim) < 1:
             raise UserError(f"latent_dim: expected a positive integer, got {latent_dim}")
         self.latent_dim = int(latent_dim)
@@ -393,6 +399,7 @@ class AutoencoderCompressor(Compressor):
         self.channels = tuple(channels)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.progress = progress
+        self.device = resolve_device(device)
         self.net = None
         self.history: list[float] = []
         self._reference: np.ndarray | None = None
@@ -418,7 +425,7 @@ class AutoencoderCompressor(Compressor):
         maps = self._check_fit_input(public_onehot)
         self._reference = maps
         torch.manual_seed(self.seed)
-        self.net = codecs.AutoencoderNet(self.latent_dim, self.grid, self.classes, self.channels)
+        self.net = codecs.AutoencoderNet(self.latent_dim, self.grid, self.classes, self.channels).to(self.device)
         fingerprint = self._fingerprint(maps)
         if self.checkpoint is not None and self.checkpoint.exists():
             saved = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
@@ -430,7 +437,7 @@ class AutoencoderCompressor(Compressor):
         generator = torch.Generator().manual_seed(self.seed)
         rng = np.random.default_rng(self.seed)
         optimiser = torch.optim.Adam(self.net.parameters(), lr=self.learning_rate)
-        data = torch.from_numpy(maps)
+        data = torch.from_numpy(maps).to(self.device)   # the public maps on the device once
         epochs = range(self.epochs)
         if self.progress:
             epochs = tqdm(epochs, desc="autoencoder", leave=False)
@@ -439,7 +446,7 @@ class AutoencoderCompressor(Compressor):
             order = rng.permutation(len(maps))
             total = 0.0
             for start in range(0, len(order), self.batch_size):
-                batch = data[order[start:start + self.batch_size]]
+                batch = data[torch.from_numpy(order[start:start + self.batch_size]).to(self.device)]
                 flips = [axis + 2 for axis in range(len(self.grid)) if rng.random() < 0.5]
                 if flips:  # public-data augmentation: mirrored label maps are plausible label maps
                     batch = torch.flip(batch, dims=flips)
@@ -473,9 +480,9 @@ class AutoencoderCompressor(Compressor):
 
     def decode(self, z: np.ndarray) -> np.ndarray:
         self._require_fit()
-        z = torch.as_tensor(np.asarray(z, dtype=np.float32).reshape(-1, self.latent_dim))
+        z = torch.as_tensor(np.asarray(z, dtype=np.float32).reshape(-1, self.latent_dim)).to(self.device)
         with torch.no_grad():
-            out = [self.net.decode(z[i:i + 8]).numpy() for i in range(0, len(z), 8)]
+            out = [self.net.decode(z[i:i + 8]).cpu().numpy() for i in range(0, len(z), 8)]
         return np.concatenate(out, axis=0).astype(np.float32)
 
     def collapsed(self, maps: np.ndarray | None = None, threshold: float = 0.1) -> dict:
@@ -485,7 +492,7 @@ class AutoencoderCompressor(Compressor):
         than ``threshold`` of the true foreground."""
         self._require_fit()
         maps = self._reference if maps is None else np.asarray(maps, dtype=np.float32)
-        decoded = self.decode(self.encode(maps)).argmax(axis=1)
+        decoded = self.decode(codecs.encode(self.state(), maps, self.device)).argmax(axis=1)
         truth = maps.argmax(axis=1)
         true_fg = int((truth > 0).sum())
         kept = int((decoded > 0).sum())
@@ -662,7 +669,7 @@ _COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
 
 
 def register_compressor(method: str, factory: Callable[..., Compressor]) -> Callable[..., Compressor]:
-    """``factory(preset, seed=, checkpoint=, progress=, **options) -> Compressor`` for ``method``."""
+    """``factory(preset, seed=, checkpoint=, progress=, device=, **options) -> Compressor`` for ``method``."""
     if method in _COMPRESSORS and _COMPRESSORS[method] is not factory:
         raise ValueError(f"a compressor for {method!r} is already registered")
     _COMPRESSORS[method] = factory
@@ -674,29 +681,32 @@ def unregister_compressor(method: str) -> None:
 
 
 def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str | Path | None = None,
-                    progress: bool = False, **options) -> Compressor:
-    """The compressor a PATE method uses (the registered factory)."""
+                    progress: bool = False, device=None, **options) -> Compressor:
+    """The compressor a PATE method uses (the registered factory). ``device``: where the autoencoder runs (the
+    other codecs are numpy on the host: matrix products of at most a few hundred public rows, and float64
+    bounding steps the sensitivity depends on)."""
     if method not in _COMPRESSORS:
         raise UserError(f"method: expected one of {', '.join(_COMPRESSORS)}, got {method!r}")
-    return _COMPRESSORS[method](preset, seed=seed, checkpoint=checkpoint, progress=progress, **options)
+    return _COMPRESSORS[method](preset, seed=seed, checkpoint=checkpoint, progress=progress, device=device,
+                                **options)
 
 
-def _pca(preset, *, seed, checkpoint, progress, **options) -> PCACompressor:
+def _pca(preset, *, seed, checkpoint, progress, device=None, **options) -> PCACompressor:
     return PCACompressor(options.get("n_components", getattr(preset, "pca_components", None)),
                          options.get("sensitivity_mode", options.get("pca_mode", "public")), options.get("clip"))
 
 
-def _autoencoder(preset, *, seed, checkpoint, progress, **options) -> AutoencoderCompressor:
+def _autoencoder(preset, *, seed, checkpoint, progress, device=None, **options) -> AutoencoderCompressor:
     return AutoencoderCompressor(options.get("latent_dim", getattr(preset, "ae_latent_dim", 8)),
                                  epochs=options.get("epochs", getattr(preset, "ae_epochs", 20)),
-                                 seed=seed, checkpoint=checkpoint, progress=progress)
+                                 seed=seed, checkpoint=checkpoint, progress=progress, device=device)
 
 
-def _identity(preset, *, seed, checkpoint, progress, **options) -> IdentityCompressor:
+def _identity(preset, *, seed, checkpoint, progress, device=None, **options) -> IdentityCompressor:
     return IdentityCompressor()
 
 
-def _anchored(preset, *, seed, checkpoint, progress, **options) -> AnchoredResidualCompressor:
+def _anchored(preset, *, seed, checkpoint, progress, device=None, **options) -> AnchoredResidualCompressor:
     extra = getattr(preset, "extra", None) or {}
     return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
                                       options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)))

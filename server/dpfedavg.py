@@ -28,6 +28,7 @@ from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
+from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.networks import build_unet, network_config
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
@@ -101,7 +102,8 @@ def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) 
 def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, delta: float, out_dir: str | Path,
                  seed: int = 0, rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
                  reproducible_noise: bool = False, relation: str = "replace-one",
-                 init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public") -> dict[str, Any]:
+                 init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public", device: str = "auto",
+                 precision: str = "32") -> dict[str, Any]:
     """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results.
 
     ``init_weights``: the starting global model -- the public model (issue 17: every method starts from the
@@ -110,7 +112,11 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     hospitals calibrate one noise multiplier for all entries together (the plan travels in each round's
     config), so their ledgers' ε over the whole grid is the budget; the entry whose global model has the best
     public validation Dice is kept (post-processing of released models).
+
+    ``device`` / ``precision`` (issue 30): sent to the simulated hospitals with every round (deployed ones use
+    their node config) and used here to evaluate the global models.
     """
+    device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,6 +131,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     run_tag = f"{out.resolve().name}-e{epsilon:g}-{secrets.token_hex(4)}"
     plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
     candidates = []
+    last_replies = None
     for index, setting in enumerate(settings):
         weights, history = dict(start), []
         iterator = range(setting["rounds"])
@@ -137,10 +144,12 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
                 "epsilon": epsilon, "delta": delta, "seed": seed, "run_tag": run_tag,
                 "reproducible_noise": bool(reproducible_noise), "relation": relation,
                 "setting": index, "plan": plan, "learning_rate": setting["learning_rate"],
-                "max_grad_norm": setting["max_grad_norm"], "batch_size": setting["batch_size"]})
+                "max_grad_norm": setting["max_grad_norm"], "batch_size": setting["batch_size"],
+                "device": device, "precision": precision})
             if not replies:
                 history.append({"round": round_index, "hospitals": 0})
                 break
+            last_replies = replies
             updates = {}
             for hospital, (metrics, new_weights) in replies.items():
                 mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
@@ -153,15 +162,18 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
             history.append({"round": round_index, "hospitals": len(updates)})
         candidate = build_unet(preset.unet)
         candidate.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
+        candidate.to(resolve_device(device))
         # public labels only: what may choose among the released global models
-        candidates.append((setting, candidate, history, public_validation_dice(candidate, world)))
+        candidates.append((setting, candidate, history, public_validation_dice(candidate, world, precision=precision)))
     chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i][3] is None else candidates[i][3], -i))
     setting, model, history, validation_dice = candidates[chosen]
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
+                                                         precision=precision)
     results = RunResults(
         method="dp-fedavg", dice=dice, epsilon_budget=epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published
         seed=None if reproducible_noise else seed,
+        device=device_name(model_device(model)), precision=precision,
     ).account(ledger, delta, relation=relation)   # the worst hospital's, from the mirrored records
     results.extras = {
         "dice_per_case": dice_per_case,
@@ -182,6 +194,8 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         "max_grad_norm": setting["max_grad_norm"],
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
         "dropped_hospitals": {h: public_dropout_reason(why) for h, why in transport.dropped.items()},
+        # where each hospital ran its local DP-SGD in the last round (a deployed hospital chooses its own)
+        "hospital_devices": {h: m.get("device") for h, (m, _) in (last_replies or {}).items()},
     }
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})

@@ -60,6 +60,7 @@ from server.transport import (
 )
 from sim import codecs
 from sim.bundle import preprocessing_of
+from sim.device import check_device_spec, check_precision, device_name, model_device
 from sim.errors import UserError
 from sim.methods import PATE_METHODS
 from sim.metrics import dice_scores
@@ -96,10 +97,21 @@ class PateConfig:
     #: checkpoints of the epsilon-independent public models, shared by a comparison's cells
     shared_dir: str | Path | None = None
     progress: bool = True
+    #: issue 30: where the server's models (public model, autoencoder, student) run, and the spec the simulated
+    #: hospitals are sent for their teachers (deployed hospitals follow their own node config); auto | cpu |
+    #: cuda | cuda:N (sim.device)
+    device: str = "auto"
+    precision: str = "32"                 # "32" | "bf16": autocast around forward passes (sim.device)
 
     def __post_init__(self) -> None:
         if self.method not in PATE_METHODS:
             raise UserError(f"method: expected one of {', '.join(PATE_METHODS)}, got {self.method!r}")
+        object.__setattr__(self, "device", check_device_spec(self.device))
+        object.__setattr__(self, "precision", check_precision(self.precision))
+
+    def compute(self) -> dict[str, str]:
+        """What every message to the hospitals says about device and precision (strings: they travel)."""
+        return {"device": self.device, "precision": self.precision}
 
 
 # ---------------------------------------------------------------------------------------------- steps' data
@@ -229,13 +241,14 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> tor
     """Step 1: the public model (reference images + labels), checkpointed where a comparison shares it."""
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
     return train_public_model(world, preset, seed=config.seed, progress=config.progress,
-                              checkpoint=shared / "public-model.pt" if shared else None)
+                              checkpoint=shared / "public-model.pt" if shared else None,
+                              device=config.device, precision=config.precision)
 
 
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
-    metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed,
+    metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed, **config.compute(),
                                **({"local_dp": dict(config.local_dp)} if config.local_dp else {})},
                               init_weights=_state_arrays(public_model))
     per_hospital = {h: int(m.get("teachers", 0)) for h, m in metrics.items() if int(m.get("teachers", 0)) > 0}
@@ -261,13 +274,15 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     noise_per_sensitivity = pate_sigma(config.epsilon, config.delta, queries, 1.0, mode=config.calibration)
     compressor = make_compressor(config.method, preset, seed=config.seed,
                                  checkpoint=out / "compressor" / "autoencoder.pt", progress=config.progress,
-                                 pca_mode=config.pca_mode, **dict(config.compressor_options or {}))
+                                 device=config.device, pca_mode=config.pca_mode,
+                                 **dict(config.compressor_options or {}))
     if compressor.needs_public_model and (public_model is None or world.reference_images is None):
         raise UserError(f"{config.method} needs the public model and public reference scans with labels")
-    public_query = predict_probs(public_model, world.query_images) if public_model is not None else None
+    public_query = (predict_probs(public_model, world.query_images, precision=config.precision)
+                    if public_model is not None else None)
     public = PublicFit(
         reference_maps=codecs.one_hot(world.reference_labels, world.classes),
-        reference_probs=(predict_probs(public_model, world.reference_images)
+        reference_probs=(predict_probs(public_model, world.reference_images, precision=config.precision)
                          if compressor.needs_public_model else None),
         query_probs=public_query, reference_is_query=list(world.reference_ids) == list(world.query_ids),
         with_predictions=bool(config.fit_on_public_predictions))
@@ -275,7 +290,8 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
     sigma = pate_sigma(config.epsilon, config.delta, queries, sensitivity, mode=config.calibration)
-    public_test = predict_probs(public_model, world.test_images) if compressor.needs_public_model else None
+    public_test = (predict_probs(public_model, world.test_images, precision=config.precision)
+                   if compressor.needs_public_model else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
                        compressor.release_checks(), public_query, public_test, compressor.fit_counts)
 
@@ -310,7 +326,7 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
         release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
         replies = transport.query(world.query_images[batch], plan.codec_for(batch), {
             "method": config.method, "seed": config.seed, "queries": batch, "release_ids": release_ids,
-            "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta)})
+            "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta), **config.compute()})
         phase.stopped_early = _aggregate_batch(phase, batch, release_ids, replies, plan, guard, noise, asked, bar)
         if phase.stopped_early:
             break
@@ -333,10 +349,12 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     public_init = {k: v.clone() for k, v in public_model.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
     student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=public_init,
-                            include_reference=config.include_reference, progress=config.progress)
+                            include_reference=config.include_reference, progress=config.progress,
+                            device=config.device, precision=config.precision)
     public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student_epochs, init=public_init,
                                      progress=config.progress,
-                                     checkpoint=shared / "public-only.pt" if shared else None)
+                                     checkpoint=shared / "public-only.pt" if shared else None,
+                                     device=config.device, precision=config.precision)
     return Student(student, public_only, pseudo)
 
 
@@ -346,28 +364,31 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
     teachers' own Dice (at the hospitals), the noise-free ensemble through the codec (one un-noised query
     of the public test scans), the teachers' averaged probabilities where the transport can give them,
     and the pseudo-labels' Dice. None of the simulation diagnostics is covered by the guarantee."""
-    dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels)
+    precision = config.precision   # the models are already on the run's device
+    dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels,
+                                                    precision=precision)
     public_dice, public_per_case = evaluate_segmentation_per_case(student.public_only, world.test_images,
-                                                                  world.test_labels)
+                                                                  world.test_labels, precision=precision)
     result = Evaluation(dice, per_case, public_dice, public_per_case,
-                        public_validation_dice(student.model, world), diagnostics=config.diagnostics)
+                        public_validation_dice(student.model, world, precision=precision),
+                        diagnostics=config.diagnostics)
     if not config.diagnostics:
         return result
-    teacher_dice = transport.evaluate({"seed": config.seed}, test={"images": world.test_images,
+    teacher_dice = transport.evaluate({"seed": config.seed, **config.compute()}, test={"images": world.test_images,
                                                                    "labels": world.test_labels})
     scores = [d for m in teacher_dice.values() for d in (m.get("teacher_dice") or []) if d is not None]
     result.teacher_dice_mean = float(np.mean(scores)) if scores else None
     result.teacher_dice_per_hospital = {h: m.get("teacher_dice_mean") for h, m in teacher_dice.items()}
     test_indices = np.arange(len(world.test_images))
     clean = transport.query(world.test_images, plan.codec_for(test_indices, on="test"),
-                            {"method": config.method, "diagnostic": True})
+                            {"method": config.method, "diagnostic": True, **config.compute()})
     rows = [np.asarray(r, np.float64) for r in clean.values() if np.asarray(r).ndim == 3]
     if rows:
         mean_latent = np.concatenate(rows, axis=0).mean(axis=0)
         result.ensemble_dice = _label_dice(plan.decode(mean_latent, test_indices, on="test", noisy=False),
                                            world.test_labels)
     if isinstance(transport, TeacherEnsembleDiagnostics):
-        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images),
+        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images, config.compute()),
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])
@@ -389,6 +410,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         bytes_up_per_query_per_teacher=int(plan.compressor.bytes_per_query_per_teacher),
         # with reproducible noise the seed would let anyone regenerate and subtract it: never published
         seed=None if noise.is_reproducible else int(config.seed),
+        device=device_name(model_device(student.model)), precision=config.precision,
     ).account(ledger, config.delta, relation="replace-one")
     results.extras = {
         **noise.describe(),
@@ -417,6 +439,8 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                                                                   evaluation.public_model_query_dice),
         "teacher_dice_per_hospital": evaluation.teacher_dice_per_hospital,
         "local_epsilon": {h: m.get("local_epsilon") for h, m in teachers.metrics.items()},
+        # where each hospital trained its teachers (a deployed hospital chooses its own device)
+        "hospital_devices": {h: m.get("device") for h, m in teachers.metrics.items()},
         "soft_labels": bool(config.soft_labels), "student_includes_reference": bool(config.include_reference),
         "stopped_early": queries.stopped_early,
         # counts only: a rejection's reason can carry numbers computed from private data (norms)
@@ -440,7 +464,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                               f"{results.accountant} accountant over {len(queries.answered)} Gaussian queries "
                               f"(sigma={plan.sigma:.4g}); covers the pseudo-labels and the student"),
     }
-    labels = predict_probs(student.model, world.test_images).argmax(axis=1).astype(np.uint8)
+    labels = predict_probs(student.model, world.test_images, precision=config.precision).argmax(axis=1).astype(np.uint8)
     release = ModelRelease(student.model, network_config(preset.unet), preprocessing_of(world), world.source,
                            test_predictions=(labels, world))
     return write_run(out, results, release, started=started)

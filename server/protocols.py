@@ -38,14 +38,17 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
         if init == "public":   # the same public model PATE starts from (shared with its cells in a comparison)
             shared = cell.get("shared_dir")
             public_model = train_public_model(world, preset, seed=settings.seed, progress=settings.progress,
-                                              checkpoint=Path(shared) / "public-model.pt" if shared else None)
+                                              checkpoint=Path(shared) / "public-model.pt" if shared else None,
+                                              device=settings.device, precision=settings.precision)
             start = {k: v.detach().cpu().numpy() for k, v in public_model.state_dict().items()}
         elif init != "scratch":
             raise UserError(f"init: expected public or scratch, got {init!r}")
         return run_dpfedavg(transport, world, preset, cell["epsilon"], settings.resolved_delta, cell["out"],
                             seed=settings.seed, progress=settings.progress,
-                            reproducible_noise=settings.reproducible_noise, init_weights=start, init=init)
+                            reproducible_noise=settings.reproducible_noise, init_weights=start, init=init,
+                            device=settings.device, precision=settings.precision)
     config = PateConfig(cell["method"], cell["epsilon"], settings.resolved_delta, seed=settings.seed,
                         calibration=settings.calibration, query_batch=settings.query_batch,
-                        shared_dir=cell.get("shared_dir"), progress=settings.progress)
+                        shared_dir=cell.get("shared_dir"), progress=settings.progress,
+                        device=settings.device, precision=settings.precision)
     return run_pate(transport, world, preset, config, cell["out"], noise=settings.cell_noise_source(cell))

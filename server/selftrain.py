@@ -73,7 +73,7 @@ def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
 
 def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, rounds: int = DEFAULT_ROUNDS,
                temperature: float = DEFAULT_TEMPERATURE, epochs: int | None = None, progress: bool = False,
-               checkpoint_dir: str | Path | None = None) -> SelfTrainOutcome:
+               checkpoint_dir: str | Path | None = None, device=None, precision: str = "32") -> SelfTrainOutcome:
     """Rounds of pseudo-labelling on ``world.query_images`` (module docstring); ``world`` is a
     :class:`sim.world.PublicWorld` and only its public arrays are read (never ``query_labels``)."""
     if rounds < 1:
@@ -83,14 +83,16 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
     model = public_model
     candidates: list[tuple[torch.nn.Module, float | None]] = []
     for round_index in range(1, rounds + 1):
-        targets = sharpen(predict_probs(model, world.query_images), temperature)
+        targets = sharpen(predict_probs(model, world.query_images, device=device, precision=precision), temperature)
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         checkpoint = Path(checkpoint_dir) / f"round-{round_index}.pt" if checkpoint_dir else None
         model = train_student(world, targets, queries, preset, seed=seed + round_index - 1, init=init,
-                              epochs=epochs, include_reference=True, progress=progress, checkpoint=checkpoint)
+                              epochs=epochs, include_reference=True, progress=progress, checkpoint=checkpoint,
+                              device=device, precision=precision)
         score = None
         if world.validation_images is not None and len(world.validation_images):
-            score = evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")
+            score = evaluate_segmentation(model, world.validation_images, world.validation_labels,
+                                          device=device, precision=precision).get("mean")
         candidates.append((model, score))
     # best public validation Dice; the earliest round on ties or without a validation set
     chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i][1] is None else candidates[i][1], -i))

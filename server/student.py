@@ -8,6 +8,8 @@ model on ((x_n, y_hat_n))"), trained with the shared engine (sim.training).
   public query scans (soft probabilities by default), together with the public reference data
   (``include_reference``): everything public the server holds. PATE helps exactly where this student
   beats the public-only model trained on the reference data alone for the same number of epochs.
+
+Both train on ``device`` (issue 30; None = auto) at ``precision``, and are returned there.
 """
 
 from __future__ import annotations
@@ -18,36 +20,40 @@ import numpy as np
 import torch
 
 from sim.codecs import one_hot
+from sim.device import resolve_device
 from sim.networks import build_unet
 from sim.training import TrainConfig, train_segmentation
 
 
-def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description):
+def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description, device=None,
+           precision="32"):
     torch.manual_seed(seed)
     model = build_unet(preset.unet)
     if epochs <= 0:
         if init is not None:
             model.load_state_dict(init)
-        return model
+        return model.to(resolve_device(device))
     config = TrainConfig(epochs=int(epochs), batch_size=preset.batch_size, learning_rate=preset.learning_rate,
                          seed=seed, progress=progress, checkpoint=checkpoint, init_from=init,
-                         description=description)
+                         description=description, device=device, precision=precision)
     return train_segmentation(model, images, targets, config).model
 
 
 def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = None, init=None,
-                       progress: bool = False, checkpoint: str | Path | None = None):
+                       progress: bool = False, checkpoint: str | Path | None = None, device=None,
+                       precision: str = "32"):
     """U-Net on the public reference images + labels (pre-training / public-only baseline)."""
     epochs = preset.pretrain_epochs if epochs is None else epochs
     if world.reference_images is None:
         epochs = 0
     return _train(world.reference_images, world.reference_labels, preset, epochs=epochs, seed=seed, init=init,
-                  progress=progress, checkpoint=checkpoint, description="public model")
+                  progress=progress, checkpoint=checkpoint, description="public model", device=device,
+                  precision=precision)
 
 
 def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, seed: int = 0, init=None,
                   epochs: int | None = None, include_reference: bool = True, progress: bool = False,
-                  checkpoint: str | Path | None = None):
+                  checkpoint: str | Path | None = None, device=None, precision: str = "32"):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
 
     ``pseudo_labels``: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
@@ -65,6 +71,6 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
                                   reference.astype(targets.dtype)])
     if len(images) == 0:
         return _train(None, None, preset, epochs=0, seed=seed, init=init, progress=progress, checkpoint=None,
-                      description="student")
+                      description="student", device=device, precision=precision)
     return _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
-                  checkpoint=checkpoint, description="student")
+                  checkpoint=checkpoint, description="student", device=device, precision=precision)

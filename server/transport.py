@@ -55,7 +55,7 @@ class TeacherEnsembleDiagnostics(Protocol):
     noise-free ceiling of SPEC section 11). Those probabilities never travel over the wire, so only a
     transport that holds the hospitals in this process offers it; no guarantee covers it."""
 
-    def ensemble_probabilities(self, scans: np.ndarray) -> np.ndarray:
+    def ensemble_probabilities(self, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
         """(n, C, *grid) mean of every teacher's softmax output."""
 
 

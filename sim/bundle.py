@@ -276,6 +276,8 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
         f"| weights digest (sha256) | `{bundle['weights_sha256']}` |",
         *[f"| {label} | {card[key]} |" for key, label in (("start", "training started from"),
                                                            ("settings", "training settings"),
+                                                           ("device", "trained on device"),
+                                                           ("precision", "forward-pass precision"),
                                                            ("note", "note")) if card.get(key)],
         "",
         "## Use",

@@ -195,6 +195,12 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
 
     Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
     total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
+
+    On a GPU (issue 30) the noise is still drawn on the host, from the epoch's stream -- the OS CSPRNG, or the
+    seeded stream of an explicitly reproducible simulation -- exactly as on the CPU, and then copied to the
+    gradient's device in float32. Never a device RNG: a CUDA generator would need a seed, and a seed is what
+    lets anyone regenerate the noise. The same draws on every device keep ``--reproducible-noise`` runs
+    comparable across devices.
     """
     def add_noise() -> None:
         stream = session.stream
@@ -206,8 +212,10 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
             # would get a second draw (Opacus guards the same way with private helpers we do not import)
             if getattr(p.summed_grad, "_fedpate_noised", False):
                 raise RuntimeError("DP-SGD: noise added twice to one step's clipped gradient (zero_grad missing)")
-            noise = std * stream.standard_normal(tuple(p.summed_grad.shape))
-            p.grad = (p.summed_grad + torch.from_numpy(noise).to(p.summed_grad)).view_as(p)
+            noise = std * stream.standard_normal(tuple(p.summed_grad.shape))   # float64, host, from the stream
+            # float32 on the gradient's device (a no-op copy on the CPU); never a bf16 noise sample
+            p.grad = (p.summed_grad + torch.from_numpy(noise).to(device=p.summed_grad.device,
+                                                                  dtype=torch.float32)).view_as(p)
             p.summed_grad._fedpate_noised = True
 
     optimizer.add_noise = add_noise
@@ -374,6 +382,18 @@ class DPSession:
         if self.dp.sampling == "poisson":
             return poisson_batches(self.n, self.sampling_rate, self.steps, self.stream)
         return shuffled_batches(self.n, self.batch_size, self.stream)
+
+    def per_sample_gradients_to_float32(self) -> None:
+        """Cast per-sample gradients to float32 before clipping (``--precision bf16``).
+
+        Under autocast Opacus' ``hooks`` engine can leave bf16 per-sample gradients (its ``functorch`` engine
+        returns float32); clipping factors, the clipped sum and the noise must then still be computed in
+        float32, so that the clip bound -- the sensitivity the ledger is charged for -- holds to float32
+        rounding, as at precision 32."""
+        for p in self.optimizer.params:
+            grad_sample = getattr(p, "grad_sample", None)
+            if isinstance(grad_sample, torch.Tensor) and grad_sample.dtype != torch.float32:
+                p.grad_sample = grad_sample.float()
 
     def noise_only_step(self) -> None:
         """An empty Poisson batch: clipped sum 0, plus noise, then the optimizer step.

@@ -7,6 +7,9 @@ the working grid covers the cropped brain), map the probabilities back to the sc
 label map with the scan's shape and affine, so ITK-SNAP or 3D Slicer overlays it on the scan. The label codes
 are the convention asked for (``labels``: msd, brats2021, brats2023), by default the input's own: a BraTS 2021
 case gets 4 for enhancing tumour, as its own ``seg`` files do (``sim.data.layouts``, the one mapping table).
+
+Device and precision (issue 30, ``sim.device``): the network runs on ``device`` (auto = CUDA when there is one),
+under bf16 autocast with ``precision="bf16"``; preprocessing and the mapping back stay on the host (numpy).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sim.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_o
 from sim.data.msd import load_case, load_modalities
 from sim.data.reader import read_dataset, require_labels
 from sim.data.preprocess import PreprocessConfig, brain_mask, invert_probs, preprocess_case
+from sim.device import autocast, model_device, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
 from sim.metrics import per_case_dice, summarise
@@ -176,8 +180,9 @@ def resolve_labels(labels: str | None, layout: str) -> str:
     return get_layout(labels or layout, "--labels").name
 
 
-def _bundle_model(model_dir: str | Path, device: str):
+def _bundle_model(model_dir: str | Path, device):
     """(bundle, preprocessing config, network on ``device``) of a verified bundle."""
+    device = resolve_device(device)
 
     bundle = load_bundle(model_dir)
     # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
@@ -186,17 +191,21 @@ def _bundle_model(model_dir: str | Path, device: str):
     return bundle, config, bundle.model.to(device).eval()
 
 
-def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: str = "cpu") -> np.ndarray:
-    """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid."""
+def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=None,
+                 precision: str = "32") -> np.ndarray:
+    """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid. ``device``: where the
+    network runs (None: where the model is); ``precision`` "bf16": its forward pass under autocast."""
     # MONAI (~10 s to import) only when a scan is segmented
     from monai.inferers import sliding_window_inference
 
+    device = model_device(model) if device is None else resolve_device(device)
     image_grid, _, record = preprocess_case(data, None, affine, config)
     with torch.no_grad():
         x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
-        logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
-                                          overlap=0.25)
-        probs = torch.softmax(logits, dim=1)[0].cpu().numpy()
+        with autocast(device, precision):
+            logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
+                                              overlap=0.25)
+        probs = torch.softmax(logits.float(), dim=1)[0].cpu().numpy()
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
     # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
     labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
@@ -209,7 +218,8 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device: st
 
 
 def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: str | Path,
-                  progress: bool = True, device: str = "cpu", labels: str | None = None) -> list[Prediction]:
+                  progress: bool = True, device="auto", labels: str | None = None,
+                  precision: str = "32") -> list[Prediction]:
     """Segment each scan with the bundle in ``model_dir``; returns one :class:`Prediction` per scan.
 
     ``labels``: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
@@ -228,7 +238,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         iterator = tqdm(scans, desc="predict", unit="scan")
     for scan in iterator:
         data, affine, header = load_scan_input(scan)
-        segmentation = segment_scan(model, config, data, affine, device)
+        segmentation = segment_scan(model, config, data, affine, device, precision)
         convention = resolve_labels(labels, scan.layout)
         output = out_dir / (_output_name(scan.scan) if scan.layout == "msd" else f"{scan.name}_seg.nii.gz")
         _write_label_map(output, from_ours(segmentation, convention), affine, header)
@@ -243,8 +253,8 @@ def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
 
 
 def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path | None = None,
-                   progress: bool = True, device: str = "cpu", limit: int | None = None,
-                   layout: str | None = None, labels: str | None = None) -> dict:
+                   progress: bool = True, device="auto", limit: int | None = None,
+                   layout: str | None = None, labels: str | None = None, precision: str = "32") -> dict:
     """Dice of the bundle's segmentations of every labelled case of a data folder, in each scan's grid.
 
     The folder is MSD Task01 or BraTS (``layout``; None = detected); Dice is computed in our classes (WT,
@@ -266,7 +276,7 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
     class_rows, region_rows, rows = [], [], []
     for case in iterator:
         image, truth, affine = load_case(case)
-        labels = segment_scan(model, config, image, affine, device)
+        labels = segment_scan(model, config, image, affine, device, precision)
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", from_ours(labels, convention), affine,

@@ -59,6 +59,10 @@ class RunResults:
     bytes_up_per_query_per_teacher: int | None = None
     wall_seconds: float | None = None
     seed: int | None = None                   # None when it would let anyone regenerate the noise
+    #: issue 30: where the released model was trained (``sim.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
+    #: the forward-pass precision ("32" | "bf16"); None where the producer does not train a model on a device
+    device: str | None = None
+    precision: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
@@ -142,7 +146,10 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
                             epsilon_budget=results.epsilon_budget, relation=results.relation,
                             accountant=results.accountant, teachers=results.teachers,
                             hospitals=results.hospitals, data_source=release.data_source,
-                            queries=results.queries, extra=release.card_extra)
+                            queries=results.queries,
+                            extra={**({"device": results.device} if results.device else {}),
+                                   **({"precision": results.precision} if results.precision else {}),
+                                   **dict(release.card_extra or {})})
         save_bundle(out, release.model, release.network, release.preprocessing, card)
         if release.test_predictions is not None:
             labels, world = release.test_predictions

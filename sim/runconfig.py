@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from privacy.mechanisms import NoiseSource
+from sim.device import check_device_spec, check_precision
 from sim.errors import UserError
 from sim.methods import FEDERATED_METHODS
 from sim.presets import PRESETS, Preset, get_preset
@@ -41,6 +42,10 @@ class RunSettings:
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
     layout: str | None = None         # the data folder's layout (sim.data.layouts); None = detected
     partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (sim.world)
+    #: issue 30: where every model trains and predicts (sim.device: auto = CUDA when there is one); the server's
+    #: own models and the simulated hospitals' (deployed hospitals follow their node config)
+    device: str = "auto"
+    precision: str = "32"             # "32" | "bf16": autocast around forward passes
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +70,9 @@ class RunSettings:
             raise UserError(f"init: expected 'public' or 'scratch', got {self.init!r}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
+        # spec syntax only (no torch here): each party resolves it where it runs (sim.device.resolve_device)
+        object.__setattr__(self, "device", check_device_spec(self.device, "device"))
+        object.__setattr__(self, "precision", check_precision(self.precision, "precision"))
 
     @property
     def resolved_preset(self) -> Preset:
@@ -105,6 +113,7 @@ class RunSettings:
             reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
             init=str(get("init", "public")), layout=get("layout"), partition_file=get("partition-file"),
+            device=str(get("device", "auto")), precision=str(get("precision", "32")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -119,6 +128,7 @@ class RunSettings:
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
             "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
             "init": self.init, "layout": self.layout or "", "partition-file": self.partition_file or "",
+            "device": self.device, "precision": self.precision,
         }
 
     def noise_source(self, *names):

@@ -14,6 +14,17 @@ progress, an atomic checkpoint after every epoch and resume (model, optimizer, e
 session: sigmas charged so far). DP-SGD is switched on by passing a ``sim.dpsgd.DPConfig``; its batches
 and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
 the training seed.
+
+Device and precision (issue 30; ``sim.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
+auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
+once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
+device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
+calling the augmenter in exactly the same order, so the trained weights do not change
+(``tests/test_device.py``). Prefetching hides host augmentation only up to one step's time, and a GPU step is
+far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
+(``augment_on``: :class:`sim.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
+after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
+forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sim.data.augment import training_augmentation
+from sim.data.augment import batch_augmentation, training_augmentation
+from sim.device import autocast, check_precision, model_device, resolve_device
 from sim.dpsgd import DPSession
 from sim.errors import UserError
 from sim.io import atomic_save_torch
@@ -51,6 +63,15 @@ class TrainConfig:
     extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
     loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
     optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
+    device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (sim.device)
+    precision: str = "32"                  # "32" | "bf16": autocast around the forward pass (sim.device)
+    #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
+    #: host would otherwise starve it; on a shared CPU both compete for the same cores)
+    prefetch: bool | None = None
+    #: where augmentation runs: "host" (MONAI, per sample; the CPU default and the reference results) or "device"
+    #: (sim.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
+    #: ranges, other draws). None: "device" on a GPU, "host" otherwise
+    augment_on: str | None = None
 
 
 @dataclass
@@ -94,17 +115,62 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------------- augmentation
-def _augmenter(seed: int, level: bool | str = True) -> Callable:
-    return training_augmentation(seed, level="domain" if level is True else str(level))
+def _augmenter(seed: int, level: bool | str = True, batched: bool = False) -> Callable:
+    level = "domain" if level is True else str(level)
+    return batch_augmentation(seed, level=level) if batched else training_augmentation(seed, level=level)
 
 
 def _augment_batch(aug: Callable, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Augment each sample on the host (MONAI transforms, the augmenter's own numpy RNG, in batch order)."""
     out_images, out_targets = [], []
     for image, target in zip(images, targets):
         a_img, a_tgt = aug(image, target)
         out_images.append(torch.as_tensor(np.asarray(a_img), dtype=images.dtype))
         out_targets.append(torch.as_tensor(np.asarray(a_tgt), dtype=targets.dtype))
     return torch.stack(out_images), torch.stack(out_targets)
+
+
+def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Callable | None, device,
+                    prefetch: bool, batched: bool = False):
+    """Yield ``(indices, images, targets)`` on ``device`` for each batch of indices (empty batches: Nones).
+
+    Without augmentation ``x_all``/``y_all`` already live on the device and a batch is one indexing op. With it,
+    they stay on the host, each batch is augmented there and copied over (pinned, non-blocking on a GPU). With
+    ``prefetch`` one worker thread prepares batch i+1 while the caller trains on batch i: the augmenter is still
+    called batch after batch in the same order, so the result is the same as without prefetching. ``batches``
+    must not draw from anything the training step also draws from (DP-SGD's noise stream): it is advanced one
+    batch ahead. ``batched``: ``aug`` is a :class:`sim.data.augment.BatchAugmentation` applied to the whole batch
+    where the data already are (the device).
+    """
+
+    def prepare(batch):
+        if len(batch) == 0:
+            return batch, None, None
+        index = batch if batch.device == x_all.device else batch.to(x_all.device)
+        xb, yb = x_all[index], y_all[index]
+        if aug is not None and batched:
+            xb, yb = aug(xb, yb)
+        elif aug is not None:
+            xb, yb = _augment_batch(aug, xb, yb)
+            if device.type == "cuda":
+                xb, yb = xb.pin_memory(), yb.pin_memory()
+        return batch, xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+
+    if not prefetch:
+        for batch in batches:
+            yield prepare(batch)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedpate-prefetch") as pool:
+        pending = None
+        for batch in batches:
+            future = pool.submit(prepare, batch)
+            if pending is not None:
+                yield pending.result()
+            pending = future
+        if pending is not None:
+            yield pending.result()
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -149,6 +215,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         raise UserError(f"training: {n} images but {len(y_all)} targets")
     if config.epochs < 0 or config.batch_size < 1:
         raise UserError("training: epochs must be >= 0 and batch_size >= 1")
+    device = resolve_device(config.device)
+    precision = check_precision(config.precision)
 
     base_model = model
     checkpoint = Path(config.checkpoint) if config.checkpoint else None
@@ -158,6 +226,16 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         base_model.load_state_dict(resume_state["model"])
     elif config.init_from is not None:
         _load_init(base_model, config.init_from)
+    # model (hence the optimiser's state and Opacus' per-sample gradients) on the device before anything wraps it
+    base_model.to(device)
+    augment_on = config.augment_on or ("device" if device.type == "cuda" else "host")
+    if augment_on not in ("host", "device"):
+        raise UserError(f"augment_on: expected host or device, got {augment_on!r}")
+    batched = bool(config.augment) and augment_on == "device"
+    # the dataset on the device once (host-augmented batches are made on the host and copied per batch instead)
+    if not config.augment or batched:
+        x_all, y_all = x_all.to(device), y_all.to(device)
+    prefetch = (device.type == "cuda") if config.prefetch is None else bool(config.prefetch)
 
     torch.manual_seed(config.seed)
     if config.optimizer_factory is not None:
@@ -194,24 +272,28 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         if session is not None and not session.begin_epoch(epoch):
             break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
         train_model.train()
-        aug = _augmenter(config.seed * 100_003 + epoch, config.augment) if config.augment else None
+        aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
         if session is not None:
             batches = session.batches()
         else:
             order = torch.randperm(n, generator=generator)
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
         losses, seen = [], 0
-        for batch in batches:
+        # DP-SGD's next batch comes from the noise stream after this step's noise: never drawn ahead
+        for batch, xb, yb in _device_batches(batches, x_all, y_all, aug, device, prefetch and session is None,
+                                             batched):
             if len(batch) == 0:
                 session.noise_only_step()
                 continue
-            xb, yb = x_all[batch], y_all[batch]
-            if aug is not None:
-                xb, yb = _augment_batch(aug, xb, yb)
             optimizer.zero_grad(set_to_none=True)
-            loss_per_sample = (config.loss_fn or per_sample_loss)(train_model(xb), yb)
+            with autocast(device, precision):
+                logits = train_model(xb)
+            # the loss in float32 (a no-op at precision 32): Dice/CE sums over many voxels lose digits in bf16
+            loss_per_sample = (config.loss_fn or per_sample_loss)(logits.float(), yb)
             loss = loss_per_sample.mean()
             loss.backward()
+            if session is not None and precision != "32":
+                session.per_sample_gradients_to_float32()
             optimizer.step()
             if session is None:
                 losses.append(float(loss.detach()) * len(batch))
@@ -226,7 +308,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             record = {"epoch": epoch + 1, "noise_multiplier": session.sigmas[-1],
                       "epsilon": session.spent(with_rdp=False)["epsilon"]}
         if validation is not None:
-            val_dice = evaluate_segmentation(base_model, validation[0], validation[1])["mean"]
+            val_dice = evaluate_segmentation(base_model, validation[0], validation[1], device=device,
+                                             precision=precision)["mean"]
             record["validation_dice_mean"] = val_dice
             if session is not None:
                 session.observe_validation(val_dice if val_dice is not None else 0.0)
@@ -273,27 +356,38 @@ def _unwrap(wrapped: torch.nn.Module) -> None:
 
 # -------------------------------------------------------------------------------------------- inference
 @torch.no_grad()
-def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
-    """Softmax class probabilities (n, C, *g) float32."""
+def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
+                  precision: str = "32") -> np.ndarray:
+    """Softmax class probabilities (n, C, *g) float32, as a host array.
+
+    ``device``: where to run (the model is moved there); None = wherever the model already is. ``precision``
+    "bf16": the forward pass under autocast, the softmax on float32 logits.
+    """
+    device = model_device(model) if device is None else resolve_device(device)
+    model.to(device)
     x_all = _as_tensor(images, torch.float32)
     was_training = model.training
     model.eval()
     outs = []
     for start in range(0, len(x_all), batch_size):
-        outs.append(torch.softmax(model(x_all[start:start + batch_size]), dim=1).numpy().astype(np.float32))
+        with autocast(device, precision):
+            logits = model(x_all[start:start + batch_size].to(device))
+        outs.append(torch.softmax(logits.float(), dim=1).cpu().numpy().astype(np.float32))
     model.train(was_training)
     if not outs:
         return np.zeros((0,), dtype=np.float32)
     return np.concatenate(outs, axis=0)
 
 
-def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2) -> np.ndarray:
-    return predict_probs(model, images, batch_size).argmax(axis=1).astype(np.int64)
+def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
+                   precision: str = "32") -> np.ndarray:
+    return predict_probs(model, images, batch_size, device, precision).argmax(axis=1).astype(np.int64)
 
 
-def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2) -> dict:
+def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
+                          device: Any = None, precision: str = "32") -> dict:
     """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``."""
-    return evaluate_segmentation_per_case(model, images, labels, batch_size)[0]
+    return evaluate_segmentation_per_case(model, images, labels, batch_size, device, precision)[0]
 
 
 class PerCaseDice(list):
@@ -309,16 +403,17 @@ class PerCaseDice(list):
         self.by_class = dict(by_class or {})
 
 
-def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any,
-                                   batch_size: int = 2) -> tuple[dict, PerCaseDice]:
+def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
+                                   device: Any = None, precision: str = "32") -> tuple[dict, PerCaseDice]:
     """(Dice dict, per-case mean Dice with ``.by_class``) -- results.json stores the latter as
-    ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`)."""
+    ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`).
+    ``device``/``precision``: as :func:`predict_probs` (None = where the model is)."""
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
     for start in range(0, len(x_all), batch_size):
-        pred = predict_labels(model, x_all[start:start + batch_size], batch_size)
+        pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
 
@@ -328,10 +423,11 @@ def per_class_of(per_case: Any) -> dict[str, list[float | None]] | None:
     return getattr(per_case, "by_class", None) or None
 
 
-def public_validation_dice(model, world) -> float | None:
+def public_validation_dice(model, world, device: Any = None, precision: str = "32") -> float | None:
     """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`sim.world.PublicWorld`).
     Public labels: free to use for choosing a model or a setting; the test set never is. None when the
     world has no validation set."""
     if world.validation_images is None or not len(world.validation_images):
         return None
-    return evaluate_segmentation(model, world.validation_images, world.validation_labels).get("mean")
+    return evaluate_segmentation(model, world.validation_images, world.validation_labels, device=device,
+                                 precision=precision).get("mean")

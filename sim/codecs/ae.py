@@ -18,6 +18,7 @@ from torch import nn
 from privacy import sensitivity as sens
 from sim.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, latent_dim, register_codec, scalar,
                              unit_ball, zero_rows)
+from sim.device import resolve_device
 from sim.errors import UserError
 
 _ENCODER_PREFIX = "encoder::"
@@ -87,7 +88,9 @@ def _build_autoencoder_class():
         def forward(self, maps, noise_sigma: float = 0.0, generator=None):
             z = self.encode(maps)
             if noise_sigma > 0:  # Algorithm 2: train the decoder on the noise it will see
-                z = z + noise_sigma * torch.randn(z.shape, generator=generator, dtype=z.dtype)
+                # drawn on the host from the (seeded, CPU) generator and copied: the same draws on every device
+                noise = torch.randn(z.shape, generator=generator, dtype=z.dtype)
+                z = z + noise_sigma * noise.to(z.device)
             return self.decode_logits(z)
 
     return AutoencoderNet
@@ -119,13 +122,14 @@ def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "",
     return module
 
 
-def autoencoder_from_state(state: Mapping[str, np.ndarray]):
-    """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae'."""
+def autoencoder_from_state(state: Mapping[str, np.ndarray], device=None):
+    """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae', on ``device``
+    (``sim.device.resolve_device``; None = auto)."""
     grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
     channels = tuple(int(c) for c in np.asarray(state["channels"]).reshape(-1))
     net = AutoencoderNet(int(scalar(state, "latent_dim")), grid, int(scalar(state, "classes")), channels)
     arrays_to_module(net, state, prefix=_ENCODER_PREFIX, strict=False)
-    return net.eval()
+    return net.to(resolve_device(device)).eval()
 
 
 def encoder_arrays(net) -> dict[str, np.ndarray]:
@@ -138,7 +142,7 @@ def encoder_arrays(net) -> dict[str, np.ndarray]:
 def verify(state: Mapping[str, np.ndarray], classes: int, grid: tuple, latent: int, scans_shape) -> float:
     """The encoder can be rebuilt from the state's arrays (a broken state is refused before any charge)."""
     try:
-        autoencoder_from_state(state)
+        autoencoder_from_state(state, "cpu")
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CodecRefused(f"codec: the autoencoder cannot be built from the state sent ({exc})") from None
     return 1.0
@@ -149,9 +153,9 @@ def sensitivity(state: Mapping[str, np.ndarray], teachers: int) -> float:
 
 
 def encoder(state: Mapping[str, np.ndarray], device=None):
-    net = autoencoder_from_state(state)   # built once for all of a hospital's teachers
-    if device is not None:
-        net = net.to(device)
+    """Only the autoencoder's convolutions run on ``device`` (None = auto); every bounding step (the unit ball's
+    final clip) runs in float64 on the host, so the row bound the sensitivity relies on does not depend on it."""
+    net = autoencoder_from_state(state, device)   # built once for all of a hospital's teachers
 
     def encode(probs: np.ndarray) -> np.ndarray:
         check_finite(probs)

@@ -322,18 +322,19 @@ def zero_rows(state: Mapping[str, np.ndarray], n: int) -> np.ndarray:
     return np.zeros((n, latent_dim(state)), np.float32)
 
 
-def encode(state: Mapping[str, np.ndarray], probs: np.ndarray) -> np.ndarray:
+def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, device=None) -> np.ndarray:
     """Encode teacher probabilities (n, C, *grid) into (n, l) float32 rows, bounded by construction.
 
     Raises ``UserError`` if the input does not match the codec (shape) or violates what the sensitivity
     bound assumes. To encode many teachers' outputs with one state, use :func:`make_encoder` (builds the
     autoencoder once).
     """
-    return make_encoder(state)(probs)
+    return make_encoder(state, device)(probs)
 
 
 def make_encoder(state: Mapping[str, np.ndarray], device=None):
-    """``encode`` bound to one codec state (the kind's encoder is built once, e.g. the autoencoder)."""
+    """``encode`` bound to one codec state (the kind's encoder is built once, e.g. the autoencoder, on ``device``;
+    None = auto)."""
     kind = kind_of(state)
     inner = kind.encoder(state, device)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_run_options
+from sim.commands.common import add_compute_options, add_run_options, resolved_device
 from sim.methods import CENTRAL_METHODS
 
 
@@ -13,6 +13,7 @@ def register(subparsers) -> None:
                     "split and write results.json, ledger.jsonl and model/ in --out.")
     parser.add_argument("--method", required=True, choices=tuple(CENTRAL_METHODS))
     add_run_options(parser)
+    add_compute_options(parser)
     parser.add_argument("--noise-mode", default="target", choices=("target", "fixed", "schedule"),
                         help="DP-SGD noise: calibrated to the budget for the planned epochs (target), the "
                              "preset's sigma until the budget is spent (fixed), or a decaying schedule")
@@ -48,6 +49,7 @@ def run(args) -> int:
     from sim.runners.central import run_central
 
     where = data_options(args)
+    device = resolved_device(args)
     results = run_central(
         hospitals=resolve_hospitals(None, where["partition_file"]), **where,
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
@@ -56,7 +58,7 @@ def run(args) -> int:
         max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
         grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
         reproducible_noise=args.reproducible_noise, relation=args.relation, init=args.init,
-        learning_rate=args.learning_rate, batch_size=args.batch_size)
+        learning_rate=args.learning_rate, batch_size=args.batch_size, device=str(device), precision=args.precision)
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

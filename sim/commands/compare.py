@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_run_options
+from sim.commands.common import add_compute_options, add_run_options, resolved_device
 from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 
 
@@ -15,6 +15,7 @@ def register(subparsers) -> None:
                     "Resumable: finished cells are skipped. --task slice-classification|mnist5k compares the "
                     f"classification seed systems ({', '.join(CLASSIFICATION_METHODS)}).")
     add_run_options(parser, default_preset="quick")
+    add_compute_options(parser)
     parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"))
     parser.add_argument("--methods", default=None,
                         help=f"comma-separated (default for segmentation: {','.join(SEGMENTATION_METHODS)})")
@@ -50,6 +51,7 @@ def run(args) -> int:
                         f"e.g. --epsilons {args.epsilon:g}")
     where = data_options(args)
 
+    device = resolved_device(args)
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
              if args.teachers_per_hospital else None)
@@ -80,6 +82,6 @@ def run(args) -> int:
                                delta=args.delta, hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                                teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
                                reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                               init=args.init, **where)
+                               init=args.init, device=str(device), precision=args.precision, **where)
     print(f"report: {report}")
     return 0

@@ -20,6 +20,8 @@ DEMO_EPSILONS = "1,8"
 
 
 def register(subparsers) -> None:
+    from sim.commands.common import add_compute_options
+
     parser = subparsers.add_parser(
         "demo", help="the quick end-to-end demo (compare on fresh phantoms, then predict a new scan)",
         description=f"Runs `fedpate compare --preset quick --methods {DEMO_METHODS} --epsilons {DEMO_EPSILONS}` "
@@ -36,6 +38,7 @@ def register(subparsers) -> None:
                         help="where DP-SGD, DP-FedAvg and non-private training start (default: the public model)")
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
+    add_compute_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -59,11 +62,14 @@ def run(args) -> int:
     from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
 
+    from sim.commands.common import resolved_device
+
+    device = resolved_device(args)
     out = Path(args.out)
     report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                          parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                          progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                         engine=args.engine, init=args.init)
+                         engine=args.engine, init=args.init, device=str(device), precision=args.precision)
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
@@ -71,7 +77,8 @@ def run(args) -> int:
         unseen = sorted((phantoms / "imagesTs").glob("*.nii.gz"))[:1]
         if unseen:
             model_dir = out / best["_cell"]
-            predictions = predict_scans(model_dir, unseen, out / "predict-demo", progress=False)
+            predictions = predict_scans(model_dir, unseen, out / "predict-demo", progress=False, device=str(device),
+                                        precision=args.precision)
             print(f"\npredicted an unseen scan with {best['method']} at epsilon {best['epsilon']:.3g} "
                   f"(delta {best['delta']:g}, {best['relation']}; chosen on public validation Dice "
                   f"{best['validation_dice_mean']:.3f}):")

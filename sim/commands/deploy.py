@@ -41,6 +41,11 @@ def register(subparsers) -> None:
     commands.add_argument("--epsilon-budget", type=float, default=8.0,
                           help="each hospital's lifetime epsilon in its node config (default 8; its IT may change it)")
     commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
+    commands.add_argument("--device", default=None,
+                          help="node-config device of every hospital: where it trains its teachers (auto: its GPU when "
+                               "it has one, the default when omitted; cpu, cuda or cuda:N)")
+    commands.add_argument("--precision", default=None, choices=("32", "bf16"),
+                          help="node-config precision of every hospital (default when omitted: 32)")
     commands.set_defaults(func=_commands)
 
     local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
@@ -55,6 +60,11 @@ def register(subparsers) -> None:
                        help="each hospital's lifetime epsilon, written into its node config (default 8)")
     local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the app's [tool.flwr.app.config] (repeatable)")
+    local.add_argument("--device", default=None,
+                       help="auto|cpu|cuda|cuda:N for the aggregator's models and every local hospital's teachers "
+                            "(run config and node config `device`; default: the app's, auto)")
+    local.add_argument("--precision", default=None, choices=("32", "bf16"),
+                       help="forward-pass precision of the run (run config and node config `precision`; default 32)")
     local.add_argument("--no-tls", action="store_true", help="plain HTTP and no SuperNode authentication")
     local.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
     local.set_defaults(func=_local)
@@ -93,9 +103,12 @@ def _certs(args) -> int:
 def _commands(args) -> int:
     from sim.deployment.recipe import deployment_commands
 
+    from sim.device import check_device_spec
+
+    device = check_device_spec(args.device) if args.device else None   # checked here, resolved on each hospital
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
                               app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital,
-                              epsilon_budget=args.epsilon_budget), end="")
+                              epsilon_budget=args.epsilon_budget, device=device, precision=args.precision), end="")
     return 0
 
 
@@ -126,6 +139,13 @@ def _local(args) -> int:
             raise UserError(f"-c {item!r}: expected KEY=VALUE with KEY one of {sorted(app_config)}")
         run_config[key] = _parse_value(value)
 
+    if args.device or args.precision:
+        from sim.device import resolve_device
+
+        # everything runs on this machine: a GPU asked for and missing is refused before anything starts
+        resolve_device(args.device or run_config.get("device") or "auto")
+        compute = {"device": args.device, "precision": args.precision}
+        run_config.update({k: v for k, v in compute.items() if v and k in app_config})
     if str(run_config.get("reproducible-noise", "false")).lower() in ("true", "1", "yes"):
         raise UserError("-c reproducible-noise=true: refused; a deployment always draws secure noise "
                         "(seeded noise is for simulations only)")
@@ -135,7 +155,9 @@ def _local(args) -> int:
     per_hospital = args.teachers_per_hospital or get_preset(str(run_config.get("preset", "tiny"))).teachers_per_hospital
     hospitals = [{"hospital-id": hid, "data-dir": data.get(hid, ""), "workdir": str(out / "hospitals" / hid),
                   "teachers-per-hospital": args.teachers_per_hospital, "epsilon-budget": args.epsilon_budget,
-                  "max-teachers": per_hospital * len(names)} for hid in names]
+                  "max-teachers": per_hospital * len(names),
+                  **({"device": args.device} if args.device else {}),
+                  **({"precision": args.precision} if args.precision else {})} for hid in names]
     tls = not args.no_tls
     with LocalDeployment(app, out / "deployment", hospitals, tls=tls, auth=tls, verbose=True) as dep:
         status = dep.run(run_config, timeout=args.timeout)

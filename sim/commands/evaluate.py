@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
+    from sim.commands.common import add_compute_options
+
     parser = subparsers.add_parser(
         "evaluate",
         help="score a saved model on a labelled MSD or BraTS folder (Dice in each scan's own grid)",
@@ -23,15 +25,18 @@ def register(subparsers) -> None:
     parser.add_argument("--json", default=None, help="write the summary and per-case rows to this JSON file")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N cases")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_compute_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from sim.io import atomic_write_json
+    from sim.commands.common import resolved_device
     from sim.predict import evaluate_scans
 
+    device = resolved_device(args)
     result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit,
-                            layout=args.layout, labels=args.labels)
+                            layout=args.layout, labels=args.labels, device=str(device), precision=args.precision)
     for row in result["cases"]:
         print(f"{row['case']}: mean Dice {_fmt(row['mean'])} (WT {_fmt(row['WT'])}, TC {_fmt(row['TC'])}, "
               f"ET {_fmt(row['ET'])}); tumour {row['volume_ml']:.1f} ml predicted, {row['true_volume_ml']:.1f} ml true")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
+    from sim.commands.common import add_compute_options
+
     parser = subparsers.add_parser(
         "predict",
         help="segment new scans (4D NIfTI or BraTS case folders) with a saved model (label maps in each scan's grid)",
@@ -23,13 +25,16 @@ def register(subparsers) -> None:
                              "default: the input's own (BraTS cases: their release's; 4D files: msd)")
     parser.add_argument("--out", required=True, help="folder for the label maps")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_compute_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from sim.bundle import load_bundle
+    from sim.commands.common import resolved_device
     from sim.predict import predict_scans
 
+    device = resolved_device(args)
     card = load_bundle(args.model).card
     if card["private"]:
         print(f"model: {card['method']}, ({card['epsilon']:.3g}, {card['delta']:g})-DP, {card['relation']}, "
@@ -37,6 +42,6 @@ def run(args) -> int:
     else:
         print(f"model: {card['method']}, not private")
     for prediction in predict_scans(args.model, args.image, args.out, progress=not args.no_progress,
-                                    labels=args.labels):
+                                    labels=args.labels, device=str(device), precision=args.precision):
         print(prediction.summary())
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_federation_options, add_run_options
+from sim.commands.common import add_compute_options, add_federation_options, add_run_options, resolved_device
 from sim.methods import FEDERATED_METHODS
 
 
@@ -14,6 +14,7 @@ def register(subparsers) -> None:
     parser.add_argument("--method", default="pate-ae", choices=FEDERATED_METHODS)
     add_run_options(parser, default_preset="tiny")
     add_federation_options(parser)
+    add_compute_options(parser)
     parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),
                         help="flower: Flower simulation engine in this process (default); runtime: through a "
                              "--simulation SuperLink and `flwr run`; inprocess: the same protocol without Flower")
@@ -30,12 +31,13 @@ def run(args) -> int:
     from sim.runners.simulation import simulate
 
     where = data_options(args)
+    resolved_device(args)   # refused here when asked for a GPU this machine does not have
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
                            seed=args.seed, out=str(args.out), data=args.data, **where,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                           init=args.init)
+                           init=args.init, device=args.device, precision=args.precision)
     for result in simulate(settings, engine=args.engine):
         dice = (result.get("dice") or {}).get("mean")
         eps = result.get("epsilon")

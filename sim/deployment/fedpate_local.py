@@ -104,7 +104,9 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "teachers-per-hospital": preset.teachers_per_hospital,
                   "epsilon-budget": float(settings.lifetime_epsilon or settings.budget),
                   "max-teachers": preset.teachers_per_hospital * len(folders),
-                  "delta": float(settings.resolved_delta)} for h, folder in folders.items()]
+                  "delta": float(settings.resolved_delta),
+                  # each hospital's device is its own machine's (issue 30); on localhost: the run's spec
+                  "device": settings.device, "precision": settings.precision} for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
         if kill_hospital_during_queries is None:

@@ -20,7 +20,8 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
                         app_dir: str = ".", superlink_port: int | None = None,
                         supernode_port: int = 9094, teachers_per_hospital: int | None = None,
                         remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate",
-                        epsilon_budget: float = 8.0, max_teachers: int | None = None) -> str:
+                        epsilon_budget: float = 8.0, max_teachers: int | None = None,
+                        device: str | None = None, precision: str | None = None) -> str:
     """The step-by-step commands for real separate machines, as text.
 
     ``superlink`` is ``HOST:PORT`` as the hospitals reach the aggregator; ``hospitals`` is
@@ -86,6 +87,10 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
             node_config["teachers-per-hospital"] = teachers_per_hospital
         node_config["epsilon-budget"] = float(epsilon_budget)
         node_config["max-teachers"] = consortium
+        if device:      # issue 30: where this hospital trains its teachers (its own GPU; default auto)
+            node_config["device"] = device
+        if precision:
+            node_config["precision"] = precision
         lines += [
             f"## 3. Hospital {hid}: outbound TCP to {host}:{port} only; nothing listens except 127.0.0.1:{supernode_port}",
             f"flower-supernode --superlink {host}:{port} --root-certificates {r}/ca.crt \\",

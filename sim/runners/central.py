@@ -34,6 +34,7 @@ from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.student import train_public_model
 from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
+from sim.device import check_precision, device_name, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
 from sim.methods import CENTRAL_METHODS
@@ -69,7 +70,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
                 init: str = "public", public_model_checkpoint: str | Path | None = None,
                 learning_rate: float | None = None, hospitals: int | None = None, layout: str | None = None,
-                partition_file: str | None = None) -> dict[str, Any]:
+                partition_file: str | None = None, device: str = "auto", precision: str = "32") -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -90,8 +91,14 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
     every epoch of every grid entry, so its ε is the budget.
+
+    ``device`` / ``precision`` (issue 30, ``sim.device``): where the public model and the pooled model train and
+    are evaluated (auto = CUDA when there is one; DP-SGD's noise is still drawn on the host, ``sim.dpsgd``), and
+    whether forward passes run under bf16 autocast. Both are recorded in results.json and the model card.
     """
     started = time.perf_counter()
+    device = resolve_device(device)   # a GPU asked for and missing: refused before any data is touched
+    precision = check_precision(precision)
     if method not in METHODS:
         raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
     if init not in INITS:
@@ -122,7 +129,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     start_weights = None
     if init == "public":
         start_weights = public_start(p, seed=seed, data=data, progress=progress,
-                                     checkpoint=public_model_checkpoint or out / "public-model.pt", **where)
+                                     checkpoint=public_model_checkpoint or out / "public-model.pt",
+                                     device=device, precision=precision, **where)
     explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
                 "batch_size": batch_size}
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
@@ -156,7 +164,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                    progress=progress, init_from=start_weights,
                                    checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
                                    description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
-                                   extra_checkpoint={"network_config": net_cfg})
+                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision)
         if private:
             dp = DPConfig(mode=noise_mode if sigma is None else "fixed", epsilon=epsilon, delta=delta,
                           noise_multiplier=sigma if sigma is not None else noise_multiplier if noise_multiplier is not None else
@@ -174,16 +182,19 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                     validation=world["validation"], noise=noise.child(f"setting-{index}") if tag else noise)
         validation_dice = None
         if world["validation"] is not None:   # public: the only data a choice of setting may look at
-            validation_dice = evaluate_segmentation(result.model, *world["validation"]).get("mean")
+            validation_dice = evaluate_segmentation(result.model, *world["validation"], device=device,
+                                                    precision=precision).get("mean")
         candidates.append((setting, result, validation_dice))
     chosen = choose_setting(candidates)
     setting, result, validation_dice = candidates[chosen]
     model = result.model
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world["test_images"], world["test_labels"])
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world["test_images"], world["test_labels"],
+                                                         device=device, precision=precision)
 
     results = RunResults(method=METHODS[method], dice=dice, hospitals=world["hospitals"],
                          # under reproducible noise the seed also drives the other cells' noise: never published
-                         seed=None if reproducible_noise else seed)
+                         seed=None if reproducible_noise else seed,
+                         device=device_name(device), precision=precision)
     if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
         results.account(ledger, delta, relation=relation)
         results.epsilon_budget = epsilon
@@ -267,11 +278,13 @@ def choose_setting(candidates) -> int:
     return max(range(len(candidates)), key=lambda i: (scores[i], -i))
 
 
-def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path, **where) -> dict:
+def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path, device=None,
+                 precision: str = "32", **where) -> dict:
     """The public model's weights (server.student.train_public_model on the public reference set, the PATE
     teachers' and student's start); trained once per checkpoint and reused by every method that passes it."""
     world = load_world(*build_world(preset, data, seed, progress, **where))
-    model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint)
+    model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
+                               precision=precision)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

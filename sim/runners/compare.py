@@ -36,6 +36,7 @@ from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from server.student import train_public_model
 from sim.bundle import attach_release, load_bundle, preprocessing_of
+from sim.device import check_precision, device_name, model_device, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_json
 from sim.methods import FEDERATED_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
@@ -78,7 +79,7 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                 progress: bool = True, reproducible_noise: bool = False,
                 lifetime_epsilon: float | None = None, init: str = "public",
                 ledger_dir: str | Path | None = None, layout: str | None = None,
-                partition_file: str | None = None) -> Path:
+                partition_file: str | None = None, device: str = "auto", precision: str = "32") -> Path:
     """Every method x epsilon (x K) on one world; returns the report's path.
 
     ``ledger_dir`` (default ``out/hospital-ledgers``): the hospitals' own lifetime ledgers every private cell
@@ -89,8 +90,12 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     shared by every cell), or ``scratch``. ``engine``: ``inprocess`` (default; the same protocol code as the
     Flower apps, torch on every core) or ``flower`` (Flower's simulation engine). ``layout`` / ``partition_file``
     (issue 29): the data folder's layout (None = detected) and a FeTS partition CSV whose partitions are the
-    hospitals (``sim.world.partition_split``); every cell sees the same world.
+    hospitals (``sim.world.partition_split``); every cell sees the same world. ``device`` / ``precision``
+    (issue 30): every cell's, passed on as a spec (each party resolves it where it runs); a GPU asked for and
+    missing is refused here, before any cell starts.
     """
+    resolve_device(device)
+    precision = check_precision(precision)
     where = {"layout": layout, "partition_file": partition_file}
     if partition_file and hospitals is None:   # every partition is a hospital (sim.data.fets)
         from sim.data.fets import count_partitions
@@ -156,7 +161,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
-                               lifetime_epsilon=lifetime, layout=layout, partition_file=partition_file)
+                               lifetime_epsilon=lifetime, layout=layout, partition_file=partition_file,
+                               device=str(device), precision=precision)
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
@@ -166,7 +172,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
         run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
                     delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
-                    init=init, public_model_checkpoint=public_checkpoint, hospitals=hospitals, **where)
+                    init=init, public_model_checkpoint=public_checkpoint, hospitals=hospitals, device=str(device),
+                    precision=precision, **where)
     if "dp-sgd-central" in methods:
         for epsilon in epsilons:
             path = cell_dir(out, "dp-sgd-central", epsilon)
@@ -175,7 +182,8 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                     run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
                                 seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
                                 hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime, init=init,
-                                public_model_checkpoint=public_checkpoint, hospitals=hospitals, **where)
+                                public_model_checkpoint=public_checkpoint, hospitals=hospitals, device=str(device),
+                                precision=precision, **where)
                 except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
                     print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
@@ -183,13 +191,14 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         if METHOD_ROLES.get(method) == "floor" and not done(out / method):
             preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
             floor_runner(method)(preset, data, seed, out / method, out / "_shared" / f"K-{preset.teachers}",
-                                 progress=progress, publish_seed=not reproducible_noise, **where)
+                                 progress=progress, publish_seed=not reproducible_noise, device=str(device),
+                                 precision=precision, **where)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
     try:
         overlay = plot_comparison_overlays(out, worlds.get(first_k) if first_k else None, preset_name, data, seed,
-                                           hospitals, sweep[0])
+                                           hospitals, sweep[0], device=str(device))
         if overlay is not None:
             overlays.append(overlay)
     except Exception as exc:  # a plot must never lose the finished cells' report
@@ -377,22 +386,25 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
 
 
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None) -> dict:
+                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
+                    device: str = "auto", precision: str = "32") -> dict:
     """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
     started = time.perf_counter()
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=shared_dir / "public-model.pt")
+                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
     init = {k: v.clone() for k, v in public_model.state_dict().items()}
     model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
-                               checkpoint=shared_dir / "public-only.pt")
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels)
+                               checkpoint=shared_dir / "public-only.pt", device=device, precision=precision)
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
+                                                         precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
-    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None)
+    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None,
+                         device=device_name(model_device(model)), precision=precision)
     results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
                       "reference_cases": len(world.reference_labels),
-                      "validation_dice_mean": public_validation_dice(model, world)}
+                      "validation_dice_mean": public_validation_dice(model, world, precision=precision)}
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "trained on public reference data only: no private data, "
                                                "no privacy cost"})
@@ -408,7 +420,8 @@ def floor_runner(method: str):
     return runners[method]
 
 
-def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):
+def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital,
+                             device: str = "auto"):
     """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD, public-only."""
     if world_dir is None:
         return None
@@ -429,9 +442,9 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         model = load_bundle(out / cell["_cell"]).model
         eps = cell.get("epsilon_budget")
         name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
-        predictions[name] = predict_probs(model, images).argmax(axis=1)
+        predictions[name] = predict_probs(model, images, device=device).argmax(axis=1)
         if prefix == "pate":
-            ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed)
+            ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed, device)
             if ensemble is not None:
                 predictions["teacher ensemble (no noise)"] = ensemble.argmax(axis=1)
     if not predictions:
@@ -439,7 +452,8 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
     return plot_overlays(out / "overlays.png", images, truth, predictions)
 
 
-def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0) -> np.ndarray | None:
+def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0,
+                     device: str = "auto") -> np.ndarray | None:
     """Simulation-only diagnostic: the simulated hospitals' teachers' averaged probabilities, asked of the
     hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers."""
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
@@ -447,4 +461,4 @@ def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospit
     members = simulated_hospitals(prepared, split, preset, world_dir / "nodes", seed)
     if not all(member.has_trained_teachers() for member in members):
         return None
-    return InProcessTransport(members).ensemble_probabilities(images)
+    return InProcessTransport(members).ensemble_probabilities(images, {"device": device})

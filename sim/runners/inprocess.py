@@ -67,11 +67,12 @@ class InProcessTransport:
             replies[h] = ({"hospital_id": h, **metrics}, new_weights)
         return replies
 
-    def ensemble_probabilities(self, scans) -> np.ndarray:
-        """Simulation-only diagnostic: the teachers' averaged probabilities (SPEC section 11 ceiling)."""
+    def ensemble_probabilities(self, scans, config: Mapping[str, Any] | None = None) -> np.ndarray:
+        """Simulation-only diagnostic: the teachers' averaged probabilities (SPEC section 11 ceiling).
+        ``config``: the run's ``device`` / ``precision`` (the hospitals' default otherwise: auto)."""
         total, count = None, 0
         for h in self.hospital_ids():
-            part = self.hospitals[h].ensemble_probability_sum(scans)
+            part = self.hospitals[h].ensemble_probability_sum(scans, {**self.base_config, **dict(config or {})})
             total = part if total is None else total + part
             count += self.hospitals[h].num_teachers
         return total / max(count, 1)

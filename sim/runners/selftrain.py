@@ -17,6 +17,7 @@ from server.selftrain import DEFAULT_ROUNDS, DEFAULT_TEMPERATURE, self_train
 from server.student import train_public_model
 from sim.bundle import preprocessing_of
 from sim.networks import network_config
+from sim.device import device_name, model_device
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import evaluate_segmentation_per_case, per_class_of
 from sim.world import build_world, load_world
@@ -25,7 +26,8 @@ METHOD = "public-selftrain"
 
 
 def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                         publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None) -> dict:
+                         publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
+                         device: str = "auto", precision: str = "32") -> dict:
     """Self-train the public model (``shared_dir/public-model.pt``, the one every cell of the comparison starts
     from) on the public query scans; rounds and temperature from the preset's extras (``selftrain_rounds``,
     ``selftrain_temperature``) or the module defaults of ``server.selftrain``."""
@@ -34,15 +36,18 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
                        with_query_labels=False)
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=Path(shared_dir) / "public-model.pt")
+                                      checkpoint=Path(shared_dir) / "public-model.pt", device=device,
+                                      precision=precision)
     rounds = int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS))
     temperature = float(preset.extra.get("selftrain_temperature", DEFAULT_TEMPERATURE))
     outcome = self_train(world, preset, public_model, seed=seed, rounds=rounds, temperature=temperature,
-                         progress=progress, checkpoint_dir=out / "checkpoint")
-    dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels)
+                         progress=progress, checkpoint_dir=out / "checkpoint", device=device, precision=precision)
+    dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
+                                                         precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
-    results = RunResults(method=METHOD, dice=dice, seed=seed if publish_seed else None)
+    results = RunResults(method=METHOD, dice=dice, seed=seed if publish_seed else None,
+                         device=device_name(model_device(outcome.model)), precision=precision)
     results.extras = {
         "dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
         "reference_cases": len(world.reference_labels), "query_scans": outcome.query_scans,

@@ -63,7 +63,8 @@ def _settings_fields(settings: RunSettings) -> dict[str, Any]:
             "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
             "world": settings.world, "calibration": settings.calibration, "progress": settings.progress,
             "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise,
-            "lifetime_epsilon": settings.lifetime_epsilon, "ledger_dir": settings.ledger_dir}
+            "lifetime_epsilon": settings.lifetime_epsilon, "ledger_dir": settings.ledger_dir,
+            "init": settings.init, "device": settings.device, "precision": settings.precision}
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
@@ -77,10 +78,24 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
         (Path(cell["out"]) / "results.json").unlink(missing_ok=True)
     server_app = make_app(extra={"cells": list(cells)}, **_settings_fields(settings))
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    run_simulation(server_app=server_app, client_app=client_app,
-                   num_supernodes=settings.resolved_preset.hospitals,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    hospitals = settings.resolved_preset.hospitals
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=hospitals,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": client_gpus(settings.device, hospitals)},
                                    "init_args": {"log_to_driver": True}})
+
+
+def client_gpus(device: str, hospitals: int) -> float:
+    """Ray's GPU share per simulated hospital: 0 on the CPU; with a GPU every hospital gets an equal share of
+    the GPUs this process sees, so that Ray schedules the hospitals' workers onto them and sets their
+    ``CUDA_VISIBLE_DEVICES`` (a worker that asked for no GPU is not promised one). Not run here: no GPU on the
+    build machine."""
+    from sim.device import resolve_device
+
+    if resolve_device(device).type != "cuda":
+        return 0.0
+    import torch
+
+    return min(1.0, torch.cuda.device_count() / max(1, hospitals))
 
 
 def _run_runtime(settings: RunSettings, cells) -> None:
