@@ -62,7 +62,7 @@ from sim import codecs
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device
 from sim.errors import UserError
-from sim.methods import PATE_METHODS
+from sim import methods
 from sim.metrics import dice_scores
 from sim.networks import network_config
 from sim.results import ModelRelease, RunResults, write_run
@@ -104,8 +104,9 @@ class PateConfig:
     precision: str = "32"                 # "32" | "bf16": autocast around forward passes (sim.device)
 
     def __post_init__(self) -> None:
-        if self.method not in PATE_METHODS:
-            raise UserError(f"method: expected one of {', '.join(PATE_METHODS)}, got {self.method!r}")
+        pate_methods = methods.names(protocol="pate")   # every registered method this protocol runs
+        if self.method not in pate_methods:
+            raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
         object.__setattr__(self, "device", check_device_spec(self.device))
         object.__setattr__(self, "precision", check_precision(self.precision))
 

@@ -6,7 +6,7 @@ engine (sim/runners/simulation.py) run their cells through :func:`run_cell`, so 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Callable, Mapping
 
 from pathlib import Path
 
@@ -15,40 +15,62 @@ from server.student import train_public_model
 from sim.errors import UserError
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
-from sim.runconfig import RunSettings
+from sim.runconfig import Cell, RunSettings
 from sim.world import PublicWorld
 
 
-def plan_cells(settings: RunSettings) -> list[dict[str, Any]]:
+def plan_cells(settings: RunSettings) -> list[Cell]:
     """One cell (the configured method and epsilon) unless a comparison passed a list of cells."""
     cells = settings.extra.get("cells")
     if cells:
-        return [dict(cell) for cell in (json.loads(cells) if isinstance(cells, str) else cells)]
-    return [{"method": settings.method, "epsilon": settings.budget, "out": settings.out, "init": settings.init}]
+        return [Cell.from_dict(cell) for cell in (json.loads(cells) if isinstance(cells, str) else cells)]
+    return [Cell(settings.method, settings.budget, settings.out, init=settings.init)]
 
 
-def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings,
-             cell: Mapping[str, Any]) -> dict:
-    """Run ``cell`` (``method``, ``epsilon``, ``out``, optional ``shared_dir``) and return its results; its
-    noise comes from its own namespace (``RunSettings.cell_noise_source``)."""
+def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
+    """Run ``cell`` through the protocol its method's record names (:data:`PROTOCOLS`) and return its results."""
+    if isinstance(cell, Mapping):
+        cell = Cell.from_dict(cell)
+    protocol = cell.record.protocol
+    if protocol not in PROTOCOLS:
+        raise UserError(f"{cell.method}: no federated protocol {protocol!r} (registered: {', '.join(PROTOCOLS)})")
+    return PROTOCOLS[protocol](transport, world, settings, cell)
+
+
+def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
+    """DP-FedAvg from the public model (or random weights); the hospitals draw their own noise
+    (clients/fedavg.py)."""
     preset = settings.resolved_preset
-    if cell["method"] == "dp-fedavg":   # the hospitals draw their own noise (clients/fedavg.py)
-        init = str(cell.get("init", settings.init))
-        start = None
-        if init == "public":   # the same public model PATE starts from (shared with its cells in a comparison)
-            shared = cell.get("shared_dir")
-            public_model = train_public_model(world, preset, seed=settings.seed, progress=settings.progress,
-                                              checkpoint=Path(shared) / "public-model.pt" if shared else None,
-                                              device=settings.device, precision=settings.precision)
-            start = {k: v.detach().cpu().numpy() for k, v in public_model.state_dict().items()}
-        elif init != "scratch":
-            raise UserError(f"init: expected public or scratch, got {init!r}")
-        return run_dpfedavg(transport, world, preset, cell["epsilon"], settings.resolved_delta, cell["out"],
-                            seed=settings.seed, progress=settings.progress,
-                            reproducible_noise=settings.reproducible_noise, init_weights=start, init=init,
-                            device=settings.device, precision=settings.precision)
-    config = PateConfig(cell["method"], cell["epsilon"], settings.resolved_delta, seed=settings.seed,
-                        calibration=settings.calibration, query_batch=settings.query_batch,
-                        shared_dir=cell.get("shared_dir"), progress=settings.progress,
+    start = None
+    if cell.init == "public":   # the same public model PATE starts from (shared with its cells in a comparison)
+        public_model = train_public_model(world, preset, seed=settings.seed, progress=settings.progress,
+                                          checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
+                                          device=settings.device, precision=settings.precision)
+        start = {k: v.detach().cpu().numpy() for k, v in public_model.state_dict().items()}
+    return run_dpfedavg(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
+                        seed=settings.seed, progress=settings.progress,
+                        reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
                         device=settings.device, precision=settings.precision)
-    return run_pate(transport, world, preset, config, cell["out"], noise=settings.cell_noise_source(cell))
+
+
+def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
+    """PATE (Fay et al., Algorithms 1-2) with the cell's method's codec; its noise comes from the cell's own
+    namespace (``RunSettings.cell_noise_source``)."""
+    config = PateConfig(cell.method, cell.epsilon, settings.resolved_delta, seed=settings.seed,
+                        calibration=settings.calibration, query_batch=settings.query_batch,
+                        shared_dir=cell.shared_dir, progress=settings.progress,
+                        device=settings.device, precision=settings.precision)
+    return run_pate(transport, world, settings.resolved_preset, config, cell.out,
+                    noise=settings.cell_noise_source(cell))
+
+
+#: a federated method record's ``protocol`` -> the function that runs one of its cells (issue 27: the one
+#: place a protocol is chosen; ``register_protocol`` adds one)
+PROTOCOLS: dict[str, Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]] = {
+    "pate": run_pate_cell, "dp-fedavg": run_dpfedavg_cell}
+
+
+def register_protocol(name: str, run: Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]) -> None:
+    if name in PROTOCOLS and PROTOCOLS[name] is not run:
+        raise ValueError(f"protocol {name!r} is already registered")
+    PROTOCOLS[name] = run

@@ -33,7 +33,7 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
     results = []
     for cell in plan_cells(settings):
         results.append(run_cell(hospitals, world, settings, cell))
-        log.info("%s at epsilon=%g: results in %s", cell["method"], cell["epsilon"], cell["out"])
+        log.info("%s at epsilon=%s: results in %s", cell.method, cell.epsilon, cell.out)
     return results
 
 

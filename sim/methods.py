@@ -1,32 +1,135 @@
-"""The methods fedpate runs, named once (SPEC section 10: ``results.json``'s ``method``).
+"""The methods fedpate runs: one record per method, in one registry (issue 27; SPEC section 10: ``results.json``'s
+``method``).
 
 Segmentation: the PATE variants and DP-FedAvg are federated (hospitals are Flower ClientApps); the
 centralised baselines train on the pooled private data; ``public-only`` is the student trained on public
 data alone, the baseline PATE must beat (SPEC section 11), and ``public-selftrain`` the public model adapted
 to the public unlabelled query scans by pseudo-labelling (issue 28: a floor that uses all public data).
-Each method's role in a comparison is data (:data:`METHOD_ROLES`), so reports and runners ask for a role,
-never for a name. The classification seed systems have their own
-list, :data:`CLASSIFICATION_METHODS` (``fedpate compare --task``). Pure Python, so the command line imports
-it for its help without paying for torch.
+
+Everything a comparison, a runner or a report needs to know about a method is a field of its :class:`Method`
+record -- its family, its role (a private method, a public floor, the non-private ceiling), whether it is
+federated, whether it sweeps K, whether it has one cell per ε, which protocol or cell runner runs it -- so
+they loop over records and never test a method's name (``register_method`` adds one, as Opus' accountants
+are registered: tests/test_registries.py adds a toy method and a toy codec this way). The functions that run a
+cell live above this layer and are found by key: ``server.protocols`` (federated protocols) and
+``sim.runners.cells`` (everything else). The classification seed systems have their own list,
+:data:`CLASSIFICATION_METHODS` (``fedpate compare --task``). Pure Python, so the command line imports it for its
+help without paying for torch.
 """
 
 from __future__ import annotations
 
-PATE_METHODS = ("pate-ae", "pate-pca", "pate-anchored", "pate-naive")
-FEDERATED_METHODS = PATE_METHODS + ("dp-fedavg",)
+from dataclasses import dataclass
+
+ROLES = ("private", "floor", "ceiling")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One segmentation method.
+
+    ``family``: methods of one family share a protocol or runner and are compared as one kind in the report
+    (its verdicts pick the best cell per family). ``role``: ``private`` (its releases are charged to the
+    hospitals' ledgers), ``floor`` (public data only: what a private method must beat; the first registered
+    floor is the one headroom is measured from) or ``ceiling`` (pooled, no privacy: the simulation's
+    yardstick, never a release). ``federated``: runs across the hospitals through a federated ``protocol``
+    (``server.protocols``); otherwise ``runner`` names its cell runner (``sim.runners.cells``).
+    ``per_epsilon``: one cell per budget. ``sweeps_k``: one cell per K of a ``--teachers-per-hospital`` sweep
+    (its teachers are what K counts). ``starts_from_public``: always starts from the public model (PATE's
+    teachers and student), whatever ``--init`` says.
+    """
+
+    name: str
+    family: str
+    role: str
+    federated: bool = False
+    protocol: str | None = None
+    runner: str | None = None
+    per_epsilon: bool = False
+    sweeps_k: bool = False
+    starts_from_public: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"method {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        if self.federated != (self.protocol is not None) or self.federated == (self.runner is not None):
+            raise ValueError(f"method {self.name}: a federated method names a protocol, any other a runner")
+
+    @property
+    def private(self) -> bool:
+        return self.role == "private"
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    """Add a method record (one per name)."""
+    if method.name in _METHODS and _METHODS[method.name] != method:
+        raise ValueError(f"method {method.name!r} is already registered")
+    _METHODS[method.name] = method
+    return method
+
+
+def unregister_method(name: str) -> None:
+    """Remove a record (tests that register a toy method clean up after themselves)."""
+    _METHODS.pop(name, None)
+
+
+def method(name: str) -> Method:
+    """The record of ``name``; KeyError names the registered methods."""
+    if name not in _METHODS:
+        raise KeyError(f"unknown method {name!r}; expected one of {', '.join(_METHODS)}")
+    return _METHODS[name]
+
+
+def methods(**fields) -> tuple[Method, ...]:
+    """The registered records whose fields equal ``fields`` (all of them without), in registration order."""
+    return tuple(m for m in _METHODS.values() if all(getattr(m, k) == v for k, v in fields.items()))
+
+
+def names(**fields) -> tuple[str, ...]:
+    return tuple(m.name for m in methods(**fields))
+
+
+def role_of(name: str | None) -> str | None:
+    """The role of a method name (None for a name that is not registered, e.g. a classification cell)."""
+    return _METHODS[name].role if name in _METHODS else None
+
+
+def family_of(name: str | None) -> str | None:
+    return _METHODS[name].family if name in _METHODS else None
+
+
+for _record in (
+        Method("pate-ae", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
+               starts_from_public=True, description="autoencoded PATE (Fay et al., Algorithm 2)"),
+        Method("pate-pca", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
+               starts_from_public=True, description="PCA-PATE (Fay et al., Algorithm 1)"),
+        Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
+               sweeps_k=True, starts_from_public=True,
+               description="PATE with the public-anchored residual codec (SPEC section 11)"),
+        Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
+               starts_from_public=True, description="PATE on per-voxel one-hot votes"),
+        Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
+               description="FedAvg of each hospital's local DP-SGD"),
+        Method("dp-sgd-central", "dp-sgd", "private", runner="pooled", per_epsilon=True,
+               description="DP-SGD on the pooled private patients"),
+        Method("nonprivate-central", "nonprivate", "ceiling", runner="pooled",
+               description="non-private training on the pooled private patients"),
+        Method("public-only", "public-only", "floor", runner="public-only",
+               description="the student trained on the public labelled data alone"),
+        Method("public-selftrain", "public-selftrain", "floor", runner="public-selftrain",
+               description="the public model self-trained on the public unlabelled query scans"),
+):
+    register_method(_record)
+
+# Views kept for the command line's help and older callers; computed from the registry at import.
+PATE_METHODS = names(family="pate")
+FEDERATED_METHODS = names(federated=True)
 #: ``fedpate central --method`` name -> the method it writes
 CENTRAL_METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
-#: public floors: no hospital involved, nothing charged. The first is the floor headroom is measured from
-#: (the report also states headroom against every other floor, issue 28)
-FLOOR_METHODS = ("public-only", "public-selftrain")
-#: the non-private pooled model: the simulation's yardstick, never a release
-CEILING_METHODS = ("nonprivate-central",)
-SEGMENTATION_METHODS = FEDERATED_METHODS + ("dp-sgd-central",) + CEILING_METHODS + FLOOR_METHODS
-#: the methods whose releases are charged to the hospitals' patients (privacy-accounted)
-PRIVATE_METHODS = FEDERATED_METHODS + ("dp-sgd-central",)
-#: every segmentation method's role in a comparison: "private" (charged to the hospitals' ledgers),
-#: "floor" (public data only: what a private method must beat) or "ceiling" (pooled, no privacy)
-METHOD_ROLES = {**{m: "private" for m in PRIVATE_METHODS}, **{m: "ceiling" for m in CEILING_METHODS},
-                **{m: "floor" for m in FLOOR_METHODS}}
+SEGMENTATION_METHODS = names()
 #: the classification seed systems (sim/classification/)
 CLASSIFICATION_METHODS = ("dp-mac", "adlm", "ilm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled", "nonprivate")

@@ -18,7 +18,7 @@ import numpy as np
 
 from privacy.ledger import Ledger
 from sim.io import atomic_write_bytes, atomic_write_text
-from sim.methods import CEILING_METHODS, FLOOR_METHODS, METHOD_ROLES
+from sim import methods as registry   # every method's family and role: the report never tests a name
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
 DICE_COLUMNS = DICE_KEYS
@@ -119,21 +119,28 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         if cell.get("epsilon_budget") is None or mean_dice(cell) is None:
             continue
         by_eps.setdefault(float(cell["epsilon_budget"]), {}).setdefault(cell["method"], []).append(cell)
-    baselines = [c for c in cells if c.get("method") in ("public-only", "nonprivate-central") and mean_dice(c) is not None]
-    public_only = max((mean_dice(c) for c in baselines if c["method"] == "public-only"), default=None)
-    nonprivate = max((mean_dice(c) for c in baselines if c["method"] == "nonprivate-central"), default=None)
+    def best_reference(role):   # the first method of that role with a scored cell, and its best cell
+        for name in registry.names(role=role):
+            found = [c for c in cells if c.get("method") == name and mean_dice(c) is not None]
+            if found:
+                return name, max(found, key=mean_dice)
+        return registry.names(role=role)[0], None
+
+    floor_name, public_cell = best_reference("floor")
+    public_only = mean_dice(public_cell) if public_cell is not None else None
+    nonprivate = mean_dice(best_reference("ceiling")[1]) if best_reference("ceiling")[1] is not None else None
     lines = []
     for eps in sorted(by_eps):
         methods = by_eps[eps]
         best = {m: max(methods[m], key=mean_dice) for m in methods}
-        pate = {m: c for m, c in best.items() if m.startswith("pate")}
-        dpsgd = {m: c for m, c in best.items() if m in ("dp-sgd-central", "dp-fedavg")}
+        # teacher-based methods (their K is swept: the PATE family) against the other private methods
+        pate = {m: c for m, c in best.items() if _record(m) is not None and _record(m).sweeps_k}
+        dpsgd = {m: c for m, c in best.items() if registry.role_of(m) == "private" and m not in pate}
         if public_only is not None:   # the DP baselines against the public model they started from
-            public_cell = max((c for c in baselines if c["method"] == "public-only"), key=mean_dice)
             for name, cell in sorted(dpsgd.items()):
                 start = "the public model" if cell.get("init") == "public" else "random weights"
                 lines.append(f"ε = {eps:g}: {name} (from {start}) with mean Dice "
-                             f"{mean_dice(cell):.3f} " + _versus(cell, mean_dice(cell), "public-only", public_only,
+                             f"{mean_dice(cell):.3f} " + _versus(cell, mean_dice(cell), floor_name, public_only,
                                                                  public_cell.get("dice_per_case")) + ".")
         if not pate:
             continue
@@ -144,9 +151,8 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
             parts.append("it " + _versus(top_pate, mean_dice(top_pate), name, mean_dice(cell),
                                          cell.get("dice_per_case")))
         if public_only is not None:
-            public_cell = max((c for c in baselines if c["method"] == "public-only"), key=mean_dice)
             per_case = public_cell.get("dice_per_case") or top_pate.get("public_only_dice_per_case")
-            parts.append("it " + _versus(top_pate, mean_dice(top_pate), "public-only", public_only, per_case,
+            parts.append("it " + _versus(top_pate, mean_dice(top_pate), floor_name, public_only, per_case,
                                          loud=True))
         ceiling = top_pate.get("ensemble_dice_mean")
         if ceiling is not None:
@@ -176,14 +182,21 @@ def reference_cell(cells: Sequence[Mapping[str, Any]], method: str | None) -> Ma
     return found[0] if found else None
 
 
+def _record(name):
+    try:
+        return registry.method(name)
+    except KeyError:
+        return None
+
+
 def floors_of(cells: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The public floors present in these cells, in :data:`sim.methods.FLOOR_METHODS` order (the first is the
-    one *headroom recovered* is measured from; the report also states it against the others)."""
-    return [m for m in FLOOR_METHODS if reference_cell(cells, m) is not None]
+    """The public floors present in these cells, in the registry's order (the first is the one *headroom
+    recovered* is measured from; the report also states it against the others)."""
+    return [m for m in registry.names(role="floor") if reference_cell(cells, m) is not None]
 
 
 def ceiling_of(cells: Sequence[Mapping[str, Any]]) -> str | None:
-    return next((m for m in CEILING_METHODS if reference_cell(cells, m) is not None), None)
+    return next((m for m in registry.names(role="ceiling") if reference_cell(cells, m) is not None), None)
 
 
 def headroom_of(cell, floor_cell, ceiling_cell, key: str = "mean") -> tuple[float, float, int] | None:
@@ -209,7 +222,7 @@ def best_private_cells(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[s
     by_eps: dict[float, dict[str, Mapping[str, Any]]] = {}
     for cell in cells:
         dice = (cell.get("dice") or {}).get("mean")
-        if METHOD_ROLES.get(cell.get("method")) != "private" or cell.get("epsilon_budget") is None or dice is None:
+        if registry.role_of(cell.get("method")) != "private" or cell.get("epsilon_budget") is None or dice is None:
             continue
         slot = by_eps.setdefault(float(cell["epsilon_budget"]), {})
         held = slot.get(cell["method"])
@@ -285,7 +298,7 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     against the first public floor, against every other floor, and per class and region (issue 28) --
     where each method started and which setting it chose (on public validation)."""
     floors = floors_of(cells)
-    primary = reference_cell(cells, floors[0] if floors else FLOOR_METHODS[0])
+    primary = reference_cell(cells, floors[0] if floors else registry.names(role="floor")[0])
     ceiling = reference_cell(cells, ceiling_of(cells))
     header = (["method", "ε budget", "ε spent", "mean Dice", "headroom recovered (± SE)"]
               + [f"headroom over {floor} (± SE)" for floor in floors[1:]]
@@ -296,7 +309,8 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
         recovered = headroom_of(cell, primary, ceiling)
         others = [format_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling)) for floor in floors[1:]]
         per_class = headroom_per_class(cell, primary, ceiling)
-        start = cell.get("init") or ("public model" if str(cell.get("method", "")).startswith("pate") else "—")
+        record = _record(cell.get("method"))
+        start = cell.get("init") or ("public model" if record is not None and record.starts_from_public else "—")
         start = {"public": "public model", "scratch": "random weights"}.get(start, start)
         setting = "—"
         if cell.get("settings_grid"):
@@ -328,7 +342,7 @@ def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = 0
     for cell in sorted(cells, key=_sort_key):
-        if METHOD_ROLES.get(cell.get("method")) == "ceiling" or cell.get("method") == floors[0]:
+        if registry.role_of(cell.get("method")) == "ceiling" or cell.get("method") == floors[0]:
             continue
         per_class = headroom_per_class(cell, primary, ceiling)
         if all(v is None for v in per_class.values()):
@@ -505,7 +519,7 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                          f"the worst hospital's, from the hospitals' own ledgers `{release['hospital_ledgers']}` "
                          f"({per}). The cells share patients: shipping several models together spends their "
                          "combined ε, not each cell's.")
-    if any(c.get("method") == "nonprivate-central" for c in cells):
+    if any(registry.role_of(c.get("method")) == "ceiling" for c in cells):
         lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
                      "for the simulation, never a release.")
     return lines + [""]
@@ -563,11 +577,16 @@ def plot_metric_vs_epsilon(cells, path: Path, accuracy: bool = False) -> Path | 
     return path
 
 
+def _sweeps_k(cell) -> bool:
+    record = _record(cell.get("method"))
+    return record is not None and record.sweeps_k
+
+
 def plot_dice_vs_teachers(cells, path: Path) -> Path | None:
     series: dict[tuple[str, float], list[tuple[int, float]]] = {}
     for cell in cells:
         dice = (cell.get("dice") or {}).get("mean")
-        if not str(cell.get("method", "")).startswith("pate") or dice is None or not cell.get("teachers"):
+        if not _sweeps_k(cell) or dice is None or not cell.get("teachers"):
             continue
         series.setdefault((cell["method"], float(cell["epsilon_budget"])), []).append((int(cell["teachers"]), dice))
     if not any(len({k for k, _ in pts}) > 1 for pts in series.values()):
@@ -579,12 +598,13 @@ def plot_dice_vs_teachers(cells, path: Path) -> Path | None:
         ax.plot([k for k, _ in points], [d for _, d in points], marker="o", label=f"{method}, ε={eps:g}")
     teachers: dict[int, float] = {}   # the teachers' own mean test Dice (a simulation diagnostic)
     for cell in cells:
-        if str(cell.get("method", "")).startswith("pate") and cell.get("teachers") and cell.get("teacher_dice_mean"):
+        if _sweeps_k(cell) and cell.get("teachers") and cell.get("teacher_dice_mean"):
             teachers[int(cell["teachers"])] = float(cell["teacher_dice_mean"])
     if len(teachers) > 1:
         ks = sorted(teachers)
         ax.plot(ks, [teachers[k] for k in ks], marker="s", linestyle=":", color="grey", label="mean teacher")
-    for name, style in [(m, "--") for m in FLOOR_METHODS] + [(m, "-.") for m in CEILING_METHODS]:   # the references
+    references = [(m, "--") for m in registry.names(role="floor")] + [(m, "-.") for m in registry.names(role="ceiling")]
+    for name, style in references:
         dice = [(c.get("dice") or {}).get("mean") for c in cells if c.get("method") == name]
         if dice and dice[0] is not None:
             ax.axhline(dice[0], linestyle=style, color="black", linewidth=1, label=name)
@@ -619,7 +639,7 @@ def headroom_rows(cells: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[st
 
 
 def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE (paired over test cases)",
-                            floor: str = FLOOR_METHODS[0]) -> Path | None:
+                            floor: str | None = None) -> Path | None:
     """Grouped bars: headroom recovered per class and region (x), one bar per method x ε, with error bars.
     ``rows``: (label, {key: (value, error) | None}); the seeds report passes means and CI half-widths."""
     rows = [(label, values) for label, values in rows if any(v is not None for v in values.values())]
@@ -637,7 +657,7 @@ def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE (paired over
     ax.axhline(1, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(HEADROOM_KEYS)))
     ax.set_xticklabels([f"class {k}" if k.isdigit() else k for k in HEADROOM_KEYS])
-    ax.set_ylabel(f"headroom recovered (0 = {floor}, 1 = non-private)")
+    ax.set_ylabel(f"headroom recovered (0 = {floor or registry.names(role='floor')[0]}, 1 = non-private)")
     ax.set_title(f"headroom recovered per class ({error}); simulation")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2)

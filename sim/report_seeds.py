@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sim.io import atomic_write_text
-from sim.methods import METHOD_ROLES
+from sim.methods import role_of
 from sim.report import (HEADROOM_KEYS, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv, ceiling_of,
                         floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
                         reference_cell)
@@ -277,7 +277,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
                    {k: None if r["class_intervals"].get(k) is None else
                     (r["class_intervals"][k][0], r["class_intervals"][k][1] or 0.0) for k in HEADROOM_KEYS})
                   for r in rows if r["method"] != (floors[0] if floors else None)
-                  and METHOD_ROLES.get(r["method"]) != "ceiling"]
+                  and role_of(r["method"]) != "ceiling"]
     plots = [plot_headroom_per_class(class_rows, root / "plot_headroom_per_class.png",
                                      error="mean over seeds ± 95 % t half-width",
                                      floor=floors[0] if floors else "floor"),

@@ -15,8 +15,57 @@ from typing import Any, Mapping
 from privacy.mechanisms import NoiseSource
 from sim.device import check_device_spec, check_precision
 from sim.errors import UserError
-from sim.methods import FEDERATED_METHODS
+from sim import methods as registry
 from sim.presets import PRESETS, Preset, get_preset
+
+
+def check_epsilon(value: Any, option: str = "--epsilons") -> float:
+    """One privacy budget: a positive finite number (the one check every path to a cell goes through)."""
+    try:
+        epsilon = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{option}: expected a positive number, got {value!r}") from None
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise UserError(f"{option}: expected a positive number, got {value!r}")
+    return epsilon
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a run plan (issue 27): a method (a :mod:`sim.methods` record's name) at a budget (None for a
+    method without one), at K teachers when a comparison sweeps K, started from ``init``, written to ``out``;
+    ``shared_dir`` holds the ε-independent public models the cells of one K share. The same object travels to
+    the ServerApp (:meth:`to_dict`, JSON in the run config) and back (:meth:`from_dict`)."""
+
+    method: str
+    epsilon: float | None
+    out: str
+    init: str = "public"
+    shared_dir: str | None = None
+    teachers: int | None = None
+
+    def __post_init__(self) -> None:
+        record = registry.method(self.method) if self.method in registry.names() else None
+        if record is None:
+            raise UserError(f"method: unknown {self.method!r}; expected one of {', '.join(registry.names())}")
+        if record.per_epsilon:
+            object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, "epsilon"))
+        elif self.epsilon is not None:
+            raise UserError(f"{self.method}: takes no privacy budget, got epsilon {self.epsilon!r}")
+        if self.init not in ("public", "scratch"):
+            raise UserError(f"--init: expected public or scratch, got {self.init!r}")
+
+    @property
+    def record(self) -> "registry.Method":
+        return registry.method(self.method)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Cell":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(data).items() if k in fields})
 
 
 @dataclass(frozen=True)
@@ -49,8 +98,9 @@ class RunSettings:
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in FEDERATED_METHODS:
-            raise UserError(f"method: {self.method!r} is not a federated method; expected one of {', '.join(FEDERATED_METHODS)}")
+        federated = registry.names(federated=True)
+        if self.method not in federated:
+            raise UserError(f"method: {self.method!r} is not a federated method; expected one of {', '.join(federated)}")
         if self.preset not in PRESETS:
             raise UserError(f"preset: unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
         if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
@@ -138,11 +188,10 @@ class RunSettings:
         source = NoiseSource.reproducible(self.seed) if self.reproducible_noise else NoiseSource()
         return source.child(*names) if names else source
 
-    def cell_noise_source(self, cell: Mapping[str, Any]):
+    def cell_noise_source(self, cell: "Cell"):
         """The noise of one cell of a comparison, in its own namespace: method, budget and K (unique within
         a comparison, so no two cells ever share a draw)."""
-        return self.noise_source(str(cell["method"]), f"eps-{float(cell['epsilon']):g}",
-                                 f"K-{self.resolved_preset.teachers}")
+        return self.noise_source(cell.method, f"eps-{float(cell.epsilon):g}", f"K-{self.resolved_preset.teachers}")
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)

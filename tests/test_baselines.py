@@ -71,13 +71,13 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
     scored, tested = [], []
     real_score, real_test = central.evaluate_segmentation, central.evaluate_segmentation_per_case
 
-    def score(model, images, labels):          # the only evaluation that may choose: on public validation
+    def score(model, images, labels, **options):   # the only evaluation that may choose: on public validation
         scored.append(images)
-        return real_score(model, images, labels)
+        return real_score(model, images, labels, **options)
 
-    def test(model, images, labels):
+    def test(model, images, labels, **options):
         tested.append((len(scored), images))
-        return real_test(model, images, labels)
+        return real_test(model, images, labels, **options)
 
     monkeypatch.setattr(central, "evaluate_segmentation", score)
     monkeypatch.setattr(central, "evaluate_segmentation_per_case", test)

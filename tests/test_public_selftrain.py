@@ -33,11 +33,11 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
                                                                        tiny_split):
     import sim.runners.selftrain as selftrain
     from sim.data.preprocess import PreparedDataset
-    from sim.methods import METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
+    from sim.methods import SEGMENTATION_METHODS, method
     from sim.presets import get_preset
 
-    assert "public-selftrain" in SEGMENTATION_METHODS and "public-selftrain" not in PRIVATE_METHODS
-    assert METHOD_ROLES["public-selftrain"] == "floor"
+    assert "public-selftrain" in SEGMENTATION_METHODS and not method("public-selftrain").private
+    assert method("public-selftrain").role == "floor"
     read = {"images": [], "labels": []}
     real = {"images": PreparedDataset.images, "labels": PreparedDataset.labels}
 
@@ -49,7 +49,7 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
 
     monkeypatch.setattr(PreparedDataset, "images", spy("images"))
     monkeypatch.setattr(PreparedDataset, "labels", spy("labels"))
-    monkeypatch.setattr(selftrain, "build_world", lambda preset, data, seed, progress: (tiny_prepared, tiny_split))
+    monkeypatch.setattr(selftrain, "build_world", lambda preset, data, seed, progress, **where: (tiny_prepared, tiny_split))
     preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 2})
     results = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "public-selftrain", tmp_path / "_shared",
                                              progress=False)

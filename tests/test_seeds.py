@@ -114,7 +114,7 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
 
     calls = []
     monkeypatch.setattr(compare, "run_compare", _fake_compare(calls))
-    monkeypatch.setattr(compare, "patient_homes", lambda preset, data, seeds: {})
+    monkeypatch.setattr(compare, "patient_homes", lambda preset, data, seeds, **where: {})
     out = tmp_path / "cmp"
     report = compare.run_compare_seeds("tiny", ["dp-sgd-central", "public-only"], [2.0], out, seeds=[0, 1, 2],
                                        progress=False)

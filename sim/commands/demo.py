@@ -45,8 +45,9 @@ def register(subparsers) -> None:
 def choose_student(cells):
     """The PATE student to show, chosen on the PUBLIC validation set, never on the test set: the largest
     budget, then the best public validation Dice. None when no cell has a validation score."""
-    candidates = [c for c in cells if str(c.get("method", "")).startswith("pate")
-                  and c.get("validation_dice_mean") is not None]
+    from sim.methods import family_of   # pure Python: the CLI start-up stays free of torch
+
+    candidates = [c for c in cells if family_of(c.get("method")) == "pate" and c.get("validation_dice_mean") is not None]
     return max(candidates, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
 

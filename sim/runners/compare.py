@@ -34,22 +34,18 @@ import numpy as np
 from privacy.accountants import epsilon_spent
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
-from server.student import train_public_model
-from sim.bundle import attach_release, load_bundle, preprocessing_of
-from sim.device import check_precision, device_name, model_device, resolve_device
+from sim.bundle import attach_release, load_bundle
+from sim.device import check_precision, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_json
-from sim.methods import FEDERATED_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
-from sim.networks import network_config
+from sim import methods as registry
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
-from sim.results import ModelRelease, RunResults, write_run
-from sim.runconfig import RunSettings
-from sim.runners.central import run_central
+from sim.runconfig import Cell, RunSettings, check_epsilon
+from sim.runners.cells import CompareContext, cell_runner, run_public_only  # noqa: F401 (re-export)
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-from sim.runners.selftrain import METHOD as SELFTRAIN_METHOD, run_public_selftrain
 from sim.runners.simulation import simulate
-from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
+from sim.training import predict_probs
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
@@ -103,11 +99,11 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
         hospitals = count_partitions(partition_file)
     if init not in ("public", "scratch"):
         raise UserError(f"--init: expected public or scratch, got {init!r}")
-    unknown = [m for m in methods if m not in SEGMENTATION_METHODS]
+    known = registry.names()
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(SEGMENTATION_METHODS)}")
-    if any(not (e > 0) for e in epsilons):
-        raise UserError(f"--epsilons: expected positive numbers, got {list(epsilons)}")
+        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(known)}")
+    epsilons = [check_epsilon(e) for e in epsilons]   # the one place a comparison's budgets are checked
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base = get_preset(preset_name, hospitals=hospitals)
@@ -143,21 +139,25 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
     worlds: dict[int, str] = {}
     first = world_preset
     public_checkpoint = out / "_shared" / f"K-{first.teachers}" / "public-model.pt"
+    chosen = [registry.method(m) for m in methods]
     for index, per_hospital in enumerate(sweep):
         preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
         cells = []
-        for method in methods:
-            if method not in FEDERATED_METHODS or (method == "dp-fedavg" and index > 0):
-                continue  # DP-FedAvg has no teachers: one K is enough
-            for epsilon in epsilons:
-                teachers = preset.teachers if sweeping and method != "dp-fedavg" else None
-                path = cell_dir(out, method, epsilon, teachers)
+        for record in chosen:
+            if not record.federated or (not record.sweeps_k and index > 0):
+                continue  # a method without teachers needs one K only
+            # a method without teachers shares the first K's public model (the one every baseline uses)
+            shared = out / "_shared" / f"K-{(preset if record.sweeps_k else first).teachers}"
+            for epsilon in (epsilons if record.per_epsilon else [None]):
+                teachers = preset.teachers if sweeping and record.sweeps_k else None
+                path = cell_dir(out, record.name, epsilon, teachers)
                 if not done(path):
-                    cells.append({"method": method, "epsilon": float(epsilon), "out": str(path), "init": init,
-                                  # dp-fedavg shares the first K's public model (the one every baseline uses)
-                                  "shared_dir": str(out / "_shared" / f"K-{(preset if method != 'dp-fedavg' else first).teachers}")})
+                    cells.append(Cell(record.name, epsilon, str(path), init=init, shared_dir=str(shared),
+                                      teachers=teachers))
         worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress, **where))
-        settings = RunSettings(method="pate-ae", preset=preset_name, delta=delta, seed=seed, data=data,
+        # the settings every cell of this K shares; each cell names its own method (RunSettings needs one)
+        settings = RunSettings(method=cells[0].method if cells else registry.names(federated=True)[0],
+                               preset=preset_name, delta=delta, seed=seed, data=data,
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
@@ -168,31 +168,25 @@ def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[flo
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
             simulate(settings, engine=engine, cells=cells)
 
-    # --- central cells and the public-only baseline --------------------------------------------------
-    if "nonprivate-central" in methods and not done(out / "nonprivate-central"):
-        run_central(method="nonprivate", preset=preset_name, out=out / "nonprivate-central", epsilon=None,
-                    delta=delta, seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
-                    init=init, public_model_checkpoint=public_checkpoint, hospitals=hospitals, device=str(device),
-                    precision=precision, **where)
-    if "dp-sgd-central" in methods:
-        for epsilon in epsilons:
-            path = cell_dir(out, "dp-sgd-central", epsilon)
-            if not done(path):
-                try:
-                    run_central(method="dp-sgd", preset=preset_name, out=path, epsilon=float(epsilon), delta=delta,
-                                seed=seed, data=data, progress=progress, reproducible_noise=reproducible_noise,
-                                hospital_ledger_dir=ledger_dir, lifetime_epsilon=lifetime, init=init,
-                                public_model_checkpoint=public_checkpoint, hospitals=hospitals, device=str(device),
-                                precision=precision, **where)
-                except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
-                    print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
+    # --- every other cell, in this process, through its record's runner (sim.runners.cells) ---------------
+    context = CompareContext(preset_name=preset_name, preset=first, data=data, seed=seed, delta=delta,
+                             hospitals=hospitals, ledger_dir=ledger_dir, lifetime_epsilon=lifetime,
+                             public_checkpoint=public_checkpoint, progress=progress,
+                             reproducible_noise=reproducible_noise, device=str(device), precision=precision,
+                             where=where)
+    # the references first (as before the registry): the ceiling, then the private ones, then the floors
+    order = {"ceiling": 0, "private": 1, "floor": 2}
+    for record in sorted((r for r in chosen if not r.federated), key=lambda r: order[r.role]):
+        for epsilon in (epsilons if record.per_epsilon else [None]):
+            path = cell_dir(out, record.name, epsilon)
+            if done(path):
+                continue
+            try:
+                cell_runner(record.runner)(context, Cell(record.name, epsilon, str(path), init=init,
+                                                         shared_dir=str(context.shared_dir)))
+            except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
+                print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
     first_k = min(worlds) if worlds else None
-    for method in methods:   # the public floors: no hospital involved, nothing charged
-        if METHOD_ROLES.get(method) == "floor" and not done(out / method):
-            preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-            floor_runner(method)(preset, data, seed, out / method, out / "_shared" / f"K-{preset.teachers}",
-                                 progress=progress, publish_seed=not reproducible_noise, device=str(device),
-                                 precision=precision, **where)
 
     # --- report --------------------------------------------------------------------------------------
     overlays = []
@@ -325,9 +319,9 @@ def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], 
     comparison (every seed's cells release from the same patients). Basic composition's total; the ledgers'
     accountants compose tighter, and the report states what was actually spent."""
     total = 0.0
-    for method in methods:
-        if method in PRIVATE_METHODS:
-            repeats = teacher_counts if method.startswith("pate") else 1
+    for record in map(registry.method, methods):
+        if record.private:
+            repeats = teacher_counts if record.sweeps_k else 1
             total += repeats * sum(float(e) for e in epsilons)
     return int(seeds) * total or max(float(e) for e in epsilons)
 
@@ -385,65 +379,33 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
     return release
 
 
-def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
-                    device: str = "auto", precision: str = "32") -> dict:
-    """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
-    started = time.perf_counter()
-    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
-    public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
-    init = {k: v.clone() for k, v in public_model.state_dict().items()}
-    model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
-                               checkpoint=shared_dir / "public-only.pt", device=device, precision=precision)
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=precision)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
-    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None,
-                         device=device_name(model_device(model)), precision=precision)
-    results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
-                      "reference_cases": len(world.reference_labels),
-                      "validation_dice_mean": public_validation_dice(model, world, precision=precision)}
-    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
-                           card_extra={"note": "trained on public reference data only: no private data, "
-                                               "no privacy cost"})
-    return write_run(out, results, release, started=started)
-
-
-def floor_runner(method: str):
-    """The runner of a public floor (``METHOD_ROLES`` role ``floor``); each takes (preset, data, seed, out,
-    shared_dir, progress=, publish_seed=) and writes a cell with an empty ledger."""
-    runners = {"public-only": run_public_only, SELFTRAIN_METHOD: run_public_selftrain}
-    if method not in runners:
-        raise UserError(f"--methods: {method} is a public floor without a runner")
-    return runners[method]
-
-
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital,
                              device: str = "auto"):
-    """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD, public-only."""
+    """Same test slices: ground truth, the best cell of every private family (PATE's with its teacher ensemble),
+    and the first public floor."""
     if world_dir is None:
         return None
     world = load_world(*open_world(world_dir))
     images, truth = world.test_images[:3], world.test_labels[:3]
     cells = load_cells(out)
 
-    def best(prefix):   # chosen on public validation Dice, never on the test set
-        found = [c for c in cells if str(c.get("method", "")).startswith(prefix)
+    def best(family):   # chosen on public validation Dice, never on the test set
+        found = [c for c in cells if registry.family_of(c.get("method")) == family
                  and c.get("validation_dice_mean") is not None]
         return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
+    families = list(dict.fromkeys(r.family for r in registry.methods(role="private")))
+    families += [registry.methods(role="floor")[0].family]
     predictions: dict[str, Any] = {}
-    for prefix in ("pate", "dp-sgd-central", "public-only"):
-        cell = best(prefix)
+    for family in families:
+        cell = best(family)
         if cell is None:
             continue
         model = load_bundle(out / cell["_cell"]).model
         eps = cell.get("epsilon_budget")
         name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
         predictions[name] = predict_probs(model, images, device=device).argmax(axis=1)
-        if prefix == "pate":
+        if registry.method(cell["method"]).sweeps_k:   # a teacher-based method: its teachers' noise-free vote
             ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed, device)
             if ensemble is not None:
                 predictions["teacher ensemble (no noise)"] = ensemble.argmax(axis=1)

@@ -15,13 +15,13 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
 from sim.deployment.runtime_simulation import run_runtime_simulation
 from server.protocols import run_cell
 from sim.errors import UserError
-from sim.runconfig import RunSettings
+from sim.runconfig import Cell, RunSettings
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.world import load_world, materialise_world, open_world
 
@@ -30,8 +30,9 @@ ENGINES = ("flower", "runtime", "inprocess")
 SIMULATION_ENV = {**FLOWER_ENV, "RAY_DEDUP_LOGS": "0"}
 
 
-def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[str, Any]] | None = None) -> list[dict]:
-    """Run the configured method (or the given cells) with all hospitals simulated on this machine."""
+def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | None = None) -> list[dict]:
+    """Run the configured method (or the given :class:`sim.runconfig.Cell` s) with all hospitals simulated on
+    this machine."""
     if engine not in ENGINES:
         raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     for key, value in SIMULATION_ENV.items():
@@ -40,7 +41,8 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[
         world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress,
                                   layout=settings.layout, partition_file=settings.partition_file)
         settings = settings.replace(world=str(world))
-    cells = list(cells or [{"method": settings.method, "epsilon": settings.budget, "out": settings.out}])
+    cells = [c if isinstance(c, Cell) else Cell.from_dict(c) for c in cells] if cells else \
+        [Cell(settings.method, settings.budget, settings.out, init=settings.init)]
     if engine == "inprocess":
         return _run_inprocess(settings, cells)
     if engine == "flower":
@@ -49,7 +51,7 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Mapping[
         _run_runtime(settings, cells)
     results = []
     for cell in cells:
-        path = Path(cell["out"]) / "results.json"
+        path = Path(cell.out) / "results.json"
         if not path.exists():
             raise UserError(f"simulation finished without {path}: the ServerApp failed (see the log above)")
         results.append(json.loads(path.read_text()))
@@ -75,8 +77,8 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
     from server.server_app import make_app
 
     for cell in cells:  # a stale result must not pass for this run's
-        (Path(cell["out"]) / "results.json").unlink(missing_ok=True)
-    server_app = make_app(extra={"cells": list(cells)}, **_settings_fields(settings))
+        (Path(cell.out) / "results.json").unlink(missing_ok=True)
+    server_app = make_app(extra={"cells": [cell.to_dict() for cell in cells]}, **_settings_fields(settings))
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hospitals = settings.resolved_preset.hospitals
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=hospitals,
@@ -102,12 +104,12 @@ def _run_runtime(settings: RunSettings, cells) -> None:
     if len(cells) != 1:
         raise UserError("--engine runtime runs one cell at a time (use --engine flower for comparisons)")
     cell = cells[0]
-    (Path(cell["out"]) / "results.json").unlink(missing_ok=True)
-    run_config = {**settings.replace(method=cell["method"], epsilon=cell["epsilon"],
-                                     out=str(Path(cell["out"]).resolve())).to_run_config(),
+    (Path(cell.out) / "results.json").unlink(missing_ok=True)
+    run_config = {**settings.replace(method=cell.method, epsilon=cell.epsilon,
+                                     out=str(Path(cell.out).resolve()), init=cell.init).to_run_config(),
                   "world": settings.world}
     run_runtime_simulation(PROJECT_ROOT, run_config, settings.resolved_preset.hospitals,
-                           Path(cell["out"]) / "runtime", timeout=3600)
+                           Path(cell.out) / "runtime", timeout=3600)
 
 
 def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
@@ -120,6 +122,6 @@ def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
         hospitals = simulated_hospitals(prepared, split, settings.resolved_preset, Path(settings.world) / "nodes",
                                         settings.seed)
         transport = InProcessTransport(hospitals,
-                                       base_config=settings.replace(out=cell["out"]).hospital_privacy_config())
+                                       base_config=settings.replace(out=cell.out).hospital_privacy_config())
         results.append(run_cell(transport, world, settings, cell))
     return results

@@ -1,0 +1,128 @@
+"""How one non-federated cell of a comparison runs (issue 27): a registry from a method record's ``runner`` key
+(``sim.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
+batched into one simulation per K; everything here runs in this process.
+
+A runner takes the comparison's :class:`CompareContext` (what every cell of it shares, built once in
+``sim.runners.compare.run_compare``) and the :class:`sim.runconfig.Cell`, and writes the cell's folder
+(results.json, ledger.jsonl, model bundle). ``register_cell_runner`` adds one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from server.student import train_public_model
+from sim.bundle import preprocessing_of
+from sim.device import device_name, model_device
+from sim.networks import network_config
+from sim.results import ModelRelease, RunResults, write_run
+from sim.runconfig import Cell
+from sim.runners.central import run_central
+from sim.runners.selftrain import run_public_selftrain
+from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from sim.world import build_world, load_world
+
+
+@dataclass(frozen=True)
+class CompareContext:
+    """What every cell of one comparison shares: the world (preset, data, seed, where the data's hospitals come
+    from), the hospitals' lifetime ledgers and budget, the public model's checkpoint, device and noise."""
+
+    preset_name: str
+    preset: object                      # the resolved preset of the comparison's first K
+    data: str | None
+    seed: int
+    delta: float
+    hospitals: int | None
+    ledger_dir: Path
+    lifetime_epsilon: float
+    public_checkpoint: Path             # the public model every cell starts from
+    progress: bool = True
+    reproducible_noise: bool = False
+    device: str = "auto"
+    precision: str = "32"
+    where: dict = field(default_factory=dict)   # layout / partition_file (issue 29)
+
+    @property
+    def shared_dir(self) -> Path:
+        return self.public_checkpoint.parent
+
+
+CellRunner = Callable[[CompareContext, Cell], None]
+_RUNNERS: dict[str, CellRunner] = {}
+
+
+def register_cell_runner(key: str, run: CellRunner) -> CellRunner:
+    if key in _RUNNERS and _RUNNERS[key] is not run:
+        raise ValueError(f"cell runner {key!r} is already registered")
+    _RUNNERS[key] = run
+    return run
+
+
+def unregister_cell_runner(key: str) -> None:
+    _RUNNERS.pop(key, None)
+
+
+def cell_runner(key: str) -> CellRunner:
+    if key not in _RUNNERS:
+        raise KeyError(f"no cell runner {key!r} (registered: {', '.join(_RUNNERS)})")
+    return _RUNNERS[key]
+
+
+def run_pooled(context: CompareContext, cell: Cell) -> None:
+    """Training on the pooled private patients: DP-SGD when the record is private (charged to every hospital's
+    lifetime ledger), non-private training otherwise (``sim.runners.central``)."""
+    private = cell.record.private
+    run_central(method="dp-sgd" if private else "nonprivate", preset=context.preset_name, out=cell.out,
+                epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data,
+                progress=context.progress, reproducible_noise=context.reproducible_noise,
+                hospital_ledger_dir=context.ledger_dir if private else None,
+                lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
+                public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
+                device=context.device, precision=context.precision, **context.where)
+
+
+def run_floor(floor: Callable) -> CellRunner:
+    """A public floor's runner: no hospital involved, nothing charged (the seed is not published when it
+    drives reproducible noise)."""
+
+    def run(context: CompareContext, cell: Cell) -> None:
+        floor(context.preset, context.data, context.seed, Path(cell.out), context.shared_dir,
+              progress=context.progress, publish_seed=not context.reproducible_noise, device=context.device,
+              precision=context.precision, **context.where)
+
+    return run
+
+
+def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
+                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
+                    device: str = "auto", precision: str = "32") -> dict:
+    """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
+    started = time.perf_counter()
+    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
+    public_model = train_public_model(world, preset, seed=seed, progress=progress,
+                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
+    init = {k: v.clone() for k, v in public_model.state_dict().items()}
+    model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
+                               checkpoint=shared_dir / "public-only.pt", device=device, precision=precision)
+    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
+                                                         precision=precision)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
+    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None,
+                         device=device_name(model_device(model)), precision=precision)
+    results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
+                      "reference_cases": len(world.reference_labels),
+                      "validation_dice_mean": public_validation_dice(model, world, precision=precision)}
+    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
+                           card_extra={"note": "trained on public reference data only: no private data, "
+                                               "no privacy cost"})
+    return write_run(out, results, release, started=started)
+
+
+register_cell_runner("pooled", run_pooled)
+register_cell_runner("public-only", run_floor(run_public_only))
+register_cell_runner("public-selftrain", run_floor(run_public_selftrain))
