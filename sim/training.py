@@ -71,6 +71,17 @@ class TrainConfig:
     ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
 
 
+#: the private fine-tuning levers a settings-grid entry (``dpsgd_grid``, ``dpfedavg_grid``) may set, with their
+#: types; an entry that does not name one keeps TrainConfig's default (issue 28)
+LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": float}
+
+
+def lever_settings(entry: dict) -> dict:
+    """The lever keys of a settings-grid entry, typed (``ema_decay: None`` stays None)."""
+    return {key: (None if entry[key] is None else kind(entry[key])) for key, kind in LEVER_KEYS.items()
+            if key in entry}
+
+
 @dataclass
 class TrainResult:
     model: torch.nn.Module

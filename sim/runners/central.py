@@ -40,7 +40,8 @@ from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, train_segmentation
+from sim.training import (LEVER_KEYS, TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, lever_settings,
+                          train_segmentation)
 from sim.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
@@ -155,7 +156,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                    progress=progress, init_from=start_weights,
                                    checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
                                    description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
-                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision)
+                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision,
+                                   **lever_settings(setting))
         if private:
             dp = DPConfig(mode=noise_mode if sigma is None else "fixed", epsilon=epsilon, delta=delta,
                           noise_multiplier=sigma if sigma is not None else noise_multiplier if noise_multiplier is not None else
@@ -232,7 +234,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
 
 INITS = ("public", "scratch")
 #: the settings a grid entry may fix (anything else comes from the preset)
-SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs")
+SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs", *LEVER_KEYS)
 
 
 def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dict]:
@@ -250,7 +252,8 @@ def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dic
             raise UserError(f"preset {preset.name}: dpsgd_grid entry has unknown keys {sorted(unknown)}")
         setting = {**base, **entry, **fixed}
         setting = {"learning_rate": float(setting["learning_rate"]), "max_grad_norm": float(setting["max_grad_norm"]),
-                   "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"])}
+                   "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"]),
+                   **lever_settings(setting)}
         if not private:   # no clipping without DP-SGD
             del setting["max_grad_norm"]
         if setting not in settings:
