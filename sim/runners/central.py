@@ -66,7 +66,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 reproducible_noise: bool = False, relation: str = "replace-one",
                 hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
                 init: str = "public", public_model_checkpoint: str | Path | None = None,
-                learning_rate: float | None = None, device: str = "auto", precision: str = "32") -> dict[str, Any]:
+                learning_rate: float | None = None, device: str = "auto", precision: str = "32",
+                levers: dict | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -123,8 +124,10 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         start_weights = public_start(p, seed=seed, data=data, progress=progress,
                                      checkpoint=public_model_checkpoint or out / "public-model.pt",
                                      device=device, precision=precision)
+    # ``levers`` (issue 28: trainable, augmentation_multiplicity, ema_decay; sim.training.LEVER_KEYS): set
+    # explicitly, they are fixed for every grid entry like any other explicit setting
     explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
-                "batch_size": batch_size}
+                "batch_size": batch_size, **{k: v for k, v in (levers or {}).items() if k in LEVER_KEYS}}
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target" and sampling == "poisson")
     ledger = Ledger(ledger_path)
