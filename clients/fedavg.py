@@ -34,7 +34,7 @@ from clients.replay import AnswerBook, mint_nonce, request_key
 from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.networks import build_unet
-from sim.training import TrainConfig, train_segmentation
+from sim.training import TrainConfig, lever_settings, train_segmentation
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,7 +101,9 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                                learning_rate=float(config.get("learning_rate") or preset.learning_rate),
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
                                progress=False, description=f"{hospital.hospital_id} round {round_index}",
-                               device=device, precision=precision)
+                               device=device, precision=precision,
+                               # the server's grid entry may set the fine-tuning levers (issue 28)
+                               **lever_settings(config))
     result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
                                 owners=(hospital.hospital_id,), noise=noise)
     new_records = [record for record in ledger.records() if record["release_id"] not in before]

@@ -31,7 +31,7 @@ from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.networks import build_unet, network_config
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from sim.training import LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of, public_validation_dice
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -72,7 +72,7 @@ def mirror_hospital_records(ledger: Ledger, hospital: str, records_json: str) ->
 
 
 #: the settings a DP-FedAvg grid entry may fix (anything else comes from the preset)
-FEDAVG_SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "rounds", "local_epochs")
+FEDAVG_SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "rounds", "local_epochs", *LEVER_KEYS)
 
 
 def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) -> list[dict]:
@@ -92,8 +92,8 @@ def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) 
         setting = {**base, **entry}
         if rounds:
             setting["rounds"] = int(rounds)
-        setting = {k: (float(setting[k]) if k in ("learning_rate", "max_grad_norm") else int(setting[k]))
-                   for k in FEDAVG_SETTING_KEYS}
+        setting = {**{k: (float(setting[k]) if k in ("learning_rate", "max_grad_norm") else int(setting[k]))
+                      for k in FEDAVG_SETTING_KEYS if k not in LEVER_KEYS}, **lever_settings(setting)}
         if setting not in settings:
             settings.append(setting)
     return settings
@@ -145,7 +145,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
                 "reproducible_noise": bool(reproducible_noise), "relation": relation,
                 "setting": index, "plan": plan, "learning_rate": setting["learning_rate"],
                 "max_grad_norm": setting["max_grad_norm"], "batch_size": setting["batch_size"],
-                "device": device, "precision": precision})
+                "device": device, "precision": precision, **lever_settings(setting)})
             if not replies:
                 history.append({"round": round_index, "hospitals": 0})
                 break

@@ -395,6 +395,28 @@ class DPSession:
             if isinstance(grad_sample, torch.Tensor) and grad_sample.dtype != torch.float32:
                 p.grad_sample = grad_sample.float()
 
+    def average_views(self, views: int) -> None:
+        """Augmentation multiplicity (De et al. 2022, arXiv 2204.13650, Sec. 3.2): the batch holds ``views``
+        augmented copies of each sampled patient side by side; replace their ``views`` per-sample gradients by
+        their mean, so each patient enters clipping as *one* gradient.
+
+        Sensitivity is unchanged (replace-one, per-layer or flat clipping alike): whatever ``views`` is, one
+        patient contributes the single vector ``clip_C(mean_j g(aug_j(x)))``, of norm at most C (C_total for
+        per-layer clipping), to the clipped sum; replacing the patient moves that sum by at most 2 C_total,
+        the same bound the ledger's Poisson-sampled Gaussian event assumes. The views add no patient and are
+        drawn from public augmentation randomness; the Poisson sample is still over patients (the batch's
+        indices, repeated). Averaging *before* clipping, not after, is what lets the views reduce the
+        gradient's variance without shrinking the signal (tests/test_dp_levers.py checks both facts).
+        """
+        for p in self.optimizer.params:
+            grad_sample = p.grad_sample
+            if grad_sample is None:
+                continue
+            rows = grad_sample.shape[0]
+            if rows % views:
+                raise RuntimeError(f"DP-SGD: {rows} per-sample gradients are not {views} views per patient")
+            p.grad_sample = grad_sample.reshape(rows // views, views, *grad_sample.shape[1:]).mean(dim=1)
+
     def noise_only_step(self) -> None:
         """An empty Poisson batch: clipped sum 0, plus noise, then the optimizer step.
 

@@ -44,6 +44,7 @@ from sim.device import autocast, check_precision, model_device, resolve_device
 from sim.dpsgd import DPSession
 from sim.errors import UserError
 from sim.io import atomic_save_torch
+from sim.networks import freeze_all_but
 from sim.metrics import DiceAccumulator
 
 
@@ -72,6 +73,21 @@ class TrainConfig:
     #: (sim.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
     augment_on: str | None = None
+    #: private fine-tuning levers (issue 28; sim.networks.TRAINABLE_SETS for the sets and why they exist)
+    trainable: str = "all"                 # which parameters are trained (the rest keep their start values)
+    augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
+    ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
+
+
+#: the private fine-tuning levers a settings-grid entry (``dpsgd_grid``, ``dpfedavg_grid``) may set, with their
+#: types; an entry that does not name one keeps TrainConfig's default (issue 28)
+LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": float}
+
+
+def lever_settings(entry: dict) -> dict:
+    """The lever keys of a settings-grid entry, typed (``ema_decay: None`` stays None)."""
+    return {key: (None if entry[key] is None else kind(entry[key])) for key, kind in LEVER_KEYS.items()
+            if key in entry}
 
 
 @dataclass
@@ -237,11 +253,21 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         x_all, y_all = x_all.to(device), y_all.to(device)
     prefetch = (device.type == "cuda") if config.prefetch is None else bool(config.prefetch)
 
+    views = int(config.augmentation_multiplicity)
+    if views < 1 or (views > 1 and (dp is None or not config.augment)):
+        raise UserError(f"augmentation_multiplicity: expected 1, or k > 1 with DP-SGD and augmentation, got {views}")
+    if config.ema_decay is not None and not (0.0 <= float(config.ema_decay) < 1.0):
+        raise UserError(f"ema_decay: expected a number in [0, 1), got {config.ema_decay}")
+    # only the trainable set gets gradients, hence DP-SGD's clipping and noise (sim.networks.freeze_all_but)
+    freeze_all_but(base_model, config.trainable)
+    trained = [p for p in base_model.parameters() if p.requires_grad]
+
     torch.manual_seed(config.seed)
     if config.optimizer_factory is not None:
-        optimizer = config.optimizer_factory(base_model.parameters())
+        optimizer = config.optimizer_factory(trained)
     else:
-        optimizer = torch.optim.Adam(base_model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        optimizer = torch.optim.Adam(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
+    ema = _ParameterAverage(base_model, config.ema_decay) if config.ema_decay is not None else None
     generator = torch.Generator().manual_seed(int(config.seed))
 
     session = None
@@ -265,6 +291,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             if resume_state.get("dp") is None:
                 raise UserError(f"checkpoint {checkpoint}: was written without DP-SGD; cannot resume with it")
             session.load_state_dict(resume_state["dp"])
+        if ema is not None and resume_state.get("ema") is not None:
+            ema.load_state_dict(resume_state["ema"])
 
     bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.progress,
                initial=start_epoch, total=config.epochs, leave=False)
@@ -274,7 +302,9 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         train_model.train()
         aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
         if session is not None:
-            batches = session.batches()
+            # k views of every sampled patient, side by side: augmented independently, averaged per patient
+            # before clipping (DPSession.average_views)
+            batches = session.batches() if views == 1 else (b.repeat_interleave(views) for b in session.batches())
         else:
             order = torch.randperm(n, generator=generator)
             batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
@@ -294,7 +324,11 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
             loss.backward()
             if session is not None and precision != "32":
                 session.per_sample_gradients_to_float32()
+            if views > 1:
+                session.average_views(views)
             optimizer.step()
+            if ema is not None:
+                ema.update()
             if session is None:
                 losses.append(float(loss.detach()) * len(batch))
             seen += len(batch)
@@ -322,11 +356,16 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
                 "model": base_model.state_dict(), "optimizer": inner_opt.state_dict(), "epoch": epoch + 1,
                 "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
                 "dp": session.state_dict() if session is not None else None,
+                "ema": ema.state_dict() if ema is not None else None,
                 "dp_config": dp.to_dict() if dp is not None else None, **config.extra_checkpoint})
     bar.close()
 
     if session is not None:
         _unwrap(train_model)
+    if ema is not None:   # post-processing of the noisy iterates: no privacy cost (De et al. 2022, Sec. 3)
+        ema.copy_to(base_model)
+    for parameter in base_model.parameters():   # the returned model is a plain, fully trainable module again
+        parameter.requires_grad_(True)
     result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
                          wall_seconds=time.perf_counter() - started,
                          resumed_from_epoch=start_epoch if resume_state is not None else None)
@@ -340,6 +379,35 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         result.sampling_rate, result.steps_per_epoch = session.sampling_rate, session.steps
         result.stopped_reason = session.stopped_reason
     return result
+
+
+class _ParameterAverage:
+    """Exponential moving average of the trained parameters over optimiser steps (Polyak averaging; De et
+    al. 2022, arXiv 2204.13650, use it for DP-SGD). It reads only the iterates DP-SGD already released, so the
+    average is post-processing: it costs no privacy and needs no accounting."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.decay = float(decay)
+        self.parameters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.average = {n: p.detach().clone() for n, p in self.parameters.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, parameter in self.parameters.items():
+            self.average[name].mul_(self.decay).add_(parameter.detach(), alpha=1.0 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, model: torch.nn.Module) -> None:
+        for name, parameter in model.named_parameters():
+            if name in self.average:
+                parameter.copy_(self.average[name])
+
+    def state_dict(self) -> dict:
+        return {name: value.detach().cpu() for name, value in self.average.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            self.average[name] = value.to(self.average[name].device).clone()
 
 
 def _unwrap(wrapped: torch.nn.Module) -> None:

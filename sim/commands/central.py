@@ -41,6 +41,12 @@ def register(subparsers) -> None:
                         help="learning rate (default: the preset's; DP-SGD: the preset's grid, chosen on public "
                              "validation)")
     parser.add_argument("--batch-size", type=int, default=None, help="(expected) batch size (default: preset's)")
+    parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias"),
+                        help="which parameters fine-tuning trains (default: all; docs in sim/networks.py)")
+    parser.add_argument("--augmentation-multiplicity", type=int, default=None, metavar="K",
+                        help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")
+    parser.add_argument("--ema-decay", type=float, default=None,
+                        help="return the exponential moving average of the weights (post-processing, free)")
     parser.set_defaults(func=run)
 
 
@@ -58,7 +64,9 @@ def run(args) -> int:
         max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
         grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
         reproducible_noise=args.reproducible_noise, relation=args.relation, init=args.init,
-        learning_rate=args.learning_rate, batch_size=args.batch_size, device=str(device), precision=args.precision)
+        learning_rate=args.learning_rate, batch_size=args.batch_size, device=str(device), precision=args.precision,
+        levers={"trainable": args.trainable, "augmentation_multiplicity": args.augmentation_multiplicity,
+                "ema_decay": args.ema_decay})
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

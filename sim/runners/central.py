@@ -41,8 +41,8 @@ from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import (TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case, per_class_of,
-                          train_segmentation)
+from sim.training import (LEVER_KEYS, TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case,
+                          lever_settings, per_class_of, train_segmentation)
 from sim.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
@@ -70,7 +70,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
                 init: str = "public", public_model_checkpoint: str | Path | None = None,
                 learning_rate: float | None = None, hospitals: int | None = None, layout: str | None = None,
-                partition_file: str | None = None, device: str = "auto", precision: str = "32") -> dict[str, Any]:
+                partition_file: str | None = None, device: str = "auto", precision: str = "32",
+                levers: dict | None = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -131,8 +132,10 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         start_weights = public_start(p, seed=seed, data=data, progress=progress,
                                      checkpoint=public_model_checkpoint or out / "public-model.pt",
                                      device=device, precision=precision, **where)
+    # ``levers`` (issue 28: trainable, augmentation_multiplicity, ema_decay; sim.training.LEVER_KEYS): set
+    # explicitly, they are fixed for every grid entry like any other explicit setting
     explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
-                "batch_size": batch_size}
+                "batch_size": batch_size, **{k: v for k, v in (levers or {}).items() if k in LEVER_KEYS}}
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target" and sampling == "poisson")
     ledger = Ledger(ledger_path)
@@ -164,7 +167,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                                    progress=progress, init_from=start_weights,
                                    checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
                                    description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
-                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision)
+                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision,
+                                   **lever_settings(setting))
         if private:
             dp = DPConfig(mode=noise_mode if sigma is None else "fixed", epsilon=epsilon, delta=delta,
                           noise_multiplier=sigma if sigma is not None else noise_multiplier if noise_multiplier is not None else
@@ -246,7 +250,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
 
 INITS = ("public", "scratch")
 #: the settings a grid entry may fix (anything else comes from the preset)
-SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs")
+SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs", *LEVER_KEYS)
 
 
 def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dict]:
@@ -264,7 +268,8 @@ def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dic
             raise UserError(f"preset {preset.name}: dpsgd_grid entry has unknown keys {sorted(unknown)}")
         setting = {**base, **entry, **fixed}
         setting = {"learning_rate": float(setting["learning_rate"]), "max_grad_norm": float(setting["max_grad_norm"]),
-                   "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"])}
+                   "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"]),
+                   **lever_settings(setting)}
         if not private:   # no clipping without DP-SGD
             del setting["max_grad_norm"]
         if setting not in settings:
