@@ -38,7 +38,7 @@ from server.student import train_public_model
 from sim.bundle import attach_release, load_bundle, preprocessing_of
 from sim.errors import UserError
 from sim.io import atomic_write_json
-from sim.methods import FEDERATED_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
+from sim.methods import FEDERATED_METHODS, FLOOR_METHODS, METHOD_ROLES, PRIVATE_METHODS, SEGMENTATION_METHODS
 from sim.networks import network_config
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
@@ -400,7 +400,7 @@ def floor_runner(method: str):
 
 
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital):
-    """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD, public-only."""
+    """Same test slices: ground truth, the best PATE student, the teacher ensemble, DP-SGD and the public floors."""
     if world_dir is None:
         return None
     world = load_world(*open_world(world_dir))
@@ -413,7 +413,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
     predictions: dict[str, Any] = {}
-    for prefix in ("pate", "dp-sgd-central", "public-only"):
+    for prefix in ("pate", "dp-sgd-central", *FLOOR_METHODS):   # the floors: what no hospital taught
         cell = best(prefix)
         if cell is None:
             continue
