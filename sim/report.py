@@ -638,7 +638,7 @@ def headroom_rows(cells: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[st
     return rows
 
 
-def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE (paired over test cases)",
+def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE, paired over test cases",
                             floor: str | None = None) -> Path | None:
     """Grouped bars: headroom recovered per class and region (x), one bar per method x ε, with error bars.
     ``rows``: (label, {key: (value, error) | None}); the seeds report passes means and CI half-widths."""

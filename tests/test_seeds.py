@@ -221,3 +221,27 @@ def test_per_class_headroom_matches_a_hand_computation(tmp_path):
     text = write_report(tmp_path, "t").read_text()
     assert "plot_headroom_per_class.png" in text and (tmp_path / "plot_headroom_per_class.png").stat().st_size > 1000
     assert "headroom over public-selftrain (± SE)" in text and "Headroom recovered per class and region" in text
+
+
+def test_per_case_class_dice_is_none_where_the_truth_lacks_the_class():
+    """What the per-class headroom pairs: a false positive on a case without the class says nothing about
+    whether the class was learned, so that case is left out (None), not scored 0."""
+    from sim.metrics import DiceAccumulator
+    from sim.training import PerCaseDice, per_class_of
+
+    truth = np.zeros((3, 4, 4, 4), int)
+    pred = truth.copy()
+    truth[0, :2] = 1
+    pred[0, :1] = 1                    # class 1: 2|P∩T| / (|P| + |T|) = 2·16 / (16 + 32)
+    truth[0, 3, 3, 3] = 2              # class 2 present in case 0, missed
+    pred[1, 0, 0, 0] = 2               # a false positive of class 2 on case 1, whose truth has no class 2
+    truth[2, :2] = 3
+    pred[2, :2] = 3
+    table = DiceAccumulator().add(pred, truth).case_table()
+    assert table["1"] == [pytest.approx(2 / 3, rel=1e-6), None, None]
+    assert table["2"] == [0.0, None, None]
+    assert table["3"] == [None, None, 1.0] and table["ET"] == [None, None, 1.0]
+    assert table["TC"][1] is None and table["TC"][2] == 1.0
+    wrapped = PerCaseDice([0.5, 0.0, 1.0], table)
+    assert wrapped == [0.5, 0.0, 1.0] and json.loads(json.dumps(wrapped)) == [0.5, 0.0, 1.0]
+    assert per_class_of(wrapped) == table and per_class_of([0.5]) is None

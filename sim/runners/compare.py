@@ -382,7 +382,7 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital,
                              device: str = "auto"):
     """Same test slices: ground truth, the best cell of every private family (PATE's with its teacher ensemble),
-    and the first public floor."""
+    and the public floors (what no hospital taught)."""
     if world_dir is None:
         return None
     world = load_world(*open_world(world_dir))
@@ -395,7 +395,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
     families = list(dict.fromkeys(r.family for r in registry.methods(role="private")))
-    families += [registry.methods(role="floor")[0].family]
+    families += list(dict.fromkeys(r.family for r in registry.methods(role="floor")))
     predictions: dict[str, Any] = {}
     for family in families:
         cell = best(family)
