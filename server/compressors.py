@@ -38,6 +38,7 @@ from sim import codecs
 from sim.device import resolve_device
 from sim.errors import UserError
 from sim.io import atomic_save_torch
+from sim.registry import Registry
 
 
 def choose_components(eigenvalues: np.ndarray, sigma: float) -> int:
@@ -665,19 +666,9 @@ class AnchoredResidualCompressor(Compressor):
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
 
 #: PATE method -> the factory of its compressor (issue 27: one entry per method, no name tests elsewhere)
-_COMPRESSORS: dict[str, Callable[..., Compressor]] = {}
-
-
-def register_compressor(method: str, factory: Callable[..., Compressor]) -> Callable[..., Compressor]:
-    """``factory(preset, seed=, checkpoint=, progress=, device=, **options) -> Compressor`` for ``method``."""
-    if method in _COMPRESSORS and _COMPRESSORS[method] is not factory:
-        raise ValueError(f"a compressor for {method!r} is already registered")
-    _COMPRESSORS[method] = factory
-    return factory
-
-
-def unregister_compressor(method: str) -> None:
-    _COMPRESSORS.pop(method, None)
+#: ``factory(preset, seed=, checkpoint=, progress=, device=, **options) -> Compressor`` per method
+_COMPRESSORS: Registry[Callable[..., Compressor]] = Registry("compressor")
+register_compressor, unregister_compressor = _COMPRESSORS.register, _COMPRESSORS.unregister
 
 
 def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str | Path | None = None,
@@ -687,7 +678,7 @@ def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str 
     bounding steps the sensitivity depends on)."""
     if method not in _COMPRESSORS:
         raise UserError(f"method: expected one of {', '.join(_COMPRESSORS)}, got {method!r}")
-    return _COMPRESSORS[method](preset, seed=seed, checkpoint=checkpoint, progress=progress, device=device,
+    return _COMPRESSORS.get(method)(preset, seed=seed, checkpoint=checkpoint, progress=progress, device=device,
                                 **options)
 
 

@@ -15,6 +15,7 @@ from server.student import train_public_model
 from sim.errors import UserError
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
+from sim.registry import Registry
 from sim.runconfig import Cell, RunSettings
 from sim.world import PublicWorld
 
@@ -34,7 +35,7 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
     protocol = cell.record.protocol
     if protocol not in PROTOCOLS:
         raise UserError(f"{cell.method}: no federated protocol {protocol!r} (registered: {', '.join(PROTOCOLS)})")
-    return PROTOCOLS[protocol](transport, world, settings, cell)
+    return PROTOCOLS.get(protocol)(transport, world, settings, cell)
 
 
 def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
@@ -66,11 +67,7 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
 
 #: a federated method record's ``protocol`` -> the function that runs one of its cells (issue 27: the one
 #: place a protocol is chosen; ``register_protocol`` adds one)
-PROTOCOLS: dict[str, Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]] = {
-    "pate": run_pate_cell, "dp-fedavg": run_dpfedavg_cell}
-
-
-def register_protocol(name: str, run: Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]) -> None:
-    if name in PROTOCOLS and PROTOCOLS[name] is not run:
-        raise ValueError(f"protocol {name!r} is already registered")
-    PROTOCOLS[name] = run
+PROTOCOLS: Registry[Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]] = Registry("protocol")
+register_protocol = PROTOCOLS.register
+register_protocol("pate", run_pate_cell)
+register_protocol("dp-fedavg", run_dpfedavg_cell)

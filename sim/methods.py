@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.registry import Registry
+
 ROLES = ("private", "floor", "ceiling")
 
 
@@ -61,27 +63,17 @@ class Method:
         return self.role == "private"
 
 
-_METHODS: dict[str, Method] = {}
+_METHODS: Registry[Method] = Registry("method")
 
 
-def register_method(method: Method) -> Method:
+def register_method(record: Method) -> Method:
     """Add a method record (one per name)."""
-    if method.name in _METHODS and _METHODS[method.name] != method:
-        raise ValueError(f"method {method.name!r} is already registered")
-    _METHODS[method.name] = method
-    return method
+    return _METHODS.register(record.name, record)
 
 
-def unregister_method(name: str) -> None:
-    """Remove a record (tests that register a toy method clean up after themselves)."""
-    _METHODS.pop(name, None)
-
-
-def method(name: str) -> Method:
-    """The record of ``name``; KeyError names the registered methods."""
-    if name not in _METHODS:
-        raise KeyError(f"unknown method {name!r}; expected one of {', '.join(_METHODS)}")
-    return _METHODS[name]
+unregister_method = _METHODS.unregister
+#: the record of a name; KeyError names the registered methods
+method = _METHODS.get
 
 
 def methods(**fields) -> tuple[Method, ...]:
@@ -95,11 +87,11 @@ def names(**fields) -> tuple[str, ...]:
 
 def role_of(name: str | None) -> str | None:
     """The role of a method name (None for a name that is not registered, e.g. a classification cell)."""
-    return _METHODS[name].role if name in _METHODS else None
+    return _METHODS.get(name).role if name in _METHODS else None
 
 
 def family_of(name: str | None) -> str | None:
-    return _METHODS[name].family if name in _METHODS else None
+    return _METHODS.get(name).family if name in _METHODS else None
 
 
 for _record in (

@@ -88,7 +88,7 @@ class _FixedTeachers(Hospital):
                          lifetime_epsilon=lifetime, delta=1e-3, max_teachers=max_teachers)
         self.runs = 0
 
-    def teacher_probs(self, k, scans):
+    def teacher_probs(self, k, scans, config=None):
         self.runs += 1
         rng = np.random.default_rng(self.runs)    # a new answer every run: a repeat must not recompute
         return codecs.normalise_probabilities(rng.random((len(scans), 4, 8, 8, 8)).astype(np.float32))

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from sim.errors import UserError
+from sim.registry import Registry
 
 CodecState = dict  # dict[str, np.ndarray]
 
@@ -216,20 +217,15 @@ class CodecKind:
     unbounded_latent: bool = False
 
 
-_KINDS: dict[str, CodecKind] = {}
+_KINDS: Registry[CodecKind] = Registry("codec kind")
 
 
 def register_codec(kind: CodecKind) -> CodecKind:
     """Add a codec kind (as Opacus' ``register_accountant``): one record per name, registered once."""
-    if kind.name in _KINDS and _KINDS[kind.name] is not kind:
-        raise ValueError(f"codec kind {kind.name!r} is already registered")
-    _KINDS[kind.name] = kind
-    return kind
+    return _KINDS.register(kind.name, kind)
 
 
-def unregister_codec(name: str) -> None:
-    """Remove a kind (tests that register a toy codec clean up after themselves)."""
-    _KINDS.pop(name, None)
+unregister_codec = _KINDS.unregister
 
 
 def codec_kinds() -> tuple[str, ...]:
@@ -240,7 +236,7 @@ def kind_of(state: Mapping[str, np.ndarray]) -> CodecKind:
     name = str(scalar(state, "kind"))
     if name not in _KINDS:
         raise CodecRefused(f"codec: unknown kind {name!r}; expected one of {', '.join(_KINDS)}")
-    return _KINDS[name]
+    return _KINDS.get(name)
 
 
 @dataclass(frozen=True)

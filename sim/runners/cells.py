@@ -18,6 +18,7 @@ from server.student import train_public_model
 from sim.bundle import preprocessing_of
 from sim.device import device_name, model_device
 from sim.networks import network_config
+from sim.registry import Registry
 from sim.results import ModelRelease, RunResults, write_run
 from sim.runconfig import Cell
 from sim.runners.central import run_central
@@ -52,24 +53,8 @@ class CompareContext:
 
 
 CellRunner = Callable[[CompareContext, Cell], None]
-_RUNNERS: dict[str, CellRunner] = {}
-
-
-def register_cell_runner(key: str, run: CellRunner) -> CellRunner:
-    if key in _RUNNERS and _RUNNERS[key] is not run:
-        raise ValueError(f"cell runner {key!r} is already registered")
-    _RUNNERS[key] = run
-    return run
-
-
-def unregister_cell_runner(key: str) -> None:
-    _RUNNERS.pop(key, None)
-
-
-def cell_runner(key: str) -> CellRunner:
-    if key not in _RUNNERS:
-        raise KeyError(f"no cell runner {key!r} (registered: {', '.join(_RUNNERS)})")
-    return _RUNNERS[key]
+_RUNNERS: Registry[CellRunner] = Registry("cell runner")
+register_cell_runner, unregister_cell_runner, cell_runner = _RUNNERS.register, _RUNNERS.unregister, _RUNNERS.get
 
 
 def run_pooled(context: CompareContext, cell: Cell) -> None:

@@ -278,7 +278,7 @@ def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: fl
     count = int(teachers) if teachers is not None else len(probs)
 
     class AuditHospital(Hospital):
-        def teacher_probs(self, k: int, scans: np.ndarray) -> np.ndarray:
+        def teacher_probs(self, k: int, scans: np.ndarray, config=None) -> np.ndarray:
             return answer(k)[: len(scans)]
 
     return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(count)],
