@@ -42,7 +42,7 @@ from sim import methods as registry
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.runconfig import Cell, RunSettings, check_epsilon
-from sim.runners.cells import CompareContext, cell_runner, run_public_only  # noqa: F401 (re-export)
+from sim.runners.cells import CompareContext, cell_runner
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.simulation import simulate
 from sim.training import predict_probs
