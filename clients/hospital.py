@@ -46,7 +46,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from clients.replay import AnswerBook, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
-from sim.codecs import CodecPolicy, CodecRefused, fallback_encoding, make_encoder, verify_codec
+from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from sim.device import check_device_spec, check_precision, resolve_device
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
@@ -257,10 +257,8 @@ class Hospital:
         scans = np.asarray(scans, np.float32)
         # everything is validated before anything is charged: a request that cannot be answered costs nothing
         codec = verify_codec(codec, self._codec_policy(config), scans_shape=scans.shape)
-        try:   # one autoencoder for all of this hospital's teachers; built here, so a broken one costs nothing
-            encode = make_encoder(codec, self.compute(config)[0])
-        except (KeyError, ValueError, RuntimeError) as exc:
-            raise CodecRefused(f"codec: the autoencoder cannot be built from the state sent ({exc})") from None
+        # one encoder for all of this hospital's teachers (verify_codec already refused a state that cannot build one)
+        encode = make_encoder(codec, self.compute(config)[0])
         key = None
         if config.get("diagnostic"):
             if self.deployed:
@@ -271,7 +269,7 @@ class Hospital:
             # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
             key = request_key("query", {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
                               {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
-                               "teachers_trained": self._teachers_fingerprint()})
+                               "teachers_trained": self._teachers_fingerprint() or ""})
             answered = self.answers.lookup(key)
             if answered is not None:
                 return answered[0]["rows"], answered[1]
@@ -295,9 +293,10 @@ class Hospital:
         """What this hospital has answered (``workdir/answers``): repeats get the same answer (issue 26)."""
         return AnswerBook(self.workdir / "answers")
 
-    def _teachers_fingerprint(self) -> str:
+    def _teachers_fingerprint(self) -> str | None:
+        """What the trained teachers depend on (``teachers/training.json``), None before any training."""
         record = self.workdir / "teachers" / "training.json"
-        return json.loads(record.read_text()).get("fingerprint", "") if record.exists() else ""
+        return json.loads(record.read_text()).get("fingerprint", "") if record.exists() else None
 
     def _codec_policy(self, config: Mapping[str, Any]):
         """A deployed hospital's own policy (node config); a simulated one takes the simulation's."""
@@ -382,10 +381,9 @@ class Hospital:
         return result
 
     def _evaluation_cache(self, images: np.ndarray, labels: np.ndarray):
-        record = self.workdir / "teachers" / "training.json"
-        if not record.exists():
+        fingerprint = self._teachers_fingerprint()
+        if fingerprint is None:
             return None
-        fingerprint = json.loads(record.read_text()).get("fingerprint", "")
         digest = hashlib.sha256(fingerprint.encode())
         digest.update(np.ascontiguousarray(images).tobytes())
         digest.update(np.ascontiguousarray(labels).tobytes())
