@@ -81,8 +81,8 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
 
     monkeypatch.setattr(central, "evaluate_segmentation", score)
     monkeypatch.setattr(central, "evaluate_segmentation_per_case", test)
-    results = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=2.0, delta=1e-3,
-                                  progress=False, epochs=1, augment=False, batch_size=3)
+    results = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=2.0, delta=1e-3,
+                                  progress=False, epochs=1, augment=False, batch_size=3))
     grid = results["settings_grid"]
     assert len(grid) == 2 and results["init"] == "public"
     assert all(images is scored[0] for images in scored) and len(scored) == len(grid)
@@ -111,14 +111,14 @@ def test_init_public_starts_from_the_public_model_and_scratch_does_not(tmp_path,
     monkeypatch.setattr(central, "public_start", lambda preset, **kw: _public_weights(preset))
     public = _public_weights(central.get_preset("tiny"))
     for init in ("public", "scratch"):   # zero epochs: the released model is the start
-        results = central.run_central(method="nonprivate", preset="tiny", out=tmp_path / init, progress=False,
-                                      epochs=0, augment=False, init=init)
+        results = central.run_central(central.CentralConfig.of(method="nonprivate", preset="tiny", out=tmp_path / init, progress=False,
+                                      epochs=0, augment=False, init=init))
         assert results["init"] == init
         weights = load_bundle(tmp_path / init).model.state_dict()
         same = all(torch.equal(weights[k], public[k]) for k in public)
         assert same == (init == "public")
     with pytest.raises(Exception, match="--init"):
-        central.run_central(method="nonprivate", preset="tiny", out=tmp_path / "x", progress=False, init="imagenet")
+        central.run_central(central.CentralConfig.of(method="nonprivate", preset="tiny", out=tmp_path / "x", progress=False, init="imagenet"))
 
 
 # ------------------------------------------------------------------------------------ DP-FedAvg

@@ -265,9 +265,9 @@ def test_explicit_cpu_reaches_central_dpsgd(spy, small_world, tmp_path, monkeypa
 
     monkeypatch.setattr(calibration, "dpsgd_noise_multiplier", lambda *a, **k: 2.0)   # skip the PLD search
     monkeypatch.setattr(central, "public_start", lambda preset, **kwargs: None)
-    results = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "central", epsilon=50.0, delta=1e-3,
+    results = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "central", epsilon=50.0, delta=1e-3,
                                   progress=False, epochs=1, learning_rate=3e-3, augment=False, init="scratch",
-                                  reproducible_noise=True, device="cpu")
+                                  reproducible_noise=True, device="cpu"))
     assert results["device"] == "cpu" and results["precision"] == "32"
     assert spy.batches and spy.devices() == {"cpu"}
 

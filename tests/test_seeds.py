@@ -8,6 +8,7 @@
 * headroom per class is the one paired ratio estimator, over the cases that contain the class.
 """
 
+import dataclasses
 import json
 import math
 
@@ -91,7 +92,10 @@ def _fake_compare(calls):
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
 
-    def run(preset_name, methods, epsilons, out, seed=0, ledger_dir=None, lifetime_epsilon=None, delta=None, **kw):
+    def run(config):
+        out, seed, ledger_dir, lifetime_epsilon, delta = (config.out, config.seed, config.ledger_dir,
+                                                          config.lifetime_epsilon, config.delta)
+        epsilons = config.epsilons
         calls.append({"seed": seed, "out": out, "ledger_dir": ledger_dir, "lifetime": lifetime_epsilon})
         out.mkdir(parents=True)
         charged = True
@@ -116,8 +120,8 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
     monkeypatch.setattr(compare, "run_compare", _fake_compare(calls))
     monkeypatch.setattr(compare, "patient_homes", lambda preset, data, seeds, **where: {})
     out = tmp_path / "cmp"
-    report = compare.run_compare_seeds("tiny", ["dp-sgd-central", "public-only"], [2.0], out, seeds=[0, 1, 2],
-                                       progress=False)
+    report = compare.run_compare_seeds(
+        compare.CompareConfig("tiny", ["dp-sgd-central", "public-only"], [2.0], out, progress=False), [0, 1, 2])
     assert report == out / "report.md" and report.exists()
     assert [c["seed"] for c in calls] == [0, 1, 2]
     assert {c["ledger_dir"] for c in calls} == {out / "hospital-ledgers"}          # one folder for all seeds
@@ -136,8 +140,8 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
     # a lifetime budget with room for two seeds' cells: the third seed's cell is refused, nothing is charged
     calls.clear()
     out = tmp_path / "tight"
-    compare.run_compare_seeds("tiny", ["dp-sgd-central"], [2.0], out, seeds=[0, 1, 2], lifetime_epsilon=5.0,
-                              progress=False)
+    compare.run_compare_seeds(compare.CompareConfig("tiny", ["dp-sgd-central"], [2.0], out, lifetime_epsilon=5.0,
+                                                    progress=False), [0, 1, 2])
     assert [c["charged"] for c in calls] == [True, True, False]
     for path in sorted((out / "hospital-ledgers").glob("*.jsonl")):
         assert {r["release_id"] for r in Ledger.load(path).records()} == {"seed-0:cell", "seed-1:cell"}
@@ -148,14 +152,15 @@ def test_one_seed_is_the_single_seed_comparison_and_reproducible_noise_takes_one
     from sim.errors import UserError
 
     seen = []
-    monkeypatch.setattr(compare, "run_compare", lambda *a, **kw: seen.append((a, kw)) or "report")
-    assert compare.run_compare_seeds("tiny", ["public-only"], [1.0], tmp_path, seeds=[3]) == "report"
-    (args, kwargs), = seen
-    assert args[3] == tmp_path and kwargs["seed"] == 3 and "ledger_dir" not in kwargs   # OUT itself, as before
+    monkeypatch.setattr(compare, "run_compare", lambda config: seen.append(config) or "report")
+    plan = compare.CompareConfig("tiny", ["public-only"], [1.0], tmp_path)
+    assert compare.run_compare_seeds(plan, [3]) == "report"
+    config, = seen
+    assert config.out == tmp_path and config.seed == 3 and config.ledger_dir is None   # OUT itself, as before
     with pytest.raises(UserError, match="--reproducible-noise"):
-        compare.run_compare_seeds("tiny", ["public-only"], [1.0], tmp_path, seeds=[0, 1], reproducible_noise=True)
+        compare.run_compare_seeds(dataclasses.replace(plan, reproducible_noise=True), [0, 1])
     with pytest.raises(UserError, match="--seeds"):
-        compare.run_compare_seeds("tiny", ["public-only"], [1.0], tmp_path, seeds=[0, 0])
+        compare.run_compare_seeds(plan, [0, 0])
 
 
 def test_a_patient_at_two_hospitals_across_seeds_is_charged_both_ledgers(tmp_path):

@@ -89,8 +89,8 @@ def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
     import sim.runners.central as central
 
     monkeypatch.setattr(central, "load_central_data", _fake_loader)
-    results = central.run_central(method=method, preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
-                                  progress=False, epochs=1, sampling="shuffle", augment=False)
+    results = central.run_central(central.CentralConfig.of(method=method, preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+                                  progress=False, epochs=1, sampling="shuffle", augment=False))
     written = json.loads((tmp_path / "run" / "results.json").read_text())
     assert written == json.loads(json.dumps(results))
     assert all(key in written for key in SCHEMA) and set(written["dice"]) == DICE
@@ -120,18 +120,18 @@ def test_central_dpsgd_charges_every_hospitals_lifetime_ledger(tmp_path, monkeyp
 
     monkeypatch.setattr(central, "load_central_data", _fake_loader)
     ledgers = tmp_path / "hospital-ledgers"
-    results = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "a", epsilon=2.0, delta=1e-3,
+    results = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "a", epsilon=2.0, delta=1e-3,
                                   progress=False, epochs=1, sampling="shuffle", augment=False,
-                                  hospital_ledger_dir=ledgers, lifetime_epsilon=3.0)
+                                  hospital_ledger_dir=ledgers, lifetime_epsilon=3.0))
     for h in ("h0", "h1"):
         own = Ledger.load(ledgers / f"{h}.jsonl")
         assert own.owners() == [h] and own.spent(h, 1e-3).epsilon == pytest.approx(results["epsilon"])
     spent_elsewhere = next(e for e in Ledger.load(ledgers / "h1.jsonl").events("h1"))   # same kind of event
     Ledger(ledgers / "h1.jsonl").record(["h1"], spent_elsewhere, "another-run:epoch-0")
     with pytest.raises(BudgetExceeded, match="h1"):
-        central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "b", epsilon=2.0, delta=1e-3,
+        central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "b", epsilon=2.0, delta=1e-3,
                             progress=False, epochs=1, sampling="shuffle", augment=False,
-                            hospital_ledger_dir=ledgers, lifetime_epsilon=3.0)
+                            hospital_ledger_dir=ledgers, lifetime_epsilon=3.0))
     assert len(Ledger.load(ledgers / "h0.jsonl")) == 1        # nothing recorded for the refused run
 
 
@@ -142,9 +142,9 @@ def test_run_central_poisson_states_both_relations(tmp_path, monkeypatch):
     from privacy.ledger import Ledger
 
     monkeypatch.setattr(central, "load_central_data", _fake_loader)
-    written = central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+    written = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
                                   progress=False, epochs=1, sampling="poisson", augment=False,
-                                  noise_mode="fixed", noise_multiplier=2.0)
+                                  noise_mode="fixed", noise_multiplier=2.0))
     ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
     spent = ledger.spent("h0", 1e-3)
     assert (written["relation"], written["accountant"]) == ("replace-one", "pld") == (spent.relation, spent.accountant)
@@ -163,8 +163,8 @@ def test_a_finished_dpsgd_run_holds_and_prints_no_training_loss_or_sample_count(
 
     monkeypatch.setattr(central, "load_central_data", _fake_loader)
     monkeypatch.setattr(training, "tqdm", _EagerBar)
-    central.run_central(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
-                        progress=True, epochs=2, augment=False)
+    central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3,
+                        progress=True, epochs=2, augment=False))
     console = capfd.readouterr()
     shown = console.out + console.err
     assert "epsilon" in shown and "loss" not in shown and "samples" not in shown

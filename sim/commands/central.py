@@ -52,21 +52,24 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
-    from sim.runners.central import run_central
+    from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
 
     where = data_options(args)
     device = resolved_device(args)
-    results = run_central(
-        hospitals=resolve_hospitals(None, where["partition_file"]), **where,
+    results = run_central(CentralConfig(
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
-        seed=args.seed, data=args.data, progress=not args.no_progress, noise_mode=args.noise_mode,
-        schedule=args.schedule, sampling=args.sampling, noise_multiplier=args.noise_multiplier,
-        max_grad_norm=args.max_grad_norm, per_layer=False if args.flat_clipping else None,
-        grad_sample_mode=args.grad_sample_mode, epochs=args.epochs, augment=not args.no_augment,
-        reproducible_noise=args.reproducible_noise, relation=args.relation, init=args.init,
-        learning_rate=args.learning_rate, batch_size=args.batch_size, device=str(device), precision=args.precision,
-        levers={"trainable": args.trainable, "augmentation_multiplicity": args.augmentation_multiplicity,
-                "ema_decay": args.ema_decay})
+        seed=args.seed, data=args.data, progress=not args.no_progress, init=args.init,
+        hospitals=resolve_hospitals(None, where["partition_file"]), **where,
+        device=str(device), precision=args.precision,
+        training=TrainingOptions(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                                 max_grad_norm=args.max_grad_norm, augment=not args.no_augment,
+                                 levers={"trainable": args.trainable,
+                                         "augmentation_multiplicity": args.augmentation_multiplicity,
+                                         "ema_decay": args.ema_decay}),
+        dpsgd=DPSGDOptions(noise_mode=args.noise_mode, schedule=args.schedule, sampling=args.sampling,
+                           noise_multiplier=args.noise_multiplier, per_layer=False if args.flat_clipping else None,
+                           grad_sample_mode=args.grad_sample_mode, relation=args.relation,
+                           reproducible_noise=args.reproducible_noise)))
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

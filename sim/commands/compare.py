@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
-    from sim.runners.compare import parse_list, run_compare_seeds
+    from sim.runners.compare import CompareConfig, parse_list, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
         from sim.errors import UserError
@@ -78,10 +78,11 @@ def run(args) -> int:
     methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)
     # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
     seeds = parse_list(args.seeds, int, "--seeds") if args.seeds else [args.seed]
-    report = run_compare_seeds(args.preset, methods, epsilons, args.out, seeds=seeds, data=args.data,
-                               delta=args.delta, hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
-                               teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
-                               reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                               init=args.init, device=str(device), precision=args.precision, **where)
+    config = CompareConfig(args.preset, methods, epsilons, args.out, data=args.data, delta=args.delta,
+                           hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
+                           teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
+                           reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
+                           init=args.init, device=str(device), precision=args.precision, **where)
+    report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0

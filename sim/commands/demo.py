@@ -58,7 +58,7 @@ def run(args) -> int:
     from sim.predict import predict_scans
     from sim.presets import get_preset
     from sim.report import load_cells
-    from sim.runners.compare import parse_list, run_compare
+    from sim.runners.compare import CompareConfig, parse_list, run_compare
     from sim.io import cache_root
     from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
@@ -67,10 +67,11 @@ def run(args) -> int:
 
     device = resolved_device(args)
     out = Path(args.out)
-    report = run_compare(args.preset, parse_list(DEMO_METHODS, str, "methods"),
-                         parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
-                         progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                         engine=args.engine, init=args.init, device=str(device), precision=args.precision)
+    report = run_compare(CompareConfig(args.preset, parse_list(DEMO_METHODS, str, "methods"),
+                                       parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
+                                       progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
+                                       engine=args.engine, init=args.init, device=str(device),
+                                       precision=args.precision))
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,

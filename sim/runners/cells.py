@@ -21,7 +21,7 @@ from sim.networks import network_config
 from sim.registry import Registry
 from sim.results import ModelRelease, RunResults, write_run
 from sim.runconfig import Cell
-from sim.runners.central import run_central
+from sim.runners.central import CentralConfig, DPSGDOptions, run_central
 from sim.runners.selftrain import run_public_selftrain
 from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
 from sim.world import build_world, load_world
@@ -61,13 +61,14 @@ def run_pooled(context: CompareContext, cell: Cell) -> None:
     """Training on the pooled private patients: DP-SGD when the record is private (charged to every hospital's
     lifetime ledger), non-private training otherwise (``sim.runners.central``)."""
     private = cell.record.private
-    run_central(method="dp-sgd" if private else "nonprivate", preset=context.preset_name, out=cell.out,
-                epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data,
-                progress=context.progress, reproducible_noise=context.reproducible_noise,
-                hospital_ledger_dir=context.ledger_dir if private else None,
-                lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
-                public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
-                device=context.device, precision=context.precision, **context.where)
+    run_central(CentralConfig(
+        method="dp-sgd" if private else "nonprivate", preset=context.preset_name, out=cell.out,
+        epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data, progress=context.progress,
+        hospital_ledger_dir=context.ledger_dir if private else None,
+        lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
+        public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
+        device=context.device, precision=context.precision, **context.where,
+        dpsgd=DPSGDOptions(reproducible_noise=context.reproducible_noise)))
 
 
 def run_floor(floor: Callable) -> CellRunner:

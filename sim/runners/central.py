@@ -23,8 +23,9 @@ import dataclasses
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -59,60 +60,160 @@ def load_central_data(preset, seed: int = 0, data: str | Path | None = None, pro
     return pooled_private_data(prepared, split, Path(data) if data else None)
 
 
-def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Path = "runs/central",
-                epsilon: float | None = None, delta: float | None = None, seed: int = 0,
-                data: str | Path | None = None, progress: bool = True, *, noise_mode: str = "target",
-                schedule: str | None = None, sampling: str = "poisson", noise_multiplier: float | None = None,
-                max_grad_norm: float | None = None, per_layer: bool | None = None, grad_sample_mode: str | None = None,
-                epochs: int | None = None, augment: bool = True,
-                schedule_options: dict | None = None, batch_size: int | None = None,
-                reproducible_noise: bool = False, relation: str = "replace-one",
-                hospital_ledger_dir: str | Path | None = None, lifetime_epsilon: float | None = None,
-                init: str = "public", public_model_checkpoint: str | Path | None = None,
-                learning_rate: float | None = None, hospitals: int | None = None, layout: str | None = None,
-                partition_file: str | None = None, device: str = "auto", precision: str = "32",
-                levers: dict | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Training settings fixed by the caller; None = the preset's (for DP-SGD: the preset's ``dpsgd_grid``,
+    chosen on public validation). Every explicit setting is fixed for every grid entry.
+
+    Args:
+        epochs: training epochs (the preset's ``central_epochs``).
+        batch_size: (expected, under Poisson sampling) batch size -- DP-SGD needs larger expected batches
+            than plain training: the noise is added once per batch (the preset's ``dpsgd_batch_size``).
+        learning_rate: Adam's learning rate.
+        max_grad_norm: DP-SGD's clipping norm (ignored by non-private training).
+        augment: train with the world's augmentation (``sim.transforms``).
+        levers: issue 28's DP fine-tuning levers, ``sim.training.LEVER_KEYS`` (``trainable``,
+            ``augmentation_multiplicity``, ``ema_decay``); None values are the defaults.
+    """
+
+    epochs: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    max_grad_norm: float | None = None
+    augment: bool = True
+    levers: Mapping[str, Any] | None = None
+
+    def explicit(self) -> dict:
+        """The settings a grid entry may not change (``SETTING_KEYS``; None = not given)."""
+        return {"learning_rate": self.learning_rate, "max_grad_norm": self.max_grad_norm, "epochs": self.epochs,
+                "batch_size": self.batch_size,
+                **{k: v for k, v in (self.levers or {}).items() if k in LEVER_KEYS}}
+
+
+@dataclass(frozen=True)
+class DPSGDOptions:
+    """How DP-SGD releases (``sim.dpsgd.DPConfig``; ignored by non-private training).
+
+    Args:
+        noise_mode: ``target`` (sigma calibrated to the budget for the planned epochs), ``fixed`` (the
+            preset's sigma until the budget is spent) or ``schedule`` (a decaying noise schedule, Yu et al.).
+        schedule: the schedule for ``noise_mode="schedule"`` (``privacy.schedules``).
+        schedule_options: that schedule's parameters.
+        sampling: ``poisson`` (PLD/RDP accounting) or ``shuffle`` (disjoint batches, zCDP).
+        noise_multiplier: sigma for ``fixed`` mode / sigma_0 for schedules (the preset's, sqrt 6).
+        per_layer: clip each layer's per-sample gradient (Fay et al.; None = the preset's) or the whole one.
+        grad_sample_mode: Opacus' per-sample gradient engine (None = the benchmarked fastest).
+        relation: the neighbouring relation of the guarantee -- ``replace-one`` (default; the only one that
+            holds when dataset sizes are published), ``add-remove`` (Poisson) or ``zero-out`` (shuffle).
+        reproducible_noise: simulation only -- noise and batches seeded by the run's seed, which is then
+            left out of results.json. Default: secure noise.
+    """
+
+    noise_mode: str = "target"
+    schedule: str | None = None
+    schedule_options: Mapping[str, Any] | None = None
+    sampling: str = "poisson"
+    noise_multiplier: float | None = None
+    per_layer: bool | None = None
+    grad_sample_mode: str | None = None
+    relation: str = "replace-one"
+    reproducible_noise: bool = False
+
+
+@dataclass(frozen=True)
+class CentralConfig:
+    """One run on the pooled private data: what it trains, on which world, under which budget.
+
+    Args:
+        method: ``nonprivate`` or ``dp-sgd`` (``sim.methods.CENTRAL_METHODS``).
+        preset: the preset's name (``sim.presets``).
+        out: the run folder (results.json, ledger.jsonl, model/, checkpoint/ while it runs).
+        epsilon: DP-SGD's budget (None = the preset's); ``delta`` likewise.
+        seed: the world's split, the public model and the training; the noise only under
+            ``dpsgd.reproducible_noise``.
+        data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``hospitals``, ``layout`` and
+            ``partition_file`` shape its world (``sim.world.build_world``; None = as the preset says).
+        progress: progress bars.
+        init: ``public`` -- start from the public model (trained on the public reference set, as PATE's
+            teachers and student; shared through ``public_model_checkpoint`` in a comparison) -- or
+            ``scratch`` (random weights; the seed paper's DP-SGD baseline).
+        hospital_ledger_dir / lifetime_epsilon: the hospitals' own ledgers of a comparison
+            (``<dir>/<hospital>.jsonl``) and their lifetime budget: every epoch is also charged there, and
+            refused when a hospital's lifetime budget would be exceeded.
+        device / precision: where the models train and are evaluated (auto = CUDA when there is one;
+            ``sim.device``) and whether forward passes run under bf16 autocast; both are recorded.
+        training: settings fixed by the caller (:class:`TrainingOptions`).
+        dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
+    """
+
+    method: str = "nonprivate"
+    preset: str = "quick"
+    out: str | Path = "runs/central"
+    epsilon: float | None = None
+    delta: float | None = None
+    seed: int = 0
+    data: str | Path | None = None
+    progress: bool = True
+    init: str = "public"
+    public_model_checkpoint: str | Path | None = None
+    hospital_ledger_dir: str | Path | None = None
+    lifetime_epsilon: float | None = None
+    hospitals: int | None = None
+    layout: str | None = None
+    partition_file: str | None = None
+    device: str = "auto"
+    precision: str = "32"
+    training: TrainingOptions = TrainingOptions()
+    dpsgd: DPSGDOptions = DPSGDOptions()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.init not in INITS:
+            raise UserError(f"--init: expected one of {', '.join(INITS)}, got {self.init!r}")
+
+    @classmethod
+    def of(cls, **options) -> "CentralConfig":
+        """A config from flat keyword options (scripts, tests): the fields of :class:`TrainingOptions` and
+        :class:`DPSGDOptions` go to ``training`` / ``dpsgd``, the rest are this class's own."""
+        groups = {name: {k: options.pop(k) for k in [f.name for f in dataclasses.fields(kind)] if k in options}
+                  for name, kind in (("training", TrainingOptions), ("dpsgd", DPSGDOptions))}
+        return cls(**options, training=TrainingOptions(**groups["training"]), dpsgd=DPSGDOptions(**groups["dpsgd"]))
+
+    @property
+    def private(self) -> bool:
+        return self.method == "dp-sgd"
+
+    @property
+    def where(self) -> dict:
+        """build_world's options that were given: a run without them builds its world exactly as before."""
+        return {k: v for k, v in (("hospitals", self.hospitals), ("layout", self.layout),
+                                  ("partition_file", self.partition_file)) if v is not None}
+
+
+def run_central(config: CentralConfig) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
-
-    ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
-    DP-SGD needs larger expected batches than plain training: the noise is added once per batch.
-    ``reproducible_noise`` (simulation only): DP-SGD noise and batches seeded by ``seed``; the seed is then
-    left out of results.json. Default: secure noise. ``hospital_ledger_dir`` / ``lifetime_epsilon``: the
-    hospitals' own ledgers of a comparison (``<dir>/<hospital>.jsonl``) and their lifetime budget; every
-    epoch is then also charged there, and refused when a hospital's lifetime budget would be exceeded.
-
-    ``init`` (issue 17): ``"public"`` (default) starts from the public model -- the same U-Net trained on the
-    public reference set that PATE's teachers and student start from (``server.student.train_public_model``,
-    shared through ``public_model_checkpoint`` in a comparison) -- and fine-tunes on the private data;
-    ``"scratch"`` starts from random weights (the seed paper's DP-SGD baseline).
 
     DP-SGD settings grid (issue 17): unless a setting is given explicitly, DP-SGD in ``target`` noise mode
     trains one model per entry of the preset's ``dpsgd_grid`` (learning rate, clipping norm, expected batch,
     epochs), all with one noise multiplier calibrated so that the G trainings *together* spend the budget
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
-    every epoch of every grid entry, so its ε is the budget.
-
-    ``device`` / ``precision`` (issue 30, ``sim.device``): where the public model and the pooled model train and
-    are evaluated (auto = CUDA when there is one; DP-SGD's noise is still drawn on the host, ``sim.dpsgd``), and
-    whether forward passes run under bf16 autocast. Both are recorded in results.json and the model card.
+    every epoch of every grid entry, so its ε is the budget. DP-SGD's noise is drawn on the host
+    (``sim.dpsgd``) whatever ``config.device`` is.
     """
     started = time.perf_counter()
-    device = resolve_device(device)   # a GPU asked for and missing: refused before any data is touched
-    precision = check_precision(precision)
-    if method not in METHODS:
-        raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
-    if init not in INITS:
-        raise UserError(f"--init: expected one of {', '.join(INITS)}, got {init!r}")
+    device = resolve_device(config.device)   # a GPU asked for and missing: refused before any data is touched
+    precision = check_precision(config.precision)
     try:
-        p = get_preset(preset)
+        p = get_preset(config.preset)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    out = Path(out)
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    private = method == "dp-sgd"
-    epsilon = float(epsilon if epsilon is not None else p.epsilon)
-    delta = float(delta if delta is not None else p.delta)
+    private, method, seed, dpsgd = config.private, config.method, config.seed, config.dpsgd
+    epsilon = float(config.epsilon if config.epsilon is not None else p.epsilon)
+    delta = float(config.delta if config.delta is not None else p.delta)
     checkpoints = out / "checkpoint"
     ledger_path = out / "ledger.jsonl"
     if ledger_path.exists() and ledger_path.stat().st_size > 0 and not any(checkpoints.glob("*.pt")):
@@ -121,65 +222,46 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
 
     torch.manual_seed(seed)
-    # only what was given: the world of a run without them is built exactly as before (and callers that stand
-    # in for load_central_data keep their signature)
-    where = {k: v for k, v in (("hospitals", hospitals), ("layout", layout), ("partition_file", partition_file))
-             if v is not None}
-    world = load_central_data(p, seed=seed, data=data, progress=progress, **where)
+    world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
     net_cfg = network_config(p.unet)
     start_weights = None
-    if init == "public":
-        start_weights = public_start(p, seed=seed, data=data, progress=progress,
-                                     checkpoint=public_model_checkpoint or out / "public-model.pt",
-                                     device=device, precision=precision, **where)
-    # ``levers`` (issue 28: trainable, augmentation_multiplicity, ema_decay; sim.training.LEVER_KEYS): set
-    # explicitly, they are fixed for every grid entry like any other explicit setting
-    explicit = {"learning_rate": learning_rate, "max_grad_norm": max_grad_norm, "epochs": epochs,
-                "batch_size": batch_size, **{k: v for k, v in (levers or {}).items() if k in LEVER_KEYS}}
+    if config.init == "public":
+        start_weights = public_start(p, seed=seed, data=config.data, progress=config.progress,
+                                     checkpoint=config.public_model_checkpoint or out / "public-model.pt",
+                                     device=device, precision=precision, **config.where)
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
-    settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target" and sampling == "poisson")
+    settings = settings_grid(p, private, config.training.explicit(),
+                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
     ledger = Ledger(ledger_path)
-    dp = guard = None
-    sigma = None
+    guard = sigma = None
     if private:
-        guard = BudgetGuard(ledger, epsilon, delta)
-        if hospital_ledger_dir is not None:
-            lifetime = float(lifetime_epsilon or epsilon)
-            guard = GuardChain(guard, [(BudgetGuard(Ledger(Path(hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
-                                                    delta), [h]) for h in world["hospital_ids"]])
+        guard = _pooled_guard(ledger, epsilon, delta, world["hospital_ids"], config)
         if len(settings) > 1:   # one sigma for the whole grid: the G trainings together spend the budget
             n = len(world["train_ids"])
             sigma = calibration.composed_dpsgd_noise_multiplier(
                 epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
                                   steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
-                relation=relation)
+                relation=dpsgd.relation)
     else:
         atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
 
     prefix = _release_prefix(ledger_path) if private else None
-    noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
+    noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(
         METHODS[method], f"eps-{epsilon:g}")
     candidates = []
+    dp = None
     for index, setting in enumerate(settings):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
-                                   learning_rate=setting["learning_rate"], seed=seed, augment=augment,
-                                   progress=progress, init_from=start_weights,
+                                   learning_rate=setting["learning_rate"], seed=seed, augment=config.training.augment,
+                                   progress=config.progress, init_from=start_weights,
                                    checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
                                    description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
                                    extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision,
                                    **lever_settings(setting))
         if private:
-            dp = DPConfig(mode=noise_mode if sigma is None else "fixed", epsilon=epsilon, delta=delta,
-                          noise_multiplier=sigma if sigma is not None else noise_multiplier if noise_multiplier is not None else
-                          (p.dpsgd_noise_multiplier if noise_mode != "target" else None),
-                          max_grad_norm=setting["max_grad_norm"],
-                          per_layer=bool(p.extra.get("dpsgd_per_layer", True) if per_layer is None else per_layer),
-                          sampling=sampling, schedule=schedule,
-                          schedule_options=dict(schedule_options or {}),
-                          grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                          release_prefix=prefix + tag, stream_prefix="central-dpsgd" + tag,
-                          relation=relation).validate()
+            dp = _dp_config(p, dpsgd, epsilon, delta, setting, sigma, release_prefix=prefix + tag,
+                            stream_prefix="central-dpsgd" + tag)
         torch.manual_seed(seed)
         result = train_segmentation(build_unet(p.unet), world["train_images"], world["train_labels"], train_config,
                                     dp=dp, guard=guard, owners=tuple(world["hospital_ids"]),
@@ -197,10 +279,10 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
 
     results = RunResults(method=METHODS[method], dice=dice, hospitals=world["hospitals"],
                          # under reproducible noise the seed also drives the other cells' noise: never published
-                         seed=None if reproducible_noise else seed,
+                         seed=None if dpsgd.reproducible_noise else seed,
                          device=device_name(device), precision=precision)
     if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
-        results.account(ledger, delta, relation=relation)
+        results.account(ledger, delta, relation=dpsgd.relation)
         results.epsilon_budget = epsilon
         results.sigma = result.sigmas[0] if result.sigmas else None
     results.extras = {
@@ -212,9 +294,9 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
         "train_cases": len(world["train_ids"]),
         "test_cases": len(world["test_ids"]),
-        "init": init,
+        "init": config.init,
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
-                  if init == "public" else "random weights"),
+                  if config.init == "public" else "random weights"),
         "settings_grid": [dict(s) for s, _, _ in candidates],
         "settings_validation_dice": [v for _, _, v in candidates],
         "setting_chosen": chosen,
@@ -246,6 +328,34 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     # (and the ledger without a checkpoint marks the folder as finished: see the check above)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return written
+
+
+def _pooled_guard(ledger: Ledger, epsilon: float, delta: float, hospital_ids, config: CentralConfig):
+    """The run's own budget, and in a comparison every pooled hospital's lifetime ledger beside it."""
+    guard = BudgetGuard(ledger, epsilon, delta)
+    if config.hospital_ledger_dir is None:
+        return guard
+    lifetime = float(config.lifetime_epsilon or epsilon)
+    return GuardChain(guard, [(BudgetGuard(Ledger(Path(config.hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
+                                           delta), [h]) for h in hospital_ids])
+
+
+def _dp_config(preset, dpsgd: DPSGDOptions, epsilon: float, delta: float, setting: dict, sigma: float | None,
+               **ids) -> DPConfig:
+    """One grid entry's DPConfig: a grid shares one calibrated ``sigma`` (fixed mode); alone, the entry
+    calibrates its own (target mode) or uses the given / the preset's."""
+    if sigma is not None:
+        mode, multiplier = "fixed", sigma
+    else:
+        mode = dpsgd.noise_mode
+        multiplier = (dpsgd.noise_multiplier if dpsgd.noise_multiplier is not None else
+                      preset.dpsgd_noise_multiplier if dpsgd.noise_mode != "target" else None)
+    per_layer = bool(preset.extra.get("dpsgd_per_layer", True) if dpsgd.per_layer is None else dpsgd.per_layer)
+    return DPConfig(mode=mode, epsilon=epsilon, delta=delta, noise_multiplier=multiplier,
+                    max_grad_norm=setting["max_grad_norm"], per_layer=per_layer, sampling=dpsgd.sampling,
+                    schedule=dpsgd.schedule, schedule_options=dict(dpsgd.schedule_options or {}),
+                    grad_sample_mode=dpsgd.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
+                    relation=dpsgd.relation, **ids).validate()
 
 
 INITS = ("public", "scratch")

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -60,6 +62,93 @@ def parse_list(text: str, kind, option: str) -> list:
     return values
 
 
+@dataclass(frozen=True)
+class CompareConfig:
+    """One comparison's plan: every method x epsilon (x K) on one world; validated once, here.
+
+    Args:
+        preset: the preset's name (``sim.presets``).
+        methods: registered method names (``sim.methods``).
+        epsilons: the private cells' budgets (each checked by ``sim.runconfig.check_epsilon``).
+        out: the comparison's folder (cells, hospital ledgers, report).
+        seed: the world's split, public model and training; the noise only under ``reproducible_noise``.
+        data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``layout`` (None = detected) and
+            ``partition_file`` (a FeTS partition CSV whose partitions are the hospitals, ``sim.world``) shape
+            its world; every cell sees the same world.
+        delta: δ of every private cell (None = the preset's).
+        hospitals: the number of hospitals (None = the preset's, or the partition file's partitions).
+        teachers_per_hospital: the K sweep (None = the preset's one K); methods that do not sweep K run at
+            the first.
+        engine: ``inprocess`` (default; the same protocol code as the Flower apps, torch on every core) or
+            ``flower`` (Flower's simulation engine).
+        progress: progress bars.
+        reproducible_noise: simulation only -- every cell's noise seeded by ``seed``, which is then published
+            nowhere.
+        lifetime_epsilon: each hospital's lifetime budget over the comparison (None = the sum of the private
+            cells' budgets, :func:`planned_lifetime_epsilon`).
+        init: where DP-SGD, DP-FedAvg and non-private training start -- ``public`` (the public model PATE's
+            teachers and student start from; one checkpoint shared by every cell) or ``scratch``.
+        ledger_dir: the hospitals' own lifetime ledgers every private cell charges (None =
+            ``out/hospital-ledgers``); :func:`run_compare_seeds` points every seed at one folder.
+        device / precision: every cell's, passed on as a spec (each party resolves it where it runs).
+    """
+
+    preset: str
+    methods: Sequence[str]
+    epsilons: Sequence[float]
+    out: Path
+    seed: int = 0
+    data: str | None = None
+    delta: float | None = None
+    hospitals: int | None = None
+    teachers_per_hospital: Sequence[int] | None = None
+    engine: str = "inprocess"
+    progress: bool = True
+    reproducible_noise: bool = False
+    lifetime_epsilon: float | None = None
+    init: str = "public"
+    ledger_dir: Path | None = None
+    layout: str | None = None
+    partition_file: str | None = None
+    device: str = "auto"
+    precision: str = "32"
+
+    def __post_init__(self) -> None:
+        if self.init not in ("public", "scratch"):
+            raise UserError(f"--init: expected public or scratch, got {self.init!r}")
+        known = registry.names()
+        unknown = [m for m in self.methods if m not in known]
+        if unknown:
+            raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(known)}")
+        hospitals = self.hospitals
+        if self.partition_file and hospitals is None:   # every partition is a hospital (sim.data.fets)
+            from sim.data.fets import count_partitions
+
+            hospitals = count_partitions(self.partition_file)
+        fields = {"methods": tuple(self.methods),
+                  # the one place a comparison's budgets are checked
+                  "epsilons": tuple(check_epsilon(e) for e in self.epsilons),
+                  "out": Path(self.out), "hospitals": hospitals, "precision": check_precision(self.precision),
+                  "teachers_per_hospital": tuple(self.teachers_per_hospital) if self.teachers_per_hospital else None,
+                  "ledger_dir": Path(self.ledger_dir) if self.ledger_dir is not None else None}
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def where(self) -> dict:
+        """The data folder's layout and partition file (build_world's options)."""
+        return {"layout": self.layout, "partition_file": self.partition_file}
+
+    def base_preset(self):
+        return get_preset(self.preset, hospitals=self.hospitals)
+
+    def teacher_sweep(self) -> list[int]:
+        return list(self.teachers_per_hospital or [self.base_preset().teachers_per_hospital])
+
+    def resolved_delta(self) -> float:
+        return self.base_preset().delta if self.delta is None else self.delta
+
+
 def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int | None = None) -> Path:
     path = out / method
     if epsilon is not None:
@@ -69,50 +158,27 @@ def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int
     return path
 
 
-def run_compare(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
-                seed: int = 0, data: str | None = None, delta: float | None = None, hospitals: int | None = None,
-                teachers_per_hospital: Sequence[int] | None = None, engine: str = "inprocess",
-                progress: bool = True, reproducible_noise: bool = False,
-                lifetime_epsilon: float | None = None, init: str = "public",
-                ledger_dir: str | Path | None = None, layout: str | None = None,
-                partition_file: str | None = None, device: str = "auto", precision: str = "32") -> Path:
-    """Every method x epsilon (x K) on one world; returns the report's path.
+def run_compare(config: CompareConfig) -> Path:
+    """Every method x epsilon (x K) on one world (``config``, :class:`CompareConfig`); returns the report's path.
 
-    ``ledger_dir`` (default ``out/hospital-ledgers``): the hospitals' own lifetime ledgers every private cell
-    charges. :func:`run_compare_seeds` points every seed's comparison at one folder: seeds share patients.
-
-    ``init`` (issue 17): where DP-SGD, DP-FedAvg and non-private training start -- ``public``: the public
-    model PATE's teachers and student start from (one checkpoint, ``_shared/K-<first>/public-model.pt``,
-    shared by every cell), or ``scratch``. ``engine``: ``inprocess`` (default; the same protocol code as the
-    Flower apps, torch on every core) or ``flower`` (Flower's simulation engine). ``layout`` / ``partition_file``
-    (issue 29): the data folder's layout (None = detected) and a FeTS partition CSV whose partitions are the
-    hospitals (``sim.world.partition_split``); every cell sees the same world. ``device`` / ``precision``
-    (issue 30): every cell's, passed on as a spec (each party resolves it where it runs); a GPU asked for and
-    missing is refused here, before any cell starts.
+    Federated methods run one simulation per K (all of that K's cells in sequence); every other method runs
+    through its record's cell runner (``sim.runners.cells``); then the overlays, the combined release and the
+    report. A GPU asked for and missing is refused here, before any cell starts.
     """
-    resolve_device(device)
-    precision = check_precision(precision)
-    where = {"layout": layout, "partition_file": partition_file}
-    if partition_file and hospitals is None:   # every partition is a hospital (sim.data.fets)
-        from sim.data.fets import count_partitions
-
-        hospitals = count_partitions(partition_file)
-    if init not in ("public", "scratch"):
-        raise UserError(f"--init: expected public or scratch, got {init!r}")
-    known = registry.names()
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(known)}")
-    epsilons = [check_epsilon(e) for e in epsilons]   # the one place a comparison's budgets are checked
-    out = Path(out)
+    resolve_device(config.device)
+    preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
+    seed, data, hospitals, init, where = config.seed, config.data, config.hospitals, config.init, config.where
+    device, precision, engine = config.device, config.precision, config.engine
+    progress, reproducible_noise = config.progress, config.reproducible_noise
+    out = config.out
     out.mkdir(parents=True, exist_ok=True)
-    base = get_preset(preset_name, hospitals=hospitals)
-    delta = base.delta if delta is None else delta
-    sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
+    base = config.base_preset()
+    delta = config.resolved_delta()
+    sweep = config.teacher_sweep()
     sweeping = len(sweep) > 1
     started = time.perf_counter()
-    ledger_dir = Path(ledger_dir) if ledger_dir is not None else out / HOSPITAL_LEDGERS
-    lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
+    ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
+    lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
                                              "epsilons": list(epsilons), "delta": delta,
                                              # the seed drives the noise when it is reproducible: not published
@@ -222,13 +288,11 @@ def attach_release_everywhere(root: Path, release: dict) -> None:
             attach_release(cell.parent, release)
 
 
-def run_compare_seeds(preset_name: str, methods: Sequence[str], epsilons: Sequence[float], out: str | Path,
-                      seeds: Sequence[int], data: str | None = None, delta: float | None = None,
-                      hospitals: int | None = None, teachers_per_hospital: Sequence[int] | None = None,
-                      lifetime_epsilon: float | None = None, reproducible_noise: bool = False, **options) -> Path:
+def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     """The grid once per seed (issue 28): each seed its own world split, public model, training and cells, in
     ``out/seed-<S>/`` (a complete single-seed comparison with its own report), then one report at ``out``
     that aggregates across seeds (``sim.report_seeds``). One seed: exactly :func:`run_compare` on ``out``.
+    ``config.seed`` is ignored: ``seeds`` say which.
 
     Privacy (SPEC section 2, "releases add up"): the seeds split the *same* patients (one phantom world,
     ``sim.world.PHANTOM_SEED``), so every seed's cells charge the same per-hospital ledgers,
@@ -243,36 +307,34 @@ def run_compare_seeds(preset_name: str, methods: Sequence[str], epsilons: Sequen
     if not seeds or len(set(seeds)) != len(seeds):
         raise UserError(f"--seeds: expected distinct seeds, got {seeds}")
     if len(seeds) == 1:
-        return run_compare(preset_name, methods, epsilons, out, seed=seeds[0], data=data, delta=delta,
-                           hospitals=hospitals, teachers_per_hospital=teachers_per_hospital,
-                           lifetime_epsilon=lifetime_epsilon, reproducible_noise=reproducible_noise, **options)
-    if reproducible_noise:   # each seed would drive its own noise, and the seed folders name them
+        return run_compare(dataclasses.replace(config, seed=seeds[0]))
+    if config.reproducible_noise:   # each seed would drive its own noise, and the seed folders name them
         raise UserError("--reproducible-noise: takes one seed (the seed drives the noise and is never published); "
                         "several --seeds would publish them in the folder names")
-    out = Path(out)
+    out = config.out
     out.mkdir(parents=True, exist_ok=True)
-    base = get_preset(preset_name, hospitals=hospitals)
-    delta = base.delta if delta is None else delta
-    sweep = list(teachers_per_hospital or [base.teachers_per_hospital])
+    preset_name, methods, epsilons, hospitals = config.preset, config.methods, config.epsilons, config.hospitals
+    base = config.base_preset()
+    delta = config.resolved_delta()
+    sweep = config.teacher_sweep()
     ledger_dir = out / HOSPITAL_LEDGERS
-    lifetime = float(lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep), seeds=len(seeds)))
+    lifetime = float(config.lifetime_epsilon or
+                     planned_lifetime_epsilon(methods, epsilons, len(sweep), seeds=len(seeds)))
     started = time.perf_counter()
     atomic_write_json(out / "compare-seeds.json", {"preset": preset_name, "methods": list(methods),
                                                    "epsilons": list(epsilons), "delta": delta, "seeds": seeds,
                                                    "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                                   "data": data, "lifetime_epsilon": lifetime,
+                                                   "data": config.data, "lifetime_epsilon": lifetime,
                                                    "hospital_ledgers": f"{HOSPITAL_LEDGERS}/"})
     print(f"compare: {len(seeds)} seeds; each hospital's lifetime budget over every seed's cells: epsilon "
-          f"{lifetime:g} ({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets over all seeds'})",
+          f"{lifetime:g} ({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets over all seeds'})",
           flush=True)
     for seed in seeds:
         print(f"compare: seed {seed}", flush=True)
-        run_compare(preset_name, methods, epsilons, out / SEED_FOLDER.format(seed), seed=seed, data=data,
-                    delta=delta, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital,
-                    lifetime_epsilon=lifetime, ledger_dir=ledger_dir, **options)
+        run_compare(dataclasses.replace(config, seed=seed, out=out / SEED_FOLDER.format(seed), delta=delta,
+                                        lifetime_epsilon=lifetime, ledger_dir=ledger_dir))
     world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-    homes = patient_homes(world_preset, data, seeds, layout=options.get("layout"),
-                          partition_file=options.get("partition_file"))
+    homes = patient_homes(world_preset, config.data, seeds, **config.where)
     release = combined_release(out, delta, homes=homes)
     if release.get("patients_moving_between_hospitals"):
         print(f"compare: {release['patients_moving_between_hospitals']} patient(s) sat at different hospitals in "
