@@ -12,7 +12,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,30 +83,48 @@ def _sort_key(cell: Mapping[str, Any]):
     return (str(cell.get("method")), float(cell.get("epsilon_budget") or math.inf), int(cell.get("teachers") or 0))
 
 
-def markdown_table(cells: Sequence[Mapping[str, Any]], accuracy: bool = False) -> str:
-    if accuracy:
-        header = ["method", "ε budget", "ε spent", "δ", "relation", "accountant", "accuracy", "wall s", "ledger"]
-    else:
-        header = ["method", "ε budget", "ε spent", "ε add/remove", "δ", "relation", "accountant", "σ", "K", "H", "N",
-                  "Dice 1", "Dice 2", "Dice 3", "mean", "WT", "TC", "ET", "teacher mean", "ensemble",
-                  "bytes up", "wall s", "ledger"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for cell in sorted(cells, key=_sort_key):
-        common = [cell.get("method"), _fmt(cell.get("epsilon_budget"), 2), _fmt(cell.get("epsilon"), 3),
-                  _fmt(cell.get("delta"), 6) if cell.get("delta") is not None else "—",
-                  cell.get("relation") or "—", cell.get("accountant") or "—"]
-        if accuracy:
-            row = common + [_fmt(cell.get("accuracy")), _fmt(cell.get("wall_seconds"), 0), cell["_ledger_check"]]
-        else:
-            dice = cell.get("dice") or {}
-            row = common[:3] + [_fmt(cell.get("epsilon_add_remove"), 3)] + common[3:] + [
-                _fmt(cell.get("sigma"), 4), _fmt(cell.get("teachers")), _fmt(cell.get("hospitals")),
-                            _fmt(cell.get("queries"))] + [_fmt(dice.get(c)) for c in DICE_COLUMNS] + [
-                _fmt(cell.get("teacher_dice_mean")), _fmt(cell.get("ensemble_dice_mean")),
-                _fmt(cell.get("bytes_up_per_query_per_teacher")), _fmt(cell.get("wall_seconds"), 0),
-                cell["_ledger_check"]]
-        lines.append("| " + " | ".join(str(x) for x in row) + " |")
+#: a table column: its header and how a cell's row shows it
+Column = tuple[str, Callable[[Mapping[str, Any]], Any]]
+
+
+def table(columns: Sequence[Column], rows: Iterable[Mapping[str, Any]]) -> str:
+    """A markdown table whose every column is declared once, header beside value (no parallel lists)."""
+    lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(value(row)) for _, value in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _number(key: str, digits: int = 3) -> Callable[[Mapping[str, Any]], str]:
+    return lambda cell: _fmt(cell.get(key), digits)
+
+
+def _dice(key: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda cell: _fmt((cell.get("dice") or {}).get(key))
+
+
+_PRIVACY_COLUMNS: tuple[Column, ...] = (
+    ("method", lambda c: c.get("method")), ("ε budget", _number("epsilon_budget", 2)),
+    ("ε spent", _number("epsilon", 3)))
+_GUARANTEE_COLUMNS: tuple[Column, ...] = (
+    ("δ", lambda c: _fmt(c.get("delta"), 6) if c.get("delta") is not None else "—"),
+    ("relation", lambda c: c.get("relation") or "—"), ("accountant", lambda c: c.get("accountant") or "—"))
+#: the classification table (sim.runners.classification_compare)
+ACCURACY_COLUMNS: tuple[Column, ...] = (
+    *_PRIVACY_COLUMNS, *_GUARANTEE_COLUMNS, ("accuracy", _number("accuracy")), ("wall s", _number("wall_seconds", 0)),
+    ("ledger", lambda c: c["_ledger_check"]))
+#: the segmentation table: every cell's privacy, its Dice per class and region, its costs
+SEGMENTATION_COLUMNS: tuple[Column, ...] = (
+    *_PRIVACY_COLUMNS, ("ε add/remove", _number("epsilon_add_remove", 3)), *_GUARANTEE_COLUMNS,
+    ("σ", _number("sigma", 4)), ("K", _number("teachers")), ("H", _number("hospitals")), ("N", _number("queries")),
+    *((f"Dice {k}" if k.isdigit() else k, _dice(k)) for k in DICE_COLUMNS),
+    ("teacher mean", _number("teacher_dice_mean")), ("ensemble", _number("ensemble_dice_mean")),
+    ("bytes up", _number("bytes_up_per_query_per_teacher")), ("wall s", _number("wall_seconds", 0)),
+    ("ledger", lambda c: c["_ledger_check"]))
+
+
+def markdown_table(cells: Sequence[Mapping[str, Any]], accuracy: bool = False) -> str:
+    """Every cell, sorted by method, ε and K: the classification (``accuracy``) or segmentation columns."""
+    return table(ACCURACY_COLUMNS if accuracy else SEGMENTATION_COLUMNS, sorted(cells, key=_sort_key))
 
 
 def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -300,34 +318,41 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     floors = floors_of(cells)
     primary = reference_cell(cells, floors[0] if floors else registry.names(role="floor")[0])
     ceiling = reference_cell(cells, ceiling_of(cells))
-    header = (["method", "ε budget", "ε spent", "mean Dice", "headroom recovered (± SE)"]
-              + [f"headroom over {floor} (± SE)" for floor in floors[1:]]
-              + ["headroom per class 1 / 2 / 3", "WT / TC / ET", "started from",
-                 "setting (chosen on public validation)"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for cell in sorted(cells, key=_sort_key):
-        recovered = headroom_of(cell, primary, ceiling)
-        others = [format_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling)) for floor in floors[1:]]
-        per_class = headroom_per_class(cell, primary, ceiling)
-        record = _record(cell.get("method"))
-        start = cell.get("init") or ("public model" if record is not None and record.starts_from_public else "—")
-        start = {"public": "public model", "scratch": "random weights"}.get(start, start)
-        setting = "—"
-        if cell.get("settings_grid"):
-            chosen = cell["settings_grid"][int(cell.get("setting_chosen") or 0)]
-            setting = (", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in chosen.items())
-                       + f" ({int(cell.get('setting_chosen') or 0) + 1} of {len(cell['settings_grid'])})")
-        elif cell.get("selftrain"):
-            chosen = cell["selftrain"]
-            setting = (f"round {chosen.get('round_chosen')} of {chosen.get('rounds')}, "
-                       f"temperature {chosen.get('temperature'):g}")
-        lines.append("| " + " | ".join([
-            str(cell.get("method")), _fmt(cell.get("epsilon_budget"), 2), _fmt(cell.get("epsilon"), 3),
-            _fmt((cell.get("dice") or {}).get("mean")),
-            "—" if recovered is None else f"{recovered[0]:+.2f} ± {recovered[1]:.2f}", *others,
-            " / ".join(format_ratio(per_class[k], se=False) for k in ("1", "2", "3")),
-            " / ".join(format_ratio(per_class[k], se=False) for k in ("WT", "TC", "ET")), start, setting]) + " |")
-    return "\n".join(lines)
+
+    def recovered(cell):
+        found = headroom_of(cell, primary, ceiling)
+        return "—" if found is None else f"{found[0]:+.2f} ± {found[1]:.2f}"
+
+    def over(floor):
+        return lambda cell: format_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling))
+
+    def per_class(keys):
+        return lambda cell: " / ".join(format_ratio(headroom_per_class(cell, primary, ceiling)[k], se=False)
+                                       for k in keys)
+
+    columns: list[Column] = [
+        *_PRIVACY_COLUMNS, ("mean Dice", _dice("mean")), ("headroom recovered (± SE)", recovered),
+        *((f"headroom over {floor} (± SE)", over(floor)) for floor in floors[1:]),
+        ("headroom per class 1 / 2 / 3", per_class(("1", "2", "3"))), ("WT / TC / ET", per_class(("WT", "TC", "ET"))),
+        ("started from", _started_from), ("setting (chosen on public validation)", _setting_chosen)]
+    return table(columns, sorted(cells, key=_sort_key))
+
+
+def _started_from(cell: Mapping[str, Any]) -> str:
+    record = _record(cell.get("method"))
+    start = cell.get("init") or ("public model" if record is not None and record.starts_from_public else "—")
+    return {"public": "public model", "scratch": "random weights"}.get(start, start)
+
+
+def _setting_chosen(cell: Mapping[str, Any]) -> str:
+    if cell.get("settings_grid"):
+        chosen = cell["settings_grid"][int(cell.get("setting_chosen") or 0)]
+        return (", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in chosen.items())
+                + f" ({int(cell.get('setting_chosen') or 0) + 1} of {len(cell['settings_grid'])})")
+    if cell.get("selftrain"):
+        chosen = cell["selftrain"]
+        return f"round {chosen.get('round_chosen')} of {chosen.get('rounds')}, temperature {chosen.get('temperature'):g}"
+    return "—"
 
 
 def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
@@ -338,20 +363,17 @@ def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
     if not floors or ceiling is None:
         return None
     primary = reference_cell(cells, floors[0])
-    header = ["method", "ε budget", "K"] + [f"{'class ' + k if k.isdigit() else k} (± SE)" for k in HEADROOM_KEYS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    rows = 0
-    for cell in sorted(cells, key=_sort_key):
-        if registry.role_of(cell.get("method")) == "ceiling" or cell.get("method") == floors[0]:
-            continue
-        per_class = headroom_per_class(cell, primary, ceiling)
-        if all(v is None for v in per_class.values()):
-            continue
-        rows += 1
-        lines.append("| " + " | ".join([str(cell.get("method")), _fmt(cell.get("epsilon_budget"), 2),
-                                        _fmt(cell.get("teachers"))] + [format_ratio(per_class[k]) for k in HEADROOM_KEYS])
-                     + " |")
-    return "\n".join(lines) if rows else None
+    shown = [(cell, headroom_per_class(cell, primary, ceiling)) for cell in sorted(cells, key=_sort_key)
+             if registry.role_of(cell.get("method")) != "ceiling" and cell.get("method") != floors[0]]
+    shown = [(cell, ratios) for cell, ratios in shown if any(v is not None for v in ratios.values())]
+    if not shown:
+        return None
+    columns: list[Column] = [
+        ("method", lambda row: row[0].get("method")), ("ε budget", lambda row: _fmt(row[0].get("epsilon_budget"), 2)),
+        ("K", lambda row: _fmt(row[0].get("teachers"))),
+        *((f"{'class ' + k if k.isdigit() else k} (± SE)", lambda row, k=k: format_ratio(row[1][k]))
+          for k in HEADROOM_KEYS)]
+    return table(columns, shown)
 
 
 def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: float,

@@ -28,9 +28,9 @@ import numpy as np
 
 from sim.io import atomic_write_text
 from sim.methods import role_of
-from sim.report import (HEADROOM_KEYS, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv, ceiling_of,
-                        floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
-                        reference_cell)
+from sim.report import (HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv,
+                        ceiling_of, floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
+                        reference_cell, table)
 
 SEED_FOLDER = re.compile(r"^seed-(\d+)$")
 LEVEL = 0.95
@@ -138,24 +138,22 @@ def _spread(values: Mapping[int, float | None]) -> str:
 
 def summary_table(rows: Sequence[Mapping[str, Any]], floors: Sequence[str]) -> str:
     """Mean Dice and headroom across seeds: means with 95 % t-intervals, each seed's value, the spread."""
-    header = (["method", "ε budget", "K", "seeds", "mean Dice (95 % CI over seeds)", "mean Dice per seed",
-               "headroom recovered per seed", "headroom mean (95 % CI)", "headroom spread (SD, range)"]
-              + [f"headroom over {f} (95 % CI)" for f in floors[1:]]
-              + ["class 1 / 2 / 3 headroom (mean)", "WT / TC / ET headroom (mean)"])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        classes = row["class_intervals"]
+    def class_means(keys):
+        return lambda row: " / ".join("—" if row["class_intervals"].get(k) is None
+                                      else f"{row['class_intervals'][k][0]:+.2f}" for k in keys)
 
-        def means(keys):
-            return " / ".join("—" if classes.get(k) is None else f"{classes[k][0]:+.2f}" for k in keys)
-
-        lines.append("| " + " | ".join([
-            row["method"], _fmt(row["epsilon_budget"], 2), _fmt(row["teachers"]), str(len(row["seeds"])),
-            _format_interval(row["dice_interval"]), _per_seed(row["dice"]), _per_seed(row["headroom"], signed=True),
-            _format_interval(row["headroom_interval"], 2, signed=True), _spread(row["headroom"]),
-            *[_format_interval(row["floor_intervals"].get(f), 2, signed=True) for f in floors[1:]],
-            means(("1", "2", "3")), means(("WT", "TC", "ET"))]) + " |")
-    return "\n".join(lines)
+    columns: list[Column] = [
+        *_ROW_KEY_COLUMNS, ("seeds", lambda row: str(len(row["seeds"]))),
+        ("mean Dice (95 % CI over seeds)", lambda row: _format_interval(row["dice_interval"])),
+        ("mean Dice per seed", lambda row: _per_seed(row["dice"])),
+        ("headroom recovered per seed", lambda row: _per_seed(row["headroom"], signed=True)),
+        ("headroom mean (95 % CI)", lambda row: _format_interval(row["headroom_interval"], 2, signed=True)),
+        ("headroom spread (SD, range)", lambda row: _spread(row["headroom"])),
+        *((f"headroom over {f} (95 % CI)",
+           lambda row, f=f: _format_interval(row["floor_intervals"].get(f), 2, signed=True)) for f in floors[1:]),
+        ("class 1 / 2 / 3 headroom (mean)", class_means(("1", "2", "3"))),
+        ("WT / TC / ET headroom (mean)", class_means(("WT", "TC", "ET")))]
+    return table(columns, rows)
 
 
 def class_table(rows: Sequence[Mapping[str, Any]]) -> str | None:
@@ -163,13 +161,16 @@ def class_table(rows: Sequence[Mapping[str, Any]]) -> str | None:
     kept = [r for r in rows if any(v is not None for v in r["class_intervals"].values())]
     if not kept:
         return None
-    header = ["method", "ε budget", "K"] + [f"{'class ' + k if k.isdigit() else k}" for k in HEADROOM_KEYS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in kept:
-        lines.append("| " + " | ".join([row["method"], _fmt(row["epsilon_budget"], 2), _fmt(row["teachers"])]
-                                       + [_format_interval(row["class_intervals"].get(k), 2, signed=True)
-                                          for k in HEADROOM_KEYS]) + " |")
-    return "\n".join(lines)
+    return table([*_ROW_KEY_COLUMNS,
+                  *((f"{'class ' + k if k.isdigit() else k}",
+                     lambda row, k=k: _format_interval(row["class_intervals"].get(k), 2, signed=True))
+                    for k in HEADROOM_KEYS)], kept)
+
+
+#: what names an aggregated row: the method, its budget and K
+_ROW_KEY_COLUMNS: tuple[Column, ...] = (
+    ("method", lambda row: row["method"]), ("ε budget", lambda row: _fmt(row["epsilon_budget"], 2)),
+    ("K", lambda row: _fmt(row["teachers"])))
 
 
 def seed_verdicts(per_seed: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[str]:
@@ -264,9 +265,9 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
         "labels known to the simulator).", "",
         summary_table(rows, floors), "",
     ]
-    table = class_table(rows)
-    if table:
-        lines += ["Headroom recovered per class and region (mean over seeds ± 95 % t half-width):", "", table, ""]
+    classes = class_table(rows)
+    if classes:
+        lines += ["Headroom recovered per class and region (mean over seeds ± 95 % t half-width):", "", classes, ""]
     found = seed_verdicts(per_seed)
     if found:
         lines += ["## Verdicts paired by seed", "",
