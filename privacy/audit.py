@@ -109,11 +109,18 @@ def epsilon_lower_bound(positive, negative, delta: float, confidence: float = 0.
                         split: bool = True, seed: int = 0) -> AuditBound:
     """Lower bound on ε at ``delta`` from scores of runs on D (``positive``) and on D' (``negative``).
 
-    Higher scores must mean "more like D" (e.g. a log-likelihood ratio). With ``split`` (default) the runs
-    are shuffled (``seed``) and halved: the threshold and direction maximising the bound on the first
-    half are applied to the second, whose Clopper-Pearson bounds (each at ``1 - (1-confidence)/2``) give
-    the reported bound, valid at ``confidence``. ``split=False`` maximises over thresholds on all runs
-    (the usual optimistic practice; its confidence is then only nominal).
+    Args:
+        positive: one score per run on D (at least two, finite); higher scores must mean "more like D"
+            (e.g. a log-likelihood ratio).
+        negative: one score per run on D' (at least two, finite), on the same scale.
+        delta: the δ at which ε is bounded (0 < δ < 1).
+        confidence: the bound's confidence level (0 < confidence < 1; default 0.95).
+        split: with ``split`` (default) the runs are shuffled (``seed``) and halved: the threshold and
+            direction maximising the bound on the first half are applied to the second, whose Clopper-Pearson
+            bounds (each at ``1 - (1-confidence)/2``) give the reported bound, valid at ``confidence``.
+            ``split=False`` maximises over thresholds on all runs (the usual optimistic practice; its
+            confidence is then only nominal).
+        seed: the shuffle before the halving (unused without ``split``).
     """
     positive = np.asarray(positive, dtype=np.float64).ravel()
     negative = np.asarray(negative, dtype=np.float64).ravel()

@@ -66,6 +66,20 @@ def calibrate(
 
     Raises PrivacyError if no bracket is found, or if ε(x) jumps over the tolerance window (e.g. a
     discrete parameter) — in that case the message gives the best safe value.
+
+    Args:
+        make_event: x -> the event (``privacy.events``) whose ε is calibrated; ε must be monotone in x.
+        target_epsilon: the budget ε (> 0).
+        delta: the δ at which ε is computed.
+        accountant: the accountant's name (``make_accountant``: e.g. ``pld``, ``rdp``, ``zcdp``). For
+            ``pld`` with a wide bracket (hi/lo > 1.7) the answer is first located with RDP and PLD searches a
+            narrow bracket around it.
+        lo / hi: the initial bracket (0 < lo < hi); widened when it does not contain the target.
+        rtol: the tolerance window: the result's ε lies in [target·(1 - rtol), target].
+        max_expansions: how many times the bracket may be widened before PrivacyError.
+        max_iterations: root-finding steps before PrivacyError (ε jumping over the window).
+        accountant_options: keyword arguments for the accountant (e.g. PLD's
+            ``value_discretization_interval``; None = its defaults).
     """
     target = positive_number("target_epsilon", target_epsilon)
     delta = _delta(delta)
@@ -234,12 +248,20 @@ def dpsgd_noise_multiplier(
 ) -> float:
     """Noise multiplier z for ``steps`` Poisson-sampled DP-SGD steps at rate q to be (ε, δ)-DP under ``relation``.
 
-    ``relation="add-remove"`` (default; Opacus' convention): dp_accounting's PLD (default, pessimistic) or
-    RDP. ``relation="replace-one"`` (what comparisons and published dataset sizes need, SPEC §2): PLD only,
-    dp_accounting's ``REPLACE_ONE`` sampled Gaussian (its RDP has none). Example: q = 1/9, 90 steps,
-    δ = 1e-3, ε = 8 needs z ≈ 0.799 under add/remove and z ≈ 1.02 under replace-one.
-    For PLD the discretisation is ``min(1e-4, ε·1e-4)`` unless given, so the grid is ten times finer than
-    the 1e-3 tolerance window. One routine, :func:`calibrate`, does the search.
+    Example: q = 1/9, 90 steps, δ = 1e-3, ε = 8 needs z ≈ 0.799 under add/remove and z ≈ 1.02 under
+    replace-one. One routine, :func:`calibrate`, does the search (through
+    :func:`composed_dpsgd_noise_multiplier` with one run).
+
+    Args:
+        epsilon / delta: the target (ε, δ).
+        sampling_rate: the Poisson sampling rate q (expected batch / dataset size).
+        steps: the number of DP-SGD steps T.
+        accountant: ``pld`` (default; dp_accounting's PLD, pessimistic) or ``rdp`` (add/remove only).
+        value_discretization_interval: PLD's discretisation (None = ``min(1e-4, ε·1e-4)``, so the grid is ten
+            times finer than the 1e-3 tolerance window); ignored by RDP.
+        relation: ``add-remove`` (default; Opacus' convention) or ``replace-one`` (what comparisons and
+            published dataset sizes need, SPEC §2: PLD only, dp_accounting's ``REPLACE_ONE`` sampled
+            Gaussian; its RDP has none).
     """
     return composed_dpsgd_noise_multiplier(epsilon, delta, [(sampling_rate, steps)], accountant,
                                            value_discretization_interval, relation)
@@ -261,6 +283,14 @@ def composed_dpsgd_noise_multiplier(
     private data; picking the one with the best *public* validation score is post-processing, but all G
     trainings are releases. Calibrating z for their composition makes the ledger's ε of all G runs equal
     the budget (issue 17). With one run this is :func:`dpsgd_noise_multiplier`.
+
+    Args:
+        epsilon / delta: the target (ε, δ) of all runs together.
+        runs: (sampling rate q_i, steps T_i) per run, at least one; runs at one rate are composed as one
+            longer run.
+        accountant: ``pld`` (default) or ``rdp`` (add/remove only).
+        value_discretization_interval: PLD's discretisation (None = ``min(1e-4, ε·1e-4)``); ignored by RDP.
+        relation: ``add-remove`` (default; Opacus' convention) or ``replace-one`` (PLD only).
     """
     epsilon = positive_number("epsilon", epsilon)
     if relation not in SAMPLED_RELATIONS:

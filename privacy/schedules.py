@@ -204,7 +204,13 @@ def epoch_event(
 ) -> Event:
     """The privacy event of one epoch at noise multiplier σ (Poisson-sampled steps or one shuffled epoch).
 
-    ``adaptive``: σ was chosen from earlier outputs (validation-based schedule); see the module docstring.
+    Args:
+        sigma: the epoch's noise multiplier σ.
+        sampling_rate: the Poisson sampling rate q (``poisson`` mode only).
+        steps_per_epoch: the epoch's Poisson-sampled steps (``poisson`` mode only).
+        mode: ``poisson`` (a SampledGaussianEvent) or ``shuffle`` (one shuffled epoch, a ZCDPEvent).
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+        adaptive: σ was chosen from earlier outputs (validation-based schedule); see the module docstring.
     """
     relation = relation or default_relation(mode)
     if _check_mode(mode) == "poisson":
@@ -216,7 +222,15 @@ def schedule_events(
     schedule, epochs: int, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson",
     relation: str | None = None,
 ) -> list[Event]:
-    """One event per epoch t = 0 .. epochs-1 with σ_t = schedule.sigma(t)."""
+    """One event per epoch t = 0 .. epochs-1 with σ_t = schedule.sigma(t).
+
+    Args:
+        schedule: the noise schedule (anything with ``sigma(epoch)``).
+        epochs: the number of epochs (> 0).
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only).
+        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+    """
     epochs = int(positive_number("epochs", epochs))
     return [epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode, relation) for t in range(epochs)]
 
@@ -244,7 +258,18 @@ def epochs_within_budget(
     accountant: str | None = None,
     relation: str | None = None,
 ) -> int:
-    """How many whole epochs fit before ε would exceed the budget (training stops when it is spent)."""
+    """How many whole epochs fit before ε would exceed the budget (training stops when it is spent).
+
+    Args:
+        schedule: the noise schedule (anything with ``sigma(epoch)``).
+        epsilon / delta: the budget (ε, δ).
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only).
+        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        max_epochs: the answer's cap: returned when that many epochs all fit.
+        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs);
+            PLD plans on a discretisation of ``1e-4·ε`` within [1e-4, 1e-3].
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+    """
     epsilon = positive_number("epsilon", epsilon)
     name = accountant or _default_accountant(_check_mode(mode))
     acc = make_accountant(name, **_planning_options(name, epsilon))
@@ -259,7 +284,18 @@ def schedule_epsilon(
     schedule, epochs: int, delta: float, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson",
     accountant: str | None = None, accountant_options: dict | None = None, relation: str | None = None,
 ) -> float:
-    """ε after ``epochs`` epochs of ``schedule``."""
+    """ε after ``epochs`` epochs of ``schedule``.
+
+    Args:
+        schedule: the noise schedule (anything with ``sigma(epoch)``).
+        epochs: the number of epochs composed.
+        delta: the δ at which ε is computed.
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only).
+        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs).
+        accountant_options: keyword arguments for the accountant (None = its defaults).
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+    """
     name = accountant or _default_accountant(_check_mode(mode))
     acc = make_accountant(name, **(accountant_options or {}))
     for event in schedule_events(schedule, epochs, sampling_rate, steps_per_epoch, mode, relation):
@@ -304,6 +340,20 @@ def plan_decay(
     and (since the decayed schedule spends almost the whole budget) one more epoch does not in practice.
     Raises PrivacyError when even no decay (constant σ0) does not fit ``target_epochs``, or when the
     strongest decay still leaves budget (polynomial decay bounded below by σ_end).
+
+    Args:
+        family: the schedule family (:func:`make_schedule`: ``time``, ``exponential``, ``step``,
+            ``polynomial``; validation schedules cannot be planned ahead).
+        sigma0: the first epoch's noise multiplier σ0.
+        target_epochs: the epochs that must fit in the budget (> 0).
+        epsilon / delta: the budget (ε, δ).
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only;
+            defaults 1.0 and 1).
+        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs).
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+        **schedule_kwargs: the family's other parameters (``period``; ``sigma_end`` and ``period`` for
+            ``polynomial``).
     """
     target_epochs = int(positive_number("target_epochs", target_epochs))
     epsilon = positive_number("epsilon", epsilon)

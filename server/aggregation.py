@@ -80,23 +80,31 @@ def aggregate_query(encodings: Mapping[str, np.ndarray], sigma: float, compresso
                     stream: str | None = None) -> tuple[np.ndarray | None, int]:
     """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").
 
-    ``encodings``: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
     Returns ``(noisy mean (l,) float32, K)``; ``(None, 0)`` when no valid row arrived (nothing released,
     nothing charged). One ledger event per query, charged to every hospital whose rows were used,
-    recorded by ``guard.charge`` before the noise is drawn. ``rejected`` (optional dict) collects
-    hospital -> list of reasons for replies that failed validation (server log only: reasons can carry
-    numbers computed from private data); ``state`` is the codec state the hospitals used (default
-    ``compressor.state()``).
+    recorded by ``guard.charge`` before the noise is drawn.
 
-    ``expected_rows`` (hospital -> its number of teachers): the hospitals the server asked, each of which
-    charged its own ledger for K = the sum of these; a reply with another number of rows is rejected, and
-    if not every asked teacher answered, nothing is released (``(None, 0)``, nothing charged), because a
-    smaller K would mean a larger sensitivity than the hospitals were charged for.
-
-    Noise: ``mechanism`` (a ready ``GaussianMechanism``, for tests) or, by default, a Gaussian mechanism on
-    this release's own stream of ``noise`` (a ``privacy.mechanisms.NoiseSource``; secure when None),
-    opened only after the charge. ``stream`` names that stream (default: the release id): a caller whose
-    release ids carry a per-run nonce passes the name without it, so that reproducible noise repeats.
+    Args:
+        encodings: hospital -> (T_h, l) rows for this query (absent hospitals did not answer).
+        sigma: the planned noise standard deviation; a given ``mechanism`` must have the same.
+        compressor: the release's compressor (its ``latent_dim`` and name; its ``state()`` when ``state`` is None).
+        guard: the budget guard (``privacy.guard``) whose ``charge`` records the event before any noise is drawn;
+            ``BudgetExceeded`` propagates from it.
+        release_id: the ledger's release id of this query (also names the noise stream when ``stream`` is None).
+        mechanism: a ready ``GaussianMechanism`` (for tests); None = a Gaussian mechanism on this release's own
+            stream of ``noise``, opened only after the charge.
+        note: extra fields stored with the ledger event (None = none).
+        rejected: when given, collects hospital -> list of reasons for replies that failed validation (server
+            log only: reasons can carry numbers computed from private data).
+        state: the codec state the hospitals used (None = ``compressor.state()``).
+        noise: the ``privacy.mechanisms.NoiseSource`` of the noise (None = secure).
+        expected_rows: hospital -> its number of teachers: the hospitals the server asked, each of which
+            charged its own ledger for K = the sum of these; a reply with another number of rows is rejected,
+            and if not every asked teacher answered, nothing is released (``(None, 0)``, nothing charged),
+            because a smaller K would mean a larger sensitivity than the hospitals were charged for.
+            None = no such check.
+        stream: the name of the noise stream (None = the release id): a caller whose release ids carry a
+            per-run nonce passes the name without it, so that reproducible noise repeats.
     """
 
     if mechanism is not None and getattr(mechanism, "sigma", sigma) != sigma:

@@ -673,9 +673,24 @@ register_compressor, unregister_compressor = _COMPRESSORS.register, _COMPRESSORS
 
 def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str | Path | None = None,
                     progress: bool = False, device=None, **options) -> Compressor:
-    """The compressor a PATE method uses (the registered factory). ``device``: where the autoencoder runs (the
-    other codecs are numpy on the host: matrix products of at most a few hundred public rows, and float64
-    bounding steps the sensitivity depends on)."""
+    """The compressor a PATE method uses (the registered factory).
+
+    Args:
+        method: a registered PATE method (``pate-pca``, ``pate-ae``, ``pate-naive``, ``pate-anchored``, ...);
+            anything else is a ``UserError``.
+        preset: the preset whose settings the factory defaults to (PCA components, autoencoder latent size and
+            epochs, anchored shells); None = the factory's own defaults.
+        seed: the autoencoder's training seed (the other codecs ignore it).
+        checkpoint: where the autoencoder is checkpointed and, when written for the same data and
+            configuration, reused (None = not checkpointed; the other codecs ignore it).
+        progress: progress bars while the autoencoder trains.
+        device: where the autoencoder runs (``sim.device``; None = auto). The other codecs are numpy on the host:
+            matrix products of at most a few hundred public rows, and float64 bounding steps the sensitivity
+            depends on.
+        **options: the factory's own settings (e.g. ``n_components``, ``pca_mode`` / ``sensitivity_mode``,
+            ``clip``, ``latent_dim``, ``epochs``, ``shells``, ``clip_scale``); a factory ignores the ones it
+            does not use.
+    """
     if method not in _COMPRESSORS:
         raise UserError(f"method: expected one of {', '.join(_COMPRESSORS)}, got {method!r}")
     return _COMPRESSORS.get(method)(preset, seed=seed, checkpoint=checkpoint, progress=progress, device=device,

@@ -106,15 +106,38 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
                  precision: str = "32") -> dict[str, Any]:
     """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results.
 
-    ``init_weights``: the starting global model -- the public model (issue 17: every method starts from the
-    model pre-trained on the public reference set, as PATE's teachers and student); random weights when None.
     Settings grid (``dpfedavg_settings``): every entry is a full federated run from the same start; the
     hospitals calibrate one noise multiplier for all entries together (the plan travels in each round's
     config), so their ledgers' ε over the whole grid is the budget; the entry whose global model has the best
     public validation Dice is kept (post-processing of released models).
 
-    ``device`` / ``precision`` (issue 30): sent to the simulated hospitals with every round (deployed ones use
-    their node config) and used here to evaluate the global models.
+    Args:
+        transport: the hospitals (:class:`server.transport.HospitalTransport`); each round is one
+            ``fedavg_round``.
+        world: the server's :class:`sim.world.PublicWorld` (public validation set for the choice among the grid,
+            test set for the score).
+        preset: the preset (network, learning rate, clipping norm, batch, rounds, ``dpfedavg_grid``).
+        epsilon / delta: the run's budget, sent to the hospitals, which calibrate their noise to it and charge
+            their ledgers; ``delta`` is also the δ the mirrored ledger is accounted at.
+        out_dir: the run folder (results.json, ledger.jsonl with the hospitals' mirrored records, model/).
+        seed: the global model's initialisation (when ``init_weights`` is None) and the hospitals' local
+            training; also their noise under ``reproducible_noise``.
+        rounds: federated rounds of every grid entry (None = the preset's: ``central_epochs`` split into
+            rounds of ``local_epochs``, or the grid entry's own ``rounds``).
+        local_epochs: local DP-SGD epochs per round at each hospital.
+        progress: a progress bar over rounds.
+        reproducible_noise: simulation only -- the hospitals' noise seeded by ``seed``, which is then left out
+            of results.json. Default: secure noise.
+        relation: the neighbouring relation of the guarantee (``replace-one``, the default: dataset sizes are
+            treated as public; see the module docstring); the hospitals calibrate and the ledger is accounted
+            under it.
+        init_weights: the starting global model -- the public model (issue 17: every method starts from the
+            model pre-trained on the public reference set, as PATE's teachers and student); random weights
+            when None.
+        init: the name of that start recorded in results.json (``public`` / ``scratch``); ``scratch`` is
+            recorded whatever it says when ``init_weights`` is None. It loads nothing itself.
+        device / precision (issue 30): sent to the simulated hospitals with every round (deployed ones use
+            their node config) and used here to evaluate the global models.
     """
     device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()

@@ -216,8 +216,15 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
              noise: NoiseSource | None = None) -> dict:
     """Run PATE end to end and write ``out_dir`` (SPEC section 10); returns results.json's content.
 
-    ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); each
-    query draws from its own stream, named after its query index (not the run's nonce).
+    Args:
+        transport: the hospitals (:class:`server.transport.HospitalTransport`): they train the teachers and
+            answer the queries; simulation-only diagnostics are dropped when any of them is deployed.
+        world: the server's :class:`sim.world.PublicWorld` (reference, query, validation and test sets).
+        preset: the preset (network, epochs, compressor defaults).
+        config: what the run is asked to do (:class:`PateConfig`: method, budget, seed, device, ...).
+        out_dir: the run folder; refused when it already holds a non-empty ledger.jsonl from an earlier run.
+        noise: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); each
+            query draws from its own stream, named after its query index (not the run's nonce).
     """
     started = time.perf_counter()
     out = _fresh_run_folder(out_dir)
@@ -269,6 +276,17 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so the guard's
     own re-computation of the planned queries (batch checks and per-query charges) fits it:
     tests/test_privacy_calibration.py checks exactly that.
+
+    Args:
+        world: the server's public world; every query scan is one planned query, and the reference maps (and,
+            with ``config.fit_on_public_predictions``, the public model's maps of the query scans) fit the
+            compressor.
+        preset: the preset (compressor defaults).
+        config: the run's :class:`PateConfig` (method, budget, calibration, codec options, device).
+        teachers: who trained how many teachers; K = ``teachers.total`` fixes the planned sensitivity.
+        out: the run folder (the autoencoder is checkpointed under ``out/compressor``).
+        public_model: the public model, whose predictions the anchored codec needs (and the codecs fitted on
+            public predictions use); None = no such predictions (refused by a compressor that needs them).
     """
     K = teachers.total
     queries = len(world.query_images)
@@ -306,6 +324,15 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
     teacher runs if not even its first query fits the budget (after a dropout, larger S, only a prefix may
     fit). Release ids carry a per-run nonce: the hospitals' own ledgers outlive this run, and an identical
     id would merge a new release into an old one.
+
+    Args:
+        transport: the hospitals; asked batch by batch, only those still connected.
+        world: the public world whose query scans are asked.
+        plan: the calibrated release (:class:`ReleasePlan`: sigma, codec, number of queries).
+        teachers: each hospital's teacher count (what each asked hospital must answer with).
+        config: the run's :class:`PateConfig` (method, seed, delta, ``query_batch`` scans per message, device).
+        guard: the budget guard every query is charged through before its noise is drawn.
+        noise: the ``NoiseSource`` whose per-query streams (``query-<index>``) the noise is drawn from.
     """
     phase = QueryPhase()
     first_round = len(transport.bytes_up), len(transport.notes)
@@ -343,7 +370,17 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
 def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, plan: ReleasePlan,
                              queries: QueryPhase, public_model: torch.nn.Module) -> Student:
     """Step 5: pseudo-labels from the noisy latents; the student (and, on the same schedule without them,
-    the public-only baseline) starts from the public model."""
+    the public-only baseline) starts from the public model.
+
+    Args:
+        world: the public world (query scans, reference data).
+        preset: the preset (student epochs, network).
+        config: the run's :class:`PateConfig` (``soft_labels``, ``include_reference``, seed, ``shared_dir``
+            where the public-only baseline is checkpointed, device).
+        plan: the release plan whose codec decodes the latents.
+        queries: what the query phase released (answered indices and their noisy latents).
+        public_model: the public model both models start from.
+    """
     pseudo = (plan.decode(np.stack(queries.latents), queries.answered) if queries.latents
               else np.zeros((0, world.classes, *world.grid), np.float32))
     targets = pseudo if config.soft_labels else pseudo.argmax(axis=1)
@@ -364,7 +401,16 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
     """Step 6: test Dice of the student and of public-only, public validation Dice; in simulation, the
     teachers' own Dice (at the hospitals), the noise-free ensemble through the codec (one un-noised query
     of the public test scans), the teachers' averaged probabilities where the transport can give them,
-    and the pseudo-labels' Dice. None of the simulation diagnostics is covered by the guarantee."""
+    and the pseudo-labels' Dice. None of the simulation diagnostics is covered by the guarantee.
+
+    Args:
+        transport: the hospitals, asked for the diagnostics (only when ``config.diagnostics``).
+        world: the public world (test and validation sets; query labels for the pseudo-label Dice when present).
+        config: the run's :class:`PateConfig` (``diagnostics``, precision, method).
+        plan: the release plan (decodes the un-noised ensemble; the public model's query probabilities).
+        queries: the query phase (which queries were answered).
+        student: the student, the public-only baseline and the pseudo-labels.
+    """
     precision = config.precision   # the models are already on the run's device
     dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels,
                                                     precision=precision)
@@ -400,7 +446,16 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
 
 
 def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: PateOutcome, started: float) -> dict:
-    """Step 7: the results record from the ledger, the bundle, the predictions (sim.results.write_run)."""
+    """Step 7: the results record from the ledger, the bundle, the predictions (sim.results.write_run).
+
+    Args:
+        out: the run folder.
+        world: the public world (grid, test scans predicted, preprocessing and source for the bundle).
+        preset: the preset (its name and network configuration are recorded).
+        config: the run's :class:`PateConfig` (method, budget, seed, calibration, recorded settings).
+        outcome: everything the run produced (:class:`PateOutcome`; the ledger gives ε).
+        started: ``time.perf_counter()`` at the run's start (for the recorded wall time).
+    """
     teachers, plan, queries, evaluation = outcome.teachers, outcome.plan, outcome.queries, outcome.evaluation
     student, ledger, noise = outcome.student, outcome.ledger, outcome.noise
     results = RunResults(

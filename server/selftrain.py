@@ -74,8 +74,24 @@ def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
 def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, rounds: int = DEFAULT_ROUNDS,
                temperature: float = DEFAULT_TEMPERATURE, epochs: int | None = None, progress: bool = False,
                checkpoint_dir: str | Path | None = None, device=None, precision: str = "32") -> SelfTrainOutcome:
-    """Rounds of pseudo-labelling on ``world.query_images`` (module docstring); ``world`` is a
-    :class:`sim.world.PublicWorld` and only its public arrays are read (never ``query_labels``)."""
+    """Rounds of pseudo-labelling on ``world.query_images`` (module docstring).
+
+    Args:
+        world: a :class:`sim.world.PublicWorld`; only its public arrays are read (query scans, reference
+            data, validation set -- never ``query_labels``).
+        preset: the preset (network, batch size, learning rate; ``student_epochs`` when ``epochs`` is None).
+        public_model: round 1's labeller and starting point.
+        seed: training seed of round 1; round r trains with ``seed + r - 1``.
+        rounds: rounds of pseudo-labelling (at least 1); the one with the best public validation Dice is kept
+            (the earliest on ties or without a validation set).
+        temperature: the sharpening temperature T (> 0; :func:`sharpen`); the default is MixMatch's 0.5.
+        epochs: fine-tuning epochs per round (None = the preset's ``student_epochs``).
+        progress: progress bars.
+        checkpoint_dir: where each round's training is checkpointed (``round-<r>.pt``) and resumed from;
+            None = no checkpoints.
+        device / precision: where the models train and predict (``sim.device``; None = auto) and whether
+            forward passes run under bf16 autocast (``"32"`` = float32).
+    """
     if rounds < 1:
         raise ValueError(f"self-training rounds: expected at least 1, got {rounds}")
     epochs = preset.student_epochs if epochs is None else int(epochs)

@@ -42,7 +42,21 @@ def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint,
 def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = None, init=None,
                        progress: bool = False, checkpoint: str | Path | None = None, device=None,
                        precision: str = "32"):
-    """U-Net on the public reference images + labels (pre-training / public-only baseline)."""
+    """U-Net on the public reference images + labels (pre-training / public-only baseline).
+
+    Args:
+        world: the public world (its ``reference_images`` and ``reference_labels``; without reference images
+            nothing is trained and the model is ``init``, or its random start).
+        preset: the preset (network, batch size, learning rate; ``pretrain_epochs`` when ``epochs`` is None).
+        seed: the network's initialisation and the training's batch order and augmentation.
+        epochs: training epochs (None = the preset's ``pretrain_epochs``; 0 = no training).
+        init: a state_dict (or checkpoint path / module) to start from (None = random weights).
+        progress: a progress bar.
+        checkpoint: saved after every epoch and resumed from when it exists, so a comparison's cells share
+            one training (None = no checkpoint).
+        device / precision: where the model trains and is returned (``sim.device``; None = auto) and whether
+            forward passes run under bf16 autocast (``"32"`` = float32).
+    """
     epochs = preset.pretrain_epochs if epochs is None else epochs
     if world.reference_images is None:
         epochs = 0
@@ -56,7 +70,20 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
                   checkpoint: str | Path | None = None, device=None, precision: str = "32"):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
 
-    ``pseudo_labels``: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
+    Args:
+        world: the public world (``query_images``; the reference images and labels).
+        pseudo_labels: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
+        query_indices: the query scans the pseudo-labels belong to (indices into ``world.query_images``).
+        preset: the preset (network, batch size, learning rate; ``student_epochs`` when ``epochs`` is None).
+        seed: the network's initialisation and the training's batch order and augmentation.
+        init: a state_dict to start from -- the public model's in PATE (None = random weights).
+        epochs: training epochs (None = the preset's ``student_epochs``).
+        include_reference: also train on the public reference images with their labels (one-hot probabilities
+            when the pseudo-labels are soft).
+        progress: a progress bar.
+        checkpoint: saved after every epoch and resumed from when it exists (None = no checkpoint).
+        device / precision: where the model trains and is returned (``sim.device``; None = auto) and whether
+            forward passes run under bf16 autocast (``"32"`` = float32).
     """
 
     epochs = preset.student_epochs if epochs is None else epochs

@@ -81,7 +81,24 @@ def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | 
                  epsilon_budget: float | None, relation: str | None, accountant: str | None,
                  teachers: int | None, hospitals: int | None, data_source: Mapping[str, Any],
                  queries: int | None = None, extra: Mapping[str, Any] | None = None) -> dict:
-    """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in)."""
+    """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in).
+
+    The model is private when the ledger holds at least one record; ``epsilon_budget``, ``delta``,
+    ``relation`` and ``accountant`` are recorded only then (None otherwise).
+
+    Args:
+        method: the method's name.
+        ledger_path: the run's ledger.jsonl (None or missing = an empty ledger: a non-private model).
+        delta: the δ at which the ledger's ε is computed (the worst owner's).
+        epsilon_budget: the run's budget, recorded beside the ledger's ε.
+        relation: the neighbouring relation of the guarantee: only the ledger's events under it are accounted
+            (None = all of them, which must then share one relation).
+        accountant: the accountant's name, as recorded in the card (it does not choose how ε is computed).
+        teachers / hospitals: PATE's teacher count and the number of hospitals (None where not applicable).
+        data_source: where the training data came from (copied into the card).
+        queries: PATE's released queries (None where not applicable).
+        extra: further card fields (None = none); they may override the fields above.
+    """
 
     ledger = Ledger(ledger_path) if ledger_path is not None and Path(ledger_path).exists() else Ledger(None)
     private = len(ledger) > 0

@@ -465,10 +465,21 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
     """A Yu et al. schedule (``privacy.schedules``) whose decay k is planned so the budget lasts
     ``target_epochs`` (``plan_decay``, Yu et al. Sec. IV-A-2).
 
-    ``options``: ``k`` (skip planning), ``period`` (step/time/exp/poly), ``sigma_end`` (poly; default
-    sigma0/4); validation: ``k`` (default 0.9), ``threshold`` (0.0), ``window`` (m, default 1), ``period``.
     The validation-based schedule is stateful and cannot be planned ahead: it simply runs until the budget
-    is spent (checked by a privacy filter, see the module docstring). ``relation``: of the planned events.
+    is spent (checked by a privacy filter, see the module docstring).
+
+    Args:
+        family: ``time``, ``exp`` / ``exponential``, ``step``, ``poly`` / ``polynomial`` or ``validation``.
+        sigma0: the first epoch's noise multiplier σ0.
+        target_epochs: the epochs the budget must last (also the polynomial schedule's default ``period``).
+        epsilon / delta: the budget the decay is planned for.
+        sampling: ``poisson`` (Poisson-sampled steps) or anything else for shuffled epochs (zCDP accounting).
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps.
+        accountant: the planning accountant under Poisson sampling (None = PLD; shuffled epochs always use zCDP).
+        options: ``k`` (skip planning), ``period`` (step/time/exp/poly), ``sigma_end`` (poly; default
+            sigma0/4); validation: ``k`` (default 0.9), ``threshold`` (0.0), ``window`` (m, default 1),
+            ``period``. None = no options.
+        relation: the neighbouring relation of the planned events (None = the sampling's default).
     """
 
     options = dict(options or {})

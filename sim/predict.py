@@ -193,8 +193,17 @@ def _bundle_model(model_dir: str | Path, device):
 
 def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=None,
                  precision: str = "32") -> np.ndarray:
-    """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid. ``device``: where the
-    network runs (None: where the model is); ``precision`` "bf16": its forward pass under autocast."""
+    """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid.
+
+    Args:
+        model: the segmentation network (a bundle's).
+        config: the bundle's :class:`sim.data.preprocess.PreprocessConfig` (the working grid is the sliding
+            window's size).
+        data: the scan, (x, y, z, 4) in our channel order.
+        affine: the scan's voxel-to-world affine.
+        device: where the network runs (None: where the model is).
+        precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
+    """
     # MONAI (~10 s to import) only when a scan is segmented
     from monai.inferers import sliding_window_inference
 
@@ -222,9 +231,19 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
                   precision: str = "32") -> list[Prediction]:
     """Segment each scan with the bundle in ``model_dir``; returns one :class:`Prediction` per scan.
 
-    ``labels``: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
-    4D file). Every output is written atomically as soon as it is ready, so an error on a later scan loses
-    nothing already written.
+    Every output is written atomically as soon as it is ready, so an error on a later scan loses nothing
+    already written.
+
+    Args:
+        model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.
+        images: ``--image`` arguments (:func:`scan_inputs`: 4D files, BraTS case folders or modality files,
+            folders of cases, MSD-layout folders).
+        out_dir: where the label maps are written (created when missing).
+        progress: a progress bar.
+        device: where the network runs (``sim.device``; default auto).
+        labels: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
+            4D file).
+        precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
     """
     if labels is not None:
         get_layout(labels, "--labels")
@@ -257,11 +276,21 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
                    layout: str | None = None, labels: str | None = None, precision: str = "32") -> dict:
     """Dice of the bundle's segmentations of every labelled case of a data folder, in each scan's grid.
 
-    The folder is MSD Task01 or BraTS (``layout``; None = detected); Dice is computed in our classes (WT,
-    TC, ET as BraTS defines them) whatever the folder's codes. Scores what a user of ``fedpate predict`` gets
-    (preprocessing, network, mapping back to the scan), not the working-grid Dice of training. Returns
-    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`sim.metrics.summarise`'s keys; ``out_dir`` also
-    receives each label map, in ``labels``' convention (default: the folder's own).
+    The folder is MSD Task01 or BraTS; Dice is computed in our classes (WT, TC, ET as BraTS defines them)
+    whatever the folder's codes. Scores what a user of ``fedpate predict`` gets (preprocessing, network,
+    mapping back to the scan), not the working-grid Dice of training. Returns
+    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`sim.metrics.summarise`'s keys.
+
+    Args:
+        model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.
+        data_dir: the MSD Task01 or BraTS folder whose labelled cases are scored.
+        out_dir: also receives each label map (None = none written).
+        progress: a progress bar.
+        device: where the network runs (``sim.device``; default auto).
+        limit: score only the first ``limit`` labelled cases (None = all).
+        layout: the folder's layout (``sim.data.layouts``; None = detected).
+        labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
+        precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
     """
 
     dataset = require_labels(read_dataset(data_dir, layout), "evaluate")

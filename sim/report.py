@@ -399,8 +399,17 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
                  release: Mapping[str, Any] | None = None) -> Path:
     """Write cells.csv, report.md and plots into ``root``; returns the report path.
 
-    ``release``: what the comparison released together (``sim.runners.compare.combined_release``): the
-    combined epsilon per hospital from the hospitals' own ledgers, stated before the table."""
+    Args:
+        root: the comparison's folder: every ``results.json`` below it is one cell; the report, cells.csv and
+            the plots are written there (its world.json, when present, gives the World section).
+        title: the report's heading.
+        settings: the comparison's settings, listed under the title (None or empty = not listed).
+        accuracy: the cells are classification tasks (accuracy, not Dice): no Dice-only tables, plots or
+            verdicts.
+        overlays: further images (e.g. ``plot_comparison_overlays``) embedded at the end when they exist.
+        release: what the comparison released together (``sim.runners.compare.combined_release``): the
+            combined epsilon per hospital from the hospitals' own ledgers, stated before the table.
+    """
     root = Path(root)
     cells = load_cells(root)
     atomic_write_text(root / "cells.csv", cells_to_csv(cells))

@@ -214,11 +214,21 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
                        validation: tuple[Any, Any] | None = None, noise: Any = None) -> TrainResult:
     """Train ``model`` on ``images`` (n, 4, *g) float and ``targets`` (int labels or soft probabilities).
 
-    ``dp`` (``sim.dpsgd.DPConfig``) switches on DP-SGD, charged to ``owners`` through ``guard`` (a
-    ``privacy.guard.BudgetGuard``; an in-memory one with ``dp.epsilon`` is made when None).
-    ``validation`` = public (images, labels), used by the validation-based noise schedule and logged.
-    ``noise``: the ``privacy.mechanisms.NoiseSource`` of the DP-SGD batches and noise (default: secure).
     Returns the trained (unwrapped) model and a history with one dict per epoch.
+
+    Args:
+        model: the network, trained in place (resumed from ``config.checkpoint`` when it exists, else started
+            from ``config.init_from`` when given).
+        images: (n, 4, *g) float training volumes.
+        targets: (n, *g) int labels or (n, C, *g) soft probabilities.
+        config: the training settings (:class:`TrainConfig`: epochs, batch, optimiser, device, levers, ...).
+        dp: a ``sim.dpsgd.DPConfig`` switches on DP-SGD (None = plain training).
+        guard: the ``privacy.guard.BudgetGuard`` DP-SGD's epochs are charged through (None = an in-memory one
+            with ``dp.epsilon``).
+        owners: the ledger owners every DP-SGD epoch is charged to.
+        validation: public (images, labels), used by the validation-based noise schedule and logged each epoch
+            (None = none).
+        noise: the ``privacy.mechanisms.NoiseSource`` of the DP-SGD batches and noise (default: secure).
     """
     started = time.perf_counter()
     x_all = _as_tensor(images, torch.float32)
@@ -454,7 +464,15 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, dev
 
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                           device: Any = None, precision: str = "32") -> dict:
-    """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``."""
+    """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``.
+
+    Args:
+        model: the segmentation network.
+        images: (n, 4, *g) volumes.
+        labels: (n, *g) int labels.
+        batch_size: volumes per forward pass.
+        device / precision: as :func:`predict_probs` (None = where the model is; ``"bf16"`` = autocast).
+    """
     return evaluate_segmentation_per_case(model, images, labels, batch_size, device, precision)[0]
 
 
@@ -475,7 +493,14 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
                                    device: Any = None, precision: str = "32") -> tuple[dict, PerCaseDice]:
     """(Dice dict, per-case mean Dice with ``.by_class``) -- results.json stores the latter as
     ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`).
-    ``device``/``precision``: as :func:`predict_probs` (None = where the model is)."""
+
+    Args:
+        model: the segmentation network.
+        images: (n, 4, *g) volumes.
+        labels: (n, *g) int labels.
+        batch_size: volumes per forward pass.
+        device / precision: as :func:`predict_probs` (None = where the model is; ``"bf16"`` = autocast).
+    """
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)

@@ -87,9 +87,19 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
                 partition_file: str | None = None) -> tuple[PreparedDataset, Split]:
     """(prepared dataset, split) for a preset: phantoms generated once and cached when ``data`` is None.
 
-    ``layout``: the data folder's layout (``sim.data.layouts``; None = detected). ``partition_file``: a FeTS
-    partition CSV whose partitions are the hospitals (:func:`partition_split`; needs ``data``).
-    Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``."""
+    Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``.
+
+    Args:
+        preset: the :class:`sim.presets.Preset` (grid, phantoms, split sizes and scheme, public centre).
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms, with its other centre's public
+            collection when it has one).
+        seed: the split.
+        progress: progress bars while generating and preparing.
+        hospitals / teachers_per_hospital: override the preset's (None = the preset's).
+        layout: the data folder's layout (``sim.data.layouts``; None = detected).
+        partition_file: a FeTS partition CSV whose partitions are the hospitals (:func:`partition_split`;
+            needs ``data``).
+    """
     if partition_file and data is None:
         raise UserError("--partition-file: needs --data (the partitions name the subjects of a data folder)")
     prepared = _prepared_population(preset, data, progress, layout)
@@ -110,7 +120,16 @@ def partition_split(prepared, preset, partition_file, hospitals: int, teachers: 
     partition per hospital); the test and public sets are drawn first, stratified over those partitions (so
     held out from each hospital proportionally); partitions beyond the largest H and cases the file does not
     list are left out. ``split.params["partition_file"]`` records the rule and the counts for the World
-    section."""
+    section.
+
+    Args:
+        prepared: the prepared data folder (its case ids and patients).
+        preset: the preset (public and test set sizes).
+        partition_file: the FeTS partition CSV.
+        hospitals: how many of the largest partitions become hospitals.
+        teachers: teacher partitions per hospital.
+        seed: the split's draws.
+    """
     from sim.data.fets import assign_partitions
 
     institutions, info = assign_partitions(partition_file, prepared.case_ids, prepared.patient, hospitals)
@@ -184,7 +203,18 @@ def describe_world(prepared, split) -> dict[str, Any]:
 def materialise_world(preset, data: str | Path | None, seed: int, progress: bool = True,
                       root: str | Path | None = None, layout: str | None = None,
                       partition_file: str | None = None) -> Path:
-    """Prepare the data and the split for ``preset`` (hospitals x teachers already applied); return the folder."""
+    """Prepare the data and the split for ``preset`` (hospitals x teachers already applied); return the folder.
+
+    Args:
+        preset: the preset, its ``hospitals`` and ``teachers_per_hospital`` already as wanted.
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        seed: the split.
+        progress: progress bars while generating and preparing.
+        root: the world folder (None = a cache folder named after everything that decides the world).
+        layout: the data folder's layout (``sim.data.layouts``; None = detected).
+        partition_file: a FeTS partition CSV whose partitions are the hospitals (its content, not its name,
+            decides the split).
+    """
     prepared, split = build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file)
     partitions = None
     if partition_file:   # the file's content, not its name, decides the split

@@ -88,7 +88,19 @@ def predict(model, x: np.ndarray) -> np.ndarray:
 
 def train_nonprivate(x: np.ndarray, y: np.ndarray, classes: int, hidden=(128,), epochs: int = 20,
                      batch_size: int = 64, lr: float = 1e-3, seed: int = 0, weight_decay: float = 0.0):
-    """Plain Adam/cross-entropy training (the non-private baseline, PATE teachers and students)."""
+    """Plain Adam/cross-entropy training (the non-private baseline, PATE teachers and students).
+
+    Args:
+        x: (n, d) features.
+        y: (n,) integer labels.
+        classes: the number of classes (the output width).
+        hidden: the hidden layers' widths (:func:`build_mlp`).
+        epochs: passes over the data.
+        batch_size: examples per Adam step (each epoch in a seeded random order).
+        lr: Adam's learning rate.
+        seed: the network's initialisation and the batch order.
+        weight_decay: Adam's weight decay.
+    """
 
     set_seed(seed)
     model = build_mlp(x.shape[1], tuple(hidden), classes)

@@ -106,8 +106,17 @@ def relevance_sensitivity(d: int, n: int, group: int = 1) -> float:
 def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, release_id: str, noise,
                       group: int = 1) -> np.ndarray:
     """R̄_j = (1/|D|) Σ_i R_{x_ij} + Lap(Δ_R/ε1) (eq. 12); charged as LaplaceEvent(Δ_R, Δ_R/ε1), then drawn
-    from ``noise``'s stream ``release_id`` (a ``privacy.mechanisms.NoiseSource``). ``group``: records per
-    privacy unit."""
+    from ``noise``'s stream ``release_id``.
+
+    Args:
+        per_record: (|D|, d) per-record relevances (clipped to [0, 1], as :func:`lrp_relevance` gives them).
+        epsilon1: ε1, this release's budget.
+        guard: the budget guard the release is charged through before its noise is drawn.
+        owners: the ledger owners charged (the hospitals whose records are pooled).
+        release_id: the ledger's release id, which also names the noise stream.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the noise.
+        group: records per privacy unit (k; 1 = one record is the unit).
+    """
 
     per_record = np.clip(np.asarray(per_record, np.float64), 0.0, 1.0)   # bounded by construction
     n, d = per_record.shape
@@ -142,6 +151,15 @@ def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_i
     Charged as one Laplace mechanism on the whitened records ``x_j / b_j`` (scale 1), whose L1 sensitivity
     for a unit of k = ``group`` records is ``k Σ_j Δ_x / b_j`` (= ε2 by construction of ``feature_scales``).
     Withheld features (b_j = ∞) are replaced by 0.5.
+
+    Args:
+        x: (n, d) records (clipped to [0, 1]).
+        scales: per-feature Laplace scales b_j (:func:`feature_scales`; ∞ = withheld).
+        guard: the budget guard the release is charged through before its noise is drawn.
+        owners: the ledger owners charged.
+        release_id: the ledger's release id, which also names the noise stream.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the noise.
+        group: records per privacy unit (k; 1 = one record is the unit).
     """
 
     x = np.clip(np.asarray(x, np.float64), 0.0, 1.0)
@@ -157,8 +175,18 @@ def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_i
 
 def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, guard, owners, release_id: str,
                                noise, group: int = 1) -> np.ndarray:
-    """φ̄⁽¹⁾_il = (½ − y_il) + Lap(kΔ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration;
-    k = ``group`` records per unit)."""
+    """φ̄⁽¹⁾_il = (½ − y_il) + Lap(kΔ_y/ε3) (eq. 25, Alg. 1 lines 16-19, per-record calibration).
+
+    Args:
+        y: (n,) integer labels.
+        classes: the number of classes (the width of the one-hot labels).
+        epsilon3: ε3, this release's budget.
+        guard: the budget guard the release is charged through before its noise is drawn.
+        owners: the ledger owners charged.
+        release_id: the ledger's release id, which also names the noise stream.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the noise.
+        group: records per privacy unit (k; 1 = one record is the unit).
+    """
 
     scale = group * LABEL_SENSITIVITY / epsilon3
     guard.charge(owners, LaplaceEvent(sensitivity=group * LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
@@ -214,8 +242,21 @@ def train_adlm(task, epsilon: float, delta: float, guard, owners, cfg: AdLMConfi
     """AdLM (``adaptive=True``) or ILM (``adaptive=False``) on the pooled private records.
 
     All three releases are made (and charged) before training; the epochs only post-process them, so the
-    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1). ``noise``: the
-    ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
+    ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1).
+
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records; the public
+            reference records train the LRP network).
+        epsilon: the budget, split into ε1, ε2, ε3 by ``cfg.budget_split`` (ILM gives ε1's share to ε2).
+        delta: recorded in the result only: the three Laplace releases are pure ε-DP.
+        guard: the budget guard every release is charged through before its noise is drawn.
+        owners: the ledger owners charged (every hospital whose records are pooled).
+        cfg: the network, training and budget-split settings (None = :class:`AdLMConfig`'s defaults).
+        seed: the networks' initialisation and the training's batch order (not the noise).
+        adaptive: AdLM (relevance-weighted feature noise) when True, ILM (identical feature noise) when False.
+        release_prefix: the prefix of the three release ids (None = the method's name).
+        progress: print the test accuracy after every epoch.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
     """
 
     cfg = cfg or AdLMConfig()

@@ -115,6 +115,19 @@ def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.T
     Returns ``(sums, per_unit_norms_after_clipping)``: ``sums`` is a list of (out, in+1) tensors — the
     first-order block, then (order 2) the second-order block — each with add/remove-one-unit sensitivity
     ≤ its clip.
+
+    Args:
+        weight / bias: the layer's current parameters W_k (out, in) and b_k (out,), the Taylor expansion point.
+        z_prev: (n, in) the layer's inputs z_{k-1} (the projected records for the first layer).
+        z_target: (n, out) the auxiliary coordinates z_k the hidden layer's output is fitted to (None for the
+            output layer).
+        labels: (n,) integer labels for the output layer (None for a hidden layer).
+        mu: MAC's quadratic-penalty weight μ (hidden layers).
+        clip: the clip C of every unit's first-order coefficient.
+        order: 1 = first-order coefficients only (the paper's experiments); 2 = also the diagonal second-order
+            block.
+        clip2: the clip of every unit's second-order coefficient (``order`` 2 only).
+        groups: row -> unit index within the batch; None = one unit per row.
     """
     v = torch.cat([z_prev, torch.ones(z_prev.shape[0], 1, dtype=z_prev.dtype)], dim=1)
     a = v @ torch.cat([weight, bias[:, None]], dim=1).T
@@ -278,7 +291,15 @@ PCA_SENSITIVITY = 2 ** 0.5
 def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: int, pca_sigma: float | None,
                     accountant: str = "pld") -> float:
     """Noise multiplier σ such that [DP-PCA Gaussian] ∘ ``steps`` × SampledGaussian(q, σ) spends ``epsilon``
-    under replace-one (PLD; dp_accounting's RDP has no replace-one Poisson subsampling)."""
+    under replace-one (PLD; dp_accounting's RDP has no replace-one Poisson subsampling).
+
+    Args:
+        epsilon / delta: the target (ε, δ) of DP-PCA and all W-steps together.
+        sampling_rate: the Poisson sampling rate q of the units.
+        steps: the number of W-steps.
+        pca_sigma: the DP-PCA release's σ (None = no DP-PCA: the W-steps alone spend ``epsilon``).
+        accountant: the accountant of the final search (``pld``, the default; an RDP locator brackets it).
+    """
 
     if pca_sigma is None:
         return dpsgd_noise_multiplier(epsilon, delta, sampling_rate, steps, accountant=accountant, relation=RELATION)
@@ -301,10 +322,23 @@ def pca_sigma_for(epsilon: float, delta: float) -> float:
 def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
                 seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False, noise=None) -> SeedResult:
     """Train a DP-MAC classifier on the pooled private records, sampled and clipped per privacy unit
-    (``task.unit_records()``: a record, or a patient's slices). ``epsilon=None`` runs MAC without noise.
+    (``task.unit_records()``: a record, or a patient's slices).
 
-    ``noise``: the ``privacy.mechanisms.NoiseSource`` of this run's releases (secure when None); ``seed``
-    only initialises the network."""
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records).
+        epsilon: the budget of DP-PCA and the W-steps together; None runs MAC without noise (nothing charged).
+        delta: the δ of the budget.
+        guard: the budget guard the DP-PCA release and the planned W-steps are charged through first.
+        owners: the ledger owners charged (every hospital whose records are pooled).
+        cfg: the network, training, clipping and DP-PCA settings (None = :class:`DPMACConfig`'s defaults);
+            ``cfg.noise_multiplier`` None = calibrated to ``epsilon`` (:func:`calibrate_dpmac`).
+        seed: only initialises the network (the batches and noise come from ``noise``).
+        release_prefix: the prefix of the release ids (``<prefix>/dp-pca``, ``<prefix>/w-steps``), which also
+            name the noise streams.
+        progress: print the test accuracy after every epoch.
+        noise: the ``privacy.mechanisms.NoiseSource`` of this run's releases and Poisson batches (secure when
+            None).
+    """
 
     cfg = cfg or DPMACConfig()
     noise = noise if noise is not None else NoiseSource()

@@ -66,8 +66,22 @@ def unit_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
 def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: DPSGDConfig | None = None,
                 seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False, noise=None) -> SeedResult:
     """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records, sampled and clipped per privacy
-    unit (``task.unit_records()``). ``noise``: the cell's ``privacy.mechanisms.NoiseSource`` (secure when
-    None); ``seed`` only initialises the network."""
+    unit (``task.unit_records()``).
+
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records).
+        epsilon: the budget (calibrated to ``CALIBRATION_MARGIN`` of it); None = the non-private baseline
+            (plain Adam, no clipping, no noise, nothing charged).
+        delta: the δ of the budget.
+        guard: the budget guard every epoch is charged through before its stream is opened.
+        owners: the ledger owners charged (every hospital whose records are pooled).
+        cfg: the network, training and schedule settings (None = :class:`DPSGDConfig`'s defaults).
+        seed: initialises the network (and, without ``epsilon``, the batch order); DP-SGD's batches and noise
+            come from ``noise``, never from the seed.
+        release_prefix: the prefix of the epochs' release ids (``<prefix>:epoch-e``).
+        progress: print σ and the test accuracy after every epoch (DP-SGD only).
+        noise: the cell's ``privacy.mechanisms.NoiseSource`` (secure when None).
+    """
     cfg = cfg or DPSGDConfig()
     set_seed(seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))

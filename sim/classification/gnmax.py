@@ -78,7 +78,15 @@ def vote_histograms(predictions: np.ndarray, classes: int) -> np.ndarray:
 
 def calibrate_gnmax(epsilon: float, delta: float, queries: int, confident: bool, ratio: float,
                     accountant: str = "gdp-exact") -> tuple[float, float | None]:
-    """σ2 (answer) and σ1 (threshold, or None) so that N queries, all answered, spend ``epsilon``."""
+    """σ2 (answer) and σ1 (threshold, or None) so that N queries, all answered, spend ``epsilon``.
+
+    Args:
+        epsilon / delta: the budget (ε, δ) of all N queries.
+        queries: the number of queries N.
+        confident: Confident-GNMax (every query also has a noisy threshold check) or plain GNMax.
+        ratio: σ1 / σ2 for Confident-GNMax (ignored otherwise).
+        accountant: the accountant of the calibration (default ``gdp-exact``).
+    """
 
     if not confident:
         sigma = calibrate(lambda s: GaussianEvent(VOTE_SENSITIVITY, s, count=queries), epsilon, delta, accountant,
@@ -94,8 +102,19 @@ def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_pr
                  threshold: float | None = None, sigma_threshold: float | None = None) -> np.ndarray:
     """Noisy-argmax labels for each query row (−1 = not answered by Confident-GNMax).
 
-    Every noisy quantity is charged to the ledger (``guard.charge``) before its stream of ``noise`` (a
-    ``privacy.mechanisms.NoiseSource``) is opened.
+    Every noisy quantity is charged to the ledger (``guard.charge``) before its stream of ``noise`` is opened.
+
+    Args:
+        histograms: (n, classes) vote counts, one row per query (:func:`vote_histograms`).
+        sigma: σ2, the answer's noise standard deviation.
+        guard: the budget guard every noisy quantity is charged through.
+        owners: the ledger owners charged for every query.
+        release_prefix: the prefix of the release ids (``<prefix>/q<i>/threshold``, ``<prefix>/q<i>/answer``),
+            which also name the noise streams.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the noise.
+        threshold: Confident-GNMax's threshold T on the noisy maximum vote (None = plain GNMax: every query is
+            answered).
+        sigma_threshold: σ1, the threshold check's noise standard deviation (used only with ``threshold``).
     """
 
     labels = np.full(len(histograms), -1, np.int64)
@@ -116,7 +135,19 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
                      seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False,
                      noise=None) -> SeedResult:
     """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
-    ``noise``: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None)."""
+
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask` (the hospitals' records for the
+            teachers, the public query records for the student).
+        epsilon / delta: the budget (ε, δ) the worst case (every query answered) spends.
+        guard: the budget guard every noisy quantity is charged through.
+        owners: the ledger owners charged for every query.
+        cfg: teachers, queries, networks and Confident-GNMax settings (None = :class:`GNMaxConfig`'s defaults).
+        seed: the non-private parts only: teacher partition and training, student training.
+        release_prefix: the prefix of the release ids (:func:`gnmax_answer`).
+        progress: print a summary line (K, σ, answered queries, accuracies).
+        noise: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None).
+    """
 
     cfg = cfg or GNMaxConfig()
     noise = noise if noise is not None else NoiseSource()

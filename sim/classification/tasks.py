@@ -181,7 +181,17 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
                               data: str | Path | None = None, pool: int = 8,
                               teachers_per_hospital: int | None = None, progress: bool = False) -> ClassificationTask:
     """The segmentation world of ``preset`` (same phantoms/MSD folder, prepared grid and hospital split as
-    ``fedpate simulate``/``compare``, via ``sim.world.build_world``) → the slice task."""
+    ``fedpate simulate``/``compare``, via ``sim.world.build_world``) → the slice task.
+
+    Args:
+        preset: the preset's name (``sim.presets``), whose world is built.
+        hospitals: the number of hospitals (None = the preset's).
+        seed: the world's split.
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        pool: each slice's channels are average-pooled to pool × pool features (at most the grid's first size).
+        teachers_per_hospital: partitions per hospital of the split (None = the preset's).
+        progress: progress bars while the world is prepared.
+    """
 
     p = get_preset(preset)
     prepared, split = build_world(p, data, seed, progress, hospitals, teachers_per_hospital)

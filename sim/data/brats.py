@@ -111,9 +111,19 @@ def write_case(out: Path, case_id: str, image: np.ndarray, label: np.ndarray | N
                layout: str | Layout, dtype=None) -> Path:
     """Write one case (image (X, Y, Z, 4) in our channel order, label in our classes) as a BraTS case folder.
 
-    Modalities keep the image's dtype (``dtype`` overrides) so that reading them back gives the same array;
-    the label map is converted to the layout's codes (:func:`sim.data.layouts.from_ours`). The ``seg`` file is
-    written last, so a folder with it is complete."""
+    The ``seg`` file is written last, so a folder with it is complete; returns the case folder.
+
+    Args:
+        out: the dataset folder the case folder ``out/<case_id>`` is written into.
+        case_id: the case's id (its folder's and files' names).
+        image: (X, Y, Z, 4) modalities in our channel order, one NIfTI file each.
+        label: (X, Y, Z) label map in our classes, converted to the layout's codes
+            (:func:`sim.data.layouts.from_ours`); None = an unlabelled case (no ``seg`` file).
+        affine: the voxel-to-world affine of every file.
+        layout: the BraTS layout (a name or :class:`sim.data.layouts.Layout`): file names and label codes.
+        dtype: the modalities' stored dtype (None = the image's own, so that reading them back gives the same
+            array).
+    """
     layout = get_layout(layout)
     folder = Path(out) / case_id
     folder.mkdir(parents=True, exist_ok=True)

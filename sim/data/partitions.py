@@ -227,10 +227,24 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                patients: PatientsArg = None, public_pool: Sequence[str] | None = None) -> Split:
     """Partition the patients of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids).
 
-    Sizes count patients and every patient's scans stay together (module docstring). ``patients``: case ->
-    patient, overriding the dataset's own (default: ``prepared.patient``, else :func:`sim.data.msd.patient_id`).
-    ``public_pool``: the case ids of the public labelled source (another centre): the reference and validation
-    sets come from these only, everything else from the other cases (module docstring).
+    Sizes count patients and every patient's scans stay together (module docstring).
+
+    Args:
+        prepared: the cases to split: a PreparedDataset, a {case: institution} map or a list of case ids.
+        hospitals: the number of hospitals H (at least 1).
+        teachers_per_hospital: disjoint, non-empty teacher partitions per hospital T (at least 1; every
+            hospital needs at least one patient per teacher).
+        scheme: how private patients go to hospitals: ``institution``, ``iid``, ``dirichlet`` or ``paper``
+            (module docstring).
+        n_query / n_reference / n_validation / n_test: patients in the public query, public reference, public
+            validation and test sets (0 or more; with the ``paper`` scheme ``n_reference == 0`` makes the
+            reference set the query set).
+        seed: the draws (sets, hospital assignment, teacher partitions).
+        alpha: the Dirichlet concentration of the ``dirichlet`` scheme's hospital shares (> 0).
+        patients: case -> patient, overriding the dataset's own (default: ``prepared.patient``, else
+            :func:`sim.data.msd.patient_id`).
+        public_pool: the case ids of the public labelled source (another centre): the reference and validation
+            sets come from these only, everything else from the other cases (None = one population).
     """
     if scheme not in SCHEMES:
         raise UserError(f"--split={scheme!r}: unknown scheme; expected one of {', '.join(SCHEMES)}")

@@ -591,10 +591,21 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     """Write ``cases`` labelled (+ ``test_cases`` unlabelled) phantoms in the MSD Task01 layout under ``out``.
 
     Resumes an incomplete folder made with the same settings; refuses a folder holding other data.
-    ``workers > 1`` generates in that many processes (same bytes as serial generation). ``shift`` renders
-    the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation. ``layout``
-    (``sim.data.layouts``): ``brats2021`` / ``brats2023`` write the same phantoms as BraTS case folders
-    (:func:`_generate_in_layout`).
+
+    Args:
+        out: the dataset folder (empty or missing, or an incomplete one with the same settings).
+        cases: labelled cases (at least 1).
+        institutions: simulated institutions (scanner profiles; at least 1); case i belongs to institution
+            i mod M.
+        seed: the phantom world's generator seed (subjects, tumours, scanner profiles; non-negative).
+        resolution_mm: the voxel size in mm (0.5 to 8).
+        test_cases: unlabelled cases in ``imagesTs`` (0 or more; must be 0 in a BraTS layout).
+        progress: a progress bar.
+        workers: ``workers > 1`` generates in that many processes (same bytes as serial generation).
+        shift: renders the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation
+            (``none`` = no shift).
+        layout: ``sim.data.layouts``: ``msd`` (default), or ``brats2021`` / ``brats2023``, which write the same
+            phantoms as BraTS case folders (:func:`_generate_in_layout`).
     """
     from sim.data.layouts import get_layout
 
@@ -739,7 +750,15 @@ def _read_config(meta_path: Path) -> dict | None:
 def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, institutions: int | None = None,
                         test_cases: int | None = None, shift: str = "none") -> str:
     """Cache folder of a phantom collection: every generation setting is in the name, so a folder is reused
-    only for identical bytes (the shift is named when there is one, keeping older names for "none")."""
+    only for identical bytes (the shift is named when there is one, keeping older names for "none").
+
+    Args:
+        preset: the :class:`sim.presets.Preset` (its name, phantom settings and resolution).
+        seed: the generator seed.
+        cases / institutions / test_cases: override the preset's ``phantom_cases``, ``institutions`` and
+            ``phantom_test_cases`` (None = the preset's).
+        shift: the held-out regime (:data:`SHIFTS`; ``none`` = no shift).
+    """
     cases = preset.phantom_cases if cases is None else cases
     institutions = preset.institutions if institutions is None else institutions
     test_cases = preset.phantom_test_cases if test_cases is None else test_cases
@@ -752,10 +771,18 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
                     institutions: int | None = None, test_cases: int | None = None, shift: str = "none") -> Path:
     """Phantoms for ``preset`` (a name or :class:`sim.presets.Preset`), generated once and cached.
 
-    Cached under ``cache_root`` (default ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``) in a folder named after
-    the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`. A file lock serialises
-    concurrent callers (several test sessions or runs share the cache). ``cases``, ``institutions``,
-    ``test_cases`` and ``shift`` override the preset's (the other centre's public collection, sim.world).
+    Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
+    (:func:`phantom_folder_name`). A file lock serialises concurrent callers (several test sessions or runs
+    share the cache).
+
+    Args:
+        preset: a preset name or :class:`sim.presets.Preset`.
+        cache_root: the cache folder (None = ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``).
+        seed: the generator seed.
+        progress: a progress bar while generating.
+        workers: generating processes (:func:`generate_phantoms`).
+        cases / institutions / test_cases / shift: override the preset's (the other centre's public
+            collection, sim.world); None (``none`` for ``shift``) = the preset's.
     """
 
     if isinstance(preset, str):

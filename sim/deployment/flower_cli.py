@@ -125,7 +125,17 @@ def parse_json_output(text: str) -> Any:
 
 def query_run_status(sup: Supervisor, env: Mapping[str, str], connection: str, run_id: int,
                      timeout: float = 120.0, wait_finished: float = 60.0) -> dict:
-    """``flwr ls <connection> --run-id N --format json`` -> that run's dict (waits a little for 'finished')."""
+    """``flwr ls <connection> --run-id N --format json`` -> that run's dict (waits a little for 'finished').
+
+    Args:
+        sup: the :class:`sim.deployment.processes.Supervisor` that runs (and, on timeout, kills) ``flwr ls``.
+        env: the environment of the ``flwr`` command (``FLWR_HOME`` with the connection, :data:`FLOWER_ENV`).
+        connection: the SuperLink connection's name in ``$FLWR_HOME/config.toml``.
+        run_id: the run asked about.
+        timeout: seconds each ``flwr ls`` may take before it is killed.
+        wait_finished: seconds to keep asking (every 2 s) until the status starts with ``finished``; the last
+            answer is returned either way ({} when the SuperLink did not list the run).
+    """
     deadline = time.monotonic() + wait_finished
     while True:
         code, out = sup.run(f"flwr-ls-{run_id}",
@@ -146,7 +156,20 @@ def query_run_status(sup: Supervisor, env: Mapping[str, str], connection: str, r
 def flwr_run(sup: Supervisor, env: Mapping[str, str], app_dir: Path, connection: str,
              run_config: Mapping[str, Any], timeout: float, extra_args: Sequence[str] = (),
              name: str = "flwr-run") -> RunStatus:
-    """``flwr run <app> <connection> --stream -c ...``, then the SuperLink's verdict on that run."""
+    """``flwr run <app> <connection> --stream -c ...``, then the SuperLink's verdict on that run.
+
+    Args:
+        sup: the :class:`sim.deployment.processes.Supervisor` that starts and stops ``flwr run`` (its log is
+            where the run id is read from).
+        env: the environment of the ``flwr`` commands (``FLWR_HOME`` with the connection, :data:`FLOWER_ENV`).
+        app_dir: the Flower app's folder (pyproject.toml with ``[tool.flwr.app]``; :data:`PROJECT_ROOT`).
+        connection: the SuperLink connection's name in ``$FLWR_HOME/config.toml``.
+        run_config: the run config, passed as ``--run-config`` (:func:`config_string`; empty = none).
+        timeout: seconds ``flwr run`` may take; then it is stopped, the run is stopped on the SuperLink and the
+            status is ``timeout`` unless the SuperLink already reports it finished.
+        extra_args: further arguments of ``flwr run``.
+        name: the supervised process's name (its log file's).
+    """
     command = [flower_tool("flwr"), "run", str(app_dir), connection, "--stream", *extra_args]
     if run_config:
         command += ["--run-config", config_string(run_config)]

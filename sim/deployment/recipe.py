@@ -24,12 +24,24 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
                         device: str | None = None, precision: str | None = None) -> str:
     """The step-by-step commands for real separate machines, as text.
 
-    ``superlink`` is ``HOST:PORT`` as the hospitals reach the aggregator; ``hospitals`` is
-    ``[(hospital_id, data_dir_on_that_hospital), ...]``; ``certs_dir`` is where ``fedpate deploy certs``
-    wrote the CA, the SuperLink certificate and one key pair per hospital. ``epsilon_budget`` (each
-    hospital's lifetime ε) and ``max_teachers`` (the consortium's K, default hospitals x
-    ``teachers_per_hospital`` or x the quick preset's) go into every node config: a deployed hospital refuses
-    to start without them.
+    ``epsilon_budget`` and ``max_teachers`` go into every node config: a deployed hospital refuses to start
+    without them.
+
+    Args:
+        certs_dir: where ``fedpate deploy certs`` wrote the CA, the SuperLink certificate and one key pair per
+            hospital.
+        superlink: ``HOST:PORT`` as the hospitals reach the aggregator (the SuperLink listens on that port).
+        hospitals: ``[(hospital_id, data_dir_on_that_hospital), ...]``.
+        app_dir: the fedpate source folder ``flwr run`` is started from on the aggregator.
+        superlink_port: not used: the SuperLink's port is the one in ``superlink``.
+        supernode_port: the local port each SuperNode listens on (127.0.0.1 only).
+        teachers_per_hospital: written into each node config when given (None = the node's default).
+        remote_certs: the certificate folder on every machine.
+        workdir_root: each hospital's work folder is ``<workdir_root>/<hospital_id>``.
+        epsilon_budget: each hospital's lifetime ε.
+        max_teachers: the consortium's K (None = hospitals x ``teachers_per_hospital``, or x the quick preset's).
+        device / precision: written into each node config when given: where that hospital trains its teachers
+            and at which precision (None = the node's default, auto and 32).
     """
     if ":" not in superlink:
         raise UserError(f"--superlink {superlink!r}: expected HOST:PORT")

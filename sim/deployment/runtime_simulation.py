@@ -50,9 +50,21 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
                            verbose: bool = False) -> RunStatus:
     """Start a simulation SuperLink, ``flwr run`` the app with ``num_supernodes`` virtual SuperNodes, stop.
 
-    ``run_config`` overrides keys of the app's ``[tool.flwr.app.config]`` (only existing keys).
     Returns the :class:`~sim.deployment.flower_cli.RunStatus` (``ok`` only for ``finished:completed``); every
     process started here is gone when it returns, whatever happened.
+
+    Args:
+        app_dir: the Flower app's folder (with pyproject.toml).
+        run_config: overrides keys of the app's ``[tool.flwr.app.config]`` (only existing keys; None = none).
+        num_supernodes: the number of virtual SuperNodes (at least 1).
+        work_dir: where the SuperLink's database, ``FLWR_HOME`` and the processes' logs are written.
+        timeout: seconds ``flwr run`` may take (:func:`sim.deployment.flower_cli.flwr_run`).
+        num_cpus / num_gpus: the resources of each ClientApp (``client-resources-num-cpus`` / ``-num-gpus``;
+            at least one CPU).
+        init_num_cpus: the CPUs of the simulation backend (``init-args-num-cpus``; None = Flower's default).
+        startup_timeout: seconds the SuperLink may take to answer its health check.
+        env: extra environment of every process (on top of :data:`FLOWER_ENV` and ``FLWR_HOME``).
+        verbose: print when the SuperLink is up and how the run ended.
     """
     app = Path(app_dir).resolve()
     if not (app / "pyproject.toml").exists():

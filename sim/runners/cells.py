@@ -86,7 +86,22 @@ def run_floor(floor: Callable) -> CellRunner:
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
                     publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
                     device: str = "auto", precision: str = "32") -> dict:
-    """The student trained on the public reference set only (same schedule as PATE's public-only model)."""
+    """The student trained on the public reference set only (same schedule as PATE's public-only model).
+
+    Args:
+        preset: the comparison's preset (its world, network and schedule).
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        seed: the world's split and the trainings.
+        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
+        shared_dir: where the public model (``public-model.pt``) and this model (``public-only.pt``) are
+            checkpointed, shared with the comparison's other cells.
+        progress: progress bars.
+        publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
+        layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
+            partitions are the hospitals (``sim.world.build_world``; None = none).
+        device / precision: where the models train and are evaluated (``sim.device``; default auto) and whether
+            forward passes run under bf16 autocast (``"32"`` = float32).
+    """
     started = time.perf_counter()
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
     public_model = train_public_model(world, preset, seed=seed, progress=progress,

@@ -396,7 +396,19 @@ def choose_setting(candidates) -> int:
 def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path, device=None,
                  precision: str = "32", **where) -> dict:
     """The public model's weights (server.student.train_public_model on the public reference set, the PATE
-    teachers' and student's start); trained once per checkpoint and reused by every method that passes it."""
+    teachers' and student's start); trained once per checkpoint and reused by every method that passes it.
+
+    Args:
+        preset: the preset (its world, network and pre-training epochs).
+        seed: the world's split and the training.
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        progress: progress bars.
+        checkpoint: the public model's checkpoint: resumed from when it exists, so every method that passes the
+            same one shares one training.
+        device / precision: where the model trains (``sim.device``; None = auto) and whether forward passes run
+            under bf16 autocast (``"32"`` = float32).
+        **where: ``sim.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
+    """
     world = load_world(*build_world(preset, data, seed, progress, **where))
     model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
                                precision=precision)

@@ -111,8 +111,22 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
              progress: bool = True, teachers_per_hospital: int | None = None, noise=None) -> dict:
     """One method at one ε: fresh ledger + guard in ``out``, train, write results.json.
 
-    ``noise``: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
-    child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json."""
+    A method that raises does not stop the grid: its error is written into the cell.
+
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
+        method: one of ``sim.classification.METHODS``.
+        epsilon: the cell's budget (None = the non-private cell: nothing is accounted).
+        out: the cell's folder (its ledger.jsonl is deleted and started afresh; results.json).
+        delta: the cell's δ.
+        seed: the method's non-private randomness (initialisation, partitions; see each method); recorded
+            unless the noise is reproducible.
+        preset: ``tiny`` or ``quick`` (:data:`PRESET_SETTINGS`: epochs, teachers, queries).
+        progress: per-epoch lines, a summary line and, on an error, its traceback.
+        teachers_per_hospital: PATE-GNMax's teachers per hospital (None = the preset setting's).
+        noise: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
+            child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json.
+    """
 
     noise = (noise if noise is not None else NoiseSource()).child(method, _eps_dir(epsilon))
 
@@ -172,8 +186,22 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
                                reproducible_noise: bool = False) -> list[dict]:
     """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot.
 
-    ``reproducible_noise`` (simulation only): noise and private sampling seeded by ``seed`` (per cell and
-    release); the seed is then left out of everything written. Default: secure noise."""
+    Args:
+        task: ``mnist5k`` or ``slice-classification`` (``sim.classification.tasks.load_task``).
+        methods: method names (a list, or one comma-separated string); ``nonprivate`` is one cell.
+        epsilons: the private cells' budgets (positive; a list, or one comma-separated string).
+        out: the comparison's folder (``out/<method>/eps-<E>`` per cell, cells.csv, report.md, the plot).
+        seed: the task's split (mnist5k's permutation, the slice task's world) and every method's non-private
+            randomness; also the noise under ``reproducible_noise``.
+        delta: δ of every cell (in (0, 1)).
+        hospitals: the number of hospitals (None = 4 for mnist5k, the preset's for the slice task).
+        progress: progress lines.
+        preset: ``tiny`` or ``quick``: the training sizes (:data:`PRESET_SETTINGS`) and the slice task's world.
+        data: the slice task's MSD Task01 or BraTS folder (None = the preset's phantoms; mnist5k ignores it).
+        teachers_per_hospital: PATE-GNMax's teachers per hospital (None = the preset setting's).
+        reproducible_noise: simulation only -- noise and private sampling seeded by ``seed`` (per cell and
+            release); the seed is then left out of everything written. Default: secure noise.
+    """
 
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
     if preset not in PRESET_SETTINGS:

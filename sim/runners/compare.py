@@ -444,7 +444,18 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
 def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital,
                              device: str = "auto"):
     """Same test slices: ground truth, the best cell of every private family (PATE's with its teacher ensemble),
-    and the public floors (what no hospital taught)."""
+    and the public floors (what no hospital taught). Returns the plot's path (None when nothing to plot).
+
+    Args:
+        out: the comparison's folder (its cells; ``overlays.png`` is written there).
+        world_dir: the world folder of the comparison's first K (its test slices, and its simulated hospitals'
+            teachers under ``nodes``); None = no plot.
+        preset_name: the preset's name (rebuilds the hospitals for the teacher ensemble).
+        data: not used: the world folder already holds the data.
+        seed: the simulated hospitals' seed (as in the comparison).
+        hospitals / per_hospital: the number of hospitals and the teachers per hospital of that world.
+        device: where the models predict (``sim.device``; default auto).
+    """
     if world_dir is None:
         return None
     world = load_world(*open_world(world_dir))
@@ -479,7 +490,17 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
 def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospital, seed: int = 0,
                      device: str = "auto") -> np.ndarray | None:
     """Simulation-only diagnostic: the simulated hospitals' teachers' averaged probabilities, asked of the
-    hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers."""
+    hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers.
+
+    Args:
+        world_dir: the world folder (``sim.world.materialise_world``) whose hospitals keep their teachers under
+            ``world_dir/nodes``.
+        images: the scans the teachers predict.
+        preset_name: the preset's name.
+        hospitals / per_hospital: the number of hospitals and the teachers per hospital (None = the preset's).
+        seed: the simulated hospitals' seed (as in the comparison).
+        device: where the teachers predict (``sim.device``; default auto).
+    """
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
     prepared, split = open_world(world_dir)
     members = simulated_hospitals(prepared, split, preset, world_dir / "nodes", seed)

@@ -90,10 +90,24 @@ def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: f
                        hospital_config: Mapping | None = None, noise=None, **options) -> dict:
     """Build the world (sim.world), one Hospital per split hospital, and run :func:`server.pate.run_pate`.
 
-    ``preset_name``: a preset's name or a Preset (tests use shortened budgets). ``options``: the other
-    :class:`server.pate.PateConfig` fields. ``hospital_config``: where the simulated hospitals keep their
-    own ledgers and their lifetime budget (``RunSettings.hospital_privacy_config``); default:
-    ``out/hospital-ledgers`` and this run's epsilon.
+    Args:
+        preset_name: a preset's name or a Preset (tests use shortened budgets).
+        method: the PATE method (``pate-pca``, ``pate-ae``, ``pate-anchored``, ``pate-naive``).
+        epsilon / delta: the run's budget (None = the preset's).
+        out: the run folder (``server.pate.run_pate``).
+        seed: the world's split, the hospitals' and the server's training; the noise only when ``noise`` is
+            reproducible.
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        hospitals / teachers_per_hospital: override the preset's (None = the preset's).
+        progress: progress bars.
+        prepared / split: a world already built (both, or the world is built from the preset).
+        drop: {hospital: query round from which it stops answering}, a simulated dropout (None = none).
+        hospitals_root: where the hospitals keep their teachers (shared across a comparison's cells; None =
+            ``out/hospitals``).
+        hospital_config: where the simulated hospitals keep their own ledgers and their lifetime budget
+            (``RunSettings.hospital_privacy_config``); default: ``out/hospital-ledgers`` and this run's epsilon.
+        noise: the ``privacy.mechanisms.NoiseSource`` of the releases (None = secure).
+        **options: the other :class:`server.pate.PateConfig` fields.
     """
     preset = (get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital)
               if isinstance(preset_name, str) else preset_name)

@@ -268,9 +268,17 @@ def pate_calibration(compressor, epsilon: float, delta: float, queries: int, tea
 
 def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: float, teachers: int | None = None,
                    max_teachers: int | None = None):
-    """A real ``clients.hospital.Hospital`` whose teacher k answers the maps ``probs[k]`` (an array
-    (T, N, C, *grid)) or ``probs(k)`` (a function, with ``teachers`` = T), first ``len(scans)`` of them;
-    ``max_teachers``: its node config's bound on the K a server may declare."""
+    """A real ``clients.hospital.Hospital`` whose teacher k answers the maps ``probs[k]`` or ``probs(k)``, the
+    first ``len(scans)`` of them.
+
+    Args:
+        name: the hospital's id (also its ledger owner).
+        probs: an array (T, N, C, *grid) of every teacher's maps, or a function k -> teacher k's (N, C, *grid).
+        workdir: the hospital's folder (its own privacy ledger, its answer book).
+        lifetime_epsilon / delta: its lifetime budget, which its own ledger enforces.
+        teachers: T when ``probs`` is a function (None = ``len(probs)``).
+        max_teachers: its node config's bound on the K a server may declare (None = no bound).
+    """
     from clients.hospital import Hospital
     from sim.presets import get_preset
 
@@ -425,7 +433,19 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     maps around the anchor, the audited one ``p_n ± t B_n^T u`` (t = 10 C; the anchored latent before the
     clip is ``±t u``). ``codec="pca"`` (grid 4³): a PCA codec in clip mode (C = ``clip``, l = ``latent_dim``)
     fitted on random public one-hot maps; the audited teacher answers ``mean ± t A_l^T u``.
-    ``broken_factor``: all of it under :func:`understated_codec_sensitivity`."""
+
+    Args:
+        epsilon / delta: the budget the N queries are calibrated to (and each hospital's lifetime budget).
+        codec: ``anchored`` (default) or ``pca`` (:data:`PATE_CODECS`), as above.
+        teachers: K, spread evenly over the hospitals (a multiple of ``hospitals``).
+        hospitals: the number of hospitals.
+        queries: the number of queries N.
+        latent_dim: l of the PCA codec (ignored by ``anchored``).
+        clip: C of the PCA codec (``anchored`` uses the fitted compressor's own C).
+        grid: the maps' grid (None = 16³ for ``anchored``, 4³ for ``pca``).
+        seed: the public data, the other teachers' maps and the direction u (not the noise).
+        broken_factor: all of it under :func:`understated_codec_sensitivity` (None = the honest product).
+    """
     import tempfile
 
     from privacy.ledger import Ledger
@@ -790,7 +810,19 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
     """σ, q and the steps from a first product run (:func:`dpsgd_train` on D): in ``target`` mode under
     ``relation`` (``train_segmentation``'s session calibrates σ itself), or at the given ``sigma`` (the
     session's ``fixed`` mode). Under add-remove, D and D' must have the same number of steps (so the same
-    q): otherwise the step count, which results publish, tells them apart (docs/PRIVACY_AUDIT.md)."""
+    q): otherwise the step count, which results publish, tells them apart (docs/PRIVACY_AUDIT.md).
+
+    Args:
+        epsilon / delta: the budget σ is calibrated to (``target`` mode).
+        others: records besides the canary (or its replacement).
+        batch_size: the expected (Poisson) batch size.
+        epochs: training epochs.
+        clip: the per-layer clip C (each of the canary model's two tensors).
+        relation: ``replace-one`` (default) or ``add-remove`` (:class:`DPSGDSetup`).
+        noise_factor: broken control -- the optimizer adds ``noise_factor`` x the charged noise (1 = honest).
+        unclipped: broken control -- per-sample gradients are not clipped (the noise is still σ C_total).
+        sigma: a fixed σ instead of the calibration (None = calibrated).
+    """
     from privacy.mechanisms import NoiseSource
     from sim.dpsgd import steps_per_epoch
 
@@ -945,7 +977,17 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
     """Product-path audit (``trials`` full query phases per side), plus an optional vectorised one.
 
     The claimed ε is the server ledger's; it must equal what every hospital's own ledger recorded (both
-    come from ``codec_sensitivity``), else this raises."""
+    come from ``codec_sensitivity``), else this raises.
+
+    Args:
+        setup: the audited codec, calibration and answers (:func:`pate_setup`).
+        trials: product-path runs per side (0 = none; the claimed ε then comes from one run).
+        vectorised_trials: vectorised runs per side (0 = none).
+        noise: a NoiseSource whose child streams the product runs use (reproducible in tests; None = secure).
+        seed: the bound's held-out split (:func:`privacy.audit.epsilon_lower_bound`) and the vectorised draws.
+        confidence: the lower bound's confidence level.
+        label: the rows' mechanism name (None = codec, K, N and the broken factor).
+    """
     from privacy.accountants import gdp_epsilon
 
     label = label or f"PATE {setup.codec} K={setup.teachers} N={setup.queries}" + (
@@ -979,7 +1021,17 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
 def audit_dpsgd(setup: DPSGDSetup, trials: int, *, vectorised_trials: int = 0, noise=None, seed: int = 0,
                 confidence: float = 0.95, label: str | None = None, limit: bool = False) -> list[AuditRow]:
     """Product-path audit (``trials`` DPSession trainings per side), plus an optional vectorised one.
-    ``limit``: also compute the pair's perfect-test limit (a PLD composition, seconds)."""
+
+    Args:
+        setup: the audited DP-SGD run (:func:`dpsgd_setup`).
+        trials: product-path trainings per side (0 = none).
+        vectorised_trials: vectorised runs per side (0 = none).
+        noise: a NoiseSource whose child streams the product runs use (reproducible in tests; None = secure).
+        seed: the bound's held-out split (:func:`privacy.audit.epsilon_lower_bound`) and the vectorised draws.
+        confidence: the lower bound's confidence level.
+        label: the rows' mechanism name (None = relation, q, T and the bug).
+        limit: also compute the pair's perfect-test limit (a PLD composition, seconds).
+    """
     label = label or (f"DP-SGD {setup.relation} q={setup.sampling_rate:.3g} T={setup.steps}"
                       + (f" [broken: {setup.bug}]" if setup.broken else ""))
     limit = setup.perfect_test_limit() if limit else None

@@ -30,7 +30,22 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
                          device: str = "auto", precision: str = "32") -> dict:
     """Self-train the public model (``shared_dir/public-model.pt``, the one every cell of the comparison starts
     from) on the public query scans; rounds and temperature from the preset's extras (``selftrain_rounds``,
-    ``selftrain_temperature``) or the module defaults of ``server.selftrain``."""
+    ``selftrain_temperature``) or the module defaults of ``server.selftrain``.
+
+    Args:
+        preset: the comparison's preset (its world, network, schedule and self-training extras).
+        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
+        seed: the world's split and the trainings.
+        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle; each round's training is
+            checkpointed under ``out/checkpoint``).
+        shared_dir: where the comparison's public model is checkpointed (``public-model.pt``).
+        progress: progress bars.
+        publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
+        layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
+            partitions are the hospitals (``sim.world.build_world``; None = none).
+        device / precision: where the models train and are evaluated (``sim.device``; default auto) and whether
+            forward passes run under bf16 autocast (``"32"`` = float32).
+    """
     started = time.perf_counter()
     out = Path(out)
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
