@@ -17,7 +17,7 @@ from sim.presets import get_preset
 
 
 def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequence[tuple[str, str]],
-                        app_dir: str = ".", superlink_port: int | None = None,
+                        app_dir: str = ".",
                         supernode_port: int = 9094, teachers_per_hospital: int | None = None,
                         remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate",
                         epsilon_budget: float = 8.0, max_teachers: int | None = None,
@@ -33,7 +33,6 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
         superlink: ``HOST:PORT`` as the hospitals reach the aggregator (the SuperLink listens on that port).
         hospitals: ``[(hospital_id, data_dir_on_that_hospital), ...]``.
         app_dir: the fedpate source folder ``flwr run`` is started from on the aggregator.
-        superlink_port: not used: the SuperLink's port is the one in ``superlink``.
         supernode_port: the local port each SuperNode listens on (127.0.0.1 only).
         teachers_per_hospital: written into each node config when given (None = the node's default).
         remote_certs: the certificate folder on every machine.

@@ -257,7 +257,7 @@ def run_compare(config: CompareConfig) -> Path:
     # --- report --------------------------------------------------------------------------------------
     overlays = []
     try:
-        overlay = plot_comparison_overlays(out, worlds.get(first_k) if first_k else None, preset_name, data, seed,
+        overlay = plot_comparison_overlays(out, worlds.get(first_k) if first_k else None, preset_name, seed,
                                            hospitals, sweep[0], device=str(device))
         if overlay is not None:
             overlays.append(overlay)
@@ -441,7 +441,7 @@ def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = No
     return release
 
 
-def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data, seed, hospitals, per_hospital,
+def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, seed, hospitals, per_hospital,
                              device: str = "auto"):
     """Same test slices: ground truth, the best cell of every private family (PATE's with its teacher ensemble),
     and the public floors (what no hospital taught). Returns the plot's path (None when nothing to plot).
@@ -451,7 +451,6 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, data
         world_dir: the world folder of the comparison's first K (its test slices, and its simulated hospitals'
             teachers under ``nodes``); None = no plot.
         preset_name: the preset's name (rebuilds the hospitals for the teacher ensemble).
-        data: not used: the world folder already holds the data.
         seed: the simulated hospitals' seed (as in the comparison).
         hospitals / per_hospital: the number of hospitals and the teachers per hospital of that world.
         device: where the models predict (``sim.device``; default auto).

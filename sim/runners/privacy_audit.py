@@ -92,7 +92,9 @@ gradients, swapped in for ``DPSession`` inside ``train_segmentation`` for the br
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -100,8 +102,23 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import torch
 
-from privacy.audit import AuditBound, epsilon_lower_bound
+from clients.hospital import Hospital
+from privacy.accountants import epsilon_spent, gdp_epsilon
+from privacy.audit import AuditBound, epsilon_lower_bound, largest_resolvable
+from privacy.calibration import pate_sigma
+from privacy.errors import BudgetExceeded
+from privacy.events import SampledGaussianEvent
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
+from server.aggregation import aggregate_query, validate_reply
+from server.compressors import PCACompressor, make_compressor
+from server.pate import SERVER_POLICY
+from sim import codecs, dpsgd, training
+from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
+from sim.presets import get_preset
 
 # ======================================================================================== accounting
 
@@ -111,13 +128,11 @@ _ACCOUNTED: dict = {}
 
 
 def _events_json(events) -> str:
-    import json
 
     return json.dumps([e.to_dict() for e in events], sort_keys=True)
 
 
 def _events_key(ledger, owners, extra=None) -> str:
-    import json
 
     return json.dumps([[owner, [e.to_dict() for e in ledger.events(owner)]] for owner in owners]
                       + ([extra.to_dict()] if extra is not None else []), sort_keys=True)
@@ -138,7 +153,6 @@ def _memoised(key, compute):
 
 def _memoised_ledger():
     """A fresh in-memory :class:`privacy.ledger.Ledger` whose ``spent`` is memoised on the events it composes."""
-    from privacy.ledger import Ledger
 
     class MemoisedLedger(Ledger):
         def spent(self, owner, delta, relation=None, accountant=None, extra=()):
@@ -159,8 +173,6 @@ def make_guard(epsilon: float, delta: float):
     release ids and the charge-before-noise order are the product's own; :func:`ledger_epsilon` memoises
     ``ledger.spent`` the same way, :func:`memoised_accounting` the session's comparison figures.
     """
-    from privacy.errors import BudgetExceeded
-    from privacy.guard import BudgetGuard
 
     class MemoisedGuard(BudgetGuard):
         def check(self, owners, event, count: int = 1) -> None:
@@ -193,7 +205,6 @@ def memoised_accounting():
     """While open, the comparison figures ``DPSession.spent`` adds at the end of a run (the same events'
     ε under the other relation, and RDP) are memoised per (events, δ, ...), like the guard's verdicts:
     they do not depend on the run's randomness, and each is a PLD / RDP composition."""
-    from sim import dpsgd
 
     real_per_relation, real_spent = dpsgd.epsilon_per_relation, dpsgd.epsilon_spent
 
@@ -242,7 +253,6 @@ def understated_codec_sensitivity(factor: float | None):
     if factor is None:
         yield
         return
-    from sim import codecs
 
     true = codecs.codec_sensitivity
 
@@ -257,9 +267,6 @@ def pate_calibration(compressor, epsilon: float, delta: float, queries: int, tea
     """The server's calibration, step 3 of ``server.pate`` (``plan_release``): the codec state as shipped,
     verified with the server's policy; S from that state (``codec_sensitivity``), never from the compressor;
     σ from ``pate_sigma`` (exact μ-GDP) for the N queries. Returns (verified state, S, σ)."""
-    from privacy.calibration import pate_sigma
-    from server.pate import SERVER_POLICY
-    from sim import codecs
 
     state = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = float(codecs.codec_sensitivity(state, teachers))
@@ -279,8 +286,6 @@ def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: fl
         teachers: T when ``probs`` is a function (None = ``len(probs)``).
         max_teachers: its node config's bound on the K a server may declare (None = no bound).
     """
-    from clients.hospital import Hospital
-    from sim.presets import get_preset
 
     answer = probs if callable(probs) else (lambda k: probs[k])
     count = int(teachers) if teachers is not None else len(probs)
@@ -300,7 +305,6 @@ def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), clas
     probabilities on them (``softmax(4 onehot + N(0, 0.5²))``). With ``shells``, every map's anchor regions
     (:func:`sim.codecs.anchor_regions`) are all non-empty (a map is redrawn until they are), so that every
     coordinate of the anchored latent is reachable on every query."""
-    from sim import codecs
 
     grid = tuple(int(g) for g in grid)
     coords = np.indices(grid).reshape(len(grid), -1).T.astype(np.float64)
@@ -333,7 +337,6 @@ def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), clas
 def anchored_lift(direction: np.ndarray, anchor: np.ndarray, shells) -> np.ndarray:
     """``B_n^T u`` for every query n: the residual map (N, C, *grid) whose anchored latent (before the clip)
     is exactly ``u`` on every query (the rows of B_n are orthonormal; every region must be non-empty)."""
-    from sim import codecs
 
     anchor = np.asarray(anchor)
     classes, count = anchor.shape[1], codecs.anchored_latent_dim(2, shells)
@@ -446,12 +449,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         seed: the public data, the other teachers' maps and the direction u (not the noise).
         broken_factor: all of it under :func:`understated_codec_sensitivity` (None = the honest product).
     """
-    import tempfile
 
-    from privacy.ledger import Ledger
-    from server.aggregation import validate_reply
-    from server.compressors import PCACompressor, make_compressor
-    from sim import codecs
 
     if codec not in PATE_CODECS:
         raise ValueError(f"codec: expected one of {PATE_CODECS}, got {codec!r}")
@@ -546,7 +544,6 @@ def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarra
 
     Returns the N releases (N, l) float32 and the ε the server's ledger says the audited hospital spent.
     """
-    from server.aggregation import aggregate_query
 
     guard = make_guard(setup.epsilon, setup.delta)
     releases = []
@@ -589,7 +586,6 @@ def pate_vectorised_scores(setup: PateSetup, side: int, trials: int, rng: np.ran
 
 
 def _canary_model(dim: int):
-    import torch
 
     class CanaryModel(torch.nn.Module):
         """Two parameter tensors; per-sample loss ``-(a·x + b·x)``, so every gradient is ``-x`` in each."""
@@ -670,7 +666,6 @@ class DPSGDSetup:
         return self.others + (1 if with_canary or self.relation == "replace-one" else 0)
 
     def data(self, with_canary: bool):
-        import torch
 
         x = torch.zeros(self.size(with_canary), self.dim)
         x[: self.others, 0] = self.scale        # everyone else: coordinate 0
@@ -681,7 +676,6 @@ class DPSGDSetup:
         return x
 
     def config(self, release_prefix: str = "audit"):
-        from sim.dpsgd import DPConfig
 
         return DPConfig(mode="target", epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.clip,
                         per_layer=True, sampling="poisson", relation=self.relation, grad_sample_mode="functorch",
@@ -693,8 +687,6 @@ class DPSGDSetup:
         unclipped pair's noise is 100x smaller than accounted: too costly for the PLD and off any scale)."""
         if self.unclipped:
             return None
-        from privacy.accountants import epsilon_spent
-        from privacy.events import SampledGaussianEvent
 
         event = SampledGaussianEvent(self.sampling_rate, self.noise_factor * self.sigma / self.signal,
                                      steps=self.steps, relation=self.relation)
@@ -715,7 +707,6 @@ class _StepRecorder:
         self._member = False
 
     def _flat(self):
-        import torch
 
         return torch.cat([p.detach().flatten() for p in self.params]).clone()
 
@@ -727,7 +718,6 @@ class _StepRecorder:
     def optimizer(self, params):
         """SGD with learning rate 1 (so a step moves the parameters by the noisy clipped sum / the expected
         batch size), recording every step."""
-        import torch
 
         recorder = self
 
@@ -747,7 +737,6 @@ def _broken_session(noise_factor: float, unclipped: bool):
     """Broken controls: a DPSession that charges σ to the ledger, then runs the epoch with noise_factor x
     the noise, and/or without per-sample clipping (the per-layer clip bounds lifted to 1e12; the noise
     std stays σ C_total, as the ledger assumes)."""
-    from sim.dpsgd import DPSession
 
     class BrokenSession(DPSession):
         def begin_epoch(self, epoch: int) -> bool:
@@ -768,7 +757,6 @@ def broken_dpsgd_session(setup: "DPSGDSetup"):
     if not setup.broken:
         yield
         return
-    from sim import training
 
     with mock.patch.object(training, "DPSession", _broken_session(setup.noise_factor, setup.unclipped)):
         yield
@@ -781,9 +769,7 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
     itself -- or, given ``sigma``, in ``fixed`` mode at that σ (calibration is costly; the ledger still
     says what it costs); charged through a fresh memoised guard (:func:`make_guard`) to owner ``h0``.
     Returns (the step recorder, the ``TrainResult``, the guard)."""
-    import torch
 
-    from sim import training
 
     x = setup.data(with_canary)
     model = _canary_model(setup.dim)
@@ -823,8 +809,6 @@ def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_
         unclipped: broken control -- per-sample gradients are not clipped (the noise is still σ C_total).
         sigma: a fixed σ instead of the calibration (None = calibrated).
     """
-    from privacy.mechanisms import NoiseSource
-    from sim.dpsgd import steps_per_epoch
 
     setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
                        epochs=epochs, clip=float(clip), relation=relation, noise_factor=float(noise_factor),
@@ -855,7 +839,6 @@ def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGD
     every step. Each step's update, times the expected batch size Opacus divides by, projected on the
     canary's direction over C_total, is the observation x_t. Raises if the run was not the one planned or
     its ledger's events are not under the setup's relation."""
-    import torch
 
     recorder, result, guard = dpsgd_train(setup, with_canary, noise, sigma=setup.sigma)
     if result.epochs_completed != setup.epochs or len(recorder.updates) != setup.steps \
@@ -933,7 +916,6 @@ class AuditRow:
     @property
     def resolvable(self) -> float:
         """The largest bound these runs could give (an error-free test): the audit's ceiling."""
-        from privacy.audit import largest_resolvable
 
         return largest_resolvable(self.bound.runs_positive, self.bound.runs_negative, self.delta,
                                   self.bound.confidence)
@@ -988,7 +970,6 @@ def audit_pate(setup: PateSetup, trials: int, *, vectorised_trials: int = 0, noi
         confidence: the lower bound's confidence level.
         label: the rows' mechanism name (None = codec, K, N and the broken factor).
     """
-    from privacy.accountants import gdp_epsilon
 
     label = label or f"PATE {setup.codec} K={setup.teachers} N={setup.queries}" + (
         f" [broken: codec_sensitivity S/{setup.broken_factor:g}]" if setup.broken else "")
