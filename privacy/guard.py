@@ -230,6 +230,9 @@ class CoveredGuard:
             key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
             wanted[key] = wanted.get(key, 0) + leaf.steps * int(count)
         for key, steps in wanted.items():
+            if key not in self._budget:
+                raise PrivacyError(f"CoveredGuard: steps at q={key[0]:.6g}, z={key[1]:.6g} ({key[2]}) are not covered by "
+                                   f"{self.cover_release_id!r}")
             if self._used.get(key, 0) + steps > self._budget.get(key, 0):
                 raise PrivacyError(
                     f"CoveredGuard: {steps} step(s) at q={key[0]:.6g}, z={key[1]:.6g} ({key[2]}) are beyond what "

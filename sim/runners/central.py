@@ -41,6 +41,7 @@ from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
+from sim.selection import SELECTIONS, SelectionConfig, run_private_selection
 from sim.training import (LEVER_KEYS, TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation)
 from sim.world import build_world, load_world, pooled_private_data
@@ -71,7 +72,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 init: str = "public", public_model_checkpoint: str | Path | None = None,
                 learning_rate: float | None = None, hospitals: int | None = None, layout: str | None = None,
                 partition_file: str | None = None, device: str = "auto", precision: str = "32",
-                levers: dict | None = None) -> dict[str, Any]:
+                levers: dict | None = None, selection: str = "public",
+                selection_config: "SelectionConfig | None" = None) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
     ``batch_size`` (default: the preset's; DP-SGD: the preset's ``dpsgd_batch_size`` extra when set) --
@@ -96,10 +98,16 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     ``device`` / ``precision`` (issue 30, ``sim.device``): where the public model and the pooled model train and
     are evaluated (auto = CUDA when there is one; DP-SGD's noise is still drawn on the host, ``sim.dpsgd``), and
     whether forward passes run under bf16 autocast. Both are recorded in results.json and the model card.
+
+    ``selection`` (issue 28 item 4): ``"public"`` (default) is the grid above; ``"private"`` chooses among the
+    grid and the public model unchanged by private selection on held-out private patients, charged as one
+    event up front (``sim.selection``; DP-SGD in target mode with Poisson sampling, replace-one).
     """
     started = time.perf_counter()
     device = resolve_device(device)   # a GPU asked for and missing: refused before any data is touched
     precision = check_precision(precision)
+    if selection not in SELECTIONS:
+        raise UserError(f"--selection: expected one of {', '.join(SELECTIONS)}, got {selection!r}")
     if method not in METHODS:
         raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
     if init not in INITS:
@@ -138,6 +146,9 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
                 "batch_size": batch_size, **{k: v for k, v in (levers or {}).items() if k in LEVER_KEYS}}
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, private, explicit, grid=private and noise_mode == "target" and sampling == "poisson")
+    select_privately = private and selection == "private"
+    if select_privately and (noise_mode != "target" or sampling != "poisson" or init != "public"):
+        raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
     ledger = Ledger(ledger_path)
     dp = guard = None
     sigma = None
@@ -147,7 +158,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
             lifetime = float(lifetime_epsilon or epsilon)
             guard = GuardChain(guard, [(BudgetGuard(Ledger(Path(hospital_ledger_dir) / f"{h}.jsonl"), {h: lifetime},
                                                     delta), [h]) for h in world["hospital_ids"]])
-        if len(settings) > 1:   # one sigma for the whole grid: the G trainings together spend the budget
+        if len(settings) > 1 and not select_privately:   # one sigma for the whole grid: the G trainings together spend the budget
             n = len(world["train_ids"])
             sigma = calibration.composed_dpsgd_noise_multiplier(
                 epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
@@ -160,7 +171,7 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
     noise = (NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()).child(
         METHODS[method], f"eps-{epsilon:g}")
     candidates = []
-    for index, setting in enumerate(settings):
+    for index, setting in enumerate(settings if not select_privately else ()):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
                                    learning_rate=setting["learning_rate"], seed=seed, augment=augment,
@@ -189,6 +200,12 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
             validation_dice = evaluate_segmentation(result.model, *world["validation"], device=device,
                                                     precision=precision).get("mean")
         candidates.append((setting, result, validation_dice))
+    selected = None
+    if select_privately:   # issue 28 item 4: sim.selection, charged as one event before anything is trained
+        selected, dp = private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, relation, seed,
+                                         selection_config, start_weights, augment, progress, device, precision,
+                                         per_layer, grad_sample_mode)
+        candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
     chosen = choose_setting(candidates)
     setting, result, validation_dice = candidates[chosen]
     model = result.model
@@ -203,6 +220,8 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         results.account(ledger, delta, relation=relation)
         results.epsilon_budget = epsilon
         results.sigma = result.sigmas[0] if result.sigmas else None
+        if selected is not None:
+            results.sigma = selected.info["dpsgd_noise_multiplier"]
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
@@ -215,10 +234,11 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         "init": init,
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
                   if init == "public" else "random weights"),
-        "settings_grid": [dict(s) for s, _, _ in candidates],
+        "settings_grid": [dict(s) for s in settings] if selected is not None else [dict(s) for s, _, _ in candidates],
         "settings_validation_dice": [v for _, _, v in candidates],
         "setting_chosen": chosen,
-        "setting_selection": ("best Dice on the public validation set among the grid, every grid entry trained "
+        **({"selection": selected.info} if selected is not None else {}),
+        "setting_selection": selected.info["mechanism"] if selected is not None else ("best Dice on the public validation set among the grid, every grid entry trained "
                               "on the private data and charged to the ledger" if len(candidates) > 1 else
                               "one setting (the preset's, or given explicitly)"),
         "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
@@ -227,9 +247,9 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
         # the training loss is an un-noised statistic of the private data: only non-private runs have the key
         **({} if private else {"final_loss": result.history[-1]["loss"] if result.history else None}),
         "epsilon_rdp": result.epsilon_rdp if private else None,
-        "dpsgd": None if not private else {
+        "dpsgd": None if not private or dp is None else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
-            "sigmas": result.sigmas, "max_grad_norm": setting["max_grad_norm"], "per_layer": dp.per_layer,
+            "sigmas": result.sigmas, "max_grad_norm": setting.get("max_grad_norm"), "per_layer": dp.per_layer,
             "sampling_rate": result.sampling_rate, "steps_per_epoch": result.steps_per_epoch,
             "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
             "adaptive": result.adaptive,
@@ -249,6 +269,57 @@ def run_central(method: str = "nonprivate", preset: str = "quick", out: str | Pa
 
 
 INITS = ("public", "scratch")
+_PUBLIC_SETTING = {"learning_rate": None, "max_grad_norm": None, "batch_size": None, "epochs": 0}
+
+
+def _public_result(model):
+    from sim.training import TrainResult
+    return TrainResult(model=model, history=[])
+
+
+def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, relation, seed, config,
+                      start_weights, augment, progress, device, precision, per_layer, grad_sample_mode):
+    """The torch side of ``sim.selection.run_private_selection`` for the pooled baseline: each candidate is
+    fine-tuned from the public model with DP-SGD at the calibrated multiplier (fixed mode, no checkpoint: a
+    selection is never resumed, its ledger marks the folder as used), steps checked by the CoveredGuard.
+    Returns (Selected, the DPConfig of the candidates' training)."""
+    used = {}
+
+    def dp_config(setting, rep, z, release_prefix):
+        return DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=z,
+                        max_grad_norm=setting["max_grad_norm"],
+                        per_layer=bool(p.extra.get("dpsgd_per_layer", True) if per_layer is None else per_layer),
+                        sampling="poisson", grad_sample_mode=grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
+                        release_prefix=release_prefix, stream_prefix=f"central-dpsgd:selection:rep-{rep}",
+                        relation=relation).validate()
+
+    def public_model():
+        model = build_unet(p.unet)
+        model.load_state_dict(start_weights)
+        return model
+
+    def train_candidate(setting, index, rep, images, labels, z, covered, stream):
+        used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
+        config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
+                             learning_rate=setting["learning_rate"], seed=seed, augment=augment, progress=progress,
+                             init_from=start_weights, checkpoint=None,
+                             description=f"private selection: repetition {rep + 1}, setting {index + 1}",
+                             device=device, precision=precision, **lever_settings(setting))
+        torch.manual_seed(seed)
+        return train_segmentation(build_unet(p.unet), images, labels, config, dp=used["dp"], guard=covered,
+                                  owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
+
+    def per_case(model, images, labels):
+        return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision)[1]
+
+    selected = run_private_selection(
+        settings=settings, train_images=world["train_images"], train_labels=world["train_labels"], guard=guard,
+        owners=tuple(world["hospital_ids"]), release_prefix=prefix, noise=noise, epsilon=epsilon, delta=delta,
+        relation=relation, seed=seed, config=config or SelectionConfig(), public_model=public_model,
+        train_candidate=train_candidate, evaluate_per_case=per_case, steps_per_epoch=steps_per_epoch)
+    if selected.setting is not None:   # the released model's own DP-SGD configuration
+        used["dp"] = dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
+    return selected, used.get("dp")
 #: the settings a grid entry may fix (anything else comes from the preset)
 SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs", *LEVER_KEYS)
 
