@@ -12,8 +12,9 @@ gdp-exact   un-subsampled Gaussians (heterogeneous S, σ): exact μ-GDP     SPEC
 pld         dp_accounting privacy-loss distributions (sampled Gaussian    dp_accounting
             under add/remove or replace-one, Gaussian, Laplace);
             pessimistic discretisation
-rdp         dp_accounting RDP with the improved RDP→DP conversion         Balle et al. 2020
-            (add/remove sampled Gaussian, Gaussian, Laplace, zCDP)
+rdp         dp_accounting RDP with the improved RDP→DP conversion         Balle et al. 2020;
+            (add/remove sampled Gaussian, Gaussian, Laplace, zCDP;        Papernot & Steinke
+            private selection, RepeatAndSelectEvent)                     2022
 rdp-filter  the same RDP curves under a Rényi filter: valid when event    Feldman & Zrnic 2021;
             parameters are chosen adaptively (see RDPFilterAccountant)    Lécuyer 2021
 zcdp        ρ-zCDP: shuffled epochs, Gaussians (ρ = S²/2σ²), pure ε       Yu et al. Prop. 1-2,
@@ -50,6 +51,7 @@ from privacy.events import (
     GaussianEvent,
     LaplaceEvent,
     PureDPEvent,
+    RepeatAndSelectEvent,
     SampledGaussianEvent,
     ZCDPEvent,
 )
@@ -531,9 +533,21 @@ class RDPAccountant(_DpAccountingWrapper):
     def _supports_leaf(self, event: Event) -> bool:
         if event.adaptive and not self.filter_valid:
             return False
+        if isinstance(event, RepeatAndSelectEvent):
+            # its own base curve (base_rdp_curve): replace-one Poisson sampling through the weak triangle
+            return all(isinstance(leaf, (GaussianEvent, SampledGaussianEvent, LaplaceEvent, ZCDPEvent))
+                       for leaf in event.inner.leaves())
         if isinstance(event, SampledGaussianEvent):
             return event.relation == "add-remove"
         return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent))
+
+    def _apply(self, event: Event, count: int = 1) -> None:
+        if not isinstance(event, RepeatAndSelectEvent):
+            return super()._apply(event, count)
+        # dp_accounting's RdpAccountant keeps the composed curve in _rdp (it has a read-only ``rdp`` property
+        # and no way to compose a curve): the repeated selection's curve is added there, at its own orders.
+        curve = repeat_and_select_rdp(event, self._inner.orders)
+        self._inner._rdp = self._inner._rdp + count * curve
 
     def _why_not(self, event: Event) -> str:
         if isinstance(event, SampledGaussianEvent) and event.relation != "add-remove":
@@ -597,6 +611,86 @@ class RDPFilterAccountant(RDPAccountant):
         orders, rdp = self._curve()
         logs = [(a - 1) * (r - epsilon + math.log1p(-1.0 / a)) - math.log(a) for a, r in zip(orders, rdp)]
         return float(min(1.0, len(orders) * math.exp(min(logs))))
+
+
+def replace_one_sampled_gaussian_rdp(sampling_rate: float, noise_multiplier: float, steps: int, orders):
+    """RDP curve (at ``orders`` > 1) of ``steps`` Poisson-sampled Gaussian steps under **replace-one**.
+
+    dp_accounting's RDP accountant has Poisson subsampling only under ADD_OR_REMOVE_ONE. Replace-one is two
+    add/remove moves: D' = (D − x) + x'. Mironov 2017 ("Rényi differential privacy", Prop. 11, the weak
+    triangle inequality) gives, for any distributions P, Q, R and α > 1,
+
+        D_α(P‖R) ≤ (α − 1/2)/(α − 1) · D_{2α}(P‖Q) + D_{2α−1}(Q‖R).
+
+    With P = M(D), Q = M(D − x), R = M(D'), both terms are add/remove divergences of the whole composed
+    mechanism (``steps`` steps compose: ``steps·ε_AR(order)``): D_{2α}(P‖Q) removes a record, D_{2α−1}(Q‖R)
+    adds one. dp_accounting's add/remove curve bounds *both* directions: it computes
+    D_α((1−q)N(0,z²) + qN(1,z²) ‖ N(0,z²)), and Mironov, Talwar & Zhang 2019 ("Rényi differential privacy of
+    the sampled Gaussian mechanism", Sec. 3.3) show the reverse direction is never larger
+    (tests/test_private_selection.py checks both numerically). Hence
+
+        ε_R1(α) ≤ steps · [(α − 1/2)/(α − 1) · ε_AR(2α) + ε_AR(2α − 1)],
+
+    a valid (not tight) replace-one RDP curve; for the un-sampled Gaussian (q = 1) it is within
+    ``(2α−1)²/(4α(α−1))`` of the exact ``4α/(2z²)``. Swapping D and D' gives the same bound, so the curve
+    covers both orders of the pair, as Papernot & Steinke's theorem needs.
+    """
+    import numpy as np
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    orders = np.asarray(orders, dtype=np.float64)
+    if np.any(orders <= 1):
+        raise PrivacyError("replace-one RDP through the weak triangle needs orders > 1")
+    _quiet_nonconverging_orders()
+    event = dp_event.PoissonSampledDpEvent(float(sampling_rate), dp_event.GaussianDpEvent(float(noise_multiplier)))
+    acc = rdp_privacy_accountant.RdpAccountant(orders=list(2 * orders) + list(2 * orders - 1))
+    acc.compose(event, int(steps))
+    at_2a, at_2a_minus_1 = acc.rdp[:len(orders)], acc.rdp[len(orders):]
+    return (orders - 0.5) / (orders - 1) * at_2a + at_2a_minus_1
+
+
+def base_rdp_curve(event: Event, orders):
+    """RDP curve at ``orders`` of a fixed (non-adaptive) composition: the sum of its leaves' curves.
+
+    Every leaf but a replace-one Poisson-sampled Gaussian is dp_accounting's own curve of the leaf's
+    ``to_dp_accounting("add-remove")`` (explicit sensitivities are relation-free, privacy/events.py); a
+    replace-one Poisson-sampled Gaussian uses :func:`replace_one_sampled_gaussian_rdp`.
+    """
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    orders = np.asarray(orders, dtype=np.float64)
+    total = np.zeros_like(orders)
+    _quiet_nonconverging_orders()
+    for leaf in event.leaves():
+        if leaf.adaptive:
+            raise UnsupportedEvent("base_rdp_curve: an adaptively chosen event has no fixed RDP curve")
+        if isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one":
+            total = total + replace_one_sampled_gaussian_rdp(leaf.sampling_rate, leaf.noise_multiplier, leaf.steps,
+                                                             orders)
+            continue
+        acc = rdp_privacy_accountant.RdpAccountant(orders=list(orders))
+        dp = leaf.to_dp_accounting("add-remove")
+        if not acc.supports(dp):
+            raise UnsupportedEvent(f"base_rdp_curve: dp_accounting's RDP cannot account {type(leaf).__name__}")
+        acc.compose(dp)
+        total = total + acc.rdp
+    return total
+
+
+def repeat_and_select_rdp(event: "RepeatAndSelectEvent", orders):
+    """RDP curve of a :class:`RepeatAndSelectEvent`: Papernot & Steinke 2022 Thm. 2 (truncated negative
+    binomial T) / Thm. 6 (Poisson T) applied to :func:`base_rdp_curve` of its inner event, by dp_accounting's
+    own routine (``rdp_privacy_accountant._compute_rdp_repeat_and_select``, the one its RdpAccountant uses
+    for ``RepeatAndSelectDpEvent``; tests check the two agree where dp_accounting can take the event)."""
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    orders = np.asarray(orders, dtype=np.float64)
+    base = base_rdp_curve(event.inner, orders)
+    return np.asarray(rdp_privacy_accountant._compute_rdp_repeat_and_select(
+        orders, base, event.mean, event.dp_accounting_shape), dtype=np.float64)
 
 
 class ZCDPAccountant(Accountant):

@@ -350,3 +350,58 @@ def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relatio
     while zcdp_epsilon(ZCDPEvent.shuffled_epochs(sigma, epochs, relation).rho, delta) > epsilon:
         sigma *= 1 + 1e-12
     return sigma
+
+
+# ----------------------------------------------------------------------------------------------------
+# Private selection (Papernot & Steinke 2022): DP-SGD candidates + a noisy held-out score, repeated T times
+# ----------------------------------------------------------------------------------------------------
+
+
+def selection_event(sampling_rate: float, noise_multiplier: float, steps: int, score_sensitivity: float,
+                    score_sigma: float, mean: float, shape: float | None, relation: str = "replace-one"):
+    """The ledger event of private selection: ``RepeatAndSelectEvent`` of one repetition =
+    (at most ``steps`` Poisson-sampled DP-SGD steps at rate q and multiplier z) then (one Gaussian score of
+    L2 sensitivity ``score_sensitivity`` and std ``score_sigma``), composed sequentially.
+
+    Args:
+        sampling_rate / noise_multiplier / steps: one repetition's DP-SGD: Poisson rate q, multiplier z and the
+            most steps any candidate takes.
+        score_sensitivity / score_sigma: the held-out score's sensitivity under ``relation`` and its noise std.
+        mean / shape: the number of repetitions' distribution -- truncated negative binomial with shape η
+            (1 geometric, 0 logarithmic) or Poisson (``shape=None``) -- and its mean.
+        relation: the neighbouring relation of both parts (default replace-one).
+    """
+    from privacy.events import RepeatAndSelectEvent
+
+    inner = ComposedEvent((SampledGaussianEvent(sampling_rate, noise_multiplier, steps, relation=relation),
+                           GaussianEvent(score_sensitivity, score_sigma, relation=relation)))
+    return RepeatAndSelectEvent(inner, mean, shape)
+
+
+def private_selection_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
+                                       score_sensitivity: float, score_sigma: float, mean: float,
+                                       shape: float | None, relation: str = "replace-one") -> float:
+    """DP-SGD noise multiplier z so that :func:`selection_event` is (ε, δ)-DP (RDP accountant; the only one
+    that analyses repeated selection). The score's noise is fixed by the caller; PrivacyError when the score
+    alone (z → ∞) already exceeds the budget.
+
+    Args:
+        epsilon / delta: the budget the whole selection event must fit.
+        sampling_rate / steps: one repetition's DP-SGD Poisson rate and its most steps.
+        score_sensitivity / score_sigma: the held-out score's sensitivity and its (fixed) noise std.
+        mean / shape: the repetitions' distribution (:func:`selection_event`).
+        relation: the neighbouring relation (default replace-one).
+    """
+    from privacy.accountants import epsilon_spent
+
+    epsilon = positive_number("epsilon", epsilon)
+    floor_event = selection_event(sampling_rate, 1e6, steps, score_sensitivity, score_sigma, mean, shape, relation)
+    floor = epsilon_spent([floor_event], delta, accountant="rdp")[0]
+    if floor >= epsilon:
+        raise PrivacyError(f"private selection: the noisy score alone, repeated (mean {mean}), spends ε={floor:.3g} "
+                           f">= budget {epsilon}; raise the score noise or the budget")
+    make = lambda z: selection_event(sampling_rate, z, steps, score_sensitivity, score_sigma, mean, shape,  # noqa: E731
+                                     relation)
+    # RDP's ε is a minimum over a finite set of orders, piecewise smooth in z: a 1 % window (safe side) avoids
+    # the kinks that a 0.1 % window can fall between
+    return calibrate(make, epsilon, delta, "rdp", 0.5, 4.0, rtol=1e-2)

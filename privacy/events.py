@@ -421,9 +421,89 @@ class ComposedEvent(Event):
         return None if any(item is None for item in items) else ComposedEvent(tuple(items))
 
 
+@dataclass(frozen=True)
+class RepeatAndSelectEvent(Event):
+    """Private selection: run a base mechanism a *random* number of times T and release only the best run.
+
+    Papernot & Steinke 2022, "Hyperparameter tuning with Renyi differential privacy" (ICLR; arXiv
+    2110.03620): T is drawn, independently of the data, from a truncated negative binomial with shape η
+    (``shape``; η = 0 the logarithmic, η = 1 the geometric distribution; Definition 1) or a Poisson
+    (``shape=None``; then T = 0 releases nothing); each run of the base mechanism ``inner`` returns a
+    (candidate, noisy score) pair and only the pair with the best score is released (with what the
+    candidate produced). If ``inner`` is (λ, ε(λ))-RDP at every order, the whole is (λ, ε'(λ))-RDP with
+    ε' from their Theorem 2 (TNB) / Theorem 6 (Poisson), which is what dp_accounting's
+    ``RepeatAndSelectDpEvent`` / ``RdpAccountant`` compute (``_compute_rdp_repeat_and_select``). Only the RDP
+    accountant can analyse it (a leaf for every other accountant, which refuses it).
+
+    What must *not* be released for the theorem to hold: the realised T, and every run but the best one
+    (their candidates and scores). Releasing T would give the adversary "best of T = k" for a known k, whose
+    cost grows with k (the randomness of T is exactly what the theorem pays with).
+
+    Neighbouring relation: the theorem is stated for one pair of neighbouring datasets and only uses the
+    base mechanism's Rényi divergences on that pair (both orders of the pair), so it holds for any
+    symmetric relation for which ``inner``'s RDP curve holds; the event's relation is ``inner``'s. How the
+    curve of a replace-one Poisson-sampled Gaussian is obtained (dp_accounting's RDP has none) is in
+    ``privacy.accountants.replace_one_sampled_gaussian_rdp``.
+
+    ``inner`` must be fixed in advance (not adaptive): one repetition's parameters never depend on
+    another's outcome. Charged *once, before* the first repetition (T is unknown in advance, so the event
+    covers every T); the repetitions' own steps are then covered, not charged again
+    (``privacy.guard.CoveredGuard``).
+    """
+
+    inner: Event
+    mean: float
+    shape: float | None = 1.0
+    kind: ClassVar[str] = "repeat-and-select"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Event):
+            raise PrivacyError(f"RepeatAndSelectEvent: inner must be a privacy event, got {self.inner!r}")
+        if isinstance(self.inner, RepeatAndSelectEvent) or any(
+                isinstance(leaf, RepeatAndSelectEvent) for leaf in self.inner.leaves()):
+            raise PrivacyError("RepeatAndSelectEvent: a repeated selection inside another is not supported")
+        if self.inner.adaptive:
+            raise PrivacyError("RepeatAndSelectEvent: the repeated mechanism must be fixed in advance (adaptive=False)")
+        mean = positive_number("mean", self.mean, "RepeatAndSelectEvent")
+        if mean < 1:
+            raise PrivacyError(f"RepeatAndSelectEvent: mean must be at least 1, got {self.mean!r}")
+        object.__setattr__(self, "mean", mean)
+        if self.shape is not None:
+            if isinstance(self.shape, bool) or not isinstance(self.shape, (int, float)) or not math.isfinite(self.shape) \
+                    or self.shape < 0:
+                raise PrivacyError(f"RepeatAndSelectEvent: shape must be a finite number >= 0 (truncated negative "
+                                   f"binomial) or None (Poisson), got {self.shape!r}")
+            object.__setattr__(self, "shape", float(self.shape))
+
+    @property
+    def relation(self) -> str:
+        return self.inner.relation
+
+    @property
+    def dp_accounting_shape(self) -> float:
+        """dp_accounting's shape: ``inf`` stands for the Poisson distribution."""
+        return math.inf if self.shape is None else self.shape
+
+    def to_dict(self) -> dict:
+        return {"type": self.kind, "inner": self.inner.to_dict(), "mean": self.mean, "shape": self.shape}
+
+    def to_dp_accounting(self, inner: str = "add-remove"):
+        # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
+        from dp_accounting import dp_event
+
+        return dp_event.RepeatAndSelectDpEvent(self.inner.to_dp_accounting(inner), self.mean, self.dp_accounting_shape)
+
+    def with_relation(self, relation: str) -> "Event | None":
+        if relation == self.relation:
+            return self
+        moved = self.inner.with_relation(relation)
+        return None if moved is None else RepeatAndSelectEvent(moved, self.mean, self.shape)
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
-    for cls in (GaussianEvent, SampledGaussianEvent, ZCDPEvent, LaplaceEvent, PureDPEvent, ComposedEvent)
+    for cls in (GaussianEvent, SampledGaussianEvent, ZCDPEvent, LaplaceEvent, PureDPEvent, ComposedEvent,
+                RepeatAndSelectEvent)
 }
 
 
@@ -441,6 +521,11 @@ def event_from_dict(data: Any) -> Event:
         if not isinstance(items, list):
             raise PrivacyError("composed event: 'events' must be a list")
         return ComposedEvent(tuple(event_from_dict(item) for item in items))
+    if cls is RepeatAndSelectEvent:
+        unknown = set(fields) - {"inner", "mean", "shape"}
+        if unknown or "inner" not in fields or "mean" not in fields:
+            raise PrivacyError(f"repeat-and-select event: needs inner and mean (and shape), got {sorted(fields)}")
+        return RepeatAndSelectEvent(event_from_dict(fields["inner"]), fields["mean"], fields.get("shape", 1.0))
     names = {field.name for field in dataclasses.fields(cls)}
     unknown = set(fields) - names
     if unknown:

@@ -163,3 +163,89 @@ class GuardChain:
                     guard.check(mine, event, count=len(fresh))
             for guard, mine in targets:
                 guard._charge_locked(mine, event, release_ids, note, check=False)
+
+
+class CoveredGuard:
+    """Stands in for a guard inside a mechanism that was charged as a whole, up front.
+
+    Private selection (``privacy.events.RepeatAndSelectEvent``) repeats a base mechanism a random number of
+    times; the whole event is charged once, *before* the first repetition (the guard refuses it, and nothing
+    is trained or noised, when the budget would not allow it). The DP-SGD epochs of each repetition are part
+    of that event and must not be charged again; this object takes their ``charge`` calls instead of the
+    real guard. It writes nothing, but it refuses (PrivacyError) a step the charged event does not cover:
+
+    * before the cover is recorded in the ledger (the up-front charge must come first);
+    * for owners the cover was not charged to;
+    * for an event that is not one of the covered Poisson-sampled Gaussians (same q, z and relation), or
+      that would take the current repetition past the covered steps.
+
+    Call :meth:`next_repetition` before each repetition (each repetition may use the covered steps once).
+    Same ``ledger`` / ``delta`` / ``charge`` interface as :class:`BudgetGuard` (the ledger is the real one:
+    what a session reports as spent is the whole selection event).
+    """
+
+    def __init__(self, guard, cover_release_id: str, cover: Event, owners: Sequence[str]) -> None:
+        from privacy.events import RepeatAndSelectEvent, SampledGaussianEvent
+
+        if not isinstance(cover, RepeatAndSelectEvent):
+            raise PrivacyError(f"CoveredGuard covers a RepeatAndSelectEvent, got {type(cover).__name__}")
+        self.guard = guard
+        self.ledger = guard.ledger
+        self.delta = guard.delta
+        self.cover_release_id = str(cover_release_id)
+        self.cover = cover
+        self.owners = tuple(owners)
+        self._budget = {}
+        for leaf in cover.inner.leaves():
+            if isinstance(leaf, SampledGaussianEvent):
+                key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
+                self._budget[key] = self._budget.get(key, 0) + leaf.steps
+        self._used: dict = {}
+        self.repetitions = 0
+
+    def next_repetition(self) -> None:
+        self._used = {}
+        self.repetitions += 1
+
+    def budget_of(self, owner: str) -> float:
+        return self.guard.budget_of(owner)
+
+    def remaining(self, owner: str) -> float:
+        return self.guard.remaining(owner)
+
+    def check(self, owners: Sequence[str], event: Event, count: int = 1) -> None:
+        from privacy.events import SampledGaussianEvent
+
+        if not self.ledger.has_release(self.cover_release_id):
+            raise PrivacyError(f"CoveredGuard: the covering release {self.cover_release_id!r} was not charged first")
+        missing = set(owners) - set(self.owners)
+        if missing:
+            raise PrivacyError(f"CoveredGuard: owners {sorted(missing)} are not covered by {self.cover_release_id!r}")
+        if self.repetitions == 0:
+            raise PrivacyError("CoveredGuard: next_repetition() must open a repetition before its steps")
+        wanted: dict = {}
+        for leaf in event.leaves():
+            if not isinstance(leaf, SampledGaussianEvent) or leaf.adaptive:
+                raise PrivacyError(f"CoveredGuard: {type(leaf).__name__} is not covered by the selection event")
+            key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
+            wanted[key] = wanted.get(key, 0) + leaf.steps * int(count)
+        for key, steps in wanted.items():
+            if key not in self._budget:
+                raise PrivacyError(f"CoveredGuard: steps at q={key[0]:.6g}, z={key[1]:.6g} ({key[2]}) are not covered by "
+                                   f"{self.cover_release_id!r}")
+            if self._used.get(key, 0) + steps > self._budget.get(key, 0):
+                raise PrivacyError(
+                    f"CoveredGuard: {steps} step(s) at q={key[0]:.6g}, z={key[1]:.6g} ({key[2]}) are beyond what "
+                    f"{self.cover_release_id!r} covers in one repetition ({self._budget.get(key, 0)} step(s), "
+                    f"{self._used.get(key, 0)} used)")
+
+    def charge(self, owners: Sequence[str], event: Event, release_id: str, note: dict | None = None) -> None:
+        self.charge_all(owners, event, [release_id], note)
+
+    def charge_all(self, owners: Sequence[str], event: Event, release_ids: Sequence[str],
+                   note: dict | None = None) -> None:
+        """Check that the steps are covered, count them against this repetition, record nothing."""
+        self.check(owners, event, count=len(release_ids))
+        for leaf in event.leaves():
+            key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
+            self._used[key] = self._used.get(key, 0) + leaf.steps * len(release_ids)

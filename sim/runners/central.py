@@ -42,7 +42,8 @@ from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config
 from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import (LEVER_KEYS, TrainConfig, evaluate_segmentation, evaluate_segmentation_per_case,
+from sim.selection import SELECTIONS, SelectionConfig, run_private_selection
+from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation)
 from sim.world import build_world, load_world, pooled_private_data
 
@@ -144,6 +145,11 @@ class CentralConfig:
             ``sim.device``) and whether forward passes run under bf16 autocast; both are recorded.
         training: settings fixed by the caller (:class:`TrainingOptions`).
         dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
+        selection: how DP-SGD's setting is chosen (issue 28 item 4): ``public`` (default) -- the preset's grid,
+            each entry trained and charged, best on the public validation set; ``private`` -- private selection
+            among the grid and the public model unchanged on held-out private patients, charged as one event up
+            front (``sim.selection``; target mode, Poisson sampling, replace-one, init public).
+        selection_config: private selection's settings (``sim.selection.SelectionConfig``; None = defaults).
     """
 
     method: str = "nonprivate"
@@ -165,8 +171,15 @@ class CentralConfig:
     precision: str = "32"
     training: TrainingOptions = TrainingOptions()
     dpsgd: DPSGDOptions = DPSGDOptions()
+    selection: str = "public"
+    selection_config: SelectionConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.selection not in SELECTIONS:
+            raise UserError(f"--selection: expected one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if self.selection == "private" and (self.dpsgd.noise_mode != "target" or self.dpsgd.sampling != "poisson"
+                                            or self.init != "public"):
+            raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
         if self.method not in METHODS:
             raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
         if self.init not in INITS:
@@ -232,11 +245,12 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, private, config.training.explicit(),
                              grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
+    select_privately = private and config.selection == "private"
     ledger = Ledger(ledger_path)
     guard = sigma = None
     if private:
         guard = _pooled_guard(ledger, epsilon, delta, world["hospital_ids"], config)
-        if len(settings) > 1:   # one sigma for the whole grid: the G trainings together spend the budget
+        if len(settings) > 1 and not select_privately:   # one sigma for the whole grid: the G trainings together
             n = len(world["train_ids"])
             sigma = calibration.composed_dpsgd_noise_multiplier(
                 epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
@@ -250,7 +264,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         METHODS[method], f"eps-{epsilon:g}")
     candidates = []
     dp = None
-    for index, setting in enumerate(settings):
+    for index, setting in enumerate(settings if not select_privately else ()):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
                                    learning_rate=setting["learning_rate"], seed=seed, augment=config.training.augment,
@@ -271,6 +285,11 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
             validation_dice = evaluate_segmentation(result.model, *world["validation"], device=device,
                                                     precision=precision).get("mean")
         candidates.append((setting, result, validation_dice))
+    selected = None
+    if select_privately:   # issue 28 item 4: sim.selection, charged as one event before anything is trained
+        selected, dp = private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config,
+                                         start_weights, device, precision)
+        candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
     chosen = choose_setting(candidates)
     setting, result, validation_dice = candidates[chosen]
     model = result.model
@@ -285,6 +304,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         results.account(ledger, delta, relation=dpsgd.relation)
         results.epsilon_budget = epsilon
         results.sigma = result.sigmas[0] if result.sigmas else None
+        if selected is not None:
+            results.sigma = selected.info["dpsgd_noise_multiplier"]
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
@@ -297,10 +318,11 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         "init": config.init,
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
                   if config.init == "public" else "random weights"),
-        "settings_grid": [dict(s) for s, _, _ in candidates],
+        "settings_grid": [dict(s) for s in settings] if selected is not None else [dict(s) for s, _, _ in candidates],
         "settings_validation_dice": [v for _, _, v in candidates],
         "setting_chosen": chosen,
-        "setting_selection": ("best Dice on the public validation set among the grid, every grid entry trained "
+        **({"selection": selected.info} if selected is not None else {}),
+        "setting_selection": selected.info["mechanism"] if selected is not None else ("best Dice on the public validation set among the grid, every grid entry trained "
                               "on the private data and charged to the ledger" if len(candidates) > 1 else
                               "one setting (the preset's, or given explicitly)"),
         "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
@@ -309,9 +331,9 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         # the training loss is an un-noised statistic of the private data: only non-private runs have the key
         **({} if private else {"final_loss": result.history[-1]["loss"] if result.history else None}),
         "epsilon_rdp": result.epsilon_rdp if private else None,
-        "dpsgd": None if not private else {
+        "dpsgd": None if not private or dp is None else {
             "noise_mode": dp.mode, "schedule": dp.schedule, "sampling": dp.sampling,
-            "sigmas": result.sigmas, "max_grad_norm": setting["max_grad_norm"], "per_layer": dp.per_layer,
+            "sigmas": result.sigmas, "max_grad_norm": setting.get("max_grad_norm"), "per_layer": dp.per_layer,
             "sampling_rate": result.sampling_rate, "steps_per_epoch": result.steps_per_epoch,
             "grad_sample_mode": dp.grad_sample_mode, "stopped_reason": result.stopped_reason,
             "adaptive": result.adaptive,
@@ -322,12 +344,78 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     }
     preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
     card = {"start": results.extras["start"], "settings": results.extras["setting_selection"]}
+    # private selection: how long the run took tells how many repetitions it made, and the guarantee covers
+    # releasing the best of a *secret* number of runs (Papernot & Steinke): no wall time in the release
     written = write_run(out, results, ModelRelease(model, net_cfg, preprocessing, world["source"], card_extra=card),
-                        started=started)
+                        started=None if selected is not None else started)
     # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
     # (and the ledger without a checkpoint marks the folder as finished: see the check above)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return written
+
+
+_PUBLIC_SETTING = {"learning_rate": None, "max_grad_norm": None, "batch_size": None, "epochs": 0}
+
+
+def _public_result(model):
+    return TrainResult(model=model, history=[])
+
+
+def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config: CentralConfig,
+                      start_weights, device, precision):
+    """The torch side of ``sim.selection.run_private_selection`` for the pooled baseline: each candidate is
+    fine-tuned from the public model with DP-SGD at the calibrated multiplier (fixed mode, no checkpoint: a
+    selection is never resumed, its ledger marks the folder as used), steps checked by the CoveredGuard.
+    Returns (Selected, the DPConfig of the candidates' training).
+
+    Args:
+        p: the resolved preset (its U-Net).
+        settings: the DP-SGD grid (:func:`settings_grid`), the candidates besides the public model.
+        world: the pooled world (:func:`load_central_data`).
+        guard: the run's guard (the run's ledger, and in a comparison the hospitals' lifetime ledgers).
+        prefix: the run's release-id prefix (:func:`_release_prefix`).
+        noise: the run's noise source (secure unless reproducible noise was asked for).
+        epsilon / delta: the budget the selection event is calibrated to.
+        config: the run's :class:`CentralConfig` (seed, DP-SGD options, training options, selection settings).
+        start_weights: the public model's weights (every candidate's start, and a candidate itself).
+        device / precision: where candidates train and are scored (``sim.device``).
+    """
+    used = {}
+    seed = config.seed
+
+    def dp_config(setting, rep, z, release_prefix):
+        return _dp_config(p, dataclasses.replace(config.dpsgd, noise_mode="fixed", noise_multiplier=z), epsilon,
+                          delta, setting, None, release_prefix=release_prefix,
+                          stream_prefix=f"central-dpsgd:selection:rep-{rep}")
+
+    def public_model():
+        model = build_unet(p.unet)
+        model.load_state_dict(start_weights)
+        return model
+
+    def train_candidate(setting, index, rep, images, labels, z, covered, stream):
+        used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
+        train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
+                                   learning_rate=setting["learning_rate"], seed=seed, augment=config.training.augment,
+                                   progress=config.progress, init_from=start_weights, checkpoint=None,
+                                   description=f"private selection: repetition {rep + 1}, setting {index + 1}",
+                                   device=device, precision=precision, **lever_settings(setting))
+        torch.manual_seed(seed)
+        return train_segmentation(build_unet(p.unet), images, labels, train_config, dp=used["dp"], guard=covered,
+                                  owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
+
+    def per_case(model, images, labels):
+        return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision)[1]
+
+    selected = run_private_selection(
+        settings=settings, train_images=world["train_images"], train_labels=world["train_labels"], guard=guard,
+        owners=tuple(world["hospital_ids"]), release_prefix=prefix, noise=noise, epsilon=epsilon, delta=delta,
+        relation=config.dpsgd.relation, seed=seed, config=config.selection_config or SelectionConfig(),
+        public_model=public_model, train_candidate=train_candidate, evaluate_per_case=per_case,
+        steps_per_epoch=steps_per_epoch)
+    if selected.setting is not None:   # the released model's own DP-SGD configuration
+        used["dp"] = dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
+    return selected, used.get("dp")
 
 
 def _pooled_guard(ledger: Ledger, epsilon: float, delta: float, hospital_ids, config: CentralConfig):
