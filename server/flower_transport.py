@@ -27,12 +27,16 @@ class HospitalsUnavailable(RuntimeError):
 
 class FlowerTransport:
     def __init__(self, grid, expected_hospitals: int, *, wait_seconds: float = 120.0,
-                 reply_timeout: float = 600.0, base_config: Mapping[str, Any] | None = None,
+                 reply_timeout: float = 600.0, query_timeout: float | None = None,
+                 base_config: Mapping[str, Any] | None = None,
                  min_hospitals: int = 1, poll_seconds: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.grid = grid
         self.expected = int(expected_hospitals)
         self.wait_seconds = float(wait_seconds)
         self.reply_timeout = float(reply_timeout)
+        # a query is inference on teachers already trained: a much shorter deadline than training, so a
+        # hospital that dies mid-query holds the run up for seconds, not for a training round's deadline
+        self.query_timeout = float(query_timeout) if query_timeout else self.reply_timeout
         self.base_config = dict(base_config or {})
         self.min_hospitals = int(min_hospitals)
         self.poll_seconds = poll_seconds
@@ -93,7 +97,7 @@ class FlowerTransport:
                 payload["codec"] = dict(codec)
             return make_content(message_config, **payload), "query"
 
-        replies = self._send_to_all(build, retry_on="codec-missing")
+        replies = self._send_to_all(build, retry_on="codec-missing", timeout=self.query_timeout)
         for hospital in replies:
             self.codec_sent[hospital] = digest
         # Payload bytes per (teacher, scan): what one teacher uploads for one query.
@@ -117,29 +121,33 @@ class FlowerTransport:
         return {h: (config, arrays["weights"]) for h, (config, arrays) in replies.items()}
 
     # ----------------------------------------------------------------------------------------------
-    def _send_to_all(self, build, retry_on: str | None = None) -> dict[str, tuple[dict, dict]]:
+    def _send_to_all(self, build, retry_on: str | None = None,
+                     timeout: float | None = None) -> dict[str, tuple[dict, dict]]:
         hospitals = self.hospital_ids()
-        replies = self._send({self.node_of[h]: build(h) for h in hospitals}, by_hospital=True)
+        timeout = self.reply_timeout if timeout is None else timeout
+        replies = self._send({self.node_of[h]: build(h) for h in hospitals}, by_hospital=True, timeout=timeout)
         if retry_on:
             again = [h for h, why in self._last_errors.items() if retry_on in why and h in hospitals]
             if again:
-                more = self._send({self.node_of[h]: build(h, True) for h in again}, by_hospital=True)
+                more = self._send({self.node_of[h]: build(h, True) for h in again}, by_hospital=True,
+                                  timeout=timeout)
                 replies.update(more)
         for hospital in hospitals:
             if hospital not in replies:
-                why = self._last_errors.get(hospital, f"no reply within {self.reply_timeout:.0f} s")
+                why = self._last_errors.get(hospital, f"no reply within {timeout:.0f} s")
                 self.dropped[hospital] = why
                 log.warning("hospital %s dropped out: %s", hospital, why)
         return replies
 
-    def _send(self, content_by_node: Mapping[int, tuple], by_hospital: bool = False) -> dict:
+    def _send(self, content_by_node: Mapping[int, tuple], by_hospital: bool = False,
+              timeout: float | None = None) -> dict:
         self._round += 1
         messages = [Message(content, dst_node_id=node, message_type=message_type, group_id=str(self._round))
                     for node, (content, message_type) in content_by_node.items()]
         hospital_of = {node: h for h, node in self.node_of.items()}
         self._last_errors: dict[str, str] = {}
         replies: dict = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.reply_timeout):
+        for reply in self.grid.send_and_receive(messages, timeout=self.reply_timeout if timeout is None else timeout):
             node = reply.metadata.src_node_id
             key = hospital_of.get(node, node) if by_hospital else node
             if reply.has_error():

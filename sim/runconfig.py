@@ -81,6 +81,7 @@ class RunSettings:
     teachers_per_hospital: int | None = None
     wait_seconds: float = 120.0
     reply_timeout: float = 600.0
+    query_timeout: float | None = None   # a query round's deadline (None = reply_timeout)
     world: str | None = None          # a prepared world folder (set by fedpate's runners)
     progress: bool = True
     calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
@@ -158,7 +159,8 @@ class RunSettings:
             epsilon=float(get("epsilon", 8.0)), delta=float(get("delta", 1e-3)), seed=int(get("seed", 0)),
             out=str(get("out", "runs/flwr")), data=get("data"), hospitals=hospitals,
             teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
-            reply_timeout=float(get("reply-timeout", 600.0)), world=get("world"),
+            reply_timeout=float(get("reply-timeout", 600.0)), query_timeout=float(get("query-timeout", 0.0)) or None,
+            world=get("world"),
             calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
             reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
             lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
@@ -174,7 +176,8 @@ class RunSettings:
             "method": self.method, "preset": self.preset, "epsilon": self.budget, "delta": self.resolved_delta,
             "seed": self.seed, "out": self.out, "data": self.data or "", "hospitals": self.hospitals or 0,
             "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
-            "reply-timeout": self.reply_timeout, "calibration": self.calibration,
+            "reply-timeout": self.reply_timeout, "query-timeout": self.query_timeout or 0.0,
+            "calibration": self.calibration,
             "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
             "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
             "init": self.init, "layout": self.layout or "", "partition-file": self.partition_file or "",

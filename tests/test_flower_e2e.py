@@ -51,9 +51,10 @@ def test_deployment_with_tls_and_a_hospital_killed_during_queries(cache, tmp_pat
 
     out = tmp_path / "run"
     settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), progress=False, query_batch=2,
-                           wait_seconds=180, reply_timeout=150)
-    # one timeout serves teacher training and queries: 45 s was too short for training on a loaded
-    # machine (load 12: hospital-01 timed out before the first query); the killed hospital costs it once
+                           wait_seconds=180, reply_timeout=150, query_timeout=45)
+    # training has its own deadline: 45 s was too short for teacher training on a loaded machine (load 12:
+    # hospital-01 timed out before the first query); a query round is inference only, and the killed
+    # hospital costs the query deadline once
     results = run_local_deployment(settings, tmp_path / "work", timeout=900,
                                    kill_hospital_during_queries="hospital-01")
     assert results["deployment"]["status"] == "finished:completed"

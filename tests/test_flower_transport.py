@@ -153,3 +153,25 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     # the compressor state travelled once per hospital, not with every query
     codec_sizes = [size for node, kind, size in grid.sent if kind == "query" and node == 100]
     assert codec_sizes[0] > codec_sizes[1]
+
+
+def test_a_query_round_waits_for_the_query_deadline_and_training_for_the_reply_deadline(world_dir):
+    """A hospital that dies mid-query holds the run up for the (short) query deadline, not the training one."""
+    grid = MemoryGrid(world_dir)
+    waited = []
+    original = grid.send_and_receive
+
+    def recording(messages, *, timeout=None):
+        waited.append((messages[0].metadata.message_type, timeout))
+        return original(messages, timeout=timeout)
+
+    grid.send_and_receive = recording
+    transport = _transport(grid, world_dir, query_timeout=2)
+    transport.connect()
+    grid.dead.add(101)
+    transport.evaluate({})
+    scans = np.zeros((1, 4, *PRESET.grid), np.float32)
+    transport.query(scans, {"kind": np.array([0])}, {"query_ids": ["q0"]})   # (a bogus codec: refused)
+    assert waited[1] == ("evaluate", 5.0) and ("query", 2.0) in waited
+    assert transport.dropped["hospital-01"] == "no reply within 5 s"
+    assert _transport(MemoryGrid(world_dir), world_dir).query_timeout == 5.0   # none given: the reply deadline

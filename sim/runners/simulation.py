@@ -63,6 +63,7 @@ def _settings_fields(settings: RunSettings) -> dict[str, Any]:
             "delta": settings.resolved_delta, "seed": settings.seed, "out": settings.out, "data": settings.data,
             "hospitals": settings.hospitals, "teachers_per_hospital": settings.teachers_per_hospital,
             "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
+            "query_timeout": settings.query_timeout,
             "world": settings.world, "calibration": settings.calibration, "progress": settings.progress,
             "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise,
             "lifetime_epsilon": settings.lifetime_epsilon, "ledger_dir": settings.ledger_dir,
