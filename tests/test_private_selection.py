@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from privacy.accountants import (accountant_for, base_rdp_curve, epsilon_spent, make_accountant,
+from privacy.accountants import (accountant_for, epsilon_spent, make_accountant,
                                  replace_one_sampled_gaussian_rdp)
 from privacy.errors import BudgetExceeded, PrivacyError, UnsupportedEvent
 from privacy.events import ComposedEvent, GaussianEvent, RepeatAndSelectEvent, SampledGaussianEvent, event_from_dict

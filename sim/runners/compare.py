@@ -193,7 +193,7 @@ def run_compare(config: CompareConfig) -> Path:
     atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress, **where)))
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
-              f"({'--lifetime-epsilon' if lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
+              f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
 
     def done(path: Path) -> bool:
         if (path / "results.json").exists():
@@ -227,7 +227,7 @@ def run_compare(config: CompareConfig) -> Path:
                                hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
-                               lifetime_epsilon=lifetime, layout=layout, partition_file=partition_file,
+                               lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
                                device=str(device), precision=precision)
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
