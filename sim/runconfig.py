@@ -7,6 +7,7 @@ validated :class:`RunSettings`, so a bad value gets the same one-line error whic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,8 +126,9 @@ class RunSettings:
         object.__setattr__(self, "device", check_device_spec(self.device, "device"))
         object.__setattr__(self, "precision", check_precision(self.precision, "precision"))
 
-    @property
+    @functools.cached_property
     def resolved_preset(self) -> Preset:
+        """The federation spec (preset x hospitals x teachers per hospital), resolved once per settings object."""
         return get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=self.teachers_per_hospital)
 
     @property

@@ -148,6 +148,11 @@ class CompareConfig:
     def resolved_delta(self) -> float:
         return self.base_preset().delta if self.delta is None else self.delta
 
+    def federations(self) -> list:
+        """The federation spec of every K of the sweep, resolved once: the preset with this comparison's
+        hospitals x that K's teachers per hospital (the first is the world every baseline uses)."""
+        return [get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=k) for k in self.teacher_sweep()]
+
 
 def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int | None = None) -> Path:
     path = out / method
@@ -189,7 +194,8 @@ def run_compare(config: CompareConfig) -> Path:
                                              "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out)})
     # who holds what in this comparison's world (the report's World section); the split of the first K
-    world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
+    federations = config.federations()
+    world_preset = federations[0]
     atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress, **where)))
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
@@ -206,8 +212,7 @@ def run_compare(config: CompareConfig) -> Path:
     first = world_preset
     public_checkpoint = out / "_shared" / f"K-{first.teachers}" / "public-model.pt"
     chosen = [registry.method(m) for m in methods]
-    for index, per_hospital in enumerate(sweep):
-        preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
+    for index, (per_hospital, preset) in enumerate(zip(sweep, federations)):
         cells = []
         for record in chosen:
             if not record.federated or (not record.sweeps_k and index > 0):
@@ -313,7 +318,7 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
                         "several --seeds would publish them in the folder names")
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
-    preset_name, methods, epsilons, hospitals = config.preset, config.methods, config.epsilons, config.hospitals
+    preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     base = config.base_preset()
     delta = config.resolved_delta()
     sweep = config.teacher_sweep()
@@ -333,8 +338,7 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
         print(f"compare: seed {seed}", flush=True)
         run_compare(dataclasses.replace(config, seed=seed, out=out / SEED_FOLDER.format(seed), delta=delta,
                                         lifetime_epsilon=lifetime, ledger_dir=ledger_dir))
-    world_preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=sweep[0])
-    homes = patient_homes(world_preset, config.data, seeds, **config.where)
+    homes = patient_homes(config.federations()[0], config.data, seeds, **config.where)
     release = combined_release(out, delta, homes=homes)
     if release.get("patients_moving_between_hospitals"):
         print(f"compare: {release['patients_moving_between_hospitals']} patient(s) sat at different hospitals in "
