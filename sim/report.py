@@ -344,10 +344,20 @@ def _started_from(cell: Mapping[str, Any]) -> str:
     return {"public": "public model", "scratch": "random weights"}.get(start, start)
 
 
+def _describe_setting(setting: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in setting.items())
+
+
 def _setting_chosen(cell: Mapping[str, Any]) -> str:
+    selection = cell.get("selection")
+    if selection:   # private selection (sim.selection): a grid entry or the public model, unchanged
+        index, candidates = int(selection.get("chosen") or 0), selection.get("candidates") or []
+        chosen = candidates[index] if index < len(candidates) else None
+        what = _describe_setting(chosen) if isinstance(chosen, Mapping) else str(chosen)
+        return f"{what} ({index + 1} of {len(candidates)}, private selection on held-out private patients)"
     if cell.get("settings_grid"):
         chosen = cell["settings_grid"][int(cell.get("setting_chosen") or 0)]
-        return (", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in chosen.items())
+        return (_describe_setting(chosen)
                 + f" ({int(cell.get('setting_chosen') or 0) + 1} of {len(cell['settings_grid'])})")
     if cell.get("selftrain"):
         chosen = cell["selftrain"]

@@ -319,3 +319,8 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
     assert written["sigma"] == sel["dpsgd_noise_multiplier"] and sel["repetitions"]["realised"] is not None
     assert written["train_cases"] == 6
     assert written["wall_seconds"] is None   # the run's duration would tell how many repetitions it made
+    from sim.report import _setting_chosen   # the report names the candidate private selection released
+
+    shown = _setting_chosen(written)
+    assert "private selection" in shown and f"{sel['chosen'] + 1} of 3" in shown
+    assert ("the public model, unchanged" in shown) == (sel["chosen"] == 2)

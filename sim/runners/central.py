@@ -320,7 +320,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                   if config.init == "public" else "random weights"),
         "settings_grid": [dict(s) for s in settings] if selected is not None else [dict(s) for s, _, _ in candidates],
         "settings_validation_dice": [v for _, _, v in candidates],
-        "setting_chosen": chosen,
+        "setting_chosen": selected.info["chosen"] if selected is not None else chosen,
         **({"selection": selected.info} if selected is not None else {}),
         "setting_selection": selected.info["mechanism"] if selected is not None else ("best Dice on the public validation set among the grid, every grid entry trained "
                               "on the private data and charged to the ledger" if len(candidates) > 1 else
