@@ -324,3 +324,12 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
     shown = _setting_chosen(written)
     assert "private selection" in shown and f"{sel['chosen'] + 1} of 3" in shown
     assert ("the public model, unchanged" in shown) == (sel["chosen"] == 2)
+
+
+def test_private_selection_is_refused_inside_a_comparisons_hospital_ledgers(tmp_path):
+    import sim.runners.central as central
+    from sim.errors import UserError
+
+    with pytest.raises(UserError, match="not inside a comparison"):
+        central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path, selection="private",
+                                 hospital_ledger_dir=tmp_path / "ledgers")

@@ -180,6 +180,11 @@ class CentralConfig:
         if self.selection == "private" and (self.dpsgd.noise_mode != "target" or self.dpsgd.sampling != "poisson"
                                             or self.init != "public"):
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
+        if self.selection == "private" and self.hospital_ledger_dir is not None:
+            # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
+            # selection event: no accountant composes both (sim/selection.py, issue 28)
+            raise UserError("--selection private: runs on its own (fedpate central), not inside a comparison's "
+                            "hospital ledgers")
         if self.method not in METHODS:
             raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
         if self.init not in INITS:
