@@ -1,0 +1,51 @@
+"""Issue 28 levers for pooled DP-SGD: one `run_central` per variant on one shared public model, one JSON line each.
+
+    .venv/bin/python benchmarks/lever_dpsgd.py --out runs/lever-dpsgd baseline ema private-selection
+
+Variants: baseline (the preset's grid, chosen on public validation), head / decoder / bias (``--trainable``),
+augmult4 (augmentation multiplicity 4), ema (EMA of the weights, decay 0.9), private-selection
+(``--selection private``). Each variant is a full DP-SGD run that spends its own ε: a measurement of a lever, not
+a release, and a choice made from its test Dice would be a choice on the test set (docs/RESULTS.md). Run it
+alone on a 2-core machine: two 2-thread torch processes oversubscribe OpenMP and run many times slower.
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+from sim.runners.central import CentralConfig, run_central
+
+VARIANTS = {"baseline": {}, "head": {"levers": {"trainable": "head"}},
+            "decoder": {"levers": {"trainable": "decoder"}}, "bias": {"levers": {"trainable": "bias"}},
+            "augmult4": {"levers": {"augmentation_multiplicity": 4}}, "ema": {"levers": {"ema_decay": 0.9}},
+            "private-selection": {"selection": "private"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="+", choices=tuple(VARIANTS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="quick")
+    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--public-model", default=None,
+                        help="a public-model checkpoint to share (default: trained once into OUT/public-model.pt)")
+    args = parser.parse_args()
+    root = Path(args.out)
+    shared = Path(args.public_model) if args.public_model else root / "public-model.pt"
+    for name in args.variants:
+        started = time.time()
+        result = run_central(CentralConfig.of(method="dp-sgd", preset=args.preset, out=root / name,
+                                              epsilon=args.epsilon, seed=args.seed, progress=False,
+                                              public_model_checkpoint=shared, **VARIANTS[name]))
+        dice = result["dice"]
+        print(json.dumps({"variant": name, **VARIANTS[name], "mean": dice["mean"], "class 1": dice["1"],
+                          "class 2": dice["2"], "class 3": dice["3"], "epsilon": result["epsilon"],
+                          "accountant": result["accountant"], "sigma": result["sigma"],
+                          "setting_chosen": result.get("setting_chosen"),
+                          "validation_dice_mean": result.get("validation_dice_mean"),
+                          "minutes": round((time.time() - started) / 60, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
