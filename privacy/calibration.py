@@ -13,6 +13,7 @@ from typing import Callable
 
 from privacy.accountants import (
     DEFAULT_PLD_DISCRETIZATION,
+    epsilon_spent,
     gdp_epsilon,
     gdp_mu_for,
     make_accountant,
@@ -21,7 +22,8 @@ from privacy.accountants import (
 )
 from privacy.errors import PrivacyError
 from privacy.validation import positive_number, probability
-from privacy.events import SAMPLED_RELATIONS, ComposedEvent, Event, GaussianEvent, SampledGaussianEvent, ZCDPEvent
+from privacy.events import (SAMPLED_RELATIONS, ComposedEvent, Event, GaussianEvent, RepeatAndSelectEvent,
+                            SampledGaussianEvent, ZCDPEvent)
 
 #: Relative tolerance: calibrated ε lies in [target·(1 - RELATIVE_TOLERANCE), target].
 RELATIVE_TOLERANCE = 1e-3
@@ -371,8 +373,6 @@ def selection_event(sampling_rate: float, noise_multiplier: float, steps: int, s
             (1 geometric, 0 logarithmic) or Poisson (``shape=None``) -- and its mean.
         relation: the neighbouring relation of both parts (default replace-one).
     """
-    from privacy.events import RepeatAndSelectEvent
-
     inner = ComposedEvent((SampledGaussianEvent(sampling_rate, noise_multiplier, steps, relation=relation),
                            GaussianEvent(score_sensitivity, score_sigma, relation=relation)))
     return RepeatAndSelectEvent(inner, mean, shape)
@@ -392,8 +392,6 @@ def private_selection_noise_multiplier(epsilon: float, delta: float, sampling_ra
         mean / shape: the repetitions' distribution (:func:`selection_event`).
         relation: the neighbouring relation (default replace-one).
     """
-    from privacy.accountants import epsilon_spent
-
     epsilon = positive_number("epsilon", epsilon)
     floor_event = selection_event(sampling_rate, 1e6, steps, score_sensitivity, score_sigma, mean, shape, relation)
     floor = epsilon_spent([floor_event], delta, accountant="rdp")[0]

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from privacy.accountants import epsilon_spent
 from privacy.errors import BudgetExceeded, PrivacyError
-from privacy.events import Event
+from privacy.events import Event, RepeatAndSelectEvent, SampledGaussianEvent
 from privacy.ledger import Ledger
 from privacy.validation import positive_number, probability
 
@@ -185,8 +185,6 @@ class CoveredGuard:
     """
 
     def __init__(self, guard, cover_release_id: str, cover: Event, owners: Sequence[str]) -> None:
-        from privacy.events import RepeatAndSelectEvent, SampledGaussianEvent
-
         if not isinstance(cover, RepeatAndSelectEvent):
             raise PrivacyError(f"CoveredGuard covers a RepeatAndSelectEvent, got {type(cover).__name__}")
         self.guard = guard
@@ -214,8 +212,6 @@ class CoveredGuard:
         return self.guard.remaining(owner)
 
     def check(self, owners: Sequence[str], event: Event, count: int = 1) -> None:
-        from privacy.events import SampledGaussianEvent
-
         if not self.ledger.has_release(self.cover_release_id):
             raise PrivacyError(f"CoveredGuard: the covering release {self.cover_release_id!r} was not charged first")
         missing = set(owners) - set(self.owners)
@@ -223,13 +219,7 @@ class CoveredGuard:
             raise PrivacyError(f"CoveredGuard: owners {sorted(missing)} are not covered by {self.cover_release_id!r}")
         if self.repetitions == 0:
             raise PrivacyError("CoveredGuard: next_repetition() must open a repetition before its steps")
-        wanted: dict = {}
-        for leaf in event.leaves():
-            if not isinstance(leaf, SampledGaussianEvent) or leaf.adaptive:
-                raise PrivacyError(f"CoveredGuard: {type(leaf).__name__} is not covered by the selection event")
-            key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
-            wanted[key] = wanted.get(key, 0) + leaf.steps * int(count)
-        for key, steps in wanted.items():
+        for key, steps in self._steps(event, count).items():
             if key not in self._budget:
                 raise PrivacyError(f"CoveredGuard: steps at q={key[0]:.6g}, z={key[1]:.6g} ({key[2]}) are not covered by "
                                    f"{self.cover_release_id!r}")
@@ -246,6 +236,17 @@ class CoveredGuard:
                    note: dict | None = None) -> None:
         """Check that the steps are covered, count them against this repetition, record nothing."""
         self.check(owners, event, count=len(release_ids))
+        for key, steps in self._steps(event, len(release_ids)).items():
+            self._used[key] = self._used.get(key, 0) + steps
+
+    @staticmethod
+    def _steps(event: Event, count: int) -> dict:
+        """(q, z, relation) -> the Poisson-sampled Gaussian steps ``count`` copies of ``event`` take; refuses
+        any other kind of leaf (only such steps are covered)."""
+        wanted: dict = {}
         for leaf in event.leaves():
+            if not isinstance(leaf, SampledGaussianEvent) or leaf.adaptive:
+                raise PrivacyError(f"CoveredGuard: {type(leaf).__name__} is not covered by the selection event")
             key = (leaf.sampling_rate, leaf.noise_multiplier, leaf.relation)
-            self._used[key] = self._used.get(key, 0) + leaf.steps * len(release_ids)
+            wanted[key] = wanted.get(key, 0) + leaf.steps * int(count)
+        return wanted

@@ -324,11 +324,13 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
         return "—" if found is None else f"{found[0]:+.2f} ± {found[1]:.2f}"
 
     def over(floor):
-        return lambda cell: format_ratio(headroom_of(cell, reference_cell(cells, floor), ceiling))
+        reference = reference_cell(cells, floor)
+        return lambda cell: format_ratio(headroom_of(cell, reference, ceiling))
+
+    classes = {id(cell): headroom_per_class(cell, primary, ceiling) for cell in cells}   # once per row
 
     def per_class(keys):
-        return lambda cell: " / ".join(format_ratio(headroom_per_class(cell, primary, ceiling)[k], se=False)
-                                       for k in keys)
+        return lambda cell: " / ".join(format_ratio(classes[id(cell)][k], se=False) for k in keys)
 
     columns: list[Column] = [
         *_PRIVACY_COLUMNS, ("mean Dice", _dice("mean")), ("headroom recovered (± SE)", recovered),

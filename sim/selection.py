@@ -116,14 +116,15 @@ def truncated_negative_binomial_gamma(mean: float, shape: float) -> float:
     return gamma
 
 
-def repetition_pmf(k: int, mean: float, shape: float | None) -> float:
+def repetition_pmf(k: int, mean: float, shape: float | None, gamma: float | None = None) -> float:
     """P[T = k]: Papernot & Steinke Definition 1 (truncated negative binomial, η = ``shape``; η = 0 is the
-    logarithmic distribution) or Poisson(mean) when ``shape`` is None."""
+    logarithmic distribution) or Poisson(mean) when ``shape`` is None. ``gamma``: the truncated negative
+    binomial's γ when the caller already has it (None = :func:`truncated_negative_binomial_gamma`)."""
     if shape is None:
         return math.exp(-mean + k * math.log(mean) - math.lgamma(k + 1)) if k >= 0 else 0.0
     if k < 1:
         return 0.0
-    gamma = truncated_negative_binomial_gamma(mean, shape)
+    gamma = truncated_negative_binomial_gamma(mean, shape) if gamma is None else gamma
     if shape == 0:
         return (1 - gamma) ** k / (k * math.log(1 / gamma))
     log_prod = math.lgamma(k + shape) - math.lgamma(shape) - math.lgamma(k + 1)
@@ -134,9 +135,10 @@ def sample_repetitions(mean: float, shape: float | None, generator, limit: int =
     """T by inversion of one uniform from ``generator`` (a privacy.mechanisms stream)."""
     u = float(generator.uniform((1,))[0])
     k = 0 if shape is None else 1
+    gamma = None if shape is None else truncated_negative_binomial_gamma(mean, shape)   # once, not per k
     cumulative = 0.0
     while k < limit:
-        cumulative += repetition_pmf(k, mean, shape)
+        cumulative += repetition_pmf(k, mean, shape, gamma)
         if u < cumulative:
             return k
         k += 1

@@ -271,13 +271,11 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     dp = None
     for index, setting in enumerate(settings if not select_privately else ()):
         tag = "" if len(settings) == 1 else f":setting-{index}"
-        train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
-                                   learning_rate=setting["learning_rate"], seed=seed, augment=config.training.augment,
-                                   progress=config.progress, init_from=start_weights,
-                                   checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
-                                   description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
-                                   extra_checkpoint={"network_config": net_cfg}, device=device, precision=precision,
-                                   **lever_settings(setting))
+        train_config = _setting_training(
+            config, setting, start_weights, device, precision,
+            checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
+            description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
+            extra_checkpoint={"network_config": net_cfg})
         if private:
             dp = _dp_config(p, dpsgd, epsilon, delta, setting, sigma, release_prefix=prefix + tag,
                             stream_prefix="central-dpsgd" + tag)
@@ -323,7 +321,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         "init": config.init,
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
                   if config.init == "public" else "random weights"),
-        "settings_grid": [dict(s) for s in settings] if selected is not None else [dict(s) for s, _, _ in candidates],
+        "settings_grid": [dict(s) for s in settings],
         "settings_validation_dice": [v for _, _, v in candidates],
         "setting_chosen": selected.info["chosen"] if selected is not None else chosen,
         **({"selection": selected.info} if selected is not None else {}),
@@ -400,11 +398,8 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
 
     def train_candidate(setting, index, rep, images, labels, z, covered, stream):
         used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
-        train_config = TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
-                                   learning_rate=setting["learning_rate"], seed=seed, augment=config.training.augment,
-                                   progress=config.progress, init_from=start_weights, checkpoint=None,
-                                   description=f"private selection: repetition {rep + 1}, setting {index + 1}",
-                                   device=device, precision=precision, **lever_settings(setting))
+        train_config = _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
+                                         description=f"private selection: repetition {rep + 1}, setting {index + 1}")
         torch.manual_seed(seed)
         return train_segmentation(build_unet(p.unet), images, labels, train_config, dp=used["dp"], guard=covered,
                                   owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
@@ -421,6 +416,15 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
     if selected.setting is not None:   # the released model's own DP-SGD configuration
         used["dp"] = dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
     return selected, used.get("dp")
+
+
+def _setting_training(config: CentralConfig, setting: dict, start_weights, device, precision, **run) -> TrainConfig:
+    """One grid entry's training (its epochs, batch, learning rate and levers) from the run's start; ``run``: its
+    checkpoint, progress description and checkpoint extras."""
+    return TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
+                       learning_rate=setting["learning_rate"], seed=config.seed, augment=config.training.augment,
+                       progress=config.progress, init_from=start_weights, device=device, precision=precision,
+                       **lever_settings(setting), **run)
 
 
 def _pooled_guard(ledger: Ledger, epsilon: float, delta: float, hospital_ids, config: CentralConfig):

@@ -23,9 +23,10 @@ the comparison released together, from those ledgers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,19 +140,24 @@ class CompareConfig:
         """The data folder's layout and partition file (build_world's options)."""
         return {"layout": self.layout, "partition_file": self.partition_file}
 
+    # resolved once per plan (cached on the frozen object; dataclasses.replace makes a new plan)
+    @functools.cached_property
     def base_preset(self):
         return get_preset(self.preset, hospitals=self.hospitals)
 
+    @functools.cached_property
     def teacher_sweep(self) -> list[int]:
-        return list(self.teachers_per_hospital or [self.base_preset().teachers_per_hospital])
+        return list(self.teachers_per_hospital or [self.base_preset.teachers_per_hospital])
 
+    @property
     def resolved_delta(self) -> float:
-        return self.base_preset().delta if self.delta is None else self.delta
+        return self.base_preset.delta if self.delta is None else self.delta
 
+    @functools.cached_property
     def federations(self) -> list:
-        """The federation spec of every K of the sweep, resolved once: the preset with this comparison's
-        hospitals x that K's teachers per hospital (the first is the world every baseline uses)."""
-        return [get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=k) for k in self.teacher_sweep()]
+        """The federation spec of every K of the sweep: the preset with this comparison's hospitals x that K's
+        teachers per hospital (the first is the world every baseline uses)."""
+        return [get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=k) for k in self.teacher_sweep]
 
 
 def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int | None = None) -> Path:
@@ -177,9 +183,9 @@ def run_compare(config: CompareConfig) -> Path:
     progress, reproducible_noise = config.progress, config.reproducible_noise
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
-    base = config.base_preset()
-    delta = config.resolved_delta()
-    sweep = config.teacher_sweep()
+    base = config.base_preset
+    delta = config.resolved_delta
+    sweep = config.teacher_sweep
     sweeping = len(sweep) > 1
     started = time.perf_counter()
     ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
@@ -194,7 +200,7 @@ def run_compare(config: CompareConfig) -> Path:
                                              "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out)})
     # who holds what in this comparison's world (the report's World section); the split of the first K
-    federations = config.federations()
+    federations = config.federations
     world_preset = federations[0]
     atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress, **where)))
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
@@ -319,9 +325,9 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
-    base = config.base_preset()
-    delta = config.resolved_delta()
-    sweep = config.teacher_sweep()
+    base = config.base_preset
+    delta = config.resolved_delta
+    sweep = config.teacher_sweep
     ledger_dir = out / HOSPITAL_LEDGERS
     lifetime = float(config.lifetime_epsilon or
                      planned_lifetime_epsilon(methods, epsilons, len(sweep), seeds=len(seeds)))
@@ -338,7 +344,7 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
         print(f"compare: seed {seed}", flush=True)
         run_compare(dataclasses.replace(config, seed=seed, out=out / SEED_FOLDER.format(seed), delta=delta,
                                         lifetime_epsilon=lifetime, ledger_dir=ledger_dir))
-    homes = patient_homes(config.federations()[0], config.data, seeds, **config.where)
+    homes = patient_homes(config.federations[0], config.data, seeds, **config.where)
     release = combined_release(out, delta, homes=homes)
     if release.get("patients_moving_between_hospitals"):
         print(f"compare: {release['patients_moving_between_hospitals']} patient(s) sat at different hospitals in "
