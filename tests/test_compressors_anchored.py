@@ -159,3 +159,26 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
     again = pate.plan_release(world, get_preset("tiny"), config, teachers, tmp_path, model)
     assert all(np.array_equal(plan.codec[k], again.codec[k]) for k in plan.codec)
     assert plan.sensitivity == pytest.approx(2 * plan.compressor.clip / 4)
+
+
+def test_a_hospital_encoder_computes_the_anchor_regions_once_and_encodes_as_the_reference(fitted, monkeypatch):
+    """make_encoder is used for every teacher of a query batch: its rows equal anchored_encode's from scratch,
+    while the anchor's regions (a function of the anchor alone) are computed once for all of them."""
+    from sim.codecs import anchored as anchored_module
+
+    compressor, onehot = fitted
+    anchor = _soft(onehot, 0.5, seed=7)
+    state = codecs.verify_codec(codecs.with_anchor(compressor.state(), anchor))
+    teachers = [_soft(onehot, 0.3 + 0.1 * k, seed=20 + k) for k in range(4)]
+    expected = [codecs.anchored_encode(t, anchor, codecs.anchored_shells(state), float(state["row_bound"]))
+                for t in teachers]
+    calls = []
+    real = anchored_module.anchor_regions
+    monkeypatch.setattr(anchored_module, "anchor_regions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    encode = codecs.make_encoder(state)
+    rows = [encode(t) for t in teachers]
+    assert len(calls) == 1
+    for got, want in zip(rows, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(Exception, match="regions of shape"):
+        codecs.anchored_encode(teachers[0], anchor, codecs.anchored_shells(state), 1.0, regions=np.zeros((1, 2, 2, 2)))
