@@ -1,0 +1,75 @@
+"""Simulation-only diagnostics at a hospital: one pass of its teachers over the test scans serves both the
+un-noised diagnostic query and the probability ensemble, and is remembered for the same teachers, scans and
+codec (the demo's PATE cells at epsilon 1 and 8 ask both of the same teachers); nothing is charged, and a
+deployed hospital refuses both."""
+
+import numpy as np
+import pytest
+
+from clients.hospital import Hospital
+from server.compressors import PCACompressor
+from sim import codecs
+from sim.errors import UserError
+from sim.presets import get_preset
+
+PRESET = get_preset("tiny")
+
+
+class _CountingTeachers(Hospital):
+    """Two teachers with fixed, distinct answers; ``runs`` counts teacher forward passes."""
+
+    def __init__(self, tmp_path, deployed=False):
+        super().__init__("h0", prepared=None, partitions=[["a"], ["b"], ["c"]], preset=PRESET,
+                         workdir=tmp_path / "h0", lifetime_epsilon=10.0, delta=1e-3, deployed=deployed)
+        self.runs = 0
+
+    def teacher_probs(self, k, scans, config=None):
+        self.runs += 1
+        rng = np.random.default_rng(100 + k + int(np.asarray(scans).sum()))
+        return codecs.normalise_probabilities(rng.random((len(scans), 4, 8, 8, 8)).astype(np.float32))
+
+
+def _codec(components=3):
+    maps = codecs.one_hot(np.random.default_rng(0).integers(0, 4, size=(12, 8, 8, 8)), 4)
+    return PCACompressor(components, "clip", clip=1.0).fit(maps).state()
+
+
+def test_one_teacher_pass_serves_the_diagnostic_query_and_the_probability_ensemble(tmp_path):
+    hospital, codec = _CountingTeachers(tmp_path), _codec()
+    scans = np.zeros((2, 4, 8, 8, 8), np.float32)
+    rows, notes = hospital.answer_query(scans, codec, {"diagnostic": True})
+    assert hospital.runs == 3 and notes == {"fallback_teachers": 0}
+    expected_rows = np.stack([codecs.encode(codecs.verify_codec(codec), hospital.teacher_probs(k, scans))
+                              for k in range(3)])
+    expected_sum = sum(hospital.teacher_probs(k, scans).astype(np.float64) for k in range(3))
+    hospital.runs = 0
+    np.testing.assert_allclose(rows, expected_rows, rtol=1e-6)
+    np.testing.assert_allclose(hospital.ensemble_probability_sum(scans), expected_sum, rtol=1e-6)
+    again, _ = hospital.answer_query(scans, codec, {"diagnostic": True})
+    np.testing.assert_array_equal(again, rows)
+    assert hospital.runs == 0                                  # both served from the one pass
+    # another codec needs the teachers' outputs again; other scans too
+    other, _ = hospital.answer_query(scans, _codec(2), {"diagnostic": True})
+    assert hospital.runs == 3 and other.shape[-1] == 2
+    hospital.ensemble_probability_sum(scans + 1.0)
+    assert hospital.runs == 6
+    assert not hospital.privacy_ledger.exists()               # diagnostics are never charged (nor released)
+
+
+def test_retrained_teachers_are_run_again(tmp_path):
+    hospital = _CountingTeachers(tmp_path)
+    scans = np.zeros((1, 4, 8, 8, 8), np.float32)
+    hospital.ensemble_probability_sum(scans)
+    hospital._diagnostics.clear()          # what train_teachers does when it trains (not when it reuses)
+    hospital.ensemble_probability_sum(scans)
+    assert hospital.runs == 6
+
+
+def test_a_deployed_hospital_refuses_both_diagnostics(tmp_path):
+    hospital = _CountingTeachers(tmp_path, deployed=True)
+    scans = np.zeros((1, 4, 8, 8, 8), np.float32)
+    with pytest.raises(UserError, match="simulation only"):
+        hospital.ensemble_probability_sum(scans)
+    with pytest.raises(UserError, match="simulation only"):
+        hospital.answer_query(scans, _codec(), {"diagnostic": True})
+    assert hospital.runs == 0
