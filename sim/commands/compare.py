@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     parser.add_argument("--lifetime-epsilon", type=float, default=None,
                         help="each hospital's lifetime budget over every cell of this comparison (default: the "
                              "sum of the private cells' budgets); a cell that would exceed it is refused")
+    parser.add_argument("--workers", default="auto",
+                        help="how many cells run at once, each group in its own process with its share of the cores "
+                             "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")
     parser.add_argument("--engine", default="inprocess", choices=("flower", "inprocess"),
                         help="federated cells in this process through the same protocol code as the Flower apps, "
                              "torch on every core (default), or as Flower ClientApps/ServerApp in Flower's "
@@ -42,7 +45,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
-    from sim.runners.compare import CompareConfig, parse_list, run_compare_seeds
+    from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
         from sim.errors import UserError
@@ -82,7 +85,8 @@ def run(args) -> int:
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
                            reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                           init=args.init, device=str(device), precision=args.precision, **where)
+                           init=args.init, device=str(device), precision=args.precision,
+                           workers=parse_workers(args.workers, args.engine, str(device)), **where)
     report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0

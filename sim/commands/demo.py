@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", default="quick", choices=("tiny", "quick"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--workers", default="auto",
+                        help="how many cells run at once, each group in its own process with its share of the cores "
+                             "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")
     parser.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"),
                         help="federated cells in this process (default; same protocol code as the Flower apps, torch "
                              "on every core) or as Flower apps in Flower's simulation engine")
@@ -58,7 +61,7 @@ def run(args) -> int:
     from sim.predict import predict_scans
     from sim.presets import get_preset
     from sim.report import load_cells
-    from sim.runners.compare import CompareConfig, parse_list, run_compare
+    from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare
     from sim.io import cache_root
     from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
@@ -71,7 +74,8 @@ def run(args) -> int:
                                        parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                                        progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
                                        engine=args.engine, init=args.init, device=str(device),
-                                       precision=args.precision))
+                                       precision=args.precision,
+                                       workers=parse_workers(args.workers, args.engine, str(device))))
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,

@@ -83,6 +83,20 @@ def run_floor(floor: Callable) -> CellRunner:
     return run
 
 
+def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: bool, device: str, precision: str):
+    """(public model, public-only model) at a comparison's shared checkpoints, trained or loaded: the public model
+    every cell starts from (``public-model.pt``) and its continuation on the student's schedule
+    (``public-only.pt``, what PATE's student must beat) -- the same calls ``server.pate`` makes."""
+    shared_dir = Path(shared_dir)
+    public_model = train_public_model(world, preset, seed=seed, progress=progress,
+                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
+    init = {k: v.clone() for k, v in public_model.state_dict().items()}
+    public_only = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init,
+                                     progress=progress, checkpoint=shared_dir / "public-only.pt", device=device,
+                                     precision=precision)
+    return public_model, public_only
+
+
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
                     publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
                     device: str = "auto", precision: str = "32") -> dict:
@@ -104,11 +118,7 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     """
     started = time.perf_counter()
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
-    public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
-    init = {k: v.clone() for k, v in public_model.state_dict().items()}
-    model = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init, progress=progress,
-                               checkpoint=shared_dir / "public-only.pt", device=device, precision=precision)
+    _, model = shared_public_models(world, preset, seed, shared_dir, progress, device, precision)
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)

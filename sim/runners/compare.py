@@ -45,7 +45,7 @@ from sim import methods as registry
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.runconfig import Cell, RunSettings, check_epsilon
-from sim.runners.cells import CompareContext, cell_runner
+from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.simulation import simulate
 from sim.training import predict_probs
@@ -92,6 +92,10 @@ class CompareConfig:
         ledger_dir: the hospitals' own lifetime ledgers every private cell charges (None =
             ``out/hospital-ledgers``); :func:`run_compare_seeds` points every seed at one folder.
         device / precision: every cell's, passed on as a spec (each party resolves it where it runs).
+        workers: how many cells run at once, each group of cells in its own process with its share of the
+            cores (:func:`run_in_workers`; 1 = every cell in this process, in sequence; :func:`default_workers`).
+        lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
+            writes neither compare.json, world.json nor a report (its parent does).
     """
 
     preset: str
@@ -113,10 +117,17 @@ class CompareConfig:
     partition_file: str | None = None
     device: str = "auto"
     precision: str = "32"
+    workers: int = 1
+    lane: bool = False
 
     def __post_init__(self) -> None:
         if self.init not in ("public", "scratch"):
             raise UserError(f"--init: expected public or scratch, got {self.init!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise UserError(f"--workers: expected a whole number >= 1, got {self.workers!r}")
+        if self.workers > 1 and self.engine != "inprocess":
+            raise UserError(f"--workers {self.workers}: cells run in worker processes with --engine inprocess only "
+                            f"(Flower's simulation engine schedules its own processes); use --workers 1")
         known = registry.names()
         unknown = [m for m in self.methods if m not in known]
         if unknown:
@@ -173,23 +184,26 @@ def run_compare(config: CompareConfig) -> Path:
     """Every method x epsilon (x K) on one world (``config``, :class:`CompareConfig`); returns the report's path.
 
     Federated methods run one simulation per K (all of that K's cells in sequence); every other method runs
-    through its record's cell runner (``sim.runners.cells``); then the overlays, the combined release and the
+    through its record's cell runner (``sim.runners.cells``); with ``config.workers`` > 1 the cells are spread
+    over that many processes (:func:`run_in_workers`); then the overlays, the combined release and the
     report. A GPU asked for and missing is refused here, before any cell starts.
     """
     resolve_device(config.device)
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     seed, data, hospitals, init, where = config.seed, config.data, config.hospitals, config.init, config.where
-    device, precision, engine = config.device, config.precision, config.engine
+    device, engine = config.device, config.engine
     progress, reproducible_noise = config.progress, config.reproducible_noise
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
     base = config.base_preset
     delta = config.resolved_delta
     sweep = config.teacher_sweep
-    sweeping = len(sweep) > 1
     started = time.perf_counter()
     ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
     lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
+    if config.lane:
+        _run_cells(config, lifetime, ledger_dir)
+        return out
     atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
                                              "epsilons": list(epsilons), "delta": delta,
                                              # the seed drives the noise when it is reproducible: not published
@@ -200,69 +214,15 @@ def run_compare(config: CompareConfig) -> Path:
                                              "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out)})
     # who holds what in this comparison's world (the report's World section); the split of the first K
-    federations = config.federations
-    world_preset = federations[0]
-    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(world_preset, data, seed, progress, **where)))
+    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(config.federations[0], data, seed, progress,
+                                                                    **where)))
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
-
-    def done(path: Path) -> bool:
-        if (path / "results.json").exists():
-            return True
-        set_aside_interrupted(path)
-        return False
-
-    # --- federated cells: one Flower simulation per K -------------------------------------------------
-    worlds: dict[int, str] = {}
-    first = world_preset
-    public_checkpoint = out / "_shared" / f"K-{first.teachers}" / "public-model.pt"
-    chosen = [registry.method(m) for m in methods]
-    for index, (per_hospital, preset) in enumerate(zip(sweep, federations)):
-        cells = []
-        for record in chosen:
-            if not record.federated or (not record.sweeps_k and index > 0):
-                continue  # a method without teachers needs one K only
-            # a method without teachers shares the first K's public model (the one every baseline uses)
-            shared = out / "_shared" / f"K-{(preset if record.sweeps_k else first).teachers}"
-            for epsilon in (epsilons if record.per_epsilon else [None]):
-                teachers = preset.teachers if sweeping and record.sweeps_k else None
-                path = cell_dir(out, record.name, epsilon, teachers)
-                if not done(path):
-                    cells.append(Cell(record.name, epsilon, str(path), init=init, shared_dir=str(shared),
-                                      teachers=teachers))
-        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress, **where))
-        # the settings every cell of this K shares; each cell names its own method (RunSettings needs one)
-        settings = RunSettings(method=cells[0].method if cells else registry.names(federated=True)[0],
-                               preset=preset_name, delta=delta, seed=seed, data=data,
-                               hospitals=hospitals, teachers_per_hospital=per_hospital, progress=progress,
-                               out=str(out / "_shared"), world=worlds[preset.teachers],
-                               reproducible_noise=reproducible_noise, ledger_dir=str(ledger_dir),
-                               lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
-                               device=str(device), precision=precision)
-        if cells:
-            print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
-                  f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
-            simulate(settings, engine=engine, cells=cells)
-
-    # --- every other cell, in this process, through its record's runner (sim.runners.cells) ---------------
-    context = CompareContext(preset_name=preset_name, preset=first, data=data, seed=seed, delta=delta,
-                             hospitals=hospitals, ledger_dir=ledger_dir, lifetime_epsilon=lifetime,
-                             public_checkpoint=public_checkpoint, progress=progress,
-                             reproducible_noise=reproducible_noise, device=str(device), precision=precision,
-                             where=where)
-    # the references first (as before the registry): the ceiling, then the private ones, then the floors
-    order = {"ceiling": 0, "private": 1, "floor": 2}
-    for record in sorted((r for r in chosen if not r.federated), key=lambda r: order[r.role]):
-        for epsilon in (epsilons if record.per_epsilon else [None]):
-            path = cell_dir(out, record.name, epsilon)
-            if done(path):
-                continue
-            try:
-                cell_runner(record.runner)(context, Cell(record.name, epsilon, str(path), init=init,
-                                                         shared_dir=str(context.shared_dir)))
-            except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
-                print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
+    if config.workers > 1:
+        worlds = run_in_workers(config, lifetime, ledger_dir)
+    else:
+        worlds = _run_cells(config, lifetime, ledger_dir)
     first_k = min(worlds) if worlds else None
 
     # --- report --------------------------------------------------------------------------------------
@@ -278,12 +238,233 @@ def run_compare(config: CompareConfig) -> Path:
     attach_release_everywhere(out, release)
     title = f"fedpate comparison — preset {preset_name}"
     settings = {"preset": preset_name, "hospitals": base.hospitals, "teachers per hospital": ",".join(map(str, sweep)),
-                "δ": delta, "seed": "—" if reproducible_noise else seed, "engine": engine,
+                "δ": delta, "seed": "—" if reproducible_noise else seed, "engine": engine, "workers": config.workers,
                 "wall minutes": round((time.perf_counter() - started) / 60, 1)}
     # kept so that a multi-seed comparison can restate this seed's report with everything released after it
     atomic_write_json(out / REPORT_SETTINGS, {"title": title, "settings": settings,
                                               "overlays": [str(Path(o).relative_to(out)) for o in overlays]})
     return write_report(out, title, settings=settings, overlays=overlays, release=release)
+
+
+def _planned_cells(config: CompareConfig, record) -> list[tuple[int, float | None, int | None, Path]]:
+    """``(K index, epsilon, teachers, folder)`` of every cell of ``record`` in this comparison: federated methods
+    without teachers run at the first K only; a K sweep names the K in the folder of methods with teachers."""
+    sweeping = len(config.teacher_sweep) > 1
+    planned = []
+    for index, preset in enumerate(config.federations):
+        if not (record.federated and record.sweeps_k) and index > 0:
+            continue
+        teachers = preset.teachers if sweeping and record.sweeps_k else None
+        for epsilon in (config.epsilons if record.per_epsilon else [None]):
+            planned.append((index, epsilon, teachers, cell_dir(config.out, record.name, epsilon, teachers)))
+    return planned
+
+
+def _cell_done(path: Path) -> bool:
+    """A cell whose results.json exists is done; one interrupted after releasing is set aside first."""
+    if (path / "results.json").exists():
+        return True
+    set_aside_interrupted(path)
+    return False
+
+
+def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict[int, str]:
+    """Every not yet finished cell of ``config``'s methods, in this process, in sequence; returns each K's
+    materialised world. Federated cells: one simulation per K; every other cell through its record's runner."""
+    out, seed, data, init, progress = config.out, config.seed, config.data, config.init, config.progress
+    federations = config.federations
+    first = federations[0]
+    chosen = [registry.method(m) for m in config.methods]
+    # --- federated cells: one Flower simulation per K -------------------------------------------------
+    worlds: dict[int, str] = {}
+    for index, (per_hospital, preset) in enumerate(zip(config.teacher_sweep, federations)):
+        cells = []
+        for record in chosen:
+            if not record.federated:
+                continue
+            # a method without teachers shares the first K's public model (the one every baseline uses)
+            shared = out / "_shared" / f"K-{(preset if record.sweeps_k else first).teachers}"
+            cells += [Cell(record.name, epsilon, str(path), init=init, shared_dir=str(shared), teachers=teachers)
+                      for k_index, epsilon, teachers, path in _planned_cells(config, record)
+                      if k_index == index and not _cell_done(path)]
+        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress, **config.where))
+        # the settings every cell of this K shares; each cell names its own method (RunSettings needs one)
+        settings = RunSettings(method=cells[0].method if cells else registry.names(federated=True)[0],
+                               preset=config.preset, delta=config.resolved_delta, seed=seed, data=data,
+                               hospitals=config.hospitals, teachers_per_hospital=per_hospital, progress=progress,
+                               out=str(out / "_shared"), world=worlds[preset.teachers],
+                               reproducible_noise=config.reproducible_noise, ledger_dir=str(ledger_dir),
+                               lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
+                               device=str(config.device), precision=config.precision)
+        if cells:
+            print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
+                  f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
+            simulate(settings, engine=config.engine, cells=cells)
+
+    # --- every other cell, in this process, through its record's runner (sim.runners.cells) ---------------
+    context = _cell_context(config, lifetime, ledger_dir)
+    # the references first (as before the registry): the ceiling, then the private ones, then the floors
+    order = {"ceiling": 0, "private": 1, "floor": 2}
+    for record in sorted((r for r in chosen if not r.federated), key=lambda r: order[r.role]):
+        for _, epsilon, _, path in _planned_cells(config, record):
+            if _cell_done(path):
+                continue
+            try:
+                cell_runner(record.runner)(context, Cell(record.name, epsilon, str(path), init=init,
+                                                         shared_dir=str(context.shared_dir)))
+            except BudgetExceeded as exc:   # a hospital's lifetime budget has no room for this cell
+                print(f"compare: {path.relative_to(out)} not run: {exc}", flush=True)
+    return worlds
+
+
+def _cell_context(config: CompareConfig, lifetime: float, ledger_dir: Path) -> CompareContext:
+    """What every non-federated cell runner shares: the first K's world, public model checkpoint and ledgers."""
+    first = config.federations[0]
+    return CompareContext(preset_name=config.preset, preset=first, data=config.data, seed=config.seed,
+                          delta=config.resolved_delta, hospitals=config.hospitals, ledger_dir=ledger_dir,
+                          lifetime_epsilon=lifetime,
+                          public_checkpoint=config.out / "_shared" / f"K-{first.teachers}" / "public-model.pt",
+                          progress=config.progress, reproducible_noise=config.reproducible_noise,
+                          device=str(config.device), precision=config.precision, where=config.where)
+
+
+def parse_workers(text: str | int | None, engine: str, device: str) -> int:
+    """``--workers``: a whole number >= 1, or ``auto`` (:func:`default_workers`)."""
+    if text is None or str(text).strip().lower() == "auto":
+        return default_workers(engine, device)
+    try:
+        return int(str(text))
+    except ValueError:
+        raise UserError(f"--workers: expected a whole number >= 1 or auto, got {text!r}") from None
+
+
+def default_workers(engine: str, device: str) -> int:
+    """How many cells a comparison runs at once when not told: two on a CPU with at least two cores and the
+    in-process engine, else one. Why two: the quick preset's 32^3 U-Net does not scale over two torch threads
+    (one training step: 75 ms on one thread, 54 ms on two, 70-74 ms each when two one-thread processes run
+    side by side -- 1.5 times the throughput), and much of a cell is single-threaded Python and host
+    augmentation. A GPU is one device the cells would queue on: one worker."""
+    cores = os.cpu_count() or 1
+    if engine != "inprocess" or cores < 2 or resolve_device(device).type != "cpu":
+        return 1
+    return 2
+
+
+#: a PATE method's first cell at a K also trains that K's teachers (quick preset, 2026-11-25: 246 s)
+TEACHER_TRAINING_SECONDS = 250.0
+
+
+def _work_units(config: CompareConfig) -> list[tuple[tuple[str, ...], float]]:
+    """The comparison's unfinished work as ``(methods, estimated seconds)`` units that may run side by side.
+    Methods with teachers form one unit (they share the hospitals' trained teachers on disk, trained by
+    whichever cell comes first); every other method is a unit of its own."""
+    teachers, units = [], []
+    for record in map(registry.method, config.methods):
+        pending = [path for *_, path in _planned_cells(config, record) if not (path / "results.json").exists()]
+        if not pending:
+            continue
+        seconds = len(pending) * record.cell_seconds
+        if record.federated and record.sweeps_k:
+            teachers.append((record.name, seconds))
+        else:
+            units.append(((record.name,), seconds))
+    if teachers:
+        units.append((tuple(name for name, _ in teachers),
+                      sum(seconds for _, seconds in teachers) + TEACHER_TRAINING_SECONDS * len(config.teacher_sweep)))
+    return units
+
+
+def spread_over_workers(units: Sequence[tuple[tuple[str, ...], float]], workers: int) -> list[list[str]]:
+    """Longest unit first, each onto the least loaded worker (Graham's LPT rule: within 4/3 of the best
+    makespan); returns each non-empty worker's methods in the comparison's order within its units."""
+    loads = [[0.0, []] for _ in range(max(1, int(workers)))]
+    for names, seconds in sorted(units, key=lambda unit: -unit[1]):
+        lightest = min(loads, key=lambda load: load[0])
+        lightest[0] += seconds
+        lightest[1].extend(names)
+    return [names for _, names in loads if names]
+
+
+def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict[int, str]:
+    """Run the comparison's cells in ``config.workers`` processes at once (issue 28: the demo within 15 min on
+    two cores); returns each K's materialised world.
+
+    This process first materialises every K's world and trains what every worker would otherwise train
+    concurrently -- the first K's public model and its public-only schedule (:func:`prepare_public_models`) --
+    then starts one process per group of methods (:func:`spread_over_workers`), each a
+    ``run_compare(lane=True)`` on the same folder with ``cpu_count // workers`` torch threads, and shows one
+    progress bar over every cell's results.json. Each cell is exactly the cell ``--workers 1`` runs (same
+    world, public model, settings, seeds and ledgers; floating-point sums may differ in the last bits with
+    another thread count). Privacy: the workers charge the same hospital ledgers; every charge checks and
+    records under the ledger file's exclusive lock, re-read inside it (``privacy.ledger.Ledger.exclusive``),
+    so two workers cannot both spend the last of a hospital's budget. A failed worker leaves its finished
+    cells; the same command resumes the rest.
+    """
+    import multiprocessing
+
+    worlds = {preset.teachers: str(materialise_world(preset, config.data, config.seed, config.progress,
+                                                     **config.where))
+              for preset in config.federations}
+    lanes = spread_over_workers(_work_units(config), config.workers)
+    if len(lanes) <= 1:
+        _run_cells(config, lifetime, ledger_dir)
+        return worlds
+    prepare_public_models(_cell_context(config, lifetime, ledger_dir))
+    threads = max(1, (os.cpu_count() or 1) // len(lanes))
+    planned = [path for record in map(registry.method, config.methods) for *_, path in _planned_cells(config, record)]
+    print(f"compare: {len(lanes)} workers x {threads} torch thread(s): "
+          + "; ".join(", ".join(lane) for lane in lanes), flush=True)
+    spawn = multiprocessing.get_context("spawn")   # no forked torch / OpenMP state
+    processes = [spawn.Process(target=_run_lane, name=f"fedpate-worker-{i}",
+                               args=(dataclasses.replace(config, methods=tuple(lane), workers=1, lane=True,
+                                                         progress=False, lifetime_epsilon=lifetime,
+                                                         ledger_dir=ledger_dir, delta=config.resolved_delta),
+                                     threads))
+                 for i, lane in enumerate(lanes)]
+    for process in processes:
+        process.start()
+    bar = _cells_bar(len(planned)) if config.progress else None
+    try:
+        while any(process.is_alive() for process in processes):
+            if bar is not None:
+                bar.update(sum((path / "results.json").exists() for path in planned) - bar.n)
+            time.sleep(2.0)
+    finally:
+        for process in processes:
+            process.join()
+        if bar is not None:
+            bar.update(sum((path / "results.json").exists() for path in planned) - bar.n)
+            bar.close()
+    failed = [f"{p.name} ({', '.join(lane)}): exit {p.exitcode}" for p, lane in zip(processes, lanes) if p.exitcode]
+    if failed:
+        raise UserError(f"compare: worker(s) failed -- {'; '.join(failed)}; finished cells are kept: run the same "
+                        "command again to resume")
+    return worlds
+
+
+def _run_lane(config: CompareConfig, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(int(threads))
+    try:
+        run_compare(config)
+    except UserError as exc:   # one line, as the command line would print it; the parent names the worker
+        print(f"error: {exc}", flush=True)
+        raise SystemExit(2) from None
+
+
+def _cells_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="compare cells", unit="cell")
+
+
+def prepare_public_models(context: CompareContext) -> None:
+    """Train (or load) the first K's public model and its public-only schedule at their shared checkpoints, so
+    that concurrent workers load them instead of each training them (``sim.runners.cells.shared_public_models``)."""
+    world = load_world(*build_world(context.preset, context.data, context.seed, context.progress, **context.where))
+    shared_public_models(world, context.preset, context.seed, context.shared_dir, context.progress,
+                         context.device, context.precision)
 
 
 #: a single-seed comparison's report title, settings and overlays (rewritten by run_compare_seeds at the end)
