@@ -51,8 +51,9 @@ class Method:
     sweeps_k: bool = False
     starts_from_public: bool = False
     description: str = ""
-    #: wall seconds of one cell on the quick preset (measured 2026-11-25, fresh demo on this 2-core machine):
-    #: only a hint for spreading a comparison's cells over worker processes (``sim.runners.compare``)
+    #: wall seconds of one cell on the quick preset in a one-thread worker (fresh demo with --workers 2 on this
+    #: 2-core machine, 2026-11-25): only a hint for spreading a comparison's cells over worker processes
+    #: (``sim.runners.compare.spread_over_workers``)
     cell_seconds: float = 60.0
 
     def __post_init__(self) -> None:
@@ -99,27 +100,31 @@ def family_of(name: str | None) -> str | None:
 
 for _record in (
         Method("pate-ae", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=200),
+               starts_from_public=True, description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=190),
         Method("pate-pca", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=200),
+               starts_from_public=True, description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
         Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True,
-               description="PATE with the public-anchored residual codec (SPEC section 11)", cell_seconds=200),
+               description="PATE with the public-anchored residual codec (SPEC section 11)", cell_seconds=190),
         Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="PATE on per-voxel one-hot votes", cell_seconds=200),
+               starts_from_public=True, description="PATE on per-voxel one-hot votes", cell_seconds=190),
         Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
-               description="FedAvg of each hospital's local DP-SGD", cell_seconds=160),
+               description="FedAvg of each hospital's local DP-SGD", cell_seconds=210),
         Method("dp-sgd-central", "dp-sgd", "private", runner="pooled", per_epsilon=True,
-               description="DP-SGD on the pooled private patients", cell_seconds=150),
+               description="DP-SGD on the pooled private patients", cell_seconds=185),
         Method("nonprivate-central", "nonprivate", "ceiling", runner="pooled",
-               description="non-private training on the pooled private patients", cell_seconds=85),
+               description="non-private training on the pooled private patients", cell_seconds=135),
         Method("public-only", "public-only", "floor", runner="public-only",
                description="the student trained on the public labelled data alone", cell_seconds=1),
         Method("public-selftrain", "public-selftrain", "floor", runner="public-selftrain",
                description="the public model self-trained on the public unlabelled query scans",
-               cell_seconds=55),
+               cell_seconds=80),
 ):
     register_method(_record)
+
+#: the methods a fresh interpreter knows (a comparison's worker processes, ``sim.runners.compare.run_in_workers``):
+#: those registered here, on import; one a script registers at run time is known to that process only
+BUILTIN_METHODS = frozenset(names())
 
 # Views kept for the command line's help and older callers; computed from the registry at import.
 PATE_METHODS = names(family="pate")

@@ -86,7 +86,16 @@ def run_floor(floor: Callable) -> CellRunner:
 def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: bool, device: str, precision: str):
     """(public model, public-only model) at a comparison's shared checkpoints, trained or loaded: the public model
     every cell starts from (``public-model.pt``) and its continuation on the student's schedule
-    (``public-only.pt``, what PATE's student must beat) -- the same calls ``server.pate`` makes."""
+    (``public-only.pt``, what PATE's student must beat) -- the same calls ``server.pate`` makes.
+
+    Args:
+        world: the comparison's :class:`sim.world.PublicWorld` (its public reference maps train both).
+        preset: the preset (network, public and student epochs).
+        seed: the training seed.
+        shared_dir: the folder of both checkpoints (a finished checkpoint is loaded, not retrained).
+        progress: progress bars.
+        device / precision: where they train (``sim.device``) and whether forward passes run under bf16.
+    """
     shared_dir = Path(shared_dir)
     public_model = train_public_model(world, preset, seed=seed, progress=progress,
                                       checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)

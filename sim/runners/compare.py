@@ -350,8 +350,9 @@ def default_workers(engine: str, device: str) -> int:
     return 2
 
 
-#: a PATE method's first cell at a K also trains that K's teachers (quick preset, 2026-11-25: 246 s)
-TEACHER_TRAINING_SECONDS = 250.0
+#: a PATE method's first cell at a K also trains that K's teachers (quick preset, one-thread worker, 2026-11-25:
+#: the epsilon-1 cell took 395 s, the epsilon-8 cell 192 s)
+TEACHER_TRAINING_SECONDS = 200.0
 
 
 def _work_units(config: CompareConfig) -> list[tuple[tuple[str, ...], float]]:
@@ -398,7 +399,9 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     another thread count). Privacy: the workers charge the same hospital ledgers; every charge checks and
     records under the ledger file's exclusive lock, re-read inside it (``privacy.ledger.Ledger.exclusive``),
     so two workers cannot both spend the last of a hospital's budget. A failed worker leaves its finished
-    cells; the same command resumes the rest.
+    cells; the same command resumes the rest. The workers are fresh interpreters: they know the methods
+    registered on import (``sim.methods.BUILTIN_METHODS``), so a comparison with a method a script registered
+    at run time runs every cell in this process.
     """
     import multiprocessing
 
@@ -406,7 +409,11 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
                                                      **config.where))
               for preset in config.federations}
     lanes = spread_over_workers(_work_units(config), config.workers)
-    if len(lanes) <= 1:
+    runtime_registered = [m for m in config.methods if m not in registry.BUILTIN_METHODS]
+    if runtime_registered:
+        print(f"compare: {', '.join(runtime_registered)} registered at run time, unknown to worker processes: "
+              "every cell runs in this process", flush=True)
+    if len(lanes) <= 1 or runtime_registered:
         _run_cells(config, lifetime, ledger_dir)
         return worlds
     prepare_public_models(_cell_context(config, lifetime, ledger_dir))
