@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,17 @@ def _prepared_population(preset, data, progress: bool, layout: str | None = None
     else the one population (phantoms, or the MSD / BraTS folder in ``layout``, None = detected)."""
     grid = "x".join(map(str, preset.grid))
     config = PreprocessConfig(grid=tuple(preset.grid))
+    # phantoms in one process per core (same bytes as one process): the demo's first 100 s were mostly these
+    workers = os.cpu_count() or 1
     root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
-                                                               seed=PHANTOM_SEED, progress=progress)
+                                                               seed=PHANTOM_SEED, progress=progress, workers=workers)
     prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress,
                                layout=layout if data is not None else None)
     if data is not None or not preset.public_cases:
         return prepared
     other = ensure_phantoms(preset, cache_root() / "phantoms", seed=PUBLIC_PHANTOM_SEED, progress=progress,
                             cases=preset.public_cases, institutions=preset.public_institutions, test_cases=0,
-                            shift=preset.public_shift)
+                            shift=preset.public_shift, workers=workers)
     other_prepared = prepare_dataset(other, cache_root() / "prepared" / f"{other.name}-{grid}", config,
                                      progress=progress)
     # the folder names carry every generation setting of both sources: a changed world gets a new cache

@@ -111,6 +111,19 @@ def test_written_files_are_byte_identical_and_resumable(tmp_path):
         json.loads((first / "dataset.json").read_text())["training"]
 
 
+def test_two_generating_processes_write_the_bytes_one_writes(tmp_path):
+    """The world generates its phantoms in one process per core (sim.world): same files as one process."""
+    serial = generate_phantoms(tmp_path / "one", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
+                               progress=False)
+    parallel = generate_phantoms(tmp_path / "two", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
+                                 progress=False, workers=2)
+    files = sorted(p.relative_to(serial) for p in serial.rglob("*.nii.gz"))
+    assert len(files) == 7
+    for name in files:
+        assert (parallel / name).read_bytes() == (serial / name).read_bytes(), name
+    assert (parallel / "dataset.json").read_text() == (serial / "dataset.json").read_text()
+
+
 def test_refuses_a_folder_with_other_data(tmp_path):
     root = generate_phantoms(tmp_path / "a", cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False)
     assert generate_phantoms(root, cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False) == root

@@ -38,6 +38,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import multiprocessing
 import os
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -654,7 +655,8 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     bar = tqdm(total=total, desc=f"phantoms {out.name}", unit="case", disable=not progress, leave=False)
     results: list[dict] = []
     if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # spawned, not forked: a caller may already have run torch's OpenMP pool, which a fork does not survive
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for result in pool.map(_generate_one, jobs, chunksize=2):
                 results.append(result)
                 bar.update(1)
