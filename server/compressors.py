@@ -71,6 +71,8 @@ class PublicFit:
     query_probs: np.ndarray | None = None
     reference_is_query: bool = False
     with_predictions: bool = True
+    #: the public reference scans themselves (the anchored codec's intensity bins are fitted on them)
+    reference_scans: np.ndarray | None = None
 
     def label_maps(self) -> tuple[np.ndarray, dict[str, int]]:
         """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels),
@@ -105,11 +107,13 @@ class Compressor:
         public reference labels alone (the identity codec learns only their shape)."""
         return self.fit(public.reference_maps)
 
-    def batch_state(self, state: dict, public_probs: np.ndarray | None) -> dict:
-        """The codec state one query batch is shipped with (default: the state itself)."""
+    def batch_state(self, state: dict, public_probs: np.ndarray | None, scans: np.ndarray | None = None) -> dict:
+        """The codec state one query batch is shipped with (default: the state itself); ``public_probs`` and
+        ``scans``: the public model's probabilities for the batch's public scans, and the scans."""
         return state
 
-    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float) -> np.ndarray:
+    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float,
+                       scans: np.ndarray | None = None) -> np.ndarray:
         """Probabilities from noisy mean latents of noise ``sigma`` (default: :meth:`decode`)."""
         return self.decode(z)
 
@@ -585,8 +589,14 @@ class AnchoredResidualCompressor(Compressor):
 
     needs_public_model = True
 
-    def __init__(self, shells: tuple = (-2, 5), clip: float | None = None, clip_scale: float = 2.5):
+    def __init__(self, shells: tuple = (-2, 5), clip: float | None = None, clip_scale: float = 2.5,
+                 intensity_bins: int = 1, intensity_channel: int = codecs.T1GD_CHANNEL):
         shells = tuple(int(v) for v in shells)
+        if isinstance(intensity_bins, bool) or int(intensity_bins) != intensity_bins \
+                or not 1 <= int(intensity_bins) <= 255:
+            raise UserError(f"anchored codec: intensity_bins must be a whole number in [1, 255], got {intensity_bins}")
+        self.intensity_bins = int(intensity_bins)
+        self.intensity_channel = int(intensity_channel)
         if len(shells) != 2 or not shells[0] <= 0 < shells[1]:
             raise UserError(f"anchored codec: shells {shells} must be (lo <= 0, hi >= 1)")
         if clip is not None and not (math.isfinite(float(clip)) and float(clip) > 0):
@@ -598,18 +608,25 @@ class AnchoredResidualCompressor(Compressor):
         self.clip_scale = float(clip_scale)
         self.public_residual_norm: float | None = None
 
-    def fit(self, public_onehot: np.ndarray, public_probs: np.ndarray | None = None) -> "AnchoredResidualCompressor":
+    def fit(self, public_onehot: np.ndarray, public_probs: np.ndarray | None = None,
+            public_scans: np.ndarray | None = None) -> "AnchoredResidualCompressor":
         """``public_onehot``: public reference label maps (n, C, *g); ``public_probs``: the public model's
-        probabilities on the same public reference scans (needed when ``clip`` is None)."""
+        probabilities on the same public reference scans (needed when ``clip`` is None); ``public_scans``: those
+        scans (needed with intensity bins and no explicit clip: the norms are measured in the binned regions)."""
         maps = self._check_fit_input(public_onehot)
-        self.latent_dim = codecs.anchored_latent_dim(self.classes, self.shells)
+        self.latent_dim = codecs.anchored_latent_dim(self.classes, self.shells, self.intensity_bins)
         if public_probs is not None:
             public_probs = np.asarray(public_probs, dtype=np.float32)
             if public_probs.shape != maps.shape:
                 raise UserError(f"public model probabilities {public_probs.shape} do not match the public "
                                 f"reference maps {maps.shape}")
             codecs.check_probabilities(public_probs, "public model probabilities")
-            norms = np.linalg.norm(codecs.anchored_encode(maps, public_probs, self.shells, None), axis=1)
+            if self.intensity_bins > 1 and public_scans is None:
+                raise UserError("anchored codec: with intensity bins, fit needs the public reference scans too")
+            shipped = self.batch_state(self._bare_state(), public_probs, public_scans)
+            bins, count = codecs.shipped_bins(shipped)
+            norms = np.linalg.norm(codecs.anchored_encode(maps, public_probs, self.shells, None, bins=bins,
+                                                          intensity_bins=count), axis=1)
             self.public_residual_norm = float(np.median(norms))
         if self.clip is None:
             if self.public_residual_norm is None:
@@ -626,43 +643,56 @@ class AnchoredResidualCompressor(Compressor):
         self._require_fit()
         return float(sens.clipped_bound(self.clip, _teachers(teachers)))
 
+    def _bare_state(self) -> dict:
+        """The state's kind, shells and bins (what the regions depend on), before C is known."""
+        return {"kind": np.array("anchored"), "shells": np.array(self.shells, dtype=np.int64),
+                "intensity_bins": np.array(self.intensity_bins, dtype=np.int64),
+                "intensity_channel": np.array(self.intensity_channel, dtype=np.int64)}
+
     def state(self) -> dict:
         self._require_fit()
         state = self._base_state("anchored")
-        state.update({"shells": np.array(self.shells, dtype=np.int64), "clip": np.array(float(self.clip)),
-                      "row_bound": np.array(float(self.clip))})
+        state.update({**self._bare_state(), "clip": np.array(float(self.clip)), "row_bound": np.array(float(self.clip))})
+        if self.intensity_bins == 1:   # the state of a codec without bins stays what it was before issue 28
+            del state["intensity_bins"], state["intensity_channel"]
         return state
 
-    def encode(self, probs: np.ndarray, anchor: np.ndarray | None = None) -> np.ndarray:
+    def encode(self, probs: np.ndarray, anchor: np.ndarray | None = None, scans: np.ndarray | None = None) -> np.ndarray:
         """Server-side convenience (tests, diagnostics): the exact function hospitals run."""
         if anchor is None:
             raise UserError("anchored codec: encode needs the public anchor of the scans")
-        return codecs.encode(codecs.with_anchor(self.state(), anchor), probs)
+        return codecs.encode(self.batch_state(self.state(), anchor, scans), probs)
 
-    def decode(self, z: np.ndarray, anchor: np.ndarray | None = None, sigma: float = 0.0) -> np.ndarray:
+    def decode(self, z: np.ndarray, anchor: np.ndarray | None = None, sigma: float = 0.0,
+               scans: np.ndarray | None = None) -> np.ndarray:
         """Pseudo-labels; ``sigma`` > 0 (the release's noise): James-Stein shrinkage towards the anchor first
         (:func:`sim.codecs.shrink_latents`), so that noise-dominated latents decode to the public model."""
         self._require_fit()
         if anchor is None:
             raise UserError("anchored codec: decode needs the public anchor (the public model's prediction)")
-        return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells)
+        bins, count = codecs.shipped_bins(self.batch_state(self._bare_state(), anchor, scans))
+        return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells, bins=bins,
+                                      intensity_bins=count)
 
     def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
         """Anchored at the public model (issue 18): C from its residual on the public reference scans."""
         if public.reference_probs is None:
             raise UserError("pate-anchored needs the public model and public reference scans with labels")
-        return self.fit(public.reference_maps, public.reference_probs)
+        return self.fit(public.reference_maps, public.reference_probs, public.reference_scans)
 
-    def batch_state(self, state: dict, public_probs: np.ndarray | None) -> dict:
-        """Every query batch carries its scans' anchor: the public model's probabilities for exactly them."""
-        return codecs.with_anchor(state, public_probs)
+    def batch_state(self, state: dict, public_probs: np.ndarray | None, scans: np.ndarray | None = None) -> dict:
+        """Every query batch carries its scans' anchor -- the public model's probabilities for exactly them --
+        and, with intensity bins, their bin map (from the public scans)."""
+        return codecs.with_anchor(state, public_probs, scans)
 
-    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float) -> np.ndarray:
+    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float,
+                       scans: np.ndarray | None = None) -> np.ndarray:
         """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""
-        return self.decode(z, public_probs, sigma=sigma)
+        return self.decode(z, public_probs, sigma=sigma, scans=scans)
 
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
+                "intensity_bins": self.intensity_bins, "intensity_channel": self.intensity_channel,
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
 
 #: PATE method -> the factory of its compressor (issue 27: one entry per method, no name tests elsewhere)
@@ -715,7 +745,9 @@ def _identity(preset, *, seed, checkpoint, progress, device=None, **options) -> 
 def _anchored(preset, *, seed, checkpoint, progress, device=None, **options) -> AnchoredResidualCompressor:
     extra = getattr(preset, "extra", None) or {}
     return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
-                                      options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)))
+                                      options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)),
+                                      options.get("intensity_bins", extra.get("anchored_intensity_bins", 1)),
+                                      options.get("intensity_channel", codecs.T1GD_CHANNEL))
 
 
 for _method, _factory in (("pate-pca", _pca), ("pate-ae", _autoencoder), ("pate-naive", _identity),

@@ -145,19 +145,27 @@ class ReleasePlan:
     public_test_probs: np.ndarray | None = None
     #: how many public maps of each kind the PCA / autoencoder codec was fitted on (None: other codecs)
     fit_maps: dict[str, int] | None = None
+    #: the scans those probabilities belong to (public too: the anchored codec's intensity bins come from them)
+    public_query_scans: np.ndarray | None = None
+    public_test_scans: np.ndarray | None = None
 
-    def _public_probs(self, indices, on: str) -> np.ndarray | None:
+    def _public_side(self, indices, on: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(the public model's probabilities, the scans) for the scans ``indices`` of the query or test set."""
         probs = self.public_query_probs if on == "query" else self.public_test_probs
-        return None if probs is None else probs[np.asarray(indices, dtype=int)]
+        scans = self.public_query_scans if on == "query" else self.public_test_scans
+        index = np.asarray(indices, dtype=int)
+        return (None if probs is None else probs[index]), (None if scans is None else scans[index])
 
     def codec_for(self, indices, on: str = "query") -> dict:
         """The codec state shipped with the scans ``indices`` (with the public side information the compressor
-        says a batch needs, e.g. the anchored codec's anchors)."""
-        return self.compressor.batch_state(self.codec, self._public_probs(indices, on))
+        says a batch needs, e.g. the anchored codec's anchors and intensity bins)."""
+        probs, scans = self._public_side(indices, on)
+        return self.compressor.batch_state(self.codec, probs, scans)
 
     def decode(self, latents: np.ndarray, indices, on: str = "query", noisy: bool = True) -> np.ndarray:
         """Pseudo-labels from mean latents (``noisy=False``: the un-noised diagnostic, decoded as if sigma were 0)."""
-        return self.compressor.decode_release(latents, self._public_probs(indices, on), self.sigma if noisy else 0.0)
+        probs, scans = self._public_side(indices, on)
+        return self.compressor.decode_release(latents, probs, self.sigma if noisy else 0.0, scans)
 
 
 @dataclass
@@ -304,7 +312,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
         reference_probs=(predict_probs(public_model, world.reference_images, precision=config.precision)
                          if compressor.needs_public_model else None),
         query_probs=public_query, reference_is_query=list(world.reference_ids) == list(world.query_ids),
-        with_predictions=bool(config.fit_on_public_predictions))
+        with_predictions=bool(config.fit_on_public_predictions), reference_scans=world.reference_images)
     compressor.fit_release(public, noise_per_sensitivity, K)
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
@@ -312,7 +320,8 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     public_test = (predict_probs(public_model, world.test_images, precision=config.precision)
                    if compressor.needs_public_model else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
-                       compressor.release_checks(), public_query, public_test, compressor.fit_counts)
+                       compressor.release_checks(), public_query, public_test, compressor.fit_counts,
+                       world.query_images, world.test_images)
 
 
 def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: ReleasePlan, teachers: Teachers,

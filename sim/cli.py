@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Order is the order shown in --help.
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # this entry point is guarded (``if __name__ == "__main__"``, as a console script's is): spawned phantom
+    # workers can import it safely, so worlds generate their phantoms on every core (sim.world.phantom_workers)
+    os.environ.setdefault("FEDPATE_PHANTOM_WORKERS", "auto")
     try:
         status = args.func(args)
     except _user_error_types() as exc:

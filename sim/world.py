@@ -62,13 +62,35 @@ PUBLIC_PREFIX = "other-"
 POPULATION_SOURCE = "hospitals-population"
 
 
+#: how many processes generate the phantoms (same bytes as one process): a whole number or ``auto`` (one per
+#: core). 1 unless set: a spawned worker imports the caller's main module again, and a script without an
+#: ``if __name__ == "__main__":`` guard would re-run itself there and wait forever on the phantom cache's
+#: lock its parent holds (seen with a scratch script calling ``run_central``). The ``fedpate`` command, whose
+#: entry point is guarded, sets ``auto``: the demo's first 100 s were mostly one-core phantom generation.
+PHANTOM_WORKERS_ENV = "FEDPATE_PHANTOM_WORKERS"
+
+
+def phantom_workers() -> int:
+    """Processes that generate phantoms (``$FEDPATE_PHANTOM_WORKERS``; always 1 inside a worker process)."""
+    import multiprocessing
+
+    text = os.environ.get(PHANTOM_WORKERS_ENV, "1").strip()
+    if multiprocessing.parent_process() is not None:
+        return 1
+    if text == "auto":
+        return os.cpu_count() or 1
+    try:
+        return max(1, int(text))
+    except ValueError:
+        raise UserError(f"${PHANTOM_WORKERS_ENV}: expected a whole number or auto, got {text!r}") from None
+
+
 def _prepared_population(preset, data, progress: bool, layout: str | None = None) -> PreparedDataset:
     """The preset's two-source world (population + other centre) when it has one and no ``data`` is given,
     else the one population (phantoms, or the MSD / BraTS folder in ``layout``, None = detected)."""
     grid = "x".join(map(str, preset.grid))
     config = PreprocessConfig(grid=tuple(preset.grid))
-    # phantoms in one process per core (same bytes as one process): the demo's first 100 s were mostly these
-    workers = os.cpu_count() or 1
+    workers = phantom_workers()
     root = Path(data) if data is not None else ensure_phantoms(preset, cache_root() / "phantoms",
                                                                seed=PHANTOM_SEED, progress=progress, workers=workers)
     prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress,

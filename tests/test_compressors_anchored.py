@@ -147,13 +147,15 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
     seen = []
     original = AnchoredResidualCompressor.fit
     monkeypatch.setattr(AnchoredResidualCompressor, "fit",
-                        lambda self, maps, probs=None: seen.append((maps, probs)) or original(self, maps, probs))
+                        lambda self, maps, probs=None, scans=None: seen.append((maps, probs, scans))
+                        or original(self, maps, probs, scans))
     config = pate.PateConfig(method="pate-anchored", epsilon=8.0, delta=1e-3, progress=False)
     teachers = pate.Teachers({"h0": 4}, {})
     plan = pate.plan_release(world, get_preset("tiny"), config, teachers, tmp_path, model)
-    (maps, probs), = seen
+    (maps, probs, scans), = seen
     assert np.array_equal(maps, codecs.one_hot(world.reference_labels))
     assert np.allclose(probs, predict_probs(model, world.reference_images))
+    assert scans is world.reference_images            # the public reference scans (intensity bins), nothing else
     world.query_labels = rng.integers(0, 4, (3, *grid))      # other private/diagnostic labels: same codec
     world.test_labels = rng.integers(0, 4, (2, *grid))
     again = pate.plan_release(world, get_preset("tiny"), config, teachers, tmp_path, model)

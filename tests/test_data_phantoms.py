@@ -4,6 +4,7 @@ deterministic per seed."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -226,3 +227,25 @@ def test_healthy_tissue_enhances_too_vessels_and_choroid_plexus(sample_cases):
         assert vessels.sum() >= 5, case.info
         assert image[..., T1GD][vessels].mean() > 1.05 * image[..., T1GD][wm].mean(), case.info
         assert image[..., T2][vessels].mean() < image[..., T2][gm].mean(), case.info
+
+
+def test_the_library_generates_phantoms_in_one_process_unless_asked(monkeypatch):
+    """Spawned phantom workers import the caller's main module again: an unguarded script calling the library
+    would re-run itself in them (and wait forever on the cache lock its parent holds). So the library uses one
+    process unless $FEDPATE_PHANTOM_WORKERS says otherwise, and the guarded ``fedpate`` entry point says auto."""
+    from sim.errors import UserError
+    from sim.world import PHANTOM_WORKERS_ENV, phantom_workers
+
+    monkeypatch.delenv(PHANTOM_WORKERS_ENV, raising=False)
+    assert phantom_workers() == 1
+    monkeypatch.setenv(PHANTOM_WORKERS_ENV, "3")
+    assert phantom_workers() == 3
+    monkeypatch.setenv(PHANTOM_WORKERS_ENV, "auto")
+    assert phantom_workers() == (os.cpu_count() or 1)
+    monkeypatch.setenv(PHANTOM_WORKERS_ENV, "many")
+    with pytest.raises(UserError, match=PHANTOM_WORKERS_ENV):
+        phantom_workers()
+    monkeypatch.delenv(PHANTOM_WORKERS_ENV)
+    from sim.cli import main
+    assert main(["privacy", "calibrate", "--epsilon", "8", "--delta", "1e-3", "--queries", "10"]) == 0
+    assert os.environ[PHANTOM_WORKERS_ENV] == "auto"

@@ -1,12 +1,20 @@
 """The public-anchored residual codec (issue 18; SPEC section 11, "PATE should only add to what public data
 gives"): ``z = clip_C(B_n (y - p_n))`` where ``p_n`` is the public model's prediction for query n (public side
-information shipped with the query batch as ``anchor``) and ``B_n`` sums the tumour classes' residual over the
-shells around the public prediction's tumour (:func:`anchored_encode`, :func:`anchored_decode`); the server's
+information shipped with the query batch as ``anchor``) and ``B_n`` sums the tumour classes' residual over
+regions around the public prediction's tumour (:func:`anchored_encode`, :func:`anchored_decode`); the server's
 :class:`server.compressors.AnchoredResidualCompressor` fits C on public arrays.
 
-Sensitivity (replace-one): every row is clipped to C *after* every step the anchor or its regions influence,
-so ``||z - z'|| <= ||z|| + ||z'|| <= 2C`` for any teacher outputs and any anchor, a malicious one included: the
-mean of K rows moves by at most 2C/K.
+The regions are the shells around the public tumour (:func:`anchor_regions`), each split into ``intensity_bins``
+quantile bins of one channel of the query scan itself (:func:`intensity_bin_map`; issue 28, item 5: "a codec
+that can say where a class the public model misses should go"). Within a region the decoder can only place a
+class's mass by the public model's ranking of voxels, which for a class the public model never predicts is
+no ranking at all; the scan's own intensities are public side information that can. Default channel: T1-Gd,
+by the labels' definition (the enhancing tumour is the core that enhances on T1-Gd, the non-enhancing core
+the part that does not; Menze et al. 2015, the BraTS benchmark).
+
+Sensitivity (replace-one): every row is clipped to C *after* every step the anchor, the scans or the regions
+influence, so ``||z - z'|| <= ||z|| + ||z'|| <= 2C`` for any teacher outputs and any anchor or bin map, a
+malicious one included: the mean of K rows moves by at most 2C/K.
 """
 
 from __future__ import annotations
@@ -22,6 +30,16 @@ from sim.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, che
 from sim.errors import UserError
 
 ANCHOR_KEY = "anchor"
+#: the per-voxel intensity bin of each query scan (:func:`intensity_bin_map`), shipped beside the anchor
+BINS_KEY = "anchor_bins"
+#: our channel order is (FLAIR, T1, T1-Gd, T2) in every layout (sim.data.layouts)
+T1GD_CHANNEL = 2
+MAX_INTENSITY_BINS = 255      # the bin map travels as uint8
+
+
+def intensity_bins_of(state: Mapping[str, np.ndarray]) -> int:
+    """How many intensity bins split each shell (1 for states written before issue 28's bins)."""
+    return int(scalar(state, "intensity_bins")) if "intensity_bins" in state else 1
 
 
 def anchored_shells(state: Mapping[str, np.ndarray]) -> tuple[int, int]:
@@ -32,10 +50,10 @@ def anchored_shells(state: Mapping[str, np.ndarray]) -> tuple[int, int]:
     return shells[0], shells[1]
 
 
-def anchored_latent_dim(classes: int, shells) -> int:
-    """``(classes - 1) * (hi - lo + 1)``: one residual sum per tumour class and shell."""
+def anchored_latent_dim(classes: int, shells, intensity_bins: int = 1) -> int:
+    """``(classes - 1) * (hi - lo + 1) * bins``: one residual sum per tumour class and region (shell x bin)."""
     lo, hi = (int(v) for v in shells)
-    return int((int(classes) - 1) * (hi - lo + 1))
+    return int((int(classes) - 1) * (hi - lo + 1) * int(intensity_bins))
 
 
 def _chessboard_step(mask: np.ndarray, grow: bool) -> np.ndarray:
@@ -48,8 +66,35 @@ def _chessboard_step(mask: np.ndarray, grow: bool) -> np.ndarray:
     return out
 
 
-def anchor_regions(anchor: np.ndarray, shells) -> np.ndarray:
-    """Region index per voxel (n, *g): the chessboard shells around the public prediction's tumour.
+def intensity_bin_map(scans: np.ndarray, shell_regions: np.ndarray, channel: int, bins: int) -> np.ndarray:
+    """Per voxel, which of ``bins`` quantile bins of the scan's ``channel`` intensity it falls in, the quantiles
+    taken within each shell of that scan separately (n, *g), uint8; 0 outside every shell.
+
+    Within-shell quantiles, not fixed thresholds: every region then holds about the same number of voxels
+    whatever the scanner's intensity scale, and the bins are a deterministic function of public arrays (the
+    query scans and the public anchor's shells), computed once by the server and shipped with the batch.
+    """
+    scans = np.asarray(scans, dtype=np.float64)
+    shell_regions = np.asarray(shell_regions)
+    if not 0 <= int(channel) < scans.shape[1]:
+        raise UserError(f"anchored codec: intensity channel {channel} is not one of the scans' {scans.shape[1]}")
+    out = np.zeros(shell_regions.shape, dtype=np.uint8)
+    cuts = np.linspace(0.0, 1.0, int(bins) + 1)[1:-1]
+    for i in range(len(scans)):
+        values = scans[i, int(channel)]
+        for region in np.unique(shell_regions[i]):
+            if region < 0:
+                continue
+            inside = shell_regions[i] == region
+            edges = np.quantile(values[inside], cuts)
+            out[i][inside] = np.searchsorted(edges, values[inside], side="right")
+    return out
+
+
+def anchor_regions(anchor: np.ndarray, shells, bins: np.ndarray | None = None, intensity_bins: int = 1) -> np.ndarray:
+    """Region index per voxel (n, *g): the chessboard shells around the public prediction's tumour, each split
+    by ``bins`` (a :func:`intensity_bin_map`, values in ``[0, intensity_bins)``) when given: region =
+    shell index x ``intensity_bins`` + bin.
 
     Shell 0 is the tumour's boundary layer, -1, -2, ... lie deeper inside (everything deeper than ``lo`` is
     shell ``lo``), 1, 2, ... are the layers outside it up to ``hi``; voxels farther out are -1 (no region).
@@ -80,11 +125,17 @@ def anchor_regions(anchor: np.ndarray, shells) -> np.ndarray:
             shell[grown & ~outer] = distance
             outer = grown
         out[i] = np.where(shell <= hi, shell - lo, -1)
+    if bins is not None and int(intensity_bins) > 1:
+        bins = np.asarray(bins, dtype=np.int64)
+        if bins.shape != out.shape:
+            raise UserError(f"anchored codec: intensity bins of shape {bins.shape} do not match the anchor's {out.shape}")
+        out = np.where(out >= 0, out * int(intensity_bins) + np.clip(bins, 0, int(intensity_bins) - 1), -1)
     return out
 
 
 def anchored_encode(probs: np.ndarray, anchor: np.ndarray, shells, clip: float | None,
-                    regions: np.ndarray | None = None) -> np.ndarray:
+                    regions: np.ndarray | None = None, bins: np.ndarray | None = None,
+                    intensity_bins: int = 1) -> np.ndarray:
     """``z = clip_C(B (y - p))``: per tumour class c and region j of :func:`anchor_regions`,
     ``sum_{v in R_j} (y_vc - p_vc) / sqrt(|R_j|)`` -- the rows of B are orthonormal (disjoint indicator
     vectors over sqrt of their size), so ``||B r|| <= ||r||`` -- every row clipped to L2 norm ``clip``
@@ -92,14 +143,14 @@ def anchored_encode(probs: np.ndarray, anchor: np.ndarray, shells, clip: float |
 
     ``regions``: ``anchor_regions(anchor, shells)`` when the caller already has them (a hospital encodes
     every teacher's answer against the same anchor: computing the regions once per query batch instead of
-    once per teacher took 51 of a PATE cell's 320 s). They depend on the anchor only, never on ``probs``,
-    and the clip comes after them, so the sensitivity argument above is unchanged."""
+    once per teacher took 51 of a PATE cell's 320 s). They depend on the anchor and the bins only, never on
+    ``probs``, and the clip comes after them, so the sensitivity argument above is unchanged."""
     probs = np.asarray(probs, dtype=np.float64)
     anchor = np.asarray(anchor, dtype=np.float64)
-    regions = anchor_regions(anchor, shells) if regions is None else np.asarray(regions)
+    regions = anchor_regions(anchor, shells, bins, intensity_bins) if regions is None else np.asarray(regions)
     if regions.shape != (len(anchor),) + anchor.shape[2:]:
         raise UserError(f"anchored codec: regions of shape {regions.shape} do not match the anchor {anchor.shape}")
-    count = anchored_latent_dim(2, shells)
+    count = anchored_latent_dim(2, shells, intensity_bins)
     classes = probs.shape[1]
     z = np.zeros((len(probs), classes - 1, count))
     for i in range(len(probs)):
@@ -126,7 +177,8 @@ def shrink_latents(z: np.ndarray, sigma: float) -> np.ndarray:
     return z * np.maximum(0.0, 1.0 - z.shape[-1] * float(sigma) ** 2 / energy)
 
 
-def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int = 30) -> np.ndarray:
+def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int = 30, bins: np.ndarray | None = None,
+                    intensity_bins: int = 1) -> np.ndarray:
     """Pseudo-labels from (noisy) mean latents by mass matching (post-processing of the release).
 
     In each region the latent says how much probability mass of each tumour class the teachers put there
@@ -141,9 +193,9 @@ def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int =
     """
     anchor = np.asarray(anchor, dtype=np.float32)
     classes = anchor.shape[1]
-    count = anchored_latent_dim(2, shells)
+    count = anchored_latent_dim(2, shells, intensity_bins)
     z = np.asarray(z, dtype=np.float64).reshape(len(anchor), classes - 1, count)
-    regions = anchor_regions(anchor, shells)
+    regions = anchor_regions(anchor, shells, bins, intensity_bins)
     out = anchor.copy()
     for i in range(len(anchor)):
         active = np.any(z[i] != 0, axis=0)                     # regions the latent says anything about
@@ -179,25 +231,50 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return weights / weights.sum(axis=0, keepdims=True)
 
 
-def with_anchor(state: Mapping[str, np.ndarray], anchor: np.ndarray) -> dict:
+def with_anchor(state: Mapping[str, np.ndarray], anchor: np.ndarray, scans: np.ndarray | None = None) -> dict:
     """The codec state shipped with one query batch: the public anchor (the public model's probabilities
-    for exactly these scans, in order) added to an anchored state; other kinds are returned unchanged."""
+    for exactly these scans, in order) added to an anchored state, and, when its shells are split into
+    intensity bins, the scans' bin map (:func:`intensity_bin_map`, computed from the public ``scans``);
+    other kinds are returned unchanged."""
     if str(scalar(state, "kind")) != "anchored":
         return dict(state)
-    return {**dict(state), ANCHOR_KEY: np.asarray(anchor, dtype=np.float32)}
+    anchor = np.asarray(anchor, dtype=np.float32)
+    shipped = {**dict(state), ANCHOR_KEY: anchor}
+    bins = intensity_bins_of(state)
+    if bins > 1:
+        if scans is None or len(scans) != len(anchor):
+            raise UserError(f"anchored codec with {bins} intensity bins: needs the {len(anchor)} public scans "
+                            "the anchor belongs to")
+        shipped[BINS_KEY] = intensity_bin_map(scans, anchor_regions(anchor, anchored_shells(state)),
+                                              int(scalar(state, "intensity_channel")), bins)
+    return shipped
+
+
+def shipped_bins(state: Mapping[str, np.ndarray]) -> tuple[np.ndarray | None, int]:
+    """(the batch's bin map or None, the number of bins) of a shipped anchored state."""
+    bins = intensity_bins_of(state)
+    return (np.asarray(state[BINS_KEY]) if bins > 1 and BINS_KEY in state else None), bins
 
 
 
 def verify(state: Mapping[str, np.ndarray], classes: int, grid: tuple, latent: int, scans_shape) -> float:
-    """Shells ``lo <= 0 < hi``, ``l = (classes - 1) x shells``, a positive finite clip; the anchor (public side
-    information) only for its shape and range -- and, for a query batch, present for exactly its scans."""
+    """Shells ``lo <= 0 < hi``, ``l = (classes - 1) x shells x intensity bins``, a positive finite clip; the anchor
+    and the bin map (public side information) only for their shapes and ranges -- and, for a query batch, present
+    for exactly its scans."""
     try:
         shells = anchored_shells(state)
     except (KeyError, UserError) as exc:
         raise CodecRefused(f"codec: {exc}") from None
-    if latent != anchored_latent_dim(classes, shells):
-        raise CodecRefused(f"codec: anchored latent_dim {latent} must be (classes - 1) x shells = "
-                           f"{anchored_latent_dim(classes, shells)}")
+    try:
+        bins = intensity_bins_of(state)
+        channel = int(scalar(state, "intensity_channel")) if bins > 1 else 0
+    except (TypeError, ValueError):
+        raise CodecRefused("codec: anchored intensity_bins / intensity_channel must be whole numbers") from None
+    if not 1 <= bins <= MAX_INTENSITY_BINS:
+        raise CodecRefused(f"codec: anchored intensity_bins {bins} must be in [1, {MAX_INTENSITY_BINS}]")
+    if latent != anchored_latent_dim(classes, shells, bins):
+        raise CodecRefused(f"codec: anchored latent_dim {latent} must be (classes - 1) x shells x bins = "
+                           f"{anchored_latent_dim(classes, shells, bins)}")
     bound = float(scalar(state, "clip"))
     if not (math.isfinite(bound) and bound > 0):
         raise CodecRefused(f"codec: anchored clip must be a positive number, got {bound}")
@@ -208,6 +285,14 @@ def verify(state: Mapping[str, np.ndarray], classes: int, grid: tuple, latent: i
         if not np.all(np.isfinite(anchor)) or anchor.min(initial=0) < -PROBABILITY_TOLERANCE \
                 or anchor.max(initial=0) > 1 + PROBABILITY_TOLERANCE:
             raise CodecRefused("codec: anchor is not a probability map in [0, 1]")
+        if bins > 1:   # the bin map only moves voxels between regions: its shape and range are all that matter
+            bin_map = np.asarray(state.get(BINS_KEY, np.zeros(0)))
+            if bin_map.shape != (len(anchor),) + tuple(grid) or not np.issubdtype(bin_map.dtype, np.integer) \
+                    or bin_map.min(initial=0) < 0 or bin_map.max(initial=0) >= bins:
+                raise CodecRefused(f"codec: the anchored codec's {bins} intensity bins need a bin map of the "
+                                   f"batch's shape {(len(anchor),) + tuple(grid)} with values in [0, {bins})")
+    if bins > 1 and scans_shape is not None and not 0 <= channel < scans_shape[1]:
+        raise CodecRefused(f"codec: anchored intensity channel {channel} is not one of the scans' {scans_shape[1]}")
     if scans_shape is not None and (ANCHOR_KEY not in state or len(np.asarray(state[ANCHOR_KEY])) != scans_shape[0]):
         raise CodecRefused(f"codec: the anchored codec needs the public anchor of these {scans_shape[0]} scans")
     return bound
@@ -226,9 +311,10 @@ def encoder(state: Mapping[str, np.ndarray], device=None):
             raise UserError(f"encode: the anchored codec needs the public anchor of these {len(probs)} scans")
         check_finite(probs)
         if "of_anchor" not in regions:
-            regions["of_anchor"] = anchor_regions(state[ANCHOR_KEY], anchored_shells(state))
+            bins, count = shipped_bins(state)
+            regions["of_anchor"] = anchor_regions(state[ANCHOR_KEY], anchored_shells(state), bins, count)
         return anchored_encode(probs, state[ANCHOR_KEY], anchored_shells(state), row_bound(state),
-                               regions=regions["of_anchor"])
+                               regions=regions["of_anchor"], intensity_bins=intensity_bins_of(state))
 
     return encode
 

@@ -80,6 +80,20 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), or None if it is gone.
+
+    A PID plus its start time names one process: a PID alone may be handed to another process once the
+    first has exited (seen in CI: a "leaked" PID that a busy machine had reused for an unrelated process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
 def _proc_files(name: str):
     """(pid, bytes of /proc/<pid>/<name>) for every process whose file can be read now."""
     for entry in os.listdir("/proc"):
@@ -267,6 +281,7 @@ class Supervisor:
         self.grace = grace
         self.processes: list[ManagedProcess] = []
         self.all_pids: set[int] = set()   # every PID started or seen as a descendant, for leak checks
+        self._started_at: dict[int, int | None] = {}   # PID -> its start time when first seen (start_time)
         self._finalizer = weakref.finalize(self, Supervisor._stop_pids, list(), self.tag)
         atexit.register(self._atexit)
 
@@ -312,7 +327,7 @@ class Supervisor:
         pidfile.write_text(f"{popen.pid}\n")
         proc = ManagedProcess(name, list(command), popen, log_path, pidfile, [popen.pid])
         self.processes.append(proc)
-        self.all_pids.add(popen.pid)
+        self._remember(popen.pid)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, Supervisor._stop_pids,
                                            [p.pid for p in self.processes], self.tag)
@@ -337,12 +352,28 @@ class Supervisor:
                 for pid in descendants(proc.pid):
                     if pid not in proc.seen_pids:
                         proc.seen_pids.append(pid)
-                    self.all_pids.add(pid)
+                    self._remember(pid)
+
+    def _remember(self, pid: int) -> None:
+        """Record ``pid`` as one of ours, as the process it names now (a reused PID names our new process)."""
+        self.all_pids.add(pid)
+        self._started_at[pid] = start_time(pid)
+
+    def identities(self) -> list[tuple[int, int | None]]:
+        """(PID, start time) of every process this supervisor started or saw (:func:`start_time`)."""
+        return sorted(self._started_at.items(), key=lambda item: item[0])
+
+    def still_running(self, pid: int) -> bool:
+        """True if the process this supervisor saw under ``pid`` is still alive -- not merely its PID, which a
+        busy machine may have given to an unrelated process since (compared by start time)."""
+        return pid_alive(pid) and start_time(pid) == self._started_at.get(pid, start_time(pid))
 
     def stop(self, proc: ManagedProcess, grace: float | None = None, sig: int = signal.SIGTERM) -> None:
-        seen = kill_tree(proc.pid, grace=self.grace if grace is None else grace, sig=sig,
-                         extra=proc.seen_pids)
-        self.all_pids.update(seen)
+        # a PID seen earlier that now names another process is not ours to signal
+        extra = [p for p in proc.seen_pids if self.still_running(p)]
+        seen = kill_tree(proc.pid, grace=self.grace if grace is None else grace, sig=sig, extra=extra)
+        for pid in seen:
+            self._remember(pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(5.0)  # reap
         if proc.pidfile is not None:
@@ -354,11 +385,12 @@ class Supervisor:
         for proc in reversed(self.processes):
             self.stop(proc, grace)
         for pid in pids_with_tag(self.tag):
-            self.all_pids.update(kill_tree(pid, grace=2.0))
+            for seen in kill_tree(pid, grace=2.0):
+                self._remember(seen)
 
     def alive_pids(self) -> list[int]:
-        """Every PID this supervisor started or saw, plus tagged processes, that is still alive."""
-        return sorted({p for p in self.all_pids if pid_alive(p)} | set(pids_with_tag(self.tag)))
+        """Every process this supervisor started or saw, plus tagged processes, that is still alive."""
+        return sorted({p for p in self.all_pids if self.still_running(p)} | set(pids_with_tag(self.tag)))
 
     def __enter__(self) -> "Supervisor":
         return self

@@ -95,4 +95,6 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
             print(f"[runtime-sim] run {status.run_id}: {status.status} in {status.seconds:.1f} s", flush=True)
     status.details["leftover-pids"] = sup.alive_pids()
     status.details["supervised-pids"] = sorted(sup.all_pids)
+    # (PID, start time) names a process: a PID alone may since have been given to an unrelated one
+    status.details["supervised-processes"] = sup.identities()
     return status
