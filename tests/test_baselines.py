@@ -37,7 +37,13 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
     from sim.presets import get_preset
     from sim.runners.central import settings_grid
 
+    # the quick preset trains DP-SGD with the non-private ceiling's own settings: one setting, no grid
     quick = get_preset("quick")
+    ceiling = settings_grid(quick, private=False, explicit={}, grid=True)
+    only = settings_grid(quick, private=True, explicit={}, grid=True)
+    assert len(only) == 1 and only[0]["learning_rate"] == ceiling[0]["learning_rate"] == quick.learning_rate
+    assert only[0]["epochs"] == ceiling[0]["epochs"] == quick.central_epochs
+    quick = quick.replace(dpsgd_grid=({"learning_rate": 2e-3, "epochs": 5}, {"learning_rate": 5e-4, "epochs": 5}))
     grid = settings_grid(quick, private=True, explicit={}, grid=True)
     assert [s["learning_rate"] for s in grid] == [e["learning_rate"] for e in quick.dpsgd_grid]
     assert {s["batch_size"] for s in grid} == {quick.extra["dpsgd_batch_size"]}

@@ -144,7 +144,17 @@ def anchored_encode(probs: np.ndarray, anchor: np.ndarray, shells, clip: float |
     ``regions``: ``anchor_regions(anchor, shells)`` when the caller already has them (a hospital encodes
     every teacher's answer against the same anchor: computing the regions once per query batch instead of
     once per teacher took 51 of a PATE cell's 320 s). They depend on the anchor and the bins only, never on
-    ``probs``, and the clip comes after them, so the sensitivity argument above is unchanged."""
+    ``probs``, and the clip comes after them, so the sensitivity argument above is unchanged.
+
+    Args:
+        probs: one teacher's softmax output on the batch's scans (n, C, *g).
+        anchor: the public model's probabilities on the same scans (n, C, *g).
+        shells: (lo, hi) of :func:`anchor_regions`.
+        clip: the row bound C (None: unclipped, public data only).
+        regions: the batch's regions when already computed (then ``bins`` is not read).
+        bins: the batch's intensity bin map (:func:`intensity_bin_map`), or None for shells only.
+        intensity_bins: how many bins split each shell (1: shells only).
+    """
     probs = np.asarray(probs, dtype=np.float64)
     anchor = np.asarray(anchor, dtype=np.float64)
     regions = anchor_regions(anchor, shells, bins, intensity_bins) if regions is None else np.asarray(regions)
@@ -190,6 +200,14 @@ def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int =
 
     ``z = 0`` returns the anchor itself (regions with a zero latent are left untouched): with no information
     from the teachers the pseudo-label is the public model's prediction (SPEC section 11).
+
+    Args:
+        z: (noisy) mean latents (n, l).
+        anchor: the public model's probabilities on the scans (n, C, *g).
+        shells: (lo, hi) of :func:`anchor_regions`.
+        iterations: proportional-fitting sweeps.
+        bins: the scans' intensity bin map (:func:`intensity_bin_map`), or None for shells only.
+        intensity_bins: how many bins split each shell (1: shells only).
     """
     anchor = np.asarray(anchor, dtype=np.float32)
     classes = anchor.shape[1]

@@ -1,0 +1,40 @@
+"""The anchored codec's intensity bins in a real PATE run (issue 28, item 5): one comparison, in this process.
+
+    .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 1,8 --out runs/lever-pate-bins
+    .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 8 --teachers-per-hospital 4 \\
+        --methods pate-anchored,public-only --out runs/lever-pate-bins-k16
+
+Runs ``fedpate compare``'s cells with the quick preset's anchored codec set to ``--bins`` T1-Gd bins per shell
+(``anchored_intensity_bins`` in the preset's extras; 1 = the default codec). The report's *ensemble* column (the
+teachers' encodings decoded without noise) says what the codec could carry from these teachers; compare it with
+``benchmarks/codec_ceiling.py`` (what it could carry from teachers who knew the truth). Every cell spends its ε:
+a measurement, not a release.
+"""
+import argparse
+import dataclasses
+from pathlib import Path
+
+import sim.presets as presets
+from sim.runners.compare import CompareConfig, run_compare
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bins", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epsilons", default="8")
+    parser.add_argument("--methods", default="pate-anchored,public-only,nonprivate-central")
+    parser.add_argument("--teachers-per-hospital", type=int, default=None)
+    parser.add_argument("--preset", default="quick")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    base = presets.PRESETS[args.preset]
+    # the preset object is looked up by name by every cell of this process (workers=1: no other interpreter)
+    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins})
+    run_compare(CompareConfig(args.preset, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
+                              Path(args.out), seed=args.seed, progress=False, workers=1,
+                              teachers_per_hospital=[args.teachers_per_hospital] if args.teachers_per_hospital else None))
+
+
+if __name__ == "__main__":
+    main()
