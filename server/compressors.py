@@ -557,7 +557,13 @@ class AnchoredResidualCompressor(Compressor):
       ``B_n`` = per tumour class, the residual summed over each shell around ``p_n``'s tumour
       (:func:`sim.codecs.anchor_regions`: the boundary layer, ``-lo`` layers inside, ``hi`` outside) over
       the square root of the shell's size (orthonormal rows): the queries ask where the information is;
-    * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1)``;
+    * with ``intensity_bins`` B > 1 (issue 28, item 5), each shell is split into B within-shell quantile bins of
+      the query scan's ``intensity_channel`` (T1-Gd by default; :func:`sim.codecs.intensity_bin_map`), computed
+      by the server from the public scans and shipped with the anchor: within a shell the decoder could only
+      place a class by the public model's ranking of voxels, which says nothing for a class the public model
+      never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with shells, 0.62 with 3 T1-Gd
+      bins; benchmarks/codec_ceiling.py);
+    * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1) B``;
     * decode (:func:`sim.codecs.anchored_decode`): per shell, the public model's probabilities re-weighted
       so that each class carries the mass the teachers' mean residual says; ``z = 0`` gives ``p_n`` exactly.
 
