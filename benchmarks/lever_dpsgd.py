@@ -7,7 +7,7 @@ public-validation-grid (the grid the quick preset had before: lr 2e-3 or 5e-4, 5
 validation), head / decoder / bias (``--trainable``),
 augmult4 (augmentation multiplicity 4), ema (EMA of the weights, decay 0.9), private-selection
 (``--selection private``), ceiling-settings (no grid: the non-private ceiling's learning rate and epochs, 2e-3 and
-10), epochs20 (lr 2e-3, 20 epochs). Each variant is a full DP-SGD run that spends its own ε: a measurement of a lever, not
+10), epochs20 (lr 2e-3, 20 epochs), batch64-epochs20, head-epochs20, decoder-epochs10. Each variant is a full DP-SGD run that spends its own ε: a measurement of a lever, not
 a release, and a choice made from its test Dice would be a choice on the test set (docs/RESULTS.md). Run it
 alone on a 2-core machine: two 2-thread torch processes oversubscribe OpenMP and run many times slower.
 """
@@ -27,7 +27,10 @@ VARIANTS = {"baseline": {}, "public-validation-grid": {"dpsgd_grid": OLD_GRID}, 
             "private-selection": {"selection": "private"},
             # more steps at the same epsilon (issue 28, item 3): one setting, sigma calibrated for its epochs
             "ceiling-settings": {"learning_rate": 2e-3, "epochs": 10},
-            "epochs20": {"learning_rate": 2e-3, "epochs": 20}}
+            "epochs20": {"learning_rate": 2e-3, "epochs": 20},
+            "batch64-epochs20": {"learning_rate": 2e-3, "epochs": 20, "batch_size": 64},
+            "head-epochs20": {"learning_rate": 2e-3, "epochs": 20, "levers": {"trainable": "head"}},
+            "decoder-epochs10": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "decoder"}}}
 
 
 def main() -> None:
