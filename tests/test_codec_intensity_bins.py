@@ -133,3 +133,19 @@ def test_one_bin_is_the_codec_as_it_was(world):
     assert "intensity_bins" not in one.state() and codecs.BINS_KEY not in one.batch_state(one.state(), anchor, scans)
     assert one.clip == pytest.approx(plain.clip)
     assert np.allclose(one.encode(onehot, anchor), plain.encode(onehot, anchor))
+
+
+def test_a_binned_batch_state_travels_through_flower_records_unchanged(world):
+    """What a Flower ServerApp ships: the uint8 bin map and the bin counts survive ArrayRecord packing, and the
+    hospital encodes the received state exactly as the server's."""
+    from sim.flower_wire import arrays_to_record, record_to_arrays
+
+    scans, _, onehot, anchor = world
+    compressor = _fitted(world, 3)
+    shipped = compressor.batch_state(compressor.state(), anchor, scans)
+    received = record_to_arrays(arrays_to_record(shipped))
+    assert set(received) == set(shipped)
+    assert received[codecs.BINS_KEY].dtype == np.uint8
+    assert np.array_equal(received[codecs.BINS_KEY], shipped[codecs.BINS_KEY])
+    state = codecs.verify_codec(received, scans_shape=scans.shape)
+    assert np.allclose(codecs.encode(state, onehot), compressor.encode(onehot, anchor, scans))
