@@ -25,12 +25,14 @@ def main() -> None:
     parser.add_argument("--epsilons", default="8")
     parser.add_argument("--methods", default="pate-anchored,public-only,nonprivate-central")
     parser.add_argument("--teachers-per-hospital", type=int, default=None)
+    parser.add_argument("--teacher-epochs", type=int, default=None, help="fine-tuning epochs per teacher (preset's: 6)")
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     base = presets.PRESETS[args.preset]
     # the preset object is looked up by name by every cell of this process (workers=1: no other interpreter)
-    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins})
+    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins},
+                                                       teacher_epochs=args.teacher_epochs or base.teacher_epochs)
     run_compare(CompareConfig(args.preset, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
                               Path(args.out), seed=args.seed, progress=False, workers=1,
                               teachers_per_hospital=[args.teachers_per_hospital] if args.teachers_per_hospital else None))
