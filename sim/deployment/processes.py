@@ -281,7 +281,7 @@ class Supervisor:
         self.grace = grace
         self.processes: list[ManagedProcess] = []
         self.all_pids: set[int] = set()   # every PID started or seen as a descendant, for leak checks
-        self._started_at: dict[int, int | None] = {}   # PID -> its start time when first seen (start_time)
+        self._started_at: dict[int, int | None] = {}   # PID -> the start time of the process it named when last seen
         self._finalizer = weakref.finalize(self, Supervisor._stop_pids, list(), self.tag)
         atexit.register(self._atexit)
 
