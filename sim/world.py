@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +73,6 @@ PHANTOM_WORKERS_ENV = "FEDPATE_PHANTOM_WORKERS"
 
 def phantom_workers() -> int:
     """Processes that generate phantoms (``$FEDPATE_PHANTOM_WORKERS``; always 1 inside a worker process)."""
-    import multiprocessing
-
     text = os.environ.get(PHANTOM_WORKERS_ENV, "1").strip()
     if multiprocessing.parent_process() is not None:
         return 1
