@@ -629,10 +629,9 @@ class AnchoredResidualCompressor(Compressor):
             codecs.check_probabilities(public_probs, "public model probabilities")
             if self.intensity_bins > 1 and public_scans is None:
                 raise UserError("anchored codec: with intensity bins, fit needs the public reference scans too")
-            shipped = self.batch_state(self._bare_state(), public_probs, public_scans)
-            bins, count = codecs.shipped_bins(shipped)
-            norms = np.linalg.norm(codecs.anchored_encode(maps, public_probs, self.shells, None, bins=bins,
-                                                          intensity_bins=count), axis=1)
+            norms = np.linalg.norm(codecs.anchored_encode(maps, public_probs, self.shells, None,
+                                                          regions=self._regions(public_probs, public_scans),
+                                                          intensity_bins=self.intensity_bins), axis=1)
             self.public_residual_norm = float(np.median(norms))
         if self.clip is None:
             if self.public_residual_norm is None:
@@ -649,18 +648,18 @@ class AnchoredResidualCompressor(Compressor):
         self._require_fit()
         return float(sens.clipped_bound(self.clip, _teachers(teachers)))
 
-    def _bare_state(self) -> dict:
-        """The state's kind, shells and bins (what the regions depend on), before C is known."""
-        return {"kind": np.array("anchored"), "shells": np.array(self.shells, dtype=np.int64),
-                "intensity_bins": np.array(self.intensity_bins, dtype=np.int64),
-                "intensity_channel": np.array(self.intensity_channel, dtype=np.int64)}
+    def _regions(self, anchor: np.ndarray, scans: np.ndarray | None) -> np.ndarray:
+        """The batch's regions (shells x intensity bins), the shells computed once (:func:`sim.codecs.binned_regions`)."""
+        return codecs.binned_regions(anchor, self.shells, scans, self.intensity_channel, self.intensity_bins)[0]
 
     def state(self) -> dict:
         self._require_fit()
         state = self._base_state("anchored")
-        state.update({**self._bare_state(), "clip": np.array(float(self.clip)), "row_bound": np.array(float(self.clip))})
-        if self.intensity_bins == 1:   # the state of a codec without bins stays what it was before issue 28
-            del state["intensity_bins"], state["intensity_channel"]
+        state.update({"shells": np.array(self.shells, dtype=np.int64), "clip": np.array(float(self.clip)),
+                      "row_bound": np.array(float(self.clip))})
+        if self.intensity_bins > 1:   # without bins the state stays what it was before issue 28
+            state.update({"intensity_bins": np.array(self.intensity_bins, dtype=np.int64),
+                          "intensity_channel": np.array(self.intensity_channel, dtype=np.int64)})
         return state
 
     def encode(self, probs: np.ndarray, anchor: np.ndarray | None = None, scans: np.ndarray | None = None) -> np.ndarray:
@@ -676,9 +675,8 @@ class AnchoredResidualCompressor(Compressor):
         self._require_fit()
         if anchor is None:
             raise UserError("anchored codec: decode needs the public anchor (the public model's prediction)")
-        bins, count = codecs.shipped_bins(self.batch_state(self._bare_state(), anchor, scans))
-        return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells, bins=bins,
-                                      intensity_bins=count)
+        return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells,
+                                      intensity_bins=self.intensity_bins, regions=self._regions(anchor, scans))
 
     def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
         """Anchored at the public model (issue 18): C from its residual on the public reference scans."""

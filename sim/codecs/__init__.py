@@ -9,7 +9,8 @@ from sim.codecs.core import (CodecKind, CodecPolicy, CodecRefused, CodecState, c
 from sim.codecs.ae import (AutoencoderNet, arrays_to_module, autoencoder_from_state, encoder_arrays,  # noqa: F401
                            module_to_arrays)
 from sim.codecs.anchored import (ANCHOR_KEY, BINS_KEY, T1GD_CHANNEL, anchor_regions, anchored_decode,  # noqa: F401
-                                 anchored_encode, anchored_latent_dim, anchored_shells, intensity_bin_map,
+                                 anchored_encode, anchored_latent_dim, anchored_shells, binned_regions,
+                                 intensity_bin_map,
                                  shipped_bins, shrink_latents, with_anchor)
 from sim.codecs.pca import ORTHONORMAL_TOLERANCE  # noqa: F401
 from sim.codecs import identity as _identity  # noqa: F401 - registers the identity kind

@@ -125,12 +125,31 @@ def anchor_regions(anchor: np.ndarray, shells, bins: np.ndarray | None = None, i
             shell[grown & ~outer] = distance
             outer = grown
         out[i] = np.where(shell <= hi, shell - lo, -1)
-    if bins is not None and int(intensity_bins) > 1:
-        bins = np.asarray(bins, dtype=np.int64)
-        if bins.shape != out.shape:
-            raise UserError(f"anchored codec: intensity bins of shape {bins.shape} do not match the anchor's {out.shape}")
-        out = np.where(out >= 0, out * int(intensity_bins) + np.clip(bins, 0, int(intensity_bins) - 1), -1)
-    return out
+    return _split_by_bins(out, bins, intensity_bins)
+
+
+def _split_by_bins(shell_map: np.ndarray, bins: np.ndarray | None, intensity_bins: int) -> np.ndarray:
+    """Region = shell index x ``intensity_bins`` + bin (the shells unchanged without bins)."""
+    if bins is None or int(intensity_bins) <= 1:
+        return shell_map
+    bins = np.asarray(bins, dtype=np.int64)
+    if bins.shape != shell_map.shape:
+        raise UserError(f"anchored codec: intensity bins of shape {bins.shape} do not match the anchor's {shell_map.shape}")
+    return np.where(shell_map >= 0, shell_map * int(intensity_bins) + np.clip(bins, 0, int(intensity_bins) - 1), -1)
+
+
+def binned_regions(anchor: np.ndarray, shells, scans: np.ndarray | None, channel: int,
+                   intensity_bins: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(regions, bin map) of a batch from the public anchor and scans, the shells computed once: what the server
+    ships (the bin map) and decodes with (the regions). Without bins: (the shells, None)."""
+    shell_map = anchor_regions(anchor, shells)
+    if int(intensity_bins) <= 1:
+        return shell_map, None
+    if scans is None or len(scans) != len(shell_map):
+        raise UserError(f"anchored codec with {intensity_bins} intensity bins: needs the {len(shell_map)} public "
+                        "scans the anchor belongs to")
+    bin_map = intensity_bin_map(scans, shell_map, channel, intensity_bins)
+    return _split_by_bins(shell_map, bin_map, intensity_bins), bin_map
 
 
 def anchored_encode(probs: np.ndarray, anchor: np.ndarray, shells, clip: float | None,
@@ -188,7 +207,7 @@ def shrink_latents(z: np.ndarray, sigma: float) -> np.ndarray:
 
 
 def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int = 30, bins: np.ndarray | None = None,
-                    intensity_bins: int = 1) -> np.ndarray:
+                    intensity_bins: int = 1, regions: np.ndarray | None = None) -> np.ndarray:
     """Pseudo-labels from (noisy) mean latents by mass matching (post-processing of the release).
 
     In each region the latent says how much probability mass of each tumour class the teachers put there
@@ -208,12 +227,13 @@ def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int =
         iterations: proportional-fitting sweeps.
         bins: the scans' intensity bin map (:func:`intensity_bin_map`), or None for shells only.
         intensity_bins: how many bins split each shell (1: shells only).
+        regions: the scans' regions when already computed (:func:`binned_regions`; then ``bins`` is not read).
     """
     anchor = np.asarray(anchor, dtype=np.float32)
     classes = anchor.shape[1]
     count = anchored_latent_dim(2, shells, intensity_bins)
     z = np.asarray(z, dtype=np.float64).reshape(len(anchor), classes - 1, count)
-    regions = anchor_regions(anchor, shells, bins, intensity_bins)
+    regions = anchor_regions(anchor, shells, bins, intensity_bins) if regions is None else np.asarray(regions)
     out = anchor.copy()
     for i in range(len(anchor)):
         active = np.any(z[i] != 0, axis=0)                     # regions the latent says anything about
@@ -260,11 +280,8 @@ def with_anchor(state: Mapping[str, np.ndarray], anchor: np.ndarray, scans: np.n
     shipped = {**dict(state), ANCHOR_KEY: anchor}
     bins = intensity_bins_of(state)
     if bins > 1:
-        if scans is None or len(scans) != len(anchor):
-            raise UserError(f"anchored codec with {bins} intensity bins: needs the {len(anchor)} public scans "
-                            "the anchor belongs to")
-        shipped[BINS_KEY] = intensity_bin_map(scans, anchor_regions(anchor, anchored_shells(state)),
-                                              int(scalar(state, "intensity_channel")), bins)
+        shipped[BINS_KEY] = binned_regions(anchor, anchored_shells(state), scans,
+                                           int(scalar(state, "intensity_channel")), bins)[1]
     return shipped
 
 
