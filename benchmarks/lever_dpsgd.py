@@ -30,7 +30,10 @@ VARIANTS = {"baseline": {}, "public-validation-grid": {"dpsgd_grid": OLD_GRID}, 
             "epochs20": {"learning_rate": 2e-3, "epochs": 20},
             "batch64-epochs20": {"learning_rate": 2e-3, "epochs": 20, "batch_size": 64},
             "head-epochs20": {"learning_rate": 2e-3, "epochs": 20, "levers": {"trainable": "head"}},
-            "decoder-epochs10": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "decoder"}}}
+            "decoder-epochs10": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "decoder"}},
+            # a voxel head on the frozen public model (sim.networks.VoxelHeadUNet): lr ~ 1/T for its T ~ 120 steps
+            "voxel-head": {"learning_rate": 1e-2, "epochs": 10, "levers": {"trainable": "voxel-head"}},
+            "voxel-head-lr2e-3": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "voxel-head"}}}
 
 
 def main() -> None:

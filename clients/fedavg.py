@@ -67,7 +67,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     images = hospital.prepared.images(case_ids)
     labels = hospital.prepared.labels(case_ids)
 
-    model = build_unet(preset.unet)
+    # the server's setting names the network: a voxel head arrives in the weights when it trains one
+    model = build_unet(preset.unet, trainable=str(config.get("trainable") or "all"))
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
     batch_size = int(config.get("batch_size") or preset.batch_size)
     steps = steps_per_epoch(len(case_ids), batch_size)

@@ -29,7 +29,7 @@ from privacy.ledger import Ledger
 from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
-from sim.networks import build_unet, network_config
+from sim.networks import build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of, public_validation_dice
 
@@ -144,19 +144,24 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out / "ledger.jsonl")
-    torch.manual_seed(seed)
-    model = build_unet(preset.unet)
-    if init_weights is not None:
-        model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
-    start = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
     settings = dpfedavg_settings(preset, rounds, local_epochs)
+
+    def start_of(setting) -> dict[str, np.ndarray]:
+        """The global model every round 0 of ``setting`` starts from: the public model (random weights when
+        none), with the setting's voxel head (sim.networks.VoxelHeadUNet, identity at start) if it trains one."""
+        torch.manual_seed(seed)
+        model = build_unet(preset.unet, trainable=setting.get("trainable") or "all")
+        if init_weights is not None:
+            load_start_weights(model, {name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
+        return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+
     # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs
     run_tag = f"{out.resolve().name}-e{epsilon:g}-{secrets.token_hex(4)}"
     plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
     candidates = []
     last_replies = None
     for index, setting in enumerate(settings):
-        weights, history = dict(start), []
+        weights, history = start_of(setting), []
         iterator = range(setting["rounds"])
         if progress:
             label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
@@ -183,7 +188,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
                 break
             weights = federated_average(updates)
             history.append({"round": round_index, "hospitals": len(updates)})
-        candidate = build_unet(preset.unet)
+        candidate = build_unet(preset.unet, trainable=setting.get("trainable") or "all")
         candidate.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
         candidate.to(resolve_device(device))
         # public labels only: what may choose among the released global models
@@ -220,6 +225,6 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         # where each hospital ran its local DP-SGD in the last round (a deployed hospital chooses its own)
         "hospital_devices": {h: m.get("device") for h, (m, _) in (last_replies or {}).items()},
     }
-    release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
+    release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})
     return write_run(out, results, release, started=started)

@@ -26,11 +26,15 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def network_config(preset: str, in_channels: int = 4, out_channels: int = 4) -> dict[str, Any]:
-    """A JSON-able description of the network, saved in model bundles (``build_unet_from_config``)."""
+def network_config(preset: str, in_channels: int = 4, out_channels: int = 4,
+                   trainable: str = "all") -> dict[str, Any]:
+    """A JSON-able description of the network, saved in model bundles (``build_unet_from_config``).
+    ``trainable="voxel-head"`` describes the U-Net with a :class:`VoxelHeadUNet` head (``voxel_head_hidden``);
+    every other trainable set trains parameters the U-Net already has."""
     if preset not in UNET_PRESETS:
         raise UserError(f"unet preset: unknown {preset!r}; expected one of {', '.join(UNET_PRESETS)}")
     spec = UNET_PRESETS[preset]
+    head = {"voxel_head_hidden": VOXEL_HEAD_HIDDEN} if trainable == VOXEL_HEAD else {}
     return {
         "architecture": "monai.networks.nets.UNet",
         "preset": preset,
@@ -43,6 +47,7 @@ def network_config(preset: str, in_channels: int = 4, out_channels: int = 4) -> 
         "norm": "instance",
         "act": "PRELU",
         "dropout": 0.0,
+        **head,
     }
 
 
@@ -54,7 +59,7 @@ def build_unet_from_config(cfg: dict[str, Any]) -> torch.nn.Module:
     if cfg.get("architecture", "monai.networks.nets.UNet") != "monai.networks.nets.UNet":
         raise UserError(f"network_config: unsupported architecture {cfg.get('architecture')!r}")
     try:
-        return UNet(
+        unet = UNet(
             spatial_dims=int(cfg.get("spatial_dims", 3)),
             in_channels=int(cfg["in_channels"]),
             out_channels=int(cfg["out_channels"]),
@@ -67,11 +72,74 @@ def build_unet_from_config(cfg: dict[str, Any]) -> torch.nn.Module:
         )
     except KeyError as exc:
         raise UserError(f"network_config: missing key {exc.args[0]!r}") from None
+    hidden = cfg.get("voxel_head_hidden")
+    return VoxelHeadUNet(unet, int(cfg["in_channels"]), int(cfg["out_channels"]), int(hidden)) if hidden else unet
 
 
-def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4) -> torch.nn.Module:
-    """MONAI 3D UNet of the named size, instance norm, Opacus-compatible (``UNET_PRESETS``)."""
-    return build_unet_from_config(network_config(preset, in_channels, out_channels))
+def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4, trainable: str = "all") -> torch.nn.Module:
+    """MONAI 3D UNet of the named size, instance norm, Opacus-compatible (``UNET_PRESETS``); with
+    ``trainable="voxel-head"`` the U-Net carries a :class:`VoxelHeadUNet` head."""
+    return build_unet_from_config(network_config(preset, in_channels, out_channels, trainable))
+
+
+# ------------------------------------------------------------------------------------------- the voxel head
+#: the trainable set that adds a voxel head to the network (the others choose among the U-Net's own weights)
+VOXEL_HEAD = "voxel-head"
+#: hidden units of the voxel head: twice its 8 inputs (4 logits + 4 sequences) -- a stated size, not tuned
+VOXEL_HEAD_HIDDEN = 16
+
+
+class VoxelHeadUNet(torch.nn.Module):
+    """A U-Net plus a small per-voxel head that corrects its logits from the logits and the scan itself:
+
+        logits(x) = u(x) + W2 PReLU(W1 [u(x), x] + b1) + b2        (1x1x1 convolutions; W2, b2 start at 0)
+
+    Why (issue 28): under DP-SGD the noise added to the trained coordinates has a norm that grows with the
+    square root of their number, so a small model on good fixed features learns more at a given epsilon than
+    end-to-end fine-tuning (Tramer & Boneh 2021, "Differentially private learning needs better features",
+    arXiv 2011.11660; Tobaben et al. 2023, arXiv 2302.01190, for parameter-efficient private transfer). Here
+    the fixed features are the public model's own class scores and the four MR sequences: a class the public
+    model never predicts (non-enhancing core inside an enhancing rim) is still a per-voxel function of what it
+    does predict there and of the voxel's intensities. 8*16+16 + 16*4+4 = 212 parameters + 1 PReLU slope on
+    the quick U-Net's 4 classes, against its 153k.
+
+    ``W2, b2 = 0`` at construction, so the network starts as exactly the U-Net it wraps (the public model).
+    The U-Net's parameters keep their names (``model.*``, as in a bare MONAI UNet), so a U-Net state dict loads
+    into ``self.unet`` by :func:`load_start_weights`; the head's are ``voxel_head.*``.
+    """
+
+    def __init__(self, unet: torch.nn.Module, in_channels: int, out_channels: int, hidden: int) -> None:
+        super().__init__()
+        self.model = unet.model           # the MONAI UNet's own module tree: its state-dict keys unchanged
+        self.voxel_head = torch.nn.Sequential(
+            torch.nn.Conv3d(in_channels + out_channels, hidden, kernel_size=1), torch.nn.PReLU(),
+            torch.nn.Conv3d(hidden, out_channels, kernel_size=1))
+        torch.nn.init.zeros_(self.voxel_head[2].weight)
+        torch.nn.init.zeros_(self.voxel_head[2].bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        return logits + self.voxel_head(torch.cat([logits, x], dim=1))
+
+
+def network_config_of(model: torch.nn.Module, preset: str) -> dict[str, Any]:
+    """``network_config`` of a trained ``preset`` network: with the voxel head when ``model`` has one."""
+    return network_config(preset, trainable=VOXEL_HEAD if isinstance(model, VoxelHeadUNet) else "all")
+
+
+def load_start_weights(model: torch.nn.Module, state: dict) -> None:
+    """Load ``state`` into ``model`` strictly -- except that a bare U-Net's state (the public model) may start a
+    :class:`VoxelHeadUNet`, whose head then keeps its construction values (the identity correction)."""
+    if isinstance(model, VoxelHeadUNet) and not any(key.startswith("voxel_head.") for key in state):
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:   # shapes that differ (another U-Net size) fail even when not strict
+            raise UserError(f"start weights do not fit the U-Net under the voxel head: {str(exc).splitlines()[-1].strip()}") from None
+        if unexpected or any(not key.startswith("voxel_head.") for key in missing):
+            raise UserError(f"start weights do not fit the U-Net under the voxel head: missing "
+                            f"{[k for k in missing if not k.startswith('voxel_head.')][:3]}, unexpected {unexpected[:3]}")
+        return
+    model.load_state_dict(state)
 
 
 def min_grid_divisor(preset: str) -> int:
@@ -95,6 +163,8 @@ TRAINABLE_SETS = {
     "head": "the two stages nearest the output (the output block and the up-sampling stage before it): "
             "the fewest weights that can still place a new class",
     "bias": "biases and PReLU slopes only (DP-BiTFiT, Bu et al. 2022, arXiv 2210.00036)",
+    "voxel-head": "a new per-voxel head on the frozen public model's class scores and the scan (VoxelHeadUNet; "
+                  "Tramer & Boneh 2021): 213 parameters, every U-Net weight kept",
 }
 
 
@@ -119,6 +189,12 @@ def trainable_parameter_names(model: torch.nn.Module, which: str = "all") -> set
     names = [name for name, _ in model.named_parameters()]
     if which == "all":
         return set(names)
+    if which == VOXEL_HEAD:
+        chosen = {n for n in names if n.startswith("voxel_head.")}
+        if not chosen:
+            raise UserError("trainable 'voxel-head': the network has no voxel head (build it with "
+                            "build_unet(..., trainable='voxel-head'))")
+        return chosen
     if which == "bias":
         return {n for n in names if n.endswith(".bias") or ".adn.A." in n}
     limit = 1 if which == "head" else None

@@ -44,7 +44,7 @@ from sim.device import autocast, check_precision, model_device, resolve_device
 from sim.dpsgd import DPSession
 from sim.errors import UserError
 from sim.io import atomic_save_torch
-from sim.networks import freeze_all_but
+from sim.networks import freeze_all_but, load_start_weights
 from sim.metrics import DiceAccumulator
 
 
@@ -206,7 +206,7 @@ def _load_init(model: torch.nn.Module, init_from: Any) -> None:
             raise UserError(f"init_from: {path} does not exist")
         loaded = torch.load(path, map_location="cpu", weights_only=False)
         state = loaded.get("model", loaded) if isinstance(loaded, dict) else loaded
-    model.load_state_dict(state)
+    load_start_weights(model, state)   # a bare U-Net's weights may start one with a voxel head
 
 
 def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,

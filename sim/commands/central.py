@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                         help="learning rate (default: the preset's; DP-SGD: the preset's grid, chosen on public "
                              "validation)")
     parser.add_argument("--batch-size", type=int, default=None, help="(expected) batch size (default: preset's)")
-    parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias"),
+    parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias", "voxel-head"),
                         help="which parameters fine-tuning trains (default: all; docs in sim/networks.py)")
     parser.add_argument("--augmentation-multiplicity", type=int, default=None, metavar="K",
                         help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")

@@ -1,0 +1,139 @@
+"""The voxel head (issue 28, item 3; ``sim.networks.VoxelHeadUNet``): a small per-voxel correction of the public
+model's logits from those logits and the scan, the only weights DP fine-tuning trains under ``trainable="voxel-head"``."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sim.dpsgd import DPConfig
+from sim.errors import UserError
+from sim.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
+                          load_start_weights, network_config, network_config_of, trainable_parameter_names)
+from sim.training import TrainConfig, train_segmentation
+
+
+def _data(n=4, grid=(16, 16, 16), seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 4, *grid)).astype(np.float32),
+            rng.integers(0, 4, size=(n, *grid)).astype(np.int64))
+
+
+def _public(preset="tiny", seed=0):
+    torch.manual_seed(seed)
+    return build_unet(preset)
+
+
+def test_a_voxel_head_started_from_the_public_model_is_the_public_model():
+    public = _public()
+    model = build_unet("tiny", trainable=VOXEL_HEAD)
+    load_start_weights(model, public.state_dict())
+    images = torch.as_tensor(_data(2)[0])
+    with torch.no_grad():
+        assert torch.equal(model(images), public(images))   # W2, b2 = 0: the correction starts at zero
+    # the U-Net keeps its parameter names under the head, and the head is the only thing added
+    assert set(model.state_dict()) - set(public.state_dict()) == {n for n in model.state_dict()
+                                                                    if n.startswith("voxel_head.")}
+
+
+def test_the_voxel_head_is_the_only_trainable_set_of_its_network_and_is_small():
+    model = build_unet("small", trainable=VOXEL_HEAD)
+    count = freeze_all_but(model, VOXEL_HEAD)
+    assert count == (8 * 16 + 16) + 1 + (16 * 4 + 4)   # W1, b1, one PReLU slope, W2, b2
+    assert count < 0.002 * sum(p.numel() for p in model.parameters())
+    assert trainable_parameter_names(model, VOXEL_HEAD) == {n for n, _ in model.named_parameters()
+                                                           if n.startswith("voxel_head.")}
+    with pytest.raises(UserError, match="no voxel head"):
+        trainable_parameter_names(build_unet("small"), VOXEL_HEAD)
+
+
+def test_dpsgd_on_the_voxel_head_moves_only_the_head_and_is_charged():
+    """Frozen U-Net weights get no per-sample gradient, hence no clipping share and no noise: after DP-SGD
+    every U-Net weight is exactly the public model's, the head has moved, and every epoch is on the ledger."""
+    images, labels = _data()
+    public = _public()
+    model = build_unet("tiny", trainable=VOXEL_HEAD)
+    dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=0.1)
+    result = train_segmentation(model, images, labels,
+                                TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, progress=False, augment=False,
+                                            trainable=VOXEL_HEAD, init_from=public.state_dict()), dp=dp)
+    trained = dict(result.model.named_parameters())
+    for name, value in public.named_parameters():
+        assert torch.equal(trained[name].detach(), value.detach()), name
+    assert not torch.all(trained["voxel_head.2.weight"] == 0)
+    assert result.epsilon is not None and result.epsilon > 0 and len(result.sigmas) == 2
+
+
+def test_a_bundle_describes_and_rebuilds_the_network_with_its_head():
+    model = build_unet("tiny", trainable=VOXEL_HEAD)
+    torch.nn.init.normal_(model.voxel_head[2].weight)   # a trained head
+    config = json.loads(json.dumps(network_config_of(model, "tiny")))   # what a bundle stores
+    assert config == network_config("tiny", trainable=VOXEL_HEAD) and config["voxel_head_hidden"] == 16
+    rebuilt = build_unet_from_config(config)
+    assert isinstance(rebuilt, VoxelHeadUNet)
+    rebuilt.load_state_dict(model.state_dict())
+    images = torch.as_tensor(_data(1)[0])
+    with torch.no_grad():
+        assert torch.equal(rebuilt(images), model(images))
+    # a network without a head is described, and rebuilt, exactly as before the head existed
+    assert "voxel_head_hidden" not in network_config_of(build_unet("tiny"), "tiny")
+    assert not isinstance(build_unet_from_config(network_config("tiny")), VoxelHeadUNet)
+
+
+def test_start_weights_that_do_not_fit_the_unet_under_the_head_are_refused():
+    model = build_unet("tiny", trainable=VOXEL_HEAD)
+    with pytest.raises(UserError, match="voxel head"):
+        load_start_weights(model, build_unet("small").state_dict())
+    state = _public().state_dict()
+    state.pop(next(iter(state)))
+    with pytest.raises(UserError, match="missing"):
+        load_start_weights(model, state)
+
+
+def test_central_dpsgd_releases_a_voxel_head_bundle(tmp_path, monkeypatch):
+    """run_central with the lever: the bundle holds the head, its card the ledger's epsilon, and the U-Net under it
+    is the public start."""
+    import sim.runners.central as central
+    from sim.bundle import load_bundle
+
+    from synthetic_worlds import pooled_world
+
+    monkeypatch.setattr(central, "load_central_data", lambda preset, seed=0, **kw: pooled_world(preset, seed, n_train=4, n_test=2))
+    public = {k: v.clone() for k, v in _public().state_dict().items()}
+    monkeypatch.setattr(central, "public_start", lambda *a, **kw: public)
+    written = central.run_central(central.CentralConfig.of(
+        method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=8.0, delta=1e-3, progress=False, epochs=1,
+        augment=False, levers={"trainable": VOXEL_HEAD}))
+    bundle = load_bundle(tmp_path / "run")
+    assert isinstance(bundle.model, VoxelHeadUNet) and bundle.network["voxel_head_hidden"] == 16
+    assert bundle.card["epsilon"] == pytest.approx(written["epsilon"]) and written["epsilon"] > 0
+    state = bundle.model.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in public.items())
+
+
+def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import privacy.calibration as calibration
+    from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
+    from clients.hospital import Hospital
+    from server.dpfedavg import dpfedavg_settings
+    from sim.presets import get_preset
+
+    monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **kw: 3.0)  # skip the PLD search
+    plan_noise_multiplier.cache_clear()
+    images, labels = _data(4)
+    prepared = SimpleNamespace(images=lambda ids: images[: len(ids)], labels=lambda ids: labels[: len(ids)])
+    preset = get_preset("tiny").replace(dpfedavg_grid=({"trainable": VOXEL_HEAD, "learning_rate": 1e-2},))
+    setting = dpfedavg_settings(preset)[0]
+    model = build_unet("tiny", trainable=VOXEL_HEAD)
+    load_start_weights(model, _public().state_dict())
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=100.0)
+    config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True,
+              "learning_rate": setting["learning_rate"], "trainable": setting["trainable"]}
+    new_weights, metrics = local_dpsgd_round(hospital, weights, config)
+    assert metrics["epochs_trained"] == 1 and json.loads(metrics["ledger_records"])
+    changed = {name for name in weights if not np.array_equal(weights[name], new_weights[name])}
+    assert changed and all(name.startswith("voxel_head.") for name in changed)
