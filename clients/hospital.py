@@ -51,7 +51,7 @@ from sim.device import check_device_spec, check_precision, resolve_device
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
 from sim.io import atomic_save_torch, atomic_write_json
-from sim.networks import build_unet
+from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
 from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
 
 
@@ -99,8 +99,9 @@ class Hospital:
     def _teacher_path(self, k: int) -> Path:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
 
-    def _new_model(self):
-        return build_unet(self.preset.unet)
+    def _new_model(self, trainable: str = "all"):
+        """A teacher's network: the preset's U-Net, with a voxel head when the teachers train one."""
+        return build_unet(self.preset.unet, trainable=trainable)
 
     def compute(self, config: Mapping[str, Any] | None = None) -> tuple[Any, str]:
         """(torch.device, precision) for one request: a deployed hospital's own node config; a simulated one
@@ -118,8 +119,10 @@ class Hospital:
             path = self._teacher_path(k)
             if not path.exists():
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
-            model = self._new_model()
-            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            # a saved teacher says what it is: its weights hold a voxel head or not
+            model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state) else "all")
+            model.load_state_dict(state)
             self._models[k] = model.eval()
         model = self._models[k]
         return model if device is None else model.to(device)
@@ -132,6 +135,11 @@ class Hospital:
         init = config.get("init_weights")
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         epochs = int(config.get("teacher_epochs", self.preset.teacher_epochs))
+        # what a teacher trains (issue 28): every weight, or a voxel head on the frozen public model
+        # (sim.networks.VoxelHeadUNet); its learning rate and augmentation travel with it
+        trainable = str(config.get("teacher_trainable") or "all")
+        learning_rate = float(config.get("teacher_learning_rate") or self.preset.learning_rate)
+        augment = bool(config.get("teacher_augment", True))
         seed = int(config.get("seed", self.seed))
         local_dp = config.get("local_dp")
         device, precision = self.compute(config)
@@ -139,7 +147,8 @@ class Hospital:
         if local_dp:
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
-        fingerprint = self._training_fingerprint(init, epochs, seed, local_dp)
+        fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
+                                                 {"trainable": trainable, "lr": learning_rate, "augment": augment})
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
@@ -153,21 +162,21 @@ class Hospital:
             validation_images = self.prepared.images(self.validation)
             validation_labels = self.prepared.labels(self.validation)
         for k, case_ids in enumerate(self.partitions):
-            model = self._new_model()
+            model = self._new_model(trainable)
             dp = None
             if local_dp:
                 dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
                                  "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
             train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
-                                learning_rate=self.preset.learning_rate, seed=seed * 1009 + k,
-                                progress=False, init_from=init_state,
+                                learning_rate=learning_rate, seed=seed * 1009 + k, trainable=trainable,
+                                augment=augment, progress=False, init_from=init_state,
                                 description=f"{self.hospital_id} teacher {k}", device=device, precision=precision)
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
                                             train, dp=dp, guard=guard, owners=(f"{self.hospital_id}/teacher-{k}",))
                 model = result.model
             elif init_state is not None:
-                model.load_state_dict(init_state)
+                load_start_weights(model, init_state)
             model.to(device)
             atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()})
             self._models[k] = model.eval()
@@ -191,15 +200,16 @@ class Hospital:
         atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
         return metrics
 
-    def _training_fingerprint(self, init, epochs: int, seed: int, local_dp) -> str:
-        """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time)."""
+    def _training_fingerprint(self, init, epochs: int, seed: int, local_dp, how: Mapping[str, Any]) -> str:
+        """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time);
+        ``how``: what they train, at which learning rate, with or without augmentation."""
 
         digest = hashlib.sha256()
         for name in sorted(init or {}):
             digest.update(name.encode())
             digest.update(np.ascontiguousarray(np.asarray(init[name])).tobytes())
         digest.update(json.dumps({"epochs": epochs, "seed": seed, "partitions": self.partitions,
-                                  "unet": self.preset.unet, "lr": self.preset.learning_rate,
+                                  "unet": self.preset.unet, **dict(how),
                                   "batch": self.preset.batch_size, "local_dp": local_dp,
                                   "grid": list(getattr(self.prepared, "grid", ()))},
                                  sort_keys=True, default=str).encode())

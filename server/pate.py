@@ -261,10 +261,18 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> tor
                               device=config.device, precision=config.precision)
 
 
+def teacher_training(preset) -> dict[str, Any]:
+    """What the teachers train, as the preset says (``extra``: ``teacher_trainable``, ``teacher_learning_rate``,
+    ``teacher_augment``); nothing when it says nothing (every weight, the preset's learning rate, augmented)."""
+    keys = ("teacher_trainable", "teacher_learning_rate", "teacher_augment")
+    return {key: preset.extra[key] for key in keys if key in preset.extra}
+
+
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
     metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed, **config.compute(),
+                               **teacher_training(preset),
                                **({"local_dp": dict(config.local_dp)} if config.local_dp else {})},
                               init_weights=_state_arrays(public_model))
     per_hospital = {h: int(m.get("teachers", 0)) for h, m in metrics.items() if int(m.get("teachers", 0)) > 0}

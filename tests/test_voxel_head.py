@@ -137,3 +137,39 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     assert metrics["epochs_trained"] == 1 and json.loads(metrics["ledger_records"])
     changed = {name for name in weights if not np.array_equal(weights[name], new_weights[name])}
     assert changed and all(name.startswith("voxel_head.") for name in changed)
+
+
+def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_they_are(tmp_path):
+    """A hospital asked for voxel-head teachers trains one head per partition on the public model; a fresh
+    hospital object (another process, the same workdir) rebuilds each teacher from its saved weights; asking for
+    full fine-tuning instead is another training, not the cached one."""
+    from types import SimpleNamespace
+
+    from clients.hospital import Hospital
+    from server.pate import teacher_training
+    from sim.presets import get_preset
+
+    images, labels = _data(4)
+    index = {case: i for i, case in enumerate("abcd")}
+    prepared = SimpleNamespace(images=lambda ids: images[[index[c] for c in ids]],
+                               labels=lambda ids: labels[[index[c] for c in ids]], grid=(16, 16, 16))
+    preset = get_preset("tiny")
+    preset = preset.replace(extra={**preset.extra, "teacher_trainable": VOXEL_HEAD, "teacher_learning_rate": 1e-2,
+                                   "teacher_augment": False})
+    public = {k: v.numpy() for k, v in _public().state_dict().items()}
+    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=10.0)
+    config = {"teacher_epochs": 2, "seed": 0, "init_weights": public, **teacher_training(preset)}
+    assert config["teacher_trainable"] == VOXEL_HEAD and config["teacher_augment"] is False
+    hospital.train_teachers(config)
+    scans = images[:1]
+    again = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=10.0)
+    for k in range(2):
+        teacher = again._teacher(k)
+        assert isinstance(teacher, VoxelHeadUNet)
+        state = teacher.state_dict()
+        assert all(np.array_equal(state[name].numpy(), value) for name, value in public.items())   # U-Net frozen
+        assert not torch.all(state["voxel_head.2.weight"] == 0)
+        np.testing.assert_array_equal(again.teacher_probs(k, scans), hospital.teacher_probs(k, scans))
+    assert again.train_teachers(config).get("reused")
+    full = again.train_teachers({**config, "teacher_trainable": "all"})
+    assert not full.get("reused") and not isinstance(again._teacher(0), VoxelHeadUNet)
