@@ -26,12 +26,20 @@ def main() -> None:
     parser.add_argument("--methods", default="pate-anchored,public-only,nonprivate-central")
     parser.add_argument("--teachers-per-hospital", type=int, default=None)
     parser.add_argument("--teacher-epochs", type=int, default=None, help="fine-tuning epochs per teacher (preset's: 6)")
+    parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (sim.networks.TRAINABLE_SETS)")
+    parser.add_argument("--teacher-learning-rate", type=float, default=None)
+    parser.add_argument("--teacher-augment", choices=("yes", "no"), default=None)
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     base = presets.PRESETS[args.preset]
     # the preset object is looked up by name by every cell of this process (workers=1: no other interpreter)
-    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins},
+    teachers = {key: value for key, value in (("teacher_trainable", args.teacher_trainable),
+                                              ("teacher_learning_rate", args.teacher_learning_rate),
+                                              ("teacher_augment", None if args.teacher_augment is None
+                                               else args.teacher_augment == "yes")) if value is not None}
+    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins,
+                                                                    **teachers},
                                                        teacher_epochs=args.teacher_epochs or base.teacher_epochs)
     run_compare(CompareConfig(args.preset, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
                               Path(args.out), seed=args.seed, progress=False, workers=1,

@@ -37,11 +37,13 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
     from sim.presets import get_preset
     from sim.runners.central import settings_grid
 
-    # the quick preset trains DP-SGD with the non-private ceiling's own settings: one setting, no grid
+    # the quick preset trains DP-SGD for the non-private ceiling's epochs, one setting, no grid: a voxel head on
+    # the frozen public model at its own learning rate (issue 28); the ceiling trains every weight
     quick = get_preset("quick")
     ceiling = settings_grid(quick, private=False, explicit={}, grid=True)
     only = settings_grid(quick, private=True, explicit={}, grid=True)
-    assert len(only) == 1 and only[0]["learning_rate"] == ceiling[0]["learning_rate"] == quick.learning_rate
+    assert len(only) == 1 and only[0]["trainable"] == "voxel-head" and "trainable" not in ceiling[0]
+    assert only[0]["learning_rate"] == 1e-2 and ceiling[0]["learning_rate"] == quick.learning_rate
     assert only[0]["epochs"] == ceiling[0]["epochs"] == quick.central_epochs
     quick = quick.replace(dpsgd_grid=({"learning_rate": 2e-3, "epochs": 5}, {"learning_rate": 5e-4, "epochs": 5}))
     grid = settings_grid(quick, private=True, explicit={}, grid=True)
