@@ -5,7 +5,7 @@
 For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, δ=1e-3, ε ∈ {1, 8}; σ calibrated
 as ``server.pate`` does, from the verified codec state) with the anchored codec (the demo's
 ``pate-anchored``: the product's compressor and defaults, C fitted on public maps, a public anchor per
-query) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``sim.training.train_segmentation``
+query, each shell split into the quick preset's T1-Gd bins unless ``--anchored-bins`` says otherwise) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``sim.training.train_segmentation``
 with a ``DPConfig``: ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it
 can claim -- replace-one (the default: the canary against a record whose gradient points the other way)
 and add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 8.0], help="PATE budgets")
     parser.add_argument("--codecs", nargs="+", default=None, choices=["anchored", "pca"],
                         help="PATE codecs to audit (default: anchored and pca; --quick: anchored)")
+    parser.add_argument("--anchored-bins", type=int, default=None,
+                        help="intensity bins per shell of the anchored codec (default: the quick preset's)")
     parser.add_argument("--dpsgd-epsilon", type=float, default=2.0)
     parser.add_argument("--delta", type=float, default=1e-3)
     parser.add_argument("--teachers", type=int, default=128)
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
     vectorised = args.vectorised if args.vectorised is not None else (200_000 if args.quick else 1_000_000)
     broken_runs = max(100, pate_runs // 2)
     pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
+    from sim.presets import get_preset
+
+    bins = args.anchored_bins or int(get_preset("quick").extra.get("anchored_intensity_bins", 1))
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None
     seed = args.seed or 0
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -87,14 +92,16 @@ def main(argv=None) -> int:
         for epsilon in args.epsilons:
             for broken in (None, 4.0):
                 setup = pate_setup(epsilon, args.delta, codec=codec, teachers=args.teachers,
-                                   hospitals=args.hospitals, queries=args.queries, seed=seed, broken_factor=broken)
+                                   hospitals=args.hospitals, queries=args.queries, seed=seed, broken_factor=broken,
+                                   **({"intensity_bins": bins} if codec == "anchored" else {}))
                 show(audit_pate(setup, broken_runs if broken else pate_runs, vectorised_trials=vectorised,
                                 noise=streams("pate", codec, epsilon, broken or 1), seed=seed))
                 hospital_eps.extend(setup.hospital_epsilon.values())     # audit_pate: equal to the server's
                 grid = "x".join(map(str, setup.anchors.shape[2:])) if setup.anchors is not None else "4x4x4"
                 codec_notes[codec] = (f"{codec}: l={setup.latent_dim}, C={setup.clip:.4g}"
                                       + (f" (2.5 x the public model's median residual), shells "
-                                         f"{setup.compressor.shells}, grid {grid}" if codec == "anchored" else
+                                         f"{setup.compressor.shells} x {bins} T1-Gd bins, grid {grid}"
+                                         if codec == "anchored" else
                                          f", grid {grid}"))
 
     for relation in ("replace-one", "add-remove"):

@@ -109,6 +109,25 @@ def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
     assert all(eps == pytest.approx(claimed, rel=1e-12) for eps in pate.hospital_epsilon.values())
 
 
+def test_the_binned_codec_audit_reaches_the_worst_case_through_the_bins():
+    """The quick preset's codec (shells x 3 T1-Gd bins, issue 28): the bin map travels with the anchor and every
+    hospital verifies it; the audited pair, lifted through the binned regions, reaches C u and -C u exactly, so the
+    pair uses all of S = 2C/K, and every hospital charged the ε the server claims."""
+    binned = pa.pate_setup(1.0, DELTA, intensity_bins=3, **PATE)
+    assert binned.latent_dim == 3 * 24 and binned.compressor.intensity_bins == 3
+    assert binned.sensitivity == pytest.approx(2 * binned.clip / binned.teachers)
+    assert binned.mu_true == pytest.approx(binned.mu_claimed)
+    for side in (+1, -1):
+        assert np.allclose(binned.answers[side]["h0"][0], side * binned.clip * binned.direction, atol=1e-5)
+        for rows in binned.answers[side].values():
+            assert np.all(np.linalg.norm(rows, axis=-1) <= binned.clip * (1 + 1e-6))
+    claimed = pa.pate_product_run(binned, +1, NoiseSource.reproducible(0))[1]
+    assert all(eps == pytest.approx(claimed, rel=1e-12) for eps in binned.hospital_epsilon.values())
+    # the broken control is still caught by its own numbers: it claims 4 times less sensitivity than it has
+    broken = pa.pate_setup(1.0, DELTA, intensity_bins=3, broken_factor=4.0, **PATE)
+    assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
+
+
 @pytest.mark.parametrize("broken_factor", [None, 4.0])
 def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
     """Same inputs, same noise stream (the release's own): aggregate_query's release == clean mean + sigma Z,

@@ -334,14 +334,17 @@ def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), clas
     return np.stack(onehot), np.stack(probs)
 
 
-def anchored_lift(direction: np.ndarray, anchor: np.ndarray, shells) -> np.ndarray:
+def anchored_lift(direction: np.ndarray, anchor: np.ndarray, shells, regions: np.ndarray | None = None) -> np.ndarray:
     """``B_n^T u`` for every query n: the residual map (N, C, *grid) whose anchored latent (before the clip)
-    is exactly ``u`` on every query (the rows of B_n are orthonormal; every region must be non-empty)."""
+    is exactly ``u`` on every query (the rows of B_n are orthonormal; every region must be non-empty).
+    ``regions``: the batch's regions when its shells are split into intensity bins
+    (:func:`sim.codecs.binned_regions`); None = the shells alone."""
 
     anchor = np.asarray(anchor)
-    classes, count = anchor.shape[1], codecs.anchored_latent_dim(2, shells)
-    per_class = np.asarray(direction, np.float64).reshape(classes - 1, count)
-    regions = codecs.anchor_regions(anchor, shells)
+    classes = anchor.shape[1]
+    per_class = np.asarray(direction, np.float64).reshape(classes - 1, -1)
+    count = per_class.shape[1]
+    regions = codecs.anchor_regions(anchor, shells) if regions is None else np.asarray(regions)
     out = np.zeros(anchor.shape, np.float64)
     for n in range(len(anchor)):
         index = regions[n].reshape(-1)
@@ -421,7 +424,7 @@ def _random_probabilities(rng: np.random.Generator, shape, around: np.ndarray | 
 
 def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", teachers: int = 128,
                hospitals: int = 8, queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=None,
-               seed: int = 0, broken_factor: float | None = None) -> PateSetup:
+               seed: int = 0, broken_factor: float | None = None, intensity_bins: int = 1) -> PateSetup:
     """A codec fitted on public data, calibrated as the server does (:func:`pate_calibration`), and every
     hospital's answer to the N queries through the real ``Hospital.answer_query`` (codec verified, the N
     releases charged to its own ledger with the S it computes itself, under ids with its own nonce, then
@@ -448,6 +451,10 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         grid: the maps' grid (None = 16³ for ``anchored``, 4³ for ``pca``).
         seed: the public data, the other teachers' maps and the direction u (not the noise).
         broken_factor: all of it under :func:`understated_codec_sensitivity` (None = the honest product).
+        intensity_bins: ``anchored`` only: each shell split into this many intensity bins of the query scans
+            (the quick preset's codec: 3; :func:`sim.codecs.intensity_bin_map`). The scans are then random public
+            volumes (the bins need intensities; the teachers still ignore them), the bin map is shipped with the
+            anchor and verified by every hospital, and the audited pair is lifted through the binned regions.
     """
 
 
@@ -460,10 +467,17 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     anchors = None
     if codec == "anchored":
         grid = tuple(grid or (16, 16, 16))
-        compressor = make_compressor("pate-anchored")          # the product's defaults (shells, clip_scale)
-        compressor.fit(*public_lesion_maps(rng, 24, grid, classes))   # public reference maps + public model
+        # the product's defaults (shells, clip_scale), and the bins asked for
+        compressor = make_compressor("pate-anchored", intensity_bins=int(intensity_bins))
+        binned = int(intensity_bins) > 1   # random draws only then: the bin-free audit stays what it was
+        reference = public_lesion_maps(rng, 24, grid, classes)          # public reference maps + public model
+        compressor.fit(*reference, rng.normal(size=(24, 4, *grid)).astype(np.float32) if binned else None)
         anchors = public_lesion_maps(rng, queries, grid, classes, compressor.shells)[1]   # on the query scans
         clip = float(compressor.clip)
+        # the public query scans: only the bins read them (the teachers answer fixed maps)
+        scans = (rng.normal(size=(queries, 4, *grid)) if binned else np.zeros((queries, 4, *grid))).astype(np.float32)
+        regions = codecs.binned_regions(anchors, compressor.shells, scans, codecs.T1GD_CHANNEL,
+                                        int(intensity_bins))[0]
     else:
         grid = tuple(grid or (4, 4, 4))
         public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
@@ -476,7 +490,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     direction = rng.normal(size=l)
     direction /= np.linalg.norm(direction)
     if codec == "anchored":       # p_n + t B_n^T u: anchored latent t u before the clip, C u after it
-        lift = anchored_lift(direction, anchors, compressor.shells)
+        lift = anchored_lift(direction, anchors, compressor.shells, regions)
         extreme = {side: (anchors + side * 10.0 * clip * lift).astype(np.float32) for side in (+1, -1)}
     else:                         # y with A_l (y - mean) = t u: clipped to C u by the codec
         components = np.asarray(true_state["components"], np.float64)
@@ -500,11 +514,13 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     hospital_epsilon = {}
     with understated_codec_sensitivity(broken_factor), tempfile.TemporaryDirectory() as tmp:
         state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
-        shipped = codecs.with_anchor(compressor.state(), anchors) if codec == "anchored" else compressor.state()
+        shipped = (codecs.with_anchor(compressor.state(), anchors, scans) if codec == "anchored"
+                   else compressor.state())
         config = {"method": f"pate-{codec}", "queries": list(range(queries)),
                   "release_ids": [f"pate-{codec}:audit:query-{n}" for n in range(queries)], "sigma": sigma,
                   "teachers": teachers, "delta": float(delta)}
-        scans = np.zeros((queries, 4, *grid), np.float32)      # the teachers ignore them (fixed maps)
+        if codec != "anchored":
+            scans = np.zeros((queries, 4, *grid), np.float32)  # the teachers ignore them (fixed maps)
         for side in (+1, -1):
             for index, name in enumerate(names if side == +1 else [audited]):
                 hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}", epsilon,
