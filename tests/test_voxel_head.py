@@ -173,3 +173,17 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
     assert again.train_teachers(config).get("reused")
     full = again.train_teachers({**config, "teacher_trainable": "all"})
     assert not full.get("reused") and not isinstance(again._teacher(0), VoxelHeadUNet)
+
+
+def test_the_central_command_offers_exactly_the_trainable_sets():
+    """The CLI spells the sets itself (it must not import torch); this keeps it in step with sim.networks."""
+    import argparse
+
+    from sim.commands import central as command
+    from sim.networks import TRAINABLE_SETS
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    central = parser._subparsers._group_actions[0].choices["central"]
+    trainable = next(action for action in central._actions if action.dest == "trainable")
+    assert tuple(trainable.choices) == tuple(TRAINABLE_SETS)
