@@ -34,7 +34,7 @@ from clients.replay import AnswerBook, mint_nonce, request_key
 from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.networks import build_unet
-from sim.training import TrainConfig, lever_settings, train_segmentation
+from sim.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
 
 @functools.lru_cache(maxsize=64)
@@ -68,7 +68,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     labels = hospital.prepared.labels(case_ids)
 
     # the server's setting names the network: a voxel head arrives in the weights when it trains one
-    model = build_unet(preset.unet, trainable=str(config.get("trainable") or "all"))
+    model = build_unet(preset.unet, trainable=trainable_of(config))
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
     batch_size = int(config.get("batch_size") or preset.batch_size)
     steps = steps_per_epoch(len(case_ids), batch_size)

@@ -31,7 +31,8 @@ from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.networks import build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
-from sim.training import LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of, public_validation_dice
+from sim.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
+                           public_validation_dice, trainable_of)
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -150,7 +151,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         """The global model every round 0 of ``setting`` starts from: the public model (random weights when
         none), with the setting's voxel head (sim.networks.VoxelHeadUNet, identity at start) if it trains one."""
         torch.manual_seed(seed)
-        model = build_unet(preset.unet, trainable=setting.get("trainable") or "all")
+        model = build_unet(preset.unet, trainable=trainable_of(setting))
         if init_weights is not None:
             load_start_weights(model, {name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
         return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
@@ -188,7 +189,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
                 break
             weights = federated_average(updates)
             history.append({"round": round_index, "hospitals": len(updates)})
-        candidate = build_unet(preset.unet, trainable=setting.get("trainable") or "all")
+        candidate = build_unet(preset.unet, trainable=trainable_of(setting))
         candidate.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
         candidate.to(resolve_device(device))
         # public labels only: what may choose among the released global models

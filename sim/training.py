@@ -84,6 +84,12 @@ class TrainConfig:
 LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": float}
 
 
+def trainable_of(entry) -> str:
+    """The trainable set a settings-grid entry or a round's config names (``sim.networks.TRAINABLE_SETS``;
+    "all" when it names none): which network to build for it, and what to train."""
+    return str(entry.get("trainable") or "all")
+
+
 def lever_settings(entry: dict) -> dict:
     """The lever keys of a settings-grid entry, typed (``ema_decay: None`` stays None)."""
     return {key: (None if entry[key] is None else kind(entry[key])) for key, kind in LEVER_KEYS.items()

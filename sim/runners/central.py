@@ -44,7 +44,7 @@ from sim.presets import get_preset
 from sim.results import ModelRelease, RunResults, write_run
 from sim.selection import SELECTIONS, SelectionConfig, run_private_selection
 from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
-                          lever_settings, per_class_of, train_segmentation)
+                          lever_settings, per_class_of, train_segmentation, trainable_of)
 from sim.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
@@ -274,12 +274,12 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
             config, setting, start_weights, device, precision,
             checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
             description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
-            extra_checkpoint={"network_config": network_config(p.unet, trainable=_trainable(setting))})
+            extra_checkpoint={"network_config": network_config(p.unet, trainable=trainable_of(setting))})
         if private:
             dp = _dp_config(p, dpsgd, epsilon, delta, setting, sigma, release_prefix=prefix + tag,
                             stream_prefix="central-dpsgd" + tag)
         torch.manual_seed(seed)
-        result = train_segmentation(build_unet(p.unet, trainable=_trainable(setting)), world["train_images"], world["train_labels"], train_config,
+        result = train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), world["train_images"], world["train_labels"], train_config,
                                     dp=dp, guard=guard, owners=tuple(world["hospital_ids"]),
                                     validation=world["validation"], noise=noise.child(f"setting-{index}") if tag else noise)
         validation_dice = None
@@ -401,7 +401,7 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
         train_config = _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
                                          description=f"private selection: repetition {rep + 1}, setting {index + 1}")
         torch.manual_seed(seed)
-        return train_segmentation(build_unet(p.unet, trainable=_trainable(setting)), images, labels, train_config, dp=used["dp"], guard=covered,
+        return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config, dp=used["dp"], guard=covered,
                                   owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
 
     def per_case(model, images, labels):
@@ -416,11 +416,6 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
     if selected.setting is not None:   # the released model's own DP-SGD configuration
         used["dp"] = dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
     return selected, used.get("dp")
-
-
-def _trainable(setting: dict) -> str:
-    """The trainable set of a settings-grid entry (``sim.networks.TRAINABLE_SETS``; "all" when it names none)."""
-    return setting.get("trainable") or "all"
 
 
 def _setting_training(config: CentralConfig, setting: dict, start_weights, device, precision, **run) -> TrainConfig:
