@@ -105,7 +105,7 @@ class VoxelHeadUNet(torch.nn.Module):
 
     ``W2, b2 = 0`` at construction, so the network starts as exactly the U-Net it wraps (the public model).
     The U-Net's parameters keep their names (``model.*``, as in a bare MONAI UNet), so a U-Net state dict loads
-    into ``self.unet`` by :func:`load_start_weights`; the head's are ``voxel_head.*``.
+    into ``self.model`` by :func:`load_start_weights`; the head's are ``voxel_head.*``.
     """
 
     def __init__(self, unet: torch.nn.Module, in_channels: int, out_channels: int, hidden: int) -> None:
