@@ -109,7 +109,7 @@ PRESETS: dict[str, Preset] = {
         # fine-tuning for 6 epochs left the teachers knowing no non-enhancing core at seed 0 (noise-free ensemble
         # class 2 0.003); these heads' probability average reaches 0.408. The codec splits each shell into 3 T1-Gd
         # bins (sim.codecs.intensity_bin_map) so it can say where that class goes. Both measured on the test set at
-        # seed 0 before they became the default (docs/RESULTS.md, "Teachers that learn the class").
+        # seed 0 before they became the default (docs/RESULTS.md, "A voxel head", "PATE's teachers as voxel heads").
         unet="small", teacher_epochs=60, pretrain_epochs=50, student_epochs=10, central_epochs=10,
         batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=60,
         # DP-SGD on 140 volumes: with batch 2 and per-layer clipping at 4 the noise swamps the signal (mean
