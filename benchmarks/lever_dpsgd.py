@@ -33,7 +33,10 @@ VARIANTS = {"baseline": {}, "public-validation-grid": {"dpsgd_grid": OLD_GRID}, 
             "decoder-epochs10": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "decoder"}},
             # a voxel head on the frozen public model (sim.networks.VoxelHeadUNet): lr ~ 1/T for its T ~ 120 steps
             "voxel-head": {"learning_rate": 1e-2, "epochs": 10, "levers": {"trainable": "voxel-head"}},
-            "voxel-head-lr2e-3": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "voxel-head"}}}
+            "voxel-head-lr2e-3": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "voxel-head"}},
+            # a larger expected batch for the head (De et al. 2022), sigma recalibrated for it: measured, not adopted
+            "voxel-head-batch64": {"learning_rate": 1e-2, "epochs": 10, "batch_size": 64,
+                                   "levers": {"trainable": "voxel-head"}}}
 
 
 def main() -> None:
