@@ -476,12 +476,13 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         clip = float(compressor.clip)
         # the public query scans: only the bins read them (the teachers answer fixed maps)
         scans = (rng.normal(size=(queries, 4, *grid)) if binned else np.zeros((queries, 4, *grid))).astype(np.float32)
-        regions = codecs.binned_regions(anchors, compressor.shells, scans, codecs.T1GD_CHANNEL,
+        regions = codecs.binned_regions(anchors, compressor.shells, scans, compressor.intensity_channel,
                                         int(intensity_bins))[0]
     else:
         grid = tuple(grid or (4, 4, 4))
         public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
         compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
+        scans = np.zeros((queries, 4, *grid), np.float32)      # the teachers ignore them (fixed maps)
     true_state = codecs.verify_codec(compressor.state())
     true_sensitivity = float(codecs.codec_sensitivity(true_state, teachers))   # outside any patch
     l = int(compressor.latent_dim)
@@ -519,8 +520,6 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         config = {"method": f"pate-{codec}", "queries": list(range(queries)),
                   "release_ids": [f"pate-{codec}:audit:query-{n}" for n in range(queries)], "sigma": sigma,
                   "teachers": teachers, "delta": float(delta)}
-        if codec != "anchored":
-            scans = np.zeros((queries, 4, *grid), np.float32)  # the teachers ignore them (fixed maps)
         for side in (+1, -1):
             for index, name in enumerate(names if side == +1 else [audited]):
                 hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}", epsilon,
