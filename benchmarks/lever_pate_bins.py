@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (sim.networks.TRAINABLE_SETS)")
     parser.add_argument("--teacher-learning-rate", type=float, default=None)
     parser.add_argument("--teacher-augment", choices=("yes", "no"), default=None)
+    parser.add_argument("--decoder", default=None, help="the anchored codec's decoder (server.compressors.ANCHORED_DECODERS)")
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -37,7 +38,8 @@ def main() -> None:
     teachers = {key: value for key, value in (("teacher_trainable", args.teacher_trainable),
                                               ("teacher_learning_rate", args.teacher_learning_rate),
                                               ("teacher_augment", None if args.teacher_augment is None
-                                               else args.teacher_augment == "yes")) if value is not None}
+                                               else args.teacher_augment == "yes"),
+                                              ("anchored_decoder", args.decoder)) if value is not None}
     presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins,
                                                                     **teachers},
                                                        teacher_epochs=args.teacher_epochs or base.teacher_epochs)

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from privacy import sensitivity as sens
 from sim import codecs
+from sim.codecs.headfit import fit_head_decode
 from sim.device import resolve_device
 from sim.errors import UserError
 from sim.io import atomic_save_torch
@@ -596,8 +597,13 @@ class AnchoredResidualCompressor(Compressor):
     needs_public_model = True
 
     def __init__(self, shells: tuple = (-2, 5), clip: float | None = None, clip_scale: float = 2.5,
-                 intensity_bins: int = 1, intensity_channel: int = codecs.T1GD_CHANNEL):
+                 intensity_bins: int = 1, intensity_channel: int = codecs.T1GD_CHANNEL,
+                 decoder: str = "mass-matching", device=None):
         shells = tuple(int(v) for v in shells)
+        if decoder not in ANCHORED_DECODERS:
+            raise UserError(f"anchored codec: decoder must be one of {', '.join(ANCHORED_DECODERS)}, got {decoder!r}")
+        self.decoder = decoder
+        self.device = device
         if isinstance(intensity_bins, bool) or int(intensity_bins) != intensity_bins \
                 or not 1 <= int(intensity_bins) <= 255:
             raise UserError(f"anchored codec: intensity_bins must be a whole number in [1, 255], got {intensity_bins}")
@@ -670,13 +676,25 @@ class AnchoredResidualCompressor(Compressor):
 
     def decode(self, z: np.ndarray, anchor: np.ndarray | None = None, sigma: float = 0.0,
                scans: np.ndarray | None = None) -> np.ndarray:
-        """Pseudo-labels; ``sigma`` > 0 (the release's noise): James-Stein shrinkage towards the anchor first
-        (:func:`sim.codecs.shrink_latents`), so that noise-dominated latents decode to the public model."""
+        """Pseudo-labels by this compressor's decoder (:data:`ANCHORED_DECODERS`); ``sigma``: the release's noise."""
         self._require_fit()
         if anchor is None:
             raise UserError("anchored codec: decode needs the public anchor (the public model's prediction)")
+        return ANCHORED_DECODERS[self.decoder](self, z, np.asarray(anchor), float(sigma), scans)
+
+    def _mass_matching(self, z, anchor, sigma, scans) -> np.ndarray:
+        """Per query: James-Stein shrinkage towards the anchor when ``sigma`` > 0 (:func:`sim.codecs.shrink_latents`,
+        so that noise-dominated latents decode to the public model), then mass matching in every region."""
         return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells,
                                       intensity_bins=self.intensity_bins, regions=self._regions(anchor, scans))
+
+    def _head_fit(self, z, anchor, sigma, scans) -> np.ndarray:
+        """One voxel head fitted to every query's latents at once (:func:`sim.codecs.headfit.fit_head_decode`: the
+        Gaussian release's maximum-likelihood head; it pools the noise itself, so no shrinkage first)."""
+        if scans is None:
+            raise UserError("anchored codec: the head-fit decoder needs the query scans the latents belong to")
+        return fit_head_decode(z, anchor, scans, self._regions(anchor, scans), self.latent_dim // (self.classes - 1),
+                               device=self.device)
 
     def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
         """Anchored at the public model (issue 18): C from its residual on the public reference scans."""
@@ -697,7 +715,15 @@ class AnchoredResidualCompressor(Compressor):
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
                 "intensity_bins": self.intensity_bins, "intensity_channel": self.intensity_channel,
+                "decoder": self.decoder,
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
+
+#: the anchored codec's decoders, by name (server side only: the hospitals encode, they never decode).
+#: ``decoder(compressor, z, anchor, sigma, scans) -> pseudo-labels``
+ANCHORED_DECODERS: dict[str, Callable[..., np.ndarray]] = {
+    "mass-matching": AnchoredResidualCompressor._mass_matching,
+    "head-fit": AnchoredResidualCompressor._head_fit,
+}
 
 #: PATE method -> the factory of its compressor (issue 27: one entry per method, no name tests elsewhere)
 #: ``factory(preset, seed=, checkpoint=, progress=, device=, **options) -> Compressor`` per method
@@ -751,7 +777,8 @@ def _anchored(preset, *, seed, checkpoint, progress, device=None, **options) -> 
     return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
                                       options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)),
                                       options.get("intensity_bins", extra.get("anchored_intensity_bins", 1)),
-                                      options.get("intensity_channel", codecs.T1GD_CHANNEL))
+                                      options.get("intensity_channel", codecs.T1GD_CHANNEL),
+                                      options.get("decoder", extra.get("anchored_decoder", "mass-matching")), device)
 
 
 for _method, _factory in (("pate-pca", _pca), ("pate-ae", _autoencoder), ("pate-naive", _identity),

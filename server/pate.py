@@ -64,7 +64,7 @@ from sim.device import check_device_spec, check_precision, device_name, model_de
 from sim.errors import UserError
 from sim import methods
 from sim.metrics import dice_scores
-from sim.networks import network_config
+from sim.networks import network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import PublicWorld
@@ -268,6 +268,14 @@ def teacher_training(preset) -> dict[str, Any]:
     return {key: preset.extra[key] for key in keys if key in preset.extra}
 
 
+def student_training(preset) -> dict[str, Any]:
+    """What the student trains, as the preset says (``extra``: ``student_trainable``, ``student_learning_rate``);
+    nothing when it says nothing (every weight, the preset's learning rate)."""
+    return {name: preset.extra[key] for key, name in (("student_trainable", "trainable"),
+                                                      ("student_learning_rate", "learning_rate"))
+            if key in preset.extra}
+
+
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
@@ -405,7 +413,7 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
     student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=public_init,
                             include_reference=config.include_reference, progress=config.progress,
-                            device=config.device, precision=config.precision)
+                            device=config.device, precision=config.precision, **student_training(preset))
     public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student_epochs, init=public_init,
                                      progress=config.progress,
                                      checkpoint=shared / "public-only.pt" if shared else None,
@@ -538,7 +546,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                               f"(sigma={plan.sigma:.4g}); covers the pseudo-labels and the student"),
     }
     labels = predict_probs(student.model, world.test_images, precision=config.precision).argmax(axis=1).astype(np.uint8)
-    release = ModelRelease(student.model, network_config(preset.unet), preprocessing_of(world), world.source,
+    release = ModelRelease(student.model, network_config_of(student.model, preset.unet), preprocessing_of(world), world.source,
                            test_predictions=(labels, world))
     return write_run(out, results, release, started=started)
 

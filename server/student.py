@@ -21,21 +21,22 @@ import torch
 
 from sim.codecs import one_hot
 from sim.device import resolve_device
-from sim.networks import build_unet
+from sim.networks import build_unet, load_start_weights
 from sim.training import TrainConfig, train_segmentation
 
 
 def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description, device=None,
-           precision="32"):
+           precision="32", trainable: str = "all", learning_rate: float | None = None):
     torch.manual_seed(seed)
-    model = build_unet(preset.unet)
+    model = build_unet(preset.unet, trainable=trainable)
     if epochs <= 0:
         if init is not None:
-            model.load_state_dict(init)
+            load_start_weights(model, init)
         return model.to(resolve_device(device))
-    config = TrainConfig(epochs=int(epochs), batch_size=preset.batch_size, learning_rate=preset.learning_rate,
+    config = TrainConfig(epochs=int(epochs), batch_size=preset.batch_size,
+                         learning_rate=preset.learning_rate if learning_rate is None else float(learning_rate),
                          seed=seed, progress=progress, checkpoint=checkpoint, init_from=init,
-                         description=description, device=device, precision=precision)
+                         description=description, device=device, precision=precision, trainable=trainable)
     return train_segmentation(model, images, targets, config).model
 
 
@@ -67,7 +68,8 @@ def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = Non
 
 def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, seed: int = 0, init=None,
                   epochs: int | None = None, include_reference: bool = True, progress: bool = False,
-                  checkpoint: str | Path | None = None, device=None, precision: str = "32"):
+                  checkpoint: str | Path | None = None, device=None, precision: str = "32",
+                  trainable: str = "all", learning_rate: float | None = None):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
 
     Args:
@@ -84,6 +86,9 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
         checkpoint: saved after every epoch and resumed from when it exists (None = no checkpoint).
         device / precision: where the model trains and is returned (``sim.device``; None = auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
+        trainable: what the student trains (``sim.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the
+            public model and trains only the head).
+        learning_rate: Adam's learning rate (None = the preset's).
     """
 
     epochs = preset.student_epochs if epochs is None else epochs
@@ -100,4 +105,5 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
         return _train(None, None, preset, epochs=0, seed=seed, init=init, progress=progress, checkpoint=None,
                       description="student", device=device, precision=precision)
     return _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
-                  checkpoint=checkpoint, description="student", device=device, precision=precision)
+                  checkpoint=checkpoint, description="student", device=device, precision=precision,
+                  trainable=trainable, learning_rate=learning_rate)

@@ -89,6 +89,18 @@ VOXEL_HEAD = "voxel-head"
 VOXEL_HEAD_HIDDEN = 16
 
 
+def voxel_head(in_channels: int, out_channels: int, hidden: int = VOXEL_HEAD_HIDDEN) -> torch.nn.Sequential:
+    """``W2 PReLU(W1 [scores, x] + b1) + b2`` as 1x1x1 convolutions on ``out_channels`` class scores followed by
+    ``in_channels`` sequences, with ``W2 = b2 = 0``: added to the scores, it starts as no change at all. Used by
+    :class:`VoxelHeadUNet` and by the anchored codec's head-fit decoder (``sim.codecs.headfit``)."""
+    head = torch.nn.Sequential(
+        torch.nn.Conv3d(in_channels + out_channels, hidden, kernel_size=1), torch.nn.PReLU(),
+        torch.nn.Conv3d(hidden, out_channels, kernel_size=1))
+    torch.nn.init.zeros_(head[2].weight)
+    torch.nn.init.zeros_(head[2].bias)
+    return head
+
+
 class VoxelHeadUNet(torch.nn.Module):
     """A U-Net plus a small per-voxel head that corrects its logits from the logits and the scan itself:
 
@@ -111,11 +123,7 @@ class VoxelHeadUNet(torch.nn.Module):
     def __init__(self, unet: torch.nn.Module, in_channels: int, out_channels: int, hidden: int) -> None:
         super().__init__()
         self.model = unet.model           # the MONAI UNet's own module tree: its state-dict keys unchanged
-        self.voxel_head = torch.nn.Sequential(
-            torch.nn.Conv3d(in_channels + out_channels, hidden, kernel_size=1), torch.nn.PReLU(),
-            torch.nn.Conv3d(hidden, out_channels, kernel_size=1))
-        torch.nn.init.zeros_(self.voxel_head[2].weight)
-        torch.nn.init.zeros_(self.voxel_head[2].bias)
+        self.voxel_head = voxel_head(in_channels, out_channels, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.model(x)
