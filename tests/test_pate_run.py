@@ -82,3 +82,25 @@ def test_dropout_stops_when_the_budget_would_be_exceeded(world, tmp_path):
     assert s_half == pytest.approx(2 * s_full)
     assert results["stopped_early"] and results["queries"] < 8
     assert max(ledger.spent(o, 1e-3).epsilon for o in ledger.owners()) <= 8.0
+
+
+@pytest.mark.slow
+def test_head_fit_decoder_and_voxel_head_student_run_end_to_end(world, tmp_path):
+    """The quick preset's PATE (voxel-head teachers, 3 T1-Gd bins, the head-fit decoder, a voxel-head student) on the
+    tiny world: the results name the decoder, the bundle holds the head on the public model, its card carries the
+    ledger's epsilon."""
+    from sim.bundle import load_bundle
+    from sim.networks import VoxelHeadUNet
+    from sim.runners.inprocess import run_pate_inprocess
+
+    prepared, split, preset = world
+    preset = preset.replace(extra={**preset.extra, "teacher_trainable": "voxel-head", "teacher_learning_rate": 1e-2,
+                                   "teacher_augment": False, "anchored_intensity_bins": 3,
+                                   "anchored_decoder": "head-fit", "student_trainable": "voxel-head",
+                                   "student_learning_rate": 1e-2})
+    results = run_pate_inprocess(preset, "pate-anchored", 8.0, 1e-3, tmp_path, seed=0, prepared=prepared,
+                                 split=split, progress=False)
+    assert results["compressor"]["decoder"] == "head-fit" and results["compressor"]["intensity_bins"] == 3
+    bundle = load_bundle(tmp_path)
+    assert isinstance(bundle.model, VoxelHeadUNet) and bundle.network["voxel_head_hidden"] == 16
+    assert bundle.card["epsilon"] == pytest.approx(results["epsilon"]) and 7.9 < results["epsilon"] <= 8.0

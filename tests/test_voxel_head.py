@@ -187,3 +187,29 @@ def test_the_central_command_offers_exactly_the_trainable_sets():
     central = parser._subparsers._group_actions[0].choices["central"]
     trainable = next(action for action in central._actions if action.dest == "trainable")
     assert tuple(trainable.choices) == tuple(TRAINABLE_SETS)
+
+
+def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
+    """PATE's student as the teachers' function class (the quick preset's ``student_trainable``): the public model's
+    weights stay bit-identical, the head moves, and the preset's extras reach ``train_student`` by their names."""
+    from types import SimpleNamespace
+
+    from server.pate import student_training
+    from server.student import train_student
+    from sim.codecs import one_hot
+    from sim.presets import get_preset
+
+    images, labels = _data(4)
+    world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
+    preset = get_preset("tiny")
+    assert student_training(preset) == {}
+    preset = preset.replace(extra={**preset.extra, "student_trainable": VOXEL_HEAD, "student_learning_rate": 1e-2})
+    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2}
+    public = _public().state_dict()
+    student = train_student(world, one_hot(labels[2:], 4).astype(np.float32), [2, 3], preset, seed=0,
+                            init={k: v.clone() for k, v in public.items()}, epochs=1, **student_training(preset))
+    assert isinstance(student, VoxelHeadUNet)
+    state = student.state_dict()
+    assert all(torch.equal(state[name].cpu(), value) for name, value in public.items())
+    assert not torch.all(state["voxel_head.2.weight"] == 0)
+    assert network_config_of(student, "tiny")["voxel_head_hidden"] == 16

@@ -15,7 +15,7 @@ orthonormal region sums (:func:`sim.codecs.anchored_encode`; ``q_n(0)`` is the a
 ``z = 0`` leaves theta at 0 and decodes to the anchor exactly), ``z_n`` the released mean latents. The release
 is ``z_n = mean_k clip_C(B_n (y_nk - p_n)) + N(0, sigma^2 I)`` with one sigma for every coordinate, so
 theta* is the maximum-likelihood estimate of a head whose output the teachers' mean residual is -- least squares
-in latent units (Gauss). On the quick world 40 query scans x 72 regions x 3 classes = 8,640 noisy numbers pin
+in latent units (Gauss). On the quick world 40 query scans x 24 regions x 3 classes = 2,880 noisy numbers pin
 down 213 parameters: the noise is averaged over every query instead of decoded region by region, and where a
 class goes inside a region is decided by each voxel's own scores and intensities, learnt from how the released
 masses vary with them across regions and scans. It is the same family of function the quick preset's teachers
