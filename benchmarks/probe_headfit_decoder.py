@@ -10,7 +10,8 @@ public model's cached logits, as the hospitals train them); each teacher's proba
 encoded by the quick preset's anchored codec (3 T1-Gd bins, C fitted on the public reference maps) and averaged;
 for each epsilon (default 8, 1) one Gaussian draw at the product's sigma (numpy's seeded RNG: a probe, not a release -- no
 ledger); both decoders' pseudo-label Dice on the query scans; the head fit's loss after 100, 300 (the product's) and 600 steps
-(the likelihood's convergence: a function of the release, public); four students (``server.student.train_student``:
+(the likelihood's convergence: a function of the release, public), how much of |z|^2 the fit explains and how much
+it explains of a release of pure noise at the same sigma; four students (``server.student.train_student``:
 every weight or a voxel head, with or without the reference maps) scored on the test set; and the control: the
 voxel-head student trained on the public model's own predictions of the query scans (no hospital at all).
 Test-set numbers: a probe, stated as such in docs/RESULTS.md, not a way to choose a default.
@@ -107,6 +108,10 @@ def main() -> None:
             if steps == 300:        # the product's setting (FIT_STEPS)
                 pseudo = decoded
                 row["head-fit (300 steps), query"] = dice(pseudo, world.query_labels)
+                row["|z|^2, what the fit explained"] = [round(history[0], 1), round(history[0] - history[-1], 1)]
+        noise_only, history = rng.normal(0.0, sigma, mean_latent.shape), []
+        fit_head_decode(noise_only, query_probs, world.query_images, regions, count, history=history)
+        row["a release of pure noise: what the fit explained"] = round(history[0] - history[-1], 1)
         print(json.dumps(row), flush=True)
         for name, trainable, learning_rate, reference in students:
             student = train_student(world, pseudo, list(range(len(pseudo))), preset, seed=seed,
