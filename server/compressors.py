@@ -565,8 +565,11 @@ class AnchoredResidualCompressor(Compressor):
       never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with shells, 0.62 with 3 T1-Gd
       bins; benchmarks/codec_ceiling.py);
     * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1) B``;
-    * decode (:func:`sim.codecs.anchored_decode`): per shell, the public model's probabilities re-weighted
-      so that each class carries the mass the teachers' mean residual says; ``z = 0`` gives ``p_n`` exactly.
+    * decode, by the compressor's ``decoder`` (:data:`ANCHORED_DECODERS`): ``mass-matching``
+      (:func:`sim.codecs.anchored_decode`: per region, the public model's probabilities re-weighted so that each
+      class carries the mass the teachers' mean residual says) or ``head-fit`` (:func:`sim.codecs.headfit.fit_head_decode`:
+      one voxel head fitted to every query's latents at once, the Gaussian release's maximum-likelihood head; issue
+      28, item 5). Both are post-processing and give ``p_n`` exactly at ``z = 0``.
 
     Sensitivity (replace-one), proof sketch: replacing one patient changes one teacher's output ``y_nk``
     into any ``y'_nk``; both rows are clipped to L2 norm C *after* every step the anchor or the regions
