@@ -43,6 +43,7 @@ import torch
 
 from sim.device import resolve_device
 from sim.errors import UserError
+from sim.networks import voxel_head
 
 #: Adam steps and learning rate of the fit (module docstring: how they were fixed)
 FIT_STEPS = 300
@@ -67,8 +68,8 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
         steps / learning_rate: Adam's full-batch steps and learning rate.
         seed: the head's start (a fixed, public choice: the decode is deterministic).
         device: where the fit runs (``sim.device``; None = auto).
-        history: when a list, the loss (the squared latent residual, summed) after every step is appended --
-            the convergence check.
+        history: when a list, the loss (the squared latent residual, summed) at the start of every step is
+            appended -- ``history[0]`` is ``|z|^2`` (theta = 0); the convergence check.
     """
     anchor = np.asarray(anchor, dtype=np.float32)
     scans = np.asarray(scans, dtype=np.float32)
@@ -82,15 +83,14 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
     out = anchor.copy()
     if not np.any(z):
         return out                     # nothing released beyond the public model
-    from sim.networks import voxel_head      # sim.networks imports torch-heavy MONAI: only when a fit runs
-
     device = resolve_device(device)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(int(seed))
-    head = voxel_head(scans.shape[1], classes).to(device)
-    torch.random.set_rng_state(generator_state)     # the caller's torch stream is not moved by a decode
+    # the caller's torch streams (host and every GPU: manual_seed seeds them all) are not moved by a decode
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        torch.manual_seed(int(seed))
+        head = voxel_head(scans.shape[1], classes)
+    head = head.to(device)
     optimiser = torch.optim.Adam(head.parameters(), lr=float(learning_rate))
-    chunks = [_chunk(anchor[i:i + FIT_CHUNK], scans[i:i + FIT_CHUNK], regions[i:i + FIT_CHUNK],
+    chunks = [_Chunk(anchor[i:i + FIT_CHUNK], scans[i:i + FIT_CHUNK], regions[i:i + FIT_CHUNK],
                      z[i:i + FIT_CHUNK], int(count), device) for i in range(0, n, FIT_CHUNK)]
     for _ in range(int(steps)):
         optimiser.zero_grad(set_to_none=True)
@@ -109,7 +109,7 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
     return out
 
 
-class _chunk:
+class _Chunk:
     """A few scans' fixed tensors, kept for the voxels inside a region only (the loss reads no other voxel: on the
     quick world about a quarter of each scan): the head's input, the anchor as the head sees it, the region index
     (offset per scan so that one scatter sums every scan's regions)."""
