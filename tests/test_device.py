@@ -427,3 +427,20 @@ def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
         results[augment_on] = result.model.state_dict()
     assert all(torch.equal(results[None][k], results["host"][k]) for k in results[None])
     assert any(not torch.equal(results["device"][k], results["host"][k]) for k in results[None])
+
+
+def test_explicit_cpu_reaches_the_head_fit_decoder(spy):
+    """The anchored codec's head-fit decoder (issue 28) fits on the run's device: explicit cpu works under the trap,
+    a decoder built without a device would have gone to the (trapped) GPU."""
+    from server.compressors import AnchoredResidualCompressor
+    from sim import codecs
+    from tests.test_codec_intensity_bins import _public_without_class_2, _rim_lesions
+
+    scans, labels = _rim_lesions(3)
+    onehot, anchor = codecs.one_hot(labels).astype(np.float32), _public_without_class_2(labels)
+    fitted = {device: AnchoredResidualCompressor((-2, 3), intensity_bins=3, decoder="head-fit", device=device)
+              .fit(onehot, anchor, scans) for device in ("cpu", None)}
+    z = fitted["cpu"].encode(onehot, anchor, scans)
+    assert fitted["cpu"].decode(z, anchor, scans=scans).shape == anchor.shape
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
+        fitted[None].decode(z, anchor, scans=scans)

@@ -84,9 +84,10 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
     if not np.any(z):
         return out                     # nothing released beyond the public model
     device = resolve_device(device)
-    # the caller's torch streams (host and every GPU: manual_seed seeds them all) are not moved by a decode
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
-        torch.manual_seed(int(seed))
+    # the head is initialised on the host from the host generator alone (torch.manual_seed would reseed every GPU's
+    # too), inside fork_rng: the caller's streams are not moved by a decode
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(int(seed))
         head = voxel_head(scans.shape[1], classes)
     head = head.to(device)
     optimiser = torch.optim.Adam(head.parameters(), lr=float(learning_rate))
