@@ -19,23 +19,22 @@ Test-set numbers: a probe, stated as such in docs/RESULTS.md, not a way to choos
 import json
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 
-def main() -> None:
-    public_path, seed = sys.argv[1], int(sys.argv[2])
-    epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
+def teachers_release(public_path: str, seed: int, decoder: str = "head-fit") -> SimpleNamespace:
+    """The quick world at ``seed``, its public model, the product's anchored codec (``decoder``) fitted on public data,
+    and the 128 voxel-head teachers' noise-free mean latent on the 40 query scans (shared with
+    benchmarks/probe_query_selection.py)."""
     import sim.presets as presets
-    from privacy.calibration import pate_sigma
     from server.compressors import PublicFit, make_compressor
-    from server.student import train_student
     from sim import codecs
-    from sim.codecs.headfit import fit_head_decode
     from sim.metrics import dice_scores
     from sim.networks import VOXEL_HEAD, build_unet
-    from sim.training import per_sample_loss, predict_probs
+    from sim.training import per_sample_loss
     from sim.world import build_world, load_world
 
     preset = presets.get_preset("quick")
@@ -59,16 +58,15 @@ def main() -> None:
     query_logits = logits(world.query_images)
     query_probs = torch.softmax(query_logits, 1).numpy()
     reference_probs = torch.softmax(logits(world.reference_images), 1).numpy()
-    compressor = make_compressor("pate-anchored", preset, decoder="head-fit")   # the product's codec
-    compressor.fit_release(PublicFit(reference_maps=codecs.one_hot(world.reference_labels, 4),
-                                     reference_probs=reference_probs, query_probs=query_probs,
-                                     reference_is_query=False, with_predictions=False,
-                                     reference_scans=world.reference_images), 1.0, 128)
-    mass_matching = make_compressor("pate-anchored", preset, decoder="mass-matching")
-    mass_matching.fit_release(PublicFit(reference_maps=codecs.one_hot(world.reference_labels, 4),
-                                        reference_probs=reference_probs, query_probs=query_probs,
-                                        reference_is_query=False, with_predictions=False,
-                                        reference_scans=world.reference_images), 1.0, 128)
+
+    def fitted(name):
+        compressor = make_compressor("pate-anchored", preset, decoder=name)   # the product's codec
+        return compressor.fit_release(PublicFit(reference_maps=codecs.one_hot(world.reference_labels, 4),
+                                                reference_probs=reference_probs, query_probs=query_probs,
+                                                reference_is_query=False, with_predictions=False,
+                                                reference_scans=world.reference_images), 1.0, 128)
+
+    compressor = fitted(decoder)
     regions = compressor._regions(query_probs, world.query_images)
     partitions = [part for h in sorted(split.hospitals) for part in split.hospitals[h]]
     features = torch.cat([query_logits, torch.as_tensor(world.query_images)], 1)
@@ -87,12 +85,31 @@ def main() -> None:
             teacher = torch.softmax(query_logits + head(features), 1).numpy()
         latent_sum = latent_sum + codecs.anchored_encode(teacher, query_probs, compressor.shells, compressor.clip,
                                                          regions=regions, intensity_bins=compressor.intensity_bins)
-    mean_latent = latent_sum / len(partitions)
     print(json.dumps({"teachers": len(partitions), "seconds": round(time.time() - started),
                       "public model, query": dice(query_probs, world.query_labels)}), flush=True)
-    sensitivity = compressor.sensitivity(len(partitions))
+    return SimpleNamespace(preset=preset, world=world, public=public, state=state, query_probs=query_probs,
+                           compressor=compressor, fitted=fitted, regions=regions, dice=dice,
+                           mean_latent=latent_sum / len(partitions), teachers=len(partitions),
+                           count=compressor.latent_dim // (compressor.classes - 1))
+
+
+def main() -> None:
+    public_path, seed = sys.argv[1], int(sys.argv[2])
+    epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
+    from privacy.calibration import pate_sigma
+    from server.student import train_student
+    from sim.codecs.headfit import fit_head_decode
+    from sim.networks import VOXEL_HEAD
+    from sim.training import predict_probs
+
+    release = teachers_release(public_path, seed)
+    preset, world, public, state, dice = release.preset, release.world, release.public, release.state, release.dice
+    query_probs, compressor, regions, mean_latent = (release.query_probs, release.compressor, release.regions,
+                                                     release.mean_latent)
+    mass_matching = release.fitted("mass-matching")
+    sensitivity = compressor.sensitivity(release.teachers)
     rng = np.random.default_rng(seed + 100)
-    count = compressor.latent_dim // 3
+    count = release.count
     students = [("all + reference", "all", None, True), ("voxel-head + reference", VOXEL_HEAD, 1e-2, True),
                 ("voxel-head", VOXEL_HEAD, 1e-2, False), ("all", "all", None, False)]
     for epsilon in epsilons:

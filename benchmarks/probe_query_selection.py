@@ -13,76 +13,28 @@ trained on it (plus the reference maps) and scored on the test set. Steps as ben
 """
 import json
 import sys
-import time
 
 import numpy as np
-import torch
+
+from probe_headfit_decoder import teachers_release   # the same teachers and release (this folder)
 
 
 def main() -> None:
     public_path, seed = sys.argv[1], int(sys.argv[2])
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
-    import sim.presets as presets
     from privacy.calibration import pate_sigma
-    from server.compressors import PublicFit, make_compressor
     from server.student import train_student
-    from sim import codecs
     from sim.codecs.headfit import fit_head_decode
-    from sim.metrics import dice_scores
-    from sim.networks import VOXEL_HEAD, build_unet
-    from sim.training import per_sample_loss, predict_probs
-    from sim.world import build_world, load_world
+    from sim.networks import VOXEL_HEAD
+    from sim.training import predict_probs
 
-    preset = presets.get_preset("quick")
-    prepared, split = build_world(preset, None, seed, False)
-    world = load_world(prepared, split)
-    public = build_unet(preset.unet)
-    checkpoint = torch.load(public_path, weights_only=False)
-    state = checkpoint.get("model", checkpoint)
-    public.load_state_dict(state)
-    public.eval()
-
-    def logits(x):
-        with torch.no_grad():
-            x = torch.as_tensor(np.asarray(x, np.float32))
-            return torch.cat([public(x[i:i + 4]) for i in range(0, len(x), 4)])
-
-    def dice(probs, labels):
-        scores = dice_scores(torch.as_tensor(probs).argmax(1), torch.as_tensor(labels))
-        return {k: round(v, 3) for k, v in scores.items() if v is not None and k in ("mean", "1", "2", "3")}
-
-    query_logits = logits(world.query_images)
-    query_probs = torch.softmax(query_logits, 1).numpy()
-    reference_probs = torch.softmax(logits(world.reference_images), 1).numpy()
-    compressor = make_compressor("pate-anchored", preset, decoder="head-fit")   # the product's codec
-    compressor.fit_release(PublicFit(reference_maps=codecs.one_hot(world.reference_labels, 4),
-                                     reference_probs=reference_probs, query_probs=query_probs,
-                                     reference_is_query=False, with_predictions=False,
-                                     reference_scans=world.reference_images), 1.0, 128)
-    regions = compressor._regions(query_probs, world.query_images)
-    partitions = [part for h in sorted(split.hospitals) for part in split.hospitals[h]]
-    features = torch.cat([query_logits, torch.as_tensor(world.query_images)], 1)
-    latent_sum, started = 0.0, time.time()
-    for part in partitions:
-        x = torch.as_tensor(np.asarray(prepared.images(part), np.float32))
-        y = torch.as_tensor(np.asarray(prepared.labels(part), np.int64))
-        inputs = torch.cat([logits(x), x], 1)
-        head = build_unet(preset.unet, trainable=VOXEL_HEAD).voxel_head
-        optimiser = torch.optim.Adam(head.parameters(), lr=1e-2)
-        for _ in range(60):
-            optimiser.zero_grad()
-            per_sample_loss(inputs[:, :4] + head(inputs), y).mean().backward()
-            optimiser.step()
-        with torch.no_grad():
-            teacher = torch.softmax(query_logits + head(features), 1).numpy()
-        latent_sum = latent_sum + codecs.anchored_encode(teacher, query_probs, compressor.shells, compressor.clip,
-                                                         regions=regions, intensity_bins=compressor.intensity_bins)
-    mean_latent = latent_sum / len(partitions)
-    print(json.dumps({"teachers": len(partitions), "seconds": round(time.time() - started),
-                      "public model, query": dice(query_probs, world.query_labels)}), flush=True)
-    sensitivity = compressor.sensitivity(len(partitions))
+    release = teachers_release(public_path, seed)
+    preset, world, state, dice = release.preset, release.world, release.state, release.dice
+    query_probs, compressor, regions, mean_latent = (release.query_probs, release.compressor, release.regions,
+                                                     release.mean_latent)
+    sensitivity = compressor.sensitivity(release.teachers)
     rank = np.argsort(-np.linalg.norm(mean_latent, axis=1))          # the oracle's order (private: not charged here)
-    count = compressor.latent_dim // 3
+    count = release.count
     for epsilon in epsilons:
         for chosen in (40, 20, 10):
             index = np.sort(rank[:chosen])
@@ -97,6 +49,7 @@ def main() -> None:
                               "pseudo-labels, chosen queries": dice(pseudo, world.query_labels[index]),
                               "student, test": dice(predict_probs(student, world.test_images), world.test_labels)}),
                   flush=True)
+
 
 if __name__ == "__main__":
     main()
