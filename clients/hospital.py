@@ -178,7 +178,8 @@ class Hospital:
             elif init_state is not None:
                 load_start_weights(model, init_state)
             model.to(device)
-            atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()})
+            atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()},
+                              private=True)   # a teacher has no privacy guarantee: it stays with its hospital
             self._models[k] = model.eval()
             if self.validation:
                 dice = evaluate_segmentation(model, validation_images, validation_labels, precision=precision)

@@ -297,8 +297,9 @@ class Ledger:
         created = not self.path.exists()
         if created:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        # O_APPEND + one write per record: a record is never interleaved with another line.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # O_APPEND + one write per record: a record is never interleaved with another line. Owner-only (0600):
+        # a ledger is its owner's record of what was released about its patients, not a report to share.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             view = memoryview(payload)
             while view:

@@ -15,6 +15,12 @@ import sys
 # Order is the order shown in --help.
 COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "predict", "evaluate", "demo")
 
+#: what an interrupted command leaves, by command (the rest: what was written is kept)
+RESUMABLE = {
+    "compare": "finished cells are kept; run the same command again to resume",
+    "demo": "finished cells are kept; run the same command again to resume",
+}
+
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from privacy.errors import PrivacyError
@@ -53,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedpate {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fedpate {args.command}: interrupted (everything written so far is kept)", file=sys.stderr)
+        kept = RESUMABLE.get(args.command, "everything written so far is kept")
+        print(f"fedpate {args.command}: interrupted; {kept}", file=sys.stderr)
         return 130
+    except OSError as exc:   # the machine, not the code: a full disk, a file another program removed, ...
+        print(f"fedpate {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return int(status or 0)
 
 

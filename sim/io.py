@@ -1,11 +1,18 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written result, ledger or checkpoint."""
+"""Atomic file writes: a reader (or a crash) never sees a half-written result, ledger or checkpoint.
+
+Permissions: what a run publishes (reports, results, predictions, model bundles, plots) is created as any
+program creates a file -- mode 0666 narrowed by the user's umask, so under umask 022 colleagues on a shared
+machine can read it. What must stay with its owner (ledgers, checkpoints of models trained on patients without
+a privacy guarantee, caches of patient volumes) is written with ``private=True``: owner-only, 0600, whatever the umask.
+"""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -19,14 +26,61 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fedpate"
 
 
-def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+#: mode bits asked for at creation; the kernel narrows them by the umask (a private file is 0600 under any umask)
+PUBLIC_MODE, PRIVATE_MODE = 0o666, 0o600
+
+
+def ensure_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Create the folder ``path`` (and its parents) for a command's output, before any work starts.
+
+    A folder that cannot be created or written (under a regular file, in a read-only place) is refused in one
+    line naming ``flag``, instead of a traceback after minutes of work.
+    """
+    from sim.errors import UserError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{flag} {path}: exists and is not a folder") from None
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: the folder is not writable")
+    return path
+
+
+def ensure_file_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """For an output *file*: create its folder (:func:`ensure_folder`) and refuse a path that is a folder."""
+    from sim.errors import UserError
+
+    path = Path(path)
+    ensure_folder(path.parent, flag)
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; expected a file name")
+    return path
+
+
+def _create_temporary(folder: Path, name: str, mode: int) -> tuple[int, str]:
+    """A new, exclusively created file next to the target (``tempfile.mkstemp`` would force mode 0600)."""
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(folder))
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None], private: bool = False) -> Path:
     """Call ``write(handle)`` on a temporary file in the same folder, fsync, then rename onto ``path``.
 
-    Streams (no copy of the content in memory), so large arrays can be written with ``np.save``.
+    Streams (no copy of the content in memory), so large arrays can be written with ``np.save``. The file is
+    created with the umask's mode, or 0600 when ``private`` (module docstring).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path.parent, path.name, PRIVATE_MODE if private else PUBLIC_MODE)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -42,26 +96,27 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], None]
     return path
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_write_with`)."""
-    return atomic_write_with(path, lambda handle: handle.write(data))
+    return atomic_write_with(path, lambda handle: handle.write(data), private=private)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, private: bool = False) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), private=private)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, private: bool = False) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n",
+                             private=private)
 
 
-def atomic_save_torch(path: str | os.PathLike, obj: Any) -> Path:
+def atomic_save_torch(path: str | os.PathLike, obj: Any, private: bool = False) -> Path:
     # torch only here: sim.io is imported by the torch-free modules (reports, world building, results)
     import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return atomic_write_bytes(path, buffer.getvalue())
+    return atomic_write_bytes(path, buffer.getvalue(), private=private)
 
 
 def _json_default(value: Any) -> Any:

@@ -373,7 +373,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
                 "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
                 "dp": session.state_dict() if session is not None else None,
                 "ema": ema.state_dict() if ema is not None else None,
-                "dp_config": dp.to_dict() if dp is not None else None, **config.extra_checkpoint})
+                "dp_config": dp.to_dict() if dp is not None else None, **config.extra_checkpoint},
+                              private=True)   # mid-training weights and the sampling's random state: owner-only
     bar.close()
 
     if session is not None:

@@ -65,11 +65,13 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
+    from sim.io import ensure_folder
     from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
     from sim.selection import SelectionConfig
 
     where = data_options(args)
     device = resolved_device(args)
+    ensure_folder(args.out)
     results = run_central(CentralConfig(
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
         seed=args.seed, data=args.data, progress=not args.no_progress, init=args.init,

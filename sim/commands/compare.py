@@ -45,6 +45,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
+    from sim.io import ensure_folder
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
@@ -58,6 +59,7 @@ def run(args) -> int:
     epsilons = parse_list(args.epsilons, float, "--epsilons")
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
              if args.teachers_per_hospital else None)
+    ensure_folder(args.out)
     if args.task != "segmentation":
         from sim.errors import UserError
         from sim.runners.classification_compare import run_classification_compare

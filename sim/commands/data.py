@@ -79,7 +79,9 @@ def parse_grid(text: str) -> tuple[int, int, int]:
 
 def _phantoms(args: argparse.Namespace) -> int:
     from sim.data.phantoms import generate_phantoms
+    from sim.io import ensure_folder
 
+    ensure_folder(args.out)
     start = time.perf_counter()
     out = generate_phantoms(args.out, cases=args.cases, institutions=args.institutions, seed=args.seed,
                             resolution_mm=args.resolution, test_cases=args.test_cases,
@@ -154,7 +156,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from sim.data.preprocess import PreprocessConfig, prepare_dataset
+    from sim.io import ensure_folder
 
+    ensure_folder(args.out)
     start = time.perf_counter()
     prepared = prepare_dataset(args.dir, args.out, PreprocessConfig(grid=parse_grid(args.grid),
                                                                   margin_voxels=args.margin),
@@ -166,7 +170,9 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _gallery(args: argparse.Namespace) -> int:
     from sim.data.gallery import render_gallery
+    from sim.io import ensure_file_folder
 
+    ensure_file_folder(args.out)
     out = render_gallery(args.dir, args.out, cases=max(1, args.cases), case_ids=args.case)
     print(f"wrote {out}")
     return 0

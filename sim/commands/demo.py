@@ -62,14 +62,14 @@ def run(args) -> int:
     from sim.presets import get_preset
     from sim.report import load_cells
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare
-    from sim.io import cache_root
+    from sim.io import cache_root, ensure_folder
     from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
 
     from sim.commands.common import resolved_device
 
     device = resolved_device(args)
-    out = Path(args.out)
+    out = ensure_folder(args.out)
     report = run_compare(CompareConfig(args.preset, parse_list(DEMO_METHODS, str, "methods"),
                                        parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                                        progress=not args.no_progress, reproducible_noise=args.reproducible_noise,

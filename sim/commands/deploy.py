@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sim.deployment.flower_cli import PROJECT_ROOT
 from sim.errors import UserError
+from sim.io import ensure_folder
 
 
 def register(subparsers) -> None:
@@ -92,6 +93,7 @@ def _certs(args) -> int:
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
+    ensure_folder(args.out)
     paths = make_certificates(args.out, args.host, [f"h{i}" for i in range(args.hospitals)])
     print(f"CA:        {paths['ca_cert']}   (ca.key: keep offline)")
     print(f"SuperLink: {paths['server_cert']}  {paths['server_key']}")
@@ -118,7 +120,7 @@ def _local(args) -> int:
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
-    out = Path(args.out).resolve()
+    out = ensure_folder(args.out).resolve()
     data = dict(_hospital_pairs(args.hospital_data, "--hospital-data"))
     names = [f"h{i}" for i in range(args.hospitals)]
     if unknown := set(data) - set(names):

@@ -30,11 +30,15 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.io import atomic_write_json
+    from sim.io import atomic_write_json, ensure_file_folder, ensure_folder
     from sim.commands.common import resolved_device
     from sim.predict import evaluate_scans
 
     device = resolved_device(args)
+    if args.out:
+        ensure_folder(args.out)
+    if args.json:
+        ensure_file_folder(args.json, "--json")
     result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit,
                             layout=args.layout, labels=args.labels, device=str(device), precision=args.precision)
     for row in result["cases"]:

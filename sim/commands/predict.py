@@ -32,10 +32,12 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from sim.bundle import load_bundle
     from sim.commands.common import resolved_device
+    from sim.io import ensure_folder
     from sim.predict import predict_scans
 
     device = resolved_device(args)
     card = load_bundle(args.model).card
+    ensure_folder(args.out)
     if card["private"]:
         print(f"model: {card['method']}, ({card['epsilon']:.3g}, {card['delta']:g})-DP, {card['relation']}, "
               f"accountant {card['accountant']}")

@@ -27,11 +27,13 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, resolve_hospitals
+    from sim.io import ensure_folder
     from sim.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     where = data_options(args)
     resolved_device(args)   # refused here when asked for a GPU this machine does not have
+    ensure_folder(args.out)
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
                            seed=args.seed, out=str(args.out), data=args.data, **where,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),

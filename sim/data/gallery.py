@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim.data.errors import DataError
 from sim.data.msd import MODALITIES, load_case
 from sim.data.reader import read_dataset
 from sim.io import atomic_write_bytes
@@ -39,12 +40,19 @@ def render_gallery(root: str | os.PathLike, out: str | os.PathLike, cases: int =
     dataset = read_dataset(root)
     chosen = dataset.training
     if case_ids:
+        known = {c.case_id for c in chosen}
+        if missing := [case_id for case_id in case_ids if case_id not in known]:
+            listed = ", ".join(sorted(known)[:5]) + (", ..." if len(known) > 5 else "")
+            raise DataError(f"--case {', '.join(missing)}: no such labelled case in {dataset.root} "
+                            f"({len(known)} cases: {listed or 'none'})")
         wanted = set(case_ids)
         chosen = [c for c in chosen if c.case_id in wanted]
     else:
         # spread the picks over the list so several institutions show up
         step = max(1, len(chosen) // max(cases, 1))
         chosen = chosen[::step][:cases]
+    if not chosen:
+        raise DataError(f"{dataset.root}: no labelled cases to draw")
     fig, axes = plt.subplots(len(chosen), 5, figsize=(11, 2.4 * len(chosen)), squeeze=False)
     overlay = ListedColormap([(0, 0, 0, 0)] + [(*LABEL_COLOURS[k], 0.55) for k in (1, 2, 3)])
     for row, case in zip(axes, chosen):

@@ -233,7 +233,7 @@ def invert_probs(probs: np.ndarray, record: PreprocessRecord) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------ prepared cache
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    atomic_write_with(path, lambda handle: np.save(handle, array))
+    atomic_write_with(path, lambda handle: np.save(handle, array), private=True)   # patient volumes: owner-only
 
 
 def describe_source(dataset) -> dict:

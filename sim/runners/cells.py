@@ -131,7 +131,7 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
+    (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
     results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None,
                          device=device_name(model_device(model)), precision=precision)
     results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),

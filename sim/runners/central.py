@@ -261,7 +261,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                                   steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
                 relation=dpsgd.relation)
     else:
-        atomic_write_bytes(ledger_path, b"")   # non-private: an empty ledger (nothing was released privately)
+        atomic_write_bytes(ledger_path, b"", private=True)   # non-private: an empty ledger (nothing was released privately)
 
     prefix = _release_prefix(ledger_path) if private else None
     noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -428,14 +429,24 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
                                                          ledger_dir=ledger_dir, delta=config.resolved_delta),
                                      threads))
                  for i, lane in enumerate(lanes)]
-    for process in processes:
-        process.start()
+    # A Ctrl-C reaches every process of the terminal's group. Each worker starts with SIGINT blocked (the mask
+    # is inherited) and unblocks it once its lane runs (_run_lane), so an interrupt while it is still importing
+    # ends it there, quietly, instead of as a traceback from the interpreter's start-up.
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
     bar = _cells_bar(len(planned)) if config.progress else None
     try:
         while any(process.is_alive() for process in processes):
             if bar is not None:
                 bar.update(sum((path / "results.json").exists() for path in planned) - bar.n)
             time.sleep(2.0)
+    except KeyboardInterrupt:   # the command line prints one line: interrupted, finished cells kept, resumable
+        stop_workers(processes)
+        raise
     finally:
         for process in processes:
             process.join()
@@ -449,15 +460,43 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     return worlds
 
 
-def _run_lane(config: CompareConfig, threads: int) -> None:
-    import torch
+def stop_workers(processes, grace: float = 5.0, interrupt_wait: float = 30.0) -> None:
+    """After the parent was interrupted: give the workers ``grace`` seconds to end on the same Ctrl-C (a
+    terminal sends it to the whole process group), interrupt those still running (the parent alone was
+    signalled), and terminate any still alive ``interrupt_wait`` seconds later. A worker stopped mid-cell
+    leaves that cell unfinished (no results.json), and the ledgers whole (each charge is one locked,
+    fsynced append), so the same command resumes it."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            try:
+                os.kill(process.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + interrupt_wait
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join()
 
-    torch.set_num_threads(int(threads))
+
+def _run_lane(config: CompareConfig, threads: int) -> None:
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked while starting (run_in_workers)
+        import torch
+
+        torch.set_num_threads(int(threads))
         run_compare(config)
     except UserError as exc:   # one line, as the command line would print it; the parent names the worker
         print(f"error: {exc}", flush=True)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:   # quiet: the parent says once that the run was interrupted and can be resumed
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise SystemExit(130) from None
 
 
 def _cells_bar(total: int):

@@ -60,7 +60,7 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
     dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ledger.jsonl").touch()   # no private data: an empty ledger, no privacy cost
+    (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
     results = RunResults(method=METHOD, dice=dice, seed=seed if publish_seed else None,
                          device=device_name(model_device(outcome.model)), precision=precision)
     results.extras = {

@@ -1,0 +1,124 @@
+"""Mistakes a user makes on the command line end in one line naming the flag, never in a traceback: an output
+folder that cannot be created, a gallery case that does not exist, and a Ctrl-C while a comparison's cells run
+in worker processes (the workers end quietly; the parent says once that the run can be resumed)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sim.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_line_error(capsys, argv, flag="--out"):
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0] and flag in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a folder\n")
+    return path
+
+
+@pytest.mark.parametrize("command", [
+    ["central", "--method", "nonprivate", "--preset", "tiny"],
+    ["compare", "--preset", "tiny", "--methods", "public-only", "--epsilons", "1"],
+    ["simulate", "--method", "pate-ae", "--preset", "tiny"],
+    ["demo", "--preset", "tiny"],
+    ["data", "phantoms", "--cases", "2"],
+])
+def test_an_out_under_a_regular_file_is_refused_in_one_line(capsys, a_file, command):
+    line = _one_line_error(capsys, command + ["--out", str(a_file / "run")])
+    assert str(a_file) in line
+
+
+def test_predict_refuses_an_out_it_cannot_create(capsys, a_file, monkeypatch):
+    import sim.bundle
+
+    card = {"private": False, "method": "public-only"}   # the bundle's own checks are tested in test_bundle.py
+    monkeypatch.setattr(sim.bundle, "load_bundle", lambda model: SimpleNamespace(card=card))
+    _one_line_error(capsys, ["predict", "--model", "m", "--image", "x.nii.gz", "--out", str(a_file / "maps")])
+
+
+def test_an_out_that_is_a_file_is_refused_by_a_folder_command(capsys, a_file):
+    line = _one_line_error(capsys, ["data", "phantoms", "--cases", "2", "--out", str(a_file)])
+    assert "not a folder" in line
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write into any folder")
+def test_an_out_in_a_read_only_folder_is_refused(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        _one_line_error(capsys, ["data", "phantoms", "--cases", "2", "--out", str(locked / "run")])
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def two_phantoms(tmp_path_factory):
+    from sim.data.phantoms import generate_phantoms
+
+    return generate_phantoms(tmp_path_factory.mktemp("gallery") / "msd", cases=2, institutions=1, seed=0,
+                             resolution_mm=6.0, progress=False)
+
+
+def test_gallery_names_a_case_that_does_not_exist(capsys, two_phantoms, tmp_path):
+    line = _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--case", "NOPE",
+                                    "--out", str(tmp_path / "g.png")], flag="--case NOPE")
+    assert "2 cases" in line
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_gallery_refuses_an_out_inside_a_file_or_a_folder(capsys, two_phantoms, a_file, tmp_path):
+    _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--out", str(a_file / "g.png")])
+    line = _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--out", str(tmp_path)])
+    assert "is a folder" in line
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.name != "posix", reason="process groups and SIGINT")
+def test_ctrl_c_during_a_two_worker_compare_prints_one_line_and_no_traceback(tmp_path, tiny_phantoms):
+    """A terminal's Ctrl-C is SIGINT to the whole foreground process group: the parent and both workers."""
+    (tmp_path / "cache" / "phantoms").mkdir(parents=True)   # the session's tiny population, linked
+    (tmp_path / "cache" / "phantoms" / tiny_phantoms.name).symlink_to(tiny_phantoms)
+    env = {**os.environ, "FEDPATE_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "sim.cli", "compare", "--preset", "tiny", "--methods",
+               "nonprivate-central,public-only", "--epsilons", "1", "--workers", "2", "--no-progress",
+               "--out", str(tmp_path / "run")]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in process.stdout:   # the workers start right after this line
+            lines.append(line)
+            if "workers x" in line:
+                break
+        else:
+            pytest.fail(f"no workers started: {''.join(lines)} {process.stderr.read()}")
+        time.sleep(4.0)   # the workers are importing torch or running their first cell
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    interrupted = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(interrupted) == 1 and "run the same command again to resume" in interrupted[0], err
