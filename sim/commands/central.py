@@ -11,7 +11,9 @@ def register(subparsers) -> None:
         "central", help="centralised baselines on pooled data (non-private, DP-SGD)",
         description="Train one U-Net on all hospitals' private volumes pooled together, evaluate on the test "
                     "split and write results.json, ledger.jsonl and model/ in --out.")
-    parser.add_argument("--method", required=True, choices=tuple(CENTRAL_METHODS))
+    parser.add_argument("--method", required=True, choices=tuple(CENTRAL_METHODS),
+                        help="nonprivate: plain training, no privacy guarantee (the ceiling); dp-sgd: DP-SGD with "
+                             "per-sample clipping and Gaussian noise, charged to every hospital")
     add_run_options(parser)
     add_compute_options(parser)
     parser.add_argument("--noise-mode", default="target", choices=("target", "fixed", "schedule"),
@@ -42,7 +44,9 @@ def register(subparsers) -> None:
                              "validation)")
     parser.add_argument("--batch-size", type=int, default=None, help="(expected) batch size (default: preset's)")
     parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias", "voxel-head"),
-                        help="which parameters fine-tuning trains (default: all; docs in sim/networks.py)")
+                        help="which parameters fine-tuning trains: all (default), decoder (the up-sampling path), "
+                             "head (the two stages nearest the output), bias (biases and PReLU slopes), voxel-head "
+                             "(a small new per-voxel head on the frozen public model)")
     parser.add_argument("--augmentation-multiplicity", type=int, default=None, metavar="K",
                         help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")
     parser.add_argument("--ema-decay", type=float, default=None,
@@ -50,7 +54,7 @@ def register(subparsers) -> None:
     parser.add_argument("--selection", default="public", choices=("public", "private"),
                         help="DP-SGD setting selection: best of the grid on the public validation set (default), "
                              "or private selection (Papernot & Steinke) on held-out private patients among the "
-                             "grid and the public model unchanged, charged as one event (sim/selection.py)")
+                             "grid and the public model unchanged, charged as one event")
     parser.add_argument("--selection-heldout", type=float, default=0.2, metavar="F",
                         help="private selection: fraction of the pooled private patients held out for scoring")
     parser.add_argument("--selection-score-noise", type=float, default=0.05, metavar="S",

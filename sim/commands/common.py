@@ -7,13 +7,28 @@ import argparse
 from sim.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
 
 
-def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quick") -> None:
+#: what each preset is for (``--preset``'s help everywhere)
+PRESET_SIZES = {"tiny": "a smoke test of the plumbing in minutes, too small to compare methods",
+                "quick": "the demo's size (4 hospitals x 32 teachers on a 32^3 grid; a quarter of an hour on 2 cores)",
+                "paper": "the paper's size on the MSD folder at 64^3; for a GPU"}
+SEED_HELP = ("seed of the data split, the initialisations and the batches (default: 0); the privacy noise is drawn "
+             "from the OS's secure randomness unless --reproducible-noise")
+
+
+def preset_help(default: str, choices=tuple(PRESET_SIZES)) -> str:
+    return "experiment size: " + "; ".join(f"{name} = {PRESET_SIZES[name]}" for name in choices) + \
+        f" (default: {default})"
+
+
+def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quick", one_epsilon: bool = True) -> None:
+    """The options of every command that runs something. ``one_epsilon=False`` (a grid of budgets) keeps
+    ``--epsilon`` out of the help; the command then refuses it, pointing to its own option."""
     parser.add_argument("--out", required=True, help="output folder (results.json, ledger.jsonl, model/, ...)")
-    parser.add_argument("--preset", default=default_preset, choices=("tiny", "quick", "paper"),
-                        help=f"experiment size (default: {default_preset})")
-    parser.add_argument("--epsilon", type=float, default=None, help="privacy budget epsilon (default: preset's, 8)")
+    parser.add_argument("--preset", default=default_preset, choices=tuple(PRESET_SIZES), help=preset_help(default_preset))
+    parser.add_argument("--epsilon", type=float, default=None,
+                        help="privacy budget epsilon (default: preset's, 8)" if one_epsilon else argparse.SUPPRESS)
     parser.add_argument("--delta", type=float, default=None, help="privacy parameter delta (default: preset's, 1e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     parser.add_argument("--data", default=None,
                         help="MSD Task01 folder or a folder of BraTS case folders (2021/FeTS 2022 or 2023+ naming, "
                              "detected); when omitted, the preset's phantoms are generated once and cached")

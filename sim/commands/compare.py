@@ -14,9 +14,11 @@ def register(subparsers) -> None:
                     "report.md, cells.csv, plots and one results.json + ledger.jsonl + model bundle per cell. "
                     "Resumable: finished cells are skipped. --task slice-classification|mnist5k compares the "
                     f"classification seed systems ({', '.join(CLASSIFICATION_METHODS)}).")
-    add_run_options(parser, default_preset="quick")
+    add_run_options(parser, default_preset="quick", one_epsilon=False)   # budgets: --epsilons
     add_compute_options(parser)
-    parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"))
+    parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"),
+                        help="what is compared: tumour segmentation (default), or the classification seed systems "
+                             "on 2D tumour slices (slice-classification) or on 5,000 MNIST digits (mnist5k)")
     parser.add_argument("--methods", default=None,
                         help=f"comma-separated (default for segmentation: {','.join(SEGMENTATION_METHODS)})")
     parser.add_argument("--epsilons", default="1,2,4,8", help="comma-separated budgets (default 1,2,4,8)")

@@ -9,6 +9,13 @@ import argparse
 import time
 
 
+#: what ``fedpate data --help`` says (the module docstring is for readers of the code)
+DESCRIPTION = ("Make, check, preprocess and look at tumour data: `phantoms` writes synthetic multi-institution "
+               "cases, `inspect` validates an MSD Task01 or BraTS folder and summarises it, `prepare` crops, "
+               "normalises and resamples its cases into a cache, `gallery` draws a few cases to a PNG. A problem "
+               "with the data is reported in one line naming the file. `fedpate data ACTION --help` for each.")
+
+
 def register(subparsers) -> None:
     from sim.data.layouts import LAYOUT_NAMES
     from sim.data.shifts import SHIFT_HELP
@@ -17,7 +24,7 @@ def register(subparsers) -> None:
                    "brats2023 (X/X-{t2f,t1n,t1c,t2w,seg}); default: detected from the folder")
 
     parser = subparsers.add_parser("data", help="generate, inspect, preprocess and draw tumour data (MSD or BraTS folders)",
-                                   description=__doc__)
+                                   description=DESCRIPTION)
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION")
     sub.required = True
 

@@ -20,17 +20,18 @@ DEMO_EPSILONS = "1,8"
 
 
 def register(subparsers) -> None:
-    from sim.commands.common import add_compute_options
+    from sim.commands.common import SEED_HELP, add_compute_options, preset_help
 
     parser = subparsers.add_parser(
-        "demo", help="the quick end-to-end demo (compare on fresh phantoms, then predict a new scan)",
-        description=f"Runs `fedpate compare --preset quick --methods {DEMO_METHODS} --epsilons {DEMO_EPSILONS}` "
-                    "(federated cells in-process by default, --engine flower for Flower's simulation engine), "
-                    "then `fedpate predict` with the best PATE student.")
+        "demo", help="the end-to-end demo (compare on fresh phantoms, then predict a new scan)",
+        description=f"Runs `fedpate compare --preset PRESET --methods {DEMO_METHODS} --epsilons {DEMO_EPSILONS}` "
+                    "(PRESET: --preset, quick by default; federated cells in-process by default, --engine flower for "
+                    "Flower's simulation engine), then `fedpate predict` with the best PATE student.")
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    parser.add_argument("--preset", default="quick", choices=("tiny", "quick"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--preset", default="quick", choices=("tiny", "quick"),
+                        help=preset_help("quick", ("tiny", "quick")))
+    parser.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--workers", default="auto",
                         help="how many cells run at once, each group in its own process with its share of the cores "
                              "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")

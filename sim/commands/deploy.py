@@ -19,9 +19,20 @@ from sim.errors import UserError
 from sim.io import ensure_folder
 
 
+#: what ``fedpate deploy --help`` says (the module docstring is for readers of the code)
+DESCRIPTION = """\
+Certificates, the commands for real machines, or a full deployment on this machine:
+
+    fedpate deploy certs    --out DIR --hospitals K [--host H ...]
+    fedpate deploy commands --certs DIR --superlink HOST:PORT --hospital h0=/data/h0 --hospital h1=/data/h1
+    fedpate deploy local    --out DIR --hospitals K [--app DIR | --echo] [-c key=value ...]
+
+`fedpate deploy STEP --help` for each step; docs/DEPLOYMENT.md in the source tree walks through a deployment."""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("deploy", help="TLS certificates, SuperLink/SuperNode commands, local deployment",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="deploy_command", metavar="STEP")
     sub.required = True
 
@@ -38,7 +49,8 @@ def register(subparsers) -> None:
     commands.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink as the hospitals see it")
     commands.add_argument("--hospital", action="append", required=True, metavar="ID=DATA_DIR",
                           help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
-    commands.add_argument("--teachers-per-hospital", type=int, default=None)
+    commands.add_argument("--teachers-per-hospital", type=int, default=None,
+                          help="teachers each hospital trains, written into its node config (default: the node's own)")
     commands.add_argument("--epsilon-budget", type=float, default=8.0,
                           help="each hospital's lifetime epsilon in its node config (default 8; its IT may change it)")
     commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
@@ -51,12 +63,13 @@ def register(subparsers) -> None:
 
     local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
     local.add_argument("--out", required=True, help="work folder (certs, logs, pids, results)")
-    local.add_argument("--hospitals", type=int, required=True)
-    local.add_argument("--app", default=None, help=f"Flower app folder (default: fedpate, {PROJECT_ROOT})")
+    local.add_argument("--hospitals", type=int, required=True, help="number of hospitals (names h0, h1, ...)")
+    local.add_argument("--app", default=None, help="Flower app folder (default: the fedpate app of this installation)")
     local.add_argument("--echo", action="store_true", help="run the built-in echo app (plumbing check)")
     local.add_argument("--hospital-data", action="append", default=[], metavar="ID=DATA_DIR",
                        help="data-dir of a hospital (default: empty = the preset's phantoms)")
-    local.add_argument("--teachers-per-hospital", type=int, default=0)
+    local.add_argument("--teachers-per-hospital", type=int, default=0,
+                       help="teachers each hospital trains (default 0: the run config's preset's)")
     local.add_argument("--epsilon-budget", type=float, default=8.0,
                        help="each hospital's lifetime epsilon, written into its node config (default 8)")
     local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",

@@ -11,7 +11,11 @@ def register(subparsers) -> None:
         "simulate", help="run one federated method (PATE or DP-FedAvg) in Flower's simulation engine",
         description="Hospitals are Flower ClientApps, the aggregator a ServerApp; all run on this machine. "
                     "Writes results.json, ledger.jsonl, model/ (bundle + MODEL_CARD.md) and predictions/ into --out.")
-    parser.add_argument("--method", default="pate-ae", choices=FEDERATED_METHODS)
+    parser.add_argument("--method", default="pate-ae", choices=FEDERATED_METHODS,
+                        help="pate-*: the hospitals' teachers label public scans, each label map compressed at the "
+                             "hospital by an autoencoder (ae), PCA (pca) or a residual code anchored on the public "
+                             "model's prediction (anchored), or sent as one-hot votes (naive); the sum is noised. "
+                             "dp-fedavg: federated averaging of each hospital's local DP-SGD (default: pate-ae)")
     add_run_options(parser, default_preset="tiny")
     add_federation_options(parser)
     add_compute_options(parser)

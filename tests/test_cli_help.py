@@ -1,0 +1,53 @@
+"""``fedpate ... --help`` is written for the person at the terminal: every option says what it does, no
+Sphinx markup or source paths, no option that is always refused, and the demo says which preset it runs."""
+
+import argparse
+import re
+
+import pytest
+
+from sim.cli import build_parser, main
+
+
+def _commands(parser, path=("fedpate",)):
+    """(path, parser) of every command and subcommand."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, path + (name,))
+
+
+def _help(*path) -> str:
+    return dict(_commands(build_parser()))[("fedpate", *path)].format_help()
+
+
+def test_every_option_of_every_command_has_help():
+    missing = [f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+               for path, parser in _commands(build_parser()) for action in parser._actions
+               if not isinstance(action, argparse._SubParsersAction) and action.help is None]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("path", [(), ("data",), ("deploy",), ("demo",), ("compare",), ("central",),
+                                  ("simulate",), ("predict",), ("privacy",), ("deploy", "local"),
+                                  ("data", "phantoms")])
+def test_help_has_no_sphinx_markup_or_source_paths(path):
+    text = _help(*path)
+    assert "``" not in text and ":class:" not in text and ":func:" not in text, text
+    assert not re.search(r"\bsim/|\.py\b", text), text
+
+
+def test_demo_help_names_the_preset_it_runs():
+    text = " ".join(_help("demo").split())
+    assert "--preset quick" not in text              # it runs the preset given, not always quick
+    assert "tiny = a smoke test" in text and "quick = the demo's size" in text
+
+
+def test_compare_help_hides_epsilon_and_still_refuses_it_in_one_line(capsys, tmp_path):
+    text = _help("compare")
+    assert not re.search(r"--epsilon\b(?!s)", text), text
+    assert "--epsilons" in text
+    status = main(["compare", "--preset", "tiny", "--epsilon", "2", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and "--epsilons 2" in err and "Traceback" not in err
