@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from privacy.ledger import Ledger
+from sim.data.layouts import CLASSES
 from sim.io import atomic_write_bytes, atomic_write_text
 from sim import methods as registry   # every method's family and role: the report never tests a name
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
@@ -28,6 +29,19 @@ WORLD_FILE = "world.json"
 CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
 #: what headroom is also given for, class by class (issue 28): the three classes and the BraTS regions
 HEADROOM_KEYS = ("1", "2", "3", "WT", "TC", "ET")
+#: the BraTS regions, by their usual abbreviations
+REGIONS = {"WT": "whole tumour", "TC": "tumour core", "ET": "enhancing tumour"}
+
+
+def class_name(key: str) -> str:
+    """A class or region as a reader knows it: ``"1"`` -> ``"oedema (1)"``, ``"WT"`` stays ``"WT"`` (the
+    report says once what the regions are)."""
+    return f"{CLASSES[int(key)]} ({key})" if str(key).isdigit() else str(key)
+
+
+#: one sentence naming every class and region, for reports and plots
+CLASS_LEGEND = ("Classes: " + ", ".join(f"{k} {CLASSES[k]}" for k in (1, 2, 3)) + "; regions: "
+                + ", ".join(f"{k} {v}" for k, v in REGIONS.items()) + " (WT = 1+2+3, TC = 2+3, ET = 3).")
 
 
 def load_cells(root: str | Path) -> list[dict]:
@@ -102,6 +116,20 @@ def _dice(key: str) -> Callable[[Mapping[str, Any]], str]:
     return lambda cell: _fmt((cell.get("dice") or {}).get(key))
 
 
+def _noise(kind: str) -> Callable[[Mapping[str, Any]], str]:
+    """A cell's ``sigma`` in the column of what it is: PATE's absolute noise standard deviation on the teachers'
+    aggregated codes, or DP-SGD's noise multiplier z = σ / clip norm."""
+    pate = kind == "pate"
+    return lambda cell: (_fmt(cell.get("sigma"), 4) if (registry.family_of(cell.get("method")) == "pate") == pate
+                         else "—")
+
+
+#: what the two noise columns hold (said under the table)
+NOISE_NOTE = ("*PATE σ* is the standard deviation of the Gaussian noise added to the teachers' aggregated codes, on "
+              "the codes' own scale (the ledger divides it by the codec's sensitivity at that K); *DP-SGD z* is "
+              "DP-SGD's noise multiplier, the noise's standard deviation divided by the clipping norm (the first "
+              "epoch's under a schedule). The two are not on one scale.")
+
 _PRIVACY_COLUMNS: tuple[Column, ...] = (
     ("method", lambda c: c.get("method")), ("ε budget", _number("epsilon_budget", 2)),
     ("ε spent", _number("epsilon", 3)))
@@ -115,8 +143,8 @@ ACCURACY_COLUMNS: tuple[Column, ...] = (
 #: the segmentation table: every cell's privacy, its Dice per class and region, its costs
 SEGMENTATION_COLUMNS: tuple[Column, ...] = (
     *_PRIVACY_COLUMNS, ("ε add/remove", _number("epsilon_add_remove", 3)), *_GUARANTEE_COLUMNS,
-    ("σ", _number("sigma", 4)), ("K", _number("teachers")), ("H", _number("hospitals")), ("N", _number("queries")),
-    *((f"Dice {k}" if k.isdigit() else k, _dice(k)) for k in DICE_COLUMNS),
+    ("PATE σ", _noise("pate")), ("DP-SGD z", _noise("multiplier")), ("K", _number("teachers")), ("H", _number("hospitals")), ("N", _number("queries")),
+    *((f"Dice {class_name(k)}" if k.isdigit() else k, _dice(k)) for k in DICE_COLUMNS),
     ("teacher mean", _number("teacher_dice_mean")), ("ensemble", _number("ensemble_dice_mean")),
     ("bytes up", _number("bytes_up_per_query_per_teacher")), ("wall s", _number("wall_seconds", 0)),
     ("ledger", lambda c: c["_ledger_check"]))
@@ -269,7 +297,7 @@ def floor_verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
                 per_class = headroom_per_class(cell, reference_cell(cells, floors[0]), ceiling)
                 if any(v is not None for v in per_class.values()):
                     lines.append(f"Headroom recovered per class at ε = {eps:g}, {name} (over {floors[0]}, ± SE): "
-                                 + ", ".join(f"{'class ' + k if k.isdigit() else k} {format_ratio(v)}"
+                                 + ", ".join(f"{class_name(k)} {format_ratio(v)}"
                                              for k, v in per_class.items()) + ".")
     return lines
 
@@ -296,7 +324,9 @@ def headroom_recovered(cell: Sequence[float | None] | None, public_only: Sequenc
     R = mean(d) / mean(h) with d_i = Dice_i - public-only_i and h_i = non-private_i - public-only_i on the same
     test case i (issue 17): 0 is the public model's level, 1 the non-private pooled model's. Its standard error
     is the ratio estimator's (delta method): sqrt(var(d - R h) / n) / |mean(h)|. None when the three were not
-    scored on the same cases or the headroom is not positive.
+    scored on the same cases, or when the headroom is not positive by more than two of its standard errors
+    (:func:`headroom_is_measurable`): a ratio over a denominator indistinguishable from zero has no bounded
+    confidence interval (Fieller 1954) and its delta-method error is meaningless (e.g. -43 ± 1068).
     """
     if not cell or not public_only or not nonprivate or not (len(cell) == len(public_only) == len(nonprivate)):
         return None
@@ -305,11 +335,35 @@ def headroom_recovered(cell: Sequence[float | None] | None, public_only: Sequenc
         return None
     values = np.asarray(rows, dtype=np.float64)
     d, h = values[:, 0] - values[:, 1], values[:, 2] - values[:, 1]
-    if h.mean() <= 0:
+    if not headroom_is_measurable(float(h.mean()), float(np.std(h, ddof=1) / np.sqrt(len(h)))):
         return None
     ratio = d.mean() / h.mean()
     se = float(np.std(d - ratio * h, ddof=1) / np.sqrt(len(d)) / abs(h.mean()))
     return float(ratio), se, int(len(d))
+
+
+def headroom_is_measurable(mean: float, se: float) -> bool:
+    """The headroom (ceiling minus floor, paired) is positive by more than two standard errors -- the rule the
+    verdicts use for "beats". Below it, Fieller's 95 % confidence set of a ratio over it is unbounded."""
+    return mean > 0 and mean > 2 * se
+
+
+def smoke_test_banner(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A warning at the top of a report whose non-private ceiling does not clearly beat the public floor:
+    then no method can be placed between them (a tiny run's headroom of -43 ± 1068), so the report is a
+    check that everything runs, not a comparison. Empty when the headroom is measurable or absent."""
+    floors, ceiling = floors_of(cells), ceiling_of(cells)
+    if not floors or ceiling is None:
+        return []
+    paired = paired_difference(per_case_of(reference_cell(cells, ceiling)),
+                               per_case_of(reference_cell(cells, floors[0])))
+    if paired is None or headroom_is_measurable(paired[0], paired[1]):
+        return []
+    mean, se, n = paired
+    return [f"> **Smoke test: too small to compare.** {ceiling} beats {floors[0]} by {mean:+.3f} ± {se:.3f} mean "
+            f"Dice over {n} test cases, not by more than two standard errors, so there is no headroom to place a "
+            "private method in: *headroom recovered* is left out (—) and the verdicts below cannot rank the "
+            "methods. This run checks that everything works; compare methods on a larger preset.", ""]
 
 
 def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
@@ -336,7 +390,7 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     columns: list[Column] = [
         *_PRIVACY_COLUMNS, ("mean Dice", _dice("mean")), ("headroom recovered (± SE)", recovered),
         *((f"headroom over {floor} (± SE)", over(floor)) for floor in floors[1:]),
-        ("headroom per class 1 / 2 / 3", per_class(("1", "2", "3"))), ("WT / TC / ET", per_class(("WT", "TC", "ET"))),
+        ("headroom: oedema / core / enhancing (classes 1 / 2 / 3)", per_class(("1", "2", "3"))), ("WT / TC / ET", per_class(("WT", "TC", "ET"))),
         ("started from", _started_from), ("setting (chosen on public validation)", _setting_chosen)]
     return table(columns, sorted(cells, key=_sort_key))
 
@@ -384,7 +438,7 @@ def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
     columns: list[Column] = [
         ("method", lambda row: row[0].get("method")), ("ε budget", lambda row: _fmt(row[0].get("epsilon_budget"), 2)),
         ("K", lambda row: _fmt(row[0].get("teachers"))),
-        *((f"{'class ' + k if k.isdigit() else k} (± SE)", lambda row, k=k: format_ratio(row[1][k]))
+        *((f"{class_name(k)} (± SE)", lambda row, k=k: format_ratio(row[1][k]))
           for k in HEADROOM_KEYS)]
     return table(columns, shown)
 
@@ -430,6 +484,8 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     k_plot = None if accuracy else plot_dice_vs_teachers(cells, root / "plot_dice_vs_teachers.png")
     class_plot = None if accuracy else plot_headroom_per_class(headroom_rows(cells), root / "plot_headroom_per_class.png")
     lines = [f"# {title}", ""]
+    if not accuracy:
+        lines += smoke_test_banner(cells)
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
     if (root / WORLD_FILE).exists():
@@ -455,12 +511,13 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
                   "(non-private_c − public-only_c), paired over the test cases whose truth contains c; *headroom "
                   "over public-selftrain* measures from the public model self-trained on the public unlabelled query "
                   "scans instead (no hospital involved): the share of the headroom the hospitals themselves gave. "
-                  "Every Dice here is a simulation's: phantom patients, test labels known to the simulator.", "",
+                  "Every Dice here is a simulation's: phantom patients, test labels known to the simulator. "
+                  + CLASS_LEGEND, "",
                   summary_table(cells), ""]
         class_table = headroom_class_table(cells)
         if class_table:
             lines += ["Headroom recovered per class and region, with its paired standard error:", "", class_table, ""]
-        lines += ["All fields:", ""]
+        lines += ["All fields. " + NOISE_NOTE, ""]
     lines += [
         markdown_table(cells, accuracy=accuracy),
         "",
@@ -562,7 +619,9 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                          f"at δ = {release['delta']:g} ({release['relation']}, accountant {release['accountant']}), "
                          f"the worst hospital's, from the hospitals' own ledgers `{release['hospital_ledgers']}` "
                          f"({per}). The cells share patients: shipping several models together spends their "
-                         "combined ε, not each cell's.")
+                         "combined ε, not each cell's. Releases by cells that were interrupted before they finished "
+                         "count too (each was charged before its noise was drawn), so this ε can exceed what the "
+                         "finished cells compose to, and it rises when an interrupted comparison is resumed.")
     if any(registry.role_of(c.get("method")) == "ceiling" for c in cells):
         lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
                      "for the simulation, never a release.")
@@ -586,6 +645,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+#: per method in plot_vs_epsilon.png: markers and line styles that tell overlapping methods apart, and how far
+#: (in log2 of ε) neighbouring methods are dodged sideways
+SERIES_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+SERIES_LINES = ("-", "--", "-.", ":")
+DODGE_LOG2 = 0.04
+
+
 def plot_metric_vs_epsilon(cells, path: Path, accuracy: bool = False) -> Path | None:
     key = "accuracy" if accuracy else "dice"
     series: dict[str, list[tuple[float, float]]] = {}
@@ -602,17 +668,25 @@ def plot_metric_vs_epsilon(cells, path: Path, accuracy: bool = False) -> Path | 
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for method, points in sorted(series.items()):
+    for index, (method, points) in enumerate(sorted(series.items())):
         best: dict[float, float] = {}
         for eps, value in points:  # with a K sweep, show each method's best K per epsilon
             best[eps] = max(value, best.get(eps, -1))
         xs = sorted(best)
-        ax.plot(xs, [best[x] for x in xs], marker="o", label=method)
+        # methods with equal scores (e.g. two DP baselines at the public model's level) would hide each other:
+        # each gets its own marker and line style, and is dodged sideways by a few per cent of its ε
+        marker, linestyle = SERIES_MARKERS[index % len(SERIES_MARKERS)], SERIES_LINES[index % len(SERIES_LINES)]
+        dodge = 2.0 ** (DODGE_LOG2 * (index - (len(series) - 1) / 2))
+        ax.plot([x * dodge for x in xs], [best[x] for x in xs], marker=marker, linestyle=linestyle,
+                markerfacecolor="none" if index % 2 else None, label=method)
     for i, (method, value) in enumerate(sorted(flat.items())):
         ax.axhline(value, linestyle="--", color=f"C{(len(series) + i) % 10}", label=f"{method} (no ε)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("ε budget")
-    ax.set_ylabel("accuracy" if accuracy else "mean Dice (classes 1-3)")
+    if series:
+        budgets = sorted({eps for points in series.values() for eps, _ in points})
+        ax.set_xticks(budgets, [f"{eps:g}" for eps in budgets])
+    ax.set_xlabel("ε budget" + (" (methods dodged sideways to stay visible)" if len(series) > 1 else ""))
+    ax.set_ylabel("accuracy" if accuracy else "mean Dice (oedema, core, enhancing)")
     ax.set_title(f"{key} against the privacy budget")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -700,7 +774,8 @@ def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE, paired over
     ax.axhline(0, color="black", linewidth=0.8)
     ax.axhline(1, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(HEADROOM_KEYS)))
-    ax.set_xticklabels([f"class {k}" if k.isdigit() else k for k in HEADROOM_KEYS])
+    ax.set_xticklabels([class_name(k).replace(" / ", "/\n").replace(" (", "\n(") if k.isdigit() else k
+                        for k in HEADROOM_KEYS], fontsize=8)
     ax.set_ylabel(f"headroom recovered (0 = {floor or registry.names(role='floor')[0]}, 1 = non-private)")
     ax.set_title(f"headroom recovered per class ({error}); simulation")
     ax.grid(alpha=0.3, axis="y")

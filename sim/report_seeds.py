@@ -28,8 +28,8 @@ import numpy as np
 
 from sim.io import atomic_write_text
 from sim.methods import role_of
-from sim.report import (HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv,
-                        ceiling_of, floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
+from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv,
+                        ceiling_of, class_name, floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
                         reference_cell, table)
 
 SEED_FOLDER = re.compile(r"^seed-(\d+)$")
@@ -151,7 +151,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]], floors: Sequence[str]) -> s
         ("headroom spread (SD, range)", lambda row: _spread(row["headroom"])),
         *((f"headroom over {f} (95 % CI)",
            lambda row, f=f: _format_interval(row["floor_intervals"].get(f), 2, signed=True)) for f in floors[1:]),
-        ("class 1 / 2 / 3 headroom (mean)", class_means(("1", "2", "3"))),
+        ("headroom: oedema / core / enhancing (classes 1 / 2 / 3, mean)", class_means(("1", "2", "3"))),
         ("WT / TC / ET headroom (mean)", class_means(("WT", "TC", "ET")))]
     return table(columns, rows)
 
@@ -162,7 +162,7 @@ def class_table(rows: Sequence[Mapping[str, Any]]) -> str | None:
     if not kept:
         return None
     return table([*_ROW_KEY_COLUMNS,
-                  *((f"{'class ' + k if k.isdigit() else k}",
+                  *((class_name(k),
                      lambda row, k=k: _format_interval(row["class_intervals"].get(k), 2, signed=True))
                     for k in HEADROOM_KEYS)], kept)
 
@@ -262,7 +262,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
         "with few seeds they are wide: that is the point). *Headroom recovered* is computed within each seed "
         f"(paired over its test cases, from {floors[0] if floors else 'the first floor'} to the non-private "
         "model) and then summarised across seeds. All numbers are from a simulation (phantom patients; test "
-        "labels known to the simulator).", "",
+        "labels known to the simulator). " + CLASS_LEGEND, "",
         summary_table(rows, floors), "",
     ]
     classes = class_table(rows)

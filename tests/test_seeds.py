@@ -222,7 +222,7 @@ def test_per_class_headroom_matches_a_hand_computation(tmp_path):
     lines = verdicts(cells)
     assert any(line.startswith("Against public-selftrain at ε = 8: dp-sgd-central") for line in lines)
     assert any(line.startswith("Headroom recovered per class at ε = 8, dp-sgd-central") and
-               f"class 2 {ratio:+.2f} ± {se:.2f}" in line for line in lines)
+               f"necrotic / non-enhancing core (2) {ratio:+.2f} ± {se:.2f}" in line for line in lines)
     text = write_report(tmp_path, "t").read_text()
     assert "plot_headroom_per_class.png" in text and (tmp_path / "plot_headroom_per_class.png").stat().st_size > 1000
     assert "headroom over public-selftrain (± SE)" in text and "Headroom recovered per class and region" in text
