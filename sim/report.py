@@ -490,7 +490,7 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
     if (root / WORLD_FILE).exists():
         lines += world_section(json.loads((root / WORLD_FILE).read_text()), cells)
-    lines += privacy_statement(cells, release)
+    lines += privacy_statement(cells, release, interrupted_cells(root))
     lines += [
         "Every ε below is what the cell's ledger says was spent (column *ledger* re-checks it). Column "
         "*ensemble* decodes the teachers' averaged encodings without noise: the best pseudo-labels that "
@@ -583,9 +583,17 @@ def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] =
     return lines + [""]
 
 
-def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None) -> list[str]:
+def interrupted_cells(root: str | Path) -> list[str]:
+    """The cells of a comparison that were interrupted after releasing and set aside when it was resumed
+    (``<cell>.interrupted-<time>``, ``sim.runners.compare.set_aside_interrupted``), relative to ``root``."""
+    root = Path(root)
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*.interrupted-*") if path.is_dir())
+
+
+def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None,
+                      interrupted: Sequence[str] = ()) -> list[str]:
     """The relation every ε is stated under (one per comparison, else a warning), the threat model, and
-    the combined ε of everything released together."""
+    the combined ε of everything released together -- releases of ``interrupted`` cells included."""
     relations = sorted({c.get("relation") for c in cells if c.get("relation")})
     lines = ["## Privacy", ""]
     if len(relations) == 1:
@@ -621,7 +629,9 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                          f"({per}). The cells share patients: shipping several models together spends their "
                          "combined ε, not each cell's. Releases by cells that were interrupted before they finished "
                          "count too (each was charged before its noise was drawn), so this ε can exceed what the "
-                         "finished cells compose to, and it rises when an interrupted comparison is resumed.")
+                         "finished cells compose to, and it rises when an interrupted comparison is resumed."
+                         + (f" Set aside here after an interruption: {', '.join(f'`{c}`' for c in interrupted)}."
+                            if interrupted else ""))
     if any(registry.role_of(c.get("method")) == "ceiling" for c in cells):
         lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
                      "for the simulation, never a release.")

@@ -29,7 +29,7 @@ import numpy as np
 from sim.io import atomic_write_text
 from sim.methods import role_of
 from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv,
-                        ceiling_of, class_name, floors_of, headroom_of, load_cells, plot_headroom_per_class, privacy_statement,
+                        ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells, plot_headroom_per_class, privacy_statement,
                         reference_cell, table)
 
 SEED_FOLDER = re.compile(r"^seed-(\d+)$")
@@ -247,7 +247,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
     lines = [f"# {title}", ""]
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
-    lines += privacy_statement(all_cells, release)
+    lines += privacy_statement(all_cells, release, interrupted_cells(root))
     lines[-1:-1] = [f"- Every seed splits the same patients: all seeds' cells charged the same hospital ledgers under "
                     "one lifetime budget, and the combined ε above covers every seed."]
     if release and release.get("patients_moving_between_hospitals"):

@@ -77,6 +77,16 @@ def test_the_combined_epsilon_says_interrupted_releases_count():
                "relation": "replace-one", "accountant": "rdp", "hospital_ledgers": "hospital-ledgers/"}
     text = " ".join(privacy_statement([], release))
     assert "interrupted" in text and "count too" in text and "resumed" in text
+    text = " ".join(privacy_statement([], release, ["pate-pca/eps-2.interrupted-20261126-101500"]))
+    assert "Set aside here after an interruption: `pate-pca/eps-2.interrupted-20261126-101500`" in text
+
+
+def test_the_report_names_the_cells_set_aside_after_an_interruption(tmp_path):
+    from sim.report import interrupted_cells
+
+    (tmp_path / "pate-pca" / "eps-2.interrupted-20261126-101500").mkdir(parents=True)
+    (tmp_path / "pate-pca" / "eps-2").mkdir()
+    assert interrupted_cells(tmp_path) == ["pate-pca/eps-2.interrupted-20261126-101500"]
 
 
 def test_methods_with_equal_scores_do_not_hide_each_other_in_the_epsilon_plot(tmp_path, monkeypatch):
