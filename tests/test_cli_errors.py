@@ -122,3 +122,20 @@ def test_ctrl_c_during_a_two_worker_compare_prints_one_line_and_no_traceback(tmp
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     interrupted = [line for line in err.splitlines() if "interrupted" in line]
     assert len(interrupted) == 1 and "run the same command again to resume" in interrupted[0], err
+
+
+def test_an_error_of_the_machine_is_one_line_too(capsys, monkeypatch):
+    """A full disk or a file removed under a running command is the machine's problem, not a bug: one line
+    naming the file, exit status 1."""
+    import errno
+
+    import sim.commands.data
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/report.md")
+
+    monkeypatch.setattr(sim.commands.data, "_inspect", full_disk)
+    assert main(["data", "inspect", "somewhere"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "/runs/x/report.md" in err
+    assert err.startswith("fedpate data: error:")

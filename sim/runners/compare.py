@@ -432,12 +432,14 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     # A Ctrl-C reaches every process of the terminal's group. Each worker starts with SIGINT blocked (the mask
     # is inherited) and unblocks it once its lane runs (_run_lane), so an interrupt while it is still importing
     # ends it there, quietly, instead of as a traceback from the interpreter's start-up.
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    masking = hasattr(signal, "pthread_sigmask")   # POSIX
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if masking else None
     try:
         for process in processes:
             process.start()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        if masking:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
     bar = _cells_bar(len(planned)) if config.progress else None
     try:
         while any(process.is_alive() for process in processes):
@@ -486,7 +488,8 @@ def stop_workers(processes, grace: float = 5.0, interrupt_wait: float = 30.0) ->
 
 def _run_lane(config: CompareConfig, threads: int) -> None:
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked while starting (run_in_workers)
+        if hasattr(signal, "pthread_sigmask"):   # blocked while starting (run_in_workers)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         import torch
 
         torch.set_num_threads(int(threads))
