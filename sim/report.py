@@ -143,7 +143,8 @@ ACCURACY_COLUMNS: tuple[Column, ...] = (
 #: the segmentation table: every cell's privacy, its Dice per class and region, its costs
 SEGMENTATION_COLUMNS: tuple[Column, ...] = (
     *_PRIVACY_COLUMNS, ("ε add/remove", _number("epsilon_add_remove", 3)), *_GUARANTEE_COLUMNS,
-    ("PATE σ", _noise("pate")), ("DP-SGD z", _noise("multiplier")), ("K", _number("teachers")), ("H", _number("hospitals")), ("N", _number("queries")),
+    ("PATE σ", _noise("pate")), ("DP-SGD z", _noise("multiplier")), ("K", _number("teachers")),
+    ("H", _number("hospitals")), ("N", _number("queries")),
     *((f"Dice {class_name(k)}" if k.isdigit() else k, _dice(k)) for k in DICE_COLUMNS),
     ("teacher mean", _number("teacher_dice_mean")), ("ensemble", _number("ensemble_dice_mean")),
     ("bytes up", _number("bytes_up_per_query_per_teacher")), ("wall s", _number("wall_seconds", 0)),
@@ -390,7 +391,8 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     columns: list[Column] = [
         *_PRIVACY_COLUMNS, ("mean Dice", _dice("mean")), ("headroom recovered (± SE)", recovered),
         *((f"headroom over {floor} (± SE)", over(floor)) for floor in floors[1:]),
-        ("headroom: oedema / core / enhancing (classes 1 / 2 / 3)", per_class(("1", "2", "3"))), ("WT / TC / ET", per_class(("WT", "TC", "ET"))),
+        ("headroom: oedema / core / enhancing (classes 1 / 2 / 3)", per_class(("1", "2", "3"))),
+        ("WT / TC / ET", per_class(("WT", "TC", "ET"))),
         ("started from", _started_from), ("setting (chosen on public validation)", _setting_chosen)]
     return table(columns, sorted(cells, key=_sort_key))
 

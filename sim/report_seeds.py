@@ -28,9 +28,9 @@ import numpy as np
 
 from sim.io import atomic_write_text
 from sim.methods import role_of
-from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells, cells_to_csv,
-                        ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells, plot_headroom_per_class, privacy_statement,
-                        reference_cell, table)
+from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells,
+                        cells_to_csv, ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells,
+                        plot_headroom_per_class, privacy_statement, reference_cell, table)
 
 SEED_FOLDER = re.compile(r"^seed-(\d+)$")
 LEVEL = 0.95

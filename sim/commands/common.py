@@ -24,7 +24,8 @@ def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quic
     """The options of every command that runs something. ``one_epsilon=False`` (a grid of budgets) keeps
     ``--epsilon`` out of the help; the command then refuses it, pointing to its own option."""
     parser.add_argument("--out", required=True, help="output folder (results.json, ledger.jsonl, model/, ...)")
-    parser.add_argument("--preset", default=default_preset, choices=tuple(PRESET_SIZES), help=preset_help(default_preset))
+    parser.add_argument("--preset", default=default_preset, choices=tuple(PRESET_SIZES),
+                        help=preset_help(default_preset))
     parser.add_argument("--epsilon", type=float, default=None,
                         help="privacy budget epsilon (default: preset's, 8)" if one_epsilon else argparse.SUPPRESS)
     parser.add_argument("--delta", type=float, default=None, help="privacy parameter delta (default: preset's, 1e-3)")

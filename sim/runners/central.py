@@ -261,7 +261,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                                   steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
                 relation=dpsgd.relation)
     else:
-        atomic_write_bytes(ledger_path, b"", private=True)   # non-private: an empty ledger (nothing was released privately)
+        # non-private: an empty ledger (nothing was released privately), owner-only as every ledger
+        atomic_write_bytes(ledger_path, b"", private=True)
 
     prefix = _release_prefix(ledger_path) if private else None
     noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(

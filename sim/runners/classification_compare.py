@@ -148,7 +148,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
             traceback.print_exc()
     wall = time.perf_counter() - start
     if not ledger_path.exists():
-        atomic_write_text(ledger_path, "", private=True)   # a non-private cell has an (empty) ledger too: nothing was released
+        # a non-private cell has an (empty) ledger too: nothing was released; owner-only as every ledger
+        atomic_write_text(ledger_path, "", private=True)
     details = dict(res.details) if res else {}
     results = RunResults(
         method=method, accuracy=None if res is None else res.accuracy, epsilon_budget=epsilon,
