@@ -70,24 +70,16 @@ def test_an_out_in_a_read_only_folder_is_refused(capsys, tmp_path):
         locked.chmod(0o755)
 
 
-@pytest.fixture(scope="module")
-def two_phantoms(tmp_path_factory):
-    from sim.data.phantoms import generate_phantoms
-
-    return generate_phantoms(tmp_path_factory.mktemp("gallery") / "msd", cases=2, institutions=1, seed=0,
-                             resolution_mm=6.0, progress=False)
-
-
-def test_gallery_names_a_case_that_does_not_exist(capsys, two_phantoms, tmp_path):
-    line = _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--case", "NOPE",
+def test_gallery_names_a_case_that_does_not_exist(capsys, tiny_phantoms, tmp_path):
+    line = _one_line_error(capsys, ["data", "gallery", str(tiny_phantoms), "--case", "NOPE",
                                     "--out", str(tmp_path / "g.png")], flag="--case NOPE")
-    assert "2 cases" in line
+    assert "48 cases: BRATS_" in line
     assert not (tmp_path / "g.png").exists()
 
 
-def test_gallery_refuses_an_out_inside_a_file_or_a_folder(capsys, two_phantoms, a_file, tmp_path):
-    _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--out", str(a_file / "g.png")])
-    line = _one_line_error(capsys, ["data", "gallery", str(two_phantoms), "--out", str(tmp_path)])
+def test_gallery_refuses_an_out_inside_a_file_or_a_folder(capsys, tiny_phantoms, a_file, tmp_path):
+    _one_line_error(capsys, ["data", "gallery", str(tiny_phantoms), "--out", str(a_file / "g.png")])
+    line = _one_line_error(capsys, ["data", "gallery", str(tiny_phantoms), "--out", str(tmp_path)])
     assert "is a folder" in line
 
 
