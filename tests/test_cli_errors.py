@@ -131,3 +131,46 @@ def test_an_error_of_the_machine_is_one_line_too(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "/runs/x/report.md" in err
     assert err.startswith("fedpate data: error:")
+
+
+
+def _wait_for_interrupt(ready, seconds):
+    try:
+        ready.set()
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _ignore_interrupts(ready, seconds):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ready.set()
+    time.sleep(seconds)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT to a process")
+def test_workers_are_interrupted_when_only_the_parent_was():
+    """``kill -INT <parent>`` reaches the parent alone: it passes the interrupt on instead of waiting for the
+    workers to finish their cells, and terminates a worker that does not stop."""
+    import multiprocessing
+
+    from sim.runners.compare import stop_workers
+
+    context = multiprocessing.get_context("fork")   # plain sleepers: nothing to import
+    events = [context.Event(), context.Event()]
+    listening = context.Process(target=_wait_for_interrupt, args=(events[0], 60))
+    deaf = context.Process(target=_ignore_interrupts, args=(events[1], 60))
+    try:
+        for process, ready in zip((listening, deaf), events):
+            process.start()
+            assert ready.wait(30)
+        started = time.monotonic()
+        stop_workers([listening, deaf], grace=0.2, interrupt_wait=2.0)
+        assert time.monotonic() - started < 15
+    finally:
+        for process in (listening, deaf):
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert listening.exitcode == 130            # interrupted, ended quietly
+    assert deaf.exitcode == -signal.SIGTERM     # did not stop: terminated
