@@ -30,7 +30,7 @@ from sim.io import atomic_write_text
 from sim.methods import role_of
 from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells,
                         cells_to_csv, ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells,
-                        plot_headroom_per_class, privacy_statement, reference_cell, table)
+                        plot_headroom_per_class, privacy_statement, reference_cell, smoke_test_banner, table)
 
 SEED_FOLDER = re.compile(r"^seed-(\d+)$")
 LEVEL = 0.95
@@ -245,6 +245,13 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
     floors = [f for f in dict.fromkeys(f for cells in per_seed.values() for f in floors_of(cells))]
     rows = aggregate(per_seed)
     lines = [f"# {title}", ""]
+    unmeasurable = [seed for seed, cells in per_seed.items() if smoke_test_banner(cells)]
+    if unmeasurable:   # the per-seed reports say why, each with its own numbers
+        everywhere = len(unmeasurable) == len(per_seed)
+        lines += [f"> **{'Smoke test: too small to compare.' if everywhere else 'Headroom not measurable in some seeds.'}"
+                  f"** In seed(s) {', '.join(map(str, unmeasurable))} the non-private ceiling does not beat the "
+                  "public floor by more than two standard errors (see `seed-<S>/report.md`): there, *headroom "
+                  "recovered* is left out (—)" + (" and the methods cannot be ranked." if everywhere else "."), ""]
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
     lines += privacy_statement(all_cells, release, interrupted_cells(root))

@@ -103,3 +103,16 @@ def test_methods_with_equal_scores_do_not_hide_each_other_in_the_epsilon_plot(tm
     assert (fedavg.get_marker(), fedavg.get_linestyle()) != (dpsgd.get_marker(), dpsgd.get_linestyle())
     assert all(a != b for a, b in zip(fedavg.get_xdata(), dpsgd.get_xdata()))
     assert all(abs(np.log2(a / b)) < 0.1 for a, b in zip(fedavg.get_xdata(), dpsgd.get_xdata()))   # near their ε
+
+
+def test_a_seeds_report_names_the_seeds_whose_headroom_is_not_measurable(tmp_path):
+    from sim.report_seeds import write_seeds_report
+
+    _comparison(tmp_path / "seed-0", np.full(8, 0.2) + np.linspace(0, 0.02, 8))          # clear headroom
+    _comparison(tmp_path / "seed-1", np.array([0.02, -0.02, 0.01, -0.01, 0.015, -0.012, 0.003, 0.002]))
+    text = write_seeds_report(tmp_path, "seeds").read_text()
+    assert "Headroom not measurable in some seeds.** In seed(s) 1 " in text
+    for seed in (0, 1):
+        (tmp_path / f"seed-{seed}").rename(tmp_path / f"old-{seed}")
+    _comparison(tmp_path / "seed-2", np.array([0.02, -0.02, 0.01, -0.01, 0.015, -0.012, 0.003, 0.002]))
+    assert "Smoke test: too small to compare.** In seed(s) 2 " in write_seeds_report(tmp_path, "seeds").read_text()
