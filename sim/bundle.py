@@ -12,8 +12,12 @@ teachers/hospitals, the data source, and the sha256 digest of the ledger it was 
 Non-private models carry a card too, saying so.
 
 Loading verifies everything it can from the files alone: the weights' digest, that the card is
-complete, and that the ledger next to it has the recorded digest and still gives the recorded epsilon.
-A bundle failing any check is refused with one line (:class:`BundleError`).
+complete, that the ledger next to it has the recorded digest and still gives the recorded epsilon, and
+``bundle_sha256``, a digest over every other field of bundle.json (network, preprocessing, labels, the
+weights' digest, the whole card -- budget, teachers, data source, ``released_with`` -- and the digest of
+MODEL_CARD.md's text), so that nothing which changes a prediction or a privacy claim can be edited on its
+own. A bundle failing any check is refused with one line (:class:`BundleError`). The digests are not a
+signature: they catch edits and corruption, not a forger who recomputes them (that needs a key).
 
 Models released together (the cells of one comparison, trained on the same patients) carry, in their
 card's ``released_with``, the combined epsilon of everything released with them, computed from the
@@ -46,7 +50,8 @@ from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from sim.networks import build_unet_from_config
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
-BUNDLE_VERSION = 1
+#: 2: ``bundle_sha256`` covers every field and MODEL_CARD.md (version 1 covered the weights only)
+BUNDLE_VERSION = 2
 #: the label and channel conventions a bundle states: MSD Task01's (sim.data.msd)
 MSD_LABELS = dict(LABELS)
 MSD_MODALITIES = {str(index): name for index, name in enumerate(MODALITIES)}
@@ -133,9 +138,38 @@ def save_bundle(run_dir: str | Path, model, network: Mapping[str, Any], preproce
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "card": dict(card),
     }
-    atomic_write_json(bundle_dir / "bundle.json", bundle)
-    atomic_write_text(bundle_dir / "MODEL_CARD.md", model_card_markdown(bundle))
+    seal_bundle(bundle_dir, bundle)
     return bundle_dir
+
+
+def _plain(value: Any) -> Any:
+    """JSON's view of a value (as ``sim.io.atomic_write_json`` writes it): what the digest is computed over."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def bundle_digest(bundle: Mapping[str, Any]) -> str:
+    """sha256 of every field of bundle.json but ``bundle_sha256`` itself, in canonical JSON (sorted keys)."""
+    fields = {k: v for k, v in bundle.items() if k != "bundle_sha256"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_plain)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seal_bundle(bundle_dir: Path, bundle: dict) -> None:
+    """Write MODEL_CARD.md (from ``bundle``), then bundle.json with the digest of that text and
+    ``bundle_sha256`` over every field (written last: a bundle interrupted between the two is refused)."""
+    bundle = json.loads(json.dumps(bundle, default=_plain))   # the values as they will be read back
+    bundle.pop("bundle_sha256", None)
+    markdown = model_card_markdown(bundle)
+    atomic_write_text(bundle_dir / "MODEL_CARD.md", markdown)
+    bundle["model_card_sha256"] = hashlib.sha256(markdown.encode("utf-8")).hexdigest()
+    bundle["bundle_sha256"] = bundle_digest(bundle)
+    atomic_write_json(bundle_dir / "bundle.json", bundle)
 
 
 def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBundle:
@@ -168,11 +202,32 @@ def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBun
     if verify_ledger:
         verify_card_against_ledger(card, bundle_dir.parent / "ledger.jsonl", bundle_file)
         _verify_release(card, bundle_dir.parent, bundle_file)
+    verify_bundle_digests(bundle, bundle_dir)
     model = build_unet_from_config(bundle["network"])
     model.load_state_dict(torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True))
     model.eval()
     return LoadedBundle(model=model, network=bundle["network"], preprocessing=bundle["preprocessing"],
                         card=card, path=bundle_dir)
+
+
+def verify_bundle_digests(bundle: Mapping[str, Any], bundle_dir: Path) -> None:
+    """Every field of bundle.json and the text of MODEL_CARD.md are what was written: a field that changes a
+    prediction (network, preprocessing) or a privacy claim (budget, teachers, data source, the combined epsilon
+    when its ledgers did not travel with the bundle) cannot be edited on its own."""
+    bundle_file = bundle_dir / "bundle.json"
+    if bundle.get("version") != BUNDLE_VERSION or not bundle.get("bundle_sha256"):
+        raise BundleError(f"{bundle_file}: bundle version {bundle.get('version')} without a digest over its fields "
+                          f"(expected version {BUNDLE_VERSION}, written by this fedpate); its preprocessing and card "
+                          "cannot be verified: train the model again")
+    if bundle_digest(bundle) != bundle["bundle_sha256"]:
+        raise BundleError(f"{bundle_file}: its fields do not match bundle_sha256 (edited or corrupt)")
+    card_file = bundle_dir / "MODEL_CARD.md"
+    try:
+        text = card_file.read_bytes()
+    except OSError:
+        raise BundleError(f"{card_file}: the model card is missing") from None
+    if hashlib.sha256(text).hexdigest() != bundle.get("model_card_sha256"):
+        raise BundleError(f"{card_file}: does not match model_card_sha256 in bundle.json (edited or corrupt)")
 
 
 def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
@@ -187,8 +242,7 @@ def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
         comparison = comparison.parent
     ledgers = os.path.relpath(comparison / release["hospital_ledgers"], run_dir)
     bundle["card"]["released_with"] = {**dict(release), "hospital_ledgers": ledgers}
-    atomic_write_json(bundle_file, bundle)
-    atomic_write_text(run_dir / "model" / "MODEL_CARD.md", model_card_markdown(bundle))
+    seal_bundle(run_dir / "model", bundle)
 
 
 def _verify_release(card: Mapping[str, Any], run_dir: Path, where: Path) -> None:

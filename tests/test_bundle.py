@@ -95,3 +95,70 @@ def test_nonprivate_card_says_so(tmp_path):
     save_bundle(tmp_path, build_unet("tiny"), network_config("tiny"), {"grid": [16, 16, 16]}, card)
     assert "Privacy: none" in (tmp_path / "model" / "MODEL_CARD.md").read_text()
     assert load_bundle(tmp_path).card["private"] is False
+
+
+def _edit_bundle(tmp_path, edit):
+    bundle_file = tmp_path / "model" / "bundle.json"
+    bundle = json.loads(bundle_file.read_text())
+    edit(bundle)
+    bundle_file.write_text(json.dumps(bundle, indent=2))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda b: b["preprocessing"].update(grid=[20, 20, 20]),              # changes every prediction
+    lambda b: b["card"].update(epsilon_budget=80.0),                     # a privacy claim
+    lambda b: b["card"].update(teachers=1),
+    lambda b: b["card"].update(data_source={"kind": "BraTS 2021"}),
+    lambda b: b["card"].update(released_with={"combined_epsilon": 0.1, "hospital_ledgers": "../nowhere/"}),
+    lambda b: b["network"].update(note="edited"),
+    lambda b: b["labels"].update({"3": "necrosis"}),
+    lambda b: b.update(model_card_sha256="0" * 64),
+], ids=["grid", "epsilon_budget", "teachers", "data_source", "released_with", "network", "labels", "card_digest"])
+def test_every_field_of_bundle_json_is_covered_by_its_digest(tmp_path, edit):
+    _private_run(tmp_path)
+    _edit_bundle(tmp_path, edit)
+    with pytest.raises(BundleError, match="do not match|does not match") as raised:
+        load_bundle(tmp_path)
+    assert len(str(raised.value).splitlines()) == 1
+    with pytest.raises(BundleError):   # the ledger check skipped: the digest still refuses it
+        load_bundle(tmp_path, verify_ledger=False)
+
+
+def test_an_edited_model_card_text_is_refused(tmp_path):
+    _private_run(tmp_path)
+    card = tmp_path / "model" / "MODEL_CARD.md"
+    card.write_text(card.read_text().replace("differential privacy", "differential privacy (ε = 0.1)"))
+    with pytest.raises(BundleError, match="MODEL_CARD.md: does not match"):
+        load_bundle(tmp_path)
+    card.unlink()
+    with pytest.raises(BundleError, match="model card is missing"):
+        load_bundle(tmp_path)
+
+
+def test_a_bundle_without_its_digest_is_refused(tmp_path):
+    _private_run(tmp_path)
+    _edit_bundle(tmp_path, lambda b: (b.pop("bundle_sha256"), b.update(version=1)))
+    with pytest.raises(BundleError, match="without a digest over its fields"):
+        load_bundle(tmp_path)
+
+
+def test_attaching_a_release_reseals_the_bundle(tmp_path):
+    from sim.bundle import attach_release
+
+    _private_run(tmp_path)
+    (tmp_path / "hospital-ledgers").mkdir()
+    attach_release(tmp_path, {"combined_epsilon": None, "delta": 1e-3, "relation": None, "accountant": None,
+                              "hospital_ledgers": "hospital-ledgers/", "hospital_ledger_digests": {}})
+    assert load_bundle(tmp_path).card["released_with"]["combined_epsilon"] is None
+    assert "no private release" in (tmp_path / "model" / "MODEL_CARD.md").read_text()
+
+
+def test_tampered_bundle_is_a_one_line_error_in_predict(tmp_path, capsys):
+    from sim.cli import main
+
+    _private_run(tmp_path)
+    _edit_bundle(tmp_path, lambda b: b["preprocessing"].update(grid=[20, 20, 20]))
+    assert main(["predict", "--model", str(tmp_path), "--image", str(tmp_path / "x.nii.gz"),
+                 "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bundle_sha256" in err and len(err.splitlines()) == 1
