@@ -15,8 +15,9 @@ under bf16 autocast with ``precision="bf16"``; preprocessing and the mapping bac
 from __future__ import annotations
 
 import gzip
+import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -26,8 +27,9 @@ import torch
 from tqdm import tqdm
 
 from sim.bundle import load_bundle
+from sim.data.brats import skull_strip_warnings
 from sim.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
-from sim.data.msd import load_case, load_modalities
+from sim.data.msd import Case, display_path, load_case, load_modalities
 from sim.data.reader import read_dataset, require_labels
 from sim.data.preprocess import PreprocessConfig, brain_mask, invert_probs, preprocess_case
 from sim.device import autocast, model_device, resolve_device
@@ -44,11 +46,14 @@ class Prediction:
     output: Path
     volumes_ml: dict[int, float]
     labels: str = "msd"               # the label convention written (sim.data.layouts)
+    warnings: list[str] = field(default_factory=list)   # the scan's data checks (as `fedpate data inspect`)
 
     def summary(self) -> str:
         parts = ", ".join(f"{CLASS_NAMES[c]} {v:.1f} ml" for c, v in self.volumes_ml.items())
         total = sum(self.volumes_ml.values())
-        return f"{self.scan.name} -> {self.output}: tumour {total:.1f} ml ({parts}; {self.labels} label codes)"
+        note = ("; UNRELIABLE: the scan does not look skull-stripped (warning above), and the model was "
+                "trained on skull-stripped scans" if self.warnings else "")
+        return f"{self.scan.name} -> {self.output}: tumour {total:.1f} ml ({parts}; {self.labels} label codes{note})"
 
 
 @dataclass(frozen=True)
@@ -249,21 +254,48 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         get_layout(labels, "--labels")
     _, config, model = _bundle_model(model_dir, device)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     scans = scan_inputs(images)
+    outputs = output_names(scans)   # refused before anything is segmented or written
+    out_dir.mkdir(parents=True, exist_ok=True)
     results: list[Prediction] = []
     iterator: Iterable[ScanInput] = scans
     if progress:
         iterator = tqdm(scans, desc="predict", unit="scan")
-    for scan in iterator:
+    for scan, name in zip(iterator, outputs):
         data, affine, header = load_scan_input(scan)
+        # the checks `fedpate data inspect` makes: a scan that is not skull-stripped is segmented, but said so
+        warnings = skull_strip_warnings(_as_case(scan), data)
+        for line in warnings:
+            print(line, file=sys.stderr, flush=True)
         segmentation = segment_scan(model, config, data, affine, device, precision)
         convention = resolve_labels(labels, scan.layout)
-        output = out_dir / (_output_name(scan.scan) if scan.layout == "msd" else f"{scan.name}_seg.nii.gz")
+        output = out_dir / name
         _write_label_map(output, from_ours(segmentation, convention), affine, header)
         results.append(Prediction(scan=scan.scan, output=output, volumes_ml=_volumes_ml(segmentation, affine),
-                                  labels=convention))
+                                  labels=convention, warnings=warnings))
     return results
+
+
+def _as_case(scan: ScanInput) -> Case:
+    """The scan as the data checks name it: its 4D file, or its case folder and four modality files."""
+    if len(scan.files) == 1:
+        return Case(scan.name, Path(scan.files[0]))
+    return Case(scan.name, scan.scan, modalities=tuple(scan.files), layout=scan.layout)
+
+
+def output_names(scans: Sequence[ScanInput]) -> list[str]:
+    """Each scan's label map's file name (``<scan>_seg.nii.gz``, or ``<case>_seg.nii.gz`` for a BraTS case).
+    Two inputs that would write the same file (compared case-insensitively, as some file systems do) are a
+    one-line UserError naming both: the later would silently replace the earlier."""
+    names, seen = [], {}
+    for scan in scans:
+        name = _output_name(scan.scan) if scan.layout == "msd" else f"{scan.name}_seg.nii.gz"
+        earlier = seen.setdefault(name.casefold(), scan)
+        if earlier is not scan:
+            raise UserError(f"--image: {display_path(earlier.scan)} and {display_path(scan.scan)} would both write "
+                            f"{name}; give them in separate runs with different --out folders")
+        names.append(name)
+    return names
 
 
 def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:

@@ -176,9 +176,11 @@ def test_bundles_from_before_antialiasing_repeat_their_preprocessing(trained_run
     assert _bundle_model(trained_run, "cpu")[1].antialias is True
     old = tmp_path / "old"
     shutil.copytree(trained_run, old)
+    from sim.bundle import seal_bundle
+
     bundle = json.loads((old / "model" / "bundle.json").read_text())
     del bundle["preprocessing"]["config"]["antialias"]
-    (old / "model" / "bundle.json").write_text(json.dumps(bundle))
+    seal_bundle(old / "model", bundle)   # as such a bundle was written (its digest covers the preprocessing)
     assert _bundle_model(old, "cpu")[1].antialias is False
 
 
@@ -202,3 +204,40 @@ def test_no_tumour_is_predicted_outside_the_brain(tiny_phantoms):
     brain = np.any(image != 0, axis=-1)
     assert labels.shape == brain.shape and 0 < brain.mean() < 1
     assert (labels[brain] == 3).all() and not labels[~brain].any()
+
+
+def test_two_inputs_writing_one_file_are_refused_before_anything_is_written(trained_run, tiny_phantoms, tmp_path,
+                                                                           capsys):
+    """Two scans named alike in different folders would write one ``<scan>_seg.nii.gz``: the later silently
+    replaced the earlier. Refused up front, naming both."""
+    scan, _ = _training_scans(tiny_phantoms, 1)[0]
+    other = tmp_path / "copy" / scan.name
+    other.parent.mkdir()
+    other.write_bytes(scan.read_bytes())
+    status = main(["predict", "--model", str(trained_run), "--image", str(scan), "--image", str(other),
+                   "--out", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert str(other.parent.name) in err and "would both write" in err and scan.name.replace(".nii.gz", "") in err
+    assert not list((tmp_path / "o").glob("*_seg.nii.gz"))
+
+
+def test_a_scan_that_is_not_skull_stripped_is_segmented_with_a_warning(trained_run, tiny_phantoms, tmp_path,
+                                                                      capsys):
+    """The check `fedpate data inspect` makes (non-zero background at the volume's border) runs on every scan
+    predict segments: a warning on stderr naming the file, and the printed volume is marked unreliable."""
+    scan, _ = _training_scans(tiny_phantoms, 1)[0]
+    image = nib.load(scan)
+    data = np.asarray(image.dataobj).astype(np.float32)
+    head = data.copy()
+    head[data == 0] = 0.05 * float(data.max())   # a scalp around the brain: no zero background
+    unstripped = tmp_path / "head.nii.gz"
+    nib.save(nib.Nifti1Image(head, image.affine), unstripped)
+    assert main(["predict", "--model", str(trained_run), "--image", str(unstripped), "--image", str(scan),
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 4 and all("head.nii.gz" in w and "skull-stripped" in w for w in warnings)
+    lines = [line for line in captured.out.splitlines() if " ml (" in line]
+    assert "UNRELIABLE" in lines[0] and "skull-stripped" in lines[0]
+    assert "UNRELIABLE" not in lines[1]   # the skull-stripped scan gets no note
