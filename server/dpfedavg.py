@@ -29,6 +29,7 @@ from privacy.ledger import Ledger
 from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from sim.errors import UserError
 from sim.networks import build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
@@ -143,6 +144,9 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
     out = Path(out_dir)
+    if (out / "ledger.jsonl").exists() and (out / "ledger.jsonl").stat().st_size > 0:
+        # as PATE's: a second run into an earlier run's folder would mix both runs' releases in one ledger
+        raise UserError(f"--out {out}: already holds ledger.jsonl from an earlier run; use a new folder")
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out / "ledger.jsonl")
     settings = dpfedavg_settings(preset, rounds, local_epochs)

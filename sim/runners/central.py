@@ -37,10 +37,11 @@ from server.student import train_public_model
 from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
 from sim.device import check_precision, device_name, resolve_device
 from sim.errors import UserError
-from sim.io import atomic_write_bytes
+from sim.io import atomic_write_bytes, atomic_write_json
 from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config, network_config_of
 from sim.presets import get_preset
+from sim.runners.resume import refuse_other_settings
 from sim.results import ModelRelease, RunResults, write_run
 from sim.selection import SELECTIONS, SelectionConfig, run_private_selection
 from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
@@ -238,6 +239,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         # A ledger without a checkpoint is a finished (or never-started) earlier run: training again from
         # scratch would be a second release of the same data that its release ids would hide.
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
+    # what this folder already holds (a checkpoint, the public model) is resumed only with the same settings
+    record_central_settings(config, out, p.name, epsilon, delta)
 
     torch.manual_seed(seed)
     world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
@@ -511,6 +514,38 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
     model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
                                precision=precision)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+#: the settings a central run's folder was started with (sim.runners.resume); the seed under reproducible noise
+#: goes to the checkpoint folder instead, removed when the run finishes
+CENTRAL_SETTINGS = "central.json"
+
+
+def record_central_settings(config: CentralConfig, out: Path, preset: str, epsilon: float, delta: float) -> None:
+    """Refuse a folder an earlier start left with other settings (its checkpoint or public model would be
+    resumed into this run), then record this start's. Under a comparison (``hospital_ledger_dir``) the lifetime
+    budget and the shared public model are the comparison's, which checks them itself; the device may differ."""
+    reproducible, private = config.dpsgd.reproducible_noise, config.private
+    settings = {"method": config.method, "preset": preset, "epsilon": epsilon if private else None,
+                "delta": delta if private else None,
+                "seed": None if reproducible else config.seed, "noise": "reproducible" if reproducible else "secure",
+                "data": None if config.data is None else str(config.data), "hospitals": config.hospitals,
+                "layout": config.layout, "partition_file": config.partition_file, "init": config.init,
+                "precision": config.precision, "selection": config.selection,
+                "selection_config": dataclasses.asdict(config.selection_config) if config.selection_config else None,
+                "training": dataclasses.asdict(config.training),
+                "dpsgd": {k: v for k, v in dataclasses.asdict(config.dpsgd).items() if k != "reproducible_noise"}}
+    # a start that left nothing this run would reuse (it failed on its options) does not bind the folder
+    resumed = any((out / "checkpoint").glob("*.pt"))
+    if resumed or (out / "public-model.pt").exists() or (out / "results.json").exists():
+        refuse_other_settings(out / CENTRAL_SETTINGS, settings)
+    # the seed that drives reproducible noise is published nowhere: it is checked only while a checkpoint exists
+    seed_file = out / "checkpoint" / "seed.json"
+    if reproducible:
+        if resumed:
+            refuse_other_settings(seed_file, {"seed": config.seed}, hidden=("seed",))
+        atomic_write_json(seed_file, {"seed": config.seed})
+    atomic_write_json(out / CENTRAL_SETTINGS, settings)
 
 
 def _release_prefix(ledger_path: Path) -> str:

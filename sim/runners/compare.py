@@ -48,6 +48,7 @@ from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
 from sim.runners.simulation import simulate
 from sim.training import predict_probs
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
@@ -190,6 +191,9 @@ def run_compare(config: CompareConfig) -> Path:
     report. A GPU asked for and missing is refused here, before any cell starts.
     """
     resolve_device(config.device)
+    if not config.lane and (config.out / "compare-seeds.json").exists():
+        raise UserError(f"--out {config.out}: holds a comparison over several seeds; resume it with its --seeds, "
+                        "or use a new --out folder")
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     seed, data, hospitals, init, where = config.seed, config.data, config.hospitals, config.init, config.where
     device, engine = config.device, config.engine
@@ -201,22 +205,24 @@ def run_compare(config: CompareConfig) -> Path:
     sweep = config.teacher_sweep
     started = time.perf_counter()
     ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
-    lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods, epsilons, len(sweep)))
-    if config.lane:
-        _run_cells(config, lifetime, ledger_dir)
+    if config.lane:   # a worker of this comparison: its parent checked the folder and planned the lifetime
+        _run_cells(config, float(config.lifetime_epsilon or
+                                 planned_lifetime_epsilon(methods, epsilons, len(sweep))), ledger_dir)
         return out
-    atomic_write_json(out / "compare.json", {"preset": preset_name, "methods": list(methods),
-                                             "epsilons": list(epsilons), "delta": delta,
-                                             # the seed drives the noise when it is reproducible: not published
-                                             "seed": None if reproducible_noise else seed,
-                                             "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                             "data": data, "engine": engine, "init": init, **where,
-                                             "noise": "reproducible" if reproducible_noise else "secure",
-                                             "lifetime_epsilon": lifetime,
+    # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
+    # anything is written or charged; who holds what in this comparison's world: the split of the first K
+    saved = read_settings(out / "compare.json") or {}
+    refuse_other_settings(out / "compare.json", resume_settings(config))
+    world = describe_world(*build_world(config.federations[0], data, seed, progress, **where))
+    refuse_other_world(out / WORLD_FILE, world)
+    # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
+    # the planned lifetime budget cover every cell of the folder
+    methods_all, epsilons_all = merged(saved.get("methods"), list(methods)), merged(saved.get("epsilons"), list(epsilons))
+    lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep)))
+    atomic_write_json(out / "compare.json", {"methods": methods_all, "epsilons": epsilons_all,
+                                             **resume_settings(config), "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out)})
-    # who holds what in this comparison's world (the report's World section); the split of the first K
-    atomic_write_json(out / WORLD_FILE, describe_world(*build_world(config.federations[0], data, seed, progress,
-                                                                    **where)))
+    atomic_write_json(out / WORLD_FILE, world)
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
@@ -245,6 +251,23 @@ def run_compare(config: CompareConfig) -> Path:
     atomic_write_json(out / REPORT_SETTINGS, {"title": title, "settings": settings,
                                               "overlays": [str(Path(o).relative_to(out)) for o in overlays]})
     return write_report(out, title, settings=settings, overlays=overlays, release=release)
+
+
+def resume_settings(config: CompareConfig) -> dict[str, Any]:
+    """What decides a comparison's cells, recorded in compare.json and required to be the same when the folder
+    is resumed (``sim.runners.resume``). Methods and budgets may be added (each cell is its own folder); the
+    device and the number of workers may change (each cell records its device). A multi-seed comparison's
+    seeds share their parent's lifetime budget, which its own compare-seeds.json records."""
+    settings = {"preset": config.preset, "delta": config.resolved_delta,
+                # the seed drives the noise when it is reproducible: not published (world.json's split checks it)
+                "seed": None if config.reproducible_noise else config.seed,
+                "noise": "reproducible" if config.reproducible_noise else "secure",
+                "hospitals": config.base_preset.hospitals, "teachers_per_hospital": config.teacher_sweep,
+                "data": config.data, **config.where, "engine": config.engine, "init": config.init,
+                "precision": config.precision}
+    if config.ledger_dir is None:
+        settings["lifetime_epsilon_given"] = config.lifetime_epsilon
+    return settings
 
 
 def _planned_cells(config: CompareConfig, record) -> list[tuple[int, float | None, int | None, Path]]:
@@ -553,19 +576,26 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
         raise UserError("--reproducible-noise: takes one seed (the seed drives the noise and is never published); "
                         "several --seeds would publish them in the folder names")
     out = config.out
+    if (out / "compare.json").exists():
+        raise UserError(f"--out {out}: holds a single-seed comparison; several --seeds need a new --out folder")
     out.mkdir(parents=True, exist_ok=True)
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     base = config.base_preset
     delta = config.resolved_delta
     sweep = config.teacher_sweep
     ledger_dir = out / HOSPITAL_LEDGERS
+    # resumed only with the same settings (each seed's folder checks its own too); seeds, methods and budgets may
+    # be added, and the planned lifetime budget covers every seed and cell of the folder
+    settings = {k: v for k, v in resume_settings(config).items() if k != "seed"}
+    saved = read_settings(out / "compare-seeds.json") or {}
+    refuse_other_settings(out / "compare-seeds.json", settings)
+    methods_all, epsilons_all = merged(saved.get("methods"), list(methods)), merged(saved.get("epsilons"), list(epsilons))
+    seeds_all = merged(saved.get("seeds"), seeds)
     lifetime = float(config.lifetime_epsilon or
-                     planned_lifetime_epsilon(methods, epsilons, len(sweep), seeds=len(seeds)))
+                     planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep), seeds=len(seeds_all)))
     started = time.perf_counter()
-    atomic_write_json(out / "compare-seeds.json", {"preset": preset_name, "methods": list(methods),
-                                                   "epsilons": list(epsilons), "delta": delta, "seeds": seeds,
-                                                   "hospitals": base.hospitals, "teachers_per_hospital": sweep,
-                                                   "data": config.data, "lifetime_epsilon": lifetime,
+    atomic_write_json(out / "compare-seeds.json", {"methods": methods_all, "epsilons": epsilons_all,
+                                                   "seeds": seeds_all, **settings, "lifetime_epsilon": lifetime,
                                                    "hospital_ledgers": f"{HOSPITAL_LEDGERS}/"})
     print(f"compare: {len(seeds)} seeds; each hospital's lifetime budget over every seed's cells: epsilon "
           f"{lifetime:g} ({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets over all seeds'})",
