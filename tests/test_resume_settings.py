@@ -121,3 +121,23 @@ def test_central_resumes_a_folder_only_with_its_settings(cache, tiny_phantoms, t
     err = capsys.readouterr().err.strip()
     assert "--seed 0 there, 1 now" in err and len(err.splitlines()) == 1, err
     assert json.loads((out / "results.json").read_text())["seed"] == 0
+
+
+def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
+    """As PATE's: a second run into a folder whose ledger holds an earlier run's releases mixed both runs' records
+    in one ledger under the second run's results. Refused before any hospital is asked for a round."""
+    from privacy.events import GaussianEvent
+    from privacy.ledger import Ledger
+    from server.dpfedavg import run_dpfedavg
+    from sim.presets import get_preset
+
+    (tmp_path / "run").mkdir()
+    Ledger(tmp_path / "run" / "ledger.jsonl").record(["hospital-0"], GaussianEvent(sensitivity=1.0, sigma=1.0),
+                                                      "earlier-run")
+
+    class Untouched:
+        def __getattr__(self, name):
+            raise AssertionError(f"the hospitals were asked ({name}) before the folder was checked")
+
+    with pytest.raises(UserError, match="already holds ledger.jsonl from an earlier run"):
+        run_dpfedavg(Untouched(), None, get_preset("tiny"), 8.0, 1e-3, tmp_path / "run", progress=False)
