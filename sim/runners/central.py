@@ -14,7 +14,8 @@ epsilon under the other relation where it is defined (``epsilon_add_remove`` / `
 Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null where it does not apply),
 ``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
 ``bundle.json``, card; see ``sim.bundle``; the only copy of the weights, covered by its digest) and
-``checkpoint/train.pt`` (resumed when the run is restarted in the same folder).
+``checkpoint/train.pt`` (resumed when the run is restarted in the same folder with the same settings, which
+``central.json`` records; other settings are refused, :func:`record_central_settings`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ Cells and where they run:
 
 Resumable: a cell whose results.json exists is skipped; a cell interrupted after it had released
 something (a ledger but no results) is kept aside as ``<cell>.interrupted-<time>`` and run again -- its
-releases stay counted. Every cell writes results.json, ledger.jsonl and a model bundle; the report
-re-checks each epsilon against its ledger.
+releases stay counted. A folder is resumed only with the settings compare.json records (seed, preset, δ, data,
+world, noise, ...; :func:`resume_settings`, ``sim.runners.resume``): anything else is refused before anything
+is written, so one header never covers cells of two runs; methods and budgets may be added. Every cell writes
+results.json, ledger.jsonl and a model bundle; the report re-checks each epsilon against its ledger.
 
 Releases add up (SPEC section 2): the cells share the hospitals' patients, so every cell that touches
 them also charges each hospital's own ledger, ``hospital-ledgers/<hospital>.jsonl``, persistent across
