@@ -520,6 +520,8 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
 #: the settings a central run's folder was started with (sim.runners.resume); the seed under reproducible noise
 #: goes to the checkpoint folder instead, removed when the run finishes
 CENTRAL_SETTINGS = "central.json"
+#: what the public model (``public-model.pt``, resumed from by every later start) depends on
+PUBLIC_MODEL_SETTINGS = ("preset", "seed", "noise", "data", "hospitals", "layout", "partition_file", "precision")
 
 
 def record_central_settings(config: CentralConfig, out: Path, preset: str, epsilon: float, delta: float) -> None:
@@ -536,10 +538,13 @@ def record_central_settings(config: CentralConfig, out: Path, preset: str, epsil
                 "selection_config": dataclasses.asdict(config.selection_config) if config.selection_config else None,
                 "training": dataclasses.asdict(config.training),
                 "dpsgd": {k: v for k, v in dataclasses.asdict(config.dpsgd).items() if k != "reproducible_noise"}}
-    # a start that left nothing this run would reuse (it failed on its options) does not bind the folder
+    # a start that left nothing this run would reuse (it failed on its options) does not bind the folder; one that
+    # left only the public model binds what that model depends on
     resumed = any((out / "checkpoint").glob("*.pt"))
-    if resumed or (out / "public-model.pt").exists() or (out / "results.json").exists():
+    if resumed or (out / "results.json").exists():
         refuse_other_settings(out / CENTRAL_SETTINGS, settings)
+    elif (out / "public-model.pt").exists():
+        refuse_other_settings(out / CENTRAL_SETTINGS, {k: settings[k] for k in PUBLIC_MODEL_SETTINGS})
     # the seed that drives reproducible noise is published nowhere: it is checked only while a checkpoint exists
     seed_file = out / "checkpoint" / "seed.json"
     if reproducible:
