@@ -265,8 +265,8 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         data, affine, header = load_scan_input(scan)
         # the checks `fedpate data inspect` makes: a scan that is not skull-stripped is segmented, but said so
         warnings = skull_strip_warnings(_as_case(scan), data)
-        for line in warnings:
-            print(line, file=sys.stderr, flush=True)
+        for line in warnings:   # above the progress bar, not through it
+            tqdm.write(line, file=sys.stderr)
         segmentation = segment_scan(model, config, data, affine, device, precision)
         convention = resolve_labels(labels, scan.layout)
         output = out_dir / name
