@@ -232,11 +232,15 @@ def verify_bundle_digests(bundle: Mapping[str, Any], bundle_dir: Path) -> None:
 
 def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
     """Record in a bundle's card what it was released together with (a comparison's combined epsilon,
-    from the hospitals' own ledgers) and rewrite MODEL_CARD.md; the weights are untouched."""
+    from the hospitals' own ledgers), rewrite MODEL_CARD.md and reseal; the weights are untouched. An edited
+    bundle is refused (:func:`verify_bundle_digests`) rather than resealed."""
 
     run_dir = Path(run_dir)
     bundle_file = run_dir / "model" / "bundle.json"
     bundle = json.loads(bundle_file.read_text())
+    if bundle.get("version") != BUNDLE_VERSION:
+        return   # written before bundles were sealed: left as it is (loading refuses it), never sealed now
+    verify_bundle_digests(bundle, run_dir / "model")   # resealing an edited bundle would launder the edit
     comparison = run_dir
     while comparison != comparison.parent and not (comparison / release["hospital_ledgers"]).exists():
         comparison = comparison.parent

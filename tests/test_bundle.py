@@ -162,3 +162,16 @@ def test_tampered_bundle_is_a_one_line_error_in_predict(tmp_path, capsys):
                  "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip()
     assert "bundle_sha256" in err and len(err.splitlines()) == 1
+
+
+def test_attaching_a_release_to_an_edited_bundle_is_refused_not_resealed(tmp_path):
+    from sim.bundle import attach_release
+
+    _private_run(tmp_path)
+    _edit_bundle(tmp_path, lambda b: b["preprocessing"].update(grid=[20, 20, 20]))
+    (tmp_path / "hospital-ledgers").mkdir()
+    with pytest.raises(BundleError, match="bundle_sha256"):
+        attach_release(tmp_path, {"combined_epsilon": None, "delta": 1e-3, "relation": None, "accountant": None,
+                                  "hospital_ledgers": "hospital-ledgers/", "hospital_ledger_digests": {}})
+    with pytest.raises(BundleError, match="bundle_sha256"):
+        load_bundle(tmp_path)
