@@ -30,7 +30,7 @@ from privacy import calibration
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from clients.replay import AnswerBook, mint_nonce, request_key
+from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.networks import build_unet
@@ -50,9 +50,10 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                         "it is for simulations only")
     # a genuine retry of this exact request gets the identical update it got before: no new release
     book = AnswerBook(Path(hospital.workdir) / "answers")
-    key = request_key("dp-fedavg-round", {f"w.{name}": value for name, value in weights.items()},
-                      {name: value for name, value in config.items() if name != "world"})
-    answered = book.lookup(key)
+    request = ({f"w.{name}": value for name, value in weights.items()},
+               {name: value for name, value in config.items() if name != "world"})
+    key = request_key("dp-fedavg-round", *request)
+    answered = book.lookup(key, legacy_request_key("dp-fedavg-round", *request))
     if answered is not None:
         return answered[0], answered[1]
     preset = hospital.preset

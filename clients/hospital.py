@@ -44,7 +44,7 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from clients.replay import AnswerBook, mint_nonce, request_key
+from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from sim.device import check_device_spec, check_precision, resolve_device
@@ -280,10 +280,11 @@ class Hospital:
             return self._diagnostic_pass(scans, config, codec, encode)
         release_ids, sigma, teachers = self._query_declaration(config, len(scans))
         # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
-        key = request_key("query", {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
-                          {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
-                           "teachers_trained": self._teachers_fingerprint() or ""})
-        answered = self.answers.lookup(key)
+        request = ({"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
+                   {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
+                    "teachers_trained": self._teachers_fingerprint() or ""})
+        key = request_key("query", *request)
+        answered = self.answers.lookup(key, legacy_request_key("query", *request))
         if answered is not None:
             return answered[0]["rows"], answered[1]
         self._charge_query(codec, config, release_ids, sigma, teachers)
