@@ -119,13 +119,28 @@ class Hospital:
             path = self._teacher_path(k)
             if not path.exists():
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            # a saved teacher says what it is: its weights hold a voxel head or not
-            model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state) else "all")
-            model.load_state_dict(state)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                # a saved teacher says what it is: its weights hold a voxel head or not
+                model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state)
+                                        else "all")
+                model.load_state_dict(state)
+            except Exception as exc:   # a torn or foreign file: this hospital cannot answer with it
+                raise UserError(f"hospital {self.hospital_id}: cannot load teacher {k} from {path} "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
             self._models[k] = model.eval()
         model = self._models[k]
         return model if device is None else model.to(device)
+
+    def load_teachers(self, config: Mapping[str, Any] | None = None) -> None:
+        """Load every teacher onto this request's device; UserError when one is missing or unreadable.
+
+        A query batch calls it before it charges the ledger: a hospital that cannot answer (never trained, or a
+        teacher's file lost or torn) refuses and spends nothing. A hospital whose teachers are not files (a test
+        or an audit's fixed answers, which override :meth:`teacher_probs`) overrides this too."""
+        device = self.compute(config)[0]
+        for k in range(self.num_teachers):
+            self._teacher(k, device)
 
     # ----------------------------------------------------------------------------------------------
     def train_teachers(self, config: Mapping[str, Any] | None = None) -> dict:
@@ -261,8 +276,8 @@ class Hospital:
         the hospital may say about them (``{"fallback_teachers": count}``).
 
         A normal query batch must declare ``release_ids`` (one per scan), ``sigma`` and ``teachers`` (the K
-        the server will average, or release nothing): the hospital verifies the codec, charges
-        ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
+        the server will average, or release nothing): the hospital verifies the codec, loads its teachers
+        (refusing, uncharged, when it has none to answer with), charges ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
         and K, and only then runs its teachers. ``config["diagnostic"]`` (an un-noised query, simulation
         only) is refused by a deployed hospital and charged nothing (it is reported as not private).
         """
@@ -287,6 +302,7 @@ class Hospital:
         answered = self.answers.lookup(key, legacy_request_key("query", *request))
         if answered is not None:
             return answered[0]["rows"], answered[1]
+        self.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, config, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
         for k in range(self.num_teachers):
