@@ -50,6 +50,7 @@ from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_code
 from sim.device import check_device_spec, check_precision, resolve_device
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
+from sim.names import check_name_part
 from sim.io import atomic_save_torch, atomic_write_json
 from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
 from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
@@ -60,7 +61,8 @@ class Hospital:
                  validation: list | None = None, deployed: bool = False, privacy_ledger=None,
                  lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None,
                  max_teachers: int | None = None, device: str | None = None, precision: str | None = None):
-        self.hospital_id = str(hospital_id)
+        #: names files (``<ledger_dir>/<id>.jsonl``) and the ledger's owner: a plain name part, never a path
+        self.hospital_id = check_name_part(str(hospital_id), "hospital id")
         self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
         self.prepared = prepared
         self.partitions = [list(p) for p in partitions]
