@@ -198,6 +198,10 @@ def test_an_answer_kept_before_the_key_encoding_changed_still_answers_its_retry(
     assert legacy_request_key("query", {"a\x00b": np.zeros(1)}) is None
     assert legacy_request_key("query", None, {"x": b"ab"}) is None
     assert legacy_request_key("query", None, {"x": (1, 2)}) is None
+    # a DP-FedAvg round as the server sends it is inside the unambiguous part: its earlier answer is found
+    round_config = {"round": 0, "rounds": 4, "epsilon": 8.0, "delta": 1e-3, "run_tag": "r1-e8-0a1b2c3d",
+                    "reproducible_noise": False, "plan": '[{"batch_size": 2, "epochs": 4}]', "ema_decay": None}
+    assert legacy_request_key("dp-fedavg-round", {f"w.{n}": v for n, v in _weights().items()}, round_config)
 
     hospital, codec = _FixedTeachers(tmp_path), _codec()
     scans = np.zeros((2, 4, 8, 8, 8), np.float32)
