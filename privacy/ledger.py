@@ -345,7 +345,11 @@ class Ledger:
             line = _canonical(record) + "\n"
         except (TypeError, ValueError) as exc:
             raise PrivacyError(f"release {release_id!r}: note must be JSON-serialisable ({exc})") from None
-        with self.exclusive():   # what other writers appended is merged first: a repeat is seen as one
+        with self.exclusive(refresh=False):
+            # what other writers appended is merged first: a repeat is seen as one, and no complete line is taken
+            # for a torn tail. Read here, not only when the lock is first taken: another Ledger object on the
+            # same file may have appended under the same hold of the lock (two paths to one file in one chain)
+            self.refresh()
             existing = self._by_id.get(release_id)
             if existing is not None:
                 if _content(existing) != _content(record):

@@ -124,5 +124,9 @@ def test_two_ledger_objects_on_one_file_share_its_lock_in_one_thread(tmp_path):
     def nested():
         with first.exclusive():
             second.record(["h0"], GaussianEvent(1.0, 2.0), "r")   # would wait for the first's flock forever
+            # what the other object appended under the same lock is read before this one writes: nothing cut
+            first.record(["h0"], GaussianEvent(1.0, 3.0), "s")
+            first.record(["h0"], GaussianEvent(1.0, 2.0), "r")   # a repeat of the other's record: merged
     _charge_in_thread(nested)
-    assert first.refresh() == 1 and len(Ledger.load(tmp_path / "l.jsonl")) == 1
+    assert [r["release_id"] for r in Ledger.load(tmp_path / "l.jsonl").records()] == ["r", "s"]
+    assert second.refresh() == 1 and len(first) == len(second) == 2
