@@ -18,7 +18,9 @@ Several writers (issue 26): every process and thread that opens the same file se
 ``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`). ``record`` holds it while it re-reads what others
 appended and appends its own line; opening a file holds it while it reads and cuts a torn tail, so a
 complete record another process appended in between is never cut off. The budget guard holds it from its
-check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass.
+check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass. Within one
+process the lock is one per file, by device and inode: Ledger objects (or paths) naming the same file share it
+instead of waiting for each other.
 """
 
 from __future__ import annotations
