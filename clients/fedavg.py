@@ -30,9 +30,10 @@ from privacy import calibration
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from clients.replay import AnswerBook, mint_nonce, request_key
+from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
+from sim.names import check_name_part
 from sim.networks import build_unet
 from sim.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
@@ -48,11 +49,16 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     if config.get("reproducible_noise") and hospital.deployed:   # refused before anything is touched
         raise UserError(f"hospital {hospital.hospital_id}: refuses reproducible (seeded) noise: "
                         "it is for simulations only")
+    # the run tag names this run's ledger file: one that is not a plain name part could name another file --
+    # the lifetime ledger itself (``x/../privacy-ledger``), or one outside the hospital's folder
+    run_tag = check_name_part(str(config.get("run_tag", "run")),
+                              f"hospital {hospital.hospital_id}: the server's run_tag")
     # a genuine retry of this exact request gets the identical update it got before: no new release
     book = AnswerBook(Path(hospital.workdir) / "answers")
-    key = request_key("dp-fedavg-round", {f"w.{name}": value for name, value in weights.items()},
-                      {name: value for name, value in config.items() if name != "world"})
-    answered = book.lookup(key)
+    request = ({f"w.{name}": value for name, value in weights.items()},
+               {name: value for name, value in config.items() if name != "world"})
+    key = request_key("dp-fedavg-round", *request)
+    answered = book.lookup(key, legacy_request_key("dp-fedavg-round", *request))
     if answered is not None:
         return answered[0], answered[1]
     preset = hospital.preset
@@ -61,7 +67,6 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     local_epochs = int(config.get("local_epochs", 1))
     epsilon = float(config["epsilon"])
     delta = float(config["delta"])
-    run_tag = str(config.get("run_tag", "run"))
     relation = str(config.get("relation", "replace-one"))
     case_ids = [case for partition in hospital.partitions for case in partition]
     images = hospital.prepared.images(case_ids)

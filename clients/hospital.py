@@ -44,12 +44,13 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from clients.replay import AnswerBook, mint_nonce, request_key
+from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from sim.device import check_device_spec, check_precision, resolve_device
 from sim.dpsgd import DPConfig
 from sim.errors import UserError
+from sim.names import check_name_part
 from sim.io import atomic_save_torch, atomic_write_json
 from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
 from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
@@ -60,7 +61,8 @@ class Hospital:
                  validation: list | None = None, deployed: bool = False, privacy_ledger=None,
                  lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None,
                  max_teachers: int | None = None, device: str | None = None, precision: str | None = None):
-        self.hospital_id = str(hospital_id)
+        #: names files (``<ledger_dir>/<id>.jsonl``) and the ledger's owner: a plain name part, never a path
+        self.hospital_id = check_name_part(str(hospital_id), "hospital id")
         self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
         self.prepared = prepared
         self.partitions = [list(p) for p in partitions]
@@ -119,13 +121,28 @@ class Hospital:
             path = self._teacher_path(k)
             if not path.exists():
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            # a saved teacher says what it is: its weights hold a voxel head or not
-            model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state) else "all")
-            model.load_state_dict(state)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                # a saved teacher says what it is: its weights hold a voxel head or not
+                model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state)
+                                        else "all")
+                model.load_state_dict(state)
+            except Exception as exc:   # a torn or foreign file: this hospital cannot answer with it
+                raise UserError(f"hospital {self.hospital_id}: cannot load teacher {k} from {path} "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
             self._models[k] = model.eval()
         model = self._models[k]
         return model if device is None else model.to(device)
+
+    def load_teachers(self, config: Mapping[str, Any] | None = None) -> None:
+        """Load every teacher onto this request's device; UserError when one is missing or unreadable.
+
+        A query batch calls it before it charges the ledger: a hospital that cannot answer (never trained, or a
+        teacher's file lost or torn) refuses and spends nothing. A hospital whose teachers are not files (a test
+        or an audit's fixed answers, which override :meth:`teacher_probs`) overrides this too."""
+        device = self.compute(config)[0]
+        for k in range(self.num_teachers):
+            self._teacher(k, device)
 
     # ----------------------------------------------------------------------------------------------
     def train_teachers(self, config: Mapping[str, Any] | None = None) -> dict:
@@ -261,8 +278,8 @@ class Hospital:
         the hospital may say about them (``{"fallback_teachers": count}``).
 
         A normal query batch must declare ``release_ids`` (one per scan), ``sigma`` and ``teachers`` (the K
-        the server will average, or release nothing): the hospital verifies the codec, charges
-        ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
+        the server will average, or release nothing): the hospital verifies the codec, loads its teachers
+        (refusing, uncharged, when it has none to answer with), charges ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
         and K, and only then runs its teachers. ``config["diagnostic"]`` (an un-noised query, simulation
         only) is refused by a deployed hospital and charged nothing (it is reported as not private).
         """
@@ -280,12 +297,14 @@ class Hospital:
             return self._diagnostic_pass(scans, config, codec, encode)
         release_ids, sigma, teachers = self._query_declaration(config, len(scans))
         # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
-        key = request_key("query", {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
-                          {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
-                           "teachers_trained": self._teachers_fingerprint() or ""})
-        answered = self.answers.lookup(key)
+        request = ({"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
+                   {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
+                    "teachers_trained": self._teachers_fingerprint() or ""})
+        key = request_key("query", *request)
+        answered = self.answers.lookup(key, legacy_request_key("query", *request))
         if answered is not None:
             return answered[0]["rows"], answered[1]
+        self.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, config, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
         for k in range(self.num_teachers):

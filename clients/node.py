@@ -31,6 +31,7 @@ from sim.codecs import CodecPolicy
 from sim.data.partitions import split_into_teachers
 from sim.data.preprocess import PreprocessConfig, prepare_dataset
 from sim.errors import UserError
+from sim.names import check_name_part
 from sim.presets import get_preset
 from sim.runconfig import config_flag
 from sim.world import open_world
@@ -63,7 +64,8 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
             raise UserError(
                 f"node-config partition-id={index}: the world at {world_dir} has only {len(hospital_ids)} hospitals"
             )
-        hospital_id = hospital_ids[index]
+        # the world's split names this hospital's folder and ledger file
+        hospital_id = check_name_part(hospital_ids[index], f"the world at {world_dir}: hospital id")
         workdir = Path(world_dir) / "nodes" / hospital_id
         # a simulated consortium knows its size: no server may declare more teachers than the world has
         consortium = sum(len(partitions) for partitions in split.hospitals.values())
@@ -76,6 +78,7 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
     hospital_id = str(node_config.get("hospital-id") or "")
     if not hospital_id:
         raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
+    hospital_id = check_name_part(hospital_id, "node-config hospital-id")   # names its folder and ledger owner
     data_dir = Path(str(node_config["data-dir"]))
     required = {"epsilon-budget": "its lifetime privacy budget", "max-teachers":
                 "the most teachers the consortium has (bounds the K a server may declare)"}

@@ -149,13 +149,20 @@ class GuardChain:
 
     def charge_all(self, owners: Sequence[str], event: Event, release_ids: Sequence[str],
                    note: dict | None = None) -> None:
-        """Every guard checks, then every ledger records, all under every ledger's lock (taken in one fixed
-        order, by file, so two chains over the same ledgers cannot deadlock)."""
+        """Every guard checks, then every ledger records, all under every ledger's lock.
+
+        The locks are taken in one fixed order, by file identity (device, inode; ``Ledger.lock_identity``), not
+        by path: two processes may name one file by different paths, and ordering by path would let them take
+        the same two locks in opposite orders and deadlock. Two ledgers of the chain over one file (two paths,
+        or two Ledger objects) take its lock once: the first takes it, the others only re-enter it to merge
+        what is on disk (``Ledger.exclusive`` shares one file's lock within a process), so the chain cannot
+        wait for itself."""
         targets = self._targets(owners)
         ledgers = {id(guard.ledger): guard.ledger for guard, _ in targets}
-        order = sorted(ledgers.values(), key=lambda ledger: str(ledger.lock_path or f"~memory-{id(ledger)}"))
+        # ("file", dev, inode) or ("memory", id): same-kind identities compare field by field
+        order = sorted(((ledger.lock_identity(), ledger) for ledger in ledgers.values()), key=lambda pair: pair[0])
         with contextlib.ExitStack() as held:
-            for ledger in order:
+            for _identity, ledger in order:
                 held.enter_context(ledger.exclusive())
             for guard, mine in targets:
                 fresh = [r for r in release_ids if not guard.ledger.has_release(r)]

@@ -18,7 +18,9 @@ Several writers (issue 26): every process and thread that opens the same file se
 ``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`). ``record`` holds it while it re-reads what others
 appended and appends its own line; opening a file holds it while it reads and cuts a torn tail, so a
 complete record another process appended in between is never cut off. The budget guard holds it from its
-check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass.
+check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass. Within one
+process the lock is one per file, by device and inode: Ledger objects (or paths) naming the same file share it
+instead of waiting for each other.
 """
 
 from __future__ import annotations
@@ -43,6 +45,72 @@ except ImportError:  # pragma: no cover - not on the platforms we run
 from privacy.accountants import accountant_for, make_accountant
 from privacy.errors import PrivacyError
 from privacy.events import Event, event_from_dict
+
+
+class _SharedFileLock:
+    """One lock file's ``flock`` in this process: taken once by the outermost holder, re-entrant in its thread;
+    other threads of the process wait on ``mutex`` (and other processes on the ``flock``)."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.RLock()
+        self.depth = 0
+        self.handle = None
+
+
+_FILE_LOCKS: dict[tuple[int, int], _SharedFileLock] = {}
+_FILE_LOCKS_GUARD = threading.Lock()
+
+
+def _forget_file_locks() -> None:
+    """In a forked child: no thread of the parent exists there to release what it held."""
+    global _FILE_LOCKS_GUARD
+    _FILE_LOCKS.clear()
+    _FILE_LOCKS_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_file_locks)
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path | None, ledger_path: Path | None) -> Iterator[None]:
+    """Hold the exclusive lock of ``lock_path``, keyed by the file's (device, inode) in this process: any number
+    of Ledgers and paths naming one file take one ``flock``. Nothing to hold in memory or without fcntl."""
+    if lock_path is None or fcntl is None:
+        yield
+        return
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(lock_path, "a+b")
+    try:
+        status = os.fstat(handle.fileno())
+        with _FILE_LOCKS_GUARD:
+            shared = _FILE_LOCKS.setdefault((status.st_dev, status.st_ino), _SharedFileLock())
+        shared.mutex.acquire()
+    except BaseException:
+        handle.close()
+        raise
+    try:
+        if shared.depth == 0:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            shared.handle, handle = handle, None
+        shared.depth += 1
+    except BaseException:
+        shared.mutex.release()
+        raise
+    finally:
+        if handle is not None:   # this thread holds the file through another handle already (or flock failed)
+            handle.close()
+    try:
+        yield
+    finally:
+        shared.depth -= 1
+        if shared.depth == 0:
+            held, shared.handle = shared.handle, None
+            try:
+                fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+            finally:
+                held.close()
+        shared.mutex.release()
 
 
 @dataclass(frozen=True)
@@ -82,7 +150,6 @@ class Ledger:
         self._accountant_cache: dict[tuple, tuple] = {}
         self._thread_lock = threading.RLock()
         self._lock_depth = 0
-        self._lock_handle = None
         self._offset = 0   # bytes of the file merged so far (always the end of a complete line)
         if self.path is not None and self.path.exists():
             self.refresh()   # reading needs no lock (complete lines only), so a read-only copy opens too
@@ -97,33 +164,36 @@ class Ledger:
         """``<ledger>.lock`` beside the file: locked, never written (the ledger itself may not exist yet)."""
         return None if self.path is None else self.path.with_name(self.path.name + ".lock")
 
+    def lock_identity(self) -> tuple:
+        """Which lock this ledger takes: ``("file", st_dev, st_ino)`` of its lock file (created if missing), so
+        that two paths naming one file -- a symlink, a ``..`` -- are seen as one; ``("memory", id)`` in memory.
+        A chain of guards orders and de-duplicates the locks it takes by it (``privacy.guard.GuardChain``)."""
+        if self.path is None:
+            return ("memory", id(self))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a+b") as handle:
+            status = os.fstat(handle.fileno())
+        return ("file", status.st_dev, status.st_ino)
+
     @contextlib.contextmanager
     def exclusive(self, refresh: bool = True) -> Iterator["Ledger"]:
         """Hold this ledger's exclusive lock (re-entrant within one thread); on entry, merge what other
         writers appended (``refresh``). Everything that decides on the ledger's content and then writes to it
-        -- the guard's check-then-record, a batch of charges, cutting a torn tail -- runs inside it."""
-        with self._thread_lock:
-            outermost = self._lock_depth == 0
-            if outermost and self.path is not None and fcntl is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                handle = open(self.lock_path, "a+b")
+        -- the guard's check-then-record, a batch of charges, cutting a torn tail -- runs inside it.
+
+        The file lock is shared by every Ledger of this process whose lock file is the same file (same device
+        and inode, whatever path named it): ``flock`` locks belong to an open file, so a second Ledger over
+        the same file in the same thread would otherwise wait for itself forever."""
+        with _file_lock(None if self.path is None else self.lock_path, self.path):
+            with self._thread_lock:
+                outermost = self._lock_depth == 0
+                self._lock_depth += 1
                 try:
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-                except BaseException:
-                    handle.close()
-                    raise
-                self._lock_handle = handle
-            self._lock_depth += 1
-            try:
-                if outermost and refresh:
-                    self.refresh()
-                yield self
-            finally:
-                self._lock_depth -= 1
-                if outermost and self._lock_handle is not None:
-                    handle, self._lock_handle = self._lock_handle, None
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-                    handle.close()
+                    if outermost and refresh:
+                        self.refresh()
+                    yield self
+                finally:
+                    self._lock_depth -= 1
 
     # ------------------------------------------------------------------ loading
 
@@ -277,7 +347,11 @@ class Ledger:
             line = _canonical(record) + "\n"
         except (TypeError, ValueError) as exc:
             raise PrivacyError(f"release {release_id!r}: note must be JSON-serialisable ({exc})") from None
-        with self.exclusive():   # what other writers appended is merged first: a repeat is seen as one
+        with self.exclusive(refresh=False):
+            # what other writers appended is merged first: a repeat is seen as one, and no complete line is taken
+            # for a torn tail. Read here, not only when the lock is first taken: another Ledger object on the
+            # same file may have appended under the same hold of the lock (two paths to one file in one chain)
+            self.refresh()
             existing = self._by_id.get(release_id)
             if existing is not None:
                 if _content(existing) != _content(record):

@@ -30,6 +30,7 @@ from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.errors import UserError
+from sim.names import safe_name_part
 from sim.networks import build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
@@ -160,8 +161,9 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
             load_start_weights(model, {name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
         return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
 
-    # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs
-    run_tag = f"{out.resolve().name}-e{epsilon:g}-{secrets.token_hex(4)}"
+    # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs. It names
+    # a file at every hospital, which accepts only a plain name part (sim.names): the folder's name is made one
+    run_tag = f"{safe_name_part(out.resolve().name)}-e{epsilon:g}-{secrets.token_hex(4)}"
     plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
     candidates = []
     last_replies = None

@@ -34,6 +34,9 @@ class FixedTeachers(Hospital):
         self.broken = set(broken)
         self.runs = 0
 
+    def load_teachers(self, config=None):   # fixed answers: nothing on disk to load
+        pass
+
     def teacher_probs(self, k, scans, config=None):
         self.runs += 1
         probs = np.full((len(scans), 4, *GRID), 0.25, np.float32)
@@ -226,3 +229,30 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
         assert len(Ledger.load(h.privacy_ledger)) == 4
     with pytest.raises(UserError, match="earlier run"):
         run_pate(transport, world, preset, config, tmp_path / "run")
+
+
+def test_a_hospital_without_its_teachers_refuses_a_query_and_its_ledger_is_unchanged(tmp_path):
+    import torch
+
+    from sim.networks import build_unet
+
+    hospital = Hospital("h0", prepared=None, partitions=[["p0"], ["p1"]], preset=PRESET, workdir=tmp_path / "h0",
+                        lifetime_epsilon=4.0, delta=1e-3)
+    earlier = Ledger(hospital.privacy_ledger)   # what it spent before: must survive byte for byte
+    earlier.record(["h0"], GaussianEvent(sensitivity=1.0, sigma=5.0), "earlier@0")
+    before = hospital.privacy_ledger.read_bytes()
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    scans = np.zeros((2, 4, *GRID), np.float32)
+    with pytest.raises(UserError, match="teacher 0 has not been trained"):     # never trained
+        hospital.answer_query(scans, state, _query(["a", "b"]))
+    assert hospital.privacy_ledger.read_bytes() == before
+    # half trained: teacher 0 is on disk, teacher 1 is not
+    hospital._teacher_path(0).parent.mkdir(parents=True)
+    torch.save(build_unet(PRESET.unet).state_dict(), hospital._teacher_path(0))
+    with pytest.raises(UserError, match="teacher 1 has not been trained"):
+        hospital.answer_query(scans, state, _query(["a", "b"]))
+    # a torn teacher file
+    hospital._teacher_path(1).write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="cannot load teacher 1"):
+        hospital.answer_query(scans, state, _query(["a", "b"]))
+    assert hospital.privacy_ledger.read_bytes() == before

@@ -75,3 +75,58 @@ def test_invalid_budget_and_delta():
         BudgetGuard(Ledger(), -1.0, 1e-3)
     with pytest.raises(PrivacyError, match="delta"):
         BudgetGuard(Ledger(), 1.0, 0.0)
+
+
+def _charge_in_thread(charge, seconds=20.0):
+    """Run ``charge`` in a daemon thread: a lock that waits for itself fails the test instead of hanging it."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            charge()
+            outcome["done"] = True
+        except BaseException as exc:   # reported to the test below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the charge still waits for a lock after 20 s (it locks one file twice)"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome
+
+
+def test_a_chain_over_two_paths_naming_one_ledger_takes_its_lock_once(tmp_path):
+    from privacy.guard import GuardChain
+
+    lifetime_path = tmp_path / "privacy-ledger.jsonl"
+    aliased = tmp_path / "x" / ".." / "privacy-ledger.jsonl"     # another path, the same file
+    lifetime, run = Ledger(lifetime_path), Ledger(aliased)
+    chain = GuardChain(BudgetGuard(run, 8.0, 1e-3), [(BudgetGuard(lifetime, {"h0": 8.0}, 1e-3), ["h0"])])
+    event = GaussianEvent(1.0, 2.0)
+    _charge_in_thread(lambda: chain.charge(["h0"], event, "round-0@n"))
+    assert lifetime.lock_identity() == run.lock_identity() and lifetime.lock_path != run.lock_path
+    # one file: the release is written once and both views count it once
+    assert len(Ledger.load(lifetime_path)) == 1
+    assert lifetime.has_release("round-0@n") and run.has_release("round-0@n")
+    # and the chain still refuses past the budget (the shared file is re-read under the one lock)
+    with pytest.raises(BudgetExceeded):
+        _charge_in_thread(lambda: chain.charge(["h0"], GaussianEvent(1.0, 0.05), "round-1@n"))
+    assert len(Ledger.load(lifetime_path)) == 1
+
+
+def test_two_ledger_objects_on_one_file_share_its_lock_in_one_thread(tmp_path):
+    first, second = Ledger(tmp_path / "l.jsonl"), Ledger(tmp_path / "l.jsonl")
+
+    def nested():
+        with first.exclusive():
+            second.record(["h0"], GaussianEvent(1.0, 2.0), "r")   # would wait for the first's flock forever
+            # what the other object appended under the same lock is read before this one writes: nothing cut
+            first.record(["h0"], GaussianEvent(1.0, 3.0), "s")
+            first.record(["h0"], GaussianEvent(1.0, 2.0), "r")   # a repeat of the other's record: merged
+    _charge_in_thread(nested)
+    assert [r["release_id"] for r in Ledger.load(tmp_path / "l.jsonl").records()] == ["r", "s"]
+    assert second.refresh() == 1 and len(first) == len(second) == 2

@@ -88,6 +88,9 @@ class _FixedTeachers(Hospital):
                          lifetime_epsilon=lifetime, delta=1e-3, max_teachers=max_teachers)
         self.runs = 0
 
+    def load_teachers(self, config=None):   # fixed answers: nothing on disk to load
+        pass
+
     def teacher_probs(self, k, scans, config=None):
         self.runs += 1
         rng = np.random.default_rng(self.runs)    # a new answer every run: a repeat must not recompute
@@ -154,3 +157,65 @@ def test_a_refused_batch_records_nothing(tmp_path):
         hospital.answer_query(np.zeros((3, 4, 8, 8, 8), np.float32), codec,
                               {"release_ids": ["a", "b", "c"], "sigma": 0.05, "teachers": 4})
     assert hospital.runs == 0 and not hospital.privacy_ledger.exists()
+
+
+# ------------------------------------------------------------------------------------ request keys
+def test_requests_that_differ_never_share_a_key():
+    from clients.replay import request_key
+
+    # under a NUL-joined encoding, the name of B's one array spells out A's first array and the header of its
+    # second: both made one byte stream
+    a = {"p": np.array([0], np.uint8), "q": np.array([5], np.uint8)}
+    b = {"p\x00|u1\x00(1,)\x00\x00\x00q": np.array([5], np.uint8)}
+    assert request_key("round", a) != request_key("round", b)
+    # values that JSON with default=str writes as another value's text
+    for left, right in ((b"ab", "b'ab'"), (np.float32(1.5), "1.5"), (None, "None"), (1, "1")):
+        assert request_key("round", None, {"x": left}) != request_key("round", None, {"x": right})
+    assert request_key("round", None, {1: "a"}) != request_key("round", None, {"1": "a"})
+    # where a field ends is part of the key: moving bytes between kind, names and values changes it
+    assert request_key("ab", None, {}) != request_key("a", None, {"b": None})
+    assert request_key("k", {"ab": np.zeros(1)}) != request_key("k", {"a": np.zeros(1)}, {"b": 0.0})
+
+
+def test_a_retry_keeps_its_key_whatever_container_it_came_in():
+    from clients.replay import request_key
+
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    assert request_key("k", arrays, {"plan": [1, 2], "sigma": 0.5}) == \
+        request_key("k", {"w": np.arange(4, dtype=np.float32).copy()}, {"sigma": np.float64(0.5), "plan": (1, 2)})
+    with pytest.raises(UserError, match="object"):
+        request_key("k", None, {"x": object()})
+
+
+def test_an_answer_kept_before_the_key_encoding_changed_still_answers_its_retry(tmp_path):
+    from clients.replay import legacy_request_key
+
+    request = ({"scans": np.arange(6, dtype=np.float32).reshape(2, 3), "codec.kind": np.array("pca")},
+               {"release_ids": ["q-0", "q-1"], "sigma": 0.5, "teachers": 4, "teachers_trained": ""})
+    # the digest the earlier encoding gave this request (computed with it): answers on disk are filed under it
+    assert legacy_request_key("query", *request) == "542c330c64f46d61bbdbbef353ff0642f541650445b53cae1232dc7d6507953a"
+    # where the earlier encoding was ambiguous it is not consulted
+    assert legacy_request_key("query", {"a\x00b": np.zeros(1)}) is None
+    assert legacy_request_key("query", None, {"x": b"ab"}) is None
+    assert legacy_request_key("query", None, {"x": (1, 2)}) is None
+    # a DP-FedAvg round as the server sends it is inside the unambiguous part: its earlier answer is found
+    round_config = {"round": 0, "rounds": 4, "epsilon": 8.0, "delta": 1e-3, "run_tag": "r1-e8-0a1b2c3d",
+                    "reproducible_noise": False, "plan": '[{"batch_size": 2, "epochs": 4}]', "ema_decay": None}
+    assert legacy_request_key("dp-fedavg-round", {f"w.{n}": v for n, v in _weights().items()}, round_config)
+
+    hospital, codec = _FixedTeachers(tmp_path), _codec()
+    scans = np.zeros((2, 4, 8, 8, 8), np.float32)
+    query = {"release_ids": ["q-0", "q-1"], "sigma": 0.5, "teachers": 4}
+    rows, _ = hospital.answer_query(scans, codec, query)
+    book = hospital.answers
+    (kept,) = sorted(book.directory.glob("*.npz"))
+    # file the answer the way the earlier version did, as a hospital upgraded mid-run finds it
+    legacy = legacy_request_key("query", {"scans": scans, **{f"codec.{n}": v for n, v in codecs.verify_codec(
+        codec, hospital.codec_policy, scans_shape=scans.shape).items()}},
+        {**query, "teachers_trained": ""})
+    kept.rename(book.directory / f"{legacy}.npz")
+    kept.with_suffix(".json").rename(book.directory / f"{legacy}.json")
+    runs, charged = hospital.runs, len(Ledger.load(hospital.privacy_ledger))
+    again, _ = hospital.answer_query(scans, codec, query)
+    np.testing.assert_array_equal(rows, again)
+    assert hospital.runs == runs and len(Ledger.load(hospital.privacy_ledger)) == charged
