@@ -139,10 +139,52 @@ def test_dpmac_with_dp_pca_is_accounted_and_within_budget():
     task = synthetic_task()
     ledger, guard = guard_for(3.0)
     train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
-                DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1), seed=0)
+                DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, pca_basis="dp"), seed=0)
     kinds = [type(e).__name__ for e in ledger.events("h0")]
     assert kinds == ["GaussianEvent", "SampledGaussianEvent"]
     assert 0.98 * 3.0 <= ledger.spent("h0", 1e-5).epsilon <= 3.0
+
+
+def test_dpmac_public_basis_reads_no_private_record_and_returns_its_budget_to_the_w_steps():
+    """The default PCA basis is a function of the public images alone: replacing every private record leaves
+    it unchanged, it is what ``public_pca`` gives on the query pool and reference set, nothing is charged for
+    it, and the W-steps alone spend the budget (less noise than with a DP-PCA share)."""
+    from sim.classification.dpmac import DPMACConfig, public_images, public_pca, train_dpmac
+
+    task = synthetic_task()
+    other = synthetic_task(seed=5)          # different private records, same public ones
+    other.x_test, other.y_test, other.x_query, other.x_reference, other.y_reference = (
+        task.x_test, task.y_test, task.x_query, task.x_reference, task.y_reference)
+    cfg = DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1)
+    runs = []
+    for t in (task, other):
+        ledger, guard = guard_for(3.0)
+        res = train_dpmac(t, 3.0, 1e-5, guard, t.hospitals, cfg, seed=0)
+        runs.append(res)
+        assert [type(e).__name__ for e in ledger.events("h0")] == ["SampledGaussianEvent"]
+        assert 0.98 * 3.0 <= ledger.spent("h0", 1e-5).epsilon <= 3.0
+    first, second = (r.model.projection.numpy() for r in runs)
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first, public_pca(public_images(task), 4), atol=1e-6)
+    assert len(public_images(task)) == len(task.x_query) + len(task.x_reference)
+    assert runs[0].details["pca_basis"] == "public" and runs[0].details["pca_sigma"] is None
+    _, guard = guard_for(3.0)
+    with_dp_pca = train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
+                              DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1,
+                                          pca_basis="dp"), seed=0)
+    assert runs[0].sigma < with_dp_pca.sigma         # the DP-PCA share went back to the W-steps
+
+
+def test_dpmac_falls_back_to_dp_pca_without_enough_public_images():
+    from sim.classification.dpmac import DPMACConfig, train_dpmac
+
+    task = synthetic_task()
+    task.x_query, task.x_reference = task.x_query[:0], task.x_reference[:2]
+    ledger, guard = guard_for(3.0)
+    res = train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
+                      DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1), seed=0)
+    assert res.details["pca_basis"] == "dp"
+    assert [type(e).__name__ for e in ledger.events("h0")] == ["GaussianEvent", "SampledGaussianEvent"]
 
 
 # ------------------------------------------------------------------------------------------------ AdLM
@@ -271,6 +313,44 @@ def test_gnmax_end_to_end_spends_at_most_budget():
     assert res.teachers == 6 and res.queries == 40
     s = ledger.spent("h0", 1e-5)
     assert s.accountant == "gdp-exact" and 0.99 * 4.0 <= s.epsilon <= 4.0
+
+
+def test_gnmax_default_teachers_hold_ten_units_each():
+    """K ≈ n / 10 by default: each hospital gets one teacher per 10 of its privacy units."""
+    from sim.classification.gnmax import RECORDS_PER_TEACHER, teacher_partitions, teachers_per_hospital_for
+
+    task = synthetic_task(n=240, hospitals=2)            # 120 records per hospital
+    assert RECORDS_PER_TEACHER == 10 and teachers_per_hospital_for(task) == 12
+    parts = teacher_partitions(task, teachers_per_hospital_for(task))
+    assert len(parts) == 24 and {len(idx) for _, idx in parts} == {10}
+    assert teachers_per_hospital_for(synthetic_task(n=12, hospitals=2)) == 1      # never fewer than one
+
+
+def test_gnmax_default_queries_keep_a_quarter_lead_at_two_noise_std():
+    """The vote-margin rule: the calibrated σ of N queries keeps 2·σ·√2 ≤ K/4, and N + 1 queries would not;
+    N grows with ε and K, and is clamped to [classes, pool]."""
+    from sim.classification.gnmax import calibrate_gnmax, queries_for
+
+    for eps, K in ((2.0, 340), (8.0, 340), (2.0, 100)):
+        n = queries_for(eps, 1e-5, K, pool=10_000, classes=1)
+        sigma, _ = calibrate_gnmax(eps, 1e-5, n, False, 1.0)
+        above, _ = calibrate_gnmax(eps, 1e-5, n + 1, False, 1.0)
+        assert 2 * math.sqrt(2) * sigma <= K / 4 * (1 + 1e-4) and K / 4 < 2 * math.sqrt(2) * above
+    assert 75 <= queries_for(2.0, 1e-5, 340, 500, 10) <= 150             # mnist5k's K at ε = 2
+    assert queries_for(0.5, 1e-5, 340, 500, 10) == 10                     # at least one query per class
+    assert queries_for(8.0, 1e-5, 340, 500, 10) == 500                    # at most the public pool
+    assert queries_for(1.0, 1e-5, 340, 10_000, 10) < queries_for(2.0, 1e-5, 340, 10_000, 10)
+
+
+def test_gnmax_uses_the_rules_when_k_and_n_are_not_given():
+    from sim.classification.gnmax import GNMaxConfig, queries_for, train_pate_gnmax
+
+    task = synthetic_task(n=240, hospitals=2)
+    ledger, guard = guard_for(4.0)
+    res = train_pate_gnmax(task, 4.0, 1e-5, guard, task.hospitals, GNMaxConfig(teacher_epochs=2, student_epochs=2))
+    assert res.teachers == 24 and res.details["teachers_per_hospital"] == 12
+    assert res.queries == queries_for(4.0, 1e-5, 24, len(task.x_query), task.n_classes)
+    assert len(ledger.events("h0")) == res.queries and ledger.spent("h0", 1e-5).epsilon <= 4.0
 
 
 # ------------------------------------------------------------------------------------------------ guard

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from privacy.calibration import dpsgd_noise_multiplier
-from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed
+from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
+from sim.errors import UserError
 from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
@@ -146,3 +147,31 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                  "hidden": list(cfg.hidden), "schedule": cfg.schedule, "stopped_reason": session.stopped_reason},
         model=session.model,
     )
+
+
+def train_public_only(task, cfg: DPSGDConfig, steps: int, batch_size: int, seed: int = 0) -> SeedResult:
+    """The public-only floor: the non-private cell's network (``cfg.hidden``) and optimiser (Adam at
+    ``cfg.nonprivate_lr``) trained on the task's public labelled reference records alone, for ``steps`` Adam
+    steps of ``batch_size`` records (the caller passes the non-private cell's step count, so the two differ
+    only in their data). No private record is read, nothing is charged; a private method is worth its noise
+    only where it beats this row.
+
+    Args:
+        task: the :class:`sim.classification.tasks.ClassificationTask` (its ``x_reference``/``y_reference``).
+        cfg: the non-private cell's settings (network width, learning rate).
+        steps: Adam steps (rounded up to whole passes over the reference set).
+        batch_size: records per step.
+        seed: initialisation and batch order.
+    """
+    if len(task.y_reference) == 0:
+        raise UserError("public-only: the task has no public labelled reference records")
+    n = len(task.y_reference)
+    batch_size = max(1, min(batch_size, n))
+    epochs = max(1, -(-steps // -(-n // batch_size)))     # ceil(steps / steps per pass)
+    model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes, hidden=cfg.hidden, epochs=epochs,
+                             batch_size=batch_size, lr=cfg.nonprivate_lr, seed=seed)
+    return SeedResult(method="public-only", accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=None,
+                      delta=0.0, relation=None,
+                      details={"epochs": epochs, "steps": epochs * -(-n // batch_size), "batch_size": batch_size,
+                               "hidden": list(cfg.hidden), "reference_records": n},
+                      model=model)

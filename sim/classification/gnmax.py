@@ -14,6 +14,21 @@ Private Learning with PATE"), teachers at the hospitals.
   the answer ``GaussianEvent(√2, σ2)`` only for answered ones (data-independent accounting, no
   smooth-sensitivity analysis).
 * σ is calibrated so that the worst case (all N queries answered) spends exactly the budget.
+* How many teachers and queries (stated rules, never tuned on the test set; both are defaults that a
+  configuration may override):
+  - **K**: GNMax's noise is fixed by ε and the number of queries, not by K, while the vote margin it must
+    survive grows with K; so take as many teachers as still learn something: each hospital gets one teacher
+    per ``RECORDS_PER_TEACHER`` = 10 privacy units (:func:`teachers_per_hospital_for`), K ≈ n / 10 — on
+    mnist5k 340 teachers of 10 digits, whose noise-free ensemble stays useful (Papernot et al. 2018 use
+    250 teachers on MNIST, a data set 18× larger than mnist5k's private part).
+  - **N, the queries**: each answer's σ grows as √N at a fixed ε (the Gaussian answers compose as μ-GDP,
+    μ = √(2N)/σ). Ask as many queries as keep a lead of ``MARGIN_FRACTION`` = ¼ of the teachers safe at two
+    standard deviations of the difference of two noisy counts, 2·σ·√2 ≤ K/4 (:func:`queries_for`), at least
+    one per class and at most the public pool. More queries would give the student more labels, each
+    noisier; fewer, fewer labels, each cleaner.
+* Confident-GNMax is an option (``GNMaxConfig.confident``), off by default: under this data-independent
+  accounting the threshold check is charged for every query, so it only adds noise; its gain in the paper
+  comes from data-dependent (smooth-sensitivity) accounting, which this module does not do.
 * Student: trained non-privately on the public query records with their noisy labels (answered ones only).
 * Randomness (SPEC §2): every noisy threshold check and every noisy answer draws from its own stream of a
   ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
@@ -35,12 +50,17 @@ from sim.classification import SeedResult, accuracy, predict, train_nonprivate
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
 THRESHOLD_SENSITIVITY = 1.0            # replace-one on the maximum vote count
+#: privacy units per teacher of the default K (module note): K ≈ n / RECORDS_PER_TEACHER
+RECORDS_PER_TEACHER = 10
+#: the default number of queries keeps a lead of this fraction of the K teachers at two noise std (module note)
+MARGIN_FRACTION = 0.25
+MARGIN_STDS = 2.0
 
 
 @dataclass
 class GNMaxConfig:
-    teachers_per_hospital: int = 5
-    queries: int = 200
+    teachers_per_hospital: int | None = None   # None = one per RECORDS_PER_TEACHER units (teachers_per_hospital_for)
+    queries: int | None = None                 # None = the vote-margin rule (queries_for)
     teacher_hidden: tuple[int, ...] = (64,)
     teacher_epochs: int = 40
     student_hidden: tuple[int, ...] = (128,)
@@ -65,6 +85,30 @@ def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[
             if len(chosen):
                 parts.append((hospital, np.sort(np.concatenate([units[u] for u in chosen]))))
     return parts
+
+
+def teachers_per_hospital_for(task, records_per_teacher: int = RECORDS_PER_TEACHER) -> int:
+    """The default teachers per hospital: one per ``records_per_teacher`` privacy units of the smallest hospital
+    (at least 1), so every teacher holds about ``records_per_teacher`` units and K ≈ n / records_per_teacher.
+    A function of the published hospital sizes only."""
+    units = task.unit_records()
+    per_hospital = np.bincount(task.unit_hospital(units), minlength=len(task.hospitals))
+    return max(1, int(per_hospital.min()) // records_per_teacher)
+
+
+def queries_for(epsilon: float, delta: float, teachers: int, pool: int, classes: int,
+                margin_fraction: float = MARGIN_FRACTION, accountant: str = "gdp-exact") -> int:
+    """The default number of plain-GNMax queries N (module note): the largest N whose calibrated answer noise σ
+    keeps ``MARGIN_STDS`` · σ · √2 ≤ ``margin_fraction`` · K — a lead of that fraction of the teachers then
+    survives the noise of the top two counts at two standard deviations — clamped to ``[classes, pool]``.
+    Data-independent: a function of (ε, δ, K) and the public pool size only.
+
+    Under μ-GDP composition σ(N) = σ(1)·√N exactly, so N = ⌊(σ_target / σ(1))²⌋.
+    """
+    sigma_one, _ = calibrate_gnmax(epsilon, delta, 1, False, 1.0, accountant)
+    target = margin_fraction * teachers / (MARGIN_STDS * math.sqrt(2.0))
+    wanted = int(math.floor((target / sigma_one) ** 2))
+    return int(min(pool, max(classes, wanted)))
 
 
 def vote_histograms(predictions: np.ndarray, classes: int) -> np.ndarray:
@@ -151,19 +195,21 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
 
     cfg = cfg or GNMaxConfig()
     noise = noise if noise is not None else NoiseSource()
-    parts = teacher_partitions(task, cfg.teachers_per_hospital, seed)
+    per_hospital = cfg.teachers_per_hospital or teachers_per_hospital_for(task)
+    parts = teacher_partitions(task, per_hospital, seed)
     teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
                                  epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
                 for k, (_, idx) in enumerate(parts)]
     K = len(teachers)
     teacher_acc = [accuracy(t, task.x_test, task.y_test) for t in teachers]
-    nq = min(cfg.queries, len(task.x_query))
+    accountant = cfg.accountant or "gdp-exact"
+    nq = min(cfg.queries or queries_for(epsilon, delta, K, len(task.x_query), task.n_classes,
+                                        accountant=accountant), len(task.x_query))
     xq = task.x_query[:nq]
     preds = np.stack([predict(t, xq) for t in teachers])
     hist = vote_histograms(preds, task.n_classes)
     test_votes = vote_histograms(np.stack([predict(t, task.x_test) for t in teachers]), task.n_classes)
     ensemble_acc = float((test_votes.argmax(1) == task.y_test).mean())
-    accountant = cfg.accountant or "gdp-exact"
     sigma, sigma1 = calibrate_gnmax(epsilon, delta, nq, cfg.confident, cfg.threshold_sigma_ratio, accountant)
     threshold = cfg.threshold_fraction * K if cfg.confident else None
     labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, noise, threshold, sigma1)
@@ -187,6 +233,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
                  "answered": int(answered.sum()), "label_accuracy": label_acc, "confident": cfg.confident,
                  "sigma_threshold": sigma1, "threshold": threshold,
                  "records_per_teacher": float(np.mean([len(i) for _, i in parts])),
+                 "teachers_per_hospital": per_hospital,
                  "privacy_unit": task.privacy_unit},
         model=student,
     )

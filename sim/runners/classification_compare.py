@@ -35,7 +35,7 @@ from privacy.mechanisms import NoiseSource
 from sim.classification import METHODS
 from sim.classification.adlm import AdLMConfig, train_adlm
 from sim.classification.dpmac import DPMACConfig, train_dpmac
-from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
 from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from sim.classification.tasks import load_task
 from sim.errors import UserError
@@ -43,11 +43,24 @@ from sim.io import atomic_write_bytes, atomic_write_text
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from sim.results import RunResults, csv_row, write_run
 
-# per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3)
+# per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
+# DP-MAC: the paper's classifier settings (Harder, Köhler, Welling & Park 2018, arXiv 1812.06465, App. B: batch
+# 1000, 30 epochs) on quick, the batch capped at n/10 by ``_batch_size`` like every method here. PATE-GNMax's
+# teachers and queries follow the stated rules of ``sim.classification.gnmax`` (K ≈ n/10, the vote-margin
+# query count) unless ``teachers_per_hospital`` overrides K.
 PRESET_SETTINGS = {
-    "tiny": {"epochs": 5, "adlm_epochs": 10, "teachers_per_hospital": 5, "queries": 100, "teacher_epochs": 30},
-    "quick": {"epochs": 15, "adlm_epochs": 30, "teachers_per_hospital": 10, "queries": 300, "teacher_epochs": 40},
+    "tiny": {"epochs": 5, "dpmac_epochs": 5, "adlm_epochs": 10, "teacher_epochs": 30},
+    "quick": {"epochs": 15, "dpmac_epochs": 30, "adlm_epochs": 30, "teacher_epochs": 40},
 }
+DPMAC_BATCH = 1000   # the paper's batch (capped at n/10 on small tasks)
+
+#: rows every report carries beside the requested methods (no ε, nothing charged):
+#: ``public-only`` -- the non-private cell's network trained on the public labelled reference set alone, the
+#: floor a private method must beat (always run); ``adlm-noise-free`` -- AdLM's network, polynomial loss and
+#: optimiser with the mechanism switched off (run whenever adlm or ilm is), NOT private.
+PUBLIC_ONLY = "public-only"
+ADLM_NOISE_FREE = "adlm-noise-free"
+REFERENCE_METHODS = (PUBLIC_ONLY, ADLM_NOISE_FREE)
 
 #: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
 PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
@@ -64,6 +77,7 @@ NOT_PRIVATE = {
     "dp-sgd": ("details.empty_batches",),
     "dp-sgd-scheduled": ("details.empty_batches",),
     "nonprivate": ("accuracy",),
+    ADLM_NOISE_FREE: ("accuracy",),
 }
 SIZE_DETAILS = ("units",)       # dataset sizes in ``details``, published as they are
 
@@ -88,16 +102,25 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
     n = len(task.y_private)
     units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
     if method == "dp-mac":
-        cfg = DPMACConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
+        cfg = DPMACConfig(epochs=settings.get("dpmac_epochs", settings["epochs"]), batch_size=_batch_size(units, DPMAC_BATCH),
                           pca_components=min(60, task.input_dim))
         return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
-    if method in ("adlm", "ilm"):
+    if method in ("adlm", "ilm", ADLM_NOISE_FREE):
         cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
-        return train_adlm(task, epsilon, delta, guard, owners, cfg, seed=seed, adaptive=method == "adlm",
-                          progress=progress, noise=noise)
+        res = train_adlm(task, None if method == ADLM_NOISE_FREE else epsilon, delta, guard, owners, cfg, seed=seed,
+                         adaptive=method != "ilm", progress=progress, noise=noise)
+        res.method = method
+        return res
+    if method == PUBLIC_ONLY:
+        # the non-private cell's network and optimiser for the same number of Adam steps, on the public
+        # labelled reference records only
+        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250))
+        steps = cfg.epochs * math.ceil(n / cfg.batch_size)
+        return train_public_only(task, cfg, steps, _batch_size(len(task.y_reference), cfg.batch_size), seed=seed)
     if method == "pate-gnmax":
-        cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings["teachers_per_hospital"],
-                          queries=settings["queries"], teacher_epochs=settings["teacher_epochs"])
+        # a preset may pin K or N; otherwise the rules of sim.classification.gnmax choose them
+        cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings.get("teachers_per_hospital"),
+                          queries=settings.get("queries"), teacher_epochs=settings["teacher_epochs"])
         return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
     if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
         cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
@@ -208,9 +231,14 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     if preset not in PRESET_SETTINGS:
         raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, got {preset!r}")
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + REFERENCE_METHODS]
     if unknown:
         raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of {', '.join(METHODS)}")
+    # the reference rows (REFERENCE_METHODS): public-only in every report, AdLM's noise-free row beside AdLM/ILM
+    if any(m in methods for m in ("adlm", "ilm")) and ADLM_NOISE_FREE not in methods:
+        methods.append(ADLM_NOISE_FREE)
+    if PUBLIC_ONLY not in methods:
+        methods.append(PUBLIC_ONLY)
     epsilons = [float(e) for e in (epsilons.split(",") if isinstance(epsilons, str) else epsilons)]
     if any(not (e > 0 and math.isfinite(e)) for e in epsilons):
         raise UserError(f"--epsilons: expected positive numbers, got {epsilons}")
@@ -227,7 +255,7 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
         print(f"task {t.name}: {summary}", flush=True)
     cells = []
     for method in methods:
-        for epsilon in ([None] if method == "nonprivate" else epsilons):
+        for epsilon in ([None] if method in ("nonprivate",) + REFERENCE_METHODS else epsilons):
             cells.append(run_cell(t, method, epsilon, out / method / _eps_dir(epsilon), delta, seed, preset, progress,
                                   teachers_per_hospital, noise))
     write_cells_csv(cells, out / "cells.csv")
@@ -257,7 +285,7 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
     unit = task_summary.get("privacy_unit", "record")
     lines = [f"# Seed systems on `{task_summary['task']}`", "",
              f"Task: {task_summary}", "",
-             f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: add/remove-one {unit}, Poisson sampling of "
+             f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: replace-one {unit}, Poisson sampling of "
              f"{unit}s, PLD accountant. AdLM/ILM: replace-one {unit}, pure ε (basic composition ε1+ε2+ε3, "
              f"independent of epochs). PATE-GNMax: replace-one {unit}, data-independent accounting of Gaussian "
              "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl. Numbers listed under "
@@ -283,16 +311,43 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
         elif c["method"] in ("adlm", "ilm") and not note:
             note = (f"feature Laplace scale (median) {_fmt(d.get('feature_scale_median'), '.1f')}, "
                     f"label scale {_fmt(d.get('label_scale'), '.1f')}")
+        elif c["method"] == ADLM_NOISE_FREE and not note:
+            note = "NOT PRIVATE: AdLM's network, loss and optimiser with the mechanism switched off; no ε is claimed"
+        elif c["method"] == PUBLIC_ONLY and not note:
+            note = (f"public labelled reference set only ({d.get('reference_records')} records); no private record "
+                    "read, nothing charged")
         lines.append(f"| {c['method']} | {_fmt(c['epsilon_budget'], 'g')} | {_fmt(c['epsilon'])} | "
                      f"{0 if c['method'] in ('adlm', 'ilm') else c['delta']:g} | "
                      f"{c['relation'] or '—'} | {c['accountant'] or '—'} | {_fmt(c['accuracy'])} | "
                      f"{c['wall_seconds']:.1f} | {note} |")
+    lines += verdicts(cells)
     try:
         _plot(cells, out / "accuracy_vs_epsilon.png")
         lines += ["", "![accuracy vs epsilon](accuracy_vs_epsilon.png)"]
     except Exception as exc:  # the report must still be written when plotting fails
         lines += ["", f"(plot failed: {exc})"]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def verdicts(cells: list[dict]) -> list[str]:
+    """Report lines comparing every private cell with the public-only floor: a private method is worth its
+    privacy cost only where it beats the same network trained on the public labelled records alone."""
+    floor = next((c["accuracy"] for c in cells if c["method"] == PUBLIC_ONLY and c["accuracy"] is not None), None)
+    if floor is None:
+        return ["", "Verdicts: no public-only accuracy (its cell failed), so no private method is compared with it."]
+    lines = ["", f"## Verdicts against public-only (accuracy {floor:.3f})", ""]
+    for c in cells:
+        if c["epsilon_budget"] is None or c["accuracy"] is None:
+            continue
+        gap = c["accuracy"] - floor
+        verdict = "beats public-only" if gap > 0 else "does not beat public-only"
+        lines.append(f"- {c['method']} at ε = {c['epsilon_budget']:g}: {c['accuracy']:.3f} ({gap:+.3f}): {verdict}")
+    return lines
+
+
+def _order(method: str) -> int:
+    known = list(METHODS) + list(REFERENCE_METHODS)
+    return known.index(method) if method in known else len(known)
 
 
 def _plot(cells: list[dict], path: Path) -> None:
@@ -303,16 +358,17 @@ def _plot(cells: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    methods = sorted({c["method"] for c in cells}, key=list(METHODS).index)
+    methods = sorted({c["method"] for c in cells}, key=_order)
     for m in methods:
         pts = sorted((c["epsilon_budget"], c["accuracy"]) for c in cells
                      if c["method"] == m and c["accuracy"] is not None and c["epsilon_budget"] is not None)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        elif m == "nonprivate":
+        elif m in ("nonprivate",) + REFERENCE_METHODS:   # one ε-free cell: a horizontal line
             acc = next((c["accuracy"] for c in cells if c["method"] == m and c["accuracy"] is not None), None)
             if acc is not None:
-                ax.axhline(acc, color="k", linestyle="--", label="nonprivate")
+                style = {"nonprivate": ("k", "--"), PUBLIC_ONLY: ("tab:gray", ":")}.get(m, ("tab:brown", "-."))
+                ax.axhline(acc, color=style[0], linestyle=style[1], label=m)
     ax.set_xscale("log")
     ax.set_xlabel("ε (budget)")
     ax.set_ylabel("test accuracy")
