@@ -19,9 +19,12 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
                                                          "queries": 20, "teacher_epochs": 2})
     cells = runner.run_classification_compare("mnist5k", "nonprivate,adlm,ilm,pate-gnmax,dp-mac", [2.0],
                                               tmp_path, seed=0, delta=1e-5, hospitals=2, progress=False)
-    assert [c["method"] for c in cells] == ["nonprivate", "adlm", "ilm", "pate-gnmax", "dp-mac"]
+    # the reference rows come with every report: public-only always, AdLM's noise-free row beside AdLM/ILM
+    assert [c["method"] for c in cells] == ["nonprivate", "adlm", "ilm", "pate-gnmax", "dp-mac", "adlm-noise-free",
+                                            "public-only"]
+    no_budget = ("nonprivate", "adlm-noise-free", "public-only")
     for cell in cells:
-        folder = tmp_path / cell["method"] / ("eps-inf" if cell["method"] == "nonprivate" else "eps-2")
+        folder = tmp_path / cell["method"] / ("eps-inf" if cell["method"] in no_budget else "eps-2")
         result = json.loads((folder / "results.json").read_text())
         for key in SPEC_KEYS + ("accuracy",):
             assert key in result, (cell["method"], key)
@@ -29,16 +32,19 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
         assert result["dice"] is None
         assert 0.0 <= result["accuracy"] <= 1.0
         assert (folder / "ledger.jsonl").exists()
-        if cell["method"] == "nonprivate":
-            assert result["epsilon"] is None
+        if cell["method"] in no_budget:          # nothing released: no ε is claimed and the ledger is empty
+            assert result["epsilon"] is None and (folder / "ledger.jsonl").read_text() == ""
         else:
             assert 0 < result["epsilon"] <= 2.0
             assert result["relation"] in ("replace-one", "add-remove") and result["accountant"]
     assert cells[0]["accuracy"] > 0.5          # the non-private net learns mnist5k
     rows = list(csv.DictReader((tmp_path / "cells.csv").open()))
-    assert len(rows) == 5
+    assert len(rows) == 7
     report = (tmp_path / "report.md").read_text()
     assert "| pate-gnmax | 2 |" in report
+    assert "| public-only | — | — | — |" in report and "| adlm-noise-free | — | — | — |" in report
+    assert "NOT PRIVATE" in report and "## Verdicts against public-only" in report
+    assert "- pate-gnmax at ε = 2:" in report
     assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 1000
 
 

@@ -175,6 +175,32 @@ def gnmax_answer(histograms: np.ndarray, sigma: float, guard, owners, release_pr
     return labels
 
 
+#: the teachers' votes of recent runs, keyed by (task, partition, training settings, seed): a grid of budgets
+#: on one task trains the same teachers for every ε (they see no noise and are never released), so their votes
+#: are computed once per process. Bounded: a few entries.
+_VOTES: dict = {}
+
+
+def teacher_votes(task, parts, cfg: GNMaxConfig, seed: int):
+    """Train one non-private teacher per partition and return ``(pool votes (n_query, classes), test votes
+    (n_test, classes), per-teacher test accuracies)``. Noise-free and never released (only GNMax's noisy
+    argmax of the pool votes is); memoised per process for the same task object and settings."""
+    key = (id(task), tuple(len(i) for _, i in parts), tuple(int(i[0]) for _, i in parts if len(i)),
+           cfg.teacher_hidden, cfg.teacher_epochs, seed)
+    if key in _VOTES and _VOTES[key][0] is task:
+        return _VOTES[key][1]
+    teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
+                                 epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
+                for k, (_, idx) in enumerate(parts)]
+    pool = vote_histograms(np.stack([predict(t, task.x_query) for t in teachers]), task.n_classes)
+    test = vote_histograms(np.stack([predict(t, task.x_test) for t in teachers]), task.n_classes)
+    acc = [accuracy(t, task.x_test, task.y_test) for t in teachers]
+    if len(_VOTES) >= 4:
+        _VOTES.pop(next(iter(_VOTES)))
+    _VOTES[key] = (task, (pool, test, acc))
+    return pool, test, acc
+
+
 def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNMaxConfig | None = None,
                      seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False,
                      noise=None) -> SeedResult:
@@ -197,18 +223,13 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
     noise = noise if noise is not None else NoiseSource()
     per_hospital = cfg.teachers_per_hospital or teachers_per_hospital_for(task)
     parts = teacher_partitions(task, per_hospital, seed)
-    teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
-                                 epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
-                for k, (_, idx) in enumerate(parts)]
-    K = len(teachers)
-    teacher_acc = [accuracy(t, task.x_test, task.y_test) for t in teachers]
+    pool_votes, test_votes, teacher_acc = teacher_votes(task, parts, cfg, seed)
+    K = len(parts)
     accountant = cfg.accountant or "gdp-exact"
     nq = min(cfg.queries or queries_for(epsilon, delta, K, len(task.x_query), task.n_classes,
                                         accountant=accountant), len(task.x_query))
     xq = task.x_query[:nq]
-    preds = np.stack([predict(t, xq) for t in teachers])
-    hist = vote_histograms(preds, task.n_classes)
-    test_votes = vote_histograms(np.stack([predict(t, task.x_test) for t in teachers]), task.n_classes)
+    hist = pool_votes[:nq]
     ensemble_acc = float((test_votes.argmax(1) == task.y_test).mean())
     sigma, sigma1 = calibrate_gnmax(epsilon, delta, nq, cfg.confident, cfg.threshold_sigma_ratio, accountant)
     threshold = cfg.threshold_fraction * K if cfg.confident else None

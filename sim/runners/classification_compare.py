@@ -9,8 +9,10 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
                                        reproducible_noise=False)
 
 Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``, ``"accuracy"`` set) and
-``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``), ``out/cells.csv``,
-``out/report.md`` and ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
+``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``; so are the reference rows
+``public-only``, in every report, and ``adlm-noise-free``, beside AdLM/ILM: see ``REFERENCE_METHODS``), ``out/cells.csv``,
+``out/report.md`` (with a verdict of every private cell against public-only) and
+``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
 (the maximum over hospitals; all hospitals carry the same events here).
 
 Noise (SPEC §2): every cell gets its own namespace ``<method>/eps-<E>`` of a ``privacy.mechanisms.NoiseSource``
@@ -317,7 +319,7 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
             note = (f"public labelled reference set only ({d.get('reference_records')} records); no private record "
                     "read, nothing charged")
         lines.append(f"| {c['method']} | {_fmt(c['epsilon_budget'], 'g')} | {_fmt(c['epsilon'])} | "
-                     f"{0 if c['method'] in ('adlm', 'ilm') else c['delta']:g} | "
+                     f"{_delta(c)} | "
                      f"{c['relation'] or '—'} | {c['accountant'] or '—'} | {_fmt(c['accuracy'])} | "
                      f"{c['wall_seconds']:.1f} | {note} |")
     lines += verdicts(cells)
@@ -327,6 +329,13 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
     except Exception as exc:  # the report must still be written when plotting fails
         lines += ["", f"(plot failed: {exc})"]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _delta(cell: dict) -> str:
+    """δ of a private cell (0 for the pure-ε Laplace releases of AdLM/ILM); "—" where nothing is claimed."""
+    if cell["epsilon_budget"] is None:
+        return "—"
+    return "0" if cell["method"] in ("adlm", "ilm") else f"{cell['delta']:g}"
 
 
 def verdicts(cells: list[dict]) -> list[str]:
