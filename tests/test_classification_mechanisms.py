@@ -235,6 +235,24 @@ def test_adlm_label_noise_scale_statistically():
     assert ledger.spent("h0", 1e-5).epsilon == pytest.approx(0.5)
 
 
+def test_adlm_noise_free_reference_charges_nothing_and_learns():
+    """epsilon=None switches the mechanism off: nothing is released or charged, no ε is claimed, and the same
+    network, polynomial loss and optimiser learn the task (the noise, not the optimiser, is what costs)."""
+    from sim.classification.adlm import AdLMConfig, train_adlm
+
+    task = synthetic_task()
+    ledger, guard = guard_for(1.0)
+    res = train_adlm(task, None, 1e-5, guard, task.hospitals, AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32),
+                     seed=0)
+    assert ledger.records() == [] and res.relation is None and res.details["noise_free"] is True
+    assert res.details["epsilon_split"] is None and res.details["label_scale"] is None
+    assert res.accuracy > 0.8                     # three well-separated classes
+    _, guard = guard_for(1.0)
+    noisy = train_adlm(task, 1.0, 1e-5, guard, task.hospitals, AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32),
+                       seed=0)
+    assert noisy.details["noise_free"] is False and noisy.relation == "replace-one"
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
     from sim.classification.adlm import AdLMConfig, train_adlm
