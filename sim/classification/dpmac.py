@@ -1,4 +1,4 @@
-"""DP-MAC (Harder, Park et al., seed paper 001): private method of auxiliary coordinates.
+"""DP-MAC (Harder, Köhler, Welling & Park 2019, arXiv 1910.06924): private method of auxiliary coordinates.
 
 MAC (Carreira-Perpiñán & Wang 2014; paper eq. 2) adds one auxiliary coordinate vector ``z_{k,n}`` per hidden
 layer k and record n, which decouples the nested objective (eq. 1) into per-layer objectives

@@ -46,10 +46,11 @@ from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from sim.results import RunResults, csv_row, write_run
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
-# DP-MAC: the paper's classifier settings (Harder, Köhler, Welling & Park 2018, arXiv 1812.06465, App. B: batch
-# 1000, 30 epochs) on quick, the batch capped at n/10 by ``_batch_size`` like every method here. PATE-GNMax's
-# teachers and queries follow the stated rules of ``sim.classification.gnmax`` (K ≈ n/10, the vote-margin
-# query count) unless ``teachers_per_hospital`` overrides K.
+# DP-MAC: the classifier settings of the DP-MAC workshop paper (Harder, Köhler, Welling & Park, App. B: batch
+# 1000, 30 epochs; the later arXiv version 1910.06924 trains a 300-100 net with batch 50 for 20 epochs) on
+# quick, the batch capped at n/10 by ``_batch_size`` like every method here. PATE-GNMax's teachers and queries
+# follow the stated rules of ``sim.classification.gnmax`` (K ≈ n/10, the vote-margin query count) unless a
+# preset or ``teachers_per_hospital`` pins them.
 PRESET_SETTINGS = {
     "tiny": {"epochs": 5, "dpmac_epochs": 5, "adlm_epochs": 10, "teacher_epochs": 30},
     "quick": {"epochs": 15, "dpmac_epochs": 30, "adlm_epochs": 30, "teacher_epochs": 40},
