@@ -467,6 +467,10 @@ class RepeatAndSelectEvent(Event):
         mean = positive_number("mean", self.mean, "RepeatAndSelectEvent")
         if mean < 1:
             raise PrivacyError(f"RepeatAndSelectEvent: mean must be at least 1, got {self.mean!r}")
+        if self.shape is not None and mean <= 1:
+            # a truncated negative binomial's mean exceeds 1 for every γ in (0, 1): mean 1 describes no such
+            # distribution (it would be "T = 1 always"), and sampling T from it fails
+            raise PrivacyError(f"RepeatAndSelectEvent: a truncated negative binomial needs mean > 1, got {self.mean!r}")
         object.__setattr__(self, "mean", mean)
         if self.shape is not None:
             if isinstance(self.shape, bool) or not isinstance(self.shape, (int, float)) or not math.isfinite(self.shape) \

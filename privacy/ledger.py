@@ -140,10 +140,16 @@ class Ledger:
     """Per-owner privacy ledger; ``path=None`` keeps it in memory.
 
     Opening an existing file loads it (same rules as :meth:`load`) and appends after it.
+
+    ``timestamps=False``: the records this object writes carry ``"time": null``. For a release whose
+    guarantee needs its running time kept secret (private selection, Papernot & Steinke 2022, arXiv
+    2110.03620: the number of repetitions must not be published), a time written at the charge, before the
+    repetitions, would date their start.
     """
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, timestamps: bool = True) -> None:
         self.path = Path(path) if path is not None else None
+        self.timestamps = bool(timestamps)
         self._records: list[dict] = []
         self._by_id: dict[str, dict] = {}
         self._events_cache: dict[str, list[Event]] = {}
@@ -340,7 +346,7 @@ class Ledger:
             "owners": list(owners),
             "event": event.to_dict(),
             "note": dict(note or {}),
-            "time": time.time(),
+            "time": time.time() if self.timestamps else None,
         }
         record = self._validate(candidate)
         try:

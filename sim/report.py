@@ -612,7 +612,9 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                  "`nonprivate-central` row (trained on the pooled patients without noise), and every field a "
                  "cell lists under `not_private_diagnostics` in its results.json (teacher Dice, the noise-free "
                  "teacher ensemble, pseudo-label Dice, fallback-teacher counts). A deployment never computes "
-                 "them; they exist here to explain the private numbers.")
+                 "them; they exist here to explain the private numbers. So are the wall times (`wall s`) and the "
+                 "progress bars' rates of DP-SGD and DP-FedAvg: they grow with the Poisson batch sizes, the "
+                 "sampling's secret randomness.")
     noise = sorted({c.get("noise") for c in cells if c.get("noise")})
     if "reproducible" in noise:
         lines.append("- The noise of this comparison was **reproducible** (seeded, `--reproducible-noise`): its "

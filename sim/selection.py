@@ -53,11 +53,37 @@ Decisions, stated before any result was seen:
 * **Randomness**: T, the candidate draws, the DP-SGD batches and noise and the score noise all come from
   the run's :class:`privacy.mechanisms.NoiseSource` (secure unless reproducible noise was asked for), each
   from its own named stream, opened only after the charge.
+
+**Nothing observable depends on T or on which candidates ran.** The theorem covers the best output only; a
+console, a file or a time that tells how many repetitions ran (or which candidates) publishes T:
+
+* the console shows one progress bar for the whole selection, with no count, no rate and no elapsed time;
+  inside the repetitions every other output (the candidates' own bars, warnings, log records, prints) is
+  dropped, since whether it appears depends on which candidates were drawn;
+* only the released candidate's record is written (its setting, model, noisy score); the realised T stays in
+  memory (:attr:`Selected.repetitions`, and only under reproducible noise, i.e. in a simulation);
+* **no times, rather than padding.** Padding the running time to a constant would need an upper bound on
+  the repetitions' running time, and T is unbounded (a truncated negative binomial or a Poisson): any pad
+  is exceeded with positive probability, and then the overrun tells that T was large; a pad long enough to
+  make that rare costs many times the expected work. So the run writes no time instead: the selection's
+  ledger record carries no time (``privacy.ledger.Ledger(timestamps=False)``), results.json no wall time,
+  and :func:`stamp_one_time` gives every file and folder of the run one and the same modification time
+  when the run ends, so no two times in the folder span the repetitions.
+
+What this does not hide: **the process's own duration.** Whoever watches the run (its start and end, the
+machine's logs, the file system's inode-change, birth and access times on the machine that ran it) can
+time it, and the duration grows with T. The operator therefore publishes the run folder's files and not
+when the run started or how long it took (no job-scheduler times, no console recording with timestamps).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -70,6 +96,8 @@ from privacy.guard import CoveredGuard
 from sim.errors import UserError
 
 SELECTIONS = ("public", "private")
+#: the one progress bar of a private selection: a description only (no count, rate or elapsed time)
+PROGRESS_LABEL = "private selection (how many candidates run is secret: no progress count)"
 PUBLIC_CANDIDATE = "the public model, unchanged"
 
 
@@ -83,14 +111,25 @@ class SelectionConfig:
     shape: float | None = 1.0          # truncated negative binomial η (1 = geometric); None = Poisson
 
     def validate(self) -> "SelectionConfig":
-        if not 0 < float(self.heldout_fraction) < 1:
-            raise UserError(f"private selection: heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
-        if not float(self.score_noise) > 0:
-            raise UserError(f"private selection: score_noise must be positive, got {self.score_noise}")
-        if self.mean is not None and not float(self.mean) >= 1:
-            raise UserError(f"private selection: the mean number of repetitions must be >= 1, got {self.mean}")
+        """Refuse a setting the mechanism cannot run, naming the command-line flag that sets it; called before
+        anything is built, trained or charged."""
+        if isinstance(self.heldout_fraction, bool) or not 0 < float(self.heldout_fraction) < 1:
+            raise UserError(f"--selection-heldout: expected a fraction strictly between 0 and 1, "
+                            f"got {self.heldout_fraction}")
+        if not (math.isfinite(float(self.score_noise)) and float(self.score_noise) > 0):
+            raise UserError(f"--selection-score-noise: expected a positive finite number, got {self.score_noise}")
         if self.shape is not None and not (math.isfinite(float(self.shape)) and float(self.shape) >= 0):
-            raise UserError(f"private selection: shape must be >= 0 or None (Poisson), got {self.shape}")
+            raise UserError(f"--selection-shape: expected a number >= 0 or 'poisson', got {self.shape}")
+        if self.mean is not None:
+            mean = float(self.mean)
+            if not (math.isfinite(mean) and mean >= 1):
+                raise UserError(f"--selection-mean: expected a finite number >= 1, got {self.mean}")
+            if self.shape is not None and mean <= 1:
+                # Papernot & Steinke's truncated negative binomial has mean > 1 for every γ in (0, 1): mean 1
+                # would be "T = 1 always", one run, which that distribution (and its privacy bound) cannot be
+                raise UserError(f"--selection-mean: a truncated negative binomial (--selection-shape {self.shape:g}) "
+                                f"needs a mean above 1, got {self.mean:g} (mean 1 is a single run; use "
+                                "--selection-shape poisson for mean 1)")
         return self
 
 
@@ -163,6 +202,40 @@ class Selected:
     result: Any
     model: Any
     info: dict = field(default_factory=dict)
+    #: the realised T, only under reproducible noise (a simulation); never written anywhere (module docstring)
+    repetitions: int | None = None
+
+
+def stamp_one_time(folder) -> float:
+    """Give every file and folder under ``folder`` (and ``folder`` itself) one modification and access time,
+    now, and return it: no two times in the folder then span the private selection's repetitions (module
+    docstring). Now, not an earlier instant: setting a time changes the inode-change time to now, so an
+    earlier stamp would leave the duration readable as the gap between the two."""
+    now = time.time()
+    for root, dirs, files in os.walk(folder):
+        for name in (*files, *dirs):
+            os.utime(os.path.join(root, name), (now, now), follow_symlinks=False)
+    os.utime(folder, (now, now))
+    return now
+
+
+@contextlib.contextmanager
+def _one_bar_and_silence(progress: bool):
+    """One progress bar for the whole selection (a description only), and every other console output of the
+    repetitions dropped: their bars, warnings, log records and prints depend on which candidates ran."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=PROGRESS_LABEL, bar_format="{desc}", disable=not progress, leave=False)
+    logging_was = logging.root.manager.disable
+    try:
+        with open(os.devnull, "w") as sink, warnings.catch_warnings(), \
+                contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            logging.disable(logging.CRITICAL)
+            yield
+    finally:
+        logging.disable(logging_was)
+        bar.close()
 
 
 def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, relation: str, n_heldout: int,
@@ -203,7 +276,7 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
 def run_private_selection(*, settings: Sequence[dict], train_images, train_labels, guard, owners: Sequence[str],
                           release_prefix: str, noise, epsilon: float, delta: float, relation: str, seed: int,
                           config: SelectionConfig, public_model, train_candidate, evaluate_per_case,
-                          steps_per_epoch) -> Selected:
+                          steps_per_epoch, progress: bool = False) -> Selected:
     """Private selection (module docstring). The torch-side work comes in as callbacks, so this stays testable:
 
     * ``public_model()`` → the public model (a fresh copy);
@@ -225,6 +298,8 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
         seed: positions of the held-out patients (a public, data-independent permutation).
         config: the selection's settings (:class:`SelectionConfig`).
         public_model / train_candidate / evaluate_per_case / steps_per_epoch: the callbacks above.
+        progress: show the selection's one progress bar (``train_candidate`` shows none of its own; whatever
+            the callbacks print during the repetitions is dropped: module docstring).
     """
     config = config.validate()
     n = len(train_images)
@@ -244,23 +319,25 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
     x_held, y_held = train_images[held_idx], train_labels[held_idx]
     candidates = [dict(s) for s in settings] + [PUBLIC_CANDIDATE]
     best = None   # (noisy score, candidate index, result, model)
-    for rep in range(repetitions):
-        covered.next_repetition()
-        index = min(int(streams.generator("candidate", rep).uniform((1,))[0] * len(candidates)), len(candidates) - 1)
-        if candidates[index] == PUBLIC_CANDIDATE:
-            result, model = None, public_model()
-        else:
-            result = train_candidate(candidates[index], index, rep, x_train, y_train, p["noise_multiplier"], covered,
-                                     streams.child(f"repetition-{rep}"))
-            model = result.model
-        score = noisy_mean_score(evaluate_per_case(model, x_held, y_held), config.score_noise,
-                                 streams.generator("score", rep))
-        if best is None or score > best[0]:
-            best = (score, index, result, model)
-        else:
-            del model, result
-    if best is None:   # Poisson T = 0: the mechanism released nothing; the public model is the fallback
-        best = (None, len(candidates) - 1, None, public_model())
+    with _one_bar_and_silence(progress):
+        for rep in range(repetitions):
+            covered.next_repetition()
+            index = min(int(streams.generator("candidate", rep).uniform((1,))[0] * len(candidates)),
+                        len(candidates) - 1)
+            if candidates[index] == PUBLIC_CANDIDATE:
+                result, model = None, public_model()
+            else:
+                result = train_candidate(candidates[index], index, rep, x_train, y_train, p["noise_multiplier"],
+                                         covered, streams.child(f"repetition-{rep}"))
+                model = result.model
+            score = noisy_mean_score(evaluate_per_case(model, x_held, y_held), config.score_noise,
+                                     streams.generator("score", rep))
+            if best is None or score > best[0]:
+                best = (score, index, result, model)
+            else:
+                del model, result
+        if best is None:   # Poisson T = 0: the mechanism released nothing; the public model is the fallback
+            best = (None, len(candidates) - 1, None, public_model())
     score, index, result, model = best
     spent = epsilon_spent([event], delta, accountant="rdp")[0]
     info = {
@@ -269,11 +346,10 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
         "candidates": [c if isinstance(c, str) else dict(c) for c in candidates],
         "chosen": index, "chosen_candidate": candidates[index] if isinstance(candidates[index], str) else "grid entry",
         "chosen_noisy_score": score,
+        # the realised T is not covered by the theorem (it would tell best-of-k for a known k): never written,
+        # not even under reproducible noise (the record's shape would then depend on T)
         "repetitions": {"distribution": "poisson" if config.shape is None else "truncated negative binomial",
-                        "mean": p["mean"], "shape": config.shape,
-                        # the realised T is not covered by the theorem (it would tell best-of-k for a known k):
-                        # written only when the noise is reproducible, i.e. the run is a simulation anyway
-                        "realised": repetitions if noise.is_reproducible else None},
+                        "mean": p["mean"], "shape": config.shape},
         "score": {"statistic": "mean Dice over held-out private patients (undefined -> 0), plus Gaussian noise",
                   "heldout_patients": int(len(held_idx)), "heldout_fraction": config.heldout_fraction,
                   "sensitivity": p["score_sensitivity"], "noise_std": config.score_noise},
@@ -284,4 +360,4 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
         "epsilon": spent, "delta": delta, "accountant": "rdp", "relation": relation,
     }
     return Selected(setting=None if isinstance(candidates[index], str) else candidates[index], result=result,
-                    model=model, info=info)
+                    model=model, info=info, repetitions=repetitions if noise.is_reproducible else None)

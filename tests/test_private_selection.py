@@ -217,7 +217,7 @@ def test_the_public_model_unchanged_can_win_and_only_one_event_is_recorded():
     assert picked.info["candidates"][picked.info["chosen"]] == "the public model, unchanged"
     assert len(ledger) == 1 and ledger.spent("h0", DELTA).epsilon <= 8.0
     assert picked.info["epsilon"] == pytest.approx(ledger.spent("h0", DELTA).epsilon)
-    assert picked.info["repetitions"]["realised"] == sum(1 for c in calls if c[0] == "score")
+    assert picked.repetitions == sum(1 for c in calls if c[0] == "score")
     # and a trained candidate wins when it scores better
     calls.clear()
     best = _selection(BudgetGuard(Ledger(None), 8.0, DELTA), NoiseSource.reproducible(3),
@@ -256,10 +256,10 @@ def test_reproducible_noise_repeats_secure_noise_does_not():
             for _ in range(2)]
     assert runs[0].info["chosen"] == runs[1].info["chosen"]
     assert runs[0].info["chosen_noisy_score"] == runs[1].info["chosen_noisy_score"]
-    assert runs[0].info["repetitions"]["realised"] == runs[1].info["repetitions"]["realised"] is not None
+    assert runs[0].repetitions == runs[1].repetitions is not None
     secure = [_selection(BudgetGuard(Ledger(None), 8.0, DELTA), NoiseSource(), scores=scores, calls=[])
               for _ in range(2)]
-    assert all(s.info["repetitions"]["realised"] is None for s in secure)   # T is never published
+    assert all(s.repetitions is None for s in secure)   # T is not even kept in memory
     assert secure[0].info["chosen_noisy_score"] != secure[1].info["chosen_noisy_score"]
     # the secure source hands out unseeded streams, whatever the run's seed
     from privacy.mechanisms import SecureNoiseGenerator
@@ -316,7 +316,7 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
     sel = written["selection"]
     assert sel["candidates"][-1] == "the public model, unchanged" and len(sel["candidates"]) == 3
     assert sel["epsilon"] == pytest.approx(written["epsilon"]) and sel["score"]["heldout_patients"] == 1
-    assert written["sigma"] == sel["dpsgd_noise_multiplier"] and sel["repetitions"]["realised"] is not None
+    assert written["sigma"] == sel["dpsgd_noise_multiplier"] and "realised" not in sel["repetitions"]
     assert written["train_cases"] == 6
     assert written["wall_seconds"] is None   # the run's duration would tell how many repetitions it made
     from sim.report import _setting_chosen   # the report names the candidate private selection released

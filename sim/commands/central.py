@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_compute_options, add_run_options, resolved_device
+import dataclasses
+
+from sim.commands.common import (add_compute_options, add_run_options, at_least_one, decay_fraction, open_fraction,
+                                 positive_integer, positive_number, resolved_device)
 from sim.methods import CENTRAL_METHODS
 
 
@@ -27,44 +30,60 @@ def register(subparsers) -> None:
                         help="neighbouring relation of the DP-SGD guarantee: replace-one (default; the only one "
                              "that holds when dataset sizes are published, and the one comparisons use), "
                              "add-remove (Poisson) or zero-out (shuffle) for standalone runs")
-    parser.add_argument("--noise-multiplier", type=float, default=None,
+    parser.add_argument("--noise-multiplier", type=positive_number, default=None,
                         help="sigma for fixed mode / sigma_0 for schedules (default: the preset's, sqrt 6)")
-    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip norm (default: preset's, 4)")
+    parser.add_argument("--max-grad-norm", type=positive_number, default=None, help="clip norm (default: preset's, 4)")
     parser.add_argument("--flat-clipping", action="store_true",
                         help="clip the whole per-sample gradient instead of each layer (paper: per layer)")
     parser.add_argument("--grad-sample-mode", default=None, choices=("hooks", "functorch"),
                         help="Opacus per-sample gradient engine (default: the benchmarked fastest)")
-    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: preset's central_epochs)")
+    parser.add_argument("--epochs", type=positive_integer, default=None, help="training epochs (default: preset's central_epochs)")
     parser.add_argument("--no-augment", action="store_true", help="train without augmentation")
     parser.add_argument("--init", default="public", choices=("public", "scratch"),
                         help="start from the public model (pre-trained on the public reference set, as PATE; "
                              "default) or from random weights")
-    parser.add_argument("--learning-rate", type=float, default=None,
+    parser.add_argument("--learning-rate", type=positive_number, default=None,
                         help="learning rate (default: the preset's; DP-SGD: the preset's grid, chosen on public "
                              "validation)")
-    parser.add_argument("--batch-size", type=int, default=None, help="(expected) batch size (default: preset's)")
+    parser.add_argument("--batch-size", type=positive_integer, default=None, help="(expected) batch size (default: preset's)")
     parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias", "voxel-head"),
                         help="which parameters fine-tuning trains: all (default), decoder (the up-sampling path), "
                              "head (the two stages nearest the output), bias (biases and PReLU slopes), voxel-head "
                              "(a small new per-voxel head on the frozen public model)")
-    parser.add_argument("--augmentation-multiplicity", type=int, default=None, metavar="K",
+    parser.add_argument("--augmentation-multiplicity", type=positive_integer, default=None, metavar="K",
                         help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")
-    parser.add_argument("--ema-decay", type=float, default=None,
+    parser.add_argument("--ema-decay", type=decay_fraction, default=None,
                         help="return the exponential moving average of the weights (post-processing, free)")
     parser.add_argument("--selection", default="public", choices=("public", "private"),
                         help="DP-SGD setting selection: best of the grid on the public validation set (default), "
                              "or private selection (Papernot & Steinke) on held-out private patients among the "
                              "grid and the public model unchanged, charged as one event")
-    parser.add_argument("--selection-heldout", type=float, default=0.2, metavar="F",
+    parser.add_argument("--selection-heldout", type=open_fraction, default=0.2, metavar="F",
                         help="private selection: fraction of the pooled private patients held out for scoring")
-    parser.add_argument("--selection-score-noise", type=float, default=0.05, metavar="S",
+    parser.add_argument("--selection-score-noise", type=positive_number, default=0.05, metavar="S",
                         help="private selection: std of the Gaussian noise on the mean held-out Dice")
-    parser.add_argument("--selection-mean", type=float, default=None, metavar="M",
+    parser.add_argument("--selection-mean", type=at_least_one, default=None, metavar="M",
                         help="private selection: mean number of repetitions (default: number of candidates)")
-    parser.add_argument("--selection-shape", default="1", metavar="ETA",
+    parser.add_argument("--selection-shape", default=1.0, type=_selection_shape, metavar="ETA",
                         help="private selection: truncated negative binomial shape (1 geometric, 0 logarithmic) "
                              "or 'poisson'")
     parser.set_defaults(func=run)
+
+
+def _selection_shape(text: str) -> float | None:
+    """``--selection-shape``: 'poisson' (None) or a truncated negative binomial's shape >= 0."""
+    import argparse
+    import math
+
+    if str(text).strip().lower() == "poisson":
+        return None
+    try:
+        shape = float(text)
+    except ValueError:
+        shape = math.nan
+    if not (math.isfinite(shape) and shape >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'poisson', got {text!r}")
+    return shape
 
 
 def run(args) -> int:
@@ -74,13 +93,12 @@ def run(args) -> int:
     from sim.selection import SelectionConfig
 
     where = data_options(args)
-    device = resolved_device(args)
-    ensure_folder(args.out)
-    results = run_central(CentralConfig(
+    # the config checks every option (naming its flag) when it is made: before the device, the data or the ledger
+    config = CentralConfig(
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
         seed=args.seed, data=args.data, progress=not args.no_progress, init=args.init,
         hospitals=resolve_hospitals(None, where["partition_file"]), **where,
-        device=str(device), precision=args.precision,
+        device=args.device, precision=args.precision,
         training=TrainingOptions(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                                  max_grad_norm=args.max_grad_norm, augment=not args.no_augment,
                                  levers={"trainable": args.trainable,
@@ -93,7 +111,10 @@ def run(args) -> int:
         selection=args.selection,
         selection_config=SelectionConfig(
             heldout_fraction=args.selection_heldout, score_noise=args.selection_score_noise, mean=args.selection_mean,
-            shape=None if str(args.selection_shape).lower() == "poisson" else float(args.selection_shape))))
+            shape=args.selection_shape))
+    device = resolved_device(args)
+    ensure_folder(args.out)
+    results = run_central(dataclasses.replace(config, device=str(device)))
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

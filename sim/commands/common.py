@@ -3,8 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from sim.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
+
+
+def _argument_type(kind, accepts, expected: str):
+    """An argparse ``type``: the value converted by ``kind`` and checked by ``accepts``, or argparse's one-line
+    error naming the flag (``argument --epsilon: expected ..., got '0'``) before any work starts."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    parse.__name__ = expected
+    return parse
+
+
+positive_number = _argument_type(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+open_fraction = _argument_type(float, lambda v: 0 < v < 1, "a number strictly between 0 and 1")
+decay_fraction = _argument_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+positive_integer = _argument_type(int, lambda v: v >= 1, "a positive integer")
+non_negative_integer = _argument_type(int, lambda v: v >= 0, "a non-negative integer")
+at_least_one = _argument_type(float, lambda v: math.isfinite(v) and v >= 1, "a finite number >= 1")
 
 
 #: what each preset is for (``--preset``'s help everywhere)
@@ -26,10 +50,11 @@ def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quic
     parser.add_argument("--out", required=True, help="output folder (results.json, ledger.jsonl, model/, ...)")
     parser.add_argument("--preset", default=default_preset, choices=tuple(PRESET_SIZES),
                         help=preset_help(default_preset))
-    parser.add_argument("--epsilon", type=float, default=None,
+    parser.add_argument("--epsilon", type=positive_number, default=None,
                         help="privacy budget epsilon (default: preset's, 8)" if one_epsilon else argparse.SUPPRESS)
-    parser.add_argument("--delta", type=float, default=None, help="privacy parameter delta (default: preset's, 1e-3)")
-    parser.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    parser.add_argument("--delta", type=open_fraction, default=None,
+                        help="privacy parameter delta, in (0, 1) (default: preset's, 1e-3)")
+    parser.add_argument("--seed", type=non_negative_integer, default=0, help=SEED_HELP)
     parser.add_argument("--data", default=None,
                         help="MSD Task01 folder or a folder of BraTS case folders (2021/FeTS 2022 or 2023+ naming, "
                              "detected); when omitted, the preset's phantoms are generated once and cached")

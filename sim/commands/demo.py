@@ -20,7 +20,7 @@ DEMO_EPSILONS = "1,8"
 
 
 def register(subparsers) -> None:
-    from sim.commands.common import SEED_HELP, add_compute_options, preset_help
+    from sim.commands.common import SEED_HELP, add_compute_options, non_negative_integer, preset_help
 
     parser = subparsers.add_parser(
         "demo", help="the end-to-end demo (compare on fresh phantoms, then predict a new scan)",
@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument("--preset", default="quick", choices=("tiny", "quick"),
                         help=preset_help("quick", ("tiny", "quick")))
-    parser.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    parser.add_argument("--seed", type=non_negative_integer, default=0, help=SEED_HELP)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--workers", default="auto",
                         help="how many cells run at once, each group in its own process with its share of the cores "

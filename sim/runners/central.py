@@ -21,6 +21,7 @@ Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import shutil
 import time
@@ -44,7 +45,7 @@ from sim.networks import build_unet, network_config, network_config_of
 from sim.presets import get_preset
 from sim.runners.resume import refuse_other_settings
 from sim.results import ModelRelease, RunResults, write_run
-from sim.selection import SELECTIONS, SelectionConfig, run_private_selection
+from sim.selection import SELECTIONS, SelectionConfig, run_private_selection, stamp_one_time
 from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation, trainable_of)
 from sim.world import build_world, load_world, pooled_private_data
@@ -191,6 +192,40 @@ class CentralConfig:
             raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
         if self.init not in INITS:
             raise UserError(f"--init: expected one of {', '.join(INITS)}, got {self.init!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse every setting the run could only refuse later -- after building the world, training the public
+        model, or charging the ledger -- naming the command-line flag that sets it. Runs when the config is made,
+        so nothing is computed, written or charged for a run that cannot happen."""
+        _check_number("--epsilon", self.epsilon, positive=True)
+        _check_number("--delta", self.delta, low=0.0, high=1.0, closed_low=False, closed_high=False)
+        _check_integer("--seed", self.seed, low=0)
+        if self.data is not None and not Path(self.data).exists():
+            raise UserError(f"--data: {self.data} does not exist (expected an MSD Task01 or BraTS folder)")
+        if self.lifetime_epsilon is not None:
+            _check_number("--lifetime-epsilon", self.lifetime_epsilon, positive=True)
+        training = self.training
+        _check_integer("--epochs", training.epochs, low=1)
+        _check_integer("--batch-size", training.batch_size, low=1)
+        _check_number("--learning-rate", training.learning_rate, positive=True)
+        _check_number("--max-grad-norm", training.max_grad_norm, positive=True)
+        levers = dict(training.levers or {})
+        _check_integer("--augmentation-multiplicity", levers.get("augmentation_multiplicity"), low=1)
+        _check_number("--ema-decay", levers.get("ema_decay"), low=0.0, high=1.0, closed_high=False)
+        _check_number("--noise-multiplier", self.dpsgd.noise_multiplier, positive=True)
+        if self.selection == "private":
+            (self.selection_config or SelectionConfig()).validate()
+        try:
+            preset = get_preset(self.preset)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if self.private:   # the DP-SGD configuration each grid entry will run, checked as it will be built
+            epsilon = float(self.epsilon if self.epsilon is not None else preset.epsilon)
+            delta = float(self.delta if self.delta is not None else preset.delta)
+            grid = self.dpsgd.noise_mode == "target" and self.dpsgd.sampling == "poisson"
+            for setting in settings_grid(preset, True, self.training.explicit(), grid=grid):
+                _dp_config(preset, self.dpsgd, epsilon, delta, setting, None)
 
     @classmethod
     def of(cls, **options) -> "CentralConfig":
@@ -254,7 +289,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     settings = settings_grid(p, private, config.training.explicit(),
                              grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
     select_privately = private and config.selection == "private"
-    ledger = Ledger(ledger_path)
+    # private selection: its one record carries no time (it would date the start of the secret repetitions)
+    ledger = Ledger(ledger_path, timestamps=not select_privately)
     guard = sigma = None
     if private:
         guard = _pooled_guard(ledger, epsilon, delta, world["hospital_ids"], config)
@@ -347,6 +383,9 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
             "adaptive": result.adaptive,
         },
         "data_source": world["source"],
+        # DP-SGD's wall time grows with its Poisson batch sizes, the sampling's secret randomness: a simulation
+        # diagnostic the guarantee does not cover (private selection writes no wall time at all)
+        **({"not_private_diagnostics": ["wall_seconds"]} if private and selected is None else {}),
         # public validation Dice: what model selection may look at (never the test set)
         "validation_dice_mean": validation_dice,
     }
@@ -359,6 +398,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
     # (and the ledger without a checkpoint marks the folder as finished: see the check above)
     shutil.rmtree(checkpoints, ignore_errors=True)
+    if selected is not None:   # and no file time either: the ledger's and the public model's would date the start
+        stamp_one_time(out)
     return written
 
 
@@ -403,8 +444,11 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
 
     def train_candidate(setting, index, rep, images, labels, z, covered, stream):
         used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
-        train_config = _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
-                                         description=f"private selection: repetition {rep + 1}, setting {index + 1}")
+        # no bar of its own: sim.selection shows one bar for the whole selection (a bar per candidate would
+        # count the repetitions and name the candidates drawn)
+        train_config = dataclasses.replace(
+            _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
+                              description="private selection"), progress=False)
         torch.manual_seed(seed)
         return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config, dp=used["dp"], guard=covered,
                                   owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
@@ -417,10 +461,12 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
         owners=tuple(world["hospital_ids"]), release_prefix=prefix, noise=noise, epsilon=epsilon, delta=delta,
         relation=config.dpsgd.relation, seed=seed, config=config.selection_config or SelectionConfig(),
         public_model=public_model, train_candidate=train_candidate, evaluate_per_case=per_case,
-        steps_per_epoch=steps_per_epoch)
-    if selected.setting is not None:   # the released model's own DP-SGD configuration
-        used["dp"] = dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
-    return selected, used.get("dp")
+        steps_per_epoch=steps_per_epoch, progress=config.progress)
+    # the released model's own DP-SGD configuration, and none when the public model was released: whether some
+    # other candidate was trained on the way is not part of the release
+    if selected.setting is None:
+        return selected, None
+    return selected, dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
 
 
 def _setting_training(config: CentralConfig, setting: dict, start_weights, device, precision, **run) -> TrainConfig:
@@ -458,6 +504,35 @@ def _dp_config(preset, dpsgd: DPSGDOptions, epsilon: float, delta: float, settin
                     schedule=dpsgd.schedule, schedule_options=dict(dpsgd.schedule_options or {}),
                     grad_sample_mode=dpsgd.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
                     relation=dpsgd.relation, **ids).validate()
+
+
+def _check_number(flag: str, value, *, positive: bool = False, low: float | None = None, high: float | None = None,
+                  closed_low: bool = True, closed_high: bool = True) -> None:
+    """UserError naming ``flag`` unless ``value`` is None (not given) or a finite number in the range."""
+    if value is None:
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = not isinstance(value, bool) and math.isfinite(number)
+    if positive:
+        ok, expected = ok and number > 0, "a positive finite number"
+    else:
+        ok = ok and (low is None or (number >= low if closed_low else number > low))
+        ok = ok and (high is None or (number <= high if closed_high else number < high))
+        expected = f"a number in {'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+    if not ok:
+        raise UserError(f"{flag}: expected {expected}, got {value!r}")
+
+
+def _check_integer(flag: str, value, *, low: int) -> None:
+    """UserError naming ``flag`` unless ``value`` is None (not given) or an integer >= ``low``."""
+    if value is None:
+        return
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or int(value) < low:
+        raise UserError(f"{flag}: expected an integer >= {low}, got {value!r}")
 
 
 INITS = ("public", "scratch")
