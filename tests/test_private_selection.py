@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -333,3 +334,103 @@ def test_private_selection_is_refused_inside_a_comparisons_hospital_ledgers(tmp_
     with pytest.raises(UserError, match="not inside a comparison"):
         central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path, selection="private",
                                  hospital_ledger_dir=tmp_path / "ledgers")
+
+
+# ------------------------------------------------------------ nothing observable depends on T (the secret)
+def _tiny_selection_world(monkeypatch):
+    """run_central on a fixed synthetic world (whatever the seed) and a fixed public model: two runs at different
+    seeds then differ only in the selection's own randomness (T, the candidates drawn, their noise)."""
+    import torch
+
+    import sim.runners.central as central
+    from sim.networks import build_unet
+    from synthetic_worlds import pooled_world
+
+    def fixed_public_start(preset, **kwargs):
+        torch.manual_seed(1234)
+        return build_unet(preset.unet).state_dict()
+
+    monkeypatch.setattr(central, "public_start", fixed_public_start)
+    monkeypatch.setattr(central, "load_central_data",
+                        lambda preset, seed=0, data=None, progress=True, **kw: pooled_world(preset, 0, n_train=6,
+                                                                                          n_test=2))
+    return central
+
+
+def _folder_view(folder, prefix):
+    """Every file of a run folder as comparable text/bytes: the run's release-id nonce (random per run, the
+    same for every T) and the ledger digest that covers it replaced, the released noisy score set aside, and the model card's creation stamps (written
+    as the run ends) replaced and returned."""
+    import re
+
+    view, stamps = {}, set()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.suffix in (".json", ".jsonl", ".md"):
+            data = data.replace(prefix.encode(), b"<release>")
+            data = data.replace(Ledger.load(folder / "ledger.jsonl").digest().encode(), b"<ledger digest>")
+            stamps |= set(re.findall(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", data))
+            data = re.sub(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", b"<created>", data)
+        if path.name == "results.json":
+            record = json.loads(data)
+            record["selection"].pop("chosen_noisy_score")
+            data = json.dumps(record, sort_keys=True).encode()
+        view[str(path.relative_to(folder))] = data
+    return view, stamps
+
+
+@pytest.mark.slow   # two runs, one of them trains a candidate: ~30 s on 2 shared cores
+def test_two_selections_with_different_repetitions_cannot_be_told_apart(tmp_path, monkeypatch, capfd):
+    """Papernot & Steinke's guarantee needs T secret. Two runs through the command line, with reproducible noise
+    chosen so that one makes one repetition (the public model, nothing trained) and the other two (a grid entry
+    trained, then the public model released, by a score-noise margin far above any Dice difference): their
+    console output, warnings, file set, file contents (but the released noisy score and the run's random
+    release id) and file times are the same; the ledger record carries no time, results.json no wall time, and
+    every file and folder of a run has one modification time."""
+    import warnings
+
+    import sim.selection as selection
+    from sim.cli import main
+
+    central = _tiny_selection_world(monkeypatch)
+    monkeypatch.setenv("FEDPATE_PHANTOM_WORKERS", "1")
+    realised, trained = [], []
+    real_sample, real_train = selection.sample_repetitions, central.train_segmentation
+    monkeypatch.setattr(selection, "sample_repetitions", lambda *a, **k: realised.append(real_sample(*a, **k))
+                        or realised[-1])
+    monkeypatch.setattr(central, "train_segmentation", lambda *a, **k: trained.append(1) or real_train(*a, **k))
+    runs = []
+    for seed in (0, 12):   # found by drawing T, the candidates and the score noise of each seed's streams
+        folder = tmp_path / f"seed-{seed}"
+        realised.clear(), trained.clear(), capfd.readouterr()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            status = main(["central", "--method", "dp-sgd", "--preset", "tiny", "--out", str(folder), "--epsilon",
+                           "8", "--epochs", "1", "--no-augment", "--device", "cpu", "--seed", str(seed),
+                           "--reproducible-noise", "--selection", "private", "--selection-mean", "3",
+                           "--selection-score-noise", "100"])
+        stdout, stderr = capfd.readouterr()
+        assert status == 0, stderr
+        record = Ledger.load(folder / "ledger.jsonl").records()[0]
+        prefix = record["release_id"].rsplit(":", 1)[0]
+        view, stamps = _folder_view(folder, prefix)
+        runs.append({"T": realised[0], "trained": len(trained), "stdout": stdout.replace(str(folder), "<out>"),
+                     "stderr": stderr, "warnings": [str(w.message) for w in seen], "record": record,
+                     "results": json.loads((folder / "results.json").read_text()),
+                     "view": view, "stamps": stamps,
+                     "times": {p.stat().st_mtime for p in (folder, *folder.rglob("*"))}})
+    one, two = runs
+    assert (one["T"], one["trained"]) == (1, 0) and (two["T"], two["trained"]) == (2, 1)   # the premise
+    assert one["results"]["selection"]["chosen_candidate"] == two["results"]["selection"]["chosen_candidate"] \
+        == "the public model, unchanged"
+    assert one["stderr"] == two["stderr"] and "private selection" in one["stderr"]
+    assert "repetition" not in one["stderr"] + two["stderr"] and "setting" not in one["stderr"] + two["stderr"]
+    assert one["stdout"] == two["stdout"] and one["warnings"] == two["warnings"]
+    assert one["view"].keys() == two["view"].keys() and one["view"] == two["view"]
+    for run in runs:
+        assert run["record"]["time"] is None and run["results"]["wall_seconds"] is None
+        assert len(run["times"]) == 1   # the ledger (written before the repetitions) no earlier than the model
+        # the model card's creation stamp (the only time written in a file) is that same end of the run
+        (mtime,) = run["times"]
+        assert {time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)).encode() for t in (mtime, mtime - 1)} \
+            >= run["stamps"] and len(run["stamps"]) == 1
