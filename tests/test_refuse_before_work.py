@@ -1,0 +1,129 @@
+"""Every option a run cannot honour is refused before any work: before the device, the data, the public model
+or the ledger is touched, in one line that names the flag, and with no file left behind (a ledger left by a
+run that then failed would make its folder refuse the rerun)."""
+
+from __future__ import annotations
+
+import pytest
+
+from privacy.errors import PrivacyError
+from privacy.guard import BudgetGuard
+from privacy.ledger import Ledger
+from privacy.mechanisms import NoiseSource
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test as soon as a command starts work: every command resolves its device first."""
+    import sim.device
+    import sim.runners.central as central
+
+    def started(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(sim.device, "resolve_device", started)
+    monkeypatch.setattr(central, "load_central_data", started)
+    monkeypatch.setattr(central, "public_start", started)
+
+
+# refused by the parser: one flag, one value
+PARSER_REFUSALS = [
+    ("central", ["--method", "dp-sgd", "--epsilon", "0"], "--epsilon"),
+    ("central", ["--method", "dp-sgd", "--epsilon", "nan"], "--epsilon"),
+    ("central", ["--method", "dp-sgd", "--epsilon", "inf"], "--epsilon"),
+    ("central", ["--method", "nonprivate", "--epsilon", "-1"], "--epsilon"),
+    ("central", ["--method", "dp-sgd", "--delta", "2"], "--delta"),
+    ("central", ["--method", "dp-sgd", "--delta", "0"], "--delta"),
+    ("central", ["--method", "dp-sgd", "--seed", "-1"], "--seed"),
+    ("central", ["--method", "dp-sgd", "--epochs", "0"], "--epochs"),
+    ("central", ["--method", "dp-sgd", "--batch-size", "0"], "--batch-size"),
+    ("central", ["--method", "dp-sgd", "--learning-rate", "-1"], "--learning-rate"),
+    ("central", ["--method", "dp-sgd", "--max-grad-norm", "0"], "--max-grad-norm"),
+    ("central", ["--method", "dp-sgd", "--noise-mode", "fixed", "--noise-multiplier", "0"], "--noise-multiplier"),
+    ("central", ["--method", "dp-sgd", "--augmentation-multiplicity", "0"], "--augmentation-multiplicity"),
+    ("central", ["--method", "dp-sgd", "--ema-decay", "2"], "--ema-decay"),
+    ("central", ["--method", "dp-sgd", "--selection", "private", "--selection-heldout", "1.5"], "--selection-heldout"),
+    ("central", ["--method", "dp-sgd", "--selection", "private", "--selection-score-noise", "0"],
+     "--selection-score-noise"),
+    ("central", ["--method", "dp-sgd", "--selection", "private", "--selection-mean", "0.5"], "--selection-mean"),
+    ("central", ["--method", "dp-sgd", "--selection", "private", "--selection-shape", "abc"], "--selection-shape"),
+    ("central", ["--method", "dp-sgd", "--selection", "private", "--selection-shape", "-1"], "--selection-shape"),
+    ("simulate", ["--method", "dp-fedavg", "--epsilon", "0"], "--epsilon"),
+    ("simulate", ["--method", "pate-pca", "--delta", "2"], "--delta"),
+    ("simulate", ["--method", "pate-pca", "--seed", "-1"], "--seed"),
+    ("compare", ["--delta", "2"], "--delta"),
+    ("compare", ["--seed", "-1"], "--seed"),
+    ("demo", ["--seed", "-1"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("command,argv,flag", PARSER_REFUSALS, ids=[" ".join([c, *a]) for c, a, _ in PARSER_REFUSALS])
+def test_a_bad_value_is_refused_by_the_parser_naming_its_flag(tmp_path, capsys, no_work, command, argv, flag):
+    from sim.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--preset", "tiny", "--out", str(out), *argv])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"fedpate {command}: error: argument {flag}") and "expected" in error
+    assert not out.exists()
+
+
+# refused when the run's settings are put together: values that are wrong only in combination
+CONFIG_REFUSALS = [
+    (["--selection", "private", "--selection-mean", "1"], "--selection-mean"),                      # geometric
+    (["--selection", "private", "--selection-mean", "1", "--selection-shape", "0"], "--selection-mean"),   # log.
+    (["--noise-mode", "schedule"], "--schedule"),
+    (["--sampling", "shuffle", "--relation", "add-remove"], "--relation"),
+    (["--selection", "private", "--noise-mode", "fixed"], "--selection private"),
+    (["--data", "/no/such/folder"], "--data"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", CONFIG_REFUSALS, ids=[" ".join(a) for a, _ in CONFIG_REFUSALS])
+def test_a_bad_combination_is_refused_before_any_work_naming_its_flag(tmp_path, capsys, no_work, argv, flag):
+    from sim.cli import main
+
+    out = tmp_path / "run"
+    status = main(["central", "--method", "dp-sgd", "--preset", "tiny", "--out", str(out), *argv])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(error) == 1 and error[0].startswith(f"fedpate central: error: {flag}")
+    assert not out.exists()
+
+
+def test_the_config_refuses_what_the_command_line_would(tmp_path):
+    """Scripts and the comparison runner build CentralConfig directly: the same checks, the same flag names."""
+    from sim.errors import UserError
+    from sim.runners.central import CentralConfig
+    from sim.selection import SelectionConfig
+
+    for options, flag in (({"epsilon": 0.0}, "--epsilon"), ({"delta": 2.0}, "--delta"), ({"seed": -1}, "--seed"),
+                          ({"epochs": 0}, "--epochs"), ({"max_grad_norm": 0.0}, "--max-grad-norm"),
+                          ({"levers": {"ema_decay": 1.0}}, "--ema-decay"),
+                          ({"selection": "private", "selection_config": SelectionConfig(mean=1.0, shape=0.0)},
+                           "--selection-mean")):
+        with pytest.raises(UserError, match=f"^{flag}"):
+            CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", **options)
+    assert not (tmp_path / "run").exists()
+
+
+def test_selection_mean_one_is_refused_before_the_charge():
+    """A truncated negative binomial of mean 1 does not exist (γ < 1 gives mean > 1): refused before the
+    ledger is charged, by the selection and by the event itself."""
+    from test_private_selection import _inner, _selection
+
+    from privacy.events import RepeatAndSelectEvent
+    from sim.errors import UserError
+    from sim.selection import SelectionConfig
+
+    for shape in (1.0, 0.0, 0.5):
+        ledger = Ledger(None)
+        calls = []
+        with pytest.raises(UserError, match="--selection-mean"):
+            _selection(BudgetGuard(ledger, 8.0, 1e-3), NoiseSource.reproducible(0), scores={}, calls=calls,
+                       config=SelectionConfig(mean=1.0, shape=shape))
+        assert len(ledger) == 0 and calls == []
+        with pytest.raises(PrivacyError, match="mean > 1"):
+            RepeatAndSelectEvent(_inner(), 1.0, shape)
+    RepeatAndSelectEvent(_inner(), 1.0, None)   # a Poisson of mean 1 is a distribution: still accepted
