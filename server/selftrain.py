@@ -26,7 +26,9 @@ The round kept is the one with the best Dice on the *public validation* set (ano
 maps: public data, the only set any choice may look at); the test set is scored once, for that model.
 
 Privacy: reads the public query scans (images only), the public reference images and maps and the public
-validation set; no hospital array, no query label, no release to charge. Its ledger is empty.
+validation set; no hospital array, no release to charge. Its ledger is empty. No query label is read unless the
+reference set is the query set (the ``paper`` preset, Fay et al.): the reference maps are then the query scans'
+labels, and the cell's results say so (``sim.runners.selftrain.labels_used``).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
 
     Args:
         world: a :class:`sim.world.PublicWorld`; only its public arrays are read (query scans, reference
-            data, validation set -- never ``query_labels``).
+            data, validation set -- never ``query_labels``, though the reference maps are the query labels where
+            the reference set is the query set).
         preset: the preset (network, batch size, learning rate; ``student_epochs`` when ``epochs`` is None).
         public_model: round 1's labeller and starting point.
         seed: training seed of round 1; round r trains with ``seed + r - 1``.

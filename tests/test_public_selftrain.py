@@ -80,3 +80,26 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
 
     assert "no privacy cost" in (out / "model" / "MODEL_CARD.md").read_text()
     load_bundle(out)   # a verifiable bundle (its card agrees with its empty ledger)
+
+
+def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_is_the_query_set(
+        tmp_path, monkeypatch, tiny_prepared, tiny_split):
+    """Under a preset without a separate public reference set (``paper``, Fay et al.) the reference maps are the
+    query scans' labels: ``labels_used`` must say so, not that the query labels are never read."""
+    import dataclasses
+
+    import sim.runners.selftrain as selftrain
+    from sim.presets import get_preset
+
+    reference_is_query = dataclasses.replace(tiny_split, public_reference=[], reference_is_query=True)
+    monkeypatch.setattr(selftrain, "build_world",
+                        lambda preset, data, seed, progress, **where: (tiny_prepared, reference_is_query))
+    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 1})
+    record = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "cell", tmp_path / "_shared", progress=False)
+    said = record["selftrain"]["labels_used"]
+    assert "query scans' labels" in said and "never read" not in said
+    assert "query scans' labels" in (tmp_path / "cell" / "model" / "MODEL_CARD.md").read_text()
+    # with a separate reference set (the tiny preset's own split) it says the query labels were not read
+    from sim.world import load_world
+
+    assert "never read" in selftrain.labels_used(load_world(tiny_prepared, tiny_split, with_query_labels=False))

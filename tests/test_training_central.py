@@ -153,6 +153,12 @@ def test_run_central_poisson_states_both_relations(tmp_path, monkeypatch):
     add_remove = epsilon_under(ledger.events("h0"), 1e-3, "add-remove")[0]
     assert written["epsilon_add_remove"] == pytest.approx(add_remove) and add_remove < written["epsilon"]
     assert written["dpsgd"]["adaptive"] is False
+    # its wall time grows with the secret Poisson batch sizes: listed as a diagnostic no guarantee covers
+    assert written["not_private_diagnostics"] == ["wall_seconds"] and written["wall_seconds"] is not None
+    from sim.report import privacy_statement
+
+    statement = " ".join(privacy_statement([written], None))
+    assert "wall times" in statement and "Poisson batch sizes" in statement
 
 
 def test_a_finished_dpsgd_run_holds_and_prints_no_training_loss_or_sample_count(tmp_path, monkeypatch, capfd):

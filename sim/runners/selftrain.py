@@ -6,6 +6,12 @@ population's: a simulation diagnostic elsewhere, never a training input here), s
 server holds in a deployment: the query scans, the public reference and validation sets and the test set
 that scores every method. No hospital is asked anything and nothing is charged: ``epsilon`` is null and
 the ledger is empty, as for ``public-only``.
+
+One exception, stated in its results (``labels_used``, :func:`labels_used`): where a preset has no separate
+public reference set (``paper``: Fay et al. pre-train on the labels of the student's partition), the
+reference set *is* the query set, so the reference maps it trains on are the query scans' labels. Those are
+still public data (no hospital, no privacy cost), but the cell then is not "the query scans without their
+labels".
 """
 
 from __future__ import annotations
@@ -23,6 +29,15 @@ from sim.training import evaluate_segmentation_per_case, per_class_of
 from sim.world import build_world, load_world
 
 METHOD = "public-selftrain"
+
+
+def labels_used(world) -> str:
+    """Which labels the self-training read: the public reference maps, which are the query scans' own labels
+    when the reference set is the query set (module docstring)."""
+    if list(world.reference_ids) == list(world.query_ids):
+        return ("the query scans' labels: this preset has no separate public reference set, so the reference maps "
+                "trained on beside the pseudo-labels are the query set's own labels (Fay et al.'s choice)")
+    return "public reference maps only; the query scans' labels are never read"
 
 
 def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
@@ -71,11 +86,11 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
                       "epochs_per_round": outcome.epochs_per_round,
                       "validation_dice_per_round": outcome.validation_dice, "round_chosen": outcome.chosen_round,
                       "selection": "best mean Dice on the public validation set",
-                      "labels_used": "public reference maps only; the query scans' labels are never read"},
+                      "labels_used": labels_used(world)},
         "role": "floor: public data only, no hospital involved",
     }
     release = ModelRelease(outcome.model, network_config(preset.unet), preprocessing_of(world), world.source,
-                           card_extra={"note": "the public model self-trained on the public unlabelled query scans "
-                                               "(pseudo-labels) with the public reference data: no private data, "
-                                               "no privacy cost"})
+                           card_extra={"note": "the public model self-trained on the public query scans "
+                                               "(pseudo-labels) with the public reference data (labels read: "
+                                               f"{labels_used(world)}): no private data, no privacy cost"})
     return write_run(out, results, release, started=started)
