@@ -273,6 +273,17 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
             "score_sensitivity": sensitivity, "mean": mean, "event": event}
 
 
+def split_and_plan(settings: Sequence[dict], n: int, epsilon: float, delta: float, relation: str, seed: int,
+                   config: SelectionConfig, steps_per_epoch) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(training positions, held-out positions, :func:`plan`) for ``n`` pooled patients. Reads only public
+    sizes and settings, so a caller runs it before any work to refuse a selection that cannot be planned
+    (e.g. a score noise too small for the budget) before anything is trained or charged."""
+    config = config.validate()
+    train_idx, held_idx = heldout_split(n, config.heldout_fraction, seed)
+    return train_idx, held_idx, plan(settings, len(train_idx), epsilon, delta, relation, len(held_idx), config,
+                                     steps_per_epoch)
+
+
 def run_private_selection(*, settings: Sequence[dict], train_images, train_labels, guard, owners: Sequence[str],
                           release_prefix: str, noise, epsilon: float, delta: float, relation: str, seed: int,
                           config: SelectionConfig, public_model, train_candidate, evaluate_per_case,
@@ -302,9 +313,8 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
             the callbacks print during the repetitions is dropped: module docstring).
     """
     config = config.validate()
-    n = len(train_images)
-    train_idx, held_idx = heldout_split(n, config.heldout_fraction, seed)
-    p = plan(settings, len(train_idx), epsilon, delta, relation, len(held_idx), config, steps_per_epoch)
+    train_idx, held_idx, p = split_and_plan(settings, len(train_images), epsilon, delta, relation, seed, config,
+                                            steps_per_epoch)
     event = p["event"]
     release_id = f"{release_prefix}:private-selection"
     # charged before any data is touched: T, candidates, training and score noise all come after

@@ -127,3 +127,24 @@ def test_selection_mean_one_is_refused_before_the_charge():
         with pytest.raises(PrivacyError, match="mean > 1"):
             RepeatAndSelectEvent(_inner(), 1.0, shape)
     RepeatAndSelectEvent(_inner(), 1.0, None)   # a Poisson of mean 1 is a distribution: still accepted
+
+
+def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_model(tmp_path, monkeypatch):
+    """The selection's plan needs only the pooled patients' count: a score noise too small for the budget (the
+    default 0.05 with one held-out patient) is refused before the public model is trained or --out is made."""
+    import sim.runners.central as central
+    from sim.errors import UserError
+    from synthetic_worlds import pooled_world
+
+    def started(*args, **kwargs):
+        raise AssertionError("the public model was trained for a run that cannot happen")
+
+    monkeypatch.setattr(central, "public_start", started)
+    monkeypatch.setattr(central, "load_central_data",
+                        lambda preset, seed=0, data=None, progress=True, **kw: pooled_world(preset, seed, n_train=6,
+                                                                                          n_test=2))
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="--selection private: .*score noise"):
+        central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=out, epsilon=8.0,
+                                                     progress=False, selection="private"))
+    assert not out.exists()

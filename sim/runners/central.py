@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import secrets
 import shutil
 import time
@@ -45,7 +46,7 @@ from sim.networks import build_unet, network_config, network_config_of
 from sim.presets import get_preset
 from sim.runners.resume import refuse_other_settings
 from sim.results import ModelRelease, RunResults, write_run
-from sim.selection import SELECTIONS, SelectionConfig, run_private_selection, stamp_one_time
+from sim.selection import SELECTIONS, SelectionConfig, run_private_selection, split_and_plan, stamp_one_time
 from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation, trainable_of)
 from sim.world import build_world, load_world, pooled_private_data
@@ -265,7 +266,6 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     private, method, seed, dpsgd = config.private, config.method, config.seed, config.dpsgd
     epsilon = float(config.epsilon if config.epsilon is not None else p.epsilon)
     delta = float(config.delta if config.delta is not None else p.delta)
@@ -280,26 +280,33 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
 
     torch.manual_seed(seed)
     world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
+    # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
+    settings = settings_grid(p, private, config.training.explicit(),
+                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
+    select_privately = private and config.selection == "private"
+    sigma = None
+    # what needs only the data's sizes is planned now: a budget that cannot be met is refused before the public
+    # model is trained or anything is written to --out
+    if private and len(settings) > 1 and not select_privately:   # one sigma for the whole grid: G trainings together
+        n = len(world["train_ids"])
+        sigma = calibration.composed_dpsgd_noise_multiplier(
+            epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
+                              steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
+            relation=dpsgd.relation)
+    if select_privately:
+        split_and_plan(settings, len(world["train_images"]), epsilon, delta, dpsgd.relation, seed,
+                       config.selection_config or SelectionConfig(), steps_per_epoch)
+    out.mkdir(parents=True, exist_ok=True)
     start_weights = None
     if config.init == "public":
         start_weights = public_start(p, seed=seed, data=config.data, progress=config.progress,
                                      checkpoint=config.public_model_checkpoint or out / "public-model.pt",
                                      device=device, precision=precision, **config.where)
-    # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
-    settings = settings_grid(p, private, config.training.explicit(),
-                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
-    select_privately = private and config.selection == "private"
     # private selection: its one record carries no time (it would date the start of the secret repetitions)
     ledger = Ledger(ledger_path, timestamps=not select_privately)
-    guard = sigma = None
+    guard = None
     if private:
         guard = _pooled_guard(ledger, epsilon, delta, world["hospital_ids"], config)
-        if len(settings) > 1 and not select_privately:   # one sigma for the whole grid: the G trainings together
-            n = len(world["train_ids"])
-            sigma = calibration.composed_dpsgd_noise_multiplier(
-                epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
-                                  steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
-                relation=dpsgd.relation)
     else:
         # non-private: an empty ledger (nothing was released privately), owner-only as every ledger
         atomic_write_bytes(ledger_path, b"", private=True)
@@ -530,7 +537,7 @@ def _check_integer(flag: str, value, *, low: int) -> None:
     """UserError naming ``flag`` unless ``value`` is None (not given) or an integer >= ``low``."""
     if value is None:
         return
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    integral = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral or int(value) < low:
         raise UserError(f"{flag}: expected an integer >= {low}, got {value!r}")
 
