@@ -277,7 +277,17 @@ def split_and_plan(settings: Sequence[dict], n: int, epsilon: float, delta: floa
                    config: SelectionConfig, steps_per_epoch) -> tuple[np.ndarray, np.ndarray, dict]:
     """(training positions, held-out positions, :func:`plan`) for ``n`` pooled patients. Reads only public
     sizes and settings, so a caller runs it before any work to refuse a selection that cannot be planned
-    (e.g. a score noise too small for the budget) before anything is trained or charged."""
+    (e.g. a score noise too small for the budget) before anything is trained or charged.
+
+    Args:
+        settings: the grid entries (:func:`plan`).
+        n: the number of pooled private patients (held-out and training parts are cut from them).
+        epsilon / delta: the budget.
+        relation: the neighbouring relation (replace-one only).
+        seed: positions of the held-out patients (:func:`heldout_split`).
+        config: the selection's settings (validated here).
+        steps_per_epoch: DP-SGD's steps per epoch, ``(n, batch) -> steps``.
+    """
     config = config.validate()
     train_idx, held_idx = heldout_split(n, config.heldout_fraction, seed)
     return train_idx, held_idx, plan(settings, len(train_idx), epsilon, delta, relation, len(held_idx), config,
