@@ -359,8 +359,9 @@ def _tiny_selection_world(monkeypatch):
 
 def _folder_view(folder, prefix):
     """Every file of a run folder as comparable text/bytes: the run's release-id nonce (random per run, the
-    same for every T) and the ledger digest that covers it replaced, the released noisy score set aside, and the model card's creation stamps (written
-    as the run ends) replaced and returned."""
+    same for every T) and the ledger digest that covers it replaced, the released noisy score set aside, the
+    model card's creation stamps (written as the run ends) replaced and returned, and the bundle's digests of
+    those set aside."""
     import re
 
     view, stamps = {}, set()
@@ -374,6 +375,10 @@ def _folder_view(folder, prefix):
         if path.name == "results.json":
             record = json.loads(data)
             record["selection"].pop("chosen_noisy_score")
+            data = json.dumps(record, sort_keys=True).encode()
+        if path.name == "bundle.json":   # the card's and the bundle's digests cover the stamps replaced above
+            record = json.loads(data)
+            record.pop("model_card_sha256"), record.pop("bundle_sha256")
             data = json.dumps(record, sort_keys=True).encode()
         view[str(path.relative_to(folder))] = data
     return view, stamps

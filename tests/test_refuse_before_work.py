@@ -131,7 +131,7 @@ def test_selection_mean_one_is_refused_before_the_charge():
 
 def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_model(tmp_path, monkeypatch):
     """The selection's plan needs only the pooled patients' count: a score noise too small for the budget (the
-    default 0.05 with one held-out patient) is refused before the public model is trained or --out is made."""
+    default 0.05 with one held-out patient) is refused before the public model is trained or the ledger made."""
     import sim.runners.central as central
     from sim.errors import UserError
     from synthetic_worlds import pooled_world
@@ -147,4 +147,5 @@ def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_mode
     with pytest.raises(UserError, match="--selection private: .*score noise"):
         central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=out, epsilon=8.0,
                                                      progress=False, selection="private"))
-    assert not out.exists()
+    # the folder holds at most the start's settings record (which binds nothing): no public model, no ledger
+    assert not (out / "public-model.pt").exists() and not (out / "ledger.jsonl").exists()
