@@ -104,6 +104,14 @@ def queries_for(epsilon: float, delta: float, teachers: int, pool: int, classes:
     Data-independent: a function of (ε, δ, K) and the public pool size only.
 
     Under μ-GDP composition σ(N) = σ(1)·√N exactly, so N = ⌊(σ_target / σ(1))²⌋.
+
+    Args:
+        epsilon / delta: the budget the N answers are calibrated to.
+        teachers: K, the number of teachers whose votes are counted.
+        pool: the public unlabelled pool's size (the most queries there are).
+        classes: the number of classes (the fewest queries asked).
+        margin_fraction: the fraction of K whose lead must survive the noise.
+        accountant: the accountant the calibration uses.
     """
     sigma_one, _ = calibrate_gnmax(epsilon, delta, 1, False, 1.0, accountant)
     target = margin_fraction * teachers / (MARGIN_STDS * math.sqrt(2.0))
