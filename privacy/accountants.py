@@ -47,6 +47,7 @@ from scipy import optimize, special
 
 from privacy.errors import PrivacyError, UnsupportedEvent
 from privacy.events import (
+    DistributedDiscreteGaussianEvent,
     Event,
     GaussianEvent,
     LaplaceEvent,
@@ -539,7 +540,7 @@ class RDPAccountant(_DpAccountingWrapper):
                        for leaf in event.inner.leaves())
         if isinstance(event, SampledGaussianEvent):
             return event.relation == "add-remove"
-        return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent))
+        return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent, DistributedDiscreteGaussianEvent))
 
     def _apply(self, event: Event, count: int = 1) -> None:
         if not isinstance(event, RepeatAndSelectEvent):
@@ -714,7 +715,8 @@ class ZCDPAccountant(Accountant):
         self.rho = 0.0
 
     def _supports_leaf(self, event: Event) -> bool:
-        return isinstance(event, (ZCDPEvent, GaussianEvent, LaplaceEvent, PureDPEvent))
+        return isinstance(event, (ZCDPEvent, GaussianEvent, LaplaceEvent, PureDPEvent,
+                                  DistributedDiscreteGaussianEvent))
 
     def _why_not(self, event: Event) -> str:
         if isinstance(event, SampledGaussianEvent):
@@ -728,7 +730,7 @@ class ZCDPAccountant(Accountant):
     def rho_of(event: Event) -> float:
         total = 0.0
         for leaf in event.leaves():
-            if isinstance(leaf, ZCDPEvent):
+            if isinstance(leaf, (ZCDPEvent, DistributedDiscreteGaussianEvent)):
                 total += leaf.rho
             elif isinstance(leaf, GaussianEvent):
                 total += leaf.count * (leaf.sensitivity / leaf.sigma) ** 2 / 2.0
