@@ -23,7 +23,7 @@ ORCHESTRATION = ("sim.runners", "sim.deployment", "sim.commands", "sim.cli")
 LAYERS = {"privacy": 0, "sim": 1, "server": 2, "clients": 2, **{name: 3 for name in ORCHESTRATION}}
 #: the only modules that may import flwr: the two apps, the wire format they share, the Flower transport,
 #: the in-process simulation engine (flwr.simulation.run_simulation) and the echo app
-FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "sim.flower_wire",
+FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "sim.flower_wire", "sim.secagg",
                    "sim.runners.simulation", "sim.deployment.echo_app")
 
 

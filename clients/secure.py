@@ -1,0 +1,276 @@
+"""A hospital in the secure sum: the SecAgg+ client stages, and the threat model it enforces itself.
+
+Protocol: Bell, Bonawitz, Gascón, Lepoint & Raykova, "Secure single-server aggregation with (poly)logarithmic
+overhead" (CCS 2020, SecAgg+), on the complete graph (every hospital is every other's neighbour, which is
+Bonawitz et al.'s SecAgg, CCS 2017; consortia have tens of hospitals, not millions of phones). The stages
+are Flower's (``secaggplus_mod``): **setup** (two key pairs), **share-keys** (Shamir shares of the self-mask
+seed and of the masking key, encrypted to each neighbour), **collect-masked** (the contribution plus the
+self mask plus one pairwise mask per neighbour, modulo 2^bits) and **unmask** (shares of the survivors'
+self-mask seeds and of the dropped hospitals' masking keys). Every primitive is a library's
+(``sim.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
+
+Threat model (the hospital's :class:`SecurePolicy`, from its own node config, never from the server): an
+honest-but-curious aggregator, up to ``colluders`` hospitals that share everything with it, up to
+``dropouts`` hospitals that leave mid-protocol. The hospital counts only the noise it can rely on -- its
+own share and the honest survivors', at least ``participants - colluders - dropouts`` shares -- and before
+anything is charged refuses a request that
+
+* has fewer participants than its policy's minimum;
+* sets the Shamir threshold at or below the colluders (``threshold <= colluders`` would let the colluders
+  alone rebuild its self-mask seed and masking key) or below its policy's minimum;
+* declares noise that does not add up: a counted total variance larger than ``shares it can count on x
+  local variance`` (the run would claim noise the hospital cannot rely on), or a share count above the
+  participants;
+
+and refuses to unmask when fewer hospitals than ``participants - dropouts`` sent masked inputs (their
+noise, which it counted, would be missing from the sum) or when asked for both shares of one hospital.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from privacy.distributed import share_count
+from sim import secagg
+from sim.errors import UserError
+
+STAGES = ("setup", "share-keys", "collect-masked", "unmask")
+
+
+class SecureRequestRefused(UserError):
+    """A secure-sum request this hospital will not take part in (the message says why)."""
+
+
+@dataclass(frozen=True)
+class SecurePolicy:
+    """What a hospital assumes about everybody else, and the least it accepts (its own configuration)."""
+
+    colluders: int = 0               # t: hospitals that may share everything with the aggregator
+    dropouts: int = 0                # d: hospitals that may leave mid-protocol
+    min_participants: int = 2
+    min_threshold: int = 2           # the Shamir threshold it accepts at least (and always > colluders)
+
+    def __post_init__(self) -> None:
+        for name in ("colluders", "dropouts", "min_participants", "min_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UserError(f"secure policy: {name} must be a non-negative integer, got {value!r}")
+
+    def counted_shares(self, participants: int) -> int:
+        """Noise shares this hospital can rely on in a sum over ``participants`` hospitals."""
+        return share_count(participants, self.colluders, self.dropouts)
+
+    def to_dict(self) -> dict:
+        return {"colluders": self.colluders, "dropouts": self.dropouts, "min_participants": self.min_participants,
+                "min_threshold": self.min_threshold}
+
+
+def check_request(policy: SecurePolicy, who: str, participants: list, threshold: int, noise: Mapping[str, Any]
+                  ) -> int:
+    """Refuse (:class:`SecureRequestRefused`) a setup request below ``policy``; returns the shares it counts."""
+    count = len(participants)
+    if len(set(participants)) != count:
+        raise SecureRequestRefused(f"hospital {who}: the participant list repeats a hospital")
+    if count < max(2, policy.min_participants):
+        raise SecureRequestRefused(f"hospital {who}: refuses a secure sum over {count} hospital(s); its policy "
+                                   f"needs at least {max(2, policy.min_participants)}")
+    floor = max(policy.min_threshold, policy.colluders + 1)
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < floor:
+        raise SecureRequestRefused(f"hospital {who}: reconstruction threshold {threshold!r} is below its policy's "
+                                   f"{floor} (more than {policy.colluders} colluder(s) must be needed to rebuild a "
+                                   "hospital's masks)")
+    if threshold > count:
+        raise SecureRequestRefused(f"hospital {who}: threshold {threshold} exceeds the {count} participants")
+    try:
+        counted = policy.counted_shares(count)
+    except Exception:
+        raise SecureRequestRefused(f"hospital {who}: {count} participants with {policy.colluders} colluder(s) and "
+                                   f"{policy.dropouts} dropout(s) leave no honest noise share") from None
+    try:
+        local = float(noise["local_variance"])
+        declared = int(noise["shares"])
+        total = float(noise["total_variance"])
+    except (KeyError, TypeError, ValueError):
+        raise SecureRequestRefused(f"hospital {who}: a secure sum must declare local_variance, shares and "
+                                   "total_variance") from None
+    if not (np.isfinite(local) and local > 0):
+        raise SecureRequestRefused(f"hospital {who}: local variance {local} must be positive")
+    if declared > count or declared < 1:
+        raise SecureRequestRefused(f"hospital {who}: {declared} noise shares declared over {count} participants")
+    if abs(total - declared * local) > 1e-9 * total:
+        raise SecureRequestRefused(f"hospital {who}: the noise shares do not add up ({declared} x {local:.6g} != "
+                                   f"declared total {total:.6g})")
+    if counted * local < total * (1 - 1e-12):
+        raise SecureRequestRefused(
+            f"hospital {who}: the request counts {declared} noise shares, but with {policy.colluders} colluder(s) "
+            f"and {policy.dropouts} dropout(s) it can rely on {counted}: less noise than the run would claim")
+    return counted
+
+
+@dataclass
+class _Session:
+    index: int
+    participants: list                      # hospital names, in share order
+    threshold: int
+    bits: int
+    length: int
+    noise: dict
+    counted: int
+    sk1: bytes = b""
+    pk1: bytes = b""
+    sk2: bytes = b""
+    pk2: bytes = b""
+    seed: bytes = b""
+    public_keys: dict = field(default_factory=dict)     # name -> (pk1, pk2)
+    seed_shares: dict = field(default_factory=dict)     # owner -> share of its self-mask seed held here
+    key_shares: dict = field(default_factory=dict)      # owner -> share of its masking key held here
+    neighbours: list = field(default_factory=list)      # those whose share ciphertexts arrived (U2)
+    stage: str = "setup"
+    revealed_seed: set = field(default_factory=set)
+    revealed_key: set = field(default_factory=set)
+
+
+class SecureSumParty:
+    """One hospital's side of the protocol, framework-free: ``handle(stage, message, contribute)``.
+
+    ``contribute(session_note) -> int64 vector`` is called in the collect-masked stage, once, after every
+    check: it charges the hospital's ledger and returns its noised integer contribution (modulo nothing:
+    the party reduces it)."""
+
+    def __init__(self, name: str, policy: SecurePolicy | None = None) -> None:
+        self.name = str(name)
+        self.policy = policy or SecurePolicy()
+        self.sessions: dict[str, _Session] = {}
+
+    # -------------------------------------------------------------------------------------------- stages
+    def handle(self, stage: str, message: Mapping[str, Any],
+               contribute: Callable[[Mapping[str, Any]], np.ndarray] | None = None) -> dict:
+        if stage == "setup":
+            return self.setup(message)
+        session = self._session(message, stage)
+        if stage == "share-keys":
+            return self.share_keys(session, message)
+        if stage == "collect-masked":
+            return self.collect_masked(session, message, contribute)
+        if stage == "unmask":
+            return self.unmask(session, message)
+        raise SecureRequestRefused(f"hospital {self.name}: unknown secure-sum stage {stage!r}")
+
+    def _session(self, message: Mapping[str, Any], stage: str) -> _Session:
+        session = self.sessions.get(str(message.get("session")))
+        if session is None:
+            raise SecureRequestRefused(f"hospital {self.name}: no secure-sum session {message.get('session')!r}")
+        expected = STAGES[STAGES.index(session.stage) + 1] if session.stage != "unmask" else None
+        if stage != expected:
+            raise SecureRequestRefused(f"hospital {self.name}: stage {stage!r} out of order (expected {expected!r})")
+        session.stage = stage
+        return session
+
+    def setup(self, message: Mapping[str, Any]) -> dict:
+        key = str(message["session"])
+        if key in self.sessions:
+            raise SecureRequestRefused(f"hospital {self.name}: session {key!r} was already set up")
+        participants = [str(p) for p in message["participants"]]
+        if self.name not in participants:
+            raise SecureRequestRefused(f"hospital {self.name}: not among the session's participants")
+        threshold = message.get("threshold")
+        counted = check_request(self.policy, self.name, participants, threshold, dict(message.get("noise") or {}))
+        bits, length = int(message["bits"]), int(message["length"])
+        if not (2 <= bits <= 62) or length < 1:
+            raise SecureRequestRefused(f"hospital {self.name}: bits {bits} / length {length} out of range")
+        session = _Session(participants.index(self.name) + 1, participants, int(threshold), bits, length,
+                           dict(message["noise"]), counted)
+        session.sk1, session.pk1 = secagg.generate_keys()
+        session.sk2, session.pk2 = secagg.generate_keys()
+        self.sessions[key] = session
+        return {"pk1": session.pk1, "pk2": session.pk2}
+
+    def share_keys(self, session: _Session, message: Mapping[str, Any]) -> dict:
+        keys = {str(k): (bytes(v[0]), bytes(v[1])) for k, v in dict(message["public_keys"]).items()}
+        if len(keys) < session.threshold:
+            raise SecureRequestRefused(f"hospital {self.name}: {len(keys)} hospitals advertised keys, fewer than "
+                                       f"the threshold {session.threshold}")
+        if keys.get(self.name) != (session.pk1, session.pk2):
+            raise SecureRequestRefused(f"hospital {self.name}: its own public keys were not forwarded unchanged")
+        flat = [k for pair in keys.values() for k in pair]
+        if len(set(flat)) != len(flat):
+            raise SecureRequestRefused(f"hospital {self.name}: two advertised public keys are identical")
+        if any(name not in session.participants for name in keys):
+            raise SecureRequestRefused(f"hospital {self.name}: keys from a hospital outside the session")
+        session.public_keys = keys
+        session.seed = os.urandom(32)
+        holders = sorted(keys, key=session.participants.index)
+        seed_shares = secagg.split(session.seed, session.threshold, len(holders))
+        key_shares = secagg.split(session.sk1, session.threshold, len(holders))
+        ciphertexts = {}
+        for position, holder in enumerate(holders):
+            if holder == self.name:
+                session.seed_shares[self.name] = seed_shares[position]
+                session.key_shares[self.name] = key_shares[position]
+                continue
+            channel = secagg.agree(session.sk2, keys[holder][1])
+            plaintext = secagg.pack_shares(session.index, session.participants.index(holder) + 1,
+                                           seed_shares[position], key_shares[position])
+            ciphertexts[holder] = secagg.encrypt(channel, plaintext)
+        return {"ciphertexts": ciphertexts}
+
+    def collect_masked(self, session: _Session, message: Mapping[str, Any], contribute) -> dict:
+        received = {str(k): bytes(v) for k, v in dict(message["ciphertexts"]).items()}
+        if len(received) + 1 < session.threshold:
+            raise SecureRequestRefused(f"hospital {self.name}: only {len(received)} neighbours left, below the "
+                                       f"threshold {session.threshold}")
+        for source, ciphertext in received.items():
+            if source not in session.public_keys or source == self.name:
+                raise SecureRequestRefused(f"hospital {self.name}: shares from an unknown hospital {source!r}")
+            channel = secagg.agree(session.sk2, session.public_keys[source][1])
+            origin, destination, seed_share, key_share = secagg.unpack_shares(secagg.decrypt(channel, ciphertext))
+            if origin != session.participants.index(source) + 1 or destination != session.index:
+                raise SecureRequestRefused(f"hospital {self.name}: a share from {source} was addressed wrongly")
+            session.seed_shares[source] = seed_share
+            session.key_shares[source] = key_share
+        session.neighbours = sorted(received, key=session.participants.index)
+        if contribute is None:
+            raise SecureRequestRefused(f"hospital {self.name}: nothing to contribute")
+        vector = np.asarray(contribute(message), dtype=np.int64).reshape(-1)
+        if len(vector) != session.length:
+            raise SecureRequestRefused(f"hospital {self.name}: contribution of length {len(vector)}, expected "
+                                       f"{session.length}")
+        modulus = (1 << session.bits) - 1
+        masked = (vector & modulus) + secagg.mask(session.seed, session.length, session.bits)
+        masked &= modulus
+        for other in session.neighbours:
+            pairwise = secagg.mask(secagg.agree(session.sk1, session.public_keys[other][0]), session.length,
+                                   session.bits)
+            if session.index > session.participants.index(other) + 1:
+                masked = (masked + pairwise) & modulus
+            else:
+                masked = (masked - pairwise) & modulus
+        return {"masked": masked}
+
+    def unmask(self, session: _Session, message: Mapping[str, Any]) -> dict:
+        survivors = [str(s) for s in message["survivors"]]
+        dropped = [str(s) for s in message["dropped"]]
+        if set(survivors) & set(dropped):
+            raise SecureRequestRefused(f"hospital {self.name}: asked for both shares of {sorted(set(survivors) & set(dropped))}")
+        if self.name not in survivors:
+            raise SecureRequestRefused(f"hospital {self.name}: not listed among the survivors")
+        need = len(session.participants) - self.policy.dropouts
+        if len(survivors) < max(need, session.threshold):
+            raise SecureRequestRefused(
+                f"hospital {self.name}: only {len(survivors)} masked inputs arrived; with its policy of at most "
+                f"{self.policy.dropouts} dropout(s) the sum needs {max(need, session.threshold)} (the noise it "
+                "counted would be missing)")
+        unknown = [h for h in survivors + dropped if h not in session.seed_shares]
+        if unknown:
+            raise SecureRequestRefused(f"hospital {self.name}: holds no shares of {unknown}")
+        if any(h in session.revealed_key for h in survivors) or any(h in session.revealed_seed for h in dropped):
+            raise SecureRequestRefused(f"hospital {self.name}: would reveal both shares of one hospital")
+        session.revealed_seed.update(survivors)
+        session.revealed_key.update(dropped)
+        shares = {h: session.seed_shares[h] for h in survivors}
+        shares.update({h: session.key_shares[h] for h in dropped})
+        return {"shares": shares}
