@@ -274,3 +274,104 @@ class SecureSumParty:
         shares = {h: session.seed_shares[h] for h in survivors}
         shares.update({h: session.key_shares[h] for h in dropped})
         return {"shares": shares}
+
+
+# ------------------------------------------------------------------------------------------ a hospital
+def policy_from(config: Mapping[str, Any] | None, default: SecurePolicy | None = None) -> SecurePolicy:
+    """A simulated hospital's policy as the simulation sets it (``config["secure_policy"]``), else ``default``."""
+    given = dict((config or {}).get("secure_policy") or {})
+    if not given:
+        return default or SecurePolicy()
+    try:
+        return SecurePolicy(**{k: int(v) for k, v in given.items()})
+    except TypeError as exc:
+        raise UserError(f"secure policy: {exc}") from None
+
+
+def declared_grid(who: str, noise: Mapping[str, Any]):
+    """The integer grid a request declares (clip, granularity, dimension), checked; the hospital re-clips its
+    rows to ``clip`` and computes the rounded rows' norm bound itself (``privacy.distributed``)."""
+    from privacy.distributed import IntegerGrid
+
+    try:
+        grid = IntegerGrid(float(noise["clip"]), float(noise["granularity"]), int(noise["dimension"]))
+        bound = grid.row_bound
+    except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
+        raise SecureRequestRefused(f"hospital {who}: the request's integer grid is invalid ({exc})") from None
+    if not (np.isfinite(bound) and grid.dimension >= 1 and grid.granularity > 0):
+        raise SecureRequestRefused(f"hospital {who}: the request's integer grid is invalid")
+    return grid
+
+
+class SecureHospital:
+    """A :class:`clients.hospital.Hospital` taking part in secure sums: the stages of :class:`SecureSumParty`,
+    and in the collect-masked stage its PATE contribution -- every teacher's encoding of the public scans,
+    re-clipped and conditionally rounded row by row onto the declared integer grid, summed over its
+    teachers, plus its own share of discrete Gaussian noise (``privacy.distributed``). Before any teacher runs
+    it charges its own ledger, for each query of the batch, the distributed discrete Gaussian with the noise
+    shares it can count on (:class:`SecurePolicy`); a refusal or an exceeded budget costs nothing.
+
+    A deployed hospital's policy is its own (``policy``); a simulated one's comes with the simulation's
+    messages (``secure_policy``), as its lifetime budget does."""
+
+    def __init__(self, hospital, policy: SecurePolicy | None = None) -> None:
+        self.hospital = hospital
+        self.policy = policy
+        self.party = SecureSumParty(hospital.hospital_id, policy or SecurePolicy())
+
+    def handle(self, stage: str, message: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
+        config = dict(config or {})
+        if stage == "setup":
+            deployed = bool(getattr(self.hospital, "deployed", False))
+            self.party.policy = self.policy if (deployed and self.policy) else policy_from(config, self.policy)
+            noise = dict(message.get("noise") or {})
+            declared_grid(self.party.name, noise)
+            ids = noise.get("release_ids")
+            if not isinstance(ids, (list, tuple)) or not ids or len(set(map(str, ids))) != len(ids):
+                raise SecureRequestRefused(f"hospital {self.party.name}: a secure release must declare distinct "
+                                           "release ids, one per query")
+        session_id = str(message.get("session"))
+        return self.party.handle(stage, message,
+                                 lambda msg: self.pate_contribution(self.party.sessions[session_id], msg, config))
+
+    def pate_contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]
+                          ) -> np.ndarray:
+        """Charge, then the noised integer sum of this hospital's teachers' rounded encodings (flattened)."""
+        from clients.replay import mint_nonce
+        from privacy.distributed import ddg_event, sample_discrete_gaussian
+        from privacy.mechanisms import NoiseSource
+        from sim.codecs import fallback_encoding, make_encoder, verify_codec
+
+        hospital, noise = self.hospital, session.noise
+        who = hospital.hospital_id
+        scans = np.asarray(message["scans"], np.float32)
+        codec = verify_codec(message["codec"], hospital._codec_policy(config), scans_shape=scans.shape)
+        grid = declared_grid(who, noise)
+        release_ids = [str(r) for r in noise["release_ids"]]
+        latent = int(np.asarray(codec["latent_dim"]).item())
+        if len(release_ids) != len(scans) or grid.dimension != latent or session.length != len(scans) * latent:
+            raise SecureRequestRefused(f"hospital {who}: {len(scans)} scans of latent dimension {latent} do not match "
+                                       f"the declared {len(release_ids)} releases of dimension {grid.dimension}")
+        local_variance = float(noise["local_variance"])
+        encode = make_encoder(codec, hospital.compute(config)[0])
+        # the charge: one release per query, the noise it can count on, before any teacher sees a scan
+        event = ddg_event(grid, local_variance, session.counted, 1, "replace-one")
+        nonce = mint_nonce()
+        hospital.lifetime_guard(config).charge_all(
+            [who], event, [f"{r}@{nonce}" for r in release_ids],
+            {"secure_sum": True, "participants": len(session.participants), "counted_shares": session.counted,
+             "colluders": self.party.policy.colluders, "dropouts": self.party.policy.dropouts,
+             "threshold": session.threshold, "local_variance": local_variance, "codec": str(np.asarray(codec["kind"]).item()),
+             "latent_dim": latent})
+        seed = config.get("secure_noise_seed")
+        if seed is not None and getattr(hospital, "deployed", False):
+            raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
+        source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
+        generator = source.generator(who, *release_ids)
+        total = np.zeros((len(scans), latent), np.int64)
+        for k in range(hospital.num_teachers):
+            probs = hospital.teacher_probs(k, scans, config)
+            rows = encode(probs) if np.all(np.isfinite(probs)) else fallback_encoding(codec, len(scans))
+            total += grid.to_integers(np.asarray(rows, np.float64), generator)
+        shares = sample_discrete_gaussian(local_variance, total.size, generator)
+        return total.reshape(-1) + shares

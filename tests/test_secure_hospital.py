@@ -1,0 +1,148 @@
+"""Hospitals in the secure sum (clients/secure.py SecureHospital): each charges its own ledger for the noise
+it can count on before any teacher runs, the sum of their noised contributions is the teachers' sum, and a
+request below a hospital's threat-model policy is refused with nothing charged."""
+
+import numpy as np
+import pytest
+
+from clients.hospital import Hospital
+from clients.secure import SecureHospital, SecurePolicy, SecureRequestRefused
+from privacy.accountants import epsilon_spent
+from privacy.distributed import IntegerGrid, calibrate_local_variance, centered, ddg_event
+from privacy.errors import BudgetExceeded
+from privacy.ledger import Ledger
+from server.compressors import PCACompressor
+from server.secure import secure_sum
+from sim import codecs
+from sim.presets import get_preset
+
+GRID = (8, 8, 8)
+PRESET = get_preset("tiny")
+DELTA = 1e-3
+
+
+class FixedTeachers(Hospital):
+    """Teachers that answer fixed probabilities (no training); counts how often a teacher ran."""
+
+    def __init__(self, name, tmp_path, teachers, level):
+        super().__init__(name, prepared=None, partitions=[[f"{name}-p{k}"] for k in range(teachers)], preset=PRESET,
+                         workdir=tmp_path / name, lifetime_epsilon=8.0, delta=DELTA)
+        self.level = level
+        self.runs = 0
+
+    def teacher_probs(self, k, scans, config=None):
+        self.runs += 1
+        probs = np.full((len(scans), 4, *GRID), 0.1, np.float32)
+        probs[:, (k + self.level) % 4] = 0.7
+        return probs
+
+
+def _codec():
+    rng = np.random.default_rng(0)
+    maps = codecs.one_hot(rng.integers(0, 4, size=(12, *GRID)), 4)
+    return codecs.verify_codec(PCACompressor(4, "public").fit(maps).state())
+
+
+def _world(tmp_path, policy=None, names=("h0", "h1", "h2"), budget=8.0):
+    hospitals = [FixedTeachers(n, tmp_path, 2, i) for i, n in enumerate(names)]
+    policy = policy or SecurePolicy()
+    config = {"ledger_dir": str(tmp_path / "ledgers"), "lifetime_epsilon": budget, "delta": DELTA,
+              "secure_policy": policy.to_dict(), "secure_noise_seed": 7}
+    secure = {h.hospital_id: SecureHospital(h) for h in hospitals}
+
+    def exchange(stage, messages):
+        return {h: secure[h].handle(stage, m, config) for h, m in messages.items()}
+
+    return hospitals, exchange, config
+
+
+def _declaration(codec, scans, shares, participants, variance=None, release="q", epsilon=2.0, total=None):
+    grid = IntegerGrid.for_rows(codecs.row_bound(codec), int(codec["latent_dim"]))
+    variance = variance or calibrate_local_variance(epsilon, DELTA, scans, grid, shares)
+    return grid, {"local_variance": variance, "shares": shares,
+                  "total_variance": shares * variance if total is None else total,
+                  "clip": grid.clip, "granularity": grid.granularity, "dimension": grid.dimension,
+                  "release_ids": [f"{release}-{i}" for i in range(scans)]}
+
+
+def _ledger_records(tmp_path, name):
+    path = tmp_path / "ledgers" / f"{name}.jsonl"
+    return [] if not path.exists() else Ledger(path).events(name)
+
+
+def test_secure_pate_sum_and_each_hospitals_charge(tmp_path):
+    hospitals, exchange, config = _world(tmp_path, SecurePolicy(colluders=1))
+    codec, scans = _codec(), np.zeros((2, 4, *GRID), np.float32)
+    counted = 3 - 1
+    grid, noise = _declaration(codec, len(scans), counted, 3)
+    latent = grid.dimension
+    inputs = {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals}
+    result = secure_sum(exchange, [h.hospital_id for h in hospitals], 2, 40, len(scans) * latent, noise, inputs)
+    summed = grid.to_reals(centered(result.total, 40)).reshape(len(scans), latent)
+    clean = sum(codecs.encode(codec, h.teacher_probs(k, scans)) for h in hospitals for k in range(2))
+    noise_sd = grid.granularity * np.sqrt(3 * noise["local_variance"])
+    assert np.max(np.abs(summed - clean)) < 6 * noise_sd + 6 * 6 * grid.granularity
+    event = ddg_event(grid, noise["local_variance"], counted, 1)
+    for h in hospitals:
+        events = _ledger_records(tmp_path, h.hospital_id)
+        assert events == [event, event]            # one release per query, the counted shares
+        spent = Ledger(tmp_path / "ledgers" / f"{h.hospital_id}.jsonl").spent(h.hospital_id, DELTA)
+        # against dp_accounting: its RDP accountant on the same zCDP
+        from dp_accounting import dp_event
+        from dp_accounting.rdp import rdp_privacy_accountant
+
+        theirs = rdp_privacy_accountant.RdpAccountant()
+        theirs.compose(dp_event.ZCDpEvent(2 * event.rho))
+        assert spent.epsilon == pytest.approx(theirs.get_epsilon(DELTA), rel=1e-9)
+        assert spent.epsilon <= 2.0
+        assert spent.epsilon == pytest.approx(epsilon_spent([event, event], DELTA)[0])
+
+
+@pytest.mark.parametrize("policy, change, match", [
+    (SecurePolicy(colluders=2), {"threshold": 2}, "threshold"),                 # threshold <= colluders
+    (SecurePolicy(min_threshold=3), {"threshold": 2}, "threshold"),             # below the policy's minimum
+    (SecurePolicy(min_participants=4), {}, "needs at least 4"),                # too few participants
+    (SecurePolicy(), {"total_variance": "double"}, "do not add up"),           # shares that do not add up
+    (SecurePolicy(dropouts=1), {}, "can rely on 2"),                           # claims 3 shares, 2 countable
+])
+def test_a_request_below_policy_is_refused_with_nothing_charged(tmp_path, policy, change, match):
+    hospitals, exchange, config = _world(tmp_path, policy)
+    codec, scans = _codec(), np.zeros((2, 4, *GRID), np.float32)
+    grid, noise = _declaration(codec, len(scans), 3, 3, variance=1e6)
+    if change.get("total_variance") == "double":
+        noise["total_variance"] *= 2
+    inputs = {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals}
+    with pytest.raises(SecureRequestRefused, match=match):
+        secure_sum(exchange, [h.hospital_id for h in hospitals], change.get("threshold", 2), 40,
+                   len(scans) * grid.dimension, noise, inputs)
+    for h in hospitals:
+        assert _ledger_records(tmp_path, h.hospital_id) == []
+        assert h.runs == 0
+
+
+def test_a_budget_the_release_would_exceed_is_refused_before_any_teacher_runs(tmp_path):
+    hospitals, exchange, config = _world(tmp_path, budget=0.5)
+    codec, scans = _codec(), np.zeros((2, 4, *GRID), np.float32)
+    grid, noise = _declaration(codec, len(scans), 3, 3, epsilon=2.0)
+    inputs = {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals}
+    with pytest.raises(BudgetExceeded):
+        secure_sum(exchange, [h.hospital_id for h in hospitals], 2, 40, len(scans) * grid.dimension, noise, inputs)
+    assert all(h.runs == 0 for h in hospitals)
+    assert all(_ledger_records(tmp_path, h.hospital_id) == [] for h in hospitals)
+
+
+def test_more_dropouts_than_counted_leave_the_sum_masked(tmp_path):
+    """A hospital that counted on at most one dropout refuses to unmask when two left after charging."""
+    names = ("h0", "h1", "h2", "h3")
+    hospitals, exchange, config = _world(tmp_path, SecurePolicy(dropouts=1), names=names)
+    codec, scans = _codec(), np.zeros((1, 4, *GRID), np.float32)
+    grid, noise = _declaration(codec, 1, 3, 4, variance=1e6)
+    inputs = {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals}
+
+    def dropping(stage, messages):
+        if stage == "collect-masked":
+            messages = {h: m for h, m in messages.items() if h not in ("h2", "h3")}
+        return exchange(stage, messages)
+
+    with pytest.raises(SecureRequestRefused, match="masked inputs arrived"):
+        secure_sum(dropping, list(names), 2, 40, grid.dimension, noise, inputs)
