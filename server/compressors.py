@@ -785,7 +785,7 @@ def _anchored(preset, *, seed, checkpoint, progress, device=None, **options) -> 
 
 
 for _method, _factory in (("pate-pca", _pca), ("pate-ae", _autoencoder), ("pate-naive", _identity),
-                          ("pate-anchored", _anchored)):
+                          ("pate-anchored", _anchored), ("pate-anchored-secure", _anchored)):
     register_compressor(_method, _factory)
 
 

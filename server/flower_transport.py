@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from flwr.app import Message
 
+from sim.errors import UserError
 from sim.flower_wire import arrays_digest, make_content, read_content
 
 log = logging.getLogger("fedpate.flower")
@@ -113,6 +114,12 @@ class FlowerTransport:
         arrays = {"test": dict(test)} if test else {}
         replies = self._send_to_all(lambda h: (make_content({**self.base_config, **config}, **arrays), "evaluate"))
         return {h: config for h, (config, _) in replies.items()}
+
+    def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
+                     ) -> dict[str, dict]:
+        """Not carried over Flower messages yet: the secure methods run on the in-process engine."""
+        raise UserError("secure aggregation (pate-anchored-secure) runs on the in-process engine so far "
+                        "(--engine inprocess); the Flower engines do not carry its stages yet")
 
     def fedavg_round(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, tuple[dict, dict]]:
         """One DP-FedAvg round: {hospital: (metrics, new local weights)}."""

@@ -49,6 +49,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.aggregation import aggregate_query
+from server.pate_secure import is_secure, run_secure_query_phase, who_sees_what
 from server.compressors import Compressor, PublicFit, make_compressor
 from server.student import train_public_model, train_student
 from server.transport import (
@@ -102,6 +103,9 @@ class PateConfig:
     #: cuda | cuda:N (sim.device)
     device: str = "auto"
     precision: str = "32"                 # "32" | "bf16": autocast around forward passes (sim.device)
+    #: secure aggregation's threat model (server/pate_secure.py): colluders, dropouts, threshold (None: none
+    #: colluding, no dropout, the smallest threshold); only for the secure methods
+    secure: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         pate_methods = methods.names(protocol="pate")   # every registered method this protocol runs
@@ -180,6 +184,7 @@ class QueryPhase:
     stopped_early: str | None = None
     bytes_up: list[dict] = field(default_factory=list)       # the transport's measurements of these rounds
     notes: list[dict] = field(default_factory=list)
+    secure: dict | None = None                               # the secure sum's plan and costs (secure methods)
 
 
 @dataclass
@@ -245,7 +250,10 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
     plan = plan_release(world, preset, config, teachers, out, public_model)
     ledger = Ledger(out / "ledger.jsonl")
     guard = BudgetGuard(ledger, float(config.epsilon), float(config.delta))
-    queries = run_query_phase(transport, world, plan, teachers, config, guard, noise)
+    if is_secure(config.method):   # the hospitals add the noise and only a secure sum reaches the server
+        queries, plan = run_secure_query_phase(transport, world, plan, teachers, config, guard, noise, QueryPhase)
+    else:
+        queries = run_query_phase(transport, world, plan, teachers, config, guard, noise)
     student = decode_and_train_student(world, preset, config, plan, queries, public_model)
     evaluation = evaluate(transport, world, config, plan, queries, student)
     outcome = PateOutcome(teachers, plan, queries, student, evaluation, ledger, dict(transport.dropped), noise)
@@ -542,8 +550,14 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                                    # counts that depend on the hospitals' teachers, outside any DP guarantee
                                    + ["fallback_teachers"],
         "privacy_statement": (f"({results.epsilon:.4g}, {config.delta:g})-DP per patient, replace-one adjacency, "
-                              f"{results.accountant} accountant over {len(queries.answered)} Gaussian queries "
-                              f"(sigma={plan.sigma:.4g}); covers the pseudo-labels and the student"),
+                              f"{results.accountant} accountant over {len(queries.answered)} "
+                              + ("distributed discrete Gaussian queries through a secure sum "
+                                 f"({queries.secure['counted_shares']} counted noise shares)" if queries.secure else
+                                 f"Gaussian queries (sigma={plan.sigma:.4g})")
+                              + "; covers the pseudo-labels and the student"),
+        "aggregation": (queries.secure or {}).get("aggregation", "trusted"),
+        "secure_aggregation": queries.secure,
+        "who_sees_what": who_sees_what(queries.secure),
     }
     labels = predict_probs(student.model, world.test_images, precision=config.precision).argmax(axis=1).astype(np.uint8)
     release = ModelRelease(student.model, network_config_of(student.model, preset.unet), preprocessing_of(world), world.source,

@@ -48,6 +48,11 @@ class HospitalTransport(Protocol):
                      ) -> dict[str, tuple[dict, dict]]:
         """One DP-FedAvg round of local DP-SGD from ``weights``: {hospital: (metrics, new local weights)}."""
 
+    def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
+                     ) -> dict[str, dict]:
+        """One stage of a secure sum (``server/secure.py``): each named hospital's reply to its message; a
+        hospital that refuses or does not answer is absent (it dropped out of that sum)."""
+
 
 @runtime_checkable
 class TeacherEnsembleDiagnostics(Protocol):

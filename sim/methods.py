@@ -106,6 +106,10 @@ for _record in (
         Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True,
                description="PATE with the public-anchored residual codec (SPEC section 11)", cell_seconds=190),
+        Method("pate-anchored-secure", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
+               sweeps_k=True, starts_from_public=True,
+               description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
+                           "aggregator sees only the noisy sum)", cell_seconds=230),
         Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
                starts_from_public=True, description="PATE on per-voxel one-hot votes", cell_seconds=190),
         Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -14,9 +15,14 @@ import numpy as np
 
 from clients.fedavg import local_dpsgd_round
 from clients.hospital import Hospital
+from clients.secure import SecureHospital
+from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
+from sim.errors import UserError
 from sim.presets import get_preset
 from sim.world import build_world, load_world
+
+log = logging.getLogger("fedpate.inprocess")
 
 
 class InProcessTransport:
@@ -33,6 +39,8 @@ class InProcessTransport:
         self.notes: list[dict[str, dict]] = []       # per query round: hospital -> what it said (counts)
         self.bytes_up: list[dict[str, float]] = []   # per query round: hospital -> bytes per teacher per scan
         self.query_rounds = 0
+        self.secure_parties: dict[str, SecureHospital] = {}   # each hospital's side of the secure sums
+        self.secure_drop: dict[str, str] = {}
 
     def hospital_ids(self) -> list[str]:
         for hospital, round_index in self.drop.items():
@@ -65,6 +73,23 @@ class InProcessTransport:
         for h in self.hospital_ids():
             new_weights, metrics = local_dpsgd_round(self.hospitals[h], weights, {**self.base_config, **config})
             replies[h] = ({"hospital_id": h, **metrics}, new_weights)
+        return replies
+
+    def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
+                     ) -> dict[str, dict]:
+        """A secure-sum stage (``server/secure.py``) at each hospital's ``clients.secure.SecureHospital``; a
+        refusal (its policy, its budget) is logged and the hospital is absent from the replies.
+        ``secure_drop`` ({hospital: stage}) simulates a hospital leaving mid-protocol."""
+        replies = {}
+        for h, message in messages.items():
+            if h in self.dropped or self.secure_drop.get(h) == stage:
+                self.secure_drop.pop(h, None)
+                continue
+            party = self.secure_parties.setdefault(h, SecureHospital(self.hospitals[h]))
+            try:
+                replies[h] = party.handle(stage, message, {**self.base_config, **config})
+            except (UserError, PrivacyError) as exc:
+                log.warning("hospital %s refused the secure-sum stage %s: %s", h, stage, exc)
         return replies
 
     def ensemble_probabilities(self, scans, config: Mapping[str, Any] | None = None) -> np.ndarray:

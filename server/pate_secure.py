@@ -1,0 +1,150 @@
+"""PATE whose aggregator need not be trusted: the query phase through the secure sum with distributed noise.
+
+In trusted PATE (``server/pate.py``) every hospital sends each teacher's encoding and the server adds the
+Gaussian noise. Here (methods registered in :data:`SECURE_PATE_METHODS`) each hospital sends, per query
+batch, only the masked sum of its teachers' rounded encodings plus its own share of discrete Gaussian
+noise (``clients/secure.py``); the server learns nothing but the sum over the K teachers with every
+hospital's noise share in it (Kairouz, Liu & Steinke 2021, arXiv 2102.06387; SecAgg+, Bell et al. CCS
+2020), divides by K and decodes as trusted PATE does (post-processing).
+
+Calibration: the local variance v is the smallest with which ``N`` releases, each with the shares the
+hospitals can count on (``participants - colluders - dropouts``), stay within (ε, δ)
+(``privacy.distributed.calibrate_local_variance``); the integer grid is the coarsest with at most 0.1 %
+rounding inflation of the row bound, and the modulus holds the sum except with probability 1e-9 per batch.
+The replace-one sensitivity of the *sum* does not depend on K (one patient changes one teacher's row), so a
+hospital that drops out changes K, not the guarantee.
+
+What each party sees (the report's "who sees what"): the server -- public keys, ciphertexts it cannot read,
+masked vectors that are uniform modulo 2^bits, and the noisy K-teacher sum; a hospital -- its own teachers
+and the other hospitals' key shares; anyone reading the results -- the student and the noisy sums' decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from dataclasses import replace
+from typing import Any, Mapping
+
+import numpy as np
+
+from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered, ddg_event, modulus_bits,
+                                 share_count, wrap_bound)
+from privacy.errors import BudgetExceeded
+from server.secure import SecureSumFailed, secure_sum
+from server.transport import HospitalTransport
+from sim import codecs
+from sim.errors import UserError
+
+log = logging.getLogger("fedpate.pate")
+
+#: secure method -> the trusted method whose codec and decoder it shares
+SECURE_PATE_METHODS = {"pate-anchored-secure": "pate-anchored"}
+
+#: what a secure run assumes unless told otherwise: no colluding hospital, no dropout (a hospital that leaves
+#: then stops the release of its batch: the survivors refuse to unmask), the smallest Shamir threshold
+DEFAULT_THREAT = {"colluders": 0, "dropouts": 0}
+
+WRAP_PROBABILITY = 1e-9
+
+
+def is_secure(method: str) -> bool:
+    return method in SECURE_PATE_METHODS
+
+
+def threat_model(config) -> dict:
+    given = dict(getattr(config, "secure", None) or {})
+    unknown = set(given) - {"colluders", "dropouts", "threshold"}
+    if unknown:
+        raise UserError(f"secure aggregation: unknown setting(s) {sorted(unknown)} (colluders, dropouts, threshold)")
+    return {**DEFAULT_THREAT, **given}
+
+
+def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, config, guard, noise, phase_type):
+    """Step 4 of :func:`server.pate.run_pate` for a secure method: returns ``(QueryPhase, plan)``, the plan's
+    ``sigma`` now the standard deviation of the released mean's noise (what the decoder assumes).
+
+    Each batch is one secure sum over the hospitals still connected; the run's ledger is charged (one
+    distributed-discrete-Gaussian release per query, the counted shares) before the sum is unmasked, and each
+    hospital charges its own before it draws its share. A batch whose sum fails (too few hospitals stayed,
+    or they refused) is not released."""
+    threat = threat_model(config)
+    phase = phase_type()
+    hospitals = sorted(h for h in transport.hospital_ids() if h in teachers.per_hospital)
+    participants = len(hospitals)
+    counted = share_count(participants, threat["colluders"], threat["dropouts"])
+    threshold = int(threat.get("threshold") or max(2, threat["colluders"] + 1))
+    latent = int(plan.compressor.latent_dim)
+    grid = IntegerGrid.for_rows(codecs.row_bound(plan.codec), latent)
+    variance = calibrate_local_variance(config.epsilon, config.delta, plan.queries, grid, counted)
+    per_query = ddg_event(grid, variance, counted, 1)
+    batch_size = max(1, int(config.query_batch))
+    K = teachers.total
+    bits = modulus_bits(K * grid.row_bound, participants * variance, batch_size * latent, WRAP_PROBABILITY)
+    mean_sigma = grid.granularity * math.sqrt(participants * variance) / K
+    plan = replace(plan, sigma=mean_sigma)
+    declaration = {"local_variance": variance, "shares": counted, "total_variance": counted * variance,
+                   "clip": grid.clip, "granularity": grid.granularity, "dimension": latent}
+    run_nonce = secrets.token_hex(4)
+    record = {"aggregation": "secure", "participants": participants, "colluders": threat["colluders"],
+              "dropouts": threat["dropouts"], "threshold": threshold, "counted_shares": counted,
+              "local_variance": variance, "granularity": grid.granularity, "row_bound": grid.row_bound,
+              "bits": bits, "wrap_probability_bound": wrap_bound(bits, K * grid.row_bound, participants * variance,
+                                                                   batch_size * latent),
+              "released_mean_sigma": mean_sigma, "failed_batches": 0, "bytes_up_per_hospital": [],
+              "bytes_down_per_hospital": []}
+    first_round = len(transport.bytes_up)
+    for start in range(0, plan.queries, batch_size):
+        batch = list(range(start, min(plan.queries, start + batch_size)))
+        asked = sorted(h for h in transport.hospital_ids() if h in teachers.per_hospital)
+        if asked != hospitals:
+            phase.stopped_early = (f"hospitals {sorted(set(hospitals) - set(asked))} left; the noise was planned for "
+                                   f"{participants} participants")
+            break
+        release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
+        try:
+            guard.charge_all(asked, per_query, release_ids,
+                             {"secure_sum": True, "counted_shares": counted, "participants": participants})
+        except BudgetExceeded as exc:
+            phase.stopped_early = str(exc)
+            break
+        codec = plan.codec_for(batch)
+        settings = {"method": config.method, "seed": config.seed, "delta": float(config.delta), **config.compute()}
+        try:
+            result = secure_sum(lambda stage, messages: transport.secure_stage(stage, messages, settings), asked,
+                                threshold, bits, len(batch) * latent, {**declaration, "release_ids": release_ids},
+                                {h: {"scans": world.query_images[batch], "codec": codec} for h in asked})
+        except SecureSumFailed as exc:
+            log.warning("secure batch %s not released: %s", batch, exc)
+            record["failed_batches"] += 1
+            phase.unreleased.extend(batch)
+            continue
+        answered = sum(teachers.per_hospital[h] for h in result.survivors)
+        sums = grid.to_reals(centered(result.total, bits)).reshape(len(batch), latent)
+        for j, index in enumerate(batch):
+            phase.answered.append(index)
+            phase.latents.append((sums[j] / answered).astype(np.float32))
+            phase.teachers_seen.append(int(answered))
+        for h, why in result.dropped.items():
+            phase.rejected.setdefault(h, []).append(f"dropped at {why}")
+        record["bytes_up_per_hospital"].append(dict(result.bytes_up))
+        record["bytes_down_per_hospital"].append(dict(result.bytes_down))
+        transport.bytes_up.append({h: result.bytes_up[h] / max(1, teachers.per_hospital[h] * len(batch))
+                                   for h in result.survivors})
+    phase.bytes_up = list(transport.bytes_up[first_round:])
+    phase.secure = record
+    return phase, plan
+
+
+def who_sees_what(secure: Mapping[str, Any] | None) -> dict[str, str]:
+    """What each party could see in a PATE run (the report prints it per cell)."""
+    if not secure:
+        return {"aggregator": "every teacher's un-noised encoding of every query scan (trusted to add the noise)",
+                "hospitals": "their own teachers only",
+                "results": "the student and the decoded noisy means"}
+    return {"aggregator": (f"masked vectors (uniform modulo 2^{secure['bits']}) and the K-teacher sum with the "
+                           f"noise shares of {secure['participants']} hospitals; with up to {secure['colluders']} "
+                           f"colluding hospital(s) still at least {secure['counted_shares']} honest shares"),
+            "hospitals": "their own teachers, the others' public keys and encrypted key shares",
+            "results": "the student and the decoded noisy means"}

@@ -1,0 +1,59 @@
+"""Secure PATE end to end on the synthetic world (server/pate_secure.py): the server receives no teacher
+encoding, only secure-sum messages; every release is a distributed discrete Gaussian charged to the run and
+to each hospital's own ledger; the results say who could see what."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from privacy.events import DistributedDiscreteGaussianEvent
+from privacy.ledger import Ledger
+from tests.test_pate_run import world  # noqa: F401  (the module-scoped synthetic world fixture)
+
+
+@pytest.mark.slow
+def test_secure_pate_runs_and_the_server_sees_only_the_secure_sum(world, tmp_path):  # noqa: F811
+    from server.pate import PateConfig, run_pate
+    from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+    from sim.world import load_world
+
+    prepared, split, preset = world
+    preset = preset.replace(extra={**preset.extra, "anchored_intensity_bins": 1, "anchored_decoder": "mass-matching"})
+
+    class Recording(InProcessTransport):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.encodings_received = 0
+            self.masked_received = []
+
+        def query(self, scans, codec, config):
+            replies = super().query(scans, codec, config)
+            self.encodings_received += len(replies)
+            return replies
+
+        def secure_stage(self, stage, messages, config):
+            replies = super().secure_stage(stage, messages, config)
+            if stage == "collect-masked":
+                self.masked_received += [np.asarray(r["masked"]) for r in replies.values()]
+            return replies
+
+    ledgers = tmp_path / "hospital-ledgers"
+    members = simulated_hospitals(prepared, split, preset, tmp_path / "hospitals", 0)
+    transport = Recording(members, base_config={"ledger_dir": str(ledgers), "lifetime_epsilon": 8.0, "delta": 1e-3,
+                                                "allow_identity": True})
+    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, progress=False, diagnostics=False, query_batch=4)
+    results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / "run")
+    assert transport.encodings_received == 0                   # no teacher encoding ever reached the server
+    assert len(transport.masked_received) == 2 * 2             # two hospitals x two batches of four queries
+    assert results["aggregation"] == "secure" and results["accountant"] == "rdp"
+    assert 7.9 < results["epsilon"] <= 8.0 and results["queries"] == 8
+    assert "uniform modulo" in results["who_sees_what"]["aggregator"]
+    secure = results["secure_aggregation"]
+    assert secure["counted_shares"] == 2 and secure["wrap_probability_bound"] <= 1e-9
+    for hospital in ("h0", "h1"):
+        events = Ledger(ledgers / f"{hospital}.jsonl").events(hospital)
+        assert len(events) == 8 and all(isinstance(e, DistributedDiscreteGaussianEvent) for e in events)
+        assert Ledger(ledgers / f"{hospital}.jsonl").spent(hospital, 1e-3).epsilon <= 8.0
+    run_events = Ledger(Path(tmp_path / "run" / "ledger.jsonl")).events("h0")
+    assert run_events == Ledger(ledgers / "h0.jsonl").events("h0")
