@@ -23,9 +23,11 @@ basic       pure ε (Laplace, PureDP): ε = Σ ε_i, δ = 0                     
 =========== ============================================================ ======================
 
 Neighbouring relations: an accountant accounts one relation (the first event's); composing an event
-under another raises PrivacyError. Poisson-sampled Gaussians under replace-one are accounted only by
-``pld`` (dp_accounting's ``NeighboringRelation.REPLACE_ONE``); its RDP accountant refuses them, and so
-does ours.
+under another raises PrivacyError. Poisson-sampled Gaussians under replace-one are accounted exactly by
+``pld`` (dp_accounting's ``NeighboringRelation.REPLACE_ONE``); dp_accounting's RDP accountant refuses them,
+ours (``rdp``, not the filter) adds a valid but looser curve from the weak triangle inequality
+(:func:`replace_one_sampled_gaussian_rdp`), so that a lifetime ledger mixing them with events PLD cannot
+account (the distributed discrete Gaussian of a secure sum) still has an accountant.
 
 Adaptively chosen events (``event.adaptive``: parameters picked from earlier outputs, e.g. the
 validation-driven DP-SGD schedule) are composed only by accountants that remain valid under *fully
@@ -47,6 +49,7 @@ from scipy import optimize, special
 
 from privacy.errors import PrivacyError, UnsupportedEvent
 from privacy.events import (
+    ComposedEvent,
     DistributedDiscreteGaussianEvent,
     Event,
     GaussianEvent,
@@ -539,10 +542,29 @@ class RDPAccountant(_DpAccountingWrapper):
             return all(isinstance(leaf, (GaussianEvent, SampledGaussianEvent, LaplaceEvent, ZCDPEvent))
                        for leaf in event.inner.leaves())
         if isinstance(event, SampledGaussianEvent):
-            return event.relation == "add-remove"
+            # replace-one: the weak-triangle curve (replace_one_sampled_gaussian_rdp), only where the best order
+            # is chosen after the fact for a fixed sequence (not in the filter, whose orders are few and fixed)
+            return event.relation == "add-remove" or not self.filter_valid
         return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent, DistributedDiscreteGaussianEvent))
 
     def _apply(self, event: Event, count: int = 1) -> None:
+        if (not self.filter_valid and not isinstance(event, RepeatAndSelectEvent)
+                and any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one"
+                        for leaf in event.leaves())):
+            # dp_accounting's RDP has no replace-one Poisson subsampling: add the weak-triangle curve of each
+            # such leaf to its composed curve (as for the repeated selection below), the rest through it
+            curve = 0.0
+            rest = []
+            for leaf in event.leaves():
+                if isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one":
+                    curve = curve + replace_one_sampled_gaussian_rdp(leaf.sampling_rate, leaf.noise_multiplier,
+                                                                     leaf.steps, self._inner.orders)
+                else:
+                    rest.append(leaf)
+            if rest:
+                super()._apply(ComposedEvent(tuple(rest)), count)
+            self._inner._rdp = self._inner._rdp + count * curve
+            return
         if not isinstance(event, RepeatAndSelectEvent):
             return super()._apply(event, count)
         # dp_accounting's RdpAccountant keeps the composed curve in _rdp (it has a read-only ``rdp`` property

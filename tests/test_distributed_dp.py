@@ -206,3 +206,28 @@ def test_share_count():
     assert share_count(10, 2, 1) == 7
     with pytest.raises(PrivacyError):
         share_count(3, 2, 1)
+
+
+def test_a_lifetime_ledger_mixing_secure_pate_and_replace_one_dpsgd_has_an_accountant():
+    """A hospital's lifetime ledger in a comparison holds both: PLD cannot take the secure sum's event, so
+    rdp accounts the replace-one DP-SGD steps through the weak triangle (replace_one_sampled_gaussian_rdp)."""
+    from privacy.accountants import PLDAccountant, RDPAccountant, replace_one_sampled_gaussian_rdp
+    from privacy.events import SampledGaussianEvent
+
+    sgd = SampledGaussianEvent(1 / 6, 1.1, 60, relation="replace-one")
+    secure = ddg_event(IntegerGrid.for_rows(1.0, 32), 1e8, 2, 40)
+    assert accountant_for([sgd, secure]).name == "rdp"
+    ledger = Ledger(None)
+    ledger.record(["h0"], sgd, "round-1")
+    ledger.record(["h0"], secure, "query-1")
+    spent = ledger.spent("h0", 1e-5)
+    assert spent.accountant == "rdp"
+    # the composed curve is the sum of the two curves, read with dp_accounting's improved conversion
+    acc = RDPAccountant().compose(sgd)
+    orders = acc._inner.orders
+    expected = replace_one_sampled_gaussian_rdp(1 / 6, 1.1, 60, orders) + secure.rho * np.asarray(orders)
+    np.testing.assert_allclose(acc._inner._rdp, replace_one_sampled_gaussian_rdp(1 / 6, 1.1, 60, orders))
+    acc.compose(secure)
+    np.testing.assert_allclose(acc._inner._rdp, expected)
+    assert spent.epsilon == pytest.approx(acc.get_epsilon(1e-5))
+    assert spent.epsilon >= PLDAccountant().compose(sgd).get_epsilon(1e-5)
