@@ -592,6 +592,21 @@ def interrupted_cells(root: str | Path) -> list[str]:
     return sorted(str(path.relative_to(root)) for path in root.rglob("*.interrupted-*") if path.is_dir())
 
 
+def who_sees_what_lines(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per method whose cells say so (results.json ``who_sees_what``), who could see what: the trusted and
+    the secure aggregation differ exactly there (server/pate_secure.py)."""
+    seen: dict[str, tuple[str, Mapping[str, str]]] = {}
+    for cell in sorted(cells, key=lambda c: str(c.get("method"))):
+        parties = cell.get("who_sees_what")
+        if isinstance(parties, Mapping) and parties and cell.get("method") not in seen:
+            seen[str(cell["method"])] = (str(cell.get("aggregation", "trusted")), parties)
+    lines = []
+    for method, (aggregation, parties) in seen.items():
+        said = "; ".join(f"{party}: {what}" for party, what in parties.items())
+        lines.append(f"- Who could see what in `{method}` (aggregation: **{aggregation}**): {said}.")
+    return lines
+
+
 def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None,
                       interrupted: Sequence[str] = ()) -> list[str]:
     """The relation every ε is stated under (one per comparison, else a warning), the threat model, and
@@ -608,6 +623,7 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                  "privacy protects the patients against everyone who sees what a private method releases: its "
                  "pseudo-labels, its model, and the Dice of that model on the test patients (a post-processing "
                  "of the model). Each hospital keeps its own ledger and lifetime budget.")
+    lines += who_sees_what_lines(cells)
     lines.append("- **Simulation-only numbers in this report are not covered by any guarantee**: the "
                  "`nonprivate-central` row (trained on the pooled patients without noise), and every field a "
                  "cell lists under `not_private_diagnostics` in its results.json (teacher Dice, the noise-free "

@@ -57,3 +57,17 @@ def test_secure_pate_runs_and_the_server_sees_only_the_secure_sum(world, tmp_pat
         assert Ledger(ledgers / f"{hospital}.jsonl").spent(hospital, 1e-3).epsilon <= 8.0
     run_events = Ledger(Path(tmp_path / "run" / "ledger.jsonl")).events("h0")
     assert run_events == Ledger(ledgers / "h0.jsonl").events("h0")
+
+
+def test_the_report_says_who_could_see_what_per_method():
+    from server.pate_secure import who_sees_what
+    from sim.report import who_sees_what_lines
+
+    secure = {"bits": 40, "participants": 4, "colluders": 1, "counted_shares": 3}
+    cells = [{"method": "pate-anchored", "aggregation": "trusted", "who_sees_what": who_sees_what(None)},
+             {"method": "pate-anchored-secure", "aggregation": "secure", "who_sees_what": who_sees_what(secure)},
+             {"method": "public-only"}]
+    lines = who_sees_what_lines(cells)
+    assert len(lines) == 2
+    assert "**trusted**" in lines[0] and "un-noised encoding" in lines[0]
+    assert "**secure**" in lines[1] and "uniform modulo 2^40" in lines[1] and "at least 3 honest shares" in lines[1]
