@@ -71,3 +71,37 @@ def test_the_report_says_who_could_see_what_per_method():
     assert len(lines) == 2
     assert "**trusted**" in lines[0] and "un-noised encoding" in lines[0]
     assert "**secure**" in lines[1] and "uniform modulo 2^40" in lines[1] and "at least 3 honest shares" in lines[1]
+
+
+@pytest.mark.slow
+def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_they_rely_on(tmp_path):
+    """Three hospitals, each counting on at most one dropout: one leaves after sharing its keys in the first
+    batch; the survivors unmask without it (its pairwise masks rebuilt from their shares), that batch averages
+    the four teachers left, and every charge counts 3 - 1 = 2 noise shares."""
+    from server.pate import PateConfig, run_pate
+    from sim.data.synthetic import SyntheticPrepared
+    from sim.presets import get_preset
+    from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+    from sim.world import load_world
+    from tests.test_pate_run import FakeSplit
+
+    prepared = SyntheticPrepared(28)
+    ids = prepared.case_ids
+    split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]], "h2": [[ids[4]], [ids[5]]]},
+                      public_query=ids[6:14], public_reference=ids[14:22], test=ids[22:26])
+    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=2, student_epochs=1, hospitals=3,
+                                        teachers_per_hospital=2)
+    ledgers = tmp_path / "hospital-ledgers"
+    transport = InProcessTransport(simulated_hospitals(prepared, split, preset, tmp_path / "hospitals", 0),
+                                   base_config={"ledger_dir": str(ledgers), "lifetime_epsilon": 8.0, "delta": 1e-3,
+                                                "secure_policy": {"dropouts": 1}})
+    transport.secure_drop = {"h2": "collect-masked"}
+    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, progress=False, diagnostics=False, query_batch=4,
+                        secure={"dropouts": 1})
+    results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / "run")
+    assert results["queries"] == 8 and results["teachers_per_query"] == {"min": 4, "max": 6}
+    assert results["secure_aggregation"]["counted_shares"] == 2 and results["epsilon"] <= 8.0
+    assert results["rejected_replies"] == {"h2": 1}
+    counts = {h: len(Ledger(ledgers / f"{h}.jsonl").events(h)) for h in ("h0", "h1", "h2")}
+    assert counts == {"h0": 8, "h1": 8, "h2": 4}      # h2 left before drawing its share: not charged for batch 1
+    assert all(e.shares == 2 for h in counts for e in Ledger(ledgers / f"{h}.jsonl").events(h))
