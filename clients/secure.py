@@ -354,6 +354,7 @@ class SecureHospital:
                                        f"the declared {len(release_ids)} releases of dimension {grid.dimension}")
         local_variance = float(noise["local_variance"])
         encode = make_encoder(codec, hospital.compute(config)[0])
+        hospital.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
         # the charge: one release per query, the noise it can count on, before any teacher sees a scan
         event = ddg_event(grid, local_variance, session.counted, 1, "replace-one")
         nonce = mint_nonce()

@@ -30,6 +30,9 @@ class FixedTeachers(Hospital):
         self.level = level
         self.runs = 0
 
+    def load_teachers(self, config=None):
+        pass
+
     def teacher_probs(self, k, scans, config=None):
         self.runs += 1
         probs = np.full((len(scans), 4, *GRID), 0.1, np.float32)
@@ -146,3 +149,19 @@ def test_more_dropouts_than_counted_leave_the_sum_masked(tmp_path):
 
     with pytest.raises(SecureRequestRefused, match="masked inputs arrived"):
         secure_sum(dropping, list(names), 2, 40, grid.dimension, noise, inputs)
+
+
+def test_a_hospital_without_teachers_refuses_before_it_is_charged(tmp_path):
+    from sim.errors import UserError
+
+    hospitals, exchange, config = _world(tmp_path)
+    untrained = Hospital("h9", prepared=None, partitions=[["p0"]], preset=PRESET, workdir=tmp_path / "h9",
+                         lifetime_epsilon=8.0, delta=DELTA)
+    secure = {h.hospital_id: SecureHospital(h) for h in hospitals + [untrained]}
+    codec, scans = _codec(), np.zeros((1, 4, *GRID), np.float32)
+    grid, noise = _declaration(codec, 1, 4, 4, variance=1e6)
+    names = [h.hospital_id for h in hospitals] + ["h9"]
+    with pytest.raises(UserError):
+        secure_sum(lambda stage, messages: {h: secure[h].handle(stage, m, config) for h, m in messages.items()},
+                   names, 2, 40, grid.dimension, noise, {h: {"scans": scans, "codec": codec} for h in names})
+    assert _ledger_records(tmp_path, "h9") == []
