@@ -255,7 +255,8 @@ class SecureSumParty:
         survivors = [str(s) for s in message["survivors"]]
         dropped = [str(s) for s in message["dropped"]]
         if set(survivors) & set(dropped):
-            raise SecureRequestRefused(f"hospital {self.name}: asked for both shares of {sorted(set(survivors) & set(dropped))}")
+            both = sorted(set(survivors) & set(dropped))
+            raise SecureRequestRefused(f"hospital {self.name}: asked for both shares of {both}")
         if self.name not in survivors:
             raise SecureRequestRefused(f"hospital {self.name}: not listed among the survivors")
         need = len(session.participants) - self.policy.dropouts
@@ -362,8 +363,8 @@ class SecureHospital:
             [who], event, [f"{r}@{nonce}" for r in release_ids],
             {"secure_sum": True, "participants": len(session.participants), "counted_shares": session.counted,
              "colluders": self.party.policy.colluders, "dropouts": self.party.policy.dropouts,
-             "threshold": session.threshold, "local_variance": local_variance, "codec": str(np.asarray(codec["kind"]).item()),
-             "latent_dim": latent})
+             "threshold": session.threshold, "local_variance": local_variance,
+             "codec": str(np.asarray(codec["kind"]).item()), "latent_dim": latent})
         seed = config.get("secure_noise_seed")
         if seed is not None and getattr(hospital, "deployed", False):
             raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
