@@ -190,10 +190,16 @@ def _bundle_model(model_dir: str | Path, device):
     device = resolve_device(device)
 
     bundle = load_bundle(model_dir)
+    return bundle, preprocess_config_of(bundle.preprocessing), bundle.model.to(device).eval()
+
+
+def preprocess_config_of(preprocessing) -> PreprocessConfig:
+    """The :class:`PreprocessConfig` a model was trained with, from its bundle's ``preprocessing`` record
+    (``sim.bundle.preprocessing_of``)."""
     # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
-    config = PreprocessConfig.from_dict(bundle.preprocessing["config"]) if "config" in bundle.preprocessing else \
-        PreprocessConfig(grid=tuple(bundle.preprocessing["grid"]), antialias=False)
-    return bundle, config, bundle.model.to(device).eval()
+    if "config" in preprocessing:
+        return PreprocessConfig.from_dict(preprocessing["config"])
+    return PreprocessConfig(grid=tuple(preprocessing["grid"]), antialias=False)
 
 
 def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=None,
@@ -209,11 +215,28 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
     """
+    image_grid, _, record = preprocess_case(data, None, affine, config)
+    return segment_preprocessed(model, config, image_grid, record, brain_mask(data), device, precision)
+
+
+def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray, device=None,
+                         precision: str = "32") -> np.ndarray:
+    """:func:`segment_scan` from a scan already preprocessed. Why apart: the real-scan check
+    (``sim.realcheck``) preprocesses each case once and scores many models.
+
+    Args:
+        model: the segmentation network (a bundle's).
+        config: the bundle's :class:`sim.data.preprocess.PreprocessConfig`.
+        image_grid: the preprocessed scan (4, *grid) (:func:`sim.data.preprocess.preprocess_case`).
+        record: its :class:`sim.data.preprocess.PreprocessRecord` (maps the probabilities back).
+        brain: the scan's :func:`brain_mask` in its own grid (no tumour outside it).
+        device: where the network runs (None: where the model is).
+        precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
+    """
     # MONAI (~10 s to import) only when a scan is segmented
     from monai.inferers import sliding_window_inference
 
     device = model_device(model) if device is None else resolve_device(device)
-    image_grid, _, record = preprocess_case(data, None, affine, config)
     with torch.no_grad():
         x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
         with autocast(device, precision):
@@ -227,7 +250,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
     # the voxels where any channel is non-zero (brain_mask, as preprocessing crops and normalises). Without this
     # rule the coarse grid's smooth probabilities spill into the zero background at the brain's edge (about 2 ml per
     # scan on Slicer's real scans; docs/GENERALISATION.md).
-    labels[~brain_mask(data)] = 0
+    labels[~brain] = 0
     return labels
 
 

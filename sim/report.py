@@ -19,6 +19,7 @@ import numpy as np
 from privacy.ledger import Ledger
 from sim.data.layouts import CLASSES
 from sim.io import atomic_write_bytes, atomic_write_text
+from sim import report_real
 from sim import methods as registry   # every method's family and role: the report never tests a name
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
@@ -490,6 +491,8 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
         lines += smoke_test_banner(cells)
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
+    if not accuracy:
+        lines += [report_real.header_line(cells), ""]
     if (root / WORLD_FILE).exists():
         lines += world_section(json.loads((root / WORLD_FILE).read_text()), cells)
     lines += privacy_statement(cells, release, interrupted_cells(root))
@@ -519,6 +522,9 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
         class_table = headroom_class_table(cells)
         if class_table:
             lines += ["Headroom recovered per class and region, with its paired standard error:", "", class_table, ""]
+        floors, ceiling = floors_of(cells), reference_cell(cells, ceiling_of(cells))
+        primary = reference_cell(cells, floors[0]) if floors else None
+        lines += report_real.real_section(cells, lambda cell: headroom_of(cell, primary, ceiling))
         lines += ["All fields. " + NOISE_NOTE, ""]
     lines += [
         markdown_table(cells, accuracy=accuracy),

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sim.io import atomic_write_text
+from sim import report_real
 from sim.methods import role_of
 from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells,
                         cells_to_csv, ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells,
@@ -254,6 +255,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
                   "recovered* is left out (—)" + (" and the methods cannot be ranked." if everywhere else "."), ""]
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
+    lines += [report_real.header_line(all_cells), ""]
     lines += privacy_statement(all_cells, release, interrupted_cells(root))
     lines[-1:-1] = [f"- Every seed splits the same patients: all seeds' cells charged the same hospital ledgers under "
                     "one lifetime budget, and the combined ε above covers every seed."]
@@ -275,6 +277,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
     classes = class_table(rows)
     if classes:
         lines += ["Headroom recovered per class and region (mean over seeds ± 95 % t half-width):", "", classes, ""]
+    lines += report_real.seeds_section(per_seed, t_interval, _format_interval)
     found = seed_verdicts(per_seed)
     if found:
         lines += ["## Verdicts paired by seed", "",

@@ -11,7 +11,9 @@ relation and accountant, never a number a caller computed.
 
 :func:`write_run` is the only writer of ``results.json``: model bundle first (``sim.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
-``results.json`` atomically. Nothing patches ``results.json`` afterwards.
+``results.json`` atomically. Nothing patches ``results.json`` afterwards. When a real-scan check is active
+(``sim.realcheck.scoring``), the released model is scored on its labelled real cases there, before
+``results.json`` is written (``real_check``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from privacy.accountants import epsilon_per_relation
 from privacy.ledger import Ledger
 from sim.bundle import privacy_card, save_bundle
 from sim.data.preprocess import invert_label
+from sim import realcheck
 from sim.io import atomic_write_bytes, atomic_write_json
 from sim.metrics import DICE_KEYS
 
@@ -63,6 +66,9 @@ class RunResults:
     #: the forward-pass precision ("32" | "bf16"); None where the producer does not train a model on a device
     device: str | None = None
     precision: str | None = None
+    #: the released model scored on labelled real cases (``--real-check``, ``sim.realcheck.score_model``):
+    #: {"dice": mean over cases, "cases": per-case rows, "folders", "seconds"}; None when no real case was given
+    real_check: dict | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
@@ -93,15 +99,17 @@ class RunResults:
 
 
 #: scalar schema fields, in record order: the columns every comparison's cells.csv has (sim.report)
-SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(RunResults) if f.name not in ("dice", "extras"))
-CSV_COLUMNS = SCALAR_FIELDS + tuple(f"dice_{key}" for key in DICE_KEYS)
+SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(RunResults) if f.name not in ("dice", "real_check", "extras"))
+CSV_COLUMNS = SCALAR_FIELDS + tuple(f"dice_{key}" for key in DICE_KEYS) + realcheck.CSV_COLUMNS
 
 
 def csv_row(results: Mapping[str, Any]) -> dict[str, Any]:
-    """One results.json as a row of :data:`CSV_COLUMNS` (Dice flattened into ``dice_<key>``)."""
+    """One results.json as a row of :data:`CSV_COLUMNS` (Dice flattened into ``dice_<key>``, the real-scan
+    check's mean Dice into ``real_dice_<key>``)."""
     row = {key: results.get(key) for key in SCALAR_FIELDS}
     dice = results.get("dice") or {}
     row.update({f"dice_{key}": dice.get(key) for key in DICE_KEYS})
+    row.update(realcheck.csv_fields(results))
     return row
 
 
@@ -156,6 +164,9 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
             results.extras["predictions"] = write_test_predictions(out / "predictions", labels, world)
     if started is not None:
         results.wall_seconds = round(time.perf_counter() - started, 3)
+    if release is not None and results.real_check is None:
+        # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
+        results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
     record = results.to_dict()
     atomic_write_json(out / "results.json", record)
     return record

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sim.commands.common import (add_compute_options, add_run_options, at_least_one, decay_fraction, open_fraction,
+from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, at_least_one, decay_fraction, open_fraction,
                                  positive_integer, positive_number, resolved_device)
 from sim.methods import CENTRAL_METHODS
 
@@ -19,6 +19,7 @@ def register(subparsers) -> None:
                              "per-sample clipping and Gaussian noise, charged to every hospital")
     add_run_options(parser)
     add_compute_options(parser)
+    add_real_check_option(parser)
     parser.add_argument("--noise-mode", default="target", choices=("target", "fixed", "schedule"),
                         help="DP-SGD noise: calibrated to the budget for the planned epochs (target), the "
                              "preset's sigma until the budget is spent (fixed), or a decaying schedule")
@@ -87,8 +88,9 @@ def _selection_shape(text: str) -> float | None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, resolve_hospitals
+    from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals
     from sim.io import ensure_folder
+    from sim.realcheck import scoring
     from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
     from sim.selection import SelectionConfig
 
@@ -112,9 +114,11 @@ def run(args) -> int:
         selection_config=SelectionConfig(
             heldout_fraction=args.selection_heldout, score_noise=args.selection_score_noise, mean=args.selection_mean,
             shape=args.selection_shape))
+    real_check = open_real_check(args)   # a bad folder is refused before anything trains
     device = resolved_device(args)
     ensure_folder(args.out)
-    results = run_central(dataclasses.replace(config, device=str(device)))
+    with scoring(real_check):   # every model it releases is also scored on the real cases
+        results = run_central(dataclasses.replace(config, device=str(device)))
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"
@@ -126,6 +130,8 @@ def run(args) -> int:
     print(line)
     took = results.get("wall_seconds")   # none after private selection: its duration would tell how many runs
     print(f"wrote {args.out}/results.json" + (f" in {took:.1f} s" if took is not None else ""))
+    if results.get("real_check"):
+        print(real_check_line(results["method"], results["real_check"]))
     return 0
 
 

@@ -109,3 +109,37 @@ def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int 
 
         return count_partitions(partition_file)
     return hospitals
+
+
+def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = False) -> None:
+    """``--real-check DIR`` (repeatable): score every model the command trains on labelled real cases too
+    (``sim.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
+    parser.add_argument("--real-check", action="append", default=None, metavar="DIR",
+                        help="a folder of labelled real cases (MSD Task01, BraTS 2021 or BraTS 2023 case folders, or "
+                             "one case folder); every model is also scored on them, in each case's own grid, beside "
+                             "its phantom Dice (repeatable)"
+                             + ("; default: the folders in FEDPATE_REAL_CHECK (separated by ':')" if environment else ""))
+
+
+def open_real_check(args, environment: bool = False):
+    """The :class:`sim.realcheck.RealCheck` of ``--real-check`` (or, with ``environment``, of FEDPATE_REAL_CHECK),
+    its folders checked now, before anything trains; None when no folder is named."""
+    from sim.realcheck import ENVIRONMENT, folders_from_environment, open_check
+
+    folders = getattr(args, "real_check", None) or []
+    if folders or not environment:
+        return open_check(folders, "--real-check")
+    return open_check(folders_from_environment(), ENVIRONMENT)
+
+
+def real_check_line(method: str, found: dict) -> str:
+    """One console line of a model's real-scan check (``results.json``'s ``real_check``)."""
+    if found.get("error"):
+        return f"{method} on real scans: scoring failed ({found['error']})"
+    dice = found.get("dice") or {}
+
+    def fmt(key):
+        return "n/a" if dice.get(key) is None else f"{dice[key]:.3f}"
+
+    return (f"{method} on {len(found.get('cases') or [])} real case(s): mean Dice {fmt('mean')} (WT {fmt('WT')}, "
+            f"TC {fmt('TC')}, ET {fmt('ET')}; each case's own grid; scored in {found.get('seconds', 0):.1f} s)")

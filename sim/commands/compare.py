@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_compute_options, add_run_options, resolved_device
+from sim.commands.common import add_compute_options, add_real_check_option, add_run_options, resolved_device
 from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 
 
@@ -16,6 +16,7 @@ def register(subparsers) -> None:
                     f"classification seed systems ({', '.join(CLASSIFICATION_METHODS)}).")
     add_run_options(parser, default_preset="quick", one_epsilon=False)   # budgets: --epsilons
     add_compute_options(parser)
+    add_real_check_option(parser)
     parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"),
                         help="what is compared: tumour segmentation (default), or the classification seed systems "
                              "on 2D tumour slices (slice-classification) or on 5,000 MNIST digits (mnist5k)")
@@ -46,7 +47,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, resolve_hospitals
+    from sim.commands.common import data_options, open_real_check, resolve_hospitals
     from sim.io import ensure_folder
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
 
@@ -56,6 +57,7 @@ def run(args) -> int:
         raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
                         f"e.g. --epsilons {args.epsilon:g}")
     where = data_options(args)
+    real_check = open_real_check(args)   # a bad folder is refused before anything runs
 
     device = resolved_device(args)
     epsilons = parse_list(args.epsilons, float, "--epsilons")
@@ -68,6 +70,9 @@ def run(args) -> int:
 
         if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:
             raise UserError(f"--seeds: --task {args.task} takes one seed (--seed), got {args.seeds}")
+        if real_check is not None:
+            raise UserError(f"--real-check: --task {args.task} has no tumour segmentations to score on real scans; "
+                            "it applies to --task segmentation")
         if where["partition_file"] or where["layout"]:
             raise UserError(f"--partition-file / --layout: --task {args.task} reads no tumour data folder's "
                             "partitions; they apply to --task segmentation")
@@ -90,7 +95,8 @@ def run(args) -> int:
                            teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
                            reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
                            init=args.init, device=str(device), precision=args.precision,
-                           workers=parse_workers(args.workers, args.engine, str(device)), **where)
+                           workers=parse_workers(args.workers, args.engine, str(device)),
+                           real_check=real_check.folders if real_check else (), **where)
     report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0

@@ -20,7 +20,8 @@ DEMO_EPSILONS = "1,8"
 
 
 def register(subparsers) -> None:
-    from sim.commands.common import SEED_HELP, add_compute_options, non_negative_integer, preset_help
+    from sim.commands.common import (SEED_HELP, add_compute_options, add_real_check_option, non_negative_integer,
+                                     preset_help)
 
     parser = subparsers.add_parser(
         "demo", help="the end-to-end demo (compare on fresh phantoms, then predict a new scan)",
@@ -43,6 +44,7 @@ def register(subparsers) -> None:
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
     add_compute_options(parser)
+    add_real_check_option(parser, environment=True)
     parser.set_defaults(func=run)
 
 
@@ -67,8 +69,9 @@ def run(args) -> int:
     from sim.world import PHANTOM_SEED
     from sim.data.phantoms import ensure_phantoms
 
-    from sim.commands.common import resolved_device
+    from sim.commands.common import open_real_check, resolved_device
 
+    real_check = open_real_check(args, environment=True)   # --real-check, else FEDPATE_REAL_CHECK; checked now
     device = resolved_device(args)
     out = ensure_folder(args.out)
     report = run_compare(CompareConfig(args.preset, parse_list(DEMO_METHODS, str, "methods"),
@@ -76,7 +79,8 @@ def run(args) -> int:
                                        progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
                                        engine=args.engine, init=args.init, device=str(device),
                                        precision=args.precision,
-                                       workers=parse_workers(args.workers, args.engine, str(device))))
+                                       workers=parse_workers(args.workers, args.engine, str(device)),
+                                       real_check=real_check.folders if real_check else ()))
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,
@@ -93,6 +97,31 @@ def run(args) -> int:
                 print("  " + prediction.summary())
             print(f"  same command yourself: fedpate predict --model {model_dir} --image {unseen[0]} "
                   f"--out {out / 'predict-demo'}")
+    for line in real_check_summary(load_cells(out)):
+        print(line)
     print(f"\nreport: {report}")
     print("cells: " + json.dumps(sorted(c["_cell"] for c in load_cells(out))))
     return 0
+
+
+def real_check_summary(cells) -> list[str]:
+    """The demo's closing lines on the real-scan check: each model's real WT / TC / ET Dice beside its phantom
+    mean Dice (from the cells' results.json), or how to ask for the check."""
+    from sim.realcheck import ENVIRONMENT, REGIONS, real_dice
+    from sim.report_real import checked
+
+    scored = checked(cells)
+    if not scored:
+        return [f"\nreal-scan check: none (--real-check DIR or {ENVIRONMENT}=DIR scores every model on labelled real "
+                "cases too)"]
+    cases = max(len(c["real_check"].get("cases") or []) for c in scored)
+    lines = [f"\nreal-scan check on {cases} labelled real case(s) (each case's own grid; section Real scans of the "
+             "report):"]
+    for cell in sorted(scored, key=lambda c: (str(c.get("method")), c.get("epsilon_budget") or 0)):
+        budget = cell.get("epsilon_budget")
+        name = cell["method"] + (f" eps {budget:g}" if budget is not None else "")
+        phantom = (cell.get("dice") or {}).get("mean")
+        real = ", ".join(f"{k} {real_dice(cell, k):.3f}" if real_dice(cell, k) is not None else f"{k} n/a"
+                         for k in REGIONS)
+        lines.append(f"  {name:<28} phantom mean Dice {'n/a' if phantom is None else f'{phantom:.3f}'}; real {real}")
+    return lines

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_compute_options, add_federation_options, add_run_options, resolved_device
+from sim.commands.common import (add_compute_options, add_federation_options, add_real_check_option, add_run_options,
+                                 resolved_device)
 from sim.methods import FEDERATED_METHODS
 
 
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     add_run_options(parser, default_preset="tiny")
     add_federation_options(parser)
     add_compute_options(parser)
+    add_real_check_option(parser)
     parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),
                         help="flower: Flower simulation engine in this process (default); runtime: through a "
                              "--simulation SuperLink and `flwr run`; inprocess: the same protocol without Flower")
@@ -30,12 +32,19 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, resolve_hospitals
+    from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals
+    from sim.errors import UserError
     from sim.io import ensure_folder
+    from sim.realcheck import scoring
     from sim.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     where = data_options(args)
+    real_check = open_real_check(args)   # a bad folder is refused before anything trains
+    if real_check is not None and args.engine == "runtime":
+        # the runtime engine's ServerApp is another process, started by Flower's SuperLink
+        raise UserError("--real-check: needs --engine flower or inprocess (the ServerApp then runs in this process "
+                        "and scores the model it releases); --engine runtime runs it elsewhere")
     resolved_device(args)   # refused here when asked for a GPU this machine does not have
     ensure_folder(args.out)
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
@@ -44,11 +53,15 @@ def run(args) -> int:
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
                            init=args.init, device=args.device, precision=args.precision)
-    for result in simulate(settings, engine=args.engine):
+    with scoring(real_check):   # the model the ServerApp releases is also scored on the real cases
+        results = simulate(settings, engine=args.engine)
+    for result in results:
         dice = (result.get("dice") or {}).get("mean")
         eps = result.get("epsilon")
         print(f"{result['method']}: mean Dice {dice if dice is None else round(dice, 3)}, "
               f"epsilon {eps if eps is None else round(eps, 3)} (budget {result.get('epsilon_budget')}, "
               f"delta {result.get('delta')}, {result.get('relation')}, {result.get('accountant')})")
+        if result.get("real_check"):
+            print(real_check_line(result["method"], result["real_check"]))
     print(f"results: {args.out}/results.json  model card: {args.out}/model/MODEL_CARD.md")
     return 0

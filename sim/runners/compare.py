@@ -45,6 +45,7 @@ from sim.device import check_precision, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_json
 from sim import methods as registry
+from sim import realcheck
 from sim.presets import get_preset
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.runconfig import Cell, RunSettings, check_epsilon
@@ -100,6 +101,9 @@ class CompareConfig:
             cores (:func:`run_in_workers`; 1 = every cell in this process, in sequence; :func:`default_workers`).
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
+        real_check: folders of labelled real cases (``--real-check``): every model a cell releases is also
+            scored on them (``sim.realcheck``); checked here, before anything trains. Not a resume setting: a
+            resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
     preset: str
@@ -123,6 +127,7 @@ class CompareConfig:
     precision: str = "32"
     workers: int = 1
     lane: bool = False
+    real_check: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if self.init not in ("public", "scratch"):
@@ -146,9 +151,16 @@ class CompareConfig:
                   "epsilons": tuple(check_epsilon(e) for e in self.epsilons),
                   "out": Path(self.out), "hospitals": hospitals, "precision": check_precision(self.precision),
                   "teachers_per_hospital": tuple(self.teachers_per_hospital) if self.teachers_per_hospital else None,
-                  "ledger_dir": Path(self.ledger_dir) if self.ledger_dir is not None else None}
+                  "ledger_dir": Path(self.ledger_dir) if self.ledger_dir is not None else None,
+                  "real_check": tuple(str(folder) for folder in (self.real_check or ()))}
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        self.real_cases   # a bad --real-check folder is refused now, before anything trains
+
+    @functools.cached_property
+    def real_cases(self):
+        """The :class:`sim.realcheck.RealCheck` of ``real_check`` (None without folders)."""
+        return realcheck.open_check(self.real_check)
 
     @property
     def where(self) -> dict:
@@ -208,14 +220,16 @@ def run_compare(config: CompareConfig) -> Path:
     started = time.perf_counter()
     ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
     if config.lane:   # a worker of this comparison: its parent checked the folder and planned the lifetime
-        _run_cells(config, float(config.lifetime_epsilon or
-                                 planned_lifetime_epsilon(methods, epsilons, len(sweep))), ledger_dir)
+        with realcheck.scoring(config.real_cases):
+            _run_cells(config, float(config.lifetime_epsilon or
+                                     planned_lifetime_epsilon(methods, epsilons, len(sweep))), ledger_dir)
         return out
     # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
     # anything is written or charged; who holds what in this comparison's world: the split of the first K
     saved = read_settings(out / "compare.json") or {}
     refuse_other_settings(out / "compare.json", resume_settings(config))
-    world = describe_world(*build_world(config.federations[0], data, seed, progress, **where))
+    prepared, split = build_world(config.federations[0], data, seed, progress, **where)
+    world = describe_world(prepared, split)
     refuse_other_world(out / WORLD_FILE, world)
     # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
     # the planned lifetime budget cover every cell of the folder
@@ -223,15 +237,18 @@ def run_compare(config: CompareConfig) -> Path:
     lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep)))
     atomic_write_json(out / "compare.json", {"methods": methods_all, "epsilons": epsilons_all,
                                              **resume_settings(config), "lifetime_epsilon": lifetime,
-                                             "hospital_ledgers": os.path.relpath(ledger_dir, out)})
+                                             "hospital_ledgers": os.path.relpath(ledger_dir, out),
+                                             "real_check": list(config.real_check)})
     atomic_write_json(out / WORLD_FILE, world)
+    realcheck.prepare_cases(config.real_cases, getattr(prepared, "config", None))   # once, before the cells
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
-    if config.workers > 1:
-        worlds = run_in_workers(config, lifetime, ledger_dir)
-    else:
-        worlds = _run_cells(config, lifetime, ledger_dir)
+    with realcheck.scoring(config.real_cases):   # every model a cell releases is scored on the real cases
+        if config.workers > 1:
+            worlds = run_in_workers(config, lifetime, ledger_dir)
+        else:
+            worlds = _run_cells(config, lifetime, ledger_dir)
     first_k = min(worlds) if worlds else None
 
     # --- report --------------------------------------------------------------------------------------
@@ -598,7 +615,8 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     started = time.perf_counter()
     atomic_write_json(out / "compare-seeds.json", {"methods": methods_all, "epsilons": epsilons_all,
                                                    "seeds": seeds_all, **settings, "lifetime_epsilon": lifetime,
-                                                   "hospital_ledgers": f"{HOSPITAL_LEDGERS}/"})
+                                                   "hospital_ledgers": f"{HOSPITAL_LEDGERS}/",
+                                                   "real_check": list(config.real_check)})
     print(f"compare: {len(seeds)} seeds; each hospital's lifetime budget over every seed's cells: epsilon "
           f"{lifetime:g} ({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets over all seeds'})",
           flush=True)

@@ -1,0 +1,342 @@
+"""The real-scan check: every model a run releases, scored on labelled real cases beside its phantom Dice.
+
+Why: a method can win on the phantom test set and lose on real tumours (the phantoms' per-voxel intensity
+rules can be learned by a model that then does not transfer), so a comparison that ranks methods only on
+phantoms can pick the wrong one. With ``--real-check DIR`` (repeatable; any layout the readers know: MSD
+Task01, BraTS 2021, BraTS 2023, ``sim.data.reader.read_dataset``, or one BraTS case folder) every model a
+run writes is also scored on those cases, exactly as ``fedpate evaluate`` scores a bundle: the scan is
+preprocessed as in training, segmented (``sim.predict.segment_preprocessed``), the probabilities are mapped
+back to the scan's own grid and compared with its label map there, in our classes (``sim.data.layouts``
+maps each release's codes). Dice per class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and
+the BraTS regions WT, TC, ET, per case and averaged.
+
+How it reaches every model: the orchestration that runs cells opens the check (:func:`open_check`, which
+refuses a bad folder in one line naming the option and the folder, before anything trains) and makes it
+:func:`active` for the duration (:func:`scoring`); :func:`sim.results.write_run`, the one writer of
+``results.json``, then scores the model it releases (:func:`score_release`) and stores the result under the
+record's ``real_check`` key. Worker processes re-open the check from its folders.
+
+Cost: reading and preprocessing a 240 x 240 x 155 case takes seconds; it is done once per case and working
+grid (kept in memory, and on disk under the cache, ``sim.io.cache_root() / "real-check"``, keyed by the
+files' names, sizes and modification times), so each further model costs one forward pass and the mapping
+back to the scan's grid. The seconds each model's scoring took are recorded with its scores.
+
+The references are what the user gives: fedpate cannot tell a radiologist's segmentation from an algorithm's
+output, and reads nothing but the image and label files (a README beside the cases is ignored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import nibabel as nib
+import numpy as np
+
+from sim.data.brats import brats_case
+from sim.data.errors import DataError
+from sim.data.layouts import case_folder_layout
+from sim.data.msd import Case, load_case
+from sim.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, preprocess_case
+from sim.data.reader import read_dataset, require_labels
+from sim.errors import UserError
+from sim.io import atomic_write_bytes, cache_root
+from sim.metrics import DICE_KEYS, per_case_dice, summarise
+
+#: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
+OPTION = "--real-check"
+ENVIRONMENT = "FEDPATE_REAL_CHECK"
+#: preprocessed cases kept in memory (each holds its label map and brain mask in the scan's own grid, ~18 MB
+#: for a 240 x 240 x 155 BraTS case); more are re-read from the disk cache
+MEMORY_CASES = 16
+#: the regions the report compares (BraTS's own)
+REGIONS = ("WT", "TC", "ET")
+
+
+@dataclass(frozen=True)
+class RealCase:
+    """One labelled real case: its id, the ``--real-check`` folder it came from, its layout, and the
+    :class:`sim.data.msd.Case` that reads it."""
+
+    case_id: str
+    folder: str
+    layout: str
+    case: Case
+
+
+@dataclass(frozen=True)
+class RealCheck:
+    """The labelled real cases of one run (``--real-check`` folders, in the order given)."""
+
+    folders: tuple[str, ...]
+    cases: tuple[RealCase, ...]
+    cache_dir: str | None = None        # None: preprocessed cases kept in memory only
+
+    def describe(self) -> list[dict]:
+        """Per folder: its path, layout and case ids (results.json and the report's header state them)."""
+        described = []
+        for folder in self.folders:
+            found = [c for c in self.cases if c.folder == folder]
+            described.append({"folder": folder, "layout": found[0].layout if found else None,
+                              "cases": [c.case_id for c in found]})
+        return described
+
+
+def folders_from_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The folders named by :data:`ENVIRONMENT` (separated by ``os.pathsep``; empty entries ignored)."""
+    text = (os.environ if environ is None else environ).get(ENVIRONMENT, "")
+    return [part for part in text.split(os.pathsep) if part.strip()]
+
+
+def open_check(folders: Sequence[str | os.PathLike] | None, option: str = OPTION,
+               cache_dir: str | os.PathLike | None | bool = True) -> RealCheck | None:
+    """The check of ``folders`` (None when there are none), every case's files checked now.
+
+    A folder that is missing, of no known layout, holds an unlabelled case or a file that is not a readable
+    NIfTI of the right shape is a one-line UserError naming ``option`` and the folder: refused before any
+    training starts, not after an hour of it.
+
+    Args:
+        folders: MSD Task01 folders, folders of BraTS case folders, or single BraTS case folders.
+        option: the option named in errors.
+        cache_dir: where preprocessed cases are kept (True: ``cache_root() / "real-check"``; None or False:
+            memory only).
+    """
+    folders = [str(f) for f in (folders or []) if str(f).strip()]
+    if not folders:
+        return None
+    if len(set(folders)) != len(folders):
+        raise UserError(f"{option}: the same folder given twice ({', '.join(folders)})")
+    cases: list[RealCase] = []
+    for folder in folders:
+        for case in _labelled_cases(Path(folder), option):
+            _check_files(case, folder, option)
+            cases.append(RealCase(case.case_id, folder, case.layout or "msd", case))
+    if cache_dir is True:
+        cache_dir = cache_root() / "real-check"
+    return RealCheck(tuple(folders), tuple(cases), str(cache_dir) if cache_dir else None)
+
+
+def _labelled_cases(folder: Path, option: str) -> list[Case]:
+    if not folder.exists():
+        raise UserError(f"{option} {folder}: no such folder")
+    if not folder.is_dir():
+        raise UserError(f"{option} {folder}: expected a folder of labelled cases (MSD Task01, BraTS 2021 or BraTS "
+                        "2023 case folders), got a file")
+    try:
+        layout = case_folder_layout(folder)
+        if layout is not None:   # one BraTS case folder given by itself
+            case = brats_case(folder, layout)
+            if case.label is None:
+                raise DataError(f"{layout.seg_file(folder, folder.name).name}: missing label map of case "
+                                f"{folder.name}; the real-scan check needs labelled cases")
+            return [case]
+        dataset = require_labels(read_dataset(folder), "score models on real scans")
+    except DataError as exc:
+        message = str(exc)
+        if message.startswith(f"{folder}: "):   # the reader names the folder too: once is enough
+            message = message[len(f"{folder}: "):]
+        raise UserError(f"{option} {folder}: {message}") from None
+    if not dataset.training:
+        raise UserError(f"{option} {folder}: no labelled cases")
+    return list(dataset.training)
+
+
+def _check_files(case: Case, folder: str, option: str) -> None:
+    """Headers only (no voxels read): every file a readable NIfTI, one 3D grid for the modalities and the label."""
+    images = list(case.modalities) or [case.image]
+    shapes = {}
+    for path in [*images, case.label]:
+        try:
+            shapes[Path(path).name] = tuple(int(s) for s in nib.load(str(path)).shape)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix, in one line
+            raise UserError(f"{option} {folder}: {Path(path).name} of case {case.case_id} is not a readable NIfTI "
+                            f"file ({exc.__class__.__name__})") from None
+    grids = {name: shape[:3] for name, shape in shapes.items()}
+    if len(set(grids.values())) != 1:
+        raise UserError(f"{option} {folder}: case {case.case_id} has files on different grids "
+                        f"({', '.join(f'{n} {s}' for n, s in grids.items())})")
+
+
+# ------------------------------------------------------------------------------------------ the active check
+_ACTIVE: RealCheck | None = None
+
+
+@contextlib.contextmanager
+def scoring(check: RealCheck | None) -> Iterator[RealCheck | None]:
+    """Make ``check`` the one every model released inside this block is scored on (None: no check).
+
+    A plain module attribute, not a context variable: Flower's simulation engine runs the ServerApp in a
+    thread of this process, and that thread must see it."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, check
+    try:
+        yield check
+    finally:
+        _ACTIVE = previous
+
+
+def active() -> RealCheck | None:
+    return _ACTIVE
+
+
+def score_release(model, preprocessing: Mapping[str, Any], precision: str | None = None) -> dict | None:
+    """The active check's scores of a model about to be released (None without an active check).
+
+    A failure here must not lose a trained (and, for a private method, paid-for) model: it is recorded as
+    ``{"error": ...}`` and said on the console, and the run goes on."""
+    check = active()
+    if check is None:
+        return None
+    from sim.predict import preprocess_config_of
+
+    try:
+        return score_model(model, preprocess_config_of(preprocessing), check, precision=precision or "32")
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        message = f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        print(f"real-scan check: scoring failed ({message}); the model is kept", flush=True)
+        return {"error": message, "folders": check.describe()}
+
+
+def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32") -> dict:
+    """Dice of ``model`` on every case of ``check``, each in its own grid.
+
+    Returns ``{"dice": mean over cases (sim.metrics.summarise's keys), "cases": [per-case rows: case,
+    folder, layout and the same keys], "folders": check.describe(), "seconds": this scoring's wall time
+    (preprocessing included when a case was not cached yet)}``.
+    """
+    # MONAI's first import (~10 s) is not the check's cost: paid before the clock starts
+    import monai.inferers  # noqa: F401
+
+    from sim.predict import segment_preprocessed
+
+    started = time.perf_counter()
+    was_training = getattr(model, "training", False)
+    model.eval()
+    rows, class_rows, region_rows = [], [], []
+    try:
+        for real in check.cases:
+            prepared = prepared_case(real, config, check.cache_dir)
+            labels = segment_preprocessed(model, config, prepared["image"], prepared["record"], prepared["brain"],
+                                          precision=precision)
+            class_dice, region_dice = per_case_dice(labels[None], prepared["truth"][None])
+            class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
+            rows.append({"case": real.case_id, "folder": real.folder, "layout": real.layout,
+                         **summarise(class_dice, region_dice)})
+    finally:
+        model.train(was_training)
+    return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows,
+            "folders": check.describe(), "grid": "each case's own grid",
+            "seconds": round(time.perf_counter() - started, 2)}
+
+
+# ------------------------------------------------------------------------------------------ preprocessed cases
+_MEMORY: "OrderedDict[str, dict]" = OrderedDict()
+
+
+def case_key(real: RealCase, config: PreprocessConfig) -> str:
+    """What a preprocessed case is keyed on: its files (path, size, modification time) and the preprocessing."""
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+    for path in (*(real.case.modalities or (real.case.image,)), real.case.label):
+        path = Path(path).resolve()
+        stat = path.stat()
+        digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    digest.update((real.layout or "msd").encode())
+    return digest.hexdigest()[:24]
+
+
+def prepared_case(real: RealCase, config: PreprocessConfig, cache_dir: str | None = None) -> dict:
+    """``{"image": (4, *grid) float32, "record": PreprocessRecord, "brain": bool (X, Y, Z), "truth": uint8
+    (X, Y, Z) in our classes}`` of one case: from memory, else the disk cache, else read and preprocessed (and
+    cached)."""
+    key = case_key(real, config)
+    if key in _MEMORY:
+        _MEMORY.move_to_end(key)
+        return _MEMORY[key]
+    path = Path(cache_dir) / f"{key}.npz" if cache_dir else None
+    prepared = _read_cached(path) if path is not None else None
+    if prepared is None:
+        image, truth, affine = load_case(real.case)
+        grid_image, _, record = preprocess_case(image, None, affine, config)
+        prepared = {"image": grid_image, "record": record, "brain": brain_mask(image),
+                    "truth": np.asarray(truth, np.uint8)}
+        del image
+        if path is not None:
+            _write_cached(path, prepared)
+    _MEMORY[key] = prepared
+    while len(_MEMORY) > MEMORY_CASES:
+        _MEMORY.popitem(last=False)
+    return prepared
+
+
+def _write_cached(path: Path, prepared: dict) -> None:
+    buffer = io.BytesIO()
+    brain = prepared["brain"]
+    np.savez_compressed(buffer, image=prepared["image"], truth=prepared["truth"],
+                        brain=np.packbits(brain.ravel()), brain_shape=np.asarray(brain.shape),
+                        record=np.frombuffer(json.dumps(prepared["record"].to_dict()).encode(), np.uint8))
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def _read_cached(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as data:
+            shape = tuple(int(s) for s in data["brain_shape"])
+            brain = np.unpackbits(data["brain"])[: int(np.prod(shape))].astype(bool).reshape(shape)
+            record = PreprocessRecord.from_dict(json.loads(bytes(data["record"]).decode()))
+            return {"image": data["image"], "record": record, "brain": brain, "truth": data["truth"]}
+    except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt, never trusted
+        return None
+
+
+# ------------------------------------------------------------------------------------------ reading results
+def real_dice(cell: Mapping[str, Any], key: str = "mean") -> float | None:
+    """A results record's mean real-scan Dice for ``key`` (a :data:`sim.metrics.DICE_KEYS` entry), or None."""
+    found = cell.get("real_check") or {}
+    return (found.get("dice") or {}).get(key)
+
+
+def real_per_case(cell: Mapping[str, Any], key: str) -> dict[tuple[str, str], float | None] | None:
+    """``{(folder, case): Dice for key}`` of a results record's real-scan check, or None without one."""
+    found = cell.get("real_check") or {}
+    if not found.get("cases"):
+        return None
+    return {(row.get("folder"), row.get("case")): row.get(key) for row in found["cases"]}
+
+
+def csv_fields(results: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``cells.csv`` columns of a record's check (:data:`CSV_COLUMNS`); empty without one."""
+    found = results.get("real_check") or {}
+    row: dict[str, Any] = {"real_cases": len(found["cases"]) if found.get("cases") else None}
+    row.update({f"real_dice_{key}": (found.get("dice") or {}).get(key) for key in DICE_KEYS})
+    row["real_check_seconds"] = found.get("seconds")
+    return row
+
+
+#: the check's columns in cells.csv (sim.results.CSV_COLUMNS appends them)
+CSV_COLUMNS = ("real_cases",) + tuple(f"real_dice_{key}" for key in DICE_KEYS) + ("real_check_seconds",)
+
+
+def prepare_cases(check: RealCheck | None, config: PreprocessConfig | None) -> None:
+    """Read and preprocess every case of ``check`` for ``config`` now (into the caches), so that the cells,
+    whichever process runs them, only segment; says how long it took. Nothing without a check or a config."""
+    if check is None or config is None:
+        return
+    started = time.perf_counter()
+    for real in check.cases:
+        try:
+            prepared_case(real, config, check.cache_dir)
+        except DataError as exc:
+            raise UserError(f"{OPTION} {real.folder}: {exc}") from None
+    print(f"real-scan check: {len(check.cases)} labelled real case(s) ready in "
+          f"{time.perf_counter() - started:.1f} s (read and preprocessed once, then cached)", flush=True)
