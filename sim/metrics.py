@@ -67,6 +67,34 @@ def per_case_dice(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.nd
     return _case_dice(pred_cls, true_cls), _case_dice(pred_reg, true_reg)
 
 
+def per_case_dice_counted(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`per_case_dice` from voxel counts (numpy), for scans in their own grid: the same Dice, 2|P∩T| /
+    (|P| + |T|), and the same empty-class convention (both empty: NaN; empty truth, non-empty prediction: 0).
+    Why: MONAI's path costs tens of seconds on one 240 x 240 x 155 scan on a CPU (float one-hot maps);
+    counting takes a fraction of a second. ``tests/test_realcheck.py`` checks that both agree."""
+    pred, true = np.asarray(pred_labels), np.asarray(true_labels)
+    if pred.shape != true.shape:
+        raise ValueError(f"dice: prediction shape {tuple(pred.shape)} != truth shape {tuple(true.shape)}")
+    if pred.ndim < 2 or not (np.issubdtype(pred.dtype, np.integer) and np.issubdtype(true.dtype, np.integer)):
+        raise ValueError("dice: expected integer label maps shaped (n, *grid)")
+    groups = [(c,) for c in (1, 2, 3)] + list(REGIONS.values())
+    table = np.full((len(pred), len(groups)), np.nan)
+    for i in range(len(pred)):
+        # one pass: the confusion matrix of the two label maps gives every class's and region's counts
+        low = min(int(pred[i].min()), int(true[i].min()))
+        if low < 0:
+            raise ValueError(f"dice: negative label {low}")
+        size = max(int(pred[i].max()), int(true[i].max()), 3) + 1
+        joint = pred[i].astype(np.int64 if size * size > 65535 else np.uint16) * size + true[i]
+        confusion = np.bincount(joint.ravel(), minlength=size * size).reshape(size, size)
+        for j, members in enumerate(groups):
+            members = list(members)
+            total = int(confusion[members, :].sum() + confusion[:, members].sum())
+            if total:
+                table[i, j] = 2.0 * confusion[np.ix_(members, members)].sum() / total
+    return table[:, :3], table[:, 3:]
+
+
 def truth_presence(true_labels: Any) -> np.ndarray:
     """(n, 6) booleans: whether each case's truth contains class 1, 2, 3 and region WT, TC, ET."""
     true = np.asarray(_as_label_tensor(true_labels))

@@ -31,7 +31,7 @@ from sim.data.brats import skull_strip_warnings
 from sim.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
 from sim.data.msd import Case, display_path, load_case, load_modalities
 from sim.data.reader import read_dataset, require_labels
-from sim.data.preprocess import PreprocessConfig, brain_mask, invert_probs, preprocess_case
+from sim.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
 from sim.device import autocast, model_device, resolve_device
 from sim.errors import UserError
 from sim.io import atomic_write_bytes
@@ -219,7 +219,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
     return segment_preprocessed(model, config, image_grid, record, brain_mask(data), device, precision)
 
 
-def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray, device=None,
+def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray | None, device=None,
                          precision: str = "32") -> np.ndarray:
     """:func:`segment_scan` from a scan already preprocessed. Why apart: the real-scan check
     (``sim.realcheck``) preprocesses each case once and scores many models.
@@ -229,7 +229,7 @@ def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: n
         config: the bundle's :class:`sim.data.preprocess.PreprocessConfig`.
         image_grid: the preprocessed scan (4, *grid) (:func:`sim.data.preprocess.preprocess_case`).
         record: its :class:`sim.data.preprocess.PreprocessRecord` (maps the probabilities back).
-        brain: the scan's :func:`brain_mask` in its own grid (no tumour outside it).
+        brain: the scan's :func:`brain_mask` in its own grid (no tumour outside it; None: the caller masks).
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
     """
@@ -244,13 +244,29 @@ def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: n
                                               overlap=0.25)
         probs = torch.softmax(logits.float(), dim=1)[0].cpu().numpy()
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
-    # smoother boundaries than nearest-neighbour upsampling of a coarse label map.
-    labels = np.argmax(invert_probs(probs, record), axis=0).astype(np.uint8)
+    # smoother boundaries than nearest-neighbour upsampling of a coarse label map. Outside the crop box every
+    # voxel is background (invert_probs), so the argmax is taken inside it only.
+    labels = np.zeros(record.original_shape, np.uint8)
+    labels[crop_box(record)] = class_argmax(probs_in_crop(probs, record))
     # Tumour lies inside the brain: MSD/BraTS scans are skull-stripped with zero background, and the brain is
     # the voxels where any channel is non-zero (brain_mask, as preprocessing crops and normalises). Without this
     # rule the coarse grid's smooth probabilities spill into the zero background at the brain's edge (about 2 ml per
     # scan on Slicer's real scans; docs/GENERALISATION.md).
-    labels[~brain] = 0
+    if brain is not None:
+        labels[~brain] = 0
+    return labels
+
+
+def class_argmax(probs: np.ndarray) -> np.ndarray:
+    """``np.argmax(probs, axis=0)`` as uint8, the first maximum on ties, by comparing one class at a time:
+    an argmax over the leading (class) axis of a scan-sized volume strides through memory and takes seconds
+    (numpy and torch alike); this takes a few element-wise passes."""
+    best = probs[0].copy()
+    labels = np.zeros(best.shape, np.uint8)
+    for index in range(1, len(probs)):
+        higher = probs[index] > best      # strictly: an earlier class keeps a tie
+        labels[higher] = index
+        np.maximum(best, probs[index], out=best)
     return labels
 
 

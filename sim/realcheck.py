@@ -49,7 +49,7 @@ from sim.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, 
 from sim.data.reader import read_dataset, require_labels
 from sim.errors import UserError
 from sim.io import atomic_write_bytes, cache_root
-from sim.metrics import DICE_KEYS, per_case_dice, summarise
+from sim.metrics import DICE_KEYS, per_case_dice_counted, summarise
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
 OPTION = "--real-check"
@@ -57,6 +57,8 @@ ENVIRONMENT = "FEDPATE_REAL_CHECK"
 #: preprocessed cases kept in memory (each holds its label map and brain mask in the scan's own grid, ~18 MB
 #: for a 240 x 240 x 155 BraTS case); more are re-read from the disk cache
 MEMORY_CASES = 16
+#: what a cached preprocessed case holds (bumped when that changes, so older entries are not read)
+CACHE_VERSION = 2
 #: the regions the report compares (BraTS's own)
 REGIONS = ("WT", "TC", "ET")
 
@@ -225,9 +227,13 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
     try:
         for real in check.cases:
             prepared = prepared_case(real, config, check.cache_dir)
-            labels = segment_preprocessed(model, config, prepared["image"], prepared["record"], prepared["brain"],
-                                          precision=precision)
-            class_dice, region_dice = per_case_dice(labels[None], prepared["truth"][None])
+            # Dice inside the box that holds every labelled voxel and every voxel the model can label: the same
+            # Dice as over the whole scan, in a third of the voxels
+            box = tuple(slice(lo, hi) for lo, hi in prepared["box"])
+            labels = segment_preprocessed(model, config, prepared["image"], prepared["record"], None,
+                                          precision=precision)[box]
+            labels[~prepared["brain"]] = 0      # segment_scan's rule: no tumour outside the brain
+            class_dice, region_dice = per_case_dice_counted(labels[None], prepared["truth"][None])
             class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
             rows.append({"case": real.case_id, "folder": real.folder, "layout": real.layout,
                          **summarise(class_dice, region_dice)})
@@ -244,7 +250,7 @@ _MEMORY: "OrderedDict[str, dict]" = OrderedDict()
 
 def case_key(real: RealCase, config: PreprocessConfig) -> str:
     """What a preprocessed case is keyed on: its files (path, size, modification time) and the preprocessing."""
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+    digest = hashlib.sha256(f"{CACHE_VERSION}\n".encode() + json.dumps(config.to_dict(), sort_keys=True).encode())
     for path in (*(real.case.modalities or (real.case.image,)), real.case.label):
         path = Path(path).resolve()
         stat = path.stat()
@@ -254,9 +260,10 @@ def case_key(real: RealCase, config: PreprocessConfig) -> str:
 
 
 def prepared_case(real: RealCase, config: PreprocessConfig, cache_dir: str | None = None) -> dict:
-    """``{"image": (4, *grid) float32, "record": PreprocessRecord, "brain": bool (X, Y, Z), "truth": uint8
-    (X, Y, Z) in our classes}`` of one case: from memory, else the disk cache, else read and preprocessed (and
-    cached)."""
+    """``{"image": (4, *grid) float32, "record": PreprocessRecord, "box": ((lo, hi) per axis), "brain": bool,
+    "truth": uint8 in our classes}`` of one case, ``brain`` and ``truth`` inside ``box``: the smallest box of the
+    scan's own grid holding the preprocessing's crop box (outside it a model labels nothing) and every labelled
+    voxel. From memory, else the disk cache, else read and preprocessed (and cached)."""
     key = case_key(real, config)
     if key in _MEMORY:
         _MEMORY.move_to_end(key)
@@ -266,8 +273,10 @@ def prepared_case(real: RealCase, config: PreprocessConfig, cache_dir: str | Non
     if prepared is None:
         image, truth, affine = load_case(real.case)
         grid_image, _, record = preprocess_case(image, None, affine, config)
-        prepared = {"image": grid_image, "record": record, "brain": brain_mask(image),
-                    "truth": np.asarray(truth, np.uint8)}
+        box = _box(record, truth)
+        inside = tuple(slice(lo, hi) for lo, hi in box)
+        prepared = {"image": grid_image, "record": record, "box": box, "brain": brain_mask(image[inside]),
+                    "truth": np.ascontiguousarray(truth[inside], np.uint8)}
         del image
         if path is not None:
             _write_cached(path, prepared)
@@ -277,10 +286,19 @@ def prepared_case(real: RealCase, config: PreprocessConfig, cache_dir: str | Non
     return prepared
 
 
+def _box(record: PreprocessRecord, truth: np.ndarray) -> tuple[tuple[int, int], ...]:
+    lo, hi = list(record.bbox_lo), list(record.bbox_hi)
+    labelled = np.nonzero(truth)
+    for axis, where in enumerate(labelled):
+        if where.size:
+            lo[axis], hi[axis] = min(lo[axis], int(where.min())), max(hi[axis], int(where.max()) + 1)
+    return tuple((int(a), int(b)) for a, b in zip(lo, hi))
+
+
 def _write_cached(path: Path, prepared: dict) -> None:
     buffer = io.BytesIO()
     brain = prepared["brain"]
-    np.savez_compressed(buffer, image=prepared["image"], truth=prepared["truth"],
+    np.savez_compressed(buffer, image=prepared["image"], truth=prepared["truth"], box=np.asarray(prepared["box"]),
                         brain=np.packbits(brain.ravel()), brain_shape=np.asarray(brain.shape),
                         record=np.frombuffer(json.dumps(prepared["record"].to_dict()).encode(), np.uint8))
     atomic_write_bytes(path, buffer.getvalue())
@@ -294,7 +312,8 @@ def _read_cached(path: Path) -> dict | None:
             shape = tuple(int(s) for s in data["brain_shape"])
             brain = np.unpackbits(data["brain"])[: int(np.prod(shape))].astype(bool).reshape(shape)
             record = PreprocessRecord.from_dict(json.loads(bytes(data["record"]).decode()))
-            return {"image": data["image"], "record": record, "brain": brain, "truth": data["truth"]}
+            box = tuple((int(lo), int(hi)) for lo, hi in data["box"])
+            return {"image": data["image"], "record": record, "box": box, "brain": brain, "truth": data["truth"]}
     except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt, never trusted
         return None
 

@@ -304,3 +304,22 @@ def test_the_real_development_case_is_read_in_its_own_grid_and_scored(tmp_path, 
     assert len(scored["cases"]) == len(check.cases)
     assert all(v is None or 0.0 <= v <= 1.0 for row in scored["cases"] for k, v in row.items()
                if k in ("1", "2", "3", "mean", "WT", "TC", "ET"))
+
+
+def test_counted_dice_and_the_class_argmax_agree_with_monai_and_numpy():
+    """The real-scan check's fast paths give the one metric's numbers (sim.metrics.per_case_dice, MONAI) and
+    numpy's argmax, ties included, on label maps with empty classes and both-empty cases."""
+    from sim.metrics import per_case_dice, per_case_dice_counted
+    from sim.predict import class_argmax
+
+    rng = np.random.default_rng(3)
+    pred = rng.integers(0, 4, (4, 9, 8, 7)).astype(np.uint8)
+    true = rng.integers(0, 4, (4, 9, 8, 7)).astype(np.uint8)
+    pred[1][pred[1] == 3] = 0                       # a class the prediction lacks
+    true[2][true[2] >= 2] = 1                       # a truth without core
+    pred[3], true[3] = 0, 0                         # both empty: excluded (NaN)
+    for fast, slow in zip(per_case_dice_counted(pred, true), per_case_dice(pred, true)):
+        np.testing.assert_allclose(fast, slow, rtol=1e-6, equal_nan=True)
+    assert np.isnan(per_case_dice_counted(pred, true)[0][3]).all()
+    probs = rng.integers(0, 3, (4, 6, 5, 4)).astype(np.float32)   # many ties
+    assert (class_argmax(probs) == np.argmax(probs, axis=0)).all()

@@ -220,15 +220,28 @@ def invert_probs(probs: np.ndarray, record: PreprocessRecord) -> np.ndarray:
 
     Outside the crop box the scan is background: probability 1 for class 0 and 0 for the others.
     """
+    crop = probs_in_crop(probs, record)
+    out = np.zeros((crop.shape[0], *record.original_shape), np.float32)
+    out[0] = 1.0
+    out[(slice(None), *crop_box(record))] = crop
+    return out
+
+
+def crop_box(record: PreprocessRecord) -> tuple[slice, slice, slice]:
+    """The crop box [lo, hi) of ``record`` as slices of the original scan's voxels."""
+    return tuple(slice(l, h) for l, h in zip(record.bbox_lo, record.bbox_hi))
+
+
+def probs_in_crop(probs: np.ndarray, record: PreprocessRecord) -> np.ndarray:
+    """Class probabilities (C, *grid) -> (C, *crop shape) float32 over the crop box (trilinear): what
+    :func:`invert_probs` places in the original voxels, without the background around it. Why apart: a label
+    map only needs the argmax inside the box (outside it every voxel is background), and on a 240 x 240 x 155
+    scan the full probability volume is 140 MB to fill and search."""
     probs = np.asarray(probs, dtype=np.float32)
     if probs.ndim != 4:
         raise DataError(f"probs: expected (classes, *grid), got shape {tuple(probs.shape)}")
     _check_grid(probs, record, "probs")
-    crop = _resize(probs, record.crop_shape, "linear")
-    out = np.zeros((probs.shape[0], *record.original_shape), np.float32)
-    out[0] = 1.0
-    out[(slice(None), *(slice(l, h) for l, h in zip(record.bbox_lo, record.bbox_hi)))] = crop
-    return out
+    return _resize(probs, record.crop_shape, "linear")
 
 
 # ------------------------------------------------------------------------------------------ prepared cache
