@@ -54,8 +54,8 @@ from sim.metrics import DICE_KEYS, per_case_dice_counted, summarise
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
 OPTION = "--real-check"
 ENVIRONMENT = "FEDPATE_REAL_CHECK"
-#: preprocessed cases kept in memory (each holds its label map and brain mask in the scan's own grid, ~18 MB
-#: for a 240 x 240 x 155 BraTS case); more are re-read from the disk cache
+#: preprocessed cases kept in memory (each holds its label map and brain mask inside the box around the brain
+#: and the labels, a few MB for a 240 x 240 x 155 BraTS case); more are re-read from the disk cache
 MEMORY_CASES = 16
 #: what a cached preprocessed case holds (bumped when that changes, so older entries are not read)
 CACHE_VERSION = 2
