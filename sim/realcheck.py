@@ -301,7 +301,7 @@ def _write_cached(path: Path, prepared: dict) -> None:
     np.savez_compressed(buffer, image=prepared["image"], truth=prepared["truth"], box=np.asarray(prepared["box"]),
                         brain=np.packbits(brain.ravel()), brain_shape=np.asarray(brain.shape),
                         record=np.frombuffer(json.dumps(prepared["record"].to_dict()).encode(), np.uint8))
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue(), private=True)   # a patient's labels and brain: owner-only
 
 
 def _read_cached(path: Path) -> dict | None:
