@@ -108,7 +108,7 @@ def _label(cell, budget: bool = True) -> str:
     epsilon = cell.get("epsilon_budget") if budget else None
     teachers = cell.get("teachers")
     return (f"{cell.get('method')}" + (f" ε={epsilon:g}" if epsilon is not None else "")
-            + (f" K={teachers}" if teachers and registry.method(cell["method"]).sweeps_k else ""))
+            + (f" K={teachers}" if teachers and cell.get("method") in registry.names(sweeps_k=True) else ""))
 
 
 def _sort_key(cell):
