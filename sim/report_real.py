@@ -219,6 +219,8 @@ def real_section(cells: Sequence[Mapping[str, Any]],
     found = disagreements(scored)
     if found:
         lines += ["Where the phantom and real-scan rankings disagree:", ""] + [f"- {line}" for line in found] + [""]
+    elif not _best_private(scored):
+        lines += ["No private method was scored on the real cases: no ranking to compare.", ""]
     else:
         lines += ["The phantom and real-scan rankings agree (best private method at each budget, and each private "
                   "method against each public floor).", ""]
