@@ -70,7 +70,8 @@ def test_classification_task_path(tmp_path):
     assert main(["compare", "--task", "mnist5k", "--methods", "adlm,nonprivate", "--epsilons", "1", "--preset", "tiny",
                  "--out", str(out), "--no-progress"]) == 0
     results = [json.loads(p.read_text()) for p in out.rglob("results.json")]
-    assert {r["method"] for r in results} == {"adlm", "nonprivate"}
+    # the reference rows come along: public-only in every report, AdLM's noise-free row beside AdLM
+    assert {r["method"] for r in results} == {"adlm", "nonprivate", "public-only", "adlm-noise-free"}
     assert all(r["dice"] is None and 0 <= r["accuracy"] <= 1 for r in results)
     assert (out / "report.md").exists()
 
