@@ -277,10 +277,12 @@ def teacher_training(preset) -> dict[str, Any]:
 
 
 def student_training(preset) -> dict[str, Any]:
-    """What the student trains, as the preset says (``extra``: ``student_trainable``, ``student_learning_rate``);
-    nothing when it says nothing (every weight, the preset's learning rate)."""
+    """What the student trains, as the preset says (``extra``: ``student_trainable``, ``student_learning_rate``,
+    ``student_finetune``: then every weight, ``server.student.train_student``); nothing when it says nothing
+    (every weight, the preset's learning rate)."""
     return {name: preset.extra[key] for key, name in (("student_trainable", "trainable"),
-                                                      ("student_learning_rate", "learning_rate"))
+                                                      ("student_learning_rate", "learning_rate"),
+                                                      ("student_finetune", "finetune"))
             if key in preset.extra}
 
 

@@ -21,7 +21,7 @@ import torch
 
 from sim.codecs import one_hot
 from sim.device import resolve_device
-from sim.networks import build_unet, load_start_weights
+from sim.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
 from sim.training import TrainConfig, train_segmentation
 
 
@@ -69,7 +69,7 @@ def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = Non
 def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, seed: int = 0, init=None,
                   epochs: int | None = None, include_reference: bool = True, progress: bool = False,
                   checkpoint: str | Path | None = None, device=None, precision: str = "32",
-                  trainable: str = "all", learning_rate: float | None = None):
+                  trainable: str = "all", learning_rate: float | None = None, finetune: bool = False):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
 
     Args:
@@ -89,6 +89,12 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
         trainable: what the student trains (``sim.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the
             public model and trains only the head).
         learning_rate: Adam's learning rate (None = the preset's).
+        finetune: after training ``trainable``, train every weight (a voxel head's too) from there for the same
+            epochs at the preset's learning rate, on the same targets: linear probing then fine-tuning (Kumar et al.
+            2022, "Fine-tuning can distort pretrained features and underperform out-of-distribution", arXiv
+            2202.10054) -- the first stage fits the new head on fixed features, so the second adapts the features
+            to the targets instead of being pulled by a random head. Post-processing of the student's targets:
+            no privacy cost.
     """
 
     epochs = preset.student_epochs if epochs is None else epochs
@@ -104,6 +110,14 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
     if len(images) == 0:
         return _train(None, None, preset, epochs=0, seed=seed, init=init, progress=progress, checkpoint=None,
                       description="student", device=device, precision=precision)
-    return _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
-                  checkpoint=checkpoint, description="student", device=device, precision=precision,
-                  trainable=trainable, learning_rate=learning_rate)
+    first_checkpoint = checkpoint if not finetune or checkpoint is None else \
+        Path(checkpoint).with_name(Path(checkpoint).stem + "-probe" + Path(checkpoint).suffix)
+    student = _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
+                     checkpoint=first_checkpoint, description="student", device=device, precision=precision,
+                     trainable=trainable, learning_rate=learning_rate)
+    if not finetune or trainable == "all" or epochs <= 0:
+        return student
+    whole = VOXEL_HEAD_AND_UNET if trainable in WITH_VOXEL_HEAD else "all"
+    return _train(images, targets, preset, epochs=epochs, seed=seed, progress=progress, checkpoint=checkpoint,
+                  init={k: v.detach().clone() for k, v in student.state_dict().items()},
+                  description="student (fine-tuning)", device=device, precision=precision, trainable=whole)

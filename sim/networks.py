@@ -34,7 +34,7 @@ def network_config(preset: str, in_channels: int = 4, out_channels: int = 4,
     if preset not in UNET_PRESETS:
         raise UserError(f"unet preset: unknown {preset!r}; expected one of {', '.join(UNET_PRESETS)}")
     spec = UNET_PRESETS[preset]
-    head = {"voxel_head_hidden": VOXEL_HEAD_HIDDEN} if trainable == VOXEL_HEAD else {}
+    head = {"voxel_head_hidden": VOXEL_HEAD_HIDDEN} if trainable in WITH_VOXEL_HEAD else {}
     return {
         "architecture": "monai.networks.nets.UNet",
         "preset": preset,
@@ -85,6 +85,11 @@ def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4, trainab
 # ------------------------------------------------------------------------------------------- the voxel head
 #: the trainable set that adds a voxel head to the network (the others choose among the U-Net's own weights)
 VOXEL_HEAD = "voxel-head"
+#: the trainable set that trains a voxel head together with every U-Net weight under it (fine-tuning after the
+#: head was fitted: "LP-FT", Kumar et al. 2022, arXiv 2202.10054)
+VOXEL_HEAD_AND_UNET = "voxel-head+all"
+#: the trainable sets whose network carries a voxel head
+WITH_VOXEL_HEAD = (VOXEL_HEAD, VOXEL_HEAD_AND_UNET)
 #: hidden units of the voxel head: twice its 8 inputs (4 logits + 4 sequences) -- a stated size, not tuned
 VOXEL_HEAD_HIDDEN = 16
 
@@ -173,6 +178,8 @@ TRAINABLE_SETS = {
     "bias": "biases and PReLU slopes only (DP-BiTFiT, Bu et al. 2022, arXiv 2210.00036)",
     "voxel-head": "a new per-voxel head on the frozen public model's class scores and the scan (VoxelHeadUNet; "
                   "Tramer & Boneh 2021): 213 parameters, every U-Net weight kept",
+    "voxel-head+all": "a voxel head and every U-Net weight under it: fine-tuning a network whose head was fitted "
+                      "first (linear probing then fine-tuning, Kumar et al. 2022, arXiv 2202.10054)",
 }
 
 
@@ -195,7 +202,10 @@ def trainable_parameter_names(model: torch.nn.Module, which: str = "all") -> set
     if which not in TRAINABLE_SETS:
         raise UserError(f"trainable: expected one of {', '.join(TRAINABLE_SETS)}, got {which!r}")
     names = [name for name, _ in model.named_parameters()]
-    if which == "all":
+    if which == VOXEL_HEAD_AND_UNET and not any(n.startswith("voxel_head.") for n in names):
+        raise UserError("trainable 'voxel-head+all': the network has no voxel head (build it with "
+                        "build_unet(..., trainable='voxel-head+all'))")
+    if which in ("all", VOXEL_HEAD_AND_UNET):
         return set(names)
     if which == VOXEL_HEAD:
         chosen = {n for n in names if n.startswith("voxel_head.")}

@@ -213,3 +213,41 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     assert all(torch.equal(state[name].cpu(), value) for name, value in public.items())
     assert not torch.all(state["voxel_head.2.weight"] == 0)
     assert network_config_of(student, "tiny")["voxel_head_hidden"] == 16
+
+
+def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_fitted_head():
+    """Linear probing then fine-tuning (``student_finetune``): the second stage starts from the first stage's fitted
+    head -- not from a fresh one -- and trains the U-Net under it too; the preset's extra reaches ``train_student``."""
+    from types import SimpleNamespace
+
+    from server.pate import student_training
+    from server.student import train_student
+    from sim.codecs import one_hot
+    from sim.networks import VOXEL_HEAD_AND_UNET
+    from sim.presets import get_preset
+
+    images, labels = _data(4)
+    world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
+    preset = get_preset("tiny")
+    preset = preset.replace(extra={**preset.extra, "student_trainable": VOXEL_HEAD, "student_learning_rate": 1e-2,
+                                   "student_finetune": True})
+    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": True}
+    public = _public().state_dict()
+    targets = one_hot(labels[2:], 4).astype(np.float32)
+    common = dict(seed=0, epochs=1, include_reference=True)
+    probe = train_student(world, targets, [2, 3], preset, init={k: v.clone() for k, v in public.items()},
+                          trainable=VOXEL_HEAD, learning_rate=1e-2, **common)
+    tuned = train_student(world, targets, [2, 3], preset, init={k: v.clone() for k, v in public.items()},
+                          **common, **student_training(preset))
+    assert isinstance(tuned, VoxelHeadUNet)
+    state, probed = tuned.state_dict(), probe.state_dict()
+    assert not all(torch.equal(state[name].cpu(), value) for name, value in public.items())   # the U-Net moved
+    # the head kept what the first stage fitted (the second stage's lr is 1/5 of the head's: it cannot undo it)
+    fitted = probed["voxel_head.2.weight"].cpu()
+    assert not torch.all(fitted == 0)
+    drift = (state["voxel_head.2.weight"].cpu() - fitted).abs().mean()
+    assert drift < fitted.abs().mean()
+    assert network_config_of(tuned, "tiny")["voxel_head_hidden"] == 16
+    assert trainable_parameter_names(tuned, VOXEL_HEAD_AND_UNET) == {n for n, _ in tuned.named_parameters()}
+    with pytest.raises(UserError, match="no voxel head"):
+        trainable_parameter_names(build_unet("tiny"), VOXEL_HEAD_AND_UNET)

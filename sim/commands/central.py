@@ -47,10 +47,12 @@ def register(subparsers) -> None:
                         help="learning rate (default: the preset's; DP-SGD: the preset's grid, chosen on public "
                              "validation)")
     parser.add_argument("--batch-size", type=positive_integer, default=None, help="(expected) batch size (default: preset's)")
-    parser.add_argument("--trainable", default=None, choices=("all", "decoder", "head", "bias", "voxel-head"),
+    parser.add_argument("--trainable", default=None,
+                        choices=("all", "decoder", "head", "bias", "voxel-head", "voxel-head+all"),
                         help="which parameters fine-tuning trains: all (default), decoder (the up-sampling path), "
                              "head (the two stages nearest the output), bias (biases and PReLU slopes), voxel-head "
-                             "(a small new per-voxel head on the frozen public model)")
+                             "(a small new per-voxel head on the frozen public model), voxel-head+all (that head and "
+                             "every U-Net weight)")
     parser.add_argument("--augmentation-multiplicity", type=positive_integer, default=None, metavar="K",
                         help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")
     parser.add_argument("--ema-decay", type=decay_fraction, default=None,
