@@ -129,3 +129,73 @@ def test_reproducible_noise_reaches_the_classification_cells_and_the_seed_is_wri
     # --hospitals and --teachers-per-hospital reach the classification cells (they were ignored)
     assert all(r["hospitals"] == 3 and r["teachers"] == 6 for r in runs.values())
     assert main(args[:-1] + ["1,2", "--out", str(tmp_path / "sweep")]) == 2
+
+
+# --- resuming a classification comparison: every release stays on a ledger ------------------------------------
+
+def _small_compare(monkeypatch, out, *extra):
+    """``fedpate compare --task mnist5k`` with one AdLM cell, its reference rows and one-epoch training."""
+    from sim.cli import main
+    from sim.runners import classification_compare as runner
+
+    monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teacher_epochs": 1})
+    return main(["compare", "--task", "mnist5k", "--methods", "adlm", "--epsilons", "1", "--preset", "tiny",
+                 "--hospitals", "2", "--no-progress", "--out", str(out), *extra])
+
+
+def test_rerun_with_the_same_settings_charges_nothing_and_keeps_the_ledger(tmp_path, monkeypatch):
+    out = tmp_path / "cls"
+    assert _small_compare(monkeypatch, out) == 0
+    ledger = out / "adlm" / "eps-1" / "ledger.jsonl"
+    before, inode = ledger.read_bytes(), ledger.stat().st_ino
+    result = (out / "adlm" / "eps-1" / "results.json").read_bytes()
+    assert before and json.loads(result)["epsilon"] > 0
+    assert _small_compare(monkeypatch, out) == 0
+    # the finished cell was skipped: the same ledger file, nothing appended, the same results
+    assert ledger.stat().st_ino == inode and ledger.read_bytes() == before
+    assert (out / "adlm" / "eps-1" / "results.json").read_bytes() == result
+    assert not list(out.rglob("*.interrupted-*"))
+
+
+def test_rerun_with_another_seed_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cls"
+    assert _small_compare(monkeypatch, out) == 0
+    ledger = out / "adlm" / "eps-1" / "ledger.jsonl"
+    before = ledger.read_bytes()
+    capsys.readouterr()
+    assert _small_compare(monkeypatch, out, "--seed", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--seed 0 there, 1 now" in err, err
+    assert ledger.read_bytes() == before
+    # another δ is refused too (each flag named); so is the same folder under reproducible noise
+    assert _small_compare(monkeypatch, out, "--delta", "1e-6") == 2
+    assert "--delta" in capsys.readouterr().err
+    assert _small_compare(monkeypatch, out, "--reproducible-noise") == 2
+    assert "--reproducible-noise" in capsys.readouterr().err
+
+
+def test_no_ledger_is_deleted_and_an_interrupted_cells_spend_stays_in_the_report(tmp_path, monkeypatch):
+    out = tmp_path / "cls"
+    assert _small_compare(monkeypatch, out) == 0
+    cell = out / "adlm" / "eps-1"
+    before = (cell / "ledger.jsonl").read_bytes()
+    spent = json.loads((cell / "results.json").read_text())["epsilon"]
+    (cell / "results.json").unlink()          # as if the run had stopped after releasing
+    assert _small_compare(monkeypatch, out) == 0
+    aside = list(out.glob("adlm/eps-1.interrupted-*"))
+    assert len(aside) == 1 and (aside[0] / "ledger.jsonl").read_bytes() == before
+    assert (cell / "results.json").exists() and (cell / "ledger.jsonl").read_bytes()
+    report = (out / "report.md").read_text()
+    assert "## Interrupted cells" in report and f"| {aside[0].relative_to(out)} |" in report
+    assert f"{spent:.3f}" in report.split("## Interrupted cells")[1]
+
+
+def test_a_cell_folder_that_released_is_not_run_again(tmp_path):
+    """``run_cell`` on a folder whose ledger holds releases refuses: it neither deletes nor adds to that ledger."""
+    from sim.errors import UserError
+    from sim.runners.classification_compare import run_cell
+
+    (tmp_path / "ledger.jsonl").write_text('{"event": "an earlier release"}\n')
+    with pytest.raises(UserError, match="earlier run"):
+        run_cell(None, "adlm", 1.0, tmp_path, 1e-5, 0, "tiny", progress=False)
+    assert (tmp_path / "ledger.jsonl").read_text() == '{"event": "an earlier release"}\n'

@@ -15,6 +15,13 @@ Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``
 ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
 (the maximum over hospitals; all hospitals carry the same events here).
 
+Resumable, like the segmentation comparison (``sim.runners.resume``): ``out/compare.json`` records the settings
+that decide the cells (task, seed, preset, δ, hospitals, data, teachers, noise) and ``out/world.json`` the
+split; the same command again skips every finished cell (nothing is charged again), may add methods or budgets,
+and refuses any other setting in one line naming its flag. No ledger is ever deleted: a cell found with
+releases on its ledger but no results was interrupted and is kept aside as ``<cell>.interrupted-<time>``
+(its ε still in the report) before it runs again.
+
 Noise (SPEC §2): every cell gets its own namespace ``<method>/eps-<E>`` of a ``privacy.mechanisms.NoiseSource``
 and every release in it its own stream; secure by default. ``reproducible_noise=True`` (simulation only) seeds
 the streams from ``seed``; the seed is then written nowhere (``"seed": null``, not in the task summary) and
@@ -24,7 +31,9 @@ each cell says ``"noise": "reproducible"``.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
+import json
 import logging
 import math
 import time
@@ -41,9 +50,10 @@ from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_
 from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from sim.classification.tasks import load_task
 from sim.errors import UserError
-from sim.io import atomic_write_bytes, atomic_write_text
+from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from sim.results import RunResults, csv_row, write_run
+from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world, set_aside_interrupted
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
 # DP-MAC: the classifier settings of the DP-MAC workshop paper (Harder, Köhler, Welling & Park, App. B: batch
@@ -143,7 +153,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         task: the :class:`sim.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
         method: one of ``sim.classification.METHODS``.
         epsilon: the cell's budget (None = the non-private cell: nothing is accounted).
-        out: the cell's folder (its ledger.jsonl is deleted and started afresh; results.json).
+        out: the cell's folder (ledger.jsonl, results.json). A folder already holding releases (an earlier,
+            unfinished run of the cell) is refused: its ledger is never deleted or added to.
         delta: the cell's δ.
         seed: the method's non-private randomness (initialisation, partitions; see each method); recorded
             unless the noise is reproducible.
@@ -158,8 +169,11 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
 
     out.mkdir(parents=True, exist_ok=True)
     ledger_path = out / "ledger.jsonl"
-    if ledger_path.exists():
-        ledger_path.unlink()        # a cell is re-run from scratch; its ledger describes exactly this run
+    # the cell's ledger must describe exactly this run, and no release may be forgotten: a folder that already
+    # released is not reused (run_classification_compare skips finished cells and sets interrupted ones aside)
+    if (out / "results.json").exists() or (ledger_path.exists() and ledger_path.stat().st_size > 0):
+        raise UserError(f"{out}: holds an earlier run of this cell (its releases stay on {ledger_path.name}); "
+                        "use a new folder")
     ledger = Ledger(ledger_path)
     guard = BudgetGuard(ledger, epsilon if epsilon is not None else 1e-9, delta)
     owners = list(task.hospitals)
@@ -248,22 +262,91 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     if delta is None or not (0 < delta < 1):
         raise UserError(f"--delta: expected a number in (0, 1), got {delta}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    header = out / "compare.json"
+    # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
+    # anything is written or charged
+    saved = read_settings(header) or {}
+    settings = resume_settings(task, seed, delta, preset, data, teachers_per_hospital, reproducible_noise)
+    if saved and "task" not in saved:   # written by a segmentation comparison before it recorded its task
+        raise UserError(f"--out {out}: holds a run with other settings (--task segmentation there, {task} now); "
+                        "resume it with the same settings, or use a new --out folder")
+    hidden = ("seed",) if reproducible_noise else ()
+    refuse_other_settings(header, settings, hidden=hidden)
     t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
+    settings["hospitals"] = len(t.hospitals)   # the number the task resolved (--hospitals or the task's default)
+    refuse_other_settings(header, settings, hidden=hidden)
+    refuse_other_world(out / WORLD_FILE, describe_split(t))
     noise = NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()
     summary = t.summary()
     if reproducible_noise:
         summary.pop("seed", None)      # the seed of reproducible noise must not appear in anything written
     if progress:
         print(f"task {t.name}: {summary}", flush=True)
-    cells = []
+    # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
+    # the report cover every cell of the folder
+    methods_all, epsilons_all = merged(saved.get("methods"), methods), merged(saved.get("epsilons"), epsilons)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(header, {"methods": methods_all, "epsilons": epsilons_all, **settings})
+    atomic_write_json(out / WORLD_FILE, describe_split(t))
     for method in methods:
-        for epsilon in ([None] if method in ("nonprivate",) + REFERENCE_METHODS else epsilons):
-            cells.append(run_cell(t, method, epsilon, out / method / _eps_dir(epsilon), delta, seed, preset, progress,
-                                  teachers_per_hospital, noise))
+        for epsilon in _cell_budgets(method, epsilons):
+            path = out / method / _eps_dir(epsilon)
+            if (path / "results.json").exists():      # finished: nothing is run or charged again
+                continue
+            set_aside_interrupted(path, counted_in=f"its own ledger, {path.name}.interrupted-*/ledger.jsonl")
+            run_cell(t, method, epsilon, path, delta, seed, preset, progress, teachers_per_hospital, noise)
+    cells = [json.loads((out / m / _eps_dir(e) / "results.json").read_text())
+             for m in methods_all for e in _cell_budgets(m, epsilons_all)
+             if (out / m / _eps_dir(e) / "results.json").exists()]
     write_cells_csv(cells, out / "cells.csv")
-    write_report(cells, out, summary, delta)
+    write_report(cells, out, summary, delta, interrupted=interrupted_releases(out, delta))
     return cells
+
+
+#: the split of a classification comparison (who holds how many records, and a digest of which), beside compare.json
+WORLD_FILE = "world.json"
+
+
+def _cell_budgets(method: str, epsilons) -> list:
+    return [None] if method in ("nonprivate",) + REFERENCE_METHODS else list(epsilons)
+
+
+def resume_settings(task: str, seed: int, delta: float, preset: str, data, teachers_per_hospital,
+                    reproducible_noise: bool) -> dict:
+    """What decides a classification comparison's cells, recorded in compare.json and required to be the same
+    when the folder is resumed (``sim.runners.resume``); methods and budgets may be added. The seed drives the
+    noise when it is reproducible: then it is not recorded (the split in world.json still checks it)."""
+    return {"task": task, "preset": preset, "delta": delta, "seed": None if reproducible_noise else seed,
+            "noise": "reproducible" if reproducible_noise else "secure",
+            "data": None if data is None else str(data), "teachers_per_hospital": teachers_per_hospital}
+
+
+def describe_split(task) -> dict:
+    """Who holds how many private records, and a digest of exactly which (inputs, labels, hospitals and the
+    test set): another seed or other data gives another split, which a resume refuses."""
+    digest = hashlib.sha256()
+    for array in (task.x_private, task.y_private, task.hospital_of, task.y_test):
+        digest.update(array.tobytes())
+    return {"hospitals": task.summary()["hospitals"], "private": int(len(task.y_private)),
+            "split_sha256": digest.hexdigest()}
+
+
+def interrupted_releases(out: Path, delta: float) -> list[dict]:
+    """The cells interrupted after releasing and kept aside (``<cell>.interrupted-<time>``): what each spent, from
+    its own ledger (the worst hospital's ε at ``delta``), so that no release drops out of the report."""
+    found = []
+    for path in sorted(p for p in out.glob("*/*.interrupted-*") if p.is_dir()):
+        ledger_path = path / "ledger.jsonl"
+        if not ledger_path.exists():
+            continue
+        ledger = Ledger.load(ledger_path)
+        spent = [ledger.spent(owner, delta) for owner in ledger.owners()]
+        worst = max(spent, key=lambda s: s.epsilon, default=None)
+        found.append({"cell": str(path.relative_to(out)), "releases": len(ledger.records()),
+                      "epsilon": None if worst is None else worst.epsilon, "delta": delta,
+                      "relation": None if worst is None else worst.relation,
+                      "accountant": None if worst is None else worst.accountant})
+    return found
 
 
 #: the results record's columns (sim.results), and a failed cell's error
@@ -284,7 +367,8 @@ def _fmt(value, spec=".3f") -> str:
     return "—" if value is None else format(value, spec)
 
 
-def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float) -> None:
+def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float,
+                 interrupted: list[dict] = ()) -> None:
     unit = task_summary.get("privacy_unit", "record")
     lines = [f"# Seed systems on `{task_summary['task']}`", "",
              f"Task: {task_summary}", "",
@@ -324,6 +408,13 @@ def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float)
                      f"{c['relation'] or '—'} | {c['accountant'] or '—'} | {_fmt(c['accuracy'])} | "
                      f"{c['wall_seconds']:.1f} | {note} |")
     lines += verdicts(cells)
+    if interrupted:   # their releases happened: the ε they spent stays in the report
+        lines += ["", "## Interrupted cells (kept aside; their releases stay counted)", "",
+                  "Each ran again in a fresh folder; what it released before the interruption is spent on top of "
+                  "the rerun's ε, on the same private records.", "",
+                  "| kept as | releases | ε spent | δ | relation | accountant |", "|---|---|---|---|---|---|"]
+        lines += [f"| {i['cell']} | {i['releases']} | {_fmt(i['epsilon'])} | {i['delta']:g} | {i['relation'] or '—'} | "
+                  f"{i['accountant'] or '—'} |" for i in interrupted]
     try:
         _plot(cells, out / "accuracy_vs_epsilon.png")
         lines += ["", "![accuracy vs epsilon](accuracy_vs_epsilon.png)"]

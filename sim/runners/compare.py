@@ -52,6 +52,7 @@ from sim.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
+from sim.runners.resume import set_aside_interrupted  # noqa: F401  (re-exported: cells set aside here)
 from sim.runners.simulation import simulate
 from sim.training import predict_probs
 from sim.world import build_world, describe_world, load_world, materialise_world, open_world
@@ -277,7 +278,7 @@ def resume_settings(config: CompareConfig) -> dict[str, Any]:
     is resumed (``sim.runners.resume``). Methods and budgets may be added (each cell is its own folder); the
     device and the number of workers may change (each cell records its device). A multi-seed comparison's
     seeds share their parent's lifetime budget, which its own compare-seeds.json records."""
-    settings = {"preset": config.preset, "delta": config.resolved_delta,
+    settings = {"task": "segmentation", "preset": config.preset, "delta": config.resolved_delta,
                 # the seed drives the noise when it is reproducible: not published (world.json's split checks it)
                 "seed": None if config.reproducible_noise else config.seed,
                 "noise": "reproducible" if config.reproducible_noise else "secure",
@@ -676,19 +677,6 @@ def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], 
             repeats = teacher_counts if record.sweeps_k else 1
             total += repeats * sum(float(e) for e in epsilons)
     return int(seeds) * total or max(float(e) for e in epsilons)
-
-
-def set_aside_interrupted(path: Path) -> Path | None:
-    """A cell folder with a ledger but no results was interrupted after releasing: keep it (renamed), so
-    the cell can run again in a fresh folder. Its releases stay in the hospitals' own ledgers."""
-    ledger = path / "ledger.jsonl"
-    if (path / "results.json").exists() or not ledger.exists() or ledger.stat().st_size == 0:
-        return None
-    aside = path.with_name(f"{path.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
-    path.rename(aside)
-    print(f"compare: {path} was interrupted after releasing; kept as {aside.name} and run again "
-          "(its releases stay counted in the hospitals' ledgers)", flush=True)
-    return aside
 
 
 def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = None,

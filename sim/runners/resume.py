@@ -11,6 +11,7 @@ number of worker processes, the device) may differ.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
@@ -18,7 +19,7 @@ from sim.errors import UserError
 
 #: the command-line flag that sets each recorded setting (a setting without one is named as recorded)
 FLAGS = {
-    "preset": "--preset", "seed": "--seed", "noise": "--reproducible-noise", "delta": "--delta",
+    "task": "--task", "preset": "--preset", "seed": "--seed", "noise": "--reproducible-noise", "delta": "--delta",
     "data": "--data", "layout": "--layout", "partition_file": "--partition-file", "hospitals": "--hospitals",
     "teachers_per_hospital": "--teachers-per-hospital", "init": "--init", "engine": "--engine",
     "precision": "--precision", "lifetime_epsilon_given": "--lifetime-epsilon", "method": "--method",
@@ -90,3 +91,18 @@ def merged(saved: list | None, new: list) -> list:
     """``saved`` then what ``new`` adds (a resume may add methods or budgets: each cell is its own folder)."""
     out = list(saved or [])
     return out + [item for item in new if item not in out]
+
+
+def set_aside_interrupted(path: Path, counted_in: str = "the hospitals' ledgers") -> Path | None:
+    """A cell folder with a ledger but no results was interrupted after releasing: keep it (renamed
+    ``<cell>.interrupted-<time>``), so the cell can run again in a fresh folder. Its ledger is never deleted:
+    its releases stay counted (``counted_in`` says where, for the line printed). Returns the new folder, or
+    None when nothing was released there (an empty or missing ledger) or the cell finished."""
+    ledger = path / "ledger.jsonl"
+    if (path / "results.json").exists() or not ledger.exists() or ledger.stat().st_size == 0:
+        return None
+    aside = path.with_name(f"{path.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.rename(aside)
+    print(f"compare: {path} was interrupted after releasing; kept as {aside.name} and run again "
+          f"(its releases stay counted in {counted_in})", flush=True)
+    return aside
