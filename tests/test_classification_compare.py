@@ -172,6 +172,13 @@ def test_rerun_with_another_seed_is_refused_naming_the_flag(tmp_path, monkeypatc
     assert "--delta" in capsys.readouterr().err
     assert _small_compare(monkeypatch, out, "--reproducible-noise") == 2
     assert "--reproducible-noise" in capsys.readouterr().err
+    # under reproducible noise the seed is recorded nowhere; the split it chose still tells another seed apart
+    noisy = tmp_path / "reproducible"
+    assert _small_compare(monkeypatch, noisy, "--reproducible-noise", "--seed", "5") == 0
+    capsys.readouterr()
+    assert _small_compare(monkeypatch, noisy, "--reproducible-noise", "--seed", "6") == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "6" not in err.replace(str(noisy), "") and "5" not in err.replace(str(noisy), "")
 
 
 def test_no_ledger_is_deleted_and_an_interrupted_cells_spend_stays_in_the_report(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ from sim.errors import UserError
 from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from sim.results import RunResults, csv_row, write_run
-from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world, set_aside_interrupted
+from sim.runners.resume import merged, read_settings, refuse_other_settings, set_aside_interrupted
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
 # DP-MAC: the classifier settings of the DP-MAC workshop paper (Harder, Köhler, Welling & Park, App. B: batch
@@ -275,7 +275,12 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
     settings["hospitals"] = len(t.hospitals)   # the number the task resolved (--hospitals or the task's default)
     refuse_other_settings(header, settings, hidden=hidden)
-    refuse_other_world(out / WORLD_FILE, describe_split(t))
+    saved_split = read_settings(out / WORLD_FILE)
+    if saved_split is not None and saved_split != describe_split(t):
+        # every other setting matched: the seed (not recorded under reproducible noise) or the data changed
+        raise UserError(f"--out {out}: holds a run on another split of the private records (--seed differs, "
+                        "its value unpublished under reproducible noise, or the --data folder changed); resume it "
+                        "with the same settings and data, or use a new --out folder")
     noise = NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()
     summary = t.summary()
     if reproducible_noise:
