@@ -305,7 +305,16 @@ def calibrate_local_variance(epsilon: float, delta: float, releases: int, grid: 
                              relation: str = "replace-one", accountant: str = "rdp") -> float:
     """The smallest local variance v (a float, sampled exactly as stored) such that ``releases`` releases
     with ``shares`` counted shares of N_Z(0, v) are (ε, δ)-DP: :func:`privacy.calibration.calibrate` on the
-    noise's standard deviation, safe side."""
+    noise's standard deviation, safe side.
+
+    Args:
+        epsilon / delta: the budget all ``releases`` together may spend.
+        releases: how many secure sums are released (one per query).
+        grid: the integer grid the rows are rounded onto (its row bound and dimension give the sensitivity).
+        shares: the noise shares each release can count on (the honest survivors' shares).
+        relation: the neighbouring relation the sensitivity is taken under.
+        accountant: the accountant the calibration composes with.
+    """
     from privacy.calibration import calibrate
 
     epsilon = positive_number("epsilon", epsilon)

@@ -68,7 +68,18 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
     Each batch is one secure sum over the hospitals still connected; the run's ledger is charged (one
     distributed-discrete-Gaussian release per query, the counted shares) before the sum is unmasked, and each
     hospital charges its own before it draws its share. A batch whose sum fails (too few hospitals stayed,
-    or they refused) is not released."""
+    or they refused) is not released.
+
+    Args:
+        transport: the hospitals, reached through the transport contract.
+        world: the public query scans and the world's description.
+        plan: the query plan of the trusted method (codec, compressor, queries); its sigma is replaced.
+        teachers: the trained teachers per hospital (K in all).
+        config: the run's PATE configuration (budget, query batch, threat model).
+        guard: the run ledger's guard, charged before each sum is unmasked.
+        noise: the run's noise source (secure unless reproducible noise was asked for).
+        phase_type: the query phase record to fill.
+    """
     threat = threat_model(config)
     phase = phase_type()
     hospitals = sorted(h for h in transport.hospital_ids() if h in teachers.per_hospital)

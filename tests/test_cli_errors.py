@@ -93,8 +93,11 @@ def test_ctrl_c_during_a_two_worker_compare_prints_one_line_and_no_traceback(tmp
     command = [sys.executable, "-m", "sim.cli", "compare", "--preset", "tiny", "--methods",
                "nonprivate-central,public-only", "--epsilons", "1", "--workers", "2", "--no-progress",
                "--out", str(tmp_path / "run")]
+    # restore_signals resets only SIGPIPE and SIGXFSZ: a SIGINT that pytest-xdist's worker ignores would stay
+    # ignored in the command, so it starts with the default action, as under a terminal
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         for line in process.stdout:   # the workers start right after this line
@@ -135,6 +138,8 @@ def test_an_error_of_the_machine_is_one_line_too(capsys, monkeypatch):
 
 
 def _wait_for_interrupt(ready, seconds):
+    # a worker of pytest-xdist ignores SIGINT, and a forked child inherits that: listen as a terminal's program does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         ready.set()
         time.sleep(seconds)

@@ -72,7 +72,9 @@ def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path
     assert result.epsilon_replace_one == result.epsilon
     assert result.epsilon_add_remove == pytest.approx(_pld_epsilon(q, 3.0, steps, 1e-3), rel=1e-3)
     assert result.epsilon_add_remove < result.epsilon
-    assert result.epsilon_rdp is None  # dp_accounting has no replace-one RDP for Poisson sampling
+    # dp_accounting has no replace-one RDP for Poisson sampling; ours reads it through the weak triangle
+    # inequality: a valid bound, looser than the exact PLD
+    assert result.epsilon_rdp is not None and result.epsilon_rdp > result.epsilon
 
 
 @pytest.mark.parametrize("config, message", [

@@ -207,7 +207,9 @@ class CentralConfig:
         if self.lifetime_epsilon is not None:
             _check_number("--lifetime-epsilon", self.lifetime_epsilon, positive=True)
         training = self.training
-        _check_integer("--epochs", training.epochs, low=1)
+        # zero epochs releases the starting model (the public one under --init public): harmless without DP;
+        # DP-SGD needs at least one step to calibrate its noise
+        _check_integer("--epochs", training.epochs, low=1 if self.private else 0)
         _check_integer("--batch-size", training.batch_size, low=1)
         _check_number("--learning-rate", training.learning_rate, positive=True)
         _check_number("--max-grad-norm", training.max_grad_norm, positive=True)

@@ -320,7 +320,17 @@ def resume_settings(task: str, seed: int, delta: float, preset: str, data, teach
                     reproducible_noise: bool) -> dict:
     """What decides a classification comparison's cells, recorded in compare.json and required to be the same
     when the folder is resumed (``sim.runners.resume``); methods and budgets may be added. The seed drives the
-    noise when it is reproducible: then it is not recorded (the split in world.json still checks it)."""
+    noise when it is reproducible: then it is not recorded (the split in world.json still checks it).
+
+    Args:
+        task: the classification task's name.
+        seed: the run's seed (left out under reproducible noise).
+        delta: the comparison's δ.
+        preset: the preset's name.
+        data: the data folder given, or None for the task's own data.
+        teachers_per_hospital: the GNMax teachers per hospital given (None: the default rule).
+        reproducible_noise: whether the run's noise is seeded (a simulation).
+    """
     return {"task": task, "preset": preset, "delta": delta, "seed": None if reproducible_noise else seed,
             "noise": "reproducible" if reproducible_noise else "secure",
             "data": None if data is None else str(data), "teachers_per_hospital": teachers_per_hospital}
