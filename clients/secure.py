@@ -355,6 +355,10 @@ class SecureHospital:
                                        f"the declared {len(release_ids)} releases of dimension {grid.dimension}")
         local_variance = float(noise["local_variance"])
         encode = make_encoder(codec, hospital.compute(config)[0])
+        # refusals first: nothing is charged for a request this hospital will not answer
+        seed = config.get("secure_noise_seed")
+        if seed is not None and getattr(hospital, "deployed", False):
+            raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
         hospital.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
         # the charge: one release per query, the noise it can count on, before any teacher sees a scan
         event = ddg_event(grid, local_variance, session.counted, 1, "replace-one")
@@ -365,9 +369,6 @@ class SecureHospital:
              "colluders": self.party.policy.colluders, "dropouts": self.party.policy.dropouts,
              "threshold": session.threshold, "local_variance": local_variance,
              "codec": str(np.asarray(codec["kind"]).item()), "latent_dim": latent})
-        seed = config.get("secure_noise_seed")
-        if seed is not None and getattr(hospital, "deployed", False):
-            raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
         source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
         generator = source.generator(who, *release_ids)
         total = np.zeros((len(scans), latent), np.int64)

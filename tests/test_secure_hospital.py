@@ -2,6 +2,8 @@
 it can count on before any teacher runs, the sum of their noised contributions is the teachers' sum, and a
 request below a hospital's threat-model policy is refused with nothing charged."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,19 @@ def test_a_hospital_without_teachers_refuses_before_it_is_charged(tmp_path):
         secure_sum(lambda stage, messages: {h: secure[h].handle(stage, m, config) for h, m in messages.items()},
                    names, 2, 40, grid.dimension, noise, {h: {"scans": scans, "codec": codec} for h in names})
     assert _ledger_records(tmp_path, "h9") == []
+
+
+def test_a_deployed_hospital_refuses_seeded_noise_before_it_is_charged(tmp_path):
+    """Seeded noise is for simulations: a deployed hospital asked for it refuses, and its own ledger stays empty."""
+    hospitals, exchange, config = _world(tmp_path)   # the simulation's config asks for secure_noise_seed 7
+    for hospital in hospitals:
+        hospital.deployed = True
+    codec, scans = _codec(), np.zeros((1, 4, *GRID), np.float32)
+    grid, noise = _declaration(codec, 1, 3, 3, variance=1e6)
+    with pytest.raises(SecureRequestRefused, match="seeded noise"):
+        secure_sum(exchange, [h.hospital_id for h in hospitals], 2, 40, grid.dimension, noise,
+                   {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals})
+    assert all(h.runs == 0 for h in hospitals)
+    for hospital in hospitals:   # a deployed hospital's ledger is its own, not the simulation's ledger_dir
+        path = Path(hospital.privacy_ledger)
+        assert not path.exists() or Ledger.load(path).records() == []
