@@ -192,13 +192,8 @@ def load_bundle(run_dir: str | Path, *, verify_ledger: bool = True) -> LoadedBun
     missing = [key for key in CARD_KEYS if key not in card]
     if missing:
         raise BundleError(f"{bundle_file}: the privacy card is incomplete (missing {', '.join(missing)})")
-    weights_file = bundle_dir / "weights.pt"
-    try:
-        weights = weights_file.read_bytes()
-    except OSError:
-        raise BundleError(f"{weights_file}: the weights file is missing") from None
-    if hashlib.sha256(weights).hexdigest() != bundle.get("weights_sha256"):
-        raise BundleError(f"{weights_file}: weights do not match the digest in bundle.json (modified or corrupt)")
+    weights = _read_matching(bundle_dir / "weights.pt", bundle.get("weights_sha256"), "the weights file is missing",
+                             "weights do not match the digest in bundle.json (modified or corrupt)")
     if verify_ledger:
         verify_card_against_ledger(card, bundle_dir.parent / "ledger.jsonl", bundle_file)
         _verify_release(card, bundle_dir.parent, bundle_file)
@@ -221,13 +216,20 @@ def verify_bundle_digests(bundle: Mapping[str, Any], bundle_dir: Path) -> None:
                           "cannot be verified: train the model again")
     if bundle_digest(bundle) != bundle["bundle_sha256"]:
         raise BundleError(f"{bundle_file}: its fields do not match bundle_sha256 (edited or corrupt)")
-    card_file = bundle_dir / "MODEL_CARD.md"
+    _read_matching(bundle_dir / "MODEL_CARD.md", bundle.get("model_card_sha256"), "the model card is missing",
+                   "does not match model_card_sha256 in bundle.json (edited or corrupt)")
+
+
+def _read_matching(path: Path, sha256: Any, missing: str, mismatch: str) -> bytes:
+    """The bytes of a bundle's file, refused (BundleError naming the file) when it is missing or its sha256 is
+    not the one bundle.json records."""
     try:
-        text = card_file.read_bytes()
+        data = path.read_bytes()
     except OSError:
-        raise BundleError(f"{card_file}: the model card is missing") from None
-    if hashlib.sha256(text).hexdigest() != bundle.get("model_card_sha256"):
-        raise BundleError(f"{card_file}: does not match model_card_sha256 in bundle.json (edited or corrupt)")
+        raise BundleError(f"{path}: {missing}") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise BundleError(f"{path}: {mismatch}")
+    return data
 
 
 def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
