@@ -2,8 +2,9 @@
 
 :func:`run_pate` is the algorithm, one named step per line:
 
-1. :func:`pretrain_public_model` -- a U-Net on the public reference split: the teachers' initialisation
-   and the start of the student (SPEC section 11: PATE should only add to what public data gives);
+1. :func:`pretrain_public_model` -- a U-Net on the public reference split, self-trained on the public query
+   scans where the preset says so: the teachers' initialisation and the start of the student (PATE should
+   only add to what public data gives);
 2. :func:`train_teachers` -- every hospital fine-tunes one teacher per disjoint partition of its patients
    (Alg. 1-2, "train teacher models on disjoint partitions");
 3. :func:`plan_release` -- calibration and compressor: ``c = sigma / S`` for N queries at (epsilon, delta)
@@ -51,6 +52,7 @@ from privacy.mechanisms import NoiseSource
 from server.aggregation import aggregate_query
 from server.pate_secure import is_secure, run_secure_query_phase, who_sees_what
 from server.compressors import Compressor, PublicFit, make_compressor
+from server.selftrain import PublicModels, train_public_models
 from server.student import train_public_model, train_student
 from server.transport import (
     HospitalTransport,
@@ -245,28 +247,30 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
     torch.manual_seed(config.seed)
     # un-noised diagnostics exist only in simulation: deployed hospitals refuse them, so none is asked
     config = _without_diagnostics_if_deployed(config, transport)
-    public_model = pretrain_public_model(world, preset, config)
-    teachers = train_teachers(transport, preset, config, public_model)
-    plan = plan_release(world, preset, config, teachers, out, public_model)
+    public = pretrain_public_model(world, preset, config)
+    teachers = train_teachers(transport, preset, config, public.start)
+    plan = plan_release(world, preset, config, teachers, out, public.start)
     ledger = Ledger(out / "ledger.jsonl")
     guard = BudgetGuard(ledger, float(config.epsilon), float(config.delta))
     if is_secure(config.method):   # the hospitals add the noise and only a secure sum reaches the server
         queries, plan = run_secure_query_phase(transport, world, plan, teachers, config, guard, noise, QueryPhase)
     else:
         queries = run_query_phase(transport, world, plan, teachers, config, guard, noise)
-    student = decode_and_train_student(world, preset, config, plan, queries, public_model)
+    student = decode_and_train_student(world, preset, config, plan, queries, public)
     evaluation = evaluate(transport, world, config, plan, queries, student)
     outcome = PateOutcome(teachers, plan, queries, student, evaluation, ledger, dict(transport.dropped), noise)
     return write(out, world, preset, config, outcome, started)
 
 
 # ---------------------------------------------------------------------------------------------- the steps
-def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> torch.nn.Module:
-    """Step 1: the public model (reference images + labels), checkpointed where a comparison shares it."""
+def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> PublicModels:
+    """Step 1: the public model (reference images + labels) and the start every model of the run shares (that
+    model, or it self-trained on the query scans: the preset's ``public_start``), checkpointed where a
+    comparison shares them."""
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    return train_public_model(world, preset, seed=config.seed, progress=config.progress,
-                              checkpoint=shared / "public-model.pt" if shared else None,
-                              device=config.device, precision=config.precision)
+    return train_public_models(world, preset, seed=config.seed, progress=config.progress,
+                               checkpoint=shared / "public-model.pt" if shared else None,
+                               device=config.device, precision=config.precision)
 
 
 def teacher_training(preset) -> dict[str, Any]:
@@ -403,9 +407,9 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
 
 
 def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, plan: ReleasePlan,
-                             queries: QueryPhase, public_model: torch.nn.Module) -> Student:
-    """Step 5: pseudo-labels from the noisy latents; the student (and, on the same schedule without them,
-    the public-only baseline) starts from the public model.
+                             queries: QueryPhase, public: PublicModels) -> Student:
+    """Step 5: pseudo-labels from the noisy latents; the student starts from the run's start model, and the
+    public-only baseline continues the reference-trained public model on the same schedule without them.
 
     Args:
         world: the public world (query scans, reference data).
@@ -414,14 +418,15 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
             where the public-only baseline is checkpointed, device).
         plan: the release plan whose codec decodes the latents.
         queries: what the query phase released (answered indices and their noisy latents).
-        public_model: the public model both models start from.
+        public: the public models (:class:`server.selftrain.PublicModels`).
     """
     pseudo = (plan.decode(np.stack(queries.latents), queries.answered) if queries.latents
               else np.zeros((0, world.classes, *world.grid), np.float32))
     targets = pseudo if config.soft_labels else pseudo.argmax(axis=1)
-    public_init = {k: v.clone() for k, v in public_model.state_dict().items()}
+    start_init = {k: v.clone() for k, v in public.start.state_dict().items()}
+    public_init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=public_init,
+    student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=start_init,
                             include_reference=config.include_reference, progress=config.progress,
                             device=config.device, precision=config.precision, **student_training(preset))
     public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student_epochs, init=public_init,

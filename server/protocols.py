@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 from pathlib import Path
 
 from server.dpfedavg import run_dpfedavg
-from server.student import train_public_model
+from server.selftrain import train_public_models
 from sim.errors import UserError
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
@@ -44,10 +44,10 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
     preset = settings.resolved_preset
     start = None
     if cell.init == "public":   # the same public model PATE starts from (shared with its cells in a comparison)
-        public_model = train_public_model(world, preset, seed=settings.seed, progress=settings.progress,
-                                          checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
-                                          device=settings.device, precision=settings.precision)
-        start = {k: v.detach().cpu().numpy() for k, v in public_model.state_dict().items()}
+        public = train_public_models(world, preset, seed=settings.seed, progress=settings.progress,
+                                     checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
+                                     device=settings.device, precision=settings.precision)
+        start = {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
     return run_dpfedavg(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
                         seed=settings.seed, progress=settings.progress,
                         reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,

@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from server.student import train_student
+from server.student import train_public_model, train_student
+from sim.presets import PublicStart, look_up_public_start
 from sim.training import evaluate_segmentation, predict_probs
 
 #: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned)
@@ -118,3 +119,64 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
     return SelfTrainOutcome(model=candidates[chosen][0], chosen_round=chosen + 1,
                             validation_dice=[score for _, score in candidates], temperature=float(temperature),
                             epochs_per_round=epochs, query_scans=len(queries))
+
+
+@dataclass
+class PublicModels:
+    """The server's public models: ``reference`` is pre-trained on the public reference maps (its continuation on
+    those maps is the ``public-only`` baseline); ``start`` is the model every method starts from (the teachers, the
+    PATE student and its anchor, DP-SGD, DP-FedAvg, non-private training): ``reference`` itself, or ``reference``
+    self-trained on the public query scans (``selftrain``, its outcome)."""
+    reference: torch.nn.Module
+    start: torch.nn.Module
+    selftrain: SelfTrainOutcome | None = None
+
+
+def selftrain_settings(preset) -> tuple[int, float]:
+    """(rounds, temperature) of the preset's self-training: its extras ``selftrain_rounds`` and
+    ``selftrain_temperature``, or this module's defaults."""
+    return (int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS)),
+            float(preset.extra.get("selftrain_temperature", DEFAULT_TEMPERATURE)))
+
+
+def selftrain_checkpoints(checkpoint: str | Path | None) -> Path | None:
+    """Where the self-training that follows the public model at ``checkpoint`` keeps its rounds: a folder beside
+    it (``public-model.pt`` -> ``public-model-selftrain/``), shared by the start model and the
+    ``public-selftrain`` baseline so that a comparison trains it once."""
+    if checkpoint is None:
+        return None
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(checkpoint.stem + "-selftrain")
+
+
+def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
+                        checkpoint: str | Path | None = None, device=None, precision: str = "32") -> PublicModels:
+    """The public model and the start every method shares, as the preset's ``public_start`` says.
+
+    ``reference`` (:class:`sim.presets.PublicStart`): the public model trained on the public reference maps.
+    ``self-trained``: that model then self-trained on the public query scans (:func:`self_train`): everything
+    public the server holds, with no hospital and no privacy cost. Principle: a private method should add what the
+    hospitals know to the strongest model the public data give, not to a weaker one (a gain over a weak start can
+    be what the public scans alone would have given: Xie et al. 2020, "Self-training with Noisy Student improves
+    ImageNet classification", arXiv 1911.04252; Lee 2013, pseudo-labels).
+
+    Args:
+        world: the server's :class:`sim.world.PublicWorld` (reference maps; query scans and the validation set
+            for self-training; never the query scans' labels).
+        preset: the preset (``public_start``, the network, the epochs; the self-training extras).
+        seed: the trainings' seed.
+        progress: progress bars.
+        checkpoint: the public model's checkpoint (``public-model.pt``); the self-training's rounds are kept in
+            the folder :func:`selftrain_checkpoints` names. Both are resumed from. None = no checkpoints.
+        device / precision: where the models train (``sim.device``; None = auto) and whether forward passes run
+            under bf16 autocast (``"32"`` = float32).
+    """
+    reference = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint,
+                                   device=device, precision=precision)
+    if look_up_public_start(preset.public_start) is PublicStart.REFERENCE:
+        return PublicModels(reference=reference, start=reference)
+    rounds, temperature = selftrain_settings(preset)
+    outcome = self_train(world, preset, reference, seed=seed, rounds=rounds, temperature=temperature,
+                         progress=progress, checkpoint_dir=selftrain_checkpoints(checkpoint), device=device,
+                         precision=precision)
+    return PublicModels(reference=reference, start=outcome.model, selftrain=outcome)

@@ -16,6 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class PublicStart(StrEnum):
+    """The model every method starts from (``server.selftrain.train_public_models``)."""
+    REFERENCE = "reference"        # pre-trained on the public reference maps
+    SELF_TRAINED = "self-trained"  # ... then self-trained on the public query scans (no hospital, no privacy cost)
+
+
+def look_up_public_start(value) -> PublicStart:
+    """``value`` as a :class:`PublicStart`, or a one-line error that lists the choices (MONAI's
+    ``look_up_option`` pattern)."""
+    try:
+        return PublicStart(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in PublicStart)
+        raise ValueError(f"public_start: unknown value {value!r}; expected one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,13 @@ class Preset:
     # Empty: one setting, the preset's.
     dpsgd_grid: tuple = field(default=(), kw_only=True)
     dpfedavg_grid: tuple = field(default=(), kw_only=True)
+    # Where every method starts (PublicStart): the public model pre-trained on the reference maps, or that model
+    # self-trained on the public query scans (server.selftrain.train_public_models).
+    public_start: str = field(default=PublicStart.REFERENCE.value, kw_only=True)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        look_up_public_start(self.public_start)
 
     @property
     def teachers(self) -> int:

@@ -103,3 +103,37 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
     from sim.world import load_world
 
     assert "never read" in selftrain.labels_used(load_world(tiny_prepared, tiny_split, with_query_labels=False))
+
+
+def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resumed(tmp_path, tiny_prepared,
+                                                                                 tiny_split):
+    """``public_start``: ``reference`` hands every method the reference-trained public model itself;
+    ``self-trained`` hands them that model self-trained on the query scans, checkpointed beside it (a second call
+    loads the rounds instead of training them) and the very model the ``public-selftrain`` baseline reports."""
+    import torch
+
+    from server.selftrain import selftrain_checkpoints, train_public_models
+    from sim.presets import get_preset
+    from sim.world import load_world
+
+    world = load_world(tiny_prepared, tiny_split, with_query_labels=False)
+    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 1})
+    checkpoint = tmp_path / "public-model.pt"
+    plain = train_public_models(world, preset, checkpoint=checkpoint)
+    assert plain.start is plain.reference and plain.selftrain is None
+
+    adapted = train_public_models(world, preset.replace(public_start="self-trained"), checkpoint=checkpoint)
+    reference, start = adapted.reference.state_dict(), adapted.start.state_dict()
+    assert all(torch.equal(reference[k], plain.reference.state_dict()[k]) for k in reference)   # resumed, not retrained
+    assert any(not torch.equal(reference[k], start[k]) for k in reference)                      # it moved
+    assert adapted.selftrain.chosen_round == 1 and (selftrain_checkpoints(checkpoint) / "round-1.pt").exists()
+    again = train_public_models(world, preset.replace(public_start="self-trained"), checkpoint=checkpoint).start
+    assert all(torch.equal(start[k], again.state_dict()[k]) for k in start)
+
+
+def test_an_unknown_public_start_is_refused_in_one_line_listing_the_choices():
+    from sim.presets import get_preset
+
+    with pytest.raises(ValueError, match=r"^public_start: unknown value 'selftrained'; expected one of reference, "
+                                         r"self-trained$"):
+        get_preset("tiny", public_start="selftrained")

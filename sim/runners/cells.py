@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from server.selftrain import train_public_models
 from server.student import train_public_model
 from sim.bundle import preprocessing_of
 from sim.device import device_name, model_device
@@ -84,9 +85,10 @@ def run_floor(floor: Callable) -> CellRunner:
 
 
 def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: bool, device: str, precision: str):
-    """(public model, public-only model) at a comparison's shared checkpoints, trained or loaded: the public model
-    every cell starts from (``public-model.pt``) and its continuation on the student's schedule
-    (``public-only.pt``, what PATE's student must beat) -- the same calls ``server.pate`` makes.
+    """(start model, public-only model) at a comparison's shared checkpoints, trained or loaded: the model every
+    cell starts from (``public-model.pt``, self-trained in ``public-model-selftrain/`` where the preset's
+    ``public_start`` says so) and the reference-trained public model's continuation on the student's schedule
+    (``public-only.pt``, the baseline) -- the same calls ``server.pate`` makes.
 
     Args:
         world: the comparison's :class:`sim.world.PublicWorld` (its public reference maps train both).
@@ -97,13 +99,13 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
         device / precision: where they train (``sim.device``) and whether forward passes run under bf16.
     """
     shared_dir = Path(shared_dir)
-    public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
-    init = {k: v.clone() for k, v in public_model.state_dict().items()}
+    public = train_public_models(world, preset, seed=seed, progress=progress,
+                                 checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
+    init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     public_only = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init,
                                      progress=progress, checkpoint=shared_dir / "public-only.pt", device=device,
                                      precision=precision)
-    return public_model, public_only
+    return public.start, public_only
 
 
 def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,

@@ -36,7 +36,7 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy import calibration
-from server.student import train_public_model
+from server.selftrain import train_public_models
 from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
 from sim.device import check_precision, device_name, resolve_device
 from sim.errors import UserError
@@ -581,8 +581,9 @@ def choose_setting(candidates) -> int:
 
 def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path, device=None,
                  precision: str = "32", **where) -> dict:
-    """The public model's weights (server.student.train_public_model on the public reference set, the PATE
-    teachers' and student's start); trained once per checkpoint and reused by every method that passes it.
+    """The start model's weights (``server.selftrain.train_public_models``: the public model trained on the public
+    reference set, self-trained on the public query scans where the preset says so; the PATE teachers' and
+    student's start too); trained once per checkpoint and reused by every method that passes it.
 
     Args:
         preset: the preset (its world, network and pre-training epochs).
@@ -596,8 +597,8 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
         **where: ``sim.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
     """
     world = load_world(*build_world(preset, data, seed, progress, **where))
-    model = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
-                               precision=precision)
+    model = train_public_models(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
+                                precision=precision).start
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from server.selftrain import DEFAULT_ROUNDS, DEFAULT_TEMPERATURE, self_train
-from server.student import train_public_model
+from server.selftrain import train_public_models
+from sim.presets import PublicStart
 from sim.bundle import preprocessing_of
 from sim.networks import network_config
 from sim.device import device_name, model_device
@@ -43,16 +43,16 @@ def labels_used(world) -> str:
 def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
                          publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
                          device: str = "auto", precision: str = "32") -> dict:
-    """Self-train the public model (``shared_dir/public-model.pt``, the one every cell of the comparison starts
-    from) on the public query scans; rounds and temperature from the preset's extras (``selftrain_rounds``,
-    ``selftrain_temperature``) or the module defaults of ``server.selftrain``.
+    """Self-train the public model (``shared_dir/public-model.pt``) on the public query scans; rounds and
+    temperature from the preset's extras (``selftrain_rounds``, ``selftrain_temperature``) or the module defaults
+    of ``server.selftrain``. The rounds are checkpointed beside the public model, where a comparison whose
+    ``public_start`` is ``self-trained`` finds them: this baseline is then the model every cell starts from.
 
     Args:
         preset: the comparison's preset (its world, network, schedule and self-training extras).
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
         seed: the world's split and the trainings.
-        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle; each round's training is
-            checkpointed under ``out/checkpoint``).
+        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
         shared_dir: where the comparison's public model is checkpointed (``public-model.pt``).
         progress: progress bars.
         publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
@@ -65,13 +65,11 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
     out = Path(out)
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
                        with_query_labels=False)
-    public_model = train_public_model(world, preset, seed=seed, progress=progress,
-                                      checkpoint=Path(shared_dir) / "public-model.pt", device=device,
-                                      precision=precision)
-    rounds = int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS))
-    temperature = float(preset.extra.get("selftrain_temperature", DEFAULT_TEMPERATURE))
-    outcome = self_train(world, preset, public_model, seed=seed, rounds=rounds, temperature=temperature,
-                         progress=progress, checkpoint_dir=out / "checkpoint", device=device, precision=precision)
+    # the same call, and so the same checkpoints, as the comparison's start model when that is self-trained
+    outcome = train_public_models(world, preset.replace(public_start=PublicStart.SELF_TRAINED.value), seed=seed,
+                                  progress=progress, checkpoint=Path(shared_dir) / "public-model.pt", device=device,
+                                  precision=precision).selftrain
+    rounds = len(outcome.validation_dice)
     dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)
