@@ -20,6 +20,10 @@ rdp-filter  the same RDP curves under a Rényi filter: valid when event    Feldm
 zcdp        ρ-zCDP: shuffled epochs, Gaussians (ρ = S²/2σ²), pure ε       Yu et al. Prop. 1-2,
             (ρ = ε²/2); ``ε = ρ + 2 sqrt(ρ ln 1/δ)``                      Thm. 1-2; Bun & Steinke
 basic       pure ε (Laplace, PureDP): ε = Σ ε_i, δ = 0                     Dwork et al.
+split:a+b   events no single tight accountant covers (PLD-accounted      Dwork & Roth 2014
+            releases beside a secure sum's discrete Gaussians): each      Thm. 3.16
+            family by its own accountant at δ/G, added up; the smaller
+            of that and rdp over all (SplitDeltaAccountant)
 =========== ============================================================ ======================
 
 Neighbouring relations: an accountant accounts one relation (the first event's); composing an event
@@ -802,6 +806,106 @@ class PureDPAccountant(Accountant):
         return 0.0 if _check_epsilon(epsilon) >= self.epsilon else 1.0
 
 
+class SplitDeltaAccountant(Accountant):
+    """Events that no one tight accountant covers, each family by its own, composed by basic composition.
+
+    A hospital's lifetime ledger can hold releases that PLD accounts exactly (Gaussians, replace-one
+    Poisson-sampled Gaussians) beside releases only RDP/zCDP can account (the distributed discrete Gaussian of
+    a secure sum, Kairouz, Liu & Steinke 2021, arXiv 2102.06387). One accountant for all of them is ``rdp``,
+    whose replace-one sampled-Gaussian curve (weak triangle inequality) reads a PLD-calibrated cell at ε = 8 as
+    about 20. Here each family (``families``, in routing order: a leaf goes to the first that supports it) is
+    composed by its own accountant and the families are added by the basic composition theorem (Dwork & Roth
+    2014, "The Algorithmic Foundations of Differential Privacy", Thm. 3.16): with G non-empty families, each read
+    at δ/G, the total is (Σ ε_g(δ/G), δ)-DP. ``rdp`` over every event is composed beside them where it can be, and
+    the smaller of the two readings is reported (both are valid bounds for the same composition).
+
+    Non-adaptive events only: :func:`accountant_for` never splits a composition holding an adaptively chosen
+    event (those need one privacy filter over the whole sequence).
+    """
+
+    filter_valid = False
+
+    def __init__(self, families: Sequence[str]) -> None:
+        super().__init__()
+        families = tuple(families)
+        if len(families) < 2 or len(set(families)) != len(families) or "split" in ",".join(families):
+            raise PrivacyError(f"a split accountant needs two or more distinct accountant families, got {families}")
+        self.families = families
+        self.parts = [make_accountant(name) for name in families]
+        self.name = SPLIT_PREFIX + "+".join(families)
+        self._union: Accountant | None = RDPAccountant()
+
+    def _part_for(self, leaf: Event) -> Accountant | None:
+        return next((part for part in self.parts if part._supports_leaf(leaf)), None)
+
+    def _supports_leaf(self, event: Event) -> bool:
+        return not event.adaptive and self._part_for(event) is not None
+
+    def _apply(self, event: Event) -> None:
+        self.compose_all([event])
+
+    def compose(self, event: Event) -> "Accountant":
+        return self.compose_all([event])
+
+    def compose_all(self, events: Iterable[Event]) -> "Accountant":
+        """Route every leaf to its family (each family composes its own share in one call, keeping PLD's
+        grouping of identical events); everything is checked before anything is applied."""
+        events = list(events)
+        held = self.relation
+        try:
+            for event in events:
+                self._check(event)
+                self.relation = event.relation
+        finally:
+            self.relation = held
+        routed: dict[int, list[Event]] = {}
+        for event in events:
+            for leaf in event.leaves():
+                routed.setdefault(self.parts.index(self._part_for(leaf)), []).append(leaf)
+        for index, leaves in routed.items():
+            self.parts[index].compose_all(leaves)
+        if self._union is not None:
+            try:
+                self._union.compose_all(events)
+            except (UnsupportedEvent, PrivacyError):
+                self._union = None   # rdp cannot read every event: the split reading alone
+        self.events.extend(events)
+        if events:
+            self.relation = events[-1].relation
+        return self
+
+    def _split_epsilon(self, delta: float) -> float:
+        used = [part for part in self.parts if part.events]
+        return sum(part.get_epsilon(delta / len(used)) for part in used) if used else 0.0
+
+    def get_epsilon(self, delta: float) -> float:
+        delta = _check_delta(delta)
+        split = self._split_epsilon(delta)
+        return min(split, self._union.get_epsilon(delta)) if self._union is not None and self.events else split
+
+    def get_delta(self, epsilon: float) -> float:
+        """The smallest δ (to a relative 1e-6, rounded up) at which :meth:`get_epsilon` is at most ``epsilon``."""
+        epsilon = _check_epsilon(epsilon)
+        if not self.events or self.get_epsilon(1.0 - 1e-12) > epsilon:
+            return 0.0 if not self.events else 1.0
+        lo, hi = math.log(1e-300), math.log(1.0 - 1e-12)   # get_epsilon falls as δ grows: bisect on log δ
+        if self.get_epsilon(math.exp(lo)) <= epsilon:
+            return math.exp(lo)
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if self.get_epsilon(math.exp(mid)) <= epsilon:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo < 1e-6:
+                break
+        return math.exp(hi)
+
+
+#: names of split accountants: ``split:<family>+<family>...`` (:class:`SplitDeltaAccountant`)
+SPLIT_PREFIX = "split:"
+
+
 _FACTORIES = {
     "gdp-exact": GaussianGDPAccountant,
     "pld": PLDAccountant,
@@ -814,6 +918,8 @@ _FACTORIES = {
 
 def make_accountant(name: str, **options) -> Accountant:
     """A fresh accountant by name (one of ``ACCOUNTANTS``)."""
+    if isinstance(name, str) and name.startswith(SPLIT_PREFIX):
+        return SplitDeltaAccountant(name[len(SPLIT_PREFIX):].split("+"))
     factory = _FACTORIES.get(name)
     if factory is None:
         raise PrivacyError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {name!r}")
@@ -842,10 +948,14 @@ def accountant_for(events: Iterable[Event]) -> Accountant:
         if any(isinstance(leaf, ZCDPEvent) for leaf in leaves):
             order.append("zcdp")
         order += ["pld", "rdp", "zcdp"]
-    for name in order:
-        candidate = make_accountant(name)
-        if all(candidate._supports_leaf(leaf) for leaf in leaves):
-            return candidate
+    single = next((make_accountant(name) for name in order
+                   if all(make_accountant(name)._supports_leaf(leaf) for leaf in leaves)), None)
+    if not adaptive and (single is None or single.name == "rdp"):   # rdp: only the loose union reading
+        split = _split_for(leaves)
+        if split is not None:
+            return split
+    if single is not None:
+        return single
     kinds = sorted({type(leaf).__name__ + (f"({leaf.relation})" if isinstance(leaf, SampledGaussianEvent) else "")
                     for leaf in leaves})
     if adaptive:
@@ -854,6 +964,21 @@ def accountant_for(events: Iterable[Event]) -> Accountant:
             "adaptive composition, and dp_accounting's RDP has no replace-one Poisson subsampling)"
         )
     raise UnsupportedEvent(f"no single accountant supports the combination {kinds}")
+
+
+def _split_for(leaves: Sequence[Event]) -> Accountant | None:
+    """A :class:`SplitDeltaAccountant` for non-adaptive ``leaves`` that PLD accounts only in part: the share PLD
+    supports under its own tightest accountant, the rest under theirs; None when there is nothing to split."""
+    pld = PLDAccountant()
+    covered = [leaf for leaf in leaves if pld._supports_leaf(leaf)]
+    rest = [leaf for leaf in leaves if not pld._supports_leaf(leaf)]
+    if not covered or not rest or any(isinstance(leaf, ZCDPEvent) for leaf in leaves):
+        return None
+    try:
+        first, second = accountant_for(covered).name, accountant_for(rest).name
+    except UnsupportedEvent:
+        return None
+    return SplitDeltaAccountant((first, second)) if first != second else None
 
 
 def epsilon_spent(events: Sequence[Event], delta: float, accountant: str | None = None) -> tuple[float, str]:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
+from server.selftrain import start_description
 from server.transport import HospitalTransport, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
@@ -215,9 +216,12 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         "dice_per_case_class": per_class_of(dice_per_case),
         "noise": "reproducible" if reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
+        # fewer rounds than planned: the hospitals' budgets (a lifetime budget shared with other cells) ran out
+        "stopped_by_budget": (None if sum(1 for entry in history if entry.get("hospitals")) >= setting["rounds"] else
+                              f"{sum(1 for entry in history if entry.get('hospitals'))} of {setting['rounds']} rounds"),
         "validation_dice_mean": validation_dice,   # public: what model selection may use
         "init": init if init_weights is not None else "scratch",
-        "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
+        "start": (start_description(preset)
                   if init_weights is not None else "random weights"),
         "settings_grid": [dict(c[0]) for c in candidates],
         "settings_validation_dice": [c[3] for c in candidates],

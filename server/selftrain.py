@@ -180,3 +180,11 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
                          progress=progress, checkpoint_dir=selftrain_checkpoints(checkpoint), device=device,
                          precision=precision)
     return PublicModels(reference=reference, start=outcome.model, selftrain=outcome)
+
+
+def start_description(preset) -> str:
+    """What the start model every method shares is, in words, for results and model cards."""
+    if look_up_public_start(preset.public_start) is PublicStart.SELF_TRAINED:
+        return ("the start model: the public model pre-trained on the public reference set, then self-trained on "
+                "the public query scans (no hospital), as PATE's teachers and student")
+    return "the public model (pre-trained on the public reference set, as PATE's teachers and student)"

@@ -50,6 +50,10 @@ class Method:
     per_epsilon: bool = False
     sweeps_k: bool = False
     starts_from_public: bool = False
+    #: releases through a secure sum with distributed discrete Gaussian noise: accounted by RDP/zCDP, not PLD, so
+    #: a hospital ledger that also holds PLD-accounted releases is read by a split accountant
+    #: (``privacy.accountants.SplitDeltaAccountant``) and the comparison plans its lifetime budget for that
+    secure_sum: bool = False
     description: str = ""
     #: wall seconds of one cell on the quick preset in a one-thread worker (fresh demo with --workers 2 on this
     #: 2-core machine, 2026-11-25): only a hint for spreading a comparison's cells over worker processes
@@ -107,7 +111,7 @@ for _record in (
                sweeps_k=True, starts_from_public=True,
                description="PATE with the public-anchored residual codec (SPEC section 11)", cell_seconds=190),
         Method("pate-anchored-secure", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
-               sweeps_k=True, starts_from_public=True,
+               sweeps_k=True, starts_from_public=True, secure_sum=True,
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=230),
         Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,

@@ -658,6 +658,10 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                          "finished cells compose to, and it rises when an interrupted comparison is resumed."
                          + (f" Set aside here after an interruption: {', '.join(f'`{c}`' for c in interrupted)}."
                             if interrupted else ""))
+    stopped = [f"`{c['_cell']}` ({c['stopped_by_budget']})" for c in cells if c.get("stopped_by_budget")]
+    if stopped:
+        lines.append("- **Stopped by a budget before their plan** (a hospital's lifetime budget, shared with the other "
+                     "cells, ran out; raise `--lifetime-epsilon` to let them finish): " + ", ".join(stopped) + ".")
     if any(registry.role_of(c.get("method")) == "ceiling" for c in cells):
         lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
                      "for the simulation, never a release.")

@@ -157,7 +157,7 @@ def test_event_round_trips_and_pld_refuses_it():
     assert not make_accountant("pld").supports(event)
     with pytest.raises(UnsupportedEvent):
         make_accountant("pld").compose(event)
-    assert accountant_for([event, GaussianEvent(0.5, 2.0, 3)]).name == "rdp"
+    assert accountant_for([event, GaussianEvent(0.5, 2.0, 3)]).name == "split:gdp-exact+rdp"
     with pytest.raises(PrivacyError, match="l1_sensitivity"):
         DistributedDiscreteGaussianEvent(2.0, 1.0, 1.0, 1, 4)
 
@@ -209,25 +209,27 @@ def test_share_count():
 
 
 def test_a_lifetime_ledger_mixing_secure_pate_and_replace_one_dpsgd_has_an_accountant():
-    """A hospital's lifetime ledger in a comparison holds both: PLD cannot take the secure sum's event, so
-    rdp accounts the replace-one DP-SGD steps through the weak triangle (replace_one_sampled_gaussian_rdp)."""
+    """A hospital's lifetime ledger in a comparison holds both: PLD cannot take the secure sum's event, so the
+    ledger is read by the split accountant: the smaller of PLD(DP-SGD) at δ/2 + RDP(secure) at δ/2 and rdp over
+    both (the replace-one DP-SGD steps through the weak triangle, replace_one_sampled_gaussian_rdp)."""
     from privacy.accountants import PLDAccountant, RDPAccountant, replace_one_sampled_gaussian_rdp
     from privacy.events import SampledGaussianEvent
 
     sgd = SampledGaussianEvent(1 / 6, 1.1, 60, relation="replace-one")
     secure = ddg_event(IntegerGrid.for_rows(1.0, 32), 1e8, 2, 40)
-    assert accountant_for([sgd, secure]).name == "rdp"
+    assert accountant_for([sgd, secure]).name == "split:pld+rdp"
     ledger = Ledger(None)
     ledger.record(["h0"], sgd, "round-1")
     ledger.record(["h0"], secure, "query-1")
     spent = ledger.spent("h0", 1e-5)
-    assert spent.accountant == "rdp"
-    # the composed curve is the sum of the two curves, read with dp_accounting's improved conversion
+    assert spent.accountant == "split:pld+rdp"
+    # the rdp reading of the union: the composed curve is the sum of the two curves, read with dp_accounting's improved conversion
     acc = RDPAccountant().compose(sgd)
     orders = acc._inner.orders
     expected = replace_one_sampled_gaussian_rdp(1 / 6, 1.1, 60, orders) + secure.rho * np.asarray(orders)
     np.testing.assert_allclose(acc._inner._rdp, replace_one_sampled_gaussian_rdp(1 / 6, 1.1, 60, orders))
     acc.compose(secure)
     np.testing.assert_allclose(acc._inner._rdp, expected)
-    assert spent.epsilon == pytest.approx(acc.get_epsilon(1e-5))
+    split = PLDAccountant().compose(sgd).get_epsilon(5e-6) + RDPAccountant().compose(secure).get_epsilon(5e-6)
+    assert spent.epsilon == pytest.approx(min(split, acc.get_epsilon(1e-5)))
     assert spent.epsilon >= PLDAccountant().compose(sgd).get_epsilon(1e-5)

@@ -116,3 +116,12 @@ def test_a_seeds_report_names_the_seeds_whose_headroom_is_not_measurable(tmp_pat
         (tmp_path / f"seed-{seed}").rename(tmp_path / f"old-{seed}")
     _comparison(tmp_path / "seed-2", np.array([0.02, -0.02, 0.01, -0.01, 0.015, -0.012, 0.003, 0.002]))
     assert "Smoke test: too small to compare.** In seed(s) 2 " in write_seeds_report(tmp_path, "seeds").read_text()
+
+
+def test_a_cell_stopped_by_a_budget_is_named_in_the_privacy_section():
+    cut = {"_cell": "dp-fedavg/eps-8", "method": "dp-fedavg", "stopped_by_budget": "7 of 10 rounds"}
+    whole = {"_cell": "dp-fedavg/eps-1", "method": "dp-fedavg", "stopped_by_budget": None}
+    text = " ".join(privacy_statement([cut, whole], None))
+    assert "Stopped by a budget before their plan" in text and "`dp-fedavg/eps-8` (7 of 10 rounds)" in text
+    assert "eps-1" not in text
+    assert "Stopped by a budget" not in " ".join(privacy_statement([whole], None))

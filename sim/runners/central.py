@@ -36,7 +36,7 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy import calibration
-from server.selftrain import train_public_models
+from server.selftrain import start_description, train_public_models
 from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
 from sim.device import check_precision, device_name, resolve_device
 from sim.errors import UserError
@@ -369,7 +369,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         "train_cases": len(world["train_ids"]),
         "test_cases": len(world["test_ids"]),
         "init": config.init,
-        "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
+        "start": (start_description(p)
                   if config.init == "public" else "random weights"),
         "settings_grid": [dict(s) for s in settings],
         "settings_validation_dice": [v for _, _, v in candidates],

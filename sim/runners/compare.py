@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from privacy.accountants import epsilon_spent
+from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_epsilon, zcdp_rho_for
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from sim.bundle import attach_release, load_bundle
@@ -223,7 +223,7 @@ def run_compare(config: CompareConfig) -> Path:
     if config.lane:   # a worker of this comparison: its parent checked the folder and planned the lifetime
         with realcheck.scoring(config.real_cases):
             _run_cells(config, float(config.lifetime_epsilon or
-                                     planned_lifetime_epsilon(methods, epsilons, len(sweep))), ledger_dir)
+                                     planned_lifetime_epsilon(methods, epsilons, len(sweep), delta=delta)), ledger_dir)
         return out
     # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
     # anything is written or charged; who holds what in this comparison's world: the split of the first K
@@ -235,7 +235,8 @@ def run_compare(config: CompareConfig) -> Path:
     # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
     # the planned lifetime budget cover every cell of the folder
     methods_all, epsilons_all = merged(saved.get("methods"), list(methods)), merged(saved.get("epsilons"), list(epsilons))
-    lifetime = float(config.lifetime_epsilon or planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep)))
+    lifetime = float(config.lifetime_epsilon or
+                     planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep), delta=delta))
     atomic_write_json(out / "compare.json", {"methods": methods_all, "epsilons": epsilons_all,
                                              **resume_settings(config), "lifetime_epsilon": lifetime,
                                              "hospital_ledgers": os.path.relpath(ledger_dir, out),
@@ -265,8 +266,8 @@ def run_compare(config: CompareConfig) -> Path:
     attach_release_everywhere(out, release)
     title = f"fedpate comparison — preset {preset_name}"
     settings = {"preset": preset_name, "hospitals": base.hospitals, "teachers per hospital": ",".join(map(str, sweep)),
-                "δ": delta, "seed": "—" if reproducible_noise else seed, "engine": engine, "workers": config.workers,
-                "wall minutes": round((time.perf_counter() - started) / 60, 1)}
+                "δ": delta, "seed": "—" if reproducible_noise else seed, "start model": base.public_start,
+                "engine": engine, "workers": config.workers, "wall minutes": round((time.perf_counter() - started) / 60, 1)}
     # kept so that a multi-seed comparison can restate this seed's report with everything released after it
     atomic_write_json(out / REPORT_SETTINGS, {"title": title, "settings": settings,
                                               "overlays": [str(Path(o).relative_to(out)) for o in overlays]})
@@ -612,7 +613,8 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     methods_all, epsilons_all = merged(saved.get("methods"), list(methods)), merged(saved.get("epsilons"), list(epsilons))
     seeds_all = merged(saved.get("seeds"), seeds)
     lifetime = float(config.lifetime_epsilon or
-                     planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep), seeds=len(seeds_all)))
+                     planned_lifetime_epsilon(methods_all, epsilons_all, len(sweep), seeds=len(seeds_all),
+                                              delta=delta))
     started = time.perf_counter()
     atomic_write_json(out / "compare-seeds.json", {"methods": methods_all, "epsilons": epsilons_all,
                                                    "seeds": seeds_all, **settings, "lifetime_epsilon": lifetime,
@@ -644,7 +646,7 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     return write_seeds_report(out, f"fedpate comparison over seeds {', '.join(map(str, seeds))} — preset {preset_name}",
                               settings={"preset": preset_name, "hospitals": base.hospitals,
                                         "teachers per hospital": ",".join(map(str, sweep)), "δ": delta,
-                                        "seeds": ",".join(map(str, seeds)),
+                                        "seeds": ",".join(map(str, seeds)), "start model": base.public_start,
                                         "wall minutes": round((time.perf_counter() - started) / 60, 1)},
                               release=release)
 
@@ -666,17 +668,36 @@ HOSPITAL_LEDGERS = "hospital-ledgers"
 
 
 def planned_lifetime_epsilon(methods: Sequence[str], epsilons: Sequence[float], teacher_counts: int,
-                             seeds: int = 1) -> float:
+                             seeds: int = 1, delta: float | None = None) -> float:
     """Default lifetime budget per hospital: the sum of the budgets of every cell that touches its
     patients (PATE cells once per K of a sweep; DP-FedAvg and DP-SGD once), once per seed of a multi-seed
     comparison (every seed's cells release from the same patients). Basic composition's total; the ledgers'
-    accountants compose tighter, and the report states what was actually spent."""
+    accountants compose tighter, and the report states what was actually spent.
+
+    When secure-sum cells (RDP/zCDP) and PLD-accounted cells share the hospitals' ledgers, those ledgers are read
+    by the split accountant (``privacy.accountants.SplitDeltaAccountant``), each family at δ/2; each cell's
+    budget is then planned as its ε at δ/2 (``delta``: the cells' δ; required for such a mix), taken as the larger
+    of the μ-GDP and the ρ-zCDP readings of a mechanism calibrated to (ε, δ) -- the two shapes a composition of
+    Gaussian-like releases takes -- so that the cells still fit the plan."""
+    records = [record for record in map(registry.method, methods) if record.private]
+    families = {record.secure_sum for record in records}
+    if len(families) > 1 and delta is None:
+        raise ValueError("planned_lifetime_epsilon: secure-sum and other private cells share the ledgers; give delta")
+    per_cell = {float(e): _read_at_split_delta(float(e), delta, len(families)) for e in epsilons}
     total = 0.0
-    for record in map(registry.method, methods):
-        if record.private:
-            repeats = teacher_counts if record.sweeps_k else 1
-            total += repeats * sum(float(e) for e in epsilons)
+    for record in records:
+        repeats = teacher_counts if record.sweeps_k else 1
+        total += repeats * sum(per_cell[float(e)] for e in epsilons)
     return int(seeds) * total or max(float(e) for e in epsilons)
+
+
+def _read_at_split_delta(epsilon: float, delta: float | None, families: int) -> float:
+    """ε at δ/``families`` of a Gaussian-like mechanism calibrated to (``epsilon``, δ) (``epsilon`` itself for one
+    family)."""
+    if families <= 1:
+        return epsilon
+    split = delta / families
+    return max(gdp_epsilon(gdp_mu_for(epsilon, delta), split), zcdp_epsilon(zcdp_rho_for(epsilon, delta), split))
 
 
 def combined_release(out: Path, delta: float, ledger_dir: str | Path | None = None,
