@@ -1,4 +1,4 @@
-"""Where tensors live and in which precision the forward passes run (issue 30: every training path on the GPU).
+"""Where tensors live and in which precision the forward passes run (every training path can use the GPU).
 
 One resolver, :func:`resolve_device`, turns what a user wrote (``--device auto|cpu|cuda|cuda:N``, the Flower run
 config's ``device`` key, a deployed hospital's node config) into a ``torch.device``. Every party resolves the

@@ -281,7 +281,7 @@ def best_private_cells(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[s
 
 
 def floor_verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Issue 28: every private method against every public floor after the first (``public-selftrain``: what
+    """Every private method against every public floor after the first (``public-selftrain``: what
     the public query scans give with no hospital), paired over test cases, and each method's headroom
     recovered per class against the first floor -- *what* it learned, class by class."""
     floors = floors_of(cells)
