@@ -236,7 +236,7 @@ def _dp_accounting_pld(q, z, steps, delta, relation):
 
 
 @pytest.mark.parametrize("nominal, replace_one", [(8.0, 11.74), (1.0, 2.12)])
-def test_replace_one_dpsgd_golden_field_notes(nominal, replace_one):
+def test_replace_one_dpsgd_golden_values(nominal, replace_one):
     """The demo's add/remove ε = 8 (1) DP-SGD spends ε ≈ 11.7 (2.1) under replace-one."""
     z = DEMO_Z[nominal]
     ours = PLDAccountant().compose(SampledGaussianEvent(1 / 9, z, 90, relation="replace-one")).get_epsilon(1e-3)
