@@ -3,11 +3,11 @@
 Code, tests, benchmarks and documentation cite papers by authors, year and arXiv id or DOI, rules of the
 privacy model by ``docs/PRIVACY.md`` and a default fixed by a measurement by its note in ``docs/decisions/``.
 They never cite what a reader cannot open: issue numbers, the work sessions that produced a change, numbered
-items of a plan, section numbers of a specification that is not in the repository, or files outside it.
+items of a plan, section numbers of a document that is not in the repository, or files outside it.
 
-The patterns are assembled from pieces so that this file does not match them itself. The words "spec" (a
-device spec, a federation spec) and ``_shared/`` (the folder a comparison writes its shared models to) are
-product terms and stay allowed.
+The patterns are assembled from pieces so that this file does not match them itself. Product words that merely
+contain the same letters (a device string, the folder a comparison keeps its shared models in) stay allowed:
+:func:`test_product_terms_and_citations_pass`.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ PENDING_FILES = frozenset({
 })
 
 _ISSUE = "iss" + "ue"
-_SPEC = "SP" + "EC"
+_SECTION_WORD = "SP" + "EC"
 _SHARED = "sha" + "red/"
 
 #: name -> compiled pattern; each names a kind of reference a reader of the repository cannot follow
 PATTERNS = {
     "issue number": re.compile(r"\b" + _ISSUE + r"s?[ -]#?\d", re.IGNORECASE),
     "issue in brackets": re.compile(r"\(" + _ISSUE + r"s?\b", re.IGNORECASE),
-    "specification section": re.compile(r"\b" + _SPEC + r"\b"),
+    "document section": re.compile(r"\b" + _SECTION_WORD + r"\b"),
     "section sign": re.compile("\u00a7"),
     "path outside the repository": re.compile(r"\.\./" + _SHARED + r"|(?<![\w.])" + _SHARED + r"|/wo" + r"rk/"),
     "field notes": re.compile("FIELD" + "_NOTES"),
@@ -103,8 +103,8 @@ def test_the_scan_covers_the_package_docs_and_tests():
 
 @pytest.mark.parametrize("line", [
     "see " + _ISSUE + " 28, ite" + "m 5",
-    "(" + _ISSUE + "s 17, " + _SPEC + " \u00a711)",
-    _SPEC + " \u00a73 eq. 7",
+    "(" + _ISSUE + "s 17, " + _SECTION_WORD + " \u00a711)",
+    _SECTION_WORD + " \u00a73 eq. 7",
     _ISSUE.capitalize() + " 28: the demo",
     "an " + _ISSUE + "-18 lever",
     "papers in `../" + _SHARED + "papers/`",
@@ -118,9 +118,9 @@ def test_each_kind_of_reference_is_caught(line):
 
 
 @pytest.mark.parametrize("line", [
-    "check_device_spec(spec, option)",
+    "check_device_" + _SECTION_WORD.lower() + "(device, option)",
     "runs/s0/_" + _SHARED + "K-128/public-model.pt",
-    "dp_accounting's REPLACE_" + _SPEC + "IAL",
+    "dp_accounting's REPLACE_" + _SECTION_WORD + "IAL",
     "Fay, Sjölund & Oechtering, Sec. 3 (docs/PRIVACY.md, \"Neighbouring relations\")",
     "an issue of scale",
 ])
