@@ -6,8 +6,8 @@ is the README demo (minutes on 2 CPU cores), ``paper`` reproduces the seed paper
 (Fay et al., Sec. 5: 64^3 patches, K = 8 teachers over 320 volumes, N = 80 public queries, 84 test
 volumes, delta = 1e-3) on the MSD Task01 folder and is meant for a GPU.
 
-The quick preset's defaults were each fixed by a measurement; ``docs/decisions/`` has one note per setting
-(question, measurement, decision). Why it uses many small teachers: the query phase can carry at most about
+Every default of the quick preset that a measurement fixed has a note in ``docs/decisions/`` (question,
+measurement, decision). Why it uses many small teachers: the query phase can carry at most about
 K^2 mu^2 / (8 ln 2) bits about the teachers' answers (docs/PRIVACY.md, "What limits PATE"), so with K = 8
 PATE cannot beat its own decoder's prior; with K ~ 128 it can (docs/decisions/many-small-teachers.md).
 """
