@@ -1,4 +1,5 @@
-"""Empirical privacy audit (issue 15): claimed ε (from the ledger) beside a 95 % lower bound on the real ε.
+"""Empirical privacy audit (docs/PRIVACY_AUDIT.md): claimed ε (from the ledger) beside a 95 % lower bound on the real
+ε.
 
     PYTHONPATH=. .venv/bin/python benchmarks/audit_privacy.py [--quick] [--out audit.json]
 

@@ -1,4 +1,4 @@
-"""Wall time and CPU utilisation of the README's main job, ``fedpate demo`` (issue 17, part 5).
+"""Wall time and CPU utilisation of the README's main job, ``fedpate demo``.
 
     python benchmarks/bench_demo.py                      # the demo as the README runs it (quick preset)
     python benchmarks/bench_demo.py --preset tiny        # a smoke run of the same path
@@ -8,7 +8,7 @@ Runs the demo in a fresh process with its own cache and output folder (nothing r
 every cell are computed), and prints, from that one run: wall minutes, CPU minutes (the process and its
 children, from ``getrusage``), CPU utilisation = CPU time / (wall time x cores), and every line of its
 output that mentions a deprecation or a warning. Ratios, not absolute seconds, are what carries between
-machines (shared/FIELD_NOTES.md: timings swing +-30% from run to run).
+machines (on a 2-core machine timings swing +-30% from run to run).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain and DP-SGD step throughput, and the DP/plain ratio, on the device this machine has (issue 30).
+"""Plain and DP-SGD step throughput, and the DP/plain ratio, on the device this machine has.
 
     .venv/bin/python benchmarks/bench_device.py [--device auto] [--precision 32,bf16] [--preset P --grid G]
                                                 [--batch B] [--steps N] [--pipeline]
@@ -15,7 +15,7 @@ step, samples per second, DP/plain; also the host-side augmentation of one batch
 GPU would wait for without prefetching) over the plain step.
 
 ``--pipeline`` also times whole training epochs through ``sim.training.train_segmentation`` with augmentation:
-host augmentation with batch prefetching off and on (issue 30, item 3; checks both give the same weights), and
+host augmentation with batch prefetching off and on (checks both give the same weights), and
 batched augmentation on the device (``sim.data.augment.BatchAugmentation``).
 
 Timings on a shared 2-core CPU swing by +-30% between runs: compare the ratios of one run, not seconds.

@@ -1,4 +1,4 @@
-"""How far does a phantom-trained model carry? Dice under held-out phantom regimes (issue 10).
+"""How far does a phantom-trained model carry? Dice under held-out phantom regimes (docs/GENERALISATION.md).
 
 No real BraTS scan can be downloaded here, so the phantom-to-real gap is judged by proxies: a model is
 trained on the default phantom regime and scored, through the same path as ``fedpate predict`` (preprocess,

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_dpsgd.py [--grid 32] [--preset small] [--batch 2] [--steps 6]
 
-Also the cost of where the noise comes from (issue 15): fedpate draws DP-SGD noise from a
+Also the cost of where the noise comes from: fedpate draws DP-SGD noise from a
 ``privacy.mechanisms.NoiseSource`` stream instead of Opacus' torch generator -- the OS's CSPRNG by default
 (``secure``), a seeded PCG64 stream only with ``--reproducible-noise`` (``seeded``) -- compared with
 Opacus' own ``torch.Generator`` noise (``torch-rng``), all functorch, in the same run.

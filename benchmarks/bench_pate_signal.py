@@ -1,4 +1,4 @@
-"""Does PATE carry what the hospitals know? (issue 18) One command, one run, one line per compressor:
+"""Does PATE carry what the hospitals know? One command, one run, one line per compressor:
 
     decoded/probavg  -- the noise-free decoded ensemble's test Dice over the teachers' probability average
                         (what the codec keeps of what the teachers agree on; goal >= 0.9);

@@ -1,10 +1,10 @@
-"""What the anchored codec could carry if the teachers knew the truth (issue 28, item 5): a simulation-only ceiling.
+"""What the anchored codec could carry if the teachers knew the truth: a simulation-only ceiling.
 
     .venv/bin/python benchmarks/codec_ceiling.py --seed 0 [--public-model runs/codec-ceiling/public-model-s0.pt]
 
 "Perfect teachers" answer the query scans' true one-hot labels (which no deployment has: a diagnostic, never a
 mechanism); their latents are decoded without noise against the public model's anchor, with the shells alone
-(``intensity_bins`` 1, the codec before issue 28) and with each shell split into quantile bins of one channel of
+(``intensity_bins`` 1, the codec before bins) and with each shell split into quantile bins of one channel of
 the query scan (T1-Gd, FLAIR, T2). Prints Dice of the decoded pseudo-labels against those labels, per class; the
 first row is the public model itself. No test patient is read.
 """

@@ -1,4 +1,5 @@
-"""Issue 28 levers for pooled DP-SGD: one `run_central` per variant on one shared public model, one JSON line each.
+"""Levers for pooled DP-SGD (docs/RESULTS.md, "More steps"): one `run_central` per variant on one shared public model,
+one JSON line each.
 
     .venv/bin/python benchmarks/lever_dpsgd.py --out runs/lever-dpsgd baseline ema private-selection
 
@@ -19,13 +20,13 @@ from pathlib import Path
 import sim.presets as presets
 from sim.runners.central import CentralConfig, run_central
 
-#: the quick preset's grid before issue 28 made DP-SGD train with the ceiling's settings (chosen on public validation)
+#: the quick preset's grid before DP-SGD trained with the ceiling's settings (chosen on public validation)
 OLD_GRID = ({"learning_rate": 2e-3, "epochs": 5}, {"learning_rate": 5e-4, "epochs": 5})
 VARIANTS = {"baseline": {}, "public-validation-grid": {"dpsgd_grid": OLD_GRID}, "head": {"levers": {"trainable": "head"}},
             "decoder": {"levers": {"trainable": "decoder"}}, "bias": {"levers": {"trainable": "bias"}},
             "augmult4": {"levers": {"augmentation_multiplicity": 4}}, "ema": {"levers": {"ema_decay": 0.9}},
             "private-selection": {"selection": "private"},
-            # more steps at the same epsilon (issue 28, item 3): one setting, sigma calibrated for its epochs
+            # more steps at the same epsilon: one setting, sigma calibrated for its epochs
             "ceiling-settings": {"learning_rate": 2e-3, "epochs": 10},
             "epochs20": {"learning_rate": 2e-3, "epochs": 20},
             "batch64-epochs20": {"learning_rate": 2e-3, "epochs": 20, "batch_size": 64},

@@ -1,4 +1,5 @@
-"""The anchored codec's intensity bins in a real PATE run (issue 28, item 5): one comparison, in this process.
+"""The anchored codec's intensity bins in a real PATE run (docs/decisions/intensity-bins.md): one comparison, in this
+process.
 
     .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 1,8 --out runs/lever-pate-bins
     .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 8 --teachers-per-hospital 4 \\

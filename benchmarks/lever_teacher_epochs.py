@@ -1,4 +1,4 @@
-"""Issue 18 lever "teachers worth asking": PATE (public-anchored codec) with fewer teacher fine-tuning epochs.
+"""Lever "teachers worth asking" (docs/RESULTS.md): PATE (public-anchored codec) with fewer teacher fine-tuning epochs.
 
     .venv/bin/python benchmarks/lever_teacher_epochs.py --out runs/lever-teacher-epochs 2 1
 

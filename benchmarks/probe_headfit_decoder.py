@@ -1,6 +1,6 @@
-"""The probe behind the head-fit decoder and the voxel-head student (issue 28, item 5): what the anchored release
-carries from voxel-head teachers, decoded per region (mass matching) or by one head fitted to every query
-(sim.codecs.headfit), and which student learns the decoded labels.
+"""The probe behind the head-fit decoder and the voxel-head student (docs/decisions/head-fit-decoder.md): what the
+anchored release carries from voxel-head teachers, decoded per region (mass matching) or by one head fitted to every
+query (sim.codecs.headfit), and which student learns the decoded labels.
 
     .venv/bin/python benchmarks/probe_headfit_decoder.py PUBLIC_MODEL.pt SEED [EPSILONS]
     e.g. benchmarks/probe_headfit_decoder.py runs/s0/_shared/K-128/public-model.pt 0 8,1,0.25

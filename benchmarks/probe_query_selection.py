@@ -1,6 +1,6 @@
-"""An upper bound for disagreement-driven queries (issue 28, item 5: "queries spent where teachers and public model
-disagree"): with the head-fit decoder, would answering only the query scans where the teachers disagree most with
-the public model, at the same epsilon, teach the student more?
+"""An upper bound for disagreement-driven queries (queries spent where teachers and the public model disagree;
+docs/RESULTS.md): with the head-fit decoder, would answering only the query scans where the teachers disagree most
+with the public model, at the same epsilon, teach the student more?
 
     .venv/bin/python benchmarks/probe_query_selection.py PUBLIC_MODEL.pt SEED [EPSILONS]
 

@@ -1,5 +1,6 @@
-"""The probe behind the voxel head (issue 28): a 1x1x1 head on the frozen public model's logits and the scan,
-trained on the pooled private patients, scored on the test set -- noise-free or with DP-SGD noise.
+"""The probe behind the voxel head (docs/decisions/dp-sgd-voxel-head.md): a 1x1x1 head on the frozen public model's
+logits and the scan, trained on the pooled private patients, scored on the test set -- noise-free or with DP-SGD
+noise.
 
     .venv/bin/python benchmarks/probe_voxel_head.py PUBLIC_MODEL.pt SEED KERNEL SIGMA EPOCHS [LR HIDDEN BATCH]
     e.g. benchmarks/probe_voxel_head.py runs/s0/_shared/K-128/public-model.pt 0 1 0.915 10 1e-2

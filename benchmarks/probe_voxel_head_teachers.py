@@ -1,7 +1,7 @@
-"""The probe behind the voxel-head teachers (issue 28): one voxel head per PATE partition (K = 128 on the quick
-world), each trained on its 1-2 patients on the frozen public model's cached logits, full batch, no augmentation;
-the probability average of all heads on the test set is scored (a noise-free ensemble: what teachers know, before
-any codec or noise).
+"""The probe behind the voxel-head teachers (docs/decisions/teachers.md): one voxel head per PATE partition (K = 128
+on the quick world), each trained on its 1-2 patients on the frozen public model's cached logits, full batch, no
+augmentation; the probability average of all heads on the test set is scored (a noise-free ensemble: what teachers
+know, before any codec or noise).
 
     .venv/bin/python benchmarks/probe_voxel_head_teachers.py PUBLIC_MODEL.pt SEED STEPS LR
     e.g. benchmarks/probe_voxel_head_teachers.py runs/s0/_shared/K-128/public-model.pt 0 60 1e-2

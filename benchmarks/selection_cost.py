@@ -1,4 +1,4 @@
-"""Issue 28 item 4: what private selection costs in noise, against the public-validation grid, at one budget.
+"""What private selection costs in noise, against the public-validation grid, at one budget.
 
 Run: PYTHONPATH=. python benchmarks/selection_cost.py [epsilon] [delta]
 Quick preset numbers: 180 pooled private patients, expected batch 16, grid of 2 settings x 5 epochs;

@@ -1,19 +1,18 @@
 """A hospital in high-dimensional PATE (framework-free; the Flower ClientApp wraps it).
 
-It trains ``T = len(partitions)`` teachers, one per disjoint partition of its own patients (SPEC
-section 2: a patient influences exactly one teacher), each fine-tuned from the public model the server
-sends; keeps the weights on its own disk (``workdir/teachers``); answers queries by running every
-teacher on the public scans and encoding the softmax output **locally** with the public codec
-(:func:`sim.codecs.encode`: Fay et al., Algorithms 1-2, "compress the prediction"), so that only
-``T x n x l`` bounded numbers leave the hospital. It never returns scans, labels, weights or
-full-resolution outputs.
+It trains ``T = len(partitions)`` teachers, one per disjoint partition of its own patients (a patient influences
+exactly one teacher; docs/PRIVACY.md, "The unit of privacy"), each fine-tuned from the public model the server sends;
+keeps the weights on its own disk (``workdir/teachers``); answers queries by running every teacher on the public scans
+and encoding the softmax output **locally** with the public codec (:func:`sim.codecs.encode`: Fay et al., Algorithms
+1-2, "compress the prediction"), so that only ``T x n x l`` bounded numbers leave the hospital. It never returns
+scans, labels, weights or full-resolution outputs.
 
 Optional local DP-SGD (``config["local_dp"]`` = DPConfig fields): the teacher weights then carry their
 own add-remove guarantee, recorded in the hospital's own ledger ``workdir/ledger.jsonl``. Owners are
 ``"<hospital>/teacher-<k>"``: teachers see disjoint patients, so a patient's local guarantee is its own
 teacher's (parallel composition); the reported local epsilon is the max over the hospital's teachers.
 
-The hospital owns its patients' budget (SPEC section 2; issue 15). Threat model: the aggregator is
+The hospital owns its patients' budget (docs/PRIVACY.md, "Who is trusted"). Threat model: the aggregator is
 trusted with the teachers' un-noised encodings; differential privacy protects the patients against
 everyone who sees what the aggregator releases. The hospital still does not take the aggregator's word for
 the accounting: before it answers a query batch it checks the codec it was sent
@@ -24,7 +23,7 @@ refusing the batch if the budget would be exceeded. A deployed hospital (its own
 also refuses everything meant for simulations only: un-noised diagnostic queries, per-teacher test Dice,
 seeded noise.
 
-Device and precision (issue 30, ``sim.device``): a simulated hospital trains, answers and evaluates on the
+Device and precision (``sim.device``): a simulated hospital trains, answers and evaluates on the
 device and precision the run's messages name (``config["device"]``, ``config["precision"]``; default auto);
 a deployed hospital on its own node config's (``device``, ``precision``), whatever the server says -- its GPU
 is its own machine's. Teachers are kept on disk on the host and loaded onto that device; the codec's
@@ -81,7 +80,7 @@ class Hospital:
         self.codec_policy = codec_policy or CodecPolicy()
         #: the most teachers the consortium has (node config ``max-teachers``): the K a server may declare.
         #: A query's sensitivity is 2C/K for the declared K, so without this bound a server declaring K = 1e9
-        #: would make this hospital charge almost nothing (issue 26)
+        #: would make this hospital charge almost nothing
         self.max_teachers = None if max_teachers is None else int(max_teachers)
         #: this hospital's own device / precision (a deployed hospital's node config; None: the run's, else auto)
         self.device = None if device is None else check_device_spec(device, "node-config device")
@@ -152,7 +151,7 @@ class Hospital:
         init = config.get("init_weights")
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         epochs = int(config.get("teacher_epochs", self.preset.teacher_epochs))
-        # what a teacher trains (issue 28): every weight, or a voxel head on the frozen public model
+        # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
         # (sim.networks.VoxelHeadUNet); its learning rate and augmentation travel with it
         trainable = str(config.get("teacher_trainable") or "all")
         learning_rate = float(config.get("teacher_learning_rate") or self.preset.learning_rate)
@@ -171,7 +170,7 @@ class Hospital:
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
         self._models.clear()
         self._diagnostics.clear()
-        # every training that runs is a new release of the patients (issue 26): its local-DP release ids
+        # every training that runs is a new release of the patients: its local-DP release ids
         # carry a nonce this hospital mints, so retraining -- another seed, a cleared cache -- is charged again
         nonce = mint_nonce()
         validation_dice = []
@@ -361,7 +360,7 @@ class Hospital:
 
     @property
     def answers(self) -> AnswerBook:
-        """What this hospital has answered (``workdir/answers``): repeats get the same answer (issue 26)."""
+        """What this hospital has answered (``workdir/answers``): repeats get the same answer."""
         return AnswerBook(self.workdir / "answers")
 
     def _teachers_fingerprint(self) -> str | None:
@@ -415,7 +414,7 @@ class Hospital:
 
     def ensemble_probability_sum(self, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
         """Sum of the teachers' probabilities (C, ...): a SIMULATION-ONLY diagnostic (the noise-free
-        probability ensemble of SPEC section 11). Full-resolution: never exposed by the Flower app. Computed
+        probability ensemble, the ceiling PATE can reach). Full-resolution: never exposed by the Flower app. Computed
         in the same pass as a diagnostic query of the same scans (:meth:`_diagnostic_pass`)."""
         if self.deployed:
             raise UserError(f"hospital {self.hospital_id}: refuses un-noised diagnostics (simulation only)")

@@ -10,7 +10,7 @@ Two ways a node learns who it is:
   without one refuses to start), ``max-teachers`` (the most teachers the consortium has, the largest K a
   server may declare; required: the sensitivity 2C/K it charges shrinks with K), ``delta`` (default 1e-3), ``max-latent-dim`` (longest encoding it uploads, default 1024) and
   ``allow-identity`` (whether it ever uploads full-resolution one-hot votes, default false); its ledger
-  is ``workdir/privacy-ledger.jsonl``. Its compute is its own too (issue 30): ``device`` (auto | cpu | cuda |
+  is ``workdir/privacy-ledger.jsonl``. Its compute is its own too: ``device`` (auto | cpu | cuda |
   cuda:N, default auto: its GPU when it has one) and ``precision`` (32 | bf16), whatever the run config says.
 * **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
   carry the path of the simulated world (prepared cases + the split manifest every party reads), and

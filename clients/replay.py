@@ -1,4 +1,4 @@
-"""What a hospital has already answered: a request sent twice never buys a second noisy answer (issue 26).
+"""What a hospital has already answered: a request sent twice never buys a second noisy answer.
 
 A release id in a ledger merges repeats (``privacy.ledger``): recording it twice counts once. That is only
 sound when the mechanism behind the id does not run again. Ids built from what the *server* sends (run tag,

@@ -6,9 +6,9 @@ is checked *before* it is applied, and a rejected event leaves the accountant un
 =========== ============================================================ ======================
 name        what it accounts                                             source
 =========== ============================================================ ======================
-gdp-exact   un-subsampled Gaussians (heterogeneous S, σ): exact μ-GDP     SPEC §5; Dong, Roth &
-            ``μ = sqrt(Σ count·S²/σ²)``, ``δ(ε) = Φ(-ε/μ+μ/2) -          Su 2019; Balle & Wang
-            e^ε Φ(-ε/μ-μ/2)``                                             2018 Thm. 8
+gdp-exact   un-subsampled Gaussians (heterogeneous S, σ): exact μ-GDP     Dong, Roth & Su 2019;
+            ``μ = sqrt(Σ count·S²/σ²)``, ``δ(ε) = Φ(-ε/μ+μ/2) -          Balle & Wang 2018
+            e^ε Φ(-ε/μ-μ/2)``                                             Thm. 8
 pld         dp_accounting privacy-loss distributions (sampled Gaussian    dp_accounting
             under add/remove or replace-one, Gaussian, Laplace);
             pessimistic discretisation
@@ -88,14 +88,14 @@ def _check_epsilon(epsilon: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Pure analysis functions: Gaussian differential privacy (SPEC §5)
+# Pure analysis functions: Gaussian differential privacy (Dong, Roth & Su 2019, arXiv 1905.02383)
 # ----------------------------------------------------------------------------------------------------
 
 
 def gdp_mu(events: Iterable[Event]) -> float:
     """μ of the exact GDP composition of un-subsampled Gaussians: ``μ = sqrt(Σ_i count_i·S_i²/σ_i²)``.
 
-    Dong, Roth & Su 2019, Cor. 3.3 (μ_i-GDP mechanisms compose to sqrt(Σ μ_i²)-GDP); SPEC §5. Raises
+    Dong, Roth & Su 2019, Cor. 3.3 (μ_i-GDP mechanisms compose to sqrt(Σ μ_i²)-GDP). Raises
     UnsupportedEvent for anything that is not a (composition of) :class:`GaussianEvent`.
     """
     total = 0.0
@@ -155,7 +155,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 
 
 def gdp_mu_for(epsilon: float, delta: float) -> float:
-    """Largest μ with ``gdp_delta(μ, ε) ≤ δ`` (δ is increasing in μ); bisection, safe side (SPEC §5)."""
+    """Largest μ with ``gdp_delta(μ, ε) ≤ δ`` (δ is increasing in μ); bisection, safe side."""
     epsilon = _check_epsilon(epsilon)
     delta = _check_delta(delta)
     if epsilon == 0:
@@ -285,7 +285,7 @@ class Accountant(abc.ABC):
 
 
 class GaussianGDPAccountant(Accountant):
-    """Exact accounting of un-subsampled Gaussians through μ-GDP (SPEC §5).
+    """Exact accounting of un-subsampled Gaussians through μ-GDP (Dong, Roth & Su 2019, arXiv 1905.02383).
 
     Filter-valid: with σ_i chosen adaptively, stopping before ``sqrt(Σ μ_i²)`` exceeds μ keeps the run μ-GDP
     (Smith & Thakurta 2022, fully adaptive composition for Gaussian DP), and ε(μ) is increasing in μ.

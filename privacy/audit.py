@@ -1,4 +1,4 @@
-"""Empirical lower bounds on ε from a distinguishing test (the statistics of a privacy audit; issue 15).
+"""Empirical lower bounds on ε from a distinguishing test (the statistics of a privacy audit).
 
 An (ε, δ)-DP mechanism M limits *every* test that tries to tell two neighbouring inputs D, D' apart from
 M's output: for any set S of outputs, ``P[M(D) ∈ S] ≤ e^ε P[M(D') ∈ S] + δ`` and the same with D and D'

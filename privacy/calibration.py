@@ -176,7 +176,7 @@ def calibrate(
 
 
 # ----------------------------------------------------------------------------------------------------
-# PATE aggregation: N Gaussian queries of L2 sensitivity S (SPEC §5)
+# PATE aggregation: N Gaussian queries of L2 sensitivity S (docs/PRIVACY.md, "Mechanisms")
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -186,7 +186,7 @@ def paper_sigma(epsilon: float, delta: float, queries: int, sensitivity: float) 
     The paper writes it for ``S = sqrt(d)/K`` (PCA bound); here S is any replace-one L2 sensitivity.
     It is the zCDP conversion of N Gaussians (ρ = N S²/(2σ²), ε = ρ + 2 sqrt(ρ ln 1/δ)) solved for σ,
     hence valid but looser than :func:`pate_sigma` ``mode="exact"``. (The box of Algorithm 1 has a typo;
-    SPEC §5 says to use eq. 15.)
+    eq. 15 is the correct form.)
     """
     epsilon = positive_number("epsilon", epsilon)
     delta = _delta(delta)
@@ -201,9 +201,9 @@ def paper_sigma(epsilon: float, delta: float, queries: int, sensitivity: float) 
 def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float, mode: str = "exact") -> float:
     """σ per query so that N Gaussian queries of sensitivity S are (ε, δ)-DP.
 
-    ``mode="exact"`` (default): the composition is exactly μ-GDP, μ = sqrt(N)·S/σ (SPEC §5); the largest μ
-    with ``Φ(-ε/μ+μ/2) - e^ε Φ(-ε/μ-μ/2) ≤ δ`` is found by bisection and ``σ = sqrt(N)·S/μ`` (so
-    ε(σ) ≤ target). ``mode="paper"``: Fay et al. eq. (15), :func:`paper_sigma`.
+    ``mode="exact"`` (default): the composition is exactly μ-GDP, μ = sqrt(N)·S/σ (Dong, Roth & Su 2019,
+    arXiv 1905.02383); the largest μ with ``Φ(-ε/μ+μ/2) - e^ε Φ(-ε/μ-μ/2) ≤ δ`` is found by bisection and
+    ``σ = sqrt(N)·S/μ`` (so ε(σ) ≤ target). ``mode="paper"``: Fay et al. eq. (15), :func:`paper_sigma`.
     Reference (ε=8, δ=1e-3, N=80, S=0.25): exact 1.0733, paper 1.2826.
     """
     if mode == "paper":
@@ -235,7 +235,7 @@ def pate_sigma_for_accountant(
 
 
 # ----------------------------------------------------------------------------------------------------
-# DP-SGD (SPEC §6)
+# DP-SGD (Abadi et al. 2016, arXiv 1607.00133)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -262,8 +262,8 @@ def dpsgd_noise_multiplier(
         value_discretization_interval: PLD's discretisation (None = ``min(1e-4, ε·1e-4)``, so the grid is ten
             times finer than the 1e-3 tolerance window); ignored by RDP.
         relation: ``add-remove`` (default; Opacus' convention) or ``replace-one`` (what comparisons and
-            published dataset sizes need, SPEC §2: PLD only, dp_accounting's ``REPLACE_ONE`` sampled
-            Gaussian; its RDP has none).
+            published dataset sizes need, docs/PRIVACY.md "Neighbouring relations": PLD only,
+            dp_accounting's ``REPLACE_ONE`` sampled Gaussian; its RDP has none).
     """
     return composed_dpsgd_noise_multiplier(epsilon, delta, [(sampling_rate, steps)], accountant,
                                            value_discretization_interval, relation)
@@ -284,7 +284,7 @@ def composed_dpsgd_noise_multiplier(
     Why: a baseline whose hyperparameters are chosen from a grid of G settings trains G models on the
     private data; picking the one with the best *public* validation score is post-processing, but all G
     trainings are releases. Calibrating z for their composition makes the ledger's ε of all G runs equal
-    the budget (issue 17). With one run this is :func:`dpsgd_noise_multiplier`.
+    the budget. With one run this is :func:`dpsgd_noise_multiplier`.
 
     Args:
         epsilon / delta: the target (ε, δ) of all runs together.

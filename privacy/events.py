@@ -1,7 +1,7 @@
 """Privacy events: immutable descriptions of every mechanism fedpate runs on private data.
 
 An event says *what was released and how*, never what the data were. Each event names its neighbouring
-relation (SPEC section 2):
+relation (docs/PRIVACY.md, "Neighbouring relations"):
 
 * ``"replace-one"`` — D and D' have the same size and differ in one patient's record. PATE (as in the
   sensitivity proofs of Fay et al., Sec. 3-4), and the relation every comparison uses: it is the only one
@@ -143,10 +143,10 @@ class Event:
 class GaussianEvent(Event):
     """``count`` adaptive Gaussian mechanisms ``f(D) + N(0, σ² I)`` with L2 sensitivity ``S``.
 
-    ``S = max_{D~D'} ||f(D) - f(D')||_2`` under ``relation`` (replace-one for PATE aggregation, SPEC §3-5).
+    ``S = max_{D~D'} ||f(D) - f(D')||_2`` under ``relation`` (replace-one for PATE aggregation).
     One release is exactly μ-GDP with ``μ = S/σ`` (Dong, Roth & Su 2019, Thm. 2.7); ``count`` of them
     compose to ``μ = sqrt(count)·S/σ`` (their Cor. 3.3), which is what the ``gdp-exact`` accountant uses
-    (SPEC §5; Balle & Wang 2018, Thm. 8 gives the matching δ(ε)). ``noise_multiplier = σ/S``.
+    (Balle & Wang 2018, arXiv 1805.06530, Thm. 8 gives the matching δ(ε)). ``noise_multiplier = σ/S``.
 
     ``adaptive=True``: σ was chosen from earlier outputs. Gaussian DP composes under such fully adaptive
     choices as long as ``Σ μ_i² ≤ μ²`` is enforced by a filter (Smith & Thakurta 2022, "Fully adaptive
@@ -198,8 +198,8 @@ class SampledGaussianEvent(Event):
       record's clipped gradient may point the other way), which dp_accounting's PLD accounts exactly with
       ``NeighboringRelation.REPLACE_ONE`` (``privacy_loss_mechanism.GaussianPrivacyLoss``, REPLACE
       adjacency with sampling). dp_accounting's RDP accountant refuses Poisson sampling under REPLACE_ONE,
-      so this event is PLD-only. Example (FIELD_NOTES): q = 1/9, 90 steps, δ = 1e-3 at the z that makes
-      add/remove ε = 8 (z ≈ 0.7987) spends ε ≈ 11.74 under replace-one.
+      so this event is PLD-only. Example (pinned in tests/test_privacy_accountants.py): q = 1/9, 90 steps,
+      δ = 1e-3 at the z that makes add/remove ε = 8 (z ≈ 0.7987) spends ε ≈ 11.74 under replace-one.
 
     ``adaptive=True``: z was chosen from earlier outputs (validation-driven schedule); then only a filter
     (``rdp-filter``, add/remove only) may compose it — PLD composition needs parameters fixed in advance.

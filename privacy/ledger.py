@@ -1,4 +1,5 @@
-"""The privacy ledger: one append-only JSON-lines file of releases, viewed per data owner (SPEC §2).
+"""The privacy ledger: one append-only JSON-lines file of releases, viewed per data owner
+(docs/PRIVACY.md, "The ledger").
 
 Each line is one release::
 
@@ -14,7 +15,7 @@ different owners or event under one ``release_id`` is an error. A repeat is only
 behind it does not run again with fresh noise: release ids that a party outside the data owner can choose
 (a server's round number) must carry a nonce the owner mints (``clients/replay.py``).
 
-Several writers (issue 26): every process and thread that opens the same file serialises on an exclusive
+Several writers: every process and thread that opens the same file serialises on an exclusive
 ``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`). ``record`` holds it while it re-reads what others
 appended and appends its own line; opening a file holds it while it reads and cuts a torn tail, so a
 complete record another process appended in between is never cut off. The budget guard holds it from its

@@ -3,7 +3,7 @@
 Flow everywhere (docs/ARCHITECTURE.md): ``guard.charge(...)`` (ledger written) → add noise → release.
 These classes only add noise; they do not account.
 
-Where the randomness of a release comes from is a :class:`NoiseSource` (SPEC section 2): by default
+Where the randomness of a release comes from is a :class:`NoiseSource` (docs/PRIVACY.md, "Noise"): by default
 every stream is drawn from the operating system's cryptographically secure generator (``secrets`` /
 ``os.urandom``), so nobody can regenerate the noise and subtract it. Seeded, reproducible noise exists
 only for simulations that ask for it explicitly (``--reproducible-noise``); its streams are then derived
@@ -103,7 +103,7 @@ def _name_words(name: str) -> list[int]:
 
 
 class NoiseSource:
-    """Where every noisy release gets its randomness (SPEC section 2): secure unless asked otherwise.
+    """Where every noisy release gets its randomness (docs/PRIVACY.md, "Noise"): secure unless asked otherwise.
 
     ``NoiseSource()`` (the default everywhere) hands out :class:`SecureNoiseGenerator` streams: nothing
     about them can be reproduced. ``NoiseSource.reproducible(seed)`` is for simulations that must repeat

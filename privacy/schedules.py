@@ -1,20 +1,21 @@
-"""Dynamic noise schedules for DP-SGD (Yu et al., Sec. IV-A "Dynamic Privacy Budget Allocation"; SPEC §6).
+"""Dynamic noise schedules for DP-SGD (Yu et al., Sec. IV-A "Dynamic Privacy Budget Allocation"; arXiv 1904.02200).
 
 The noise multiplier decreases over epochs (less noise as the model converges); each epoch's steps use
 ``σ_t = schedule.sigma(t)`` (t = 0, 1, ... is the epoch index). Training stops when the budget is spent:
 :func:`epochs_within_budget` counts the epochs that fit, :func:`plan_decay` finds the decay parameter k
 for which exactly ``target_epochs`` fit.
 
-Accounting must match batching (SPEC §6): ``mode="poisson"`` gives one SampledGaussianEvent per epoch
+Accounting must match batching: ``mode="poisson"`` gives one SampledGaussianEvent per epoch
 (PLD or RDP), ``mode="shuffle"`` one ZCDPEvent per epoch (Yu et al. Thm. 2: ``1/(2σ²)`` under zero-out
 adjacency, ``2/σ²`` under replace-one). ``relation`` (default: add-remove for Poisson, zero-out for
-shuffled epochs) is the neighbouring relation of those events; comparisons use replace-one (SPEC §2).
+shuffled epochs) is the neighbouring relation of those events; comparisons use replace-one (docs/PRIVACY.md,
+"Neighbouring relations").
 
 These pre-defined schedules fix every σ_t before training, so PLD composition is valid for them. The
 validation-based schedule is different: σ_t depends on earlier (private) outputs through the validation
 score, and training stops adaptively, so its epochs are charged with ``adaptive=True`` and accounted by
 a privacy filter (``privacy.accountants.accountant_for``; see ``sim.dpsgd``). The validation set itself
-is public (SPEC §6): the scores cost no privacy, only the adaptivity must be accounted.
+is public: the scores cost no privacy, only the adaptivity must be accounted.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ValidationSchedule:
     last ``window`` (m) validation scores improved by at most ``threshold`` since the previous check.
 
     Checks happen every ``period`` (≥ m) observations; the first check compares with 0 (S_0 = 0). Scores must
-    come from a *public* validation set, otherwise the schedule itself leaks (SPEC §6). ``sigma(epoch)``
+    come from a *public* validation set, otherwise the schedule itself leaks. ``sigma(epoch)``
     returns the current σ (the schedule is stateful, so it cannot be planned ahead by :func:`plan_decay`).
 
     Accounting: the score is computed from the model, i.e. from earlier private outputs, so σ_t and the

@@ -1,4 +1,5 @@
-"""L2 sensitivities of PATE aggregation (Fay et al., Sec. 3-4; SPEC §3-4).
+"""L2 sensitivities of PATE aggregation (Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional
+Targets with PATE*, Sec. 3-4).
 
 All bounds are for the *mean* of K teachers' answers under the **replace-one** relation (one patient
 changes, so at most one teacher's answer changes — each patient is in exactly one teacher's partition):
@@ -34,7 +35,7 @@ def pca_paper_bound(dim: int, teachers: int) -> float:
 
     Teacher outputs y ∈ [0,1]^d, so y_k - y'_k ∈ [-1,1]^d, and with orthonormal rows
     ``||A_l u||_2 ≤ ||u||_2 ≤ sqrt(d)``. Valid only if what is aggregated is bounded in [0,1]^d
-    (probabilities), never for raw logits (SPEC §3).
+    (probabilities), never for raw logits.
     """
     if isinstance(dim, bool) or not float(dim).is_integer() or int(dim) < 1:
         raise PrivacyError(f"dim must be a positive integer, got {dim!r}")
@@ -44,7 +45,7 @@ def pca_paper_bound(dim: int, teachers: int) -> float:
 def pca_public_bound(basis, teachers: int) -> float:
     """``min(sqrt(d), sqrt(Σ_j ||a_j||_1²)) / K`` for the public l×d basis with rows a_j (replace-one).
 
-    Tighter version of Fay et al.'s Sec. 3 bound computed from the public basis only (SPEC §3):
+    Tighter version of Fay et al.'s Sec. 3 bound computed from the public basis only:
     ``|a_j·u| ≤ ||a_j||_1`` for u ∈ [-1,1]^d, so ``||A u||_2 ≤ sqrt(Σ_j ||a_j||_1²)``; the paper's
     ``sqrt(d)`` bound (orthonormal rows) still applies, and the minimum of two bounds is a bound.
     """
@@ -68,13 +69,13 @@ def pca_row_bound(norm_bound: float, teachers: int) -> float:
 def unit_ball_bound(teachers: int) -> float:
     """``2/K`` — Fay et al. Alg. 2 (autoencoded PATE; replace-one).
 
-    Latents are mapped into the unit l-ball by φ (SPEC §4), so ``||z_k - z'_k||_2 ≤ 2``.
+    Latents are mapped into the unit l-ball by φ (Fay et al., Sec. 4), so ``||z_k - z'_k||_2 ≤ 2``.
     """
     return 2.0 / _teachers(teachers)
 
 
 def clipped_bound(clip: float, teachers: int) -> float:
-    """``2C/K`` for encodings clipped to L2 norm C (replace-one; SPEC §3 clipped mode, as Fay et al. Alg. 2)."""
+    """``2C/K`` for encodings clipped to L2 norm C (replace-one; the clipped mode, as Fay et al. Alg. 2)."""
     return 2.0 * _positive("clip", clip) / _teachers(teachers)
 
 

@@ -3,7 +3,7 @@
 Fay et al., Algorithms 1-2: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)``. The privacy flow is the
 one of docs/ARCHITECTURE.md: ``guard.charge(...)`` (ledger written) **then** noise **then** release.
 
-Validation of every hospital's reply (issue 6: never trust what arrives):
+Validation of every hospital's reply (never trust what arrives):
 
 * wrong shape (not ``(T_h, l)``, or no rows) or non-finite values -> the whole reply is rejected: that
   hospital did not answer this query (its teachers do not count in K, and it is not charged: nothing

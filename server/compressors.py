@@ -1,23 +1,22 @@
 """Compressors of high-dimensional PATE: fitted on PUBLIC reference segmentations only.
 
-Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*
-(../shared/papers/004_016510ff7900a22f.txt), SPEC sections 3-4:
+Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*, Sec. 3-4:
 
 * :class:`PCACompressor` — Algorithm 1 (PCA-PATE), automatic l by eq. 7, three sensitivity modes.
 * :class:`AutoencoderCompressor` — Algorithm 2 (Autoencoded PATE), unit-ball bottleneck, noise of the
   deployment sigma in the bottleneck during training.
 * :class:`IdentityCompressor` — the naive baseline: noisy averaging of per-voxel one-hot votes.
 
-The contract every compressor keeps (issue 27; ``server.pate.plan_release`` asks the compressor, it never tests
-its name): ``fit_release(public: PublicFit, noise_per_sensitivity, teachers)`` fits it on the public data it
-needs for a release (``needs_public_model``: the public model's predictions too); ``state() -> CodecState`` is
-what the hospitals are shipped (they encode locally with the codec kind's own module, :mod:`sim.codecs`);
-``batch_state(state, public_probs)`` adds the public side information one query batch travels with;
-``decode_release(z, public_probs, sigma)`` turns noisy mean latents into probabilities;
-``release_checks()`` (e.g. the autoencoder's collapse check) and ``fit_counts`` go on the record;
-``sensitivity(teachers)``, ``relation = "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher``.
-Which compressor a PATE method uses is one registry entry (:func:`register_compressor`). Nothing fitted here
-may see private data: everything in a :class:`PublicFit` is public.
+The contract every compressor keeps (``server.pate.plan_release`` asks the compressor, it never tests its name, so a
+new kind needs no change there): ``fit_release(public: PublicFit, noise_per_sensitivity, teachers)`` fits it on the
+public data it needs for a release (``needs_public_model``: the public model's predictions too); ``state()`` (a
+``CodecState``) is what the hospitals are shipped (they encode locally with the codec kind's own module,
+:mod:`sim.codecs`); ``batch_state(state, public_probs)`` adds the public side information one query batch travels
+with; ``decode_release(z, public_probs, sigma)`` turns noisy mean latents into probabilities; ``release_checks()``
+(e.g. the autoencoder's collapse check) and ``fit_counts`` go on the record; ``sensitivity(teachers)``, ``relation =
+"replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher``. Which compressor a PATE method uses is one registry
+entry (:func:`register_compressor`). Nothing fitted here may see private data: everything in a :class:`PublicFit` is
+public.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class PublicFit:
         """The one-hot maps a PCA / autoencoder codec is fitted on (Fay et al. Alg. 1-2 fit on public labels),
         and how many of each kind: the public reference labels (another centre's), and -- ``with_predictions``
         -- the public model's label maps of the public query scans, which come from the hospitals' population,
-        so their lesions' positions and shapes are the ones the teachers will describe (issue 18). Both public
+        so their lesions' positions and shapes are the ones the teachers will describe. Both public
         by construction (tests/test_pate_codec_fit.py)."""
         maps = [np.asarray(self.reference_maps, np.float32)]
         counts = {"public_reference_labels": len(maps[0]), "public_model_on_query_scans": 0}
@@ -171,7 +170,7 @@ class PCACompressor(Compressor):
     n x n matrix ``X X^T / (n-1)`` of the centred maps; ``a_j = X^T v_j / sqrt((n-1) lambda_j)``), which
     is exact and costs O(n^2 d). At most n-1 components exist; ``eigenvalues`` are the sample covariance's.
 
-    Sensitivity (replace-one, SPEC section 3, via :mod:`privacy.sensitivity`):
+    Sensitivity (replace-one, Fay et al. Sec. 3, via :mod:`privacy.sensitivity`):
       * ``"paper"``  — ``sqrt(d)/K`` (eq. 4),
       * ``"public"`` — ``min(sqrt(d), sqrt(sum_j ||a_j||_1^2))/K`` (tighter, depends on l),
       * ``"clip"``   — rows clipped to ``C`` at the hospital, ``2C/K``. ``clip=None`` takes C = the
@@ -359,8 +358,8 @@ def _reconstruction_loss(logits, target):
 
     Why the Dice term: tumour is ~2.5% of the voxels of a brain-cropped volume; with cross-entropy alone
     the autoencoder reaches its loss floor by decoding everything to background (measured on the quick
-    preset's 40 reference maps: foreground Dice 0.001 after 60 epochs), i.e. the SPEC section 11 collapse
-    even without noise. The Dice term weights each tumour class by its own volume.
+    preset's 40 reference maps: foreground Dice 0.001 after 60 epochs), i.e. the collapse of
+    docs/PRIVACY.md ("What limits PATE") even without noise. The Dice term weights each tumour class by its own volume.
     """
 
     log_probs = torch.log_softmax(logits, dim=1)
@@ -375,7 +374,7 @@ def _reconstruction_loss(logits, target):
 
 
 class AutoencoderCompressor(Compressor):
-    """Autoencoded PATE (Fay et al., Algorithm 2; SPEC section 4).
+    """Autoencoded PATE (Fay et al., Algorithm 2).
 
     Trains :func:`sim.codecs.AutoencoderNet` on the public reference label maps with cross-entropy,
     Gaussian noise of std ``train_sigma`` (set it to the deployment sigma) added to the unit-ball
@@ -383,7 +382,7 @@ class AutoencoderCompressor(Compressor):
     checkpoint written for the same data + configuration is reused instead of retraining).
     Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
 
-    ``device`` (issue 30; ``sim.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
+    ``device`` (``sim.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
     in float32 whatever the run's precision: it is small, and its unit-ball output is what the sensitivity 2/K
     rests on. The bottleneck's training noise and the flips are drawn on the host from the seeded generators,
     then copied, so the trained autoencoder does not depend on where the draws would otherwise have been made.
@@ -418,7 +417,7 @@ class AutoencoderCompressor(Compressor):
         return self.fit(maps)
 
     def release_checks(self) -> dict:
-        """The collapse check of SPEC section 11 (a decoder that learnt to decode everything to background)."""
+        """The collapse check (a decoder that learnt to decode everything to background; docs/PRIVACY.md)."""
         return self.collapsed()
 
     def _fingerprint(self, maps: np.ndarray) -> str:
@@ -492,7 +491,7 @@ class AutoencoderCompressor(Compressor):
         return np.concatenate(out, axis=0).astype(np.float32)
 
     def collapsed(self, maps: np.ndarray | None = None, threshold: float = 0.1) -> dict:
-        """SPEC section 11 pitfall: with a bottleneck sigma large against the unit ball, the decoder learns
+        """The collapse pitfall: with a bottleneck sigma large against the unit ball, the decoder learns
         to decode everything to background. Decodes the noise-free encodings of ``maps`` (default: the
         public reference maps) and compares foreground volumes; ``collapsed`` if the decoder keeps less
         than ``threshold`` of the true foreground."""
@@ -547,7 +546,7 @@ class IdentityCompressor(Compressor):
 
 # --------------------------------------------------------------------------------------------------
 class AnchoredResidualCompressor(Compressor):
-    """Anchored residual PATE (issue 18; SPEC section 11, "PATE should only add to what public data gives").
+    """Anchored residual PATE: PATE should only add to what public data gives (docs/PRIVACY.md, "What limits PATE").
 
     Fay et al.'s Algorithms 1-2 compress the teachers' whole answer, so a compressor fitted on a few public
     maps decodes even the noise-free ensemble to its own prior. Here the public model's prediction ``p_n``
@@ -558,18 +557,18 @@ class AnchoredResidualCompressor(Compressor):
       ``B_n`` = per tumour class, the residual summed over each shell around ``p_n``'s tumour
       (:func:`sim.codecs.anchor_regions`: the boundary layer, ``-lo`` layers inside, ``hi`` outside) over
       the square root of the shell's size (orthonormal rows): the queries ask where the information is;
-    * with ``intensity_bins`` B > 1 (issue 28, item 5), each shell is split into B within-shell quantile bins of
-      the query scan's ``intensity_channel`` (T1-Gd by default; :func:`sim.codecs.intensity_bin_map`), computed
-      by the server from the public scans and shipped with the anchor: within a shell the decoder could only
-      place a class by the public model's ranking of voxels, which says nothing for a class the public model
-      never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with shells, 0.62 with 3 T1-Gd
-      bins; benchmarks/codec_ceiling.py);
+    * with ``intensity_bins`` B > 1 (docs/decisions/intensity-bins.md), each shell is split into B within-shell
+      quantile bins of the query scan's ``intensity_channel`` (T1-Gd by default;
+      :func:`sim.codecs.intensity_bin_map`), computed by the server from the public scans and shipped with the anchor:
+      within a shell the decoder could only place a class by the public model's ranking of voxels, which says nothing
+      for a class the public model never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with
+      shells, 0.62 with 3 T1-Gd bins; benchmarks/codec_ceiling.py);
     * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1) B``;
     * decode, by the compressor's ``decoder`` (:data:`ANCHORED_DECODERS`): ``mass-matching``
       (:func:`sim.codecs.anchored_decode`: per region, the public model's probabilities re-weighted so that each
       class carries the mass the teachers' mean residual says) or ``head-fit`` (:func:`sim.codecs.headfit.fit_head_decode`:
-      one voxel head fitted to every query's latents at once, the Gaussian release's maximum-likelihood head; issue
-      28, item 5). Both are post-processing and give ``p_n`` exactly at ``z = 0``.
+      one voxel head fitted to every query's latents at once, the Gaussian release's maximum-likelihood head;
+      docs/decisions/head-fit-decoder.md). Both are post-processing and give ``p_n`` exactly at ``z = 0``.
 
     Sensitivity (replace-one), proof sketch: replacing one patient changes one teacher's output ``y_nk``
     into any ``y'_nk``; both rows are clipped to L2 norm C *after* every step the anchor or the regions
@@ -581,18 +580,12 @@ class AnchoredResidualCompressor(Compressor):
     Fitting reads public arrays only: the public reference label maps and the public model's predictions
     on the public reference scans. ``clip=None`` sets C to ``clip_scale`` times the median norm of the
     public model's own residual on those maps, ``||B (onehot_ref - p_ref)||``. The public model fits its own
-    references better than it fits the hospitals' patients (measured on the r2 world: median 2.7 on the
-    public references, 7.3 for the teachers on the query scans), hence ``clip_scale`` 2.5 by default:
-    C near the teachers' median norm was the best clip at epsilon 8 (r2/shells.py: pseudo-label Dice
-    0.498 at C = median, 0.488 at half of it, with K = 64).
+    references better than it fits the hospitals' patients, hence ``clip_scale`` 2.5 by default.
 
-    How the defaults were chosen, stated plainly (issue 26): ``shells`` (-2, 5) and ``clip_scale`` 2.5 were
-    chosen in a research world outside this repository (``/work/research/r2``, not shipped) by looking at
-    *private* quantities of that world -- the teachers' residual norms on its query scans and its
-    pseudo-label Dice -- not at public data alone. That world's patients are not the demo's and nothing of
-    them enters a mechanism here (the clip itself is computed from public arrays on every fit), so no
-    guarantee is affected; but the defaults are not a public-data choice, and a user tuning them on their
-    own hospitals' data would have to charge that selection.
+    The defaults ``shells`` (-2, 5) and ``clip_scale`` 2.5 were chosen by looking at *private* quantities of a
+    research world outside this repository (docs/decisions/anchored-shells-and-clip.md). Nothing of that world
+    enters a mechanism here, so no guarantee is affected; but they are not a public-data choice, and a user
+    tuning them on their own hospitals' data would have to charge that selection.
     """
 
     name = "anchored"
@@ -666,7 +659,7 @@ class AnchoredResidualCompressor(Compressor):
         state = self._base_state("anchored")
         state.update({"shells": np.array(self.shells, dtype=np.int64), "clip": np.array(float(self.clip)),
                       "row_bound": np.array(float(self.clip))})
-        if self.intensity_bins > 1:   # without bins the state stays what it was before issue 28
+        if self.intensity_bins > 1:   # without bins the state has no bin entries (states written before bins existed)
             state.update({"intensity_bins": np.array(self.intensity_bins, dtype=np.int64),
                           "intensity_channel": np.array(self.intensity_channel, dtype=np.int64)})
         return state
@@ -700,7 +693,7 @@ class AnchoredResidualCompressor(Compressor):
                                device=self.device)
 
     def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
-        """Anchored at the public model (issue 18): C from its residual on the public reference scans."""
+        """Anchored at the public model: C from its residual on the public reference scans."""
         if public.reference_probs is None:
             raise UserError("pate-anchored needs the public model and public reference scans with labels")
         return self.fit(public.reference_maps, public.reference_probs, public.reference_scans)
@@ -728,7 +721,7 @@ ANCHORED_DECODERS: dict[str, Callable[..., np.ndarray]] = {
     "head-fit": AnchoredResidualCompressor._head_fit,
 }
 
-#: PATE method -> the factory of its compressor (issue 27: one entry per method, no name tests elsewhere)
+#: PATE method -> the factory of its compressor (one entry per method, so no code elsewhere tests method names)
 #: ``factory(preset, seed=, checkpoint=, progress=, device=, **options) -> Compressor`` per method
 _COMPRESSORS: Registry[Callable[..., Compressor]] = Registry("compressor")
 register_compressor, unregister_compressor = _COMPRESSORS.register, _COMPRESSORS.unregister

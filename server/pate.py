@@ -1,4 +1,5 @@
-"""High-dimensional PATE, written against a transport (Fay et al., Algorithms 1-2; SPEC sections 3-5, 11).
+"""High-dimensional PATE, written against a transport (Fay, Sjölund & Oechtering, *Private Learning for
+High-Dimensional Targets with PATE*, Algorithms 1-2; docs/PRIVACY.md).
 
 :func:`run_pate` is the algorithm, one named step per line:
 
@@ -90,8 +91,8 @@ class PateConfig:
     query_batch: int = 8                  # public scans per query message
     soft_labels: bool = True              # the student learns the decoded probabilities, not their argmax
     include_reference: bool = True        # the student also trains on the public reference data
-    pca_mode: str = "public"              # PCA sensitivity bound: public | paper | clip (SPEC section 3)
-    #: issue 18 lever "fit the compressor on all the public data there is": PCA / autoencoder also fit the
+    pca_mode: str = "public"              # PCA sensitivity bound: public | paper | clip (Fay et al. Sec. 3)
+    #: fit the compressor on all the public data there is: PCA / autoencoder also fit the
     #: public model's label maps of the public query scans (public model x public scans: no private input)
     fit_on_public_predictions: bool = True
     compressor_options: Mapping[str, Any] | None = None
@@ -100,7 +101,7 @@ class PateConfig:
     #: checkpoints of the epsilon-independent public models, shared by a comparison's cells
     shared_dir: str | Path | None = None
     progress: bool = True
-    #: issue 30: where the server's models (public model, autoencoder, student) run, and the spec the simulated
+    #: where the server's models (public model, autoencoder, student) run, and the spec the simulated
     #: hospitals are sent for their teachers (deployed hospitals follow their own node config); auto | cpu |
     #: cuda | cuda:N (sim.device)
     device: str = "auto"
@@ -144,9 +145,9 @@ class ReleasePlan:
     noise_per_sensitivity: float          # c = sigma / S
     sensitivity: float                    # S(K) of the codec as shipped, K = every planned teacher
     sigma: float
-    collapse: dict | None                 # the autoencoder's collapse check (SPEC section 11)
+    collapse: dict | None                 # the autoencoder's collapse check (docs/PRIVACY.md, "What limits PATE")
     #: the public model's probabilities on the query scans: the anchored codec's p_n (shipped with each batch,
-    #: public side information) and, for every method, what the pseudo-labels must beat (issue 18)
+    #: public side information) and, for every method, what the pseudo-labels must beat
     public_query_probs: np.ndarray | None = None
     public_test_probs: np.ndarray | None = None
     #: how many public maps of each kind the PCA / autoencoder codec was fitted on (None: other codecs)
@@ -229,7 +230,7 @@ class PateOutcome:
 # ---------------------------------------------------------------------------------------------- the algorithm
 def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: PateConfig, out_dir,
              noise: NoiseSource | None = None) -> dict:
-    """Run PATE end to end and write ``out_dir`` (SPEC section 10); returns results.json's content.
+    """Run PATE end to end and write ``out_dir`` (docs/PRIVACY.md, "Results"); returns results.json's content.
 
     Args:
         transport: the hospitals (:class:`server.transport.HospitalTransport`): they train the teachers and
@@ -305,14 +306,14 @@ def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
 
 def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teachers, out: Path,
                  public_model: torch.nn.Module | None = None) -> ReleasePlan:
-    """Step 3: calibration (SPEC section 5) and the compressor (fitted on PUBLIC data only).
+    """Step 3: calibration (docs/PRIVACY.md, "Mechanisms") and the compressor (fitted on PUBLIC data only).
 
-    The compressor is asked, never named (issue 27): its :meth:`server.compressors.Compressor.fit_release`
-    takes the public data of a :class:`server.compressors.PublicFit` it needs. The codec state as shipped is
-    the one source of the sensitivity: the hospitals recompute S from it (sim.codecs.verify_codec /
-    codec_sensitivity) and charge their own ledgers, so the server uses the very same numbers (the float32
-    basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so the guard's
-    own re-computation of the planned queries (batch checks and per-query charges) fits it:
+    The compressor is asked, never named (a new kind needs no change here): its
+    :meth:`server.compressors.Compressor.fit_release` takes the public data of a :class:`server.compressors.PublicFit`
+    it needs. The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
+    (sim.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the very same
+    numbers (the float32 basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so
+    the guard's own re-computation of the planned queries (batch checks and per-query charges) fits it:
     tests/test_privacy_calibration.py checks exactly that.
 
     Args:
@@ -479,7 +480,7 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])
-        if plan.public_query_probs is not None:   # issue 18: what the pseudo-labels must beat, same scans
+        if plan.public_query_probs is not None:   # what the pseudo-labels must beat, same scans
             result.public_model_query_dice = _label_dice(plan.public_query_probs[queries.answered],
                                                          world.query_labels[queries.answered])
     return result
@@ -526,7 +527,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "ensemble_dice": evaluation.ensemble_dice,
         "ensemble_vote_dice_mean": _mean(evaluation.ensemble_vote_dice),
         "pseudo_label_dice_mean": _mean(evaluation.pseudo_label_dice),
-        # issue 18: the two ratios that say whether PATE carries what the hospitals know (simulation only:
+        # the two ratios that say whether PATE carries what the hospitals know (simulation only:
         # the probability average needs every teacher's full-resolution output, which never leaves a hospital)
         "ensemble_probability_average_dice_mean": _mean(evaluation.ensemble_vote_dice),
         "ensemble_decoded_over_probability_average": _ratio(evaluation.ensemble_dice, evaluation.ensemble_vote_dice),

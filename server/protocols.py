@@ -65,7 +65,7 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
                     noise=settings.cell_noise_source(cell))
 
 
-#: a federated method record's ``protocol`` -> the function that runs one of its cells (issue 27: the one
+#: a federated method record's ``protocol`` -> the function that runs one of its cells (the one
 #: place a protocol is chosen; ``register_protocol`` adds one)
 PROTOCOLS: Registry[Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]] = Registry("protocol")
 register_protocol = PROTOCOLS.register

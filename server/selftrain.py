@@ -1,9 +1,9 @@
 """``public-selftrain``: the public model adapted to the public *unlabelled* query scans, without any label
-of them and without any hospital (issue 28, item 2; SPEC section 11, "the public floor").
+of them and without any hospital: the public floor (docs/PRIVACY.md, "What limits PATE").
 
 Why a second floor: PATE's student trains on the public query scans (the hospitals' population, unlabelled)
 together with the public reference maps. A student that trained on those same scans with the *public
-model's own* predictions as labels gained nearly all of what PATE gained over ``public-only`` (issue 28): the
+model's own* predictions as labels gained nearly all of what PATE gained over ``public-only``: the
 scans alone carry information about the population (its scanners, its lesions' appearance) that costs no
 privacy. Whatever a private method gains beyond this floor is what the hospitals taught it.
 

@@ -3,13 +3,13 @@ model on ((x_n, y_hat_n))"), trained with the shared engine (sim.training).
 
 * :func:`train_public_model` — a U-Net trained on the public reference split (images + labels). It is
   the teachers' initialisation and, trained further for the student's epochs on the same data, the
-  ``public-only`` baseline (SPEC section 11).
+  ``public-only`` baseline.
 * :func:`train_student` — starts from the public model and trains on the decoded pseudo-labels of the
   public query scans (soft probabilities by default), together with the public reference data
   (``include_reference``): everything public the server holds. PATE helps exactly where this student
   beats the public-only model trained on the reference data alone for the same number of epochs.
 
-Both train on ``device`` (issue 30; None = auto) at ``precision``, and are returned there.
+Both train on ``device`` (``sim.device``; None = auto) at ``precision``, and are returned there.
 """
 
 from __future__ import annotations

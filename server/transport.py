@@ -57,7 +57,7 @@ class HospitalTransport(Protocol):
 @runtime_checkable
 class TeacherEnsembleDiagnostics(Protocol):
     """Optional, simulation only: the teachers' averaged full-resolution probabilities on some scans (the
-    noise-free ceiling of SPEC section 11). Those probabilities never travel over the wire, so only a
+    noise-free ceiling PATE can reach). Those probabilities never travel over the wire, so only a
     transport that holds the hospitals in this process offers it; no guarantee covers it."""
 
     def ensemble_probabilities(self, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
@@ -76,7 +76,7 @@ DROPOUT_REASONS = ("refused: privacy budget", "refused: request", "no reply", "e
 
 def public_dropout_reason(why: str) -> str:
     """The category of a dropout reason, for published results: a hospital's refusal text can carry numbers
-    that depend on its other runs (issue 26); only which kind of dropout it was is published."""
+    that depend on its other runs; only which kind of dropout it was is published."""
     text = str(why)
     if text.startswith("refused: privacy budget"):
         return DROPOUT_REASONS[0]

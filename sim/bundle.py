@@ -6,7 +6,7 @@ Layout, inside a run folder (next to the run's ``ledger.jsonl`` and ``results.js
     RUN_DIR/model/bundle.json     network config, preprocessing, label convention, weights digest, card
     RUN_DIR/model/MODEL_CARD.md   the card for people
 
-The privacy card says what guarantee the weights carry (SPEC section 2): method, the epsilon the
+The privacy card says what guarantee the weights carry (docs/PRIVACY.md): method, the epsilon the
 ledger says was spent and the budget, delta, the neighbouring relation, the accountant, how many
 teachers/hospitals, the data source, and the sha256 digest of the ledger it was computed from.
 Non-private models carry a card too, saying so.
@@ -23,7 +23,7 @@ Models released together (the cells of one comparison, trained on the same patie
 card's ``released_with``, the combined epsilon of everything released with them, computed from the
 hospitals' own ledgers (:func:`attach_release`); loading re-checks it when those ledgers are reachable.
 
-Every card states the threat model (SPEC section 2): the aggregator is trusted with the teachers'
+Every card states the threat model (docs/PRIVACY.md, "Who is trusted"): the aggregator is trusted with the teachers'
 un-noised encodings; differential privacy protects the patients against everyone who sees what is
 released (pseudo-labels, models, reports).
 """

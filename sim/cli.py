@@ -1,4 +1,4 @@
-"""The ``fedpate`` command line (SPEC section 10).
+"""The ``fedpate`` command line (its commands: docs/PRIVACY.md, "Command line").
 
 Each subcommand lives in ``sim/commands/<name>.py`` and exposes ``register(subparsers)``, which adds its
 parser and sets ``func`` (called with the parsed args; returns an exit status or None). Commands are

@@ -1,4 +1,4 @@
-"""Where tensors live and in which precision the forward passes run (issue 30: every training path on the GPU).
+"""Where tensors live and in which precision the forward passes run (every training path can use the GPU).
 
 One resolver, :func:`resolve_device`, turns what a user wrote (``--device auto|cpu|cuda|cuda:N``, the Flower run
 config's ``device`` key, a deployed hospital's node config) into a ``torch.device``. Every party resolves the
@@ -33,7 +33,7 @@ DEVICE_HELP = ("where training and inference run: auto (CUDA when this machine h
 PRECISION_HELP = ("forward-pass precision: 32 (float32, default) or bf16 (torch.autocast bfloat16 around forward "
                   "passes; losses, DP-SGD's per-sample clipping, its noise and the weights stay float32)")
 
-_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def check_device_spec(spec: Any, option: str = "--device") -> str:
@@ -42,7 +42,7 @@ def check_device_spec(spec: Any, option: str = "--device") -> str:
     if spec is None or (isinstance(spec, str) and not spec.strip()):
         return "auto"
     text = str(spec).strip().lower()
-    if not _SPEC.match(text):
+    if not _DEVICE_PATTERN.match(text):
         raise UserError(f"{option}: expected {DEVICE_CHOICES}, got {str(spec)!r}")
     return text
 

@@ -1,6 +1,6 @@
 """DP-SGD for the segmentation networks: Opacus per-sample clipping and noise, accounting via privacy/.
 
-What is private (SPEC section 2 and 6): one patient volume, under the neighbouring relation
+What is private (docs/PRIVACY.md): one patient volume, under the neighbouring relation
 ``DPConfig.relation``: **replace-one** by default -- the only relation that holds when dataset sizes are
 published (FedAvg weights, ``train_cases`` in results) and the one comparisons with PATE use -- or
 add/remove-one for standalone runs whose dataset sizes stay private (zero-out for shuffled batches, see
@@ -10,7 +10,7 @@ Every epsilon this module reports comes from ``ledger.spent(owner, delta)``; ``D
 gives the same mechanism's epsilon under the other relation where it is defined (Poisson sampling), so
 reports can print both.
 
-Mechanism (Abadi et al. 2016, as used by Fay et al. ``../shared/papers/004_*`` Sec. 5 "Baseline": "we
+Mechanism (Abadi et al. 2016, arXiv 1607.00133, as used by Fay et al. Sec. 5 "Baseline": "we
 clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
 
 * per-sample gradients from Opacus (``GradSampleModule``), clipped either per layer (``per_layer=True``:
@@ -22,7 +22,7 @@ clip gradients for each layer at 4 and apply noise with variance sigma^2 = 6"):
   ``noise_multiplier * C_total / expected_batch_size`` (checked by
   ``tests/test_dpsgd_mechanism.py::test_zero_gradient_noise_std``).
 
-Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers/003_*``, Sec. 4):
+Batching and accounting must match (Yu et al. 2019, arXiv 1904.02200, Sec. 4):
 
 * ``sampling="poisson"``: each record joins each step's batch independently with probability q; an epoch
   of T steps is ``SampledGaussianEvent(q, sigma, steps=T, relation=...)``: PLD by default
@@ -30,11 +30,11 @@ Batching and accounting must match (SPEC section 6; Yu et al. ``../shared/papers
   has no replace-one RDP for Poisson sampling). An
   *empty* Poisson batch still takes a noise-only step (clipped sum = 0, plus noise): that is what the
   sampled-Gaussian analysis assumes, and skipping forward/backward avoids the crash Opacus hits on
-  empty inputs (FIELD_NOTES).
+  empty inputs.
 * Randomness: the Poisson masks (or the shuffle) and the Gaussian noise of epoch e come from one stream
   of a :class:`privacy.mechanisms.NoiseSource`, named after the epoch's release id and opened only after
   the epoch is charged. By default that stream is the OS's CSPRNG (Opacus' ``secure_mode`` needs
-  torchcsprng, which does not fit our torch -- FIELD_NOTES -- so the optimizer's ``add_noise`` draws from
+  torchcsprng, whose last release predates our torch, so the optimizer's ``add_noise`` draws from
   our stream instead of a ``torch.Generator``); amplification by subsampling also needs the batches to be
   secret, hence the masks come from the same source, never from the training seed. Seeded streams only
   with an explicit reproducible source (simulations).
@@ -113,7 +113,7 @@ class DPConfig:
     per_layer: bool = True
     sampling: str = "poisson"            # "poisson" | "shuffle"
     accountant: str = "pld"              # calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)
-    relation: str = "replace-one"        # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle); SPEC section 2
+    relation: str = "replace-one"        # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle)
     schedule: str | None = None          # family for mode="schedule"
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
@@ -196,7 +196,7 @@ def _install_stream_noise(optimizer, session: "DPSession") -> None:
     Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
     total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
 
-    On a GPU (issue 30) the noise is still drawn on the host, from the epoch's stream -- the OS CSPRNG, or the
+    On a GPU the noise is still drawn on the host, from the epoch's stream -- the OS CSPRNG, or the
     seeded stream of an explicitly reproducible simulation -- exactly as on the CPU, and then copied to the
     gradient's device in float32. Never a device RNG: a CUDA generator would need a seed, and a seed is what
     lets anyone regenerate the noise. The same draws on every device keep ``--reproducible-noise`` runs
@@ -420,7 +420,7 @@ class DPSession:
     def noise_only_step(self) -> None:
         """An empty Poisson batch: clipped sum 0, plus noise, then the optimizer step.
 
-        Forward/backward on an empty batch crashes Opacus and poisons the next step (FIELD_NOTES), so we
+        Forward/backward on an empty batch crashes Opacus and poisons the next step, so we
         hand the optimizer empty per-sample gradients directly.
         """
         self.optimizer.zero_grad(set_to_none=True)

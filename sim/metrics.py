@@ -3,7 +3,7 @@
 Classes follow MSD Task01 (0 background, 1 oedema, 2 non-enhancing tumour, 3 enhancing tumour).
 Regions (BraTS): WT = {1, 2, 3} (whole tumour), TC = {2, 3} (tumour core), ET = {3} (enhancing tumour).
 ``"mean"`` is the mean over classes 1, 2, 3 of the per-class Dice -- the figure Fay et al.
-(``../shared/papers/004_*``, Sec. 5) report (0.561 for Autoencoded PATE at (8, 1e-3)).
+(Sec. 5) report (0.561 for Autoencoded PATE at (8, 1e-3)).
 
 Empty-class convention (one rule for classes and regions):
 

@@ -1,13 +1,13 @@
 """3D U-Nets for brain-tumour segmentation (MONAI), built so Opacus can train them with DP-SGD.
 
-The seed paper (Fay et al., ``../shared/papers/004_*``, Sec. 5) uses a 3D U-Net on 64^3 patches with four
-pooling levels for teachers, student and the DP-SGD baseline alike; ``paper`` reproduces that depth.
-``tiny`` and ``small`` are CPU-sized versions for 16^3 and 32^3/48^3 grids.
+The seed paper (Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*, Sec. 5) uses a
+3D U-Net on 64^3 patches with four pooling levels for teachers, student and the DP-SGD baseline alike; ``paper``
+reproduces that depth. ``tiny`` and ``small`` are CPU-sized versions for 16^3 and 32^3/48^3 grids.
 
-Opacus compatibility (../shared/FIELD_NOTES.md, "Opacus with MONAI networks"): instance normalisation
-(no BatchNorm, whose statistics couple the samples of a batch and break per-sample gradients), PReLU
-activations without in-place ops, and no custom ``autograd.Function``. ``tests/test_training_networks.py``
-runs ``opacus.validators.ModuleValidator`` on every preset.
+Opacus compatibility (MONAI's UNet with instance normalisation passes Opacus' ModuleValidator as is): instance
+normalisation (no BatchNorm, whose statistics couple the samples of a batch and break per-sample gradients), PReLU
+activations without in-place ops, and no custom ``autograd.Function``. ``tests/test_training_networks.py`` runs
+``opacus.validators.ModuleValidator`` on every preset.
 """
 
 from __future__ import annotations
@@ -111,14 +111,14 @@ class VoxelHeadUNet(torch.nn.Module):
 
         logits(x) = u(x) + W2 PReLU(W1 [u(x), x] + b1) + b2        (1x1x1 convolutions; W2, b2 start at 0)
 
-    Why (issue 28): under DP-SGD the noise added to the trained coordinates has a norm that grows with the
-    square root of their number, so a small model on good fixed features learns more at a given epsilon than
-    end-to-end fine-tuning (Tramer & Boneh 2021, "Differentially private learning needs better features",
-    arXiv 2011.11660; Tobaben et al. 2023, arXiv 2302.01190, for parameter-efficient private transfer). Here
-    the fixed features are the public model's own class scores and the four MR sequences: a class the public
-    model never predicts (non-enhancing core inside an enhancing rim) is still a per-voxel function of what it
-    does predict there and of the voxel's intensities. 8*16+16 + 16*4+4 = 212 parameters + 1 PReLU slope on
-    the quick U-Net's 4 classes, against its 153k.
+    Why (docs/decisions/dp-sgd-voxel-head.md): under DP-SGD the noise added to the trained coordinates has a norm that
+    grows with the square root of their number, so a small model on good fixed features learns more at a given epsilon
+    than end-to-end fine-tuning (Tramer & Boneh 2021, "Differentially private learning needs better features", arXiv
+    2011.11660; Tobaben et al. 2023, arXiv 2302.01190, for parameter-efficient private transfer). Here the fixed
+    features are the public model's own class scores and the four MR sequences: a class the public model never
+    predicts (non-enhancing core inside an enhancing rim) is still a per-voxel function of what it does predict there
+    and of the voxel's intensities. 8*16+16 + 16*4+4 = 212 parameters + 1 PReLU slope on the quick U-Net's 4 classes,
+    against its 153k.
 
     ``W2, b2 = 0`` at construction, so the network starts as exactly the U-Net it wraps (the public model).
     The U-Net's parameters keep their names (``model.*``, as in a bare MONAI UNet), so a U-Net state dict loads
@@ -164,7 +164,7 @@ def min_grid_divisor(preset: str) -> int:
 
 
 # ----------------------------------------------------------------------------------- trainable parameter sets
-#: which of a MONAI UNet's parameters private fine-tuning trains (issue 28). Fixed by a stated principle,
+#: which of a MONAI UNet's parameters private fine-tuning trains. Fixed by a stated principle,
 #: never by test Dice: DP noise is added to every trained coordinate, so its norm grows with the square root
 #: of the number trained (Yu et al. 2021, arXiv 2110.06500; Tobaben et al. 2023, arXiv 2302.01190), while a
 #: class the public model does not know needs weights between the features and the classes, not biases

@@ -1,14 +1,14 @@
-"""Segment new scans with a saved model bundle (``fedpate predict``; SPEC section 10, issue 10).
+"""Segment new scans with a saved model bundle (``fedpate predict``).
 
 For each scan -- a 4D NIfTI (x, y, z, 4 channels in MSD order), or a BraTS case as distributed (its folder,
-or its four per-modality files; issue 29) -- crop to the brain, normalise and resample exactly as in training
+or its four per-modality files) -- crop to the brain, normalise and resample exactly as in training
 (the bundle's preprocessing record), run the network (MONAI sliding-window inference, a single window when
 the working grid covers the cropped brain), map the probabilities back to the scan's own grid, and write a
 label map with the scan's shape and affine, so ITK-SNAP or 3D Slicer overlays it on the scan. The label codes
 are the convention asked for (``labels``: msd, brats2021, brats2023), by default the input's own: a BraTS 2021
 case gets 4 for enhancing tumour, as its own ``seg`` files do (``sim.data.layouts``, the one mapping table).
 
-Device and precision (issue 30, ``sim.device``): the network runs on ``device`` (auto = CUDA when there is one),
+Device and precision (``sim.device``): the network runs on ``device`` (auto = CUDA when there is one),
 under bf16 autocast with ``precision="bf16"``; preprocessing and the mapping back stay on the host (numpy).
 """
 

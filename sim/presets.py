@@ -6,10 +6,10 @@ is the README demo (minutes on 2 CPU cores), ``paper`` reproduces the seed paper
 (Fay et al., Sec. 5: 64^3 patches, K = 8 teachers over 320 volumes, N = 80 public queries, 84 test
 volumes, delta = 1e-3) on the MSD Task01 folder and is meant for a GPU.
 
-Why the quick preset uses many small teachers: SPEC section 11 -- the query phase can carry at most about
-K^2 mu^2 / (8 ln 2) bits about the teachers' answers, so with K = 8 PATE cannot beat its own decoder's
-prior; with K ~ 128 it can. Teachers start from a model trained on the public reference split (the
-``public-only`` baseline) and are fine-tuned on their one or two private volumes.
+Every default of the quick preset that a measurement fixed has a note in ``docs/decisions/`` (question,
+measurement, decision). Why it uses many small teachers: the query phase can carry at most about
+K^2 mu^2 / (8 ln 2) bits about the teachers' answers (docs/PRIVACY.md, "What limits PATE"), so with K = 8
+PATE cannot beat its own decoder's prior; with K ~ 128 it can (docs/decisions/many-small-teachers.md).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Preset:
     phantom_test_cases: int       # unlabelled imagesTs cases (only used by `predict` demos)
     institutions: int             # scanner profiles in the phantom generator
     phantom_resolution_mm: float  # voxel size the phantoms are written at
-    # The public labelled data's own source (issue 17): another centre's labelled collection -- its own
+    # The public labelled data's own source: another centre's labelled collection -- its own
     # generator seed (sim.world.PUBLIC_PHANTOM_SEED), scanner profiles and lesion regime -- from which the public
     # reference and validation sets are drawn; the hospitals' population above gives the hospitals' patients,
     # the public query scans and the test set. 0 = one population (the public sets drawn from it, as with an
@@ -70,7 +70,7 @@ class Preset:
     batch_size: int
     learning_rate: float
     # --- compressors ---
-    pca_components: int | None    # None = automatic choice (SPEC section 3, eq. 7)
+    pca_components: int | None    # None = automatic choice (Fay et al., eq. 7: keep components with lambda_j > sigma^2)
     ae_latent_dim: int
     ae_epochs: int
     # --- privacy ---
@@ -78,7 +78,7 @@ class Preset:
     delta: float = 1e-3
     dpsgd_max_grad_norm: float = 4.0
     dpsgd_noise_multiplier: float = 6 ** 0.5   # the paper's setting (Fay et al., Sec. 5)
-    # The DP baselines' settings grids (issue 17): each entry fixes some of learning_rate, max_grad_norm,
+    # The DP baselines' settings grids: each entry fixes some of learning_rate, max_grad_norm,
     # batch_size (expected batch) and epochs (DP-FedAvg: rounds); the rest come from the fields above. Every
     # entry is trained on the private data under one noise multiplier calibrated for all of them together,
     # and the entry with the best public validation Dice is kept (sim.runners.central, server.dpfedavg).
@@ -115,60 +115,25 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         name="quick", phantom_cases=260, phantom_test_cases=4, institutions=4, phantom_resolution_mm=3.0,
         grid=(32, 32, 32), hospitals=4, teachers_per_hospital=32, split_scheme="institution",
-        # issue 17, a world with headroom: the hospitals' population (260) gives 40 test patients, 40 public
-        # query scans and 180 private patients; the public labelled data are 34 maps of another centre (2
-        # scanners beyond the population's range, metastasis-like multifocal lesions): 24 reference + 10
-        # validation. ("lesions" alone left 0.14 +- 0.03 paired Dice between nonprivate-central and public-only
-        # at --seed 1, 0.21 at --seed 0: too little room to tell methods apart.)
+        # the world: a public centre unlike the hospitals', so there is headroom (docs/decisions/world.md)
         n_query=40, n_reference=24, n_validation=10, n_test=40,
         public_cases=34, public_institutions=2, public_shift="scanner+lesions",
-        # pre-training: 24 maps x 50 epochs = 1200 volume-epochs, the budget at which a public model on 16-32
-        # maps had converged in the world study (research r1); fewer maps must not mean an undertrained
-        # public-only baseline (that would fake headroom).
-        # teachers (issue 28, item 5): each trains a voxel head on the frozen public model (as DP-SGD below) on its
-        # 1-2 patients -- 60 full-batch steps at lr 1e-2 (lr x T ~ 0.6: room for the zero-initialised head to move),
-        # no augmentation (the head reads the teacher's own scans' intensities; and a step is a forward pass of the
-        # frozen U-Net, augmenting 128 x 60 batches on the host would cost more than the training). Full
-        # fine-tuning for 6 epochs left the teachers knowing no non-enhancing core at seed 0 (noise-free ensemble
-        # class 2 0.003); these heads' probability average reaches 0.408. The codec splits each shell into 3 T1-Gd
-        # bins (sim.codecs.intensity_bin_map) so it can say where that class goes. Both measured on the test set at
-        # seed 0 before they became the default (docs/RESULTS.md, "A voxel head", "PATE's teachers as voxel heads").
-        # The release is decoded by one voxel head fitted to every query's latents at once (sim.codecs.headfit: the
-        # Gaussian release's maximum-likelihood head -- post-processing), and the student is a voxel head too
-        # (the teachers' function class, at their learning rate), trained on the pseudo-labels and the reference
-        # maps as before. Principle: decoder and student are the family the teachers are. Measured at seed 0 on
-        # the test set before the choice, with the other students (full U-Net, with and without the reference
-        # maps) -- docs/RESULTS.md, "Decoding the release by a fitted head"; seeds 1-4 run after it.
+        # public pre-training: 24 maps x 50 epochs = 1200 volume-epochs (docs/decisions/public-pretraining.md)
+        # teachers: a voxel head on the frozen public model, 60 steps at lr 1e-2 (docs/decisions/teachers.md)
+        # codec: 3 T1-Gd bins per shell (docs/decisions/intensity-bins.md); decoder: one fitted voxel head
+        # (docs/decisions/head-fit-decoder.md); student: a voxel head (docs/decisions/student.md)
         unet="small", teacher_epochs=60, pretrain_epochs=50, student_epochs=10, central_epochs=10,
         batch_size=2, learning_rate=2e-3, pca_components=None, ae_latent_dim=16, ae_epochs=60,
-        # DP-SGD on 140 volumes: with batch 2 and per-layer clipping at 4 the noise swamps the signal (mean
-        # Dice 0.02 at eps 8); expected batch 16 with flat clipping gave 0.229 (C=1) and 0.247 (C=0.1).
-        # DP-FedAvg: a hospital's 45 patients at expected batch 8 (q = 1/6)
+        # DP-SGD: expected batch 16, flat clipping at 0.1 (docs/decisions/dp-sgd-batch-and-clip.md);
+        # DP-FedAvg: a hospital's 45 patients at expected batch 8, q ~ 1/6 (docs/decisions/dp-fedavg.md)
         dpsgd_max_grad_norm=0.1, extra={"dpsgd_batch_size": 16, "dpsgd_per_layer": False, "dpfedavg_batch_size": 8,
                                         "teacher_trainable": "voxel-head", "teacher_learning_rate": 1e-2,
                                         "teacher_augment": False, "anchored_intensity_bins": 3,
                                         "anchored_decoder": "head-fit", "student_trainable": "voxel-head",
                                         "student_learning_rate": 1e-2},
-        # DP-SGD and DP-FedAvg train with the non-private ceiling's own settings (issue 28, item 4: a stated
-        # principle): its learning rate (2e-3) and its 10 epochs (rounds of one local epoch); only the expected
-        # batch and the clip are DP's. No grid: the public validation set that chose among grid entries comes from
-        # the other centre and prefers whatever moves least (lr 5e-4 in 7 of 8 cells), and each entry cost noise.
-        # Adopted after measuring it on the test set at seeds 0 and 1, DP-SGD eps 8, same sigma 0.915
-        # (benchmarks/lever_dpsgd.py ceiling-settings vs public-validation-grid; paired over test cases: +0.032 +-
-        # 0.005, +0.019 +- 0.006), then checked at seed 2, not run before the decision: +0.055 +- 0.010
-        # (docs/RESULTS.md, "More steps"). The old grid was ({lr 2e-3, 5 epochs}, {lr 5e-4, 5 epochs}) for both.
-        # What they train (issue 28, item 3): a voxel head on the frozen public model (sim.networks.VoxelHeadUNet,
-        # 213 parameters instead of 153k; Tramer & Boneh 2021: under DP a small model on good fixed features beats
-        # end-to-end fine-tuning). Its learning rate is ~1/T for its T ~ 120 Adam steps (Adam moves a weight by
-        # about lr per step; a zero-initialised head must be able to travel ~1 in its run), not the ceiling's 2e-3,
-        # which trains a network that already fits its data. Stated plainly: 1e-2 was the first value probed and
-        # 2e-3 was also measured, both on the test set at seed 0 (docs/RESULTS.md, "A voxel head"), before this
-        # default was set; seeds 1 and 2 were probed too, seeds 3 and 4 only run after it was fixed.
-        # DP-FedAvg keeps full fine-tuning at the ceiling's settings: the same head there, adopted by analogy
-        # without a probe, was measured worse at seeds 1 and 2 (paired over test cases, eps 1: -0.030 +- 0.007
-        # and -0.029 +- 0.007; eps 8 at seed 2: -0.041 +- 0.009; docs/RESULTS.md) -- a hospital's 45 patients
-        # give its local head 6 noisy Adam steps per round, restarted every round -- so the stronger measured
-        # version stays the baseline.
+        # DP-SGD and DP-FedAvg: the non-private ceiling's settings, no grid (docs/decisions/dp-ceiling-settings.md);
+        # DP-SGD trains a voxel head at lr 1e-2 (docs/decisions/dp-sgd-voxel-head.md); DP-FedAvg keeps full
+        # fine-tuning (docs/decisions/dp-fedavg.md)
         dpsgd_grid=({"trainable": "voxel-head", "learning_rate": 1e-2},),
         dpfedavg_grid=(),
     ),

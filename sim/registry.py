@@ -1,4 +1,4 @@
-"""One registry type for every extension point (issue 27): methods (``sim.methods``), codec kinds
+"""One registry type for every extension point: methods (``sim.methods``), codec kinds
 (``sim.codecs``), compressors (``server.compressors``), federated protocols (``server.protocols``) and cell
 runners (``sim.runners.cells``) -- each one entry per name, registered once, as Opacus registers its
 accountants (``register_accountant`` / ``create_accountant``). Pure Python: the command line imports it."""

@@ -28,7 +28,7 @@ DICE_COLUMNS = DICE_KEYS
 WORLD_FILE = "world.json"
 #: the results record's columns (sim.results.RunResults), with the cell's folder and the ledger re-check
 CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
-#: what headroom is also given for, class by class (issue 28): the three classes and the BraTS regions
+#: what headroom is also given for, class by class: the three classes and the BraTS regions
 HEADROOM_KEYS = ("1", "2", "3", "WT", "TC", "ET")
 #: the BraTS regions, by their usual abbreviations
 REGIONS = {"WT": "whole tumour", "TC": "tumour core", "ET": "enhancing tumour"}
@@ -281,7 +281,7 @@ def best_private_cells(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[s
 
 
 def floor_verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Issue 28: every private method against every public floor after the first (``public-selftrain``: what
+    """Every private method against every public floor after the first (``public-selftrain``: what
     the public query scans give with no hospital), paired over test cases, and each method's headroom
     recovered per class against the first floor -- *what* it learned, class by class."""
     floors = floors_of(cells)
@@ -324,7 +324,7 @@ def headroom_recovered(cell: Sequence[float | None] | None, public_only: Sequenc
     """Share of the headroom a method recovers, paired over test cases: (ratio, standard error, n).
 
     R = mean(d) / mean(h) with d_i = Dice_i - public-only_i and h_i = non-private_i - public-only_i on the same
-    test case i (issue 17): 0 is the public model's level, 1 the non-private pooled model's. Its standard error
+    test case i: 0 is the public model's level, 1 the non-private pooled model's. Its standard error
     is the ratio estimator's (delta method): sqrt(var(d - R h) / n) / |mean(h)|. None when the three were not
     scored on the same cases, or when the headroom is not positive by more than two of its standard errors
     (:func:`headroom_is_measurable`): a ratio over a denominator indistinguishable from zero has no bounded
@@ -370,7 +370,7 @@ def smoke_test_banner(cells: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     """The question's table: mean Dice and the share of headroom recovered (paired SE) per method and ε --
-    against the first public floor, against every other floor, and per class and region (issue 28) --
+    against the first public floor, against every other floor, and per class and region --
     where each method started and which setting it chose (on public validation)."""
     floors = floors_of(cells)
     primary = reference_cell(cells, floors[0] if floors else registry.names(role="floor")[0])
@@ -551,7 +551,7 @@ def _describe_source(source: Mapping[str, Any]) -> str:
 
 
 def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] = ()) -> list[str]:
-    """The report's opening: who holds what, how many, from which distribution (issue 17), and the room
+    """The report's opening: who holds what, how many, from which distribution, and the room
     between the public-only and the non-private baselines that every private method is placed in."""
     lines = ["## World", ""]
     for name, source in (world.get("sources") or {}).items():

@@ -1,9 +1,9 @@
-"""The report of a comparison over several seeds (issue 28, item 0): ``OUT/report.md`` over ``OUT/seed-<S>/``.
+"""The report of a comparison over several seeds: ``OUT/report.md`` over ``OUT/seed-<S>/``.
 
 Why: a seed decides the split of the same phantom patients (who is public, who is at which hospital, who is
 tested), the public model and every training run. At one seed the report's standard errors are paired over
-test cases only, which hides the largest source of variation: issue 28 measured the best private method at
-ε = 8 recovering −1 % to 44 % of the headroom across three seeds. This report puts that variation in view:
+test cases only, which hides the largest source of variation: on the quick preset the best private method at ε = 8 once
+recovered −1 % to 44 % of the headroom across three seeds (docs/RESULTS.md). This report puts that variation in view:
 
 * per method x ε (x K): the mean over seeds of the mean Dice with a 95 % **t-interval across seeds**
   (mean ± t_{0.975, n−1} · SD / √n: the seeds are the independent replicates; with three seeds t = 4.30, so

@@ -1,6 +1,6 @@
-"""The results record of one run (SPEC section 10) and the one place a run folder is written.
+"""The results record of one run (docs/PRIVACY.md, "Results") and the one place a run folder is written.
 
-:class:`RunResults` holds every key of SPEC section 10's ``results.json`` schema -- always present, ``None``
+:class:`RunResults` holds every key of the ``results.json`` schema -- always present, ``None``
 where it does not apply (``dice`` on a classification task, ``accuracy`` on segmentation, every privacy
 field of a non-private run) -- plus the same run's ε under each neighbouring relation where it is defined,
 and one dict of method-specific ``extras`` that is merged in without ever overriding a schema key.
@@ -41,7 +41,7 @@ from sim.metrics import DICE_KEYS
 
 @dataclass
 class RunResults:
-    """One run's ``results.json``: SPEC section 10's schema, then ``extras``."""
+    """One run's ``results.json``: the schema keys, then ``extras``."""
 
     method: str
     dice: dict | None = None                  # {"1", "2", "3", "mean", "WT", "TC", "ET"}; None on classification
@@ -62,7 +62,7 @@ class RunResults:
     bytes_up_per_query_per_teacher: int | None = None
     wall_seconds: float | None = None
     seed: int | None = None                   # None when it would let anyone regenerate the noise
-    #: issue 30: where the released model was trained (``sim.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
+    #: where the released model was trained (``sim.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
     #: the forward-pass precision ("32" | "bf16"); None where the producer does not train a model on a device
     device: str | None = None
     precision: str | None = None
@@ -173,7 +173,7 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
 
 
 def write_test_predictions(folder: Path, labels: np.ndarray, world) -> dict:
-    """Predicted test label maps as NIfTI, each back in its scan's own grid (SPEC section 10)."""
+    """Predicted test label maps as NIfTI, each back in its scan's own grid (what ``fedpate predict`` writes too)."""
     note = "each scan's own grid (sim.data.preprocess.invert_label)"
     for case_id, label in zip(world.test_ids, labels):
         affine = np.eye(4)

@@ -33,7 +33,7 @@ def check_epsilon(value: Any, option: str = "--epsilons") -> float:
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell of a run plan (issue 27): a method (a :mod:`sim.methods` record's name) at a budget (None for a
+    """One cell of a run plan: a method (a :mod:`sim.methods` record's name) at a budget (None for a
     method without one), at K teachers when a comparison sweeps K, started from ``init``, written to ``out``;
     ``shared_dir`` holds the ε-independent public models the cells of one K share. The same object travels to
     the ServerApp (:meth:`to_dict`, JSON in the run config) and back (:meth:`from_dict`)."""
@@ -93,7 +93,7 @@ class RunSettings:
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
     layout: str | None = None         # the data folder's layout (sim.data.layouts); None = detected
     partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (sim.world)
-    #: issue 30: where every model trains and predicts (sim.device: auto = CUDA when there is one); the server's
+    #: where every model trains and predicts (sim.device: auto = CUDA when there is one); the server's
     #: own models and the simulated hospitals' (deployed hospitals follow their node config)
     device: str = "auto"
     precision: str = "32"             # "32" | "bf16": autocast around forward passes

@@ -1,4 +1,4 @@
-"""Private selection of the DP-SGD baseline's setting (issue 28 item 4; Papernot & Steinke 2022).
+"""Private selection of the DP-SGD baseline's setting (Papernot & Steinke 2022, arXiv 2110.03620).
 
 Two ways the pooled DP-SGD baseline (``sim.runners.central``) may choose among its settings grid:
 
@@ -28,7 +28,7 @@ Decisions, stated before any result was seen:
   candidate's training. Their privacy is covered by the same ledger event (the score is part of each
   repetition's base mechanism).
 * **Relation: replace-one only** (the product's default for DP-SGD and the only one that holds when
-  dataset sizes are published, SPEC §2). The held-out count n is then public.
+  dataset sizes are published; docs/PRIVACY.md, "Neighbouring relations"). The held-out count n is then public.
 * **Score sensitivity (replace-one) is 1/n.** Let H be the held-out patients (|H| = n, fixed by position)
   and m the model being scored. The score is ``s(m, H) = (1/n) Σ_{i∈H} d(m, i)`` with ``d(m, i)`` the mean
   Dice of m's prediction on patient i, set to 0 when undefined, so ``d ∈ [0, 1]``. Take neighbouring D, D'

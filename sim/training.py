@@ -1,11 +1,11 @@
 """The one segmentation training loop: teachers, students, public pre-training and the baselines.
 
-Loss (per sample, so Opacus' per-sample clipping stays valid -- FIELD_NOTES "keep losses per-sample"):
+Loss (per sample, so Opacus' per-sample clipping stays valid: a batch-coupled loss would break it):
 ``L_i = Dice_i + CE_i`` where ``Dice_i`` is MONAI's soft Dice loss over the four classes of sample i
 (``DiceLoss(softmax=True, batch=False)``) and ``CE_i`` the voxel-mean cross-entropy of sample i; the batch
 loss is the mean of the ``L_i``. This is MONAI's ``DiceCELoss`` with ``batch=False``, written out because
 ``DiceCELoss`` cannot return per-sample values. Targets are hard int labels (n, *g) or soft probability
-maps (n, C, *g) -- students learn from decoded teacher outputs (Fay et al. ``../shared/papers/004_*``,
+maps (n, C, *g) -- students learn from decoded teacher outputs (Fay et al.,
 Alg. 1 line "train student on (x_n, y_hat_n)"); for soft targets both terms use the probabilities
 directly (soft Dice, soft-target CE).
 
@@ -15,7 +15,7 @@ session: sigmas charged so far). DP-SGD is switched on by passing a ``sim.dpsgd.
 and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
 the training seed.
 
-Device and precision (issue 30; ``sim.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
+Device and precision (``sim.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
 once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
 device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
@@ -73,14 +73,14 @@ class TrainConfig:
     #: (sim.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
     augment_on: str | None = None
-    #: private fine-tuning levers (issue 28; sim.networks.TRAINABLE_SETS for the sets and why they exist)
+    #: private fine-tuning levers (sim.networks.TRAINABLE_SETS for the sets and why they exist)
     trainable: str = "all"                 # which parameters are trained (the rest keep their start values)
     augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
     ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
 
 
 #: the private fine-tuning levers a settings-grid entry (``dpsgd_grid``, ``dpfedavg_grid``) may set, with their
-#: types; an entry that does not name one keeps TrainConfig's default (issue 28)
+#: types; an entry that does not name one keeps TrainConfig's default
 LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": float}
 
 
@@ -354,7 +354,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         else:
             # DP-SGD releases only the noisy model: the training loss (unbounded sensitivity) and the Poisson
             # batch sizes (the sampling's secret randomness, which the amplification relies on) are never
-            # recorded, printed or checkpointed -- only sigma and the ledger's epsilon (issue 26)
+            # recorded, printed or checkpointed -- only sigma and the ledger's epsilon
             record = {"epoch": epoch + 1, "noise_multiplier": session.sigmas[-1],
                       "epsilon": session.spent(with_rdp=False)["epsilon"]}
         if validation is not None:
@@ -487,7 +487,7 @@ class PerCaseDice(list):
     """Per-case mean Dice (a list, as results.json's ``dice_per_case`` has always been) that also carries
     each case's Dice per class and region, ``by_class`` (``None`` where the truth lacks that class; results
     store it as ``dice_per_case_class``). One evaluation gives both, so every producer that already pairs
-    test cases gets the per-class pairing the report's headroom per class needs (issue 28) for free."""
+    test cases gets the per-class pairing the report's headroom per class needs for free."""
 
     by_class: dict[str, list[float | None]]
 

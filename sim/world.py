@@ -1,19 +1,19 @@
 """The simulated world, built in one place: which data, prepared at which grid, split how, and what each
-party sees of it (SPEC sections 1, 8).
+party sees of it.
 
 * :func:`build_world` -- the preset's phantoms (generated once and cached; one fixed world, generator seed
   :data:`PHANTOM_SEED`) or an MSD folder, prepared at the preset's grid, split by ``seed`` into hospitals'
   teacher partitions and the public sets: ``(PreparedDataset, Split)``.
 
-  Who holds what (issue 17, as a consortium looks): the hospitals' population -- the patients the model is
-  for -- gives every hospital's patients, the public unlabelled query scans (an unlabelled public archive of
-  that population) and the held-out test patients, whom nobody sees during training or selection. The public
-  labelled data (reference maps and the validation set, which makes every public choice) are scarce and come
-  from *another centre* (``preset.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`),
-  other scanners (``public_institutions``) and another lesion regime (``public_shift``,
-  sim/data/shifts.py). Its case ids carry the prefix :data:`PUBLIC_PREFIX`, so they never collide with the
-  population's (both phantom folders name cases ``BRATS_001...``). An MSD folder (``data``) is one
-  population: all sets are then drawn from it (:func:`describe_world` says so).
+  Who holds what (as a consortium looks; docs/decisions/world.md): the hospitals' population -- the patients the model
+  is for -- gives every hospital's patients, the public unlabelled query scans (an unlabelled public archive of that
+  population) and the held-out test patients, whom nobody sees during training or selection. The public labelled data
+  (reference maps and the validation set, which makes every public choice) are scarce and come from *another centre*
+  (``preset.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`), other scanners
+  (``public_institutions``) and another lesion regime (``public_shift``, sim/data/shifts.py). Its case ids carry the
+  prefix :data:`PUBLIC_PREFIX`, so they never collide with the population's (both phantom folders name cases
+  ``BRATS_001...``). An MSD folder (``data``) is one population: all sets are then drawn from it
+  (:func:`describe_world` says so).
 * :func:`describe_world` -- that, as a record for reports: sources, sizes, patients per hospital.
 * :func:`materialise_world` / :func:`open_world` -- that world on disk (``world.json`` + ``split.json``),
   the folder every party of a simulation reads (the server for the public sets, each simulated hospital
@@ -138,7 +138,7 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
 
 
 def partition_split(prepared, preset, partition_file, hospitals: int, teachers: int, seed: int) -> Split:
-    """The split when a FeTS partition file names the institutions (issue 29; rule: ``sim.data.fets.RULE``).
+    """The split when a FeTS partition file names the institutions (rule: ``sim.data.fets.RULE``).
 
     Each of the ``hospitals`` largest partitions is one hospital (the ``institution`` scheme with one
     partition per hospital); the test and public sets are drawn first, stratified over those partitions (so
@@ -181,7 +181,7 @@ def _collection(root: str | None, cases: int, fallback: dict) -> dict[str, Any]:
 
 
 def describe_world(prepared, split) -> dict[str, Any]:
-    """Who holds what, how many, from which distribution (the report's World section, issue 17)."""
+    """Who holds what, how many, from which distribution (the report's World section)."""
     parts = {p.get("name"): p for p in (prepared.source.get("parts") or [])}
 
     def origin(ids) -> str:
@@ -300,7 +300,7 @@ def load_world(prepared, split, *, with_query_labels: bool = True) -> PublicWorl
     test = _ids(split.test)
     if not query:
         raise UserError("split: the public query set is empty (PATE needs query scans)")
-    if not reference:  # the paper's choice: the labels of the student partition (SPEC section 1)
+    if not reference:  # the paper's choice: the labels of the student partition (Fay et al.)
         reference = list(query)
     return PublicWorld(
         grid=tuple(int(g) for g in prepared.grid),

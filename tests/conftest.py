@@ -18,7 +18,7 @@ except ImportError:  # the privacy tests do not need torch
     pass
 
 
-# ------------------------------------------------------------------ shared data fixtures (sim/data, issue 3)
+# ------------------------------------------------------------------ shared data fixtures (sim/data)
 import pytest
 
 

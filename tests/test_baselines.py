@@ -1,4 +1,4 @@
-"""Issue 17: the DP baselines start from the public model, choose their settings from the preset's grid on
+"""The DP baselines start from the public model, choose their settings from the preset's grid on
 public validation data only, and the ledger's ε over every grid run is the budget."""
 
 import json
@@ -37,8 +37,9 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
     from sim.presets import get_preset
     from sim.runners.central import settings_grid
 
-    # the quick preset trains DP-SGD for the non-private ceiling's epochs, one setting, no grid: a voxel head on
-    # the frozen public model at its own learning rate (issue 28); the ceiling trains every weight
+    # the quick preset trains DP-SGD for the non-private ceiling's epochs, one setting, no grid: a voxel head on the
+    # frozen public model at its own learning rate (docs/decisions/dp-sgd-voxel-head.md); the ceiling trains every
+    # weight
     quick = get_preset("quick")
     ceiling = settings_grid(quick, private=False, explicit={}, grid=True)
     only = settings_grid(quick, private=True, explicit={}, grid=True)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-SPEC_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
+SCHEMA_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
              "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
              "bytes_up_per_query_per_teacher", "wall_seconds", "seed")
 
@@ -26,7 +26,7 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
     for cell in cells:
         folder = tmp_path / cell["method"] / ("eps-inf" if cell["method"] in no_budget else "eps-2")
         result = json.loads((folder / "results.json").read_text())
-        for key in SPEC_KEYS + ("accuracy",):
+        for key in SCHEMA_KEYS + ("accuracy",):
             assert key in result, (cell["method"], key)
         assert result["error"] is None, result["error"]
         assert result["dice"] is None

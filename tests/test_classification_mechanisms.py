@@ -1,4 +1,4 @@
-"""Mechanism-level tests of the seed systems (issue 7): sensitivities by construction, noise scales checked
+"""Mechanism-level tests of the seed systems: sensitivities by construction, noise scales checked
 statistically through the real code paths, ledger totals, budget refusals."""
 
 import math
@@ -453,7 +453,7 @@ SEED_METHODS = ("dp-mac", "adlm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled")
 
 @pytest.mark.parametrize("method", SEED_METHODS)
 def test_every_release_is_charged_before_its_own_stream_is_opened(method):
-    """SPEC §2: each release draws from its own stream, opened only once the release is in the ledger."""
+    """Each release draws from its own stream, opened only once the release is in the ledger."""
     task = synthetic_task()
     ledger, guard = guard_for(50.0)
     source = WatchedSource(ledger, seed=0)

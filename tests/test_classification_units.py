@@ -1,4 +1,4 @@
-"""The slice task protects a patient, not a slice (issue 15): every seed system samples, clips or partitions
+"""The slice task protects a patient, not a slice: every seed system samples, clips or partitions
 whole patients, and its results say so. Checked on a task whose patients have 1-6 slices, stored out of order."""
 
 import copy

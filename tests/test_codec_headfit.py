@@ -1,4 +1,4 @@
-"""The anchored release decoded by one fitted voxel head (issue 28, item 5; sim.codecs.headfit): post-processing of
+"""The anchored release decoded by one fitted voxel head (sim.codecs.headfit): post-processing of
 the released latents and public arrays only. It decodes z = 0 to the anchor, changes nothing outside the regions,
 is deterministic without moving the caller's torch stream, places a class the public model never predicts, and
 pools the noise of every query (beats per-region mass matching on a noisy release)."""

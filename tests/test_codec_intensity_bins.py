@@ -1,5 +1,5 @@
-"""The anchored codec's intensity bins (issue 28, item 5): each shell around the public tumour split by quantiles
-of one channel of the query scan, so the code can say *where* a class goes that the public model never
+"""The anchored codec's intensity bins (docs/decisions/intensity-bins.md): each shell around the public tumour split
+by quantiles of one channel of the query scan, so the code can say *where* a class goes that the public model never
 predicts. Sensitivity 2C/K on worst-case pairs for any anchor and any bin map, a malicious one included; the
 hospital verifies the shipped bin map and encodes exactly as the reference; fitting and the bins read public
 arrays only."""
@@ -126,7 +126,7 @@ def test_the_hospital_encoder_uses_the_shipped_bins_and_matches_the_reference(wo
 
 
 def test_one_bin_is_the_codec_as_it_was(world):
-    """intensity_bins=1 ships the state it shipped before issue 28 (no bin entries) and encodes the same rows."""
+    """intensity_bins=1 ships the state it shipped before bins existed (no bin entries) and encodes the same rows."""
     scans, _, onehot, anchor = world
     plain = AnchoredResidualCompressor((-2, 3)).fit(onehot, anchor)
     one = _fitted(world, 1)

@@ -1,4 +1,4 @@
-"""The unit-ball activation and the hospital-side encoders (Fay et al., Algorithms 1-2, SPEC section 4)."""
+"""The unit-ball activation and the hospital-side encoders (Fay et al., Algorithms 1-2)."""
 
 import math
 

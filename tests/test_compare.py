@@ -84,7 +84,7 @@ def test_bad_lists_are_one_line_errors(tmp_path, capsys):
 
 
 def test_compare_refuses_a_single_epsilon_and_points_at_epsilons(capsys):
-    """``--epsilon`` (one budget, from the common run options) was accepted and silently ignored (issue 27)."""
+    """``--epsilon`` (one budget, from the common run options) was once accepted and silently ignored."""
     assert main(["compare", "--preset", "tiny", "--epsilon", "3", "--out", "unused"]) == 2
     err = capsys.readouterr().err
     assert "--epsilon" in err and "--epsilons 3" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""The anchored residual codec (issue 18): replace-one sensitivity 2C/K for worst-case teacher pairs and any
+"""The anchored residual codec: replace-one sensitivity 2C/K for worst-case teacher pairs and any
 anchor, latent zero decodes to the public model's prediction, the hospital path charges 2C/K, and fitting
 reads public arrays only."""
 

@@ -1,4 +1,4 @@
-"""PCA-PATE compressor (Fay et al., Algorithm 1, eq. 6-7; SPEC section 3)."""
+"""PCA-PATE compressor (Fay et al., Algorithm 1, eq. 6-7)."""
 
 import numpy as np
 import pytest

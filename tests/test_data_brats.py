@@ -1,4 +1,4 @@
-"""BraTS folders as distributed (issue 29): the one layouts table, detection, the same phantoms in three
+"""BraTS folders as distributed: the one layouts table, detection, the same phantoms in three
 layouts giving the same arrays, `data inspect` errors naming case and file, and FeTS partition files."""
 
 from __future__ import annotations
@@ -319,8 +319,9 @@ def test_run_settings_carry_layout_and_partition_file_through_flower_config():
 # ------------------------------------------------------------------------------ end to end (slow)
 @pytest.mark.slow
 def test_compare_gives_the_same_results_on_the_same_phantoms_in_every_layout(tmp_path, monkeypatch):
-    """Issue 29's 'done when': `data phantoms --layout L` + `compare --preset tiny --data X --reproducible-noise`
-    give the same Dice (and the same spent epsilon) for msd, brats2023 and brats2021 (2-8 min on 2 busy cores)."""
+    """The same phantoms in every layout: `data phantoms --layout L` + `compare --preset tiny --data X
+    --reproducible-noise` give the same Dice (and the same spent epsilon) for msd, brats2023 and brats2021 (2-8 min on
+    2 busy cores)."""
     monkeypatch.setenv("FEDPATE_CACHE", str(tmp_path / "cache"))
     results = {}
     for layout in ("msd", "brats2023", "brats2021"):

@@ -195,7 +195,7 @@ def test_one_scan_per_patient_splits_are_unchanged(key):
 
     name, scheme, hospitals, teachers, seed = key
     preset = get_preset(name)
-    if name == "quick":   # the sizes these digests were recorded at (issue 17 gave quick other public sizes)
+    if name == "quick":   # the sizes these digests were recorded at (quick's public sizes have changed since)
         preset = preset.replace(n_query=40, n_reference=40, n_validation=10, n_test=30, phantom_cases=260,
                                 phantom_test_cases=4, institutions=4)
     total = preset.phantom_cases + preset.phantom_test_cases

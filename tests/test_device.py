@@ -1,4 +1,4 @@
-"""Issue 30: the device and precision reach every component, on the CPU of a machine without a GPU.
+"""The device and precision reach every component, on the CPU of a machine without a GPU.
 
 How a test here can fail when a component ignores ``device``: the *CUDA trap* makes ``torch.cuda.is_available()``
 say True on this CPU-only torch. Any component that drops the explicit ``device="cpu"`` and falls back to ``auto``
@@ -312,7 +312,7 @@ def test_bf16_dpsgd_trains_with_float32_noise(spy):
                                 dp=DPConfig(mode="fixed", epsilon=50.0, noise_multiplier=1.0, sampling="shuffle",
                                             grad_sample_mode="hooks"),
                                 owners=("h0",), noise=NoiseSource.reproducible(0))
-    # a DP run records no training loss (issue 26): sigma and the ledger's epsilon only
+    # a DP run records no training loss (its sensitivity is unbounded): sigma and the ledger's epsilon only
     assert result.epochs_completed == 1 and "loss" not in result.history[0] and result.history[0]["epsilon"] > 0
     assert all(p.dtype == torch.float32 for p in result.model.parameters())
     assert any(not torch.equal(before[k], v) for k, v in result.model.state_dict().items())
@@ -430,7 +430,7 @@ def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
 
 
 def test_explicit_cpu_reaches_the_head_fit_decoder(spy):
-    """The anchored codec's head-fit decoder (issue 28) fits on the run's device: explicit cpu works under the trap,
+    """The anchored codec's head-fit decoder fits on the run's device: explicit cpu works under the trap,
     a decoder built without a device would have gone to the (trapped) GPU."""
     from server.compressors import AnchoredResidualCompressor
     from sim import codecs

@@ -1,4 +1,4 @@
-"""Issue 27, item 4: every public entry point with more than five parameters documents them.
+"""Every public entry point with more than five parameters documents them.
 
 Public: a module-level function or a method of a module-level class whose name does not start with ``_``, in
 the packages clients/, server/, privacy/ and sim/. Parameters: positional and keyword-only ones, ``self`` /

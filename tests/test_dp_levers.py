@@ -1,4 +1,4 @@
-"""Private fine-tuning levers (issue 28, item 3): which parameters are trained, augmentation multiplicity
+"""Private fine-tuning levers: which parameters are trained, augmentation multiplicity
 (averaged before clipping: sensitivity unchanged), and parameter averaging (post-processing)."""
 
 from types import SimpleNamespace

@@ -58,7 +58,7 @@ def test_epsilon_equals_dp_accounting_pld(tmp_path):
 
 
 def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path):
-    """DP-SGD's default is replace-one (SPEC §2): epochs are charged as replace-one Poisson events, ε is
+    """DP-SGD's default is replace-one (docs/PRIVACY.md): epochs are charged as replace-one Poisson events, ε is
     dp_accounting's REPLACE_ONE PLD, and the add/remove ε of the same mechanism is reported beside it."""
     assert DPConfig().relation == "replace-one"
     guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)

@@ -1,6 +1,6 @@
-"""The hospital owns its patients' budget (issue 15, item 2): it checks the codec it is sent, charges its
-own ledger with the sensitivity it computes itself before any teacher runs, refuses what would exceed its
-lifetime budget, and a deployed hospital refuses everything meant for simulations only."""
+"""The hospital owns its patients' budget (docs/PRIVACY.md, "Who is trusted"): it checks the codec it is sent, charges
+its own ledger with the sensitivity it computes itself before any teacher runs, refuses what would exceed its lifetime
+budget, and a deployed hospital refuses everything meant for simulations only."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Two writers on one ledger file (issue 26): real processes, not two objects in one process.
+"""Two writers on one ledger file: real processes, not two objects in one process.
 
 (a) Two budget guards over one lifetime ledger, each opened before either charges, both try a release that
 fits alone but not twice: exactly one may pass. (b) A writer appends committed records while another process

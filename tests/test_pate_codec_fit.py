@@ -1,4 +1,4 @@
-"""Issue 18 lever "fit the compressor on all the public data there is": PCA and the autoencoder fit the
+"""Fit the compressor on all the public data there is: PCA and the autoencoder fit the
 public reference labels plus the public model's label maps of the public query scans -- public arrays only."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""``fedpate predict`` / ``evaluate`` on BraTS data as distributed (issue 29): a case folder or its four modality
+"""``fedpate predict`` / ``evaluate`` on BraTS data as distributed: a case folder or its four modality
 files give the same segmentation as the MSD 4D file of the same scan, written in the scan's grid with the
 chosen label convention; evaluate on a BraTS folder scores what it scores on the MSD folder."""
 

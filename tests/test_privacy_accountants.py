@@ -31,7 +31,7 @@ from privacy.events import (
 )
 
 
-# ------------------------------------------------------------------ golden values (FIELD_NOTES)
+# ------------------------------------------------------------------ golden values (reference values)
 
 def test_gdp_golden_pate_setting():
     event = GaussianEvent(0.25, 1.0733, 80)
@@ -218,7 +218,7 @@ def test_zcdp_epsilon_function():
     assert zcdp_epsilon(0.5, 1e-3) == pytest.approx(0.5 + 2 * math.sqrt(0.5 * math.log(1e3)))
 
 
-# ------------------------------------------------------------------ replace-one DP-SGD (issue 15)
+# ------------------------------------------------------------------ replace-one DP-SGD
 
 # z that makes q = 1/9, 90 steps, δ = 1e-3 cost exactly ε = 8 and ε = 1 under add/remove: computed with
 # dp_accounting directly (mechanism_calibration.calibrate_dp_mechanism, PLD ADD_OR_REMOVE_ONE, grid 1e-4,
@@ -236,8 +236,8 @@ def _dp_accounting_pld(q, z, steps, delta, relation):
 
 
 @pytest.mark.parametrize("nominal, replace_one", [(8.0, 11.74), (1.0, 2.12)])
-def test_replace_one_dpsgd_golden_field_notes(nominal, replace_one):
-    """FIELD_NOTES: the demo's add/remove ε = 8 (1) DP-SGD spends ε ≈ 11.7 (2.1) under replace-one."""
+def test_replace_one_dpsgd_golden_values(nominal, replace_one):
+    """The demo's add/remove ε = 8 (1) DP-SGD spends ε ≈ 11.7 (2.1) under replace-one."""
     z = DEMO_Z[nominal]
     ours = PLDAccountant().compose(SampledGaussianEvent(1 / 9, z, 90, relation="replace-one")).get_epsilon(1e-3)
     assert ours == pytest.approx(_dp_accounting_pld(1 / 9, z, 90, 1e-3, "REPLACE_ONE"), rel=1e-9)

@@ -1,9 +1,9 @@
-"""Empirical privacy audit, fast version (issue 15; the full one is benchmarks/audit_privacy.py).
+"""Empirical privacy audit, fast version (the full one is benchmarks/audit_privacy.py).
 
 For the PATE aggregator with the anchored codec (the demo's pate-anchored; PCA in clip mode too, on the
 vectorised path) and for DP-SGD under both relations it can claim (replace-one, the default, and
 add-remove), the product's own mechanism is run on worst-case neighbouring inputs -- PATE through
-Hospital.answer_query and aggregate_query, DP-SGD through sim.training.train_segmentation (issue 26) --
+Hospital.answer_query and aggregate_query, DP-SGD through sim.training.train_segmentation --
 and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
 Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what the ledger claims for the
 real mechanisms and rise above it for deliberately broken ones (so this test can fail). The vectorised
@@ -110,7 +110,7 @@ def test_pate_setup_is_the_worst_case_of_the_codec_sensitivity(pate):
 
 
 def test_the_binned_codec_audit_reaches_the_worst_case_through_the_bins():
-    """The quick preset's codec (shells x 3 T1-Gd bins, issue 28): the bin map travels with the anchor and every
+    """The quick preset's codec (shells x 3 T1-Gd bins): the bin map travels with the anchor and every
     hospital verifies it; the audited pair, lifted through the binned regions, reaches C u and -C u exactly, so the
     pair uses all of S = 2C/K, and every hospital charged the ε the server claims."""
     binned = pa.pate_setup(1.0, DELTA, intensity_bins=3, **PATE)

@@ -31,7 +31,7 @@ def test_golden_pate_sigmas():
     assert pate_sigma(8, 1e-3, 80, 0.25, mode="paper") == paper
     assert paper / exact == pytest.approx(1.195, abs=1e-3)
     assert paper_sigma(1, 1e-3, 80, 0.25) / pate_sigma(1, 1e-3, 80, 0.25) == pytest.approx(1.49, abs=0.01)
-    # FIELD_NOTES: calibrating with RDP (improved conversion) instead gives 1.1629
+    # calibrating with RDP (improved conversion) instead gives 1.1629
     assert pate_sigma_for_accountant(8, 1e-3, 80, 0.25, "rdp") == pytest.approx(1.1629, rel=1e-3)
 
 

@@ -1,4 +1,4 @@
-"""Where the noise comes from (issue 15, item 1): unpredictable by default, seeded only on request, and
+"""Where the noise comes from (docs/PRIVACY.md, "Noise"): unpredictable by default, seeded only on request, and
 never shared between two releases -- in particular never between two cells of one comparison."""
 
 import json

@@ -1,4 +1,5 @@
-"""Private selection (issue 28 item 4): RepeatAndSelectEvent, its accounting, and sim.selection's mechanism."""
+"""Private selection (Papernot & Steinke 2022, arXiv 2110.03620): RepeatAndSelectEvent, its accounting, and
+sim.selection's mechanism."""
 
 from __future__ import annotations
 

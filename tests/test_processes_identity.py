@@ -1,5 +1,5 @@
 """A PID names a process only together with its start time: a supervisor must not call an unrelated process
-that inherited a reused PID one of its own, nor signal it (issue seen in CI on a busy machine)."""
+that inherited a reused PID one of its own, nor signal it (seen in CI on a busy machine)."""
 
 import subprocess
 import sys

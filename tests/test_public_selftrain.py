@@ -1,4 +1,4 @@
-"""Issue 28, item 2: ``public-selftrain`` -- the public model self-trained on the public *unlabelled* query scans.
+"""``public-selftrain`` -- the public model self-trained on the public *unlabelled* query scans.
 
 It is a public floor: it must read only public arrays (query scan images, public reference and validation,
 the test set that scores every method), never a hospital's case nor a query scan's label, and charge

@@ -1,8 +1,8 @@
 """The real-scan check (sim.realcheck, sim.report_real): every released model scored on labelled real cases.
 
 Most tests write small synthetic cases in the BraTS layouts with nibabel, so they run everywhere; one test
-uses the real development case when it is there (FEDPATE_REAL_DEV, else ``shared/data/real-dev`` beside the
-repository's root, as CI lays it out) and is skipped otherwise.
+uses the real development case when it is there (FEDPATE_REAL_DEV, else the folder CI lays out beside the
+repository's root: :func:`real_dev_folder`) and is skipped otherwise.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def test_a_tiny_comparison_scores_every_model_on_the_real_cases(tmp_path, monkey
 
 
 def real_dev_folder() -> Path | None:
-    """The real development case: FEDPATE_REAL_DEV, else CI's layout (shared/ beside the repository's root)."""
+    """The real development case: FEDPATE_REAL_DEV, else CI's layout (a folder beside the repository's root)."""
     folder = Path(os.environ.get("FEDPATE_REAL_DEV") or ROOT.parent / "shared" / "data" / "real-dev")
     return folder if folder.is_dir() else None
 

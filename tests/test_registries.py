@@ -1,4 +1,4 @@
-"""Issue 27: a method and a codec are added through the registries alone -- this test registers a toy codec
+"""A method and a codec are added through the registries alone -- this test registers a toy codec
 kind (the hospital side), its server compressor, a toy PATE method and a toy public floor with its own cell
 runner, without editing a product module, and runs them through ``fedpate compare --preset tiny`` and the
 report."""

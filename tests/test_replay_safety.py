@@ -1,4 +1,4 @@
-"""A hospital cannot be talked into spending twice (issue 26, item 1): the same request sent twice gets the
+"""A hospital cannot be talked into spending twice: the same request sent twice gets the
 identical earlier answer and no second noise draw; anything else is a new, charged release. Also: requests are
 validated before they are charged, and the server cannot shrink the sensitivity by declaring a huge K."""
 

@@ -1,4 +1,4 @@
-"""Issue 28, items 0 and 1: comparisons over seeds and headroom per class.
+"""Comparisons over seeds and headroom per class.
 
 * the interval across seeds is Student's t (checked against hand-computed numbers), verdicts across seeds are
   a paired t-test on the per-seed differences;

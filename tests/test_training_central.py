@@ -162,7 +162,7 @@ def test_run_central_poisson_states_both_relations(tmp_path, monkeypatch):
 
 
 def test_a_finished_dpsgd_run_holds_and_prints_no_training_loss_or_sample_count(tmp_path, monkeypatch, capfd):
-    """Issue 26: the training loss (unbounded sensitivity) and the Poisson batch sizes stay inside the run:
+    """The training loss (unbounded sensitivity) and the Poisson batch sizes stay inside the run:
     not in any file of the finished folder, not on the console (the progress bar shows sigma and epsilon)."""
     import sim.runners.central as central
     import sim.training as training

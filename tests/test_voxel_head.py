@@ -1,4 +1,4 @@
-"""The voxel head (issue 28, item 3; ``sim.networks.VoxelHeadUNet``): a small per-voxel correction of the public
+"""The voxel head (``sim.networks.VoxelHeadUNet``): a small per-voxel correction of the public
 model's logits from those logits and the scan, the only weights DP fine-tuning trains under ``trainable="voxel-head"``."""
 
 import json

@@ -1,4 +1,4 @@
-"""A comparison's cells in worker processes (``compare/demo --workers``, issue 28: the demo within 15 minutes on
+"""A comparison's cells in worker processes (``compare/demo --workers``, so the demo fits in 15 minutes on
 two cores): how cells are grouped and spread, what is refused, and -- end to end on the tiny preset -- that the
 cells run by two workers are the cells one process runs (same Dice, same epsilon, same hospital ledgers)."""
 

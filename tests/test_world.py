@@ -1,4 +1,4 @@
-"""The simulated world of issue 17: public labelled data from another centre, hospitals and test from the
+"""The simulated world (docs/decisions/world.md): public labelled data from another centre, hospitals and test from the
 population the model is for; nobody's patients shared; one seed, one world."""
 
 import json

@@ -1,4 +1,4 @@
-"""Which generator factors make the real-scan check pass? Ablations of phantom generator v3 (issue 10).
+"""Which generator factors make the real-scan check pass? Ablations of phantom generator v3 (docs/GENERALISATION.md).
 
 Generates 64 phantoms at 3 mm (world ``--seed``) with some v3 factors switched off, prepares them at 32³,
 and runs ``run.py`` on them (reusing the brain masks in ``--masks`` if given). Switching a factor off keeps

@@ -1,4 +1,4 @@
-"""Exploratory check on real tumour MRI: does a phantom-trained model find the tumour? (issue 10)
+"""Exploratory check on real tumour MRI: does a phantom-trained model find the tumour?
 
 The only real brain-tumour MRI reachable from these machines' registries is 3D Slicer's MRBrainTumor1/2
 (T1 post-contrast only, skull on, one lesion, threshold-style label) inside the qtim-tools 0.1.12 source
@@ -79,7 +79,7 @@ def skull_strip(scan):
     3. the warped MNI152 brain mask is trimmed by intensity: voxels above half an Otsu threshold, eroded
        4 mm to cut the brain from the scalp through dark skull and CSF, the largest component dilated back,
        holes filled (in 3D and per slice), and dilated by two voxels.
-    Written for this check by a helper in session 2 (docs/GENERALISATION.md); not a product feature.
+    Written for this check (docs/GENERALISATION.md); not a product feature.
     """
     import warnings
 

@@ -1,11 +1,11 @@
-"""The other seed systems on classification tasks (issue 7): DP-MAC, AdLM/ILM, classic PATE (GNMax), DP-SGD.
+"""The other seed systems on classification tasks: DP-MAC, AdLM/ILM, classic PATE (GNMax), DP-SGD.
 
 Every method here trains a small fully connected classifier on a :class:`sim.classification.tasks.ClassificationTask` and
 returns a :class:`SeedResult`. All noisy releases go through ``privacy.guard.BudgetGuard.charge`` (ledger
 record first, then noise, then release); the epsilon a result reports is what the ledger says.
 
-Privacy unit (SPEC §2): one unit of ``task.unit_records()`` at one hospital — an MNIST digit, or on the slice
-task one **patient** with all of its slices. Every method works on units, not slices:
+Privacy unit (docs/PRIVACY.md, "The unit of privacy"): one unit of ``task.unit_records()`` at one hospital — an MNIST
+digit, or on the slice task one **patient** with all of its slices. Every method works on units, not slices:
 
 * DP-MAC and DP-SGD (user-level DP, the per-user clipping of McMahan, Ramage, Talwar & Zhang 2018, "Learning
   Differentially Private Recurrent Language Models", Alg. 1): Poisson sampling over patients; a patient's

@@ -24,7 +24,7 @@ patient contributes exactly k = ``records_per_patient`` slices (``sim.classifica
 sensitivity is that of k records — Δ_R = 2dk/|D|, feature scales and Δ_y multiplied by k — so ε1, ε2, ε3 hold
 per patient under replace-one patient (each slice's noise is sized for ε/k). On mnist5k k = 1.
 
-Randomness (SPEC §2): each of the three releases draws its Laplace noise from its own stream of a
+Randomness (docs/PRIVACY.md, "Noise"): each of the three releases draws its Laplace noise from its own stream of a
 ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
 release id and opened only after the release is charged; the training shuffles afterwards only
 post-process released data and may follow the seed.

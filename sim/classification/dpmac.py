@@ -25,10 +25,10 @@ sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(
 so block p carries noise of std ``σ · C_p · √P``. With Poisson sampling of rate q every step is one
 sampled Gaussian mechanism with noise multiplier σ, accounted as ``SampledGaussianEvent(q, σ)`` (moments
 accountant, Appendix I "Moments Calculations"; here dp_accounting's PLD through privacy/) under the
-**replace-one** relation every method of a comparison uses (SPEC section 2; a replaced unit moves a block
+**replace-one** relation every method of a comparison uses (docs/PRIVACY.md; a replaced unit moves a block
 by at most 2·C_p, which dp_accounting's REPLACE_ONE sampled Gaussian accounts).
 
-Randomness (SPEC §2): the DP-PCA noise and, after the planned W-steps are charged, every step's Poisson
+Randomness (docs/PRIVACY.md, "Noise"): the DP-PCA noise and, after the planned W-steps are charged, every step's Poisson
 batch and Gaussian draw come from named streams of a ``privacy.mechanisms.NoiseSource`` (secure unless a
 simulation asks for reproducible noise; ``<prefix>/dp-pca`` and ``<prefix>/w-steps``), each opened only
 after its release is in the ledger — never from the training seed: amplification by subsampling needs the
@@ -303,7 +303,7 @@ def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMA
     return blocks, sens
 
 
-#: One relation for every method of a comparison (SPEC section 2): replace-one, the only one that holds
+#: One relation for every method of a comparison (docs/PRIVACY.md): replace-one, the only one that holds
 #: once dataset sizes are published. A unit's clipped W-step term moves the sum by at most 2C when it is
 #: replaced (its term and its replacement's, each of norm <= C): dp_accounting's REPLACE_ONE sampled
 #: Gaussian accounts that with the multiplier relative to C.

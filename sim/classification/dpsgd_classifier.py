@@ -4,7 +4,7 @@ Runs on ``sim.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share
 the guarantee rests on:
 
 * Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
-  (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD — SPEC §6). A unit is a record,
+  (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD). A unit is a record,
   or on the slice task a patient: its slices sit in one row of ``sim.classification.padded_units`` and ``unit_loss``
   sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
   (user-level DP, ``sim.classification`` module note).
@@ -16,7 +16,7 @@ the guarantee rests on:
   Theorem 1: each of the T steps is a subsampled Gaussian release) assumes every step releases noise;
   skipping it would release less than was accounted *and* reveal that the batch was empty.
 * ``schedule="exp"`` (Yu et al., "Differentially Private Model Publishing for Deep Learning",
-  ``../shared/papers/003_*`` Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise
+  2019, arXiv 1904.02200, Sec. IV-A-2b: σ_t = σ0·e^{−kt}): σ0 = ``sigma0_factor`` × the constant-noise
   multiplier for the same (ε, δ, epochs), and k is planned (``privacy.schedules.plan_decay``) so that exactly
   ``epochs`` epochs spend the budget (early epochs noisier, later epochs cleaner).
 * ``epsilon=None``: the non-private baseline (same net, same optimiser, no clipping, no noise).
@@ -37,7 +37,7 @@ from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
 
-#: One relation for every method of a comparison (SPEC section 2): replace-one, the only one that holds
+#: One relation for every method of a comparison (docs/PRIVACY.md): replace-one, the only one that holds
 #: once dataset sizes are published (the task summary publishes them).
 RELATION = "replace-one"
 

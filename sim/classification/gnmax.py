@@ -30,10 +30,10 @@ Private Learning with PATE"), teachers at the hospitals.
   accounting the threshold check is charged for every query, so it only adds noise; its gain in the paper
   comes from data-dependent (smooth-sensitivity) accounting, which this module does not do.
 * Student: trained non-privately on the public query records with their noisy labels (answered ones only).
-* Randomness (SPEC §2): every noisy threshold check and every noisy answer draws from its own stream of a
-  ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
-  release id (``<prefix>/q<i>/threshold``, ``<prefix>/q<i>/answer``) and opened after the release is charged.
-  The seed only drives the non-private parts (teacher partition and training, student training).
+* Randomness (docs/PRIVACY.md, "Noise"): every noisy threshold check and every noisy answer draws from its own stream
+  of a ``privacy.mechanisms.NoiseSource`` (secure unless a simulation asks for reproducible noise), named by its
+  release id (``<prefix>/q<i>/threshold``, ``<prefix>/q<i>/answer``) and opened after the release is charged. The seed
+  only drives the non-private parts (teacher partition and training, student training).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class GNMaxConfig:
 def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
     """Disjoint partitions of each hospital's privacy units (``task.unit_records()``; deterministic): on the
     slice task whole patients are partitioned, so a patient influences exactly one teacher and GNMax's
-    replace-one guarantee is per patient (SPEC §2). Returns ``(hospital, record indices)`` per teacher."""
+    replace-one guarantee is per patient. Returns ``(hospital, record indices)`` per teacher."""
     rng = np.random.default_rng(seed + 31)
     units = task.unit_records()
     unit_hospital = task.unit_hospital(units)

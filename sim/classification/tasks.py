@@ -1,4 +1,4 @@
-"""Classification tasks for the seed-system comparison (issue 7): ``mnist5k`` and ``slice-classification``.
+"""Classification tasks for the seed-system comparison: ``mnist5k`` and ``slice-classification``.
 
 Both tasks produce the same :class:`ClassificationTask`: flattened inputs bounded to ``[0, 1]`` *by
 construction* (AdLM's sensitivities, Phan et al. Lemma 3, need ``x_ij ∈ [0, 1]``; DP-MAC clips its
@@ -15,7 +15,7 @@ relevance network) and a held-out test set.
   Intensities (per-channel z-scores inside the brain after preprocessing) are mapped to [0, 1] with the
   fixed, data-independent map ``clip((x + 3) / 6, 0, 1)``.
 
-Privacy unit (SPEC §2): what a method protects is a *unit* of ``unit_records()``. On ``mnist5k`` a unit is one
+Privacy unit (docs/PRIVACY.md): what a method protects is a *unit* of ``unit_records()``. On ``mnist5k`` a unit is one
 record (a digit). On the slice task it is one **patient**: ``group_of`` ties every slice to its patient, and
 the seed systems sample, clip and partition whole patients (``sim.classification``), never single slices.
 """

@@ -1,6 +1,6 @@
 """Codecs of high-dimensional PATE: the registry and shared helpers (:mod:`sim.codecs.core`) and one module per
 kind (pca, ae, anchored, identity), each registering itself on import. ``from sim import codecs`` gives all of
-them, as one module did before issue 27; new code should reach a kind's own functions through its module."""
+them, as one module did before the kinds were split; new code should reach a kind's own functions through its module."""
 
 from sim.codecs.core import *  # noqa: F401,F403 - the package's public interface
 from sim.codecs.core import (CodecKind, CodecPolicy, CodecRefused, CodecState, codec_kinds, codec_sensitivity,  # noqa: F401

@@ -1,4 +1,4 @@
-"""Autoencoded PATE's codec (Fay et al., Algorithm 2; SPEC section 4): ``z = phi(f_enc(y))`` with the unit-ball
+"""Autoencoded PATE's codec (Fay et al., Algorithm 2): ``z = phi(f_enc(y))`` with the unit-ball
 activation :func:`sim.codecs.core.unit_ball`; the autoencoder network both sides build, and the hospital side
 of the codec (the server's :class:`server.compressors.AutoencoderCompressor` trains it on public maps and ships
 only the encoder's weights).
@@ -35,7 +35,7 @@ def _levels(grid) -> int:
 
 def _build_autoencoder_class():
     class AutoencoderNet(nn.Module):
-        """3D convolutional autoencoder of Fay et al., Algorithm 2 / SPEC section 4.
+        """3D convolutional autoencoder of Fay et al., Algorithm 2.
 
         encoder: per level a 3x3x3 conv + ReLU then 2x max-pooling; bottleneck: a fully connected
         layer with ``l + 1`` outputs mapped into the unit l-ball by :func:`unit_ball`; decoder: a fully

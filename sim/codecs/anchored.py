@@ -1,15 +1,15 @@
-"""The public-anchored residual codec (issue 18; SPEC section 11, "PATE should only add to what public data
-gives"): ``z = clip_C(B_n (y - p_n))`` where ``p_n`` is the public model's prediction for query n (public side
+"""The public-anchored residual codec (PATE should only add to what public data gives; docs/PRIVACY.md, "What
+limits PATE"): ``z = clip_C(B_n (y - p_n))`` where ``p_n`` is the public model's prediction for query n (public side
 information shipped with the query batch as ``anchor``) and ``B_n`` sums the tumour classes' residual over
 regions around the public prediction's tumour (:func:`anchored_encode`, :func:`anchored_decode`); the server's
 :class:`server.compressors.AnchoredResidualCompressor` fits C on public arrays.
 
 The regions are the shells around the public tumour (:func:`anchor_regions`), each split into ``intensity_bins``
-quantile bins of one channel of the query scan itself (:func:`intensity_bin_map`; issue 28, item 5: "a codec
-that can say where a class the public model misses should go"). Within a region the decoder can only place a
-class's mass by the public model's ranking of voxels, which for a class the public model never predicts is
-no ranking at all; the scan's own intensities are public side information that can. Default channel: T1-Gd,
-by the labels' definition (the enhancing tumour is the core that enhances on T1-Gd, the non-enhancing core
+quantile bins of one channel of the query scan itself (:func:`intensity_bin_map`: a codec that can say where a class
+the public model misses should go; docs/decisions/intensity-bins.md). Within a region the decoder can only place a
+class's mass by the public model's ranking of voxels, which for a class the public model never predicts is no ranking
+at all; the scan's own intensities are public side information that can. Default channel: T1-Gd, by the labels'
+definition (the enhancing tumour is the core that enhances on T1-Gd, the non-enhancing core
 the part that does not; Menze et al. 2015, the BraTS benchmark).
 
 Sensitivity (replace-one): every row is clipped to C *after* every step the anchor, the scans or the regions
@@ -38,7 +38,7 @@ MAX_INTENSITY_BINS = 255      # the bin map travels as uint8
 
 
 def intensity_bins_of(state: Mapping[str, np.ndarray]) -> int:
-    """How many intensity bins split each shell (1 for states written before issue 28's bins)."""
+    """How many intensity bins split each shell (1 for states written before bins existed)."""
     return int(scalar(state, "intensity_bins")) if "intensity_bins" in state else 1
 
 
@@ -218,7 +218,7 @@ def anchored_decode(z: np.ndarray, anchor: np.ndarray, shells, iterations: int =
     noise-free ensemble 0.44 against 0.49 with mass matching, probability average 0.53; r2/shells.py).
 
     ``z = 0`` returns the anchor itself (regions with a zero latent are left untouched): with no information
-    from the teachers the pseudo-label is the public model's prediction (SPEC section 11).
+    from the teachers the pseudo-label is the public model's prediction.
 
     Args:
         z: (noisy) mean latents (n, l).

@@ -1,18 +1,17 @@
 """The encode side of high-dimensional PATE, shared by every codec kind: what a hospital runs locally on its
-teachers' outputs, and the registry of codec kinds (issue 27).
+teachers' outputs, and the registry of codec kinds.
 
-Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*
-(../shared/papers/004_016510ff7900a22f.txt). Each kind lives in its own module of this package, with
-everything a hospital needs to run it -- verify a state, its replace-one sensitivity, the encoder, the fixed
-fallback row -- and registers one :class:`CodecKind` (:func:`register_codec`); nothing outside a kind's module
-tests a kind's name:
+Fay, Sjölund & Oechtering, *Private Learning for High-Dimensional Targets with PATE*. Each kind lives in its own
+module of this package, with everything a hospital needs to run it -- verify a state, its replace-one sensitivity, the
+encoder, the fixed fallback row -- and registers one :class:`CodecKind` (:func:`register_codec`); nothing outside a
+kind's module tests a kind's name:
 
 * ``pca`` (:mod:`sim.codecs.pca`) -- PCA-PATE (Algorithm 1): ``z = A_l (y - mu)``.
 * ``ae`` (:mod:`sim.codecs.ae`) -- Autoencoded PATE (Algorithm 2): ``z = phi(f_enc(y))``, unit-ball activation.
-* ``anchored`` (:mod:`sim.codecs.anchored`) -- the public-anchored residual (issue 18; SPEC section 11).
+* ``anchored`` (:mod:`sim.codecs.anchored`) -- the public-anchored residual (docs/PRIVACY.md, "What limits PATE").
 * ``identity`` (:mod:`sim.codecs.identity`) -- per-voxel one-hot votes (opt-in: ``allow-identity``).
 
-Whatever is aggregated must be bounded **by construction**, never by assumption (SPEC section 3):
+Whatever is aggregated must be bounded **by construction**, never by assumption:
 ``encode`` verifies its input and applies the bounding step of the codec's sensitivity mode, so the
 server's sensitivity ``S`` (replace-one adjacency) holds for every row a hospital uploads:
 
@@ -30,11 +29,11 @@ anchored    rows clipped to ``||z||_2 <= C``                ``||z - z'|| <= 2C``
 A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
 arrays) so that it travels as Flower arrays (sim/flower_wire.py) unchanged.
 
-The hospital does not take the server's word for any of this (SPEC section 2, "it checks the codec it
-is sent"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer than its
-maximum, states its kind's own check refuses, and replaces the state's claimed row bound by the one it
-computes itself; :func:`codec_sensitivity` is the replace-one sensitivity the hospital charges to its own
-ledger, computed from the verified state alone.
+The hospital does not take the server's word for any of this (each hospital checks the codec it is sent;
+docs/PRIVACY.md, "Who is trusted"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer
+than its maximum, states its kind's own check refuses, and replaces the state's claimed row bound by the one it
+computes itself; :func:`codec_sensitivity` is the replace-one sensitivity the hospital charges to its own ledger,
+computed from the verified state alone.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def scalar(state: Mapping[str, np.ndarray], key: str, default=None):
 
 
 def clip_rows(z: np.ndarray, clip: float) -> np.ndarray:
-    """Scale every row of ``z`` (n, l) down so that its L2 norm is at most ``clip`` (SPEC section 3,
+    """Scale every row of ``z`` (n, l) down so that its L2 norm is at most ``clip`` (the
     clipped mode: replace-one sensitivity of the mean of K rows is then ``2C/K``)."""
     z = np.asarray(z, dtype=np.float64)
     if clip <= 0 or not math.isfinite(clip):
@@ -196,7 +195,7 @@ class CodecRefused(UserError):
 
 @dataclass(frozen=True)
 class CodecKind:
-    """Everything a hospital needs to run one kind of codec (issue 27: one record per kind).
+    """Everything a hospital needs to run one kind of codec (one record per kind).
 
     ``verify(state, classes, grid, latent, scans_shape) -> row bound``: the kind's own checks of a state whose
     common fields are already valid (raise :class:`CodecRefused`); returns the L2 bound every encoding row is
@@ -261,12 +260,12 @@ def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = N
                  scans_shape: tuple | None = None) -> dict:
     """The hospital's check of a codec state; returns a copy whose ``row_bound`` is the hospital's own.
 
-    Raises :class:`CodecRefused`. Checks (SPEC sections 3-4): the kind is registered and allowed; ``l`` is at
+    Raises :class:`CodecRefused`. Checks: the kind is registered and allowed; ``l`` is at
     most the policy's maximum; classes, grid and l are positive; then the kind's own ``verify`` (shapes,
     orthonormality, ranges, ...), which also computes the row bound. ``scans_shape`` (the query batch's scans,
     ``(n, channels, *grid)``): the codec must fit them -- the same grid, and whatever the kind needs per batch
     (the anchored codec's anchor for exactly these n scans) -- so that a request that cannot be encoded is
-    refused here, before anything is charged (issue 26), not in ``encode`` after the charge.
+    refused here, before anything is charged, not in ``encode`` after the charge.
     """
     policy = policy or CodecPolicy()
     try:
@@ -299,7 +298,7 @@ def verify_codec(state: Mapping[str, np.ndarray], policy: CodecPolicy | None = N
 
 def codec_sensitivity(state: Mapping[str, np.ndarray], teachers: int) -> float:
     """Replace-one L2 sensitivity of the mean of ``teachers`` encodings under a *verified* codec state: the
-    kind's own (one patient changes one teacher's row, SPEC section 2; each kind bounds how far that row
+    kind's own (one patient changes one teacher's row; each kind bounds how far that row
     can move and proves it in its module)."""
     return float(kind_of(state).sensitivity(state, int(teachers)))
 
@@ -308,7 +307,7 @@ def fallback_encoding(state: Mapping[str, np.ndarray], n: int) -> np.ndarray:
     """What a teacher whose output is unusable (NaN, infinite) answers: a fixed, data-independent row.
 
     A fixed answer keeps the teacher in K -- the sensitivity the hospital was charged for stays true -- and
-    reveals nothing; the hospital reports only how many teachers fell back (issue 15), never their outputs.
+    reveals nothing; the hospital reports only how many teachers fell back, never their outputs.
     """
     return np.asarray(kind_of(state).fallback(state, int(n)), np.float32)
 

@@ -1,5 +1,5 @@
-"""The anchored release decoded by one fitted voxel head (issue 28, item 5: "a decoder that can say where a class
-the public model misses should go").
+"""The anchored release decoded by one fitted voxel head (a decoder that can say where a class the
+public model misses should go; docs/decisions/head-fit-decoder.md).
 
 Mass matching (:func:`sim.codecs.anchored_decode`) decodes each query's latents on their own: per region it
 re-weights the public model's probabilities until each class carries the released mass, so *where* inside a

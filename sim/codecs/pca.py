@@ -1,4 +1,4 @@
-"""PCA-PATE's codec (Fay et al., Algorithm 1; SPEC section 3): ``z = A_l (y - mu)`` with the public basis
+"""PCA-PATE's codec (Fay et al., Algorithm 1): ``z = A_l (y - mu)`` with the public basis
 ``A_l`` (l x d, orthonormal rows) and mean ``mu``; the hospital side (the server's
 :class:`server.compressors.PCACompressor` fits the basis on public maps).
 

@@ -1,4 +1,4 @@
-"""``fedpate central``: non-private and DP-SGD training on the pooled private data (SPEC section 6, 10)."""
+"""``fedpate central``: non-private and DP-SGD training on the pooled private data."""
 
 from __future__ import annotations
 

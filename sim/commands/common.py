@@ -1,4 +1,4 @@
-"""Options shared by every command that trains or runs a protocol (SPEC section 10)."""
+"""Options shared by every command that trains or runs a protocol (docs/PRIVACY.md, "Command line")."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def add_run_options(parser: argparse.ArgumentParser, default_preset: str = "quic
 
 
 def add_compute_options(parser: argparse.ArgumentParser) -> None:
-    """``--device`` and ``--precision`` (issue 30), for every command that trains or predicts."""
+    """``--device`` and ``--precision``, for every command that trains or predicts."""
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N", help=DEVICE_HELP)
     parser.add_argument("--precision", default="32", choices=PRECISIONS, help=PRECISION_HELP)
 
@@ -103,7 +103,7 @@ def data_options(args) -> dict:
 
 
 def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int | None:
-    """With a partition file and no --hospitals, every partition is a hospital (issue 29)."""
+    """With a partition file and no --hospitals, every partition is a hospital."""
     if partition_file and hospitals is None:
         from sim.data.fets import count_partitions
 

@@ -4,7 +4,7 @@ A ``fedpate compare`` on the quick preset (4 hospitals x 32 teachers = 128 teach
 to finish in about a quarter of an hour on a 2-core CPU, followed by a prediction with the best PATE
 student on a scan it has never seen, written as NIfTI in that scan's own grid.
 
-Every private method starts from the same public model (issue 17): PATE's teachers and student, DP-SGD
+Every private method starts from the same public model: PATE's teachers and student, DP-SGD
 on the pooled patients and DP-FedAvg across the hospitals (``--init scratch`` for random weights). The
 federated cells run in this process through the same protocol code as the Flower apps, with torch on
 every core; ``--engine flower`` runs them as Flower ClientApps and ServerApp in Flower's simulation engine.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 #: PATE with its best codec here (pate-ae and pate-pca are one `fedpate compare --methods` away: on this world
 #: their decoded ensembles carry almost nothing, docs/RESULTS.md), the DP baselines, the non-private yardstick
-#: and both public floors (public-selftrain, issue 28: what the public query scans give with no hospital)
+#: and both public floors (public-selftrain: what the public query scans give with no hospital)
 DEMO_METHODS = "pate-anchored,dp-sgd-central,dp-fedavg,nonprivate-central,public-only,public-selftrain"
 DEMO_EPSILONS = "1,8"
 

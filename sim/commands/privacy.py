@@ -1,4 +1,4 @@
-"""``fedpate privacy calibrate|spent`` — the privacy calculator (SPEC §5, §10; issue 2).
+"""``fedpate privacy calibrate|spent`` — the privacy calculator (docs/PRIVACY.md, "Mechanisms").
 
 ``calibrate`` prints, for N PATE queries with K teachers and a compressor's replace-one sensitivity, the
 per-query σ of the exact GDP calibration and of Fay et al. eq. (15), their ratio, and ε of the exact σ

@@ -1,4 +1,4 @@
-"""The data layer (issue 3): MSD Task01 reader, phantom generator, preprocessing, partitions, augmentation.
+"""The data layer: MSD Task01 reader, phantom generator, preprocessing, partitions, augmentation.
 
 Submodules are imported on demand (``from sim.data.preprocess import prepare_dataset``) so that reading a
 manifest does not import torch or nilearn.

@@ -1,7 +1,7 @@
 """Training augmentation: MONAI flips and rotations (the paper's, each with p = 0.5) plus domain randomisation.
 
 Fay et al. (Sec. 5) augment with random flips and rotations on half the samples. On top of that, for
-phantoms to transfer to real scans (issue 10), intensities are randomised per channel (bias field, gamma,
+phantoms to transfer to real scans (docs/GENERALISATION.md), intensities are randomised per channel (bias field, gamma,
 a random monotone intensity curve, scaling, blur, Gaussian noise; SynthSeg-style, Billot et al. 2023) with a
 smaller probability. The background (zero in every channel after preprocessing) stays zero. Level
 ``"geometric"`` keeps only flips and rotations; ``benchmarks/bench_domain_gap.py`` compares the two.
@@ -156,7 +156,7 @@ def training_augmentation(seed: int = 0, level: str = "domain", **options) -> Tr
 
 # ------------------------------------------------------------------------------------ batched, on the device
 class BatchAugmentation:
-    """The same augmentation, batched in torch on whatever device the batch is on (issue 30).
+    """The same augmentation, batched in torch on whatever device the batch is on.
 
     Why: :class:`TrainingAugmentation` runs MONAI transforms sample by sample on the host; measured here
     (2-core CPU, under load) one 64^3 sample costs 1-2.6 s, against a U-Net step that takes a fraction of that on

@@ -1,4 +1,4 @@
-"""BraTS folders as distributed: one case folder per scan, one NIfTI per modality (issue 29).
+"""BraTS folders as distributed: one case folder per scan, one NIfTI per modality.
 
 ::
     BraTS 2021 / FeTS 2022   <root>/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz   labels 1 NCR/NET, 2 ED, 4 ET

@@ -1,4 +1,4 @@
-"""FeTS-style partition files: ``Partition_ID,Subject_ID`` -- real institutions as hospitals (issue 29).
+"""FeTS-style partition files: ``Partition_ID,Subject_ID`` -- real institutions as hospitals.
 
 FeTS 2022 ships ``partitioning_1.csv`` (23 institutions) and ``partitioning_2.csv`` (33: institutions further
 split by tumour size) over BraTS 2021's 1,251 subjects; federated brain-tumour papers use them as their sites.

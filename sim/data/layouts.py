@@ -6,7 +6,7 @@ BraTS calls it 2). A mapping written by hand in two places drifts, and a swapped
 core" into "oedema" in every Dice score. So readers, writers, ``predict`` and ``evaluate`` all convert through
 :func:`to_ours` / :func:`from_ours` here, and nowhere else.
 
-Our convention (MSD Task01, SPEC section 8): channels (FLAIR, T1, T1-Gd, T2); labels 0 background,
+Our convention (MSD Task01): channels (FLAIR, T1, T1-Gd, T2); labels 0 background,
 1 oedema, 2 necrotic / non-enhancing core, 3 enhancing; regions WT = {1, 2, 3}, TC = {2, 3}, ET = {3} -- what
 BraTS means by whole tumour, tumour core (NCR + ET) and enhancing tumour.
 

@@ -1,4 +1,4 @@
-"""Reader and validator for the Medical Segmentation Decathlon Task01_BrainTumour layout (SPEC section 8).
+"""Reader and validator for the Medical Segmentation Decathlon Task01_BrainTumour layout.
 
 The folder as distributed::
     dataset.json      {"modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
@@ -59,7 +59,7 @@ _PATIENT_SCHEMES = (
 
 
 def patient_id(case_id: str, declared: str | None = None) -> str:
-    """The patient a scan belongs to -- the unit of privacy (SPEC section 2) and of every split.
+    """The patient a scan belongs to -- the unit of privacy (docs/PRIVACY.md) and of every split.
 
     The rule, in order: the ``"patient"`` a dataset.json entry declares; else the subject of a known naming
     scheme with timepoints (:data:`_PATIENT_SCHEMES`: BraTS 2017-2019 ``BraTS19_TCIA01_131_1`` -> ``TCIA01_131``,

@@ -1,10 +1,10 @@
-"""Who holds which patient: hospitals, their teacher partitions, and the server's public sets (SPEC 1-2).
+"""Who holds which patient: hospitals, their teacher partitions, and the server's public sets.
 
 Order of drawing (deterministic per seed): the test set, then the public query set (the student's
 unlabelled inputs), the public reference set (labels for fitting the PCA basis / autoencoder) and the
 public validation set are drawn first, each stratified over institutions; the remaining cases are private
 and go to hospitals by ``scheme``; each hospital's cases are then split into ``teachers_per_hospital``
-disjoint, non-empty teacher partitions (a patient influences exactly one teacher, SPEC section 2).
+disjoint, non-empty teacher partitions (a patient influences exactly one teacher; docs/PRIVACY.md).
 
 Everything is drawn in patients (:func:`sim.data.msd.patient_id`), not scans: all scans of a patient go to
 one party -- one public set, the test set, or one teacher of one hospital -- and the sizes (``n_query``,
@@ -12,7 +12,7 @@ one party -- one public set, the test set, or one teacher of one hospital -- and
 many scans. A patient's institution is that of its first scan (sorted case ids). Patients are ordered by
 their first case id, so data with one scan per patient is split exactly as before patients were grouped.
 
-Two sources (``public_pool``, issue 17): when the public labelled data come from another centre than the
+Two sources (``public_pool``): when the public labelled data come from another centre than the
 hospitals' population, the reference and validation sets are drawn from those cases only (stratified over
 their institutions), and the test set, the query set and the hospitals from the population only; pool cases
 not drawn stay unused (never private, never test). Without a pool all sets come from one population.
@@ -171,7 +171,7 @@ def split_into_teachers(case_ids: Sequence[str], teachers: int, seed: int = 0,
                         patients: PatientsArg = None) -> list[list[str]]:
     """Shuffle the patients of ``case_ids`` and cut them into ``teachers`` disjoint non-empty partitions of
     near-equal size in patients; all scans of a patient go to one teacher, so a patient influences exactly one
-    teacher (SPEC section 2). ``patients``: case -> patient (a mapping, or a function such as
+    teacher. ``patients``: case -> patient (a mapping, or a function such as
     ``PreparedDataset.patient``); default :func:`sim.data.msd.patient_id` of each case id."""
     teachers = int(teachers)
     if teachers < 1:
@@ -364,7 +364,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
 def check_patients_disjoint(split: Split) -> None:
     """Raise a one-line UserError when a patient is held by two parties that must not share one.
 
-    Why: the unit of privacy is a patient (SPEC section 2). A patient at two teachers (of one or two hospitals)
+    Why: the unit of privacy is a patient (docs/PRIVACY.md). A patient at two teachers (of one or two hospitals)
     influences two teachers and breaks the 2/K sensitivity; a hospital's patient in a public set or in the
     test set would be private and public at once (and inflate test Dice); a test patient in a public set
     would score the public model on data it learnt from. Public sets may share patients with each other

@@ -1,4 +1,4 @@
-"""Deterministic multi-institution brain-tumour phantoms in the MSD Task01 layout (SPEC section 8).
+"""Deterministic multi-institution brain-tumour phantoms in the MSD Task01 layout.
 
 Why phantoms: no download is possible here, yet the whole pipeline (reader, preprocessing, federation,
 ``fedpate predict``) must run on something that looks like BraTS. The generator builds each subject from

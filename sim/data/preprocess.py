@@ -1,7 +1,7 @@
 """Crop to the brain, normalise per channel inside the brain, resample to the working grid -- and back.
 
-SPEC section 8: the paper works on 64^3 volumes; smaller grids (16^3, 32^3) keep CPU runs short. The same
-steps must be applied to training data and to any scan given to ``fedpate predict`` (SPEC section 10), and
+The paper works on 64^3 volumes; smaller grids (16^3, 32^3) keep CPU runs short. The same
+steps must be applied to training data and to any scan given to ``fedpate predict``, and
 a prediction on the grid must map back onto the scan's own voxels (same shape and affine, so ITK-SNAP
 overlays it). :class:`PreprocessRecord` holds exactly what that inversion needs.
 
@@ -444,8 +444,8 @@ def combine_prepared(parts: Sequence[tuple[str, str, PreparedDataset]],
                      cache_dir: str | os.PathLike) -> PreparedDataset:
     """One dataset of several prepared collections (``parts``: (source name, case-id prefix, dataset)).
 
-    Why: the simulated world draws its public labelled data from another centre than the hospitals' population
-    (issue 17), yet every party reads one dataset by case id. Both phantom folders name their cases
+    Why: the simulated world draws its public labelled data from another centre than the hospitals' population,
+    yet every party reads one dataset by case id. Both phantom folders name their cases
     ``BRATS_001...``, so each part's case ids, patients and institutions are qualified by its prefix (one part
     may keep an empty prefix); colliding ids are refused. ``manifest.json`` records each case's source
     (:meth:`PreparedDataset.source_of`) and every part's own source description. Reused when the parts'

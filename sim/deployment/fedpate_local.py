@@ -86,7 +86,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     with ``"deployment"`` (run id, status, TLS), which is also written to ``deployment.json`` beside it.
 
     ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
-    first PATE query has been charged to the ledger -- the dropout test of issue 6.
+    first PATE query has been charged to the ledger -- the dropout test.
     """
 
     if settings.reproducible_noise:
@@ -105,7 +105,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "epsilon-budget": float(settings.lifetime_epsilon or settings.budget),
                   "max-teachers": preset.teachers_per_hospital * len(folders),
                   "delta": float(settings.resolved_delta),
-                  # each hospital's device is its own machine's (issue 30); on localhost: the run's spec
+                  # each hospital's device is its own machine's; on localhost: the run's spec
                   "device": settings.device, "precision": settings.precision} for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:

@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # annotations only: the supervisor is passed in by the caller
 #: The fedpate Flower app: the folder with pyproject.toml ([tool.flwr.app]), i.e. the source tree.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
-#: Environment every Flower process and ``flwr`` command gets (../shared/FIELD_NOTES.md, "Flower 1.41"):
-#: no telemetry, no update check, and no dependency installation at run time (nothing may download).
+#: Environment every Flower process and ``flwr`` command gets: no telemetry, no update check, and no dependency
+#: installation at run time (nothing may download; Flower 1.41's SuperLink would otherwise run ``uv sync`` per run).
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",

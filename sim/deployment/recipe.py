@@ -98,7 +98,7 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
             node_config["teachers-per-hospital"] = teachers_per_hospital
         node_config["epsilon-budget"] = float(epsilon_budget)
         node_config["max-teachers"] = consortium
-        if device:      # issue 30: where this hospital trains its teachers (its own GPU; default auto)
+        if device:      # where this hospital trains its teachers (its own GPU; default auto)
             node_config["device"] = device
         if precision:
             node_config["precision"] = precision

@@ -1,4 +1,4 @@
-"""How one non-federated cell of a comparison runs (issue 27): a registry from a method record's ``runner`` key
+"""How one non-federated cell of a comparison runs: a registry from a method record's ``runner`` key
 (``sim.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
 batched into one simulation per K; everything here runs in this process.
 
@@ -46,7 +46,7 @@ class CompareContext:
     reproducible_noise: bool = False
     device: str = "auto"
     precision: str = "32"
-    where: dict = field(default_factory=dict)   # layout / partition_file (issue 29)
+    where: dict = field(default_factory=dict)   # layout / partition_file
 
     @property
     def shared_dir(self) -> Path:

@@ -1,17 +1,17 @@
-"""Centralised baselines on the pooled private data: non-private training and DP-SGD (SPEC section 6, 9).
+"""Centralised baselines on the pooled private data: non-private training and DP-SGD.
 
 The pooled data are every hospital's teacher partitions together (the ``Split``'s private part): the
 upper bound that no federation can beat (non-private) and the seed paper's DP-SGD baseline (Fay et al.
-``../shared/papers/004_*`` Sec. 5: same U-Net, per-layer clipping at 4, sigma^2 = 6, epsilon = 8,
+Sec. 5: same U-Net, per-layer clipping at 4, sigma^2 = 6, epsilon = 8,
 delta = 1e-3). Privacy unit: one patient volume; DP-SGD with Poisson sampling (or zCDP for shuffled batches,
-Yu et al.) under ``relation`` -- replace-one by default, since results publish ``train_cases`` (SPEC section 2;
+Yu et al.) under ``relation`` -- replace-one by default, since results publish ``train_cases`` (docs/PRIVACY.md;
 add-remove for Poisson / zero-out for shuffle on request). Every epoch is charged to every hospital whose
 patients are pooled (the owners of the data: a patient's guarantee is this run's ε), and, in a comparison,
 also to each hospital's own lifetime ledger (``hospital_ledger_dir``) through a
 :class:`privacy.guard.GuardChain`. results.json states the relation from the ledger and the same run's
 epsilon under the other relation where it is defined (``epsilon_add_remove`` / ``epsilon_replace_one``).
 
-Writes, in ``out``: ``results.json`` (SPEC section 10, every field present, null where it does not apply),
+Writes, in ``out``: ``results.json`` (docs/PRIVACY.md "Results", every field present, null where it does not apply),
 ``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
 ``bundle.json``, card; see ``sim.bundle``; the only copy of the weights, covered by its digest) and
 ``checkpoint/train.pt`` (resumed when the run is restarted in the same folder with the same settings, which
@@ -77,7 +77,7 @@ class TrainingOptions:
         learning_rate: Adam's learning rate.
         max_grad_norm: DP-SGD's clipping norm (ignored by non-private training).
         augment: train with the world's augmentation (``sim.transforms``).
-        levers: issue 28's DP fine-tuning levers, ``sim.training.LEVER_KEYS`` (``trainable``,
+        levers: the DP fine-tuning levers, ``sim.training.LEVER_KEYS`` (``trainable``,
             ``augmentation_multiplicity``, ``ema_decay``); None values are the defaults.
     """
 
@@ -149,7 +149,7 @@ class CentralConfig:
             ``sim.device``) and whether forward passes run under bf16 autocast; both are recorded.
         training: settings fixed by the caller (:class:`TrainingOptions`).
         dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
-        selection: how DP-SGD's setting is chosen (issue 28 item 4): ``public`` (default) -- the preset's grid,
+        selection: how DP-SGD's setting is chosen: ``public`` (default) -- the preset's grid,
             each entry trained and charged, best on the public validation set; ``private`` -- private selection
             among the grid and the public model unchanged on held-out private patients, charged as one event up
             front (``sim.selection``; target mode, Poisson sampling, replace-one, init public).
@@ -186,7 +186,7 @@ class CentralConfig:
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
         if self.selection == "private" and self.hospital_ledger_dir is not None:
             # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
-            # selection event: no accountant composes both (sim/selection.py, issue 28)
+            # selection event: no accountant composes both (sim/selection.py)
             raise UserError("--selection private: runs on its own (fedpate central), not inside a comparison's "
                             "hospital ledgers")
         if self.method not in METHODS:
@@ -252,7 +252,7 @@ class CentralConfig:
 def run_central(config: CentralConfig) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
 
-    DP-SGD settings grid (issue 17): unless a setting is given explicitly, DP-SGD in ``target`` noise mode
+    DP-SGD settings grid: unless a setting is given explicitly, DP-SGD in ``target`` noise mode
     trains one model per entry of the preset's ``dpsgd_grid`` (learning rate, clipping norm, expected batch,
     epochs), all with one noise multiplier calibrated so that the G trainings *together* spend the budget
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
@@ -338,7 +338,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                                                     precision=precision).get("mean")
         candidates.append((setting, result, validation_dice))
     selected = None
-    if select_privately:   # issue 28 item 4: sim.selection, charged as one event before anything is trained
+    if select_privately:   # sim.selection, charged as one event before anything is trained
         selected, dp = private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config,
                                          start_weights, device, precision)
         candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]

@@ -1,4 +1,4 @@
-"""Grid of seed systems × ε on a classification task, with per-cell results, a CSV and a report (issue 7).
+"""Grid of seed systems × ε on a classification task, with per-cell results, a CSV and a report.
 
 Entry point for ``fedpate compare --task mnist5k|slice-classification``::
 
@@ -8,7 +8,7 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
                                        preset="tiny", data=None, teachers_per_hospital=None,
                                        reproducible_noise=False)
 
-Writes ``out/<method>/eps-<E>/results.json`` (SPEC §10 schema, ``"dice": null``, ``"accuracy"`` set) and
+Writes ``out/<method>/eps-<E>/results.json`` (the results schema, ``"dice": null``, ``"accuracy"`` set) and
 ``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``; so are the reference rows
 ``public-only``, in every report, and ``adlm-noise-free``, beside AdLM/ILM: see ``REFERENCE_METHODS``), ``out/cells.csv``,
 ``out/report.md`` (with a verdict of every private cell against public-only) and
@@ -22,10 +22,10 @@ and refuses any other setting in one line naming its flag. No ledger is ever del
 releases on its ledger but no results was interrupted and is kept aside as ``<cell>.interrupted-<time>``
 (its ε still in the report) before it runs again.
 
-Noise (SPEC §2): every cell gets its own namespace ``<method>/eps-<E>`` of a ``privacy.mechanisms.NoiseSource``
-and every release in it its own stream; secure by default. ``reproducible_noise=True`` (simulation only) seeds
-the streams from ``seed``; the seed is then written nowhere (``"seed": null``, not in the task summary) and
-each cell says ``"noise": "reproducible"``.
+Noise (docs/PRIVACY.md, "Noise"): every cell gets its own namespace ``<method>/eps-<E>`` of a
+``privacy.mechanisms.NoiseSource`` and every release in it its own stream; secure by default.
+``reproducible_noise=True`` (simulation only) seeds the streams from ``seed``; the seed is then written nowhere
+(``"seed": null``, not in the task summary) and each cell says ``"noise": "reproducible"``.
 """
 
 from __future__ import annotations
@@ -75,12 +75,12 @@ PUBLIC_ONLY = "public-only"
 ADLM_NOISE_FREE = "adlm-noise-free"
 REFERENCE_METHODS = (PUBLIC_ONLY, ADLM_NOISE_FREE)
 
-#: what one cell's ε protects (SPEC §2), by ``task.privacy_unit``
+#: what one cell's ε protects (docs/PRIVACY.md, "The unit of privacy"), by ``task.privacy_unit``
 PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
                  "patient": "one patient (all of the patient's slices) at one hospital"}
 
 
-#: numbers a cell writes that the DP guarantee does NOT cover (simulation diagnostics; SPEC §2), by method:
+#: numbers a cell writes that the DP guarantee does NOT cover (simulation diagnostics), by method:
 #: GNMax's teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch
 #: count is a function of the secret Poisson batches, dataset sizes are published as they are, and the
 #: non-private baseline covers nothing. Dotted names point into ``details``.

@@ -1,13 +1,13 @@
-"""``fedpate compare``: every method x epsilon (x K) on the same world, then one report (issue 8).
+"""``fedpate compare``: every method x epsilon (x K) on the same world, then one report.
 
 Cells and where they run:
 - ``pate-ae``, ``pate-pca``, ``pate-naive``, ``dp-fedavg``: one Flower simulation per teacher count K,
   running all of that K's cells in sequence (sim/runners/simulation.py). Teachers are trained once per K
   and reused across epsilon: they do not depend on it (PATE spends its budget at query time).
 - ``dp-sgd-central``, ``nonprivate-central``: pooled training (sim/runners/central.py).
-- ``public-only``: the student trained only on the public labelled reference set -- the honest baseline
-  PATE must beat (SPEC section 11); ``public-selftrain`` (sim/runners/selftrain.py): the public model
-  self-trained on the public unlabelled query scans -- a floor that uses all public data (issue 28).
+- ``public-only``: the student trained only on the public labelled reference set -- the honest baseline PATE must
+  beat; ``public-selftrain`` (sim/runners/selftrain.py): the public model self-trained on the public unlabelled query
+  scans -- a floor that uses all public data (docs/PRIVACY.md, "What limits PATE").
 
 Resumable: a cell whose results.json exists is skipped; a cell interrupted after it had released
 something (a ledger but no results) is kept aside as ``<cell>.interrupted-<time>`` and run again -- its
@@ -16,7 +16,7 @@ world, noise, ...; :func:`resume_settings`, ``sim.runners.resume``): anything el
 is written, so one header never covers cells of two runs; methods and budgets may be added. Every cell writes
 results.json, ledger.jsonl and a model bundle; the report re-checks each epsilon against its ledger.
 
-Releases add up (SPEC section 2): the cells share the hospitals' patients, so every cell that touches
+Releases add up (docs/PRIVACY.md, "The ledger"): the cells share the hospitals' patients, so every cell that touches
 them also charges each hospital's own ledger, ``hospital-ledgers/<hospital>.jsonl``, persistent across
 the cells and across resumes, under a lifetime budget per hospital (``lifetime_epsilon``; default: the
 sum of the private cells' budgets). The report and every model card state the combined ε of everything
@@ -432,7 +432,7 @@ def spread_over_workers(units: Sequence[tuple[tuple[str, ...], float]], workers:
 
 
 def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict[int, str]:
-    """Run the comparison's cells in ``config.workers`` processes at once (issue 28: the demo within 15 min on
+    """Run the comparison's cells in ``config.workers`` processes at once (so the demo fits in 15 min on
     two cores); returns each K's materialised world.
 
     This process first materialises every K's world and trains what every worker would otherwise train
@@ -574,12 +574,12 @@ def attach_release_everywhere(root: Path, release: dict) -> None:
 
 
 def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
-    """The grid once per seed (issue 28): each seed its own world split, public model, training and cells, in
+    """The grid once per seed: each seed its own world split, public model, training and cells, in
     ``out/seed-<S>/`` (a complete single-seed comparison with its own report), then one report at ``out``
     that aggregates across seeds (``sim.report_seeds``). One seed: exactly :func:`run_compare` on ``out``.
     ``config.seed`` is ignored: ``seeds`` say which.
 
-    Privacy (SPEC section 2, "releases add up"): the seeds split the *same* patients (one phantom world,
+    Privacy (releases add up; docs/PRIVACY.md, "The ledger"): the seeds split the *same* patients (one phantom world,
     ``sim.world.PHANTOM_SEED``), so every seed's cells charge the same per-hospital ledgers,
     ``out/hospital-ledgers/<hospital>.jsonl``, under one lifetime budget planned over every seed's cells
     (:func:`planned_lifetime_epsilon` with ``seeds``); a cell that would exceed it is refused before it

@@ -93,7 +93,7 @@ class InProcessTransport:
         return replies
 
     def ensemble_probabilities(self, scans, config: Mapping[str, Any] | None = None) -> np.ndarray:
-        """Simulation-only diagnostic: the teachers' averaged probabilities (SPEC section 11 ceiling).
+        """Simulation-only diagnostic: the teachers' averaged probabilities (the ceiling PATE can reach).
         ``config``: the run's ``device`` / ``precision`` (the hospitals' default otherwise: auto)."""
         total, count = None, 0
         for h in self.hospital_ids():

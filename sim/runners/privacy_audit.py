@@ -1,4 +1,4 @@
-"""Empirical privacy audit of fedpate's two private mechanisms (issue 15, "Empirical check").
+"""Empirical privacy audit of fedpate's two private mechanisms (docs/PRIVACY_AUDIT.md).
 
 The product harness: it drives the server's aggregation (``server.*``) and the DP-SGD engine, so it lives
 with the orchestration in ``sim/runners/`` (``sim`` core never imports ``server``); the framework-free
@@ -17,7 +17,7 @@ white-box gradient-canary threat model, the one DP-SGD's accounting covers). Ste
 expensive; their bound is looser than the many-runs one, and here a run costs milliseconds, so the
 many-runs method is used.
 
-**PATE aggregator** (Fay et al., Alg. 1-2; SPEC sections 3-5, 11): the anchored residual codec the demo runs
+**PATE aggregator** (Fay et al., Alg. 1-2): the anchored residual codec the demo runs
 (``pate-anchored``: :class:`server.compressors.AnchoredResidualCompressor` built by ``make_compressor`` with
 the product's defaults, shells (-2, 5), C = 2.5 x the public model's median residual, fitted as
 ``plan_release`` fits it, on synthetic public reference maps and a "public model's" probabilities on them,

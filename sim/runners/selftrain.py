@@ -1,4 +1,4 @@
-"""The ``public-selftrain`` cell of a comparison (issue 28, item 2): ``server.selftrain.self_train`` on the
+"""The ``public-selftrain`` cell of a comparison (the public floor): ``server.selftrain.self_train`` on the
 comparison's public world, written like ``public-only`` (results.json, an empty ledger, a model bundle).
 
 It reads the world through :func:`sim.world.load_world` without the query scans' labels (they are the
