@@ -11,6 +11,11 @@ Message types (``message_type`` = ``<category>[.<action>]``):
                          and kept in the node's ``context.state``
 - ``evaluate``        -> per-teacher Dice on the public test scans and labels sent
 - ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
+- ``query.secure``    -> one stage of a secure sum (``config["stage"]``: setup, share-keys, collect-masked,
+                         unmask; ``clients/secure.py``); the message and the reply are nested values
+                         (``sim.flower_wire.pack_nested``). The hospital's secrets of that sum (key pairs,
+                         self-mask seed, the shares it holds) stay in the node's ``context.state`` between
+                         stages and are dropped after the unmask stage; they are never sent
 
 A request the hospital refuses (its budget would be exceeded, a codec it does not accept, a diagnostic
 asked of a deployed hospital, a query that does not declare what it releases) is answered with
@@ -28,10 +33,12 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.fedavg import local_dpsgd_round
-from clients.node import hospital_for
+from clients.node import hospital_for, secure_policy_for
+from clients.secure import FINISHED, SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from sim.errors import UserError
-from sim.flower_wire import arrays_digest, make_content, read_content
+from sim.flower_wire import (arrays_digest, arrays_to_record, config_to_record, make_content, pack_nested,
+                             read_content, record_to_arrays, record_to_config, unpack_nested)
 
 app = ClientApp()
 log = logging.getLogger(__name__)
@@ -106,4 +113,67 @@ def fedavg_round(msg: Message, context: Context) -> Message:
     hospital = hospital_for(context.node_config, config)
     weights, metrics = local_dpsgd_round(hospital, arrays["weights"], config)
     return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}, weights=weights),
+                   reply_to=msg)
+
+
+class NodeSecureSessions:
+    """``clients.secure.run_stage``'s store of one hospital's secure-sum secrets, in the node's
+    ``context.state``: a RecordDict that the SuperNode keeps on the hospital's machine between messages (the
+    ClientApp object may be rebuilt for every message). One ConfigRecord (JSON skeleton) and one ArrayRecord
+    (bytes and arrays) per open session; the ids of finished sessions in one ConfigRecord."""
+
+    PREFIX, FINISHED_RECORD = "secure-session:", "secure-sessions-finished"
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def _finished(self) -> list[str]:
+        record = self.state.config_records.get(self.FINISHED_RECORD)
+        return list(record_to_config(record)["ids"]) if record is not None else []
+
+    def __contains__(self, key: object) -> bool:
+        return f"{self.PREFIX}{key}" in self.state.config_records or key in self._finished()
+
+    def __getitem__(self, key: str):
+        name = f"{self.PREFIX}{key}"
+        if name in self.state.config_records:
+            skeleton = record_to_config(self.state.config_records[name])["state"]
+            return unpack_nested(skeleton, record_to_arrays(self.state.array_records[f"{name}:arrays"]))
+        if key in self._finished():
+            return FINISHED
+        raise KeyError(key)
+
+    def __setitem__(self, key: str, value) -> None:
+        name = f"{self.PREFIX}{key}"
+        if value is FINISHED:   # the secrets go; only the fact that the session finished stays
+            for record in (name, f"{name}:arrays"):
+                if record in self.state:
+                    del self.state[record]
+            self.state[self.FINISHED_RECORD] = config_to_record({"ids": [*self._finished(), str(key)]})
+            return
+        skeleton, arrays = pack_nested(value)
+        self.state[name] = config_to_record({"state": skeleton})
+        self.state[f"{name}:arrays"] = arrays_to_record(arrays)
+
+
+_SECURE_KEYS = ("stage", "message")
+
+
+@app.query("secure")
+@refusals_as_replies
+def secure_stage(msg: Message, context: Context) -> Message:
+    config, arrays = read_content(msg.content)
+    hospital = hospital_for(context.node_config, config)
+    try:
+        stage = str(config["stage"])
+        message = unpack_nested(config["message"], arrays.get("message", {}))
+        if not isinstance(message, dict):
+            raise ValueError("the message is not a dict")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"hospital {hospital.hospital_id}: malformed secure-sum message ({exc})") from None
+    settings = {k: v for k, v in config.items() if k not in _SECURE_KEYS}
+    secure = SecureHospital(hospital, secure_policy_for(context.node_config))
+    reply = run_stage(secure, stage, message, settings, NodeSecureSessions(context.state))
+    skeleton, payload = pack_nested(reply)
+    return Message(make_content({"hospital_id": hospital.hospital_id, "reply": skeleton}, reply=payload),
                    reply_to=msg)

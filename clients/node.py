@@ -10,7 +10,10 @@ Two ways a node learns who it is:
   without one refuses to start), ``max-teachers`` (the most teachers the consortium has, the largest K a
   server may declare; required: the sensitivity 2C/K it charges shrinks with K), ``delta`` (default 1e-3), ``max-latent-dim`` (longest encoding it uploads, default 1024) and
   ``allow-identity`` (whether it ever uploads full-resolution one-hot votes, default false); its ledger
-  is ``workdir/privacy-ledger.jsonl``. Its compute is its own too: ``device`` (auto | cpu | cuda |
+  is ``workdir/privacy-ledger.jsonl``. Its threat model for secure sums is its own too
+  (:func:`secure_policy_for`): ``secure-colluders`` and ``secure-dropouts`` (default 0: it then counts
+  every participant's noise share and refuses to unmask when one is missing), ``secure-min-participants``
+  and ``secure-min-threshold`` (default 2). Its compute is its own too: ``device`` (auto | cpu | cuda |
   cuda:N, default auto: its GPU when it has one) and ``precision`` (32 | bf16), whatever the run config says.
 * **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
   carry the path of the simulated world (prepared cases + the split manifest every party reads), and
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from clients.hospital import Hospital
+from clients.secure import SecurePolicy
 from sim.codecs import CodecPolicy
 from sim.data.partitions import split_into_teachers
 from sim.data.preprocess import PreprocessConfig, prepare_dataset
@@ -105,3 +109,28 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
                                        precision=str(node_config.get("precision", "32")))
     return _HOSPITALS[key]
 
+
+#: node-config key -> ``clients.secure.SecurePolicy`` field (a deployed hospital's threat model for secure sums)
+SECURE_POLICY_KEYS = {"secure-colluders": "colluders", "secure-dropouts": "dropouts",
+                      "secure-min-participants": "min_participants", "secure-min-threshold": "min_threshold"}
+
+
+def secure_policy_for(node_config: Mapping[str, Any]) -> SecurePolicy | None:
+    """A deployed hospital's secure-sum policy from its node config (defaults: no colluder, no dropout, at
+    least 2 participants and a threshold of 2); None for a simulated node, whose policy comes with the
+    simulation's messages as its lifetime budget does."""
+    if "data-dir" not in node_config:
+        return None
+    values = {}
+    for key, field in SECURE_POLICY_KEYS.items():
+        value = node_config.get(key)
+        if value in (None, ""):
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"node-config: {key} must be a non-negative integer, got {value!r}") from None
+        if isinstance(value, bool) or not number.is_integer():
+            raise UserError(f"node-config: {key} must be a non-negative integer, got {value!r}")
+        values[field] = int(number)
+    return SecurePolicy(**values)

@@ -324,7 +324,8 @@ class SecureHospital:
         config = dict(config or {})
         if stage == "setup":
             deployed = bool(getattr(self.hospital, "deployed", False))
-            self.party.policy = self.policy if (deployed and self.policy) else policy_from(config, self.policy)
+            # a deployed hospital's policy is its own node config's, never the server's (default: the strictest)
+            self.party.policy = (self.policy or SecurePolicy()) if deployed else policy_from(config, self.policy)
             noise = dict(message.get("noise") or {})
             declared_grid(self.party.name, noise)
             ids = noise.get("release_ids")
@@ -378,3 +379,57 @@ class SecureHospital:
             total += grid.to_integers(np.asarray(rows, np.float64), generator)
         shares = sample_discrete_gaussian(local_variance, total.size, generator)
         return total.reshape(-1) + shares
+
+
+# ------------------------------------------------------------------------- secrets kept between stages
+def session_state(session: _Session, policy: SecurePolicy) -> dict:
+    """Everything a hospital keeps of one secure sum between its stages -- its key pairs, its self-mask seed,
+    the shares it holds, and the policy it checked the request against at setup -- as a plain dict of str,
+    int, float, lists, dicts and bytes (``sim.flower_wire.pack_nested`` carries it). Secret: it never leaves
+    the hospital (:func:`run_stage` keeps it in a node-local store)."""
+    state = {name: getattr(session, name) for name in _Session.__dataclass_fields__}
+    state["public_keys"] = {k: [v[0], v[1]] for k, v in session.public_keys.items()}
+    state["revealed_seed"], state["revealed_key"] = sorted(session.revealed_seed), sorted(session.revealed_key)
+    return {"session": state, "policy": policy.to_dict()}
+
+
+def restore_session(state: Mapping[str, Any]) -> tuple[_Session, SecurePolicy]:
+    """Inverse of :func:`session_state`."""
+    fields = dict(state["session"])
+    fields["public_keys"] = {str(k): (bytes(v[0]), bytes(v[1])) for k, v in dict(fields["public_keys"]).items()}
+    for name in ("sk1", "pk1", "sk2", "pk2", "seed"):
+        fields[name] = bytes(fields[name])
+    for name in ("seed_shares", "key_shares"):
+        fields[name] = {str(k): bytes(v) for k, v in dict(fields[name]).items()}
+    fields["revealed_seed"], fields["revealed_key"] = set(fields["revealed_seed"]), set(fields["revealed_key"])
+    return _Session(**fields), SecurePolicy(**{k: int(v) for k, v in dict(state["policy"]).items()})
+
+
+#: what a store holds for a session whose last stage (unmask) is done: its secrets are gone
+FINISHED = None
+
+
+def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any], config: Mapping[str, Any],
+              store) -> dict:
+    """One secure-sum stage at a hospital whose per-session secrets live in ``store`` (a mutable mapping
+    session id -> :func:`session_state`, or :data:`FINISHED`), not in ``secure``: the in-process engine keeps
+    a dict per hospital, the Flower ClientApp the node's ``context.state`` (rebuilt objects, same secrets), so
+    both engines run exactly this code. After the unmask stage the session's secrets are dropped and only
+    the fact that it finished is kept: every later message for it is refused. A stage that is refused still
+    records what it changed (as :class:`SecureSumParty` does in memory: an out-of-order stage is not retried)."""
+    key = str(message.get("session"))
+    if key in store and store[key] is FINISHED:
+        raise SecureRequestRefused(f"hospital {secure.party.name}: secure-sum session {key!r} is finished")
+    secure.party.sessions.pop(key, None)
+    if key in store:
+        session, secure.party.policy = restore_session(store[key])
+        secure.party.sessions[key] = session
+    try:
+        reply = secure.handle(stage, message, config)
+    finally:
+        session = secure.party.sessions.pop(key, None)
+        if session is not None:
+            store[key] = session_state(session, secure.party.policy)
+    if stage == "unmask":
+        store[key] = FINISHED
+    return reply

@@ -16,8 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from flwr.app import Message
 
-from sim.errors import UserError
-from sim.flower_wire import arrays_digest, make_content, read_content
+from sim.flower_wire import arrays_digest, make_content, pack_nested, read_content, unpack_nested
 
 log = logging.getLogger("fedpate.flower")
 
@@ -117,9 +116,41 @@ class FlowerTransport:
 
     def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
                      ) -> dict[str, dict]:
-        """Not carried over Flower messages yet: the secure methods run on the in-process engine."""
-        raise UserError("secure aggregation (pate-anchored-secure) runs on the in-process engine so far "
-                        "(--engine inprocess); the Flower engines do not carry its stages yet")
+        """One stage of a secure sum (``server/secure.py``): one ``query.secure`` message per named hospital
+        (the stage's message as ``sim.flower_wire.pack_nested`` packs it, beside the run's settings), under the
+        query deadline; returns each hospital's unpacked reply. A hospital that refuses (its policy, its
+        budget) is absent from this sum only, as on the in-process engine; one that does not reply in time,
+        replies with an error or sends a malformed reply is absent and dropped from the run (it is not asked
+        again: the secure sum recovers its masks from the others' shares, and the query phase stops before
+        the next batch, whose noise was planned for every participant)."""
+        content = {}
+        for hospital, message in messages.items():
+            if hospital in self.dropped or hospital not in self.node_of:
+                continue
+            skeleton, payload = pack_nested(dict(message))
+            content[self.node_of[hospital]] = (
+                make_content({**self.base_config, **config, "stage": stage, "message": skeleton}, message=payload),
+                "query.secure")
+        replies = self._send(content, by_hospital=True, timeout=self.query_timeout)
+        unpacked: dict[str, dict] = {}
+        for hospital, (reply, arrays) in replies.items():
+            try:
+                value = unpack_nested(reply["reply"], arrays.get("reply", {}))
+                if not isinstance(value, dict):
+                    raise ValueError("not a dict")
+                unpacked[hospital] = value
+            except (KeyError, TypeError, ValueError) as exc:
+                self._last_errors[hospital] = f"malformed reply: {exc}"
+        for hospital in messages:
+            if hospital in unpacked:
+                continue
+            why = self._last_errors.get(hospital, f"no reply within {self.query_timeout:.0f} s")
+            if why.startswith("refused"):
+                log.warning("hospital %s refused the secure-sum stage %s: %s", hospital, stage, why)
+            elif hospital not in self.dropped:
+                self.dropped[hospital] = why
+                log.warning("hospital %s dropped out at the secure-sum stage %s: %s", hospital, stage, why)
+        return unpacked
 
     def fedavg_round(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, tuple[dict, dict]]:
         """One DP-FedAvg round: {hospital: (metrics, new local weights)}."""

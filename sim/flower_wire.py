@@ -2,7 +2,10 @@
 
 Both apps use these so the wire format is defined once. Arrays travel in ``ArrayRecord`` under
 string keys; scalars and strings in ``ConfigRecord`` (ConfigRecord cannot hold None or nested dicts:
-nested values are JSON-encoded under the key ``"json"``).
+nested values are JSON-encoded under the key ``"json"``). A nested message that mixes both -- the secure
+sum's stages: lists, dicts, bytes (keys, ciphertexts, shares) and integer arrays -- is split by
+:func:`pack_nested` into a JSON skeleton and named arrays (bytes as uint8 arrays), and rebuilt by
+:func:`unpack_nested`; nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -71,6 +74,65 @@ def read_content(content: RecordDict) -> tuple[dict[str, Any], dict[str, dict[st
     config = record_to_config(content["config"]) if "config" in content else {}
     arrays = {name: record_to_arrays(record) for name, record in content.array_records.items()}
     return config, arrays
+
+
+_BYTES, _ARRAY = "$bytes", "$array"
+
+
+def pack_nested(value: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """(JSON-able skeleton, named arrays) of a nested message: dicts with string keys, lists and tuples (both
+    come back as lists), str / int / float / bool / None, numpy scalars, numpy arrays and bytes. Each array
+    and each bytes value is replaced in the skeleton by a one-key reference dict to its entry in the arrays
+    (bytes as a uint8 array); the skeleton travels in a ConfigRecord (:func:`make_content`), the arrays in an
+    ArrayRecord. Raises ValueError / TypeError for what cannot travel (a key starting with ``$``, an object)."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            name = f"b{len(arrays)}"
+            arrays[name] = np.frombuffer(bytes(item), dtype=np.uint8).copy()
+            return {_BYTES: name}
+        if isinstance(item, np.ndarray):
+            name = f"a{len(arrays)}"
+            arrays[name] = item
+            return {_ARRAY: name}
+        if isinstance(item, Mapping):
+            packed = {}
+            for key, entry in item.items():
+                if not isinstance(key, str) or key.startswith("$"):
+                    raise ValueError(f"pack_nested: key {key!r} cannot travel (string keys not starting with $)")
+                packed[key] = walk(entry)
+            return packed
+        if isinstance(item, (list, tuple)):
+            return [walk(entry) for entry in item]
+        if isinstance(item, np.generic):
+            return item.item()
+        if item is None or isinstance(item, (str, int, float, bool)):
+            return item
+        raise TypeError(f"pack_nested: a value of type {type(item).__name__} cannot travel")
+
+    return walk(value), arrays
+
+
+def unpack_nested(skeleton: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    """Inverse of :func:`pack_nested`. A reference to a missing array, or bytes that are not a uint8 vector,
+    raises KeyError / ValueError (a malformed message)."""
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, dict):
+            if len(item) == 1 and _BYTES in item:
+                raw = np.asarray(arrays[str(item[_BYTES])])
+                if raw.dtype != np.uint8 or raw.ndim != 1:
+                    raise ValueError(f"unpack_nested: bytes {item[_BYTES]!r} are not a uint8 vector")
+                return raw.tobytes()
+            if len(item) == 1 and _ARRAY in item:
+                return arrays[str(item[_ARRAY])]
+            return {key: walk(entry) for key, entry in item.items()}
+        if isinstance(item, list):
+            return [walk(entry) for entry in item]
+        return item
+
+    return walk(skeleton)
 
 
 def arrays_digest(arrays: Mapping[str, np.ndarray]) -> str:

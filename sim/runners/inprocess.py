@@ -15,7 +15,7 @@ import numpy as np
 
 from clients.fedavg import local_dpsgd_round
 from clients.hospital import Hospital
-from clients.secure import SecureHospital
+from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
 from sim.errors import UserError
@@ -40,6 +40,9 @@ class InProcessTransport:
         self.bytes_up: list[dict[str, float]] = []   # per query round: hospital -> bytes per teacher per scan
         self.query_rounds = 0
         self.secure_parties: dict[str, SecureHospital] = {}   # each hospital's side of the secure sums
+        #: each hospital's per-session secrets between stages (``clients.secure.run_stage``; on a Flower node
+        #: they live in its ``context.state``)
+        self.secure_state: dict[str, dict] = {}
         self.secure_drop: dict[str, str] = {}
 
     def hospital_ids(self) -> list[str]:
@@ -77,9 +80,10 @@ class InProcessTransport:
 
     def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
                      ) -> dict[str, dict]:
-        """A secure-sum stage (``server/secure.py``) at each hospital's ``clients.secure.SecureHospital``; a
-        refusal (its policy, its budget) is logged and the hospital is absent from the replies.
-        ``secure_drop`` ({hospital: stage}) simulates a hospital leaving mid-protocol."""
+        """A secure-sum stage (``server/secure.py``) at each hospital's ``clients.secure.SecureHospital``,
+        through ``clients.secure.run_stage`` as the Flower ClientApp does; a refusal (its policy, its budget)
+        is logged and the hospital is absent from the replies. ``secure_drop`` ({hospital: stage}) simulates
+        a hospital leaving mid-protocol."""
         replies = {}
         for h, message in messages.items():
             if h in self.dropped or self.secure_drop.get(h) == stage:
@@ -87,7 +91,8 @@ class InProcessTransport:
                 continue
             party = self.secure_parties.setdefault(h, SecureHospital(self.hospitals[h]))
             try:
-                replies[h] = party.handle(stage, message, {**self.base_config, **config})
+                replies[h] = run_stage(party, stage, message, {**self.base_config, **config},
+                                       self.secure_state.setdefault(h, {}))
             except (UserError, PrivacyError) as exc:
                 log.warning("hospital %s refused the secure-sum stage %s: %s", h, stage, exc)
         return replies
