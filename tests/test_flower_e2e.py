@@ -75,3 +75,58 @@ def test_pate_pca_through_flwr_run_and_a_simulation_superlink(cache, tmp_path):
     (results,) = simulate(settings, engine="runtime")
     _check_run(out, results)
     assert results["hospitals"] == 2 and results["dropped_hospitals"] == {}
+
+
+def _check_secure(out, results, hospital_ledgers):
+    """A secure PATE run's results: ε is the run ledger's (distributed discrete Gaussians, RDP), and every
+    hospital charged its own ledger one release per query the run charged it."""
+    from privacy.events import DistributedDiscreteGaussianEvent
+
+    ledger = _check_run(out, results)
+    assert results["aggregation"] == "secure" and results["accountant"] == "rdp"
+    assert results["secure_aggregation"]["failed_batches"] == 0 and results["dropped_hospitals"] == {}
+    assert "uniform modulo" in results["who_sees_what"]["aggregator"]
+    for hospital in ledger.owners():
+        run_events = ledger.events(hospital)
+        own = Ledger.load(hospital_ledgers[hospital]).events(hospital)
+        assert len(run_events) == results["queries"] == 8
+        assert own == run_events and all(isinstance(e, DistributedDiscreteGaussianEvent) for e in own)
+
+
+def test_secure_pate_in_flower_simulation_engine_matches_the_in_process_engine(cache, tmp_path):
+    """pate-anchored-secure as a ServerApp and ClientApps in Flower's simulation engine: the secure stages
+    travel as Flower messages, each hospital's secrets stay in its node's context.state, and results.json
+    has what the in-process engine's has."""
+    from sim.runners.simulation import simulate
+
+    runs = {}
+    for engine in ("inprocess", "flower"):
+        out = tmp_path / engine
+        settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out), progress=False)
+        (runs[engine],) = simulate(settings, engine=engine)
+        _check_secure(out, runs[engine], {h: out / "hospital-ledgers" / f"{h}.jsonl"
+                                          for h in ("hospital-00", "hospital-01")})
+    flower, inprocess = runs["flower"], runs["inprocess"]
+    assert set(flower) == set(inprocess)
+    assert set(flower["secure_aggregation"]) == set(inprocess["secure_aggregation"])
+    for key in ("participants", "counted_shares", "threshold", "bits", "local_variance", "granularity"):
+        assert flower["secure_aggregation"][key] == inprocess["secure_aggregation"][key], key
+    # the same bytes per hospital and batch: the same messages, whichever engine carried them
+    assert flower["secure_aggregation"]["bytes_up_per_hospital"] == inprocess["secure_aggregation"]["bytes_up_per_hospital"]
+    assert flower["epsilon"] == pytest.approx(inprocess["epsilon"])
+
+
+def test_secure_pate_deployed_with_tls_and_supernode_authentication(cache, tmp_path):
+    """pate-anchored-secure across separate SuperNode processes (TLS, authenticated keys): each deployed
+    hospital checks the request against its own policy (node config), keeps its secrets on its node and
+    charges its own ledger (workdir/privacy-ledger.jsonl)."""
+    from sim.deployment.fedpate_local import run_local_deployment
+
+    out, work = tmp_path / "run", tmp_path / "work"
+    settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out), progress=False,
+                           wait_seconds=180, reply_timeout=300, query_timeout=120)
+    results = run_local_deployment(settings, work, timeout=900)
+    assert results["deployment"]["status"] == "finished:completed"
+    assert results["deployment"]["tls"] and results["deployment"]["supernode_auth"]
+    _check_secure(out, results, {h: work / "hospitals" / h / "privacy-ledger.jsonl"
+                                 for h in ("hospital-00", "hospital-01")})

@@ -129,3 +129,28 @@ def test_evaluate_replies_scalars_only(node, tiny_prepared, tiny_split):
     metrics = read_content(reply.content)[0]
     assert metrics["on"] == "public-test"
     assert len(metrics["teacher_dice"]) == read_content(send("query.identify").content)[0]["teachers"]
+
+
+def test_nested_messages_travel_as_json_and_arrays_without_pickle():
+    """The secure sum's messages: bytes become uint8 arrays, arrays stay arrays (dtype and shape), tuples
+    become lists; what cannot travel, or a reference to a missing array, is an error."""
+    from sim.flower_wire import pack_nested, unpack_nested
+
+    message = {"public_keys": {"h0": (b"\x00pk1", b""), "h1": (b"pk1", b"pk2")}, "masked": np.arange(5, dtype=np.int64),
+               "codec": {"kind": np.array("pca"), "latent_dim": np.array(4)}, "ids": ["q-0", "q-1"],
+               "noise": {"local_variance": 1e6 / 3, "shares": 2, "flag": True, "none": None}}
+    skeleton, arrays = pack_nested(message)
+    config, records = read_content(make_content({"message": skeleton}, message=arrays))
+    assert json.dumps(config)   # the skeleton is plain JSON
+    back = unpack_nested(config["message"], records["message"])
+    assert back["public_keys"] == {"h0": [b"\x00pk1", b""], "h1": [b"pk1", b"pk2"]}
+    assert back["masked"].dtype == np.int64 and back["masked"].tolist() == [0, 1, 2, 3, 4]
+    assert back["codec"]["kind"].item() == "pca" and back["codec"]["latent_dim"].shape == ()
+    assert back["noise"] == message["noise"] and back["ids"] == message["ids"]
+    for bad in ({"$bytes": 1}, {1: "int key"}, {"x": object()}):
+        with pytest.raises((TypeError, ValueError)):
+            pack_nested(bad)
+    with pytest.raises(KeyError):
+        unpack_nested({"k": {"$bytes": "b9"}}, {})
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_nested({"k": {"$bytes": "a0"}}, {"a0": np.zeros(3, np.int64)})
