@@ -414,9 +414,10 @@ def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any], co
     """One secure-sum stage at a hospital whose per-session secrets live in ``store`` (a mutable mapping
     session id -> :func:`session_state`, or :data:`FINISHED`), not in ``secure``: the in-process engine keeps
     a dict per hospital, the Flower ClientApp the node's ``context.state`` (rebuilt objects, same secrets), so
-    both engines run exactly this code. After the unmask stage the session's secrets are dropped and only
-    the fact that it finished is kept: every later message for it is refused. A stage that is refused still
-    records what it changed (as :class:`SecureSumParty` does in memory: an out-of-order stage is not retried)."""
+    both engines run exactly this code. After an unmask message -- answered or refused, nothing can follow
+    it -- the session's secrets are dropped and only the fact that it finished is kept: every later message
+    for it is refused. Another stage that is refused still records what it changed (as
+    :class:`SecureSumParty` does in memory: an out-of-order stage is not retried)."""
     key = str(message.get("session"))
     if key in store and store[key] is FINISHED:
         raise SecureRequestRefused(f"hospital {secure.party.name}: secure-sum session {key!r} is finished")
@@ -429,7 +430,5 @@ def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any], co
     finally:
         session = secure.party.sessions.pop(key, None)
         if session is not None:
-            store[key] = session_state(session, secure.party.policy)
-    if stage == "unmask":
-        store[key] = FINISHED
+            store[key] = FINISHED if stage == "unmask" else session_state(session, secure.party.policy)
     return reply

@@ -277,7 +277,10 @@ def test_node_sessions_round_trip_and_forget_their_secrets(tmp_path):
         run_stage(SecureHospital(hospital), "setup", {"session": "s", "participants": ["h0", "h1"],
                                                       "threshold": 2, "bits": BITS, "length": length,
                                                       "noise": noise}, config, store)
-    store["s"] = FINISHED
+    # an unmask message ends the session even when it is refused (here: out of order, right after setup)
+    with pytest.raises(UserError, match="out of order"):
+        run_stage(SecureHospital(hospital), "unmask", {"session": "s", "survivors": ["h0", "h1"], "dropped": []},
+                  config, store)
     assert store["s"] is FINISHED and list(store.state) == [NodeSecureSessions.FINISHED_RECORD]
     with pytest.raises(UserError, match="finished"):
         run_stage(SecureHospital(hospital), "share-keys", {"session": "s", "public_keys": {}}, config, store)
