@@ -17,7 +17,7 @@ from privacy.mechanisms import NoiseSource
 from sim.device import check_device_spec, check_precision
 from sim.errors import UserError
 from sim import methods as registry
-from sim.presets import PRESETS, Preset, get_preset
+from sim.presets import Preset, get_preset, preset_reference
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -103,8 +103,7 @@ class RunSettings:
         federated = registry.names(federated=True)
         if self.method not in federated:
             raise UserError(f"method: {self.method!r} is not a federated method; expected one of {', '.join(federated)}")
-        if self.preset not in PRESETS:
-            raise UserError(f"preset: unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+        object.__setattr__(self, "preset", preset_reference(self.preset))   # a name, or a variant's reference
         if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise UserError(f"epsilon: expected a positive number, got {self.epsilon}")
         if self.delta is not None and not (0 < self.delta < 1):
