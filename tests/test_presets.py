@@ -4,6 +4,8 @@ setting, the option enums' lookup listing the choices, and the run config derive
 from __future__ import annotations
 
 import dataclasses
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,9 @@ from sim.errors import UserError
 from sim.options import Decoder, PcaMode, PublicStart, SplitScheme, Trainable, look_up_option
 from sim.presets import (PRESETS, Codec, DpFedAvg, DpSetting, DpSgd, Federation, Preset, SelfTraining, Student,
                          Teachers, World, get_preset, preset_reference)
+
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_a_preset_cannot_be_mutated(name):
@@ -136,6 +141,21 @@ def test_the_defaults_live_in_the_groups():
     assert paper.teacher == Teachers(epochs=100) and paper.student == Student(epochs=100)
     assert paper.dp_sgd == DpSgd() and paper.dp_fedavg == DpFedAvg() and paper.self_training == SelfTraining()
     assert paper.public_start is PublicStart.REFERENCE and isinstance(paper.world, World)
+
+
+def test_the_run_config_is_derived_from_the_run_settings_fields():
+    from sim.runconfig import RunSettings, run_config_keys
+
+    app_config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert list(app_config) and set(app_config) == set(run_config_keys())
+    settings = RunSettings.from_run_config(app_config)
+    assert RunSettings.from_run_config(settings.to_run_config()) == settings
+    given = RunSettings(method="dp-fedavg", hospitals=3, query_timeout=5.0, reproducible_noise=True)
+    config = given.to_run_config()
+    assert config["hospitals"] == 3 and config["teachers-per-hospital"] == 0 and config["data"] == ""
+    again = RunSettings.from_run_config(config)
+    assert (again.hospitals, again.teachers_per_hospital, again.data, again.query_timeout,
+            again.reproducible_noise) == (3, None, None, 5.0, True)
 
 
 def test_the_cli_offers_exactly_the_enums_choices():
