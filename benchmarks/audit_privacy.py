@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
     from sim.presets import get_preset
 
-    bins = args.anchored_bins or int(get_preset("quick").extra.get("anchored_intensity_bins", 1))
+    bins = args.anchored_bins or get_preset("quick").codec.anchored_intensity_bins
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None
     seed = args.seed or 0
     started, cpu_started = time.perf_counter(), time.process_time()

@@ -23,14 +23,15 @@ def synthetic_world(preset, seed=0):
     from sim.data.synthetic import SyntheticPrepared
 
     per_hospital = preset.teachers_per_hospital
-    needed = preset.hospitals * per_hospital + preset.n_query + preset.n_reference + preset.n_test
+    sets = preset.world
+    needed = preset.hospitals * per_hospital + preset.federation.n_query + sets.n_reference + sets.n_test
     prepared = SyntheticPrepared(needed, seed=seed)
     ids = iter(prepared.case_ids)
     hospitals = {f"h{h}": [[next(ids)] for _ in range(per_hospital)] for h in range(preset.hospitals)}
     take = lambda n: [next(ids) for _ in range(n)]  # noqa: E731
-    return prepared, Split(hospitals=hospitals, public_query=take(preset.n_query),
-                           public_reference=take(preset.n_reference), public_validation=[],
-                           test=take(preset.n_test))
+    return prepared, Split(hospitals=hospitals, public_query=take(preset.federation.n_query),
+                           public_reference=take(sets.n_reference), public_validation=[],
+                           test=take(sets.n_test))
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     preset = get_preset(args.preset)
     world = {}
     if args.synthetic:
-        preset = preset.replace(grid=(16, 16, 16))
+        preset = preset.with_changes(grid=(16, 16, 16))
         world = dict(zip(("prepared", "split"), synthetic_world(preset)))
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_pate_"))
     rows = []

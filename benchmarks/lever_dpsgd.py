@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-import sim.presets as presets
+from sim.presets import get_preset
 from sim.runners.central import CentralConfig, run_central
 
 #: the quick preset's grid before DP-SGD trained with the ceiling's settings (chosen on public validation)
@@ -52,13 +52,14 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.out)
     shared = Path(args.public_model) if args.public_model else root / "public-model.pt"
-    base = presets.PRESETS[args.preset]
+    base = get_preset(args.preset)
     for name in args.variants:
         started = time.time()
         options = dict(VARIANTS[name])
-        # a grid is the preset's: looked up by name in this process (no worker interpreters here)
-        presets.PRESETS[args.preset] = base.replace(dpsgd_grid=options.pop("dpsgd_grid", base.dpsgd_grid))
-        result = run_central(CentralConfig.of(method="dp-sgd", preset=args.preset, out=root / name,
+        # a grid is the preset's: the run gets a variant of it (sim.presets), rebuilt from its reference
+        grid = options.pop("dpsgd_grid", None)
+        preset = base.with_changes(dp_sgd=dict(grid=grid)) if grid is not None else base
+        result = run_central(CentralConfig.of(method="dp-sgd", preset=preset, out=root / name,
                                               epsilon=args.epsilon, seed=args.seed, progress=False,
                                               public_model_checkpoint=shared, **options))
         dice = result["dice"]

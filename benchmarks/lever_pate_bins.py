@@ -6,16 +6,15 @@ process.
         --methods pate-anchored,public-only --out runs/lever-pate-bins-k16
 
 Runs ``fedpate compare``'s cells with the quick preset's anchored codec set to ``--bins`` T1-Gd bins per shell
-(``anchored_intensity_bins`` in the preset's extras; 1 = the default codec). The report's *ensemble* column (the
+(the preset's ``codec.anchored_intensity_bins``; 1 = the default codec). The report's *ensemble* column (the
 teachers' encodings decoded without noise) says what the codec could carry from these teachers; compare it with
 ``benchmarks/codec_ceiling.py`` (what it could carry from teachers who knew the truth). Every cell spends its ε:
 a measurement, not a release.
 """
 import argparse
-import dataclasses
 from pathlib import Path
 
-import sim.presets as presets
+from sim.presets import get_preset
 from sim.runners.compare import CompareConfig, run_compare
 
 
@@ -26,7 +25,8 @@ def main() -> None:
     parser.add_argument("--epsilons", default="8")
     parser.add_argument("--methods", default="pate-anchored,public-only,nonprivate-central")
     parser.add_argument("--teachers-per-hospital", type=int, default=None)
-    parser.add_argument("--teacher-epochs", type=int, default=None, help="fine-tuning epochs per teacher (preset's: 6)")
+    parser.add_argument("--teacher-epochs", type=int, default=None,
+                        help="fine-tuning epochs per teacher (default: the preset's)")
     parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (sim.networks.TRAINABLE_SETS)")
     parser.add_argument("--teacher-learning-rate", type=float, default=None)
     parser.add_argument("--teacher-augment", choices=("yes", "no"), default=None)
@@ -34,17 +34,14 @@ def main() -> None:
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    base = presets.PRESETS[args.preset]
-    # the preset object is looked up by name by every cell of this process (workers=1: no other interpreter)
-    teachers = {key: value for key, value in (("teacher_trainable", args.teacher_trainable),
-                                              ("teacher_learning_rate", args.teacher_learning_rate),
-                                              ("teacher_augment", None if args.teacher_augment is None
-                                               else args.teacher_augment == "yes"),
-                                              ("anchored_decoder", args.decoder)) if value is not None}
-    presets.PRESETS[args.preset] = dataclasses.replace(base, extra={**base.extra, "anchored_intensity_bins": args.bins,
-                                                                    **teachers},
-                                                       teacher_epochs=args.teacher_epochs or base.teacher_epochs)
-    run_compare(CompareConfig(args.preset, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
+    teacher = {key: value for key, value in (("epochs", args.teacher_epochs), ("trainable", args.teacher_trainable),
+                                             ("learning_rate", args.teacher_learning_rate),
+                                             ("augment", None if args.teacher_augment is None
+                                              else args.teacher_augment == "yes")) if value is not None}
+    codec = {"anchored_intensity_bins": args.bins, **({"anchored_decoder": args.decoder} if args.decoder else {})}
+    # a variant of the preset: every cell (and worker) rebuilds it from its reference (sim.presets)
+    variant = get_preset(args.preset).with_changes(teacher=teacher, codec=codec)
+    run_compare(CompareConfig(variant, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
                               Path(args.out), seed=args.seed, progress=False, workers=1,
                               teachers_per_hospital=[args.teachers_per_hospital] if args.teachers_per_hospital else None))
 

@@ -30,7 +30,7 @@ def main() -> None:
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     for epochs in args.epochs:
-        preset = get_preset("quick").replace(teacher_epochs=epochs)
+        preset = get_preset("quick").with_changes(teacher=dict(epochs=epochs))
         result = run_pate_inprocess(preset, "pate-anchored", args.epsilon, None, root / f"E{epochs}", seed=args.seed,
                                     progress=False, hospitals_root=root / f"hospitals-E{epochs}",
                                     shared_dir=root / "shared")

@@ -35,6 +35,7 @@ from sim.dpsgd import DPConfig, steps_per_epoch
 from sim.errors import UserError
 from sim.names import check_name_part
 from sim.networks import build_unet
+from sim.options import Relation, look_up_option
 from sim.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
 
@@ -67,7 +68,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     local_epochs = int(config.get("local_epochs", 1))
     epsilon = float(config["epsilon"])
     delta = float(config["delta"])
-    relation = str(config.get("relation", "replace-one"))
+    relation = look_up_option(config.get("relation", Relation.REPLACE_ONE), Relation, "relation")
     case_ids = [case for partition in hospital.partitions for case in partition]
     images = hospital.prepared.images(case_ids)
     labels = hospital.prepared.labels(case_ids)
@@ -97,8 +98,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     # the server's run tag and round name the release; the hospital's nonce makes every training its own
     prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}@{mint_nonce()}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=float(config.get("max_grad_norm") or preset.dpsgd_max_grad_norm),
-                  per_layer=bool(preset.extra.get("dpsgd_per_layer", True)), release_prefix=prefix,
+                  max_grad_norm=float(config.get("max_grad_norm") or preset.dp_sgd.max_grad_norm),
+                  per_layer=preset.dp_sgd.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
     # issue 30: local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
     # on the host from the stream above and copied, sim.dpsgd)

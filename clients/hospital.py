@@ -43,6 +43,7 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from privacy.options import Relation
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
@@ -51,7 +52,8 @@ from sim.dpsgd import DPConfig
 from sim.errors import UserError
 from sim.names import check_name_part
 from sim.io import atomic_save_torch, atomic_write_json
-from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
+from sim.networks import build_unet, load_start_weights
+from sim.options import Trainable, look_up_option
 from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
 
 
@@ -100,7 +102,7 @@ class Hospital:
     def _teacher_path(self, k: int) -> Path:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
 
-    def _new_model(self, trainable: str = "all"):
+    def _new_model(self, trainable: Trainable = Trainable.ALL):
         """A teacher's network: the preset's U-Net, with a voxel head when the teachers train one."""
         return build_unet(self.preset.unet, trainable=trainable)
 
@@ -123,8 +125,8 @@ class Hospital:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
                 # a saved teacher says what it is: its weights hold a voxel head or not
-                model = self._new_model(VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state)
-                                        else "all")
+                model = self._new_model(Trainable.VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state)
+                                        else Trainable.ALL)
                 model.load_state_dict(state)
             except Exception as exc:   # a torn or foreign file: this hospital cannot answer with it
                 raise UserError(f"hospital {self.hospital_id}: cannot load teacher {k} from {path} "
@@ -150,12 +152,14 @@ class Hospital:
         config = dict(config or {})
         init = config.get("init_weights")
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
-        epochs = int(config.get("teacher_epochs", self.preset.teacher_epochs))
+        recipe = self.preset.teacher
+        epochs = int(config.get("teacher_epochs", recipe.epochs))
         # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
-        # (sim.networks.VoxelHeadUNet); its learning rate and augmentation travel with it
-        trainable = str(config.get("teacher_trainable") or "all")
-        learning_rate = float(config.get("teacher_learning_rate") or self.preset.learning_rate)
-        augment = bool(config.get("teacher_augment", True))
+        # (sim.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
+        trainable = look_up_option(config.get("teacher_trainable") or recipe.trainable, Trainable,
+                                   "teacher_trainable").value
+        learning_rate = float(config.get("teacher_learning_rate") or recipe.learning_rate or self.preset.learning_rate)
+        augment = bool(config.get("teacher_augment", recipe.augment))
         seed = int(config.get("seed", self.seed))
         local_dp = config.get("local_dp")
         device, precision = self.compute(config)
@@ -211,7 +215,7 @@ class Hospital:
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
-                "local_relation": "add-remove" if local_dp else None,
+                "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
                 "device": str(device), "precision": precision}
 
         atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})

@@ -52,6 +52,7 @@ from typing import Iterable, Sequence
 from scipy import optimize, special
 
 from privacy.errors import PrivacyError, UnsupportedEvent
+from privacy.options import Relation
 from privacy.events import (
     ComposedEvent,
     DistributedDiscreteGaussianEvent,
@@ -331,7 +332,7 @@ class _DpAccountingWrapper(Accountant):
     def _make_inner(self, relation: str):
         """A fresh dp_accounting accountant under ``relation``."""
 
-    def __init__(self, inner_relation: str = "add-remove") -> None:
+    def __init__(self, inner_relation: str = Relation.ADD_REMOVE) -> None:
         super().__init__()
         self._inner_relation = inner_relation
         self._inner = self._make_inner(inner_relation)
@@ -402,9 +403,8 @@ def _dp_accounting_relation(relation: str):
     # gdp-exact / zcdp / basic accountants never pay for it
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    return {"add-remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace-one": NeighboringRelation.REPLACE_ONE}[
-        relation
-    ]
+    return {Relation.ADD_REMOVE: NeighboringRelation.ADD_OR_REMOVE_ONE,
+            Relation.REPLACE_ONE: NeighboringRelation.REPLACE_ONE}[relation]
 
 
 _EVENT_PLD_CACHE_SIZE = 32   # a replace-one DP-SGD epoch's PLD is ~2 MB at the default discretisation
@@ -475,9 +475,9 @@ class PLDAccountant(_DpAccountingWrapper):
         self, value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION, neighboring_relation: str | None = None
     ) -> None:
         self.value_discretization_interval = float(value_discretization_interval)
-        if neighboring_relation not in (None, "add-remove", "replace-one"):
+        if neighboring_relation not in (None, Relation.ADD_REMOVE, Relation.REPLACE_ONE):
             raise PrivacyError(f"neighboring_relation must be add-remove or replace-one, got {neighboring_relation!r}")
-        super().__init__(neighboring_relation or "add-remove")
+        super().__init__(neighboring_relation or Relation.ADD_REMOVE)
 
     def _make_inner(self, relation: str):
         # dp_accounting only when this accountant is built (see _dp_accounting_relation)
@@ -487,8 +487,9 @@ class PLDAccountant(_DpAccountingWrapper):
         )
 
     def _inner_relation_for(self, event: Event) -> str:
-        if any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one" for leaf in event.leaves()):
-            return "replace-one"
+        if any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == Relation.REPLACE_ONE
+               for leaf in event.leaves()):
+            return Relation.REPLACE_ONE
         return self._inner_relation
 
     def _supports_leaf(self, event: Event) -> bool:
@@ -548,19 +549,19 @@ class RDPAccountant(_DpAccountingWrapper):
         if isinstance(event, SampledGaussianEvent):
             # replace-one: the weak-triangle curve (replace_one_sampled_gaussian_rdp), only where the best order
             # is chosen after the fact for a fixed sequence (not in the filter, whose orders are few and fixed)
-            return event.relation == "add-remove" or not self.filter_valid
+            return event.relation == Relation.ADD_REMOVE or not self.filter_valid
         return isinstance(event, (GaussianEvent, LaplaceEvent, ZCDPEvent, DistributedDiscreteGaussianEvent))
 
     def _apply(self, event: Event, count: int = 1) -> None:
         if (not self.filter_valid and not isinstance(event, RepeatAndSelectEvent)
-                and any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one"
+                and any(isinstance(leaf, SampledGaussianEvent) and leaf.relation == Relation.REPLACE_ONE
                         for leaf in event.leaves())):
             # dp_accounting's RDP has no replace-one Poisson subsampling: add the weak-triangle curve of each
             # such leaf to its composed curve (as for the repeated selection below), the rest through it
             curve = 0.0
             rest = []
             for leaf in event.leaves():
-                if isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one":
+                if isinstance(leaf, SampledGaussianEvent) and leaf.relation == Relation.REPLACE_ONE:
                     curve = curve + replace_one_sampled_gaussian_rdp(leaf.sampling_rate, leaf.noise_multiplier,
                                                                      leaf.steps, self._inner.orders)
                 else:
@@ -577,7 +578,7 @@ class RDPAccountant(_DpAccountingWrapper):
         self._inner._rdp = self._inner._rdp + count * curve
 
     def _why_not(self, event: Event) -> str:
-        if isinstance(event, SampledGaussianEvent) and event.relation != "add-remove":
+        if isinstance(event, SampledGaussianEvent) and event.relation != Relation.ADD_REMOVE:
             return (
                 f"the {self.name} accountant refuses Poisson-sampled Gaussians under {event.relation}: "
                 "dp_accounting's RDP accountant supports Poisson subsampling only under ADD_OR_REMOVE_ONE "
@@ -693,12 +694,12 @@ def base_rdp_curve(event: Event, orders):
     for leaf in event.leaves():
         if leaf.adaptive:
             raise UnsupportedEvent("base_rdp_curve: an adaptively chosen event has no fixed RDP curve")
-        if isinstance(leaf, SampledGaussianEvent) and leaf.relation == "replace-one":
+        if isinstance(leaf, SampledGaussianEvent) and leaf.relation == Relation.REPLACE_ONE:
             total = total + replace_one_sampled_gaussian_rdp(leaf.sampling_rate, leaf.noise_multiplier, leaf.steps,
                                                              orders)
             continue
         acc = rdp_privacy_accountant.RdpAccountant(orders=list(orders))
-        dp = leaf.to_dp_accounting("add-remove")
+        dp = leaf.to_dp_accounting(Relation.ADD_REMOVE)
         if not acc.supports(dp):
             raise UnsupportedEvent(f"base_rdp_curve: dp_accounting's RDP cannot account {type(leaf).__name__}")
         acc.compose(dp)
@@ -1011,7 +1012,7 @@ def epsilon_per_relation(events: Sequence[Event], delta: float, relation: str | 
     shuffled epochs) or has no valid accountant (adaptive events under replace-one).
     """
     out: dict[str, float | None] = {}
-    for name in ("add-remove", "replace-one"):
+    for name in (Relation.ADD_REMOVE, Relation.REPLACE_ONE):
         value = epsilon if name == relation else None
         if name != relation and events:
             try:

@@ -21,6 +21,7 @@ from privacy.accountants import (
     zcdp_rho_for,
 )
 from privacy.errors import PrivacyError
+from privacy.options import Relation
 from privacy.validation import positive_number, probability
 from privacy.events import (SAMPLED_RELATIONS, ComposedEvent, Event, GaussianEvent, RepeatAndSelectEvent,
                             SampledGaussianEvent, ZCDPEvent)
@@ -96,7 +97,7 @@ def calibrate(
         # same mechanisms read under add/remove (a rough locator only; the PLD search below is exact).
         def rough_event(x: float) -> Event:
             event = make_event(x)
-            moved = event.with_relation("add-remove") if event.relation == "replace-one" else None
+            moved = event.with_relation(Relation.ADD_REMOVE) if event.relation == Relation.REPLACE_ONE else None
             return event if moved is None else moved
 
         try:
@@ -246,7 +247,7 @@ def dpsgd_noise_multiplier(
     steps: int,
     accountant: str = "pld",
     value_discretization_interval: float | None = None,
-    relation: str = "add-remove",
+    relation: str = Relation.ADD_REMOVE,
 ) -> float:
     """Noise multiplier z for ``steps`` Poisson-sampled DP-SGD steps at rate q to be (ε, δ)-DP under ``relation``.
 
@@ -275,7 +276,7 @@ def composed_dpsgd_noise_multiplier(
     runs,
     accountant: str = "pld",
     value_discretization_interval: float | None = None,
-    relation: str = "add-remove",
+    relation: str = Relation.ADD_REMOVE,
 ) -> float:
     """One noise multiplier z for several Poisson-sampled DP-SGD runs on the same data that together are
     (ε, δ)-DP under ``relation``: ``runs`` is a sequence of (sampling rate q_i, steps T_i), composed
@@ -305,7 +306,7 @@ def composed_dpsgd_noise_multiplier(
         SampledGaussianEvent(q, 1.0, steps)  # validates q and steps with named errors
     if accountant not in ("pld", "rdp"):
         raise PrivacyError(f"accountant must be 'pld' or 'rdp' for Poisson-sampled DP-SGD, got {accountant!r}")
-    if relation == "replace-one" and accountant != "pld":
+    if relation == Relation.REPLACE_ONE and accountant != "pld":
         raise PrivacyError("accountant must be 'pld' for replace-one Poisson-sampled DP-SGD: dp_accounting's RDP "
                            "accountant has no Poisson subsampling under REPLACE_ONE")
     options = {}
@@ -325,17 +326,17 @@ def composed_dpsgd_noise_multiplier(
     # Start from the add/remove RDP answer (fast) so that PLD only needs a narrow bracket: under add/remove
     # PLD's z is below RDP's; under replace-one it was within 0.97-1.66 times it in the settings we tried
     # (calibrate widens the bracket when it has to). Brackets stay below 1.7x so calibrate does not try RDP.
-    add_remove = lambda z: event(z, "add-remove")  # noqa: E731
+    add_remove = lambda z: event(z, Relation.ADD_REMOVE)  # noqa: E731
     guess = calibrate(add_remove, epsilon, delta, "rdp", 0.5, 2.0, rtol=1e-2)
     if accountant == "rdp":
         return calibrate(add_remove, epsilon, delta, "rdp", guess * 0.9, guess * 1.1)
-    if relation == "add-remove":
+    if relation == Relation.ADD_REMOVE:
         return calibrate(add_remove, epsilon, delta, "pld", guess * 0.9, guess * 1.02, accountant_options=options)
-    replace_one = lambda z: event(z, "replace-one")  # noqa: E731
+    replace_one = lambda z: event(z, Relation.REPLACE_ONE)  # noqa: E731
     return calibrate(replace_one, epsilon, delta, "pld", guess * 0.9, guess * 1.5, accountant_options=options)
 
 
-def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relation: str = "zero-out") -> float:
+def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relation: str = Relation.ZERO_OUT) -> float:
     """Noise multiplier for ``epochs`` shuffled disjoint-batch epochs (Yu et al.; zCDP).
 
     Each epoch is ``c/σ²``-zCDP with ``c = 1/2`` under zero-out adjacency (sensitivity C; Yu et al. Thm. 2)
@@ -360,7 +361,7 @@ def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relatio
 
 
 def selection_event(sampling_rate: float, noise_multiplier: float, steps: int, score_sensitivity: float,
-                    score_sigma: float, mean: float, shape: float | None, relation: str = "replace-one"):
+                    score_sigma: float, mean: float, shape: float | None, relation: str = Relation.REPLACE_ONE):
     """The ledger event of private selection: ``RepeatAndSelectEvent`` of one repetition =
     (at most ``steps`` Poisson-sampled DP-SGD steps at rate q and multiplier z) then (one Gaussian score of
     L2 sensitivity ``score_sensitivity`` and std ``score_sigma``), composed sequentially.
@@ -380,7 +381,7 @@ def selection_event(sampling_rate: float, noise_multiplier: float, steps: int, s
 
 def private_selection_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
                                        score_sensitivity: float, score_sigma: float, mean: float,
-                                       shape: float | None, relation: str = "replace-one") -> float:
+                                       shape: float | None, relation: str = Relation.REPLACE_ONE) -> float:
     """DP-SGD noise multiplier z so that :func:`selection_event` is (ε, δ)-DP (RDP accountant; the only one
     that analyses repeated selection). The score's noise is fixed by the caller; PrivacyError when the score
     alone (z → ∞) already exceeds the budget.

@@ -48,24 +48,23 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
 from privacy.errors import PrivacyError, UnsupportedEvent
+from privacy.options import Relation, look_up_option
 from privacy.validation import positive_integer, positive_number
 
-RELATIONS = ("replace-one", "add-remove", "zero-out")
+RELATIONS = tuple(Relation)
 
 #: Relations under which dp_accounting analyses Poisson-sampled Gaussians (``REPLACE_ONE`` / ``ADD_OR_REMOVE_ONE``).
-SAMPLED_RELATIONS = ("replace-one", "add-remove")
+SAMPLED_RELATIONS = (Relation.REPLACE_ONE, Relation.ADD_REMOVE)
 
 #: Inner relations of dp_accounting accountants that :meth:`Event.to_dp_accounting` converts for.
-INNER_RELATIONS = ("add-remove", "replace-one")
+INNER_RELATIONS = (Relation.ADD_REMOVE, Relation.REPLACE_ONE)
 
 #: L2 sensitivity of one shuffled batch's clipped gradient sum, in units of the clip norm C, per relation.
-SHUFFLED_SENSITIVITY = {"zero-out": 1.0, "replace-one": 2.0}
+SHUFFLED_SENSITIVITY = {Relation.ZERO_OUT: 1.0, Relation.REPLACE_ONE: 2.0}
 
 
-def _relation(value: Any, owner: str) -> str:
-    if value not in RELATIONS:
-        raise PrivacyError(f"{owner}: relation must be one of {', '.join(RELATIONS)}, got {value!r}")
-    return value
+def _relation(value: Any, owner: str) -> Relation:
+    return look_up_option(value, Relation, f"{owner}: relation")
 
 
 def _flag(name: str, value: Any, owner: str) -> bool:
@@ -85,7 +84,7 @@ def _gaussian_dp_event(sigma_over_sensitivity: float, count: int, inner: str):
     # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
     from dp_accounting import dp_event
 
-    multiplier = sigma_over_sensitivity * (2.0 if _inner(inner) == "replace-one" else 1.0)
+    multiplier = sigma_over_sensitivity * (2.0 if _inner(inner) == Relation.REPLACE_ONE else 1.0)
     single = dp_event.GaussianDpEvent(noise_multiplier=multiplier)
     return single if count == 1 else dp_event.SelfComposedDpEvent(single, count)
 
@@ -118,7 +117,7 @@ class Event:
             out[field.name] = value
         return out
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         """The equivalent dp_accounting ``DpEvent`` for an accountant under relation ``inner``.
 
         ``inner`` is ``"add-remove"`` (``ADD_OR_REMOVE_ONE``) or ``"replace-one"`` (``REPLACE_ONE``); see the
@@ -156,7 +155,7 @@ class GaussianEvent(Event):
     sensitivity: float
     sigma: float
     count: int = 1
-    relation: str = "replace-one"
+    relation: str = Relation.REPLACE_ONE
     adaptive: bool = False
     kind: ClassVar[str] = "gaussian"
 
@@ -176,7 +175,7 @@ class GaussianEvent(Event):
         """GDP parameter of the whole event, ``sqrt(count)·S/σ``."""
         return math.sqrt(self.count) * self.sensitivity / self.sigma
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         return _gaussian_dp_event(self.noise_multiplier, self.count, inner)
 
 
@@ -208,7 +207,7 @@ class SampledGaussianEvent(Event):
     sampling_rate: float
     noise_multiplier: float
     steps: int = 1
-    relation: str = "add-remove"
+    relation: str = Relation.ADD_REMOVE
     adaptive: bool = False
     kind: ClassVar[str] = "sampled-gaussian"
 
@@ -228,7 +227,7 @@ class SampledGaussianEvent(Event):
             )
         _flag("adaptive", self.adaptive, "SampledGaussianEvent")
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
@@ -270,7 +269,7 @@ class ZCDPEvent(Event):
     """
 
     rho: float
-    relation: str = "add-remove"
+    relation: str = Relation.ADD_REMOVE
     description: str = ""
     adaptive: bool = False
     kind: ClassVar[str] = "zcdp"
@@ -283,7 +282,7 @@ class ZCDPEvent(Event):
         _flag("adaptive", self.adaptive, "ZCDPEvent")
 
     @staticmethod
-    def shuffled_epoch_rho(noise_multiplier: float, relation: str = "zero-out") -> float:
+    def shuffled_epoch_rho(noise_multiplier: float, relation: str = Relation.ZERO_OUT) -> float:
         """ρ of one shuffled epoch at noise multiplier σ: ``(Δ/C)² / (2σ²)`` with Δ from the relation."""
         sigma = positive_number("noise_multiplier", noise_multiplier, "ZCDPEvent.shuffled_epochs")
         if relation not in SHUFFLED_SENSITIVITY:
@@ -296,7 +295,7 @@ class ZCDPEvent(Event):
 
     @classmethod
     def shuffled_epochs(
-        cls, noise_multiplier: float, epochs: int = 1, relation: str = "zero-out", adaptive: bool = False
+        cls, noise_multiplier: float, epochs: int = 1, relation: str = Relation.ZERO_OUT, adaptive: bool = False
     ) -> "ZCDPEvent":
         """``epochs`` shuffled epochs at noise multiplier σ (Yu et al. Sec. IV-B-1).
 
@@ -312,7 +311,7 @@ class ZCDPEvent(Event):
             adaptive=adaptive,
         )
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
@@ -331,7 +330,7 @@ class LaplaceEvent(Event):
     sensitivity: float
     scale: float
     count: int = 1
-    relation: str = "replace-one"
+    relation: str = Relation.REPLACE_ONE
     kind: ClassVar[str] = "laplace"
 
     def __post_init__(self) -> None:
@@ -345,11 +344,11 @@ class LaplaceEvent(Event):
         """Basic composition: ``count · S / b``."""
         return self.count * self.sensitivity / self.scale
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
-        if _inner(inner) == "replace-one":
+        if _inner(inner) == Relation.REPLACE_ONE:
             raise UnsupportedEvent(
                 "LaplaceEvent: dp_accounting has no Laplace PLD under REPLACE_ONE (its accountants read the "
                 "scale relative to a norm bound); it composes only in an add/remove-convention accountant"
@@ -363,7 +362,7 @@ class PureDPEvent(Event):
     """Any ε-DP mechanism (for example the exponential mechanism) described only by its ε (δ = 0)."""
 
     epsilon: float
-    relation: str = "replace-one"
+    relation: str = Relation.REPLACE_ONE
     description: str = ""
     kind: ClassVar[str] = "pure-dp"
 
@@ -410,7 +409,7 @@ class ComposedEvent(Event):
     def to_dict(self) -> dict:
         return {"type": self.kind, "events": [item.to_dict() for item in self.events]}
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
@@ -451,7 +450,7 @@ class DistributedDiscreteGaussianEvent(Event):
     shares: int
     dimension: int
     count: int = 1
-    relation: str = "replace-one"
+    relation: str = Relation.REPLACE_ONE
     kind: ClassVar[str] = "distributed-discrete-gaussian"
 
     def __post_init__(self) -> None:
@@ -485,7 +484,7 @@ class DistributedDiscreteGaussianEvent(Event):
     def rho(self) -> float:
         return self.count * self.rho_per_release
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 
@@ -563,7 +562,7 @@ class RepeatAndSelectEvent(Event):
     def to_dict(self) -> dict:
         return {"type": self.kind, "inner": self.inner.to_dict(), "mean": self.mean, "shape": self.shape}
 
-    def to_dp_accounting(self, inner: str = "add-remove"):
+    def to_dp_accounting(self, inner: str = Relation.ADD_REMOVE):
         # dp_accounting (~2 s) only when an event is handed to it, never to build or read a ledger
         from dp_accounting import dp_event
 

@@ -29,8 +29,9 @@ from privacy.calibration import calibrate
 from privacy.errors import PrivacyError
 from privacy.validation import positive_number
 from privacy.events import ComposedEvent, Event, SampledGaussianEvent, ZCDPEvent
+from privacy.options import Relation, Sampling, ScheduleFamily, look_up_option
 
-MODES = ("poisson", "shuffle")
+MODES = tuple(Sampling)
 
 
 
@@ -48,7 +49,7 @@ class TimeBasedSchedule:
     sigma0: float
     k: float
     period: int = 1
-    family = "time"
+    family = ScheduleFamily.TIME
 
     def __post_init__(self) -> None:
         positive_number("sigma0", self.sigma0)
@@ -67,7 +68,7 @@ class ExponentialSchedule:
     sigma0: float
     k: float
     period: int = 1
-    family = "exponential"
+    family = ScheduleFamily.EXPONENTIAL
 
     def __post_init__(self) -> None:
         positive_number("sigma0", self.sigma0)
@@ -86,7 +87,7 @@ class StepSchedule:
     sigma0: float
     k: float
     period: int = 1
-    family = "step"
+    family = ScheduleFamily.STEP
 
     def __post_init__(self) -> None:
         positive_number("sigma0", self.sigma0)
@@ -110,7 +111,7 @@ class PolynomialSchedule:
     sigma_end: float
     k: float
     period: int
-    family = "polynomial"
+    family = ScheduleFamily.POLYNOMIAL
 
     def __post_init__(self) -> None:
         positive_number("sigma0", self.sigma0)
@@ -151,7 +152,7 @@ class ValidationSchedule:
     threshold: float = 0.0
     window: int = 1
     period: int | None = None
-    family = "validation"
+    family = ScheduleFamily.VALIDATION
     scores: list = field(default_factory=list)
     current: float = field(default=0.0)
     last_average: float = field(default=0.0)
@@ -188,15 +189,13 @@ class ValidationSchedule:
 Schedule = TimeBasedSchedule | ExponentialSchedule | StepSchedule | PolynomialSchedule | ValidationSchedule
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise PrivacyError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
+def _check_mode(mode: str) -> Sampling:
+    return look_up_option(mode, Sampling, "mode")
 
 
 def default_relation(mode: str) -> str:
     """The one-record-in-or-out relation of a batching mode: add-remove (Poisson), zero-out (shuffled)."""
-    return "add-remove" if _check_mode(mode) == "poisson" else "zero-out"
+    return Relation.ADD_REMOVE if _check_mode(mode) is Sampling.POISSON else Relation.ZERO_OUT
 
 
 def epoch_event(
@@ -214,7 +213,7 @@ def epoch_event(
         adaptive: σ was chosen from earlier outputs (validation-based schedule); see the module docstring.
     """
     relation = relation or default_relation(mode)
-    if _check_mode(mode) == "poisson":
+    if _check_mode(mode) is Sampling.POISSON:
         return SampledGaussianEvent(sampling_rate, sigma, steps_per_epoch, relation=relation, adaptive=adaptive)
     return ZCDPEvent.shuffled_epochs(sigma, 1, relation=relation, adaptive=adaptive)
 
@@ -237,7 +236,7 @@ def schedule_events(
 
 
 def _default_accountant(mode: str) -> str:
-    return "pld" if mode == "poisson" else "zcdp"
+    return "pld" if mode == Sampling.POISSON else "zcdp"
 
 
 def _planning_options(name: str, epsilon: float) -> dict:
@@ -306,19 +305,18 @@ def schedule_epsilon(
 
 def make_schedule(family: str, sigma0: float, k: float, **kwargs):
     """Build a pre-defined schedule by family name: time | exponential | step | polynomial."""
-    if family == "time":
+    family = look_up_option(family, ScheduleFamily, "family")
+    if family is ScheduleFamily.TIME:
         return TimeBasedSchedule(sigma0, k, **kwargs)
-    if family == "exponential":
+    if family is ScheduleFamily.EXPONENTIAL:
         return ExponentialSchedule(sigma0, k, **kwargs)
-    if family == "step":
+    if family is ScheduleFamily.STEP:
         return StepSchedule(sigma0, k, **kwargs)
-    if family == "polynomial":
+    if family is ScheduleFamily.POLYNOMIAL:
         if "sigma_end" not in kwargs or "period" not in kwargs:
             raise PrivacyError("polynomial schedule needs sigma_end= and period=")
         return PolynomialSchedule(sigma0, kwargs.pop("sigma_end"), k, kwargs.pop("period"), **kwargs)
-    if family == "validation":
-        raise PrivacyError("validation schedules depend on observed scores and cannot be planned ahead")
-    raise PrivacyError(f"family must be one of time, exponential, step, polynomial, got {family!r}")
+    raise PrivacyError("validation schedules depend on observed scores and cannot be planned ahead")
 
 
 def plan_decay(
@@ -366,14 +364,14 @@ def plan_decay(
         return schedule_epsilon(schedule, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
                                 relation)
 
-    no_decay = 1.0 if family == "step" else 0.0
+    no_decay = 1.0 if family == ScheduleFamily.STEP else 0.0
     eps_constant = eps_of(no_decay)
     if eps_constant > epsilon:
         raise PrivacyError(
             f"plan_decay: even constant sigma0={sigma0} spends epsilon={eps_constant:.4g} > {epsilon} in "
             f"{target_epochs} epochs; raise sigma0 or lower target_epochs"
         )
-    if family == "polynomial":
+    if family == ScheduleFamily.POLYNOMIAL:
         floor = make_schedule(family, sigma0, 1e6, **dict(schedule_kwargs))
         eps_fastest = schedule_epsilon(floor, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
                                        relation)

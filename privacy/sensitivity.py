@@ -13,8 +13,9 @@ import math
 import numpy as np
 
 from privacy.errors import PrivacyError
+from privacy.options import Relation
 
-RELATION = "replace-one"
+RELATION = Relation.REPLACE_ONE
 
 
 def _teachers(teachers) -> int:

@@ -38,6 +38,8 @@ from sim.codecs.headfit import fit_head_decode
 from sim.device import resolve_device
 from sim.errors import UserError
 from sim.io import atomic_save_torch
+from sim.options import Decoder, PcaMode, Relation, look_up_option
+from sim.presets import Codec
 from sim.registry import Registry
 
 
@@ -92,7 +94,7 @@ class PublicFit:
 
 class Compressor:
     name = "compressor"
-    relation = "replace-one"
+    relation = Relation.REPLACE_ONE
     latent_dim: int = 0
     grid: tuple = ()
     classes: int = 4
@@ -188,12 +190,10 @@ class PCACompressor(Compressor):
 
     def __init__(self, n_components: int | None = None, sensitivity_mode: str = "public",
                  clip: float | None = None):
-        if sensitivity_mode not in ("public", "paper", "clip"):
-            raise UserError(f"sensitivity_mode: expected public, paper or clip, got {sensitivity_mode!r}")
         if n_components is not None and int(n_components) < 1:
             raise UserError(f"n_components: expected a positive integer or None, got {n_components}")
         self.n_components = None if n_components is None else int(n_components)
-        self.sensitivity_mode = sensitivity_mode
+        self.sensitivity_mode = look_up_option(sensitivity_mode, PcaMode, "sensitivity_mode")
         self.clip = None if clip is None else float(clip)
         self.eigenvalues: np.ndarray | None = None
         self.basis: np.ndarray | None = None   # all fitted components (r, d), orthonormal rows
@@ -229,7 +229,7 @@ class PCACompressor(Compressor):
         self.eigenvalues = values.astype(np.float64)
         # Only n-1 directions exist: a larger n_components is capped (reported by describe()).
         self.latent_dim = min(self.n_components or len(values), len(values))
-        if self.sensitivity_mode == "clip" and self.clip is None:
+        if self.sensitivity_mode is PcaMode.CLIP and self.clip is None:
             z = (flat - self.mean) @ self.basis[: self.latent_dim].T
             self.clip = float(np.linalg.norm(z, axis=1).max()) or 1.0
             self._clip_auto = True
@@ -257,18 +257,18 @@ class PCACompressor(Compressor):
 
         self._require_fit()
         l = self.latent_dim if l is None else int(l)
-        if self.sensitivity_mode == "paper":
+        if self.sensitivity_mode is PcaMode.PAPER:
             return float(sens.pca_paper_bound(self.d, 1))
-        if self.sensitivity_mode == "public":
+        if self.sensitivity_mode is PcaMode.PUBLIC:
             return float(sens.pca_public_bound(self.basis[:l], 1))
         return float(self.clip)
 
     def sensitivity(self, teachers: int) -> float:
         teachers = _teachers(teachers)
         self._require_fit()
-        if self.sensitivity_mode == "paper":
+        if self.sensitivity_mode is PcaMode.PAPER:
             return float(sens.pca_paper_bound(self.d, teachers))
-        if self.sensitivity_mode == "public":
+        if self.sensitivity_mode is PcaMode.PUBLIC:
             return float(sens.pca_public_bound(self.components, teachers))
         return float(sens.clipped_bound(self.clip, teachers))
 
@@ -302,7 +302,7 @@ class PCACompressor(Compressor):
         teachers = _teachers(teachers)
         if self.n_components is not None:
             self.latent_dim = min(self.n_components, len(self.eigenvalues))
-        elif self.sensitivity_mode in ("paper", "clip"):
+        elif self.sensitivity_mode in (PcaMode.PAPER, PcaMode.CLIP):
             sigma = c * self.sensitivity(teachers)
             self.latent_dim = choose_components(self.eigenvalues, sigma)
         else:
@@ -321,7 +321,7 @@ class PCACompressor(Compressor):
         self._require_fit()
         state = self._base_state("pca")
         state.update({
-            "mode": np.array(self.sensitivity_mode),
+            "mode": np.array(self.sensitivity_mode.value),
             "components": self.components.astype(np.float32),
             "mean": self.mean.astype(np.float32),
             "clip": np.array(float(self.clip) if self.clip is not None else float("nan")),
@@ -346,7 +346,7 @@ class PCACompressor(Compressor):
         return z @ self.components + self.mean
 
     def describe(self) -> dict:
-        return {"name": self.name, "latent_dim": int(self.latent_dim), "sensitivity_mode": self.sensitivity_mode,
+        return {"name": self.name, "latent_dim": int(self.latent_dim), "sensitivity_mode": self.sensitivity_mode.value,
                 "clip": self.clip, "fitted_components": None if self.eigenvalues is None else len(self.eigenvalues),
                 "explained_variance": None if self.eigenvalues is None else
                 float(self.eigenvalues[: self.latent_dim].sum() / self.eigenvalues.sum())}
@@ -594,11 +594,9 @@ class AnchoredResidualCompressor(Compressor):
 
     def __init__(self, shells: tuple = (-2, 5), clip: float | None = None, clip_scale: float = 2.5,
                  intensity_bins: int = 1, intensity_channel: int = codecs.T1GD_CHANNEL,
-                 decoder: str = "mass-matching", device=None):
+                 decoder: Decoder = Decoder.MASS_MATCHING, device=None):
         shells = tuple(int(v) for v in shells)
-        if decoder not in ANCHORED_DECODERS:
-            raise UserError(f"anchored codec: decoder must be one of {', '.join(ANCHORED_DECODERS)}, got {decoder!r}")
-        self.decoder = decoder
+        self.decoder = look_up_option(decoder, Decoder, "anchored codec: decoder")
         self.device = device
         if isinstance(intensity_bins, bool) or int(intensity_bins) != intensity_bins \
                 or not 1 <= int(intensity_bins) <= 255:
@@ -711,14 +709,14 @@ class AnchoredResidualCompressor(Compressor):
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
                 "intensity_bins": self.intensity_bins, "intensity_channel": self.intensity_channel,
-                "decoder": self.decoder,
+                "decoder": self.decoder.value,
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
 
 #: the anchored codec's decoders, by name (server side only: the hospitals encode, they never decode).
 #: ``decoder(compressor, z, anchor, sigma, scans) -> pseudo-labels``
-ANCHORED_DECODERS: dict[str, Callable[..., np.ndarray]] = {
-    "mass-matching": AnchoredResidualCompressor._mass_matching,
-    "head-fit": AnchoredResidualCompressor._head_fit,
+ANCHORED_DECODERS: dict[Decoder, Callable[..., np.ndarray]] = {
+    Decoder.MASS_MATCHING: AnchoredResidualCompressor._mass_matching,
+    Decoder.HEAD_FIT: AnchoredResidualCompressor._head_fit,
 }
 
 #: PATE method -> the factory of its compressor (one entry per method, so no code elsewhere tests method names)
@@ -753,14 +751,20 @@ def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str 
                                 **options)
 
 
+def _codec(preset) -> Codec:
+    """The preset's codec recipe (:class:`sim.presets.Codec`; its defaults without a preset)."""
+    return preset.codec if preset is not None else Codec()
+
+
 def _pca(preset, *, seed, checkpoint, progress, device=None, **options) -> PCACompressor:
-    return PCACompressor(options.get("n_components", getattr(preset, "pca_components", None)),
-                         options.get("sensitivity_mode", options.get("pca_mode", "public")), options.get("clip"))
+    return PCACompressor(options.get("n_components", _codec(preset).pca_components),
+                         options.get("sensitivity_mode", options.get("pca_mode", PcaMode.PUBLIC)), options.get("clip"))
 
 
 def _autoencoder(preset, *, seed, checkpoint, progress, device=None, **options) -> AutoencoderCompressor:
-    return AutoencoderCompressor(options.get("latent_dim", getattr(preset, "ae_latent_dim", 8)),
-                                 epochs=options.get("epochs", getattr(preset, "ae_epochs", 20)),
+    codec = _codec(preset)
+    return AutoencoderCompressor(options.get("latent_dim", codec.ae_latent_dim),
+                                 epochs=options.get("epochs", codec.ae_epochs),
                                  seed=seed, checkpoint=checkpoint, progress=progress, device=device)
 
 
@@ -769,12 +773,12 @@ def _identity(preset, *, seed, checkpoint, progress, device=None, **options) -> 
 
 
 def _anchored(preset, *, seed, checkpoint, progress, device=None, **options) -> AnchoredResidualCompressor:
-    extra = getattr(preset, "extra", None) or {}
-    return AnchoredResidualCompressor(options.get("shells", extra.get("anchored_shells", (-2, 5))),
-                                      options.get("clip"), options.get("clip_scale", extra.get("anchored_clip_scale", 2.5)),
-                                      options.get("intensity_bins", extra.get("anchored_intensity_bins", 1)),
+    codec = _codec(preset)
+    return AnchoredResidualCompressor(options.get("shells", codec.anchored_shells), options.get("clip"),
+                                      options.get("clip_scale", codec.anchored_clip_scale),
+                                      options.get("intensity_bins", codec.anchored_intensity_bins),
                                       options.get("intensity_channel", codecs.T1GD_CHANNEL),
-                                      options.get("decoder", extra.get("anchored_decoder", "mass-matching")), device)
+                                      options.get("decoder", codec.anchored_decoder), device)
 
 
 for _method, _factory in (("pate-pca", _pca), ("pate-ae", _autoencoder), ("pate-naive", _identity),

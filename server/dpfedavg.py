@@ -32,6 +32,8 @@ from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.errors import UserError
 from sim.names import safe_name_part
+from sim.options import Relation
+from sim.presets import DpSetting
 from sim.networks import build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
@@ -80,20 +82,18 @@ FEDAVG_SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "rounds",
 
 
 def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) -> list[dict]:
-    """The DP-FedAvg settings to try: one per entry of the preset's ``dpfedavg_grid`` (one when empty).
-    Defaults: the preset's learning rate and clipping norm, its DP-SGD expected batch (``dpsgd_batch_size``)
-    capped by what a hospital's few patients allow in the local sampler, ``central_epochs`` rounds of
+    """The DP-FedAvg settings to try: one per entry of the preset's ``dp_fedavg.grid`` (one when empty).
+    Defaults: the preset's learning rate, DP-SGD's clipping norm (``dp_sgd.max_grad_norm``), DP-FedAvg's expected
+    local batch (``dp_fedavg.batch_size``, else the preset's batch size), ``central_epochs`` rounds of
     ``local_epochs`` local epochs. ``rounds`` given explicitly fixes the rounds of every entry."""
-    base = {"learning_rate": preset.learning_rate, "max_grad_norm": preset.dpsgd_max_grad_norm,
-            "batch_size": int(preset.extra.get("dpfedavg_batch_size") or preset.batch_size),
+    recipe = preset.dp_fedavg
+    base = {"learning_rate": preset.learning_rate, "max_grad_norm": preset.dp_sgd.max_grad_norm,
+            "batch_size": int(recipe.batch_size or preset.batch_size),
             "rounds": int(rounds or max(1, preset.central_epochs // max(1, local_epochs))),
             "local_epochs": int(local_epochs)}
     settings = []
-    for entry in (preset.dpfedavg_grid or ({},)):
-        unknown = set(entry) - set(FEDAVG_SETTING_KEYS)
-        if unknown:
-            raise ValueError(f"preset {preset.name}: dpfedavg_grid entry has unknown keys {sorted(unknown)}")
-        setting = {**base, **entry}
+    for entry in (recipe.grid or (DpSetting(),)):
+        setting = {**base, **entry.fixed()}
         if rounds:
             setting["rounds"] = int(rounds)
         setting = {**{k: (float(setting[k]) if k in ("learning_rate", "max_grad_norm") else int(setting[k]))
@@ -105,7 +105,7 @@ def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) 
 
 def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, delta: float, out_dir: str | Path,
                  seed: int = 0, rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
-                 reproducible_noise: bool = False, relation: str = "replace-one",
+                 reproducible_noise: bool = False, relation: Relation = Relation.REPLACE_ONE,
                  init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public", device: str = "auto",
                  precision: str = "32") -> dict[str, Any]:
     """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results.

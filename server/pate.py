@@ -69,6 +69,7 @@ from sim.errors import UserError
 from sim import methods
 from sim.metrics import dice_scores
 from sim.networks import network_config_of
+from sim.options import PcaMode, Relation, look_up_option
 from sim.results import ModelRelease, RunResults, write_run
 from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from sim.world import PublicWorld
@@ -91,7 +92,7 @@ class PateConfig:
     query_batch: int = 8                  # public scans per query message
     soft_labels: bool = True              # the student learns the decoded probabilities, not their argmax
     include_reference: bool = True        # the student also trains on the public reference data
-    pca_mode: str = "public"              # PCA sensitivity bound: public | paper | clip (Fay et al. Sec. 3)
+    pca_mode: PcaMode = PcaMode.PUBLIC    # PCA sensitivity bound: public | paper | clip (Fay et al. Sec. 3)
     #: fit the compressor on all the public data there is: PCA / autoencoder also fit the
     #: public model's label maps of the public query scans (public model x public scans: no private input)
     fit_on_public_predictions: bool = True
@@ -114,6 +115,7 @@ class PateConfig:
         pate_methods = methods.names(protocol="pate")   # every registered method this protocol runs
         if self.method not in pate_methods:
             raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
+        object.__setattr__(self, "pca_mode", look_up_option(self.pca_mode, PcaMode, "pca_mode"))
         object.__setattr__(self, "device", check_device_spec(self.device))
         object.__setattr__(self, "precision", check_precision(self.precision))
 
@@ -275,26 +277,25 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
 
 
 def teacher_training(preset) -> dict[str, Any]:
-    """What the teachers train, as the preset says (``extra``: ``teacher_trainable``, ``teacher_learning_rate``,
-    ``teacher_augment``); nothing when it says nothing (every weight, the preset's learning rate, augmented)."""
-    keys = ("teacher_trainable", "teacher_learning_rate", "teacher_augment")
-    return {key: preset.extra[key] for key in keys if key in preset.extra}
+    """What the teachers train, as the preset's :class:`sim.presets.Teachers` says, in the hospitals' train
+    message: the trainable set, the learning rate (the preset's when the recipe names none) and augmentation."""
+    recipe = preset.teacher
+    return {"teacher_trainable": recipe.trainable.value,
+            "teacher_learning_rate": float(recipe.learning_rate or preset.learning_rate),
+            "teacher_augment": bool(recipe.augment)}
 
 
 def student_training(preset) -> dict[str, Any]:
-    """What the student trains, as the preset says (``extra``: ``student_trainable``, ``student_learning_rate``,
-    ``student_finetune``: then every weight, ``server.student.train_student``); nothing when it says nothing
-    (every weight, the preset's learning rate)."""
-    return {name: preset.extra[key] for key, name in (("student_trainable", "trainable"),
-                                                      ("student_learning_rate", "learning_rate"),
-                                                      ("student_finetune", "finetune"))
-            if key in preset.extra}
+    """What the student trains, as the preset's :class:`sim.presets.Student` says: ``server.student.train_student``'s
+    ``trainable``, ``learning_rate`` (None = the preset's) and ``finetune`` (then every weight)."""
+    recipe = preset.student
+    return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune}
 
 
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
-    metrics = transport.train({"teacher_epochs": preset.teacher_epochs, "seed": config.seed, **config.compute(),
+    metrics = transport.train({"teacher_epochs": preset.teacher.epochs, "seed": config.seed, **config.compute(),
                                **teacher_training(preset),
                                **({"local_dp": dict(config.local_dp)} if config.local_dp else {})},
                               init_weights=_state_arrays(public_model))
@@ -430,7 +431,7 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=start_init,
                             include_reference=config.include_reference, progress=config.progress,
                             device=config.device, precision=config.precision, **student_training(preset))
-    public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student_epochs, init=public_init,
+    public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student.epochs, init=public_init,
                                      progress=config.progress,
                                      checkpoint=shared / "public-only.pt" if shared else None,
                                      device=config.device, precision=config.precision)
@@ -508,12 +509,12 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         # with reproducible noise the seed would let anyone regenerate and subtract it: never published
         seed=None if noise.is_reproducible else int(config.seed),
         device=device_name(model_device(student.model)), precision=config.precision,
-    ).account(ledger, config.delta, relation="replace-one")
+    ).account(ledger, config.delta, relation=Relation.REPLACE_ONE)
     results.extras = {
         **noise.describe(),
         "dice_per_case": evaluation.dice_per_case,
         "dice_per_case_class": per_class_of(evaluation.dice_per_case),
-        "preset": preset.name, "grid": list(world.grid), "calibration": config.calibration,
+        "preset": preset.reference, "grid": list(world.grid), "calibration": config.calibration,
         "queries_planned": plan.queries, "sensitivity": float(plan.sensitivity),
         "noise_per_sensitivity": float(plan.noise_per_sensitivity),
         "teachers_per_query": {"min": int(min(queries.teachers_seen)) if queries.teachers_seen else None,

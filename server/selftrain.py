@@ -40,13 +40,14 @@ import numpy as np
 import torch
 
 from server.student import train_public_model, train_student
-from sim.presets import PublicStart, look_up_public_start
+from sim.options import PublicStart
+from sim.presets import SelfTraining
 from sim.training import evaluate_segmentation, predict_probs
 
-#: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned)
-DEFAULT_TEMPERATURE = 0.5
-#: rounds of pseudo-labelling; the best on public validation is kept
-DEFAULT_ROUNDS = 2
+#: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned) and the rounds of
+#: pseudo-labelling (the best on public validation is kept): :class:`sim.presets.SelfTraining`'s defaults
+DEFAULT_TEMPERATURE = SelfTraining().temperature
+DEFAULT_ROUNDS = SelfTraining().rounds
 
 
 @dataclass
@@ -83,13 +84,13 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
         world: a :class:`sim.world.PublicWorld`; only its public arrays are read (query scans, reference
             data, validation set -- never ``query_labels``, though the reference maps are the query labels where
             the reference set is the query set).
-        preset: the preset (network, batch size, learning rate; ``student_epochs`` when ``epochs`` is None).
+        preset: the preset (network, batch size, learning rate; ``student.epochs`` when ``epochs`` is None).
         public_model: round 1's labeller and starting point.
         seed: training seed of round 1; round r trains with ``seed + r - 1``.
         rounds: rounds of pseudo-labelling (at least 1); the one with the best public validation Dice is kept
             (the earliest on ties or without a validation set).
         temperature: the sharpening temperature T (> 0; :func:`sharpen`); the default is MixMatch's 0.5.
-        epochs: fine-tuning epochs per round (None = the preset's ``student_epochs``).
+        epochs: fine-tuning epochs per round (None = the preset's ``student.epochs``).
         progress: progress bars.
         checkpoint_dir: where each round's training is checkpointed (``round-<r>.pt``) and resumed from;
             None = no checkpoints.
@@ -98,7 +99,7 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
     """
     if rounds < 1:
         raise ValueError(f"self-training rounds: expected at least 1, got {rounds}")
-    epochs = preset.student_epochs if epochs is None else int(epochs)
+    epochs = preset.student.epochs if epochs is None else int(epochs)
     queries = np.arange(len(world.query_images))
     model = public_model
     candidates: list[tuple[torch.nn.Module, float | None]] = []
@@ -133,10 +134,8 @@ class PublicModels:
 
 
 def selftrain_settings(preset) -> tuple[int, float]:
-    """(rounds, temperature) of the preset's self-training: its extras ``selftrain_rounds`` and
-    ``selftrain_temperature``, or this module's defaults."""
-    return (int(preset.extra.get("selftrain_rounds", DEFAULT_ROUNDS)),
-            float(preset.extra.get("selftrain_temperature", DEFAULT_TEMPERATURE)))
+    """(rounds, temperature) of the preset's self-training (:class:`sim.presets.SelfTraining`)."""
+    return int(preset.self_training.rounds), float(preset.self_training.temperature)
 
 
 def selftrain_checkpoints(checkpoint: str | Path | None) -> Path | None:
@@ -163,7 +162,7 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
     Args:
         world: the server's :class:`sim.world.PublicWorld` (reference maps; query scans and the validation set
             for self-training; never the query scans' labels).
-        preset: the preset (``public_start``, the network, the epochs; the self-training extras).
+        preset: the preset (``public_start``, the network, the epochs; ``self_training``).
         seed: the trainings' seed.
         progress: progress bars.
         checkpoint: the public model's checkpoint (``public-model.pt``); the self-training's rounds are kept in
@@ -173,7 +172,7 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
     """
     reference = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint,
                                    device=device, precision=precision)
-    if look_up_public_start(preset.public_start) is PublicStart.REFERENCE:
+    if preset.public_start is PublicStart.REFERENCE:
         return PublicModels(reference=reference, start=reference)
     rounds, temperature = selftrain_settings(preset)
     outcome = self_train(world, preset, reference, seed=seed, rounds=rounds, temperature=temperature,
@@ -184,7 +183,7 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
 
 def start_description(preset) -> str:
     """What the start model every method shares is, in words, for results and model cards."""
-    if look_up_public_start(preset.public_start) is PublicStart.SELF_TRAINED:
+    if preset.public_start is PublicStart.SELF_TRAINED:
         return ("the start model: the public model pre-trained on the public reference set, then self-trained on "
                 "the public query scans (no hospital), as PATE's teachers and student")
     return "the public model (pre-trained on the public reference set, as PATE's teachers and student)"

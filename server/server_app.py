@@ -45,7 +45,7 @@ def connect_hospitals(grid: Grid, settings: RunSettings, world_dir) -> FlowerTra
     hospitals = FlowerTransport(
         grid, preset.hospitals, wait_seconds=settings.wait_seconds, reply_timeout=settings.reply_timeout,
         query_timeout=settings.query_timeout,
-        base_config={"preset": preset.name, "seed": settings.seed, "world": str(world_dir),
+        base_config={"preset": settings.preset, "seed": settings.seed, "world": str(world_dir),
                      "preset_overrides": {"hospitals": preset.hospitals,
                                           "teachers_per_hospital": preset.teachers_per_hospital},
                      **settings.hospital_privacy_config()})

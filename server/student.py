@@ -22,11 +22,12 @@ import torch
 from sim.codecs import one_hot
 from sim.device import resolve_device
 from sim.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
+from sim.options import Trainable
 from sim.training import TrainConfig, train_segmentation
 
 
 def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description, device=None,
-           precision="32", trainable: str = "all", learning_rate: float | None = None):
+           precision="32", trainable: Trainable = Trainable.ALL, learning_rate: float | None = None):
     torch.manual_seed(seed)
     model = build_unet(preset.unet, trainable=trainable)
     if epochs <= 0:
@@ -69,17 +70,17 @@ def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = Non
 def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, seed: int = 0, init=None,
                   epochs: int | None = None, include_reference: bool = True, progress: bool = False,
                   checkpoint: str | Path | None = None, device=None, precision: str = "32",
-                  trainable: str = "all", learning_rate: float | None = None, finetune: bool = False):
+                  trainable: Trainable = Trainable.ALL, learning_rate: float | None = None, finetune: bool = False):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].
 
     Args:
         world: the public world (``query_images``; the reference images and labels).
         pseudo_labels: soft (m, C, *g) probabilities or hard (m, *g) labels for ``query_indices``.
         query_indices: the query scans the pseudo-labels belong to (indices into ``world.query_images``).
-        preset: the preset (network, batch size, learning rate; ``student_epochs`` when ``epochs`` is None).
+        preset: the preset (network, batch size, learning rate; ``student.epochs`` when ``epochs`` is None).
         seed: the network's initialisation and the training's batch order and augmentation.
         init: a state_dict to start from -- the public model's in PATE (None = random weights).
-        epochs: training epochs (None = the preset's ``student_epochs``).
+        epochs: training epochs (None = the preset's ``student.epochs``).
         include_reference: also train on the public reference images with their labels (one-hot probabilities
             when the pseudo-labels are soft).
         progress: a progress bar.
@@ -97,7 +98,7 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
             no privacy cost.
     """
 
-    epochs = preset.student_epochs if epochs is None else epochs
+    epochs = preset.student.epochs if epochs is None else epochs
     images = world.query_images[np.asarray(query_indices, dtype=int)]
     targets = np.asarray(pseudo_labels)
     if include_reference and world.reference_images is not None:
@@ -115,9 +116,9 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
     student = _train(images, targets, preset, epochs=epochs, seed=seed, init=init, progress=progress,
                      checkpoint=first_checkpoint, description="student", device=device, precision=precision,
                      trainable=trainable, learning_rate=learning_rate)
-    if not finetune or trainable == "all" or epochs <= 0:
+    if not finetune or trainable == Trainable.ALL or epochs <= 0:
         return student
-    whole = VOXEL_HEAD_AND_UNET if trainable in WITH_VOXEL_HEAD else "all"
+    whole = VOXEL_HEAD_AND_UNET if trainable in WITH_VOXEL_HEAD else Trainable.ALL
     return _train(images, targets, preset, epochs=epochs, seed=seed, progress=progress, checkpoint=checkpoint,
                   init={k: v.detach().clone() for k, v in student.state_dict().items()},
                   description="student (fine-tuning)", device=device, precision=precision, trainable=whole)

@@ -81,18 +81,29 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.schedules import epoch_event
 from sim.errors import UserError
+from sim.options import look_up_option
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
 #: batch 2): DP/plain step time hooks x2.76 vs functorch x2.49 (quiet machine), x6.2 vs x3.6 (loaded);
 #: their clipped gradient sums agree to 7e-9.
 DEFAULT_GRAD_SAMPLE_MODE = "functorch"
 
+#: the schedule families by the short names the CLI offers (``--schedule``); the full names are accepted too
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
+SCHEDULE_ALIASES = {"exp": ScheduleFamily.EXPONENTIAL, "poly": ScheduleFamily.POLYNOMIAL}
 
 #: Neighbouring relations each batching method is accounted under (privacy.events module docstring).
-RELATIONS_FOR_SAMPLING = {"poisson": ("replace-one", "add-remove"), "shuffle": ("replace-one", "zero-out")}
+RELATIONS_FOR_SAMPLING = {Sampling.POISSON: (Relation.REPLACE_ONE, Relation.ADD_REMOVE),
+                          Sampling.SHUFFLE: (Relation.REPLACE_ONE, Relation.ZERO_OUT)}
+
+
+def schedule_family(name) -> ScheduleFamily:
+    """The :class:`privacy.options.ScheduleFamily` a ``--schedule`` value names (a short name of
+    :data:`SCHEDULE_FAMILIES` or a full one), or a one-line error listing the families."""
+    return look_up_option(SCHEDULE_ALIASES.get(name, name), ScheduleFamily, "--schedule")
 
 # Known, harmless Opacus/torch messages that would otherwise print on every run: Opacus' secure_mode is off
 # because the noise comes from privacy.mechanisms.NoiseSource (secure by default), and the full-backward-hook note
@@ -111,9 +122,9 @@ class DPConfig:
     noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (default sqrt 6)
     max_grad_norm: float = 4.0           # per parameter tensor when per_layer, else of the whole gradient
     per_layer: bool = True
-    sampling: str = "poisson"            # "poisson" | "shuffle"
+    sampling: Sampling = Sampling.POISSON  # "poisson" | "shuffle"
     accountant: str = "pld"              # calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)
-    relation: str = "replace-one"        # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle)
+    relation: Relation = Relation.REPLACE_ONE  # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle)
     schedule: str | None = None          # family for mode="schedule"
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
     grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
@@ -126,8 +137,8 @@ class DPConfig:
     def validate(self) -> "DPConfig":
         if self.mode not in ("target", "fixed", "schedule"):
             raise UserError(f"--noise-mode: expected target, fixed or schedule, got {self.mode!r}")
-        if self.sampling not in ("poisson", "shuffle"):
-            raise UserError(f"--sampling: expected poisson or shuffle, got {self.sampling!r}")
+        self.sampling = look_up_option(self.sampling, Sampling, "--sampling")
+        self.relation = look_up_option(self.relation, Relation, "--relation")
         if not (self.epsilon and self.epsilon > 0):
             raise UserError(f"--epsilon: expected a positive number, got {self.epsilon!r}")
         if not (0 < self.delta < 1):
@@ -136,22 +147,22 @@ class DPConfig:
             raise UserError(f"max_grad_norm: expected > 0, got {self.max_grad_norm!r}")
         if self.noise_multiplier is not None and self.noise_multiplier <= 0:
             raise UserError(f"noise_multiplier: expected > 0, got {self.noise_multiplier!r}")
-        if self.mode == "schedule" and self.schedule not in SCHEDULE_FAMILIES:
-            raise UserError(f"--schedule: expected one of {', '.join(SCHEDULE_FAMILIES)}, got {self.schedule!r}")
+        if self.mode == "schedule":
+            schedule_family(self.schedule)
         if self.grad_sample_mode not in ("hooks", "functorch"):
             raise UserError(f"grad_sample_mode: expected hooks or functorch, got {self.grad_sample_mode!r}")
         relations = RELATIONS_FOR_SAMPLING[self.sampling]
         if self.relation not in relations:
             why = (" (shuffled batches have no add/remove analysis: removing a record shifts the batches; Yu et al.'s "
-                   "1/(2 sigma^2) per epoch is for zero-out adjacency)" if self.sampling == "shuffle" else "")
+                   "1/(2 sigma^2) per epoch is for zero-out adjacency)" if self.sampling is Sampling.SHUFFLE else "")
             raise UserError(f"--relation: expected one of {', '.join(relations)} with --sampling {self.sampling}, "
                             f"got {self.relation!r}{why}")
         if self.accountant not in ("pld", "rdp"):
             raise UserError(f"accountant: expected pld or rdp, got {self.accountant!r}")
-        if self.sampling == "poisson" and self.relation == "replace-one" and self.accountant != "pld":
+        if self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE and self.accountant != "pld":
             raise UserError("accountant: replace-one Poisson-sampled DP-SGD is accounted with pld only "
                             "(dp_accounting has no replace-one RDP for Poisson sampling)")
-        if self.adaptive and self.sampling == "poisson" and self.relation == "replace-one":
+        if self.adaptive and self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE:
             raise UserError("--schedule validation chooses sigma from earlier outputs, so it needs a privacy filter "
                             "(Feldman & Zrnic 2021); PLD is not valid under adaptive choices and dp_accounting has no "
                             "replace-one RDP for Poisson sampling: use --sampling shuffle (zCDP filter) or "
@@ -161,7 +172,8 @@ class DPConfig:
     @property
     def adaptive(self) -> bool:
         """True when sigma_t is chosen from earlier outputs (the validation-based schedule)."""
-        return self.mode == "schedule" and self.schedule == "validation"
+        family = SCHEDULE_ALIASES.get(self.schedule, self.schedule)
+        return self.mode == "schedule" and family == ScheduleFamily.VALIDATION
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -294,14 +306,14 @@ class DPSession:
         if dp.mode == "fixed":
             return float(dp.noise_multiplier or 6 ** 0.5)
         if dp.mode == "target":
-            if dp.sampling == "poisson":
+            if dp.sampling == Sampling.POISSON:
                 return float(calibration.dpsgd_noise_multiplier(
                     dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
                     accountant=dp.accountant, relation=dp.relation))
             return float(calibration.shuffled_noise_multiplier(dp.epsilon, dp.delta, self.planned_epochs,
                                                                relation=dp.relation))
         # schedule
-        if dp.schedule == "validation" and not has_validation:
+        if schedule_family(dp.schedule) is ScheduleFamily.VALIDATION and not has_validation:
             raise UserError("--schedule validation: needs a public validation set (none was given)")
         sigma0 = float(dp.noise_multiplier or 6 ** 0.5)
         self._schedule = make_schedule(dp.schedule, sigma0, target_epochs=self.planned_epochs,
@@ -367,7 +379,7 @@ class DPSession:
                "epsilon_rdp": None, "epsilon_add_remove": None, "epsilon_replace_one": None}
         events = self.ledger.events(owner) if with_rdp else []
         out.update(epsilon_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
-        if with_rdp and self.dp.sampling == "poisson":
+        if with_rdp and self.dp.sampling == Sampling.POISSON:
             try:
                 out["epsilon_rdp"] = float(epsilon_spent(events, self.dp.delta, accountant="rdp")[0])
             except Exception:  # RDP is informative only (refuses replace-one/adaptive); never break a run
@@ -379,7 +391,7 @@ class DPSession:
         """The charged epoch's batches (Poisson or shuffled), from the epoch's noise stream."""
         if self.stream is None:
             raise RuntimeError("DPSession.batches: begin_epoch must charge the epoch first")
-        if self.dp.sampling == "poisson":
+        if self.dp.sampling == Sampling.POISSON:
             return poisson_batches(self.n, self.sampling_rate, self.steps, self.stream)
         return shuffled_batches(self.n, self.batch_size, self.stream)
 
@@ -455,10 +467,6 @@ class DPSession:
             self.optimizer.noise_multiplier = self.sigmas[-1]
 
 
-_FAMILY_NAMES = {"time": "time", "exp": "exponential", "exponential": "exponential", "step": "step",
-                 "poly": "polynomial", "polynomial": "polynomial", "validation": "validation"}
-
-
 def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
                   sampling: str, sampling_rate: float, steps_per_epoch: int, accountant: str | None = None,
                   options: dict | None = None, relation: str | None = None):
@@ -483,19 +491,17 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
     """
 
     options = dict(options or {})
-    name = _FAMILY_NAMES.get(family)
-    if name is None:
-        raise UserError(f"--schedule: expected one of {', '.join(SCHEDULE_FAMILIES)}, got {family!r}")
-    if name == "validation":
+    name = schedule_family(family)
+    if name is ScheduleFamily.VALIDATION:
         return schedules.ValidationSchedule(sigma0, float(options.pop("k", 0.9)), **options)
-    if name == "polynomial":
+    if name is ScheduleFamily.POLYNOMIAL:
         options.setdefault("sigma_end", sigma0 / 4)
         options.setdefault("period", target_epochs)
     k = options.pop("k", None)
     if k is None:
-        mode = "poisson" if sampling == "poisson" else "shuffle"
+        mode = Sampling.POISSON if sampling == Sampling.POISSON else Sampling.SHUFFLE
         k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, sampling_rate=sampling_rate,
                                  steps_per_epoch=steps_per_epoch, mode=mode,
-                                 accountant=accountant if sampling == "poisson" else None, relation=relation,
+                                 accountant=accountant if sampling == Sampling.POISSON else None, relation=relation,
                                  **options)
     return schedules.make_schedule(name, sigma0, float(k), **options)

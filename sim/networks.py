@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sim.errors import UserError
+from sim.options import Trainable, look_up_option
 
 #: name -> MONAI UNet (channels, strides). Each stride 2 is one pooling level.
 UNET_PRESETS: dict[str, dict[str, Any]] = {
@@ -27,7 +28,7 @@ UNET_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def network_config(preset: str, in_channels: int = 4, out_channels: int = 4,
-                   trainable: str = "all") -> dict[str, Any]:
+                   trainable: Trainable = Trainable.ALL) -> dict[str, Any]:
     """A JSON-able description of the network, saved in model bundles (``build_unet_from_config``).
     ``trainable="voxel-head"`` describes the U-Net with a :class:`VoxelHeadUNet` head (``voxel_head_hidden``);
     every other trainable set trains parameters the U-Net already has."""
@@ -76,7 +77,8 @@ def build_unet_from_config(cfg: dict[str, Any]) -> torch.nn.Module:
     return VoxelHeadUNet(unet, int(cfg["in_channels"]), int(cfg["out_channels"]), int(hidden)) if hidden else unet
 
 
-def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4, trainable: str = "all") -> torch.nn.Module:
+def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4,
+               trainable: Trainable = Trainable.ALL) -> torch.nn.Module:
     """MONAI 3D UNet of the named size, instance norm, Opacus-compatible (``UNET_PRESETS``); with
     ``trainable="voxel-head"`` the U-Net carries a :class:`VoxelHeadUNet` head."""
     return build_unet_from_config(network_config(preset, in_channels, out_channels, trainable))
@@ -84,10 +86,10 @@ def build_unet(preset: str, in_channels: int = 4, out_channels: int = 4, trainab
 
 # ------------------------------------------------------------------------------------------- the voxel head
 #: the trainable set that adds a voxel head to the network (the others choose among the U-Net's own weights)
-VOXEL_HEAD = "voxel-head"
+VOXEL_HEAD = Trainable.VOXEL_HEAD
 #: the trainable set that trains a voxel head together with every U-Net weight under it (fine-tuning after the
 #: head was fitted: "LP-FT", Kumar et al. 2022, arXiv 2202.10054)
-VOXEL_HEAD_AND_UNET = "voxel-head+all"
+VOXEL_HEAD_AND_UNET = Trainable.VOXEL_HEAD_AND_UNET
 #: the trainable sets whose network carries a voxel head
 WITH_VOXEL_HEAD = (VOXEL_HEAD, VOXEL_HEAD_AND_UNET)
 #: hidden units of the voxel head: twice its 8 inputs (4 logits + 4 sequences) -- a stated size, not tuned
@@ -137,7 +139,7 @@ class VoxelHeadUNet(torch.nn.Module):
 
 def network_config_of(model: torch.nn.Module, preset: str) -> dict[str, Any]:
     """``network_config`` of a trained ``preset`` network: with the voxel head when ``model`` has one."""
-    return network_config(preset, trainable=VOXEL_HEAD if isinstance(model, VoxelHeadUNet) else "all")
+    return network_config(preset, trainable=VOXEL_HEAD if isinstance(model, VoxelHeadUNet) else Trainable.ALL)
 
 
 def load_start_weights(model: torch.nn.Module, state: dict) -> None:
@@ -169,17 +171,18 @@ def min_grid_divisor(preset: str) -> int:
 #: of the number trained (Yu et al. 2021, arXiv 2110.06500; Tobaben et al. 2023, arXiv 2302.01190), while a
 #: class the public model does not know needs weights between the features and the classes, not biases
 #: alone (measured: biases and PReLU slopes alone reach 0.432 without noise on the quick world).
-TRAINABLE_SETS = {
-    "all": "every parameter (full fine-tuning; the default)",
-    "decoder": "every up-sampling stage and the output block: the public encoder's features are kept, the "
+TRAINABLE_SETS: dict[Trainable, str] = {
+    Trainable.ALL: "every parameter (full fine-tuning; the default)",
+    Trainable.DECODER: "every up-sampling stage and the output block: the public encoder's features are kept, the "
                "path from the bottleneck to the classes is learnt",
-    "head": "the two stages nearest the output (the output block and the up-sampling stage before it): "
+    Trainable.HEAD: "the two stages nearest the output (the output block and the up-sampling stage before it): "
             "the fewest weights that can still place a new class",
-    "bias": "biases and PReLU slopes only (DP-BiTFiT, Bu et al. 2022, arXiv 2210.00036)",
-    "voxel-head": "a new per-voxel head on the frozen public model's class scores and the scan (VoxelHeadUNet; "
+    Trainable.BIAS: "biases and PReLU slopes only (DP-BiTFiT, Bu et al. 2022, arXiv 2210.00036)",
+    Trainable.VOXEL_HEAD: "a new per-voxel head on the frozen public model's class scores and the scan (VoxelHeadUNet; "
                   "Tramer & Boneh 2021): 213 parameters, every U-Net weight kept",
-    "voxel-head+all": "a voxel head and every U-Net weight under it: fine-tuning a network whose head was fitted "
-                      "first (linear probing then fine-tuning, Kumar et al. 2022, arXiv 2202.10054)",
+    Trainable.VOXEL_HEAD_AND_UNET: "a voxel head and every U-Net weight under it: fine-tuning a network whose head "
+                                   "was fitted first (linear probing then fine-tuning, Kumar et al. 2022, "
+                                   "arXiv 2202.10054)",
 }
 
 
@@ -197,25 +200,24 @@ def _up_stage_depth(name: str) -> int | None:
     return None
 
 
-def trainable_parameter_names(model: torch.nn.Module, which: str = "all") -> set[str]:
+def trainable_parameter_names(model: torch.nn.Module, which: Trainable = Trainable.ALL) -> set[str]:
     """Names of the parameters ``which`` (a key of :data:`TRAINABLE_SETS`) trains; UserError otherwise."""
-    if which not in TRAINABLE_SETS:
-        raise UserError(f"trainable: expected one of {', '.join(TRAINABLE_SETS)}, got {which!r}")
+    which = look_up_option(which, Trainable, "trainable")
     names = [name for name, _ in model.named_parameters()]
-    if which == VOXEL_HEAD_AND_UNET and not any(n.startswith("voxel_head.") for n in names):
+    if which is VOXEL_HEAD_AND_UNET and not any(n.startswith("voxel_head.") for n in names):
         raise UserError("trainable 'voxel-head+all': the network has no voxel head (build it with "
                         "build_unet(..., trainable='voxel-head+all'))")
-    if which in ("all", VOXEL_HEAD_AND_UNET):
+    if which in (Trainable.ALL, VOXEL_HEAD_AND_UNET):
         return set(names)
-    if which == VOXEL_HEAD:
+    if which is VOXEL_HEAD:
         chosen = {n for n in names if n.startswith("voxel_head.")}
         if not chosen:
             raise UserError("trainable 'voxel-head': the network has no voxel head (build it with "
                             "build_unet(..., trainable='voxel-head'))")
         return chosen
-    if which == "bias":
+    if which is Trainable.BIAS:
         return {n for n in names if n.endswith(".bias") or ".adn.A." in n}
-    limit = 1 if which == "head" else None
+    limit = 1 if which is Trainable.HEAD else None
     chosen = set()
     for name in names:
         depth = _up_stage_depth(name)
@@ -226,7 +228,7 @@ def trainable_parameter_names(model: torch.nn.Module, which: str = "all") -> set
     return chosen
 
 
-def freeze_all_but(model: torch.nn.Module, which: str = "all") -> int:
+def freeze_all_but(model: torch.nn.Module, which: Trainable = Trainable.ALL) -> int:
     """Set ``requires_grad`` from the trainable set ``which``; returns how many scalars are trained. Frozen
     parameters get no gradient, so DP-SGD neither clips nor noises them (Opacus only handles parameters that
     require a gradient): the noise lands on exactly what is trained."""

@@ -17,7 +17,7 @@ from privacy.mechanisms import NoiseSource
 from sim.device import check_device_spec, check_precision
 from sim.errors import UserError
 from sim import methods as registry
-from sim.presets import PRESETS, Preset, get_preset
+from sim.presets import Preset, get_preset, preset_reference
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -103,8 +103,7 @@ class RunSettings:
         federated = registry.names(federated=True)
         if self.method not in federated:
             raise UserError(f"method: {self.method!r} is not a federated method; expected one of {', '.join(federated)}")
-        if self.preset not in PRESETS:
-            raise UserError(f"preset: unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+        object.__setattr__(self, "preset", preset_reference(self.preset))   # a name, or a variant's reference
         if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise UserError(f"epsilon: expected a positive number, got {self.epsilon}")
         if self.delta is not None and not (0 < self.delta < 1):
@@ -149,42 +148,23 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":
-        """From Flower's run_config (kebab-case keys; 0 / "" mean "the preset's value")."""
-        def get(key, default=None):
-            value = run_config.get(key, default)
-            return default if value in ("", None) else value
-
-        hospitals = int(get("hospitals", 0)) or None
-        teachers = int(get("teachers-per-hospital", 0)) or None
-        values = dict(
-            method=str(get("method", "pate-ae")), preset=str(get("preset", "tiny")),
-            epsilon=float(get("epsilon", 8.0)), delta=float(get("delta", 1e-3)), seed=int(get("seed", 0)),
-            out=str(get("out", "runs/flwr")), data=get("data"), hospitals=hospitals,
-            teachers_per_hospital=teachers, wait_seconds=float(get("wait-seconds", 120.0)),
-            reply_timeout=float(get("reply-timeout", 600.0)), query_timeout=float(get("query-timeout", 0.0)) or None,
-            world=get("world"),
-            calibration=str(get("calibration", "exact")), query_batch=int(get("query-batch", 8)),
-            reproducible_noise=config_flag(get("reproducible-noise", False), "reproducible-noise"),
-            lifetime_epsilon=float(get("lifetime-epsilon", 0.0)) or None, ledger_dir=get("ledger-dir"),
-            init=str(get("init", "public")), layout=get("layout"), partition_file=get("partition-file"),
-            device=str(get("device", "auto")), precision=str(get("precision", "32")),
-        )
+        """From Flower's run_config: one kebab-case key per field (:func:`run_config_keys`); 0 / "" mean "the
+        preset's value" (None) for a field that may be None; a missing key is the field's default."""
+        values = {}
+        for f in run_config_fields():
+            value = run_config.get(run_config_key(f.name))
+            if value in ("", None):
+                continue
+            values[f.name] = _from_config(value, f)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
     def to_run_config(self) -> dict[str, Any]:
-        """The kebab-case run_config ``flwr run -c`` accepts (keys exist in pyproject.toml)."""
-        return {
-            "method": self.method, "preset": self.preset, "epsilon": self.budget, "delta": self.resolved_delta,
-            "seed": self.seed, "out": self.out, "data": self.data or "", "hospitals": self.hospitals or 0,
-            "teachers-per-hospital": self.teachers_per_hospital or 0, "wait-seconds": self.wait_seconds,
-            "reply-timeout": self.reply_timeout, "query-timeout": self.query_timeout or 0.0,
-            "calibration": self.calibration,
-            "query-batch": self.query_batch, "reproducible-noise": self.reproducible_noise,
-            "lifetime-epsilon": self.lifetime_epsilon or 0.0, "ledger-dir": self.ledger_dir or "",
-            "init": self.init, "layout": self.layout or "", "partition-file": self.partition_file or "",
-            "device": self.device, "precision": self.precision,
-        }
+        """The kebab-case run_config ``flwr run -c`` accepts (every key is in pyproject.toml's
+        ``[tool.flwr.app.config]``): the budget and delta resolved, None as 0 or ""."""
+        resolved = {"epsilon": self.budget, "delta": self.resolved_delta}
+        return {run_config_key(f.name): _to_config(resolved.get(f.name, getattr(self, f.name)), f)
+                for f in run_config_fields()}
 
     def noise_source(self, *names):
         """The privacy noise of the run (or of one cell, named by ``names``): secure unless this is a
@@ -212,3 +192,42 @@ def config_flag(value: Any, key: str) -> bool:
     if text in ("false", "0", "no", ""):
         return False
     raise UserError(f"{key}: expected true or false, got {value!r}")
+
+
+#: RunSettings fields that are not run-config keys: progress bars are the caller's, ``extra`` carries the cells
+NOT_RUN_CONFIG = ("progress", "extra")
+
+
+def run_config_fields() -> list[dataclasses.Field]:
+    """The :class:`RunSettings` fields Flower's run config carries (``[tool.flwr.app.config]``), in order."""
+    return [f for f in dataclasses.fields(RunSettings) if f.name not in NOT_RUN_CONFIG]
+
+
+def run_config_key(name: str) -> str:
+    """A field's run-config key: its name in kebab case (``teachers_per_hospital`` -> ``teachers-per-hospital``)."""
+    return name.replace("_", "-")
+
+
+def run_config_keys() -> list[str]:
+    return [run_config_key(f.name) for f in run_config_fields()]
+
+
+def _kind(f: dataclasses.Field) -> tuple[str, bool]:
+    """(base type name, whether None is allowed) of a field's annotation (``"float | None"`` -> ``("float", True)``)."""
+    parts = [part.strip() for part in str(f.type).split("|")]
+    return parts[0], "None" in parts
+
+
+def _from_config(value: Any, f: dataclasses.Field) -> Any:
+    kind, optional = _kind(f)
+    if kind == "bool":
+        return config_flag(value, run_config_key(f.name))
+    converted = {"int": int, "float": float}.get(kind, str)(value)
+    return (converted or None) if optional else converted
+
+
+def _to_config(value: Any, f: dataclasses.Field) -> Any:
+    kind, optional = _kind(f)
+    if value is None and optional:
+        return {"int": 0, "float": 0.0}.get(kind, "")
+    return value

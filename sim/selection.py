@@ -94,6 +94,7 @@ from privacy.accountants import epsilon_spent
 from privacy.errors import PrivacyError
 from privacy.guard import CoveredGuard
 from sim.errors import UserError
+from sim.options import Relation
 
 SELECTIONS = ("public", "private")
 #: the one progress bar of a private selection: a description only (no count, rate or elapsed time)
@@ -251,7 +252,7 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
         config: the selection's settings (:class:`SelectionConfig`).
         steps_per_epoch: DP-SGD's steps per epoch, ``(n, batch) -> steps``.
     """
-    if relation != "replace-one":
+    if relation != Relation.REPLACE_ONE:
         raise UserError("--selection private: replace-one only (the score is a mean over a published number of "
                         "held-out patients; sim/selection.py)")
     batches = {int(s["batch_size"]) for s in settings}

@@ -46,6 +46,7 @@ from sim.errors import UserError
 from sim.io import atomic_save_torch
 from sim.networks import freeze_all_but, load_start_weights
 from sim.metrics import DiceAccumulator
+from sim.options import Trainable
 
 
 @dataclass
@@ -74,7 +75,7 @@ class TrainConfig:
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
     augment_on: str | None = None
     #: private fine-tuning levers (sim.networks.TRAINABLE_SETS for the sets and why they exist)
-    trainable: str = "all"                 # which parameters are trained (the rest keep their start values)
+    trainable: str = Trainable.ALL.value   # which parameters are trained (the rest keep their start values)
     augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
     ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
 
@@ -87,7 +88,7 @@ LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": f
 def trainable_of(entry) -> str:
     """The trainable set a settings-grid entry or a round's config names (``sim.networks.TRAINABLE_SETS``;
     "all" when it names none): which network to build for it, and what to train."""
-    return str(entry.get("trainable") or "all")
+    return str(entry.get("trainable") or Trainable.ALL)
 
 
 def lever_settings(entry: dict) -> dict:

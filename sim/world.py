@@ -9,7 +9,7 @@ party sees of it.
   is for -- gives every hospital's patients, the public unlabelled query scans (an unlabelled public archive of that
   population) and the held-out test patients, whom nobody sees during training or selection. The public labelled data
   (reference maps and the validation set, which makes every public choice) are scarce and come from *another centre*
-  (``preset.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`), other scanners
+  (``preset.world.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`), other scanners
   (``public_institutions``) and another lesion regime (``public_shift``, sim/data/shifts.py). Its case ids carry the
   prefix :data:`PUBLIC_PREFIX`, so they never collide with the population's (both phantom folders name cases
   ``BRATS_001...``). An MSD folder (``data``) is one population: all sets are then drawn from it
@@ -94,11 +94,11 @@ def _prepared_population(preset, data, progress: bool, layout: str | None = None
                                                                seed=PHANTOM_SEED, progress=progress, workers=workers)
     prepared = prepare_dataset(root, cache_root() / "prepared" / f"{root.name}-{grid}", config, progress=progress,
                                layout=layout if data is not None else None)
-    if data is not None or not preset.public_cases:
+    if data is not None or not preset.world.public_cases:
         return prepared
     other = ensure_phantoms(preset, cache_root() / "phantoms", seed=PUBLIC_PHANTOM_SEED, progress=progress,
-                            cases=preset.public_cases, institutions=preset.public_institutions, test_cases=0,
-                            shift=preset.public_shift, workers=workers)
+                            cases=preset.world.public_cases, institutions=preset.world.public_institutions,
+                            test_cases=0, shift=preset.world.public_shift, workers=workers)
     other_prepared = prepare_dataset(other, cache_root() / "prepared" / f"{other.name}-{grid}", config,
                                      progress=progress)
     # the folder names carry every generation setting of both sources: a changed world gets a new cache
@@ -131,9 +131,9 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
     teachers = teachers_per_hospital or preset.teachers_per_hospital
     if partition_file:
         return prepared, partition_split(prepared, preset, partition_file, hospitals, teachers, seed)
-    split = make_split(prepared, hospitals, teachers,
-                       preset.split_scheme, preset.n_query, preset.n_reference, preset.n_validation, preset.n_test,
-                       seed, public_pool=prepared.cases_from(PUBLIC_SOURCE) or None)
+    split = make_split(prepared, hospitals, teachers, preset.world.split_scheme, preset.federation.n_query,
+                       preset.world.n_reference, preset.world.n_validation, preset.world.n_test, seed,
+                       public_pool=prepared.cases_from(PUBLIC_SOURCE) or None)
     return prepared, split
 
 
@@ -157,8 +157,9 @@ def partition_split(prepared, preset, partition_file, hospitals: int, teachers: 
     from sim.data.fets import assign_partitions
 
     institutions, info = assign_partitions(partition_file, prepared.case_ids, prepared.patient, hospitals)
-    split = make_split(institutions, hospitals, teachers, "institution", preset.n_query, preset.n_reference,
-                       preset.n_validation, preset.n_test, seed, patients=prepared.patient)
+    split = make_split(institutions, hospitals, teachers, "institution", preset.federation.n_query,
+                       preset.world.n_reference, preset.world.n_validation, preset.world.n_test, seed,
+                       patients=prepared.patient)
     split.params["partition_file"] = info
     split.params["institutions"] = institutions       # each case's partition: who the World section names
     return split
@@ -244,8 +245,9 @@ def materialise_world(preset, data: str | Path | None, seed: int, progress: bool
     if partition_file:   # the file's content, not its name, decides the split
         partitions = hashlib.sha256(Path(partition_file).read_bytes()).hexdigest()[:16]
     key = json.dumps({"prepared": str(prepared.path), "hospitals": preset.hospitals,
-                      "teachers": preset.teachers_per_hospital, "scheme": preset.split_scheme, "seed": seed,
-                      "sizes": [preset.n_query, preset.n_reference, preset.n_validation, preset.n_test],
+                      "teachers": preset.teachers_per_hospital, "scheme": preset.world.split_scheme, "seed": seed,
+                      "sizes": [preset.federation.n_query, preset.world.n_reference, preset.world.n_validation,
+                                preset.world.n_test],
                       **({"partitions": partitions} if partitions else {})},
                      sort_keys=True)
     folder = Path(root) if root else cache_root() / "worlds" / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -11,6 +11,7 @@ from privacy import calibration
 from privacy.accountants import make_accountant
 from privacy.events import ComposedEvent, SampledGaussianEvent
 from privacy.ledger import Ledger
+from sim.presets import DpSetting
 
 
 # ------------------------------------------------------------------------------------ composed calibration
@@ -46,15 +47,18 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
     assert len(only) == 1 and only[0]["trainable"] == "voxel-head" and "trainable" not in ceiling[0]
     assert only[0]["learning_rate"] == 1e-2 and ceiling[0]["learning_rate"] == quick.learning_rate
     assert only[0]["epochs"] == ceiling[0]["epochs"] == quick.central_epochs
-    quick = quick.replace(dpsgd_grid=({"learning_rate": 2e-3, "epochs": 5}, {"learning_rate": 5e-4, "epochs": 5}))
+    quick = quick.with_changes(dp_sgd=dict(grid=(DpSetting(learning_rate=2e-3, epochs=5),
+                                                 DpSetting(learning_rate=5e-4, epochs=5))))
     grid = settings_grid(quick, private=True, explicit={}, grid=True)
-    assert [s["learning_rate"] for s in grid] == [e["learning_rate"] for e in quick.dpsgd_grid]
-    assert {s["batch_size"] for s in grid} == {quick.extra["dpsgd_batch_size"]}
+    assert [s["learning_rate"] for s in grid] == [e.learning_rate for e in quick.dp_sgd.grid]
+    assert {s["batch_size"] for s in grid} == {quick.dp_sgd.batch_size}
     fixed = settings_grid(quick, private=True, explicit={"learning_rate": 1e-4}, grid=True)
     assert fixed == [{**grid[0], "learning_rate": 1e-4}]             # duplicates collapse to one setting
     assert len(settings_grid(quick, private=False, explicit={}, grid=True)) == 1   # non-private: no grid
-    with pytest.raises(UserError, match="unknown keys"):
-        settings_grid(quick.replace(dpsgd_grid=({"momentum": 0.9},)), private=True, explicit={}, grid=True)
+    with pytest.raises(UserError, match="^dp_sgd.grid entry: unknown setting 'momentum'; expected one of "):
+        quick.with_changes(dp_sgd=dict(grid=({"momentum": 0.9},)))
+    with pytest.raises(UserError, match="^dp_sgd.grid entry: 'rounds' is not a dp_sgd setting"):
+        quick.with_changes(dp_sgd=dict(grid=(DpSetting(rounds=3),)))
 
 
 # ------------------------------------------------------------------------------------ central DP-SGD

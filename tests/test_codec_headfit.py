@@ -77,7 +77,8 @@ def test_the_fit_pools_the_noise_that_per_region_decoding_keeps(world):
 def test_decoders_are_registered_and_a_wrong_name_or_missing_scans_are_refused(world):
     scans, _, onehot, anchor = world
     assert set(ANCHORED_DECODERS) == {"mass-matching", "head-fit"}
-    with pytest.raises(UserError, match="decoder must be one of"):
+    with pytest.raises(UserError, match="^anchored codec: decoder: unknown value 'median'; expected one of "
+                                        "mass-matching, head-fit$"):
         AnchoredResidualCompressor(decoder="median")
     compressor = _compressor(world, "head-fit")
     z = compressor.encode(onehot, anchor, scans)
@@ -91,5 +92,5 @@ def test_the_preset_names_the_decoder():
     from sim.presets import get_preset
     quick = get_preset("quick")
     compressor = make_compressor("pate-anchored", quick)
-    assert compressor.decoder == quick.extra.get("anchored_decoder", "mass-matching")
+    assert compressor.decoder == quick.codec.anchored_decoder == "head-fit"
     assert make_compressor("pate-anchored", quick, decoder="mass-matching").describe()["decoder"] == "mass-matching"

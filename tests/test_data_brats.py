@@ -3,7 +3,6 @@ layouts giving the same arrays, `data inspect` errors naming case and file, and 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -288,7 +287,8 @@ def test_the_world_section_states_where_public_and_test_patients_come_from(layou
     path = _write_csv(tmp_path / "fets.csv", [("7", f"BRATS_00{i}") for i in (1, 2, 3, 4)] +
                       [("9", f"BRATS_00{i}") for i in (5, 6)])
     preset = get_preset("tiny", hospitals=2, teachers_per_hospital=1)
-    preset = dataclasses.replace(preset, n_query=1, n_reference=1, n_validation=0, n_test=1, grid=(8, 8, 8))
+    preset = preset.with_changes(federation=dict(n_query=1), world=dict(n_reference=1, n_validation=0, n_test=1),
+                                 grid=(8, 8, 8))
     prepared, split = build_world(preset, folder, seed=0, progress=False, partition_file=str(path))
     world = describe_world(prepared, split)
     assert world["layout"] == "brats2023"

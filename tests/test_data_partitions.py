@@ -196,12 +196,14 @@ def test_one_scan_per_patient_splits_are_unchanged(key):
     name, scheme, hospitals, teachers, seed = key
     preset = get_preset(name)
     if name == "quick":   # the sizes these digests were recorded at (quick's public sizes have changed since)
-        preset = preset.replace(n_query=40, n_reference=40, n_validation=10, n_test=30, phantom_cases=260,
-                                phantom_test_cases=4, institutions=4)
-    total = preset.phantom_cases + preset.phantom_test_cases
-    world = {_case_name(i, total): institution_name(i % preset.institutions) for i in range(preset.phantom_cases)}
-    sizes = dict(n_query=preset.n_query, n_reference=0 if scheme == "paper" else preset.n_reference,
-                 n_validation=preset.n_validation, n_test=preset.n_test)
+        preset = preset.with_changes(federation=dict(n_query=40),
+                                     world=dict(n_reference=40, n_validation=10, n_test=30, phantom_cases=260,
+                                                phantom_test_cases=4, institutions=4))
+    sets = preset.world
+    total = sets.phantom_cases + sets.phantom_test_cases
+    world = {_case_name(i, total): institution_name(i % sets.institutions) for i in range(sets.phantom_cases)}
+    sizes = dict(n_query=preset.federation.n_query, n_reference=0 if scheme == "paper" else sets.n_reference,
+                 n_validation=sets.n_validation, n_test=sets.n_test)
     split = make_split(world, hospitals, teachers, scheme, seed=seed, **sizes)
     assert _assignment_digest(split) == BEFORE_PATIENTS[key] and split.patients == {}
     # explicit patient ids that differ from the case ids, one scan each: still the same split

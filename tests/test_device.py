@@ -195,8 +195,9 @@ def small_world():
     ids = prepared.case_ids
     split = _Split(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]]}, public_query=ids[4:8],
                    public_reference=ids[8:12], public_validation=ids[12:14], test=ids[14:16])
-    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=1, student_epochs=1, ae_epochs=1,
-                                        hospitals=2, teachers_per_hospital=2, central_epochs=1)
+    preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1),
+                                             codec=dict(ae_epochs=1), hospitals=2, teachers_per_hospital=2,
+                                             central_epochs=1)
     return prepared, split, preset
 
 
@@ -248,8 +249,9 @@ def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, m
     hospitals = simulated_hospitals(prepared, split, preset, tmp_path / "nodes")
     transport = InProcessTransport(hospitals, base_config={"ledger_dir": str(tmp_path / "ledgers"),
                                                            "lifetime_epsilon": 50.0, "delta": 1e-3})
-    results = run_dpfedavg(transport, load_world(prepared, split), preset.replace(dpfedavg_grid=()), 50.0, 1e-3,
-                           tmp_path / "fedavg", rounds=1, progress=False, reproducible_noise=True, device="cpu")
+    results = run_dpfedavg(transport, load_world(prepared, split), preset.with_changes(dp_fedavg=dict(grid=())),
+                           50.0, 1e-3, tmp_path / "fedavg", rounds=1, progress=False, reproducible_noise=True,
+                           device="cpu")
     assert results["device"] == "cpu" and set(results["hospital_devices"].values()) == {"cpu"}
     assert spy.batches and spy.devices() == {"cpu"}
 

@@ -132,15 +132,19 @@ def test_settings_grids_carry_the_levers_to_the_training_they_choose_between():
     from types import SimpleNamespace as NS
 
     from server.dpfedavg import dpfedavg_settings
+    from sim.presets import DpFedAvg, DpSetting, DpSgd
     from sim.runners.central import settings_grid
 
-    preset = NS(name="t", learning_rate=1e-3, central_epochs=2, dpsgd_max_grad_norm=1.0, batch_size=2, extra={},
-                dpsgd_grid=({"learning_rate": 1e-3}, {"learning_rate": 1e-3, "trainable": "head",
-                                                      "augmentation_multiplicity": "2", "ema_decay": 0.9}),
-                dpfedavg_grid=({"trainable": "decoder"},))
+    preset = NS(name="t", learning_rate=1e-3, central_epochs=2, batch_size=2,
+                dp_sgd=DpSgd(max_grad_norm=1.0, grid=(DpSetting(learning_rate=1e-3),
+                                                      DpSetting(learning_rate=1e-3, trainable="head",
+                                                                augmentation_multiplicity=2, ema_decay=0.9))),
+                dp_fedavg=DpFedAvg(grid=(DpSetting(trainable="decoder"),)))
     plain, levered = settings_grid(preset, private=True, explicit={}, grid=True)
     assert "trainable" not in plain   # an entry without levers is recorded exactly as before
     assert levered["trainable"] == "head" and levered["augmentation_multiplicity"] == 2 and levered["ema_decay"] == 0.9
     assert dpfedavg_settings(preset)[0]["trainable"] == "decoder"
-    with pytest.raises(UserError, match="unknown"):
-        settings_grid(NS(**{**vars(preset), "dpsgd_grid": ({"trainable_set": "head"},)}), True, {}, True)
+    with pytest.raises(UserError, match="^dp_sgd.grid entry: unknown setting 'trainable_set'"):
+        DpSgd(grid=({"trainable_set": "head"},))
+    with pytest.raises(UserError, match="^settings grid entry: trainable: unknown value 'heads'; expected one of "):
+        DpSetting(trainable="heads")

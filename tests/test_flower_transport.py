@@ -14,7 +14,7 @@ from sim.presets import get_preset
 from sim.flower_wire import read_content
 from server.flower_transport import FlowerTransport, HospitalsUnavailable
 
-PRESET = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=1, student_epochs=1)
+PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1))
 
 
 class MemoryGrid:
@@ -75,7 +75,7 @@ def world_dir(tiny_prepared, tiny_split, tmp_path):
 def _transport(grid, world_dir, **kw):
     return FlowerTransport(grid, 2, wait_seconds=1, reply_timeout=5, poll_seconds=0.01,
                            base_config={"preset": "tiny", "seed": 0, "world": str(world_dir),
-                                        "preset_overrides": {"teacher_epochs": 1},
+                                        "preset_overrides": {"teacher": {"epochs": 1}},
                                         # the simulated hospitals' own ledgers and lifetime budget
                                         "ledger_dir": str(world_dir / "hospital-ledgers"),
                                         "lifetime_epsilon": 8.0, "delta": 1e-3}, **kw)

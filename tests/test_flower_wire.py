@@ -12,7 +12,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from sim.presets import get_preset
 from sim.flower_wire import arrays_digest, make_content, read_content
 
-PRESET = get_preset("tiny").replace(teacher_epochs=1)
+PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def node(world_dir):
     context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
                       state=RecordDict(), run_config={})
     base = {"preset": "tiny", "seed": 0, "world": str(world_dir),
-            "preset_overrides": {"teacher_epochs": 1}}
+            "preset_overrides": {"teacher": {"epochs": 1}}}
 
     def send(message_type, config=None, **arrays):
         reply = client_app.app(_message(make_content({**base, **(config or {})}, **arrays), message_type), context)

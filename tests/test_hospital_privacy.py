@@ -213,8 +213,8 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
     split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]]},
                       public_query=ids[4:8], public_reference=ids[8:16], public_validation=ids[16:18],
                       test=ids[18:22])
-    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=1, student_epochs=1, hospitals=2,
-                                        teachers_per_hospital=2)
+    preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1),
+                                             hospitals=2, teachers_per_hospital=2)
     hospitals = [Hospital(h, prepared, split.hospitals[h], preset, tmp_path / h, deployed=True,
                           lifetime_epsilon=8.0) for h in sorted(split.hospitals)]
     transport = InProcessTransport(hospitals)

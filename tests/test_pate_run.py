@@ -29,8 +29,8 @@ def world():
     ids = prepared.case_ids
     split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]], [ids[2]]], "h1": [[ids[3]], [ids[4]], [ids[5]]]},
                       public_query=ids[6:14], public_reference=ids[14:22], test=ids[22:26])
-    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=2, student_epochs=1, ae_epochs=3,
-                                        hospitals=2, teachers_per_hospital=3)
+    preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=2, student=dict(epochs=1),
+                                             codec=dict(ae_epochs=3), hospitals=2, teachers_per_hospital=3)
     return prepared, split, preset
 
 
@@ -94,10 +94,9 @@ def test_head_fit_decoder_and_voxel_head_student_run_end_to_end(world, tmp_path)
     from sim.runners.inprocess import run_pate_inprocess
 
     prepared, split, preset = world
-    preset = preset.replace(extra={**preset.extra, "teacher_trainable": "voxel-head", "teacher_learning_rate": 1e-2,
-                                   "teacher_augment": False, "anchored_intensity_bins": 3,
-                                   "anchored_decoder": "head-fit", "student_trainable": "voxel-head",
-                                   "student_learning_rate": 1e-2})
+    preset = preset.with_changes(teacher=dict(trainable="voxel-head", learning_rate=1e-2, augment=False),
+                                 codec=dict(anchored_intensity_bins=3, anchored_decoder="head-fit"),
+                                 student=dict(trainable="voxel-head", learning_rate=1e-2))
     results = run_pate_inprocess(preset, "pate-anchored", 8.0, 1e-3, tmp_path, seed=0, prepared=prepared,
                                  split=split, progress=False)
     assert results["compressor"]["decoder"] == "head-fit" and results["compressor"]["intensity_bins"] == 3

@@ -19,7 +19,7 @@ def test_secure_pate_runs_and_the_server_sees_only_the_secure_sum(world, tmp_pat
     from sim.world import load_world
 
     prepared, split, preset = world
-    preset = preset.replace(extra={**preset.extra, "anchored_intensity_bins": 1, "anchored_decoder": "mass-matching"})
+    preset = preset.with_changes(codec=dict(anchored_intensity_bins=1, anchored_decoder="mass-matching"))
 
     class Recording(InProcessTransport):
         def __init__(self, *args, **kwargs):
@@ -89,8 +89,8 @@ def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_
     ids = prepared.case_ids
     split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]], "h2": [[ids[4]], [ids[5]]]},
                       public_query=ids[6:14], public_reference=ids[14:22], test=ids[22:26])
-    preset = get_preset("tiny").replace(teacher_epochs=1, pretrain_epochs=2, student_epochs=1, hospitals=3,
-                                        teachers_per_hospital=2)
+    preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=2, student=dict(epochs=1),
+                                             hospitals=3, teachers_per_hospital=2)
     ledgers = tmp_path / "hospital-ledgers"
     transport = InProcessTransport(simulated_hospitals(prepared, split, preset, tmp_path / "hospitals", 0),
                                    base_config={"ledger_dir": str(ledgers), "lifetime_epsilon": 8.0, "delta": 1e-3,

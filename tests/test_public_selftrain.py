@@ -50,7 +50,8 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
     monkeypatch.setattr(PreparedDataset, "images", spy("images"))
     monkeypatch.setattr(PreparedDataset, "labels", spy("labels"))
     monkeypatch.setattr(selftrain, "build_world", lambda preset, data, seed, progress, **where: (tiny_prepared, tiny_split))
-    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 2})
+    preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
+                                             self_training=dict(rounds=2))
     results = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "public-selftrain", tmp_path / "_shared",
                                              progress=False)
 
@@ -94,7 +95,8 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
     reference_is_query = dataclasses.replace(tiny_split, public_reference=[], reference_is_query=True)
     monkeypatch.setattr(selftrain, "build_world",
                         lambda preset, data, seed, progress, **where: (tiny_prepared, reference_is_query))
-    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 1})
+    preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
+                                             self_training=dict(rounds=1))
     record = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "cell", tmp_path / "_shared", progress=False)
     said = record["selftrain"]["labels_used"]
     assert "query scans' labels" in said and "never read" not in said
@@ -117,17 +119,18 @@ def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resume
     from sim.world import load_world
 
     world = load_world(tiny_prepared, tiny_split, with_query_labels=False)
-    preset = get_preset("tiny").replace(student_epochs=1, pretrain_epochs=1, extra={"selftrain_rounds": 1})
+    preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
+                                             self_training=dict(rounds=1))
     checkpoint = tmp_path / "public-model.pt"
     plain = train_public_models(world, preset, checkpoint=checkpoint)
     assert plain.start is plain.reference and plain.selftrain is None
 
-    adapted = train_public_models(world, preset.replace(public_start="self-trained"), checkpoint=checkpoint)
+    adapted = train_public_models(world, preset.with_changes(public_start="self-trained"), checkpoint=checkpoint)
     reference, start = adapted.reference.state_dict(), adapted.start.state_dict()
     assert all(torch.equal(reference[k], plain.reference.state_dict()[k]) for k in reference)   # resumed, not retrained
     assert any(not torch.equal(reference[k], start[k]) for k in reference)                      # it moved
     assert adapted.selftrain.chosen_round == 1 and (selftrain_checkpoints(checkpoint) / "round-1.pt").exists()
-    again = train_public_models(world, preset.replace(public_start="self-trained"), checkpoint=checkpoint).start
+    again = train_public_models(world, preset.with_changes(public_start="self-trained"), checkpoint=checkpoint).start
     assert all(torch.equal(start[k], again.state_dict()[k]) for k in start)
 
 

@@ -119,13 +119,14 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital
     from server.dpfedavg import dpfedavg_settings
-    from sim.presets import get_preset
+    from sim.presets import DpSetting, get_preset
 
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **kw: 3.0)  # skip the PLD search
     plan_noise_multiplier.cache_clear()
     images, labels = _data(4)
     prepared = SimpleNamespace(images=lambda ids: images[: len(ids)], labels=lambda ids: labels[: len(ids)])
-    preset = get_preset("tiny").replace(dpfedavg_grid=({"trainable": VOXEL_HEAD, "learning_rate": 1e-2},))
+    entry = DpSetting(trainable=VOXEL_HEAD, learning_rate=1e-2)
+    preset = get_preset("tiny").with_changes(dp_fedavg=dict(grid=(entry,)))
     setting = dpfedavg_settings(preset)[0]
     model = build_unet("tiny", trainable=VOXEL_HEAD)
     load_start_weights(model, _public().state_dict())
@@ -154,8 +155,7 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
     prepared = SimpleNamespace(images=lambda ids: images[[index[c] for c in ids]],
                                labels=lambda ids: labels[[index[c] for c in ids]], grid=(16, 16, 16))
     preset = get_preset("tiny")
-    preset = preset.replace(extra={**preset.extra, "teacher_trainable": VOXEL_HEAD, "teacher_learning_rate": 1e-2,
-                                   "teacher_augment": False})
+    preset = preset.with_changes(teacher=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, augment=False))
     public = {k: v.numpy() for k, v in _public().state_dict().items()}
     hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=10.0)
     config = {"teacher_epochs": 2, "seed": 0, "init_weights": public, **teacher_training(preset)}
@@ -191,7 +191,7 @@ def test_the_central_command_offers_exactly_the_trainable_sets():
 
 def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     """PATE's student as the teachers' function class (the quick preset's ``student_trainable``): the public model's
-    weights stay bit-identical, the head moves, and the preset's extras reach ``train_student`` by their names."""
+    weights stay bit-identical, the head moves, and the preset's ``student`` recipe reaches ``train_student``."""
     from types import SimpleNamespace
 
     from server.pate import student_training
@@ -202,9 +202,9 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
     preset = get_preset("tiny")
-    assert student_training(preset) == {}
-    preset = preset.replace(extra={**preset.extra, "student_trainable": VOXEL_HEAD, "student_learning_rate": 1e-2})
-    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2}
+    assert student_training(preset) == {"trainable": "all", "learning_rate": None, "finetune": False}   # the defaults
+    preset = preset.with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2))
+    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": False}
     public = _public().state_dict()
     student = train_student(world, one_hot(labels[2:], 4).astype(np.float32), [2, 3], preset, seed=0,
                             init={k: v.clone() for k, v in public.items()}, epochs=1, **student_training(preset))
@@ -217,7 +217,7 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
 
 def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_fitted_head():
     """Linear probing then fine-tuning (``student_finetune``): the second stage starts from the first stage's fitted
-    head -- not from a fresh one -- and trains the U-Net under it too; the preset's extra reaches ``train_student``."""
+    head -- not from a fresh one -- and trains the U-Net under it too; the preset's recipe reaches ``train_student``."""
     from types import SimpleNamespace
 
     from server.pate import student_training
@@ -229,8 +229,7 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
     preset = get_preset("tiny")
-    preset = preset.replace(extra={**preset.extra, "student_trainable": VOXEL_HEAD, "student_learning_rate": 1e-2,
-                                   "student_finetune": True})
+    preset = preset.with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, finetune=True))
     assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": True}
     public = _public().state_dict()
     targets = one_hot(labels[2:], 4).astype(np.float32)

@@ -54,7 +54,7 @@ def test_ids_of_the_two_phantom_folders_do_not_collide(tiny_world):
 
 def test_public_labelled_sets_come_from_the_other_centre(tiny_world):
     prepared, split = tiny_world
-    preset = get_preset("tiny")
+    preset = get_preset("tiny").world
     labelled = split.public_reference + split.public_validation
     assert len(split.public_reference) == preset.n_reference and len(split.public_validation) == preset.n_validation
     assert {prepared.source_of(c) for c in labelled} == {PUBLIC_SOURCE}
@@ -85,7 +85,7 @@ def test_describe_world_counts_patients_per_hospital(tiny_world, world_cache):
     assert described["two_sources"] is True
     assert {h: v["patients"] for h, v in described["hospitals"].items()} == {
         h: len(split.patients_of(split.hospital_cases(h))) for h in split.hospitals}
-    assert described["sets"]["test"]["patients"] == get_preset("tiny").n_test
+    assert described["sets"]["test"]["patients"] == get_preset("tiny").world.n_test
 
 
 def _two_source_cases(population=40, public=10):

@@ -81,6 +81,7 @@ from privacy.events import LaplaceEvent
 from privacy.mechanisms import LaplaceMechanism, NoiseSource
 from sim.classification import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
 from sim.errors import UserError
+from sim.options import Relation
 
 FEATURE_SENSITIVITY = 1.0   # |x_ij − x'_ij| ≤ 1 for x ∈ [0, 1] (Lemma 3's domain), replace-one
 LABEL_SENSITIVITY = 2.0     # ||(½ − y) − (½ − y')||_1 for one-hot y, y' (replace-one)
@@ -149,8 +150,8 @@ def private_relevance(per_record: np.ndarray, epsilon1: float, guard, owners, re
     n, d = per_record.shape
     sens = relevance_sensitivity(d, n, group)
     scale = sens / epsilon1
-    guard.charge(owners, LaplaceEvent(sensitivity=sens, scale=scale, relation="replace-one"), release_id=release_id,
-                 note={"step": "adlm-relevance", "d": d, "n": n, "records_per_unit": group})
+    guard.charge(owners, LaplaceEvent(sensitivity=sens, scale=scale, relation=Relation.REPLACE_ONE),
+                 release_id=release_id, note={"step": "adlm-relevance", "d": d, "n": n, "records_per_unit": group})
     return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(per_record.mean(axis=0)))
 
 
@@ -192,7 +193,7 @@ def perturb_features(x: np.ndarray, scales: np.ndarray, guard, owners, release_i
     x = np.clip(np.asarray(x, np.float64), 0.0, 1.0)
     finite = np.isfinite(scales)
     eps = group * float(np.sum(FEATURE_SENSITIVITY / scales[finite]))
-    guard.charge(owners, LaplaceEvent(sensitivity=eps, scale=1.0, relation="replace-one"), release_id=release_id,
+    guard.charge(owners, LaplaceEvent(sensitivity=eps, scale=1.0, relation=Relation.REPLACE_ONE), release_id=release_id,
                  note={"step": "adlm-affine", "d": int(len(scales)), "withheld": int((~finite).sum()),
                        "records_per_unit": group})
     white = np.where(finite, x / np.where(finite, scales, 1.0), 0.0)
@@ -216,7 +217,8 @@ def perturb_label_coefficients(y: np.ndarray, classes: int, epsilon3: float, gua
     """
 
     scale = group * LABEL_SENSITIVITY / epsilon3
-    guard.charge(owners, LaplaceEvent(sensitivity=group * LABEL_SENSITIVITY, scale=scale, relation="replace-one"),
+    guard.charge(owners,
+                 LaplaceEvent(sensitivity=group * LABEL_SENSITIVITY, scale=scale, relation=Relation.REPLACE_ONE),
                  release_id=release_id, note={"step": "adlm-loss", "classes": classes, "records_per_unit": group})
     phi = 0.5 - np.eye(classes)[np.asarray(y)]
     return np.asarray(LaplaceMechanism(scale, noise.generator(release_id))(phi)).astype(np.float32)
@@ -348,7 +350,7 @@ def train_adlm(task, epsilon: float | None, delta: float, guard, owners, cfg: Ad
     finite = np.isfinite(scales)
     return SeedResult(
         method=method, accuracy=accuracy(model, np.clip(task.x_test, 0, 1), task.y_test), epsilon_budget=epsilon,
-        delta=delta, relation="replace-one" if private else None, sigma=None,
+        delta=delta, relation=Relation.REPLACE_ONE if private else None, sigma=None,
         details={"epsilon_split": [e1, e2, e3] if private else None, "epochs": cfg.epochs, "lr": cfg.lr,
                  "hidden": list(cfg.hidden), "noise_free": not private,
                  "feature_scale_median": float(np.median(scales[finite])) if finite.any() else None,

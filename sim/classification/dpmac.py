@@ -66,6 +66,7 @@ from sim.classification import accuracy as _acc
 from sim.classification import gather_units, set_seed
 from sim.errors import UserError
 from sim.dpsgd import poisson_batches
+from sim.options import Relation
 
 
 @dataclass
@@ -307,7 +308,7 @@ def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMA
 #: once dataset sizes are published. A unit's clipped W-step term moves the sum by at most 2C when it is
 #: replaced (its term and its replacement's, each of norm <= C): dp_accounting's REPLACE_ONE sampled
 #: Gaussian accounts that with the multiplier relative to C.
-RELATION = "replace-one"
+RELATION = Relation.REPLACE_ONE
 #: DP-PCA's second-moment matrix under replace-one: one unit's moment (PSD, Frobenius norm <= 1) is
 #: replaced by another, ||A - B||_F^2 = ||A||^2 + ||B||^2 - 2<A, B> <= 2 since <A, B> >= 0 for PSD
 #: matrices; the upper triangle that gets the noise has at most that norm.
@@ -334,7 +335,8 @@ def calibrate_dpmac(epsilon: float, delta: float, sampling_rate: float, steps: i
                                                                     relation=RELATION)))
     # A fast RDP locator on the add/remove reading of the same steps gives a lower end (replace-one needs
     # more noise); PLD then searches a bracket above it (calibrate widens it when it has to).
-    rough = lambda z: ComposedEvent((GaussianEvent(PCA_SENSITIVITY, pca_sigma, relation="add-remove"),  # noqa: E731
+    rough = lambda z: ComposedEvent((GaussianEvent(PCA_SENSITIVITY, pca_sigma,  # noqa: E731
+                                                   relation=Relation.ADD_REMOVE),
                                      SampledGaussianEvent(sampling_rate, z, steps)))
     guess = calibrate(rough, epsilon, delta, "rdp", 0.3, 3.0, rtol=1e-2)
     return calibrate(make, epsilon, delta, accountant, 0.9 * guess, 1.6 * guess)

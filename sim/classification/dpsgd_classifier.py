@@ -33,13 +33,14 @@ from privacy.calibration import dpsgd_noise_multiplier
 from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
 from sim.errors import UserError
 from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
+from sim.options import Relation, Sampling
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
 
 #: One relation for every method of a comparison (docs/PRIVACY.md): replace-one, the only one that holds
 #: once dataset sizes are published (the task summary publishes them).
-RELATION = "replace-one"
+RELATION = Relation.REPLACE_ONE
 
 
 @dataclass
@@ -106,7 +107,7 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
 
     target = epsilon * CALIBRATION_MARGIN
     common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False, relation=RELATION,
-                  sampling="poisson", release_prefix=release_prefix, target_epochs=cfg.epochs,
+                  sampling=Sampling.POISSON, release_prefix=release_prefix, target_epochs=cfg.epochs,
                   grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
     units = task.unit_records()
     xu, yu, mask = padded_units(x.numpy(), y.numpy(), units)

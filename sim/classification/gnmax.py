@@ -47,6 +47,7 @@ from privacy.calibration import calibrate
 from privacy.events import ComposedEvent, GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
 from sim.classification import SeedResult, accuracy, predict, train_nonprivate
+from sim.options import Relation
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
 THRESHOLD_SENSITIVITY = 1.0            # replace-one on the maximum vote count
@@ -256,7 +257,8 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
         print(f"  pate-gnmax: K={K} σ={sigma:.2f} answered {int(answered.sum())}/{nq}, label acc {label_acc}, "
               f"student acc {acc:.3f}", flush=True)
     return SeedResult(
-        method="pate-gnmax", accuracy=acc, epsilon_budget=epsilon, delta=delta, relation="replace-one", sigma=sigma,
+        method="pate-gnmax", accuracy=acc, epsilon_budget=epsilon, delta=delta, relation=Relation.REPLACE_ONE,
+        sigma=sigma,
         teachers=K, queries=nq, bytes_up_per_query_per_teacher=4,   # one int32 vote
         details={"teacher_accuracy_mean": float(np.mean(teacher_acc)), "ensemble_accuracy": ensemble_acc,
                  "answered": int(answered.sum()), "label_accuracy": label_acc, "confident": cfg.confident,

@@ -41,8 +41,9 @@ import numpy as np
 from sim.data.msd import patient_id
 from sim.errors import UserError
 from sim.io import atomic_write_json
+from sim.options import SplitScheme, look_up_option
 
-SCHEMES = ("institution", "iid", "dirichlet", "paper")
+SCHEMES = tuple(SplitScheme)
 UNKNOWN_INSTITUTION = "unknown"
 #: source name (PreparedDataset.source_of) of the public labelled collection in a two-source world (sim.world)
 PUBLIC_SOURCE = "other-centre"
@@ -246,8 +247,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
         public_pool: the case ids of the public labelled source (another centre): the reference and validation
             sets come from these only, everything else from the other cases (None = one population).
     """
-    if scheme not in SCHEMES:
-        raise UserError(f"--split={scheme!r}: unknown scheme; expected one of {', '.join(SCHEMES)}")
+    scheme = look_up_option(scheme, SplitScheme, "--split")
     if hospitals < 1:
         raise UserError(f"--hospitals={hospitals}: expected at least 1")
     if teachers_per_hospital < 1:
@@ -256,7 +256,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                         ("n_test", n_test)):
         if value < 0:
             raise UserError(f"{name}={value}: expected 0 or more")
-    if scheme == "dirichlet" and not alpha > 0:
+    if scheme is SplitScheme.DIRICHLET and not alpha > 0:
         raise UserError(f"--alpha={alpha}: expected a positive Dirichlet concentration")
     institution_of, patient_of = _cases_institutions_patients(prepared, patients)
     groups = _group_by_patient(patient_of)
@@ -295,7 +295,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
     query = _stratified_draw(rng, pool, n_query)
     reference = _stratified_draw(rng, labelled, n_reference)
     validation = _stratified_draw(rng, labelled, n_validation)
-    reference_is_query = scheme == "paper" and n_reference == 0
+    reference_is_query = scheme is SplitScheme.PAPER and n_reference == 0
     if reference_is_query:
         reference = list(query)
     names = [hospital_name(h, hospitals) for h in range(hospitals)]
@@ -304,7 +304,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
 
     holdings: dict[str, list[tuple[str, ...]]] = {name: [] for name in names}
     split_hospitals: dict[str, list[list[str]]] = {}
-    if scheme == "institution":
+    if scheme is SplitScheme.INSTITUTION:
         institutions = sorted(private)
         if UNKNOWN_INSTITUTION in institutions and len(institutions) == 1 and hospitals > 1:
             raise UserError("--split=institution: the dataset does not say which institution each case comes from "
@@ -318,11 +318,11 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                 order = rng.permutation(len(private[inst]))
                 for name, chunk in zip(sharing, np.array_split(order, len(sharing))):
                     holdings[name] += [private[inst][i] for i in chunk]
-    elif scheme == "iid":
+    elif scheme is SplitScheme.IID:
         order = rng.permutation(len(all_private))
         for name, chunk in zip(names, np.array_split(order, hospitals)):
             holdings[name] = [all_private[i] for i in chunk]
-    elif scheme == "dirichlet":
+    elif scheme is SplitScheme.DIRICHLET:
         order = [all_private[i] for i in rng.permutation(len(all_private))]
         minimum = teachers_per_hospital
         shares = rng.dirichlet(np.full(hospitals, float(alpha)))
@@ -343,7 +343,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                 raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} would get an empty "
                                 "teacher partition; expected at least one private patient per teacher")
 
-    if scheme != "paper":
+    if scheme is not SplitScheme.PAPER:
         for h, name in enumerate(names):
             held = holdings[name]
             if len(held) < teachers_per_hospital:
@@ -353,7 +353,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                                         patients=patient_of)
             split_hospitals[name] = [sorted(part) for part in parts]
     split = Split(split_hospitals, _cases(query), _cases(reference), _cases(validation), _cases(test),
-                  reference_is_query, scheme, int(seed),
+                  reference_is_query, str(scheme), int(seed),
                   {**_params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha),
                    **({"public_pool": len(public_groups)} if external else {})},
                   patients={c: p for c, p in patient_of.items() if p != c})
@@ -409,7 +409,8 @@ def split_for_preset(prepared, preset, seed: int = 0, **overrides) -> Split:
     the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world, sim.world.build_world)."""
     pool = prepared.cases_from(PUBLIC_SOURCE) if hasattr(prepared, "cases_from") else []
     args = dict(hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
-                scheme=preset.split_scheme, n_query=preset.n_query, n_reference=preset.n_reference,
-                n_validation=preset.n_validation, n_test=preset.n_test, seed=seed, public_pool=pool or None)
+                scheme=preset.world.split_scheme, n_query=preset.federation.n_query,
+                n_reference=preset.world.n_reference, n_validation=preset.world.n_validation,
+                n_test=preset.world.n_test, seed=seed, public_pool=pool or None)
     args.update({k: v for k, v in overrides.items() if v is not None})
     return make_split(prepared, **args)

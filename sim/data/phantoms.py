@@ -761,10 +761,10 @@ def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, inst
             ``phantom_test_cases`` (None = the preset's).
         shift: the held-out regime (:data:`SHIFTS`; ``none`` = no shift).
     """
-    cases = preset.phantom_cases if cases is None else cases
-    institutions = preset.institutions if institutions is None else institutions
-    test_cases = preset.phantom_test_cases if test_cases is None else test_cases
-    return (f"phantoms-{preset.name}-n{cases}-t{test_cases}-m{institutions}-{preset.phantom_resolution_mm:g}mm"
+    cases = preset.world.phantom_cases if cases is None else cases
+    institutions = preset.world.institutions if institutions is None else institutions
+    test_cases = preset.world.phantom_test_cases if test_cases is None else test_cases
+    return (f"phantoms-{preset.name}-n{cases}-t{test_cases}-m{institutions}-{preset.world.phantom_resolution_mm:g}mm"
             f"-seed{seed}{'' if shift == 'none' else '-' + shift}-v{GENERATOR_VERSION}")
 
 
@@ -792,15 +792,15 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
     shift_parts(shift)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    cases = preset.phantom_cases if cases is None else cases
-    institutions = preset.institutions if institutions is None else institutions
-    test_cases = preset.phantom_test_cases if test_cases is None else test_cases
+    cases = preset.world.phantom_cases if cases is None else cases
+    institutions = preset.world.institutions if institutions is None else institutions
+    test_cases = preset.world.phantom_test_cases if test_cases is None else test_cases
     out = root / phantom_folder_name(preset, seed, cases=cases, institutions=institutions, test_cases=test_cases,
                                      shift=shift)
     if (out / "dataset.json").exists():
         return out
     with _file_lock(root / f".{out.name}.lock"):
-        return generate_phantoms(out, cases, institutions, seed, resolution_mm=preset.phantom_resolution_mm,
+        return generate_phantoms(out, cases, institutions, seed, resolution_mm=preset.world.phantom_resolution_mm,
                                  test_cases=test_cases, progress=progress, workers=workers, shift=shift)
 
 

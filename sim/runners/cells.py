@@ -102,7 +102,7 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
     public = train_public_models(world, preset, seed=seed, progress=progress,
                                  checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
     init = {k: v.clone() for k, v in public.reference.state_dict().items()}
-    public_only = train_public_model(world, preset, seed=seed, epochs=preset.student_epochs, init=init,
+    public_only = train_public_model(world, preset, seed=seed, epochs=preset.student.epochs, init=init,
                                      progress=progress, checkpoint=shared_dir / "public-only.pt", device=device,
                                      precision=precision)
     return public.start, public_only

@@ -43,7 +43,8 @@ from sim.errors import UserError
 from sim.io import atomic_write_bytes, atomic_write_json
 from sim.methods import CENTRAL_METHODS
 from sim.networks import build_unet, network_config, network_config_of
-from sim.presets import get_preset
+from sim.options import Relation, Sampling, look_up_option
+from sim.presets import DpSetting, Preset, get_preset, preset_reference
 from sim.runners.resume import refuse_other_settings
 from sim.results import ModelRelease, RunResults, write_run
 from sim.selection import SELECTIONS, SelectionConfig, run_private_selection, split_and_plan, stamp_one_time
@@ -89,7 +90,7 @@ class TrainingOptions:
     levers: Mapping[str, Any] | None = None
 
     def explicit(self) -> dict:
-        """The settings a grid entry may not change (``SETTING_KEYS``; None = not given)."""
+        """The settings a grid entry may not change (:class:`sim.presets.DpSetting`'s; None = not given)."""
         return {"learning_rate": self.learning_rate, "max_grad_norm": self.max_grad_norm, "epochs": self.epochs,
                 "batch_size": self.batch_size,
                 **{k: v for k, v in (self.levers or {}).items() if k in LEVER_KEYS}}
@@ -117,12 +118,16 @@ class DPSGDOptions:
     noise_mode: str = "target"
     schedule: str | None = None
     schedule_options: Mapping[str, Any] | None = None
-    sampling: str = "poisson"
+    sampling: Sampling = Sampling.POISSON
     noise_multiplier: float | None = None
     per_layer: bool | None = None
     grad_sample_mode: str | None = None
-    relation: str = "replace-one"
+    relation: Relation = Relation.REPLACE_ONE
     reproducible_noise: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampling", look_up_option(self.sampling, Sampling, "--sampling"))
+        object.__setattr__(self, "relation", look_up_option(self.relation, Relation, "--relation"))
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ class CentralConfig:
 
     Args:
         method: ``nonprivate`` or ``dp-sgd`` (``sim.methods.CENTRAL_METHODS``).
-        preset: the preset's name (``sim.presets``).
+        preset: the preset: a registered name, a variant's :attr:`sim.presets.Preset.reference`, or a
+            :class:`sim.presets.Preset` (kept as its reference).
         out: the run folder (results.json, ledger.jsonl, model/, checkpoint/ while it runs).
         epsilon: DP-SGD's budget (None = the preset's); ``delta`` likewise.
         seed: the world's split, the public model and the training; the noise only under
@@ -157,7 +163,7 @@ class CentralConfig:
     """
 
     method: str = "nonprivate"
-    preset: str = "quick"
+    preset: str | Preset = "quick"
     out: str | Path = "runs/central"
     epsilon: float | None = None
     delta: float | None = None
@@ -179,10 +185,11 @@ class CentralConfig:
     selection_config: SelectionConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "preset", preset_reference(self.preset))
         if self.selection not in SELECTIONS:
             raise UserError(f"--selection: expected one of {', '.join(SELECTIONS)}, got {self.selection!r}")
-        if self.selection == "private" and (self.dpsgd.noise_mode != "target" or self.dpsgd.sampling != "poisson"
-                                            or self.init != "public"):
+        if self.selection == "private" and (self.dpsgd.noise_mode != "target"
+                                            or self.dpsgd.sampling is not Sampling.POISSON or self.init != "public"):
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
         if self.selection == "private" and self.hospital_ledger_dir is not None:
             # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
@@ -226,7 +233,7 @@ class CentralConfig:
         if self.private:   # the DP-SGD configuration each grid entry will run, checked as it will be built
             epsilon = float(self.epsilon if self.epsilon is not None else preset.epsilon)
             delta = float(self.delta if self.delta is not None else preset.delta)
-            grid = self.dpsgd.noise_mode == "target" and self.dpsgd.sampling == "poisson"
+            grid = self.dpsgd.noise_mode == "target" and self.dpsgd.sampling is Sampling.POISSON
             for setting in settings_grid(preset, True, self.training.explicit(), grid=grid):
                 _dp_config(preset, self.dpsgd, epsilon, delta, setting, None)
 
@@ -278,13 +285,13 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         # scratch would be a second release of the same data that its release ids would hide.
         raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
     # what this folder already holds (a checkpoint, the public model) is resumed only with the same settings
-    record_central_settings(config, out, p.name, epsilon, delta)
+    record_central_settings(config, out, p.reference, epsilon, delta)
 
     torch.manual_seed(seed)
     world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, private, config.training.explicit(),
-                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling == "poisson")
+                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling is Sampling.POISSON)
     select_privately = private and config.selection == "private"
     sigma = None
     # what needs only the data's sizes is planned now: a budget that cannot be met is refused before the public
@@ -363,7 +370,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
         **(noise.describe() if private else {}),
-        "preset": p.name,
+        "preset": p.reference,
         "grid": list(p.grid),
         "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
         "train_cases": len(world["train_ids"]),
@@ -506,8 +513,8 @@ def _dp_config(preset, dpsgd: DPSGDOptions, epsilon: float, delta: float, settin
     else:
         mode = dpsgd.noise_mode
         multiplier = (dpsgd.noise_multiplier if dpsgd.noise_multiplier is not None else
-                      preset.dpsgd_noise_multiplier if dpsgd.noise_mode != "target" else None)
-    per_layer = bool(preset.extra.get("dpsgd_per_layer", True) if dpsgd.per_layer is None else dpsgd.per_layer)
+                      preset.dp_sgd.noise_multiplier if dpsgd.noise_mode != "target" else None)
+    per_layer = bool(preset.dp_sgd.per_layer if dpsgd.per_layer is None else dpsgd.per_layer)
     return DPConfig(mode=mode, epsilon=epsilon, delta=delta, noise_multiplier=multiplier,
                     max_grad_norm=setting["max_grad_norm"], per_layer=per_layer, sampling=dpsgd.sampling,
                     schedule=dpsgd.schedule, schedule_options=dict(dpsgd.schedule_options or {}),
@@ -545,24 +552,20 @@ def _check_integer(flag: str, value, *, low: int) -> None:
 
 
 INITS = ("public", "scratch")
-#: the settings a grid entry may fix (anything else comes from the preset)
-SETTING_KEYS = ("learning_rate", "max_grad_norm", "batch_size", "epochs", *LEVER_KEYS)
 
 
 def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dict]:
-    """The training settings to try: the preset's ``dpsgd_grid`` for DP-SGD (``grid``), one setting
+    """The training settings to try: the preset's ``dp_sgd.grid`` for DP-SGD (``grid``), one setting
     otherwise; any setting given explicitly (not None in ``explicit``) is fixed for every entry."""
+    recipe = preset.dp_sgd
     base = {"learning_rate": preset.learning_rate, "epochs": preset.central_epochs,
-            "max_grad_norm": preset.dpsgd_max_grad_norm,
-            "batch_size": (preset.extra.get("dpsgd_batch_size") if private else None) or preset.batch_size}
-    entries = list(preset.dpsgd_grid) if (private and grid and preset.dpsgd_grid) else [{}]
+            "max_grad_norm": recipe.max_grad_norm,
+            "batch_size": (recipe.batch_size if private else None) or preset.batch_size}
+    entries = list(recipe.grid) if (private and grid and recipe.grid) else [DpSetting()]
     fixed = {k: v for k, v in explicit.items() if v is not None}
     settings = []
     for entry in entries:
-        unknown = set(entry) - set(SETTING_KEYS)
-        if unknown:
-            raise UserError(f"preset {preset.name}: dpsgd_grid entry has unknown keys {sorted(unknown)}")
-        setting = {**base, **entry, **fixed}
+        setting = {**base, **entry.fixed(), **fixed}
         setting = {"learning_rate": float(setting["learning_rate"]), "max_grad_norm": float(setting["max_grad_norm"]),
                    "batch_size": int(setting["batch_size"]), "epochs": int(setting["epochs"]),
                    **lever_settings(setting)}

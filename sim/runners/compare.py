@@ -46,7 +46,7 @@ from sim.errors import UserError
 from sim.io import atomic_write_json
 from sim import methods as registry
 from sim import realcheck
-from sim.presets import get_preset
+from sim.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
 from sim.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
@@ -74,7 +74,8 @@ class CompareConfig:
     """One comparison's plan: every method x epsilon (x K) on one world; validated once, here.
 
     Args:
-        preset: the preset's name (``sim.presets``).
+        preset: the preset: a registered name, a variant's :attr:`sim.presets.Preset.reference`, or a
+            :class:`sim.presets.Preset` (kept as its reference, which every cell and worker rebuilds it from).
         methods: registered method names (``sim.methods``).
         epsilons: the private cells' budgets (each checked by ``sim.runconfig.check_epsilon``).
         out: the comparison's folder (cells, hospital ledgers, report).
@@ -107,7 +108,7 @@ class CompareConfig:
             resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
-    preset: str
+    preset: str | Preset
     methods: Sequence[str]
     epsilons: Sequence[float]
     out: Path
@@ -131,6 +132,8 @@ class CompareConfig:
     real_check: Sequence[str] = ()
 
     def __post_init__(self) -> None:
+        # a variant travels to the cells, workers and Flower's run config as its reference (sim.presets)
+        object.__setattr__(self, "preset", preset_reference(self.preset))
         if self.init not in ("public", "scratch"):
             raise UserError(f"--init: expected public or scratch, got {self.init!r}")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:

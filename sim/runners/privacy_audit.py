@@ -119,6 +119,7 @@ from server.pate import SERVER_POLICY
 from sim import codecs, dpsgd, training
 from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
 from sim.presets import get_preset
+from sim.options import Relation, Sampling
 
 # ======================================================================================== accounting
 
@@ -636,7 +637,7 @@ class DPSGDSetup:
     batch_size: int
     epochs: int
     clip: float            # per-layer clip C (each of the two tensors)
-    relation: str = "replace-one"
+    relation: str = Relation.REPLACE_ONE
     dim: int = 4
     scale: float = 100.0   # gradient norms before clipping (>> C: every record is clipped)
     sigma: float = 0.0     # the session's calibrated noise multiplier (filled by dpsgd_setup)
@@ -662,7 +663,7 @@ class DPSGDSetup:
     def replacement(self) -> float:
         """What D' contributes to x_t when its last record is in the batch: ``-signal`` under replace-one
         (the opposite gradient), 0 under add-remove (no such record)."""
-        return -self.signal if self.relation == "replace-one" else 0.0
+        return -self.signal if self.relation == Relation.REPLACE_ONE else 0.0
 
     @property
     def bug(self) -> str:
@@ -681,7 +682,7 @@ class DPSGDSetup:
         return int(self.size(with_canary) * self.sampling_rate)
 
     def size(self, with_canary: bool) -> int:
-        return self.others + (1 if with_canary or self.relation == "replace-one" else 0)
+        return self.others + (1 if with_canary or self.relation == Relation.REPLACE_ONE else 0)
 
     def data(self, with_canary: bool):
 
@@ -689,14 +690,14 @@ class DPSGDSetup:
         x[: self.others, 0] = self.scale        # everyone else: coordinate 0
         if with_canary:
             x[-1, 1] = self.scale               # the canary: coordinate 1, used by nobody else
-        elif self.relation == "replace-one":
+        elif self.relation == Relation.REPLACE_ONE:
             x[-1, 1] = -self.scale              # its replacement: the same coordinate, the opposite gradient
         return x
 
     def config(self, release_prefix: str = "audit"):
 
         return DPConfig(mode="target", epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.clip,
-                        per_layer=True, sampling="poisson", relation=self.relation, grad_sample_mode="functorch",
+                        per_layer=True, sampling=Sampling.POISSON, relation=self.relation, grad_sample_mode="functorch",
                         release_prefix=release_prefix)
 
     def perfect_test_limit(self) -> float | None:
@@ -794,7 +795,7 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    recorder = _StepRecorder(model, len(x) - 1 if with_canary or setup.relation == "replace-one" else None)
+    recorder = _StepRecorder(model, len(x) - 1 if with_canary or setup.relation == Relation.REPLACE_ONE else None)
     config = training.TrainConfig(epochs=setup.epochs, batch_size=setup.batch_size, learning_rate=1.0,
                                   augment=False, progress=False, description="privacy audit",
                                   loss_fn=recorder.loss, optimizer_factory=recorder.optimizer)
@@ -809,8 +810,8 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
 
 
 def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
-                clip: float = 1.0, relation: str = "replace-one", noise_factor: float = 1.0, unclipped: bool = False,
-                sigma: float | None = None) -> DPSGDSetup:
+                clip: float = 1.0, relation: str = Relation.REPLACE_ONE, noise_factor: float = 1.0,
+                unclipped: bool = False, sigma: float | None = None) -> DPSGDSetup:
     """σ, q and the steps from a first product run (:func:`dpsgd_train` on D): in ``target`` mode under
     ``relation`` (``train_segmentation``'s session calibrates σ itself), or at the given ``sigma`` (the
     session's ``fixed`` mode). Under add-remove, D and D' must have the same number of steps (so the same
@@ -889,7 +890,7 @@ def dpsgd_scores(setup: DPSGDSetup, observations: np.ndarray) -> np.ndarray:
         return np.logaddexp(absent, math.log(q) + (2.0 * shift * x - 1.0) / (2.0 * s2))
 
     score = mixture(+1.0)
-    if setup.relation == "replace-one":
+    if setup.relation == Relation.REPLACE_ONE:
         score = score - mixture(-1.0)
     return score.sum(axis=-1)
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from server.selftrain import train_public_models
-from sim.presets import PublicStart
+from sim.options import PublicStart
 from sim.bundle import preprocessing_of
 from sim.networks import network_config
 from sim.device import device_name, model_device
@@ -44,12 +44,12 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
                          publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
                          device: str = "auto", precision: str = "32") -> dict:
     """Self-train the public model (``shared_dir/public-model.pt``) on the public query scans; rounds and
-    temperature from the preset's extras (``selftrain_rounds``, ``selftrain_temperature``) or the module defaults
-    of ``server.selftrain``. The rounds are checkpointed beside the public model, where a comparison whose
-    ``public_start`` is ``self-trained`` finds them: this baseline is then the model every cell starts from.
+    temperature from the preset's ``self_training`` (:class:`sim.presets.SelfTraining`). The rounds are checkpointed
+    beside the public model, where a comparison whose ``public_start`` is ``self-trained`` finds them: this baseline
+    is then the model every cell starts from.
 
     Args:
-        preset: the comparison's preset (its world, network, schedule and self-training extras).
+        preset: the comparison's preset (its world, network, schedule and ``self_training``).
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
         seed: the world's split and the trainings.
         out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
@@ -66,7 +66,7 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
     world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
                        with_query_labels=False)
     # the same call, and so the same checkpoints, as the comparison's start model when that is self-trained
-    outcome = train_public_models(world, preset.replace(public_start=PublicStart.SELF_TRAINED.value), seed=seed,
+    outcome = train_public_models(world, preset.with_changes(public_start=PublicStart.SELF_TRAINED), seed=seed,
                                   progress=progress, checkpoint=Path(shared_dir) / "public-model.pt", device=device,
                                   precision=precision).selftrain
     rounds = len(outcome.validation_dice)

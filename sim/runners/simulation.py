@@ -11,6 +11,8 @@ Engines:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -59,15 +61,11 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | 
 
 
 def _settings_fields(settings: RunSettings) -> dict[str, Any]:
-    return {"method": settings.method, "preset": settings.preset, "epsilon": settings.budget,
-            "delta": settings.resolved_delta, "seed": settings.seed, "out": settings.out, "data": settings.data,
-            "hospitals": settings.hospitals, "teachers_per_hospital": settings.teachers_per_hospital,
-            "wait_seconds": settings.wait_seconds, "reply_timeout": settings.reply_timeout,
-            "query_timeout": settings.query_timeout,
-            "world": settings.world, "calibration": settings.calibration, "progress": settings.progress,
-            "query_batch": settings.query_batch, "reproducible_noise": settings.reproducible_noise,
-            "lifetime_epsilon": settings.lifetime_epsilon, "ledger_dir": settings.ledger_dir,
-            "init": settings.init, "device": settings.device, "precision": settings.precision}
+    """Every field of ``settings`` (but the cells, passed apart) as the ServerApp's overrides, with the budget and
+    delta resolved."""
+    resolved = {"epsilon": settings.budget, "delta": settings.resolved_delta}
+    return {f.name: resolved.get(f.name, getattr(settings, f.name)) for f in dataclasses.fields(RunSettings)
+            if f.name != "extra"}
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
