@@ -220,14 +220,14 @@ def test_secure_pate_over_the_flower_transport_with_a_dropout(tiny_prepared, tmp
     from sim.presets import get_preset
     from sim.world import load_world
 
-    preset = PRESET.replace(hospitals=3, teachers_per_hospital=2)
+    preset = PRESET.with_changes(hospitals=3, teachers_per_hospital=2)
     split = split_for_preset(tiny_prepared, get_preset("tiny", hospitals=3, teachers_per_hospital=2), seed=0)
     split.to_json(tmp_path / "split.json")
     (tmp_path / "world.json").write_text(json.dumps({"prepared": str(tiny_prepared.path), "preset": "tiny"}))
     grid = RecordingGrid(tmp_path, nodes=3)
     transport = FlowerTransport(grid, 3, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
                                 base_config={"preset": "tiny", "seed": 0, "world": str(tmp_path),
-                                             "preset_overrides": {"teacher_epochs": 1, "hospitals": 3,
+                                             "preset_overrides": {"teacher": {"epochs": 1}, "hospitals": 3,
                                                                   "teachers_per_hospital": 2},
                                              "ledger_dir": str(tmp_path / "hospital-ledgers"),
                                              "lifetime_epsilon": 8.0, "delta": 1e-3,
