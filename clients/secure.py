@@ -310,7 +310,10 @@ class SecureHospital:
     re-clipped and conditionally rounded row by row onto the declared integer grid, summed over its
     teachers, plus its own share of discrete Gaussian noise (``privacy.distributed``). Before any teacher runs
     it charges its own ledger, for each query of the batch, the distributed discrete Gaussian with the noise
-    shares it can count on (:class:`SecurePolicy`); a refusal or an exceeded budget costs nothing.
+    shares it can count on (:class:`SecurePolicy`); a refusal or an exceeded budget costs nothing. For a
+    ``dp-fedavg-secure`` run (noise ``kind`` ``head-gradient``) the contribution is instead its patients'
+    clipped head gradients, after a ``join`` request that brought the frozen start model
+    (``clients.secure_gradients``); the same order holds: refusals, the charge, then the data.
 
     A deployed hospital's policy is its own (``policy``); a simulated one's comes with the simulation's
     messages (``secure_policy``), as its lifetime budget does."""
@@ -319,9 +322,21 @@ class SecureHospital:
         self.hospital = hospital
         self.policy = policy
         self.party = SecureSumParty(hospital.hospital_id, policy or SecurePolicy())
+        self._gradients = None    # the dp-fedavg-secure side (clients.secure_gradients), made on first use
+
+    @property
+    def gradients(self):
+        """This hospital's ``dp-fedavg-secure`` contributor (``clients.secure_gradients``)."""
+        if self._gradients is None:
+            from clients.secure_gradients import HeadGradientContributor
+
+            self._gradients = HeadGradientContributor(self.hospital)
+        return self._gradients
 
     def handle(self, stage: str, message: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
         config = dict(config or {})
+        if stage == secagg.JOIN_STAGE:   # before any secure sum of a dp-fedavg-secure run: nothing is charged
+            return self.gradients.join(message, config)
         if stage == "setup":
             deployed = bool(getattr(self.hospital, "deployed", False))
             # a deployed hospital's policy is its own node config's, never the server's (default: the strictest)
@@ -333,8 +348,20 @@ class SecureHospital:
                 raise SecureRequestRefused(f"hospital {self.party.name}: a secure release must declare distinct "
                                            "release ids, one per query")
         session_id = str(message.get("session"))
-        return self.party.handle(stage, message,
-                                 lambda msg: self.pate_contribution(self.party.sessions[session_id], msg, config))
+        return self.party.handle(stage, message, lambda msg: self.contribution(self.party.sessions[session_id], msg,
+                                                                               config))
+
+    def contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]) -> np.ndarray:
+        """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
+        (the default) or ``dp-fedavg-secure``'s patient gradients (``sim.secagg.CONTRIBUTION_KIND``)."""
+        from sim.secagg import CONTRIBUTION_KIND as KIND
+
+        kind = str(session.noise.get("kind") or "pate")
+        if kind == KIND:
+            return self.gradients.contribution(session, message, config, self.party.policy)
+        if kind != "pate":
+            raise SecureRequestRefused(f"hospital {self.party.name}: unknown contribution kind {kind!r}")
+        return self.pate_contribution(session, message, config)
 
     def pate_contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]
                           ) -> np.ndarray:

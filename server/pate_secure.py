@@ -54,7 +54,9 @@ def is_secure(method: str) -> bool:
 
 
 def threat_model(config) -> dict:
-    given = dict(getattr(config, "secure", None) or {})
+    """The secure sums' threat model: a run configuration's ``secure`` settings (or those settings as a
+    mapping) over :data:`DEFAULT_THREAT`."""
+    given = dict((config if isinstance(config, Mapping) else getattr(config, "secure", None)) or {})
     unknown = set(given) - {"colluders", "dropouts", "threshold"}
     if unknown:
         raise UserError(f"secure aggregation: unknown setting(s) {sorted(unknown)} (colluders, dropouts, threshold)")

@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 from pathlib import Path
 
 from server.dpfedavg import run_dpfedavg
+from server.dpfedavg_secure import run_dpfedavg_secure
 from server.selftrain import train_public_models
 from sim.errors import UserError
 from server.pate import PateConfig, run_pate
@@ -54,6 +55,23 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
                         device=settings.device, precision=settings.precision)
 
 
+def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings,
+                             cell: Cell) -> dict:
+    """Distributed DP gradient descent through secure sums (``server.dpfedavg_secure``), from the same start
+    model as DP-FedAvg and pooled DP-SGD; the hospitals draw their own noise shares."""
+    preset = settings.resolved_preset
+    start = None
+    if cell.init == "public":
+        public = train_public_models(world, preset, seed=settings.seed, progress=settings.progress,
+                                     checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
+                                     device=settings.device, precision=settings.precision)
+        start = {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
+    return run_dpfedavg_secure(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
+                               seed=settings.seed, progress=settings.progress,
+                               reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
+                               device=settings.device, precision=settings.precision)
+
+
 def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
     """PATE (Fay et al., Algorithms 1-2) with the cell's method's codec; its noise comes from the cell's own
     namespace (``RunSettings.cell_noise_source``)."""
@@ -71,3 +89,4 @@ PROTOCOLS: Registry[Callable[[HospitalTransport, PublicWorld, RunSettings, Cell]
 register_protocol = PROTOCOLS.register
 register_protocol("pate", run_pate_cell)
 register_protocol("dp-fedavg", run_dpfedavg_cell)
+register_protocol("dp-fedavg-secure", run_dpfedavg_secure_cell)

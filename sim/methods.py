@@ -118,6 +118,11 @@ for _record in (
                starts_from_public=True, description="PATE on per-voxel one-hot votes", cell_seconds=190),
         Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
                description="FedAvg of each hospital's local DP-SGD", cell_seconds=210),
+        Method("dp-fedavg-secure", "dp-fedavg-secure", "private", federated=True, protocol="dp-fedavg-secure",
+               per_epsilon=True,
+               description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
+                           "patients, each step a secure sum with distributed discrete Gaussian noise (the "
+                           "aggregator sees only the noisy sum)", cell_seconds=240),
         Method("dp-sgd-central", "dp-sgd", "private", runner="pooled", per_epsilon=True,
                description="DP-SGD on the pooled private patients", cell_seconds=185),
         Method("nonprivate-central", "nonprivate", "ceiling", runner="pooled",

@@ -24,6 +24,16 @@ import hashlib
 
 import numpy as np
 
+# ``dp-fedavg-secure``'s requests as both sides name them (``server.dpfedavg_secure`` and
+# ``clients.secure_gradients``; the server and the clients never import each other):
+#: the request before a run's secure sums -- the public start model goes out, each hospital's patient count
+#: comes back; not a stage of a secure sum
+JOIN_STAGE = "join"
+#: the contribution kind its secure sums' noise declarations name (``noise["kind"]``)
+CONTRIBUTION_KIND = "head-gradient"
+#: the only neighbouring relation it runs under: it publishes the hospitals' patient counts
+RELATION = "replace-one"
+
 
 def generate_keys() -> tuple[bytes, bytes]:
     """(private key, public key) as PEM bytes (Flower's key pair generation)."""

@@ -1,0 +1,140 @@
+"""A hospital's contribution to ``dp-fedavg-secure``: its patients' clipped head gradients, rounded, summed,
+plus its share of discrete Gaussian noise, for one secure sum (``server/dpfedavg_secure.py``).
+
+Two requests reach it through the secure-sum channel (``clients.secure.SecureHospital``):
+
+* **join** (once per run, before any secure sum): the server sends the frozen start model (public: the
+  public model every method starts from) and the run's neighbouring relation. The hospital refuses any
+  relation but replace-one, builds the network (``sim.networks.VoxelHeadUNet`` on that U-Net), remembers it
+  under its digest and answers with its number of patients. Under replace-one the number of patients is the
+  same in every neighbouring dataset, so it is public by the relation itself (the server needs it to plan
+  the steps and to divide the sum); under add/remove it would not be, hence the refusal.
+* **contribution** (the collect-masked stage of one secure sum, ``clients.secure.SecureSumParty``): the
+  current head weights and the start model's digest. After every check -- the declared grid's dimension is
+  the head's, one release id, a start model it holds, finite head weights of the right shapes, no seeded
+  noise on a deployed hospital -- it charges its own lifetime ledger one distributed discrete Gaussian
+  release (``privacy.distributed.ddg_event``, the shares it counts on) and only then touches its patients:
+  the frozen features (cached per start model, ``sim.headgrad``), one gradient row per patient, clipped to
+  the declared ``clip``, conditionally rounded onto the grid, summed, plus ``N_Z(0, local_variance)`` per
+  coordinate (Kairouz, Liu & Steinke 2021, arXiv 2102.06387, Algorithm 1, client side).
+
+Noise and rounding randomness: the operating system's CSPRNG unless the simulation sends
+``secure_noise_seed`` (``--reproducible-noise``), which a deployed hospital refuses before it charges.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from sim.errors import UserError
+from sim.secagg import CONTRIBUTION_KIND as KIND, RELATION
+
+
+class HeadGradientContributor:
+    """One hospital's side of ``dp-fedavg-secure``; holds the start models it joined with and their features."""
+
+    def __init__(self, hospital) -> None:
+        self.hospital = hospital
+        self._models: dict[str, Any] = {}      # start digest -> VoxelHeadUNet (the frozen U-Net + a head)
+        self._features: dict[str, Any] = {}    # start digest -> cached [u(x), x] of every scan
+
+    # ------------------------------------------------------------------------------------------ who
+    def _cases(self) -> tuple[list[str], list[str]]:
+        """(case ids, the patient of each) of this hospital's private data."""
+        from sim.data.msd import patient_id
+
+        cases = [case for partition in self.hospital.partitions for case in partition]
+        prepared = self.hospital.prepared
+        of = getattr(prepared, "patient", None)
+        return cases, [str(of(case)) if callable(of) else patient_id(case) for case in cases]
+
+    def patient_count(self) -> int:
+        return len(set(self._cases()[1]))
+
+    # ------------------------------------------------------------------------------------------ join
+    def join(self, message: Mapping[str, Any], config: Mapping[str, Any]) -> dict:
+        """Take the run's frozen start model; answer with the patient count, the digest and the head's size."""
+        import torch
+
+        from sim.headgrad import check_frozen_deterministic, head_dimension, state_digest
+        from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
+
+        who = self.hospital.hospital_id
+        if str(message.get("kind")) != KIND:
+            raise UserError(f"hospital {who}: unknown secure contribution kind {message.get('kind')!r}")
+        if str(message.get("relation", RELATION)) != RELATION:
+            raise UserError(f"hospital {who}: dp-fedavg-secure publishes patient counts, which only replace-one "
+                            f"makes public; refuses relation {message.get('relation')!r}")
+        state = dict(message.get("start_weights") or {})
+        if not state:
+            raise UserError(f"hospital {who}: the join request carries no start model")
+        model = build_unet(self.hospital.preset.unet, trainable=VOXEL_HEAD)
+        try:
+            load_start_weights(model, {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()
+                                       if not k.startswith("voxel_head.")})
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"hospital {who}: the start model does not fit its U-Net ({exc})") from None
+        check_frozen_deterministic(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        digest = state_digest({k: v for k, v in state.items() if not k.startswith("voxel_head.")})
+        self._models[digest] = model
+        return {"patients": self.patient_count(), "start_digest": digest, "dimension": head_dimension(model)}
+
+    # ------------------------------------------------------------------------------------------ contribute
+    def contribution(self, session, message: Mapping[str, Any], config: Mapping[str, Any], policy) -> np.ndarray:
+        """Checks, then the charge, then the noised integer sum of this hospital's rounded patient rows."""
+        from clients.replay import mint_nonce
+        from clients.secure import SecureRequestRefused, declared_grid
+        from privacy.distributed import ddg_event, sample_discrete_gaussian
+        from privacy.mechanisms import NoiseSource
+        from sim.headgrad import (clip_rows, frozen_features, head_dimension, load_head_state,
+                                  per_patient_rows, per_sample_head_gradients)
+
+        hospital, noise = self.hospital, session.noise
+        who = hospital.hospital_id
+        grid = declared_grid(who, noise)
+        release_ids = [str(r) for r in noise["release_ids"]]
+        digest = str(message.get("start_digest"))
+        model = self._models.get(digest)
+        if model is None:
+            raise SecureRequestRefused(f"hospital {who}: no start model {digest[:12]!r} joined (send join first)")
+        dimension = head_dimension(model)
+        if len(release_ids) != 1 or grid.dimension != dimension or session.length != dimension:
+            raise SecureRequestRefused(f"hospital {who}: one step is one release of the head's {dimension} "
+                                       f"coordinates; the request declares {len(release_ids)} release(s) of "
+                                       f"{grid.dimension} in a sum of length {session.length}")
+        if str(noise.get("relation", RELATION)) != RELATION:
+            raise SecureRequestRefused(f"hospital {who}: refuses relation {noise.get('relation')!r} (replace-one only)")
+        try:
+            load_head_state(model, dict(message.get("head") or {}))
+        except UserError as exc:
+            raise SecureRequestRefused(f"hospital {who}: {exc}") from None
+        seed = config.get("secure_noise_seed")
+        if seed is not None and getattr(hospital, "deployed", False):
+            raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
+        local_variance = float(noise["local_variance"])
+        # the charge: one release, the noise shares it counts on, before any patient's data is read
+        event = ddg_event(grid, local_variance, session.counted, 1, RELATION)
+        nonce = mint_nonce()
+        hospital.lifetime_guard(config).charge_all(
+            [who], event, [f"{release_ids[0]}@{nonce}"],
+            {"secure_sum": True, "participants": len(session.participants), "counted_shares": session.counted,
+             "colluders": policy.colluders, "dropouts": policy.dropouts, "threshold": session.threshold,
+             "local_variance": local_variance, "kind": KIND, "dimension": dimension})
+        source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
+        generator = source.generator(who, str(message.get("stream") or release_ids[0]))
+        cases, patients = self._cases()
+        if digest not in self._features:   # the frozen U-Net runs once per scan and start model
+            device = hospital.compute(config)[0]
+            self._features[digest] = (frozen_features(model, hospital.prepared.images(cases), device=device),
+                                      np.asarray(hospital.prepared.labels(cases), np.int64))
+        features, labels = self._features[digest]
+        model.to(features.device)
+        per_scan = per_sample_head_gradients(model, features, labels)
+        rows, _ = per_patient_rows(per_scan, patients)
+        integers = grid.to_integers(clip_rows(rows, grid.clip), generator)
+        total = integers.sum(axis=0).astype(np.int64)
+        return total + sample_discrete_gaussian(local_variance, dimension, generator)
