@@ -22,6 +22,7 @@ Opacus' flat clipping does (factor ``min(1, clip / (norm + 1e-6))``).
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -29,6 +30,9 @@ import torch
 
 from sim.errors import UserError
 from sim.networks import VoxelHeadUNet
+
+# the head's inputs (cached features) never require gradients: Opacus' note about it is expected (as in sim.dpsgd)
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 #: Opacus' flat clipping adds this to the norm before dividing (``DPOptimizer.clip_and_accumulate``)
 CLIP_EPSILON = 1e-6
