@@ -253,6 +253,20 @@ def test_cached_head_gradients_equal_the_networks():
     reference = _clipped_patient_gradients_through_the_network(model, images, labels, np.inf)
     assert cached.shape == (6, 213) and np.abs(reference).max() > 1e-3
     np.testing.assert_allclose(cached, reference, rtol=1e-4, atol=1e-7)
+    # ... and the per-sample gradients pooled DP-SGD's engine computes (Opacus on the network, U-Net frozen)
+    from opacus import GradSampleModule
+
+    from sim.headgrad import head_parameter_names
+    from sim.networks import freeze_all_but
+    from sim.training import per_sample_loss
+
+    engine = _head_model()
+    freeze_all_but(engine, "voxel-head")
+    wrapped = GradSampleModule(engine, batch_first=True, loss_reduction="sum")
+    per_sample_loss(wrapped(torch.from_numpy(images)), torch.from_numpy(labels).long()).sum().backward()
+    parameters = dict(engine.named_parameters())
+    opacus = torch.cat([parameters[n].grad_sample.reshape(6, -1) for n in head_parameter_names(engine)], dim=1)
+    np.testing.assert_allclose(cached, opacus.double().numpy(), rtol=1e-4, atol=1e-7)
     # train and eval mode give the same features: nothing in the frozen U-Net depends on the mode
     model.eval()
     np.testing.assert_array_equal(frozen_features(model, images).numpy(), frozen_features(model, images).numpy())
