@@ -12,10 +12,11 @@ Message types (``message_type`` = ``<category>[.<action>]``):
 - ``evaluate``        -> per-teacher Dice on the public test scans and labels sent
 - ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
 - ``query.secure``    -> one stage of a secure sum (``config["stage"]``: setup, share-keys, collect-masked,
-                         unmask; ``clients/secure.py``); the message and the reply are nested values
-                         (``sim.flower_wire.pack_nested``). The hospital's secrets of that sum (key pairs,
-                         self-mask seed, the shares it holds) stay in the node's ``context.state`` between
-                         stages and are dropped after the unmask stage; they are never sent
+                         unmask; or dp-fedavg-secure's join before its sums; ``clients/secure.py``); the
+                         message and the reply are nested values (``sim.flower_wire.pack_nested``). The
+                         hospital's secrets of that sum (key pairs, self-mask seed, the shares it holds) stay
+                         in the node's ``context.state`` between stages and are dropped after the unmask
+                         stage; they are never sent
 
 A request the hospital refuses (its budget would be exceeded, a codec it does not accept, a diagnostic
 asked of a deployed hospital, a query that does not declare what it releases) is answered with

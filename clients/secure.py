@@ -322,16 +322,13 @@ class SecureHospital:
         self.hospital = hospital
         self.policy = policy
         self.party = SecureSumParty(hospital.hospital_id, policy or SecurePolicy())
-        self._gradients = None    # the dp-fedavg-secure side (clients.secure_gradients), made on first use
 
     @property
     def gradients(self):
-        """This hospital's ``dp-fedavg-secure`` contributor (``clients.secure_gradients``)."""
-        if self._gradients is None:
-            from clients.secure_gradients import HeadGradientContributor
+        """This hospital's ``dp-fedavg-secure`` contributor (``clients.secure_gradients``; one per hospital)."""
+        from clients.secure_gradients import contributor_for
 
-            self._gradients = HeadGradientContributor(self.hospital)
-        return self._gradients
+        return contributor_for(self.hospital)
 
     def handle(self, stage: str, message: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
         config = dict(config or {})

@@ -24,6 +24,10 @@ Noise and rounding randomness: the operating system's CSPRNG unless the simulati
 
 from __future__ import annotations
 
+import io
+import re
+import weakref
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -31,14 +35,66 @@ import numpy as np
 from sim.errors import UserError
 from sim.secagg import CONTRIBUTION_KIND as KIND, RELATION
 
+#: one contributor per hospital object, kept as long as the hospital is: the Flower ClientApp builds a new
+#: ``SecureHospital`` for every message, while its ``Hospital`` is cached (``clients.node.hospital_for``)
+_CONTRIBUTORS: "weakref.WeakKeyDictionary[Any, HeadGradientContributor]" = weakref.WeakKeyDictionary()
+
+
+def contributor_for(hospital) -> "HeadGradientContributor":
+    """The :class:`HeadGradientContributor` of ``hospital`` (made on first use)."""
+    contributor = _CONTRIBUTORS.get(hospital)
+    if contributor is None:
+        contributor = _CONTRIBUTORS[hospital] = HeadGradientContributor(hospital)
+    return contributor
+
 
 class HeadGradientContributor:
-    """One hospital's side of ``dp-fedavg-secure``; holds the start models it joined with and their features."""
+    """One hospital's side of ``dp-fedavg-secure``: the start models it joined with (in memory, and on its own
+    disk under ``workdir/secure-fedavg/`` by digest, so another process of the same node finds them) and their
+    frozen features (in memory)."""
 
     def __init__(self, hospital) -> None:
         self.hospital = hospital
         self._models: dict[str, Any] = {}      # start digest -> VoxelHeadUNet (the frozen U-Net + a head)
-        self._features: dict[str, Any] = {}    # start digest -> cached [u(x), x] of every scan
+        self._features: dict[str, Any] = {}    # start digest -> cached [u(x), x] and labels of every scan
+
+    def _start_path(self, digest: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise UserError(f"hospital {self.hospital.hospital_id}: {digest[:80]!r} is not a start-model digest")
+        return Path(self.hospital.workdir) / "secure-fedavg" / f"start-{digest}.npz"
+
+    def _build(self, state: Mapping[str, np.ndarray]):
+        """The voxel-head network on the start model ``state`` (frozen), and its digest."""
+        import torch
+
+        from sim.headgrad import check_frozen_deterministic, state_digest
+        from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
+
+        state = {k: np.asarray(v) for k, v in state.items() if not k.startswith("voxel_head.")}
+        model = build_unet(self.hospital.preset.unet, trainable=VOXEL_HEAD)
+        try:
+            load_start_weights(model, {k: torch.as_tensor(v) for k, v in state.items()})
+        except (RuntimeError, ValueError) as exc:
+            raise UserError(f"hospital {self.hospital.hospital_id}: the start model does not fit its U-Net "
+                            f"({exc})") from None
+        check_frozen_deterministic(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        return model, state_digest(state), state
+
+    def _model(self, digest: str):
+        """The network of a start model this hospital joined with, or None."""
+        if digest not in self._models:
+            path = self._start_path(digest)
+            if not path.exists():
+                return None
+            with np.load(path, allow_pickle=False) as saved:
+                model, found, _ = self._build({k: saved[k] for k in saved.files})
+            if found != digest:
+                raise UserError(f"hospital {self.hospital.hospital_id}: {path.name} does not hold the start model "
+                                "its name says")
+            self._models[digest] = model
+        return self._models[digest]
 
     # ------------------------------------------------------------------------------------------ who
     def _cases(self) -> tuple[list[str], list[str]]:
@@ -56,10 +112,8 @@ class HeadGradientContributor:
     # ------------------------------------------------------------------------------------------ join
     def join(self, message: Mapping[str, Any], config: Mapping[str, Any]) -> dict:
         """Take the run's frozen start model; answer with the patient count, the digest and the head's size."""
-        import torch
-
-        from sim.headgrad import check_frozen_deterministic, head_dimension, state_digest
-        from sim.networks import VOXEL_HEAD, build_unet, load_start_weights
+        from sim.headgrad import head_dimension
+        from sim.io import atomic_write_bytes
 
         who = self.hospital.hospital_id
         if str(message.get("kind")) != KIND:
@@ -70,17 +124,13 @@ class HeadGradientContributor:
         state = dict(message.get("start_weights") or {})
         if not state:
             raise UserError(f"hospital {who}: the join request carries no start model")
-        model = build_unet(self.hospital.preset.unet, trainable=VOXEL_HEAD)
-        try:
-            load_start_weights(model, {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()
-                                       if not k.startswith("voxel_head.")})
-        except (RuntimeError, ValueError) as exc:
-            raise UserError(f"hospital {who}: the start model does not fit its U-Net ({exc})") from None
-        check_frozen_deterministic(model)
-        for parameter in model.parameters():
-            parameter.requires_grad_(False)
-        digest = state_digest({k: v for k, v in state.items() if not k.startswith("voxel_head.")})
+        model, digest, state = self._build(state)
         self._models[digest] = model
+        path = self._start_path(digest)
+        if not path.exists():   # public weights: kept so that another process of this node finds them
+            buffer = io.BytesIO()
+            np.savez(buffer, **state)
+            atomic_write_bytes(path, buffer.getvalue())
         return {"patients": self.patient_count(), "start_digest": digest, "dimension": head_dimension(model)}
 
     # ------------------------------------------------------------------------------------------ contribute
@@ -98,7 +148,7 @@ class HeadGradientContributor:
         grid = declared_grid(who, noise)
         release_ids = [str(r) for r in noise["release_ids"]]
         digest = str(message.get("start_digest"))
-        model = self._models.get(digest)
+        model = self._model(digest)
         if model is None:
             raise SecureRequestRefused(f"hospital {who}: no start model {digest[:12]!r} joined (send join first)")
         dimension = head_dimension(model)

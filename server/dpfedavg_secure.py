@@ -137,7 +137,7 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
 
     Args:
         transport: the hospitals (``server.transport.HospitalTransport``); every request goes through its
-            ``secure_stage`` (the Flower transport refuses it: in-process engine only, so far).
+            ``secure_stage`` (in-process, or Flower messages: ``query.secure``).
         world: the server's ``sim.world.PublicWorld`` (public validation set, test set for the score).
         preset: the preset (network, and pooled DP-SGD's setting: :func:`pooled_dpsgd_setting`).
         epsilon / delta: the run's budget; the local noise variance is calibrated so that the planned steps

@@ -15,7 +15,7 @@ tests/test_fedavg_secure.py checks that the cached gradients equal the ones comp
 whole network.
 
 A patient with several scans contributes the gradient of the mean of its scans' losses (one row per
-patient: the unit of privacy, SPEC section 2); each row is then clipped to an L2 norm ``clip`` exactly as
+patient: the unit of privacy, docs/PRIVACY.md "The unit of privacy"); each row is then clipped to an L2 norm ``clip`` exactly as
 Opacus' flat clipping does (factor ``min(1, clip / (norm + 1e-6))``).
 """
 

@@ -204,6 +204,12 @@ def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_
         party.handle("join", {"kind": CONTRIBUTION_KIND, "relation": "add-remove", "start_weights": start})
     joined = party.handle("join", {"kind": CONTRIBUTION_KIND, "relation": "replace-one", "start_weights": start})
     assert joined["patients"] == 3 and joined["dimension"] == 213
+    # another process of the node (nothing in memory) finds the start model on the hospital's disk, by digest
+    from clients import secure_gradients
+
+    secure_gradients._CONTRIBUTORS.clear()
+    assert secure_gradients.contributor_for(hospital)._model(joined["start_digest"]) is not None
+    assert secure_gradients.contributor_for(hospital)._model("f" * 64) is None
     hospital.deployed = True
     grid = IntegerGrid.for_rows(0.1, 213)
     session = SimpleNamespace(noise={"kind": CONTRIBUTION_KIND, "local_variance": 100.0, "shares": 2,
@@ -368,3 +374,37 @@ def test_a_compare_cell_writes_results_with_the_ledgers_epsilon(tmp_path, monkey
     assert results["steps"] == results["secure_aggregation"]["steps_planned"] > 0
     report = (out / "report.md").read_text()
     assert "dp-fedavg-secure" in report and "aggregation: **secure**" in report
+
+
+def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, tmp_path):
+    """The same protocol over Flower messages (the real ClientApp behind an in-memory Grid): a new
+    SecureHospital per message, the start model found again by its digest; only identify and secure-sum
+    messages travel, the server side receives only protocol fields, and ε is the run ledger's."""
+    from server.dpfedavg_secure import run_dpfedavg_secure
+    from server.flower_transport import FlowerTransport
+    from sim.world import load_world
+    from tests.test_flower_secure import RecordingGrid
+
+    tiny_split.to_json(tmp_path / "split.json")
+    (tmp_path / "world.json").write_text(json.dumps({"prepared": str(tiny_prepared.path), "preset": "tiny"}))
+    grid = RecordingGrid(tmp_path, nodes=2)
+    transport = FlowerTransport(grid, 2, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
+                                base_config={"preset": "tiny", "seed": 0, "world": str(tmp_path),
+                                             "ledger_dir": str(tmp_path / "hospital-ledgers"),
+                                             "lifetime_epsilon": EPSILON, "delta": DELTA})
+    transport.connect()
+    results = run_dpfedavg_secure(transport, load_world(tiny_prepared, tiny_split), get_preset("tiny"), EPSILON,
+                                  DELTA, tmp_path / "run", progress=False, steps=3)
+    assert results["steps"] == 3 and results["stopped_early"] is None and results["hospitals"] == 2
+    ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
+    assert results["epsilon"] == pytest.approx(max(ledger.spent(o, DELTA).epsilon for o in ledger.owners()))
+    assert {kind for _, kind, _ in grid.sent} == {"query.identify", "query.secure"}
+    allowed = {"join": {"patients", "start_digest", "dimension"}, "setup": {"pk1", "pk2"},
+               "share-keys": {"ciphertexts"}, "collect-masked": {"masked"}, "unmask": {"shares"}}
+    from sim.flower_wire import unpack_nested
+
+    for _, stage, config, arrays in grid.incoming:
+        assert set(unpack_nested(config["reply"], arrays.get("reply", {}))) == allowed[stage]
+    for hospital in ("hospital-00", "hospital-01"):
+        own = Ledger.load(tmp_path / "hospital-ledgers" / f"{hospital}.jsonl").events(hospital)
+        assert len(own) == 3 and own == ledger.events(hospital)
