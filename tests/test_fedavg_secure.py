@@ -408,3 +408,26 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
     for hospital in ("hospital-00", "hospital-01"):
         own = Ledger.load(tmp_path / "hospital-ledgers" / f"{hospital}.jsonl").events(hospital)
         assert len(own) == 3 and own == ledger.events(hospital)
+
+
+def test_noise_is_seeded_only_under_reproducible_noise(tmp_path):
+    """Two runs with reproducible noise and one seed train the same head and publish no seed; secure runs
+    (the default) draw fresh noise every time."""
+    from server.dpfedavg_secure import run_dpfedavg_secure
+    from sim.world import load_world
+
+    prepared, split, preset = _world()
+
+    def head_after(name, reproducible):
+        transport = _transport(prepared, split, preset, tmp_path / name)
+        results = run_dpfedavg_secure(transport, load_world(prepared, split), preset, EPSILON, DELTA,
+                                      tmp_path / name / "run", progress=False, steps=2,
+                                      reproducible_noise=reproducible)
+        weights = torch.load(tmp_path / name / "run" / "model" / "weights.pt", weights_only=True)
+        return results, torch.cat([v.reshape(-1) for k, v in sorted(weights.items()) if k.startswith("voxel_head.")])
+
+    first, a = head_after("a", True)
+    _, b = head_after("b", True)
+    secure, c = head_after("c", False)
+    assert torch.equal(a, b) and first["seed"] is None and first["noise"] == "reproducible"
+    assert not torch.equal(a, c) and secure["seed"] == 0 and secure["noise"] == "secure"
