@@ -192,9 +192,10 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
                                    for h in asked})
     counts = {}
     for hospital, reply in sorted(joined.items()):
-        patients = reply.get("patients")
-        if (reply.get("start_digest") != digest or int(reply.get("dimension", -1)) != dimension
-                or isinstance(patients, bool) or not isinstance(patients, (int, np.integer)) or patients < 0):
+        patients, size = reply.get("patients"), reply.get("dimension")
+        if (reply.get("start_digest") != digest or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                            for v in (patients, size))
+                or size != dimension or patients < 0):
             log.warning("hospital %s joined with another start model, head or count: left out", hospital)
             continue
         counts[hospital] = int(patients)
