@@ -122,7 +122,7 @@ for _record in (
                per_epsilon=True,
                description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
                            "patients, each step a secure sum with distributed discrete Gaussian noise (the "
-                           "aggregator sees only the noisy sum)", cell_seconds=240),
+                           "aggregator sees only the noisy sum)", cell_seconds=370),
         Method("dp-sgd-central", "dp-sgd", "private", runner="pooled", per_epsilon=True,
                description="DP-SGD on the pooled private patients", cell_seconds=185),
         Method("nonprivate-central", "nonprivate", "ceiling", runner="pooled",
