@@ -15,7 +15,7 @@ What it trains and for how long -- a stated principle: **what pooled DP-SGD (``d
 its optimiser, learning rate, clipping norm and number of optimiser steps**, so that the two differ only in
 where the noise comes from and how the steps see the patients. At the preset that is the voxel head
 (``sim.networks.VoxelHeadUNet``, 213 parameters on the quick U-Net) on the frozen start model, Adam, the
-learning rate of the preset's first voxel-head ``dpsgd_grid`` entry, flat clipping at ``dpsgd_max_grad_norm``
+learning rate of the preset's first voxel-head ``dp_sgd.grid`` entry, flat clipping at ``dp_sgd.max_grad_norm``
 and ``epochs x ceil(n / expected batch)`` steps (:func:`pooled_dpsgd_setting`, :func:`planned_steps`; the
 quick preset: 10 x ceil(180 / 16) = 120 steps at lr 1e-2, C = 0.1). The trained set is always the voxel head
 (a full U-Net's 153k coordinates per secure sum and per step would be another method). Two differences are
@@ -82,7 +82,7 @@ from sim.headgrad import head_dimension, head_parameter_names, head_state, state
 from sim.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
 from sim.results import ModelRelease, RunResults, write_run
 from sim.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
-from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice, trainable_of
+from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
 
 log = logging.getLogger("fedpate.dpfedavg")
 
@@ -99,12 +99,13 @@ PRINCIPLE = ("what pooled DP-SGD trains at the preset -- the voxel head on the f
 
 def pooled_dpsgd_setting(preset) -> dict[str, Any]:
     """Pooled DP-SGD's setting at ``preset``, as ``sim.runners.central.settings_grid`` builds it: the preset's
-    learning rate, epochs, clipping norm and DP-SGD expected batch, overridden by its first ``dpsgd_grid``
-    entry that trains a voxel head (none: the preset's own values). The trained set is the voxel head."""
+    learning rate and epochs, its DP-SGD recipe's clipping norm and expected batch, overridden by the recipe's
+    first grid entry that trains a voxel head (none: the recipe's own values). The trained set is the voxel
+    head."""
+    recipe = preset.dp_sgd
     setting = {"learning_rate": float(preset.learning_rate), "epochs": int(preset.central_epochs),
-               "max_grad_norm": float(preset.dpsgd_max_grad_norm),
-               "batch_size": int(preset.extra.get("dpsgd_batch_size") or preset.batch_size)}
-    entry = next((e for e in preset.dpsgd_grid if trainable_of(e) == VOXEL_HEAD), {})
+               "max_grad_norm": float(recipe.max_grad_norm), "batch_size": int(recipe.batch_size or preset.batch_size)}
+    entry = next((e.fixed() for e in recipe.grid if e.trainable == VOXEL_HEAD), {})
     for key in setting:
         if key in entry:
             setting[key] = type(setting[key])(entry[key])

@@ -44,7 +44,7 @@ def _world(hospitals: int = 2, per_hospital: int = 3):
                                  for h in range(hospitals)},
                       public_query=ids[12:16], public_reference=ids[16:22], public_validation=ids[22:24],
                       test=ids[24:28])
-    preset = get_preset("tiny").replace(hospitals=hospitals, teachers_per_hospital=per_hospital)
+    preset = get_preset("tiny").with_changes(hospitals=hospitals, teachers_per_hospital=per_hospital)
     return prepared, split, preset
 
 
