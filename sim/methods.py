@@ -119,7 +119,7 @@ for _record in (
         Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
                description="FedAvg of each hospital's local DP-SGD", cell_seconds=210),
         Method("dp-fedavg-secure", "dp-fedavg-secure", "private", federated=True, protocol="dp-fedavg-secure",
-               per_epsilon=True,
+               per_epsilon=True, secure_sum=True,
                description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
                            "patients, each step a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=370),

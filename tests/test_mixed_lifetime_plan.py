@@ -88,3 +88,13 @@ def test_the_split_accountant_never_takes_adaptive_events_and_pure_ledgers_keep_
     with pytest.raises(UnsupportedEvent):
         make_accountant("split:pld+rdp").compose(adaptive)
     assert not accountant_for([adaptive] + [e.with_relation("add-remove") or e for e in secure]).name.startswith("split:")
+
+
+def test_every_secure_sum_method_says_so_in_its_record():
+    """The lifetime plan tells secure-sum cells from PLD-accounted ones by the method record; a secure method that
+    forgot to say so would be planned at the full δ and cut short by the split accountant's δ/2 reading."""
+    from sim import methods as registry
+
+    secure = {name for name in registry.names() if registry.method(name).secure_sum}
+    assert secure == {name for name in registry.names() if name.endswith("-secure")}
+    assert planned_lifetime_epsilon(["dp-fedavg-secure", "dp-sgd-central"], [EPSILON], 1, delta=DELTA) > 2 * EPSILON
