@@ -69,7 +69,7 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     return run_dpfedavg_secure(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
                                seed=settings.seed, progress=settings.progress,
                                reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
-                               device=settings.device, precision=settings.precision)
+                               device=settings.device, precision=settings.precision, threat=settings.threat_model)
 
 
 def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
@@ -78,7 +78,8 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
     config = PateConfig(cell.method, cell.epsilon, settings.resolved_delta, seed=settings.seed,
                         calibration=settings.calibration, query_batch=settings.query_batch,
                         shared_dir=cell.shared_dir, progress=settings.progress,
-                        device=settings.device, precision=settings.precision)
+                        device=settings.device, precision=settings.precision,
+                        secure=settings.threat_model if cell.record.secure_sum else None)
     return run_pate(transport, world, settings.resolved_preset, config, cell.out,
                     noise=settings.cell_noise_source(cell))
 

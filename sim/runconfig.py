@@ -97,6 +97,14 @@ class RunSettings:
     #: own models and the simulated hospitals' (deployed hospitals follow their node config)
     device: str = "auto"
     precision: str = "32"             # "32" | "bf16": autocast around forward passes
+    #: the secure methods' threat model (honest-but-curious aggregator): up to ``secure_colluders`` hospitals share
+    #: everything with it and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise
+    #: shares of the others that remain; ``secure_threshold`` is the Shamir threshold asked (0 = the smallest the
+    #: hospitals accept). Simulated hospitals adopt this model as their policy; deployed ones hold their own
+    #: (node config) and refuse a request below it.
+    secure_colluders: int = 0
+    secure_dropouts: int = 0
+    secure_threshold: int | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +120,10 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name.replace('_', '-')}: expected a positive integer, got {value}")
+        for name in ("secure_colluders", "secure_dropouts", "secure_threshold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)
@@ -138,13 +150,20 @@ class RunSettings:
     def resolved_delta(self) -> float:
         return self.delta if self.delta is not None else self.resolved_preset.delta
 
+    @property
+    def threat_model(self) -> dict[str, int]:
+        """The secure methods' threat model as the server declares it (``server.pate_secure.threat_model``)."""
+        return {"colluders": self.secure_colluders, "dropouts": self.secure_dropouts,
+                **({"threshold": self.secure_threshold} if self.secure_threshold else {})}
+
     def hospital_privacy_config(self) -> dict[str, Any]:
         """What simulated hospitals are told about their own privacy (deployed ones use their node config):
         where each keeps its ledger, its lifetime budget and delta, and their codec policy -- simulated
         hospitals opt in to the identity codec, whose full-resolution votes only the simulation sees."""
         return {"ledger_dir": self.ledger_dir or str(Path(self.out) / "hospital-ledgers"),
                 "lifetime_epsilon": float(self.lifetime_epsilon or self.budget), "delta": self.resolved_delta,
-                "allow_identity": True}
+                "allow_identity": True,
+                "secure_policy": {"colluders": self.secure_colluders, "dropouts": self.secure_dropouts}}
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":

@@ -91,6 +91,26 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
                         help="teacher partitions per hospital (default: preset's); K = hospitals x this")
 
 
+def add_threat_options(parser: argparse.ArgumentParser) -> None:
+    """The secure methods' threat model (``*-secure``): each hospital counts only the noise shares of hospitals that
+    are neither colluding nor dropped, and refuses a request below its own policy."""
+    parser.add_argument("--secure-colluders", type=non_negative_integer, default=0, metavar="T",
+                        help="secure methods: hospitals that may share everything with the aggregator (default 0); "
+                             "each hospital adds noise as if their shares were missing")
+    parser.add_argument("--secure-dropouts", type=non_negative_integer, default=0, metavar="D",
+                        help="secure methods: hospitals that may leave mid-protocol (default 0); SecAgg+ recovers "
+                             "their masks and each hospital adds noise as if their shares were missing")
+    parser.add_argument("--secure-threshold", type=non_negative_integer, default=0, metavar="N",
+                        help="secure methods: Shamir threshold of the masks' shares (default 0: the smallest the "
+                             "hospitals accept, above the colluders)")
+
+
+def threat_options(args) -> dict:
+    """RunSettings' threat-model fields from the parsed options."""
+    return {"secure_colluders": args.secure_colluders, "secure_dropouts": args.secure_dropouts,
+            "secure_threshold": args.secure_threshold or None}
+
+
 def data_options(args) -> dict:
     """``layout`` / ``partition_file`` of the parsed options, checked (a layout or partition file without
     --data is a mistake, not something to ignore)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sim.commands.common import add_compute_options, add_real_check_option, add_run_options, resolved_device
+from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
+                                 resolved_device, threat_options)
 from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 
 
@@ -17,6 +18,7 @@ def register(subparsers) -> None:
     add_run_options(parser, default_preset="quick", one_epsilon=False)   # budgets: --epsilons
     add_compute_options(parser)
     add_real_check_option(parser)
+    add_threat_options(parser)
     parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"),
                         help="what is compared: tumour segmentation (default), or the classification seed systems "
                              "on 2D tumour slices (slice-classification) or on 5,000 MNIST digits (mnist5k)")
@@ -96,7 +98,8 @@ def run(args) -> int:
                            reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
                            init=args.init, device=str(device), precision=args.precision,
                            workers=parse_workers(args.workers, args.engine, str(device)),
-                           real_check=real_check.folders if real_check else (), **where)
+                           real_check=real_check.folders if real_check else (), threat=threat_options(args),
+                           **where)
     report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_federation_options, add_real_check_option, add_run_options,
-                                 resolved_device)
+                                 add_threat_options, resolved_device)
 from sim.methods import FEDERATED_METHODS
 
 
@@ -19,6 +19,7 @@ def register(subparsers) -> None:
                              "dp-fedavg: federated averaging of each hospital's local DP-SGD (default: pate-ae)")
     add_run_options(parser, default_preset="tiny")
     add_federation_options(parser)
+    add_threat_options(parser)
     add_compute_options(parser)
     add_real_check_option(parser)
     parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),
@@ -32,7 +33,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals
+    from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals, threat_options
     from sim.errors import UserError
     from sim.io import ensure_folder
     from sim.realcheck import scoring
@@ -52,7 +53,7 @@ def run(args) -> int:
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                           init=args.init, device=args.device, precision=args.precision)
+                           init=args.init, device=args.device, precision=args.precision, **threat_options(args))
     with scoring(real_check):   # the model the ServerApp releases is also scored on the real cases
         results = simulate(settings, engine=args.engine)
     for result in results:

@@ -33,7 +33,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -130,6 +130,9 @@ class CompareConfig:
     workers: int = 1
     lane: bool = False
     real_check: Sequence[str] = ()
+    #: the secure methods' threat model as RunSettings' fields (``secure_colluders``, ``secure_dropouts``,
+    #: ``secure_threshold``); empty = none colluding, no dropout, the smallest threshold
+    threat: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # a variant travels to the cells, workers and Flower's run config as its reference (sim.presets)
@@ -291,6 +294,8 @@ def resume_settings(config: CompareConfig) -> dict[str, Any]:
                 "precision": config.precision}
     if config.ledger_dir is None:
         settings["lifetime_epsilon_given"] = config.lifetime_epsilon
+    if any(config.threat.values()):   # only when given: folders started before it existed resume as they were
+        settings["threat_model"] = dict(config.threat)
     return settings
 
 
@@ -343,7 +348,7 @@ def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=config.reproducible_noise, ledger_dir=str(ledger_dir),
                                lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
-                               device=str(config.device), precision=config.precision)
+                               device=str(config.device), precision=config.precision, **dict(config.threat))
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)

@@ -1,0 +1,57 @@
+"""The secure methods' threat model (t colluders, d dropouts, the Shamir threshold) travels from the command line
+and Flower's run config to both secure protocols and to the simulated hospitals' policy."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hospitals():
+    from sim.runconfig import RunSettings
+
+    settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=2, secure_threshold=4)
+    assert settings.threat_model == {"colluders": 1, "dropouts": 2, "threshold": 4}
+    assert settings.hospital_privacy_config()["secure_policy"] == {"colluders": 1, "dropouts": 2}
+    assert RunSettings(method="pate-anchored-secure").threat_model == {"colluders": 0, "dropouts": 0}
+    # Flower's run config: one key per field, and back
+    config = settings.to_run_config()
+    assert (config["secure-colluders"], config["secure-dropouts"], config["secure-threshold"]) == (1, 2, 4)
+    assert RunSettings.from_run_config(config).threat_model == settings.threat_model
+
+
+@pytest.mark.parametrize("field", ["secure_colluders", "secure_dropouts", "secure_threshold"])
+def test_a_negative_threat_setting_is_refused_in_one_line(field):
+    from sim.errors import UserError
+    from sim.runconfig import RunSettings
+
+    with pytest.raises(UserError, match=rf"^{field.replace('_', '-')}: expected a non-negative integer, got -1$"):
+        RunSettings(method="pate-anchored-secure", **{field: -1})
+
+
+def test_both_secure_protocols_receive_the_declared_threat_model(monkeypatch, tmp_path):
+    import server.protocols as protocols
+    from sim.runconfig import Cell, RunSettings
+
+    seen = {}
+    monkeypatch.setattr(protocols, "run_pate", lambda transport, world, preset, config, out, noise: seen.update(
+        pate=config.secure) or {})
+    monkeypatch.setattr(protocols, "run_dpfedavg_secure", lambda *args, **kwargs: seen.update(
+        fedavg=kwargs["threat"]) or {})
+    settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=1)
+    protocols.run_pate_cell(None, None, settings, Cell("pate-anchored-secure", 8.0, str(tmp_path / "a")))
+    protocols.run_dpfedavg_secure_cell(None, None, settings, Cell("dp-fedavg-secure", 8.0, str(tmp_path / "b"),
+                                                                  init="scratch"))
+    assert seen == {"pate": {"colluders": 1, "dropouts": 1}, "fedavg": {"colluders": 1, "dropouts": 1}}
+    protocols.run_pate_cell(None, None, settings, Cell("pate-anchored", 8.0, str(tmp_path / "c")))
+    assert seen["pate"] is None                       # a trusted method has no threat model to declare
+
+
+def test_the_command_line_options_reach_the_comparison(tmp_path):
+    from sim.cli import build_parser
+    from sim.commands.common import threat_options
+
+    args = build_parser().parse_args(["compare", "--out", str(tmp_path), "--secure-colluders", "1",
+                                      "--secure-dropouts", "1"])
+    assert threat_options(args) == {"secure_colluders": 1, "secure_dropouts": 1, "secure_threshold": None}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["simulate", "--out", str(tmp_path), "--secure-dropouts", "-1"])
