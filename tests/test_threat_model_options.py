@@ -55,3 +55,16 @@ def test_the_command_line_options_reach_the_comparison(tmp_path):
     assert threat_options(args) == {"secure_colluders": 1, "secure_dropouts": 1, "secure_threshold": None}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["simulate", "--out", str(tmp_path), "--secure-dropouts", "-1"])
+
+
+@pytest.mark.parametrize("flag, expected", [([], set()), (["--secure"], {"pate-anchored-secure", "dp-fedavg-secure"})])
+def test_the_demo_shows_the_secure_variants_when_asked(tmp_path, monkeypatch, flag, expected):
+    import sim.runners.compare as compare
+    from sim.cli import main
+
+    asked = {}
+    monkeypatch.setattr(compare, "run_compare", lambda config: asked.update(methods=list(config.methods))
+                        or tmp_path / "report.md")
+    assert main(["demo", "--preset", "tiny", "--out", str(tmp_path / "demo"), "--no-progress", *flag]) == 0
+    assert {"pate-anchored", "dp-fedavg", "dp-sgd-central"} <= set(asked["methods"])
+    assert {m for m in asked["methods"] if m.endswith("-secure")} == expected

@@ -17,6 +17,9 @@ from __future__ import annotations
 #: and both public floors (public-selftrain: what the public query scans give with no hospital)
 DEMO_METHODS = "pate-anchored,dp-sgd-central,dp-fedavg,nonprivate-central,public-only,public-selftrain"
 DEMO_EPSILONS = "1,8"
+#: ``--secure``: both secure-aggregation variants beside their trusted counterparts (the aggregator then sees only
+#: noisy sums); not in the default demo because they add about 10 minutes on 2 CPU cores (docs/RESULTS.md)
+SECURE_METHODS = "pate-anchored-secure,dp-fedavg-secure"
 
 
 def register(subparsers) -> None:
@@ -43,6 +46,10 @@ def register(subparsers) -> None:
                         help="where DP-SGD, DP-FedAvg and non-private training start (default: the public model)")
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
+    parser.add_argument("--secure", action="store_true",
+                        help=f"also run the secure-aggregation variants ({SECURE_METHODS}): hospitals add their "
+                             "own noise shares and the aggregator sees only the noisy sum (about 10 more minutes "
+                             "on 2 CPU cores)")
     add_compute_options(parser)
     add_real_check_option(parser, environment=True)
     parser.set_defaults(func=run)
@@ -74,7 +81,8 @@ def run(args) -> int:
     real_check = open_real_check(args, environment=True)   # --real-check, else FEDPATE_REAL_CHECK; checked now
     device = resolved_device(args)
     out = ensure_folder(args.out)
-    report = run_compare(CompareConfig(args.preset, parse_list(DEMO_METHODS, str, "methods"),
+    methods = DEMO_METHODS + ("," + SECURE_METHODS if args.secure else "")
+    report = run_compare(CompareConfig(args.preset, parse_list(methods, str, "methods"),
                                        parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
                                        progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
                                        engine=args.engine, init=args.init, device=str(device),
