@@ -1,6 +1,6 @@
 """The hospital's side of DP-FedAvg: one round of local DP-SGD on its own patients.
 
-The privacy accounting is the hospital's (SPEC section 6): each hospital runs DP-SGD with Poisson
+The privacy accounting is the hospital's (docs/PRIVACY.md, "The ledger"): each hospital runs DP-SGD with Poisson
 sampling on its own patients, charged to its own ledger (``workdir/dpfedavg-<run>.jsonl``, owner =
 the hospital) through a budget guard *before* each epoch touches data, under the relation the server
 asks for (``config["relation"]``, default replace-one: the federation treats dataset sizes as public,
@@ -11,7 +11,7 @@ sampling rate), so the planned rounds spend exactly the budget; a round the budg
 trains nothing. The reply carries the ledger records of this round so the server can mirror them: the
 server's ε for the global model comes from those mirrored ledgers (the worst hospital).
 
-Replays (issue 26): the round's release ids carry a nonce this hospital mints, so training a round again is
+Replays: the round's release ids carry a nonce this hospital mints, so training a round again is
 always charged again; the identical request sent twice (same weights, same configuration) is answered from
 the hospital's :class:`clients.replay.AnswerBook` with the identical earlier update, and no noise is drawn.
 """
@@ -79,7 +79,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
     batch_size = int(config.get("batch_size") or preset.batch_size)
     steps = steps_per_epoch(len(case_ids), batch_size)
     # one sigma for every setting of the server's grid (its plan: expected batch and epochs of each), at this
-    # hospital's own sampling rates: all of them together spend this run's budget (issue 17)
+    # hospital's own sampling rates: all of them together spend this run's budget
     plan = json.loads(config["plan"]) if config.get("plan") else [{"batch_size": batch_size,
                                                                    "epochs": local_epochs * rounds}]
     noise_multiplier = plan_noise_multiplier(
@@ -101,7 +101,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                   max_grad_norm=float(config.get("max_grad_norm") or preset.dp_sgd.max_grad_norm),
                   per_layer=preset.dp_sgd.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
-    # issue 30: local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
+    # local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
     # on the host from the stream above and copied, sim.dpsgd)
     device, precision = hospital.compute(config)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
@@ -109,7 +109,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                                seed=int(config.get("seed", 0)) * 1009 + round_index,
                                progress=False, description=f"{hospital.hospital_id} round {round_index}",
                                device=device, precision=precision,
-                               # the server's grid entry may set the fine-tuning levers (issue 28)
+                               # the server's grid entry may set the fine-tuning levers
                                **lever_settings(config))
     result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
                                 owners=(hospital.hospital_id,), noise=noise)

@@ -1,6 +1,6 @@
 """DP-FedAvg: rounds of local DP-SGD at each hospital, averaged by the server (the federated baseline).
 
-Privacy (SPEC section 6): a patient's guarantee is its hospital's DP-SGD accountant (Poisson sampling,
+Privacy (docs/PRIVACY.md, "Neighbouring relations"): a patient's guarantee is its hospital's DP-SGD accountant (Poisson sampling,
 replace-one by default: dataset sizes are treated as public and fixed, so add/remove would not hold once
 they are known). Averaging and evaluating the global model are post-processing. FedAvg weights are
 public -- equal per hospital -- and never the example counts hospitals report: a reported count is
@@ -135,12 +135,12 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         relation: the neighbouring relation of the guarantee (``replace-one``, the default: dataset sizes are
             treated as public; see the module docstring); the hospitals calibrate and the ledger is accounted
             under it.
-        init_weights: the starting global model -- the public model (issue 17: every method starts from the
-            model pre-trained on the public reference set, as PATE's teachers and student); random weights
+        init_weights: the starting global model -- the start model (every method starts from the same
+            public model, as PATE's teachers and student); random weights
             when None.
         init: the name of that start recorded in results.json (``public`` / ``scratch``); ``scratch`` is
             recorded whatever it says when ``init_weights`` is None. It loads nothing itself.
-        device / precision (issue 30): sent to the simulated hospitals with every round (deployed ones use
+        device / precision: sent to the simulated hospitals with every round (deployed ones use
             their node config) and used here to evaluate the global models.
     """
     device, precision = check_device_spec(device), check_precision(precision)

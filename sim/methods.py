@@ -1,10 +1,10 @@
-"""The methods fedpate runs: one record per method, in one registry (issue 27; SPEC section 10: ``results.json``'s
-``method``).
+"""The methods fedpate runs: one record per method, in one registry (``results.json``'s ``method``;
+docs/PRIVACY.md, "Results").
 
 Segmentation: the PATE variants and DP-FedAvg are federated (hospitals are Flower ClientApps); the
 centralised baselines train on the pooled private data; ``public-only`` is the student trained on public
-data alone, the baseline PATE must beat (SPEC section 11), and ``public-selftrain`` the public model adapted
-to the public unlabelled query scans by pseudo-labelling (issue 28: a floor that uses all public data).
+data alone, the baseline PATE must beat, and ``public-selftrain`` the public model adapted
+to the public unlabelled query scans by pseudo-labelling (a floor that uses all public data).
 
 Everything a comparison, a runner or a report needs to know about a method is a field of its :class:`Method`
 record -- its family, its role (a private method, a public floor, the non-private ceiling), whether it is
@@ -109,7 +109,7 @@ for _record in (
                starts_from_public=True, description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
         Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True,
-               description="PATE with the public-anchored residual codec (SPEC section 11)", cell_seconds=190),
+               description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=190),
         Method("pate-anchored-secure", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, secure_sum=True,
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
