@@ -27,10 +27,9 @@ from tqdm import tqdm
 from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 from server.selftrain import start_description
-from server.transport import HospitalTransport, public_dropout_reason
+from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
-from sim.errors import UserError
 from sim.names import safe_name_part
 from sim.options import Relation
 from sim.presets import DpSetting
@@ -145,11 +144,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     """
     device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
-    out = Path(out_dir)
-    if (out / "ledger.jsonl").exists() and (out / "ledger.jsonl").stat().st_size > 0:
-        # as PATE's: a second run into an earlier run's folder would mix both runs' releases in one ledger
-        raise UserError(f"--out {out}: already holds ledger.jsonl from an earlier run; use a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_run_folder(out_dir)
     ledger = Ledger(out / "ledger.jsonl")
     settings = dpfedavg_settings(preset, rounds, local_epochs)
 

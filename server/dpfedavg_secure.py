@@ -73,7 +73,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from server.pate_secure import threat_model
 from server.secure import SecureSumFailed, secure_sum
-from server.transport import HospitalTransport, public_dropout_reason
+from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from sim.bundle import preprocessing_of
 from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from sim.dpsgd import steps_per_epoch
@@ -159,10 +159,7 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
     """
     device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
-    out = Path(out_dir)
-    if (out / "ledger.jsonl").exists() and (out / "ledger.jsonl").stat().st_size > 0:
-        raise UserError(f"--out {out}: already holds ledger.jsonl from an earlier run; use a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_run_folder(out_dir)
     ledger = Ledger(out / "ledger.jsonl")
     guard = BudgetGuard(ledger, float(epsilon), float(delta))
     threat = threat_model(threat or {})

@@ -59,6 +59,7 @@ from server.transport import (
     HospitalTransport,
     TeacherEnsembleDiagnostics,
     fallback_counts,
+    fresh_run_folder,
     measured_bytes_per_teacher,
     public_dropout_reason,
 )
@@ -245,7 +246,7 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
             query draws from its own stream, named after its query index (not the run's nonce).
     """
     started = time.perf_counter()
-    out = _fresh_run_folder(out_dir)
+    out = fresh_run_folder(out_dir)
     noise = noise if noise is not None else NoiseSource()
     torch.manual_seed(config.seed)
     # un-noised diagnostics exist only in simulation: deployed hospitals refuse them, so none is asked
@@ -575,17 +576,6 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _fresh_run_folder(out_dir) -> Path:
-    """An earlier run released from these patients: running again into its folder would be a second
-    release that a fresh ledger would hide (its releases stay counted in the hospitals' own ledgers)."""
-    out = Path(out_dir)
-    ledger_path = out / "ledger.jsonl"
-    if ledger_path.exists() and ledger_path.stat().st_size > 0:
-        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def _without_diagnostics_if_deployed(config: PateConfig, transport: HospitalTransport) -> PateConfig:
     if config.diagnostics and any(transport.deployed.values()):
         return replace(config, diagnostics=False)

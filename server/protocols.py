@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Callable, Mapping
 
+import numpy as np
+
 from pathlib import Path
 
 from server.dpfedavg import run_dpfedavg
@@ -39,16 +41,23 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
     return PROTOCOLS.get(protocol)(transport, world, settings, cell)
 
 
+def start_weights(world: PublicWorld, settings: RunSettings, cell: Cell) -> dict[str, np.ndarray] | None:
+    """The start model's weights for a cell that starts from it (``cell.init == "public"``): the same model PATE's
+    teachers and student start from, shared with the comparison's other cells through ``cell.shared_dir``; None
+    (random weights) for ``scratch``."""
+    if cell.init != "public":
+        return None
+    public = train_public_models(world, settings.resolved_preset, seed=settings.seed, progress=settings.progress,
+                                 checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
+                                 device=settings.device, precision=settings.precision)
+    return {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
+
+
 def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
     """DP-FedAvg from the public model (or random weights); the hospitals draw their own noise
     (clients/fedavg.py)."""
     preset = settings.resolved_preset
-    start = None
-    if cell.init == "public":   # the same public model PATE starts from (shared with its cells in a comparison)
-        public = train_public_models(world, preset, seed=settings.seed, progress=settings.progress,
-                                     checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
-                                     device=settings.device, precision=settings.precision)
-        start = {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
+    start = start_weights(world, settings, cell)
     return run_dpfedavg(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
                         seed=settings.seed, progress=settings.progress,
                         reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
@@ -60,12 +69,7 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     """Distributed DP gradient descent through secure sums (``server.dpfedavg_secure``), from the same start
     model as DP-FedAvg and pooled DP-SGD; the hospitals draw their own noise shares."""
     preset = settings.resolved_preset
-    start = None
-    if cell.init == "public":
-        public = train_public_models(world, preset, seed=settings.seed, progress=settings.progress,
-                                     checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
-                                     device=settings.device, precision=settings.precision)
-        start = {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
+    start = start_weights(world, settings, cell)
     return run_dpfedavg_secure(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
                                seed=settings.seed, progress=settings.progress,
                                reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,

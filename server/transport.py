@@ -9,9 +9,12 @@ come back, and the protocol decides what that means for sensitivity and the ledg
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from sim.errors import UserError
 
 
 class HospitalTransport(Protocol):
@@ -95,3 +98,14 @@ def fallback_counts(notes: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[st
         for hospital, note in round_notes.items():
             totals[hospital] = totals.get(hospital, 0) + int(note.get("fallback_teachers", 0) or 0)
     return totals
+
+
+def fresh_run_folder(out_dir) -> Path:
+    """An earlier run released from these patients: running again into its folder would be a second
+    release that a fresh ledger would hide (its releases stay counted in the hospitals' own ledgers)."""
+    out = Path(out_dir)
+    ledger_path = out / "ledger.jsonl"
+    if ledger_path.exists() and ledger_path.stat().st_size > 0:
+        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
