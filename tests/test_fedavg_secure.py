@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,18 +22,10 @@ from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
 from sim.data.synthetic import SyntheticPrepared
 from sim.presets import get_preset
+from tests.test_pate_run import FakeSplit
 
 DELTA = 1e-3
 EPSILON = 8.0
-
-
-@dataclass
-class FakeSplit:
-    hospitals: dict
-    public_query: list
-    public_reference: list
-    public_validation: list = field(default_factory=list)
-    test: list = field(default_factory=list)
 
 
 def _world(hospitals: int = 2, per_hospital: int = 3):
