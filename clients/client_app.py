@@ -132,6 +132,11 @@ class NodeSecureSessions:
         record = self.state.config_records.get(self.FINISHED_RECORD)
         return list(record_to_config(record)["ids"]) if record is not None else []
 
+    def __iter__(self):
+        """Every session id the node knows of: the open ones, then the finished ones."""
+        opened = [name[len(self.PREFIX):] for name in self.state.config_records if name.startswith(self.PREFIX)]
+        return iter(opened + self._finished())
+
     def __contains__(self, key: object) -> bool:
         return f"{self.PREFIX}{key}" in self.state.config_records or key in self._finished()
 

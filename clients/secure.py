@@ -395,7 +395,9 @@ class SecureHospital:
              "threshold": session.threshold, "local_variance": local_variance,
              "codec": str(np.asarray(codec["kind"]).item()), "latent_dim": latent})
         source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
-        generator = source.generator(who, *release_ids)
+        # a stream named by what the release is (the server's query batch), not by the run's nonce: reproducible
+        # noise repeats; with secure noise the name only separates streams
+        generator = source.generator(who, str(message.get("stream") or ",".join(release_ids)))
         total = np.zeros((len(scans), latent), np.int64)
         for k in range(hospital.num_teachers):
             probs = hospital.teacher_probs(k, scans, config)
@@ -441,10 +443,17 @@ def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any], co
     both engines run exactly this code. After an unmask message -- answered or refused, nothing can follow
     it -- the session's secrets are dropped and only the fact that it finished is kept: every later message
     for it is refused. Another stage that is refused still records what it changed (as
-    :class:`SecureSumParty` does in memory: an out-of-order stage is not retried)."""
+    :class:`SecureSumParty` does in memory: an out-of-order stage is not retried).
+
+    A hospital takes part in one secure sum at a time (the server runs them one after another), so a new
+    setup abandons any sum left unfinished -- one the server gave up on, or one this hospital dropped out of:
+    its secrets are dropped and its session marked finished, and a late message for it is refused."""
     key = str(message.get("session"))
     if key in store and store[key] is FINISHED:
         raise SecureRequestRefused(f"hospital {secure.party.name}: secure-sum session {key!r} is finished")
+    if stage == "setup":
+        for abandoned in [other for other in store if other != key and store[other] is not FINISHED]:
+            store[abandoned] = FINISHED
     secure.party.sessions.pop(key, None)
     if key in store:
         session, secure.party.policy = restore_session(store[key])

@@ -124,10 +124,16 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
             break
         codec = plan.codec_for(batch)
         settings = {"method": config.method, "seed": config.seed, "delta": float(config.delta), **config.compute()}
+        if noise.is_reproducible:
+            # simulation only: each hospital seeds its rounding and noise shares by the run's seed and a stream
+            # named by what the release is (the query batch), so the run repeats; a deployed hospital refuses it
+            settings["secure_noise_seed"] = int(config.seed)
+        stream = f"{config.method}:eps-{float(config.epsilon):g}:queries-{batch[0]}-{batch[-1]}"
         try:
             result = secure_sum(lambda stage, messages: transport.secure_stage(stage, messages, settings), asked,
                                 threshold, bits, len(batch) * latent, {**declaration, "release_ids": release_ids},
-                                {h: {"scans": world.query_images[batch], "codec": codec} for h in asked})
+                                {h: {"scans": world.query_images[batch], "codec": codec, "stream": stream}
+                                 for h in asked})
         except SecureSumFailed as exc:
             log.warning("secure batch %s not released: %s", batch, exc)
             record["failed_batches"] += 1

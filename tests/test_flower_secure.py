@@ -286,6 +286,31 @@ def test_node_sessions_round_trip_and_forget_their_secrets(tmp_path):
         run_stage(SecureHospital(hospital), "share-keys", {"session": "s", "public_keys": {}}, config, store)
 
 
+@pytest.mark.parametrize("node_store", [True, False], ids=["node-state", "in-process-dict"])
+def test_a_new_sum_drops_the_secrets_of_one_left_unfinished(tmp_path, node_store):
+    """A sum the server gave up on (or that this hospital dropped out of) never reaches unmask: the next
+    setup drops its key pairs and shares, marks it finished, and a late message for it is refused."""
+    hospital = FixedTeachers("h0", tmp_path, 2, 0)
+    _, noise, _, length = _request([hospital, FixedTeachers("h1", tmp_path, 2, 1)], 1)
+    store = NodeSecureSessions(RecordDict()) if node_store else {}
+    config = {"ledger_dir": str(tmp_path / "l"), "lifetime_epsilon": 8.0, "delta": DELTA,
+              "secure_policy": {"colluders": 0, "dropouts": 0}}
+
+    def setup(session):
+        return run_stage(SecureHospital(hospital), "setup", {"session": session, "participants": ["h0", "h1"],
+                                                             "threshold": 2, "bits": BITS, "length": length,
+                                                             "noise": noise}, config, store)
+
+    setup("abandoned")
+    assert store["abandoned"] is not FINISHED
+    setup("next")
+    assert store["abandoned"] is FINISHED and store["next"] is not FINISHED
+    if node_store:   # nothing of the abandoned session's secrets is left in the node's state
+        assert not [name for name in store.state if "abandoned" in name]
+    with pytest.raises(UserError, match="finished"):
+        run_stage(SecureHospital(hospital), "share-keys", {"session": "abandoned", "public_keys": {}}, config, store)
+
+
 def test_a_deployed_hospital_takes_its_secure_policy_from_its_node_config_only(tmp_path):
     from clients.node import secure_policy_for
 

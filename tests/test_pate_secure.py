@@ -105,3 +105,51 @@ def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_
     counts = {h: len(Ledger(ledgers / f"{h}.jsonl").events(h)) for h in ("h0", "h1", "h2")}
     assert counts == {"h0": 8, "h1": 8, "h2": 4}      # h2 left before drawing its share: not charged for batch 1
     assert all(e.shares == 2 for h in counts for e in Ledger(ledgers / f"{h}.jsonl").events(h))
+
+
+def test_reproducible_noise_seeds_every_hospital_share_and_secure_noise_does_not(tmp_path, monkeypatch):
+    """Under reproducible noise (simulation only) two runs of one seed release the same secure sums -- every
+    hospital's rounding and noise share drawn from a stream named by the query batch, not the run's nonce --
+    and publish no seed; a run with secure noise draws other shares."""
+    import server.pate_secure as pate_secure
+    from privacy.mechanisms import NoiseSource
+    from server.pate import PateConfig, run_pate
+    from sim.data.synthetic import SyntheticPrepared
+    from sim.presets import get_preset
+    from sim.runners.inprocess import InProcessTransport, simulated_hospitals
+    from sim.world import load_world
+    from tests.test_pate_run import FakeSplit
+
+    prepared = SyntheticPrepared(24)
+    ids = prepared.case_ids
+    split = FakeSplit(hospitals={"h0": [[ids[0]], [ids[1]]], "h1": [[ids[2]], [ids[3]]]},
+                      public_query=ids[4:8], public_reference=ids[8:16], test=ids[16:20])
+    preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1),
+                                             hospitals=2, teachers_per_hospital=2)
+    totals = []
+    real_secure_sum = pate_secure.secure_sum
+
+    def recording_secure_sum(*args, **kwargs):
+        result = real_secure_sum(*args, **kwargs)
+        totals[-1].append(np.asarray(result.total).copy())
+        return result
+
+    monkeypatch.setattr(pate_secure, "secure_sum", recording_secure_sum)
+
+    def released(name, noise):
+        totals.append([])
+        transport = InProcessTransport(simulated_hospitals(prepared, split, preset, tmp_path / name / "hospitals", 0),
+                                       base_config={"ledger_dir": str(tmp_path / name / "ledgers"),
+                                                    "lifetime_epsilon": 8.0, "delta": 1e-3})
+        config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=3, progress=False, diagnostics=False,
+                            query_batch=4)
+        results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / name / "run",
+                           noise=noise)
+        return totals[-1], results
+
+    first, results = released("a", NoiseSource.reproducible(3))
+    second, _ = released("b", NoiseSource.reproducible(3))
+    secure, _ = released("c", NoiseSource())
+    assert len(first) == 1 and all(np.array_equal(x, y) for x, y in zip(first, second))
+    assert results["seed"] is None                          # the seed that would let anyone subtract the noise
+    assert not np.array_equal(first[0], secure[0])
