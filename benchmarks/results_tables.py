@@ -461,7 +461,7 @@ def main(argv: list[str]) -> None:
             if index + 1 >= len(argv):
                 raise SystemExit("results_tables: --write needs a FILE")
             target = Path(argv[index + 1])
-            command += [item, _shown(target)]
+            command.append(f"--write={_shown(target)}")
             index += 2
             continue
         if item.startswith("--write="):
