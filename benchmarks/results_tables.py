@@ -1,26 +1,130 @@
 """The tables of docs/RESULTS.md, written from stored comparisons (their ``results.json``), so that the numbers
 there cannot drift from the runs.
 
-    .venv/bin/python benchmarks/results_tables.py LABEL=FOLDER [LABEL=FOLDER ...]
-    e.g. benchmarks/results_tables.py "seed 0=runs/demo-s0" "seed 1=runs/demo-s1" "seed 2=runs/demo-s2"
+    .venv/bin/python benchmarks/results_tables.py [--write FILE] [GROUP:]LABEL=FOLDER [...]
+    e.g. benchmarks/results_tables.py "demo:seed 1=runs/demo-s1" "demo:seed 2=runs/demo-s2" \\
+             "secure-dp:seed 0=runs/ddp-s0"
 
-Each FOLDER is one comparison (``fedpate compare`` or ``fedpate demo``; one seed). Prints, as markdown:
+Each FOLDER is one comparison (``fedpate compare`` or ``fedpate demo``; one seed). Comparisons of one GROUP
+(``main`` when the label names none) were run with the same methods and are summarised together; two groups may
+hold the same seed (different runs of it). The tables, by name:
 
-1. per comparison, one row per cell: phantom mean Dice, headroom recovered on the phantom test set (paired over
-   its cases, ± SE: the report's estimator), and, where the comparison scored real cases (``--real-check``), the
-   real WT / TC / ET Dice and the share of the real headroom (public-only -> non-private) recovered in each;
-2. across the comparisons: each cell's mean phantom headroom, and the number of comparisons in which its real WT and
-   TC headroom reach one half.
+* ``GROUP:cells`` -- per comparison, one row per cell: phantom mean Dice, headroom recovered on the phantom test
+  set (paired over its cases, ± SE: the report's estimator), the same over ``public-selftrain`` and, where the
+  comparison scored real cases (``--real-check``), the real WT / TC / ET Dice and the share of the real headroom
+  (public-only -> non-private) recovered in each;
+* ``GROUP:across`` -- per cell, over the group's comparisons: mean phantom Dice, mean headroom ± its standard error
+  across the comparisons (each comparison's value beside it), mean real Dice and real headroom, and the number of
+  comparisons whose real WT and TC headroom both reach one half;
+* ``GROUP:cost`` -- every cell's wall seconds (``wall_seconds`` of its results) per comparison;
+* ``secure-vs-trusted`` -- every comparison holding a secure method and its trusted counterpart
+  (``pate-anchored-secure`` / ``pate-anchored``, ``dp-fedavg-secure`` / ``dp-sgd-central``): both mean Dice, the
+  paired difference over the test cases (± SE), both headrooms and their ratio;
+* ``secure-sums`` -- per secure cell: the secure sums it ran and the bytes each hospital sent and received per sum;
+* ``goals`` -- the product's goals read off the same numbers, met or not, per comparison;
+* ``command`` -- the command that wrote them (folders below their common parent, shown as ``RUNS``).
+
+Without ``--write`` every table is printed as markdown. With ``--write FILE`` each block of FILE between
+``<!-- results_tables:NAME begin -->`` and ``<!-- results_tables:NAME end -->`` is replaced by the table NAME, the
+text outside the blocks is left as it is, and FILE is replaced atomically (a temporary file, then ``os.replace``).
+A block whose table these comparisons do not give is refused (name its group's comparisons, or remove the block):
+a table is never left stale beside a command that claims to have written it.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import shlex
 import sys
+import tempfile
 from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from sim.report import ceiling_of, floors_of, format_ratio, headroom_of, load_cells, reference_cell
+from sim import methods as registry
+from sim.report import (ceiling_of, floors_of, format_ratio, headroom_of, load_cells, paired_difference,
+                        per_case_of, reference_cell)
 
+REPO = Path(__file__).resolve().parents[1]
 REGIONS = ("WT", "TC", "ET")
+DEFAULT_GROUP = "main"
+#: (secure method, its trusted counterpart, the goal's kind): PATE's secure sum against trusted PATE (mean Dice
+#: within 0.02), distributed DP gradient descent against pooled DP-SGD (at least 90 % of its headroom)
+SECURE_PAIRS = (("pate-anchored-secure", "pate-anchored", "dice"),
+                ("dp-fedavg-secure", "dp-sgd-central", "headroom"))
+#: the goals' thresholds (docs/RESULTS.md, "Goals")
+PHANTOM_GOALS = ((8.0, 0.5), (1.0, 0.2))
+REAL_GOAL = 0.5
+SECURE_DICE_TOLERANCE = 0.02
+SECURE_HEADROOM_SHARE = 0.9
+MARKER = re.compile(r"(<!-- results_tables:(?P<name>[\w:.-]+) begin -->\n)(?P<body>.*?)"
+                    r"(<!-- results_tables:(?P=name) end -->)", re.DOTALL)
+
+
+@dataclass
+class Comparison:
+    """One comparison folder: its group, label, cells (the shared models' folders left out) and settings."""
+    group: str
+    label: str
+    folder: Path
+    cells: list = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.label if self.group == DEFAULT_GROUP else f"{self.group}: {self.label}"
+
+    def cell(self, method: str, budget: float | None = None):
+        found = [c for c in self.cells if c.get("method") == method
+                 and (budget is None or (c.get("epsilon_budget") or 0) == budget)]
+        return found[0] if found else None
+
+    @property
+    def floor(self):
+        floors = floors_of(self.cells)
+        return reference_cell(self.cells, floors[0]) if floors else None
+
+    @property
+    def ceiling(self):
+        return reference_cell(self.cells, ceiling_of(self.cells))
+
+    def headroom(self, cell):
+        floor, ceiling = self.floor, self.ceiling
+        return headroom_of(cell, floor, ceiling) if floor and ceiling and cell else None
+
+    def real_headroom(self, cell, region: str) -> float | None:
+        floor, ceiling = self.floor, self.ceiling
+        if not (floor and ceiling and cell):
+            return None
+        value, low, high = _real(cell).get(region), _real(floor).get(region), _real(ceiling).get(region)
+        if None in (value, low, high) or high == low:
+            return None
+        return (value - low) / (high - low)
+
+
+def parse_item(item: str) -> tuple[str, str, Path]:
+    """``[GROUP:]LABEL=FOLDER`` -> (group, label, folder); one-line error naming the argument otherwise."""
+    head, equals, folder = item.rpartition("=")
+    if not equals or not folder:
+        raise SystemExit(f"results_tables: expected [GROUP:]LABEL=FOLDER, got {item!r}")
+    group, colon, label = head.partition(":")
+    if not colon:
+        group, label = DEFAULT_GROUP, head
+    if not group or not label:
+        raise SystemExit(f"results_tables: empty group or label in {item!r}")
+    return group, label, Path(folder)
+
+
+def load_comparison(group: str, label: str, folder: Path) -> Comparison:
+    if not (folder / "compare.json").is_file():
+        raise SystemExit(f"results_tables: {folder} is not a comparison folder (no compare.json)")
+    cells = [c for c in load_cells(folder) if "_shared" not in Path(c["_cell"]).parts]
+    if not cells:
+        raise SystemExit(f"results_tables: {folder} holds no results.json")
+    return Comparison(group, label, folder, cells, json.loads((folder / "compare.json").read_text()))
 
 
 def _label(cell) -> str:
@@ -28,62 +132,363 @@ def _label(cell) -> str:
     return cell["method"] + (f" ε {budget:g}" if budget else "")
 
 
+def _order(cell):
+    return (cell["method"] != "public-only", cell.get("epsilon_budget") or 0, cell["method"])
+
+
 def _real(cell) -> dict:
     return ((cell.get("real_check") or {}).get("dice")) or {}
 
 
-def _real_headroom(cell, floor, ceiling, region: str) -> float | None:
-    value, low, high = _real(cell).get(region), _real(floor).get(region), _real(ceiling).get(region)
-    if None in (value, low, high) or high == low:
+def _fmt(value, digits: int = 3, sign: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _se(values) -> float | None:
+    """Standard error of the mean across comparisons (None below two)."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
         return None
-    return (value - low) / (high - low)
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
-def _fmt(value, digits: int = 3) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
+def _describe(comparison: Comparison) -> str:
+    settings = comparison.settings
+    real = settings.get("real_check") or []
+    parts = [f"seed {settings.get('seed')}", f"preset {settings.get('preset')}",
+             "ε " + ", ".join(f"{e:g}" for e in settings.get("epsilons") or []),
+             f"{len(comparison.cells[0].get('dice_per_case') or [])} phantom test cases"]
+    cases = {case.get("case") for cell in comparison.cells for case in ((cell.get("real_check") or {}).get("cases")
+                                                                           or [])}
+    if real:
+        parts.append(f"real check on {len(cases)} case(s)")
+    return "; ".join(parts)
 
 
-def comparison_table(cells) -> tuple[str, dict[str, dict]]:
-    """One comparison's markdown table and, per cell label, the numbers the across-comparison table needs."""
-    floor = reference_cell(cells, floors_of(cells)[0]) if floors_of(cells) else None
-    ceiling = reference_cell(cells, ceiling_of(cells))
-    selftrain = reference_cell(cells, "public-selftrain")
+def cells_table(comparison: Comparison) -> str:
+    """One comparison's markdown table, one row per cell."""
+    selftrain = reference_cell(comparison.cells, "public-selftrain")
+    ceiling = comparison.ceiling
     lines = ["| cell | phantom mean Dice | phantom headroom (± SE) | over public-selftrain (± SE) | real WT / TC / ET "
              "| real headroom WT / TC / ET |", "|---|---|---|---|---|---|"]
-    numbers = {}
-    for cell in sorted(cells, key=lambda c: (c["method"] != "public-only", c.get("epsilon_budget") or 0,
-                                             c["method"])):
-        phantom = headroom_of(cell, floor, ceiling) if floor and ceiling else None
-        over = headroom_of(cell, selftrain, ceiling) if selftrain and ceiling and cell is not selftrain else None
+    for cell in sorted(comparison.cells, key=_order):
+        over = (headroom_of(cell, selftrain, ceiling) if selftrain and ceiling and cell is not selftrain else None)
         real = _real(cell)
-        shares = {r: _real_headroom(cell, floor, ceiling, r) if floor and ceiling else None for r in REGIONS}
-        lines.append(f"| {_label(cell)} | {_fmt(cell['dice'].get('mean'))} | {format_ratio(phantom)} | "
-                     f"{format_ratio(over)} | {' / '.join(_fmt(real.get(r)) for r in REGIONS) if real else '—'} | "
-                     f"{' / '.join(_fmt(shares[r], 2) for r in REGIONS) if real else '—'} |")
-        numbers[_label(cell)] = {"phantom": None if phantom is None else phantom[0], **shares}
-    return "\n".join(lines), numbers
+        shares = [comparison.real_headroom(cell, r) for r in REGIONS]
+        lines.append(f"| {_label(cell)} | {_fmt((cell.get('dice') or {}).get('mean'))} | "
+                     f"{format_ratio(comparison.headroom(cell))} | {format_ratio(over)} | "
+                     f"{' / '.join(_fmt(real.get(r)) for r in REGIONS) if real else '—'} | "
+                     f"{' / '.join(_fmt(s, 2) for s in shares) if real else '—'} |")
+    return "\n".join(lines)
+
+
+def group_cells(comparisons: list[Comparison]) -> str:
+    return "\n\n".join(f"**{c.label}** ({_describe(c)})\n\n{cells_table(c)}" for c in comparisons)
+
+
+def across_table(comparisons: list[Comparison]) -> str:
+    """Per cell, its numbers over the group's comparisons."""
+    rows: dict[str, list] = defaultdict(list)
+    order: dict[str, tuple] = {}
+    for comparison in comparisons:
+        for cell in comparison.cells:
+            name = _label(cell)
+            order.setdefault(name, _order(cell))
+            headroom = comparison.headroom(cell)
+            rows[name].append({
+                "dice": (cell.get("dice") or {}).get("mean"),
+                "headroom": None if headroom is None else headroom[0],
+                "real": _real(cell),
+                "share": {r: comparison.real_headroom(cell, r) for r in REGIONS},
+            })
+    lines = [f"Over {len(comparisons)} comparison(s): " + ", ".join(c.label for c in comparisons) + ".", "",
+             "| cell | comparisons | phantom mean Dice (mean) | headroom mean ± SE across comparisons (each) "
+             "| real WT / TC / ET (mean) | real headroom WT / TC / ET (mean) | real WT and TC headroom ≥ 0.5 |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(rows, key=order.get):
+        values = rows[name]
+        headrooms = [v["headroom"] for v in values]
+        mean, se = _mean(headrooms), _se(headrooms)
+        each = " / ".join(_fmt(h, 2, sign=True) for h in headrooms)
+        headroom = "—" if mean is None else (f"{mean:+.2f}" + (f" ± {se:.2f}" if se is not None else "")
+                                             + f" ({each})")
+        has_real = [v for v in values if v["real"]]
+        real = " / ".join(_fmt(_mean(v["real"].get(r) for v in has_real)) for r in REGIONS) if has_real else "—"
+        share = (" / ".join(_fmt(_mean(v["share"][r] for v in has_real), 2) for r in REGIONS) if has_real else "—")
+        both = sum(1 for v in has_real if all(v["share"][r] is not None and _reaches(v["share"][r], REAL_GOAL)
+                                               for r in ("WT", "TC")))
+        lines.append(f"| {name} | {len(values)} | {_fmt(_mean(v['dice'] for v in values))} | {headroom} | {real} "
+                     f"| {share} | {f'{both} of {len(has_real)}' if has_real else '—'} |")
+    return "\n".join(lines)
+
+
+def cost_table(comparisons: list[Comparison]) -> str:
+    """Every cell's wall seconds, one column per comparison of the group."""
+    names: dict[str, tuple] = {}
+    seconds: dict[tuple[str, str], float] = {}
+    for comparison in comparisons:
+        for cell in comparison.cells:
+            names.setdefault(_label(cell), _order(cell))
+            if cell.get("wall_seconds") is not None:
+                seconds[(_label(cell), comparison.label)] = float(cell["wall_seconds"])
+    header = "| cell | " + " | ".join(f"{c.label}: wall s" for c in comparisons) + " |"
+    lines = [header, "|---" * (len(comparisons) + 1) + "|"]
+    for name in sorted(names, key=names.get):
+        lines.append(f"| {name} | " + " | ".join(_fmt(seconds.get((name, c.label)), 0) for c in comparisons) + " |")
+    return "\n".join(lines)
+
+
+def secure_pairs(comparisons: list[Comparison]):
+    """(comparison, budget, secure cell, trusted cell, kind) for every pair a comparison holds."""
+    for comparison in comparisons:
+        for secure_method, trusted_method, kind in SECURE_PAIRS:
+            for secure in sorted((c for c in comparison.cells if c.get("method") == secure_method), key=_order):
+                trusted = comparison.cell(trusted_method, secure.get("epsilon_budget"))
+                if trusted is not None:
+                    yield comparison, secure.get("epsilon_budget"), secure, trusted, kind
+
+
+def secure_table(comparisons: list[Comparison]) -> str:
+    lines = ["| comparison | secure / trusted | ε | trusted mean Dice | secure mean Dice "
+             "| secure − trusted, paired over test cases (± SE) | trusted headroom | secure headroom "
+             "| secure ÷ trusted headroom |", "|---|---|---|---|---|---|---|---|---|"]
+    found = False
+    for comparison, budget, secure, trusted, _ in secure_pairs(comparisons):
+        found = True
+        difference = paired_difference(per_case_of(secure), per_case_of(trusted))
+        h_secure, h_trusted = comparison.headroom(secure), comparison.headroom(trusted)
+        ratio = (h_secure[0] / h_trusted[0] if h_secure and h_trusted and h_trusted[0] > 0 else None)
+        lines.append(f"| {comparison.name} | {secure['method']} / {trusted['method']} | {budget:g} | "
+                     f"{_fmt(trusted['dice'].get('mean'))} | {_fmt(secure['dice'].get('mean'))} | "
+                     f"{'—' if difference is None else f'{difference[0]:+.3f} ± {difference[1]:.3f}'} | "
+                     f"{format_ratio(h_trusted)} | {format_ratio(h_secure)} | "
+                     f"{'—' if ratio is None else f'{100 * ratio:.0f} %'} |")
+    return "\n".join(lines) if found else "(No comparison given holds a secure method beside its trusted counterpart.)"
+
+
+def _bytes_per_sum(secure: dict) -> tuple[int | None, int | None, int | None]:
+    """(sums, bytes up, bytes down) per hospital per secure sum, the largest over hospitals and sums."""
+    record = secure.get("secure_aggregation") or {}
+
+    def largest(value):
+        if isinstance(value, dict):
+            return max(value.values(), default=None)
+        if isinstance(value, list):
+            return max((largest(v) for v in value if largest(v) is not None), default=None)
+        return value
+
+    if "bytes_up_per_hospital_per_step" in record:
+        return (record.get("steps_released"), largest(record["bytes_up_per_hospital_per_step"]),
+                largest(record.get("bytes_down_per_hospital_per_step")))
+    if "bytes_up_per_hospital" in record:
+        ups = record["bytes_up_per_hospital"]
+        return (len(ups) if isinstance(ups, list) else None, largest(ups),
+                largest(record.get("bytes_down_per_hospital")))
+    return None, None, None
+
+
+def secure_sums_table(comparisons: list[Comparison]) -> str:
+    lines = ["| comparison | cell | hospitals | secure sums | bytes up per hospital per sum "
+             "| bytes down per hospital per sum | wall s |", "|---|---|---|---|---|---|---|"]
+    found = False
+    for comparison in comparisons:
+        for cell in sorted(comparison.cells, key=_order):
+            if cell.get("aggregation") != "secure":
+                continue
+            found = True
+            sums, up, down = _bytes_per_sum(cell)
+            hospitals = (cell.get("secure_aggregation") or {}).get("participants", cell.get("hospitals"))
+            lines.append(f"| {comparison.name} | {_label(cell)} | {hospitals if hospitals is not None else '—'} | "
+                         f"{sums if sums is not None else '—'} | {f'{up:,}' if up is not None else '—'} | "
+                         f"{f'{down:,}' if down is not None else '—'} | {_fmt(cell.get('wall_seconds'), 0)} |")
+    return "\n".join(lines) if found else "(No comparison given holds a secure cell.)"
+
+
+def _reaches(value: float, threshold: float, digits: int = 2) -> bool:
+    """``value`` >= ``threshold`` as the tables show it (rounded to ``digits``): a goal is read off the printed
+    number, so 0.4999999 shown as 0.50 meets one half."""
+    return round(value, digits) >= threshold
+
+
+def _yes(met: bool) -> str:
+    return "**met**" if met else "not met"
+
+
+def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
+    """(goal, comparison, what was measured, met or not) for every goal a comparison can answer."""
+    rows = []
+    for budget, share in PHANTOM_GOALS:
+        goal = f"best private method ≥ {100 * share:.0f} % of the phantom headroom at ε {budget:g}"
+        for comparison in comparisons:
+            scored = [(comparison.headroom(c), c) for c in comparison.cells
+                      if registry.role_of(c.get("method")) == "private" and (c.get("epsilon_budget") or 0) == budget]
+            scored = [(h[0], c) for h, c in scored if h is not None]
+            if scored:
+                value, cell = max(scored, key=lambda pair: pair[0])
+                rows.append((goal, comparison.name, f"{cell['method']} {value:+.2f}", _yes(_reaches(value, share))))
+    budget = max(b for b, _ in PHANTOM_GOALS)
+    goal = (f"a private method at ε {budget:g} recovers ≥ {100 * REAL_GOAL:.0f} % of the real WT and TC headroom "
+            "(best by the smaller of the two)")
+    for comparison in comparisons:
+        scored = []
+        for cell in comparison.cells:
+            if registry.role_of(cell.get("method")) != "private" or (cell.get("epsilon_budget") or 0) != budget:
+                continue
+            wt, tc = comparison.real_headroom(cell, "WT"), comparison.real_headroom(cell, "TC")
+            if wt is not None and tc is not None:
+                scored.append((min(wt, tc), wt, tc, cell))
+        if scored:
+            low, wt, tc, cell = max(scored, key=lambda item: item[0])
+            rows.append((goal, comparison.name, f"{cell['method']} WT {wt:+.2f} / TC {tc:+.2f}",
+                         _yes(_reaches(low, REAL_GOAL))))
+    for comparison, budget, secure, trusted, kind in secure_pairs(comparisons):
+        if kind == "dice":
+            goal = f"{secure['method']} within {SECURE_DICE_TOLERANCE} of {trusted['method']} (paired mean Dice)"
+            difference = paired_difference(per_case_of(secure), per_case_of(trusted))
+            if difference is not None:
+                rows.append((goal, comparison.name, f"ε {budget:g}: {difference[0]:+.3f} ± {difference[1]:.3f}",
+                             _yes(_reaches(difference[0], -SECURE_DICE_TOLERANCE, 3))))
+        else:
+            goal = (f"{secure['method']} recovers ≥ {100 * SECURE_HEADROOM_SHARE:.0f} % of {trusted['method']}'s "
+                    "phantom headroom")
+            h_secure, h_trusted = comparison.headroom(secure), comparison.headroom(trusted)
+            if h_secure and h_trusted and h_trusted[0] > 0:
+                ratio = h_secure[0] / h_trusted[0]
+                rows.append((goal, comparison.name, f"ε {budget:g}: {100 * ratio:.0f} %",
+                             _yes(_reaches(ratio, SECURE_HEADROOM_SHARE))))
+    return rows
+
+
+def goals_table(comparisons: list[Comparison]) -> str:
+    rows = goal_rows(comparisons)
+    if not rows:
+        return "(No comparison given answers a goal.)"
+    lines = ["| goal | comparison | measured | |", "|---|---|---|---|"]
+    lines += [f"| {goal} | {name} | {measured} | {met} |" for goal, name, measured, met in rows]
+    return "\n".join(lines)
+
+
+def command_text(argv: list[str], comparisons: list[Comparison]) -> str:
+    """The command that wrote the tables, each folder shown below ``RUNS`` (their common parent): a path of the
+    machine the runs were made on is no part of the document."""
+    parents = [str(c.folder.resolve().parent) for c in comparisons]
+    root = Path(os.path.commonpath(parents)) if parents else Path(".")
+    words = []
+    for item in argv:
+        if item.startswith("--write="):
+            words.append(item)
+            continue
+        head, equals, folder = item.rpartition("=")
+        if equals and head and not item.startswith("--"):
+            relative = Path(folder).resolve().relative_to(root).as_posix()
+            words.append(shlex.quote(f"{head}=RUNS/{relative}"))
+        else:
+            words.append(shlex.quote(item))
+    return ("Written by\n\n```bash\n.venv/bin/python benchmarks/results_tables.py " + " \\\n    ".join(words)
+            + "\n```\n\nwhere RUNS is the folder holding the comparisons. They are:\n\n"
+            + "\n".join(f"- `{c.name}`: `RUNS/{c.folder.resolve().relative_to(root).as_posix()}` ({_describe(c)}; "
+                        f"methods {', '.join(c.settings.get('methods') or [])})" for c in comparisons))
+
+
+def tables(comparisons: list[Comparison], argv: list[str]) -> dict[str, str]:
+    """Every table these comparisons give, by marker name."""
+    out = {}
+    groups: dict[str, list[Comparison]] = defaultdict(list)
+    for comparison in comparisons:
+        groups[comparison.group].append(comparison)
+    for group, members in groups.items():
+        out[f"{group}:cells"] = group_cells(members)
+        out[f"{group}:across"] = across_table(members)
+        out[f"{group}:cost"] = cost_table(members)
+    out["secure-vs-trusted"] = secure_table(comparisons)
+    out["secure-sums"] = secure_sums_table(comparisons)
+    out["goals"] = goals_table(comparisons)
+    out["command"] = command_text(argv, comparisons)
+    return out
+
+
+def rewrite(text: str, written: dict[str, str]) -> tuple[str, list[str]]:
+    """``text`` with every marked block replaced by its table, and the names replaced; refuses a block whose
+    table is not in ``written``, and a text without any block."""
+    names = [m.group("name") for m in MARKER.finditer(text)]
+    if not names:
+        raise SystemExit("results_tables: no <!-- results_tables:NAME begin --> ... end block in the file")
+    missing = sorted({n for n in names if n not in written})
+    if missing:
+        raise SystemExit(f"results_tables: no table for block(s) {', '.join(missing)}: give their group's "
+                         "comparisons, or remove the block(s)")
+    return MARKER.sub(lambda m: m.group(1) + written[m.group("name")].rstrip("\n") + "\n" + m.group(4), text), names
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` at once: a temporary file in its folder, flushed, then ``os.replace``."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the command in the document shows it: below the repository root, else its name alone."""
+    try:
+        return path.resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return path.name
 
 
 def main(argv: list[str]) -> None:
-    if not argv:
+    target, items, command = None, [], []
+    index = 0
+    while index < len(argv):
+        item = argv[index]
+        if item == "--write":
+            if index + 1 >= len(argv):
+                raise SystemExit("results_tables: --write needs a FILE")
+            target = Path(argv[index + 1])
+            command.append(f"--write={_shown(target)}")
+            index += 2
+            continue
+        if item.startswith("--write="):
+            target = Path(item.split("=", 1)[1])
+            item = f"--write={_shown(target)}"
+        elif item.startswith("-"):
+            raise SystemExit(f"results_tables: unknown option {item!r}")
+        else:
+            items.append(item)
+        command.append(item)
+        index += 1
+    if not items:
         sys.exit(__doc__)
-    across: dict[str, list[dict]] = defaultdict(list)
-    for item in argv:
-        label, _, folder = item.rpartition("=")
-        cells = [c for c in load_cells(folder) if "_shared" not in c["_cell"]]
-        table, numbers = comparison_table(cells)
-        print(f"**{label or folder}**\n\n{table}\n")
-        for name, values in numbers.items():
-            across[name].append(values)
-    print(f"**Across the {len(argv)} comparisons**\n")
-    print("| cell | mean phantom headroom | comparisons with real WT headroom ≥ 0.5 | with real TC headroom ≥ 0.5 |")
-    print("|---|---|---|---|")
-    for name, rows in across.items():
-        phantom = [r["phantom"] for r in rows if r["phantom"] is not None]
-        mean = sum(phantom) / len(phantom) if phantom else None
-        wt = sum(1 for r in rows if (r["WT"] or -1) >= 0.5)
-        tc = sum(1 for r in rows if (r["TC"] or -1) >= 0.5)
-        print(f"| {name} | {_fmt(mean, 2)} | {wt} of {len(rows)} | {tc} of {len(rows)} |")
+    comparisons = [load_comparison(*parse_item(item)) for item in items]
+    names = {(c.group, c.label) for c in comparisons}
+    if len(names) != len(comparisons):
+        raise SystemExit("results_tables: two comparisons share a group and label")
+    written = tables(comparisons, command)
+    if target is None:
+        for name, table in written.items():
+            print(f"### {name}\n\n{table}\n")
+        return
+    text, replaced = rewrite(target.read_text(encoding="utf-8"), written)
+    write_atomic(target, text)
+    unused = sorted(set(written) - set(replaced))
+    print(f"results_tables: rewrote {len(replaced)} block(s) of {target}"
+          + (f"; tables without a block there: {', '.join(unused)}" if unused else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,178 @@
+"""benchmarks/results_tables.py writes the tables of docs/RESULTS.md from comparison folders, in place."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import results_tables  # noqa: E402
+
+FLOOR = [0.40, 0.50, 0.60, 0.50]
+CEILING = [0.60, 0.70, 0.80, 0.70]
+
+
+def _shift(values, by):
+    return [round(v + by, 6) for v in values]
+
+
+def _cell(root, folder, method, per_case, budget=None, real=None, wall=10.0, secure=None):
+    cell = root / folder
+    cell.mkdir(parents=True)
+    result = {"method": method, "dice": {"mean": sum(per_case) / len(per_case)}, "dice_per_case": per_case,
+              "epsilon": budget, "epsilon_budget": budget, "delta": 1e-3 if budget else None,
+              "wall_seconds": wall, "hospitals": 4}
+    if real is not None:
+        result["real_check"] = {"dice": dict(zip(("WT", "TC", "ET"), real)),
+                                "cases": [{"case": "real-0"}]}
+    if secure is not None:
+        result.update(aggregation="secure", secure_aggregation=secure)
+    (cell / "results.json").write_text(json.dumps(result))
+
+
+def _comparison(root, seed, methods, real=False):
+    root.mkdir(parents=True)
+    (root / "compare.json").write_text(json.dumps({"seed": seed, "preset": "quick", "epsilons": [1.0, 8.0],
+                                                   "methods": methods, "real_check": ["cases"] if real else []}))
+    return root
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Two demo comparisons (with a real check) and one holding both secure pairs."""
+    demo = []
+    for seed, gain in ((1, 0.10), (2, 0.16)):
+        root = _comparison(tmp_path / f"demo-s{seed}", seed, ["pate-anchored", "dp-sgd-central"], real=True)
+        _cell(root, "public-only", "public-only", FLOOR, real=(0.70, 0.40, 0.50))
+        _cell(root, "nonprivate-central", "nonprivate-central", CEILING, real=(0.90, 0.80, 0.70))
+        # headroom 0.50 at seed 1 and 0.80 at seed 2; real WT 0.80 (half the headroom), TC 0.60 (half)
+        _cell(root, "pate-anchored/eps-8", "pate-anchored", _shift(FLOOR, gain), 8.0, real=(0.80, 0.60, 0.60),
+              wall=123.4)
+        _cell(root, "dp-sgd-central/eps-8", "dp-sgd-central", _shift(FLOOR, 0.02), 8.0, real=(0.72, 0.44, 0.52))
+        _cell(root, "_shared/K-128", "public-only", FLOOR)   # a shared model's folder: never a cell
+        demo.append(root)
+    secure = _comparison(tmp_path / "secure-s0", 0, ["pate-anchored", "pate-anchored-secure", "dp-fedavg-secure",
+                                                     "dp-sgd-central"])
+    _cell(secure, "public-only", "public-only", FLOOR)
+    _cell(secure, "nonprivate-central", "nonprivate-central", CEILING)
+    _cell(secure, "pate-anchored/eps-1", "pate-anchored", _shift(FLOOR, 0.10), 1.0)
+    _cell(secure, "pate-anchored-secure/eps-1", "pate-anchored-secure", _shift(FLOOR, 0.07), 1.0,
+          secure={"participants": 4, "bytes_up_per_hospital": [{"h0": 7188, "h1": 7100}] * 5,
+                  "bytes_down_per_hospital": [{"h0": 900, "h1": 901}] * 5})
+    _cell(secure, "dp-sgd-central/eps-8", "dp-sgd-central", _shift(FLOOR, 0.16), 8.0)
+    _cell(secure, "dp-fedavg-secure/eps-8", "dp-fedavg-secure", _shift(FLOOR, 0.18), 8.0, wall=361.0,
+          secure={"participants": 4, "steps_released": 120, "bytes_up_per_hospital_per_step": {"h0": 4284},
+                  "bytes_down_per_hospital_per_step": {"h0": 5156}})
+    return demo, secure
+
+
+DOCUMENT = """# Results
+
+Prose before, with a table of its own that no run writes:
+
+| a | b |
+|---|---|
+| 1 | 2 |
+
+<!-- results_tables:demo:cells begin -->
+stale cells
+<!-- results_tables:demo:cells end -->
+
+Between the blocks.
+
+<!-- results_tables:demo:across begin -->
+<!-- results_tables:demo:across end -->
+<!-- results_tables:secure-vs-trusted begin -->
+old
+<!-- results_tables:secure-vs-trusted end -->
+<!-- results_tables:secure-sums begin -->
+<!-- results_tables:secure-sums end -->
+<!-- results_tables:goals begin -->
+<!-- results_tables:goals end -->
+<!-- results_tables:command begin -->
+<!-- results_tables:command end -->
+
+Prose after.
+"""
+
+
+def _block(text, name):
+    begin, end = f"<!-- results_tables:{name} begin -->\n", f"<!-- results_tables:{name} end -->"
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def _outside(text):
+    return results_tables.MARKER.sub(lambda m: m.group(1) + m.group(4), text)
+
+
+def _row(block, start):
+    return next(line for line in block.splitlines() if line.startswith(start))
+
+
+def test_write_fills_the_blocks_with_the_runs_numbers_and_leaves_the_rest(runs, tmp_path, capsys):
+    demo, secure = runs
+    document = tmp_path / "RESULTS.md"
+    document.write_text(DOCUMENT)
+    results_tables.main(["--write", str(document), f"demo:seed 1={demo[0]}", f"demo:seed 2={demo[1]}",
+                         f"secure:seed 0={secure}"])
+    text = document.read_text()
+    assert _outside(text) == _outside(DOCUMENT)
+    assert "stale cells" not in text and "\nold\n" not in text
+
+    cells = _block(text, "demo:cells")
+    assert "**seed 1**" in cells and "**seed 2**" in cells and "_shared" not in cells
+    assert "real check on 1 case(s)" in cells
+    pate = _row(cells.split("**seed 2**")[0], "| pate-anchored ε 8")
+    # phantom mean Dice 0.600, headroom +0.50 ± 0.00, real 0.800 / 0.600 / 0.600 -> headroom 0.50 / 0.50 / 0.50
+    assert pate == ("| pate-anchored ε 8 | 0.600 | +0.50 ± 0.00 | — | 0.800 / 0.600 / 0.600 | 0.50 / 0.50 / 0.50 |")
+
+    across = _row(_block(text, "demo:across"), "| pate-anchored ε 8")
+    # headroom 0.50 and 0.80: mean 0.65, SE across two = 0.15; both seeds reach half the real WT and TC headroom
+    assert "+0.65 ± 0.15 (+0.50 / +0.80)" in across and "| 2 of 2 |" in across
+    assert "| 0 of 2 |" in _row(_block(text, "demo:across"), "| dp-sgd-central ε 8")
+
+    pairs = _block(text, "secure-vs-trusted")
+    pate_pair = _row(pairs, "| secure: seed 0 | pate-anchored-secure")
+    assert "| 0.600 | 0.570 | -0.030 ± 0.000 |" in pate_pair
+    dp_pair = _row(pairs, "| secure: seed 0 | dp-fedavg-secure")
+    assert "+0.80 ± 0.00 | +0.90 ± 0.00 | 112 % |" in dp_pair
+
+    sums = _block(text, "secure-sums")
+    assert "| pate-anchored-secure ε 1 | 4 | 5 | 7,188 | 901 |" in sums
+    assert "| dp-fedavg-secure ε 8 | 4 | 120 | 4,284 | 5,156 | 361 |" in sums
+
+    goals = _block(text, "goals")
+    assert "| demo: seed 1 | pate-anchored +0.50 | **met** |" in goals
+    assert "| demo: seed 2 | pate-anchored WT +0.50 / TC +0.50 | **met** |" in goals
+    assert "| secure: seed 0 | ε 1: -0.030 ± 0.000 | not met |" in goals
+    assert "| secure: seed 0 | ε 8: 112 % | **met** |" in goals
+
+    command = _block(text, "command")
+    assert "--write" in command and "'demo:seed 1=RUNS/demo-s1'" in command and str(tmp_path) not in command
+    assert "results_tables: rewrote 6 block(s)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_block_without_its_runs_is_refused_and_the_file_kept(runs, tmp_path):
+    demo, _ = runs
+    document = tmp_path / "RESULTS.md"
+    document.write_text(DOCUMENT + "<!-- results_tables:other:cells begin -->\nkeep\n"
+                                   "<!-- results_tables:other:cells end -->\n")
+    before = document.read_text()
+    with pytest.raises(SystemExit, match="other:cells"):
+        results_tables.main(["--write", str(document), f"demo:seed 1={demo[0]}"])
+    assert document.read_text() == before
+
+
+def test_without_write_the_tables_are_printed(runs, capsys):
+    demo, _ = runs
+    results_tables.main([f"seed 1={demo[0]}"])
+    out = capsys.readouterr().out
+    assert "### main:cells" in out and "| pate-anchored ε 8 | 0.600 | +0.50 ± 0.00 |" in out
+
+
+@pytest.mark.parametrize("item", ["no-equals-sign", "demo:=folder", ":label=folder"])
+def test_malformed_arguments_are_refused_in_one_line(item):
+    with pytest.raises(SystemExit, match="results_tables"):
+        results_tables.parse_item(item)
