@@ -458,8 +458,8 @@ _PRESETS = {
         unet="small", pretrain_epochs=50, central_epochs=10, batch_size=2, learning_rate=2e-3,
         # teachers: a voxel head on the frozen public model, 60 steps at lr 1e-2 (docs/decisions/teachers.md)
         teacher=Teachers(epochs=60, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, augment=False),
-        # student: a voxel head (docs/decisions/student.md)
-        student=Student(epochs=10, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2),
+        # student: a voxel head, then every weight from there (docs/decisions/student.md, lp-ft-student.md)
+        student=Student(epochs=10, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, finetune=True),
         # codec: 3 T1-Gd bins per shell (docs/decisions/intensity-bins.md); decoder: one fitted voxel head
         # (docs/decisions/head-fit-decoder.md)
         codec=Codec(pca_components=None, ae_latent_dim=16, ae_epochs=60, anchored_intensity_bins=3,
