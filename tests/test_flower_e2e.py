@@ -116,6 +116,24 @@ def test_secure_pate_in_flower_simulation_engine_matches_the_in_process_engine(c
     assert flower["epsilon"] == pytest.approx(inprocess["epsilon"])
 
 
+def test_secure_dp_fedavg_in_flower_simulation_engine_is_the_in_process_run(cache, tmp_path):
+    """dp-fedavg-secure as a ServerApp and ClientApps in Flower's simulation engine (Ray): every step's secure
+    sum travels as Flower messages; under reproducible noise (simulation only) the hospitals' shares are seeded,
+    so the trained head -- and with it Dice and the ledger's epsilon -- is the in-process engine's exactly."""
+    from sim.runners.simulation import simulate
+
+    runs = {}
+    for engine in ("inprocess", "flower"):
+        settings = RunSettings(method="dp-fedavg-secure", preset="tiny", out=str(tmp_path / engine), progress=False,
+                               reproducible_noise=True)
+        (runs[engine],) = simulate(settings, engine=engine)
+    flower, inprocess = runs["flower"], runs["inprocess"]
+    assert flower["aggregation"] == inprocess["aggregation"] == "secure"
+    assert flower["dice"] == inprocess["dice"] and flower["epsilon"] == inprocess["epsilon"] <= flower["epsilon_budget"]
+    assert flower["seed"] is None and flower["noise"] == "reproducible"
+    assert flower["secure_aggregation"]["bits"] == inprocess["secure_aggregation"]["bits"]
+
+
 def test_secure_pate_deployed_with_tls_and_supernode_authentication(cache, tmp_path):
     """pate-anchored-secure across separate SuperNode processes (TLS, authenticated keys): each deployed
     hospital checks the request against its own policy (node config), keeps its secrets on its node and
