@@ -6,7 +6,7 @@
 For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, δ=1e-3, ε ∈ {1, 8}; σ calibrated
 as ``server.pate`` does, from the verified codec state) with the anchored codec (the demo's
 ``pate-anchored``: the product's compressor and defaults, C fitted on public maps, a public anchor per
-query, each shell split into the quick preset's T1-Gd bins unless ``--anchored-bins`` says otherwise) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``sim.training.train_segmentation``
+query, each shell split into the quick preset's T1-Gd bins unless ``--anchored-bins`` says otherwise) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``task.training.train_segmentation``
 with a ``DPConfig``: ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it
 can claim -- replace-one (the default: the canary against a record whose gradient points the other way)
 and add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     vectorised = args.vectorised if args.vectorised is not None else (200_000 if args.quick else 1_000_000)
     broken_runs = max(100, pate_runs // 2)
     pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     bins = args.anchored_bins or get_preset("quick").codec.anchored_intensity_bins
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None

@@ -24,9 +24,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from sim.data.msd import load_case, read_msd
-    from sim.data.phantoms import anatomy_shape, generate_phantoms
-    from sim.data.preprocess import PreprocessConfig, preprocess_case
+    from task.data.msd import load_case, read_msd
+    from task.data.phantoms import anatomy_shape, generate_phantoms
+    from task.data.preprocess import PreprocessConfig, preprocess_case
 
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:

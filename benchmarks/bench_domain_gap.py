@@ -5,7 +5,7 @@ trained on the default phantom regime and scored, through the same path as ``fed
 network, map back to each scan's own grid), on *new* subjects from *new* scanner sites rendered
 
 * in the training regime ("none", at the training resolution), at 1 mm ("1mm", BraTS' grid), and
-* with one factor moved beyond the training range (``sim.data.phantoms.SHIFTS``): scanner physics, tissue
+* with one factor moved beyond the training range (``task.data.phantoms.SHIFTS``): scanner physics, tissue
   contrast, multifocal lesions, imperfect skull stripping, and all at once.
 
 Each model is trained with each augmentation level (``geometric``: flips and rotations; ``domain``: plus
@@ -48,13 +48,13 @@ def main() -> None:
 
     import torch
 
-    from sim.bundle import privacy_card, save_bundle
-    from sim.data.phantoms import GENERATOR_VERSION, generate_phantoms
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
-    from sim.io import atomic_write_json, atomic_write_text
-    from sim.networks import build_unet_from_config, network_config
-    from sim.predict import evaluate_scans
-    from sim.training import TrainConfig, train_segmentation
+    from task.bundle import privacy_card, save_bundle
+    from task.data.phantoms import GENERATOR_VERSION, generate_phantoms
+    from task.data.preprocess import PreprocessConfig, prepare_dataset
+    from task.io import atomic_write_json, atomic_write_text
+    from task.networks import build_unet_from_config, network_config
+    from task.predict import evaluate_scans
+    from task.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
     out = Path(args.out)

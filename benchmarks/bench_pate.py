@@ -3,8 +3,8 @@ at several epsilons, with bytes uploaded per query per teacher. One command:
 
     .venv/bin/python benchmarks/bench_pate.py --preset tiny --epsilons 1 8 [--synthetic]
 
-Uses the preset's phantom world (sim.data) unless --synthetic (or sim.data is unavailable): then a
-synthetic spherical-tumour world at 16^3 (sim.data.synthetic) with the preset's budgets.
+Uses the preset's phantom world (task.data) unless --synthetic (or task.data is unavailable): then a
+synthetic spherical-tumour world at 16^3 (task.data.synthetic) with the preset's budgets.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def synthetic_world(preset, seed=0):
-    from sim.data.partitions import Split
-    from sim.data.synthetic import SyntheticPrepared
+    from task.data.partitions import Split
+    from task.data.synthetic import SyntheticPrepared
 
     per_hospital = preset.teachers_per_hospital
     sets = preset.world
@@ -35,7 +35,7 @@ def synthetic_world(preset, seed=0):
 
 
 def main() -> None:
-    from sim.presets import get_preset
+    from task.presets import get_preset
     from sim.runners.inprocess import run_pate_inprocess
 
     parser = argparse.ArgumentParser()

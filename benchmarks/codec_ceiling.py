@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from server.student import train_public_model
-from sim import codecs
-from sim.metrics import dice_scores
-from sim.presets import get_preset
-from sim.training import predict_probs
-from sim.world import build_world, load_world
+from task import codecs
+from task.metrics import dice_scores
+from task.presets import get_preset
+from task.training import predict_probs
+from task.world import build_world, load_world
 
 CHANNELS = {"FLAIR": 0, "T1-Gd": codecs.T1GD_CHANNEL, "T2": 3}
 

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sim.presets import get_preset
+from task.presets import get_preset
 from sim.runners.inprocess import run_pate_inprocess
 
 KEYS = ("teacher_dice_mean", "ensemble_probability_average_dice_mean", "ensemble_dice_mean",

@@ -1,6 +1,6 @@
 """The probe behind the head-fit decoder and the voxel-head student (docs/decisions/head-fit-decoder.md): what the
 anchored release carries from voxel-head teachers, decoded per region (mass matching) or by one head fitted to every
-query (sim.codecs.headfit), and which student learns the decoded labels.
+query (task.codecs.headfit), and which student learns the decoded labels.
 
     .venv/bin/python benchmarks/probe_headfit_decoder.py PUBLIC_MODEL.pt SEED [EPSILONS]
     e.g. benchmarks/probe_headfit_decoder.py runs/s0/_shared/K-128/public-model.pt 0 8,1,0.25
@@ -29,13 +29,13 @@ def teachers_release(public_path: str, seed: int, decoder: str = "head-fit") -> 
     """The quick world at ``seed``, its public model, the product's anchored codec (``decoder``) fitted on public data,
     and the 128 voxel-head teachers' noise-free mean latent on the 40 query scans (shared with
     benchmarks/probe_query_selection.py)."""
-    import sim.presets as presets
+    import task.presets as presets
     from server.compressors import PublicFit, make_compressor
-    from sim import codecs
-    from sim.metrics import dice_scores
-    from sim.networks import VOXEL_HEAD, build_unet
-    from sim.training import per_sample_loss
-    from sim.world import build_world, load_world
+    from task import codecs
+    from task.metrics import dice_scores
+    from task.networks import VOXEL_HEAD, build_unet
+    from task.training import per_sample_loss
+    from task.world import build_world, load_world
 
     preset = presets.get_preset("quick")
     prepared, split = build_world(preset, None, seed, False)
@@ -98,9 +98,9 @@ def main() -> None:
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
     from privacy.calibration import pate_sigma
     from server.student import train_student
-    from sim.codecs.headfit import fit_head_decode
-    from sim.networks import VOXEL_HEAD
-    from sim.training import predict_probs
+    from task.codecs.headfit import fit_head_decode
+    from task.networks import VOXEL_HEAD
+    from task.training import predict_probs
 
     release = teachers_release(public_path, seed)
     preset, world, public, state, dice = release.preset, release.world, release.public, release.state, release.dice

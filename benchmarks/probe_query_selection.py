@@ -24,9 +24,9 @@ def main() -> None:
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
     from privacy.calibration import pate_sigma
     from server.student import train_student
-    from sim.codecs.headfit import fit_head_decode
-    from sim.networks import VOXEL_HEAD
-    from sim.training import predict_probs
+    from task.codecs.headfit import fit_head_decode
+    from task.networks import VOXEL_HEAD
+    from task.training import predict_probs
 
     release = teachers_release(public_path, seed)
     preset, world, state, dice = release.preset, release.world, release.state, release.dice

@@ -13,7 +13,7 @@ Message types (``message_type`` = ``<category>[.<action>]``):
 - ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
 - ``query.secure``    -> one stage of a secure sum (``config["stage"]``: setup, share-keys, collect-masked,
                          unmask; or dp-fedavg-secure's join before its sums; ``clients/secure.py``); the
-                         message and the reply are nested values (``sim.flower_wire.pack_nested``). The
+                         message and the reply are nested values (``task.flower_wire.pack_nested``). The
                          hospital's secrets of that sum (key pairs, self-mask seed, the shares it holds) stay
                          in the node's ``context.state`` between stages and are dropped after the unmask
                          stage; they are never sent
@@ -37,8 +37,8 @@ from clients.fedavg import local_dpsgd_round
 from clients.node import hospital_for, secure_policy_for
 from clients.secure import FINISHED, SecureHospital, run_stage
 from privacy.errors import PrivacyError
-from sim.errors import UserError
-from sim.flower_wire import (arrays_digest, arrays_to_record, config_to_record, make_content, pack_nested,
+from task.errors import UserError
+from task.flower_wire import (arrays_digest, arrays_to_record, config_to_record, make_content, pack_nested,
                              read_content, record_to_arrays, record_to_config, unpack_nested)
 
 app = ClientApp()

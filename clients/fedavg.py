@@ -31,12 +31,12 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
-from sim.dpsgd import DPConfig, steps_per_epoch
-from sim.errors import UserError
-from sim.names import check_name_part
-from sim.networks import build_unet
-from sim.options import Relation, look_up_option
-from sim.training import TrainConfig, lever_settings, train_segmentation, trainable_of
+from task.dpsgd import DPConfig, steps_per_epoch
+from task.errors import UserError
+from task.names import check_name_part
+from task.networks import build_unet
+from task.options import Relation, look_up_option
+from task.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,7 +102,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                   per_layer=preset.dp_sgd.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
     # local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
-    # on the host from the stream above and copied, sim.dpsgd)
+    # on the host from the stream above and copied, task.dpsgd)
     device, precision = hospital.compute(config)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
                                learning_rate=float(config.get("learning_rate") or preset.learning_rate),

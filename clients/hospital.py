@@ -3,7 +3,7 @@
 It trains ``T = len(partitions)`` teachers, one per disjoint partition of its own patients (a patient influences
 exactly one teacher; docs/PRIVACY.md, "The unit of privacy"), each fine-tuned from the public model the server sends;
 keeps the weights on its own disk (``workdir/teachers``); answers queries by running every teacher on the public scans
-and encoding the softmax output **locally** with the public codec (:func:`sim.codecs.encode`: Fay et al., Algorithms
+and encoding the softmax output **locally** with the public codec (:func:`task.codecs.encode`: Fay et al., Algorithms
 1-2, "compress the prediction"), so that only ``T x n x l`` bounded numbers leave the hospital. It never returns
 scans, labels, weights or full-resolution outputs.
 
@@ -16,18 +16,18 @@ The hospital owns its patients' budget (docs/PRIVACY.md, "Who is trusted"). Thre
 trusted with the teachers' un-noised encodings; differential privacy protects the patients against
 everyone who sees what the aggregator releases. The hospital still does not take the aggregator's word for
 the accounting: before it answers a query batch it checks the codec it was sent
-(:func:`sim.codecs.verify_codec`), computes the replace-one sensitivity itself from that codec and the
+(:func:`task.codecs.verify_codec`), computes the replace-one sensitivity itself from that codec and the
 number of teachers the server declares it will average (the server releases nothing when fewer answer),
 and charges its **own** privacy ledger (``privacy_ledger``) through a guard with its lifetime budget,
 refusing the batch if the budget would be exceeded. A deployed hospital (its own machine and patients)
 also refuses everything meant for simulations only: un-noised diagnostic queries, per-teacher test Dice,
 seeded noise.
 
-Device and precision (``sim.device``): a simulated hospital trains, answers and evaluates on the
+Device and precision (``task.device``): a simulated hospital trains, answers and evaluates on the
 device and precision the run's messages name (``config["device"]``, ``config["precision"]``; default auto);
 a deployed hospital on its own node config's (``device``, ``precision``), whatever the server says -- its GPU
 is its own machine's. Teachers are kept on disk on the host and loaded onto that device; the codec's
-autoencoder encodes there too (``sim.codecs.make_encoder``).
+autoencoder encodes there too (``task.codecs.make_encoder``).
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.options import Relation
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
-from sim import codecs  # codec_sensitivity through the module: the one function server and hospitals share
-from sim.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
-from sim.device import check_device_spec, check_precision, resolve_device
-from sim.dpsgd import DPConfig
-from sim.errors import UserError
-from sim.names import check_name_part
-from sim.io import atomic_save_torch, atomic_write_json
-from sim.networks import build_unet, load_start_weights
-from sim.options import Trainable, look_up_option
-from sim.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
+from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
+from task.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
+from task.device import check_device_spec, check_precision, resolve_device
+from task.dpsgd import DPConfig
+from task.errors import UserError
+from task.names import check_name_part
+from task.io import atomic_save_torch, atomic_write_json
+from task.networks import build_unet, load_start_weights
+from task.options import Trainable, look_up_option
+from task.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
 
 
 class Hospital:
@@ -155,7 +155,7 @@ class Hospital:
         recipe = self.preset.teacher
         epochs = int(config.get("teacher_epochs", recipe.epochs))
         # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
-        # (sim.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
+        # (task.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
         trainable = look_up_option(config.get("teacher_trainable") or recipe.trainable, Trainable,
                                    "teacher_trainable").value
         learning_rate = float(config.get("teacher_learning_rate") or recipe.learning_rate or self.preset.learning_rate)

@@ -31,14 +31,14 @@ from typing import Any, Mapping
 
 from clients.hospital import Hospital
 from clients.secure import SecurePolicy
-from sim.codecs import CodecPolicy
-from sim.data.partitions import split_into_teachers
-from sim.data.preprocess import PreprocessConfig, prepare_dataset
-from sim.errors import UserError
-from sim.names import check_name_part
-from sim.presets import get_preset
-from sim.runconfig import config_flag
-from sim.world import open_world
+from task.codecs import CodecPolicy
+from task.data.partitions import split_into_teachers
+from task.data.preprocess import PreprocessConfig, prepare_dataset
+from task.errors import UserError
+from task.names import check_name_part
+from task.presets import get_preset
+from task.runconfig import config_flag
+from task.world import open_world
 
 _HOSPITALS: dict[tuple, Any] = {}
 

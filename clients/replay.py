@@ -34,8 +34,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sim.errors import UserError
-from sim.io import atomic_write_bytes, atomic_write_json
+from task.errors import UserError
+from task.io import atomic_write_bytes, atomic_write_json
 
 
 def mint_nonce() -> str:

@@ -7,7 +7,7 @@ are Flower's (``secaggplus_mod``): **setup** (two key pairs), **share-keys** (Sh
 seed and of the masking key, encrypted to each neighbour), **collect-masked** (the contribution plus the
 self mask plus one pairwise mask per neighbour, modulo 2^bits) and **unmask** (shares of the survivors'
 self-mask seeds and of the dropped hospitals' masking keys). Every primitive is a library's
-(``sim.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
+(``task.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
 
 Threat model (the hospital's :class:`SecurePolicy`, from its own node config, never from the server): an
 honest-but-curious aggregator, up to ``colluders`` hospitals that share everything with it, up to
@@ -35,8 +35,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from privacy.distributed import share_count
-from sim import secagg
-from sim.errors import UserError
+from task import secagg
+from task.errors import UserError
 
 STAGES = ("setup", "share-keys", "collect-masked", "unmask")
 
@@ -350,8 +350,8 @@ class SecureHospital:
 
     def contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]) -> np.ndarray:
         """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
-        (the default) or ``dp-fedavg-secure``'s patient gradients (``sim.secagg.CONTRIBUTION_KIND``)."""
-        from sim.secagg import CONTRIBUTION_KIND as KIND
+        (the default) or ``dp-fedavg-secure``'s patient gradients (``task.secagg.CONTRIBUTION_KIND``)."""
+        from task.secagg import CONTRIBUTION_KIND as KIND
 
         kind = str(session.noise.get("kind") or "pate")
         if kind == KIND:
@@ -366,7 +366,7 @@ class SecureHospital:
         from clients.replay import mint_nonce
         from privacy.distributed import ddg_event, sample_discrete_gaussian
         from privacy.mechanisms import NoiseSource
-        from sim.codecs import fallback_encoding, make_encoder, verify_codec
+        from task.codecs import fallback_encoding, make_encoder, verify_codec
 
         hospital, noise = self.hospital, session.noise
         who = hospital.hospital_id
@@ -411,7 +411,7 @@ class SecureHospital:
 def session_state(session: _Session, policy: SecurePolicy) -> dict:
     """Everything a hospital keeps of one secure sum between its stages -- its key pairs, its self-mask seed,
     the shares it holds, and the policy it checked the request against at setup -- as a plain dict of str,
-    int, float, lists, dicts and bytes (``sim.flower_wire.pack_nested`` carries it). Secret: it never leaves
+    int, float, lists, dicts and bytes (``task.flower_wire.pack_nested`` carries it). Secret: it never leaves
     the hospital (:func:`run_stage` keeps it in a node-local store)."""
     state = {name: getattr(session, name) for name in _Session.__dataclass_fields__}
     state["public_keys"] = {k: [v[0], v[1]] for k, v in session.public_keys.items()}

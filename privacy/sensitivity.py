@@ -63,7 +63,7 @@ def pca_public_bound(basis, teachers: int) -> float:
 def pca_row_bound(norm_bound: float, teachers: int) -> float:
     """``R/K`` for PCA of probabilities whose per-teacher difference ``||A_l (y - y')||`` is at most R
     (R = sqrt(d) or the public bound of :func:`pca_public_bound` times K) -- replace-one; used by the
-    hospital, which recomputes R from the basis it was sent (sim.codecs.verify_codec)."""
+    hospital, which recomputes R from the basis it was sent (task.codecs.verify_codec)."""
     return _positive("norm_bound", norm_bound) / _teachers(teachers)
 
 

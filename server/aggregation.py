@@ -11,13 +11,13 @@ Validation of every hospital's reply (never trust what arrives):
 * ``ae`` / ``pca`` clip mode: rows longer than the bound (1, resp. C) are clipped again on the server
   (the 2C/K bound holds for any rows of norm <= C, whatever produced them);
 * ``pca`` paper/public modes: the bound R/K needs the rows to be images of probabilities, which the
-  hospital's codec verifies (sim.codecs.encode). The server can only check the necessary condition
+  hospital's codec verifies (task.codecs.encode). The server can only check the necessary condition
   ``||z|| <= R``; a longer row proves the reply was not produced by the codec -> rejected (clipping it
   to R would only give 2R/K, twice the sensitivity the noise was calibrated for);
 * ``identity``: every row must be exact one-hot votes (checked exactly) -> otherwise rejected.
 
 K = the number of teacher rows accepted; the replace-one sensitivity S is the codec state's at that K
-(``sim.codecs.codec_sensitivity``, the same function the hospitals charge with),
+(``task.codecs.codec_sensitivity``, the same function the hospitals charge with),
 so a dropout (smaller K) is recorded with its larger S and the accountant composes what was actually
 released. If the charge would exceed any answering hospital's budget, ``BudgetExceeded`` propagates
 *before* any noise is drawn or anything is released (the protocol then stops querying).
@@ -32,7 +32,7 @@ import numpy as np
 
 from privacy.events import GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from sim import codecs
+from task import codecs
 
 log = logging.getLogger("fedpate.pate")
 

@@ -11,7 +11,7 @@ The contract every compressor keeps (``server.pate.plan_release`` asks the compr
 new kind needs no change there): ``fit_release(public: PublicFit, noise_per_sensitivity, teachers)`` fits it on the
 public data it needs for a release (``needs_public_model``: the public model's predictions too); ``state()`` (a
 ``CodecState``) is what the hospitals are shipped (they encode locally with the codec kind's own module,
-:mod:`sim.codecs`); ``batch_state(state, public_probs)`` adds the public side information one query batch travels
+:mod:`task.codecs`); ``batch_state(state, public_probs)`` adds the public side information one query batch travels
 with; ``decode_release(z, public_probs, sigma)`` turns noisy mean latents into probabilities; ``release_checks()``
 (e.g. the autoencoder's collapse check) and ``fit_counts`` go on the record; ``sensitivity(teachers)``, ``relation =
 "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher``. Which compressor a PATE method uses is one registry
@@ -33,14 +33,14 @@ import torch
 from tqdm.auto import tqdm
 
 from privacy import sensitivity as sens
-from sim import codecs
-from sim.codecs.headfit import fit_head_decode
-from sim.device import resolve_device
-from sim.errors import UserError
-from sim.io import atomic_save_torch
-from sim.options import Decoder, PcaMode, Relation, look_up_option
-from sim.presets import Codec
-from sim.registry import Registry
+from task import codecs
+from task.codecs.headfit import fit_head_decode
+from task.device import resolve_device
+from task.errors import UserError
+from task.io import atomic_save_torch
+from task.options import Decoder, PcaMode, Relation, look_up_option
+from task.presets import Codec
+from task.registry import Registry
 
 
 def choose_components(eigenvalues: np.ndarray, sigma: float) -> int:
@@ -376,13 +376,13 @@ def _reconstruction_loss(logits, target):
 class AutoencoderCompressor(Compressor):
     """Autoencoded PATE (Fay et al., Algorithm 2).
 
-    Trains :func:`sim.codecs.AutoencoderNet` on the public reference label maps with cross-entropy,
+    Trains :func:`task.codecs.AutoencoderNet` on the public reference label maps with cross-entropy,
     Gaussian noise of std ``train_sigma`` (set it to the deployment sigma) added to the unit-ball
     bottleneck, random flips as augmentation, Adam; seeded, and checkpointed at ``checkpoint`` (a
     checkpoint written for the same data + configuration is reused instead of retraining).
     Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
 
-    ``device`` (``sim.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
+    ``device`` (``task.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
     in float32 whatever the run's precision: it is small, and its unit-ball output is what the sensitivity 2/K
     rests on. The bottleneck's training noise and the flips are drawn on the host from the seeded generators,
     then copied, so the trained autoencoder does not depend on where the draws would otherwise have been made.
@@ -553,20 +553,20 @@ class AnchoredResidualCompressor(Compressor):
     for query n -- public side information, free -- is the decoder's output at latent zero, and the
     teachers transmit only where they disagree with it:
 
-    * encode (at the hospital, :func:`sim.codecs.anchored_encode`): ``z_nk = clip_C(B_n (y_nk - p_n))``,
+    * encode (at the hospital, :func:`task.codecs.anchored_encode`): ``z_nk = clip_C(B_n (y_nk - p_n))``,
       ``B_n`` = per tumour class, the residual summed over each shell around ``p_n``'s tumour
-      (:func:`sim.codecs.anchor_regions`: the boundary layer, ``-lo`` layers inside, ``hi`` outside) over
+      (:func:`task.codecs.anchor_regions`: the boundary layer, ``-lo`` layers inside, ``hi`` outside) over
       the square root of the shell's size (orthonormal rows): the queries ask where the information is;
     * with ``intensity_bins`` B > 1 (docs/decisions/intensity-bins.md), each shell is split into B within-shell
       quantile bins of the query scan's ``intensity_channel`` (T1-Gd by default;
-      :func:`sim.codecs.intensity_bin_map`), computed by the server from the public scans and shipped with the anchor:
+      :func:`task.codecs.intensity_bin_map`), computed by the server from the public scans and shipped with the anchor:
       within a shell the decoder could only place a class by the public model's ranking of voxels, which says nothing
       for a class the public model never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with
       shells, 0.62 with 3 T1-Gd bins; benchmarks/codec_ceiling.py);
     * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1) B``;
     * decode, by the compressor's ``decoder`` (:data:`ANCHORED_DECODERS`): ``mass-matching``
-      (:func:`sim.codecs.anchored_decode`: per region, the public model's probabilities re-weighted so that each
-      class carries the mass the teachers' mean residual says) or ``head-fit`` (:func:`sim.codecs.headfit.fit_head_decode`:
+      (:func:`task.codecs.anchored_decode`: per region, the public model's probabilities re-weighted so that each
+      class carries the mass the teachers' mean residual says) or ``head-fit`` (:func:`task.codecs.headfit.fit_head_decode`:
       one voxel head fitted to every query's latents at once, the Gaussian release's maximum-likelihood head;
       docs/decisions/head-fit-decoder.md). Both are post-processing and give ``p_n`` exactly at ``z = 0``.
 
@@ -575,7 +575,7 @@ class AnchoredResidualCompressor(Compressor):
     influence, so ``||z_nk - z'_nk|| <= ||z_nk|| + ||z'_nk|| <= 2C`` and the mean of K rows moves by at
     most ``2C/K`` -- for every ``y``, ``y'`` and every anchor, including a malicious one (the anchor can only
     move the regions and the reference point, never the clip). The hospitals recompute ``2C/K`` from the
-    shipped state (:func:`sim.codecs.codec_sensitivity`) and clip their own rows; the server re-clips too.
+    shipped state (:func:`task.codecs.codec_sensitivity`) and clip their own rows; the server re-clips too.
 
     Fitting reads public arrays only: the public reference label maps and the public model's predictions
     on the public reference scans. ``clip=None`` sets C to ``clip_scale`` times the median norm of the
@@ -649,7 +649,7 @@ class AnchoredResidualCompressor(Compressor):
         return float(sens.clipped_bound(self.clip, _teachers(teachers)))
 
     def _regions(self, anchor: np.ndarray, scans: np.ndarray | None) -> np.ndarray:
-        """The batch's regions (shells x intensity bins), the shells computed once (:func:`sim.codecs.binned_regions`)."""
+        """The batch's regions (shells x intensity bins), the shells computed once (:func:`task.codecs.binned_regions`)."""
         return codecs.binned_regions(anchor, self.shells, scans, self.intensity_channel, self.intensity_bins)[0]
 
     def state(self) -> dict:
@@ -677,13 +677,13 @@ class AnchoredResidualCompressor(Compressor):
         return ANCHORED_DECODERS[self.decoder](self, z, np.asarray(anchor), float(sigma), scans)
 
     def _mass_matching(self, z, anchor, sigma, scans) -> np.ndarray:
-        """Per query: James-Stein shrinkage towards the anchor when ``sigma`` > 0 (:func:`sim.codecs.shrink_latents`,
+        """Per query: James-Stein shrinkage towards the anchor when ``sigma`` > 0 (:func:`task.codecs.shrink_latents`,
         so that noise-dominated latents decode to the public model), then mass matching in every region."""
         return codecs.anchored_decode(codecs.shrink_latents(z, sigma), anchor, self.shells,
                                       intensity_bins=self.intensity_bins, regions=self._regions(anchor, scans))
 
     def _head_fit(self, z, anchor, sigma, scans) -> np.ndarray:
-        """One voxel head fitted to every query's latents at once (:func:`sim.codecs.headfit.fit_head_decode`: the
+        """One voxel head fitted to every query's latents at once (:func:`task.codecs.headfit.fit_head_decode`: the
         Gaussian release's maximum-likelihood head; it pools the noise itself, so no shrinkage first)."""
         if scans is None:
             raise UserError("anchored codec: the head-fit decoder needs the query scans the latents belong to")
@@ -738,7 +738,7 @@ def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str 
         checkpoint: where the autoencoder is checkpointed and, when written for the same data and
             configuration, reused (None = not checkpointed; the other codecs ignore it).
         progress: progress bars while the autoencoder trains.
-        device: where the autoencoder runs (``sim.device``; None = auto). The other codecs are numpy on the host:
+        device: where the autoencoder runs (``task.device``; None = auto). The other codecs are numpy on the host:
             matrix products of at most a few hundred public rows, and float64 bounding steps the sensitivity
             depends on.
         **options: the factory's own settings (e.g. ``n_components``, ``pca_mode`` / ``sensitivity_mode``,
@@ -752,7 +752,7 @@ def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str 
 
 
 def _codec(preset) -> Codec:
-    """The preset's codec recipe (:class:`sim.presets.Codec`; its defaults without a preset)."""
+    """The preset's codec recipe (:class:`task.presets.Codec`; its defaults without a preset)."""
     return preset.codec if preset is not None else Codec()
 
 

@@ -28,14 +28,14 @@ from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 from server.selftrain import start_description
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
-from sim.bundle import preprocessing_of
-from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
-from sim.names import safe_name_part
-from sim.options import Relation
-from sim.presets import DpSetting
-from sim.networks import build_unet, load_start_weights, network_config_of
-from sim.results import ModelRelease, RunResults, write_run
-from sim.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
+from task.bundle import preprocessing_of
+from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from task.names import safe_name_part
+from task.options import Relation
+from task.presets import DpSetting
+from task.networks import build_unet, load_start_weights, network_config_of
+from task.results import ModelRelease, RunResults, write_run
+from task.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
                            public_validation_dice, trainable_of)
 
 
@@ -117,7 +117,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
     Args:
         transport: the hospitals (:class:`server.transport.HospitalTransport`); each round is one
             ``fedavg_round``.
-        world: the server's :class:`sim.world.PublicWorld` (public validation set for the choice among the grid,
+        world: the server's :class:`task.world.PublicWorld` (public validation set for the choice among the grid,
             test set for the score).
         preset: the preset (network, learning rate, clipping norm, batch, rounds, ``dpfedavg_grid``).
         epsilon / delta: the run's budget, sent to the hospitals, which calibrate their noise to it and charge
@@ -150,7 +150,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
 
     def start_of(setting) -> dict[str, np.ndarray]:
         """The global model every round 0 of ``setting`` starts from: the public model (random weights when
-        none), with the setting's voxel head (sim.networks.VoxelHeadUNet, identity at start) if it trains one."""
+        none), with the setting's voxel head (task.networks.VoxelHeadUNet, identity at start) if it trains one."""
         torch.manual_seed(seed)
         model = build_unet(preset.unet, trainable=trainable_of(setting))
         if init_weights is not None:
@@ -158,7 +158,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
 
     # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs. It names
-    # a file at every hospital, which accepts only a plain name part (sim.names): the folder's name is made one
+    # a file at every hospital, which accepts only a plain name part (task.names): the folder's name is made one
     run_tag = f"{safe_name_part(out.resolve().name)}-e{epsilon:g}-{secrets.token_hex(4)}"
     plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
     candidates = []

@@ -14,13 +14,13 @@ the hospitals as the parties that add noise.
 What it trains and for how long -- a stated principle: **what pooled DP-SGD (``dp-sgd-central``) trains, with
 its optimiser, learning rate, clipping norm and number of optimiser steps**, so that the two differ only in
 where the noise comes from and how the steps see the patients. At the preset that is the voxel head
-(``sim.networks.VoxelHeadUNet``, 213 parameters on the quick U-Net) on the frozen start model, Adam, the
+(``task.networks.VoxelHeadUNet``, 213 parameters on the quick U-Net) on the frozen start model, Adam, the
 learning rate of the preset's first voxel-head ``dp_sgd.grid`` entry, flat clipping at ``dp_sgd.max_grad_norm``
 and ``epochs x ceil(n / expected batch)`` steps (:func:`pooled_dpsgd_setting`, :func:`planned_steps`; the
 quick preset: 10 x ceil(180 / 16) = 120 steps at lr 1e-2, C = 0.1). The trained set is always the voxel head
 (a full U-Net's 153k coordinates per secure sum and per step would be another method). Two differences are
 deliberate: no augmentation -- the head's inputs ``[u(x), x]`` are then fixed per scan and computed once
-(``sim.headgrad``: the frozen U-Net has instance normalisation without running statistics and no dropout,
+(``task.headgrad``: the frozen U-Net has instance normalisation without running statistics and no dropout,
 so it computes the same features in training mode, checked); PATE's voxel-head teachers train without
 augmentation for the same reason -- and full batches instead of Poisson batches (below).
 
@@ -74,15 +74,15 @@ from privacy.ledger import Ledger
 from server.pate_secure import threat_model
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
-from sim.bundle import preprocessing_of
-from sim.device import check_device_spec, check_precision, device_name, model_device, resolve_device
-from sim.dpsgd import steps_per_epoch
-from sim.errors import UserError
-from sim.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
-from sim.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
-from sim.results import ModelRelease, RunResults, write_run
-from sim.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
-from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from task.bundle import preprocessing_of
+from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from task.dpsgd import steps_per_epoch
+from task.errors import UserError
+from task.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
+from task.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
+from task.results import ModelRelease, RunResults, write_run
+from task.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
+from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
 
 log = logging.getLogger("fedpate.dpfedavg")
 
@@ -139,7 +139,7 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
     Args:
         transport: the hospitals (``server.transport.HospitalTransport``); every request goes through its
             ``secure_stage`` (in-process, or Flower messages: ``query.secure``).
-        world: the server's ``sim.world.PublicWorld`` (public validation set, test set for the score).
+        world: the server's ``task.world.PublicWorld`` (public validation set, test set for the score).
         preset: the preset (network, and pooled DP-SGD's setting: :func:`pooled_dpsgd_setting`).
         epsilon / delta: the run's budget; the local noise variance is calibrated so that the planned steps
             spend it.

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from flwr.app import Message
 
-from sim.flower_wire import arrays_digest, make_content, pack_nested, read_content, unpack_nested
+from task.flower_wire import arrays_digest, make_content, pack_nested, read_content, unpack_nested
 
 log = logging.getLogger("fedpate.flower")
 
@@ -117,7 +117,7 @@ class FlowerTransport:
     def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
                      ) -> dict[str, dict]:
         """One stage of a secure sum (``server/secure.py``): one ``query.secure`` message per named hospital
-        (the stage's message as ``sim.flower_wire.pack_nested`` packs it, beside the run's settings), under the
+        (the stage's message as ``task.flower_wire.pack_nested`` packs it, beside the run's settings), under the
         query deadline; returns each hospital's unpacked reply. A hospital that refuses (its policy, its
         budget) is absent from this sum only, as on the in-process engine; one that does not reply in time,
         replies with an error or sends a malformed reply is absent and dropped from the run (it is not asked

@@ -18,7 +18,7 @@ High-Dimensional Targets with PATE*, Algorithms 1-2; docs/PRIVACY.md).
    on them with the public data (Alg. 1-2, last line);
 6. :func:`evaluate` -- student, public-only baseline, public validation Dice (what model selection may
    look at), and the simulation-only diagnostics;
-7. :func:`write` -- results.json, the model bundle with its card, predictions (sim.results.write_run).
+7. :func:`write` -- results.json, the model bundle with its card, predictions (task.results.write_run).
 
 Dropouts: a hospital that does not answer (or whose reply is rejected) is not in that query's sum; the
 next batches declare the smaller K, so S = S(K) grows and the ledger records the S actually used. If a
@@ -63,17 +63,17 @@ from server.transport import (
     measured_bytes_per_teacher,
     public_dropout_reason,
 )
-from sim import codecs
-from sim.bundle import preprocessing_of
-from sim.device import check_device_spec, check_precision, device_name, model_device
-from sim.errors import UserError
-from sim import methods
-from sim.metrics import dice_scores
-from sim.networks import network_config_of
-from sim.options import PcaMode, Relation, look_up_option
-from sim.results import ModelRelease, RunResults, write_run
-from sim.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
-from sim.world import PublicWorld
+from task import codecs
+from task.bundle import preprocessing_of
+from task.device import check_device_spec, check_precision, device_name, model_device
+from task.errors import UserError
+from task import methods
+from task.metrics import dice_scores
+from task.networks import network_config_of
+from task.options import PcaMode, Relation, look_up_option
+from task.results import ModelRelease, RunResults, write_run
+from task.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
+from task.world import PublicWorld
 
 log = logging.getLogger("fedpate.pate")
 
@@ -105,9 +105,9 @@ class PateConfig:
     progress: bool = True
     #: where the server's models (public model, autoencoder, student) run, and the spec the simulated
     #: hospitals are sent for their teachers (deployed hospitals follow their own node config); auto | cpu |
-    #: cuda | cuda:N (sim.device)
+    #: cuda | cuda:N (task.device)
     device: str = "auto"
-    precision: str = "32"                 # "32" | "bf16": autocast around forward passes (sim.device)
+    precision: str = "32"                 # "32" | "bf16": autocast around forward passes (task.device)
     #: secure aggregation's threat model (server/pate_secure.py): colluders, dropouts, threshold (None: none
     #: colluding, no dropout, the smallest threshold); only for the secure methods
     secure: Mapping[str, Any] | None = None
@@ -238,7 +238,7 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
     Args:
         transport: the hospitals (:class:`server.transport.HospitalTransport`): they train the teachers and
             answer the queries; simulation-only diagnostics are dropped when any of them is deployed.
-        world: the server's :class:`sim.world.PublicWorld` (reference, query, validation and test sets).
+        world: the server's :class:`task.world.PublicWorld` (reference, query, validation and test sets).
         preset: the preset (network, epochs, compressor defaults).
         config: what the run is asked to do (:class:`PateConfig`: method, budget, seed, device, ...).
         out_dir: the run folder; refused when it already holds a non-empty ledger.jsonl from an earlier run.
@@ -278,7 +278,7 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
 
 
 def teacher_training(preset) -> dict[str, Any]:
-    """What the teachers train, as the preset's :class:`sim.presets.Teachers` says, in the hospitals' train
+    """What the teachers train, as the preset's :class:`task.presets.Teachers` says, in the hospitals' train
     message: the trainable set, the learning rate (the preset's when the recipe names none) and augmentation."""
     recipe = preset.teacher
     return {"teacher_trainable": recipe.trainable.value,
@@ -287,7 +287,7 @@ def teacher_training(preset) -> dict[str, Any]:
 
 
 def student_training(preset) -> dict[str, Any]:
-    """What the student trains, as the preset's :class:`sim.presets.Student` says: ``server.student.train_student``'s
+    """What the student trains, as the preset's :class:`task.presets.Student` says: ``server.student.train_student``'s
     ``trainable``, ``learning_rate`` (None = the preset's) and ``finetune`` (then every weight)."""
     recipe = preset.student
     return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune}
@@ -313,7 +313,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     The compressor is asked, never named (a new kind needs no change here): its
     :meth:`server.compressors.Compressor.fit_release` takes the public data of a :class:`server.compressors.PublicFit`
     it needs. The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
-    (sim.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the very same
+    (task.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the very same
     numbers (the float32 basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so
     the guard's own re-computation of the planned queries (batch checks and per-query charges) fits it:
     tests/test_privacy_calibration.py checks exactly that.
@@ -489,7 +489,7 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
 
 
 def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: PateOutcome, started: float) -> dict:
-    """Step 7: the results record from the ledger, the bundle, the predictions (sim.results.write_run).
+    """Step 7: the results record from the ledger, the bundle, the predictions (task.results.write_run).
 
     Args:
         out: the run folder.

@@ -34,8 +34,8 @@ from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered
 from privacy.errors import BudgetExceeded
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport
-from sim import codecs
-from sim.errors import UserError
+from task import codecs
+from task.errors import UserError
 
 log = logging.getLogger("fedpate.pate")
 

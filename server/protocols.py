@@ -15,12 +15,12 @@ from pathlib import Path
 from server.dpfedavg import run_dpfedavg
 from server.dpfedavg_secure import run_dpfedavg_secure
 from server.selftrain import train_public_models
-from sim.errors import UserError
+from task.errors import UserError
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
-from sim.registry import Registry
-from sim.runconfig import Cell, RunSettings
-from sim.world import PublicWorld
+from task.registry import Registry
+from task.runconfig import Cell, RunSettings
+from task.world import PublicWorld
 
 
 def plan_cells(settings: RunSettings) -> list[Cell]:

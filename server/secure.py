@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from sim import secagg
-from sim.errors import UserError
+from task import secagg
+from task.errors import UserError
 
 log = logging.getLogger("fedpate.secure")
 

@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 from server.student import train_public_model, train_student
-from sim.options import PublicStart
-from sim.presets import SelfTraining
-from sim.training import evaluate_segmentation, predict_probs
+from task.options import PublicStart
+from task.presets import SelfTraining
+from task.training import evaluate_segmentation, predict_probs
 
 #: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned) and the rounds of
-#: pseudo-labelling (the best on public validation is kept): :class:`sim.presets.SelfTraining`'s defaults
+#: pseudo-labelling (the best on public validation is kept): :class:`task.presets.SelfTraining`'s defaults
 DEFAULT_TEMPERATURE = SelfTraining().temperature
 DEFAULT_ROUNDS = SelfTraining().rounds
 
@@ -81,7 +81,7 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
     """Rounds of pseudo-labelling on ``world.query_images`` (module docstring).
 
     Args:
-        world: a :class:`sim.world.PublicWorld`; only its public arrays are read (query scans, reference
+        world: a :class:`task.world.PublicWorld`; only its public arrays are read (query scans, reference
             data, validation set -- never ``query_labels``, though the reference maps are the query labels where
             the reference set is the query set).
         preset: the preset (network, batch size, learning rate; ``student.epochs`` when ``epochs`` is None).
@@ -94,7 +94,7 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
         progress: progress bars.
         checkpoint_dir: where each round's training is checkpointed (``round-<r>.pt``) and resumed from;
             None = no checkpoints.
-        device / precision: where the models train and predict (``sim.device``; None = auto) and whether
+        device / precision: where the models train and predict (``task.device``; None = auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
     """
     if rounds < 1:
@@ -134,7 +134,7 @@ class PublicModels:
 
 
 def selftrain_settings(preset) -> tuple[int, float]:
-    """(rounds, temperature) of the preset's self-training (:class:`sim.presets.SelfTraining`)."""
+    """(rounds, temperature) of the preset's self-training (:class:`task.presets.SelfTraining`)."""
     return int(preset.self_training.rounds), float(preset.self_training.temperature)
 
 
@@ -152,7 +152,7 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
                         checkpoint: str | Path | None = None, device=None, precision: str = "32") -> PublicModels:
     """The public model and the start every method shares, as the preset's ``public_start`` says.
 
-    ``reference`` (:class:`sim.presets.PublicStart`): the public model trained on the public reference maps.
+    ``reference`` (:class:`task.presets.PublicStart`): the public model trained on the public reference maps.
     ``self-trained``: that model then self-trained on the public query scans (:func:`self_train`): everything
     public the server holds, with no hospital and no privacy cost. Principle: a private method should add what the
     hospitals know to the strongest model the public data give, not to a weaker one (a gain over a weak start can
@@ -160,14 +160,14 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
     ImageNet classification", arXiv 1911.04252; Lee 2013, pseudo-labels).
 
     Args:
-        world: the server's :class:`sim.world.PublicWorld` (reference maps; query scans and the validation set
+        world: the server's :class:`task.world.PublicWorld` (reference maps; query scans and the validation set
             for self-training; never the query scans' labels).
         preset: the preset (``public_start``, the network, the epochs; ``self_training``).
         seed: the trainings' seed.
         progress: progress bars.
         checkpoint: the public model's checkpoint (``public-model.pt``); the self-training's rounds are kept in
             the folder :func:`selftrain_checkpoints` names. Both are resumed from. None = no checkpoints.
-        device / precision: where the models train (``sim.device``; None = auto) and whether forward passes run
+        device / precision: where the models train (``task.device``; None = auto) and whether forward passes run
             under bf16 autocast (``"32"`` = float32).
     """
     reference = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint,

@@ -15,9 +15,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from server.flower_transport import FlowerTransport
 from server.protocols import plan_cells, run_cell
-from sim.errors import UserError
-from sim.runconfig import RunSettings
-from sim.world import load_world, materialise_world, open_world
+from task.errors import UserError
+from task.runconfig import RunSettings
+from task.world import load_world, materialise_world, open_world
 
 log = logging.getLogger("fedpate.server")
 

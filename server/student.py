@@ -1,5 +1,5 @@
 """The public model and the PATE student (Fay et al., Algorithms 1-2, last line: "Train the student
-model on ((x_n, y_hat_n))"), trained with the shared engine (sim.training).
+model on ((x_n, y_hat_n))"), trained with the shared engine (task.training).
 
 * :func:`train_public_model` — a U-Net trained on the public reference split (images + labels). It is
   the teachers' initialisation and, trained further for the student's epochs on the same data, the
@@ -9,7 +9,7 @@ model on ((x_n, y_hat_n))"), trained with the shared engine (sim.training).
   (``include_reference``): everything public the server holds. PATE helps exactly where this student
   beats the public-only model trained on the reference data alone for the same number of epochs.
 
-Both train on ``device`` (``sim.device``; None = auto) at ``precision``, and are returned there.
+Both train on ``device`` (``task.device``; None = auto) at ``precision``, and are returned there.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sim.codecs import one_hot
-from sim.device import resolve_device
-from sim.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
-from sim.options import Trainable
-from sim.training import TrainConfig, train_segmentation
+from task.codecs import one_hot
+from task.device import resolve_device
+from task.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
+from task.options import Trainable
+from task.training import TrainConfig, train_segmentation
 
 
 def _train(images, targets, preset, *, epochs, seed, init, progress, checkpoint, description, device=None,
@@ -56,7 +56,7 @@ def train_public_model(world, preset, *, seed: int = 0, epochs: int | None = Non
         progress: a progress bar.
         checkpoint: saved after every epoch and resumed from when it exists, so a comparison's cells share
             one training (None = no checkpoint).
-        device / precision: where the model trains and is returned (``sim.device``; None = auto) and whether
+        device / precision: where the model trains and is returned (``task.device``; None = auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
     """
     epochs = preset.pretrain_epochs if epochs is None else epochs
@@ -85,9 +85,9 @@ def train_student(world, pseudo_labels: np.ndarray, query_indices, preset, *, se
             when the pseudo-labels are soft).
         progress: a progress bar.
         checkpoint: saved after every epoch and resumed from when it exists (None = no checkpoint).
-        device / precision: where the model trains and is returned (``sim.device``; None = auto) and whether
+        device / precision: where the model trains and is returned (``task.device``; None = auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
-        trainable: what the student trains (``sim.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the
+        trainable: what the student trains (``task.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the
             public model and trains only the head).
         learning_rate: Adam's learning rate (None = the preset's).
         finetune: after training ``trainable``, train every weight (a voxel head's too) from there for the same

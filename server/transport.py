@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from sim.errors import UserError
+from task.errors import UserError
 
 
 class HospitalTransport(Protocol):

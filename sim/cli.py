@@ -24,7 +24,7 @@ RESUMABLE = {
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from privacy.errors import PrivacyError
-    from sim.errors import UserError
+    from task.errors import UserError
 
     return (UserError, PrivacyError)
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # this entry point is guarded (``if __name__ == "__main__"``, as a console script's is): spawned phantom
-    # workers can import it safely, so worlds generate their phantoms on every core (sim.world.phantom_workers)
+    # workers can import it safely, so worlds generate their phantoms on every core (task.world.phantom_workers)
     os.environ.setdefault("FEDPATE_PHANTOM_WORKERS", "auto")
     try:
         status = args.func(args)

@@ -17,16 +17,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from privacy.ledger import Ledger
-from sim.data.layouts import CLASSES
-from sim.io import atomic_write_bytes, atomic_write_text
+from task.data.layouts import CLASSES
+from task.io import atomic_write_bytes, atomic_write_text
 from sim import report_real
-from sim import methods as registry   # every method's family and role: the report never tests a name
-from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
+from task import methods as registry   # every method's family and role: the report never tests a name
+from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
 DICE_COLUMNS = DICE_KEYS
-#: the comparison's world (sim.world.describe_world), written by sim.runners.compare beside the cells
+#: the comparison's world (task.world.describe_world), written by sim.runners.compare beside the cells
 WORLD_FILE = "world.json"
-#: the results record's columns (sim.results.RunResults), with the cell's folder and the ledger re-check
+#: the results record's columns (task.results.RunResults), with the cell's folder and the ledger re-check
 CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
 #: what headroom is also given for, class by class: the three classes and the BraTS regions
 HEADROOM_KEYS = ("1", "2", "3", "WT", "TC", "ET")
@@ -217,7 +217,7 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
 def per_case_of(cell: Mapping[str, Any] | None, key: str = "mean") -> list | None:
     """A cell's per-test-case Dice: ``mean`` -- each case's mean over its classes (``dice_per_case``); a class
     or region (:data:`HEADROOM_KEYS`) -- that class's Dice on the cases whose truth contains it, ``None`` on the
-    others (``dice_per_case_class``, sim.training.PerCaseDice)."""
+    others (``dice_per_case_class``, task.training.PerCaseDice)."""
     if cell is None:
         return None
     if key == "mean":
@@ -410,7 +410,7 @@ def _describe_setting(setting: Mapping[str, Any]) -> str:
 
 def _setting_chosen(cell: Mapping[str, Any]) -> str:
     selection = cell.get("selection")
-    if selection:   # private selection (sim.selection): a grid entry or the public model, unchanged
+    if selection:   # private selection (task.selection): a grid entry or the public model, unchanged
         index, candidates = int(selection.get("chosen") or 0), selection.get("candidates") or []
         chosen = candidates[index] if index < len(candidates) else None
         what = _describe_setting(chosen) if isinstance(chosen, Mapping) else str(chosen)
@@ -561,7 +561,7 @@ def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] =
                      "patients (a --data folder, MSD or BraTS, has one population)")
     if world.get("layout") and world.get("layout") != "msd":
         lines.append(f"- data layout: {world['layout']} (label codes mapped to ours: 1 oedema, 2 necrotic / "
-                     "non-enhancing core, 3 enhancing; sim/data/layouts.py)")
+                     "non-enhancing core, 3 enhancing; task/data/layouts.py)")
     partitions = world.get("partition_file")
     if partitions:
         chosen = ", ".join(f"{k} ({v})" for k, v in (partitions.get("hospital_partitions") or {}).items())

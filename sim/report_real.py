@@ -1,7 +1,7 @@
 """The reports' "Real scans" section: each model's Dice on labelled real cases beside its phantom Dice.
 
 Reads the ``real_check`` record each cell's ``results.json`` carries when the run was given real cases
-(``sim.realcheck``). For one comparison (:func:`real_section`): which cases were scored; the headroom on
+(``task.realcheck``). For one comparison (:func:`real_section`): which cases were scored; the headroom on
 real scans, from the public-only model to the non-private one, per region (WT, TC, ET); the share of it
 each method x ε recovers there; and every place where the phantom ranking and the real-scan ranking
 disagree (the best private method at a budget; a private method above a public floor on phantoms and not
@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from sim import methods as registry
-from sim.realcheck import REGIONS, real_dice, real_per_case
+from task import methods as registry
+from task.realcheck import REGIONS, real_dice, real_per_case
 
 #: the key both rankings use: the mean over the three classes, as the phantom report's *mean Dice*
 RANK_KEY = "mean"

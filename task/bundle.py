@@ -44,15 +44,15 @@ import torch
 
 from privacy.errors import PrivacyError
 from privacy.ledger import Ledger
-from sim.data.msd import LABELS, MODALITIES
-from sim.errors import UserError
-from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from sim.networks import build_unet_from_config
+from task.data.msd import LABELS, MODALITIES
+from task.errors import UserError
+from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from task.networks import build_unet_from_config
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
 #: 2: ``bundle_sha256`` covers every field and MODEL_CARD.md (version 1 covered the weights only)
 BUNDLE_VERSION = 2
-#: the label and channel conventions a bundle states: MSD Task01's (sim.data.msd)
+#: the label and channel conventions a bundle states: MSD Task01's (task.data.msd)
 MSD_LABELS = dict(LABELS)
 MSD_MODALITIES = {str(index): name for index, name in enumerate(MODALITIES)}
 CARD_KEYS = ("method", "private", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
@@ -143,7 +143,7 @@ def save_bundle(run_dir: str | Path, model, network: Mapping[str, Any], preproce
 
 
 def _plain(value: Any) -> Any:
-    """JSON's view of a value (as ``sim.io.atomic_write_json`` writes it): what the digest is computed over."""
+    """JSON's view of a value (as ``task.io.atomic_write_json`` writes it): what the digest is computed over."""
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
         return value.item()
     if hasattr(value, "tolist"):

@@ -4,13 +4,13 @@ One resolver, :func:`resolve_device`, turns what a user wrote (``--device auto|c
 config's ``device`` key, a deployed hospital's node config) into a ``torch.device``. Every party resolves the
 spec itself at the point of use: a simulated hospital resolves the run's spec, a deployed hospital its own node
 config (its GPU is its own machine's), so a spec travels as a string and ``auto`` means "CUDA when this process
-sees one". Asking for CUDA where there is none is a one-line :class:`sim.errors.UserError` naming ``--device``,
+sees one". Asking for CUDA where there is none is a one-line :class:`task.errors.UserError` naming ``--device``,
 never a silent fall-back to the CPU (a user who asked for the GPU would otherwise wait days on the CPU).
 
 Precision (``--precision 32|bf16``): :func:`autocast` wraps forward passes in ``torch.autocast(bfloat16)``
 where that is safe -- training forward passes and inference. Losses are computed in float32 on the upcast
 logits, parameters, optimiser state, DP-SGD's per-sample gradients, their clipping, the noise and the update
-stay float32 (``sim.dpsgd``); ``tests/test_device.py`` measures how far bf16 moves the per-sample gradient norms
+stay float32 (``task.dpsgd``); ``tests/test_device.py`` measures how far bf16 moves the per-sample gradient norms
 that clipping sees.
 
 The spec check (:func:`check_device_spec`, :func:`check_precision`) is pure string work so that run settings
@@ -24,7 +24,7 @@ import contextlib
 import re
 from typing import Any
 
-from sim.errors import UserError
+from task.errors import UserError
 
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
 PRECISIONS = ("32", "bf16")

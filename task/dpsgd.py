@@ -83,8 +83,8 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.schedules import epoch_event
-from sim.errors import UserError
-from sim.options import look_up_option
+from task.errors import UserError
+from task.options import look_up_option
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
 #: batch 2): DP/plain step time hooks x2.76 vs functorch x2.49 (quiet machine), x6.2 vs x3.6 (loaded);

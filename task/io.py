@@ -36,7 +36,7 @@ def ensure_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     A folder that cannot be created or written (under a regular file, in a read-only place) is refused in one
     line naming ``flag``, instead of a traceback after minutes of work.
     """
-    from sim.errors import UserError
+    from task.errors import UserError
 
     path = Path(path)
     try:
@@ -52,7 +52,7 @@ def ensure_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
 
 def ensure_file_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """For an output *file*: create its folder (:func:`ensure_folder`) and refuse a path that is a folder."""
-    from sim.errors import UserError
+    from task.errors import UserError
 
     path = Path(path)
     ensure_folder(path.parent, flag)
@@ -111,7 +111,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, private: bool = False) 
 
 
 def atomic_save_torch(path: str | os.PathLike, obj: Any, private: bool = False) -> Path:
-    # torch only here: sim.io is imported by the torch-free modules (reports, world building, results)
+    # torch only here: task.io is imported by the torch-free modules (reports, world building, results)
     import torch
 
     buffer = io.BytesIO()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.registry import Registry
+from task.registry import Registry
 
 ROLES = ("private", "floor", "ceiling")
 
@@ -145,5 +145,5 @@ FEDERATED_METHODS = names(federated=True)
 #: ``fedpate central --method`` name -> the method it writes
 CENTRAL_METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
 SEGMENTATION_METHODS = names()
-#: the classification seed systems (sim/classification/)
+#: the classification seed systems (task/classification/)
 CLASSIFICATION_METHODS = ("dp-mac", "adlm", "ilm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled", "nonprivate")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sim.errors import UserError
+from task.errors import UserError
 
 #: the longest accepted name part (file names allow 255 bytes; a prefix and a suffix are added)
 MAX_LENGTH = 64

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from sim.errors import UserError
-from sim.options import Trainable, look_up_option
+from task.errors import UserError
+from task.options import Trainable, look_up_option
 
 #: name -> MONAI UNet (channels, strides). Each stride 2 is one pooling level.
 UNET_PRESETS: dict[str, dict[str, Any]] = {
@@ -99,7 +99,7 @@ VOXEL_HEAD_HIDDEN = 16
 def voxel_head(in_channels: int, out_channels: int, hidden: int = VOXEL_HEAD_HIDDEN) -> torch.nn.Sequential:
     """``W2 PReLU(W1 [scores, x] + b1) + b2`` as 1x1x1 convolutions on ``out_channels`` class scores followed by
     ``in_channels`` sequences, with ``W2 = b2 = 0``: added to the scores, it starts as no change at all. Used by
-    :class:`VoxelHeadUNet` and by the anchored codec's head-fit decoder (``sim.codecs.headfit``)."""
+    :class:`VoxelHeadUNet` and by the anchored codec's head-fit decoder (``task.codecs.headfit``)."""
     head = torch.nn.Sequential(
         torch.nn.Conv3d(in_channels + out_channels, hidden, kernel_size=1), torch.nn.PReLU(),
         torch.nn.Conv3d(hidden, out_channels, kernel_size=1))

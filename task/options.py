@@ -3,7 +3,7 @@
 A member *is* its string (``Trainable.VOXEL_HEAD == "voxel-head"``), so results, checkpoints and wire messages
 keep their text while code compares against members. :func:`look_up_option` turns a user's value into a member or
 fails with one line naming the option and listing the choices (MONAI's ``monai.utils.look_up_option`` pattern);
-it is :func:`privacy.options.look_up_option` raising :class:`sim.errors.UserError`. The privacy core's options
+it is :func:`privacy.options.look_up_option` raising :class:`task.errors.UserError`. The privacy core's options
 (neighbouring relation, sampling, schedule family) live in :mod:`privacy.options` and are re-exported here.
 
 Kept free of torch and numpy: the CLI builds its help from these at start-up.
@@ -16,19 +16,19 @@ from typing import TypeVar
 
 from privacy.options import Relation, Sampling, ScheduleFamily, choices
 from privacy.options import look_up_option as _look_up_option
-from sim.errors import UserError
+from task.errors import UserError
 
 E = TypeVar("E", bound=StrEnum)
 
 
 def look_up_option(value, options: type[E], name: str) -> E:
-    """``value`` as a member of ``options``, or a one-line :class:`sim.errors.UserError` that names ``name`` and
+    """``value`` as a member of ``options``, or a one-line :class:`task.errors.UserError` that names ``name`` and
     lists the choices."""
     return _look_up_option(value, options, name, error=UserError)
 
 
 class Trainable(StrEnum):
-    """Which weights private fine-tuning trains (their meaning: ``sim.networks.TRAINABLE_SETS``)."""
+    """Which weights private fine-tuning trains (their meaning: ``task.networks.TRAINABLE_SETS``)."""
     ALL = "all"
     DECODER = "decoder"
     HEAD = "head"
@@ -58,7 +58,7 @@ class PublicStart(StrEnum):
 
 
 class SplitScheme(StrEnum):
-    """How private patients go to hospitals (``sim.data.partitions.make_split``)."""
+    """How private patients go to hospitals (``task.data.partitions.make_split``)."""
     INSTITUTION = "institution"
     IID = "iid"
     DIRICHLET = "dirichlet"

@@ -6,9 +6,9 @@ or its four per-modality files) -- crop to the brain, normalise and resample exa
 the working grid covers the cropped brain), map the probabilities back to the scan's own grid, and write a
 label map with the scan's shape and affine, so ITK-SNAP or 3D Slicer overlays it on the scan. The label codes
 are the convention asked for (``labels``: msd, brats2021, brats2023), by default the input's own: a BraTS 2021
-case gets 4 for enhancing tumour, as its own ``seg`` files do (``sim.data.layouts``, the one mapping table).
+case gets 4 for enhancing tumour, as its own ``seg`` files do (``task.data.layouts``, the one mapping table).
 
-Device and precision (``sim.device``): the network runs on ``device`` (auto = CUDA when there is one),
+Device and precision (``task.device``): the network runs on ``device`` (auto = CUDA when there is one),
 under bf16 autocast with ``precision="bf16"``; preprocessing and the mapping back stay on the host (numpy).
 """
 
@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sim.bundle import load_bundle
-from sim.data.brats import skull_strip_warnings
-from sim.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
-from sim.data.msd import Case, display_path, load_case, load_modalities
-from sim.data.reader import read_dataset, require_labels
-from sim.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
-from sim.device import autocast, model_device, resolve_device
-from sim.errors import UserError
-from sim.io import atomic_write_bytes
-from sim.metrics import per_case_dice, summarise
+from task.bundle import load_bundle
+from task.data.brats import skull_strip_warnings
+from task.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
+from task.data.msd import Case, display_path, load_case, load_modalities
+from task.data.reader import read_dataset, require_labels
+from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
+from task.device import autocast, model_device, resolve_device
+from task.errors import UserError
+from task.io import atomic_write_bytes
+from task.metrics import per_case_dice, summarise
 
 CLASS_NAMES = {1: "oedema", 2: "non-enhancing core", 3: "enhancing"}
 
@@ -45,7 +45,7 @@ class Prediction:
     scan: Path
     output: Path
     volumes_ml: dict[int, float]
-    labels: str = "msd"               # the label convention written (sim.data.layouts)
+    labels: str = "msd"               # the label convention written (task.data.layouts)
     warnings: list[str] = field(default_factory=list)   # the scan's data checks (as `fedpate data inspect`)
 
     def summary(self) -> str:
@@ -195,7 +195,7 @@ def _bundle_model(model_dir: str | Path, device):
 
 def preprocess_config_of(preprocessing) -> PreprocessConfig:
     """The :class:`PreprocessConfig` a model was trained with, from its bundle's ``preprocessing`` record
-    (``sim.bundle.preprocessing_of``)."""
+    (``task.bundle.preprocessing_of``)."""
     # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
     if "config" in preprocessing:
         return PreprocessConfig.from_dict(preprocessing["config"])
@@ -208,7 +208,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
 
     Args:
         model: the segmentation network (a bundle's).
-        config: the bundle's :class:`sim.data.preprocess.PreprocessConfig` (the working grid is the sliding
+        config: the bundle's :class:`task.data.preprocess.PreprocessConfig` (the working grid is the sliding
             window's size).
         data: the scan, (x, y, z, 4) in our channel order.
         affine: the scan's voxel-to-world affine.
@@ -222,13 +222,13 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
 def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray | None, device=None,
                          precision: str = "32") -> np.ndarray:
     """:func:`segment_scan` from a scan already preprocessed. Why apart: the real-scan check
-    (``sim.realcheck``) preprocesses each case once and scores many models.
+    (``task.realcheck``) preprocesses each case once and scores many models.
 
     Args:
         model: the segmentation network (a bundle's).
-        config: the bundle's :class:`sim.data.preprocess.PreprocessConfig`.
-        image_grid: the preprocessed scan (4, *grid) (:func:`sim.data.preprocess.preprocess_case`).
-        record: its :class:`sim.data.preprocess.PreprocessRecord` (maps the probabilities back).
+        config: the bundle's :class:`task.data.preprocess.PreprocessConfig`.
+        image_grid: the preprocessed scan (4, *grid) (:func:`task.data.preprocess.preprocess_case`).
+        record: its :class:`task.data.preprocess.PreprocessRecord` (maps the probabilities back).
         brain: the scan's :func:`brain_mask` in its own grid (no tumour outside it; None: the caller masks).
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
@@ -284,7 +284,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
             folders of cases, MSD-layout folders).
         out_dir: where the label maps are written (created when missing).
         progress: a progress bar.
-        device: where the network runs (``sim.device``; default auto).
+        device: where the network runs (``task.device``; default auto).
         labels: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
             4D file).
         precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
@@ -350,16 +350,16 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
     The folder is MSD Task01 or BraTS; Dice is computed in our classes (WT, TC, ET as BraTS defines them)
     whatever the folder's codes. Scores what a user of ``fedpate predict`` gets (preprocessing, network,
     mapping back to the scan), not the working-grid Dice of training. Returns
-    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`sim.metrics.summarise`'s keys.
+    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`task.metrics.summarise`'s keys.
 
     Args:
         model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.
         data_dir: the MSD Task01 or BraTS folder whose labelled cases are scored.
         out_dir: also receives each label map (None = none written).
         progress: a progress bar.
-        device: where the network runs (``sim.device``; default auto).
+        device: where the network runs (``task.device``; default auto).
         limit: score only the first ``limit`` labelled cases (None = all).
-        layout: the folder's layout (``sim.data.layouts``; None = detected).
+        layout: the folder's layout (``task.data.layouts``; None = detected).
         labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
         precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
     """

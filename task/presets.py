@@ -30,9 +30,9 @@ import types
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sim.data.shifts import SHIFTS
-from sim.errors import UserError
-from sim.options import Decoder, PublicStart, SplitScheme, Trainable, look_up_option
+from task.data.shifts import SHIFTS
+from task.errors import UserError
+from task.options import Decoder, PublicStart, SplitScheme, Trainable, look_up_option
 
 __all__ = ["Codec", "DpFedAvg", "DpSetting", "DpSgd", "Federation", "PRESETS", "Preset", "PublicStart",
            "SelfTraining", "Student", "Teachers", "World", "get_preset", "preset_reference"]
@@ -92,18 +92,18 @@ class World:
     institutions: int             # scanner profiles in the phantom generator
     phantom_resolution_mm: float  # voxel size the phantoms are written at
     grid: tuple[int, int, int]    # working grid every volume is resampled to
-    split_scheme: SplitScheme     # how private patients go to hospitals (sim.data.partitions.make_split)
+    split_scheme: SplitScheme     # how private patients go to hospitals (task.data.partitions.make_split)
     n_reference: int              # public labelled reference segmentations (PCA / AE fitting)
     n_validation: int             # public validation set (schedules, model selection)
     n_test: int                   # held-out test set
     # The public labelled data's own source: another centre's labelled collection -- its own
-    # generator seed (sim.world.PUBLIC_PHANTOM_SEED), scanner profiles and lesion regime -- from which the public
+    # generator seed (task.world.PUBLIC_PHANTOM_SEED), scanner profiles and lesion regime -- from which the public
     # reference and validation sets are drawn; the hospitals' population above gives the hospitals' patients,
     # the public query scans and the test set. 0 = one population (the public sets drawn from it, as with an
     # MSD folder).
     public_cases: int = 0         # other-centre labelled cases generated
     public_institutions: int = 2  # its scanner profiles
-    public_shift: str = "none"    # its regime (sim.data.shifts; "a+b" combines)
+    public_shift: str = "none"    # its regime (task.data.shifts; "a+b" combines)
 
     def __post_init__(self):
         for name in ("phantom_cases", "phantom_test_cases", "institutions", "n_reference", "n_validation",
@@ -210,7 +210,7 @@ class DpSetting:
     epochs: int | None = None                 # DP-SGD only
     rounds: int | None = None                 # DP-FedAvg only
     local_epochs: int | None = None           # DP-FedAvg only
-    # the fine-tuning levers (sim.training.LEVER_KEYS)
+    # the fine-tuning levers (task.training.LEVER_KEYS)
     trainable: Trainable | None = None
     augmentation_multiplicity: int | None = None
     ema_decay: float | None = None
@@ -310,7 +310,7 @@ class Preset:
     student: Student
     codec: Codec
     # --- networks and training every method shares ---
-    unet: str                     # key of sim.networks.UNET_PRESETS
+    unet: str                     # key of task.networks.UNET_PRESETS
     pretrain_epochs: int          # public pre-training of the start model (0 = none)
     central_epochs: int           # pooled training (and DP-FedAvg's rounds x local epochs)
     batch_size: int

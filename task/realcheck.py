@@ -3,21 +3,21 @@
 Why: a method can win on the phantom test set and lose on real tumours (the phantoms' per-voxel intensity
 rules can be learned by a model that then does not transfer), so a comparison that ranks methods only on
 phantoms can pick the wrong one. With ``--real-check DIR`` (repeatable; any layout the readers know: MSD
-Task01, BraTS 2021, BraTS 2023, ``sim.data.reader.read_dataset``, or one BraTS case folder) every model a
+Task01, BraTS 2021, BraTS 2023, ``task.data.reader.read_dataset``, or one BraTS case folder) every model a
 run writes is also scored on those cases, exactly as ``fedpate evaluate`` scores a bundle: the scan is
-preprocessed as in training, segmented (``sim.predict.segment_preprocessed``), the probabilities are mapped
-back to the scan's own grid and compared with its label map there, in our classes (``sim.data.layouts``
+preprocessed as in training, segmented (``task.predict.segment_preprocessed``), the probabilities are mapped
+back to the scan's own grid and compared with its label map there, in our classes (``task.data.layouts``
 maps each release's codes). Dice per class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and
 the BraTS regions WT, TC, ET, per case and averaged.
 
 How it reaches every model: the orchestration that runs cells opens the check (:func:`open_check`, which
 refuses a bad folder in one line naming the option and the folder, before anything trains) and makes it
-:func:`active` for the duration (:func:`scoring`); :func:`sim.results.write_run`, the one writer of
+:func:`active` for the duration (:func:`scoring`); :func:`task.results.write_run`, the one writer of
 ``results.json``, then scores the model it releases (:func:`score_release`) and stores the result under the
 record's ``real_check`` key. Worker processes re-open the check from its folders.
 
 Cost: reading and preprocessing a 240 x 240 x 155 case takes seconds; it is done once per case and working
-grid (kept in memory, and on disk under the cache, ``sim.io.cache_root() / "real-check"``, keyed by the
+grid (kept in memory, and on disk under the cache, ``task.io.cache_root() / "real-check"``, keyed by the
 files' names, sizes and modification times), so each further model costs one forward pass and the mapping
 back to the scan's grid. The seconds each model's scoring took are recorded with its scores.
 
@@ -41,15 +41,15 @@ from typing import Any, Iterator, Mapping, Sequence
 import nibabel as nib
 import numpy as np
 
-from sim.data.brats import brats_case
-from sim.data.errors import DataError
-from sim.data.layouts import case_folder_layout
-from sim.data.msd import Case, load_case
-from sim.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, preprocess_case
-from sim.data.reader import read_dataset, require_labels
-from sim.errors import UserError
-from sim.io import atomic_write_bytes, cache_root
-from sim.metrics import DICE_KEYS, per_case_dice_counted, summarise
+from task.data.brats import brats_case
+from task.data.errors import DataError
+from task.data.layouts import case_folder_layout
+from task.data.msd import Case, load_case
+from task.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, preprocess_case
+from task.data.reader import read_dataset, require_labels
+from task.errors import UserError
+from task.io import atomic_write_bytes, cache_root
+from task.metrics import DICE_KEYS, per_case_dice_counted, summarise
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
 OPTION = "--real-check"
@@ -66,7 +66,7 @@ REGIONS = ("WT", "TC", "ET")
 @dataclass(frozen=True)
 class RealCase:
     """One labelled real case: its id, the ``--real-check`` folder it came from, its layout, and the
-    :class:`sim.data.msd.Case` that reads it."""
+    :class:`task.data.msd.Case` that reads it."""
 
     case_id: str
     folder: str
@@ -198,7 +198,7 @@ def score_release(model, preprocessing: Mapping[str, Any], precision: str | None
     check = active()
     if check is None:
         return None
-    from sim.predict import preprocess_config_of
+    from task.predict import preprocess_config_of
 
     try:
         return score_model(model, preprocess_config_of(preprocessing), check, precision=precision or "32")
@@ -211,14 +211,14 @@ def score_release(model, preprocessing: Mapping[str, Any], precision: str | None
 def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32") -> dict:
     """Dice of ``model`` on every case of ``check``, each in its own grid.
 
-    Returns ``{"dice": mean over cases (sim.metrics.summarise's keys), "cases": [per-case rows: case,
+    Returns ``{"dice": mean over cases (task.metrics.summarise's keys), "cases": [per-case rows: case,
     folder, layout and the same keys], "folders": check.describe(), "seconds": this scoring's wall time
     (preprocessing included when a case was not cached yet)}``.
     """
     # MONAI's first import (~10 s) is not the check's cost: paid before the clock starts
     import monai.inferers  # noqa: F401
 
-    from sim.predict import segment_preprocessed
+    from task.predict import segment_preprocessed
 
     started = time.perf_counter()
     was_training = getattr(model, "training", False)
@@ -320,7 +320,7 @@ def _read_cached(path: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------------ reading results
 def real_dice(cell: Mapping[str, Any], key: str = "mean") -> float | None:
-    """A results record's mean real-scan Dice for ``key`` (a :data:`sim.metrics.DICE_KEYS` entry), or None."""
+    """A results record's mean real-scan Dice for ``key`` (a :data:`task.metrics.DICE_KEYS` entry), or None."""
     found = cell.get("real_check") or {}
     return (found.get("dice") or {}).get(key)
 
@@ -342,7 +342,7 @@ def csv_fields(results: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-#: the check's columns in cells.csv (sim.results.CSV_COLUMNS appends them)
+#: the check's columns in cells.csv (task.results.CSV_COLUMNS appends them)
 CSV_COLUMNS = ("real_cases",) + tuple(f"real_dice_{key}" for key in DICE_KEYS) + ("real_check_seconds",)
 
 

@@ -9,10 +9,10 @@ Its privacy fields are read from the run's ledger (:meth:`RunResults.account`): 
 (a model trained on several owners' patients is as private as its least private owner), with that owner's
 relation and accountant, never a number a caller computed.
 
-:func:`write_run` is the only writer of ``results.json``: model bundle first (``sim.bundle.save_bundle``,
+:func:`write_run` is the only writer of ``results.json``: model bundle first (``task.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
 ``results.json`` atomically. Nothing patches ``results.json`` afterwards. When a real-scan check is active
-(``sim.realcheck.scoring``), the released model is scored on its labelled real cases there, before
+(``task.realcheck.scoring``), the released model is scored on its labelled real cases there, before
 ``results.json`` is written (``real_check``).
 """
 
@@ -31,11 +31,11 @@ import numpy as np
 
 from privacy.accountants import epsilon_per_relation
 from privacy.ledger import Ledger
-from sim.bundle import privacy_card, save_bundle
-from sim.data.preprocess import invert_label
-from sim import realcheck
-from sim.io import atomic_write_bytes, atomic_write_json
-from sim.metrics import DICE_KEYS
+from task.bundle import privacy_card, save_bundle
+from task.data.preprocess import invert_label
+from task import realcheck
+from task.io import atomic_write_bytes, atomic_write_json
+from task.metrics import DICE_KEYS
 
 
 
@@ -62,11 +62,11 @@ class RunResults:
     bytes_up_per_query_per_teacher: int | None = None
     wall_seconds: float | None = None
     seed: int | None = None                   # None when it would let anyone regenerate the noise
-    #: where the released model was trained (``sim.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
+    #: where the released model was trained (``task.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
     #: the forward-pass precision ("32" | "bf16"); None where the producer does not train a model on a device
     device: str | None = None
     precision: str | None = None
-    #: the released model scored on labelled real cases (``--real-check``, ``sim.realcheck.score_model``):
+    #: the released model scored on labelled real cases (``--real-check``, ``task.realcheck.score_model``):
     #: {"dice": mean over cases, "cases": per-case rows, "folders", "seconds"}; None when no real case was given
     real_check: dict | None = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -132,8 +132,8 @@ class ModelRelease:
     """A trained model leaving with its results: what ``fedpate predict`` needs, and its card's inputs."""
 
     model: Any                                  # torch.nn.Module
-    network: Mapping[str, Any]                  # sim.networks.network_config
-    preprocessing: Mapping[str, Any]            # sim.bundle.preprocessing_of
+    network: Mapping[str, Any]                  # task.networks.network_config
+    preprocessing: Mapping[str, Any]            # task.bundle.preprocessing_of
     data_source: Mapping[str, Any]
     card_extra: Mapping[str, Any] | None = None
     #: predicted test label maps (n, *grid) and the world they belong to: written as NIfTI in each scan's grid
@@ -174,7 +174,7 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
 
 def write_test_predictions(folder: Path, labels: np.ndarray, world) -> dict:
     """Predicted test label maps as NIfTI, each back in its scan's own grid (what ``fedpate predict`` writes too)."""
-    note = "each scan's own grid (sim.data.preprocess.invert_label)"
+    note = "each scan's own grid (task.data.preprocess.invert_label)"
     for case_id, label in zip(world.test_ids, labels):
         affine = np.eye(4)
         try:

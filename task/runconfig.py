@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from privacy.mechanisms import NoiseSource
-from sim.device import check_device_spec, check_precision
-from sim.errors import UserError
-from sim import methods as registry
-from sim.presets import Preset, get_preset, preset_reference
+from task.device import check_device_spec, check_precision
+from task.errors import UserError
+from task import methods as registry
+from task.presets import Preset, get_preset, preset_reference
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -33,7 +33,7 @@ def check_epsilon(value: Any, option: str = "--epsilons") -> float:
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell of a run plan: a method (a :mod:`sim.methods` record's name) at a budget (None for a
+    """One cell of a run plan: a method (a :mod:`task.methods` record's name) at a budget (None for a
     method without one), at K teachers when a comparison sweeps K, started from ``init``, written to ``out``;
     ``shared_dir`` holds the ε-independent public models the cells of one K share. The same object travels to
     the ServerApp (:meth:`to_dict`, JSON in the run config) and back (:meth:`from_dict`)."""
@@ -91,9 +91,9 @@ class RunSettings:
     lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
     ledger_dir: str | None = None     # simulated hospitals' own ledgers (default: <out>/hospital-ledgers)
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
-    layout: str | None = None         # the data folder's layout (sim.data.layouts); None = detected
-    partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (sim.world)
-    #: where every model trains and predicts (sim.device: auto = CUDA when there is one); the server's
+    layout: str | None = None         # the data folder's layout (task.data.layouts); None = detected
+    partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (task.world)
+    #: where every model trains and predicts (task.device: auto = CUDA when there is one); the server's
     #: own models and the simulated hospitals' (deployed hospitals follow their node config)
     device: str = "auto"
     precision: str = "32"             # "32" | "bf16": autocast around forward passes
@@ -133,7 +133,7 @@ class RunSettings:
             raise UserError(f"init: expected 'public' or 'scratch', got {self.init!r}")
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
-        # spec syntax only (no torch here): each party resolves it where it runs (sim.device.resolve_device)
+        # spec syntax only (no torch here): each party resolves it where it runs (task.device.resolve_device)
         object.__setattr__(self, "device", check_device_spec(self.device, "device"))
         object.__setattr__(self, "precision", check_precision(self.precision, "precision"))
 

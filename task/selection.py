@@ -93,8 +93,8 @@ from privacy import calibration
 from privacy.accountants import epsilon_spent
 from privacy.errors import PrivacyError
 from privacy.guard import CoveredGuard
-from sim.errors import UserError
-from sim.options import Relation
+from task.errors import UserError
+from task.options import Relation
 
 SELECTIONS = ("public", "private")
 #: the one progress bar of a private selection: a description only (no count, rate or elapsed time)
@@ -254,7 +254,7 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
     """
     if relation != Relation.REPLACE_ONE:
         raise UserError("--selection private: replace-one only (the score is a mean over a published number of "
-                        "held-out patients; sim/selection.py)")
+                        "held-out patients; task/selection.py)")
     batches = {int(s["batch_size"]) for s in settings}
     if len(batches) != 1:
         raise UserError(f"--selection private: every grid entry must share one expected batch (one sampling rate), "
@@ -306,7 +306,7 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
       ``TrainResult`` of DP-SGD at multiplier z with ``guard`` (the :class:`CoveredGuard`), on the training
       part only;
     * ``evaluate_per_case(model, images, labels)`` → per-patient mean Dice;
-    * ``steps_per_epoch(n, batch)`` → DP-SGD's steps per epoch (``sim.dpsgd.steps_per_epoch``).
+    * ``steps_per_epoch(n, batch)`` → DP-SGD's steps per epoch (``task.dpsgd.steps_per_epoch``).
 
     Args:
         settings: the grid entries (candidates besides the public model unchanged).

@@ -9,20 +9,20 @@ maps (n, C, *g) -- students learn from decoded teacher outputs (Fay et al.,
 Alg. 1 line "train student on (x_n, y_hat_n)"); for soft targets both terms use the probabilities
 directly (soft Dice, soft-target CE).
 
-Adam, seeded batch order (``torch.Generator``), optional augmentation (``sim.data.augment``), tqdm
+Adam, seeded batch order (``torch.Generator``), optional augmentation (``task.data.augment``), tqdm
 progress, an atomic checkpoint after every epoch and resume (model, optimizer, epoch, RNG states, DP
-session: sigmas charged so far). DP-SGD is switched on by passing a ``sim.dpsgd.DPConfig``; its batches
+session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.DPConfig``; its batches
 and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
 the training seed.
 
-Device and precision (``sim.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
+Device and precision (``task.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
 once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
 device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
 calling the augmenter in exactly the same order, so the trained weights do not change
 (``tests/test_device.py``). Prefetching hides host augmentation only up to one step's time, and a GPU step is
 far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
-(``augment_on``: :class:`sim.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
+(``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
 after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
 forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
@@ -39,14 +39,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sim.data.augment import batch_augmentation, training_augmentation
-from sim.device import autocast, check_precision, model_device, resolve_device
-from sim.dpsgd import DPSession
-from sim.errors import UserError
-from sim.io import atomic_save_torch
-from sim.networks import freeze_all_but, load_start_weights
-from sim.metrics import DiceAccumulator
-from sim.options import Trainable
+from task.data.augment import batch_augmentation, training_augmentation
+from task.device import autocast, check_precision, model_device, resolve_device
+from task.dpsgd import DPSession
+from task.errors import UserError
+from task.io import atomic_save_torch
+from task.networks import freeze_all_but, load_start_weights
+from task.metrics import DiceAccumulator
+from task.options import Trainable
 
 
 @dataclass
@@ -65,16 +65,16 @@ class TrainConfig:
     extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
     loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
     optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
-    device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (sim.device)
-    precision: str = "32"                  # "32" | "bf16": autocast around the forward pass (sim.device)
+    device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (task.device)
+    precision: str = "32"                  # "32" | "bf16": autocast around the forward pass (task.device)
     #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
     #: host would otherwise starve it; on a shared CPU both compete for the same cores)
     prefetch: bool | None = None
     #: where augmentation runs: "host" (MONAI, per sample; the CPU default and the reference results) or "device"
-    #: (sim.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
+    #: (task.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
     augment_on: str | None = None
-    #: private fine-tuning levers (sim.networks.TRAINABLE_SETS for the sets and why they exist)
+    #: private fine-tuning levers (task.networks.TRAINABLE_SETS for the sets and why they exist)
     trainable: str = Trainable.ALL.value   # which parameters are trained (the rest keep their start values)
     augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
     ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
@@ -86,7 +86,7 @@ LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": f
 
 
 def trainable_of(entry) -> str:
-    """The trainable set a settings-grid entry or a round's config names (``sim.networks.TRAINABLE_SETS``;
+    """The trainable set a settings-grid entry or a round's config names (``task.networks.TRAINABLE_SETS``;
     "all" when it names none): which network to build for it, and what to train."""
     return str(entry.get("trainable") or Trainable.ALL)
 
@@ -162,7 +162,7 @@ def _device_batches(batches, x_all: torch.Tensor, y_all: torch.Tensor, aug: Call
     ``prefetch`` one worker thread prepares batch i+1 while the caller trains on batch i: the augmenter is still
     called batch after batch in the same order, so the result is the same as without prefetching. ``batches``
     must not draw from anything the training step also draws from (DP-SGD's noise stream): it is advanced one
-    batch ahead. ``batched``: ``aug`` is a :class:`sim.data.augment.BatchAugmentation` applied to the whole batch
+    batch ahead. ``batched``: ``aug`` is a :class:`task.data.augment.BatchAugmentation` applied to the whole batch
     where the data already are (the device).
     """
 
@@ -229,7 +229,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         images: (n, 4, *g) float training volumes.
         targets: (n, *g) int labels or (n, C, *g) soft probabilities.
         config: the training settings (:class:`TrainConfig`: epochs, batch, optimiser, device, levers, ...).
-        dp: a ``sim.dpsgd.DPConfig`` switches on DP-SGD (None = plain training).
+        dp: a ``task.dpsgd.DPConfig`` switches on DP-SGD (None = plain training).
         guard: the ``privacy.guard.BudgetGuard`` DP-SGD's epochs are charged through (None = an in-memory one
             with ``dp.epsilon``).
         owners: the ledger owners every DP-SGD epoch is charged to.
@@ -275,7 +275,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         raise UserError(f"augmentation_multiplicity: expected 1, or k > 1 with DP-SGD and augmentation, got {views}")
     if config.ema_decay is not None and not (0.0 <= float(config.ema_decay) < 1.0):
         raise UserError(f"ema_decay: expected a number in [0, 1), got {config.ema_decay}")
-    # only the trainable set gets gradients, hence DP-SGD's clipping and noise (sim.networks.freeze_all_but)
+    # only the trainable set gets gradients, hence DP-SGD's clipping and noise (task.networks.freeze_all_but)
     freeze_all_but(base_model, config.trainable)
     trained = [p for p in base_model.parameters() if p.requires_grad]
 
@@ -472,7 +472,7 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, dev
 
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                           device: Any = None, precision: str = "32") -> dict:
-    """Dice dict (``sim.metrics.dice_scores``) of the model's argmax prediction against ``labels``.
+    """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``.
 
     Args:
         model: the segmentation network.
@@ -525,7 +525,7 @@ def per_class_of(per_case: Any) -> dict[str, list[float | None]] | None:
 
 
 def public_validation_dice(model, world, device: Any = None, precision: str = "32") -> float | None:
-    """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`sim.world.PublicWorld`).
+    """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`task.world.PublicWorld`).
     Public labels: free to use for choosing a model or a setting; the test set never is. None when the
     world has no validation set."""
     if world.validation_images is None or not len(world.validation_images):

@@ -10,7 +10,7 @@ party sees of it.
   population) and the held-out test patients, whom nobody sees during training or selection. The public labelled data
   (reference maps and the validation set, which makes every public choice) are scarce and come from *another centre*
   (``preset.world.public_cases > 0``): other generator seed (:data:`PUBLIC_PHANTOM_SEED`), other scanners
-  (``public_institutions``) and another lesion regime (``public_shift``, sim/data/shifts.py). Its case ids carry the
+  (``public_institutions``) and another lesion regime (``public_shift``, task/data/shifts.py). Its case ids carry the
   prefix :data:`PUBLIC_PREFIX`, so they never collide with the population's (both phantom folders name cases
   ``BRATS_001...``). An MSD folder (``data``) is one population: all sets are then drawn from it
   (:func:`describe_world` says so).
@@ -45,12 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from sim.data.brats import PHANTOMS_MARKER
-from sim.data.partitions import PUBLIC_SOURCE, Split, make_split
-from sim.data.phantoms import ensure_phantoms
-from sim.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
-from sim.errors import UserError
-from sim.io import atomic_write_json, cache_root
+from task.data.brats import PHANTOMS_MARKER
+from task.data.partitions import PUBLIC_SOURCE, Split, make_split
+from task.data.phantoms import ensure_phantoms
+from task.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
+from task.errors import UserError
+from task.io import atomic_write_json, cache_root
 
 #: The simulated dataset is one fixed world whatever a run's seed, which drives the split and training:
 #: runs with different seeds are comparable on the same patients.
@@ -114,13 +114,13 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
     Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``.
 
     Args:
-        preset: the :class:`sim.presets.Preset` (grid, phantoms, split sizes and scheme, public centre).
+        preset: the :class:`task.presets.Preset` (grid, phantoms, split sizes and scheme, public centre).
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms, with its other centre's public
             collection when it has one).
         seed: the split.
         progress: progress bars while generating and preparing.
         hospitals / teachers_per_hospital: override the preset's (None = the preset's).
-        layout: the data folder's layout (``sim.data.layouts``; None = detected).
+        layout: the data folder's layout (``task.data.layouts``; None = detected).
         partition_file: a FeTS partition CSV whose partitions are the hospitals (:func:`partition_split`;
             needs ``data``).
     """
@@ -138,7 +138,7 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
 
 
 def partition_split(prepared, preset, partition_file, hospitals: int, teachers: int, seed: int) -> Split:
-    """The split when a FeTS partition file names the institutions (rule: ``sim.data.fets.RULE``).
+    """The split when a FeTS partition file names the institutions (rule: ``task.data.fets.RULE``).
 
     Each of the ``hospitals`` largest partitions is one hospital (the ``institution`` scheme with one
     partition per hospital); the test and public sets are drawn first, stratified over those partitions (so
@@ -154,7 +154,7 @@ def partition_split(prepared, preset, partition_file, hospitals: int, teachers: 
         teachers: teacher partitions per hospital.
         seed: the split's draws.
     """
-    from sim.data.fets import assign_partitions
+    from task.data.fets import assign_partitions
 
     institutions, info = assign_partitions(partition_file, prepared.case_ids, prepared.patient, hospitals)
     split = make_split(institutions, hospitals, teachers, "institution", preset.federation.n_query,
@@ -236,7 +236,7 @@ def materialise_world(preset, data: str | Path | None, seed: int, progress: bool
         seed: the split.
         progress: progress bars while generating and preparing.
         root: the world folder (None = a cache folder named after everything that decides the world).
-        layout: the data folder's layout (``sim.data.layouts``; None = detected).
+        layout: the data folder's layout (``task.data.layouts``; None = detected).
         partition_file: a FeTS partition CSV whose partitions are the hospitals (its content, not its name,
             decides the split).
     """
@@ -295,7 +295,7 @@ def _ids(value) -> list:
 
 
 def load_world(prepared, split, *, with_query_labels: bool = True) -> PublicWorld:
-    """Build the public world from ``sim.data`` objects (``PreparedDataset`` + ``Split``)."""
+    """Build the public world from ``task.data`` objects (``PreparedDataset`` + ``Split``)."""
     query = _ids(split.public_query)
     reference = _ids(split.public_reference)
     validation = _ids(getattr(split, "public_validation", None))

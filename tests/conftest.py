@@ -18,14 +18,14 @@ except ImportError:  # the privacy tests do not need torch
     pass
 
 
-# ------------------------------------------------------------------ shared data fixtures (sim/data)
+# ------------------------------------------------------------------ shared data fixtures (task/data)
 import pytest
 
 
 @pytest.fixture(scope="session")
 def tiny_phantoms(tmp_path_factory):
     """A phantom MSD folder for the ``tiny`` preset (48 cases, 2 institutions, 4 mm), generated once."""
-    from sim.data.phantoms import ensure_phantoms
+    from task.data.phantoms import ensure_phantoms
 
     return ensure_phantoms("tiny", cache_root=tmp_path_factory.mktemp("phantom-cache"), seed=0, progress=False)
 
@@ -33,8 +33,8 @@ def tiny_phantoms(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_prepared(tiny_phantoms, tmp_path_factory):
     """The tiny phantoms preprocessed to the tiny grid (16^3): a ``PreparedDataset``."""
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
-    from sim.presets import get_preset
+    from task.data.preprocess import PreprocessConfig, prepare_dataset
+    from task.presets import get_preset
 
     grid = get_preset("tiny").grid
     return prepare_dataset(tiny_phantoms, tmp_path_factory.mktemp("prepared-tiny"), PreprocessConfig(grid=grid),
@@ -44,7 +44,7 @@ def tiny_prepared(tiny_phantoms, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_split(tiny_prepared):
     """The tiny preset's split (institution scheme, 2 hospitals x 4 teachers) of ``tiny_prepared``, seed 0."""
-    from sim.data.partitions import split_for_preset
-    from sim.presets import get_preset
+    from task.data.partitions import split_for_preset
+    from task.presets import get_preset
 
     return split_for_preset(tiny_prepared, get_preset("tiny"), seed=0)

@@ -1,7 +1,7 @@
 """The layer rule of docs/ARCHITECTURE.md, read from the imports (ast, function-level ones included).
 
-    0 privacy   <-   1 sim core   <-   2 server, clients   <-   3 orchestration (sim.runners,
-                                                                  sim.deployment, sim.commands, sim.cli)
+    0 privacy   <-   1 task (the shared ML core)   <-   2 server, clients   <-   3 sim (orchestration: runners,
+                                                                                 deployment, commands, cli, reports)
 
 A module imports only its own layer or below; server and clients never import each other; no import
 cycle between these packages; flwr only in the Flower adapters; the command line's start-up stays free
@@ -18,22 +18,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: the orchestration packages inside sim/ (layer 3); every other sim module is sim core (layer 1)
-ORCHESTRATION = ("sim.runners", "sim.deployment", "sim.commands", "sim.cli")
-LAYERS = {"privacy": 0, "sim": 1, "server": 2, "clients": 2, **{name: 3 for name in ORCHESTRATION}}
-#: the only modules that may import flwr: the two apps, the wire format they share, the Flower transport,
-#: the in-process simulation engine (flwr.simulation.run_simulation) and the echo app
-FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "sim.flower_wire", "sim.secagg",
-                   "sim.runners.simulation", "sim.deployment.echo_app")
+#: each top-level package's layer
+LAYERS = {"privacy": 0, "task": 1, "server": 2, "clients": 2, "sim": 3}
+#: the parts of sim/ that are units of their own for the cycle check (all layer 3); the rest of sim (the
+#: report modules) is the unit "sim"
+SIM_PARTS = ("sim.runners", "sim.deployment", "sim.commands", "sim.cli")
+#: the only modules that may import flwr: the two apps, the wire format they share, the SecAgg+ primitives,
+#: the Flower transport, the in-process simulation engine (flwr.simulation.run_simulation) and the echo app
+FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "task.flower_wire",
+                   "task.secagg", "sim.runners.simulation", "sim.deployment.echo_app")
 
 
 def unit_of(module: str) -> str | None:
-    """The package a module belongs to for the layer rule (None: not part of fedpate)."""
-    for name in ORCHESTRATION:
+    """The unit a module belongs to for the layer rule (None: not part of fedpate)."""
+    for name in SIM_PARTS:
         if module == name or module.startswith(name + "."):
             return name
     top = module.split(".")[0]
     return top if top in LAYERS else None
+
+
+def layer_of(unit: str) -> int:
+    return LAYERS[unit.split(".")[0]]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -52,7 +58,7 @@ def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
             base = package[: len(package) - node.level + 1] if node.level else []
             target = ".".join(base + ([node.module] if node.module else []))
             found.append((target, node.lineno))
-            # ``from sim import codecs`` imports the module sim.codecs
+            # ``from task import codecs`` imports the module task.codecs
             found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names]
     return found
 
@@ -61,7 +67,7 @@ def check_tree(root: Path) -> list[str]:
     """Every violation of the layer rule in the checkout at ``root``, one line per import statement."""
     problems: dict[tuple[str, str], str] = {}   # (where, rule) -> message: one line per import and rule
     edges = set()
-    for package in ("privacy", "sim", "server", "clients"):
+    for package in LAYERS:
         for path in sorted((root / package).rglob("*.py")):
             module = module_name(path, root)
             source = unit_of(module)
@@ -74,9 +80,9 @@ def check_tree(root: Path) -> list[str]:
                 if destination is None or destination == source:
                     continue
                 edges.add((source, destination))
-                if LAYERS[destination] > LAYERS[source]:
-                    problems.setdefault((where, "upward"), f"{where}: {module} (layer {LAYERS[source]}) imports "
-                                                           f"{target} (layer {LAYERS[destination]}): upward")
+                if layer_of(destination) > layer_of(source):
+                    problems.setdefault((where, "upward"), f"{where}: {module} (layer {layer_of(source)}) imports "
+                                                           f"{target} (layer {layer_of(destination)}): upward")
                 elif {source, destination} == {"server", "clients"}:
                     problems.setdefault((where, "sideways"), f"{where}: {module} imports {target}: server and "
                                                              "clients never import each other")
@@ -124,20 +130,26 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
-    for package in ("privacy", "sim", "server", "clients", "sim/runners", "sim/deployment"):
+    for package in ("privacy", "task", "server", "clients", "sim", "sim/runners", "sim/deployment"):
         write(f"{package}/__init__.py", "")
-    write("privacy/maths.py", "def f():\n    from sim import world\n")            # upward, inside a function
-    write("sim/world.py", "from sim.runners.compare import run_compare\n")        # core -> orchestration
+    write("privacy/maths.py", "def f():\n    from task import world\n")           # upward, inside a function
+    write("task/world.py", "from sim.runners.compare import run_compare\n")       # core -> orchestration
+    write("task/flower_wire.py", "import flwr.app\n")                           # an adapter: allowed
     write("server/app.py", "from clients.hospital import Hospital\n")           # server <-> clients
+    write("server/results.py", "from sim.report import write_report\n")         # server -> sim's report module
     write("clients/hospital.py", "import flwr.app\n")                            # flwr outside the adapters
     write("sim/runners/compare.py", "from sim.deployment import local\n")
     write("sim/deployment/local.py", "from ..runners import compare\n")          # a cycle, relative import
-    problems = "\n".join(check_tree(tmp_path))
-    assert "privacy/maths.py:2: privacy.maths (layer 0) imports sim (layer 1): upward" in problems
-    assert "sim.world (layer 1) imports sim.runners.compare (layer 3): upward" in problems
+    found = check_tree(tmp_path)
+    problems = "\n".join(found)
+    assert "privacy/maths.py:2: privacy.maths (layer 0) imports task (layer 1): upward" in problems
+    assert "task.world (layer 1) imports sim.runners.compare (layer 3): upward" in problems
+    assert "server.results (layer 2) imports sim.report (layer 3): upward" in problems
     assert "server and clients never import each other" in problems
     assert "clients.hospital imports flwr" in problems
     assert "import cycle between packages: sim.deployment -> sim.runners -> sim.deployment" in problems
+    assert "task.flower_wire imports flwr" not in problems
+    assert len(found) == 6, problems
 
 
 def test_the_command_line_starts_without_torch_monai_or_flwr():

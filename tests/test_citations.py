@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 #: what is scanned: every text file under these folders, and these files
-SCANNED_DIRS = ("clients", "server", "privacy", "sim", "benchmarks", "tests", "docs", ".ci")
+SCANNED_DIRS = ("clients", "server", "privacy", "task", "sim", "benchmarks", "experiments", "tests", "docs", ".ci")
 SCANNED_FILES = ("README.md", "pyproject.toml")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".ini", ".yaml", ".yml", ".json", ".sh", ""}
 
@@ -93,7 +93,7 @@ def test_pending_files_exist_and_still_need_the_rewrite():
 
 def test_the_scan_covers_the_package_docs_and_tests():
     names = {_relative(path) for path in scanned_files()}
-    for expected in ("README.md", "pyproject.toml", "docs/PRIVACY.md", "sim/presets.py", "tests/test_citations.py"):
+    for expected in ("README.md", "pyproject.toml", "docs/PRIVACY.md", "task/presets.py", "tests/test_citations.py"):
         assert expected in names
 
 

@@ -49,7 +49,7 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
 
 
 def test_unknown_task_and_method_are_user_errors(tmp_path):
-    from sim.errors import UserError
+    from task.errors import UserError
     from sim.runners.classification_compare import run_classification_compare
 
     with pytest.raises(UserError, match="--methods"):
@@ -61,7 +61,7 @@ def test_unknown_task_and_method_are_user_errors(tmp_path):
 def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
     import numpy as np
 
-    from sim.classification.tasks import load_mnist5k
+    from task.classification.tasks import load_mnist5k
 
     a, b = load_mnist5k(hospitals=3, seed=0), load_mnist5k(hospitals=3, seed=0)
     assert np.array_equal(a.x_private, b.x_private) and np.array_equal(a.y_test, b.y_test)
@@ -77,8 +77,8 @@ def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
 def test_slice_task_follows_the_segmentation_split(tiny_prepared, tiny_split):
     import numpy as np
 
-    from sim.classification.gnmax import teacher_partitions
-    from sim.classification.tasks import slice_task_from_split
+    from task.classification.gnmax import teacher_partitions
+    from task.classification.tasks import slice_task_from_split
 
     task = slice_task_from_split(tiny_prepared, tiny_split, pool=4)
     assert task.input_dim == 4 * 4 * 4 and task.n_classes == 2
@@ -199,7 +199,7 @@ def test_no_ledger_is_deleted_and_an_interrupted_cells_spend_stays_in_the_report
 
 def test_a_cell_folder_that_released_is_not_run_again(tmp_path):
     """``run_cell`` on a folder whose ledger holds releases refuses: it neither deletes nor adds to that ledger."""
-    from sim.errors import UserError
+    from task.errors import UserError
     from sim.runners.classification_compare import run_cell
 
     (tmp_path / "ledger.jsonl").write_text('{"event": "an earlier release"}\n')

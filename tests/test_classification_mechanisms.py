@@ -11,7 +11,7 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from sim.classification.tasks import ClassificationTask
+from task.classification.tasks import ClassificationTask
 
 
 def synthetic_task(n=240, d=12, classes=3, hospitals=2, seed=0):
@@ -36,7 +36,7 @@ def guard_for(budget, delta=1e-5):
 # ------------------------------------------------------------------------------------------------ DP-MAC
 @pytest.mark.parametrize("order", [1, 2])
 def test_dpmac_per_record_coefficients_are_clipped(order):
-    from sim.classification.dpmac import layer_coefficients
+    from task.classification.dpmac import layer_coefficients
 
     torch.manual_seed(0)
     w, b = torch.randn(7, 5) * 10, torch.randn(7)
@@ -56,8 +56,8 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
     """Add/remove sensitivity of a W-step (paper Sec. 2.2, Appendix I) on real MNIST batches through the
     product path (Z-step + clipped coefficients): B ∪ {r} minus B is exactly r's own clipped term, so every
     block moves by at most its clip. With the old ``loss / len(y)`` Z-step every record's z depended on |B|."""
-    from sim.classification.dpmac import DPMACConfig, MACNet, w_step_coefficients
-    from sim.classification.tasks import load_mnist5k
+    from task.classification.dpmac import DPMACConfig, MACNet, w_step_coefficients
+    from task.classification.tasks import load_mnist5k
 
     task = load_mnist5k(hospitals=1)
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
 
 
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
-    from sim.classification.dpmac import layer_coefficients
+    from task.classification.dpmac import layer_coefficients
 
     torch.manual_seed(1)
     w = torch.randn(4, 6, requires_grad=True)
@@ -92,7 +92,7 @@ def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
 
 def test_dpmac_single_draw_noise_std_per_block():
     """Appendix I: block p gets std σ·S_p·√P from one concatenated draw (zero data signal)."""
-    from sim.classification.dpmac import perturb_concatenated
+    from task.classification.dpmac import perturb_concatenated
 
     gen = NoiseSource.reproducible(3).generator("step")
     calls = []
@@ -115,7 +115,7 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    from sim.classification.dpmac import DPMACConfig, train_dpmac
+    from task.classification.dpmac import DPMACConfig, train_dpmac
 
     task = synthetic_task()
     ledger, guard = guard_for(2.0)
@@ -134,7 +134,7 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
 
 
 def test_dpmac_with_dp_pca_is_accounted_and_within_budget():
-    from sim.classification.dpmac import DPMACConfig, train_dpmac
+    from task.classification.dpmac import DPMACConfig, train_dpmac
 
     task = synthetic_task()
     ledger, guard = guard_for(3.0)
@@ -149,7 +149,7 @@ def test_dpmac_public_basis_reads_no_private_record_and_returns_its_budget_to_th
     """The default PCA basis is a function of the public images alone: replacing every private record leaves
     it unchanged, it is what ``public_pca`` gives on the query pool and reference set, nothing is charged for
     it, and the W-steps alone spend the budget (less noise than with a DP-PCA share)."""
-    from sim.classification.dpmac import DPMACConfig, public_images, public_pca, train_dpmac
+    from task.classification.dpmac import DPMACConfig, public_images, public_pca, train_dpmac
 
     task = synthetic_task()
     other = synthetic_task(seed=5)          # different private records, same public ones
@@ -176,7 +176,7 @@ def test_dpmac_public_basis_reads_no_private_record_and_returns_its_budget_to_th
 
 
 def test_dpmac_falls_back_to_dp_pca_without_enough_public_images():
-    from sim.classification.dpmac import DPMACConfig, train_dpmac
+    from task.classification.dpmac import DPMACConfig, train_dpmac
 
     task = synthetic_task()
     task.x_query, task.x_reference = task.x_query[:0], task.x_reference[:2]
@@ -189,8 +189,8 @@ def test_dpmac_falls_back_to_dp_pca_without_enough_public_images():
 
 # ------------------------------------------------------------------------------------------------ AdLM
 def test_adlm_relevance_is_bounded_and_sensitivity_is_2d_over_n():
-    from sim.classification import build_mlp
-    from sim.classification.adlm import lrp_relevance, relevance_sensitivity
+    from task.classification import build_mlp
+    from task.classification.adlm import lrp_relevance, relevance_sensitivity
 
     torch.manual_seed(0)
     model = build_mlp(12, (8,), 3)
@@ -206,7 +206,7 @@ def test_adlm_relevance_is_bounded_and_sensitivity_is_2d_over_n():
 
 
 def test_adlm_feature_noise_scales_statistically():
-    from sim.classification.adlm import budget_ratios, feature_scales, perturb_features
+    from task.classification.adlm import budget_ratios, feature_scales, perturb_features
 
     d, n, eps2 = 4, 40000, 2.0
     beta = budget_ratios(np.array([0.1, 0.2, 0.3, 0.4]), d)
@@ -224,7 +224,7 @@ def test_adlm_feature_noise_scales_statistically():
 
 
 def test_adlm_label_noise_scale_statistically():
-    from sim.classification.adlm import LABEL_SENSITIVITY, perturb_label_coefficients
+    from task.classification.adlm import LABEL_SENSITIVITY, perturb_label_coefficients
 
     ledger, guard = guard_for(10.0)
     y = np.zeros(30000, np.int64)
@@ -238,7 +238,7 @@ def test_adlm_label_noise_scale_statistically():
 def test_adlm_noise_free_reference_charges_nothing_and_learns():
     """epsilon=None switches the mechanism off: nothing is released or charged, no ε is claimed, and the same
     network, polynomial loss and optimiser learn the task (the noise, not the optimiser, is what costs)."""
-    from sim.classification.adlm import AdLMConfig, train_adlm
+    from task.classification.adlm import AdLMConfig, train_adlm
 
     task = synthetic_task()
     ledger, guard = guard_for(1.0)
@@ -255,7 +255,7 @@ def test_adlm_noise_free_reference_charges_nothing_and_learns():
 
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
-    from sim.classification.adlm import AdLMConfig, train_adlm
+    from task.classification.adlm import AdLMConfig, train_adlm
 
     task = synthetic_task()
     spent = []
@@ -275,7 +275,7 @@ def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
 
 # ------------------------------------------------------------------------------------------------ GNMax
 def test_vote_histogram_replace_one_sensitivity_is_sqrt2():
-    from sim.classification.gnmax import VOTE_SENSITIVITY, vote_histograms
+    from task.classification.gnmax import VOTE_SENSITIVITY, vote_histograms
 
     rng = np.random.default_rng(0)
     preds = rng.integers(0, 5, (9, 100))
@@ -289,7 +289,7 @@ def test_vote_histogram_replace_one_sensitivity_is_sqrt2():
 def test_gnmax_noise_scale_and_ledger_composition():
     from privacy.accountants import epsilon_spent
     from privacy.events import GaussianEvent
-    from sim.classification.gnmax import VOTE_SENSITIVITY, gnmax_answer
+    from task.classification.gnmax import VOTE_SENSITIVITY, gnmax_answer
 
     # zero data signal: every histogram is flat → the answer is argmax of pure noise (uniform over classes)
     ledger, guard = guard_for(100.0)
@@ -304,7 +304,7 @@ def test_gnmax_noise_scale_and_ledger_composition():
 
 
 def test_gnmax_threshold_noise_std_statistically():
-    from sim.classification.gnmax import gnmax_answer
+    from task.classification.gnmax import gnmax_answer
 
     # histograms with max vote exactly at the threshold: P(answer) = 1/2 for any σ1 ; with the max vote
     # one σ1 above the threshold P(answer) = Φ(1) ≈ 0.841 — checks the noise std actually used
@@ -321,7 +321,7 @@ def test_gnmax_threshold_noise_std_statistically():
 
 
 def test_gnmax_end_to_end_spends_at_most_budget():
-    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
+    from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     task = synthetic_task()
     ledger, guard = guard_for(4.0)
@@ -335,7 +335,7 @@ def test_gnmax_end_to_end_spends_at_most_budget():
 
 def test_gnmax_default_teachers_hold_ten_units_each():
     """K ≈ n / 10 by default: each hospital gets one teacher per 10 of its privacy units."""
-    from sim.classification.gnmax import RECORDS_PER_TEACHER, teacher_partitions, teachers_per_hospital_for
+    from task.classification.gnmax import RECORDS_PER_TEACHER, teacher_partitions, teachers_per_hospital_for
 
     task = synthetic_task(n=240, hospitals=2)            # 120 records per hospital
     assert RECORDS_PER_TEACHER == 10 and teachers_per_hospital_for(task) == 12
@@ -347,7 +347,7 @@ def test_gnmax_default_teachers_hold_ten_units_each():
 def test_gnmax_default_queries_keep_a_quarter_lead_at_two_noise_std():
     """The vote-margin rule: the calibrated σ of N queries keeps 2·σ·√2 ≤ K/4, and N + 1 queries would not;
     N grows with ε and K, and is clamped to [classes, pool]."""
-    from sim.classification.gnmax import calibrate_gnmax, queries_for
+    from task.classification.gnmax import calibrate_gnmax, queries_for
 
     for eps, K in ((2.0, 340), (8.0, 340), (2.0, 100)):
         n = queries_for(eps, 1e-5, K, pool=10_000, classes=1)
@@ -361,7 +361,7 @@ def test_gnmax_default_queries_keep_a_quarter_lead_at_two_noise_std():
 
 
 def test_gnmax_uses_the_rules_when_k_and_n_are_not_given():
-    from sim.classification.gnmax import GNMaxConfig, queries_for, train_pate_gnmax
+    from task.classification.gnmax import GNMaxConfig, queries_for, train_pate_gnmax
 
     task = synthetic_task(n=240, hospitals=2)
     ledger, guard = guard_for(4.0)
@@ -373,8 +373,8 @@ def test_gnmax_uses_the_rules_when_k_and_n_are_not_given():
 
 # ------------------------------------------------------------------------------------------------ guard
 def test_budget_guard_refuses_before_anything_is_recorded():
-    from sim.classification.adlm import AdLMConfig, train_adlm
-    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
+    from task.classification.adlm import AdLMConfig, train_adlm
+    from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
@@ -390,7 +390,7 @@ def test_budget_guard_refuses_before_anything_is_recorded():
 
 
 def test_dpsgd_guard_refuses_over_budget():
-    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
@@ -427,10 +427,10 @@ class WatchedSource(NoiseSource):
 
 def _run_seed_method(method, task, guard, noise, seed=0, epsilon=2.0):
     """One small private run (DP-MAC at a fixed noise multiplier: no calibration, which is slow)."""
-    from sim.classification.adlm import AdLMConfig, train_adlm
-    from sim.classification.dpmac import DPMACConfig, train_dpmac
-    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
-    from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
+    from task.classification.adlm import AdLMConfig, train_adlm
+    from task.classification.dpmac import DPMACConfig, train_dpmac
+    from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
     if method == "dp-mac":
         return train_dpmac(task, epsilon, 1e-5, guard, task.hospitals, DPMACConfig(
@@ -484,7 +484,7 @@ def test_noise_is_unpredictable_unless_reproducible_noise_is_asked_for(method):
 def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch():
     """The sampled-Gaussian analysis assumes every step releases noise: with many empty Poisson batches the
     number of Gaussian draws still equals (accounted steps) x (parameter tensors)."""
-    from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
+    from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
 
     task = synthetic_task(n=60)
     ledger, guard = guard_for(8.0)

@@ -9,7 +9,7 @@ import torch
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from sim.classification.tasks import ClassificationTask
+from task.classification.tasks import ClassificationTask
 
 
 def patient_task(patients=30, hospitals=2, d=12, seed=0):
@@ -30,8 +30,8 @@ def patient_task(patients=30, hospitals=2, d=12, seed=0):
 
 def test_units_are_whole_patients_in_batches_padded_rows_and_capped_sets():
     from privacy.mechanisms import NoiseSource
-    from sim.dpsgd import poisson_batches
-    from sim.classification import capped_units, gather_units, padded_units
+    from task.dpsgd import poisson_batches
+    from task.classification import capped_units, gather_units, padded_units
 
     task = patient_task()
     units = task.unit_records()
@@ -60,8 +60,8 @@ def test_units_are_whole_patients_in_batches_padded_rows_and_capped_sets():
 def test_dpmac_adding_one_patient_moves_each_block_by_at_most_its_clip(order):
     """Per-patient clipping (sum a patient's slice terms, then clip): adding a 6-slice patient adds exactly
     its own clipped sum. Clipping slices one by one (the old unit) lets it move a block by up to 6·C."""
-    from sim.classification import gather_units
-    from sim.classification.dpmac import DPMACConfig, MACNet, w_step_coefficients
+    from task.classification import gather_units
+    from task.classification.dpmac import DPMACConfig, MACNet, w_step_coefficients
 
     task = patient_task()
     units = task.unit_records()
@@ -86,7 +86,7 @@ def test_dpmac_adding_one_patient_moves_each_block_by_at_most_its_clip(order):
 
 
 def test_dp_pca_second_moment_moves_by_at_most_one_per_patient():
-    from sim.classification.dpmac import clipped_second_moment
+    from task.classification.dpmac import clipped_second_moment
 
     task = patient_task()
     units = task.unit_records()
@@ -103,9 +103,9 @@ def test_dp_pca_second_moment_moves_by_at_most_one_per_patient():
 
 def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
     """What Opacus clips (a row's per-sample gradient) is the gradient of the patient's summed loss."""
-    from sim.dpsgd import DPConfig, DPSession
-    from sim.classification import build_mlp, padded_units
-    from sim.classification.dpsgd_classifier import unit_loss
+    from task.dpsgd import DPConfig, DPSession
+    from task.classification import build_mlp, padded_units
+    from task.classification.dpsgd_classifier import unit_loss
 
     task = patient_task()
     units = task.unit_records()
@@ -128,7 +128,7 @@ def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
 
 
 def test_adlm_sizes_every_release_for_k_slices_per_patient():
-    from sim.classification.adlm import LABEL_SENSITIVITY, AdLMConfig, budget_ratios, feature_scales, train_adlm
+    from task.classification.adlm import LABEL_SENSITIVITY, AdLMConfig, budget_ratios, feature_scales, train_adlm
 
     task = patient_task()
     ledger = Ledger(None)

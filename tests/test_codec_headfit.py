@@ -1,4 +1,4 @@
-"""The anchored release decoded by one fitted voxel head (sim.codecs.headfit): post-processing of
+"""The anchored release decoded by one fitted voxel head (task.codecs.headfit): post-processing of
 the released latents and public arrays only. It decodes z = 0 to the anchor, changes nothing outside the regions,
 is deterministic without moving the caller's torch stream, places a class the public model never predicts, and
 pools the noise of every query (beats per-region mass matching on a noisy release)."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from server.compressors import ANCHORED_DECODERS, AnchoredResidualCompressor, make_compressor
-from sim import codecs
-from sim.codecs.headfit import fit_head_decode
-from sim.errors import UserError
-from sim.metrics import dice_scores
+from task import codecs
+from task.codecs.headfit import fit_head_decode
+from task.errors import UserError
+from task.metrics import dice_scores
 from tests.test_codec_intensity_bins import _public_without_class_2, _rim_lesions
 
 
@@ -89,7 +89,7 @@ def test_decoders_are_registered_and_a_wrong_name_or_missing_scans_are_refused(w
 
 
 def test_the_preset_names_the_decoder():
-    from sim.presets import get_preset
+    from task.presets import get_preset
     quick = get_preset("quick")
     compressor = make_compressor("pate-anchored", quick)
     assert compressor.decoder == quick.codec.anchored_decoder == "head-fit"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from server.compressors import AnchoredResidualCompressor
-from sim import codecs
-from sim.metrics import dice_scores
+from task import codecs
+from task.metrics import dice_scores
 
 GRID = (12, 12, 12)
 
@@ -138,7 +138,7 @@ def test_one_bin_is_the_codec_as_it_was(world):
 def test_a_binned_batch_state_travels_through_flower_records_unchanged(world):
     """What a Flower ServerApp ships: the uint8 bin map and the bin counts survive ArrayRecord packing, and the
     hospital encodes the received state exactly as the server's."""
-    from sim.flower_wire import arrays_to_record, record_to_arrays
+    from task.flower_wire import arrays_to_record, record_to_arrays
 
     scans, _, onehot, anchor = world
     compressor = _fitted(world, 3)

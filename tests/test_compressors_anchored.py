@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from server.compressors import AnchoredResidualCompressor
-from sim import codecs
-from sim.metrics import dice_scores
+from task import codecs
+from task.metrics import dice_scores
 
 GRID = (12, 12, 12)
 
@@ -130,10 +130,10 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
     import torch
 
     from server import pate
-    from sim.networks import build_unet
-    from sim.presets import get_preset
-    from sim.training import predict_probs
-    from sim.world import PublicWorld
+    from task.networks import build_unet
+    from task.presets import get_preset
+    from task.training import predict_probs
+    from task.world import PublicWorld
 
     rng = np.random.default_rng(0)
     grid = (16, 16, 16)
@@ -166,7 +166,7 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
 def test_a_hospital_encoder_computes_the_anchor_regions_once_and_encodes_as_the_reference(fitted, monkeypatch):
     """make_encoder is used for every teacher of a query batch: its rows equal anchored_encode's from scratch,
     while the anchor's regions (a function of the anchor alone) are computed once for all of them."""
-    from sim.codecs import anchored as anchored_module
+    from task.codecs import anchored as anchored_module
 
     compressor, onehot = fitted
     anchor = _soft(onehot, 0.5, seed=7)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from server.compressors import PCACompressor, choose_components
-from sim import codecs
-from sim.errors import UserError
+from task import codecs
+from task.errors import UserError
 
 
 def soft_maps(n, grid=(4, 4, 4), classes=4, rank=8, seed=0):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
-from sim import codecs
+from task import codecs
 
 GRID, CLASSES, K = (4, 4, 4), 4, 8
 pytest.importorskip("privacy.sensitivity")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sim.data.augment import training_augmentation
+from task.data.augment import training_augmentation
 
 
 def _pair(seed=0):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from sim.cli import main
-from sim.data.errors import DataError
-from sim.errors import UserError
+from task.data.errors import DataError
+from task.errors import UserError
 
 LAYOUTS = ("msd", "brats2021", "brats2023")
 
@@ -36,7 +36,7 @@ def _copy(layouts, layout, tmp_path):
 
 # ------------------------------------------------------------------------------------------ the table
 def test_the_table_maps_each_release_to_our_classes_and_back():
-    from sim.data.layouts import from_ours, to_ours
+    from task.data.layouts import from_ours, to_ours
 
     ours = np.array([0, 1, 2, 3])                   # background, oedema, necrotic/non-enhancing core, enhancing
     assert from_ours(ours, "msd").tolist() == [0, 1, 2, 3]
@@ -47,14 +47,14 @@ def test_the_table_maps_each_release_to_our_classes_and_back():
 
 
 def test_unknown_label_codes_are_one_line_errors_with_a_hint():
-    from sim.data.layouts import to_ours
+    from task.data.layouts import to_ours
 
     with pytest.raises(DataError, match=r"seg.nii.gz: label values \[4\] unknown to the brats2023 layout.*brats2021"):
         to_ours(np.array([0, 1, 4]), "brats2023", "seg.nii.gz")
 
 
 def test_layouts_are_detected_and_a_mixed_folder_is_refused(layouts, tmp_path):
-    from sim.data.layouts import detect_layout
+    from task.data.layouts import detect_layout
 
     assert [detect_layout(layouts / name).name for name in LAYOUTS] == list(LAYOUTS)
     mixed = _copy(layouts, "brats2021", tmp_path)
@@ -75,7 +75,7 @@ def _empty(tmp_path):
 
 
 def test_brats_timepoints_are_one_patient():
-    from sim.data.msd import patient_id
+    from task.data.msd import patient_id
 
     assert patient_id("BraTS-GLI-00000-000") == patient_id("BraTS-GLI-00000-001") == "GLI-00000"
     assert patient_id("BraTS-GLI-00000-000") != patient_id("BraTS-MEN-00000-000")
@@ -85,8 +85,8 @@ def test_brats_timepoints_are_one_patient():
 
 # ------------------------------------------------------------------------------- the same phantoms, 3 ways
 def test_phantoms_in_every_layout_are_the_same_cases(layouts):
-    from sim.data.msd import load_case
-    from sim.data.reader import read_dataset
+    from task.data.msd import load_case
+    from task.data.reader import read_dataset
 
     datasets = [read_dataset(layouts / name) for name in LAYOUTS]
     assert [d.layout for d in datasets] == list(LAYOUTS)
@@ -108,7 +108,7 @@ def test_phantoms_in_every_layout_are_the_same_cases(layouts):
 
 
 def test_prepared_arrays_are_identical_across_layouts(layouts, tmp_path):
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+    from task.data.preprocess import PreprocessConfig, prepare_dataset
 
     prepared = [prepare_dataset(layouts / name, tmp_path / name, PreprocessConfig(grid=(8, 8, 8)), progress=False)
                 for name in LAYOUTS]
@@ -130,7 +130,7 @@ def test_prepared_arrays_are_identical_across_layouts(layouts, tmp_path):
 
 
 def test_a_complete_brats_phantom_folder_is_returned_and_other_settings_refused(layouts, tmp_path):
-    from sim.data.phantoms import generate_phantoms
+    from task.data.phantoms import generate_phantoms
 
     folder = _copy(layouts, "brats2023", tmp_path)
     assert generate_phantoms(folder, cases=6, institutions=2, seed=3, resolution_mm=6,
@@ -227,7 +227,7 @@ def _write_csv(path, rows, header="Partition_ID,Subject_ID"):
     ("Partition_ID,Subject_ID\n1,BRATS_999\n", "not in the data folder, e.g. 'BRATS_999'"),
 ])
 def test_bad_partition_files_are_one_line_errors_naming_the_file(tmp_path, content, message):
-    from sim.data.fets import assign_partitions
+    from task.data.fets import assign_partitions
 
     path = tmp_path / "parts.csv"
     path.write_text(content)
@@ -241,9 +241,9 @@ def test_bad_partition_files_are_one_line_errors_naming_the_file(tmp_path, conte
 def test_partitions_become_hospitals_largest_first_and_public_sets_come_from_them(tmp_path):
     """Three partitions (20, 14, 4 patients; timepoints of one patient listed once by patient id): --hospitals 2
     keeps the two largest; test and public patients are held out from each of them, none from the third."""
-    from sim.data.fets import assign_partitions
-    from sim.data.msd import patient_id
-    from sim.data.partitions import make_split
+    from task.data.fets import assign_partitions
+    from task.data.msd import patient_id
+    from task.data.partitions import make_split
 
     cases = [f"BraTS-GLI-{i:05d}-000" for i in range(38)] + ["BraTS-GLI-00000-001"]   # patient 0 twice
     sizes = {"A": range(0, 20), "B": range(20, 34), "C": range(34, 38)}
@@ -267,8 +267,8 @@ def test_partitions_become_hospitals_largest_first_and_public_sets_come_from_the
 
 
 def test_a_patient_split_over_two_partitions_is_refused(tmp_path):
-    from sim.data.fets import assign_partitions
-    from sim.data.msd import patient_id
+    from task.data.fets import assign_partitions
+    from task.data.msd import patient_id
 
     path = _write_csv(tmp_path / "p.csv", [("1", "BraTS-GLI-00001-000"), ("2", "BraTS-GLI-00001-001")])
     with pytest.raises(UserError, match="patient 'GLI-00001' has scans in partitions"):
@@ -278,9 +278,9 @@ def test_a_patient_split_over_two_partitions_is_refused(tmp_path):
 def test_the_world_section_states_where_public_and_test_patients_come_from(layouts, tmp_path, monkeypatch):
     """build_world with --partition-file on a BraTS folder: one hospital per partition, and the report's World
     section says the rule; the same world without the file splits by the folder's own institutions."""
-    from sim.presets import get_preset
+    from task.presets import get_preset
     from sim.report import world_section
-    from sim.world import build_world, describe_world
+    from task.world import build_world, describe_world
 
     monkeypatch.setenv("FEDPATE_CACHE", str(tmp_path / "cache"))
     folder = layouts / "brats2023"
@@ -308,7 +308,7 @@ def test_layout_and_partition_options_need_data(capsys):
 
 
 def test_run_settings_carry_layout_and_partition_file_through_flower_config():
-    from sim.runconfig import RunSettings
+    from task.runconfig import RunSettings
 
     settings = RunSettings(data="/d", layout="brats2021", partition_file="/p.csv")
     again = RunSettings.from_run_config(settings.to_run_config())

@@ -9,9 +9,9 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from sim.data.errors import DataError
-from sim.data.msd import load_case, read_msd, validate_dataset
-from sim.errors import UserError
+from task.data.errors import DataError
+from task.data.msd import load_case, read_msd, validate_dataset
+from task.errors import UserError
 
 SHAPE = (10, 12, 9)
 AFFINE = np.diag([2.0, 2.0, 2.0, 1.0])
@@ -183,7 +183,7 @@ def test_inspect_cli_reports_corruption_in_one_line(tmp_path, capsys):
     ("case-7", "case-7"),
 ])
 def test_patient_id_rule(case_id, patient):
-    from sim.data.msd import patient_id
+    from task.data.msd import patient_id
 
     assert patient_id(case_id) == patient
     assert patient_id(case_id, declared="P-42") == "P-42"        # dataset.json's key wins
@@ -204,7 +204,7 @@ def test_dataset_json_patient_key_and_naming_rule(tmp_path, capsys):
 
 
 def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
-    from sim.data.preprocess import PreparedDataset, PreprocessConfig, prepare_dataset
+    from task.data.preprocess import PreparedDataset, PreprocessConfig, prepare_dataset
 
     root = make_msd(tmp_path / "Task01", names=["BRATS_001", "BRATS_002", "Brats18_2013_10_1"],
                     patients={"BRATS_001": "P1", "BRATS_002": "P1"})
@@ -230,7 +230,7 @@ def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
 def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
     """A hospital's own folder with two scans of several patients: each patient's scans at one teacher."""
     from clients.node import _deployed_hospital
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     names = [f"BraTS19_TCIA01_{p:03d}_{t}" for p in range(1, 5) for t in (1, 2)] + ["BRATS_010", "BRATS_011"]
     root = make_msd(tmp_path / "h0", names=names, patients={"BRATS_010": "TCIA01_001"})   # a third scan of 001

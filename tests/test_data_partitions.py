@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from sim.data.partitions import SCHEMES, Split, check_patients_disjoint, make_split, split_into_teachers
-from sim.errors import UserError
+from task.data.partitions import SCHEMES, Split, check_patients_disjoint, make_split, split_into_teachers
+from task.errors import UserError
 
 
 def _world(n=120, institutions=4):
@@ -190,8 +190,8 @@ BEFORE_PATIENTS = {
 
 @pytest.mark.parametrize("key", sorted(BEFORE_PATIENTS))
 def test_one_scan_per_patient_splits_are_unchanged(key):
-    from sim.data.phantoms import _case_name, institution_name
-    from sim.presets import get_preset
+    from task.data.phantoms import _case_name, institution_name
+    from task.presets import get_preset
 
     name, scheme, hospitals, teachers, seed = key
     preset = get_preset(name)

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from sim.data.errors import DataError
-from sim.data.msd import load_case, read_msd, validate_case
-from sim.data.phantoms import SHIFTS, GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
+from task.data.errors import DataError
+from task.data.msd import load_case, read_msd, validate_case
+from task.data.phantoms import SHIFTS, GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
 
 FLAIR, T1, T1GD, T2 = range(4)
 
@@ -113,7 +113,7 @@ def test_written_files_are_byte_identical_and_resumable(tmp_path):
 
 
 def test_two_generating_processes_write_the_bytes_one_writes(tmp_path):
-    """The world generates its phantoms in one process per core (sim.world): same files as one process."""
+    """The world generates its phantoms in one process per core (task.world): same files as one process."""
     serial = generate_phantoms(tmp_path / "one", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
                                progress=False)
     parallel = generate_phantoms(tmp_path / "two", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
@@ -135,7 +135,7 @@ def test_refuses_a_folder_with_other_data(tmp_path):
 
 
 def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
-    from sim.data.phantoms import ensure_phantoms
+    from task.data.phantoms import ensure_phantoms
 
     assert "tiny" in tiny_phantoms.name and "seed0" in tiny_phantoms.name and f"v{GENERATOR_VERSION}" in tiny_phantoms.name
     stamp = (tiny_phantoms / "dataset.json").stat().st_mtime_ns
@@ -180,7 +180,7 @@ def test_unknown_shift_is_a_one_line_error(tmp_path):
 def test_enhancement_strength_varies_per_case_and_is_rendered(sample_cases):
     """v3: the T1-Gd brightness of enhancing tumour relative to white matter is drawn per case over a wide
     range (ENHANCEMENT_RATIO), and the rendered images follow the drawn ratio."""
-    from sim.data.phantoms import ENHANCEMENT_RATIO
+    from task.data.phantoms import ENHANCEMENT_RATIO
 
     drawn, rendered = [], []
     for case in sample_cases:
@@ -208,7 +208,7 @@ def test_healthy_tissue_enhances_too_vessels_and_choroid_plexus(sample_cases):
     """v3: bright-on-T1-Gd structures that are not tumour (label 0), so brightness alone is not tumour."""
     from scipy import ndimage
 
-    from sim.data.phantoms import _enhancing_structures
+    from task.data.phantoms import _enhancing_structures
 
     rng = np.random.default_rng(0)
     case = sample_cases[0]
@@ -233,8 +233,8 @@ def test_the_library_generates_phantoms_in_one_process_unless_asked(monkeypatch)
     """Spawned phantom workers import the caller's main module again: an unguarded script calling the library
     would re-run itself in them (and wait forever on the cache lock its parent holds). So the library uses one
     process unless $FEDPATE_PHANTOM_WORKERS says otherwise, and the guarded ``fedpate`` entry point says auto."""
-    from sim.errors import UserError
-    from sim.world import PHANTOM_WORKERS_ENV, phantom_workers
+    from task.errors import UserError
+    from task.world import PHANTOM_WORKERS_ENV, phantom_workers
 
     monkeypatch.delenv(PHANTOM_WORKERS_ENV, raising=False)
     assert phantom_workers() == 1

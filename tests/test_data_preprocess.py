@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.data.msd import load_case, read_msd
-from sim.data.preprocess import (PreparedDataset, PreprocessConfig, PreprocessRecord, invert_label, invert_probs,
+from task.data.msd import load_case, read_msd
+from task.data.preprocess import (PreparedDataset, PreprocessConfig, PreprocessRecord, invert_label, invert_probs,
                                  prepare_dataset, preprocess_case)
 
 
@@ -74,7 +74,7 @@ def test_prepared_dataset_arrays_manifest_and_reuse(tiny_phantoms, tiny_prepared
 
 
 def test_cache_is_rebuilt_for_another_config(tiny_phantoms, tmp_path):
-    from sim.data.errors import DataError
+    from task.data.errors import DataError
 
     small = prepare_dataset(tiny_phantoms, tmp_path / "cache", PreprocessConfig(grid=8), progress=False)
     assert small.grid == (8, 8, 8)

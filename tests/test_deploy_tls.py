@@ -7,7 +7,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from sim.errors import UserError
+from task.errors import UserError
 from sim.deployment.flower_cli import config_string, parse_run_id
 from sim.deployment.local import write_echo_app
 from sim.deployment.recipe import deployment_commands

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sim.cli import main
-from sim.errors import UserError
+from task.errors import UserError
 
 COMMANDS_THAT_COMPUTE = {
     "central": ["central", "--method", "dp-sgd", "--out", "{out}"],
@@ -32,7 +32,7 @@ COMMANDS_THAT_COMPUTE = {
 
 # ------------------------------------------------------------------------------------------------ resolver
 def test_resolve_device_specs(monkeypatch):
-    from sim.device import check_device_spec, check_precision, resolve_device
+    from task.device import check_device_spec, check_precision, resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert check_device_spec(None) == check_device_spec("") == "auto"
@@ -54,7 +54,7 @@ def test_resolve_device_specs(monkeypatch):
 
 
 def test_cuda_without_a_gpu_is_refused_in_one_line(monkeypatch):
-    from sim.device import resolve_device
+    from task.device import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for spec in ("cuda", "cuda:0", torch.device("cuda", 0)):
@@ -95,7 +95,7 @@ def test_run_settings_carry_device_through_the_flower_run_config():
     import tomllib
     from pathlib import Path
 
-    from sim.runconfig import RunSettings
+    from task.runconfig import RunSettings
 
     app_config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_config["device"] == "auto" and app_config["precision"] == "32"
@@ -128,8 +128,8 @@ def spy(monkeypatch):
     """The CUDA trap plus spies on forwards, ``Module.to`` and the training loss."""
     import monai.networks.nets
 
-    import sim.training as training
-    from sim import codecs
+    import task.training as training
+    from task import codecs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # the trap: "auto" would now mean CUDA
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -164,8 +164,8 @@ def spy(monkeypatch):
 
 def test_the_trap_catches_a_component_that_ignores_the_device(spy):
     """The premise of the tests below: with the trap set, the default device is CUDA and cannot be used here."""
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
+    from task.networks import build_unet
+    from task.training import TrainConfig, train_segmentation
 
     x, y = np.zeros((2, 4, 16, 16, 16), np.float32), np.zeros((2, 16, 16, 16), np.int64)
     with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
@@ -188,8 +188,8 @@ class _Split:
 
 @pytest.fixture(scope="module")
 def small_world():
-    from sim.data.synthetic import SyntheticPrepared
-    from sim.presets import get_preset
+    from task.data.synthetic import SyntheticPrepared
+    from task.presets import get_preset
 
     prepared = SyntheticPrepared(16)
     ids = prepared.case_ids
@@ -207,7 +207,7 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
     all run on the explicit device; results.json and the model card say which."""
     import nibabel as nib
 
-    from sim.predict import predict_scans
+    from task.predict import predict_scans
     from sim.runners.inprocess import run_pate_inprocess
 
     prepared, split, preset = small_world
@@ -238,7 +238,7 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
 def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, monkeypatch):
     from server.dpfedavg import run_dpfedavg
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-    from sim.world import load_world
+    from task.world import load_world
 
     import privacy.calibration as calibration
     from clients.fedavg import plan_noise_multiplier
@@ -283,8 +283,8 @@ def _toy(n=4, grid=16, seed=0):
 
 
 def test_bf16_on_the_cpu_trains(spy):
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
+    from task.networks import build_unet
+    from task.training import TrainConfig, train_segmentation
 
     x, y = _toy()
     torch.manual_seed(0)
@@ -300,9 +300,9 @@ def test_bf16_on_the_cpu_trains(spy):
 
 
 def test_bf16_dpsgd_trains_with_float32_noise(spy):
-    from sim.dpsgd import DPConfig
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
+    from task.dpsgd import DPConfig
+    from task.networks import build_unet
+    from task.training import TrainConfig, train_segmentation
     from privacy.mechanisms import NoiseSource
 
     x, y = _toy()
@@ -336,9 +336,9 @@ def test_bf16_per_sample_gradient_norms_match_float32(engine):
     time they are clipped (``DPSession.per_sample_gradients_to_float32``)."""
     from opacus import GradSampleModule
 
-    from sim.device import autocast
-    from sim.networks import build_unet
-    from sim.training import per_sample_loss
+    from task.device import autocast
+    from task.networks import build_unet
+    from task.training import per_sample_loss
 
     x, y = (torch.from_numpy(a) for a in _toy())
     norms = {}
@@ -362,8 +362,8 @@ def test_bf16_per_sample_gradient_norms_match_float32(engine):
 # ----------------------------------------------------------------------------------- host-side pipeline
 def test_prefetching_augmented_batches_does_not_change_the_result():
     """The background thread calls the augmenter in the same order: the same weights, bit for bit."""
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
+    from task.networks import build_unet
+    from task.training import TrainConfig, train_segmentation
 
     x, y = _toy(n=5)
     weights = []
@@ -376,7 +376,7 @@ def test_prefetching_augmented_batches_does_not_change_the_result():
 
 
 def test_results_record_has_device_and_precision_null_when_not_applicable():
-    from sim.results import CSV_COLUMNS, RunResults
+    from task.results import CSV_COLUMNS, RunResults
 
     record = RunResults(method="x").to_dict()
     assert record["device"] is None and record["precision"] is None
@@ -385,7 +385,7 @@ def test_results_record_has_device_and_precision_null_when_not_applicable():
 
 
 def test_batch_augmentation_moves_labels_with_the_image_and_keeps_the_background():
-    from sim.data.augment import BatchAugmentation, batch_augmentation
+    from task.data.augment import BatchAugmentation, batch_augmentation
 
     g = 24
     labels = torch.zeros(4, g, g, g, dtype=torch.long)
@@ -415,8 +415,8 @@ def test_batch_augmentation_moves_labels_with_the_image_and_keeps_the_background
 
 
 def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
-    from sim.networks import build_unet
-    from sim.training import TrainConfig, train_segmentation
+    from task.networks import build_unet
+    from task.training import TrainConfig, train_segmentation
 
     x, y = _toy(n=4)
     results = {}
@@ -435,7 +435,7 @@ def test_explicit_cpu_reaches_the_head_fit_decoder(spy):
     """The anchored codec's head-fit decoder fits on the run's device: explicit cpu works under the trap,
     a decoder built without a device would have gone to the (trapped) GPU."""
     from server.compressors import AnchoredResidualCompressor
-    from sim import codecs
+    from task import codecs
     from tests.test_codec_intensity_bins import _public_without_class_2, _rim_lesions
 
     scans, labels = _rim_lesions(3)

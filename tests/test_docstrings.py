@@ -1,7 +1,7 @@
 """Every public entry point with more than five parameters documents them.
 
 Public: a module-level function or a method of a module-level class whose name does not start with ``_``, in
-the packages clients/, server/, privacy/ and sim/. Parameters: positional and keyword-only ones, ``self`` /
+the packages clients/, server/, privacy/, task/ and sim/. Parameters: positional and keyword-only ones, ``self`` /
 ``cls`` excluded; ``*args`` / ``**kwargs`` are not counted (they may still have an entry). Such a function's
 docstring has a Google-style ``Args:`` section (as MONAI and Opacus write theirs) with one entry per parameter:
 ``name: ...``, ``name (type): ...``, or a joint entry ``a / b: ...`` for parameters that share one meaning.
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("clients", "server", "privacy", "sim")
+PACKAGES = ("clients", "server", "privacy", "task", "sim")
 #: more parameters than this and a public function needs an Args section
 MAX_UNDOCUMENTED = 5
 #: an entry's label: everything before its first colon (a ``(type)`` after the names is allowed)

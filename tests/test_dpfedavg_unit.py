@@ -31,8 +31,8 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital
     from privacy.events import event_from_dict
-    from sim.networks import build_unet
-    from sim.presets import get_preset
+    from task.networks import build_unet
+    from task.presets import get_preset
 
     asked = []
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier",
@@ -81,7 +81,7 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
 
     from privacy.accountants import epsilon_under
     from server.dpfedavg import run_dpfedavg
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     preset = get_preset("tiny")
     event = SampledGaussianEvent(0.5, 3.0, 2, relation="replace-one")

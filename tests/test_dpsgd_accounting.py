@@ -10,10 +10,10 @@ from privacy.events import SampledGaussianEvent, ZCDPEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from sim.dpsgd import DPConfig
-from sim.errors import UserError
-from sim.networks import build_unet
-from sim.training import TrainConfig, train_segmentation
+from task.dpsgd import DPConfig
+from task.errors import UserError
+from task.networks import build_unet
+from task.training import TrainConfig, train_segmentation
 
 
 def _data(n=4, g=8):

@@ -1,4 +1,4 @@
-"""dp-fedavg-secure (server/dpfedavg_secure.py, clients/secure_gradients.py, sim/headgrad.py): full-batch
+"""dp-fedavg-secure (server/dpfedavg_secure.py, clients/secure_gradients.py, task/headgrad.py): full-batch
 distributed DP gradient descent of the voxel head through the secure sum.
 
 The server never receives one hospital's contribution, only secure-sum messages and the noisy total; every
@@ -20,8 +20,8 @@ import torch
 from privacy.distributed import IntegerGrid, rounded_norm_bound
 from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
-from sim.data.synthetic import SyntheticPrepared
-from sim.presets import get_preset
+from task.data.synthetic import SyntheticPrepared
+from task.presets import get_preset
 from tests.test_pate_run import FakeSplit
 
 DELTA = 1e-3
@@ -50,7 +50,7 @@ def _transport(prepared, split, preset, root: Path, policy=None, cls=None):
 
 
 def _head_model(seed: int = 0):
-    from sim.networks import build_unet
+    from task.networks import build_unet
 
     torch.manual_seed(seed)
     model = build_unet("tiny", trainable="voxel-head")
@@ -66,7 +66,7 @@ def recorded(tmp_path_factory):
     import server.dpfedavg_secure as server_module
     from server.dpfedavg_secure import run_dpfedavg_secure
     from sim.runners.inprocess import InProcessTransport
-    from sim.world import load_world
+    from task.world import load_world
 
     class Recording(InProcessTransport):
         def __init__(self, *args, **kwargs):
@@ -169,7 +169,7 @@ def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(
     """Each hospital now assumes one colluder: with two participants it can count one noise share, the server
     declares two -- refused at setup, nothing charged, no step released."""
     from server.dpfedavg_secure import run_dpfedavg_secure
-    from sim.world import load_world
+    from task.world import load_world
 
     prepared, split, preset = recorded.world
     ledgers = sorted((recorded.root / "ledgers").glob("*.jsonl"))
@@ -183,8 +183,8 @@ def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(
 
 def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_seeded_noise(tmp_path):
     from clients.secure import SecureHospital, SecurePolicy, SecureRequestRefused
-    from sim.errors import UserError
-    from sim.secagg import CONTRIBUTION_KIND
+    from task.errors import UserError
+    from task.secagg import CONTRIBUTION_KIND
 
     prepared, split, preset = _world()
     transport = _transport(prepared, split, preset, tmp_path)
@@ -207,7 +207,7 @@ def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_
                                      "total_variance": 200.0, "clip": grid.clip, "granularity": grid.granularity,
                                      "dimension": 213, "release_ids": ["r"]},
                               counted=2, participants=["h0", "h1"], threshold=2, length=213)
-    from sim.headgrad import head_state
+    from task.headgrad import head_state
 
     message = {"head": head_state(_head_model()), "start_digest": joined["start_digest"]}
     config = {**transport.base_config, "secure_noise_seed": 3}
@@ -221,8 +221,8 @@ def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_
 # ------------------------------------------------------------------------------ the gradients themselves
 def _clipped_patient_gradients_through_the_network(model, images, labels, clip):
     """Reference: each patient's head gradient by plain autograd through the whole network, clipped flat."""
-    from sim.headgrad import head_parameter_names
-    from sim.training import per_sample_loss
+    from task.headgrad import head_parameter_names
+    from task.training import per_sample_loss
 
     names = head_parameter_names(model)
     parameters = dict(model.named_parameters())
@@ -239,9 +239,9 @@ def _clipped_patient_gradients_through_the_network(model, images, labels, clip):
 
 
 def test_cached_head_gradients_equal_the_networks():
-    from sim.headgrad import check_frozen_deterministic, frozen_features, per_sample_head_gradients
-    from sim.networks import build_unet
-    from sim.errors import UserError
+    from task.headgrad import check_frozen_deterministic, frozen_features, per_sample_head_gradients
+    from task.networks import build_unet
+    from task.errors import UserError
 
     prepared = SyntheticPrepared(6)
     images, labels = prepared.images(prepared.case_ids), prepared.labels(prepared.case_ids)
@@ -253,9 +253,9 @@ def test_cached_head_gradients_equal_the_networks():
     # ... and the per-sample gradients pooled DP-SGD's engine computes (Opacus on the network, U-Net frozen)
     from opacus import GradSampleModule
 
-    from sim.headgrad import head_parameter_names
-    from sim.networks import freeze_all_but
-    from sim.training import per_sample_loss
+    from task.headgrad import head_parameter_names
+    from task.networks import freeze_all_but
+    from task.training import per_sample_loss
 
     engine = _head_model()
     freeze_all_but(engine, "voxel-head")
@@ -282,8 +282,8 @@ def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
     errors of the true mean clipped patient gradient, and the squared z-scores average about 1 (a rounding
     that always floored would shift every coordinate by ~3.7 standard errors)."""
     from clients.secure import SecureHospital, SecurePolicy
-    from sim.headgrad import head_state
-    from sim.secagg import CONTRIBUTION_KIND
+    from task.headgrad import head_state
+    from task.secagg import CONTRIBUTION_KIND
 
     prepared, split, preset = _world()
     transport = _transport(prepared, split, preset, tmp_path)
@@ -319,7 +319,7 @@ def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
 
 def test_a_hospital_dropping_mid_protocol_is_recovered_and_the_charges_count_the_missing_share(tmp_path):
     from server.dpfedavg_secure import run_dpfedavg_secure
-    from sim.world import load_world
+    from task.world import load_world
 
     prepared, split, preset = _world(hospitals=3, per_hospital=2)
     transport = _transport(prepared, split, preset, tmp_path, policy={"dropouts": 1})
@@ -373,7 +373,7 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
     messages travel, the server side receives only protocol fields, and ε is the run ledger's."""
     from server.dpfedavg_secure import run_dpfedavg_secure
     from server.flower_transport import FlowerTransport
-    from sim.world import load_world
+    from task.world import load_world
     from tests.test_flower_secure import RecordingGrid
 
     tiny_split.to_json(tmp_path / "split.json")
@@ -392,7 +392,7 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
     assert {kind for _, kind, _ in grid.sent} == {"query.identify", "query.secure"}
     allowed = {"join": {"patients", "start_digest", "dimension"}, "setup": {"pk1", "pk2"},
                "share-keys": {"ciphertexts"}, "collect-masked": {"masked"}, "unmask": {"shares"}}
-    from sim.flower_wire import unpack_nested
+    from task.flower_wire import unpack_nested
 
     for _, stage, config, arrays in grid.incoming:
         assert set(unpack_nested(config["reply"], arrays.get("reply", {}))) == allowed[stage]
@@ -405,7 +405,7 @@ def test_noise_is_seeded_only_under_reproducible_noise(tmp_path):
     """Two runs with reproducible noise and one seed train the same head and publish no seed; secure runs
     (the default) draw fresh noise every time."""
     from server.dpfedavg_secure import run_dpfedavg_secure
-    from sim.world import load_world
+    from task.world import load_world
 
     prepared, split, preset = _world()
 

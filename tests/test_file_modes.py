@@ -9,7 +9,7 @@ import pytest
 
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from sim.io import atomic_save_torch, atomic_write_bytes, atomic_write_json, atomic_write_text
+from task.io import atomic_save_torch, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
-from sim.bundle import load_bundle
-from sim.runconfig import RunSettings
+from task.bundle import load_bundle
+from task.runconfig import RunSettings
 
 pytestmark = pytest.mark.slow
 

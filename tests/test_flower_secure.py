@@ -19,8 +19,8 @@ from privacy.distributed import centered
 from privacy.ledger import Ledger
 from server.flower_transport import FlowerTransport
 from server.secure import secure_sum
-from sim.errors import UserError
-from sim.flower_wire import read_content
+from task.errors import UserError
+from task.flower_wire import read_content
 from tests.test_flower_transport import PRESET, MemoryGrid
 from tests.test_secure_hospital import DELTA, GRID, FixedTeachers, _codec, _declaration
 
@@ -216,9 +216,9 @@ def test_secure_pate_over_the_flower_transport_with_a_dropout(tiny_prepared, tmp
     is released from the four teachers left; the next is not asked (its noise was planned for three
     participants); the results' epsilon is the run ledger's."""
     from server.pate import PateConfig, run_pate
-    from sim.data.partitions import split_for_preset
-    from sim.presets import get_preset
-    from sim.world import load_world
+    from task.data.partitions import split_for_preset
+    from task.presets import get_preset
+    from task.world import load_world
 
     preset = PRESET.with_changes(hospitals=3, teachers_per_hospital=2)
     split = split_for_preset(tiny_prepared, get_preset("tiny", hospitals=3, teachers_per_hospital=2), seed=0)

@@ -10,8 +10,8 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from privacy.ledger import Ledger
-from sim.presets import get_preset
-from sim.flower_wire import read_content
+from task.presets import get_preset
+from task.flower_wire import read_content
 from server.flower_transport import FlowerTransport, HospitalsUnavailable
 
 PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1))
@@ -110,7 +110,7 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     charged for K = 8), and later queries are accounted with K = 4, not 8 -- on the server and in the
     surviving hospital's own ledger."""
     from server.pate import PateConfig, run_pate
-    from sim.world import load_world
+    from task.world import load_world
 
     grid = MemoryGrid(world_dir)
     transport = _transport(grid, world_dir)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-from sim.presets import get_preset
-from sim.flower_wire import arrays_digest, make_content, read_content
+from task.presets import get_preset
+from task.flower_wire import arrays_digest, make_content, read_content
 
 PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1))
 
@@ -66,7 +66,7 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     assert identity["hospital_id"] == sorted(tiny_split.hospitals)[0]
     teachers = identity["teachers"]
 
-    from sim.networks import build_unet
+    from task.networks import build_unet
 
     init = {k: v.numpy() for k, v in build_unet(PRESET.unet).state_dict().items()}
     trained = send("train", {"teacher_epochs": 1}, init_weights=init)
@@ -76,7 +76,7 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
 
     scans = tiny_prepared.images(tiny_split.public_query[:3]).astype(np.float32)
     from server.compressors import PCACompressor
-    from sim.codecs import one_hot
+    from task.codecs import one_hot
 
     reference = one_hot(tiny_prepared.labels(tiny_split.public_reference), 4)
     codec = PCACompressor(n_components=3, sensitivity_mode="clip", clip=1.0).fit(reference).state()
@@ -134,7 +134,7 @@ def test_evaluate_replies_scalars_only(node, tiny_prepared, tiny_split):
 def test_nested_messages_travel_as_json_and_arrays_without_pickle():
     """The secure sum's messages: bytes become uint8 arrays, arrays stay arrays (dtype and shape), tuples
     become lists; what cannot travel, or a reference to a missing array, is an error."""
-    from sim.flower_wire import pack_nested, unpack_nested
+    from task.flower_wire import pack_nested, unpack_nested
 
     message = {"public_keys": {"h0": (b"\x00pk1", b""), "h1": (b"pk1", b"pk2")}, "masked": np.arange(5, dtype=np.int64),
                "codec": {"kind": np.array("pca"), "latent_dim": np.array(4)}, "ids": ["q-0", "q-1"],

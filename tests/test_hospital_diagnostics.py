@@ -8,9 +8,9 @@ import pytest
 
 from clients.hospital import Hospital
 from server.compressors import PCACompressor
-from sim import codecs
-from sim.errors import UserError
-from sim.presets import get_preset
+from task import codecs
+from task.errors import UserError
+from task.presets import get_preset
 
 PRESET = get_preset("tiny")
 

@@ -12,9 +12,9 @@ from clients.fedavg import local_dpsgd_round
 from clients.hospital import Hospital
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from sim.errors import UserError
-from sim.names import check_name_part, safe_name_part
-from sim.presets import get_preset
+from task.errors import UserError
+from task.names import check_name_part, safe_name_part
+from task.presets import get_preset
 
 PRESET = get_preset("tiny")
 

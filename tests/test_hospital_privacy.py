@@ -11,9 +11,9 @@ from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
-from sim import codecs
-from sim.errors import UserError
-from sim.presets import get_preset
+from task import codecs
+from task.errors import UserError
+from task.presets import get_preset
 
 GRID = (8, 8, 8)
 PRESET = get_preset("tiny")
@@ -205,7 +205,7 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
     from test_pate_run import FakePrepared, FakeSplit
 
     from sim.runners.inprocess import InProcessTransport
-    from sim.world import load_world
+    from task.world import load_world
     from server.pate import PateConfig, run_pate
 
     prepared = FakePrepared(24)
@@ -234,7 +234,7 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
 def test_a_hospital_without_its_teachers_refuses_a_query_and_its_ledger_is_unchanged(tmp_path):
     import torch
 
-    from sim.networks import build_unet
+    from task.networks import build_unet
 
     hospital = Hospital("h0", prepared=None, partitions=[["p0"], ["p1"]], preset=PRESET, workdir=tmp_path / "h0",
                         lifetime_epsilon=4.0, delta=1e-3)

@@ -11,7 +11,7 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import GaussianMechanism, make_generator
 from server.aggregation import aggregate_query
 from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
-from sim import codecs
+from task import codecs
 
 GRID = (4, 4, 4)
 

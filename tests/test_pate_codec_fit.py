@@ -4,11 +4,11 @@ public reference labels plus the public model's label maps of the public query s
 import numpy as np
 import pytest
 
-from sim import codecs
+from task import codecs
 
 
 def _world(rng, grid=(16, 16, 16), reference_is_query=False):
-    from sim.world import PublicWorld
+    from task.world import PublicWorld
 
     images = lambda n: rng.normal(size=(n, 4, *grid)).astype(np.float32)  # noqa: E731
     query = images(3)
@@ -23,7 +23,7 @@ def _world(rng, grid=(16, 16, 16), reference_is_query=False):
 def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **config):
     from server import pate
     from server.compressors import PCACompressor
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     seen = []
     original = PCACompressor.fit
@@ -38,14 +38,14 @@ def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **confi
 def public_model():
     import torch
 
-    from sim.networks import build_unet
+    from task.networks import build_unet
 
     torch.manual_seed(0)
     return build_unet("tiny").eval()
 
 
 def test_pca_fits_reference_labels_and_the_public_models_query_maps_only(monkeypatch, tmp_path, public_model):
-    from sim.training import predict_probs
+    from task.training import predict_probs
 
     rng = np.random.default_rng(0)
     world = _world(rng)

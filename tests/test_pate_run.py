@@ -1,4 +1,4 @@
-"""End-to-end in-process PATE on a synthetic world (sim.data.synthetic, not the phantoms): schema, ledger, budget."""
+"""End-to-end in-process PATE on a synthetic world (task.data.synthetic, not the phantoms): schema, ledger, budget."""
 
 import json
 from dataclasses import dataclass, field
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.data.synthetic import SyntheticPrepared as FakePrepared
-from sim.presets import get_preset
+from task.data.synthetic import SyntheticPrepared as FakePrepared
+from task.presets import get_preset
 
 SCHEMA = ["method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
           "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
@@ -89,8 +89,8 @@ def test_head_fit_decoder_and_voxel_head_student_run_end_to_end(world, tmp_path)
     """The quick preset's PATE (voxel-head teachers, 3 T1-Gd bins, the head-fit decoder, a voxel-head student) on the
     tiny world: the results name the decoder, the bundle holds the head on the public model, its card carries the
     ledger's epsilon."""
-    from sim.bundle import load_bundle
-    from sim.networks import VoxelHeadUNet
+    from task.bundle import load_bundle
+    from task.networks import VoxelHeadUNet
     from sim.runners.inprocess import run_pate_inprocess
 
     prepared, split, preset = world

@@ -16,7 +16,7 @@ from tests.test_pate_run import world  # noqa: F401  (the module-scoped syntheti
 def test_secure_pate_runs_and_the_server_sees_only_the_secure_sum(world, tmp_path):  # noqa: F811
     from server.pate import PateConfig, run_pate
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-    from sim.world import load_world
+    from task.world import load_world
 
     prepared, split, preset = world
     preset = preset.with_changes(codec=dict(anchored_intensity_bins=1, anchored_decoder="mass-matching"))
@@ -79,10 +79,10 @@ def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_
     batch; the survivors unmask without it (its pairwise masks rebuilt from their shares), that batch averages
     the four teachers left, and every charge counts 3 - 1 = 2 noise shares."""
     from server.pate import PateConfig, run_pate
-    from sim.data.synthetic import SyntheticPrepared
-    from sim.presets import get_preset
+    from task.data.synthetic import SyntheticPrepared
+    from task.presets import get_preset
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-    from sim.world import load_world
+    from task.world import load_world
     from tests.test_pate_run import FakeSplit
 
     prepared = SyntheticPrepared(28)

@@ -20,9 +20,9 @@ def model_run(tiny_prepared, tmp_path_factory):
     """A tiny U-Net trained briefly on the tiny phantoms (it must predict some tumour of every class)."""
     import torch
 
-    from sim.bundle import preprocessing_of, privacy_card, save_bundle
-    from sim.networks import build_unet, network_config
-    from sim.training import TrainConfig, train_segmentation
+    from task.bundle import preprocessing_of, privacy_card, save_bundle
+    from task.networks import build_unet, network_config
+    from task.training import TrainConfig, train_segmentation
 
     torch.manual_seed(0)
     model = train_segmentation(build_unet("tiny"), tiny_prepared.images(), tiny_prepared.labels(),
@@ -39,7 +39,7 @@ def model_run(tiny_prepared, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_msd(tiny_phantoms, tmp_path_factory):
     """Two cases of the tiny phantoms as their own MSD folder, and the same two in both BraTS layouts."""
-    from sim.data.brats import convert_msd_folder
+    from task.data.brats import convert_msd_folder
 
     root = tmp_path_factory.mktemp("small")
     meta = json.loads((tiny_phantoms / "dataset.json").read_text())
@@ -63,7 +63,7 @@ def _labels(path):
 
 
 def test_a_case_folder_and_its_files_segment_like_the_4d_scan(model_run, small_msd, tmp_path, capsys):
-    from sim.data.layouts import to_ours
+    from task.data.layouts import to_ours
 
     scan = small_msd / "msd" / "imagesTr" / "BRATS_001.nii.gz"
     assert main(["predict", "--model", str(model_run), "--image", str(scan), "--out", str(tmp_path / "msd"),
@@ -122,7 +122,7 @@ def test_a_case_folder_missing_a_modality_names_the_file(model_run, small_msd, t
 
 
 def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd, tmp_path):
-    from sim.predict import evaluate_scans
+    from task.predict import evaluate_scans
 
     msd = evaluate_scans(model_run, small_msd / "msd", progress=False)
     for layout in ("brats2021", "brats2023"):

@@ -1,4 +1,4 @@
-"""The typed recipe (sim.presets): immutable presets, variants by with_changes, one-line errors naming the
+"""The typed recipe (task.presets): immutable presets, variants by with_changes, one-line errors naming the
 setting, the option enums' lookup listing the choices, and the run config derived from RunSettings' fields."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from privacy.errors import PrivacyError
 from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.options import look_up_option as privacy_look_up
-from sim.errors import UserError
-from sim.options import Decoder, PcaMode, PublicStart, SplitScheme, Trainable, look_up_option
-from sim.presets import (PRESETS, Codec, DpFedAvg, DpSetting, DpSgd, Federation, Preset, SelfTraining, Student,
+from task.errors import UserError
+from task.options import Decoder, PcaMode, PublicStart, SplitScheme, Trainable, look_up_option
+from task.presets import (PRESETS, Codec, DpFedAvg, DpSetting, DpSgd, Federation, Preset, SelfTraining, Student,
                          Teachers, World, get_preset, preset_reference)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_the_defaults_live_in_the_groups():
 
 
 def test_the_run_config_is_derived_from_the_run_settings_fields():
-    from sim.runconfig import RunSettings, run_config_keys
+    from task.runconfig import RunSettings, run_config_keys
 
     app_config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert list(app_config) and set(app_config) == set(run_config_keys())
@@ -163,7 +163,7 @@ def test_the_cli_offers_exactly_the_enums_choices():
     import argparse
 
     from sim.commands import central as command
-    from sim.dpsgd import SCHEDULE_FAMILIES, schedule_family
+    from task.dpsgd import SCHEDULE_FAMILIES, schedule_family
 
     parser = argparse.ArgumentParser()
     command.register(parser.add_subparsers())

@@ -74,7 +74,7 @@ def test_two_cells_of_one_comparison_never_share_a_noise_draw(tiny_prepared, tin
     """The demo's eps=1 and eps=8 PATE cells used to draw the same noise (PCG64(seed) each): with the two
     answers the noise-free mean followed by elimination. Now each cell (and each query) has its own stream,
     even with --reproducible-noise and the same seed."""
-    from sim.runconfig import RunSettings
+    from task.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     tiny_split.to_json(tmp_path / "split.json")
@@ -104,8 +104,8 @@ def test_deployment_refuses_seeded_noise():
     """The ServerApp refuses --reproducible-noise as soon as one hospital is a deployed node, and so do the
     deployment helpers; simulated nodes may use it."""
     from server.server_app import refuse_seeded_noise_in_deployment
-    from sim.errors import UserError
-    from sim.runconfig import RunSettings
+    from task.errors import UserError
+    from task.runconfig import RunSettings
     from sim.deployment.fedpate_local import run_local_deployment
 
     seeded = RunSettings.from_run_config({"reproducible-noise": True})
@@ -123,7 +123,7 @@ def test_deployment_refuses_seeded_noise():
 def test_deployed_hospital_refuses_seeded_local_dpsgd(tmp_path):
     """DP-FedAvg's local DP-SGD: a deployed hospital never draws seeded noise, whatever the server asks."""
     from clients.fedavg import local_dpsgd_round
-    from sim.errors import UserError
+    from task.errors import UserError
 
     class Deployed:
         hospital_id, deployed, partitions, workdir = "h0", True, [["a"]], tmp_path
@@ -141,7 +141,7 @@ class _Stub:
 
     @property
     def preset(self):
-        from sim.presets import get_preset
+        from task.presets import get_preset
 
         return get_preset("tiny")
 

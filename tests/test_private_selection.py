@@ -1,5 +1,5 @@
 """Private selection (Papernot & Steinke 2022, arXiv 2110.03620): RepeatAndSelectEvent, its accounting, and
-sim.selection's mechanism."""
+task.selection's mechanism."""
 
 from __future__ import annotations
 
@@ -150,8 +150,8 @@ def test_covered_guard_records_nothing_and_refuses_what_is_not_covered():
 
 # ------------------------------------------------------------------------------------ the mechanism (sim/)
 def _selection(guard, noise, *, scores, calls, settings=None, seed=0, config=None):
-    from sim.dpsgd import steps_per_epoch
-    from sim.selection import SelectionConfig, run_private_selection
+    from task.dpsgd import steps_per_epoch
+    from task.selection import SelectionConfig, run_private_selection
 
     settings = settings or [{"learning_rate": 1e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 2},
                             {"learning_rate": 3e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 1}]
@@ -233,7 +233,7 @@ def test_the_public_model_unchanged_can_win_and_only_one_event_is_recorded():
 def test_noisy_score_sensitivity_on_a_worst_case_replace_one_pair():
     """Held-out patient p replaced by one whose Dice goes from 0 to 1 (everything else equal, same noise
     draw): the score moves by exactly 1/n, the sensitivity charged; undefined Dice counts as 0."""
-    from sim.selection import noisy_mean_score
+    from task.selection import noisy_mean_score
 
     n = 7
     before = [0.3, None, 0.9, 0.1, 0.5, 0.2, 0.0]
@@ -271,7 +271,7 @@ def test_reproducible_noise_repeats_secure_noise_does_not():
 
 
 def test_repetition_distribution_has_the_charged_mean():
-    from sim.selection import repetition_pmf
+    from task.selection import repetition_pmf
 
     for shape in (0.0, 0.5, 1.0, 2.0, None):
         ks = range(0 if shape is None else 1, 400)
@@ -282,7 +282,7 @@ def test_repetition_distribution_has_the_charged_mean():
 
 
 def test_selection_refuses_mixed_batches_and_add_remove():
-    from sim.errors import UserError
+    from task.errors import UserError
 
     settings = [{"learning_rate": 1e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 2},
                 {"learning_rate": 3e-3, "max_grad_norm": 1.0, "batch_size": 8, "epochs": 1}]
@@ -298,8 +298,8 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
     import torch
 
     import sim.runners.central as central
-    from sim.networks import build_unet
-    from sim.selection import SelectionConfig
+    from task.networks import build_unet
+    from task.selection import SelectionConfig
     from synthetic_worlds import pooled_world
 
     def fixed_public_start(preset, **kwargs):
@@ -332,7 +332,7 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
 
 def test_private_selection_is_refused_inside_a_comparisons_hospital_ledgers(tmp_path):
     import sim.runners.central as central
-    from sim.errors import UserError
+    from task.errors import UserError
 
     with pytest.raises(UserError, match="not inside a comparison"):
         central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path, selection="private",
@@ -346,7 +346,7 @@ def _tiny_selection_world(monkeypatch):
     import torch
 
     import sim.runners.central as central
-    from sim.networks import build_unet
+    from task.networks import build_unet
     from synthetic_worlds import pooled_world
 
     def fixed_public_start(preset, **kwargs):
@@ -397,7 +397,7 @@ def test_two_selections_with_different_repetitions_cannot_be_told_apart(tmp_path
     every file and folder of a run has one modification time."""
     import warnings
 
-    import sim.selection as selection
+    import task.selection as selection
     from sim.cli import main
 
     central = _tiny_selection_world(monkeypatch)

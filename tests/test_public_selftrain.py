@@ -32,9 +32,9 @@ def test_sharpen_is_a_renormalised_power_of_the_probabilities():
 def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path, monkeypatch, tiny_prepared,
                                                                        tiny_split):
     import sim.runners.selftrain as selftrain
-    from sim.data.preprocess import PreparedDataset
-    from sim.methods import SEGMENTATION_METHODS, method
-    from sim.presets import get_preset
+    from task.data.preprocess import PreparedDataset
+    from task.methods import SEGMENTATION_METHODS, method
+    from task.presets import get_preset
 
     assert "public-selftrain" in SEGMENTATION_METHODS and not method("public-selftrain").private
     assert method("public-selftrain").role == "floor"
@@ -77,7 +77,7 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
     assert len(scores) == 2 and record["validation_dice_mean"] == scores[chosen - 1] == max(scores)
     assert len(record["dice_per_case"]) == len(tiny_split.test)
     assert set(record["dice_per_case_class"]) == {"1", "2", "3", "WT", "TC", "ET"}
-    from sim.bundle import load_bundle
+    from task.bundle import load_bundle
 
     assert "no privacy cost" in (out / "model" / "MODEL_CARD.md").read_text()
     load_bundle(out)   # a verifiable bundle (its card agrees with its empty ledger)
@@ -90,7 +90,7 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
     import dataclasses
 
     import sim.runners.selftrain as selftrain
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     reference_is_query = dataclasses.replace(tiny_split, public_reference=[], reference_is_query=True)
     monkeypatch.setattr(selftrain, "build_world",
@@ -102,7 +102,7 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
     assert "query scans' labels" in said and "never read" not in said
     assert "query scans' labels" in (tmp_path / "cell" / "model" / "MODEL_CARD.md").read_text()
     # with a separate reference set (the tiny preset's own split) it says the query labels were not read
-    from sim.world import load_world
+    from task.world import load_world
 
     assert "never read" in selftrain.labels_used(load_world(tiny_prepared, tiny_split, with_query_labels=False))
 
@@ -115,8 +115,8 @@ def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resume
     import torch
 
     from server.selftrain import selftrain_checkpoints, train_public_models
-    from sim.presets import get_preset
-    from sim.world import load_world
+    from task.presets import get_preset
+    from task.world import load_world
 
     world = load_world(tiny_prepared, tiny_split, with_query_labels=False)
     preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
@@ -135,7 +135,7 @@ def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resume
 
 
 def test_an_unknown_public_start_is_refused_in_one_line_listing_the_choices():
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     with pytest.raises(ValueError, match=r"^public_start: unknown value 'selftrained'; expected one of reference, "
                                          r"self-trained$"):

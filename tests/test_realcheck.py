@@ -1,4 +1,4 @@
-"""The real-scan check (sim.realcheck, sim.report_real): every released model scored on labelled real cases.
+"""The real-scan check (task.realcheck, sim.report_real): every released model scored on labelled real cases.
 
 Most tests write small synthetic cases in the BraTS layouts with nibabel, so they run everywhere; one test
 uses the real development case when it is there (FEDPATE_REAL_DEV, else the folder CI lays out beside the
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.errors import UserError
+from task.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def synthetic_case(seed: int = 0, shape=(40, 44, 36)):
 
 
 def write_cases(folder: Path, layout: str, count: int = 1, seed: int = 0) -> Path:
-    from sim.data.brats import write_case
+    from task.data.brats import write_case
 
     for index in range(count):
         image, label = synthetic_case(seed + index)
@@ -49,7 +49,7 @@ def write_cases(folder: Path, layout: str, count: int = 1, seed: int = 0) -> Pat
 def tiny_model():
     import torch
 
-    from sim.networks import build_unet
+    from task.networks import build_unet
 
     torch.manual_seed(0)
     return build_unet("tiny").eval()
@@ -57,10 +57,10 @@ def tiny_model():
 
 # ------------------------------------------------------------------------------------------ folders
 def test_bad_folders_are_one_line_errors_naming_the_option_and_the_folder(tmp_path):
-    from sim.realcheck import open_check
+    from task.realcheck import open_check
 
     unlabelled = tmp_path / "unlabelled"
-    from sim.data.brats import write_case
+    from task.data.brats import write_case
 
     image, _ = synthetic_case()
     write_case(unlabelled, "Case000", image, None, np.eye(4), "brats2023")
@@ -79,7 +79,7 @@ def test_bad_folders_are_one_line_errors_naming_the_option_and_the_folder(tmp_pa
 
 
 def test_cases_of_every_layout_and_a_lone_case_folder_are_read_and_a_readme_beside_them_ignored(tmp_path):
-    from sim.realcheck import open_check
+    from task.realcheck import open_check
 
     write_cases(tmp_path / "b21", "brats2021", count=2)
     write_cases(tmp_path / "b23", "brats2023")
@@ -93,11 +93,11 @@ def test_cases_of_every_layout_and_a_lone_case_folder_are_read_and_a_readme_besi
 def test_scores_equal_evaluate_in_each_case_own_grid_whatever_the_layout(tmp_path, tiny_model):
     """The check scores as `fedpate evaluate` does (segment_scan in the scan's grid, Dice in our classes): the
     same numbers, and the same for a case in BraTS 2021 codes (ET = 4) as in BraTS 2023 codes (ET = 3)."""
-    from sim.data.msd import load_case
-    from sim.data.preprocess import PreprocessConfig
-    from sim.metrics import per_case_dice, summarise
-    from sim.predict import segment_scan
-    from sim.realcheck import open_check, score_model
+    from task.data.msd import load_case
+    from task.data.preprocess import PreprocessConfig
+    from task.metrics import per_case_dice, summarise
+    from task.predict import segment_scan
+    from task.realcheck import open_check, score_model
 
     check = open_check([write_cases(tmp_path / "b21", "brats2021"), write_cases(tmp_path / "b23", "brats2023")],
                        cache_dir=tmp_path / "cache")
@@ -112,8 +112,8 @@ def test_scores_equal_evaluate_in_each_case_own_grid_whatever_the_layout(tmp_pat
 
 
 def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model, monkeypatch):
-    from sim import realcheck
-    from sim.data.preprocess import PreprocessConfig
+    from task import realcheck
+    from task.data.preprocess import PreprocessConfig
 
     check = realcheck.open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=tmp_path / "cache")
     config = PreprocessConfig(grid=(16, 16, 16))
@@ -132,10 +132,10 @@ def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model,
 
 
 def test_write_run_stores_the_check_in_results_and_cells_csv_only_while_active(tmp_path, tiny_model):
-    from sim.data.preprocess import PreprocessConfig
-    from sim.realcheck import open_check, scoring
+    from task.data.preprocess import PreprocessConfig
+    from task.realcheck import open_check, scoring
     from sim.report import cells_to_csv, load_cells
-    from sim.results import ModelRelease, RunResults, write_run
+    from task.results import ModelRelease, RunResults, write_run
 
     check = open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=None)
     preprocessing = {"grid": [16, 16, 16], "config": PreprocessConfig(grid=(16, 16, 16)).to_dict()}
@@ -159,8 +159,8 @@ def test_write_run_stores_the_check_in_results_and_cells_csv_only_while_active(t
 
 
 def test_a_failed_scoring_keeps_the_model_and_says_why(tmp_path, tiny_model, monkeypatch, capsys):
-    from sim import realcheck
-    from sim.realcheck import open_check, scoring
+    from task import realcheck
+    from task.realcheck import open_check, scoring
 
     check = open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=None)
 
@@ -295,8 +295,8 @@ def real_dev_folder() -> Path | None:
 
 @pytest.mark.skipif(real_dev_folder() is None, reason="no real development case (FEDPATE_REAL_DEV)")
 def test_the_real_development_case_is_read_in_its_own_grid_and_scored(tmp_path, tiny_model):
-    from sim.data.preprocess import PreprocessConfig
-    from sim.realcheck import open_check, score_model
+    from task.data.preprocess import PreprocessConfig
+    from task.realcheck import open_check, score_model
 
     check = open_check([real_dev_folder()], cache_dir=tmp_path)
     assert check.cases and {c.layout for c in check.cases} <= {"msd", "brats2021", "brats2023"}
@@ -307,10 +307,10 @@ def test_the_real_development_case_is_read_in_its_own_grid_and_scored(tmp_path, 
 
 
 def test_counted_dice_and_the_class_argmax_agree_with_monai_and_numpy():
-    """The real-scan check's fast paths give the one metric's numbers (sim.metrics.per_case_dice, MONAI) and
+    """The real-scan check's fast paths give the one metric's numbers (task.metrics.per_case_dice, MONAI) and
     numpy's argmax, ties included, on label maps with empty classes and both-empty cases."""
-    from sim.metrics import per_case_dice, per_case_dice_counted
-    from sim.predict import class_argmax
+    from task.metrics import per_case_dice, per_case_dice_counted
+    from task.predict import class_argmax
 
     rng = np.random.default_rng(3)
     pred = rng.integers(0, 4, (4, 9, 8, 7)).astype(np.uint8)

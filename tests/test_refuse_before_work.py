@@ -15,13 +15,13 @@ from privacy.mechanisms import NoiseSource
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail the test as soon as a command starts work: every command resolves its device first."""
-    import sim.device
+    import task.device
     import sim.runners.central as central
 
     def started(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(sim.device, "resolve_device", started)
+    monkeypatch.setattr(task.device, "resolve_device", started)
     monkeypatch.setattr(central, "load_central_data", started)
     monkeypatch.setattr(central, "public_start", started)
 
@@ -94,9 +94,9 @@ def test_a_bad_combination_is_refused_before_any_work_naming_its_flag(tmp_path, 
 
 def test_the_config_refuses_what_the_command_line_would(tmp_path):
     """Scripts and the comparison runner build CentralConfig directly: the same checks, the same flag names."""
-    from sim.errors import UserError
+    from task.errors import UserError
     from sim.runners.central import CentralConfig
-    from sim.selection import SelectionConfig
+    from task.selection import SelectionConfig
 
     for options, flag in (({"epsilon": 0.0}, "--epsilon"), ({"delta": 2.0}, "--delta"), ({"seed": -1}, "--seed"),
                           ({"epochs": 0}, "--epochs"), ({"max_grad_norm": 0.0}, "--max-grad-norm"),
@@ -114,8 +114,8 @@ def test_selection_mean_one_is_refused_before_the_charge():
     from test_private_selection import _inner, _selection
 
     from privacy.events import RepeatAndSelectEvent
-    from sim.errors import UserError
-    from sim.selection import SelectionConfig
+    from task.errors import UserError
+    from task.selection import SelectionConfig
 
     for shape in (1.0, 0.0, 0.5):
         ledger = Ledger(None)
@@ -133,7 +133,7 @@ def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_mode
     """The selection's plan needs only the pooled patients' count: a score noise too small for the budget (the
     default 0.05 with one held-out patient) is refused before the public model is trained or the ledger made."""
     import sim.runners.central as central
-    from sim.errors import UserError
+    from task.errors import UserError
     from synthetic_worlds import pooled_world
 
     def started(*args, **kwargs):

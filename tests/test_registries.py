@@ -10,9 +10,9 @@ import pytest
 
 from privacy import sensitivity as sens
 from server.compressors import Compressor, register_compressor, unregister_compressor
-from sim import codecs
+from task import codecs
 from sim.cli import main
-from sim.methods import Method, method, names, register_method, unregister_method
+from task.methods import Method, method, names, register_method, unregister_method
 from sim.runners.cells import register_cell_runner, run_floor, run_public_only, unregister_cell_runner
 
 

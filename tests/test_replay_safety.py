@@ -12,10 +12,10 @@ from clients.hospital import Hospital
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from server.compressors import PCACompressor
-from sim import codecs
-from sim.errors import UserError
-from sim.networks import build_unet
-from sim.presets import get_preset
+from task import codecs
+from task.errors import UserError
+from task.networks import build_unet
+from task.presets import get_preset
 
 PRESET = get_preset("tiny")
 GRID = (16, 16, 16)

@@ -9,8 +9,8 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.aggregation import aggregate_query
 from server.compressors import PCACompressor
-from sim import codecs
-from sim.dpsgd import DPConfig, DPSession
+from task import codecs
+from task.dpsgd import DPConfig, DPSession
 
 
 def _aggregate(noise, release_id: str, stream: str) -> np.ndarray:

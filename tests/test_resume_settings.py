@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.errors import UserError
+from task.errors import UserError
 from sim.runners.compare import CompareConfig, run_compare, run_compare_seeds
 
 
@@ -129,7 +129,7 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
     from privacy.events import GaussianEvent
     from privacy.ledger import Ledger
     from server.dpfedavg import run_dpfedavg
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     (tmp_path / "run").mkdir()
     Ledger(tmp_path / "run" / "ledger.jsonl").record(["hospital-0"], GaussianEvent(sensitivity=1.0, sigma=1.0),

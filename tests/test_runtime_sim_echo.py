@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sim.errors import UserError
+from task.errors import UserError
 from sim.deployment.local import write_echo_app
 from sim.deployment.processes import pid_alive, start_time
 from sim.deployment.runtime_simulation import run_runtime_simulation, simulation_federation_config

@@ -15,8 +15,8 @@ from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from server.compressors import PCACompressor
 from server.secure import secure_sum
-from sim import codecs
-from sim.presets import get_preset
+from task import codecs
+from task.presets import get_preset
 
 GRID = (8, 8, 8)
 PRESET = get_preset("tiny")
@@ -154,7 +154,7 @@ def test_more_dropouts_than_counted_leave_the_sum_masked(tmp_path):
 
 
 def test_a_hospital_without_teachers_refuses_before_it_is_charged(tmp_path):
-    from sim.errors import UserError
+    from task.errors import UserError
 
     hospitals, exchange, config = _world(tmp_path)
     untrained = Hospital("h9", prepared=None, partitions=[["p0"]], preset=PRESET, workdir=tmp_path / "h9",

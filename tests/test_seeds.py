@@ -149,7 +149,7 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
 
 def test_one_seed_is_the_single_seed_comparison_and_reproducible_noise_takes_one_seed(tmp_path, monkeypatch):
     import sim.runners.compare as compare
-    from sim.errors import UserError
+    from task.errors import UserError
 
     seen = []
     monkeypatch.setattr(compare, "run_compare", lambda config: seen.append(config) or "report")
@@ -231,8 +231,8 @@ def test_per_class_headroom_matches_a_hand_computation(tmp_path):
 def test_per_case_class_dice_is_none_where_the_truth_lacks_the_class():
     """What the per-class headroom pairs: a false positive on a case without the class says nothing about
     whether the class was learned, so that case is left out (None), not scored 0."""
-    from sim.metrics import DiceAccumulator
-    from sim.training import PerCaseDice, per_class_of
+    from task.metrics import DiceAccumulator
+    from task.training import PerCaseDice, per_class_of
 
     truth = np.zeros((3, 4, 4, 4), int)
     pred = truth.copy()

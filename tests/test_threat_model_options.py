@@ -7,7 +7,7 @@ import pytest
 
 
 def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hospitals():
-    from sim.runconfig import RunSettings
+    from task.runconfig import RunSettings
 
     settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=2, secure_threshold=4)
     assert settings.threat_model == {"colluders": 1, "dropouts": 2, "threshold": 4}
@@ -21,8 +21,8 @@ def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hos
 
 @pytest.mark.parametrize("field", ["secure_colluders", "secure_dropouts", "secure_threshold"])
 def test_a_negative_threat_setting_is_refused_in_one_line(field):
-    from sim.errors import UserError
-    from sim.runconfig import RunSettings
+    from task.errors import UserError
+    from task.runconfig import RunSettings
 
     with pytest.raises(UserError, match=rf"^{field.replace('_', '-')}: expected a non-negative integer, got -1$"):
         RunSettings(method="pate-anchored-secure", **{field: -1})
@@ -30,7 +30,7 @@ def test_a_negative_threat_setting_is_refused_in_one_line(field):
 
 def test_both_secure_protocols_receive_the_declared_threat_model(monkeypatch, tmp_path):
     import server.protocols as protocols
-    from sim.runconfig import Cell, RunSettings
+    from task.runconfig import Cell, RunSettings
 
     seen = {}
     monkeypatch.setattr(protocols, "run_pate", lambda transport, world, preset, config, out, noise: seen.update(

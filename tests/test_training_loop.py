@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sim.networks import build_unet
-from sim.training import (TrainConfig, evaluate_segmentation, per_sample_loss, predict_probs,
+from task.networks import build_unet
+from task.training import (TrainConfig, evaluate_segmentation, per_sample_loss, predict_probs,
                           train_segmentation)
 
 
@@ -89,7 +89,7 @@ def test_resume_continues_identically(tmp_path):
 
 
 def test_augmentation_is_used_and_seeded():
-    pytest.importorskip("sim.data.augment")
+    pytest.importorskip("task.data.augment")
     x, y = _data()
 
     def run(augment, seed=0):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from sim.metrics import DICE_KEYS, DiceAccumulator, dice_scores
+from task.metrics import DICE_KEYS, DiceAccumulator, dice_scores
 
 
 def _case():
@@ -95,7 +95,7 @@ def test_float_predictions_are_rejected():
 
 
 def test_case_means_are_each_cases_mean_over_its_valid_classes():
-    from sim.metrics import DiceAccumulator
+    from task.metrics import DiceAccumulator
 
     truth = np.zeros((3, 4, 4, 4), np.int64)
     pred = np.zeros_like(truth)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from opacus.validators import ModuleValidator
 
-from sim.errors import UserError
-from sim.networks import UNET_PRESETS, build_unet, build_unet_from_config, min_grid_divisor, network_config
+from task.errors import UserError
+from task.networks import UNET_PRESETS, build_unet, build_unet_from_config, min_grid_divisor, network_config
 
 
 @pytest.mark.parametrize("preset", sorted(UNET_PRESETS))

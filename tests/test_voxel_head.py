@@ -1,4 +1,4 @@
-"""The voxel head (``sim.networks.VoxelHeadUNet``): a small per-voxel correction of the public
+"""The voxel head (``task.networks.VoxelHeadUNet``): a small per-voxel correction of the public
 model's logits from those logits and the scan, the only weights DP fine-tuning trains under ``trainable="voxel-head"``."""
 
 import json
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from sim.dpsgd import DPConfig
-from sim.errors import UserError
-from sim.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
+from task.dpsgd import DPConfig
+from task.errors import UserError
+from task.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
                           load_start_weights, network_config, network_config_of, trainable_parameter_names)
-from sim.training import TrainConfig, train_segmentation
+from task.training import TrainConfig, train_segmentation
 
 
 def _data(n=4, grid=(16, 16, 16), seed=0):
@@ -95,7 +95,7 @@ def test_central_dpsgd_releases_a_voxel_head_bundle(tmp_path, monkeypatch):
     """run_central with the lever: the bundle holds the head, its card the ledger's epsilon, and the U-Net under it
     is the public start."""
     import sim.runners.central as central
-    from sim.bundle import load_bundle
+    from task.bundle import load_bundle
 
     from synthetic_worlds import pooled_world
 
@@ -119,7 +119,7 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital
     from server.dpfedavg import dpfedavg_settings
-    from sim.presets import DpSetting, get_preset
+    from task.presets import DpSetting, get_preset
 
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **kw: 3.0)  # skip the PLD search
     plan_noise_multiplier.cache_clear()
@@ -148,7 +148,7 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
 
     from clients.hospital import Hospital
     from server.pate import teacher_training
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     images, labels = _data(4)
     index = {case: i for i, case in enumerate("abcd")}
@@ -176,11 +176,11 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
 
 
 def test_the_central_command_offers_exactly_the_trainable_sets():
-    """The CLI spells the sets itself (it must not import torch); this keeps it in step with sim.networks."""
+    """The CLI spells the sets itself (it must not import torch); this keeps it in step with task.networks."""
     import argparse
 
     from sim.commands import central as command
-    from sim.networks import TRAINABLE_SETS
+    from task.networks import TRAINABLE_SETS
 
     parser = argparse.ArgumentParser()
     command.register(parser.add_subparsers())
@@ -196,8 +196,8 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
 
     from server.pate import student_training
     from server.student import train_student
-    from sim.codecs import one_hot
-    from sim.presets import get_preset
+    from task.codecs import one_hot
+    from task.presets import get_preset
 
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
@@ -222,9 +222,9 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
 
     from server.pate import student_training
     from server.student import train_student
-    from sim.codecs import one_hot
-    from sim.networks import VOXEL_HEAD_AND_UNET
-    from sim.presets import get_preset
+    from task.codecs import one_hot
+    from task.networks import VOXEL_HEAD_AND_UNET
+    from task.presets import get_preset
 
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])

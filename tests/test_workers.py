@@ -7,7 +7,7 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
-from sim.errors import UserError
+from task.errors import UserError
 from sim.runners import compare
 from sim.runners.compare import CompareConfig, spread_over_workers
 
@@ -78,7 +78,7 @@ def test_two_workers_run_the_cells_one_process_runs(tmp_path, monkeypatch):
 
 def test_a_method_registered_at_run_time_keeps_every_cell_in_this_process(tmp_path, monkeypatch, capsys):
     """Worker processes are fresh interpreters that would not know it: no worker is started."""
-    from sim.methods import Method, register_method, unregister_method
+    from task.methods import Method, register_method, unregister_method
 
     ran = []
     monkeypatch.setattr(compare, "_run_cells", lambda config, lifetime, ledger_dir: ran.append(config.methods))

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from sim.data.partitions import PUBLIC_SOURCE, make_split
-from sim.data.preprocess import combine_prepared
-from sim.errors import UserError
-from sim.presets import get_preset
-from sim.world import PUBLIC_PHANTOM_SEED, PUBLIC_PREFIX, build_world, describe_world
+from task.data.partitions import PUBLIC_SOURCE, make_split
+from task.data.preprocess import combine_prepared
+from task.errors import UserError
+from task.presets import get_preset
+from task.world import PUBLIC_PHANTOM_SEED, PUBLIC_PREFIX, build_world, describe_world
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,8 @@ def test_report_opens_with_the_world_and_its_headroom(tiny_world, tmp_path):
 
 
 def test_combined_shift_names_move_each_named_factor():
-    from sim.data.errors import DataError
-    from sim.data.phantoms import make_case, shift_parts
+    from task.data.errors import DataError
+    from task.data.phantoms import make_case, shift_parts
 
     assert shift_parts("scanner+lesions") == {"scanner", "lesions"}
     for bad in ("scanner+scanner", "scanner+nothing", "all+lesions"):

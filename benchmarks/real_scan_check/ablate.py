@@ -32,6 +32,8 @@ def generator(name: str, scratch: Path):
     if name == "v2code":
         source = subprocess.run(["git", "-C", str(ROOT), "show", f"{V2_COMMIT}:sim/data/phantoms.py"],
                                 check=True, capture_output=True, text=True).stdout
+        # that commit's generator imports the core modules under their old package name (sim.), now task.
+        source = source.replace("from sim.", "from task.")
         path = scratch / "phantoms_v2.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location("phantoms_v2", path)
@@ -39,7 +41,7 @@ def generator(name: str, scratch: Path):
         sys.modules["phantoms_v2"] = module          # dataclasses look their module up while it executes
         spec.loader.exec_module(module)
         return module
-    import sim.data.phantoms as ph
+    import task.data.phantoms as ph
 
     off = {"all_off": {"vessels", "enhancement", "contrast", "solid", "oedema"},
            "no_vessels": {"vessels"}, "fixed_enhancement": {"enhancement"}, "no_healthy_contrast": {"contrast"},
@@ -67,7 +69,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/real-scan-ablations"))
     args = parser.parse_args()
 
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
+    from task.data.preprocess import PreprocessConfig, prepare_dataset
 
     out = args.out / f"{args.name}-s{args.seed}"
     shutil.rmtree(out, ignore_errors=True)

@@ -5,7 +5,7 @@ The only real brain-tumour MRI reachable from these machines' registries is 3D S
 archive on PyPI. This script skull-strips them (nilearn's MNI152 brain placed with dipy, refined by
 intensity; or, with ``--colin``, the Colin27 atlas from Debian's mricron-data alone), trains a T1-Gd-only
 phantom model (the scans have no other sequence), segments the scans exactly as ``fedpate predict`` does
-(:func:`sim.predict.segment_scan`), and scores the result against the label. Nothing here downloads;
+(:func:`task.predict.segment_scan`), and scores the result against the label. Nothing here downloads;
 fetch the inputs first (see README.md in this folder).
 
 Run: ``PYTHONPATH=/tmp/realcheck/site .venv/bin/python benchmarks/real_scan_check/run.py --qtim DIR --train CACHE``
@@ -144,10 +144,10 @@ def main() -> None:
     import torch
     from scipy import ndimage
 
-    from sim.data.preprocess import PreparedDataset, PreprocessConfig
-    from sim.networks import build_unet_from_config, network_config
-    from sim.predict import segment_scan
-    from sim.training import TrainConfig, train_segmentation
+    from task.data.preprocess import PreparedDataset, PreprocessConfig
+    from task.networks import build_unet_from_config, network_config
+    from task.predict import segment_scan
+    from task.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from sim.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
+from task.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
 
 
 def _argument_type(kind, accepts, expected: str):
@@ -80,7 +80,7 @@ def add_compute_options(parser: argparse.ArgumentParser) -> None:
 def resolved_device(args):
     """The ``torch.device`` of ``--device``, resolved before any work starts: asking for a GPU that is not
     there is refused in one line (exit 2) rather than discovered after minutes of data preparation."""
-    from sim.device import resolve_device
+    from task.device import resolve_device
 
     return resolve_device(args.device)
 
@@ -114,7 +114,7 @@ def threat_options(args) -> dict:
 def data_options(args) -> dict:
     """``layout`` / ``partition_file`` of the parsed options, checked (a layout or partition file without
     --data is a mistake, not something to ignore)."""
-    from sim.errors import UserError
+    from task.errors import UserError
 
     layout, partition_file = getattr(args, "layout", None), getattr(args, "partition_file", None)
     if (layout or partition_file) and not getattr(args, "data", None):
@@ -125,7 +125,7 @@ def data_options(args) -> dict:
 def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int | None:
     """With a partition file and no --hospitals, every partition is a hospital."""
     if partition_file and hospitals is None:
-        from sim.data.fets import count_partitions
+        from task.data.fets import count_partitions
 
         return count_partitions(partition_file)
     return hospitals
@@ -133,7 +133,7 @@ def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int 
 
 def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = False) -> None:
     """``--real-check DIR`` (repeatable): score every model the command trains on labelled real cases too
-    (``sim.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
+    (``task.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
     parser.add_argument("--real-check", action="append", default=None, metavar="DIR",
                         help="a folder of labelled real cases (MSD Task01, BraTS 2021 or BraTS 2023 case folders, or "
                              "one case folder); every model is also scored on them, in each case's own grid, beside "
@@ -142,9 +142,9 @@ def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = F
 
 
 def open_real_check(args, environment: bool = False):
-    """The :class:`sim.realcheck.RealCheck` of ``--real-check`` (or, with ``environment``, of FEDPATE_REAL_CHECK),
+    """The :class:`task.realcheck.RealCheck` of ``--real-check`` (or, with ``environment``, of FEDPATE_REAL_CHECK),
     its folders checked now, before anything trains; None when no folder is named."""
-    from sim.realcheck import ENVIRONMENT, folders_from_environment, open_check
+    from task.realcheck import ENVIRONMENT, folders_from_environment, open_check
 
     folders = getattr(args, "real_check", None) or []
     if folders or not environment:

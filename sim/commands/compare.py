@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
                                  resolved_device, threat_options)
-from sim.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
+from task.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 
 
 def register(subparsers) -> None:
@@ -50,11 +50,11 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, open_real_check, resolve_hospitals
-    from sim.io import ensure_folder
+    from task.io import ensure_folder
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
-        from sim.errors import UserError
+        from task.errors import UserError
 
         raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
                         f"e.g. --epsilons {args.epsilon:g}")
@@ -67,7 +67,7 @@ def run(args) -> int:
              if args.teachers_per_hospital else None)
     ensure_folder(args.out)
     if args.task != "segmentation":
-        from sim.errors import UserError
+        from task.errors import UserError
         from sim.runners.classification_compare import run_classification_compare
 
         if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:

@@ -1,6 +1,6 @@
 """``fedpate data phantoms|inspect|prepare|gallery`` -- make, check, preprocess and look at tumour data.
 
-Data problems raise :class:`sim.data.errors.DataError`; ``sim/cli.py`` prints them as one line and exits 2.
+Data problems raise :class:`task.data.errors.DataError`; ``sim/cli.py`` prints them as one line and exits 2.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ DESCRIPTION = ("Make, check, preprocess and look at tumour data: `phantoms` writ
 
 
 def register(subparsers) -> None:
-    from sim.data.layouts import LAYOUT_NAMES
-    from sim.data.shifts import SHIFT_HELP
+    from task.data.layouts import LAYOUT_NAMES
+    from task.data.shifts import SHIFT_HELP
 
     layout_help = ("data layout: msd (Task01 4D images), brats2021 (X/X_{flair,t1,t1ce,t2,seg}, FeTS 2022 too), "
                    "brats2023 (X/X-{t2f,t1n,t1c,t2w,seg}); default: detected from the folder")
@@ -71,7 +71,7 @@ def register(subparsers) -> None:
 
 
 def parse_grid(text: str) -> tuple[int, int, int]:
-    from sim.data.errors import DataError
+    from task.data.errors import DataError
 
     try:
         sizes = [int(v) for v in str(text).replace("x", ",").split(",") if v.strip()]
@@ -85,8 +85,8 @@ def parse_grid(text: str) -> tuple[int, int, int]:
 
 
 def _phantoms(args: argparse.Namespace) -> int:
-    from sim.data.phantoms import generate_phantoms
-    from sim.io import ensure_folder
+    from task.data.phantoms import generate_phantoms
+    from task.io import ensure_folder
 
     ensure_folder(args.out)
     start = time.perf_counter()
@@ -106,10 +106,10 @@ def _phantoms(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from sim.data.brats import skull_strip_warnings
-    from sim.data.layouts import CHANNELS, get_layout
-    from sim.data.msd import LABELS, load_case, validate_case
-    from sim.data.reader import read_dataset
+    from task.data.brats import skull_strip_warnings
+    from task.data.layouts import CHANNELS, get_layout
+    from task.data.msd import LABELS, load_case, validate_case
+    from task.data.reader import read_dataset
 
     dataset = read_dataset(args.dir, args.layout)
     layout = get_layout(dataset.layout)
@@ -162,8 +162,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from sim.data.preprocess import PreprocessConfig, prepare_dataset
-    from sim.io import ensure_folder
+    from task.data.preprocess import PreprocessConfig, prepare_dataset
+    from task.io import ensure_folder
 
     ensure_folder(args.out)
     start = time.perf_counter()
@@ -176,8 +176,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _gallery(args: argparse.Namespace) -> int:
-    from sim.data.gallery import render_gallery
-    from sim.io import ensure_file_folder
+    from task.data.gallery import render_gallery
+    from task.io import ensure_file_folder
 
     ensure_file_folder(args.out)
     out = render_gallery(args.dir, args.out, cases=max(1, args.cases), case_ids=args.case)

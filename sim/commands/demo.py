@@ -58,7 +58,7 @@ def register(subparsers) -> None:
 def choose_student(cells):
     """The PATE student to show, chosen on the PUBLIC validation set, never on the test set: the largest
     budget, then the best public validation Dice. None when no cell has a validation score."""
-    from sim.methods import family_of   # pure Python: the CLI start-up stays free of torch
+    from task.methods import family_of   # pure Python: the CLI start-up stays free of torch
 
     candidates = [c for c in cells if family_of(c.get("method")) == "pate" and c.get("validation_dice_mean") is not None]
     return max(candidates, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
@@ -68,13 +68,13 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from sim.predict import predict_scans
-    from sim.presets import get_preset
+    from task.predict import predict_scans
+    from task.presets import get_preset
     from sim.report import load_cells
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare
-    from sim.io import cache_root, ensure_folder
-    from sim.world import PHANTOM_SEED
-    from sim.data.phantoms import ensure_phantoms
+    from task.io import cache_root, ensure_folder
+    from task.world import PHANTOM_SEED
+    from task.data.phantoms import ensure_phantoms
 
     from sim.commands.common import open_real_check, resolved_device
 
@@ -115,7 +115,7 @@ def run(args) -> int:
 def real_check_summary(cells) -> list[str]:
     """The demo's closing lines on the real-scan check: each model's real WT / TC / ET Dice beside its phantom
     mean Dice (from the cells' results.json), or how to ask for the check."""
-    from sim.realcheck import ENVIRONMENT, REGIONS, real_dice
+    from task.realcheck import ENVIRONMENT, REGIONS, real_dice
     from sim.report_real import checked
 
     scored = checked(cells)

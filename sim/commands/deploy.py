@@ -15,8 +15,8 @@ import tomllib
 from pathlib import Path
 
 from sim.deployment.flower_cli import PROJECT_ROOT
-from sim.errors import UserError
-from sim.io import ensure_folder
+from task.errors import UserError
+from task.io import ensure_folder
 
 
 #: what ``fedpate deploy --help`` says (the module docstring is for readers of the code)
@@ -118,7 +118,7 @@ def _certs(args) -> int:
 def _commands(args) -> int:
     from sim.deployment.recipe import deployment_commands
 
-    from sim.device import check_device_spec
+    from task.device import check_device_spec
 
     device = check_device_spec(args.device) if args.device else None   # checked here, resolved on each hospital
     print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
@@ -129,7 +129,7 @@ def _commands(args) -> int:
 
 def _local(args) -> int:
     from sim.deployment.local import LocalDeployment, write_echo_app
-    from sim.presets import get_preset
+    from task.presets import get_preset
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -155,7 +155,7 @@ def _local(args) -> int:
         run_config[key] = _parse_value(value)
 
     if args.device or args.precision:
-        from sim.device import resolve_device
+        from task.device import resolve_device
 
         # everything runs on this machine: a GPU asked for and missing is refused before anything starts
         resolve_device(args.device or run_config.get("device") or "auto")
@@ -185,7 +185,7 @@ def _local(args) -> int:
 
 def _local_fedpate(args, out: Path, run_config: dict) -> int:
     """The real fedpate app on the preset's world: one MSD folder per hospital, exported from the world."""
-    from sim.runconfig import RunSettings
+    from task.runconfig import RunSettings
     from sim.deployment.fedpate_local import run_local_deployment
 
     config = {"hospitals": args.hospitals, **run_config}

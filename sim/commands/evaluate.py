@@ -30,9 +30,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.io import atomic_write_json, ensure_file_folder, ensure_folder
+    from task.io import atomic_write_json, ensure_file_folder, ensure_folder
     from sim.commands.common import resolved_device
-    from sim.predict import evaluate_scans
+    from task.predict import evaluate_scans
 
     device = resolved_device(args)
     if args.out:

@@ -30,10 +30,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.bundle import load_bundle
+    from task.bundle import load_bundle
     from sim.commands.common import resolved_device
-    from sim.io import ensure_folder
-    from sim.predict import predict_scans
+    from task.io import ensure_folder
+    from task.predict import predict_scans
 
     device = resolved_device(args)
     card = load_bundle(args.model).card

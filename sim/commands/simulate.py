@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_federation_options, add_real_check_option, add_run_options,
                                  add_threat_options, resolved_device)
-from sim.methods import FEDERATED_METHODS
+from task.methods import FEDERATED_METHODS
 
 
 def register(subparsers) -> None:
@@ -34,10 +34,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals, threat_options
-    from sim.errors import UserError
-    from sim.io import ensure_folder
-    from sim.realcheck import scoring
-    from sim.runconfig import RunSettings
+    from task.errors import UserError
+    from task.io import ensure_folder
+    from task.realcheck import scoring
+    from task.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     where = data_options(args)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from sim.errors import UserError
+from task.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: the supervisor is passed in by the callers
     from sim.deployment.processes import Supervisor

@@ -47,7 +47,7 @@ from sim.deployment.processes import (
     wait_for_port,
 )
 from sim.deployment.tls import DEFAULT_HOSTS, make_certificates, make_supernode_keys
-from sim.errors import UserError
+from task.errors import UserError
 
 CONNECTION = "fedpate-local"
 LOOPBACK = "127.0.0.1"

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from sim.deployment.flower_cli import FLOWER_ENV, config_string
-from sim.errors import UserError
-from sim.presets import get_preset
+from task.errors import UserError
+from task.presets import get_preset
 
 
 def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequence[tuple[str, str]],

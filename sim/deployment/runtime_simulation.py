@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from sim.errors import UserError
+from task.errors import UserError
 from sim.deployment.flower_cli import (
     FLOWER_ENV, RunStatus, config_string, flower_tool, flwr_run, write_flower_config,
 )

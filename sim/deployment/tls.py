@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from sim.errors import UserError
+from task.errors import UserError
 
 DEFAULT_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 CERT_DAYS = 365

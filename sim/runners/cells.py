@@ -1,9 +1,9 @@
 """How one non-federated cell of a comparison runs: a registry from a method record's ``runner`` key
-(``sim.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
+(``task.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
 batched into one simulation per K; everything here runs in this process.
 
 A runner takes the comparison's :class:`CompareContext` (what every cell of it shares, built once in
-``sim.runners.compare.run_compare``) and the :class:`sim.runconfig.Cell`, and writes the cell's folder
+``sim.runners.compare.run_compare``) and the :class:`task.runconfig.Cell`, and writes the cell's folder
 (results.json, ledger.jsonl, model bundle). ``register_cell_runner`` adds one.
 """
 
@@ -16,16 +16,16 @@ from typing import Callable
 
 from server.selftrain import train_public_models
 from server.student import train_public_model
-from sim.bundle import preprocessing_of
-from sim.device import device_name, model_device
-from sim.networks import network_config
-from sim.registry import Registry
-from sim.results import ModelRelease, RunResults, write_run
-from sim.runconfig import Cell
+from task.bundle import preprocessing_of
+from task.device import device_name, model_device
+from task.networks import network_config
+from task.registry import Registry
+from task.results import ModelRelease, RunResults, write_run
+from task.runconfig import Cell
 from sim.runners.central import CentralConfig, DPSGDOptions, run_central
 from sim.runners.selftrain import run_public_selftrain
-from sim.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
-from sim.world import build_world, load_world
+from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from task.world import build_world, load_world
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,12 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
     (``public-only.pt``, the baseline) -- the same calls ``server.pate`` makes.
 
     Args:
-        world: the comparison's :class:`sim.world.PublicWorld` (its public reference maps train both).
+        world: the comparison's :class:`task.world.PublicWorld` (its public reference maps train both).
         preset: the preset (network, public and student epochs).
         seed: the training seed.
         shared_dir: the folder of both checkpoints (a finished checkpoint is loaded, not retrained).
         progress: progress bars.
-        device / precision: where they train (``sim.device``) and whether forward passes run under bf16.
+        device / precision: where they train (``task.device``) and whether forward passes run under bf16.
     """
     shared_dir = Path(shared_dir)
     public = train_public_models(world, preset, seed=seed, progress=progress,
@@ -123,8 +123,8 @@ def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progre
         progress: progress bars.
         publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
         layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
-            partitions are the hospitals (``sim.world.build_world``; None = none).
-        device / precision: where the models train and are evaluated (``sim.device``; default auto) and whether
+            partitions are the hospitals (``task.world.build_world``; None = none).
+        device / precision: where the models train and are evaluated (``task.device``; default auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
     """
     started = time.perf_counter()

@@ -13,7 +13,7 @@ epsilon under the other relation where it is defined (``epsilon_add_remove`` / `
 
 Writes, in ``out``: ``results.json`` (docs/PRIVACY.md "Results", every field present, null where it does not apply),
 ``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
-``bundle.json``, card; see ``sim.bundle``; the only copy of the weights, covered by its digest) and
+``bundle.json``, card; see ``task.bundle``; the only copy of the weights, covered by its digest) and
 ``checkpoint/train.pt`` (resumed when the run is restarted in the same folder with the same settings, which
 ``central.json`` records; other settings are refused, :func:`record_central_settings`).
 """
@@ -37,28 +37,28 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.selftrain import start_description, train_public_models
-from sim.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
-from sim.device import check_precision, device_name, resolve_device
-from sim.errors import UserError
-from sim.io import atomic_write_bytes, atomic_write_json
-from sim.methods import CENTRAL_METHODS
-from sim.networks import build_unet, network_config, network_config_of
-from sim.options import Relation, Sampling, look_up_option
-from sim.presets import DpSetting, Preset, get_preset, preset_reference
+from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
+from task.device import check_precision, device_name, resolve_device
+from task.errors import UserError
+from task.io import atomic_write_bytes, atomic_write_json
+from task.methods import CENTRAL_METHODS
+from task.networks import build_unet, network_config, network_config_of
+from task.options import Relation, Sampling, look_up_option
+from task.presets import DpSetting, Preset, get_preset, preset_reference
 from sim.runners.resume import refuse_other_settings
-from sim.results import ModelRelease, RunResults, write_run
-from sim.selection import SELECTIONS, SelectionConfig, run_private_selection, split_and_plan, stamp_one_time
-from sim.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
+from task.results import ModelRelease, RunResults, write_run
+from task.selection import SELECTIONS, SelectionConfig, run_private_selection, split_and_plan, stamp_one_time
+from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation, trainable_of)
-from sim.world import build_world, load_world, pooled_private_data
+from task.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
 
 
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True,
                       **world) -> dict[str, Any]:
-    """The federated runs' world (sim.world.build_world: one phantom generation, one split, one test set),
-    its hospitals' partitions pooled (sim.world.pooled_private_data). ``world``: build_world's ``hospitals``,
+    """The federated runs' world (task.world.build_world: one phantom generation, one split, one test set),
+    its hospitals' partitions pooled (task.world.pooled_private_data). ``world``: build_world's ``hospitals``,
     ``layout`` and ``partition_file`` (with a partition file the hospital count decides which patients exist)."""
     if data is not None and not Path(data).exists():
         raise UserError(f"--data: {data} does not exist (expected an MSD Task01 or BraTS folder)")
@@ -78,7 +78,7 @@ class TrainingOptions:
         learning_rate: Adam's learning rate.
         max_grad_norm: DP-SGD's clipping norm (ignored by non-private training).
         augment: train with the world's augmentation (``sim.transforms``).
-        levers: the DP fine-tuning levers, ``sim.training.LEVER_KEYS`` (``trainable``,
+        levers: the DP fine-tuning levers, ``task.training.LEVER_KEYS`` (``trainable``,
             ``augmentation_multiplicity``, ``ema_decay``); None values are the defaults.
     """
 
@@ -90,7 +90,7 @@ class TrainingOptions:
     levers: Mapping[str, Any] | None = None
 
     def explicit(self) -> dict:
-        """The settings a grid entry may not change (:class:`sim.presets.DpSetting`'s; None = not given)."""
+        """The settings a grid entry may not change (:class:`task.presets.DpSetting`'s; None = not given)."""
         return {"learning_rate": self.learning_rate, "max_grad_norm": self.max_grad_norm, "epochs": self.epochs,
                 "batch_size": self.batch_size,
                 **{k: v for k, v in (self.levers or {}).items() if k in LEVER_KEYS}}
@@ -98,7 +98,7 @@ class TrainingOptions:
 
 @dataclass(frozen=True)
 class DPSGDOptions:
-    """How DP-SGD releases (``sim.dpsgd.DPConfig``; ignored by non-private training).
+    """How DP-SGD releases (``task.dpsgd.DPConfig``; ignored by non-private training).
 
     Args:
         noise_mode: ``target`` (sigma calibrated to the budget for the planned epochs), ``fixed`` (the
@@ -135,15 +135,15 @@ class CentralConfig:
     """One run on the pooled private data: what it trains, on which world, under which budget.
 
     Args:
-        method: ``nonprivate`` or ``dp-sgd`` (``sim.methods.CENTRAL_METHODS``).
-        preset: the preset: a registered name, a variant's :attr:`sim.presets.Preset.reference`, or a
-            :class:`sim.presets.Preset` (kept as its reference).
+        method: ``nonprivate`` or ``dp-sgd`` (``task.methods.CENTRAL_METHODS``).
+        preset: the preset: a registered name, a variant's :attr:`task.presets.Preset.reference`, or a
+            :class:`task.presets.Preset` (kept as its reference).
         out: the run folder (results.json, ledger.jsonl, model/, checkpoint/ while it runs).
         epsilon: DP-SGD's budget (None = the preset's); ``delta`` likewise.
         seed: the world's split, the public model and the training; the noise only under
             ``dpsgd.reproducible_noise``.
         data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``hospitals``, ``layout`` and
-            ``partition_file`` shape its world (``sim.world.build_world``; None = as the preset says).
+            ``partition_file`` shape its world (``task.world.build_world``; None = as the preset says).
         progress: progress bars.
         init: ``public`` -- start from the public model (trained on the public reference set, as PATE's
             teachers and student; shared through ``public_model_checkpoint`` in a comparison) -- or
@@ -152,14 +152,14 @@ class CentralConfig:
             (``<dir>/<hospital>.jsonl``) and their lifetime budget: every epoch is also charged there, and
             refused when a hospital's lifetime budget would be exceeded.
         device / precision: where the models train and are evaluated (auto = CUDA when there is one;
-            ``sim.device``) and whether forward passes run under bf16 autocast; both are recorded.
+            ``task.device``) and whether forward passes run under bf16 autocast; both are recorded.
         training: settings fixed by the caller (:class:`TrainingOptions`).
         dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
         selection: how DP-SGD's setting is chosen: ``public`` (default) -- the preset's grid,
             each entry trained and charged, best on the public validation set; ``private`` -- private selection
             among the grid and the public model unchanged on held-out private patients, charged as one event up
-            front (``sim.selection``; target mode, Poisson sampling, replace-one, init public).
-        selection_config: private selection's settings (``sim.selection.SelectionConfig``; None = defaults).
+            front (``task.selection``; target mode, Poisson sampling, replace-one, init public).
+        selection_config: private selection's settings (``task.selection.SelectionConfig``; None = defaults).
     """
 
     method: str = "nonprivate"
@@ -193,7 +193,7 @@ class CentralConfig:
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
         if self.selection == "private" and self.hospital_ledger_dir is not None:
             # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
-            # selection event: no accountant composes both (sim/selection.py)
+            # selection event: no accountant composes both (task/selection.py)
             raise UserError("--selection private: runs on its own (fedpate central), not inside a comparison's "
                             "hospital ledgers")
         if self.method not in METHODS:
@@ -265,7 +265,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
     every epoch of every grid entry, so its ε is the budget. DP-SGD's noise is drawn on the host
-    (``sim.dpsgd``) whatever ``config.device`` is.
+    (``task.dpsgd``) whatever ``config.device`` is.
     """
     started = time.perf_counter()
     device = resolve_device(config.device)   # a GPU asked for and missing: refused before any data is touched
@@ -345,7 +345,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                                                     precision=precision).get("mean")
         candidates.append((setting, result, validation_dice))
     selected = None
-    if select_privately:   # sim.selection, charged as one event before anything is trained
+    if select_privately:   # task.selection, charged as one event before anything is trained
         selected, dp = private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config,
                                          start_weights, device, precision)
         candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
@@ -428,7 +428,7 @@ def _public_result(model):
 
 def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config: CentralConfig,
                       start_weights, device, precision):
-    """The torch side of ``sim.selection.run_private_selection`` for the pooled baseline: each candidate is
+    """The torch side of ``task.selection.run_private_selection`` for the pooled baseline: each candidate is
     fine-tuned from the public model with DP-SGD at the calibrated multiplier (fixed mode, no checkpoint: a
     selection is never resumed, its ledger marks the folder as used), steps checked by the CoveredGuard.
     Returns (Selected, the DPConfig of the candidates' training).
@@ -443,7 +443,7 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
         epsilon / delta: the budget the selection event is calibrated to.
         config: the run's :class:`CentralConfig` (seed, DP-SGD options, training options, selection settings).
         start_weights: the public model's weights (every candidate's start, and a candidate itself).
-        device / precision: where candidates train and are scored (``sim.device``).
+        device / precision: where candidates train and are scored (``task.device``).
     """
     used = {}
     seed = config.seed
@@ -460,7 +460,7 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
 
     def train_candidate(setting, index, rep, images, labels, z, covered, stream):
         used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
-        # no bar of its own: sim.selection shows one bar for the whole selection (a bar per candidate would
+        # no bar of its own: task.selection shows one bar for the whole selection (a bar per candidate would
         # count the repetitions and name the candidates drawn)
         train_config = dataclasses.replace(
             _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
@@ -595,9 +595,9 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
         progress: progress bars.
         checkpoint: the public model's checkpoint: resumed from when it exists, so every method that passes the
             same one shares one training.
-        device / precision: where the model trains (``sim.device``; None = auto) and whether forward passes run
+        device / precision: where the model trains (``task.device``; None = auto) and whether forward passes run
             under bf16 autocast (``"32"`` = float32).
-        **where: ``sim.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
+        **where: ``task.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
     """
     world = load_world(*build_world(preset, data, seed, progress, **where))
     model = train_public_models(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,

@@ -43,23 +43,23 @@ from pathlib import Path
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from sim.classification import METHODS
-from sim.classification.adlm import AdLMConfig, train_adlm
-from sim.classification.dpmac import DPMACConfig, train_dpmac
-from sim.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
-from sim.classification.gnmax import GNMaxConfig, train_pate_gnmax
-from sim.classification.tasks import load_task
-from sim.errors import UserError
-from sim.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from sim.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
-from sim.results import RunResults, csv_row, write_run
+from task.classification import METHODS
+from task.classification.adlm import AdLMConfig, train_adlm
+from task.classification.dpmac import DPMACConfig, train_dpmac
+from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
+from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
+from task.classification.tasks import load_task
+from task.errors import UserError
+from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
+from task.results import RunResults, csv_row, write_run
 from sim.runners.resume import merged, read_settings, refuse_other_settings, set_aside_interrupted
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
 # DP-MAC: the classifier settings of the DP-MAC workshop paper (Harder, Köhler, Welling & Park, App. B: batch
 # 1000, 30 epochs; the later arXiv version 1910.06924 trains a 300-100 net with batch 50 for 20 epochs) on
 # quick, the batch capped at n/10 by ``_batch_size`` like every method here. PATE-GNMax's teachers and queries
-# follow the stated rules of ``sim.classification.gnmax`` (K ≈ n/10, the vote-margin query count) unless a
+# follow the stated rules of ``task.classification.gnmax`` (K ≈ n/10, the vote-margin query count) unless a
 # preset or ``teachers_per_hospital`` pins them.
 PRESET_SETTINGS = {
     "tiny": {"epochs": 5, "dpmac_epochs": 5, "adlm_epochs": 10, "teacher_epochs": 30},
@@ -131,7 +131,7 @@ def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, s
         steps = cfg.epochs * math.ceil(n / cfg.batch_size)
         return train_public_only(task, cfg, steps, _batch_size(len(task.y_reference), cfg.batch_size), seed=seed)
     if method == "pate-gnmax":
-        # a preset may pin K or N; otherwise the rules of sim.classification.gnmax choose them
+        # a preset may pin K or N; otherwise the rules of task.classification.gnmax choose them
         cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings.get("teachers_per_hospital"),
                           queries=settings.get("queries"), teacher_epochs=settings["teacher_epochs"])
         return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
@@ -150,8 +150,8 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
     A method that raises does not stop the grid: its error is written into the cell.
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
-        method: one of ``sim.classification.METHODS``.
+        task: the :class:`task.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
+        method: one of ``task.classification.METHODS``.
         epsilon: the cell's budget (None = the non-private cell: nothing is accounted).
         out: the cell's folder (ledger.jsonl, results.json). A folder already holding releases (an earlier,
             unfinished run of the cell) is refused: its ledger is never deleted or added to.
@@ -228,7 +228,7 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
     """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot.
 
     Args:
-        task: ``mnist5k`` or ``slice-classification`` (``sim.classification.tasks.load_task``).
+        task: ``mnist5k`` or ``slice-classification`` (``task.classification.tasks.load_task``).
         methods: method names (a list, or one comma-separated string); ``nonprivate`` is one cell.
         epsilons: the private cells' budgets (positive; a list, or one comma-separated string).
         out: the comparison's folder (``out/<method>/eps-<E>`` per cell, cells.csv, report.md, the plot).
@@ -364,7 +364,7 @@ def interrupted_releases(out: Path, delta: float) -> list[dict]:
     return found
 
 
-#: the results record's columns (sim.results), and a failed cell's error
+#: the results record's columns (task.results), and a failed cell's error
 CSV_COLUMNS = RESULT_CSV_COLUMNS + ("error",)
 
 

@@ -40,22 +40,22 @@ import numpy as np
 from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_epsilon, zcdp_rho_for
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
-from sim.bundle import attach_release, load_bundle
-from sim.device import check_precision, resolve_device
-from sim.errors import UserError
-from sim.io import atomic_write_json
-from sim import methods as registry
-from sim import realcheck
-from sim.presets import Preset, get_preset, preset_reference
+from task.bundle import attach_release, load_bundle
+from task.device import check_precision, resolve_device
+from task.errors import UserError
+from task.io import atomic_write_json
+from task import methods as registry
+from task import realcheck
+from task.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
-from sim.runconfig import Cell, RunSettings, check_epsilon
+from task.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
 from sim.runners.resume import set_aside_interrupted  # noqa: F401  (re-exported: cells set aside here)
 from sim.runners.simulation import simulate
-from sim.training import predict_probs
-from sim.world import build_world, describe_world, load_world, materialise_world, open_world
+from task.training import predict_probs
+from task.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
 
@@ -74,14 +74,14 @@ class CompareConfig:
     """One comparison's plan: every method x epsilon (x K) on one world; validated once, here.
 
     Args:
-        preset: the preset: a registered name, a variant's :attr:`sim.presets.Preset.reference`, or a
-            :class:`sim.presets.Preset` (kept as its reference, which every cell and worker rebuilds it from).
-        methods: registered method names (``sim.methods``).
-        epsilons: the private cells' budgets (each checked by ``sim.runconfig.check_epsilon``).
+        preset: the preset: a registered name, a variant's :attr:`task.presets.Preset.reference`, or a
+            :class:`task.presets.Preset` (kept as its reference, which every cell and worker rebuilds it from).
+        methods: registered method names (``task.methods``).
+        epsilons: the private cells' budgets (each checked by ``task.runconfig.check_epsilon``).
         out: the comparison's folder (cells, hospital ledgers, report).
         seed: the world's split, public model and training; the noise only under ``reproducible_noise``.
         data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``layout`` (None = detected) and
-            ``partition_file`` (a FeTS partition CSV whose partitions are the hospitals, ``sim.world``) shape
+            ``partition_file`` (a FeTS partition CSV whose partitions are the hospitals, ``task.world``) shape
             its world; every cell sees the same world.
         delta: δ of every private cell (None = the preset's).
         hospitals: the number of hospitals (None = the preset's, or the partition file's partitions).
@@ -104,7 +104,7 @@ class CompareConfig:
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
         real_check: folders of labelled real cases (``--real-check``): every model a cell releases is also
-            scored on them (``sim.realcheck``); checked here, before anything trains. Not a resume setting: a
+            scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
             resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
@@ -135,7 +135,7 @@ class CompareConfig:
     threat: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # a variant travels to the cells, workers and Flower's run config as its reference (sim.presets)
+        # a variant travels to the cells, workers and Flower's run config as its reference (task.presets)
         object.__setattr__(self, "preset", preset_reference(self.preset))
         if self.init not in ("public", "scratch"):
             raise UserError(f"--init: expected public or scratch, got {self.init!r}")
@@ -149,8 +149,8 @@ class CompareConfig:
         if unknown:
             raise UserError(f"--methods: unknown {unknown}; expected some of {', '.join(known)}")
         hospitals = self.hospitals
-        if self.partition_file and hospitals is None:   # every partition is a hospital (sim.data.fets)
-            from sim.data.fets import count_partitions
+        if self.partition_file and hospitals is None:   # every partition is a hospital (task.data.fets)
+            from task.data.fets import count_partitions
 
             hospitals = count_partitions(self.partition_file)
         fields = {"methods": tuple(self.methods),
@@ -166,7 +166,7 @@ class CompareConfig:
 
     @functools.cached_property
     def real_cases(self):
-        """The :class:`sim.realcheck.RealCheck` of ``real_check`` (None without folders)."""
+        """The :class:`task.realcheck.RealCheck` of ``real_check`` (None without folders)."""
         return realcheck.open_check(self.real_check)
 
     @property
@@ -453,7 +453,7 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     records under the ledger file's exclusive lock, re-read inside it (``privacy.ledger.Ledger.exclusive``),
     so two workers cannot both spend the last of a hospital's budget. A failed worker leaves its finished
     cells; the same command resumes the rest. The workers are fresh interpreters: they know the methods
-    registered on import (``sim.methods.BUILTIN_METHODS``), so a comparison with a method a script registered
+    registered on import (``task.methods.BUILTIN_METHODS``), so a comparison with a method a script registered
     at run time runs every cell in this process.
     """
     import multiprocessing
@@ -588,7 +588,7 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
     ``config.seed`` is ignored: ``seeds`` say which.
 
     Privacy (releases add up; docs/PRIVACY.md, "The ledger"): the seeds split the *same* patients (one phantom world,
-    ``sim.world.PHANTOM_SEED``), so every seed's cells charge the same per-hospital ledgers,
+    ``task.world.PHANTOM_SEED``), so every seed's cells charge the same per-hospital ledgers,
     ``out/hospital-ledgers/<hospital>.jsonl``, under one lifetime budget planned over every seed's cells
     (:func:`planned_lifetime_epsilon` with ``seeds``); a cell that would exceed it is refused before it
     touches private data. The combined ε stated at the end, in every report and every model card, is
@@ -760,7 +760,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, seed
         preset_name: the preset's name (rebuilds the hospitals for the teacher ensemble).
         seed: the simulated hospitals' seed (as in the comparison).
         hospitals / per_hospital: the number of hospitals and the teachers per hospital of that world.
-        device: where the models predict (``sim.device``; default auto).
+        device: where the models predict (``task.device``; default auto).
     """
     if world_dir is None:
         return None
@@ -799,13 +799,13 @@ def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospit
     hospitals themselves (``TeacherEnsembleDiagnostics``); None when they have not trained teachers.
 
     Args:
-        world_dir: the world folder (``sim.world.materialise_world``) whose hospitals keep their teachers under
+        world_dir: the world folder (``task.world.materialise_world``) whose hospitals keep their teachers under
             ``world_dir/nodes``.
         images: the scans the teachers predict.
         preset_name: the preset's name.
         hospitals / per_hospital: the number of hospitals and the teachers per hospital (None = the preset's).
         seed: the simulated hospitals' seed (as in the comparison).
-        device: where the teachers predict (``sim.device``; default auto).
+        device: where the teachers predict (``task.device``; default auto).
     """
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
     prepared, split = open_world(world_dir)

@@ -18,9 +18,9 @@ from clients.hospital import Hospital
 from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
-from sim.errors import UserError
-from sim.presets import get_preset
-from sim.world import build_world, load_world
+from task.errors import UserError
+from task.presets import get_preset
+from task.world import build_world, load_world
 
 log = logging.getLogger("fedpate.inprocess")
 
@@ -118,7 +118,7 @@ def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: f
                        teachers_per_hospital: int | None = None, progress: bool = True, *, prepared=None,
                        split=None, drop: Mapping[str, int] | None = None, hospitals_root=None,
                        hospital_config: Mapping | None = None, noise=None, **options) -> dict:
-    """Build the world (sim.world), one Hospital per split hospital, and run :func:`server.pate.run_pate`.
+    """Build the world (task.world), one Hospital per split hospital, and run :func:`server.pate.run_pate`.
 
     Args:
         preset_name: a preset's name or a Preset (tests use shortened budgets).

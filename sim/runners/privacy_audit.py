@@ -22,7 +22,7 @@ many-runs method is used.
 the product's defaults, shells (-2, 5), C = 2.5 x the public model's median residual, fitted as
 ``plan_release`` fits it, on synthetic public reference maps and a "public model's" probabilities on them,
 :func:`public_lesion_maps`), or a PCA codec in clip mode (:class:`server.compressors.PCACompressor`),
-calibrated as ``server.pate.plan_release`` does (:func:`pate_calibration`: the codec state verified with the server's policy, S = ``sim.codecs.
+calibrated as ``server.pate.plan_release`` does (:func:`pate_calibration`: the codec state verified with the server's policy, S = ``task.codecs.
 codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
 hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
 composition). K teachers over several hospitals, each hospital a real :class:`clients.hospital.Hospital`
@@ -32,7 +32,7 @@ nonce it mints, then encodes its teachers' maps); the other K-1 teachers answer 
 (anchored: around the public anchor), and the audited teacher answers the replace-one pair: a map the
 codec clips to ``+C u`` in D and to ``-C u`` in D' (``||u|| = 1``), the two ends of the bound behind
 S = 2C/K. For the anchored codec the query batch ships the public anchor p_n of every scan (the public
-model's prediction, :func:`sim.codecs.with_anchor`) and the pair is ``p_n ± t B_n^T u`` (t = 10C,
+model's prediction, :func:`task.codecs.with_anchor`) and the pair is ``p_n ± t B_n^T u`` (t = 10C,
 :func:`anchored_lift`): B_n -- per tumour class, the residual summed over each shell around p_n's lesion,
 orthonormal rows -- maps it to ``±t u``, which the clip makes ``±C u``; the anchors are drawn so that every
 shell is non-empty on every query, so u may use all l = 24 coordinates. The anchored encoder, like PCA's
@@ -46,8 +46,8 @@ hospital's own ledger. The adversary knows u and the other teachers' rows, so it
 the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
 linear in it).
 
-**DP-SGD** through the product's training loop, :func:`sim.training.train_segmentation` with a
-:class:`sim.dpsgd.DPConfig` (its :class:`sim.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
+**DP-SGD** through the product's training loop, :func:`task.training.train_segmentation` with a
+:class:`task.dpsgd.DPConfig` (its :class:`task.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
 and noise from the stream the session opens after charging each epoch, noise-only steps for empty
 batches, σ calibrated by the session in ``target`` mode; :func:`dpsgd_train`). The canary needs two of
 ``TrainConfig``'s optional hooks: ``loss_fn`` (the model's output is the per-sample loss; the targets are
@@ -116,10 +116,10 @@ from privacy.mechanisms import NoiseSource
 from server.aggregation import aggregate_query, validate_reply
 from server.compressors import PCACompressor, make_compressor
 from server.pate import SERVER_POLICY
-from sim import codecs, dpsgd, training
-from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
-from sim.presets import get_preset
-from sim.options import Relation, Sampling
+from task import codecs, dpsgd, training
+from task.dpsgd import DPConfig, DPSession, steps_per_epoch
+from task.presets import get_preset
+from task.options import Relation, Sampling
 
 # ======================================================================================== accounting
 
@@ -230,7 +230,7 @@ PATE_CODECS = ("anchored", "pca")
 def misreporting_compressor(compressor, factor: float = 4.0):
     """A copy of a fitted compressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
     still clips rows to C). The product no longer reads ``compressor.sensitivity``: the sensitivity comes
-    from the shipped codec state (``sim.codecs.codec_sensitivity``), so this bug is caught by construction
+    from the shipped codec state (``task.codecs.codec_sensitivity``), so this bug is caught by construction
     (``tests/test_privacy_audit.py``), and the broken PATE control is :func:`understated_codec_sensitivity`."""
     honest = type(compressor)
 
@@ -245,7 +245,7 @@ def misreporting_compressor(compressor, factor: float = 4.0):
 
 @contextmanager
 def understated_codec_sensitivity(factor: float | None):
-    """Broken control: while open, ``sim.codecs.codec_sensitivity`` returns ``1/factor`` of the truth.
+    """Broken control: while open, ``task.codecs.codec_sensitivity`` returns ``1/factor`` of the truth.
 
     That function is the one source of PATE's sensitivity -- the server's calibration (``run_pate``), its
     charge in ``aggregate_query`` and every hospital's charge to its own ledger -- so a bug in it is the
@@ -307,7 +307,7 @@ def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), clas
     """Synthetic public data for the anchored codec: ``n`` label maps (one-hot, (n, C, *grid)) with one
     ball-shaped lesion each (edema outside, necrosis, an enhancing core), and a "public model's"
     probabilities on them (``softmax(4 onehot + N(0, 0.5²))``). With ``shells``, every map's anchor regions
-    (:func:`sim.codecs.anchor_regions`) are all non-empty (a map is redrawn until they are), so that every
+    (:func:`task.codecs.anchor_regions`) are all non-empty (a map is redrawn until they are), so that every
     coordinate of the anchored latent is reachable on every query."""
 
     grid = tuple(int(g) for g in grid)
@@ -342,7 +342,7 @@ def anchored_lift(direction: np.ndarray, anchor: np.ndarray, shells, regions: np
     """``B_n^T u`` for every query n: the residual map (N, C, *grid) whose anchored latent (before the clip)
     is exactly ``u`` on every query (the rows of B_n are orthonormal; every region must be non-empty).
     ``regions``: the batch's regions when its shells are split into intensity bins
-    (:func:`sim.codecs.binned_regions`); None = the shells alone."""
+    (:func:`task.codecs.binned_regions`); None = the shells alone."""
 
     anchor = np.asarray(anchor)
     classes = anchor.shape[1]
@@ -439,7 +439,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     ``codec="anchored"`` (the demo's ``pate-anchored``; grid 16³ by default): the product's compressor
     (``make_compressor("pate-anchored")``: shells (-2, 5), C = 2.5 x the public model's median residual on
     public reference maps, fitted as ``plan_release`` fits it) and one public anchor per query (the public
-    model's probabilities, shipped with the batch, :func:`sim.codecs.with_anchor`); the other teachers answer
+    model's probabilities, shipped with the batch, :func:`task.codecs.with_anchor`); the other teachers answer
     maps around the anchor, the audited one ``p_n ± t B_n^T u`` (t = 10 C; the anchored latent before the
     clip is ``±t u``). ``codec="pca"`` (grid 4³): a PCA codec in clip mode (C = ``clip``, l = ``latent_dim``)
     fitted on random public one-hot maps; the audited teacher answers ``mean ± t A_l^T u``.
@@ -456,7 +456,7 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         seed: the public data, the other teachers' maps and the direction u (not the noise).
         broken_factor: all of it under :func:`understated_codec_sensitivity` (None = the honest product).
         intensity_bins: ``anchored`` only: each shell split into this many intensity bins of the query scans
-            (the quick preset's codec: 3; :func:`sim.codecs.intensity_bin_map`). The scans are then random public
+            (the quick preset's codec: 3; :func:`task.codecs.intensity_bin_map`). The scans are then random public
             volumes (the bins need intensities; the teachers still ignore them), the bin map is shipped with the
             anchor and verified by every hospital, and the audited pair is lifted through the binned regions.
     """
@@ -772,7 +772,7 @@ def _broken_session(noise_factor: float, unclipped: bool):
 @contextmanager
 def broken_dpsgd_session(setup: "DPSGDSetup"):
     """While open, ``train_segmentation`` builds the setup's broken session (:func:`_broken_session`) instead
-    of ``DPSession`` (patched in ``sim.training`` for the broken run only); a no-op for an honest setup."""
+    of ``DPSession`` (patched in ``task.training`` for the broken run only); a no-op for an honest setup."""
     if not setup.broken:
         yield
         return
@@ -782,7 +782,7 @@ def broken_dpsgd_session(setup: "DPSGDSetup"):
 
 
 def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float | None = None):
-    """One DP-SGD training through the product's ``sim.training.train_segmentation`` on D (``with_canary``)
+    """One DP-SGD training through the product's ``task.training.train_segmentation`` on D (``with_canary``)
     or D': the canary model from zero, SGD with learning rate 1, no augmentation, the setup's ``DPConfig``
     (Poisson sampling, per-layer clipping, its relation) in ``target`` mode -- the session calibrates σ
     itself -- or, given ``sigma``, in ``fixed`` mode at that σ (calibration is costly; the ledger still
@@ -852,7 +852,7 @@ class DPSGDRun:
 
 
 def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
-    """One DP-SGD training run through ``sim.training.train_segmentation`` (:func:`dpsgd_train`: the
+    """One DP-SGD training run through ``task.training.train_segmentation`` (:func:`dpsgd_train`: the
     product's loop -- each epoch charged, then Poisson batches and noise from the stream the session opens
     after the charge, a noise-only step for an empty batch, the Opacus step), recording the parameters after
     every step. Each step's update, times the expected batch size Opacus divides by, projected on the

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
-from sim.errors import UserError
+from task.errors import UserError
 
 #: the command-line flag that sets each recorded setting (a setting without one is named as recorded)
 FLAGS = {
@@ -73,7 +73,7 @@ def refuse_other_settings(path: Path, settings: Mapping[str, Any], *, hidden: Co
 
 
 def refuse_other_world(path: Path, world: Mapping[str, Any]) -> None:
-    """Refuse when the world recorded at ``path`` (``sim.world.describe_world``: who holds how many patients
+    """Refuse when the world recorded at ``path`` (``task.world.describe_world``: who holds how many patients
     from which source, split by which seed) is not the world these settings build: another data folder, or
     the same one changed. Names the parts that differ, not their values (the split's seed is among them)."""
     saved = read_settings(path)

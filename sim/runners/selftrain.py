@@ -1,7 +1,7 @@
 """The ``public-selftrain`` cell of a comparison (the public floor): ``server.selftrain.self_train`` on the
 comparison's public world, written like ``public-only`` (results.json, an empty ledger, a model bundle).
 
-It reads the world through :func:`sim.world.load_world` without the query scans' labels (they are the
+It reads the world through :func:`task.world.load_world` without the query scans' labels (they are the
 population's: a simulation diagnostic elsewhere, never a training input here), so it holds only what the
 server holds in a deployment: the query scans, the public reference and validation sets and the test set
 that scores every method. No hospital is asked anything and nothing is charged: ``epsilon`` is null and
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 from server.selftrain import train_public_models
-from sim.options import PublicStart
-from sim.bundle import preprocessing_of
-from sim.networks import network_config
-from sim.device import device_name, model_device
-from sim.results import ModelRelease, RunResults, write_run
-from sim.training import evaluate_segmentation_per_case, per_class_of
-from sim.world import build_world, load_world
+from task.options import PublicStart
+from task.bundle import preprocessing_of
+from task.networks import network_config
+from task.device import device_name, model_device
+from task.results import ModelRelease, RunResults, write_run
+from task.training import evaluate_segmentation_per_case, per_class_of
+from task.world import build_world, load_world
 
 METHOD = "public-selftrain"
 
@@ -44,7 +44,7 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
                          publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
                          device: str = "auto", precision: str = "32") -> dict:
     """Self-train the public model (``shared_dir/public-model.pt``) on the public query scans; rounds and
-    temperature from the preset's ``self_training`` (:class:`sim.presets.SelfTraining`). The rounds are checkpointed
+    temperature from the preset's ``self_training`` (:class:`task.presets.SelfTraining`). The rounds are checkpointed
     beside the public model, where a comparison whose ``public_start`` is ``self-trained`` finds them: this baseline
     is then the model every cell starts from.
 
@@ -57,8 +57,8 @@ def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, p
         progress: progress bars.
         publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
         layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
-            partitions are the hospitals (``sim.world.build_world``; None = none).
-        device / precision: where the models train and are evaluated (``sim.device``; default auto) and whether
+            partitions are the hospitals (``task.world.build_world``; None = none).
+        device / precision: where the models train and are evaluated (``task.device``; default auto) and whether
             forward passes run under bf16 autocast (``"32"`` = float32).
     """
     started = time.perf_counter()

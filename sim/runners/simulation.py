@@ -22,10 +22,10 @@ from typing import Any
 from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
 from sim.deployment.runtime_simulation import run_runtime_simulation
 from server.protocols import run_cell
-from sim.errors import UserError
-from sim.runconfig import Cell, RunSettings
+from task.errors import UserError
+from task.runconfig import Cell, RunSettings
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-from sim.world import load_world, materialise_world, open_world
+from task.world import load_world, materialise_world, open_world
 
 ENGINES = ("flower", "runtime", "inprocess")
 #: Flower's environment, and every hospital's log line shown (Ray folds repeated lines by default)
@@ -33,7 +33,7 @@ SIMULATION_ENV = {**FLOWER_ENV, "RAY_DEDUP_LOGS": "0"}
 
 
 def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | None = None) -> list[dict]:
-    """Run the configured method (or the given :class:`sim.runconfig.Cell` s) with all hospitals simulated on
+    """Run the configured method (or the given :class:`task.runconfig.Cell` s) with all hospitals simulated on
     this machine."""
     if engine not in ENGINES:
         raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
@@ -90,7 +90,7 @@ def client_gpus(device: str, hospitals: int) -> float:
     the GPUs this process sees, so that Ray schedules the hospitals' workers onto them and sets their
     ``CUDA_VISIBLE_DEVICES`` (a worker that asked for no GPU is not promised one). Not run here: no GPU on the
     build machine."""
-    from sim.device import resolve_device
+    from task.device import resolve_device
 
     if resolve_device(device).type != "cuda":
         return 0.0

@@ -1,6 +1,6 @@
 """The other seed systems on classification tasks: DP-MAC, AdLM/ILM, classic PATE (GNMax), DP-SGD.
 
-Every method here trains a small fully connected classifier on a :class:`sim.classification.tasks.ClassificationTask` and
+Every method here trains a small fully connected classifier on a :class:`task.classification.tasks.ClassificationTask` and
 returns a :class:`SeedResult`. All noisy releases go through ``privacy.guard.BudgetGuard.charge`` (ledger
 record first, then noise, then release); the epsilon a result reports is what the ledger says.
 
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from sim.errors import UserError
-from sim.methods import CLASSIFICATION_METHODS
+from task.errors import UserError
+from task.methods import CLASSIFICATION_METHODS
 
 METHODS = CLASSIFICATION_METHODS
 

@@ -19,8 +19,8 @@ Algorithm 1 of the paper, three Laplace releases composed by basic composition (
    (φ⁽⁰⁾ = log 2 and φ⁽²⁾ = ⅛ are constants, Appendix D); each record's φ⁽¹⁾ gets ``Lap(Δ_y/ε3)``, Δ_y = 2
    (a one-hot label changes two entries by 1 under replace-one).
 
-Privacy unit (``sim.classification`` module note): the releases perturb records one by one, so on the slice task every
-patient contributes exactly k = ``records_per_patient`` slices (``sim.classification.capped_units``) and each
+Privacy unit (``task.classification`` module note): the releases perturb records one by one, so on the slice task every
+patient contributes exactly k = ``records_per_patient`` slices (``task.classification.capped_units``) and each
 sensitivity is that of k records — Δ_R = 2dk/|D|, feature scales and Δ_y multiplied by k — so ε1, ε2, ε3 hold
 per patient under replace-one patient (each slice's noise is sized for ε/k). On mnist5k k = 1.
 
@@ -79,9 +79,9 @@ import torch
 
 from privacy.events import LaplaceEvent
 from privacy.mechanisms import LaplaceMechanism, NoiseSource
-from sim.classification import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
-from sim.errors import UserError
-from sim.options import Relation
+from task.classification import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
+from task.errors import UserError
+from task.options import Relation
 
 FEATURE_SENSITIVITY = 1.0   # |x_ij − x'_ij| ≤ 1 for x ∈ [0, 1] (Lemma 3's domain), replace-one
 LABEL_SENSITIVITY = 2.0     # ||(½ − y) − (½ − y')||_1 for one-hot y, y' (replace-one)
@@ -274,7 +274,7 @@ def train_adlm(task, epsilon: float | None, delta: float, guard, owners, cfg: Ad
     ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1).
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records; the public
+        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records; the public
             reference records train the LRP network).
         epsilon: the budget, split into ε1, ε2, ε3 by ``cfg.budget_split`` (ILM gives ε1's share to ε2); None
             trains the noise-free reference: the mechanism switched off, nothing released or charged, NOT

@@ -18,7 +18,7 @@ The W-step minimises a Taylor approximation of E_k around the current W_k (Sec. 
 batch of per-record terms; the terms of one privacy unit (a record, or all slices of one patient) are summed
 and that sum is clipped to norm ``C`` (Sec. 2.2: "bound the sensitivities directly by clipping the norms of
 the coefficients"), so under add/remove-one unit the sum of a coefficient has L2 sensitivity ``C``.
-Batches are Poisson samples of units (``sim.classification`` module note: user-level DP on the slice task).
+Batches are Poisson samples of units (``task.classification`` module note: user-level DP on the slice task).
 
 Appendix I (one Gaussian draw per step): the P coefficient blocks of all layers are each divided by their
 sensitivity times √P, concatenated (sensitivity 1), perturbed by ONE draw ``N(0, σ² I)`` and scaled back —
@@ -60,13 +60,13 @@ import torch
 from privacy.calibration import calibrate, dpsgd_noise_multiplier
 from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from sim.classification import SeedResult
-from sim.classification import accuracy
-from sim.classification import accuracy as _acc
-from sim.classification import gather_units, set_seed
-from sim.errors import UserError
-from sim.dpsgd import poisson_batches
-from sim.options import Relation
+from task.classification import SeedResult
+from task.classification import accuracy
+from task.classification import accuracy as _acc
+from task.classification import gather_units, set_seed
+from task.errors import UserError
+from task.dpsgd import poisson_batches
+from task.options import Relation
 
 
 @dataclass
@@ -353,7 +353,7 @@ def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     (``task.unit_records()``: a record, or a patient's slices).
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records).
+        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records).
         epsilon: the budget of DP-PCA and the W-steps together; None runs MAC without noise (nothing charged).
         delta: the δ of the budget.
         guard: the budget guard the DP-PCA release and the planned W-steps are charged through first.

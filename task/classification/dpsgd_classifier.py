@@ -1,13 +1,13 @@
 """DP-SGD for the small classifiers (Abadi et al. 2016 via Opacus), constant or with a Yu et al. schedule.
 
-Runs on ``sim.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
+Runs on ``task.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
 the guarantee rests on:
 
 * Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
   (flat), Gaussian noise ``z·C`` (add/remove-one unit, sampled Gaussian, PLD). A unit is a record,
-  or on the slice task a patient: its slices sit in one row of ``sim.classification.padded_units`` and ``unit_loss``
+  or on the slice task a patient: its slices sit in one row of ``task.classification.padded_units`` and ``unit_loss``
   sums their losses, so Opacus' per-sample gradient is the patient's summed gradient and is clipped as one
-  (user-level DP, ``sim.classification`` module note).
+  (user-level DP, ``task.classification`` module note).
 * Each epoch is charged through the budget guard (``SampledGaussianEvent(q, z_e, steps)``, release
   ``<prefix>:epoch-e``) *before* its stream is opened; the epoch's Poisson masks and noise both come from
   that stream of the ``NoiseSource`` (secure unless a simulation asks for reproducible noise), never from
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from privacy.calibration import dpsgd_noise_multiplier
-from sim.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
-from sim.errors import UserError
-from sim.dpsgd import DPConfig, DPSession, steps_per_epoch
-from sim.options import Relation, Sampling
+from task.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
+from task.errors import UserError
+from task.dpsgd import DPConfig, DPSession, steps_per_epoch
+from task.options import Relation, Sampling
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
 
@@ -51,7 +51,7 @@ class DPSGDConfig:
     lr: float = 0.05
     momentum: float = 0.9
     max_grad_norm: float = 1.0
-    schedule: str | None = None        # None | a sim.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
+    schedule: str | None = None        # None | a task.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
     sigma0_factor: float = 1.5
     nonprivate_lr: float = 1e-3
 
@@ -71,7 +71,7 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     unit (``task.unit_records()``).
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask` (its pooled private records).
+        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records).
         epsilon: the budget (calibrated to ``CALIBRATION_MARGIN`` of it); None = the non-private baseline
             (plain Adam, no clipping, no noise, nothing charged).
         delta: the δ of the budget.
@@ -158,7 +158,7 @@ def train_public_only(task, cfg: DPSGDConfig, steps: int, batch_size: int, seed:
     only where it beats this row.
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask` (its ``x_reference``/``y_reference``).
+        task: the :class:`task.classification.tasks.ClassificationTask` (its ``x_reference``/``y_reference``).
         cfg: the non-private cell's settings (network width, learning rate).
         steps: Adam steps (rounded up to whole passes over the reference set).
         batch_size: records per step.

@@ -46,8 +46,8 @@ import numpy as np
 from privacy.calibration import calibrate
 from privacy.events import ComposedEvent, GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from sim.classification import SeedResult, accuracy, predict, train_nonprivate
-from sim.options import Relation
+from task.classification import SeedResult, accuracy, predict, train_nonprivate
+from task.options import Relation
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
 THRESHOLD_SENSITIVITY = 1.0            # replace-one on the maximum vote count
@@ -216,7 +216,7 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
     """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
 
     Args:
-        task: the :class:`sim.classification.tasks.ClassificationTask` (the hospitals' records for the
+        task: the :class:`task.classification.tasks.ClassificationTask` (the hospitals' records for the
             teachers, the public query records for the student).
         epsilon / delta: the budget (ε, δ) the worst case (every query answered) spends.
         guard: the budget guard every noisy quantity is charged through.

@@ -11,13 +11,13 @@ relevance network) and a held-out test set.
   reference, the remaining 3,400 private records spread evenly over the hospitals (stratified round-robin).
 * ``slice-classification``: 2D axial slices of the prepared tumour volumes (4 channels), label 1 when the
   slice contains tumour (any label > 0), split by the *same* hospital partition as the segmentation split
-  (``sim.data.partitions.make_split``), average-pooled to ``pool``×``pool`` per channel and flattened.
+  (``task.data.partitions.make_split``), average-pooled to ``pool``×``pool`` per channel and flattened.
   Intensities (per-channel z-scores inside the brain after preprocessing) are mapped to [0, 1] with the
   fixed, data-independent map ``clip((x + 3) / 6, 0, 1)``.
 
 Privacy unit (docs/PRIVACY.md): what a method protects is a *unit* of ``unit_records()``. On ``mnist5k`` a unit is one
 record (a digit). On the slice task it is one **patient**: ``group_of`` ties every slice to its patient, and
-the seed systems sample, clip and partition whole patients (``sim.classification``), never single slices.
+the seed systems sample, clip and partition whole patients (``task.classification``), never single slices.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sim.errors import UserError
-from sim.presets import get_preset
-from sim.world import build_world
+from task.errors import UserError
+from task.presets import get_preset
+from task.world import build_world
 
 TASKS = ("mnist5k", "slice-classification")
 
@@ -181,10 +181,10 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
                               data: str | Path | None = None, pool: int = 8,
                               teachers_per_hospital: int | None = None, progress: bool = False) -> ClassificationTask:
     """The segmentation world of ``preset`` (same phantoms/MSD folder, prepared grid and hospital split as
-    ``fedpate simulate``/``compare``, via ``sim.world.build_world``) → the slice task.
+    ``fedpate simulate``/``compare``, via ``task.world.build_world``) → the slice task.
 
     Args:
-        preset: the preset's name (``sim.presets``), whose world is built.
+        preset: the preset's name (``task.presets``), whose world is built.
         hospitals: the number of hospitals (None = the preset's).
         seed: the world's split.
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms).

@@ -1,5 +1,5 @@
 """Autoencoded PATE's codec (Fay et al., Algorithm 2): ``z = phi(f_enc(y))`` with the unit-ball
-activation :func:`sim.codecs.core.unit_ball`; the autoencoder network both sides build, and the hospital side
+activation :func:`task.codecs.core.unit_ball`; the autoencoder network both sides build, and the hospital side
 of the codec (the server's :class:`server.compressors.AutoencoderCompressor` trains it on public maps and ships
 only the encoder's weights).
 
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from privacy import sensitivity as sens
-from sim.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, latent_dim, register_codec, scalar,
+from task.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, latent_dim, register_codec, scalar,
                              unit_ball, zero_rows)
-from sim.device import resolve_device
-from sim.errors import UserError
+from task.device import resolve_device
+from task.errors import UserError
 
 _ENCODER_PREFIX = "encoder::"
 
@@ -124,7 +124,7 @@ def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "",
 
 def autoencoder_from_state(state: Mapping[str, np.ndarray], device=None):
     """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae', on ``device``
-    (``sim.device.resolve_device``; None = auto)."""
+    (``task.device.resolve_device``; None = auto)."""
     grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
     channels = tuple(int(c) for c in np.asarray(state["channels"]).reshape(-1))
     net = AutoencoderNet(int(scalar(state, "latent_dim")), grid, int(scalar(state, "classes")), channels)

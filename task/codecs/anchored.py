@@ -25,14 +25,14 @@ from typing import Mapping
 import numpy as np
 
 from privacy import sensitivity as sens
-from sim.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, clip_rows, register_codec,
+from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, clip_rows, register_codec,
                              row_bound, scalar, zero_rows)
-from sim.errors import UserError
+from task.errors import UserError
 
 ANCHOR_KEY = "anchor"
 #: the per-voxel intensity bin of each query scan (:func:`intensity_bin_map`), shipped beside the anchor
 BINS_KEY = "anchor_bins"
-#: our channel order is (FLAIR, T1, T1-Gd, T2) in every layout (sim.data.layouts)
+#: our channel order is (FLAIR, T1, T1-Gd, T2) in every layout (task.data.layouts)
 T1GD_CHANNEL = 2
 MAX_INTENSITY_BINS = 255      # the bin map travels as uint8
 

@@ -6,10 +6,10 @@ module of this package, with everything a hospital needs to run it -- verify a s
 encoder, the fixed fallback row -- and registers one :class:`CodecKind` (:func:`register_codec`); nothing outside a
 kind's module tests a kind's name:
 
-* ``pca`` (:mod:`sim.codecs.pca`) -- PCA-PATE (Algorithm 1): ``z = A_l (y - mu)``.
-* ``ae`` (:mod:`sim.codecs.ae`) -- Autoencoded PATE (Algorithm 2): ``z = phi(f_enc(y))``, unit-ball activation.
-* ``anchored`` (:mod:`sim.codecs.anchored`) -- the public-anchored residual (docs/PRIVACY.md, "What limits PATE").
-* ``identity`` (:mod:`sim.codecs.identity`) -- per-voxel one-hot votes (opt-in: ``allow-identity``).
+* ``pca`` (:mod:`task.codecs.pca`) -- PCA-PATE (Algorithm 1): ``z = A_l (y - mu)``.
+* ``ae`` (:mod:`task.codecs.ae`) -- Autoencoded PATE (Algorithm 2): ``z = phi(f_enc(y))``, unit-ball activation.
+* ``anchored`` (:mod:`task.codecs.anchored`) -- the public-anchored residual (docs/PRIVACY.md, "What limits PATE").
+* ``identity`` (:mod:`task.codecs.identity`) -- per-voxel one-hot votes (opt-in: ``allow-identity``).
 
 Whatever is aggregated must be bounded **by construction**, never by assumption:
 ``encode`` verifies its input and applies the bounding step of the codec's sensitivity mode, so the
@@ -27,7 +27,7 @@ anchored    rows clipped to ``||z||_2 <= C``                ``||z - z'|| <= 2C``
 ==========  ==============================================  =======================================
 
 A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
-arrays) so that it travels as Flower arrays (sim/flower_wire.py) unchanged.
+arrays) so that it travels as Flower arrays (task/flower_wire.py) unchanged.
 
 The hospital does not take the server's word for any of this (each hospital checks the codec it is sent;
 docs/PRIVACY.md, "Who is trusted"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer
@@ -45,8 +45,8 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from sim.errors import UserError
-from sim.registry import Registry
+from task.errors import UserError
+from task.registry import Registry
 
 CodecState = dict  # dict[str, np.ndarray]
 

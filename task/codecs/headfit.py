@@ -1,17 +1,17 @@
 """The anchored release decoded by one fitted voxel head (a decoder that can say where a class the
 public model misses should go; docs/decisions/head-fit-decoder.md).
 
-Mass matching (:func:`sim.codecs.anchored_decode`) decodes each query's latents on their own: per region it
+Mass matching (:func:`task.codecs.anchored_decode`) decodes each query's latents on their own: per region it
 re-weights the public model's probabilities until each class carries the released mass, so *where* inside a
 region the mass lands is the public model's ranking of voxels -- for a class the public model never predicts,
 no ranking at all -- and every region's noise goes straight into its labels. Here one small per-voxel function
 is fitted to *all* released latents at once:
 
-    q_v(theta) = softmax(log p_v + h_theta([log p_v, x_v]))                          (h: sim.networks.voxel_head)
+    q_v(theta) = softmax(log p_v + h_theta([log p_v, x_v]))                          (h: task.networks.voxel_head)
     theta*     = argmin_theta  sum_n || B_n (q_n(theta) - q_n(0)) - z_n ||^2
 
 ``p_v`` is the public anchor at voxel v, ``x_v`` the query scan's sequences there, ``B_n`` the codec's
-orthonormal region sums (:func:`sim.codecs.anchored_encode`; ``q_n(0)`` is the anchor as the head sees it, so
+orthonormal region sums (:func:`task.codecs.anchored_encode`; ``q_n(0)`` is the anchor as the head sees it, so
 ``z = 0`` leaves theta at 0 and decodes to the anchor exactly), ``z_n`` the released mean latents. The release
 is ``z_n = mean_k clip_C(B_n (y_nk - p_n)) + N(0, sigma^2 I)`` with one sigma for every coordinate, so
 theta* is the maximum-likelihood estimate of a head whose output the teachers' mean residual is -- least squares
@@ -41,9 +41,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sim.device import resolve_device
-from sim.errors import UserError
-from sim.networks import voxel_head
+from task.device import resolve_device
+from task.errors import UserError
+from task.networks import voxel_head
 
 #: Adam steps and learning rate of the fit (module docstring: how they were fixed)
 FIT_STEPS = 300
@@ -60,14 +60,14 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
     """Pseudo-labels (n, C, *g) from the released mean latents by the head fit of the module docstring.
 
     Args:
-        z: released (noisy) mean latents (n, (C - 1) * count), class-major as :func:`sim.codecs.anchored_encode`.
+        z: released (noisy) mean latents (n, (C - 1) * count), class-major as :func:`task.codecs.anchored_encode`.
         anchor: the public model's probabilities on the scans (n, C, *g).
         scans: the query scans themselves (n, S, *g): public, the head's other input.
-        regions: the scans' regions (n, *g), -1 outside every region (:func:`sim.codecs.binned_regions`).
+        regions: the scans' regions (n, *g), -1 outside every region (:func:`task.codecs.binned_regions`).
         count: regions per class (the latent's second axis).
         steps / learning_rate: Adam's full-batch steps and learning rate.
         seed: the head's start (a fixed, public choice: the decode is deterministic).
-        device: where the fit runs (``sim.device``; None = auto).
+        device: where the fit runs (``task.device``; None = auto).
         history: when a list, the loss (the squared latent residual, summed) at the start of every step is
             appended -- ``history[0]`` is ``|z|^2`` (theta = 0); the convergence check.
     """

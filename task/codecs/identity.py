@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from privacy import sensitivity as sens
-from sim.codecs.core import CodecKind, CodecRefused, latent_dim, one_hot, register_codec, scalar
+from task.codecs.core import CodecKind, CodecRefused, latent_dim, one_hot, register_codec, scalar
 
 
 def verify(state: Mapping[str, np.ndarray], classes: int, grid: tuple, latent: int, scans_shape) -> float:

@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from privacy import sensitivity as sens
-from sim.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, check_probabilities,
+from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, check_probabilities,
                              clip_rows, register_codec, row_bound, scalar, zero_rows)
 
 ORTHONORMAL_TOLERANCE = 1e-3

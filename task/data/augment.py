@@ -29,7 +29,7 @@ class TrainingAugmentation:
 
     def __init__(self, seed: int = 0, prob: float = 0.5, max_rotation_deg: float = 10.0,
                  intensity: bool = True, intensity_prob: float = 0.3, classes: int = 4):
-        # MONAI (~10 s to import) only when augmentation is built, not whenever sim.data is imported
+        # MONAI (~10 s to import) only when augmentation is built, not whenever task.data is imported
         from monai.transforms import (
             Compose,
             RandAdjustContrast,

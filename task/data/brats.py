@@ -5,10 +5,10 @@
     BraTS 2023 and later     <root>/<case>/<case>-{t2f,t1n,t1c,t2w,seg}.nii.gz    labels 1 NCR, 2 ED, 3 ET
     optional                 <root>/partitioning_1.csv   (FeTS 2022: Partition_ID,Subject_ID = institutions)
 
-:func:`read_brats` gives the same :class:`~sim.data.msd.MSDDataset` the MSD reader gives (cases with a
+:func:`read_brats` gives the same :class:`~task.data.msd.MSDDataset` the MSD reader gives (cases with a
 ``seg`` file are training cases, the others test cases), so preprocessing, the world and every command read
 both alike; which file is which modality and what the label codes mean comes from the one table in
-``sim.data.layouts``. :func:`write_brats` writes a folder in either BraTS layout (the phantoms in every
+``task.data.layouts``. :func:`write_brats` writes a folder in either BraTS layout (the phantoms in every
 layout, ``fedpate data phantoms --layout``).
 """
 
@@ -23,11 +23,11 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from sim.data.errors import DataError
-from sim.data.fets import institutions_from
-from sim.data.layouts import CHANNELS, Layout, from_ours, get_layout
-from sim.data.msd import LABELS, MODALITIES, Case, MSDDataset, display_path, load_label, read_msd
-from sim.io import atomic_write_bytes, atomic_write_text
+from task.data.errors import DataError
+from task.data.fets import institutions_from
+from task.data.layouts import CHANNELS, Layout, from_ours, get_layout
+from task.data.msd import LABELS, MODALITIES, Case, MSDDataset, display_path, load_label, read_msd
+from task.io import atomic_write_bytes, atomic_write_text
 
 #: FeTS 2022 ships this beside the case folders: its Partition_ID is each subject's institution
 INSTITUTIONS_FILE = "partitioning_1.csv"
@@ -118,9 +118,9 @@ def write_case(out: Path, case_id: str, image: np.ndarray, label: np.ndarray | N
         case_id: the case's id (its folder's and files' names).
         image: (X, Y, Z, 4) modalities in our channel order, one NIfTI file each.
         label: (X, Y, Z) label map in our classes, converted to the layout's codes
-            (:func:`sim.data.layouts.from_ours`); None = an unlabelled case (no ``seg`` file).
+            (:func:`task.data.layouts.from_ours`); None = an unlabelled case (no ``seg`` file).
         affine: the voxel-to-world affine of every file.
-        layout: the BraTS layout (a name or :class:`sim.data.layouts.Layout`): file names and label codes.
+        layout: the BraTS layout (a name or :class:`task.data.layouts.Layout`): file names and label codes.
         dtype: the modalities' stored dtype (None = the image's own, so that reading them back gives the same
             array).
     """
@@ -180,7 +180,7 @@ def convert_msd_folder(src: str | os.PathLike, out: str | os.PathLike, layout: s
     """Write every case of the MSD folder ``src`` as BraTS case folders under ``out`` in ``layout``.
 
     Why: the phantoms exist in the MSD layout; converting them (same voxels, same dtype, same affine; labels
-    through :func:`sim.data.layouts.from_ours`) gives the same phantoms in every layout, so the BraTS path is
+    through :func:`task.data.layouts.from_ours`) gives the same phantoms in every layout, so the BraTS path is
     tested end to end against the MSD one. Institutions go to ``partitioning_1.csv`` and the phantom settings
     to :data:`PHANTOMS_MARKER`, both written last.
     """

@@ -7,7 +7,7 @@ expected, e.g. ``imagesTr/BRATS_001.nii.gz: expected a 4D image (x, y, z, 4 moda
 
 from __future__ import annotations
 
-from sim.errors import UserError
+from task.errors import UserError
 
 
 class DataError(UserError):

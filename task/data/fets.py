@@ -2,7 +2,7 @@
 
 FeTS 2022 ships ``partitioning_1.csv`` (23 institutions) and ``partitioning_2.csv`` (33: institutions further
 split by tumour size) over BraTS 2021's 1,251 subjects; federated brain-tumour papers use them as their sites.
-This module reads such a file and decides which partitions become hospitals; ``sim.world`` turns the answer
+This module reads such a file and decides which partitions become hospitals; ``task.world`` turns the answer
 into a split.
 
 The rule (stated in the report's World section, :data:`RULE`):
@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from sim.errors import UserError
+from task.errors import UserError
 
 COLUMNS = ("Partition_ID", "Subject_ID")
 RULE = ("each partition of the file is one hospital (the largest H when --hospitals H is given; the others are "

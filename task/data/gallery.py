@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.data.errors import DataError
-from sim.data.msd import MODALITIES, load_case
-from sim.data.reader import read_dataset
-from sim.io import atomic_write_bytes
+from task.data.errors import DataError
+from task.data.msd import MODALITIES, load_case
+from task.data.reader import read_dataset
+from task.io import atomic_write_bytes
 
 LABEL_COLOURS = {1: (0.2, 0.8, 0.2), 2: (0.95, 0.2, 0.2), 3: (1.0, 0.9, 0.1)}   # oedema, core, enhancing
 

@@ -18,8 +18,8 @@ brats2021      ``X/X_{flair,t1,t1ce,t2,seg}.nii.gz``       2->1, 1->2, 4->3
 brats2023      ``X/X-{t2f,t1n,t1c,t2w,seg}.nii.gz``        2->1, 1->2, 3->3
 =============  ==========================================  ==========================
 
-This module only looks at names and converts arrays (numpy); reading files is ``sim.data.msd`` /
-``sim.data.brats``, choosing a reader ``sim.data.reader.read_dataset``.
+This module only looks at names and converts arrays (numpy); reading files is ``task.data.msd`` /
+``task.data.brats``, choosing a reader ``task.data.reader.read_dataset``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.data.errors import DataError
+from task.data.errors import DataError
 
 #: our channel order (the MSD 4D image's last axis), the order every layout's modality files are stacked in
 CHANNELS = ("FLAIR", "T1", "T1-Gd", "T2")

@@ -11,12 +11,12 @@ The folder as distributed::
     labelsTr/*.nii.gz 3D label maps with values 0..3
     imagesTs/*.nii.gz 4D NIfTI without labels
 
-The phantom generator (``sim.data.phantoms``) writes the same layout plus an ``"institution"`` and a
+The phantom generator (``task.data.phantoms``) writes the same layout plus an ``"institution"`` and a
 ``"patient"`` field per training entry and a ``"phantoms"`` block describing how it was generated; all are
 optional here. Which scans belong to one patient is decided by :func:`patient_id` (the one place that rule
 lives).
 
-Every problem with the user's data becomes a one-line :class:`~sim.data.errors.DataError` naming the file
+Every problem with the user's data becomes a one-line :class:`~task.data.errors.DataError` naming the file
 and what was expected -- never a raw nibabel/gzip/zlib traceback.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 
-from sim.data.errors import DataError
-from sim.data.layouts import get_layout, to_ours
+from task.data.errors import DataError
+from task.data.layouts import get_layout, to_ours
 
 MODALITIES = ("FLAIR", "T1w", "t1gd", "T2w")
 LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
@@ -83,9 +83,9 @@ class Case:
     """One scan: its id (file name without ``.nii.gz``), image path, label path (None for test scans).
 
     ``patient``: the id dataset.json declares, resolved by :func:`patient_id` (None -> from the case id).
-    ``modalities``: a BraTS case's per-modality files in our channel order (``sim.data.layouts.CHANNELS``);
+    ``modalities``: a BraTS case's per-modality files in our channel order (``task.data.layouts.CHANNELS``);
     empty for an MSD 4D image. ``image`` is then the case folder. ``layout``: whose label codes ``label`` uses
-    (converted to ours on reading, ``sim.data.layouts``).
+    (converted to ours on reading, ``task.data.layouts``).
     """
 
     case_id: str
@@ -111,7 +111,7 @@ class MSDDataset:
     modalities: dict
     name: str = ""
     extra: dict = field(default_factory=dict)   # other dataset.json keys (e.g. the "phantoms" block)
-    layout: str = "msd"                           # sim.data.layouts: which release's files and label codes
+    layout: str = "msd"                           # task.data.layouts: which release's files and label codes
 
     @property
     def institutions(self) -> list[str]:
@@ -310,7 +310,7 @@ def load_label(path: str | os.PathLike, shape: tuple[int, ...] | None = None,
                layout: str = "msd") -> np.ndarray:
     """Read and check a 3D label map (optionally against its image's shape/affine); returns our classes 0..3.
 
-    ``layout``: whose codes the file uses (``sim.data.layouts``); they are converted to ours there, the only
+    ``layout``: whose codes the file uses (``task.data.layouts``); they are converted to ours there, the only
     place label codes are mapped."""
     path = Path(path)
     where = display_path(path)

@@ -6,7 +6,7 @@ public validation set are drawn first, each stratified over institutions; the re
 and go to hospitals by ``scheme``; each hospital's cases are then split into ``teachers_per_hospital``
 disjoint, non-empty teacher partitions (a patient influences exactly one teacher; docs/PRIVACY.md).
 
-Everything is drawn in patients (:func:`sim.data.msd.patient_id`), not scans: all scans of a patient go to
+Everything is drawn in patients (:func:`task.data.msd.patient_id`), not scans: all scans of a patient go to
 one party -- one public set, the test set, or one teacher of one hospital -- and the sizes (``n_query``,
 ``n_test``, ..., hospital shares, the one-per-teacher minimum) count patients, so a set holds at least that
 many scans. A patient's institution is that of its first scan (sorted case ids). Patients are ordered by
@@ -38,14 +38,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from sim.data.msd import patient_id
-from sim.errors import UserError
-from sim.io import atomic_write_json
-from sim.options import SplitScheme, look_up_option
+from task.data.msd import patient_id
+from task.errors import UserError
+from task.io import atomic_write_json
+from task.options import SplitScheme, look_up_option
 
 SCHEMES = tuple(SplitScheme)
 UNKNOWN_INSTITUTION = "unknown"
-#: source name (PreparedDataset.source_of) of the public labelled collection in a two-source world (sim.world)
+#: source name (PreparedDataset.source_of) of the public labelled collection in a two-source world (task.world)
 PUBLIC_SOURCE = "other-centre"
 
 
@@ -137,7 +137,7 @@ PatientsArg = Mapping[str, str] | Callable[[str], str] | None
 
 def _patient_map(case_ids: Sequence[str], patients: PatientsArg) -> dict[str, str]:
     """case -> patient from a mapping or a function (a PreparedDataset's ``patient``); cases a mapping does not
-    name, and every case when ``patients`` is None, get :func:`sim.data.msd.patient_id` of their id."""
+    name, and every case when ``patients`` is None, get :func:`task.data.msd.patient_id` of their id."""
 
     get = patients if callable(patients) else (patients or {}).get
     out = {}
@@ -173,7 +173,7 @@ def split_into_teachers(case_ids: Sequence[str], teachers: int, seed: int = 0,
     """Shuffle the patients of ``case_ids`` and cut them into ``teachers`` disjoint non-empty partitions of
     near-equal size in patients; all scans of a patient go to one teacher, so a patient influences exactly one
     teacher. ``patients``: case -> patient (a mapping, or a function such as
-    ``PreparedDataset.patient``); default :func:`sim.data.msd.patient_id` of each case id."""
+    ``PreparedDataset.patient``); default :func:`task.data.msd.patient_id` of each case id."""
     teachers = int(teachers)
     if teachers < 1:
         raise UserError(f"--teachers-per-hospital={teachers}: expected at least 1")
@@ -243,7 +243,7 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
         seed: the draws (sets, hospital assignment, teacher partitions).
         alpha: the Dirichlet concentration of the ``dirichlet`` scheme's hospital shares (> 0).
         patients: case -> patient, overriding the dataset's own (default: ``prepared.patient``, else
-            :func:`sim.data.msd.patient_id`).
+            :func:`task.data.msd.patient_id`).
         public_pool: the case ids of the public labelled source (another centre): the reference and validation
             sets come from these only, everything else from the other cases (None = one population).
     """
@@ -406,7 +406,7 @@ def _params(hospitals, teachers, n_query, n_reference, n_validation, n_test, alp
 
 def split_for_preset(prepared, preset, seed: int = 0, **overrides) -> Split:
     """The preset's split (``overrides`` replace any make_split argument); the public labelled sets come from
-    the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world, sim.world.build_world)."""
+    the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world, task.world.build_world)."""
     pool = prepared.cases_from(PUBLIC_SOURCE) if hasattr(prepared, "cases_from") else []
     args = dict(hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
                 scheme=preset.world.split_scheme, n_query=preset.federation.n_query,

@@ -51,14 +51,14 @@ import numpy as np
 from scipy import ndimage
 from tqdm import tqdm
 
-from sim.data.errors import DataError
-from sim.data.msd import LABELS, MODALITIES
-from sim.data.shifts import SHIFT_PARTS, SHIFTS
+from task.data.errors import DataError
+from task.data.msd import LABELS, MODALITIES
+from task.data.shifts import SHIFT_PARTS, SHIFTS
 
 # aliased: ensure_phantoms has a parameter named cache_root
-from sim.io import atomic_write_bytes, atomic_write_json
-from sim.io import cache_root as default_cache_root
-from sim.presets import get_preset
+from task.io import atomic_write_bytes, atomic_write_json
+from task.io import cache_root as default_cache_root
+from task.presets import get_preset
 
 GENERATOR_VERSION = "3"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
@@ -605,10 +605,10 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
         workers: ``workers > 1`` generates in that many processes (same bytes as serial generation).
         shift: renders the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation
             (``none`` = no shift).
-        layout: ``sim.data.layouts``: ``msd`` (default), or ``brats2021`` / ``brats2023``, which write the same
+        layout: ``task.data.layouts``: ``msd`` (default), or ``brats2021`` / ``brats2023``, which write the same
             phantoms as BraTS case folders (:func:`_generate_in_layout`).
     """
-    from sim.data.layouts import get_layout
+    from task.data.layouts import get_layout
 
     if get_layout(layout).per_modality:
         return _generate_in_layout(out, get_layout(layout).name, cases=cases, institutions=institutions, seed=seed,
@@ -670,7 +670,7 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     meta = {
         "name": "BrainTumourPhantoms",
         "description": "Deterministic MNI152-based brain-tumour phantoms in the MSD Task01 layout (fedpate)",
-        "reference": "fedpate sim.data.phantoms; anatomy: MNI152 template (nilearn)",
+        "reference": "fedpate task.data.phantoms; anatomy: MNI152 template (nilearn)",
         "licence": "CC-BY-SA 4.0 (MNI152 ICBM 2009 template terms apply)",
         "tensorImageSize": "4D",
         "modality": {str(i): m for i, m in enumerate(MODALITIES)},
@@ -698,14 +698,14 @@ STAGING = ".msd-phantoms"
 
 def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path:
     """The phantoms in a BraTS layout: generated in the MSD layout in a hidden staging folder inside ``out``
-    (resumable as usual), converted case by case (``sim.data.brats.convert_msd_folder``), staging removed.
+    (resumable as usual), converted case by case (``task.data.brats.convert_msd_folder``), staging removed.
 
     Why convert rather than generate again: the same phantoms in every layout, voxel for voxel, is what lets
     the tests show the BraTS path gives the MSD path's arrays and results. A complete folder carries the
-    settings in ``sim.data.brats.PHANTOMS_MARKER``; asking again with the same settings returns it."""
+    settings in ``task.data.brats.PHANTOMS_MARKER``; asking again with the same settings returns it."""
     import shutil
 
-    from sim.data.brats import PHANTOMS_MARKER, convert_msd_folder
+    from task.data.brats import PHANTOMS_MARKER, convert_msd_folder
 
     if settings.get("test_cases"):
         raise DataError(f"--test-cases={settings['test_cases']}: a BraTS training folder holds labelled cases only "
@@ -755,7 +755,7 @@ def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, inst
     only for identical bytes (the shift is named when there is one, keeping older names for "none").
 
     Args:
-        preset: the :class:`sim.presets.Preset` (its name, phantom settings and resolution).
+        preset: the :class:`task.presets.Preset` (its name, phantom settings and resolution).
         seed: the generator seed.
         cases / institutions / test_cases: override the preset's ``phantom_cases``, ``institutions`` and
             ``phantom_test_cases`` (None = the preset's).
@@ -771,20 +771,20 @@ def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, inst
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
                     progress: bool = True, workers: int = 1, *, cases: int | None = None,
                     institutions: int | None = None, test_cases: int | None = None, shift: str = "none") -> Path:
-    """Phantoms for ``preset`` (a name or :class:`sim.presets.Preset`), generated once and cached.
+    """Phantoms for ``preset`` (a name or :class:`task.presets.Preset`), generated once and cached.
 
     Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
     (:func:`phantom_folder_name`). A file lock serialises concurrent callers (several test sessions or runs
     share the cache).
 
     Args:
-        preset: a preset name or :class:`sim.presets.Preset`.
+        preset: a preset name or :class:`task.presets.Preset`.
         cache_root: the cache folder (None = ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``).
         seed: the generator seed.
         progress: a progress bar while generating.
         workers: generating processes (:func:`generate_phantoms`).
         cases / institutions / test_cases / shift: override the preset's (the other centre's public
-            collection, sim.world); None (``none`` for ``shift``) = the preset's.
+            collection, task.world); None (``none`` for ``shift``) = the preset's.
     """
 
     if isinstance(preset, str):

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from scipy import ndimage
 from tqdm import tqdm
 
-from sim.data.errors import DataError
-from sim.data.msd import load_case, patient_id
-from sim.data.reader import dataset_fingerprint, read_dataset, require_labels
-from sim.data.phantoms import _file_lock
-from sim.io import atomic_write_json, atomic_write_with
+from task.data.errors import DataError
+from task.data.msd import load_case, patient_id
+from task.data.reader import dataset_fingerprint, read_dataset, require_labels
+from task.data.phantoms import _file_lock
+from task.io import atomic_write_json, atomic_write_with
 
 PREPARED_FORMAT = 1
 
@@ -168,7 +168,7 @@ def preprocess_case(image: np.ndarray, label: np.ndarray | None, affine: np.ndar
                     config: PreprocessConfig) -> tuple[np.ndarray, np.ndarray | None, PreprocessRecord]:
     """Crop to the brain, z-score each channel inside the brain (background stays 0), resample to the grid.
 
-    ``image`` is (X, Y, Z, 4) as read by :func:`sim.data.msd.load_case`. Returns the image (4, *grid) float32,
+    ``image`` is (X, Y, Z, 4) as read by :func:`task.data.msd.load_case`. Returns the image (4, *grid) float32,
     the label (*grid) uint8 (nearest neighbour) or None, and the record to invert the mapping.
     """
     image = np.asarray(image, dtype=np.float32)
@@ -263,7 +263,7 @@ class PreparedDataset:
 
     Files: ``images.npy`` (n, 4, *grid) float32, ``labels.npy`` (n, *grid) uint8, ``records.json``
     (one :class:`PreprocessRecord` per case), ``manifest.json`` (written last; its ``"patients"`` maps each
-    case to its patient, :func:`sim.data.msd.patient_id`, so splits can keep a patient's scans together).
+    case to its patient, :func:`task.data.msd.patient_id`, so splits can keep a patient's scans together).
     """
 
     def __init__(self, path: Path, manifest: dict, images: np.ndarray, labels: np.ndarray,
@@ -325,7 +325,7 @@ class PreparedDataset:
 
     def patient(self, case_id: str) -> str:
         """The patient of ``case_id``; manifests written before patients were recorded fall back to the
-        naming rule on the case id (:func:`sim.data.msd.patient_id`: the case id itself for MSD/phantom names)."""
+        naming rule on the case id (:func:`task.data.msd.patient_id`: the case id itself for MSD/phantom names)."""
 
         self._position(case_id)
         return self._patients.get(case_id) or patient_id(case_id)
@@ -375,7 +375,7 @@ def prepare_dataset(msd_root: str | os.PathLike, cache_dir: str | os.PathLike, c
                     progress: bool = True, layout: str | None = None) -> PreparedDataset:
     """Preprocess every training case of a data folder into ``cache_dir`` (reused when config and source match).
 
-    The folder is MSD Task01 or BraTS (``layout``; None = detected, :func:`sim.data.reader.read_dataset`).
+    The folder is MSD Task01 or BraTS (``layout``; None = detected, :func:`task.data.reader.read_dataset`).
     The cache is valid when ``manifest.json`` records the same config and the same source fingerprint
     (``dataset.json`` for MSD, the files for BraTS; the layout is not part of the key beyond that: the same
     scans in two layouts give the same arrays). Files are written atomically, the manifest last; a lock

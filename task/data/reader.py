@@ -1,7 +1,7 @@
 """One entry for every data folder a user gives (``--data``, ``data inspect|prepare``, ``evaluate``).
 
-:func:`read_dataset` detects the layout (``sim.data.layouts.detect_layout``; ``layout`` overrides) and returns
-the same :class:`~sim.data.msd.MSDDataset` whichever release the folder is, so preprocessing, the world and
+:func:`read_dataset` detects the layout (``task.data.layouts.detect_layout``; ``layout`` overrides) and returns
+the same :class:`~task.data.msd.MSDDataset` whichever release the folder is, so preprocessing, the world and
 the comparison never need to know it.
 """
 
@@ -11,10 +11,10 @@ import hashlib
 import os
 from pathlib import Path
 
-from sim.data.brats import fingerprint as brats_fingerprint, read_brats
-from sim.data.errors import DataError
-from sim.data.layouts import detect_layout, get_layout
-from sim.data.msd import MSDDataset, display_path, read_msd
+from task.data.brats import fingerprint as brats_fingerprint, read_brats
+from task.data.errors import DataError
+from task.data.layouts import detect_layout, get_layout
+from task.data.msd import MSDDataset, display_path, read_msd
 
 
 def read_dataset(root: str | os.PathLike, layout: str | None = None) -> MSDDataset:

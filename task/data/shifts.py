@@ -1,6 +1,6 @@
 """Names of the held-out phantom regimes (``fedpate data phantoms --shift``), docs/GENERALISATION.md.
 
-Kept apart from :mod:`sim.data.phantoms` (numpy, scipy) because the CLI builds every subcommand's help at
+Kept apart from :mod:`task.data.phantoms` (numpy, scipy) because the CLI builds every subcommand's help at
 start-up, and ``fedpate privacy ...`` should not pay for the generator's imports.
 """
 

@@ -1,4 +1,4 @@
-"""A synthetic spherical-tumour dataset with the interface of :class:`sim.data.preprocess.PreparedDataset`
+"""A synthetic spherical-tumour dataset with the interface of :class:`task.data.preprocess.PreparedDataset`
 that the protocols use (``case_ids``, ``grid``, ``source``, ``images(ids)``, ``labels(ids)``): concentric
 oedema / enhancing / core spheres with contrast on every channel, in milliseconds and without the phantom
 generator. For protocol tests and ``benchmarks/bench_pate.py --synthetic``.
