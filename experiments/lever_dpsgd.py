@@ -1,7 +1,7 @@
 """Levers for pooled DP-SGD (docs/RESULTS.md, "More steps"): one `run_central` per variant on one shared public model,
 one JSON line each.
 
-    .venv/bin/python benchmarks/lever_dpsgd.py --out runs/lever-dpsgd baseline ema private-selection
+    .venv/bin/python -m experiments.lever_dpsgd --out runs/lever-dpsgd baseline ema private-selection
 
 Variants: baseline (the preset's settings: today the non-private ceiling's, lr 2e-3 and 10 epochs),
 public-validation-grid (the grid the quick preset had before: lr 2e-3 or 5e-4, 5 epochs each, chosen on public

@@ -1,8 +1,8 @@
 """The anchored codec's intensity bins in a real PATE run (docs/decisions/intensity-bins.md): one comparison, in this
 process.
 
-    .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 1,8 --out runs/lever-pate-bins
-    .venv/bin/python benchmarks/lever_pate_bins.py --bins 3 --seed 0 --epsilons 8 --teachers-per-hospital 4 \\
+    .venv/bin/python -m experiments.lever_pate_bins --bins 3 --seed 0 --epsilons 1,8 --out runs/lever-pate-bins
+    .venv/bin/python -m experiments.lever_pate_bins --bins 3 --seed 0 --epsilons 8 --teachers-per-hospital 4 \\
         --methods pate-anchored,public-only --out runs/lever-pate-bins-k16
 
 Runs ``fedpate compare``'s cells with the quick preset's anchored codec set to ``--bins`` T1-Gd bins per shell

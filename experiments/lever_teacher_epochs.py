@@ -1,6 +1,6 @@
 """Lever "teachers worth asking" (docs/RESULTS.md): PATE (public-anchored codec) with fewer teacher fine-tuning epochs.
 
-    .venv/bin/python benchmarks/lever_teacher_epochs.py --out runs/lever-teacher-epochs 2 1
+    .venv/bin/python -m experiments.lever_teacher_epochs --out runs/lever-teacher-epochs 2 1
 
 Runs one pate-anchored cell (quick preset, K = 128, eps = 8, seed 0 by default) per teacher-epoch count
 and prints, per count, the teachers' mean test Dice, their probability average, the noise-free decoded

@@ -2,8 +2,8 @@
 anchored release carries from voxel-head teachers, decoded per region (mass matching) or by one head fitted to every
 query (task.codecs.headfit), and which student learns the decoded labels.
 
-    .venv/bin/python benchmarks/probe_headfit_decoder.py PUBLIC_MODEL.pt SEED [EPSILONS]
-    e.g. benchmarks/probe_headfit_decoder.py runs/s0/_shared/K-128/public-model.pt 0 8,1,0.25
+    .venv/bin/python -m experiments.probe_headfit_decoder PUBLIC_MODEL.pt SEED [EPSILONS]
+    e.g. python -m experiments.probe_headfit_decoder runs/s0/_shared/K-128/public-model.pt 0 8,1,0.25
 
 Steps: the quick preset's world at SEED; 128 voxel-head teachers (60 full-batch steps at lr 1e-2 on the frozen
 public model's cached logits, as the hospitals train them); each teacher's probabilities on the 40 query scans
@@ -28,7 +28,7 @@ import torch
 def teachers_release(public_path: str, seed: int, decoder: str = "head-fit") -> SimpleNamespace:
     """The quick world at ``seed``, its public model, the product's anchored codec (``decoder``) fitted on public data,
     and the 128 voxel-head teachers' noise-free mean latent on the 40 query scans (shared with
-    benchmarks/probe_query_selection.py)."""
+    experiments/probe_query_selection.py)."""
     import task.presets as presets
     from server.compressors import PublicFit, make_compressor
     from task import codecs

@@ -2,21 +2,21 @@
 docs/RESULTS.md): with the head-fit decoder, would answering only the query scans where the teachers disagree most
 with the public model, at the same epsilon, teach the student more?
 
-    .venv/bin/python benchmarks/probe_query_selection.py PUBLIC_MODEL.pt SEED [EPSILONS]
+    .venv/bin/python -m experiments.probe_query_selection PUBLIC_MODEL.pt SEED [EPSILONS]
 
 The selection here is an *oracle*: queries are ranked by the norm of the teachers' noise-free mean latent, a private
 quantity that a real mechanism would have to charge (e.g. a noisy threshold test per query, as confident-GNMax does).
 Not charging it makes this an upper bound on what any charged selection could gain. For M of the 40 query scans (the
 top M by that norm; M = 40 is today's PATE) sigma is recalibrated for M Gaussian queries at the same epsilon
 (``pate_sigma``), one seeded draw is added, the release is decoded by the head fit and the adopted voxel-head student is
-trained on it (plus the reference maps) and scored on the test set. Steps as benchmarks/probe_headfit_decoder.py.
+trained on it (plus the reference maps) and scored on the test set. Steps as experiments/probe_headfit_decoder.py.
 """
 import json
 import sys
 
 import numpy as np
 
-from probe_headfit_decoder import teachers_release   # the same teachers and release (this folder)
+from experiments.probe_headfit_decoder import teachers_release   # the same teachers and release (run with -m)
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 pseudo-labels, scored on the phantom test set, the public validation set (another centre's labelled phantoms --
 the only set a choice may look at) and, as a check never used to choose, labelled real cases.
 
-    .venv/bin/python benchmarks/probe_student_transfer.py PUBLIC_MODEL.pt SEED REAL_DIR [EPSILON] [STUDENTS]
-    e.g. benchmarks/probe_student_transfer.py runs/s0/_shared/K-128/public-model.pt 0 /data/real-dev 8
+    .venv/bin/python -m experiments.probe_student_transfer PUBLIC_MODEL.pt SEED REAL_DIR [EPSILON] [STUDENTS]
+    e.g. python -m experiments.probe_student_transfer runs/s0/_shared/K-128/public-model.pt 0 /data/real-dev 8
 
-Steps: the release of benchmarks/probe_headfit_decoder.py (the quick world at SEED, 128 voxel-head teachers as the
+Steps: the release of experiments/probe_headfit_decoder.py (the quick world at SEED, 128 voxel-head teachers as the
 hospitals train them, the product's anchored codec) with one seeded Gaussian draw at the product's sigma (a probe,
 not a release: no ledger); the head-fit decoder's pseudo-labels; then each student (``server.student.train_student``
 with the product's student epochs, the reference maps included) and the public model itself, each scored three
@@ -27,8 +27,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from probe_headfit_decoder import teachers_release  # noqa: E402
+from experiments.probe_headfit_decoder import teachers_release   # run from the repository root with -m
 
 STUDENTS = ("voxel-head", "all", "lp-ft", "all-selftrain")
 

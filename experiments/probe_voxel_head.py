@@ -2,14 +2,14 @@
 logits and the scan, trained on the pooled private patients, scored on the test set -- noise-free or with DP-SGD
 noise.
 
-    .venv/bin/python benchmarks/probe_voxel_head.py PUBLIC_MODEL.pt SEED KERNEL SIGMA EPOCHS [LR HIDDEN BATCH]
-    e.g. benchmarks/probe_voxel_head.py runs/s0/_shared/K-128/public-model.pt 0 1 0.915 10 1e-2
+    .venv/bin/python -m experiments.probe_voxel_head PUBLIC_MODEL.pt SEED KERNEL SIGMA EPOCHS [LR HIDDEN BATCH]
+    e.g. python -m experiments.probe_voxel_head runs/s0/_shared/K-128/public-model.pt 0 1 0.915 10 1e-2
 
 A diagnostic, not the product path: per-sample gradients by torch.func, Poisson batches of expected size BATCH,
 flat clipping at 0.1 and Gaussian noise SIGMA x 0.1 drawn from torch's seeded RNG (not secure, no ledger); SIGMA is
 the multiplier the product calibrates for the same schedule (0.915 at eps 8, 4.696 at eps 1 for 10 epochs at
 expected batch 16 over 180 patients, delta 1e-3, replace-one). No augmentation. The product path is
-``fedpate central --method dp-sgd --trainable voxel-head`` (benchmarks/lever_dpsgd.py voxel-head).
+``fedpate central --method dp-sgd --trainable voxel-head`` (experiments/lever_dpsgd.py voxel-head).
 """
 import os, sys, json, math, time
 import numpy as np, torch, torch.nn as nn

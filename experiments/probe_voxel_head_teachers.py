@@ -3,8 +3,8 @@ on the quick world), each trained on its 1-2 patients on the frozen public model
 augmentation; the probability average of all heads on the test set is scored (a noise-free ensemble: what teachers
 know, before any codec or noise).
 
-    .venv/bin/python benchmarks/probe_voxel_head_teachers.py PUBLIC_MODEL.pt SEED STEPS LR
-    e.g. benchmarks/probe_voxel_head_teachers.py runs/s0/_shared/K-128/public-model.pt 0 60 1e-2
+    .venv/bin/python -m experiments.probe_voxel_head_teachers PUBLIC_MODEL.pt SEED STEPS LR
+    e.g. python -m experiments.probe_voxel_head_teachers runs/s0/_shared/K-128/public-model.pt 0 60 1e-2
 """
 import sys, json, time
 import numpy as np, torch, torch.nn as nn

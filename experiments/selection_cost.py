@@ -1,6 +1,6 @@
 """What private selection costs in noise, against the public-validation grid, at one budget.
 
-Run: PYTHONPATH=. python benchmarks/selection_cost.py [epsilon] [delta]
+Run: python -m experiments.selection_cost [epsilon] [delta]
 Quick preset numbers: 180 pooled private patients, expected batch 16, grid of 2 settings x 5 epochs;
 private selection holds out 20 % (36 patients), score noise 0.05 on the mean Dice, T ~ TNB(mean, shape).
 """
