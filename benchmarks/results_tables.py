@@ -44,7 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sim import methods as registry
+from task import methods as registry
 from sim.report import (ceiling_of, floors_of, format_ratio, headroom_of, load_cells, paired_difference,
                         per_case_of, reference_cell)
 

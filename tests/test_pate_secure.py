@@ -114,10 +114,10 @@ def test_reproducible_noise_seeds_every_hospital_share_and_secure_noise_does_not
     import server.pate_secure as pate_secure
     from privacy.mechanisms import NoiseSource
     from server.pate import PateConfig, run_pate
-    from sim.data.synthetic import SyntheticPrepared
-    from sim.presets import get_preset
+    from task.data.synthetic import SyntheticPrepared
+    from task.presets import get_preset
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
-    from sim.world import load_world
+    from task.world import load_world
     from tests.test_pate_run import FakeSplit
 
     prepared = SyntheticPrepared(24)
