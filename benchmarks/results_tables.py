@@ -54,10 +54,15 @@ DEFAULT_GROUP = "main"
 #: (secure method, its trusted counterpart, the goal's kind): PATE's secure sum against trusted PATE (mean Dice
 #: within 0.02), distributed DP gradient descent against pooled DP-SGD (at least 90 % of its headroom)
 SECURE_PAIRS = (("pate-anchored-secure", "pate-anchored", "dice"),
-                ("dp-fedavg-secure", "dp-sgd-central", "headroom"))
+                ("dp-fedavg-secure", "dp-sgd-central", "headroom"),
+                ("dp-fedavg-secure", "dp-fedavg", "above"))
 #: the goals' thresholds (docs/RESULTS.md, "Goals")
 PHANTOM_GOALS = ((8.0, 0.5), (1.0, 0.2))
 REAL_GOAL = 0.5
+#: PATE's own real-scan goal: at least this share of the real WT headroom, and above the self-trained floor
+REAL_PATE_GOAL = 0.4
+PATE = "pate-anchored"
+SELFTRAIN = "public-selftrain"
 SECURE_DICE_TOLERANCE = 0.02
 SECURE_HEADROOM_SHARE = 0.9
 MARKER = re.compile(r"(<!-- results_tables:(?P<name>[\w:.-]+) begin -->\n)(?P<body>.*?)"
@@ -349,6 +354,8 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
             low, wt, tc, cell = max(scored, key=lambda item: item[0])
             rows.append((goal, comparison.name, f"{cell['method']} WT {wt:+.2f} / TC {tc:+.2f}",
                          _yes(_reaches(low, REAL_GOAL))))
+            rows += _above_selftrain_rows(comparison, cell, budget)
+    rows += _pate_real_rows(comparisons, budget)
     for comparison, budget, secure, trusted, kind in secure_pairs(comparisons):
         if kind == "dice":
             goal = f"{secure['method']} within {SECURE_DICE_TOLERANCE} of {trusted['method']} (paired mean Dice)"
@@ -356,6 +363,12 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
             if difference is not None:
                 rows.append((goal, comparison.name, f"ε {budget:g}: {difference[0]:+.3f} ± {difference[1]:.3f}",
                              _yes(_reaches(difference[0], -SECURE_DICE_TOLERANCE, 3))))
+        elif kind == "above":
+            goal = f"{secure['method']} above {trusted['method']} (paired mean Dice)"
+            difference = paired_difference(per_case_of(secure), per_case_of(trusted))
+            if difference is not None:
+                rows.append((goal, comparison.name, f"ε {budget:g}: {difference[0]:+.3f} ± {difference[1]:.3f}",
+                             _yes(difference[0] > 0)))
         else:
             goal = (f"{secure['method']} recovers ≥ {100 * SECURE_HEADROOM_SHARE:.0f} % of {trusted['method']}'s "
                     "phantom headroom")
@@ -364,6 +377,37 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
                 ratio = h_secure[0] / h_trusted[0]
                 rows.append((goal, comparison.name, f"ε {budget:g}: {100 * ratio:.0f} %",
                              _yes(_reaches(ratio, SECURE_HEADROOM_SHARE))))
+    return rows
+
+
+def _above_selftrain_rows(comparison: Comparison, cell, budget: float) -> list[tuple[str, str, str, str]]:
+    """The best private method on the real scans (by the real goal's rule) against the self-trained public model,
+    which uses no hospital: real WT and TC above it."""
+    selftrain = comparison.cell(SELFTRAIN)
+    if selftrain is None or not _real(selftrain) or not _real(cell):
+        return []
+    ours, floor = _real(cell), _real(selftrain)
+    if any(ours.get(r) is None or floor.get(r) is None for r in ("WT", "TC")):
+        return []
+    goal = f"that method at ε {budget:g} is above {SELFTRAIN} on the real scans (WT and TC)"
+    measured = (f"{cell['method']} WT {ours['WT']:.3f} vs {floor['WT']:.3f} / "
+                f"TC {ours['TC']:.3f} vs {floor['TC']:.3f}")
+    return [(goal, comparison.name, measured, _yes(ours["WT"] > floor["WT"] and ours["TC"] > floor["TC"]))]
+
+
+def _pate_real_rows(comparisons: list[Comparison], budget: float) -> list[tuple[str, str, str, str]]:
+    """PATE's student on the real scans: at least REAL_PATE_GOAL of the real WT headroom, above public-selftrain."""
+    rows = []
+    goal = (f"{PATE} at ε {budget:g} recovers ≥ {100 * REAL_PATE_GOAL:.0f} % of the real WT headroom and is above "
+            f"{SELFTRAIN} there")
+    for comparison in comparisons:
+        pate, selftrain = comparison.cell(PATE, budget), comparison.cell(SELFTRAIN)
+        share = comparison.real_headroom(pate, "WT") if pate else None
+        if share is None or selftrain is None or _real(selftrain).get("WT") is None:
+            continue
+        ours, floor = _real(pate)["WT"], _real(selftrain)["WT"]
+        rows.append((goal, comparison.name, f"WT {share:+.2f} of the headroom; {ours:.3f} vs {floor:.3f}",
+                     _yes(_reaches(share, REAL_PATE_GOAL) and ours > floor)))
     return rows
 
 
