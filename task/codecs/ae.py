@@ -209,7 +209,7 @@ class AutoencoderSettings:
             object.__setattr__(self, name, kind(getattr(self, name)))
 
 
-def reconstruction_loss(logits, target):
+def _reconstruction_loss(logits, target):
     """Cross-entropy (Fay et al., Alg. 2) plus a soft Dice term over the tumour classes.
 
     Why the Dice term: tumour is ~2.5% of the voxels of a brain-cropped volume; with cross-entropy alone
@@ -309,7 +309,7 @@ class AutoencoderCompressor(Compressor):
                 if flips:  # public-data augmentation: mirrored label maps are plausible label maps
                     batch = torch.flip(batch, dims=flips)
                 logits = self.net(batch, noise_sigma=self.train_sigma, generator=generator)
-                loss = reconstruction_loss(logits, batch)
+                loss = _reconstruction_loss(logits, batch)
                 optimiser.zero_grad()
                 loss.backward()
                 optimiser.step()

@@ -533,13 +533,6 @@ class AnchoredResidualCompressor(Compressor):
                 "decoder": self.decoder.value,
                 "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
 
-#: the anchored codec's decoders, by name (server side only: the hospitals encode, they never decode).
-#: ``decoder(compressor, z, anchor, sigma, scans) -> pseudo-labels``
-ANCHORED_DECODERS: dict[Decoder, Callable[..., np.ndarray]] = {
-    Decoder.MASS_MATCHING: AnchoredResidualCompressor._mass_matching,
-    Decoder.HEAD_FIT: AnchoredResidualCompressor._head_fit,
-}
-
 
 #: the anchored codec's decoders, by name (server side only: the hospitals encode, they never decode).
 #: ``decoder(compressor, z, anchor, sigma, scans) -> pseudo-labels``
