@@ -257,10 +257,6 @@ class AutoencoderCompressor(Compressor):
         self.history: list[float] = []
         self._reference: np.ndarray | None = None
 
-    @property
-    def train_sigma(self) -> float:
-        return self.settings.train_sigma
-
     def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AutoencoderCompressor":
         """Alg. 2: the decoder learns on the noise it will see (``train_sigma`` = the release's sigma), on the
         public label maps (:meth:`PublicFit.label_maps`)."""
@@ -308,7 +304,7 @@ class AutoencoderCompressor(Compressor):
                 flips = [axis + 2 for axis in range(len(self.grid)) if rng.random() < 0.5]
                 if flips:  # public-data augmentation: mirrored label maps are plausible label maps
                     batch = torch.flip(batch, dims=flips)
-                logits = self.net(batch, noise_sigma=self.train_sigma, generator=generator)
+                logits = self.net(batch, noise_sigma=self.settings.train_sigma, generator=generator)
                 loss = _reconstruction_loss(logits, batch)
                 optimiser.zero_grad()
                 loss.backward()
