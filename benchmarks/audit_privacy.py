@@ -64,8 +64,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from privacy.mechanisms import NoiseSource
-    from sim.runners.privacy_audit import (audit_dpsgd, audit_failures, audit_pate, dpsgd_setup, format_table,
-                                           pate_setup)
+    from sim.runners.privacy_audit import (DPSGDAudit, PateAudit, audit_dpsgd, audit_failures, audit_pate,
+                                           dpsgd_setup, format_table, pate_setup)
 
     pate_runs = args.pate_runs if args.pate_runs is not None else (200 if args.quick else 600)
     dpsgd_runs = args.dpsgd_runs if args.dpsgd_runs is not None else (100 if args.quick else 400)
@@ -92,9 +92,10 @@ def main(argv=None) -> int:
     for codec in pate_codecs:
         for epsilon in args.epsilons:
             for broken in (None, 4.0):
-                setup = pate_setup(epsilon, args.delta, codec=codec, teachers=args.teachers,
-                                   hospitals=args.hospitals, queries=args.queries, seed=seed, broken_factor=broken,
-                                   **({"intensity_bins": bins} if codec == "anchored" else {}))
+                setup = pate_setup(PateAudit(epsilon, args.delta, codec=codec, teachers=args.teachers,
+                                             hospitals=args.hospitals, queries=args.queries, seed=seed,
+                                             broken_factor=broken,
+                                             **({"intensity_bins": bins} if codec == "anchored" else {})))
                 show(audit_pate(setup, broken_runs if broken else pate_runs, vectorised_trials=vectorised,
                                 noise=streams("pate", codec, epsilon, broken or 1), seed=seed))
                 hospital_eps.extend(setup.hospital_epsilon.values())     # audit_pate: equal to the server's
@@ -106,14 +107,16 @@ def main(argv=None) -> int:
                                          f", grid {grid}"))
 
     for relation in ("replace-one", "add-remove"):
-        real = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation)   # target mode: DPSession calibrates σ
+        real = dpsgd_setup(DPSGDAudit(args.dpsgd_epsilon, args.delta, relation=relation))   # target mode: DPSession calibrates σ
         sigmas[relation] = real
         show(audit_dpsgd(real, dpsgd_runs, vectorised_trials=vectorised, noise=streams("dpsgd", relation),
                          seed=seed, limit=True))
-        quarter = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation, noise_factor=0.25, sigma=real.sigma)
+        quarter = dpsgd_setup(DPSGDAudit(args.dpsgd_epsilon, args.delta, relation=relation, noise_factor=0.25),
+                              sigma=real.sigma)
         show(audit_dpsgd(quarter, max(100, dpsgd_runs // 2), vectorised_trials=vectorised,
                          noise=streams("dpsgd", relation, "quarter"), seed=seed, limit=True))
-        unclipped = dpsgd_setup(args.dpsgd_epsilon, args.delta, relation=relation, unclipped=True, sigma=real.sigma)
+        unclipped = dpsgd_setup(DPSGDAudit(args.dpsgd_epsilon, args.delta, relation=relation, unclipped=True),
+                                sigma=real.sigma)
         show(audit_dpsgd(unclipped, 100, noise=streams("dpsgd", relation, "unclipped"), seed=seed))
 
     seconds = time.perf_counter() - started

@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (task.networks.TRAINABLE_SETS)")
     parser.add_argument("--teacher-learning-rate", type=float, default=None)
     parser.add_argument("--teacher-augment", choices=("yes", "no"), default=None)
-    parser.add_argument("--decoder", default=None, help="the anchored codec's decoder (server.compressors.ANCHORED_DECODERS)")
+    parser.add_argument("--decoder", default=None, help="the anchored codec's decoder (task.codecs.anchored.ANCHORED_DECODERS)")
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -30,7 +30,7 @@ def teachers_release(public_path: str, seed: int, decoder: str = "head-fit") -> 
     and the 128 voxel-head teachers' noise-free mean latent on the 40 query scans (shared with
     experiments/probe_query_selection.py)."""
     import task.presets as presets
-    from server.compressors import PublicFit, make_compressor
+    from task.codecs import PublicFit, make_compressor
     from task import codecs
     from task.metrics import dice_scores
     from task.networks import VOXEL_HEAD, build_unet
@@ -98,7 +98,7 @@ def main() -> None:
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
     from privacy.calibration import pate_sigma
     from server.student import train_student
-    from task.codecs.headfit import fit_head_decode
+    from task.codecs.headfit import HeadFitSettings, fit_head_decode
     from task.networks import VOXEL_HEAD
     from task.training import predict_probs
 
@@ -120,7 +120,8 @@ def main() -> None:
                                                                  scans=world.query_images), world.query_labels)}
         for steps in (100, 300, 600):
             history, started = [], time.time()
-            decoded = fit_head_decode(z, query_probs, world.query_images, regions, count, steps=steps, history=history)
+            decoded = fit_head_decode(z, query_probs, world.query_images, regions, count,
+                                      settings=HeadFitSettings(steps=steps), history=history)
             row[f"head-fit {steps} steps: loss, seconds"] = [round(history[-1], 1), round(time.time() - started, 1)]
             if steps == 300:        # the product's setting (FIT_STEPS)
                 pseudo = decoded

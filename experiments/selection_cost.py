@@ -27,8 +27,8 @@ spe_s = steps_per_epoch(n - held, batch)
 for mean, shape in ((3.0, 1.0), (3.0, 0.0), (2.0, 1.0), (3.0, None)):
     for rel in ("replace-one", "add-remove"):
         try:
-            z = calibration.private_selection_noise_multiplier(eps, delta, 1 / spe_s, spe_s * epochs, 1 / held, 0.05,
-                                                               mean, shape, rel)
+            selection = calibration.PrivateSelection(1 / spe_s, spe_s * epochs, 1 / held, 0.05, mean, shape, rel)
+            z = calibration.private_selection_noise_multiplier(eps, delta, selection)
             ev = calibration.selection_event(1 / spe_s, z, spe_s * epochs, 1 / held, 0.05, mean, shape, rel)
             print(f"private selection mean={mean} shape={shape} ({'RDP+triangle' if rel == 'replace-one' else 'RDP'}, "
                   f"{rel}): z = {z:.3f} (eps {epsilon_spent([ev], delta)[0]:.3f}; {n - held} train / {held} held out)")

@@ -9,6 +9,7 @@ are specialisations.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from privacy.accountants import (
@@ -21,7 +22,7 @@ from privacy.accountants import (
     zcdp_rho_for,
 )
 from privacy.errors import PrivacyError
-from privacy.options import Relation
+from privacy.options import AccountantName, Calibration, Relation, look_up_option
 from privacy.validation import positive_number, probability
 from privacy.events import (SAMPLED_RELATIONS, ComposedEvent, Event, GaussianEvent, RepeatAndSelectEvent,
                             SampledGaussianEvent, ZCDPEvent)
@@ -54,18 +55,15 @@ def calibrate(
     hi: float,
     *,
     rtol: float = RELATIVE_TOLERANCE,
-    max_expansions: int = 40,
-    max_iterations: int = 200,
     accountant_options: dict | None = None,
 ) -> float:
     """Parameter x with ``target·(1 - rtol) ≤ ε(make_event(x)) ≤ target`` under ``accountant`` at ``delta``.
 
     ``ε(x)`` must be monotone in x (either direction: σ decreases ε, a step count increases it). The
-    bracket [lo, hi] is widened geometrically (×2 / ÷2, at most ``max_expansions`` times) until it
-    contains the target; then the search keeps the end that satisfies the budget and stops as soon as that
-    end is within ``rtol`` of the target (steps use the Illinois variant of false position on
-    log ε against log x). The result is that satisfying end — never
-    the other one.
+    bracket [lo, hi] is widened geometrically (×2 / ÷2, at most :data:`MAX_EXPANSIONS` times) until it
+    contains the target (:func:`_bracket_target`); then the search keeps the end that satisfies the budget and stops
+    as soon as that end is within ``rtol`` of the target (:func:`_search_bracket`: steps use the Illinois variant of
+    false position on log ε against log x). The result is that satisfying end — never the other one.
 
     Raises PrivacyError if no bracket is found, or if ε(x) jumps over the tolerance window (e.g. a
     discrete parameter) — in that case the message gives the best safe value.
@@ -74,13 +72,11 @@ def calibrate(
         make_event: x -> the event (``privacy.events``) whose ε is calibrated; ε must be monotone in x.
         target_epsilon: the budget ε (> 0).
         delta: the δ at which ε is computed.
-        accountant: the accountant's name (``make_accountant``: e.g. ``pld``, ``rdp``, ``zcdp``). For
-            ``pld`` with a wide bracket (hi/lo > 1.7) the answer is first located with RDP and PLD searches a
-            narrow bracket around it.
+        accountant: the accountant's name (:class:`privacy.options.AccountantName`: e.g. ``pld``, ``rdp``,
+            ``zcdp``). For ``pld`` with a wide bracket (hi/lo > 1.7) the answer is first located with RDP and PLD
+            searches a narrow bracket around it (:func:`_narrowed_by_rdp`).
         lo / hi: the initial bracket (0 < lo < hi); widened when it does not contain the target.
         rtol: the tolerance window: the result's ε lies in [target·(1 - rtol), target].
-        max_expansions: how many times the bracket may be widened before PrivacyError.
-        max_iterations: root-finding steps before PrivacyError (ε jumping over the window).
         accountant_options: keyword arguments for the accountant (e.g. PLD's
             ``value_discretization_interval``; None = its defaults).
     """
@@ -89,29 +85,53 @@ def calibrate(
     lo, hi = positive_number("lo", lo), positive_number("hi", hi)
     if lo >= hi:
         raise PrivacyError(f"calibrate: lo must be smaller than hi, got lo={lo}, hi={hi}")
-    if accountant == "pld" and hi / lo > 1.7:
-        # PLD at an extreme bracket end can take minutes (a sampled Gaussian with z = 0.05 has a huge
-        # privacy-loss support). RDP is fast and always at least as pessimistic, so locate the answer
-        # with RDP first and give PLD a narrow bracket around it (widened again below if needed).
-        # dp_accounting's RDP has no replace-one Poisson subsampling: such events are located through the
-        # same mechanisms read under add/remove (a rough locator only; the PLD search below is exact).
-        def rough_event(x: float) -> Event:
-            event = make_event(x)
-            moved = event.with_relation(Relation.ADD_REMOVE) if event.relation == Relation.REPLACE_ONE else None
-            return event if moved is None else moved
-
-        try:
-            rough = calibrate(rough_event, target, delta, "rdp", lo, hi, rtol=1e-2)
-        except PrivacyError:
-            rough = None
-        if rough is not None:
-            lo, hi = rough / 1.3, rough * 1.3
+    if accountant == AccountantName.PLD and hi / lo > 1.7:
+        lo, hi = _narrowed_by_rdp(make_event, target, delta, lo, hi)
     epsilon = _epsilon_of(make_event, accountant, delta, accountant_options or {})
-    floor = target * (1 - rtol)
+    return _search_bracket(epsilon, _bracket_target(epsilon, target, delta, lo, hi), target, rtol)
 
+
+#: how many times :func:`calibrate` may widen its bracket before PrivacyError
+MAX_EXPANSIONS = 40
+#: root-finding steps of :func:`calibrate` before PrivacyError (ε jumping over the window)
+MAX_ITERATIONS = 200
+
+
+def _narrowed_by_rdp(make_event: Callable[[float], Event], target: float, delta: float, lo: float,
+                     hi: float) -> tuple[float, float]:
+    """A narrow bracket for a PLD search: PLD at an extreme bracket end can take minutes (a sampled Gaussian with
+    z = 0.05 has a huge privacy-loss support). RDP is fast and always at least as pessimistic, so the answer is
+    located with RDP first and PLD gets [rough/1.3, rough·1.3] (widened again by :func:`_bracket_target` if needed);
+    the given bracket when RDP finds nothing. dp_accounting's RDP has no replace-one Poisson subsampling: such events
+    are located through the same mechanisms read under add/remove (a rough locator only; the PLD search is exact)."""
+
+    def rough_event(x: float) -> Event:
+        event = make_event(x)
+        moved = event.with_relation(Relation.ADD_REMOVE) if event.relation == Relation.REPLACE_ONE else None
+        return event if moved is None else moved
+
+    try:
+        rough = calibrate(rough_event, target, delta, AccountantName.RDP, lo, hi, rtol=1e-2)
+    except PrivacyError:
+        return lo, hi
+    return rough / 1.3, rough * 1.3
+
+
+@dataclass(frozen=True)
+class _Bracket:
+    """Two parameters with their ε: ``safe`` satisfies ε ≤ target, ``unsafe`` exceeds it."""
+
+    safe: float
+    eps_safe: float
+    unsafe: float
+    eps_unsafe: float
+
+
+def _bracket_target(epsilon: Callable[[float], float], target: float, delta: float, lo: float,
+                    hi: float) -> _Bracket:
+    """Widen [lo, hi] until one end satisfies the budget (ε ≤ target) and the other does not."""
     eps_lo, eps_hi = epsilon(lo), epsilon(hi)
-    # Widen until one end satisfies the budget (ε ≤ target) and the other does not.
-    for _ in range(max_expansions):
+    for _ in range(MAX_EXPANSIONS):
         if eps_lo == eps_hi:  # direction unknown (e.g. both infinite): widen both ends
             lo, hi = lo / 2, hi * 2
             eps_lo, eps_hi = epsilon(lo), epsilon(hi)
@@ -132,22 +152,25 @@ def calibrate(
             f"calibrate: no parameter in [{lo:.6g}, {hi:.6g}] reaches epsilon={target} at delta={delta} "
             f"(epsilon there: {eps_lo:.6g} .. {eps_hi:.6g})"
         )
-
-    # Invariant: `safe` satisfies ε ≤ target, `unsafe` exceeds it. Steps interpolate log ε in log x between
-    # the ends, aiming at the middle of the window (Illinois false position in log-log), which needs
-    # far fewer costly accountant calls than plain bisection.
     if increasing:
-        safe, eps_safe, unsafe, eps_unsafe = lo, eps_lo, hi, eps_hi
-    else:
-        safe, eps_safe, unsafe, eps_unsafe = hi, eps_hi, lo, eps_lo
+        return _Bracket(lo, eps_lo, hi, eps_hi)
+    return _Bracket(hi, eps_hi, lo, eps_lo)
+
+
+def _search_bracket(epsilon: Callable[[float], float], bracket: _Bracket, target: float, rtol: float) -> float:
+    """The safe end once it is within ``rtol`` of the target. Steps interpolate log ε in log x between the ends,
+    aiming at the middle of the window (Illinois false position in log-log), which needs far fewer costly
+    accountant calls than plain bisection; the invariant of :class:`_Bracket` holds throughout."""
+    safe, eps_safe, unsafe, eps_unsafe = bracket.safe, bracket.eps_safe, bracket.unsafe, bracket.eps_unsafe
+    floor = target * (1 - rtol)
     aim = target * (1 - rtol / 2)
 
     def gap(eps: float) -> float:  # log(ε/aim): ε(x) is near a power law in x, so interpolate in log-log
         return math.log(eps / aim) if 0 < eps < math.inf else (math.inf if eps > 0 else -math.inf)
 
     g_safe, g_unsafe = gap(eps_safe), gap(eps_unsafe)
-    last_moved = None
-    for _ in range(max_iterations):
+    safe_moved_last = None   # which end the previous step moved (None before the first)
+    for _ in range(MAX_ITERATIONS):
         if eps_safe >= floor:
             return safe
         if math.isfinite(g_safe) and math.isfinite(g_unsafe) and safe > 0 and unsafe > 0:
@@ -160,14 +183,14 @@ def calibrate(
         eps_middle = epsilon(middle)
         if eps_middle <= target:
             safe, eps_safe, g_safe = middle, eps_middle, gap(eps_middle)
-            if last_moved == "safe":
+            if safe_moved_last is True:
                 g_unsafe /= 2  # Illinois step: the unsafe end has gone stale, pull towards it
-            last_moved = "safe"
+            safe_moved_last = True
         else:
             unsafe, eps_unsafe, g_unsafe = middle, eps_middle, gap(eps_middle)
-            if last_moved == "unsafe":
+            if safe_moved_last is False:
                 g_safe /= 2
-            last_moved = "unsafe"
+            safe_moved_last = False
     if eps_safe >= floor:
         return safe
     raise PrivacyError(
@@ -199,7 +222,8 @@ def paper_sigma(epsilon: float, delta: float, queries: int, sensitivity: float) 
     )
 
 
-def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float, mode: str = "exact") -> float:
+def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float,
+               mode: str = Calibration.EXACT) -> float:
     """σ per query so that N Gaussian queries of sensitivity S are (ε, δ)-DP.
 
     ``mode="exact"`` (default): the composition is exactly μ-GDP, μ = sqrt(N)·S/σ (Dong, Roth & Su 2019,
@@ -207,10 +231,8 @@ def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float, m
     ``σ = sqrt(N)·S/μ`` (so ε(σ) ≤ target). ``mode="paper"``: Fay et al. eq. (15), :func:`paper_sigma`.
     Reference (ε=8, δ=1e-3, N=80, S=0.25): exact 1.0733, paper 1.2826.
     """
-    if mode == "paper":
+    if look_up_option(mode, Calibration, "mode") is Calibration.PAPER:
         return paper_sigma(epsilon, delta, queries, sensitivity)
-    if mode != "exact":
-        raise PrivacyError(f"mode must be 'exact' or 'paper', got {mode!r}")
     epsilon = positive_number("epsilon", epsilon)
     delta = _delta(delta)
     queries = int(positive_number("queries", queries))
@@ -225,7 +247,7 @@ def pate_sigma(epsilon: float, delta: float, queries: int, sensitivity: float, m
 
 
 def pate_sigma_for_accountant(
-    epsilon: float, delta: float, queries: int, sensitivity: float, accountant: str = "rdp"
+    epsilon: float, delta: float, queries: int, sensitivity: float, accountant: str = AccountantName.RDP
 ) -> float:
     """σ for N Gaussian queries calibrated with another accountant (``rdp``/``pld``/``zcdp``), for comparison."""
     epsilon = positive_number("epsilon", epsilon)
@@ -245,7 +267,7 @@ def dpsgd_noise_multiplier(
     delta: float,
     sampling_rate: float,
     steps: int,
-    accountant: str = "pld",
+    accountant: str = AccountantName.PLD,
     value_discretization_interval: float | None = None,
     relation: str = Relation.ADD_REMOVE,
 ) -> float:
@@ -274,7 +296,7 @@ def composed_dpsgd_noise_multiplier(
     epsilon: float,
     delta: float,
     runs,
-    accountant: str = "pld",
+    accountant: str = AccountantName.PLD,
     value_discretization_interval: float | None = None,
     relation: str = Relation.ADD_REMOVE,
 ) -> float:
@@ -304,13 +326,13 @@ def composed_dpsgd_noise_multiplier(
         raise PrivacyError("runs: expected at least one (sampling_rate, steps) pair")
     for q, steps in runs:
         SampledGaussianEvent(q, 1.0, steps)  # validates q and steps with named errors
-    if accountant not in ("pld", "rdp"):
+    if accountant not in (AccountantName.PLD, AccountantName.RDP):
         raise PrivacyError(f"accountant must be 'pld' or 'rdp' for Poisson-sampled DP-SGD, got {accountant!r}")
-    if relation == Relation.REPLACE_ONE and accountant != "pld":
+    if relation == Relation.REPLACE_ONE and accountant != AccountantName.PLD:
         raise PrivacyError("accountant must be 'pld' for replace-one Poisson-sampled DP-SGD: dp_accounting's RDP "
                            "accountant has no Poisson subsampling under REPLACE_ONE")
     options = {}
-    if accountant == "pld":
+    if accountant == AccountantName.PLD:
         options["value_discretization_interval"] = value_discretization_interval or min(
             DEFAULT_PLD_DISCRETIZATION, epsilon * 1e-4
         )
@@ -327,13 +349,15 @@ def composed_dpsgd_noise_multiplier(
     # PLD's z is below RDP's; under replace-one it was within 0.97-1.66 times it in the settings we tried
     # (calibrate widens the bracket when it has to). Brackets stay below 1.7x so calibrate does not try RDP.
     add_remove = lambda z: event(z, Relation.ADD_REMOVE)  # noqa: E731
-    guess = calibrate(add_remove, epsilon, delta, "rdp", 0.5, 2.0, rtol=1e-2)
-    if accountant == "rdp":
-        return calibrate(add_remove, epsilon, delta, "rdp", guess * 0.9, guess * 1.1)
+    guess = calibrate(add_remove, epsilon, delta, AccountantName.RDP, 0.5, 2.0, rtol=1e-2)
+    if accountant == AccountantName.RDP:
+        return calibrate(add_remove, epsilon, delta, AccountantName.RDP, guess * 0.9, guess * 1.1)
     if relation == Relation.ADD_REMOVE:
-        return calibrate(add_remove, epsilon, delta, "pld", guess * 0.9, guess * 1.02, accountant_options=options)
+        return calibrate(add_remove, epsilon, delta, AccountantName.PLD, guess * 0.9, guess * 1.02,
+                         accountant_options=options)
     replace_one = lambda z: event(z, Relation.REPLACE_ONE)  # noqa: E731
-    return calibrate(replace_one, epsilon, delta, "pld", guess * 0.9, guess * 1.5, accountant_options=options)
+    return calibrate(replace_one, epsilon, delta, AccountantName.PLD, guess * 0.9, guess * 1.5,
+                     accountant_options=options)
 
 
 def shuffled_noise_multiplier(epsilon: float, delta: float, epochs: int, relation: str = Relation.ZERO_OUT) -> float:
@@ -379,28 +403,45 @@ def selection_event(sampling_rate: float, noise_multiplier: float, steps: int, s
     return RepeatAndSelectEvent(inner, mean, shape)
 
 
-def private_selection_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
-                                       score_sensitivity: float, score_sigma: float, mean: float,
-                                       shape: float | None, relation: str = Relation.REPLACE_ONE) -> float:
-    """DP-SGD noise multiplier z so that :func:`selection_event` is (ε, δ)-DP (RDP accountant; the only one
-    that analyses repeated selection). The score's noise is fixed by the caller; PrivacyError when the score
-    alone (z → ∞) already exceeds the budget.
+@dataclass(frozen=True)
+class PrivateSelection:
+    """One private selection's plan apart from its noise multiplier (:func:`selection_event`): one repetition's
+    DP-SGD -- Poisson ``sampling_rate`` q and the most ``steps`` any candidate takes -- then its held-out score of
+    sensitivity ``score_sensitivity`` and (fixed) noise std ``score_sigma``; the repetitions' distribution -- truncated
+    negative binomial of ``shape`` η (1 geometric, 0 logarithmic) or Poisson (``shape=None``) -- and its ``mean``;
+    the ``relation`` of both parts (default replace-one)."""
+
+    sampling_rate: float
+    steps: int
+    score_sensitivity: float
+    score_sigma: float
+    mean: float
+    shape: float | None
+    relation: str = Relation.REPLACE_ONE
+
+    def __post_init__(self) -> None:
+        self.event(1.0)   # the events check every parameter, each with its own named one-line error
+
+    def event(self, noise_multiplier: float) -> RepeatAndSelectEvent:
+        """The ledger event of the selection at DP-SGD multiplier z (:func:`selection_event`)."""
+        return selection_event(self.sampling_rate, noise_multiplier, self.steps, self.score_sensitivity,
+                               self.score_sigma, self.mean, self.shape, self.relation)
+
+
+def private_selection_noise_multiplier(epsilon: float, delta: float, selection: PrivateSelection) -> float:
+    """DP-SGD noise multiplier z so that the selection's event (:meth:`PrivateSelection.event`) is (ε, δ)-DP (RDP
+    accountant; the only one that analyses repeated selection). The score's noise is fixed by the caller;
+    PrivacyError when the score alone (z → ∞) already exceeds the budget.
 
     Args:
         epsilon / delta: the budget the whole selection event must fit.
-        sampling_rate / steps: one repetition's DP-SGD Poisson rate and its most steps.
-        score_sensitivity / score_sigma: the held-out score's sensitivity and its (fixed) noise std.
-        mean / shape: the repetitions' distribution (:func:`selection_event`).
-        relation: the neighbouring relation (default replace-one).
+        selection: the repetitions' DP-SGD, held-out score and distribution (:class:`PrivateSelection`).
     """
     epsilon = positive_number("epsilon", epsilon)
-    floor_event = selection_event(sampling_rate, 1e6, steps, score_sensitivity, score_sigma, mean, shape, relation)
-    floor = epsilon_spent([floor_event], delta, accountant="rdp")[0]
+    floor = epsilon_spent([selection.event(1e6)], delta, accountant=AccountantName.RDP)[0]
     if floor >= epsilon:
-        raise PrivacyError(f"private selection: the noisy score alone, repeated (mean {mean}), spends ε={floor:.3g} "
-                           f">= budget {epsilon}; raise the score noise or the budget")
-    make = lambda z: selection_event(sampling_rate, z, steps, score_sensitivity, score_sigma, mean, shape,  # noqa: E731
-                                     relation)
+        raise PrivacyError(f"private selection: the noisy score alone, repeated (mean {selection.mean}), spends "
+                           f"ε={floor:.3g} >= budget {epsilon}; raise the score noise or the budget")
     # RDP's ε is a minimum over a finite set of orders, piecewise smooth in z: a 1 % window (safe side) avoids
     # the kinks that a 0.1 % window can fall between
-    return calibrate(make, epsilon, delta, "rdp", 0.5, 4.0, rtol=1e-2)
+    return calibrate(selection.event, epsilon, delta, AccountantName.RDP, 0.5, 4.0, rtol=1e-2)

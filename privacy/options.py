@@ -39,6 +39,22 @@ class ScheduleFamily(StrEnum):
     VALIDATION = "validation"
 
 
+class Calibration(StrEnum):
+    """How PATE's per-query σ is calibrated (``privacy.calibration.pate_sigma``)."""
+    EXACT = "exact"   # the exact μ-GDP composition (Dong, Roth & Su 2019, arXiv 1905.02383)
+    PAPER = "paper"   # Fay et al.'s eq. (15), the zCDP conversion: valid, looser
+
+
+class AccountantName(StrEnum):
+    """The accountants by the names ledgers and results record (``privacy.accountants.make_accountant``)."""
+    GDP_EXACT = "gdp-exact"     # exact μ-GDP of Gaussian compositions
+    PLD = "pld"                 # dp_accounting's privacy-loss distributions
+    RDP = "rdp"                 # dp_accounting's Rényi DP
+    RDP_FILTER = "rdp-filter"   # a Rényi privacy filter (adaptive compositions)
+    ZCDP = "zcdp"               # zero-concentrated DP
+    BASIC = "basic"             # pure-ε basic composition
+
+
 def choices(options: type[StrEnum]) -> str:
     """The values of ``options``, comma-separated (for help texts and errors)."""
     return ", ".join(member.value for member in options)
@@ -62,4 +78,4 @@ def look_up_option(value, options: type[E], name: str, *, error: type[Exception]
         raise error(f"{name}: unknown value {value!r}; expected one of {choices(options)}") from None
 
 
-__all__ = ["Relation", "Sampling", "ScheduleFamily", "choices", "look_up_option"]
+__all__ = ["AccountantName", "Calibration", "Relation", "Sampling", "ScheduleFamily", "choices", "look_up_option"]

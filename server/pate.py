@@ -50,9 +50,8 @@ from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from server.aggregation import aggregate_query
+from server.aggregation import QueryRelease, aggregate_query
 from server.pate_secure import is_secure, run_secure_query_phase, who_sees_what
-from server.compressors import Compressor, PublicFit, make_compressor
 from server.selftrain import PublicModels, train_public_models
 from server.student import train_public_model, train_student
 from server.transport import (
@@ -64,6 +63,7 @@ from server.transport import (
     public_dropout_reason,
 )
 from task import codecs
+from task.codecs import Compressor, PublicFit, make_compressor
 from task.bundle import preprocessing_of
 from task.device import check_device_spec, check_precision, device_name, model_device
 from task.errors import UserError
@@ -311,7 +311,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     """Step 3: calibration (docs/PRIVACY.md, "Mechanisms") and the compressor (fitted on PUBLIC data only).
 
     The compressor is asked, never named (a new kind needs no change here): its
-    :meth:`server.compressors.Compressor.fit_release` takes the public data of a :class:`server.compressors.PublicFit`
+    :meth:`task.codecs.Compressor.fit_release` takes the public data of a :class:`task.codecs.PublicFit`
     it needs. The codec state as shipped is the one source of the sensitivity: the hospitals recompute S from it
     (task.codecs.verify_codec / codec_sensitivity) and charge their own ledgers, so the server uses the very same
     numbers (the float32 basis shipped, not the float64 one kept here). ``pate_sigma`` aims 1e-9 below the budget, so
@@ -593,10 +593,9 @@ def _aggregate_batch(phase: QueryPhase, batch: list[int], release_ids: list[str]
             rows = np.asarray(rows)
             per_query[hospital] = rows[:, j, :] if rows.ndim == 3 and rows.shape[1] == len(batch) else rows
         try:
-            noisy, teachers = aggregate_query(per_query, plan.sigma, plan.compressor, guard, release_ids[j],
-                                              note={"query": int(index)}, rejected=phase.rejected,
-                                              state=plan.codec, noise=noise, expected_rows=asked,
-                                              stream=f"query-{index}")
+            release = QueryRelease(release_ids[j], plan.sigma, plan.compressor, state=plan.codec,
+                                   expected_rows=asked, stream=f"query-{index}", note={"query": int(index)})
+            noisy, teachers = aggregate_query(per_query, release, guard, noise, rejected=phase.rejected)
         except BudgetExceeded as exc:
             return str(exc)
         if noisy is None:

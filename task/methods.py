@@ -54,6 +54,8 @@ class Method:
     #: a hospital ledger that also holds PLD-accounted releases is read by a split accountant
     #: (``privacy.accountants.SplitDeltaAccountant``) and the comparison plans its lifetime budget for that
     secure_sum: bool = False
+    #: a PATE method's codec kind (``task.codecs``): its compressor is that kind's (``task.codecs.make_compressor``)
+    codec: str | None = None
     description: str = ""
     #: wall seconds of one cell on the quick preset in a one-thread worker (fresh demo with --workers 2 on this
     #: 2-core machine, 2026-11-25): only a hint for spreading a comparison's cells over worker processes
@@ -104,18 +106,18 @@ def family_of(name: str | None) -> str | None:
 
 for _record in (
         Method("pate-ae", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=190),
+               starts_from_public=True, codec="ae", description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=190),
         Method("pate-pca", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
+               starts_from_public=True, codec="pca", description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
         Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
-               sweeps_k=True, starts_from_public=True,
+               sweeps_k=True, starts_from_public=True, codec="anchored",
                description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=190),
         Method("pate-anchored-secure", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
-               sweeps_k=True, starts_from_public=True, secure_sum=True,
+               sweeps_k=True, starts_from_public=True, secure_sum=True, codec="anchored",
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=230),
         Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, description="PATE on per-voxel one-hot votes", cell_seconds=190),
+               starts_from_public=True, codec="identity", description="PATE on per-voxel one-hot votes", cell_seconds=190),
         Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
                description="FedAvg of each hospital's local DP-SGD", cell_seconds=210),
         Method("dp-fedavg-secure", "dp-fedavg-secure", "private", federated=True, protocol="dp-fedavg-secure",

@@ -38,14 +38,14 @@ class Trainable(StrEnum):
 
 
 class Decoder(StrEnum):
-    """How the anchored codec turns a noisy aggregate into pseudo-labels (``server.compressors.ANCHORED_DECODERS``)."""
+    """How the anchored codec turns a noisy aggregate into pseudo-labels (``task.codecs.anchored.ANCHORED_DECODERS``)."""
     MASS_MATCHING = "mass-matching"
     HEAD_FIT = "head-fit"
 
 
 class PcaMode(StrEnum):
     """How the PCA codec bounds its sensitivity (Fay et al., "Private Learning for High-Dimensional Targets with
-    PATE", Sec. 3; ``server.compressors.PCACompressor``)."""
+    PATE", Sec. 3; ``task.codecs.pca.PCACompressor``)."""
     PUBLIC = "public"   # min(sqrt(d), sqrt(sum_j ||a_j||_1^2)) / K: from the public basis, tighter
     PAPER = "paper"     # sqrt(d) / K (the paper's eq. 4)
     CLIP = "clip"       # rows clipped to C at the hospital: 2C / K

@@ -172,7 +172,7 @@ class Student:
 
 @dataclass(frozen=True)
 class Codec:
-    """The PATE codecs' settings (server.compressors)."""
+    """The PATE codecs' settings: each kind's compressor (task.codecs.<kind>) defaults to its fields."""
     pca_components: int | None = None  # None = automatic (Fay et al., eq. 7: keep components with lambda_j > sigma^2)
     ae_latent_dim: int = 8
     ae_epochs: int = 20

@@ -1,5 +1,5 @@
 """One registry type for every extension point: methods (``task.methods``), codec kinds
-(``task.codecs``), compressors (``server.compressors``), federated protocols (``server.protocols``) and cell
+(``task.codecs``, each with its compressor), federated protocols (``server.protocols``) and cell
 runners (``sim.runners.cells``) -- each one entry per name, registered once, as Opacus registers its
 accountants (``register_accountant`` / ``create_accountant``). Pure Python: the command line imports it."""
 

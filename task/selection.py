@@ -265,8 +265,9 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
     q = 1.0 / steps_epoch
     sensitivity = 1.0 / n_heldout
     try:
-        z = calibration.private_selection_noise_multiplier(epsilon, delta, q, steps, sensitivity, config.score_noise,
-                                                           mean, config.shape, relation)
+        selection = calibration.PrivateSelection(q, steps, sensitivity, config.score_noise, mean, config.shape,
+                                                 relation)
+        z = calibration.private_selection_noise_multiplier(epsilon, delta, selection)
     except PrivacyError as exc:
         raise UserError(f"--selection private: {exc}") from None
     event = calibration.selection_event(q, z, steps, sensitivity, config.score_noise, mean, config.shape, relation)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.compressors import ANCHORED_DECODERS, AnchoredResidualCompressor, make_compressor
+from task.codecs import ANCHORED_DECODERS, AnchoredResidualCompressor, make_compressor
 from task import codecs
 from task.codecs.headfit import fit_head_decode
 from task.errors import UserError

@@ -5,7 +5,7 @@ reads public arrays only."""
 import numpy as np
 import pytest
 
-from server.compressors import AnchoredResidualCompressor
+from task.codecs import AnchoredResidualCompressor
 from task import codecs
 from task.metrics import dice_scores
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from server.compressors import PCACompressor, choose_components
+from task.codecs import PCACompressor, choose_components
 from task import codecs
 from task.errors import UserError
 

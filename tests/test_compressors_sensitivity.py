@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
+from task.codecs import AutoencoderCompressor, AutoencoderSettings, IdentityCompressor, PCACompressor
 from task import codecs
 
 GRID, CLASSES, K = (4, 4, 4), 4, 8
@@ -110,7 +110,7 @@ def test_identity_bound_is_tight_for_background_vs_enhancing():
 
 def test_autoencoder_bound_holds_on_extreme_pairs():
     torch.manual_seed(0)
-    ae = AutoencoderCompressor(latent_dim=3, train_sigma=0.1, epochs=2, seed=0).fit(public_onehot(12))
+    ae = AutoencoderCompressor(AutoencoderSettings(latent_dim=3, train_sigma=0.1, epochs=2, seed=0)).fit(public_onehot(12))
     state, claimed = ae.state(), ae.sensitivity(K)
     assert claimed == pytest.approx(2 / K)
     rng = np.random.default_rng(1)

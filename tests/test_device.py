@@ -434,7 +434,7 @@ def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
 def test_explicit_cpu_reaches_the_head_fit_decoder(spy):
     """The anchored codec's head-fit decoder fits on the run's device: explicit cpu works under the trap,
     a decoder built without a device would have gone to the (trapped) GPU."""
-    from server.compressors import AnchoredResidualCompressor
+    from task.codecs import AnchoredResidualCompressor
     from task import codecs
     from tests.test_codec_intensity_bins import _public_without_class_2, _rim_lesions
 

@@ -75,7 +75,7 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     assert metrics["teachers"] == teachers and "local_epsilon" in metrics
 
     scans = tiny_prepared.images(tiny_split.public_query[:3]).astype(np.float32)
-    from server.compressors import PCACompressor
+    from task.codecs import PCACompressor
     from task.codecs import one_hot
 
     reference = one_hot(tiny_prepared.labels(tiny_split.public_reference), 4)

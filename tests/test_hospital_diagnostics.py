@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clients.hospital import Hospital
-from server.compressors import PCACompressor
+from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
 from task.presets import get_preset

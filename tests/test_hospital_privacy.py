@@ -10,7 +10,7 @@ from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
-from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
+from task.codecs import AutoencoderCompressor, IdentityCompressor, PCACompressor
 from task import codecs
 from task.errors import UserError
 from task.presets import get_preset
@@ -153,17 +153,17 @@ def test_deployed_hospital_refuses_simulation_only_requests(tmp_path):
 
 # ------------------------------------------------------------------------------ the server's side
 def test_server_releases_nothing_when_fewer_teachers_answer_than_declared(tmp_path):
-    from server.aggregation import aggregate_query
+    from server.aggregation import QueryRelease, aggregate_query
 
     compressor = PCACompressor(3, "clip", clip=1.0).fit(_maps())
     state = codecs.verify_codec(compressor.state())
     guard = BudgetGuard(Ledger(None), 100.0, 1e-3)
     rows = np.full((3, 3), 0.1)
-    noisy, k = aggregate_query({"h0": rows}, 0.5, compressor, guard, "q0", state=state,
-                               expected_rows={"h0": 3, "h1": 3})
+    noisy, k = aggregate_query({"h0": rows}, QueryRelease("q0", 0.5, compressor, state=state,
+                                                          expected_rows={"h0": 3, "h1": 3}), guard)
     assert noisy is None and k == 0 and len(guard.ledger) == 0
-    noisy, k = aggregate_query({"h0": rows, "h1": rows}, 0.5, compressor, guard, "q1", state=state,
-                               expected_rows={"h0": 3, "h1": 3})
+    noisy, k = aggregate_query({"h0": rows, "h1": rows}, QueryRelease("q1", 0.5, compressor, state=state,
+                                                                      expected_rows={"h0": 3, "h1": 3}), guard)
     assert noisy is not None and k == 6
     assert guard.ledger.records()[0]["event"]["sensitivity"] == pytest.approx(2 / 6)
 

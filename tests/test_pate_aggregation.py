@@ -9,8 +9,8 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import GaussianMechanism, make_generator
-from server.aggregation import aggregate_query
-from server.compressors import AutoencoderCompressor, IdentityCompressor, PCACompressor
+from server.aggregation import QueryRelease, aggregate_query
+from task.codecs import AutoencoderCompressor, AutoencoderSettings, IdentityCompressor, PCACompressor
 from task import codecs
 
 GRID = (4, 4, 4)
@@ -47,7 +47,7 @@ def test_one_event_per_query_charged_to_answering_hospitals_before_noise(pca):
     ledger = Ledger(None)
     guard = BudgetGuard(ledger, 1000.0, 1e-3)
     mechanism = LedgerCheckingMechanism(0.5, ledger, "query-0")
-    noisy, teachers = aggregate_query(replies(pca), 0.5, pca, guard, "query-0", mechanism)
+    noisy, teachers = aggregate_query(replies(pca), QueryRelease("query-0", 0.5, pca), guard, mechanism=mechanism)
     assert mechanism.calls == 1 and teachers == 5 and noisy.shape == (5,)
     assert ledger.owners() == ["h0", "h1"]
     (event,) = ledger.events("h0")
@@ -59,9 +59,9 @@ def test_dropout_records_the_larger_sensitivity(pca):
     ledger = Ledger(None)
     guard = BudgetGuard(ledger, 1000.0, 1e-3)
     full = replies(pca)
-    aggregate_query(full, 0.5, pca, guard, "query-0", GaussianMechanism(0.5, make_generator(0)))
-    _, teachers = aggregate_query({"h0": full["h0"]}, 0.5, pca, guard, "query-1",
-                                  GaussianMechanism(0.5, make_generator(1)))
+    aggregate_query(full, QueryRelease("query-0", 0.5, pca), guard, mechanism=GaussianMechanism(0.5, make_generator(0)))
+    _, teachers = aggregate_query({"h0": full["h0"]}, QueryRelease("query-1", 0.5, pca), guard,
+                                  mechanism=GaussianMechanism(0.5, make_generator(1)))
     assert teachers == 3
     first, second = ledger.events("h0")
     assert second.sensitivity == pytest.approx(first.sensitivity * 5 / 3)
@@ -79,7 +79,7 @@ def test_refuses_over_budget_before_noise(pca):
             raise AssertionError("noise must not be drawn for a refused release")
 
     with pytest.raises(BudgetExceeded):
-        aggregate_query(replies(pca), 1e-3, pca, guard, "query-0", Forbidden())
+        aggregate_query(replies(pca), QueryRelease("query-0", 1e-3, pca), guard, mechanism=Forbidden())
     assert ledger.owners() == []
 
 
@@ -91,8 +91,9 @@ def test_malformed_replies_are_rejected_or_clipped(pca):
     nan[0, 0] = np.nan
     too_long = good * 100  # PCA public mode: cannot come from probabilities -> rejected
     rejected = {}
-    _, teachers = aggregate_query({"h0": good, "h1": nan, "h2": good[:, :3], "h3": too_long}, 0.5, pca, guard,
-                                  "query-0", GaussianMechanism(0.5, make_generator(0)), rejected=rejected)
+    _, teachers = aggregate_query({"h0": good, "h1": nan, "h2": good[:, :3], "h3": too_long},
+                                  QueryRelease("query-0", 0.5, pca), guard,
+                                  mechanism=GaussianMechanism(0.5, make_generator(0)), rejected=rejected)
     assert teachers == 3 and sorted(rejected) == ["h1", "h2", "h3"]
     assert ledger.events("h0") and "h1" not in ledger.owners()
 
@@ -106,11 +107,11 @@ def test_malformed_replies_are_rejected_or_clipped(pca):
         return x + 0.0
 
     capture.sigma = 0.5
-    _, teachers = aggregate_query({"h0": z}, 0.5, clip, guard, "query-1", capture)
+    _, teachers = aggregate_query({"h0": z}, QueryRelease("query-1", 0.5, clip), guard, mechanism=capture)
     assert teachers == 2 and np.linalg.norm(captured["mean"]) <= 0.5 + 1e-6
 
-    ae = AutoencoderCompressor(latent_dim=3, epochs=1).fit(onehot(6))
-    aggregate_query({"h0": np.full((2, 3), 5.0)}, 0.5, ae, guard, "query-2", capture)
+    ae = AutoencoderCompressor(AutoencoderSettings(latent_dim=3, epochs=1)).fit(onehot(6))
+    aggregate_query({"h0": np.full((2, 3), 5.0)}, QueryRelease("query-2", 0.5, ae), guard, mechanism=capture)
     assert np.linalg.norm(captured["mean"]) <= 1 + 1e-6
 
 
@@ -121,10 +122,10 @@ def test_identity_replies_must_be_one_hot_and_no_answer_releases_nothing():
     votes = codecs.encode(identity.state(), onehot(3))
     forged = votes * 0.5
     sigma = 2.0
-    noisy, teachers = aggregate_query({"h0": votes, "h1": forged}, sigma, identity, guard, "query-0",
-                                      GaussianMechanism(sigma, make_generator(0)))
+    noisy, teachers = aggregate_query({"h0": votes, "h1": forged}, QueryRelease("query-0", sigma, identity), guard,
+                                      mechanism=GaussianMechanism(sigma, make_generator(0)))
     assert teachers == 3 and ledger.owners() == ["h0"]
     assert ledger.events("h0")[0].sensitivity == pytest.approx(math.sqrt(2 * 64) / 3)
-    assert aggregate_query({}, sigma, identity, guard, "query-1", GaussianMechanism(sigma, make_generator(0))) \
-        == (None, 0)
+    assert aggregate_query({}, QueryRelease("query-1", sigma, identity), guard,
+                           mechanism=GaussianMechanism(sigma, make_generator(0))) == (None, 0)
     assert len(ledger.events("h0")) == 1

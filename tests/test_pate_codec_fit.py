@@ -22,7 +22,7 @@ def _world(rng, grid=(16, 16, 16), reference_is_query=False):
 
 def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **config):
     from server import pate
-    from server.compressors import PCACompressor
+    from task.codecs import PCACompressor
     from task.presets import get_preset
 
     seen = []

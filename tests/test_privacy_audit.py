@@ -27,7 +27,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from task.dpsgd import DPSession
-from server.aggregation import aggregate_query
+from server.aggregation import QueryRelease, aggregate_query
 from task import codecs, training
 from sim.runners import privacy_audit as pa
 
@@ -74,7 +74,7 @@ PATE = dict(teachers=16, hospitals=2, queries=10, seed=0)     # the anchored cod
 
 @pytest.fixture(scope="module")
 def pate():
-    return pa.pate_setup(1.0, DELTA, **PATE)
+    return pa.pate_setup(pa.PateAudit(1.0, DELTA, **PATE))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_the_binned_codec_audit_reaches_the_worst_case_through_the_bins():
     """The quick preset's codec (shells x 3 T1-Gd bins): the bin map travels with the anchor and every
     hospital verifies it; the audited pair, lifted through the binned regions, reaches C u and -C u exactly, so the
     pair uses all of S = 2C/K, and every hospital charged the ε the server claims."""
-    binned = pa.pate_setup(1.0, DELTA, intensity_bins=3, **PATE)
+    binned = pa.pate_setup(pa.PateAudit(1.0, DELTA, intensity_bins=3, **PATE))
     assert binned.latent_dim == 3 * 24 and binned.compressor.intensity_bins == 3
     assert binned.sensitivity == pytest.approx(2 * binned.clip / binned.teachers)
     assert binned.mu_true == pytest.approx(binned.mu_claimed)
@@ -124,7 +124,7 @@ def test_the_binned_codec_audit_reaches_the_worst_case_through_the_bins():
     claimed = pa.pate_product_run(binned, +1, NoiseSource.reproducible(0))[1]
     assert all(eps == pytest.approx(claimed, rel=1e-12) for eps in binned.hospital_epsilon.values())
     # the broken control is still caught by its own numbers: it claims 4 times less sensitivity than it has
-    broken = pa.pate_setup(1.0, DELTA, intensity_bins=3, broken_factor=4.0, **PATE)
+    broken = pa.pate_setup(pa.PateAudit(1.0, DELTA, intensity_bins=3, broken_factor=4.0, **PATE))
     assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
 
 
@@ -133,7 +133,7 @@ def test_pate_vectorised_release_is_the_products_formula(pate, broken_factor):
     """Same inputs, same noise stream (the release's own): aggregate_query's release == clean mean + sigma Z,
     to the bit (for the real setup and for the broken control, whose only difference is its smaller sigma)."""
     if broken_factor is not None:
-        pate = pa.pate_setup(1.0, DELTA, broken_factor=broken_factor, **PATE)
+        pate = pa.pate_setup(pa.PateAudit(1.0, DELTA, broken_factor=broken_factor, **PATE))
     source = NoiseSource.reproducible(7)
     for side in (+1, -1):
         releases, claimed = pa.pate_product_run(pate, side, source)
@@ -169,8 +169,9 @@ def test_pate_release_needs_every_declared_teacher(pate):
     guard = pa.make_guard(pate.epsilon, pate.delta)
     replies = pate.replies(0, +1)
     replies[pate.audited_hospital] = replies[pate.audited_hospital][1:]
-    assert aggregate_query(replies, pate.sigma, pate.compressor, guard, pate.release_id(0), state=pate.state,
-                           expected_rows=pate.expected_rows) == (None, 0)
+    release = QueryRelease(pate.release_id(0), pate.sigma, pate.compressor, state=pate.state,
+                           expected_rows=pate.expected_rows)
+    assert aggregate_query(replies, release, guard) == (None, 0)
     assert guard.ledger.events(pate.audited_hospital) == []
 
 
@@ -185,13 +186,12 @@ def test_a_compressor_misreporting_its_sensitivity_is_caught_by_construction(pat
     word = pate_sigma(1.0, DELTA, pate.queries, liar.sensitivity(pate.teachers))   # the old calibration
     assert word == pytest.approx(pate.sigma / 4)
     guard = pa.make_guard(1.0, DELTA)
+    believed = QueryRelease(pate.release_id(0), word, liar, state=state, expected_rows=pate.expected_rows)
     with pytest.raises(BudgetExceeded):
-        aggregate_query(pate.replies(0, +1), word, liar, guard, pate.release_id(0), state=state,
-                        expected_rows=pate.expected_rows)
+        aggregate_query(pate.replies(0, +1), believed, guard)
     assert guard.ledger.events(pate.audited_hospital) == []          # refused: nothing recorded or released
     roomy = BudgetGuard(Ledger(None), 1e6, DELTA)
-    aggregate_query(pate.replies(0, +1), word, liar, roomy, pate.release_id(0), state=state,
-                    expected_rows=pate.expected_rows)
+    aggregate_query(pate.replies(0, +1), believed, roomy)
     (event,) = roomy.ledger.events(pate.audited_hospital)
     assert event.sensitivity == pytest.approx(pate.sensitivity)      # the true S, not the compressor's
     grid = pate.anchors.shape[2:]
@@ -212,7 +212,7 @@ def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
     hospital's charge use): sigma 4x too small while every ledger claims eps = 1. The vectorised audit
     refutes the claim; a grosser bug (16x) is refuted by the product path itself within 150 runs per side.
     (Refuting the 4x bug on the product path reliably needs ~1000 runs per side: the benchmark does it.)"""
-    broken = pa.pate_setup(1.0, DELTA, broken_factor=4.0, **PATE)
+    broken = pa.pate_setup(pa.PateAudit(1.0, DELTA, broken_factor=4.0, **PATE))
     assert broken.sensitivity == pate.sensitivity and broken.charged_sensitivity == pate.sensitivity / 4
     assert broken.sigma == pytest.approx(pate.sigma / 4)
     assert broken.mu_true == pytest.approx(4 * broken.mu_claimed)
@@ -221,7 +221,7 @@ def test_pate_audit_catches_an_understated_codec_sensitivity(pate):
     (vectorised,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
     assert 0.999 <= vectorised.claimed_epsilon <= 1.0       # the ledger believes the budget holds
     assert vectorised.violated and vectorised.bound.epsilon_lower > 3.0
-    gross = pa.pate_setup(1.0, DELTA, broken_factor=16.0, **PATE)
+    gross = pa.pate_setup(pa.PateAudit(1.0, DELTA, broken_factor=16.0, **PATE))
     (product,) = pa.audit_pate(gross, 150, noise=NoiseSource.reproducible(2), seed=0)
     assert product.claimed_epsilon <= 1.0 and product.violated and product.bound.epsilon_lower > 2.0
 
@@ -230,7 +230,7 @@ def test_pca_clip_codec_is_audited_too():
     """PCA in clip mode, the codec the audit exercised before the anchored one: the same pair (rows +-C u)
     through the same hospitals and aggregate_query; the vectorised audit stays under the claim and
     catches the 4x understated sensitivity."""
-    pca = pa.pate_setup(1.0, DELTA, codec="pca", latent_dim=8, **PATE)
+    pca = pa.pate_setup(pa.PateAudit(1.0, DELTA, codec="pca", latent_dim=8, **PATE))
     assert codecs.scalar(pca.state, "kind") == "pca" and pca.anchors is None
     assert pca.sensitivity == pytest.approx(2 * pca.clip / pca.teachers) and pca.mu_true == pytest.approx(pca.mu_claimed)
     for side in (+1, -1):
@@ -242,7 +242,7 @@ def test_pca_clip_codec_is_audited_too():
     assert np.array_equal(releases, expected) and 0.999 <= claimed <= 1.0
     (row,) = pa.audit_pate(pca, 0, vectorised_trials=100_000, seed=0)
     assert row.claimed_epsilon == claimed and 0.6 * claimed < row.bound.epsilon_lower <= claimed
-    broken = pa.pate_setup(1.0, DELTA, codec="pca", latent_dim=8, broken_factor=4.0, **PATE)
+    broken = pa.pate_setup(pa.PateAudit(1.0, DELTA, codec="pca", latent_dim=8, broken_factor=4.0, **PATE))
     (row,) = pa.audit_pate(broken, 0, vectorised_trials=100_000, seed=0)
     assert row.claimed_epsilon <= 1.0 and row.violated and row.bound.epsilon_lower > 3.0
 
@@ -256,7 +256,7 @@ RELATIONS = ("replace-one", "add-remove")
 
 @pytest.fixture(scope="module", params=RELATIONS)
 def dpsgd(request):
-    return pa.dpsgd_setup(1.0, DELTA, relation=request.param, sigma=SIGMA[request.param], **DPSGD)
+    return pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=request.param, **DPSGD), sigma=SIGMA[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +298,7 @@ def test_dpsgd_audit_trains_through_train_segmentation(dpsgd, monkeypatch):
         "fixed", dpsgd.sigma, dpsgd.relation, "poisson", True)
     assert config.loss_fn is not None and config.optimizer_factory is not None and config.augment is False
     assert len(run.observations) == dpsgd.steps and 0.9 < run.claimed_epsilon < 1.0
-    quarter = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, sigma=dpsgd.sigma, **DPSGD)
+    quarter = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, **DPSGD), sigma=dpsgd.sigma)
     pa.dpsgd_product_run(quarter, True, NoiseSource.reproducible(3))
     assert len(calls) == 3 and calls[-1][1]["dp"].noise_multiplier == dpsgd.sigma   # charged at the full sigma
     assert training.DPSession is DPSession                                          # the patch is closed
@@ -310,7 +310,7 @@ def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
     """With the noise switched off, every step's projected update is +1 when the canary was in the Poisson
     batch (-1 when its replacement was, under replace-one) and 0 otherwise: clipping to C per tensor
     (C_total in all) and nothing else in its direction."""
-    silent = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, sigma=dpsgd.sigma, **DPSGD)
+    silent = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, **DPSGD), sigma=dpsgd.sigma)
     seen = 0
     for with_canary in (True, False):
         for t in range(4):
@@ -319,8 +319,8 @@ def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
             assert np.allclose(run.observations, expected, atol=1e-5)
             seen += int(run.members.sum())
     assert seen > 0
-    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, unclipped=True,
-                               sigma=dpsgd.sigma, **DPSGD)
+    unclipped = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.0, unclipped=True,
+                                             **DPSGD), sigma=dpsgd.sigma)
     run = pa.dpsgd_product_run(unclipped, True, NoiseSource.reproducible(6))
     assert np.allclose(run.observations, unclipped.signal * run.members, rtol=1e-5)
 
@@ -382,10 +382,10 @@ def test_dpsgd_audit_stays_below_the_claim(dpsgd, dpsgd_runs):
 
 
 def test_dpsgd_audit_catches_missing_clipping_and_missing_noise(dpsgd):
-    unclipped = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, unclipped=True, sigma=dpsgd.sigma, **DPSGD)
+    unclipped = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, unclipped=True, **DPSGD), sigma=dpsgd.sigma)
     (row,) = pa.audit_dpsgd(unclipped, 60, noise=NoiseSource.reproducible(9), seed=0)
     assert row.claimed_epsilon < 1.0 and row.violated and row.bound.epsilon_lower > 1.5
-    quarter = pa.dpsgd_setup(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, sigma=dpsgd.sigma, **DPSGD)
+    quarter = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, **DPSGD), sigma=dpsgd.sigma)
     # the product's broken session really adds a quarter of the noise (what the vectorised path draws)
     runs = [pa.dpsgd_product_run(quarter, False, NoiseSource.reproducible(10).child(t)) for t in range(40)]
     residual = np.concatenate([r.observations - quarter.replacement * r.members for r in runs])

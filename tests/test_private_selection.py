@@ -115,13 +115,13 @@ def test_replace_one_curve_bounds_the_numeric_divergence(q, z):
 
 
 def test_calibrated_selection_spends_the_budget():
-    from privacy.calibration import private_selection_noise_multiplier, selection_event
+    from privacy.calibration import PrivateSelection, private_selection_noise_multiplier, selection_event
 
-    z = private_selection_noise_multiplier(8.0, DELTA, 1 / 9, 45, 1 / 20, 0.05, 3.0, 1.0, "replace-one")
+    z = private_selection_noise_multiplier(8.0, DELTA, PrivateSelection(1 / 9, 45, 1 / 20, 0.05, 3.0, 1.0, "replace-one"))
     spent = epsilon_spent([selection_event(1 / 9, z, 45, 1 / 20, 0.05, 3.0, 1.0)], DELTA)[0]
     assert 8.0 * (1 - 1e-2) <= spent <= 8.0
     with pytest.raises(PrivacyError, match="score alone"):
-        private_selection_noise_multiplier(1.0, DELTA, 1 / 9, 45, 1.0, 0.05, 3.0, 1.0, "replace-one")
+        private_selection_noise_multiplier(1.0, DELTA, PrivateSelection(1 / 9, 45, 1.0, 0.05, 3.0, 1.0, "replace-one"))
 
 
 # --------------------------------------------------------------------------------------- the covered guard

@@ -1,7 +1,7 @@
 """A method and a codec are added through the registries alone -- this test registers a toy codec
-kind (the hospital side), its server compressor, a toy PATE method and a toy public floor with its own cell
-runner, without editing a product module, and runs them through ``fedpate compare --preset tiny`` and the
-report."""
+kind (the hospital side and its server compressor, one record), a toy PATE method naming it and a toy public floor
+with its own cell runner, without editing a product module, and runs them through ``fedpate compare --preset tiny``
+and the report."""
 
 import json
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from privacy import sensitivity as sens
-from server.compressors import Compressor, register_compressor, unregister_compressor
+from task.codecs import Compressor, make_compressor
 from task import codecs
 from sim.cli import main
 from task.methods import Method, method, names, register_method, unregister_method
@@ -32,9 +32,6 @@ def _encoder(state, device=None):
     return lambda probs: codecs.clip_rows(probs[:, 1:].reshape(len(probs), probs.shape[1] - 1, -1).mean(axis=2), 1.0)
 
 
-TOY_KIND = codecs.CodecKind("toy-means", _verify, _sensitivity, _encoder, codecs.zero_rows)
-
-
 # --------------------------------------------------------------------------------- the toy codec: server
 class ToyCompressor(Compressor):
     name = "toy-means"
@@ -55,23 +52,25 @@ class ToyCompressor(Compressor):
         return np.repeat(self.mean_map[None], len(np.asarray(z).reshape(-1, self.latent_dim)), axis=0)
 
 
-def toy_compressor(preset, *, seed, checkpoint, progress, device=None, **options):
+def toy_compressor(settings, *, seed, checkpoint, progress, device=None, **options):
     return ToyCompressor()
+
+
+TOY_KIND = codecs.CodecKind("toy-means", _verify, _sensitivity, _encoder, codecs.zero_rows, compressor=toy_compressor)
 
 
 @pytest.fixture
 def toy_registered():
     codecs.register_codec(TOY_KIND)
-    register_compressor("pate-toy", toy_compressor)
     register_method(Method("pate-toy", "toy-pate", "private", federated=True, protocol="pate", per_epsilon=True,
-                           sweeps_k=True, starts_from_public=True, description="PATE through the toy codec"))
+                           sweeps_k=True, starts_from_public=True, codec="toy-means",
+                           description="PATE through the toy codec"))
     register_method(Method("toy-floor", "toy-floor", "floor", runner="toy-floor"))
     register_cell_runner("toy-floor", run_floor(lambda *a, **kw: _toy_floor(*a, **kw)))
     yield
     unregister_cell_runner("toy-floor")
     unregister_method("toy-floor")
     unregister_method("pate-toy")
-    unregister_compressor("pate-toy")
     codecs.unregister_codec("toy-means")
 
 
@@ -87,6 +86,7 @@ def test_registering_a_method_and_a_codec_reaches_every_layer(toy_registered):
     assert "pate-toy" in names(protocol="pate") and "toy-means" in codecs.codec_kinds()
     assert "toy-means" in codecs.CodecPolicy().allowed()           # hospitals accept a registered kind
     assert method("pate-toy").private and method("toy-floor").role == "floor"
+    assert isinstance(make_compressor("pate-toy"), ToyCompressor)   # the method's codec kind's compressor
     state = ToyCompressor().fit(codecs.one_hot(np.random.default_rng(0).integers(0, 4, (3, 4, 4, 4)))).state()
     verified = codecs.verify_codec(state)
     assert codecs.codec_sensitivity(verified, 8) == pytest.approx(0.25)

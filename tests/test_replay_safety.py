@@ -11,7 +11,7 @@ from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
 from clients.hospital import Hospital
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
-from server.compressors import PCACompressor
+from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
 from task.networks import build_unet

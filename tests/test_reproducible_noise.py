@@ -7,8 +7,8 @@ import numpy as np
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from server.aggregation import aggregate_query
-from server.compressors import PCACompressor
+from server.aggregation import QueryRelease, aggregate_query
+from task.codecs import PCACompressor
 from task import codecs
 from task.dpsgd import DPConfig, DPSession
 
@@ -21,8 +21,8 @@ def _aggregate(noise, release_id: str, stream: str) -> np.ndarray:
     state = codecs.verify_codec(compressor.state(), codecs.CodecPolicy(allow_identity=True))
     rows = codecs.encode(state, maps[:2].astype(np.float32))
     guard = BudgetGuard(Ledger(None), 8.0, 1e-3)
-    noisy, _ = aggregate_query({"h0": rows[:1], "h1": rows[1:]}, 0.5, compressor, guard, release_id, state=state,
-                               noise=noise, stream=stream)
+    release = QueryRelease(release_id, 0.5, compressor, state=state, stream=stream)
+    noisy, _ = aggregate_query({"h0": rows[:1], "h1": rows[1:]}, release, guard, noise)
     return noisy
 
 

@@ -13,7 +13,7 @@ from privacy.accountants import epsilon_spent
 from privacy.distributed import IntegerGrid, calibrate_local_variance, centered, ddg_event
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
-from server.compressors import PCACompressor
+from task.codecs import PCACompressor
 from server.secure import secure_sum
 from task import codecs
 from task.presets import get_preset

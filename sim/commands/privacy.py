@@ -10,8 +10,33 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
+from typing import Callable
 
-COMPRESSORS = ("ae", "pca", "clip", "naive")
+
+@dataclass(frozen=True)
+class SensitivityBound:
+    """One ``--compressor`` of the calculator: its replace-one sensitivity and what it needs to compute it.
+
+    ``needs``: the argument it reads besides K (None: K alone) and how ``--help`` names it; ``bound(sensitivity,
+    value, teachers)``: S from :mod:`privacy.sensitivity` (passed in: the module is imported when a command runs).
+    """
+
+    needs: tuple[str, str] | None
+    bound: Callable
+    label: str
+
+
+#: the calculator's compressors, by their ``--compressor`` name
+BOUNDS = {
+    "ae": SensitivityBound(None, lambda s, _, k: s.unit_ball_bound(k), "unit ball 2/K (Fay et al. Alg. 2)"),
+    "pca": SensitivityBound(("dim", "--dim D (classes x voxels)"), lambda s, d, k: s.pca_paper_bound(d, k),
+                            "PCA sqrt(d)/K (Fay et al. Alg. 1)"),
+    "clip": SensitivityBound(("clip", "--clip C"), lambda s, c, k: s.clipped_bound(c, k), "clipped 2C/K"),
+    "naive": SensitivityBound(("voxels", "--voxels V"), lambda s, v, k: s.onehot_vote_bound(v, k),
+                              "one-hot votes sqrt(2V)/K"),
+}
+COMPRESSORS = tuple(BOUNDS)
 
 
 def register(subparsers) -> None:
@@ -47,19 +72,14 @@ def _sensitivity(args) -> tuple[float, str]:
     from privacy import sensitivity
     from privacy.errors import PrivacyError
 
-    if args.compressor == "ae":
-        return sensitivity.unit_ball_bound(args.teachers), "unit ball 2/K (Fay et al. Alg. 2)"
-    if args.compressor == "pca":
-        if args.dim is None:
-            raise PrivacyError("--compressor pca needs --dim D (classes x voxels)")
-        return sensitivity.pca_paper_bound(args.dim, args.teachers), "PCA sqrt(d)/K (Fay et al. Alg. 1)"
-    if args.compressor == "clip":
-        if args.clip is None:
-            raise PrivacyError("--compressor clip needs --clip C")
-        return sensitivity.clipped_bound(args.clip, args.teachers), "clipped 2C/K"
-    if args.voxels is None:
-        raise PrivacyError("--compressor naive needs --voxels V")
-    return sensitivity.onehot_vote_bound(args.voxels, args.teachers), "one-hot votes sqrt(2V)/K"
+    record = BOUNDS[args.compressor]
+    value = None
+    if record.needs is not None:
+        name, flag = record.needs
+        value = getattr(args, name)
+        if value is None:
+            raise PrivacyError(f"--compressor {args.compressor} needs {flag}")
+    return record.bound(sensitivity, value, args.teachers), record.label
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -67,18 +87,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from privacy.calibration import paper_sigma, pate_sigma
     from privacy.errors import PrivacyError
     from privacy.events import GaussianEvent
+    from privacy.options import AccountantName, Calibration
 
     if args.queries is None or args.queries < 1:
         raise PrivacyError(f"--queries must be a positive integer, got {args.queries}")
     if args.teachers is None or args.teachers < 1:
         raise PrivacyError(f"--teachers must be a positive integer, got {args.teachers}")
     sens, bound = _sensitivity(args)
-    exact = pate_sigma(args.epsilon, args.delta, args.queries, sens, mode="exact")
+    exact = pate_sigma(args.epsilon, args.delta, args.queries, sens, mode=Calibration.EXACT)
     paper = paper_sigma(args.epsilon, args.delta, args.queries, sens)
     event = GaussianEvent(sens, exact, args.queries)
-    rdp = make_accountant("rdp").compose(event).get_epsilon(args.delta)
-    pld = None if args.no_pld else make_accountant("pld").compose(event).get_epsilon(args.delta)
-    exact_eps = make_accountant("gdp-exact").compose(event).get_epsilon(args.delta)
+    rdp = make_accountant(AccountantName.RDP).compose(event).get_epsilon(args.delta)
+    pld = None if args.no_pld else make_accountant(AccountantName.PLD).compose(event).get_epsilon(args.delta)
+    exact_eps = make_accountant(AccountantName.GDP_EXACT).compose(event).get_epsilon(args.delta)
     result = {
         "epsilon": args.epsilon, "delta": args.delta, "queries": args.queries, "teachers": args.teachers,
         "compressor": args.compressor, "sensitivity": sens, "sensitivity_bound": bound,

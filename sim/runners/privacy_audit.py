@@ -18,10 +18,10 @@ expensive; their bound is looser than the many-runs one, and here a run costs mi
 many-runs method is used.
 
 **PATE aggregator** (Fay et al., Alg. 1-2): the anchored residual codec the demo runs
-(``pate-anchored``: :class:`server.compressors.AnchoredResidualCompressor` built by ``make_compressor`` with
+(``pate-anchored``: :class:`task.codecs.AnchoredResidualCompressor` built by ``make_compressor`` with
 the product's defaults, shells (-2, 5), C = 2.5 x the public model's median residual, fitted as
 ``plan_release`` fits it, on synthetic public reference maps and a "public model's" probabilities on them,
-:func:`public_lesion_maps`), or a PCA codec in clip mode (:class:`server.compressors.PCACompressor`),
+:func:`public_lesion_maps`), or a PCA codec in clip mode (:class:`task.codecs.PCACompressor`),
 calibrated as ``server.pate.plan_release`` does (:func:`pate_calibration`: the codec state verified with the server's policy, S = ``task.codecs.
 codec_sensitivity(state, K)`` -- the one function the server's calibration, its charge and every
 hospital's own charge use -- and σ from :func:`privacy.calibration.pate_sigma` for the N-query
@@ -99,6 +99,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from unittest import mock
 
 import numpy as np
@@ -113,13 +114,13 @@ from privacy.events import SampledGaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from server.aggregation import aggregate_query, validate_reply
-from server.compressors import PCACompressor, make_compressor
+from server.aggregation import QueryRelease, aggregate_query, validate_reply
 from server.pate import SERVER_POLICY
 from task import codecs, dpsgd, training
+from task.codecs import PCACompressor, make_compressor
 from task.dpsgd import DPConfig, DPSession, steps_per_epoch
 from task.presets import get_preset
-from task.options import Relation, Sampling
+from task.options import PcaMode, Relation, Sampling, look_up_option
 
 # ======================================================================================== accounting
 
@@ -179,16 +180,14 @@ def make_guard(epsilon: float, delta: float):
         def check(self, owners, event, count: int = 1) -> None:
             key = (repr(sorted(self.budget.items())), self.delta, int(count),
                    _events_key(self.ledger, list(owners), event))
-            verdict = _VERDICTS.get(key)
-            if verdict is None:
+            if key not in _VERDICTS:   # the refusal, or None when the check passed
                 try:
                     super().check(owners, event, count)
-                    verdict = "ok"
+                    _VERDICTS[key] = None
                 except BudgetExceeded as exc:
-                    verdict = exc
-                _VERDICTS[key] = verdict
-            if verdict != "ok":
-                raise verdict
+                    _VERDICTS[key] = exc
+            if _VERDICTS[key] is not None:
+                raise _VERDICTS[key]
 
     return MemoisedGuard(_memoised_ledger(), epsilon, delta)
 
@@ -222,10 +221,6 @@ def memoised_accounting():
         yield
 
 # ================================================================================================ PATE
-
-#: the codecs the PATE audit knows: "anchored" (the demo's pate-anchored, the default) and "pca" in clip mode
-PATE_CODECS = ("anchored", "pca")
-
 
 def misreporting_compressor(compressor, factor: float = 4.0):
     """A copy of a fitted compressor whose ``sensitivity()`` reports ``1/factor`` of the truth (its codec
@@ -426,9 +421,161 @@ def _random_probabilities(rng: np.random.Generator, shape, around: np.ndarray | 
     return (maps / maps.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", teachers: int = 128,
-               hospitals: int = 8, queries: int = 40, latent_dim: int = 8, clip: float = 1.0, grid=None,
-               seed: int = 0, broken_factor: float | None = None, intensity_bins: int = 1) -> PateSetup:
+@dataclass(frozen=True)
+class PateAudit:
+    """What a PATE audit audits (:func:`pate_setup`).
+
+    ``epsilon`` / ``delta``: the budget the N queries are calibrated to (and each hospital's lifetime budget);
+    ``codec``: ``anchored`` (default) or ``pca`` (:data:`PATE_CODECS`); ``teachers``: K, spread evenly over the
+    ``hospitals`` (a multiple of them); ``queries``: N; ``latent_dim`` / ``clip``: l and C of the PCA codec
+    (``anchored`` uses the fitted compressor's own l and C); ``grid``: the maps' grid (None = 16³ for ``anchored``,
+    4³ for ``pca``); ``seed``: the public data, the other teachers' maps and the direction u (not the noise);
+    ``broken_factor``: everything under :func:`understated_codec_sensitivity` (None = the honest product);
+    ``intensity_bins``: ``anchored`` only, each shell split into this many intensity bins of the query scans (the
+    quick preset's codec: 3; :func:`task.codecs.intensity_bin_map`). The scans are then random public volumes (the
+    bins need intensities; the teachers still ignore them), the bin map is shipped with the anchor and verified by
+    every hospital, and the audited pair is lifted through the binned regions.
+    """
+
+    epsilon: float
+    delta: float = 1e-3
+    codec: str = "anchored"
+    teachers: int = 128
+    hospitals: int = 8
+    queries: int = 40
+    latent_dim: int = 8
+    clip: float = 1.0
+    grid: tuple | None = None
+    seed: int = 0
+    broken_factor: float | None = None
+    intensity_bins: int = 1
+
+    def __post_init__(self) -> None:
+        if self.codec not in AUDITED_CODECS:
+            raise ValueError(f"codec: expected one of {PATE_CODECS}, got {self.codec!r}")
+        if self.teachers % self.hospitals:
+            raise ValueError("teachers must be a multiple of hospitals")
+
+
+@dataclass
+class AuditedPublicSide:
+    """The audited codec fitted on public data, and the query batch's public side: its scans and, for the anchored
+    codec, the public anchor of every query and the batch's regions."""
+
+    compressor: object
+    grid: tuple
+    clip: float
+    scans: np.ndarray
+    anchors: np.ndarray | None = None
+    regions: np.ndarray | None = None
+
+
+def _fit_anchored(rng: np.random.Generator, audit: PateAudit, classes: int) -> AuditedPublicSide:
+    """The product's compressor (``make_compressor("pate-anchored")``: its defaults, the bins asked for) fitted on
+    synthetic public reference maps and a public model's probabilities on them, as ``plan_release`` fits it."""
+    grid = tuple(audit.grid or (16, 16, 16))
+    compressor = make_compressor("pate-anchored", intensity_bins=int(audit.intensity_bins))
+    binned = int(audit.intensity_bins) > 1   # random draws only then: the bin-free audit stays what it was
+    reference = public_lesion_maps(rng, 24, grid, classes)          # public reference maps + public model
+    compressor.fit(*reference, rng.normal(size=(24, 4, *grid)).astype(np.float32) if binned else None)
+    anchors = public_lesion_maps(rng, audit.queries, grid, classes, compressor.shells)[1]   # on the query scans
+    # the public query scans: only the bins read them (the teachers answer fixed maps)
+    shape = (audit.queries, 4, *grid)
+    scans = (rng.normal(size=shape) if binned else np.zeros(shape)).astype(np.float32)
+    regions = codecs.binned_regions(anchors, compressor.shells, scans, compressor.intensity_channel,
+                                    int(audit.intensity_bins))[0]
+    return AuditedPublicSide(compressor, grid, float(compressor.clip), scans, anchors, regions)
+
+
+def _fit_pca(rng: np.random.Generator, audit: PateAudit, classes: int) -> AuditedPublicSide:
+    """A PCA codec in clip mode (C = ``clip``, l = ``latent_dim``) fitted on random public one-hot maps."""
+    grid = tuple(audit.grid or (4, 4, 4))
+    public = codecs.one_hot(rng.integers(0, classes, size=(3 * audit.latent_dim, *grid)), classes)
+    compressor = PCACompressor(n_components=audit.latent_dim, sensitivity_mode=PcaMode.CLIP, clip=audit.clip).fit(public)
+    scans = np.zeros((audit.queries, 4, *grid), np.float32)      # the teachers ignore them (fixed maps)
+    return AuditedPublicSide(compressor, grid, float(audit.clip), scans)
+
+
+def _anchored_pair(public: AuditedPublicSide, direction: np.ndarray, state: dict, classes: int) -> dict:
+    """``p_n + side t B_n^T u``: anchored latent ``side t u`` before the clip, ``side C u`` after it."""
+    lift = anchored_lift(direction, public.anchors, public.compressor.shells, public.regions)
+    return {side: (public.anchors + side * 10.0 * public.clip * lift).astype(np.float32) for side in (+1, -1)}
+
+
+def _pca_pair(public: AuditedPublicSide, direction: np.ndarray, state: dict, classes: int) -> dict:
+    """y with ``A_l (y - mean) = side t u``: clipped to ``side C u`` by the codec."""
+    components = np.asarray(state["components"], np.float64)
+    mean = np.asarray(state["mean"], np.float64)
+    queries = len(public.scans)
+    return {side: np.repeat((mean + side * 10.0 * public.clip * (components.T @ direction)).reshape(
+        1, classes, *public.grid), queries, axis=0).astype(np.float32) for side in (+1, -1)}
+
+
+@dataclass(frozen=True)
+class AuditedCodec:
+    """A codec the PATE audit knows: ``fit(rng, audit, classes) -> AuditedPublicSide`` and ``extreme_pair(public,
+    u, verified state, classes) -> {+1: maps, -1: maps}``, the audited teacher's replace-one pair, which the codec
+    maps to ``+C u`` and ``-C u``."""
+
+    fit: Callable[..., AuditedPublicSide]
+    extreme_pair: Callable[..., dict]
+
+
+#: the codecs the PATE audit knows: "anchored" (the demo's pate-anchored, the default) and "pca" in clip mode
+AUDITED_CODECS = {"anchored": AuditedCodec(_fit_anchored, _anchored_pair), "pca": AuditedCodec(_fit_pca, _pca_pair)}
+PATE_CODECS = tuple(AUDITED_CODECS)
+
+
+def _teacher_answers(audit: PateAudit, public: AuditedPublicSide, extreme: dict, seeds: np.ndarray, classes: int):
+    """``answers_of(hospital index, side)`` -> teacher k's maps: random maps (a fixed stream per teacher), the
+    extreme pair for the audited teacher (hospital 0's first)."""
+
+    def answers_of(index: int, side: int):
+        def answer(k: int) -> np.ndarray:
+            if index == 0 and k == 0:
+                return extreme[side]
+            teacher_rng = np.random.default_rng([int(seeds[index]), k])
+            return _random_probabilities(teacher_rng, (audit.queries, classes, *public.grid), public.anchors)
+        return answer
+
+    return answers_of
+
+
+def _hospitals_answer(audit: PateAudit, public: AuditedPublicSide, answers_of, names: list[str]):
+    """The server's calibration (:func:`pate_calibration`) and every hospital's answer to the N queries through
+    the real ``Hospital.answer_query`` (D: every hospital; D': the audited one, the others' rows are the same),
+    each checked to have charged its own ledger once per query. Returns (verified state, charged S, σ, answers,
+    hospital -> ε its ledger records)."""
+    compressor, per_hospital, audited = public.compressor, audit.teachers // audit.hospitals, names[0]
+    answers: dict = {+1: {}, -1: {}}
+    hospital_epsilon = {}
+    with understated_codec_sensitivity(audit.broken_factor), tempfile.TemporaryDirectory() as tmp:
+        state, charged, sigma = pate_calibration(compressor, audit.epsilon, audit.delta, audit.queries,
+                                                 audit.teachers)
+        shipped = compressor.batch_state(compressor.state(), public.anchors, public.scans)
+        config = {"method": f"pate-{audit.codec}", "queries": list(range(audit.queries)),
+                  "release_ids": [f"pate-{audit.codec}:audit:query-{n}" for n in range(audit.queries)],
+                  "sigma": sigma, "teachers": audit.teachers, "delta": float(audit.delta)}
+        for side in (+1, -1):
+            for index, name in enumerate(names if side == +1 else [audited]):
+                hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}",
+                                          audit.epsilon, audit.delta, teachers=per_hospital,
+                                          max_teachers=audit.teachers)
+                answers[side][name], _ = hospital.answer_query(public.scans, shipped, config)
+                own = Ledger(hospital.privacy_ledger)
+                charged_ids = sorted(r["release_id"].rsplit("@", 1)[0] for r in own.records())
+                if charged_ids != sorted(config["release_ids"]):   # one charge per query, under its own nonce
+                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {config['release_ids']}")
+                spent = own.spent(name, audit.delta).epsilon
+                hospital_epsilon.setdefault(name, set()).add(float(spent))
+        for name in names[1:]:
+            answers[-1][name] = answers[+1][name]
+    if any(len(v) != 1 for v in hospital_epsilon.values()):
+        raise RuntimeError(f"a hospital's ledger recorded different ε for D and D': {hospital_epsilon}")
+    return state, charged, sigma, answers, {h: v.pop() for h, v in hospital_epsilon.items()}
+
+
+def pate_setup(audit: PateAudit) -> PateSetup:
     """A codec fitted on public data, calibrated as the server does (:func:`pate_calibration`), and every
     hospital's answer to the N queries through the real ``Hospital.answer_query`` (codec verified, the N
     releases charged to its own ledger with the S it computes itself, under ids with its own nonce, then
@@ -439,119 +586,47 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
     ``codec="anchored"`` (the demo's ``pate-anchored``; grid 16³ by default): the product's compressor
     (``make_compressor("pate-anchored")``: shells (-2, 5), C = 2.5 x the public model's median residual on
     public reference maps, fitted as ``plan_release`` fits it) and one public anchor per query (the public
-    model's probabilities, shipped with the batch, :func:`task.codecs.with_anchor`); the other teachers answer
-    maps around the anchor, the audited one ``p_n ± t B_n^T u`` (t = 10 C; the anchored latent before the
-    clip is ``±t u``). ``codec="pca"`` (grid 4³): a PCA codec in clip mode (C = ``clip``, l = ``latent_dim``)
-    fitted on random public one-hot maps; the audited teacher answers ``mean ± t A_l^T u``.
-
-    Args:
-        epsilon / delta: the budget the N queries are calibrated to (and each hospital's lifetime budget).
-        codec: ``anchored`` (default) or ``pca`` (:data:`PATE_CODECS`), as above.
-        teachers: K, spread evenly over the hospitals (a multiple of ``hospitals``).
-        hospitals: the number of hospitals.
-        queries: the number of queries N.
-        latent_dim: l of the PCA codec (ignored by ``anchored``).
-        clip: C of the PCA codec (``anchored`` uses the fitted compressor's own C).
-        grid: the maps' grid (None = 16³ for ``anchored``, 4³ for ``pca``).
-        seed: the public data, the other teachers' maps and the direction u (not the noise).
-        broken_factor: all of it under :func:`understated_codec_sensitivity` (None = the honest product).
-        intensity_bins: ``anchored`` only: each shell split into this many intensity bins of the query scans
-            (the quick preset's codec: 3; :func:`task.codecs.intensity_bin_map`). The scans are then random public
-            volumes (the bins need intensities; the teachers still ignore them), the bin map is shipped with the
-            anchor and verified by every hospital, and the audited pair is lifted through the binned regions.
+    model's probabilities, shipped with the batch by the compressor's ``batch_state``,
+    :func:`task.codecs.with_anchor`); the other teachers answer maps around the anchor, the audited one
+    ``p_n ± t B_n^T u`` (t = 10 C; the anchored latent before the clip is ``±t u``). ``codec="pca"`` (grid 4³): a
+    PCA codec in clip mode (C = ``clip``, l = ``latent_dim``) fitted on random public one-hot maps; the audited
+    teacher answers ``mean ± t A_l^T u``. The steps: the codec's ``fit`` and ``extreme_pair``
+    (:data:`AUDITED_CODECS`), :func:`_hospitals_answer`, then the server's validated means (:func:`_clean_means`).
     """
-
-
-    if codec not in PATE_CODECS:
-        raise ValueError(f"codec: expected one of {PATE_CODECS}, got {codec!r}")
-    if teachers % hospitals:
-        raise ValueError("teachers must be a multiple of hospitals")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(audit.seed)
     classes = 4
-    anchors = None
-    if codec == "anchored":
-        grid = tuple(grid or (16, 16, 16))
-        # the product's defaults (shells, clip_scale), and the bins asked for
-        compressor = make_compressor("pate-anchored", intensity_bins=int(intensity_bins))
-        binned = int(intensity_bins) > 1   # random draws only then: the bin-free audit stays what it was
-        reference = public_lesion_maps(rng, 24, grid, classes)          # public reference maps + public model
-        compressor.fit(*reference, rng.normal(size=(24, 4, *grid)).astype(np.float32) if binned else None)
-        anchors = public_lesion_maps(rng, queries, grid, classes, compressor.shells)[1]   # on the query scans
-        clip = float(compressor.clip)
-        # the public query scans: only the bins read them (the teachers answer fixed maps)
-        scans = (rng.normal(size=(queries, 4, *grid)) if binned else np.zeros((queries, 4, *grid))).astype(np.float32)
-        regions = codecs.binned_regions(anchors, compressor.shells, scans, compressor.intensity_channel,
-                                        int(intensity_bins))[0]
-    else:
-        grid = tuple(grid or (4, 4, 4))
-        public = codecs.one_hot(rng.integers(0, classes, size=(3 * latent_dim, *grid)), classes)
-        compressor = PCACompressor(n_components=latent_dim, sensitivity_mode="clip", clip=clip).fit(public)
-        scans = np.zeros((queries, 4, *grid), np.float32)      # the teachers ignore them (fixed maps)
-    true_state = codecs.verify_codec(compressor.state())
-    true_sensitivity = float(codecs.codec_sensitivity(true_state, teachers))   # outside any patch
-    l = int(compressor.latent_dim)
-    per_hospital = teachers // hospitals
-    names = [f"h{i}" for i in range(hospitals)]
-    direction = rng.normal(size=l)
+    codec = AUDITED_CODECS[audit.codec]
+    public = codec.fit(rng, audit, classes)
+    true_state = codecs.verify_codec(public.compressor.state())
+    true_sensitivity = float(codecs.codec_sensitivity(true_state, audit.teachers))   # outside any patch
+    direction = rng.normal(size=int(public.compressor.latent_dim))
     direction /= np.linalg.norm(direction)
-    if codec == "anchored":       # p_n + t B_n^T u: anchored latent t u before the clip, C u after it
-        lift = anchored_lift(direction, anchors, compressor.shells, regions)
-        extreme = {side: (anchors + side * 10.0 * clip * lift).astype(np.float32) for side in (+1, -1)}
-    else:                         # y with A_l (y - mean) = t u: clipped to C u by the codec
-        components = np.asarray(true_state["components"], np.float64)
-        mean = np.asarray(true_state["mean"], np.float64)
-        extreme = {side: np.repeat((mean + side * 10.0 * clip * (components.T @ direction)).reshape(
-            1, classes, *grid), queries, axis=0).astype(np.float32) for side in (+1, -1)}
-    seeds = rng.integers(0, 2 ** 63, size=hospitals)
-
-    def answers_of(index: int, side: int):
-        """Teacher k of hospital ``index``: random maps (a fixed stream per teacher), the extreme pair for
-        the audited teacher."""
-        def answer(k: int) -> np.ndarray:
-            if index == 0 and k == 0:
-                return extreme[side]
-            teacher_rng = np.random.default_rng([int(seeds[index]), k])
-            return _random_probabilities(teacher_rng, (queries, classes, *grid), anchors)
-        return answer
-
-    audited = names[0]
-    answers: dict = {+1: {}, -1: {}}
-    hospital_epsilon = {}
-    with understated_codec_sensitivity(broken_factor), tempfile.TemporaryDirectory() as tmp:
-        state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
-        shipped = (codecs.with_anchor(compressor.state(), anchors, scans) if codec == "anchored"
-                   else compressor.state())
-        config = {"method": f"pate-{codec}", "queries": list(range(queries)),
-                  "release_ids": [f"pate-{codec}:audit:query-{n}" for n in range(queries)], "sigma": sigma,
-                  "teachers": teachers, "delta": float(delta)}
-        for side in (+1, -1):
-            for index, name in enumerate(names if side == +1 else [audited]):
-                hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}", epsilon,
-                                          delta, teachers=per_hospital, max_teachers=teachers)
-                answers[side][name], _ = hospital.answer_query(scans, shipped, config)
-                own = Ledger(hospital.privacy_ledger)
-                charged_ids = sorted(r["release_id"].rsplit("@", 1)[0] for r in own.records())
-                if charged_ids != sorted(config["release_ids"]):   # one charge per query, under its own nonce
-                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {config['release_ids']}")
-                spent = own.spent(name, delta).epsilon
-                hospital_epsilon.setdefault(name, set()).add(float(spent))
-        for name in names[1:]:
-            answers[-1][name] = answers[+1][name]
-    if any(len(v) != 1 for v in hospital_epsilon.values()):
-        raise RuntimeError(f"a hospital's ledger recorded different ε for D and D': {hospital_epsilon}")
-    setup = PateSetup(epsilon=float(epsilon), delta=float(delta), teachers=teachers, hospitals=hospitals,
-                      queries=queries, clip=float(clip), compressor=compressor, state=state, sigma=float(sigma),
-                      sensitivity=true_sensitivity, charged_sensitivity=float(charged), direction=direction,
-                      answers=answers, expected_rows={h: per_hospital for h in names},
-                      hospital_epsilon={h: v.pop() for h, v in hospital_epsilon.items()}, audited_hospital=audited,
-                      codec=codec, anchors=anchors, broken_factor=broken_factor)
-    for side in (+1, -1):   # the server's validated rows, averaged (what aggregate_query adds noise to)
-        means = []
-        for n in range(queries):
-            rows = [validate_reply(h, r, state, l) for h, r in sorted(setup.replies(n, side).items())]
-            means.append(np.concatenate(rows, axis=0).mean(axis=0))
-        setup.clean_means[side] = np.stack(means)
+    extreme = codec.extreme_pair(public, direction, true_state, classes)
+    seeds = rng.integers(0, 2 ** 63, size=audit.hospitals)
+    names = [f"h{i}" for i in range(audit.hospitals)]
+    answers_of = _teacher_answers(audit, public, extreme, seeds, classes)
+    state, charged, sigma, answers, hospital_epsilon = _hospitals_answer(audit, public, answers_of, names)
+    setup = PateSetup(epsilon=float(audit.epsilon), delta=float(audit.delta), teachers=audit.teachers,
+                      hospitals=audit.hospitals, queries=audit.queries, clip=float(public.clip),
+                      compressor=public.compressor, state=state, sigma=float(sigma), sensitivity=true_sensitivity,
+                      charged_sensitivity=float(charged), direction=direction, answers=answers,
+                      expected_rows={h: audit.teachers // audit.hospitals for h in names},
+                      hospital_epsilon=hospital_epsilon, audited_hospital=names[0], codec=audit.codec,
+                      anchors=public.anchors, broken_factor=audit.broken_factor)
+    setup.clean_means.update(_clean_means(setup))
     return setup
+
+
+def _clean_means(setup: PateSetup) -> dict:
+    """side (+1/-1) -> (N, l): the server's validated rows, averaged (what aggregate_query adds noise to)."""
+    means = {}
+    for side in (+1, -1):
+        rows_per_query = []
+        for n in range(setup.queries):
+            rows = [validate_reply(h, r, setup.state, setup.latent_dim) for h, r in sorted(setup.replies(n, side).items())]
+            rows_per_query.append(np.concatenate(rows, axis=0).mean(axis=0))
+        means[side] = np.stack(rows_per_query)
+    return means
 
 
 def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarray, float]:
@@ -568,10 +643,9 @@ def pate_product_run(setup: PateSetup, side: int, noise=None) -> tuple[np.ndarra
     releases = []
     with understated_codec_sensitivity(setup.broken_factor):
         for n in range(setup.queries):
-            noisy, teachers = aggregate_query(setup.replies(n, side), setup.sigma, setup.compressor, guard,
-                                              setup.release_id(n), note={"query": n}, state=setup.state,
-                                              noise=noise, expected_rows=setup.expected_rows,
-                                              stream=setup.stream(n))
+            release = QueryRelease(setup.release_id(n), setup.sigma, setup.compressor, state=setup.state,
+                                   expected_rows=setup.expected_rows, stream=setup.stream(n), note={"query": n})
+            noisy, teachers = aggregate_query(setup.replies(n, side), release, guard, noise)
             if noisy is None or teachers != setup.teachers:
                 raise RuntimeError(f"query {n}: {teachers} teachers accepted, expected {setup.teachers}")
             releases.append(noisy)
@@ -809,36 +883,52 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
     return recorder, result, guard
 
 
-def dpsgd_setup(epsilon: float, delta: float = 1e-3, *, others: int = 15, batch_size: int = 4, epochs: int = 5,
-                clip: float = 1.0, relation: str = Relation.REPLACE_ONE, noise_factor: float = 1.0,
-                unclipped: bool = False, sigma: float | None = None) -> DPSGDSetup:
-    """σ, q and the steps from a first product run (:func:`dpsgd_train` on D): in ``target`` mode under
-    ``relation`` (``train_segmentation``'s session calibrates σ itself), or at the given ``sigma`` (the
-    session's ``fixed`` mode). Under add-remove, D and D' must have the same number of steps (so the same
-    q): otherwise the step count, which results publish, tells them apart (docs/PRIVACY_AUDIT.md).
+@dataclass(frozen=True)
+class DPSGDAudit:
+    """What a DP-SGD audit audits (:func:`dpsgd_setup`; the fields of :class:`DPSGDSetup` it starts from).
 
-    Args:
-        epsilon / delta: the budget σ is calibrated to (``target`` mode).
-        others: records besides the canary (or its replacement).
-        batch_size: the expected (Poisson) batch size.
-        epochs: training epochs.
-        clip: the per-layer clip C (each of the canary model's two tensors).
-        relation: ``replace-one`` (default) or ``add-remove`` (:class:`DPSGDSetup`).
-        noise_factor: broken control -- the optimizer adds ``noise_factor`` x the charged noise (1 = honest).
-        unclipped: broken control -- per-sample gradients are not clipped (the noise is still σ C_total).
-        sigma: a fixed σ instead of the calibration (None = calibrated).
+    ``epsilon`` / ``delta``: the budget σ is calibrated to (``target`` mode); ``others``: records besides the canary
+    (or its replacement); ``batch_size``: the expected (Poisson) batch size; ``epochs``; ``clip``: the per-layer clip
+    C (each of the canary model's two tensors); ``relation``: ``replace-one`` (default) or ``add-remove``;
+    ``noise_factor``: broken control -- the optimizer adds ``noise_factor`` x the charged noise (1 = honest);
+    ``unclipped``: broken control -- per-sample gradients are not clipped (the noise is still σ C_total).
     """
 
-    setup = DPSGDSetup(epsilon=float(epsilon), delta=float(delta), others=others, batch_size=batch_size,
-                       epochs=epochs, clip=float(clip), relation=relation, noise_factor=float(noise_factor),
-                       unclipped=bool(unclipped))
-    steps = {steps_per_epoch(setup.size(c), batch_size) for c in (False, True)}
+    epsilon: float
+    delta: float = 1e-3
+    others: int = 15
+    batch_size: int = 4
+    epochs: int = 5
+    clip: float = 1.0
+    relation: str = Relation.REPLACE_ONE
+    noise_factor: float = 1.0
+    unclipped: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.others, self.batch_size, self.epochs) < 1:
+            raise ValueError(f"others, batch_size and epochs must be positive, got {self.others}, "
+                             f"{self.batch_size}, {self.epochs}")
+        look_up_option(self.relation, Relation, "relation")
+
+
+def dpsgd_setup(audit: DPSGDAudit, sigma: float | None = None) -> DPSGDSetup:
+    """σ, q and the steps from a first product run (:func:`dpsgd_train` on D): in ``target`` mode under
+    the audit's relation (``train_segmentation``'s session calibrates σ itself), or at the given ``sigma`` (the
+    session's ``fixed`` mode; None = calibrated). Under add-remove, D and D' must have the same number of steps (so
+    the same q): otherwise the step count, which results publish, tells them apart (docs/PRIVACY_AUDIT.md).
+    """
+
+    setup = DPSGDSetup(epsilon=float(audit.epsilon), delta=float(audit.delta), others=audit.others,
+                       batch_size=audit.batch_size, epochs=audit.epochs, clip=float(audit.clip),
+                       relation=audit.relation, noise_factor=float(audit.noise_factor),
+                       unclipped=bool(audit.unclipped))
+    steps = {steps_per_epoch(setup.size(c), audit.batch_size) for c in (False, True)}
     if len(steps) != 1:
         raise ValueError(f"D and D' give different numbers of steps per epoch {steps} (so different sampling "
                          "rates): choose sizes with the same number of steps")
     result = dpsgd_train(setup, True, NoiseSource(), sigma=sigma)[1]
-    if len(set(result.sigmas)) != 1 or result.epochs_completed != epochs:
-        raise RuntimeError(f"the calibrating run trained {result.epochs_completed} of {epochs} epochs at "
+    if len(set(result.sigmas)) != 1 or result.epochs_completed != audit.epochs:
+        raise RuntimeError(f"the calibrating run trained {result.epochs_completed} of {audit.epochs} epochs at "
                            f"σ {sorted(set(result.sigmas))}")
     setup.sigma, setup.sampling_rate, setup.steps_per_epoch = result.sigmas[0], result.sampling_rate, result.steps_per_epoch
     return setup
@@ -1091,7 +1181,8 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
     return problems
 
 
-__all__ = ["AuditRow", "DPSGDRun", "DPSGDSetup", "PATE_CODECS", "PateSetup", "anchored_lift", "audit_dpsgd",
+__all__ = ["AUDITED_CODECS", "AuditRow", "AuditedCodec", "AuditedPublicSide", "DPSGDAudit", "DPSGDRun", "DPSGDSetup",
+           "PATE_CODECS", "PateAudit", "PateSetup", "anchored_lift", "audit_dpsgd",
            "audit_failures", "audit_hospital", "audit_pate", "broken_dpsgd_session", "dpsgd_product_run",
            "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_train", "dpsgd_vectorised_observations",
            "dpsgd_vectorised_scores", "format_table", "make_guard", "memoised_accounting", "misreporting_compressor",

@@ -1,7 +1,7 @@
 """Autoencoded PATE's codec (Fay et al., Algorithm 2): ``z = phi(f_enc(y))`` with the unit-ball
-activation :func:`task.codecs.core.unit_ball`; the autoencoder network both sides build, and the hospital side
-of the codec (the server's :class:`server.compressors.AutoencoderCompressor` trains it on public maps and ships
-only the encoder's weights).
+activation :func:`task.codecs.core.unit_ball`; the autoencoder network both sides build, the hospital side of the
+codec, and the server's :class:`AutoencoderCompressor`, which trains it on public maps (:class:`AutoencoderSettings`),
+ships only the encoder's weights and decodes.
 
 Sensitivity (replace-one): ``||phi(.)|| <= 1`` for every input (Proposition 2), so one teacher's row moves by at
 most 2 and the mean of K rows by 2/K; the encoder clips rows to 1 again after float rounding.
@@ -9,17 +9,25 @@ most 2 and the mean of K rows by 2/K; the encoder clips rows to 1 again after fl
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from privacy import sensitivity as sens
-from task.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, latent_dim, register_codec, scalar,
-                             unit_ball, zero_rows)
+from task.codecs.contract import Compressor, PublicFit, answering_teachers
+from task.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, encode, latent_dim, register_codec,
+                             scalar, unit_ball, zero_rows)
 from task.device import resolve_device
 from task.errors import UserError
+from task.io import atomic_save_torch
+from task.presets import Codec
 
 _ENCODER_PREFIX = "encoder::"
 
@@ -168,4 +176,197 @@ def encoder(state: Mapping[str, np.ndarray], device=None):
     return encode
 
 
-AE = register_codec(CodecKind("ae", verify, sensitivity, encoder, zero_rows))
+# --------------------------------------------------------------------------------------------------
+# the server's side: train the autoencoder on public maps, ship its encoder, decode
+# --------------------------------------------------------------------------------------------------
+#: the preset recipe's codec group (task.presets.Codec): the autoencoder's latent size and epochs default to its own
+DEFAULTS = Codec()
+
+
+@dataclass(frozen=True)
+class AutoencoderSettings:
+    """What the autoencoder of Algorithm 2 is and how it is trained (public choices only; a checkpoint is reused
+    only for the same settings and public maps).
+
+    ``latent_dim``: l; ``train_sigma``: the std of the Gaussian noise added to the unit-ball bottleneck during
+    training (``fit_release`` sets it to the release's sigma); ``epochs``, ``learning_rate`` (Adam), ``batch_size``;
+    ``seed``: the initialisation, the batches, the flips and the bottleneck noise; ``channels``: per pooling level.
+    """
+
+    latent_dim: int = DEFAULTS.ae_latent_dim
+    train_sigma: float = 0.0
+    epochs: int = DEFAULTS.ae_epochs
+    learning_rate: float = 2e-3
+    batch_size: int = 4
+    seed: int = 0
+    channels: tuple = (8, 16, 32, 32)
+
+    def __post_init__(self) -> None:
+        if int(self.latent_dim) < 1:
+            raise UserError(f"latent_dim: expected a positive integer, got {self.latent_dim}")
+        for name, kind in (("latent_dim", int), ("train_sigma", float), ("epochs", int), ("learning_rate", float),
+                           ("batch_size", int), ("seed", int), ("channels", tuple)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+
+
+def _reconstruction_loss(logits, target):
+    """Cross-entropy (Fay et al., Alg. 2) plus a soft Dice term over the tumour classes.
+
+    Why the Dice term: tumour is ~2.5% of the voxels of a brain-cropped volume; with cross-entropy alone
+    the autoencoder reaches its loss floor by decoding everything to background (measured on the quick
+    preset's 40 reference maps: foreground Dice 0.001 after 60 epochs), i.e. the collapse of
+    docs/PRIVACY.md ("What limits PATE") even without noise. The Dice term weights each tumour class by its own volume.
+    """
+
+    log_probs = torch.log_softmax(logits, dim=1)
+    cross_entropy = -(target * log_probs).sum(dim=1).mean()
+    probs = log_probs.exp()[:, 1:]
+    truth = target[:, 1:]
+    dims = tuple(range(2, probs.ndim))
+    intersection = (probs * truth).sum(dim=dims)
+    denominator = probs.sum(dim=dims) + truth.sum(dim=dims)
+    dice = (2 * intersection + 1.0) / (denominator + 1.0)
+    return cross_entropy + (1 - dice).mean()
+
+
+class AutoencoderCompressor(Compressor):
+    """Autoencoded PATE (Fay et al., Algorithm 2).
+
+    Trains :func:`task.codecs.AutoencoderNet` on the public reference label maps with cross-entropy,
+    Gaussian noise of std ``train_sigma`` (set it to the deployment sigma) added to the unit-ball
+    bottleneck, random flips as augmentation, Adam; seeded, and checkpointed at ``checkpoint`` (a
+    checkpoint written for the same data + configuration is reused instead of retraining).
+    Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
+
+    ``device`` (``task.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
+    in float32 whatever the run's precision: it is small, and its unit-ball output is what the sensitivity 2/K
+    rests on. The bottleneck's training noise and the flips are drawn on the host from the seeded generators,
+    then copied, so the trained autoencoder does not depend on where the draws would otherwise have been made.
+    """
+
+    name = "ae"
+
+    def __init__(self, settings: AutoencoderSettings, *, checkpoint: str | Path | None = None,
+                 progress: bool = False, device=None):
+        self.settings = settings
+        self.latent_dim = settings.latent_dim
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        self.progress = progress
+        self.device = resolve_device(device)
+        self.net = None
+        self.history: list[float] = []
+        self._reference: np.ndarray | None = None
+
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AutoencoderCompressor":
+        """Alg. 2: the decoder learns on the noise it will see (``train_sigma`` = the release's sigma), on the
+        public label maps (:meth:`PublicFit.label_maps`)."""
+        self.settings = replace(self.settings, train_sigma=noise_per_sensitivity * self.sensitivity(teachers))
+        maps, self.fit_counts = public.label_maps()
+        return self.fit(maps)
+
+    def release_checks(self) -> dict:
+        """The collapse check (a decoder that learnt to decode everything to background; docs/PRIVACY.md)."""
+        return self.collapsed()
+
+    def _fingerprint(self, maps: np.ndarray) -> str:
+        digest = hashlib.sha256(np.ascontiguousarray(maps).tobytes())
+        s = self.settings
+        digest.update(json.dumps([s.latent_dim, s.train_sigma, s.epochs, s.learning_rate, s.batch_size, s.seed,
+                                  list(s.channels)]).encode())
+        return digest.hexdigest()[:16]
+
+    def fit(self, public_onehot: np.ndarray) -> "AutoencoderCompressor":
+        maps = self._check_fit_input(public_onehot)
+        self._reference = maps
+        torch.manual_seed(self.settings.seed)
+        self.net = AutoencoderNet(self.latent_dim, self.grid, self.classes, self.settings.channels).to(self.device)
+        fingerprint = self._fingerprint(maps)
+        if self.checkpoint is not None and self.checkpoint.exists():
+            saved = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
+            if saved.get("fingerprint") == fingerprint:
+                self.net.load_state_dict(saved["state_dict"])
+                self.history = list(saved.get("history", []))
+                self.net.eval()
+                return self
+        generator = torch.Generator().manual_seed(self.settings.seed)
+        rng = np.random.default_rng(self.settings.seed)
+        optimiser = torch.optim.Adam(self.net.parameters(), lr=self.settings.learning_rate)
+        data = torch.from_numpy(maps).to(self.device)   # the public maps on the device once
+        epochs = range(self.settings.epochs)
+        if self.progress:
+            epochs = tqdm(epochs, desc="autoencoder", leave=False)
+        self.net.train()
+        for _ in epochs:
+            order = rng.permutation(len(maps))
+            total = 0.0
+            for start in range(0, len(order), self.settings.batch_size):
+                batch = data[torch.from_numpy(order[start:start + self.settings.batch_size]).to(self.device)]
+                flips = [axis + 2 for axis in range(len(self.grid)) if rng.random() < 0.5]
+                if flips:  # public-data augmentation: mirrored label maps are plausible label maps
+                    batch = torch.flip(batch, dims=flips)
+                logits = self.net(batch, noise_sigma=self.settings.train_sigma, generator=generator)
+                loss = _reconstruction_loss(logits, batch)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                total += float(loss.detach()) * len(batch)
+            self.history.append(total / len(maps))
+        self.net.eval()
+        if self.checkpoint is not None:
+            atomic_save_torch(self.checkpoint, {"fingerprint": fingerprint, "state_dict": self.net.state_dict(),
+                                                "history": self.history, "config": self.describe()})
+        return self
+
+    def _require_fit(self):
+        if self.net is None:
+            raise UserError("AutoencoderCompressor: call fit(public reference maps) first")
+
+    def sensitivity(self, teachers: int) -> float:
+        return float(sens.unit_ball_bound(answering_teachers(teachers)))
+
+    def state(self) -> dict:
+        self._require_fit()
+        state = self._base_state("ae")
+        state.update({"channels": np.array(self.net.channels, dtype=np.int64), "clip": np.array(1.0),
+                      "row_bound": np.array(1.0)})
+        state.update(encoder_arrays(self.net))
+        return state
+
+    def decode(self, z: np.ndarray) -> np.ndarray:
+        self._require_fit()
+        z = torch.as_tensor(np.asarray(z, dtype=np.float32).reshape(-1, self.latent_dim)).to(self.device)
+        with torch.no_grad():
+            out = [self.net.decode(z[i:i + 8]).cpu().numpy() for i in range(0, len(z), 8)]
+        return np.concatenate(out, axis=0).astype(np.float32)
+
+    def collapsed(self, maps: np.ndarray | None = None, threshold: float = 0.1) -> dict:
+        """The collapse pitfall: with a bottleneck sigma large against the unit ball, the decoder learns
+        to decode everything to background. Decodes the noise-free encodings of ``maps`` (default: the
+        public reference maps) and compares foreground volumes; ``collapsed`` if the decoder keeps less
+        than ``threshold`` of the true foreground."""
+        self._require_fit()
+        maps = self._reference if maps is None else np.asarray(maps, dtype=np.float32)
+        decoded = self.decode(encode(self.state(), maps, self.device)).argmax(axis=1)
+        truth = maps.argmax(axis=1)
+        true_fg = int((truth > 0).sum())
+        kept = int((decoded > 0).sum())
+        overlap = int(((decoded > 0) & (truth > 0)).sum())
+        ratio = kept / true_fg if true_fg else float("nan")
+        dice = 2 * overlap / (kept + true_fg) if (kept + true_fg) else float("nan")
+        return {"collapsed": bool(true_fg > 0 and (ratio < threshold or dice < threshold)),
+                "foreground_ratio": ratio, "foreground_dice": dice}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "latent_dim": self.latent_dim, "train_sigma": self.settings.train_sigma,
+                "epochs": self.settings.epochs, "final_loss": self.history[-1] if self.history else None}
+
+
+def compressor(settings: Codec, *, seed, checkpoint, progress, device=None, **options) -> AutoencoderCompressor:
+    """The autoencoder compressor of a preset's codec settings (``ae_latent_dim``, ``ae_epochs``; options:
+    ``latent_dim``, ``epochs``), trained with ``seed`` and checkpointed at ``checkpoint``."""
+    trained = AutoencoderSettings(options.get("latent_dim", settings.ae_latent_dim),
+                                  epochs=options.get("epochs", settings.ae_epochs), seed=seed)
+    return AutoencoderCompressor(trained, checkpoint=checkpoint, progress=progress, device=device)
+
+
+AE = register_codec(CodecKind("ae", verify, sensitivity, encoder, zero_rows, compressor=compressor))

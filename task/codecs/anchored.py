@@ -2,7 +2,7 @@
 limits PATE"): ``z = clip_C(B_n (y - p_n))`` where ``p_n`` is the public model's prediction for query n (public side
 information shipped with the query batch as ``anchor``) and ``B_n`` sums the tumour classes' residual over
 regions around the public prediction's tumour (:func:`anchored_encode`, :func:`anchored_decode`); the server's
-:class:`server.compressors.AnchoredResidualCompressor` fits C on public arrays.
+:class:`AnchoredResidualCompressor` fits C on public arrays and decodes (:data:`ANCHORED_DECODERS`).
 
 The regions are the shells around the public tumour (:func:`anchor_regions`), each split into ``intensity_bins``
 quantile bins of one channel of the query scan itself (:func:`intensity_bin_map`: a codec that can say where a class
@@ -20,15 +20,24 @@ malicious one included: the mean of K rows moves by at most 2C/K.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from privacy import sensitivity as sens
-from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, clip_rows, register_codec,
-                             row_bound, scalar, zero_rows)
+from task.codecs.contract import Compressor, PublicFit, answering_teachers
+from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, check_finite, check_probabilities,
+                             clip_rows, encode, register_codec, row_bound, scalar, zero_rows)
+from task.codecs.headfit import fit_head_decode
 from task.errors import UserError
+from task.options import Decoder, look_up_option
+from task.presets import Codec
 
+KIND = "anchored"
+#: the preset recipe's codec group (task.presets.Codec): the compressor's shells, clip scale, intensity bins and
+#: decoder default to its anchored_* fields (docs/decisions/anchored-shells-and-clip.md, intensity-bins.md,
+#: head-fit-decoder.md)
+DEFAULTS = Codec()
 ANCHOR_KEY = "anchor"
 #: the per-voxel intensity bin of each query scan (:func:`intensity_bin_map`), shipped beside the anchor
 BINS_KEY = "anchor_bins"
@@ -274,7 +283,7 @@ def with_anchor(state: Mapping[str, np.ndarray], anchor: np.ndarray, scans: np.n
     for exactly these scans, in order) added to an anchored state, and, when its shells are split into
     intensity bins, the scans' bin map (:func:`intensity_bin_map`, computed from the public ``scans``);
     other kinds are returned unchanged."""
-    if str(scalar(state, "kind")) != "anchored":
+    if str(scalar(state, "kind")) != KIND:
         return dict(state)
     anchor = np.asarray(anchor, dtype=np.float32)
     shipped = {**dict(state), ANCHOR_KEY: anchor}
@@ -354,4 +363,194 @@ def encoder(state: Mapping[str, np.ndarray], device=None):
     return encode
 
 
-ANCHORED = register_codec(CodecKind("anchored", verify, sensitivity, encoder, zero_rows))
+# --------------------------------------------------------------------------------------------------
+# the server's side: fit C on public arrays, ship the anchor with every batch, decode
+# --------------------------------------------------------------------------------------------------
+class AnchoredResidualCompressor(Compressor):
+    """Anchored residual PATE: PATE should only add to what public data gives (docs/PRIVACY.md, "What limits PATE").
+
+    Fay et al.'s Algorithms 1-2 compress the teachers' whole answer, so a compressor fitted on a few public
+    maps decodes even the noise-free ensemble to its own prior. Here the public model's prediction ``p_n``
+    for query n -- public side information, free -- is the decoder's output at latent zero, and the
+    teachers transmit only where they disagree with it:
+
+    * encode (at the hospital, :func:`anchored_encode`): ``z_nk = clip_C(B_n (y_nk - p_n))``,
+      ``B_n`` = per tumour class, the residual summed over each shell around ``p_n``'s tumour
+      (:func:`anchor_regions`: the boundary layer, ``-lo`` layers inside, ``hi`` outside) over
+      the square root of the shell's size (orthonormal rows): the queries ask where the information is;
+    * with ``intensity_bins`` B > 1 (docs/decisions/intensity-bins.md), each shell is split into B within-shell
+      quantile bins of the query scan's ``intensity_channel`` (T1-Gd by default;
+      :func:`intensity_bin_map`), computed by the server from the public scans and shipped with the anchor:
+      within a shell the decoder could only place a class by the public model's ranking of voxels, which says nothing
+      for a class the public model never predicts (perfect-teacher ceiling on the quick world, class 2: 0.36 with
+      shells, 0.62 with 3 T1-Gd bins; benchmarks/codec_ceiling.py);
+    * aggregate: ``z_bar_n = (1/K) sum_k z_nk + N(0, sigma^2 I_l)`` (Alg. 1-2), ``l = 3 (hi - lo + 1) B``;
+    * decode, by the compressor's ``decoder`` (:data:`ANCHORED_DECODERS`): ``mass-matching``
+      (:func:`anchored_decode`: per region, the public model's probabilities re-weighted so that each
+      class carries the mass the teachers' mean residual says) or ``head-fit`` (:func:`task.codecs.headfit.fit_head_decode`:
+      one voxel head fitted to every query's latents at once, the Gaussian release's maximum-likelihood head;
+      docs/decisions/head-fit-decoder.md). Both are post-processing and give ``p_n`` exactly at ``z = 0``.
+
+    Sensitivity (replace-one), proof sketch: replacing one patient changes one teacher's output ``y_nk``
+    into any ``y'_nk``; both rows are clipped to L2 norm C *after* every step the anchor or the regions
+    influence, so ``||z_nk - z'_nk|| <= ||z_nk|| + ||z'_nk|| <= 2C`` and the mean of K rows moves by at
+    most ``2C/K`` -- for every ``y``, ``y'`` and every anchor, including a malicious one (the anchor can only
+    move the regions and the reference point, never the clip). The hospitals recompute ``2C/K`` from the
+    shipped state (:func:`task.codecs.codec_sensitivity`) and clip their own rows; the server re-clips too.
+
+    Fitting reads public arrays only: the public reference label maps and the public model's predictions
+    on the public reference scans. ``clip=None`` sets C to ``clip_scale`` times the median norm of the
+    public model's own residual on those maps, ``||B (onehot_ref - p_ref)||``. The public model fits its own
+    references better than it fits the hospitals' patients, hence ``clip_scale`` 2.5 by default.
+
+    The defaults ``shells`` (-2, 5) and ``clip_scale`` 2.5 were chosen by looking at *private* quantities of a
+    research world outside this repository (docs/decisions/anchored-shells-and-clip.md). Nothing of that world
+    enters a mechanism here, so no guarantee is affected; but they are not a public-data choice, and a user
+    tuning them on their own hospitals' data would have to charge that selection.
+    """
+
+    name = "anchored"
+
+    needs_public_model = True
+
+    def __init__(self, shells: tuple = DEFAULTS.anchored_shells, clip: float | None = None,
+                 clip_scale: float = DEFAULTS.anchored_clip_scale, intensity_bins: int = DEFAULTS.anchored_intensity_bins,
+                 intensity_channel: int = T1GD_CHANNEL, decoder: Decoder = DEFAULTS.anchored_decoder, device=None):
+        shells = tuple(int(v) for v in shells)
+        self.decoder = look_up_option(decoder, Decoder, "anchored codec: decoder")
+        self.device = device
+        if isinstance(intensity_bins, bool) or int(intensity_bins) != intensity_bins \
+                or not 1 <= int(intensity_bins) <= 255:
+            raise UserError(f"anchored codec: intensity_bins must be a whole number in [1, 255], got {intensity_bins}")
+        self.intensity_bins = int(intensity_bins)
+        self.intensity_channel = int(intensity_channel)
+        if len(shells) != 2 or not shells[0] <= 0 < shells[1]:
+            raise UserError(f"anchored codec: shells {shells} must be (lo <= 0, hi >= 1)")
+        if clip is not None and not (math.isfinite(float(clip)) and float(clip) > 0):
+            raise UserError(f"anchored codec: clip must be a positive number, got {clip}")
+        if not (math.isfinite(float(clip_scale)) and float(clip_scale) > 0):
+            raise UserError(f"anchored codec: clip_scale must be a positive number, got {clip_scale}")
+        self.shells = shells
+        self.clip = None if clip is None else float(clip)
+        self.clip_scale = float(clip_scale)
+        self.public_residual_norm: float | None = None
+
+    def fit(self, public_onehot: np.ndarray, public_probs: np.ndarray | None = None,
+            public_scans: np.ndarray | None = None) -> "AnchoredResidualCompressor":
+        """``public_onehot``: public reference label maps (n, C, *g); ``public_probs``: the public model's
+        probabilities on the same public reference scans (needed when ``clip`` is None); ``public_scans``: those
+        scans (needed with intensity bins and no explicit clip: the norms are measured in the binned regions)."""
+        maps = self._check_fit_input(public_onehot)
+        self.latent_dim = anchored_latent_dim(self.classes, self.shells, self.intensity_bins)
+        if public_probs is not None:
+            public_probs = np.asarray(public_probs, dtype=np.float32)
+            if public_probs.shape != maps.shape:
+                raise UserError(f"public model probabilities {public_probs.shape} do not match the public "
+                                f"reference maps {maps.shape}")
+            check_probabilities(public_probs, "public model probabilities")
+            if self.intensity_bins > 1 and public_scans is None:
+                raise UserError("anchored codec: with intensity bins, fit needs the public reference scans too")
+            norms = np.linalg.norm(anchored_encode(maps, public_probs, self.shells, None,
+                                                          regions=self._regions(public_probs, public_scans),
+                                                          intensity_bins=self.intensity_bins), axis=1)
+            self.public_residual_norm = float(np.median(norms))
+        if self.clip is None:
+            if self.public_residual_norm is None:
+                raise UserError("anchored codec: without an explicit clip, fit needs the public model's "
+                                "probabilities on the public reference scans")
+            self.clip = max(self.clip_scale * self.public_residual_norm, 1e-3)
+        return self
+
+    def _require_fit(self):
+        if not self.grid or self.clip is None:
+            raise UserError("AnchoredResidualCompressor: call fit(public reference maps) first")
+
+    def sensitivity(self, teachers: int) -> float:
+        self._require_fit()
+        return float(sens.clipped_bound(self.clip, answering_teachers(teachers)))
+
+    def _regions(self, anchor: np.ndarray, scans: np.ndarray | None) -> np.ndarray:
+        """The batch's regions (shells x intensity bins), the shells computed once (:func:`binned_regions`)."""
+        return binned_regions(anchor, self.shells, scans, self.intensity_channel, self.intensity_bins)[0]
+
+    def state(self) -> dict:
+        self._require_fit()
+        state = self._base_state(KIND)
+        state.update({"shells": np.array(self.shells, dtype=np.int64), "clip": np.array(float(self.clip)),
+                      "row_bound": np.array(float(self.clip))})
+        if self.intensity_bins > 1:   # without bins the state has no bin entries (states written before bins existed)
+            state.update({"intensity_bins": np.array(self.intensity_bins, dtype=np.int64),
+                          "intensity_channel": np.array(self.intensity_channel, dtype=np.int64)})
+        return state
+
+    def encode(self, probs: np.ndarray, anchor: np.ndarray | None = None, scans: np.ndarray | None = None) -> np.ndarray:
+        """Server-side convenience (tests, diagnostics): the exact function hospitals run."""
+        if anchor is None:
+            raise UserError("anchored codec: encode needs the public anchor of the scans")
+        return encode(self.batch_state(self.state(), anchor, scans), probs)
+
+    def decode(self, z: np.ndarray, anchor: np.ndarray | None = None, sigma: float = 0.0,
+               scans: np.ndarray | None = None) -> np.ndarray:
+        """Pseudo-labels by this compressor's decoder (:data:`ANCHORED_DECODERS`); ``sigma``: the release's noise."""
+        self._require_fit()
+        if anchor is None:
+            raise UserError("anchored codec: decode needs the public anchor (the public model's prediction)")
+        return ANCHORED_DECODERS[self.decoder](self, z, np.asarray(anchor), float(sigma), scans)
+
+    def _mass_matching(self, z, anchor, sigma, scans) -> np.ndarray:
+        """Per query: James-Stein shrinkage towards the anchor when ``sigma`` > 0 (:func:`shrink_latents`,
+        so that noise-dominated latents decode to the public model), then mass matching in every region."""
+        return anchored_decode(shrink_latents(z, sigma), anchor, self.shells,
+                                      intensity_bins=self.intensity_bins, regions=self._regions(anchor, scans))
+
+    def _head_fit(self, z, anchor, sigma, scans) -> np.ndarray:
+        """One voxel head fitted to every query's latents at once (:func:`task.codecs.headfit.fit_head_decode`: the
+        Gaussian release's maximum-likelihood head; it pools the noise itself, so no shrinkage first)."""
+        if scans is None:
+            raise UserError("anchored codec: the head-fit decoder needs the query scans the latents belong to")
+        return fit_head_decode(z, anchor, scans, self._regions(anchor, scans), self.latent_dim // (self.classes - 1),
+                               device=self.device)
+
+    def fit_release(self, public: PublicFit, noise_per_sensitivity: float, teachers: int) -> "AnchoredResidualCompressor":
+        """Anchored at the public model: C from its residual on the public reference scans."""
+        if public.reference_probs is None:
+            raise UserError("pate-anchored needs the public model and public reference scans with labels")
+        return self.fit(public.reference_maps, public.reference_probs, public.reference_scans)
+
+    def batch_state(self, state: dict, public_probs: np.ndarray | None, scans: np.ndarray | None = None) -> dict:
+        """Every query batch carries its scans' anchor -- the public model's probabilities for exactly them --
+        and, with intensity bins, their bin map (from the public scans)."""
+        return with_anchor(state, public_probs, scans)
+
+    def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float,
+                       scans: np.ndarray | None = None) -> np.ndarray:
+        """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""
+        return self.decode(z, public_probs, sigma=sigma, scans=scans)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
+                "intensity_bins": self.intensity_bins, "intensity_channel": self.intensity_channel,
+                "decoder": self.decoder.value,
+                "clip": self.clip, "clip_scale": self.clip_scale, "public_residual_norm": self.public_residual_norm}
+
+
+#: the anchored codec's decoders, by name (server side only: the hospitals encode, they never decode).
+#: ``decoder(compressor, z, anchor, sigma, scans) -> pseudo-labels``
+ANCHORED_DECODERS: dict[Decoder, Callable[..., np.ndarray]] = {
+    Decoder.MASS_MATCHING: AnchoredResidualCompressor._mass_matching,
+    Decoder.HEAD_FIT: AnchoredResidualCompressor._head_fit,
+}
+
+
+def compressor(settings: Codec, *, seed, checkpoint, progress, device=None, **options) -> AnchoredResidualCompressor:
+    """The anchored compressor of a preset's codec settings (``anchored_shells``, ``anchored_clip_scale``,
+    ``anchored_intensity_bins``, ``anchored_decoder``; options: ``shells``, ``clip``, ``clip_scale``,
+    ``intensity_bins``, ``intensity_channel``, ``decoder``)."""
+    return AnchoredResidualCompressor(options.get("shells", settings.anchored_shells), options.get("clip"),
+                                      options.get("clip_scale", settings.anchored_clip_scale),
+                                      options.get("intensity_bins", settings.anchored_intensity_bins),
+                                      options.get("intensity_channel", T1GD_CHANNEL),
+                                      options.get("decoder", settings.anchored_decoder), device)
+
+
+ANCHORED = register_codec(CodecKind(KIND, verify, sensitivity, encoder, zero_rows, compressor=compressor))

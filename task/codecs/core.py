@@ -51,6 +51,8 @@ from task.registry import Registry
 CodecState = dict  # dict[str, np.ndarray]
 
 PROBABILITY_TOLERANCE = 1e-4
+#: relative slack on a row's norm before the server calls it longer than the row bound (float32 rows, float64 norms)
+ROW_TOLERANCE = 1e-5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,6 +207,14 @@ class CodecKind:
     data-independent rows a broken teacher answers. ``opt_in``: a hospital runs it only when its policy says so
     (node config ``allow-identity``); ``unbounded_latent``: ``max-latent-dim`` does not apply (full-resolution
     votes, which the opt-in covers).
+
+    The server's side: ``compressor(settings, *, seed, checkpoint, progress, device, **options)`` -> the kind's
+    fitter (a :class:`task.codecs.contract.Compressor`), ``settings`` being the preset's
+    :class:`task.presets.Codec` group (None: the kind has no fitter; a method record names its kind, ``Method.codec``).
+    ``implausible_rows(state, rows) -> reason | None``: why rows (T, l) that reached the server cannot be this
+    kind's output, so the reply is rejected rather than re-clipped (None: any rows can be, see below);
+    ``exact_rows``: rows are exact values the server aggregates as they arrive (one-hot votes); otherwise it
+    re-clips every accepted row to the state's row bound, whose sensitivity holds for any rows of that norm.
     """
 
     name: str
@@ -214,6 +224,9 @@ class CodecKind:
     fallback: Callable
     opt_in: bool = False
     unbounded_latent: bool = False
+    compressor: Callable | None = None
+    implausible_rows: Callable | None = None
+    exact_rows: bool = False
 
 
 _KINDS: Registry[CodecKind] = Registry("codec kind")
@@ -231,11 +244,15 @@ def codec_kinds() -> tuple[str, ...]:
     return tuple(_KINDS)
 
 
-def kind_of(state: Mapping[str, np.ndarray]) -> CodecKind:
-    name = str(scalar(state, "kind"))
+def codec_kind(name: str) -> CodecKind:
+    """The record of a registered kind (:class:`CodecRefused` names the registered kinds otherwise)."""
     if name not in _KINDS:
         raise CodecRefused(f"codec: unknown kind {name!r}; expected one of {', '.join(_KINDS)}")
     return _KINDS.get(name)
+
+
+def kind_of(state: Mapping[str, np.ndarray]) -> CodecKind:
+    return codec_kind(str(scalar(state, "kind")))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ checked on the release itself (public), not on any Dice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -54,9 +56,25 @@ FIT_CHUNK = 40
 ANCHOR_FLOOR = 1e-6
 
 
+@dataclass(frozen=True)
+class HeadFitSettings:
+    """How the head is fitted: Adam's full-batch ``steps`` and ``learning_rate`` (module docstring: how they were
+    fixed), and ``seed``, the head's start (a fixed, public choice: the decode is deterministic)."""
+
+    steps: int = FIT_STEPS
+    learning_rate: float = FIT_LEARNING_RATE
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
+            raise UserError(f"head-fit decoder: steps must be a whole number >= 0, got {self.steps!r}")
+        if not float(self.learning_rate) > 0:
+            raise UserError(f"head-fit decoder: learning_rate must be positive, got {self.learning_rate!r}")
+
+
 def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, regions: np.ndarray, count: int, *,
-                    steps: int = FIT_STEPS, learning_rate: float = FIT_LEARNING_RATE, seed: int = 0,
-                    device=None, history: list | None = None) -> np.ndarray:
+                    settings: HeadFitSettings = HeadFitSettings(), device=None,
+                    history: list | None = None) -> np.ndarray:
     """Pseudo-labels (n, C, *g) from the released mean latents by the head fit of the module docstring.
 
     Args:
@@ -65,8 +83,7 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
         scans: the query scans themselves (n, S, *g): public, the head's other input.
         regions: the scans' regions (n, *g), -1 outside every region (:func:`task.codecs.binned_regions`).
         count: regions per class (the latent's second axis).
-        steps / learning_rate: Adam's full-batch steps and learning rate.
-        seed: the head's start (a fixed, public choice: the decode is deterministic).
+        settings: Adam's steps and learning rate, and the head's seed (:class:`HeadFitSettings`).
         device: where the fit runs (``task.device``; None = auto).
         history: when a list, the loss (the squared latent residual, summed) at the start of every step is
             appended -- ``history[0]`` is ``|z|^2`` (theta = 0); the convergence check.
@@ -87,13 +104,13 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
     # the head is initialised on the host from the host generator alone (torch.manual_seed would reseed every GPU's
     # too), inside fork_rng: the caller's streams are not moved by a decode
     with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(int(seed))
+        torch.random.default_generator.manual_seed(int(settings.seed))
         head = voxel_head(scans.shape[1], classes)
     head = head.to(device)
-    optimiser = torch.optim.Adam(head.parameters(), lr=float(learning_rate))
+    optimiser = torch.optim.Adam(head.parameters(), lr=float(settings.learning_rate))
     chunks = [_Chunk(anchor[i:i + FIT_CHUNK], scans[i:i + FIT_CHUNK], regions[i:i + FIT_CHUNK],
                      z[i:i + FIT_CHUNK], int(count), device) for i in range(0, n, FIT_CHUNK)]
-    for _ in range(int(steps)):
+    for _ in range(int(settings.steps)):
         optimiser.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in chunks:
