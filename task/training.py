@@ -11,9 +11,11 @@ directly (soft Dice, soft-target CE).
 
 Adam, seeded batch order (``torch.Generator``), optional augmentation (``task.data.augment``), tqdm
 progress, an atomic checkpoint after every epoch and resume (model, optimizer, epoch, RNG states, DP
-session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.DPConfig``; its batches
-and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
-the training seed.
+session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.PrivateTraining`` (its
+``DPConfig``, budget guard, ledger owners and noise source); its batches and noise then come from that noise
+source (a ``privacy.mechanisms.NoiseSource``, secure by default), never from the training seed. As Opacus'
+``PrivacyEngine.make_private`` wraps model, optimiser and data loader once and leaves the loop alone, plain and
+DP-SGD training are two strategies (``_PlainTraining``, ``_DPSGDTraining``) chosen once before the one loop.
 
 Device and precision (``task.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
@@ -22,8 +24,9 @@ device is a GPU) a background thread indexes, augments and copies batch i+1 whil
 calling the augmenter in exactly the same order, so the trained weights do not change
 (``tests/test_device.py``). Prefetching hides host augmentation only up to one step's time, and a GPU step is
 far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
-(``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
-after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
+(``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the
+device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream after step i's
+noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
 forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
 
