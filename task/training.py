@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -266,17 +266,49 @@ def _check_levers(config: TrainConfig, private: PrivateTraining | None) -> None:
         raise UserError(f"ema_decay: expected a number in [0, 1), got {config.ema_decay}")
 
 
-class _PlainTraining:
-    """Non-private training: shuffled batches from the training seed, the mean training loss logged per epoch.
+class _TrainingSteps(Protocol):
+    """What differs between plain and DP-SGD training (:class:`_PlainTraining`, :class:`_DPSGDTraining`), chosen
+    once before :func:`train_segmentation`'s loop, as Opacus' ``PrivacyEngine.make_private`` wraps model,
+    optimiser and data loader once and leaves the training loop alone."""
 
-    One of the two training strategies :func:`train_segmentation` picks once before its loop (the other is
-    :class:`_DPSGDTraining`), as Opacus' ``PrivacyEngine.make_private`` wraps model, optimiser and data loader
-    once and leaves the training loop alone. Both offer: ``model`` and ``optimizer`` (what the loop calls and
-    steps), ``prefetch_safe`` (may batch i+1 be prepared while step i runs), ``begin_epoch(epoch)`` (False:
-    stop), ``batches(epoch)`` (index tensors), ``after_backward()``, ``after_step(loss, samples)``,
-    ``epoch_record(epoch)``, ``observe_validation(score)``, ``state_dict()`` / ``config_dict()`` (checkpointed),
-    ``load_state_dict(state, checkpoint)`` and ``finish(result)``.
-    """
+    model: torch.nn.Module            # what the loop calls (Opacus' GradSampleModule under DP-SGD)
+    optimizer: torch.optim.Optimizer  # what the loop steps (Opacus' DPOptimizer under DP-SGD)
+    prefetch_safe: bool               # may batch i+1 be prepared while step i runs
+
+    def begin_epoch(self, epoch: int) -> bool:
+        """Start epoch ``epoch`` (0-based); False: stop training before the epoch touches any data."""
+
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        """The epoch's batches of record indices, none empty, drawn lazily one after the other."""
+
+    def after_backward(self) -> None:
+        """Between a batch's ``loss.backward()`` and its optimiser step."""
+
+    def after_step(self, loss: torch.Tensor, samples: int) -> None:
+        """After the optimiser step on ``samples`` index rows whose mean loss was ``loss``."""
+
+    def epoch_record(self, epoch: int) -> dict[str, Any]:
+        """The epoch's history entry (the validation Dice is added to it afterwards)."""
+
+    def observe_validation(self, score: float | None) -> None:
+        """The public validation Dice after the epoch (None: undefined)."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint stores under ``"dp"``."""
+
+    def config_dict(self) -> dict | None:
+        """What a checkpoint stores under ``"dp_config"``."""
+
+    def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
+        """Resume from a checkpoint's ``"dp"`` entry (None: it has none)."""
+
+    def finish(self, result: TrainResult) -> None:
+        """After the last epoch: a plain module again, and what ``result`` reports beyond the history."""
+
+
+class _PlainTraining:
+    """Non-private training (:class:`_TrainingSteps`): shuffled batches from the training seed, the mean training
+    loss logged per epoch."""
 
     prefetch_safe = True
 
@@ -291,7 +323,7 @@ class _PlainTraining:
         self._losses, self._seen = [], 0
         return True
 
-    def batches(self, epoch: int):
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
         order = torch.randperm(self.n, generator=self.generator)
         return (order[i:i + self.batch_size] for i in range(0, self.n, self.batch_size))
 
@@ -323,8 +355,8 @@ class _PlainTraining:
 
 
 class _DPSGDTraining:
-    """DP-SGD (:class:`task.dpsgd.DPSession`: Opacus-wrapped model and optimiser, the ledger, the noise stream);
-    the protocol is :class:`_PlainTraining`'s.
+    """DP-SGD training (:class:`_TrainingSteps`) through :class:`task.dpsgd.DPSession`: Opacus-wrapped model and
+    optimiser, the ledger, the noise stream.
 
     Its order of operations is the privacy argument's: ``begin_epoch`` charges the epoch to the ledger before
     the epoch's stream is opened; the batches come from that stream one at a time, so batch i+1 is drawn only
@@ -340,7 +372,7 @@ class _DPSGDTraining:
     def begin_epoch(self, epoch: int) -> bool:
         return self.session.begin_epoch(epoch)
 
-    def batches(self, epoch: int):
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
         for batch in self.session.batches():
             if len(batch) == 0:   # the sampled-Gaussian analysis assumes a noisy step here too
                 self.session.noise_only_step()
@@ -445,6 +477,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     ema = _ParameterAverage(base_model, config.ema_decay) if config.ema_decay is not None else None
     generator = torch.Generator().manual_seed(int(config.seed))
     # plain or DP-SGD, chosen once: the loop below is the same for both
+    steps: _TrainingSteps
     if private is None:
         steps = _PlainTraining(base_model, optimizer, generator, len(x_all), config.batch_size)
     else:
@@ -578,7 +611,11 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, dev
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                           device: Any = None, precision: str = Precision.FP32) -> dict:
     """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``: the first
-    half of :func:`evaluate_segmentation_per_case`, whose arguments these are."""
+    half of :func:`evaluate_segmentation_per_case`.
+
+    Args:
+        model / images / labels / batch_size / device / precision: as :func:`evaluate_segmentation_per_case`.
+    """
     return evaluate_segmentation_per_case(model, images, labels, batch_size, device, precision)[0]
 
 
