@@ -55,7 +55,7 @@ def _timer(device):
 def bench_steps(device, precision: str, preset: str, grid: int, batch: int, steps: int) -> dict:
     from privacy.mechanisms import NoiseSource
     from task.device import autocast
-    from task.dpsgd import DPConfig, DPSession
+    from task.dpsgd import DPConfig, DPSession, PrivateTraining
     from task.networks import build_unet
     from task.training import _augment_batch, _augmenter, per_sample_loss
 
@@ -80,9 +80,10 @@ def bench_steps(device, precision: str, preset: str, grid: int, batch: int, step
     torch.manual_seed(0)
     dp_model = build_unet(preset).to(device)
     dp_optimizer = torch.optim.Adam(dp_model.parameters(), lr=1e-3)
-    session = DPSession(dp_model, dp_optimizer, n=batch * 10, batch_size=batch, epochs=1,
-                        dp=DPConfig(mode="fixed", epsilon=1e9, noise_multiplier=6 ** 0.5, sampling="shuffle"),
-                        owners=("bench",), noise=NoiseSource())   # secure noise: the default path
+    session = DPSession(dp_model, dp_optimizer,
+                        PrivateTraining(DPConfig(mode="fixed", epsilon=1e9, noise_multiplier=6 ** 0.5, sampling="shuffle"),
+                                        owners=("bench",), noise=NoiseSource()),   # secure noise: the default path
+                        n=batch * 10, batch_size=batch, epochs=1)
     session.begin_epoch(0)
 
     def private():

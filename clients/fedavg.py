@@ -31,7 +31,7 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
-from task.dpsgd import DPConfig, steps_per_epoch
+from task.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
 from task.errors import UserError
 from task.names import check_name_part
 from task.networks import build_unet
@@ -111,8 +111,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mappi
                                device=device, precision=precision,
                                # the server's grid entry may set the fine-tuning levers
                                **lever_settings(config))
-    result = train_segmentation(model, images, labels, train_config, dp=dp, guard=guard,
-                                owners=(hospital.hospital_id,), noise=noise)
+    result = train_segmentation(model, images, labels, train_config,
+                                private=PrivateTraining(dp, guard, owners=(hospital.hospital_id,), noise=noise))
     new_records = [record for record in ledger.records() if record["release_id"] not in before]
     spent = ledger.spent(hospital.hospital_id, delta) if len(ledger) else None
     new_weights = {name: value.detach().cpu().numpy() for name, value in result.model.state_dict().items()}

@@ -48,7 +48,7 @@ from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_k
 from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from task.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from task.device import check_device_spec, check_precision, resolve_device
-from task.dpsgd import DPConfig
+from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
@@ -193,7 +193,7 @@ class Hospital:
                                 description=f"{self.hospital_id} teacher {k}", device=device, precision=precision)
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
-                                            train, dp=dp, guard=guard, owners=(f"{self.hospital_id}/teacher-{k}",))
+                                            train, private_training(dp, guard, owners=(f"{self.hospital_id}/teacher-{k}",)))
                 model = result.model
             elif init_state is not None:
                 load_start_weights(model, init_state)

@@ -25,9 +25,10 @@ import re
 from typing import Any
 
 from task.errors import UserError
+from task.options import Precision, look_up_option
 
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
-PRECISIONS = ("32", "bf16")
+PRECISIONS = tuple(member.value for member in Precision)   # the --precision choices
 DEVICE_HELP = ("where training and inference run: auto (CUDA when this machine has a GPU, else the CPU; default), "
                "cpu, cuda or cuda:N (refused when there is no such GPU)")
 PRECISION_HELP = ("forward-pass precision: 32 (float32, default) or bf16 (torch.autocast bfloat16 around forward "
@@ -47,13 +48,15 @@ def check_device_spec(spec: Any, option: str = "--device") -> str:
     return text
 
 
-def check_precision(precision: Any, option: str = "--precision") -> str:
-    """``"32"`` or ``"bf16"`` (also accepts 32 as an int, "fp32"/"float32", "bfloat16")."""
-    text = str(precision if precision is not None else "32").strip().lower()
-    text = {"fp32": "32", "float32": "32", "bfloat16": "bf16"}.get(text, text)
-    if text not in PRECISIONS:
-        raise UserError(f"{option}: expected 32 or bf16, got {str(precision)!r}")
-    return text
+#: the other spellings of each precision users write
+_PRECISION_ALIASES = {"fp32": Precision.FP32, "float32": Precision.FP32, "bfloat16": Precision.BF16}
+
+
+def check_precision(precision: Any, option: str = "--precision") -> Precision:
+    """:class:`task.options.Precision` (its string: ``"32"`` or ``"bf16"``); also accepts 32 as an int,
+    "fp32"/"float32", "bfloat16". None = 32."""
+    text = str(precision if precision is not None else Precision.FP32).strip().lower()
+    return look_up_option(_PRECISION_ALIASES.get(text, text), Precision, option)
 
 
 def resolve_device(spec: Any = "auto", option: str = "--device"):
@@ -105,15 +108,16 @@ def device_name(device: Any) -> str:
     return str(device)
 
 
-def autocast(device: Any, precision: str = "32"):
-    """``torch.autocast(device.type, bfloat16)`` when ``precision == "bf16"``, else a no-op context.
+def autocast(device: Any, precision: str = Precision.FP32):
+    """``torch.autocast(device.type, bfloat16)`` at :attr:`Precision.BF16 <task.options.Precision.BF16>`, else a
+    no-op context.
 
     For forward passes only (training and inference): callers compute losses on ``logits.float()`` and never
     run an optimiser step inside it.
     """
     import torch
 
-    if check_precision(precision) != "bf16":
+    if check_precision(precision) is not Precision.BF16:
         return contextlib.nullcontext()
     device_type = getattr(device, "type", None) or str(device).split(":")[0]
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)

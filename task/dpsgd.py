@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -84,12 +84,12 @@ from privacy.mechanisms import NoiseSource
 from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.schedules import epoch_event
 from task.errors import UserError
-from task.options import look_up_option
+from task.options import CalibrationAccountant, GradSampleMode, NoiseMode, look_up_option
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
 #: batch 2): DP/plain step time hooks x2.76 vs functorch x2.49 (quiet machine), x6.2 vs x3.6 (loaded);
 #: their clipped gradient sums agree to 7e-9.
-DEFAULT_GRAD_SAMPLE_MODE = "functorch"
+DEFAULT_GRAD_SAMPLE_MODE = GradSampleMode.FUNCTORCH
 
 #: the schedule families by the short names the CLI offers (``--schedule``); the full names are accepted too
 SCHEDULE_FAMILIES = ("time", "exp", "step", "poly", "validation")
@@ -116,18 +116,19 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 class DPConfig:
     """DP-SGD settings (docs/ARCHITECTURE.md, "sim training engine")."""
 
-    mode: str = "target"                 # "target" | "fixed" | "schedule"
+    mode: NoiseMode = NoiseMode.TARGET   # "target" | "fixed" | "schedule"
     epsilon: float = 8.0                 # budget per owner
     delta: float = 1e-3
     noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (default sqrt 6)
     max_grad_norm: float = 4.0           # per parameter tensor when per_layer, else of the whole gradient
     per_layer: bool = True
     sampling: Sampling = Sampling.POISSON  # "poisson" | "shuffle"
-    accountant: str = "pld"              # calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)
+    #: calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)
+    accountant: CalibrationAccountant = CalibrationAccountant.PLD
     relation: Relation = Relation.REPLACE_ONE  # "replace-one" | "add-remove" (Poisson) | "zero-out" (shuffle)
     schedule: str | None = None          # family for mode="schedule"
     schedule_options: dict = field(default_factory=dict)  # extra kwargs for the schedule / plan_decay
-    grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE
+    grad_sample_mode: GradSampleMode = DEFAULT_GRAD_SAMPLE_MODE   # "hooks" | "functorch"
     release_prefix: str = "dpsgd"        # ledger release ids: f"{release_prefix}:epoch-{e}" (unique per model!)
     #: noise stream names f"{stream_prefix}:epoch-{e}" under the session's NoiseSource (default: the release
     #: prefix). Without the per-run nonce release ids carry, so that reproducible noise repeats across runs.
@@ -135,8 +136,7 @@ class DPConfig:
     target_epochs: int | None = None     # planning horizon for target/schedule (default: the training epochs)
 
     def validate(self) -> "DPConfig":
-        if self.mode not in ("target", "fixed", "schedule"):
-            raise UserError(f"--noise-mode: expected target, fixed or schedule, got {self.mode!r}")
+        self.mode = look_up_option(self.mode, NoiseMode, "--noise-mode")
         self.sampling = look_up_option(self.sampling, Sampling, "--sampling")
         self.relation = look_up_option(self.relation, Relation, "--relation")
         if not (self.epsilon and self.epsilon > 0):
@@ -147,19 +147,18 @@ class DPConfig:
             raise UserError(f"max_grad_norm: expected > 0, got {self.max_grad_norm!r}")
         if self.noise_multiplier is not None and self.noise_multiplier <= 0:
             raise UserError(f"noise_multiplier: expected > 0, got {self.noise_multiplier!r}")
-        if self.mode == "schedule":
+        if self.mode is NoiseMode.SCHEDULE:
             schedule_family(self.schedule)
-        if self.grad_sample_mode not in ("hooks", "functorch"):
-            raise UserError(f"grad_sample_mode: expected hooks or functorch, got {self.grad_sample_mode!r}")
+        self.grad_sample_mode = look_up_option(self.grad_sample_mode, GradSampleMode, "grad_sample_mode")
         relations = RELATIONS_FOR_SAMPLING[self.sampling]
         if self.relation not in relations:
             why = (" (shuffled batches have no add/remove analysis: removing a record shifts the batches; Yu et al.'s "
                    "1/(2 sigma^2) per epoch is for zero-out adjacency)" if self.sampling is Sampling.SHUFFLE else "")
             raise UserError(f"--relation: expected one of {', '.join(relations)} with --sampling {self.sampling}, "
                             f"got {self.relation!r}{why}")
-        if self.accountant not in ("pld", "rdp"):
-            raise UserError(f"accountant: expected pld or rdp, got {self.accountant!r}")
-        if self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE and self.accountant != "pld":
+        self.accountant = look_up_option(self.accountant, CalibrationAccountant, "accountant")
+        if (self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE
+                and self.accountant is not CalibrationAccountant.PLD):
             raise UserError("accountant: replace-one Poisson-sampled DP-SGD is accounted with pld only "
                             "(dp_accounting has no replace-one RDP for Poisson sampling)")
         if self.adaptive and self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE:
@@ -173,10 +172,40 @@ class DPConfig:
     def adaptive(self) -> bool:
         """True when sigma_t is chosen from earlier outputs (the validation-based schedule)."""
         family = SCHEDULE_ALIASES.get(self.schedule, self.schedule)
-        return self.mode == "schedule" and family == ScheduleFamily.VALIDATION
+        return self.mode == NoiseMode.SCHEDULE and family == ScheduleFamily.VALIDATION
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PrivateTraining:
+    """Everything DP-SGD training needs beyond the training settings: what the mechanism is (``dp``), whose
+    budget each epoch is charged to (``guard``, ``owners``) and where its batches and noise come from
+    (``noise``). ``task.training.train_segmentation`` trains privately when given one, plainly otherwise."""
+
+    dp: DPConfig
+    #: the ``privacy.guard.BudgetGuard`` every epoch is charged through (None = an in-memory one with
+    #: ``dp.epsilon``)
+    guard: Any = None
+    owners: tuple[str, ...] = ("central",)   # the ledger owners every epoch is charged to
+    #: the ``privacy.mechanisms.NoiseSource`` of the batches and noise (None = a secure one)
+    noise: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dp, DPConfig):
+            raise UserError(f"private training: expected a DPConfig, got {type(self.dp).__name__}")
+        self.dp.validate()
+        object.__setattr__(self, "owners", tuple(self.owners))
+        if not self.owners:
+            raise UserError("private training: no ledger owner to charge")
+
+
+def private_training(dp: DPConfig | None, guard: Any = None, owners=("central",),
+                     noise: Any = None) -> PrivateTraining | None:
+    """:class:`PrivateTraining` for ``dp``, or None (plain training) when there is no ``dp``: what callers whose
+    run may or may not be private pass to ``train_segmentation``."""
+    return None if dp is None else PrivateTraining(dp, guard, owners, noise)
 
 
 # ----------------------------------------------------------------------------------------------- batching
@@ -247,20 +276,24 @@ class DPSession:
     does not allow another epoch in fixed/schedule mode), and sets the optimizer's noise multiplier.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, n: int, batch_size: int,
-                 epochs: int, dp: DPConfig, guard=None, owners: Sequence[str] = ("central",),
-                 noise=None, has_validation: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, private: PrivateTraining, *,
+                 n: int, batch_size: int, epochs: int, has_validation: bool = False) -> None:
+        """Wrap ``model`` and ``optimizer`` (Opacus ``make_private``) for ``private``'s DP-SGD over ``n`` records
+        in batches of ``batch_size`` (expected size under Poisson sampling) for ``epochs`` epochs (the planning
+        horizon unless ``dp.target_epochs`` sets one); ``has_validation``: a public validation set is scored
+        every epoch (the validation-based schedule needs one)."""
         # Opacus (~9 s to import) only for DP-SGD sessions: non-private training never pays for it
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
 
+        dp, guard, noise = private.dp, private.guard, private.noise
         self.dp = dp.validate()
         if n <= 0:
             raise UserError("DP-SGD: the private training set is empty")
         errors = ModuleValidator.validate(model, strict=False)
         if errors:
             raise UserError(f"DP-SGD: the network is not Opacus-compatible: {errors[0]}")
-        self.owners = tuple(owners)
+        self.owners = private.owners
         self.n = int(n)
         self.batch_size = int(batch_size)
         self.planned_epochs = int(dp.target_epochs or epochs)
@@ -303,9 +336,9 @@ class DPSession:
     # -- sigma planning --------------------------------------------------------------------------------
     def _initial_sigma(self, has_validation: bool) -> float:
         dp = self.dp
-        if dp.mode == "fixed":
+        if dp.mode is NoiseMode.FIXED:
             return float(dp.noise_multiplier or 6 ** 0.5)
-        if dp.mode == "target":
+        if dp.mode is NoiseMode.TARGET:
             if dp.sampling == Sampling.POISSON:
                 return float(calibration.dpsgd_noise_multiplier(
                     dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
@@ -316,11 +349,8 @@ class DPSession:
         if schedule_family(dp.schedule) is ScheduleFamily.VALIDATION and not has_validation:
             raise UserError("--schedule validation: needs a public validation set (none was given)")
         sigma0 = float(dp.noise_multiplier or 6 ** 0.5)
-        self._schedule = make_schedule(dp.schedule, sigma0, target_epochs=self.planned_epochs,
-                                       epsilon=dp.epsilon, delta=dp.delta, sampling=dp.sampling,
-                                       sampling_rate=self.sampling_rate, steps_per_epoch=self.steps,
-                                       accountant=dp.accountant, options=dp.schedule_options,
-                                       relation=dp.relation)
+        self._schedule = make_schedule(dp, sigma0, target_epochs=self.planned_epochs,
+                                       sampling_rate=self.sampling_rate, steps_per_epoch=self.steps)
         return float(self._schedule.sigma(0))
 
     @property
@@ -354,7 +384,7 @@ class DPSession:
             # charge = check, then a durable ledger record; a refusal records nothing
             self.guard.charge(self.owners, event, release_id=self.release_id(epoch), note=note)
         except BudgetExceeded:
-            if self.dp.mode == "target":
+            if self.dp.mode is NoiseMode.TARGET:
                 raise  # the plan was calibrated to fit: a refusal is a real error (e.g. an already used ledger)
             self.stopped_reason = "budget spent: the next epoch would exceed it"
             return False
@@ -467,9 +497,7 @@ class DPSession:
             self.optimizer.noise_multiplier = self.sigmas[-1]
 
 
-def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: float, delta: float,
-                  sampling: str, sampling_rate: float, steps_per_epoch: int, accountant: str | None = None,
-                  options: dict | None = None, relation: str | None = None):
+def make_schedule(dp: DPConfig, sigma0: float, *, target_epochs: int, sampling_rate: float, steps_per_epoch: int):
     """A Yu et al. schedule (``privacy.schedules``) whose decay k is planned so the budget lasts
     ``target_epochs`` (``plan_decay``, Yu et al. Sec. IV-A-2).
 
@@ -477,21 +505,20 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
     is spent (checked by a privacy filter, see the module docstring).
 
     Args:
-        family: ``time``, ``exp`` / ``exponential``, ``step``, ``poly`` / ``polynomial`` or ``validation``.
+        dp: the DP-SGD settings; read here: ``schedule`` (the family: ``time``, ``exp`` / ``exponential``,
+            ``step``, ``poly`` / ``polynomial`` or ``validation``), ``epsilon`` / ``delta`` (the budget the decay
+            is planned for), ``sampling`` (Poisson-sampled steps, or shuffled epochs under zCDP), ``accountant``
+            (the planning accountant under Poisson sampling; shuffled epochs always use zCDP), ``relation`` (of
+            the planned events) and ``schedule_options``: ``k`` (skip planning), ``period``
+            (step/time/exp/poly), ``sigma_end`` (poly; default sigma0/4); validation: ``k`` (default 0.9),
+            ``threshold`` (0.0), ``window`` (m, default 1), ``period``.
         sigma0: the first epoch's noise multiplier σ0.
         target_epochs: the epochs the budget must last (also the polynomial schedule's default ``period``).
-        epsilon / delta: the budget the decay is planned for.
-        sampling: ``poisson`` (Poisson-sampled steps) or anything else for shuffled epochs (zCDP accounting).
         sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps.
-        accountant: the planning accountant under Poisson sampling (None = PLD; shuffled epochs always use zCDP).
-        options: ``k`` (skip planning), ``period`` (step/time/exp/poly), ``sigma_end`` (poly; default
-            sigma0/4); validation: ``k`` (default 0.9), ``threshold`` (0.0), ``window`` (m, default 1),
-            ``period``. None = no options.
-        relation: the neighbouring relation of the planned events (None = the sampling's default).
     """
 
-    options = dict(options or {})
-    name = schedule_family(family)
+    options = dict(dp.schedule_options or {})
+    name = schedule_family(dp.schedule)
     if name is ScheduleFamily.VALIDATION:
         return schedules.ValidationSchedule(sigma0, float(options.pop("k", 0.9)), **options)
     if name is ScheduleFamily.POLYNOMIAL:
@@ -499,9 +526,9 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
         options.setdefault("period", target_epochs)
     k = options.pop("k", None)
     if k is None:
-        mode = Sampling.POISSON if sampling == Sampling.POISSON else Sampling.SHUFFLE
-        k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, sampling_rate=sampling_rate,
-                                 steps_per_epoch=steps_per_epoch, mode=mode,
-                                 accountant=accountant if sampling == Sampling.POISSON else None, relation=relation,
-                                 **options)
+        poisson = dp.sampling == Sampling.POISSON
+        k = schedules.plan_decay(name, sigma0, target_epochs, dp.epsilon, dp.delta, sampling_rate=sampling_rate,
+                                 steps_per_epoch=steps_per_epoch,
+                                 mode=Sampling.POISSON if poisson else Sampling.SHUFFLE,
+                                 accountant=dp.accountant if poisson else None, relation=dp.relation, **options)
     return schedules.make_schedule(name, sigma0, float(k), **options)

@@ -57,6 +57,37 @@ class PublicStart(StrEnum):
     SELF_TRAINED = "self-trained"  # ... then self-trained on the public query scans (no hospital, no privacy cost)
 
 
+class NoiseMode(StrEnum):
+    """How DP-SGD chooses its noise multiplier (``task.dpsgd`` module docstring, "Noise modes")."""
+    TARGET = "target"       # calibrated so the planned epochs spend exactly the budget
+    FIXED = "fixed"         # a given sigma; training stops before the epoch that would exceed the budget
+    SCHEDULE = "schedule"   # sigma_t from a Yu et al. (2019, arXiv 1904.02200) decay schedule
+
+
+class CalibrationAccountant(StrEnum):
+    """The accountant DP-SGD calibrates and plans Poisson-sampled epochs with (``privacy.calibration``)."""
+    PLD = "pld"   # privacy loss distributions (dp_accounting): both relations
+    RDP = "rdp"   # Renyi DP (dp_accounting): add/remove only
+
+
+class GradSampleMode(StrEnum):
+    """Opacus' per-sample gradient engine (``grad_sample_mode`` of ``PrivacyEngine.make_private``)."""
+    HOOKS = "hooks"
+    FUNCTORCH = "functorch"
+
+
+class Precision(StrEnum):
+    """Forward-pass precision (``task.device.autocast``)."""
+    FP32 = "32"
+    BF16 = "bf16"   # torch.autocast(bfloat16) around forward passes; losses, clipping and noise stay float32
+
+
+class AugmentOn(StrEnum):
+    """Where training augmentation runs (``task.training.TrainConfig.augment_on``)."""
+    HOST = "host"       # MONAI, per sample, numpy RNG: the CPU default and the reference results
+    DEVICE = "device"   # task.data.augment.BatchAugmentation: the whole batch in torch on the training device
+
+
 class SplitScheme(StrEnum):
     """How private patients go to hospitals (``task.data.partitions.make_split``)."""
     INSTITUTION = "institution"
@@ -65,5 +96,6 @@ class SplitScheme(StrEnum):
     PAPER = "paper"
 
 
-__all__ = ["Decoder", "PcaMode", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "SplitScheme", "Trainable",
-           "choices", "look_up_option"]
+__all__ = ["AugmentOn", "CalibrationAccountant", "Decoder", "GradSampleMode", "NoiseMode", "PcaMode", "Precision",
+           "PublicStart", "Relation", "Sampling", "ScheduleFamily", "SplitScheme", "Trainable", "choices",
+           "look_up_option"]

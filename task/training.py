@@ -11,9 +11,11 @@ directly (soft Dice, soft-target CE).
 
 Adam, seeded batch order (``torch.Generator``), optional augmentation (``task.data.augment``), tqdm
 progress, an atomic checkpoint after every epoch and resume (model, optimizer, epoch, RNG states, DP
-session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.DPConfig``; its batches
-and noise then come from ``noise`` (a ``privacy.mechanisms.NoiseSource``, secure by default), never from
-the training seed.
+session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.PrivateTraining`` (its
+``DPConfig``, budget guard, ledger owners and noise source); its batches and noise then come from that noise
+source (a ``privacy.mechanisms.NoiseSource``, secure by default), never from the training seed. As Opacus'
+``PrivacyEngine.make_private`` wraps model, optimiser and data loader once and leaves the loop alone, plain and
+DP-SGD training are two strategies (``_PlainTraining``, ``_DPSGDTraining``) chosen once before the one loop.
 
 Device and precision (``task.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
@@ -22,8 +24,9 @@ device is a GPU) a background thread indexes, augments and copies batch i+1 whil
 calling the augmenter in exactly the same order, so the trained weights do not change
 (``tests/test_device.py``). Prefetching hides host augmentation only up to one step's time, and a GPU step is
 far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
-(``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream
-after step i's noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
+(``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the
+device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream after step i's
+noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
 forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -41,12 +44,12 @@ from tqdm.auto import tqdm
 
 from task.data.augment import batch_augmentation, training_augmentation
 from task.device import autocast, check_precision, model_device, resolve_device
-from task.dpsgd import DPSession
+from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
 from task.io import atomic_save_torch
 from task.networks import freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
-from task.options import Trainable
+from task.options import AugmentOn, Precision, Trainable, look_up_option
 
 
 @dataclass
@@ -66,14 +69,14 @@ class TrainConfig:
     loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
     optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
     device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (task.device)
-    precision: str = "32"                  # "32" | "bf16": autocast around the forward pass (task.device)
+    precision: Precision | str = Precision.FP32   # "32" | "bf16": autocast around the forward pass (task.device)
     #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
     #: host would otherwise starve it; on a shared CPU both compete for the same cores)
     prefetch: bool | None = None
     #: where augmentation runs: "host" (MONAI, per sample; the CPU default and the reference results) or "device"
     #: (task.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
-    augment_on: str | None = None
+    augment_on: AugmentOn | str | None = None
     #: private fine-tuning levers (task.networks.TRAINABLE_SETS for the sets and why they exist)
     trainable: str = Trainable.ALL.value   # which parameters are trained (the rest keep their start values)
     augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
@@ -216,28 +219,9 @@ def _load_init(model: torch.nn.Module, init_from: Any) -> None:
     load_start_weights(model, state)   # a bare U-Net's weights may start one with a voxel head
 
 
-def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,
-                       dp: Any = None, guard: Any = None, owners: Sequence[str] = ("central",),
-                       validation: tuple[Any, Any] | None = None, noise: Any = None) -> TrainResult:
-    """Train ``model`` on ``images`` (n, 4, *g) float and ``targets`` (int labels or soft probabilities).
-
-    Returns the trained (unwrapped) model and a history with one dict per epoch.
-
-    Args:
-        model: the network, trained in place (resumed from ``config.checkpoint`` when it exists, else started
-            from ``config.init_from`` when given).
-        images: (n, 4, *g) float training volumes.
-        targets: (n, *g) int labels or (n, C, *g) soft probabilities.
-        config: the training settings (:class:`TrainConfig`: epochs, batch, optimiser, device, levers, ...).
-        dp: a ``task.dpsgd.DPConfig`` switches on DP-SGD (None = plain training).
-        guard: the ``privacy.guard.BudgetGuard`` DP-SGD's epochs are charged through (None = an in-memory one
-            with ``dp.epsilon``).
-        owners: the ledger owners every DP-SGD epoch is charged to.
-        validation: public (images, labels), used by the validation-based noise schedule and logged each epoch
-            (None = none).
-        noise: the ``privacy.mechanisms.NoiseSource`` of the DP-SGD batches and noise (default: secure).
-    """
-    started = time.perf_counter()
+def _training_tensors(images: Any, targets: Any, config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training set as tensors (float32 images; float32 soft or int64 hard targets), checked against
+    ``config``'s epochs and batch size."""
     x_all = _as_tensor(images, torch.float32)
     y_all = _as_tensor(targets)
     y_all = y_all.to(torch.float32) if y_all.is_floating_point() else y_all.long()
@@ -248,154 +232,308 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         raise UserError(f"training: {n} images but {len(y_all)} targets")
     if config.epochs < 0 or config.batch_size < 1:
         raise UserError("training: epochs must be >= 0 and batch_size >= 1")
-    device = resolve_device(config.device)
-    precision = check_precision(config.precision)
+    return x_all, y_all
 
-    base_model = model
-    checkpoint = Path(config.checkpoint) if config.checkpoint else None
-    resume_state = None
+
+def _load_start(model: torch.nn.Module, config: TrainConfig, checkpoint: Path | None) -> dict | None:
+    """Start ``model`` from ``checkpoint`` when it exists (returning its state, to resume from), else from
+    ``config.init_from`` when given (returning None)."""
     if checkpoint is not None and checkpoint.exists():
         resume_state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        base_model.load_state_dict(resume_state["model"])
-    elif config.init_from is not None:
-        _load_init(base_model, config.init_from)
-    # model (hence the optimiser's state and Opacus' per-sample gradients) on the device before anything wraps it
-    base_model.to(device)
-    augment_on = config.augment_on or ("device" if device.type == "cuda" else "host")
-    if augment_on not in ("host", "device"):
-        raise UserError(f"augment_on: expected host or device, got {augment_on!r}")
-    batched = bool(config.augment) and augment_on == "device"
-    # the dataset on the device once (host-augmented batches are made on the host and copied per batch instead)
-    if not config.augment or batched:
-        x_all, y_all = x_all.to(device), y_all.to(device)
-    prefetch = (device.type == "cuda") if config.prefetch is None else bool(config.prefetch)
+        model.load_state_dict(resume_state["model"])
+        return resume_state
+    if config.init_from is not None:
+        _load_init(model, config.init_from)
+    return None
 
+
+def _augmentation_placement(config: TrainConfig, device: torch.device) -> tuple[bool, bool]:
+    """(``batched``: augment whole batches on the device, ``prefetch``: prepare batch i+1 in a thread while step
+    i runs) for ``config`` on ``device`` (a GPU: device augmentation and prefetching unless set otherwise)."""
+    on_gpu = device.type == "cuda"
+    augment_on = look_up_option(config.augment_on or (AugmentOn.DEVICE if on_gpu else AugmentOn.HOST), AugmentOn,
+                                "augment_on")
+    prefetch = on_gpu if config.prefetch is None else bool(config.prefetch)
+    return bool(config.augment) and augment_on is AugmentOn.DEVICE, prefetch
+
+
+def _check_levers(config: TrainConfig, private: PrivateTraining | None) -> None:
+    """Refuse augmentation multiplicity without DP-SGD and augmentation, and an EMA decay outside [0, 1)."""
     views = int(config.augmentation_multiplicity)
-    if views < 1 or (views > 1 and (dp is None or not config.augment)):
+    if views < 1 or (views > 1 and (private is None or not config.augment)):
         raise UserError(f"augmentation_multiplicity: expected 1, or k > 1 with DP-SGD and augmentation, got {views}")
     if config.ema_decay is not None and not (0.0 <= float(config.ema_decay) < 1.0):
         raise UserError(f"ema_decay: expected a number in [0, 1), got {config.ema_decay}")
+
+
+class _TrainingSteps(Protocol):
+    """What differs between plain and DP-SGD training (:class:`_PlainTraining`, :class:`_DPSGDTraining`), chosen
+    once before :func:`train_segmentation`'s loop, as Opacus' ``PrivacyEngine.make_private`` wraps model,
+    optimiser and data loader once and leaves the training loop alone."""
+
+    model: torch.nn.Module            # what the loop calls (Opacus' GradSampleModule under DP-SGD)
+    optimizer: torch.optim.Optimizer  # what the loop steps (Opacus' DPOptimizer under DP-SGD)
+    prefetch_safe: bool               # may batch i+1 be prepared while step i runs
+
+    def begin_epoch(self, epoch: int) -> bool:
+        """Start epoch ``epoch`` (0-based); False: stop training before the epoch touches any data."""
+
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        """The epoch's batches of record indices, none empty, drawn lazily one after the other."""
+
+    def after_backward(self) -> None:
+        """Between a batch's ``loss.backward()`` and its optimiser step."""
+
+    def after_step(self, loss: torch.Tensor, samples: int) -> None:
+        """After the optimiser step on ``samples`` index rows whose mean loss was ``loss``."""
+
+    def epoch_record(self, epoch: int) -> dict[str, Any]:
+        """The epoch's history entry (the validation Dice is added to it afterwards)."""
+
+    def observe_validation(self, score: float | None) -> None:
+        """The public validation Dice after the epoch (None: undefined)."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint stores under ``"dp"``."""
+
+    def config_dict(self) -> dict | None:
+        """What a checkpoint stores under ``"dp_config"``."""
+
+    def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
+        """Resume from a checkpoint's ``"dp"`` entry (None: it has none)."""
+
+    def finish(self, result: TrainResult) -> None:
+        """After the last epoch: a plain module again, and what ``result`` reports beyond the history."""
+
+
+class _PlainTraining:
+    """Non-private training (:class:`_TrainingSteps`): shuffled batches from the training seed, the mean training
+    loss logged per epoch."""
+
+    prefetch_safe = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+                 n: int, batch_size: int) -> None:
+        self.model, self.optimizer, self.generator = model, optimizer, generator
+        self.n, self.batch_size = n, batch_size
+        self._losses: list[float] = []
+        self._seen = 0
+
+    def begin_epoch(self, epoch: int) -> bool:
+        self._losses, self._seen = [], 0
+        return True
+
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        order = torch.randperm(self.n, generator=self.generator)
+        return (order[i:i + self.batch_size] for i in range(0, self.n, self.batch_size))
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self, loss: torch.Tensor, samples: int) -> None:
+        self._losses.append(float(loss.detach()) * samples)
+        self._seen += samples
+
+    def epoch_record(self, epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch + 1, "loss": (sum(self._losses) / self._seen) if self._seen else None,
+                "samples": self._seen}
+
+    def observe_validation(self, score: float | None) -> None:
+        pass
+
+    def state_dict(self) -> None:
+        return None
+
+    def config_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
+        pass   # a DP-SGD checkpoint's privacy state means nothing to plain training
+
+    def finish(self, result: TrainResult) -> None:
+        pass
+
+
+class _DPSGDTraining:
+    """DP-SGD training (:class:`_TrainingSteps`) through :class:`task.dpsgd.DPSession`: Opacus-wrapped model and
+    optimiser, the ledger, the noise stream.
+
+    Its order of operations is the privacy argument's: ``begin_epoch`` charges the epoch to the ledger before
+    the epoch's stream is opened; the batches come from that stream one at a time, so batch i+1 is drawn only
+    after step i's noise (never prefetched); an empty Poisson batch still takes its noise-only step where it
+    falls; the loss and the batch sizes are never recorded, only sigma and the ledger's epsilon."""
+
+    prefetch_safe = False
+
+    def __init__(self, session: DPSession, views: int, precision: Precision) -> None:
+        self.session, self.views, self.precision = session, int(views), precision
+        self.model, self.optimizer = session.model, session.optimizer
+
+    def begin_epoch(self, epoch: int) -> bool:
+        return self.session.begin_epoch(epoch)
+
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        for batch in self.session.batches():
+            if len(batch) == 0:   # the sampled-Gaussian analysis assumes a noisy step here too
+                self.session.noise_only_step()
+                continue
+            # k views of every sampled patient, side by side: augmented independently, averaged per patient
+            # before clipping (DPSession.average_views)
+            yield batch.repeat_interleave(self.views) if self.views > 1 else batch
+
+    def after_backward(self) -> None:
+        if self.precision is not Precision.FP32:
+            self.session.per_sample_gradients_to_float32()
+        if self.views > 1:
+            self.session.average_views(self.views)
+
+    def after_step(self, loss: torch.Tensor, samples: int) -> None:
+        pass   # the loss (unbounded sensitivity) and the batch size (the sampling's secret) stay unrecorded
+
+    def epoch_record(self, epoch: int) -> dict[str, Any]:
+        # DP-SGD releases only the noisy model: the training loss and the Poisson batch sizes (the secret
+        # randomness the amplification relies on) are never recorded, printed or checkpointed
+        return {"epoch": epoch + 1, "noise_multiplier": self.session.sigmas[-1],
+                "epsilon": self.session.spent(with_rdp=False)["epsilon"]}
+
+    def observe_validation(self, score: float | None) -> None:
+        self.session.observe_validation(score if score is not None else 0.0)
+
+    def state_dict(self) -> dict:
+        return self.session.state_dict()
+
+    def config_dict(self) -> dict:
+        return self.session.dp.to_dict()
+
+    def load_state_dict(self, state: dict | None, checkpoint: Path) -> None:
+        if state is None:
+            raise UserError(f"checkpoint {checkpoint}: was written without DP-SGD; cannot resume with it")
+        self.session.load_state_dict(state)
+
+    def finish(self, result: TrainResult) -> None:
+        _unwrap(self.model)
+        spent = self.session.spent()
+        for figure in ("epsilon", "delta", "accountant", "relation", "epsilon_rdp", "epsilon_add_remove",
+                       "epsilon_replace_one", "adaptive"):
+            setattr(result, figure, spent[figure])
+        result.sigmas = list(self.session.sigmas)
+        result.sampling_rate, result.steps_per_epoch = self.session.sampling_rate, self.session.steps
+        result.stopped_reason = self.session.stopped_reason
+
+
+def _resume(state: dict, optimizer: torch.optim.Optimizer, generator: torch.Generator, steps, ema,
+            checkpoint: Path) -> tuple[list[dict], int]:
+    """Restore the optimiser (the one Opacus wraps, under DP-SGD), the RNGs, the strategy's state and the EMA
+    from a checkpoint's ``state``; returns (history, epochs done)."""
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    history, start_epoch = list(state["history"]), int(state["epoch"])
+    steps.load_state_dict(state.get("dp"), checkpoint)
+    if ema is not None and state.get("ema") is not None:
+        ema.load_state_dict(state["ema"])
+    return history, start_epoch
+
+
+def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,
+                       private: PrivateTraining | None = None,
+                       validation: tuple[Any, Any] | None = None) -> TrainResult:
+    """Train ``model`` on ``images`` (n, 4, *g) float and ``targets`` (int labels or soft probabilities).
+
+    Returns the trained (unwrapped) model and a history with one dict per epoch.
+
+    Args:
+        model: the network, trained in place (resumed from ``config.checkpoint`` when it exists, else started
+            from ``config.init_from`` when given).
+        images: (n, 4, *g) float training volumes.
+        targets: (n, *g) int labels or (n, C, *g) soft probabilities.
+        config: the training settings (:class:`TrainConfig`: epochs, batch, optimiser, device, levers, ...).
+        private: a :class:`task.dpsgd.PrivateTraining` (its ``DPConfig``, budget guard, ledger owners and
+            noise source) switches on DP-SGD (None = plain training; ``task.dpsgd.private_training``).
+        validation: public (images, labels), used by the validation-based noise schedule and logged each epoch
+            (None = none).
+    """
+    started = time.perf_counter()
+    x_all, y_all = _training_tensors(images, targets, config)
+    device = resolve_device(config.device)
+    precision = check_precision(config.precision)
+    base_model = model
+    checkpoint = Path(config.checkpoint) if config.checkpoint else None
+    resume_state = _load_start(base_model, config, checkpoint)
+    # model (hence the optimiser's state and Opacus' per-sample gradients) on the device before anything wraps it
+    base_model.to(device)
+    batched, prefetch = _augmentation_placement(config, device)
+    # the dataset on the device once (host-augmented batches are made on the host and copied per batch instead)
+    if not config.augment or batched:
+        x_all, y_all = x_all.to(device), y_all.to(device)
+    _check_levers(config, private)
     # only the trainable set gets gradients, hence DP-SGD's clipping and noise (task.networks.freeze_all_but)
     freeze_all_but(base_model, config.trainable)
     trained = [p for p in base_model.parameters() if p.requires_grad]
 
     torch.manual_seed(config.seed)
-    if config.optimizer_factory is not None:
-        optimizer = config.optimizer_factory(trained)
-    else:
-        optimizer = torch.optim.Adam(trained, lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = (config.optimizer_factory(trained) if config.optimizer_factory is not None else
+                 torch.optim.Adam(trained, lr=config.learning_rate, weight_decay=config.weight_decay))
     ema = _ParameterAverage(base_model, config.ema_decay) if config.ema_decay is not None else None
     generator = torch.Generator().manual_seed(int(config.seed))
-
-    session = None
-    train_model: torch.nn.Module = base_model
-    if dp is not None:
-        session = DPSession(base_model, optimizer, n=n, batch_size=config.batch_size, epochs=config.epochs,
-                            dp=dp, guard=guard, owners=owners, noise=noise,
-                            has_validation=validation is not None)
-        train_model, optimizer = session.model, session.optimizer
-
+    # plain or DP-SGD, chosen once: the loop below is the same for both
+    steps: _TrainingSteps
+    if private is None:
+        steps = _PlainTraining(base_model, optimizer, generator, len(x_all), config.batch_size)
+    else:
+        steps = _DPSGDTraining(DPSession(base_model, optimizer, private, n=len(x_all), batch_size=config.batch_size,
+                                         epochs=config.epochs, has_validation=validation is not None),
+                               config.augmentation_multiplicity, precision)
     history: list[dict] = []
     start_epoch = 0
     if resume_state is not None:
-        inner_opt = getattr(optimizer, "original_optimizer", optimizer)
-        inner_opt.load_state_dict(resume_state["optimizer"])
-        generator.set_state(resume_state["generator"])
-        torch.set_rng_state(resume_state["torch_rng"])
-        history = list(resume_state["history"])
-        start_epoch = int(resume_state["epoch"])
-        if session is not None:
-            if resume_state.get("dp") is None:
-                raise UserError(f"checkpoint {checkpoint}: was written without DP-SGD; cannot resume with it")
-            session.load_state_dict(resume_state["dp"])
-        if ema is not None and resume_state.get("ema") is not None:
-            ema.load_state_dict(resume_state["ema"])
+        history, start_epoch = _resume(resume_state, optimizer, generator, steps, ema, checkpoint)
 
     bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.progress,
                initial=start_epoch, total=config.epochs, leave=False)
     for epoch in bar:
-        if session is not None and not session.begin_epoch(epoch):
+        if not steps.begin_epoch(epoch):
             break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
-        train_model.train()
+        steps.model.train()
         aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
-        if session is not None:
-            # k views of every sampled patient, side by side: augmented independently, averaged per patient
-            # before clipping (DPSession.average_views)
-            batches = session.batches() if views == 1 else (b.repeat_interleave(views) for b in session.batches())
-        else:
-            order = torch.randperm(n, generator=generator)
-            batches = (order[i:i + config.batch_size] for i in range(0, n, config.batch_size))
-        losses, seen = [], 0
-        # DP-SGD's next batch comes from the noise stream after this step's noise: never drawn ahead
-        for batch, xb, yb in _device_batches(batches, x_all, y_all, aug, device, prefetch and session is None,
-                                             batched):
-            if len(batch) == 0:
-                session.noise_only_step()
-                continue
-            optimizer.zero_grad(set_to_none=True)
+        for batch, xb, yb in _device_batches(steps.batches(epoch), x_all, y_all, aug, device,
+                                             prefetch and steps.prefetch_safe, batched):
+            steps.optimizer.zero_grad(set_to_none=True)
             with autocast(device, precision):
-                logits = train_model(xb)
+                logits = steps.model(xb)
             # the loss in float32 (a no-op at precision 32): Dice/CE sums over many voxels lose digits in bf16
-            loss_per_sample = (config.loss_fn or per_sample_loss)(logits.float(), yb)
-            loss = loss_per_sample.mean()
+            loss = (config.loss_fn or per_sample_loss)(logits.float(), yb).mean()
             loss.backward()
-            if session is not None and precision != "32":
-                session.per_sample_gradients_to_float32()
-            if views > 1:
-                session.average_views(views)
-            optimizer.step()
+            steps.after_backward()
+            steps.optimizer.step()
             if ema is not None:
                 ema.update()
-            if session is None:
-                losses.append(float(loss.detach()) * len(batch))
-            seen += len(batch)
-        if session is None:
-            record: dict[str, Any] = {"epoch": epoch + 1, "loss": (sum(losses) / seen) if seen else None,
-                                      "samples": seen}
-        else:
-            # DP-SGD releases only the noisy model: the training loss (unbounded sensitivity) and the Poisson
-            # batch sizes (the sampling's secret randomness, which the amplification relies on) are never
-            # recorded, printed or checkpointed -- only sigma and the ledger's epsilon
-            record = {"epoch": epoch + 1, "noise_multiplier": session.sigmas[-1],
-                      "epsilon": session.spent(with_rdp=False)["epsilon"]}
+            steps.after_step(loss, len(batch))
+        record = steps.epoch_record(epoch)
         if validation is not None:
             val_dice = evaluate_segmentation(base_model, validation[0], validation[1], device=device,
                                              precision=precision)["mean"]
             record["validation_dice_mean"] = val_dice
-            if session is not None:
-                session.observe_validation(val_dice if val_dice is not None else 0.0)
+            steps.observe_validation(val_dice)
         history.append(record)
         bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                          if k in ("loss", "noise_multiplier", "epsilon")})
-        if checkpoint is not None:
-            inner_opt = getattr(optimizer, "original_optimizer", optimizer)
+        if checkpoint is not None:   # mid-training weights and the sampling's random state: owner-only
             atomic_save_torch(checkpoint, {
-                "model": base_model.state_dict(), "optimizer": inner_opt.state_dict(), "epoch": epoch + 1,
+                "model": base_model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
                 "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
-                "dp": session.state_dict() if session is not None else None,
-                "ema": ema.state_dict() if ema is not None else None,
-                "dp_config": dp.to_dict() if dp is not None else None, **config.extra_checkpoint},
-                              private=True)   # mid-training weights and the sampling's random state: owner-only
+                "dp": steps.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+                "dp_config": steps.config_dict(), **config.extra_checkpoint}, private=True)
     bar.close()
 
-    if session is not None:
-        _unwrap(train_model)
+    result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
+                         resumed_from_epoch=start_epoch if resume_state is not None else None)
+    steps.finish(result)   # DP-SGD: Opacus' hooks removed, the privacy figures from the ledger
     if ema is not None:   # post-processing of the noisy iterates: no privacy cost (De et al. 2022, Sec. 3)
         ema.copy_to(base_model)
     for parameter in base_model.parameters():   # the returned model is a plain, fully trainable module again
         parameter.requires_grad_(True)
-    result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
-                         wall_seconds=time.perf_counter() - started,
-                         resumed_from_epoch=start_epoch if resume_state is not None else None)
-    if session is not None:
-        spent = session.spent()
-        result.epsilon, result.delta = spent["epsilon"], spent["delta"]
-        result.accountant, result.relation, result.epsilon_rdp = spent["accountant"], spent["relation"], spent["epsilon_rdp"]
-        result.epsilon_add_remove, result.epsilon_replace_one = spent["epsilon_add_remove"], spent["epsilon_replace_one"]
-        result.adaptive = spent["adaptive"]
-        result.sigmas = list(session.sigmas)
-        result.sampling_rate, result.steps_per_epoch = session.sampling_rate, session.steps
-        result.stopped_reason = session.stopped_reason
+    result.wall_seconds = time.perf_counter() - started
     return result
 
 
@@ -443,7 +581,7 @@ def _unwrap(wrapped: torch.nn.Module) -> None:
 # -------------------------------------------------------------------------------------------- inference
 @torch.no_grad()
 def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
-                  precision: str = "32") -> np.ndarray:
+                  precision: str = Precision.FP32) -> np.ndarray:
     """Softmax class probabilities (n, C, *g) float32, as a host array.
 
     ``device``: where to run (the model is moved there); None = wherever the model already is. ``precision``
@@ -466,20 +604,17 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
 
 
 def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
-                   precision: str = "32") -> np.ndarray:
+                   precision: str = Precision.FP32) -> np.ndarray:
     return predict_probs(model, images, batch_size, device, precision).argmax(axis=1).astype(np.int64)
 
 
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
-                          device: Any = None, precision: str = "32") -> dict:
-    """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``.
+                          device: Any = None, precision: str = Precision.FP32) -> dict:
+    """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``: the first
+    half of :func:`evaluate_segmentation_per_case`.
 
     Args:
-        model: the segmentation network.
-        images: (n, 4, *g) volumes.
-        labels: (n, *g) int labels.
-        batch_size: volumes per forward pass.
-        device / precision: as :func:`predict_probs` (None = where the model is; ``"bf16"`` = autocast).
+        model / images / labels / batch_size / device / precision: as :func:`evaluate_segmentation_per_case`.
     """
     return evaluate_segmentation_per_case(model, images, labels, batch_size, device, precision)[0]
 
@@ -498,7 +633,7 @@ class PerCaseDice(list):
 
 
 def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
-                                   device: Any = None, precision: str = "32") -> tuple[dict, PerCaseDice]:
+                                   device: Any = None, precision: str = Precision.FP32) -> tuple[dict, PerCaseDice]:
     """(Dice dict, per-case mean Dice with ``.by_class``) -- results.json stores the latter as
     ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`).
 
@@ -524,7 +659,7 @@ def per_class_of(per_case: Any) -> dict[str, list[float | None]] | None:
     return getattr(per_case, "by_class", None) or None
 
 
-def public_validation_dice(model, world, device: Any = None, precision: str = "32") -> float | None:
+def public_validation_dice(model, world, device: Any = None, precision: str = Precision.FP32) -> float | None:
     """Mean Dice of ``model`` on the public validation set of ``world`` (a :class:`task.world.PublicWorld`).
     Public labels: free to use for choosing a model or a setting; the test set never is. None when the
     world has no validation set."""

@@ -103,7 +103,7 @@ def test_dp_pca_second_moment_moves_by_at_most_one_per_patient():
 
 def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
     """What Opacus clips (a row's per-sample gradient) is the gradient of the patient's summed loss."""
-    from task.dpsgd import DPConfig, DPSession
+    from task.dpsgd import DPConfig, DPSession, PrivateTraining
     from task.classification import build_mlp, padded_units
     from task.classification.dpsgd_classifier import unit_loss
 
@@ -114,8 +114,8 @@ def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
     model = build_mlp(task.input_dim, (5,), 2)
     reference = copy.deepcopy(model)
     dp = DPConfig(mode="fixed", noise_multiplier=1.0, max_grad_norm=1.0, per_layer=False, grad_sample_mode="hooks")
-    session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1), n=len(units), batch_size=5, epochs=1,
-                        dp=dp)
+    session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1), PrivateTraining(dp), n=len(units),
+                        batch_size=5, epochs=1)
     chosen = torch.tensor([0, 3, 7, 11])
     unit_loss(session.model(xu[chosen]), yu[chosen], mask[chosen]).backward()
     x, y = torch.as_tensor(task.x_private), torch.as_tensor(task.y_private)

@@ -300,7 +300,7 @@ def test_bf16_on_the_cpu_trains(spy):
 
 
 def test_bf16_dpsgd_trains_with_float32_noise(spy):
-    from task.dpsgd import DPConfig
+    from task.dpsgd import DPConfig, PrivateTraining
     from task.networks import build_unet
     from task.training import TrainConfig, train_segmentation
     from privacy.mechanisms import NoiseSource
@@ -311,9 +311,9 @@ def test_bf16_dpsgd_trains_with_float32_noise(spy):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=False,
                                                          progress=False, device="cpu", precision="bf16"),
-                                dp=DPConfig(mode="fixed", epsilon=50.0, noise_multiplier=1.0, sampling="shuffle",
-                                            grad_sample_mode="hooks"),
-                                owners=("h0",), noise=NoiseSource.reproducible(0))
+                                PrivateTraining(DPConfig(mode="fixed", epsilon=50.0, noise_multiplier=1.0,
+                                                         sampling="shuffle", grad_sample_mode="hooks"),
+                                                owners=("h0",), noise=NoiseSource.reproducible(0)))
     # a DP run records no training loss (its sensitivity is unbounded): sigma and the ledger's epsilon only
     assert result.epochs_completed == 1 and "loss" not in result.history[0] and result.history[0]["epsilon"] > 0
     assert all(p.dtype == torch.float32 for p in result.model.parameters())

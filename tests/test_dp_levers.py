@@ -9,7 +9,7 @@ import torch
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from task.dpsgd import DPConfig, DPSession
+from task.dpsgd import DPConfig, DPSession, PrivateTraining
 from task.errors import UserError
 from task.networks import TRAINABLE_SETS, build_unet, freeze_all_but, trainable_parameter_names
 from task.training import TrainConfig, train_segmentation
@@ -42,7 +42,7 @@ def test_dpsgd_on_the_head_leaves_every_other_weight_exactly_where_it_started():
     dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=1.0)
     result = train_segmentation(model, images, labels, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
                                                                     progress=False, augment=False,
-                                                                    trainable="head"), dp=dp)
+                                                                    trainable="head"), PrivateTraining(dp))
     head = trainable_parameter_names(build_unet("tiny"), "head")
     moved = {n for n, p in result.model.named_parameters() if not torch.equal(p.detach(), start[n])}
     assert moved and moved <= head   # noise and updates only where trained
@@ -51,8 +51,9 @@ def test_dpsgd_on_the_head_leaves_every_other_weight_exactly_where_it_started():
 
 def _session(views_model, dp, n=4, batch=2):
     optimizer = torch.optim.SGD(views_model.parameters(), lr=0.0)
-    return DPSession(views_model, optimizer, n=n, batch_size=batch, epochs=1, dp=dp,
-                     guard=BudgetGuard(Ledger(None), dp.epsilon, dp.delta), owners=("h0",))
+    return DPSession(views_model, optimizer,
+                     PrivateTraining(dp, BudgetGuard(Ledger(None), dp.epsilon, dp.delta), owners=("h0",)),
+                     n=n, batch_size=batch, epochs=1)
 
 
 def test_augmentation_views_are_averaged_per_patient_before_clipping():
@@ -99,8 +100,8 @@ def test_augmentation_multiplicity_trains_and_is_charged_exactly_like_one_view()
         dp = DPConfig(mode="fixed", noise_multiplier=1.5, epsilon=1e6, delta=1e-3, max_grad_norm=1.0)
         train_segmentation(build_unet("tiny"), images, labels,
                            TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3, progress=False,
-                                       augmentation_multiplicity=views), dp=dp,
-                           guard=BudgetGuard(ledger, 1e6, 1e-3), owners=("h0",))
+                                       augmentation_multiplicity=views),
+                           PrivateTraining(dp, BudgetGuard(ledger, 1e6, 1e-3), owners=("h0",)))
         ledgers.append([r["event"] for r in ledger.records()])
     assert ledgers[0] == ledgers[1]   # same sampling rate, steps and sigma: the views cost nothing
     with pytest.raises(UserError, match="augmentation_multiplicity"):

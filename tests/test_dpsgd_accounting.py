@@ -10,7 +10,7 @@ from privacy.events import SampledGaussianEvent, ZCDPEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from task.dpsgd import DPConfig
+from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.networks import build_unet
 from task.training import TrainConfig, train_segmentation
@@ -28,7 +28,7 @@ def _train(dp, epochs, tmp_path=None, guard=None, checkpoint=None, validation=No
     model = build_unet("tiny")
     cfg = TrainConfig(epochs=epochs, batch_size=2, learning_rate=1e-2, progress=False, augment=False,
                       checkpoint=checkpoint, seed=seed)
-    return model, train_segmentation(model, x, y, cfg, dp=dp, guard=guard, validation=validation, noise=noise)
+    return model, train_segmentation(model, x, y, cfg, private_training(dp, guard, noise=noise), validation=validation)
 
 
 def _pld_epsilon(q, sigma, steps, delta, relation="ADD_OR_REMOVE_ONE"):

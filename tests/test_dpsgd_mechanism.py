@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from task.dpsgd import DPConfig, DPSession
+from task.dpsgd import DPConfig, DPSession, PrivateTraining
 from task.networks import build_unet
 from task.training import per_sample_loss
 
@@ -12,7 +12,7 @@ from task.training import per_sample_loss
 def _session(model, optimizer, n=3, batch=3, clip=0.01, per_layer=True, mode="hooks", sigma=1.0):
     dp = DPConfig(mode="fixed", epsilon=1e6, delta=1e-5, noise_multiplier=sigma, max_grad_norm=clip,
                   per_layer=per_layer, grad_sample_mode=mode)
-    session = DPSession(model, optimizer, n=n, batch_size=batch, epochs=1, dp=dp)
+    session = DPSession(model, optimizer, PrivateTraining(dp), n=n, batch_size=batch, epochs=1)
     assert session.begin_epoch(0)   # charge first: the noise stream opens only after the charge
     return session
 
@@ -119,7 +119,8 @@ def test_noise_is_refused_before_the_epoch_is_charged():
     """No stream exists until begin_epoch has charged the ledger: drawing noise or batches first fails."""
     model = _Zero()
     dp = DPConfig(mode="fixed", epsilon=1e6, delta=1e-5, noise_multiplier=1.0, max_grad_norm=1.0)
-    session = DPSession(model, torch.optim.SGD(model.parameters(), lr=1.0), n=4, batch_size=2, epochs=1, dp=dp)
+    session = DPSession(model, torch.optim.SGD(model.parameters(), lr=1.0), PrivateTraining(dp), n=4, batch_size=2,
+                        epochs=1)
     with pytest.raises(RuntimeError):
         session.batches()
     with pytest.raises(RuntimeError):

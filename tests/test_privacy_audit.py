@@ -293,14 +293,14 @@ def test_dpsgd_audit_trains_through_train_segmentation(dpsgd, monkeypatch):
     monkeypatch.setattr(training, "train_segmentation", spy)
     run = pa.dpsgd_product_run(dpsgd, True, NoiseSource.reproducible(3))
     ((config, options),) = calls
-    dp = options["dp"]
+    dp = options["private"].dp
     assert (dp.mode, dp.noise_multiplier, dp.relation, dp.sampling, dp.per_layer) == (
         "fixed", dpsgd.sigma, dpsgd.relation, "poisson", True)
     assert config.loss_fn is not None and config.optimizer_factory is not None and config.augment is False
     assert len(run.observations) == dpsgd.steps and 0.9 < run.claimed_epsilon < 1.0
     quarter = pa.dpsgd_setup(pa.DPSGDAudit(1.0, DELTA, relation=dpsgd.relation, noise_factor=0.25, **DPSGD), sigma=dpsgd.sigma)
     pa.dpsgd_product_run(quarter, True, NoiseSource.reproducible(3))
-    assert len(calls) == 3 and calls[-1][1]["dp"].noise_multiplier == dpsgd.sigma   # charged at the full sigma
+    assert len(calls) == 3 and calls[-1][1]["private"].dp.noise_multiplier == dpsgd.sigma   # charged at the full sigma
     assert training.DPSession is DPSession                                          # the patch is closed
     defaults = training.TrainConfig(epochs=1, batch_size=1, learning_rate=1e-3)     # the product's own loss / Adam
     assert defaults.loss_fn is None and defaults.optimizer_factory is None

@@ -10,7 +10,7 @@ from privacy.mechanisms import NoiseSource
 from server.aggregation import QueryRelease, aggregate_query
 from task.codecs import PCACompressor
 from task import codecs
-from task.dpsgd import DPConfig, DPSession
+from task.dpsgd import DPConfig, DPSession, PrivateTraining
 
 
 def _aggregate(noise, release_id: str, stream: str) -> np.ndarray:
@@ -44,9 +44,10 @@ def test_a_dpsgd_epoch_stream_is_named_by_its_stream_prefix_not_its_release_pref
         model = torch.nn.Linear(3, 2)
         dp = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=1.0, release_prefix=release_prefix,
                       stream_prefix=stream_prefix)
-        session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1), n=40, batch_size=8, epochs=1, dp=dp,
-                            guard=BudgetGuard(Ledger(None), 8.0, 1e-3), owners=("h0",),
-                            noise=NoiseSource.reproducible(3).child("central", "eps-8"))
+        session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            PrivateTraining(dp, BudgetGuard(Ledger(None), 8.0, 1e-3), owners=("h0",),
+                                            noise=NoiseSource.reproducible(3).child("central", "eps-8")),
+                            n=40, batch_size=8, epochs=1)
         assert session.begin_epoch(0)
         assert session.ledger.records()[0]["release_id"] == f"{release_prefix}:epoch-0"   # the ledger keeps the nonce
         return [b.tolist() for b in session.batches()]

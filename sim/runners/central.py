@@ -37,7 +37,7 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.selftrain import start_description, train_public_models
-from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, steps_per_epoch
+from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, private_training, steps_per_epoch
 from task.device import check_precision, device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
@@ -337,8 +337,9 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                             stream_prefix="central-dpsgd" + tag)
         torch.manual_seed(seed)
         result = train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), world["train_images"], world["train_labels"], train_config,
-                                    dp=dp, guard=guard, owners=tuple(world["hospital_ids"]),
-                                    validation=world["validation"], noise=noise.child(f"setting-{index}") if tag else noise)
+                                    private_training(dp, guard, owners=tuple(world["hospital_ids"]),
+                                                     noise=noise.child(f"setting-{index}") if tag else noise),
+                                    validation=world["validation"])
         validation_dice = None
         if world["validation"] is not None:   # public: the only data a choice of setting may look at
             validation_dice = evaluate_segmentation(result.model, *world["validation"], device=device,
@@ -466,8 +467,9 @@ def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, 
             _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
                               description="private selection"), progress=False)
         torch.manual_seed(seed)
-        return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config, dp=used["dp"], guard=covered,
-                                  owners=tuple(world["hospital_ids"]), validation=world["validation"], noise=stream)
+        return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config,
+                                  private_training(used["dp"], covered, owners=tuple(world["hospital_ids"]), noise=stream),
+                                  validation=world["validation"])
 
     def per_case(model, images, labels):
         return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision)[1]

@@ -118,7 +118,7 @@ from server.aggregation import QueryRelease, aggregate_query, validate_reply
 from server.pate import SERVER_POLICY
 from task import codecs, dpsgd, training
 from task.codecs import PCACompressor, make_compressor
-from task.dpsgd import DPConfig, DPSession, steps_per_epoch
+from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
 from task.presets import get_preset
 from task.options import PcaMode, Relation, Sampling, look_up_option
 
@@ -878,8 +878,8 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
         dp.mode, dp.noise_multiplier = "fixed", float(sigma)
     guard = make_guard(setup.epsilon, setup.delta)
     with memoised_accounting(), broken_dpsgd_session(setup):
-        result = training.train_segmentation(model, x, np.arange(len(x)), config, dp=dp, guard=guard,
-                                             owners=("h0",), noise=noise)
+        result = training.train_segmentation(model, x, np.arange(len(x)), config,
+                                             private=PrivateTraining(dp, guard, owners=("h0",), noise=noise))
     return recorder, result, guard
 
 

@@ -32,7 +32,7 @@ import torch
 from privacy.calibration import dpsgd_noise_multiplier
 from task.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
 from task.errors import UserError
-from task.dpsgd import DPConfig, DPSession, steps_per_epoch
+from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
 from task.options import Relation, Sampling
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
@@ -119,8 +119,8 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
     else:
         dp = DPConfig(mode="target", **common)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    session = DPSession(model, opt, n=len(units), batch_size=cfg.batch_size, epochs=cfg.epochs, dp=dp,
-                        guard=guard, owners=owners, noise=noise)
+    session = DPSession(model, opt, PrivateTraining(dp, guard, owners, noise), n=len(units),
+                        batch_size=cfg.batch_size, epochs=cfg.epochs)
     empty = 0
     for epoch in range(cfg.epochs):
         if not session.begin_epoch(epoch):      # charged before the epoch's stream is opened
