@@ -500,8 +500,7 @@ def make_schedule(family: str, sigma0: float, *, target_epochs: int, epsilon: fl
     k = options.pop("k", None)
     if k is None:
         mode = Sampling.POISSON if sampling == Sampling.POISSON else Sampling.SHUFFLE
-        k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, sampling_rate=sampling_rate,
-                                 steps_per_epoch=steps_per_epoch, mode=mode,
-                                 accountant=accountant if sampling == Sampling.POISSON else None, relation=relation,
-                                 **options)
+        k = schedules.plan_decay(name, sigma0, target_epochs, epsilon, delta, schedules.EpochAccounting(
+            sampling_rate=sampling_rate, steps_per_epoch=steps_per_epoch, mode=mode,
+            accountant=accountant if sampling == Sampling.POISSON else None, relation=relation), **options)
     return schedules.make_schedule(name, sigma0, float(k), **options)
