@@ -53,7 +53,7 @@ def main() -> None:
     from task.data.preprocess import PreprocessConfig, prepare_dataset
     from task.io import atomic_write_json, atomic_write_text
     from task.networks import build_unet_from_config, network_config
-    from task.predict import evaluate_scans
+    from task.predict import EvaluationOptions, evaluate_scans
     from task.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
@@ -90,13 +90,13 @@ def main() -> None:
                 augment=level, description=f"train ({level})",
                 checkpoint=model_dir / "checkpoint.pt")).model
             train_seconds[level] = time.perf_counter() - start
-            card = privacy_card(method=f"nonprivate-central ({level} augmentation)", ledger_path=None, delta=None,
-                                epsilon_budget=None, relation=None, accountant=None, teachers=None, hospitals=None,
+            card = privacy_card(method=f"nonprivate-central ({level} augmentation)", ledger_path=None,
                                 data_source={"kind": "phantoms", "seed": args.seed, "cases": args.train_cases,
                                              "generator_version": GENERATOR_VERSION,
                                              "resolution_mm": args.train_resolution})
             save_bundle(model_dir, trained, net_cfg, {"grid": list(config.grid), "config": config.to_dict()}, card)
-        results[level] = {name: evaluate_scans(model_dir, folder, progress=False) for name, folder in test_dirs.items()}
+        results[level] = {name: evaluate_scans(model_dir, folder, EvaluationOptions(progress=False))
+                          for name, folder in test_dirs.items()}
 
     table = _table(results, list(test_dirs))
     print(table)

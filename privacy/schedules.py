@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from privacy.accountants import make_accountant
+from privacy.accountants import PLDAccountant, ZCDPAccountant, make_accountant
 from privacy.calibration import calibrate
 from privacy.errors import PrivacyError
 from privacy.validation import positive_number
@@ -32,8 +32,6 @@ from privacy.events import ComposedEvent, Event, SampledGaussianEvent, ZCDPEvent
 from privacy.options import Relation, Sampling, ScheduleFamily, look_up_option
 
 MODES = tuple(Sampling)
-
-
 
 
 def _epoch(epoch) -> int:
@@ -236,69 +234,89 @@ def schedule_events(
 
 
 def _default_accountant(mode: str) -> str:
-    return "pld" if mode == Sampling.POISSON else "zcdp"
+    return PLDAccountant.name if mode == Sampling.POISSON else ZCDPAccountant.name
 
 
 def _planning_options(name: str, epsilon: float) -> dict:
     # PLD's pessimistic grid: coarser is still an upper bound; 1e-4·ε (within [1e-4, 1e-3]) keeps the error
     # far below the 1e-3 calibration window while composing distinct per-epoch PLDs ~7x faster than 1e-4.
-    if name == "pld":
+    if name == PLDAccountant.name:
         return {"value_discretization_interval": min(1e-3, max(1e-4, epsilon * 1e-4))}
     return {}
 
 
-def epochs_within_budget(
-    schedule,
-    epsilon: float,
-    delta: float,
-    sampling_rate: float,
-    steps_per_epoch: int,
-    mode: str = "poisson",
-    max_epochs: int = 1000,
-    accountant: str | None = None,
-    relation: str | None = None,
-) -> int:
+@dataclass(frozen=True)
+class EpochAccounting:
+    """How each epoch of a schedule is batched and accounted (what :func:`epochs_within_budget`,
+    :func:`schedule_epsilon` and :func:`plan_decay` compose).
+
+    Args:
+        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only;
+            defaults 1.0 and 1).
+        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs).
+    """
+
+    sampling_rate: float = 1.0
+    steps_per_epoch: int = 1
+    mode: Sampling = Sampling.POISSON
+    relation: str | None = None
+    accountant: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _check_mode(self.mode))
+        if self.relation is not None:   # checked, and kept as given: the events record it
+            look_up_option(self.relation, Relation, "relation")
+
+    @property
+    def accountant_name(self) -> str:
+        """The accountant's name, the mode's default when none was given."""
+        return self.accountant or _default_accountant(self.mode)
+
+    def event(self, sigma: float) -> Event:
+        """One epoch's event at noise multiplier σ (:func:`epoch_event`)."""
+        return epoch_event(sigma, self.sampling_rate, self.steps_per_epoch, self.mode, self.relation)
+
+    def events(self, schedule, epochs: int) -> list[Event]:
+        """One event per epoch t = 0 .. epochs-1 of ``schedule`` (:func:`schedule_events`)."""
+        return schedule_events(schedule, epochs, self.sampling_rate, self.steps_per_epoch, self.mode, self.relation)
+
+
+def epochs_within_budget(schedule, epsilon: float, delta: float, accounting: EpochAccounting,
+                         max_epochs: int = 1000) -> int:
     """How many whole epochs fit before ε would exceed the budget (training stops when it is spent).
 
     Args:
         schedule: the noise schedule (anything with ``sigma(epoch)``).
         epsilon / delta: the budget (ε, δ).
-        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only).
-        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
+        accounting: each epoch's batching, relation and accountant (:class:`EpochAccounting`); PLD plans on a
+            discretisation of ``1e-4·ε`` within [1e-4, 1e-3].
         max_epochs: the answer's cap: returned when that many epochs all fit.
-        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs);
-            PLD plans on a discretisation of ``1e-4·ε`` within [1e-4, 1e-3].
-        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
     """
     epsilon = positive_number("epsilon", epsilon)
-    name = accountant or _default_accountant(_check_mode(mode))
+    name = accounting.accountant_name
     acc = make_accountant(name, **_planning_options(name, epsilon))
     for t in range(int(max_epochs)):
-        acc.compose(epoch_event(schedule.sigma(t), sampling_rate, steps_per_epoch, mode, relation))
+        acc.compose(accounting.event(schedule.sigma(t)))
         if acc.get_epsilon(delta) > epsilon:
             return t
     return int(max_epochs)
 
 
-def schedule_epsilon(
-    schedule, epochs: int, delta: float, sampling_rate: float, steps_per_epoch: int, mode: str = "poisson",
-    accountant: str | None = None, accountant_options: dict | None = None, relation: str | None = None,
-) -> float:
+def schedule_epsilon(schedule, epochs: int, delta: float, accounting: EpochAccounting,
+                     accountant_options: dict | None = None) -> float:
     """ε after ``epochs`` epochs of ``schedule``.
 
     Args:
         schedule: the noise schedule (anything with ``sigma(epoch)``).
         epochs: the number of epochs composed.
         delta: the δ at which ε is computed.
-        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only).
-        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
-        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs).
+        accounting: each epoch's batching, relation and accountant (:class:`EpochAccounting`).
         accountant_options: keyword arguments for the accountant (None = its defaults).
-        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
     """
-    name = accountant or _default_accountant(_check_mode(mode))
-    acc = make_accountant(name, **(accountant_options or {}))
-    for event in schedule_events(schedule, epochs, sampling_rate, steps_per_epoch, mode, relation):
+    acc = make_accountant(accounting.accountant_name, **(accountant_options or {}))
+    for event in accounting.events(schedule, epochs):
         acc.compose(event)
     return acc.get_epsilon(delta)
 
@@ -319,19 +337,8 @@ def make_schedule(family: str, sigma0: float, k: float, **kwargs):
     raise PrivacyError("validation schedules depend on observed scores and cannot be planned ahead")
 
 
-def plan_decay(
-    family: str,
-    sigma0: float,
-    target_epochs: int,
-    epsilon: float,
-    delta: float,
-    sampling_rate: float = 1.0,
-    steps_per_epoch: int = 1,
-    mode: str = "poisson",
-    accountant: str | None = None,
-    relation: str | None = None,
-    **schedule_kwargs,
-) -> float:
+def plan_decay(family: str, sigma0: float, target_epochs: int, epsilon: float, delta: float,
+               accounting: EpochAccounting = EpochAccounting(), **schedule_kwargs) -> float:
     """Decay parameter k so that exactly ``target_epochs`` epochs fit in (ε, δ) (bisection, safe side).
 
     Solves ``ε(k) = ε(first target_epochs epochs of make_schedule(family, σ0, k))`` for
@@ -346,23 +353,19 @@ def plan_decay(
         sigma0: the first epoch's noise multiplier σ0.
         target_epochs: the epochs that must fit in the budget (> 0).
         epsilon / delta: the budget (ε, δ).
-        sampling_rate / steps_per_epoch: each epoch's Poisson sampling rate and steps (``poisson`` mode only;
-            defaults 1.0 and 1).
-        mode: ``poisson`` or ``shuffle`` (:func:`epoch_event`).
-        accountant: the accountant's name (None = ``pld`` for Poisson sampling, ``zcdp`` for shuffled epochs).
-        relation: the events' neighbouring relation (None = the mode's default, :func:`default_relation`).
+        accounting: each epoch's batching, relation and accountant (:class:`EpochAccounting`; default: one
+            Poisson step per epoch at sampling rate 1.0).
         **schedule_kwargs: the family's other parameters (``period``; ``sigma_end`` and ``period`` for
             ``polynomial``).
     """
     target_epochs = int(positive_number("target_epochs", target_epochs))
     epsilon = positive_number("epsilon", epsilon)
-    name = accountant or _default_accountant(_check_mode(mode))
+    name = accounting.accountant_name
     options = _planning_options(name, epsilon)
 
     def eps_of(k: float) -> float:
         schedule = make_schedule(family, sigma0, k, **dict(schedule_kwargs))
-        return schedule_epsilon(schedule, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
-                                relation)
+        return schedule_epsilon(schedule, target_epochs, delta, accounting, options)
 
     no_decay = 1.0 if family == ScheduleFamily.STEP else 0.0
     eps_constant = eps_of(no_decay)
@@ -373,8 +376,7 @@ def plan_decay(
         )
     if family == ScheduleFamily.POLYNOMIAL:
         floor = make_schedule(family, sigma0, 1e6, **dict(schedule_kwargs))
-        eps_fastest = schedule_epsilon(floor, target_epochs, delta, sampling_rate, steps_per_epoch, mode, name, options,
-                                       relation)
+        eps_fastest = schedule_epsilon(floor, target_epochs, delta, accounting, options)
         if eps_fastest <= epsilon:
             raise PrivacyError(
                 f"plan_decay: even the fastest polynomial decay to sigma_end spends only epsilon="
@@ -383,8 +385,7 @@ def plan_decay(
 
     def make_event(k: float) -> Event:
         schedule = make_schedule(family, sigma0, k, **dict(schedule_kwargs))
-        return ComposedEvent(tuple(schedule_events(schedule, target_epochs, sampling_rate, steps_per_epoch, mode,
-                                                   relation)))
+        return ComposedEvent(tuple(accounting.events(schedule, target_epochs)))
 
     # ε(k) is increasing in k for time/exponential/polynomial and decreasing for step (k is a factor);
     # calibrate() finds the direction from the bracket ends.
@@ -397,6 +398,7 @@ __all__: Sequence[str] = (
     "StepSchedule",
     "PolynomialSchedule",
     "ValidationSchedule",
+    "EpochAccounting",
     "default_relation",
     "epoch_event",
     "schedule_events",

@@ -82,36 +82,58 @@ def preprocessing_of(world_or_prepared) -> dict:
     return {"grid": list(config["grid"]), "config": config}
 
 
-def privacy_card(*, method: str, ledger_path: str | Path | None, delta: float | None,
-                 epsilon_budget: float | None, relation: str | None, accountant: str | None,
-                 teachers: int | None, hospitals: int | None, data_source: Mapping[str, Any],
-                 queries: int | None = None, extra: Mapping[str, Any] | None = None) -> dict:
-    """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in).
-
-    The model is private when the ledger holds at least one record; ``epsilon_budget``, ``delta``,
-    ``relation`` and ``accountant`` are recorded only then (None otherwise).
+@dataclass(frozen=True)
+class CardGuarantee:
+    """The guarantee a privacy card states beside the ledger's ε; recorded only when the ledger holds a record
+    (a private model), None otherwise.
 
     Args:
-        method: the method's name.
-        ledger_path: the run's ledger.jsonl (None or missing = an empty ledger: a non-private model).
         delta: the δ at which the ledger's ε is computed (the worst owner's).
         epsilon_budget: the run's budget, recorded beside the ledger's ε.
         relation: the neighbouring relation of the guarantee: only the ledger's events under it are accounted
             (None = all of them, which must then share one relation).
         accountant: the accountant's name, as recorded in the card (it does not choose how ε is computed).
-        teachers / hospitals: PATE's teacher count and the number of hospitals (None where not applicable).
+    """
+
+    delta: float | None = None
+    epsilon_budget: float | None = None
+    relation: str | None = None
+    accountant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.delta is not None and not 0 <= float(self.delta) < 1:
+            raise ValueError(f"privacy card: delta must be in [0, 1), got {self.delta!r}")
+        if self.epsilon_budget is not None and not float(self.epsilon_budget) > 0:
+            raise ValueError(f"privacy card: epsilon_budget must be positive, got {self.epsilon_budget!r}")
+
+
+def privacy_card(*, method: str, ledger_path: str | Path | None, data_source: Mapping[str, Any],
+                 guarantee: CardGuarantee = CardGuarantee(), teachers: int | None = None,
+                 hospitals: int | None = None, queries: int | None = None,
+                 extra: Mapping[str, Any] | None = None) -> dict:
+    """Build the card from the run's ledger (the epsilon is always the ledger's, never passed in).
+
+    The model is private when the ledger holds at least one record; ``guarantee`` is recorded only then.
+
+    Args:
+        method: the method's name.
+        ledger_path: the run's ledger.jsonl (None or missing = an empty ledger: a non-private model).
         data_source: where the training data came from (copied into the card).
+        guarantee: δ, the budget, the relation and the accountant (:class:`CardGuarantee`; default: none, for a
+            non-private model).
+        teachers / hospitals: PATE's teacher count and the number of hospitals (None where not applicable).
         queries: PATE's released queries (None where not applicable).
         extra: further card fields (None = none); they may override the fields above.
     """
 
     ledger = Ledger(ledger_path) if ledger_path is not None and Path(ledger_path).exists() else Ledger(None)
     private = len(ledger) > 0
-    epsilon = _ledger_epsilon(ledger, delta, relation) if private else None
+    claim = guarantee   # recorded only for a private model
+    epsilon = _ledger_epsilon(ledger, claim.delta, claim.relation) if private else None
     return {
         "method": method, "private": private, "epsilon": epsilon,
-        "epsilon_budget": epsilon_budget if private else None, "delta": delta if private else None,
-        "relation": relation if private else None, "accountant": accountant if private else None,
+        "epsilon_budget": claim.epsilon_budget if private else None, "delta": claim.delta if private else None,
+        "relation": claim.relation if private else None, "accountant": claim.accountant if private else None,
         "teachers": teachers, "hospitals": hospitals, "queries": queries,
         "data_source": dict(data_source), "ledger_digest": ledger.digest(),
         "ledger_owners": ledger.owners(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

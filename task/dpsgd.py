@@ -527,8 +527,8 @@ def make_schedule(dp: DPConfig, sigma0: float, *, target_epochs: int, sampling_r
     k = options.pop("k", None)
     if k is None:
         poisson = dp.sampling == Sampling.POISSON
-        k = schedules.plan_decay(name, sigma0, target_epochs, dp.epsilon, dp.delta, sampling_rate=sampling_rate,
-                                 steps_per_epoch=steps_per_epoch,
-                                 mode=Sampling.POISSON if poisson else Sampling.SHUFFLE,
-                                 accountant=dp.accountant if poisson else None, relation=dp.relation, **options)
+        k = schedules.plan_decay(name, sigma0, target_epochs, dp.epsilon, dp.delta, schedules.EpochAccounting(
+            sampling_rate=sampling_rate, steps_per_epoch=steps_per_epoch,
+            mode=Sampling.POISSON if poisson else Sampling.SHUFFLE,
+            accountant=dp.accountant if poisson else None, relation=dp.relation), **options)
     return schedules.make_schedule(name, sigma0, float(k), **options)

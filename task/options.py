@@ -96,6 +96,22 @@ class SplitScheme(StrEnum):
     PAPER = "paper"
 
 
-__all__ = ["AugmentOn", "CalibrationAccountant", "Decoder", "GradSampleMode", "NoiseMode", "PcaMode", "Precision",
-           "PublicStart", "Relation", "Sampling", "ScheduleFamily", "SplitScheme", "Trainable", "choices",
-           "look_up_option"]
+class Init(StrEnum):
+    """Where a baseline's training starts (``sim.runners.central.CentralConfig.init``)."""
+    PUBLIC = "public"     # the public model (``server.selftrain.train_public_models``), as PATE's teachers and student
+    SCRATCH = "scratch"   # random weights (the seed paper's DP-SGD baseline)
+
+
+class Selection(StrEnum):
+    """How the pooled DP-SGD baseline chooses its setting among the preset's grid (``task.selection``)."""
+    PUBLIC = "public"     # every grid entry trained and charged, the best on the public validation set kept
+    PRIVATE = "private"   # Papernot & Steinke (2022, arXiv 2110.03620) on held-out private patients, one event
+
+
+class CentralMethod(StrEnum):
+    """The baselines trained on the pooled private data (``task.methods.CENTRAL_METHODS`` names their results)."""
+    NONPRIVATE = "nonprivate"   # plain training: the ceiling, no privacy guarantee
+    DP_SGD = "dp-sgd"           # DP-SGD with per-sample clipping and Gaussian noise
+
+
+__all__ = ["AugmentOn", "CalibrationAccountant", "CentralMethod", "Decoder", "GradSampleMode", "Init", "NoiseMode", "PcaMode", "Precision", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]

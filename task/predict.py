@@ -19,7 +19,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -32,7 +32,7 @@ from task.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_
 from task.data.msd import Case, display_path, load_case, load_modalities
 from task.data.reader import read_dataset, require_labels
 from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
-from task.device import autocast, model_device, resolve_device
+from task.device import autocast, check_precision, model_device, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes
 from task.metrics import per_case_dice, summarise
@@ -328,7 +328,8 @@ def output_names(scans: Sequence[ScanInput]) -> list[str]:
     one-line UserError naming both: the later would silently replace the earlier."""
     names, seen = [], {}
     for scan in scans:
-        name = _output_name(scan.scan) if scan.layout == "msd" else f"{scan.name}_seg.nii.gz"
+        # a 4D file is named by its file; a BraTS case (one file per modality) by its case
+        name = f"{scan.name}_seg.nii.gz" if get_layout(scan.layout).per_modality else _output_name(scan.scan)
         earlier = seen.setdefault(name.casefold(), scan)
         if earlier is not scan:
             raise UserError(f"--image: {display_path(earlier.scan)} and {display_path(scan.scan)} would both write "
@@ -342,9 +343,38 @@ def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
     return {c: float((labels == c).sum() * voxel_ml) for c in (1, 2, 3)}
 
 
-def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path | None = None,
-                   progress: bool = True, device="auto", limit: int | None = None,
-                   layout: str | None = None, labels: str | None = None, precision: str = "32") -> dict:
+@dataclass(frozen=True)
+class EvaluationOptions:
+    """How :func:`evaluate_scans` reads the folder, runs the network and writes label maps.
+
+    Args:
+        out_dir: also receives each label map (None = none written).
+        layout: the folder's layout (``task.data.layouts``; None = detected).
+        labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
+        limit: score only the first ``limit`` labelled cases (None = all).
+        progress: a progress bar.
+        device: where the network runs (``task.device``; default auto).
+        precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
+    """
+
+    out_dir: str | Path | None = None
+    layout: str | None = None
+    labels: str | None = None
+    limit: int | None = None
+    progress: bool = True
+    device: Any = "auto"
+    precision: str = "32"
+
+    def __post_init__(self) -> None:
+        if self.layout:
+            get_layout(self.layout, "--layout")
+        if self.labels:
+            get_layout(self.labels, "--labels")
+        check_precision(self.precision)
+
+
+def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
+                   options: EvaluationOptions = EvaluationOptions()) -> dict:
     """Dice of the bundle's segmentations of every labelled case of a data folder, in each scan's grid.
 
     The folder is MSD Task01 or BraTS; Dice is computed in our classes (WT, TC, ET as BraTS defines them)
@@ -355,23 +385,18 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path, out_dir: str | P
     Args:
         model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.
         data_dir: the MSD Task01 or BraTS folder whose labelled cases are scored.
-        out_dir: also receives each label map (None = none written).
-        progress: a progress bar.
-        device: where the network runs (``task.device``; default auto).
-        limit: score only the first ``limit`` labelled cases (None = all).
-        layout: the folder's layout (``task.data.layouts``; None = detected).
-        labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
-        precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
+        options: where label maps go, the folder's layout and their convention, how many cases, the progress bar,
+            the device and the precision (:class:`EvaluationOptions`).
     """
-
-    dataset = require_labels(read_dataset(data_dir, layout), "evaluate")
-    convention = resolve_labels(labels, dataset.layout)
+    out_dir, device, precision = options.out_dir, options.device, options.precision
+    dataset = require_labels(read_dataset(data_dir, options.layout), "evaluate")
+    convention = resolve_labels(options.labels, dataset.layout)
     _, config, model = _bundle_model(model_dir, device)
-    cases = dataset.training[:limit]
+    cases = dataset.training[:options.limit]
     if not cases:
         raise UserError(f"--data {data_dir}: no labelled cases (imagesTr with labelsTr) to evaluate")
     iterator: Iterable = cases
-    if progress:
+    if options.progress:
         iterator = tqdm(cases, desc="evaluate", unit="scan")
     class_rows, region_rows, rows = [], [], []
     for case in iterator:

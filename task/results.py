@@ -31,7 +31,7 @@ import numpy as np
 
 from privacy.accountants import epsilon_per_relation
 from privacy.ledger import Ledger
-from task.bundle import privacy_card, save_bundle
+from task.bundle import CardGuarantee, privacy_card, save_bundle
 from task.data.preprocess import invert_label
 from task import realcheck
 from task.io import atomic_write_bytes, atomic_write_json
@@ -150,11 +150,10 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if release is not None:
-        card = privacy_card(method=results.method, ledger_path=out / "ledger.jsonl", delta=results.delta,
-                            epsilon_budget=results.epsilon_budget, relation=results.relation,
-                            accountant=results.accountant, teachers=results.teachers,
-                            hospitals=results.hospitals, data_source=release.data_source,
-                            queries=results.queries,
+        card = privacy_card(method=results.method, ledger_path=out / "ledger.jsonl", data_source=release.data_source,
+                            guarantee=CardGuarantee(delta=results.delta, epsilon_budget=results.epsilon_budget,
+                                                    relation=results.relation, accountant=results.accountant),
+                            teachers=results.teachers, hospitals=results.hospitals, queries=results.queries,
                             extra={**({"device": results.device} if results.device else {}),
                                    **({"precision": results.precision} if results.precision else {}),
                                    **dict(release.card_extra or {})})

@@ -85,7 +85,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -94,9 +94,8 @@ from privacy.accountants import epsilon_spent
 from privacy.errors import PrivacyError
 from privacy.guard import CoveredGuard
 from task.errors import UserError
-from task.options import Relation
+from task.options import Relation, look_up_option
 
-SELECTIONS = ("public", "private")
 #: the one progress bar of a private selection: a description only (no count, rate or elapsed time)
 PROGRESS_LABEL = "private selection (how many candidates run is secret: no progress count)"
 PUBLIC_CANDIDATE = "the public model, unchanged"
@@ -296,46 +295,86 @@ def split_and_plan(settings: Sequence[dict], n: int, epsilon: float, delta: floa
                                      steps_per_epoch)
 
 
-def run_private_selection(*, settings: Sequence[dict], train_images, train_labels, guard, owners: Sequence[str],
-                          release_prefix: str, noise, epsilon: float, delta: float, relation: str, seed: int,
-                          config: SelectionConfig, public_model, train_candidate, evaluate_per_case,
-                          steps_per_epoch, progress: bool = False) -> Selected:
-    """Private selection (module docstring). The torch-side work comes in as callbacks, so this stays testable:
-
-    * ``public_model()`` → the public model (a fresh copy);
-    * ``train_candidate(setting, index, repetition, images, labels, noise_multiplier, guard, noise)`` → a
-      ``TrainResult`` of DP-SGD at multiplier z with ``guard`` (the :class:`CoveredGuard`), on the training
-      part only;
-    * ``evaluate_per_case(model, images, labels)`` → per-patient mean Dice;
-    * ``steps_per_epoch(n, batch)`` → DP-SGD's steps per epoch (``task.dpsgd.steps_per_epoch``).
+@dataclass(frozen=True)
+class SelectionBudget:
+    """What private selection is charged to, under which budget, and where its randomness comes from.
 
     Args:
-        settings: the grid entries (candidates besides the public model unchanged).
-        train_images / train_labels: the pooled private patients (held-out and training parts are cut from them).
         guard: charged once with the whole event before anything is drawn or trained.
         owners: the patients' owners (the pooled hospitals).
         release_prefix: the run's release-id prefix (the event is ``<prefix>:private-selection``).
         noise: the run's noise source; T, candidates, batches and score noise come from its named streams.
         epsilon / delta: the budget the event is calibrated to.
-        relation: the neighbouring relation (replace-one only).
+        relation: the neighbouring relation (replace-one only: :func:`plan` refuses the others).
+    """
+
+    guard: Any
+    owners: tuple[str, ...]
+    release_prefix: str
+    noise: Any
+    epsilon: float
+    delta: float
+    relation: Relation = Relation.REPLACE_ONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "owners", tuple(self.owners))
+        if not self.owners:
+            raise PrivacyError("private selection: no owners to charge")
+        look_up_option(self.relation, Relation, "relation")
+
+
+@dataclass(frozen=True)
+class SelectionCallbacks:
+    """The torch-side work of private selection, as callbacks (so the mechanism stays testable without torch).
+
+    Args:
+        public_model: ``() -> model``: the public model (a fresh copy), a candidate itself.
+        train_candidate: ``(setting, index, repetition, images, labels, noise_multiplier, guard, noise) ->
+            TrainResult``: DP-SGD at multiplier z with ``guard`` (the :class:`CoveredGuard`), on the training part
+            only.
+        evaluate_per_case: ``(model, images, labels) -> per-patient mean Dice``.
+        steps_per_epoch: ``(n, batch) -> steps``: DP-SGD's steps per epoch (``task.dpsgd.steps_per_epoch``).
+    """
+
+    public_model: Callable[[], Any]
+    train_candidate: Callable[..., Any]
+    evaluate_per_case: Callable[[Any, Any, Any], Sequence[float | None]]
+    steps_per_epoch: Callable[[int, int], int]
+
+    def __post_init__(self) -> None:
+        for name in ("public_model", "train_candidate", "evaluate_per_case", "steps_per_epoch"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"SelectionCallbacks.{name}: expected a callable, got {getattr(self, name)!r}")
+
+
+def run_private_selection(settings: Sequence[dict], train_images, train_labels, *, budget: SelectionBudget,
+                          seed: int, config: SelectionConfig, callbacks: SelectionCallbacks,
+                          progress: bool = False) -> Selected:
+    """Private selection (module docstring). The torch-side work comes in as ``callbacks``.
+
+    Args:
+        settings: the grid entries (candidates besides the public model unchanged).
+        train_images / train_labels: the pooled private patients (held-out and training parts are cut from them).
+        budget: the guard, owners, release id, noise source, budget and relation (:class:`SelectionBudget`).
         seed: positions of the held-out patients (a public, data-independent permutation).
         config: the selection's settings (:class:`SelectionConfig`).
-        public_model / train_candidate / evaluate_per_case / steps_per_epoch: the callbacks above.
+        callbacks: the public model, a candidate's training, per-patient scoring and DP-SGD's steps per epoch
+            (:class:`SelectionCallbacks`).
         progress: show the selection's one progress bar (``train_candidate`` shows none of its own; whatever
             the callbacks print during the repetitions is dropped: module docstring).
     """
     config = config.validate()
-    train_idx, held_idx, p = split_and_plan(settings, len(train_images), epsilon, delta, relation, seed, config,
-                                            steps_per_epoch)
+    train_idx, held_idx, p = split_and_plan(settings, len(train_images), budget.epsilon, budget.delta,
+                                            budget.relation, seed, config, callbacks.steps_per_epoch)
     event = p["event"]
-    release_id = f"{release_prefix}:private-selection"
+    release_id = f"{budget.release_prefix}:private-selection"
     # charged before any data is touched: T, candidates, training and score noise all come after
-    guard.charge(tuple(owners), event, release_id=release_id,
-                 note={"mechanism": "private selection (Papernot & Steinke 2022)", "candidates": len(settings) + 1,
-                       "heldout_patients": int(len(held_idx)), "noise_multiplier": p["noise_multiplier"],
-                       "score_noise": config.score_noise})
-    covered = CoveredGuard(guard, release_id, event, owners)
-    streams = noise.child("private-selection")
+    budget.guard.charge(budget.owners, event, release_id=release_id,
+                        note={"mechanism": "private selection (Papernot & Steinke 2022)",
+                              "candidates": len(settings) + 1, "heldout_patients": int(len(held_idx)),
+                              "noise_multiplier": p["noise_multiplier"], "score_noise": config.score_noise})
+    covered = CoveredGuard(budget.guard, release_id, event, budget.owners)
+    streams = budget.noise.child("private-selection")
     repetitions = sample_repetitions(p["mean"], config.shape, streams.generator("repetitions"))
     x_train, y_train = train_images[train_idx], train_labels[train_idx]
     x_held, y_held = train_images[held_idx], train_labels[held_idx]
@@ -347,21 +386,21 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
             index = min(int(streams.generator("candidate", rep).uniform((1,))[0] * len(candidates)),
                         len(candidates) - 1)
             if candidates[index] == PUBLIC_CANDIDATE:
-                result, model = None, public_model()
+                result, model = None, callbacks.public_model()
             else:
-                result = train_candidate(candidates[index], index, rep, x_train, y_train, p["noise_multiplier"],
-                                         covered, streams.child(f"repetition-{rep}"))
+                result = callbacks.train_candidate(candidates[index], index, rep, x_train, y_train,
+                                                   p["noise_multiplier"], covered, streams.child(f"repetition-{rep}"))
                 model = result.model
-            score = noisy_mean_score(evaluate_per_case(model, x_held, y_held), config.score_noise,
+            score = noisy_mean_score(callbacks.evaluate_per_case(model, x_held, y_held), config.score_noise,
                                      streams.generator("score", rep))
             if best is None or score > best[0]:
                 best = (score, index, result, model)
             else:
                 del model, result
         if best is None:   # Poisson T = 0: the mechanism released nothing; the public model is the fallback
-            best = (None, len(candidates) - 1, None, public_model())
+            best = (None, len(candidates) - 1, None, callbacks.public_model())
     score, index, result, model = best
-    spent = epsilon_spent([event], delta, accountant="rdp")[0]
+    spent = epsilon_spent([event], budget.delta, accountant="rdp")[0]
     info = {
         "mechanism": "private selection: repeat a random number of times, release the best noisy held-out score "
                      "(Papernot & Steinke 2022, arXiv 2110.03620; dp_accounting RepeatAndSelectDpEvent under RDP)",
@@ -379,7 +418,7 @@ def run_private_selection(*, settings: Sequence[dict], train_images, train_label
         "dpsgd_noise_multiplier": p["noise_multiplier"], "sampling_rate": p["sampling_rate"],
         "steps_per_repetition": p["steps"],
         "event": event.to_dict(), "release_id": release_id,
-        "epsilon": spent, "delta": delta, "accountant": "rdp", "relation": relation,
+        "epsilon": spent, "delta": budget.delta, "accountant": "rdp", "relation": budget.relation,
     }
     return Selected(setting=None if isinstance(candidates[index], str) else candidates[index], result=result,
-                    model=model, info=info, repetitions=repetitions if noise.is_reproducible else None)
+                    model=model, info=info, repetitions=repetitions if budget.noise.is_reproducible else None)

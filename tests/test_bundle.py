@@ -6,7 +6,7 @@ import pytest
 
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from task.bundle import BundleError, load_bundle, privacy_card, save_bundle
+from task.bundle import BundleError, CardGuarantee, load_bundle, privacy_card, save_bundle
 from task.networks import build_unet, network_config
 
 
@@ -16,9 +16,10 @@ def _private_run(tmp_path):
         ledger.record(["hospital-0", "hospital-1"], GaussianEvent(sensitivity=0.25, sigma=1.0), f"query-{i}")
     ledger.record(["hospital-0"], GaussianEvent(sensitivity=0.5, sigma=1.0), "query-5")  # hospital-1 dropped out
     model = build_unet("tiny")
-    card = privacy_card(method="pate-ae", ledger_path=tmp_path / "ledger.jsonl", delta=1e-3, epsilon_budget=8.0,
-                        relation="replace-one", accountant="gdp-exact", teachers=8, hospitals=2,
-                        data_source={"kind": "phantoms", "seed": 0})
+    card = privacy_card(method="pate-ae", ledger_path=tmp_path / "ledger.jsonl",
+                        guarantee=CardGuarantee(delta=1e-3, epsilon_budget=8.0, relation="replace-one",
+                                                accountant="gdp-exact"),
+                        teachers=8, hospitals=2, data_source={"kind": "phantoms", "seed": 0})
     save_bundle(tmp_path, model, network_config("tiny"), {"grid": [16, 16, 16]}, card)
     return model, card, ledger
 
@@ -88,8 +89,7 @@ def test_missing_card_and_missing_bundle(tmp_path):
 
 
 def test_nonprivate_card_says_so(tmp_path):
-    card = privacy_card(method="nonprivate-central", ledger_path=None, delta=None, epsilon_budget=None,
-                        relation=None, accountant=None, teachers=None, hospitals=None,
+    card = privacy_card(method="nonprivate-central", ledger_path=None,
                         data_source={"kind": "phantoms", "seed": 0})
     assert card["private"] is False and card["epsilon"] is None
     save_bundle(tmp_path, build_unet("tiny"), network_config("tiny"), {"grid": [16, 16, 16]}, card)

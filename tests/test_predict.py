@@ -27,8 +27,7 @@ def trained_run(tiny_prepared, tmp_path_factory):
                                TrainConfig(epochs=12, batch_size=4, learning_rate=5e-3, seed=0, augment=False,
                                            progress=False)).model
     run = tmp_path_factory.mktemp("run")
-    card = privacy_card(method="nonprivate-central", ledger_path=None, delta=None, epsilon_budget=None,
-                        relation=None, accountant=None, teachers=None, hospitals=None,
+    card = privacy_card(method="nonprivate-central", ledger_path=None,
                         data_source=tiny_prepared.source)
     save_bundle(run, model, network_config("tiny"), preprocessing_of(tiny_prepared), card)
     return run

@@ -29,8 +29,7 @@ def model_run(tiny_prepared, tmp_path_factory):
                                TrainConfig(epochs=8, batch_size=4, learning_rate=5e-3, seed=0, augment=False,
                                            progress=False)).model
     run = tmp_path_factory.mktemp("run")
-    card = privacy_card(method="nonprivate-central", ledger_path=None, delta=None, epsilon_budget=None,
-                        relation=None, accountant=None, teachers=None, hospitals=None,
+    card = privacy_card(method="nonprivate-central", ledger_path=None,
                         data_source=tiny_prepared.source)
     save_bundle(run, model, network_config("tiny"), preprocessing_of(tiny_prepared), card)
     return run
@@ -122,11 +121,12 @@ def test_a_case_folder_missing_a_modality_names_the_file(model_run, small_msd, t
 
 
 def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd, tmp_path):
-    from task.predict import evaluate_scans
+    from task.predict import EvaluationOptions, evaluate_scans
 
-    msd = evaluate_scans(model_run, small_msd / "msd", progress=False)
+    msd = evaluate_scans(model_run, small_msd / "msd", EvaluationOptions(progress=False))
     for layout in ("brats2021", "brats2023"):
-        result = evaluate_scans(model_run, small_msd / layout, tmp_path / layout, progress=False)
+        result = evaluate_scans(model_run, small_msd / layout,
+                                EvaluationOptions(out_dir=tmp_path / layout, progress=False))
         assert [r["case"] for r in result["cases"]] == list(CASES)
         assert result["dice"] == pytest.approx(msd["dice"])
         seg = layout == "brats2021" and _labels(tmp_path / layout / "BRATS_001_seg.nii.gz")[0]

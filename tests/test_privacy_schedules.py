@@ -8,6 +8,7 @@ from privacy.accountants import epsilon_spent
 from privacy.errors import PrivacyError
 from privacy.events import SampledGaussianEvent, ZCDPEvent
 from privacy.schedules import (
+    EpochAccounting,
     ExponentialSchedule,
     PolynomialSchedule,
     StepSchedule,
@@ -79,46 +80,47 @@ def test_schedule_events_carry_the_relation():
 
 
 def test_plan_decay_shuffle_under_replace_one():
-    k = plan_decay("exponential", 6.0, 10, 6.0, 1e-5, mode="shuffle", relation="replace-one")
+    k = plan_decay("exponential", 6.0, 10, 6.0, 1e-5, EpochAccounting(mode="shuffle", relation="replace-one"))
     schedule = make_schedule("exponential", 6.0, k)
-    eps = schedule_epsilon(schedule, 10, 1e-5, 1.0, 1, mode="shuffle", relation="replace-one")
+    eps = schedule_epsilon(schedule, 10, 1e-5, EpochAccounting(1.0, 1, mode="shuffle", relation="replace-one"))
     assert 6.0 * (1 - 1e-3) <= eps <= 6.0
     # the same σ_t under zero-out spend a quarter of the ρ: far less than the budget
-    assert schedule_epsilon(schedule, 10, 1e-5, 1.0, 1, mode="shuffle") < 3.0
+    assert schedule_epsilon(schedule, 10, 1e-5, EpochAccounting(1.0, 1, mode="shuffle")) < 3.0
 
 
 def test_epochs_within_budget_shuffle_constant_matches_closed_form():
     # constant σ: E epochs give ρ = E/(2σ²); the number that fits is the largest E with ε(ρ) ≤ budget
     sigma, eps, delta = 3.0, 4.0, 1e-5
-    fit = epochs_within_budget(TimeBasedSchedule(sigma, 0.0), eps, delta, 1.0, 1, mode="shuffle")
+    fit = epochs_within_budget(TimeBasedSchedule(sigma, 0.0), eps, delta, EpochAccounting(1.0, 1, mode="shuffle"))
     rho_max = (math.sqrt(math.log(1 / delta) + eps) - math.sqrt(math.log(1 / delta))) ** 2
     assert fit == math.floor(rho_max * 2 * sigma**2)
-    assert epochs_within_budget(TimeBasedSchedule(sigma, 0.0), eps, delta, 1.0, 1, mode="shuffle", max_epochs=3) == 3
+    assert epochs_within_budget(TimeBasedSchedule(sigma, 0.0), eps, delta, EpochAccounting(1.0, 1, mode="shuffle"),
+                                max_epochs=3) == 3
 
 
 @pytest.mark.parametrize("family, extra", [
     ("time", {}), ("exponential", {}), ("step", {"period": 2}), ("polynomial", {"sigma_end": 0.8, "period": 12}),
 ])
 def test_plan_decay_shuffle_fits_exactly_target(family, extra):
-    k = plan_decay(family, 3.0, 10, 6.0, 1e-5, mode="shuffle", **extra)
+    k = plan_decay(family, 3.0, 10, 6.0, 1e-5, EpochAccounting(mode="shuffle"), **extra)
     schedule = make_schedule(family, 3.0, k, **extra)
-    eps = schedule_epsilon(schedule, 10, 1e-5, 1.0, 1, mode="shuffle")
+    eps = schedule_epsilon(schedule, 10, 1e-5, EpochAccounting(1.0, 1, mode="shuffle"))
     assert 6.0 * (1 - 1e-3) <= eps <= 6.0
-    assert epochs_within_budget(schedule, 6.0, 1e-5, 1.0, 1, mode="shuffle") == 10
+    assert epochs_within_budget(schedule, 6.0, 1e-5, EpochAccounting(1.0, 1, mode="shuffle")) == 10
 
 
 def test_plan_decay_poisson_rdp():
-    k = plan_decay("exponential", 1.5, 4, 3.0, 1e-5, sampling_rate=0.05, steps_per_epoch=20,
-                   mode="poisson", accountant="rdp")
+    k = plan_decay("exponential", 1.5, 4, 3.0, 1e-5,
+                   EpochAccounting(sampling_rate=0.05, steps_per_epoch=20, mode="poisson", accountant="rdp"))
     schedule = ExponentialSchedule(1.5, k)
     events = schedule_events(schedule, 4, 0.05, 20)
     eps = epsilon_spent(events, 1e-5, "rdp")[0]
     assert 3.0 * (1 - 1e-3) <= eps <= 3.0
-    assert epochs_within_budget(schedule, 3.0, 1e-5, 0.05, 20, accountant="rdp") == 4
+    assert epochs_within_budget(schedule, 3.0, 1e-5, EpochAccounting(0.05, 20, accountant="rdp")) == 4
 
 
 def test_plan_decay_impossible():
     with pytest.raises(PrivacyError, match="constant"):
-        plan_decay("time", 0.5, 50, 1.0, 1e-5, mode="shuffle")
+        plan_decay("time", 0.5, 50, 1.0, 1e-5, EpochAccounting(mode="shuffle"))
     with pytest.raises(PrivacyError, match="sigma_end"):
-        plan_decay("polynomial", 30.0, 3, 8.0, 1e-5, mode="shuffle", sigma_end=20.0, period=3)
+        plan_decay("polynomial", 30.0, 3, 8.0, 1e-5, EpochAccounting(mode="shuffle"), sigma_end=20.0, period=3)

@@ -151,7 +151,7 @@ def test_covered_guard_records_nothing_and_refuses_what_is_not_covered():
 # ------------------------------------------------------------------------------------ the mechanism (sim/)
 def _selection(guard, noise, *, scores, calls, settings=None, seed=0, config=None):
     from task.dpsgd import steps_per_epoch
-    from task.selection import SelectionConfig, run_private_selection
+    from task.selection import SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection
 
     settings = settings or [{"learning_rate": 1e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 2},
                             {"learning_rate": 3e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 1}]
@@ -178,10 +178,12 @@ def _selection(guard, noise, *, scores, calls, settings=None, seed=0, config=Non
         return [scores[model]] * len(x)
 
     return run_private_selection(
-        settings=settings, train_images=images, train_labels=labels, guard=guard, owners=("h0", "h1"),
-        release_prefix="run", noise=noise, epsilon=8.0, delta=DELTA, relation="replace-one", seed=seed,
-        config=config or SelectionConfig(mean=4.0, score_noise=0.5), public_model=public_model, train_candidate=train_candidate,
-        evaluate_per_case=evaluate, steps_per_epoch=steps_per_epoch)
+        settings, images, labels,
+        budget=SelectionBudget(guard=guard, owners=("h0", "h1"), release_prefix="run", noise=noise, epsilon=8.0,
+                               delta=DELTA, relation="replace-one"),
+        seed=seed, config=config or SelectionConfig(mean=4.0, score_noise=0.5),
+        callbacks=SelectionCallbacks(public_model=public_model, train_candidate=train_candidate,
+                                     evaluate_per_case=evaluate, steps_per_epoch=steps_per_epoch))
 
 
 def test_selection_is_charged_before_anything_is_drawn_or_trained():

@@ -7,6 +7,7 @@ import dataclasses
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, at_least_one, decay_fraction, open_fraction,
                                  positive_integer, positive_number, resolved_device)
 from task.methods import CENTRAL_METHODS
+from task.options import Init, NoiseMode, Relation, Sampling, Selection
 
 
 def register(subparsers) -> None:
@@ -20,14 +21,14 @@ def register(subparsers) -> None:
     add_run_options(parser)
     add_compute_options(parser)
     add_real_check_option(parser)
-    parser.add_argument("--noise-mode", default="target", choices=("target", "fixed", "schedule"),
+    parser.add_argument("--noise-mode", default=NoiseMode.TARGET.value, choices=tuple(m.value for m in NoiseMode),
                         help="DP-SGD noise: calibrated to the budget for the planned epochs (target), the "
                              "preset's sigma until the budget is spent (fixed), or a decaying schedule")
     parser.add_argument("--schedule", default=None, choices=("time", "exp", "step", "poly", "validation"),
                         help="noise schedule for --noise-mode schedule (Yu et al.)")
-    parser.add_argument("--sampling", default="poisson", choices=("poisson", "shuffle"),
+    parser.add_argument("--sampling", default=Sampling.POISSON.value, choices=tuple(m.value for m in Sampling),
                         help="batching: Poisson sampling (PLD/RDP accounting) or shuffled disjoint batches (zCDP)")
-    parser.add_argument("--relation", default="replace-one", choices=("replace-one", "add-remove", "zero-out"),
+    parser.add_argument("--relation", default=Relation.REPLACE_ONE.value, choices=tuple(m.value for m in Relation),
                         help="neighbouring relation of the DP-SGD guarantee: replace-one (default; the only one "
                              "that holds when dataset sizes are published, and the one comparisons use), "
                              "add-remove (Poisson) or zero-out (shuffle) for standalone runs")
@@ -40,7 +41,7 @@ def register(subparsers) -> None:
                         help="Opacus per-sample gradient engine (default: the benchmarked fastest)")
     parser.add_argument("--epochs", type=positive_integer, default=None, help="training epochs (default: preset's central_epochs)")
     parser.add_argument("--no-augment", action="store_true", help="train without augmentation")
-    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+    parser.add_argument("--init", default=Init.PUBLIC.value, choices=tuple(m.value for m in Init),
                         help="start from the public model (pre-trained on the public reference set, as PATE; "
                              "default) or from random weights")
     parser.add_argument("--learning-rate", type=positive_number, default=None,
@@ -57,7 +58,7 @@ def register(subparsers) -> None:
                         help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon)")
     parser.add_argument("--ema-decay", type=decay_fraction, default=None,
                         help="return the exponential moving average of the weights (post-processing, free)")
-    parser.add_argument("--selection", default="public", choices=("public", "private"),
+    parser.add_argument("--selection", default=Selection.PUBLIC.value, choices=tuple(m.value for m in Selection),
                         help="DP-SGD setting selection: best of the grid on the public validation set (default), "
                              "or private selection (Papernot & Steinke) on held-out private patients among the "
                              "grid and the public model unchanged, charged as one event")
@@ -78,7 +79,7 @@ def _selection_shape(text: str) -> float | None:
     import argparse
     import math
 
-    if str(text).strip().lower() == "poisson":
+    if str(text).strip().lower() == Sampling.POISSON:
         return None
     try:
         shape = float(text)

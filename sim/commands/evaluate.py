@@ -32,15 +32,16 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from task.io import atomic_write_json, ensure_file_folder, ensure_folder
     from sim.commands.common import resolved_device
-    from task.predict import evaluate_scans
+    from task.predict import EvaluationOptions, evaluate_scans
 
     device = resolved_device(args)
     if args.out:
         ensure_folder(args.out)
     if args.json:
         ensure_file_folder(args.json, "--json")
-    result = evaluate_scans(args.model, args.data, args.out, progress=not args.no_progress, limit=args.limit,
-                            layout=args.layout, labels=args.labels, device=str(device), precision=args.precision)
+    result = evaluate_scans(args.model, args.data, EvaluationOptions(
+        out_dir=args.out, layout=args.layout, labels=args.labels, limit=args.limit, progress=not args.no_progress,
+        device=str(device), precision=args.precision))
     for row in result["cases"]:
         print(f"{row['case']}: mean Dice {_fmt(row['mean'])} (WT {_fmt(row['WT'])}, TC {_fmt(row['TC'])}, "
               f"ET {_fmt(row['ET'])}); tumour {row['volume_ml']:.1f} ml predicted, {row['true_volume_ml']:.1f} ml true")

@@ -43,11 +43,12 @@ from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
 from task.methods import CENTRAL_METHODS
 from task.networks import build_unet, network_config, network_config_of
-from task.options import Relation, Sampling, look_up_option
+from task.options import CentralMethod, Init, NoiseMode, Relation, Sampling, Selection, look_up_option
 from task.presets import DpSetting, Preset, get_preset, preset_reference
 from sim.runners.resume import refuse_other_settings
 from task.results import ModelRelease, RunResults, write_run
-from task.selection import SELECTIONS, SelectionConfig, run_private_selection, split_and_plan, stamp_one_time
+from task.selection import (SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection,
+                            split_and_plan, stamp_one_time)
 from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
                           lever_settings, per_class_of, train_segmentation, trainable_of)
 from task.world import build_world, load_world, pooled_private_data
@@ -115,7 +116,7 @@ class DPSGDOptions:
             left out of results.json. Default: secure noise.
     """
 
-    noise_mode: str = "target"
+    noise_mode: NoiseMode = NoiseMode.TARGET
     schedule: str | None = None
     schedule_options: Mapping[str, Any] | None = None
     sampling: Sampling = Sampling.POISSON
@@ -126,6 +127,7 @@ class DPSGDOptions:
     reproducible_noise: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_mode", look_up_option(self.noise_mode, NoiseMode, "--noise-mode"))
         object.__setattr__(self, "sampling", look_up_option(self.sampling, Sampling, "--sampling"))
         object.__setattr__(self, "relation", look_up_option(self.relation, Relation, "--relation"))
 
@@ -162,7 +164,7 @@ class CentralConfig:
         selection_config: private selection's settings (``task.selection.SelectionConfig``; None = defaults).
     """
 
-    method: str = "nonprivate"
+    method: CentralMethod = CentralMethod.NONPRIVATE
     preset: str | Preset = "quick"
     out: str | Path = "runs/central"
     epsilon: float | None = None
@@ -170,7 +172,7 @@ class CentralConfig:
     seed: int = 0
     data: str | Path | None = None
     progress: bool = True
-    init: str = "public"
+    init: Init = Init.PUBLIC
     public_model_checkpoint: str | Path | None = None
     hospital_ledger_dir: str | Path | None = None
     lifetime_epsilon: float | None = None
@@ -181,25 +183,23 @@ class CentralConfig:
     precision: str = "32"
     training: TrainingOptions = TrainingOptions()
     dpsgd: DPSGDOptions = DPSGDOptions()
-    selection: str = "public"
+    selection: Selection = Selection.PUBLIC
     selection_config: SelectionConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preset", preset_reference(self.preset))
-        if self.selection not in SELECTIONS:
-            raise UserError(f"--selection: expected one of {', '.join(SELECTIONS)}, got {self.selection!r}")
-        if self.selection == "private" and (self.dpsgd.noise_mode != "target"
-                                            or self.dpsgd.sampling is not Sampling.POISSON or self.init != "public"):
+        object.__setattr__(self, "selection", look_up_option(self.selection, Selection, "--selection"))
+        if self.selection is Selection.PRIVATE and (self.dpsgd.noise_mode is not NoiseMode.TARGET
+                                                    or self.dpsgd.sampling is not Sampling.POISSON
+                                                    or self.init != Init.PUBLIC):
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
-        if self.selection == "private" and self.hospital_ledger_dir is not None:
+        if self.selection is Selection.PRIVATE and self.hospital_ledger_dir is not None:
             # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
             # selection event: no accountant composes both (task/selection.py)
             raise UserError("--selection private: runs on its own (fedpate central), not inside a comparison's "
                             "hospital ledgers")
-        if self.method not in METHODS:
-            raise UserError(f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.init not in INITS:
-            raise UserError(f"--init: expected one of {', '.join(INITS)}, got {self.init!r}")
+        object.__setattr__(self, "method", look_up_option(self.method, CentralMethod, "--method"))
+        object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
         self.validate()
 
     def validate(self) -> None:
@@ -224,7 +224,7 @@ class CentralConfig:
         _check_integer("--augmentation-multiplicity", levers.get("augmentation_multiplicity"), low=1)
         _check_number("--ema-decay", levers.get("ema_decay"), low=0.0, high=1.0, closed_high=False)
         _check_number("--noise-multiplier", self.dpsgd.noise_multiplier, positive=True)
-        if self.selection == "private":
+        if self.selection is Selection.PRIVATE:
             (self.selection_config or SelectionConfig()).validate()
         try:
             preset = get_preset(self.preset)
@@ -233,7 +233,7 @@ class CentralConfig:
         if self.private:   # the DP-SGD configuration each grid entry will run, checked as it will be built
             epsilon = float(self.epsilon if self.epsilon is not None else preset.epsilon)
             delta = float(self.delta if self.delta is not None else preset.delta)
-            grid = self.dpsgd.noise_mode == "target" and self.dpsgd.sampling is Sampling.POISSON
+            grid = self.dpsgd.noise_mode is NoiseMode.TARGET and self.dpsgd.sampling is Sampling.POISSON
             for setting in settings_grid(preset, True, self.training.explicit(), grid=grid):
                 _dp_config(preset, self.dpsgd, epsilon, delta, setting, None)
 
@@ -247,13 +247,64 @@ class CentralConfig:
 
     @property
     def private(self) -> bool:
-        return self.method == "dp-sgd"
+        return self.method is CentralMethod.DP_SGD
+
+    @property
+    def selects_privately(self) -> bool:
+        """DP-SGD's setting is chosen by private selection (``task.selection``), charged as one event."""
+        return self.private and self.selection is Selection.PRIVATE
 
     @property
     def where(self) -> dict:
         """build_world's options that were given: a run without them builds its world exactly as before."""
         return {k: v for k, v in (("hospitals", self.hospitals), ("layout", self.layout),
                                   ("partition_file", self.partition_file)) if v is not None}
+
+
+@dataclass(frozen=True)
+class PooledRun:
+    """One run on the pooled private data, resolved before anything trains (:func:`prepare_run`); the steps of
+    :func:`run_central` share it.
+
+    Args:
+        config: the run's :class:`CentralConfig`.
+        preset: the resolved preset.
+        out: the run folder.
+        epsilon / delta: the budget (the config's, else the preset's).
+        device / precision: where models train and are evaluated (``task.device``).
+        world: the pooled world (:func:`load_central_data`).
+        settings: the training settings to try (:func:`settings_grid`).
+        grid_sigma: the one noise multiplier a DP-SGD grid's entries share (None: a single entry calibrates its
+            own, private selection calibrates one for its event, or no DP-SGD).
+        start_weights: the public model's weights under ``--init public`` (None: random weights).
+        ledger: the run's ledger (empty for non-private training).
+        guard: the ledger's budget guard, beside the hospitals' lifetime ledgers in a comparison (None for
+            non-private training).
+        prefix: the run's release-id prefix (:func:`_release_prefix`; None for non-private training).
+        noise: the run's noise source (secure unless reproducible noise was asked for).
+    """
+
+    config: CentralConfig
+    preset: Preset
+    out: Path
+    epsilon: float
+    delta: float
+    device: Any
+    precision: str
+    world: dict
+    settings: list
+    grid_sigma: float | None
+    start_weights: dict | None
+    ledger: Ledger
+    guard: Any
+    prefix: str | None
+    noise: NoiseSource
+
+    def __post_init__(self) -> None:
+        if not self.settings:
+            raise ValueError("PooledRun: no training setting to try")
+        if self.config.private and (self.guard is None or self.prefix is None):
+            raise ValueError("PooledRun: DP-SGD needs the run's budget guard and release-id prefix")
 
 
 def run_central(config: CentralConfig) -> dict[str, Any]:
@@ -266,8 +317,46 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
     every epoch of every grid entry, so its ε is the budget. DP-SGD's noise is drawn on the host
     (``task.dpsgd``) whatever ``config.device`` is.
+
+    Steps: :func:`prepare_run` (everything refused before anything trains), :func:`_train_grid` or
+    :func:`private_selection`, then the chosen model evaluated on the test split and written.
     """
     started = time.perf_counter()
+    run = prepare_run(config)
+    selected = None
+    if config.selects_privately:   # task.selection, charged as one event before anything is trained
+        selected, dp = private_selection(run)
+        candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
+    else:
+        candidates, dp = _train_grid(run)
+    chosen = choose_setting(candidates)
+    result = candidates[chosen][1]
+    model = result.model
+    net_cfg = network_config_of(model, run.preset.unet)   # the released network: with a voxel head if it has one
+    dice, dice_per_case = evaluate_segmentation_per_case(model, run.world["test_images"], run.world["test_labels"],
+                                                         device=run.device, precision=run.precision)
+    results = _run_results(run, dice, result, selected)
+    results.extras = _extras(run, candidates, chosen, selected, dp, dice_per_case)
+    preprocessing = {"grid": list(run.preset.grid), "config": _config_dict(run.world["config"])}
+    card = {"start": results.extras["start"], "settings": results.extras["setting_selection"]}
+    # private selection: how long the run took tells how many repetitions it made, and the guarantee covers
+    # releasing the best of a *secret* number of runs (Papernot & Steinke): no wall time in the release
+    written = write_run(run.out, results,
+                        ModelRelease(model, net_cfg, preprocessing, run.world["source"], card_extra=card),
+                        started=None if selected is not None else started)
+    # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
+    # (and the ledger without a checkpoint marks the folder as finished: see _refuse_finished_folder)
+    shutil.rmtree(run.out / "checkpoint", ignore_errors=True)
+    if selected is not None:   # and no file time either: the ledger's and the public model's would date the start
+        stamp_one_time(run.out)
+    return written
+
+
+def prepare_run(config: CentralConfig) -> PooledRun:
+    """Everything a run needs before it trains, in the order that refuses early: the device, the preset and the
+    budget; the folder (a finished run's is refused, an earlier start's must have had the same settings); the world
+    and the settings to try; what needs only the data's sizes (a budget that cannot be met is refused before the
+    public model is trained or anything is written to --out); then the start model, the ledger and the noise."""
     device = resolve_device(config.device)   # a GPU asked for and missing: refused before any data is touched
     precision = check_precision(config.precision)
     try:
@@ -275,102 +364,134 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     out = Path(config.out)
-    private, method, seed, dpsgd = config.private, config.method, config.seed, config.dpsgd
+    seed, dpsgd = config.seed, config.dpsgd
     epsilon = float(config.epsilon if config.epsilon is not None else p.epsilon)
     delta = float(config.delta if config.delta is not None else p.delta)
-    checkpoints = out / "checkpoint"
-    ledger_path = out / "ledger.jsonl"
-    if ledger_path.exists() and ledger_path.stat().st_size > 0 and not any(checkpoints.glob("*.pt")):
-        # A ledger without a checkpoint is a finished (or never-started) earlier run: training again from
-        # scratch would be a second release of the same data that its release ids would hide.
-        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
+    _refuse_finished_folder(out)
     # what this folder already holds (a checkpoint, the public model) is resumed only with the same settings
     record_central_settings(config, out, p.reference, epsilon, delta)
 
     torch.manual_seed(seed)
     world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
-    settings = settings_grid(p, private, config.training.explicit(),
-                             grid=private and dpsgd.noise_mode == "target" and dpsgd.sampling is Sampling.POISSON)
-    select_privately = private and config.selection == "private"
-    sigma = None
-    # what needs only the data's sizes is planned now: a budget that cannot be met is refused before the public
-    # model is trained or anything is written to --out
-    if private and len(settings) > 1 and not select_privately:   # one sigma for the whole grid: G trainings together
-        n = len(world["train_ids"])
-        sigma = calibration.composed_dpsgd_noise_multiplier(
-            epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]),
-                              steps_per_epoch(n, s["batch_size"]) * s["epochs"]) for s in settings],
-            relation=dpsgd.relation)
-    if select_privately:
-        split_and_plan(settings, len(world["train_images"]), epsilon, delta, dpsgd.relation, seed,
-                       config.selection_config or SelectionConfig(), steps_per_epoch)
+    settings = settings_grid(p, config.private, config.training.explicit(),
+                             grid=(config.private and dpsgd.noise_mode is NoiseMode.TARGET
+                                   and dpsgd.sampling is Sampling.POISSON))
+    grid_sigma = _plan_budget(config, world, settings, epsilon, delta)
     out.mkdir(parents=True, exist_ok=True)
     start_weights = None
-    if config.init == "public":
+    if config.init is Init.PUBLIC:
         start_weights = public_start(p, seed=seed, data=config.data, progress=config.progress,
                                      checkpoint=config.public_model_checkpoint or out / "public-model.pt",
                                      device=device, precision=precision, **config.where)
-    # private selection: its one record carries no time (it would date the start of the secret repetitions)
-    ledger = Ledger(ledger_path, timestamps=not select_privately)
-    guard = None
-    if private:
-        guard = _pooled_guard(ledger, epsilon, delta, world["hospital_ids"], config)
-    else:
-        # non-private: an empty ledger (nothing was released privately), owner-only as every ledger
-        atomic_write_bytes(ledger_path, b"", private=True)
-
-    prefix = _release_prefix(ledger_path) if private else None
+    ledger, guard = _open_ledger(config, out / "ledger.jsonl", world["hospital_ids"], epsilon, delta)
+    prefix = _release_prefix(out / "ledger.jsonl") if config.private else None
     noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(
-        METHODS[method], f"eps-{epsilon:g}")
-    candidates = []
-    dp = None
-    for index, setting in enumerate(settings if not select_privately else ()):
+        METHODS[config.method], f"eps-{epsilon:g}")
+    return PooledRun(config=config, preset=p, out=out, epsilon=epsilon, delta=delta, device=device,
+                     precision=precision, world=world, settings=settings, grid_sigma=grid_sigma,
+                     start_weights=start_weights, ledger=ledger, guard=guard, prefix=prefix, noise=noise)
+
+
+def _refuse_finished_folder(out: Path) -> None:
+    """A ledger without a checkpoint is a finished (or never-started) earlier run: training again from scratch
+    would be a second release of the same data that its release ids would hide."""
+    ledger_path = out / "ledger.jsonl"
+    if ledger_path.exists() and ledger_path.stat().st_size > 0 and not any((out / "checkpoint").glob("*.pt")):
+        raise UserError(f"--out {out}: already holds {ledger_path.name} from an earlier run; use a new folder")
+
+
+def _plan_budget(config: CentralConfig, world: dict, settings: list[dict], epsilon: float,
+                 delta: float) -> float | None:
+    """What needs only the data's sizes, planned before anything is trained: the one sigma of a DP-SGD grid, whose
+    G trainings together spend the budget (returned; None without such a grid), or private selection's plan
+    (refused here when the budget cannot be met)."""
+    if not config.private:
+        return None
+    relation = config.dpsgd.relation
+    if config.selects_privately:
+        split_and_plan(settings, len(world["train_images"]), epsilon, delta, relation, config.seed,
+                       config.selection_config or SelectionConfig(), steps_per_epoch)
+        return None
+    if len(settings) == 1:
+        return None
+    n = len(world["train_ids"])
+    return calibration.composed_dpsgd_noise_multiplier(
+        epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]), steps_per_epoch(n, s["batch_size"]) * s["epochs"])
+                         for s in settings],
+        relation=relation)
+
+
+def _open_ledger(config: CentralConfig, ledger_path: Path, hospital_ids, epsilon: float, delta: float):
+    """(the run's ledger, its budget guard): for DP-SGD the guard charges every pooled hospital (and their lifetime
+    ledgers in a comparison); non-private training gets an empty ledger and no guard."""
+    # private selection: its one record carries no time (it would date the start of the secret repetitions)
+    ledger = Ledger(ledger_path, timestamps=not config.selects_privately)
+    if config.private:
+        return ledger, _pooled_guard(ledger, epsilon, delta, hospital_ids, config)
+    # non-private: an empty ledger (nothing was released privately), owner-only as every ledger
+    atomic_write_bytes(ledger_path, b"", private=True)
+    return ledger, None
+
+
+def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
+    """Every setting to try trained from the run's start (DP-SGD's epochs charged through the guard; each entry
+    with its own checkpoint and noise stream) and scored on the public validation set. Returns the candidates
+    ``(setting, TrainResult, validation Dice)`` and the last entry's DPConfig (None without DP-SGD)."""
+    config, p, settings, world = run.config, run.preset, run.settings, run.world
+    candidates, dp = [], None
+    for index, setting in enumerate(settings):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = _setting_training(
-            config, setting, start_weights, device, precision,
-            checkpoint=checkpoints / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
-            description=METHODS[method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
+            config, setting, run.start_weights, run.device, run.precision,
+            checkpoint=run.out / "checkpoint" / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
+            description=METHODS[config.method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
             extra_checkpoint={"network_config": network_config(p.unet, trainable=trainable_of(setting))})
-        if private:
-            dp = _dp_config(p, dpsgd, epsilon, delta, setting, sigma, release_prefix=prefix + tag,
-                            stream_prefix="central-dpsgd" + tag)
-        torch.manual_seed(seed)
-        result = train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), world["train_images"], world["train_labels"], train_config,
-                                    private_training(dp, guard, owners=tuple(world["hospital_ids"]),
-                                                     noise=noise.child(f"setting-{index}") if tag else noise),
+        if config.private:
+            dp = _dp_config(p, config.dpsgd, run.epsilon, run.delta, setting, run.grid_sigma,
+                            release_prefix=run.prefix + tag, stream_prefix="central-dpsgd" + tag)
+        torch.manual_seed(config.seed)
+        result = train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), world["train_images"],
+                                    world["train_labels"], train_config,
+                                    private_training(dp, run.guard, owners=tuple(world["hospital_ids"]),
+                                                     noise=run.noise.child(f"setting-{index}") if tag else run.noise),
                                     validation=world["validation"])
         validation_dice = None
         if world["validation"] is not None:   # public: the only data a choice of setting may look at
-            validation_dice = evaluate_segmentation(result.model, *world["validation"], device=device,
-                                                    precision=precision).get("mean")
+            validation_dice = evaluate_segmentation(result.model, *world["validation"], device=run.device,
+                                                    precision=run.precision).get("mean")
         candidates.append((setting, result, validation_dice))
-    selected = None
-    if select_privately:   # task.selection, charged as one event before anything is trained
-        selected, dp = private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config,
-                                         start_weights, device, precision)
-        candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
-    chosen = choose_setting(candidates)
-    setting, result, validation_dice = candidates[chosen]
-    model = result.model
-    net_cfg = network_config_of(model, p.unet)   # the released network: with a voxel head if it has one
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world["test_images"], world["test_labels"],
-                                                         device=device, precision=precision)
+    return candidates, dp
 
-    results = RunResults(method=METHODS[method], dice=dice, hospitals=world["hospitals"],
+
+def _run_results(run: PooledRun, dice: dict, result: TrainResult, selected) -> RunResults:
+    """The results record's own fields: the method, Dice, the hospitals, where it ran and, for DP-SGD, the ledger's
+    ε (the worst owner's; here all owners alike), the budget and the released model's noise multiplier."""
+    config, dpsgd = run.config, run.config.dpsgd
+    results = RunResults(method=METHODS[config.method], dice=dice, hospitals=run.world["hospitals"],
                          # under reproducible noise the seed also drives the other cells' noise: never published
-                         seed=None if dpsgd.reproducible_noise else seed,
-                         device=device_name(device), precision=precision)
-    if private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
-        results.account(ledger, delta, relation=dpsgd.relation)
-        results.epsilon_budget = epsilon
+                         seed=None if dpsgd.reproducible_noise else config.seed,
+                         device=device_name(run.device), precision=run.precision)
+    if config.private:   # the epsilon written anywhere is the ledger's (the worst owner; here all owners alike)
+        results.account(run.ledger, run.delta, relation=dpsgd.relation)
+        results.epsilon_budget = run.epsilon
         results.sigma = result.sigmas[0] if result.sigmas else None
         if selected is not None:
             results.sigma = selected.info["dpsgd_noise_multiplier"]
-    results.extras = {
+    return results
+
+
+def _extras(run: PooledRun, candidates: list, chosen: int, selected, dp: DPConfig | None,
+            dice_per_case) -> dict:
+    """results.json's ``extras`` of a central run: the data, the start, the settings tried and chosen, the released
+    training's DP-SGD record and the public validation Dice."""
+    config, p, world = run.config, run.preset, run.world
+    private = config.private
+    setting, result, validation_dice = candidates[chosen]
+    return {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
-        **(noise.describe() if private else {}),
+        **(run.noise.describe() if private else {}),
         "preset": p.reference,
         "grid": list(p.grid),
         "privacy_unit": "one patient volume (pooled from all hospitals' private partitions)",
@@ -378,12 +499,13 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         "test_cases": len(world["test_ids"]),
         "init": config.init,
         "start": (start_description(p)
-                  if config.init == "public" else "random weights"),
-        "settings_grid": [dict(s) for s in settings],
+                  if config.init is Init.PUBLIC else "random weights"),
+        "settings_grid": [dict(s) for s in run.settings],
         "settings_validation_dice": [v for _, _, v in candidates],
         "setting_chosen": selected.info["chosen"] if selected is not None else chosen,
         **({"selection": selected.info} if selected is not None else {}),
-        "setting_selection": selected.info["mechanism"] if selected is not None else ("best Dice on the public validation set among the grid, every grid entry trained "
+        "setting_selection": (selected.info["mechanism"] if selected is not None else
+                              "best Dice on the public validation set among the grid, every grid entry trained "
                               "on the private data and charged to the ledger" if len(candidates) > 1 else
                               "one setting (the preset's, or given explicitly)"),
         "learning_rate": setting["learning_rate"], "batch_size": setting["batch_size"],
@@ -406,18 +528,6 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         # public validation Dice: what model selection may look at (never the test set)
         "validation_dice_mean": validation_dice,
     }
-    preprocessing = {"grid": list(p.grid), "config": _config_dict(world["config"])}
-    card = {"start": results.extras["start"], "settings": results.extras["setting_selection"]}
-    # private selection: how long the run took tells how many repetitions it made, and the guarantee covers
-    # releasing the best of a *secret* number of runs (Papernot & Steinke): no wall time in the release
-    written = write_run(out, results, ModelRelease(model, net_cfg, preprocessing, world["source"], card_extra=card),
-                        started=None if selected is not None else started)
-    # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
-    # (and the ledger without a checkpoint marks the folder as finished: see the check above)
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    if selected is not None:   # and no file time either: the ledger's and the public model's would date the start
-        stamp_one_time(out)
-    return written
 
 
 _PUBLIC_SETTING = {"learning_rate": None, "max_grad_norm": None, "batch_size": None, "epochs": 0}
@@ -427,64 +537,54 @@ def _public_result(model):
     return TrainResult(model=model, history=[])
 
 
-def private_selection(p, settings, world, guard, prefix, noise, epsilon, delta, config: CentralConfig,
-                      start_weights, device, precision):
+def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
     """The torch side of ``task.selection.run_private_selection`` for the pooled baseline: each candidate is
-    fine-tuned from the public model with DP-SGD at the calibrated multiplier (fixed mode, no checkpoint: a
-    selection is never resumed, its ledger marks the folder as used), steps checked by the CoveredGuard.
-    Returns (Selected, the DPConfig of the candidates' training).
-
-    Args:
-        p: the resolved preset (its U-Net).
-        settings: the DP-SGD grid (:func:`settings_grid`), the candidates besides the public model.
-        world: the pooled world (:func:`load_central_data`).
-        guard: the run's guard (the run's ledger, and in a comparison the hospitals' lifetime ledgers).
-        prefix: the run's release-id prefix (:func:`_release_prefix`).
-        noise: the run's noise source (secure unless reproducible noise was asked for).
-        epsilon / delta: the budget the selection event is calibrated to.
-        config: the run's :class:`CentralConfig` (seed, DP-SGD options, training options, selection settings).
-        start_weights: the public model's weights (every candidate's start, and a candidate itself).
-        device / precision: where candidates train and are scored (``task.device``).
-    """
-    used = {}
-    seed = config.seed
+    fine-tuned from the public model (``run.start_weights``, also a candidate itself) with DP-SGD at the
+    calibrated multiplier (fixed mode, no checkpoint: a selection is never resumed, its ledger marks the folder as
+    used), steps checked by the CoveredGuard, on ``run.device``. Charged through ``run.guard`` under the run's
+    budget, release-id prefix and noise source. Returns (Selected, the DPConfig of the released candidate's
+    training; None when the public model was released)."""
+    config, p, world, seed = run.config, run.preset, run.world, run.config.seed
 
     def dp_config(setting, rep, z, release_prefix):
-        return _dp_config(p, dataclasses.replace(config.dpsgd, noise_mode="fixed", noise_multiplier=z), epsilon,
-                          delta, setting, None, release_prefix=release_prefix,
+        return _dp_config(p, dataclasses.replace(config.dpsgd, noise_mode=NoiseMode.FIXED, noise_multiplier=z),
+                          run.epsilon, run.delta, setting, None, release_prefix=release_prefix,
                           stream_prefix=f"central-dpsgd:selection:rep-{rep}")
 
     def public_model():
         model = build_unet(p.unet)
-        model.load_state_dict(start_weights)
+        model.load_state_dict(run.start_weights)
         return model
 
     def train_candidate(setting, index, rep, images, labels, z, covered, stream):
-        used["dp"] = dp_config(setting, rep, z, f"{prefix}:selection:rep-{rep}")
+        dp = dp_config(setting, rep, z, f"{run.prefix}:selection:rep-{rep}")
         # no bar of its own: task.selection shows one bar for the whole selection (a bar per candidate would
         # count the repetitions and name the candidates drawn)
         train_config = dataclasses.replace(
-            _setting_training(config, setting, start_weights, device, precision, checkpoint=None,
+            _setting_training(config, setting, run.start_weights, run.device, run.precision, checkpoint=None,
                               description="private selection"), progress=False)
         torch.manual_seed(seed)
         return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config,
-                                  private_training(used["dp"], covered, owners=tuple(world["hospital_ids"]), noise=stream),
+                                  private_training(dp, covered, owners=tuple(world["hospital_ids"]), noise=stream),
                                   validation=world["validation"])
 
     def per_case(model, images, labels):
-        return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision)[1]
+        return evaluate_segmentation_per_case(model, images, labels, device=run.device, precision=run.precision)[1]
 
     selected = run_private_selection(
-        settings=settings, train_images=world["train_images"], train_labels=world["train_labels"], guard=guard,
-        owners=tuple(world["hospital_ids"]), release_prefix=prefix, noise=noise, epsilon=epsilon, delta=delta,
-        relation=config.dpsgd.relation, seed=seed, config=config.selection_config or SelectionConfig(),
-        public_model=public_model, train_candidate=train_candidate, evaluate_per_case=per_case,
-        steps_per_epoch=steps_per_epoch, progress=config.progress)
+        run.settings, world["train_images"], world["train_labels"],
+        budget=SelectionBudget(guard=run.guard, owners=tuple(world["hospital_ids"]), release_prefix=run.prefix,
+                               noise=run.noise, epsilon=run.epsilon, delta=run.delta,
+                               relation=config.dpsgd.relation),
+        seed=seed, config=config.selection_config or SelectionConfig(),
+        callbacks=SelectionCallbacks(public_model=public_model, train_candidate=train_candidate,
+                                     evaluate_per_case=per_case, steps_per_epoch=steps_per_epoch),
+        progress=config.progress)
     # the released model's own DP-SGD configuration, and none when the public model was released: whether some
     # other candidate was trained on the way is not part of the release
     if selected.setting is None:
         return selected, None
-    return selected, dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], prefix)
+    return selected, dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], run.prefix)
 
 
 def _setting_training(config: CentralConfig, setting: dict, start_weights, device, precision, **run) -> TrainConfig:
@@ -511,11 +611,11 @@ def _dp_config(preset, dpsgd: DPSGDOptions, epsilon: float, delta: float, settin
     """One grid entry's DPConfig: a grid shares one calibrated ``sigma`` (fixed mode); alone, the entry
     calibrates its own (target mode) or uses the given / the preset's."""
     if sigma is not None:
-        mode, multiplier = "fixed", sigma
+        mode, multiplier = NoiseMode.FIXED, sigma
     else:
         mode = dpsgd.noise_mode
         multiplier = (dpsgd.noise_multiplier if dpsgd.noise_multiplier is not None else
-                      preset.dp_sgd.noise_multiplier if dpsgd.noise_mode != "target" else None)
+                      preset.dp_sgd.noise_multiplier if dpsgd.noise_mode is not NoiseMode.TARGET else None)
     per_layer = bool(preset.dp_sgd.per_layer if dpsgd.per_layer is None else dpsgd.per_layer)
     return DPConfig(mode=mode, epsilon=epsilon, delta=delta, noise_multiplier=multiplier,
                     max_grad_norm=setting["max_grad_norm"], per_layer=per_layer, sampling=dpsgd.sampling,
@@ -552,8 +652,6 @@ def _check_integer(flag: str, value, *, low: int) -> None:
     if isinstance(value, bool) or not integral or int(value) < low:
         raise UserError(f"{flag}: expected an integer >= {low}, got {value!r}")
 
-
-INITS = ("public", "scratch")
 
 
 def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dict]:
