@@ -114,4 +114,6 @@ class CentralMethod(StrEnum):
     DP_SGD = "dp-sgd"           # DP-SGD with per-sample clipping and Gaussian noise
 
 
-__all__ = ["AugmentOn", "CalibrationAccountant", "CentralMethod", "Decoder", "GradSampleMode", "Init", "NoiseMode", "PcaMode", "Precision", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]
+__all__ = ["AugmentOn", "CalibrationAccountant", "CentralMethod", "Decoder", "GradSampleMode", "Init", "NoiseMode",
+           "PcaMode", "Precision", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection", "SplitScheme",
+           "Trainable", "choices", "look_up_option"]
