@@ -57,6 +57,20 @@ class PublicStart(StrEnum):
     SELF_TRAINED = "self-trained"  # ... then self-trained on the public query scans (no hospital, no privacy cost)
 
 
+class Init(StrEnum):
+    """Where a private method's model starts (``--init``): the start model every method shares
+    (``server.selftrain.train_public_models``), or random weights."""
+    PUBLIC = "public"
+    SCRATCH = "scratch"
+
+
+class PublicScans(StrEnum):
+    """Which of the server's public scan sets a PATE batch belongs to (``server.pate.ReleasePlan``): the query
+    scans the hospitals label, or the test scans of the un-noised diagnostic."""
+    QUERY = "query"
+    TEST = "test"
+
+
 class SplitScheme(StrEnum):
     """How private patients go to hospitals (``task.data.partitions.make_split``)."""
     INSTITUTION = "institution"
@@ -65,5 +79,5 @@ class SplitScheme(StrEnum):
     PAPER = "paper"
 
 
-__all__ = ["Decoder", "PcaMode", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "SplitScheme", "Trainable",
-           "choices", "look_up_option"]
+__all__ = ["Decoder", "Init", "PcaMode", "PublicScans", "PublicStart", "Relation", "Sampling", "ScheduleFamily",
+           "SplitScheme", "Trainable", "choices", "look_up_option"]

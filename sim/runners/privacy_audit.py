@@ -104,7 +104,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from privacy.accountants import epsilon_spent, gdp_epsilon
 from privacy.audit import AuditBound, epsilon_lower_bound, largest_resolvable
 from privacy.calibration import pate_sigma
@@ -119,6 +119,7 @@ from server.pate import SERVER_POLICY
 from task import codecs, dpsgd, training
 from task.dpsgd import DPConfig, DPSession, steps_per_epoch
 from task.presets import get_preset
+from task.requests import QueryRequest
 from task.options import Relation, Sampling
 
 # ======================================================================================== accounting
@@ -299,8 +300,9 @@ def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: fl
             return answer(k)[: len(scans)]
 
     return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(count)],
-                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta,
-                         max_teachers=max_teachers)
+                         preset=get_preset("tiny"), workdir=workdir,
+                         settings=HospitalSettings(lifetime_epsilon=lifetime_epsilon, delta=delta,
+                                                   max_teachers=max_teachers))
 
 
 def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), classes: int = 4, shells=None):
@@ -521,18 +523,18 @@ def pate_setup(epsilon: float, delta: float = 1e-3, *, codec: str = "anchored", 
         state, charged, sigma = pate_calibration(compressor, epsilon, delta, queries, teachers)
         shipped = (codecs.with_anchor(compressor.state(), anchors, scans) if codec == "anchored"
                    else compressor.state())
-        config = {"method": f"pate-{codec}", "queries": list(range(queries)),
-                  "release_ids": [f"pate-{codec}:audit:query-{n}" for n in range(queries)], "sigma": sigma,
-                  "teachers": teachers, "delta": float(delta)}
+        request = QueryRequest(method=f"pate-{codec}", queries=list(range(queries)),
+                               release_ids=[f"pate-{codec}:audit:query-{n}" for n in range(queries)], sigma=sigma,
+                               teachers=teachers, delta=float(delta))
         for side in (+1, -1):
             for index, name in enumerate(names if side == +1 else [audited]):
                 hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}", epsilon,
                                           delta, teachers=per_hospital, max_teachers=teachers)
-                answers[side][name], _ = hospital.answer_query(scans, shipped, config)
+                answers[side][name], _ = hospital.answer_query(scans, shipped, request.to_config())
                 own = Ledger(hospital.privacy_ledger)
                 charged_ids = sorted(r["release_id"].rsplit("@", 1)[0] for r in own.records())
-                if charged_ids != sorted(config["release_ids"]):   # one charge per query, under its own nonce
-                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {config['release_ids']}")
+                if charged_ids != sorted(request.release_ids):   # one charge per query, under its own nonce
+                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {list(request.release_ids)}")
                 spent = own.spent(name, delta).epsilon
                 hospital_epsilon.setdefault(name, set()).add(float(spent))
         for name in names[1:]:
