@@ -90,7 +90,7 @@ class HospitalSettings:
         object.__setattr__(self, "deployed", bool(self.deployed))
         if self.lifetime_epsilon is not None:
             object.__setattr__(self, "lifetime_epsilon", float(self.lifetime_epsilon))
-            if not (np.isfinite(self.lifetime_epsilon) and self.lifetime_epsilon > 0):
+            if not self.lifetime_epsilon > 0:
                 raise UserError(f"epsilon-budget: expected a positive number, got {self.lifetime_epsilon}")
         if self.delta is not None and not 0 < float(self.delta) < 1:
             raise UserError(f"delta: expected a number in (0, 1), got {self.delta}")

@@ -354,7 +354,8 @@ class SecureHospital:
         return self.party.handle(stage, message, lambda msg: self.contribution(self.party.sessions[session_id], msg,
                                                                                request))
 
-    def contribution(self, session: _Session, message: Mapping[str, Any], request: SecureStageRequest) -> np.ndarray:
+    def contribution(self, session: _Session, message: Mapping[str, Any],
+                     request: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
         (the default) or ``dp-fedavg-secure``'s patient gradients (``task.secagg.CONTRIBUTION_KIND``)."""
         from task.secagg import CONTRIBUTION_KIND as KIND
@@ -366,8 +367,8 @@ class SecureHospital:
             raise SecureRequestRefused(f"hospital {self.party.name}: unknown contribution kind {kind!r}")
         return self.pate_contribution(session, message, request)
 
-    def pate_contribution(self, session: _Session, message: Mapping[str, Any], request: SecureStageRequest
-                          ) -> np.ndarray:
+    def pate_contribution(self, session: _Session, message: Mapping[str, Any],
+                          config: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """Charge, then the noised integer sum of this hospital's teachers' rounded encodings (flattened)."""
         from clients.replay import mint_nonce
         from privacy.distributed import ddg_event, sample_discrete_gaussian
@@ -375,6 +376,7 @@ class SecureHospital:
         from task.codecs import fallback_encoding, make_encoder, verify_codec
 
         hospital, noise = self.hospital, session.noise
+        request = hospital.read_request(SecureStageRequest, config)
         who = hospital.hospital_id
         scans = np.asarray(message["scans"], np.float32)
         codec = verify_codec(message["codec"], hospital._codec_policy(request), scans_shape=scans.shape)

@@ -111,8 +111,9 @@ class HeadGradientContributor:
         return len(set(self._cases()[1]))
 
     # ------------------------------------------------------------------------------------------ join
-    def join(self, message: Mapping[str, Any], request: SecureStageRequest) -> dict:
-        """Take the run's frozen start model; answer with the patient count, the digest and the head's size."""
+    def join(self, message: Mapping[str, Any], config: SecureStageRequest | Mapping[str, Any] | None = None) -> dict:
+        """Take the run's frozen start model; answer with the patient count, the digest and the head's size
+        (nothing is charged: the start model is public, and so is the count under replace-one)."""
         from task.headgrad import head_dimension
         from task.io import atomic_write_bytes
 
@@ -135,7 +136,8 @@ class HeadGradientContributor:
         return {"patients": self.patient_count(), "start_digest": digest, "dimension": head_dimension(model)}
 
     # ------------------------------------------------------------------------------------------ contribute
-    def contribution(self, session, message: Mapping[str, Any], request: SecureStageRequest, policy) -> np.ndarray:
+    def contribution(self, session, message: Mapping[str, Any], config: SecureStageRequest | Mapping[str, Any],
+                     policy) -> np.ndarray:
         """Checks, then the charge, then the noised integer sum of this hospital's rounded patient rows."""
         from clients.replay import mint_nonce
         from clients.secure import SecureRequestRefused, declared_grid
@@ -145,6 +147,7 @@ class HeadGradientContributor:
                                   per_patient_rows, per_sample_head_gradients)
 
         hospital, noise = self.hospital, session.noise
+        request = hospital.read_request(SecureStageRequest, config)
         who = hospital.hospital_id
         grid = declared_grid(who, noise)
         release_ids = [str(r) for r in noise["release_ids"]]

@@ -316,7 +316,16 @@ def plan_steps(config: DpFedAvgSecureConfig, setting: Mapping[str, Any], counts:
 def train_head(exchange, transport: HospitalTransport, head: HeadModel, plan: SecureStepPlan,
                config: DpFedAvgSecureConfig, guard: BudgetGuard) -> SecureTraining:
     """The steps: each charged to the run's ledger, then one secure sum of the hospitals' noised head gradients,
-    then an Adam step on its mean; stops when a hospital left, the budget is spent or a sum fails."""
+    then an Adam step on its mean; stops when a hospital left, the budget is spent or a sum fails.
+
+    Args:
+        exchange: sends each named hospital its message for a secure-sum stage (``transport.secure_stage``).
+        transport: the hospitals (who is still connected).
+        head: the model trained (its head's parameters step; ``plan.record`` counts what was released).
+        plan: the participants, grid, noise and modulus every hospital accepted.
+        config: the run (its epsilon names the noise streams; ``progress``).
+        guard: the run ledger's guard, charged before each step's sum.
+    """
     participants, counts, record = plan.participants, plan.counts, plan.record
     optimizer = torch.optim.Adam([head.parameters[name] for name in head.names], lr=float(plan.setting["learning_rate"]))
     run_nonce = secrets.token_hex(4)

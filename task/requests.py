@@ -47,9 +47,11 @@ def _integer(value: Any, key: str, low: int | None = None) -> int:
     return int(value)
 
 
-def _real(value: Any, key: str, *, positive: bool = False, below: float | None = None) -> float:
-    """A finite real number; > 0 when ``positive``; < ``below`` when given."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+def _real(value: Any, key: str, *, positive: bool = False, below: float | None = None,
+          unbounded: bool = False) -> float:
+    """A finite real number (``unbounded``: +inf too); > 0 when ``positive``; < ``below`` when given."""
+    finite = isinstance(value, numbers.Real) and (math.isfinite(float(value)) or unbounded and float(value) == math.inf)
+    if isinstance(value, bool) or not finite:
         raise UserError(f"{key}: expected a finite number, got {value!r}")
     number = float(value)
     if positive and not number > 0:
@@ -171,7 +173,9 @@ class HospitalRequest(WireRecord):
         _set(self, "precision", check_precision(self.precision, "precision") if self.precision else None)
         _set(self, "ledger_dir", str(self.ledger_dir) if self.ledger_dir else None)
         if self.lifetime_epsilon is not None:
-            _set(self, "lifetime_epsilon", _real(self.lifetime_epsilon, "lifetime_epsilon", positive=True))
+            # +inf: no lifetime bound (tests of a mechanism alone)
+            _set(self, "lifetime_epsilon", _real(self.lifetime_epsilon, "lifetime_epsilon", positive=True,
+                                                 unbounded=True))
         if self.delta is not None:
             _set(self, "delta", _real(self.delta, "delta", positive=True, below=1.0))
         if self.allow_identity is not None:
