@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.student import train_public_model
+from server.student import ModelTraining, train_public_model
 from task import codecs
 from task.metrics import dice_scores
 from task.presets import get_preset
@@ -35,7 +35,7 @@ def main() -> None:
     world = load_world(prepared, split)
     checkpoint = Path(args.public_model or f"runs/codec-ceiling/public-model-s{args.seed}.pt")
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    model = train_public_model(world, preset, seed=args.seed, checkpoint=checkpoint)
+    model = train_public_model(world, preset, ModelTraining(seed=args.seed, checkpoint=checkpoint))
     anchor = predict_probs(model, world.query_images)
     truth = codecs.one_hot(world.query_labels, world.classes).astype(np.float64)
     shells = tuple(int(v) for v in args.shells.split(","))

@@ -27,6 +27,7 @@ in the hospital's own log.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -38,8 +39,9 @@ from clients.node import hospital_for, secure_policy_for
 from clients.secure import FINISHED, SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from task.errors import UserError
-from task.flower_wire import (arrays_digest, arrays_to_record, config_to_record, make_content, pack_nested,
-                             read_content, record_to_arrays, record_to_config, unpack_nested)
+from task.flower_wire import (CODEC_DIGEST, arrays_digest, arrays_to_record, config_to_record, make_content,
+                             pack_nested, read_content, record_to_arrays, record_to_config, unpack_nested)
+from task.requests import EvaluationRequest, TeacherTrainingRequest
 
 app = ClientApp()
 log = logging.getLogger(__name__)
@@ -76,7 +78,8 @@ def identify(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
-    metrics = hospital.train_teachers({**config, "init_weights": arrays.get("init_weights")})
+    request = hospital.read_request(TeacherTrainingRequest, config)
+    metrics = hospital.train_teachers(dataclasses.replace(request, init_weights=arrays.get("init_weights")))
     return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}), reply_to=msg)
 
 
@@ -90,10 +93,10 @@ def query(msg: Message, context: Context) -> Message:
         context.state[_CODEC_RECORD] = msg.content.array_records[_CODEC_RECORD]
     elif _CODEC_RECORD in context.state.array_records:
         codec = read_content(context.state)[1][_CODEC_RECORD]
-    if codec is None or arrays_digest(codec) != config["codec_digest"]:
+    if codec is None or arrays_digest(codec) != config.get(CODEC_DIGEST):
         # The server re-sends the state when it sees this (e.g. after this node restarted).
         return Message(make_content({"hospital_id": hospital.hospital_id, "status": "codec-missing"}), reply_to=msg)
-    encodings, notes = hospital.answer_query(arrays["scans"]["scans"], codec, config)
+    encodings, notes = hospital.answer_query(arrays["scans"]["scans"], codec, config)   # the request read there
     return Message(make_content({"hospital_id": hospital.hospital_id, **notes}, encodings={"z": encodings}),
                    reply_to=msg)
 
@@ -103,7 +106,9 @@ def query(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
-    metrics = hospital.evaluate({**config, **arrays.get("test", {})})
+    test = arrays.get("test", {})
+    request = hospital.read_request(EvaluationRequest, config)
+    metrics = hospital.evaluate(dataclasses.replace(request, images=test.get("images"), labels=test.get("labels")))
     return Message(make_content({"hospital_id": hospital.hospital_id, **metrics}), reply_to=msg)
 
 

@@ -3,7 +3,7 @@
 The privacy accounting is the hospital's (docs/PRIVACY.md, "The ledger"): each hospital runs DP-SGD with Poisson
 sampling on its own patients, charged to its own ledger (``workdir/dpfedavg-<run>.jsonl``, owner =
 the hospital) through a budget guard *before* each epoch touches data, under the relation the server
-asks for (``config["relation"]``, default replace-one: the federation treats dataset sizes as public,
+asks for (``FedAvgRoundRequest.relation``, default replace-one: the federation treats dataset sizes as public,
 and add/remove would not survive publishing them). The hospital does not report its number of
 examples: the server's FedAvg weights are public (equal per hospital, ``server.dpfedavg``). The noise
 multiplier is calibrated once for the whole federation plan (rounds x local epochs at this hospital's
@@ -35,7 +35,7 @@ from task.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
 from task.errors import UserError
 from task.names import check_name_part
 from task.networks import build_unet
-from task.options import Relation, look_up_option
+from task.requests import FedAvgRoundRequest
 from task.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
 
@@ -46,71 +46,75 @@ def plan_noise_multiplier(epsilon: float, delta: float, plan: tuple, relation: s
         epsilon, delta, [(1.0 / steps, steps * epochs) for steps, epochs in plan], relation=relation)
 
 
-def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]):
-    if config.get("reproducible_noise") and hospital.deployed:   # refused before anything is touched
+def _read_round(hospital, config: FedAvgRoundRequest | Mapping[str, Any]) -> FedAvgRoundRequest:
+    """The round ``config`` asks for; a malformed one is refused naming the hospital and the key."""
+    try:
+        return FedAvgRoundRequest.from_config(config)
+    except UserError as exc:
+        raise UserError(f"hospital {hospital.hospital_id}: {exc}") from None
+
+
+def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAvgRoundRequest | Mapping[str, Any]):
+    request = _read_round(hospital, config)
+    if request.reproducible_noise and hospital.deployed:   # refused before anything is touched
         raise UserError(f"hospital {hospital.hospital_id}: refuses reproducible (seeded) noise: "
                         "it is for simulations only")
     # the run tag names this run's ledger file: one that is not a plain name part could name another file --
     # the lifetime ledger itself (``x/../privacy-ledger``), or one outside the hospital's folder
-    run_tag = check_name_part(str(config.get("run_tag", "run")),
-                              f"hospital {hospital.hospital_id}: the server's run_tag")
-    # a genuine retry of this exact request gets the identical update it got before: no new release
+    run_tag = check_name_part(request.run_tag, f"hospital {hospital.hospital_id}: the server's run_tag")
+    # a genuine retry of this exact request gets the identical update it got before: no new release. The key
+    # covers the whole message config as received (the run's settings beside the round's), as it always has
     book = AnswerBook(Path(hospital.workdir) / "answers")
-    request = ({f"w.{name}": value for name, value in weights.items()},
-               {name: value for name, value in config.items() if name != "world"})
-    key = request_key("dp-fedavg-round", *request)
-    answered = book.lookup(key, legacy_request_key("dp-fedavg-round", *request))
+    received = config.to_config() if isinstance(config, FedAvgRoundRequest) else config
+    asked = ({f"w.{name}": value for name, value in weights.items()},
+             {name: value for name, value in received.items() if name != "world"})
+    key = request_key("dp-fedavg-round", *asked)
+    answered = book.lookup(key, legacy_request_key("dp-fedavg-round", *asked))
     if answered is not None:
         return answered[0], answered[1]
     preset = hospital.preset
-    round_index = int(config["round"])
-    rounds = int(config["rounds"])
-    local_epochs = int(config.get("local_epochs", 1))
-    epsilon = float(config["epsilon"])
-    delta = float(config["delta"])
-    relation = look_up_option(config.get("relation", Relation.REPLACE_ONE), Relation, "relation")
+    round_index, rounds, local_epochs = request.round, request.rounds, request.local_epochs
+    epsilon, delta, relation = request.epsilon, request.delta, request.relation
     case_ids = [case for partition in hospital.partitions for case in partition]
     images = hospital.prepared.images(case_ids)
     labels = hospital.prepared.labels(case_ids)
 
     # the server's setting names the network: a voxel head arrives in the weights when it trains one
-    model = build_unet(preset.unet, trainable=trainable_of(config))
+    model = build_unet(preset.unet, trainable=trainable_of(request.levers()))
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
-    batch_size = int(config.get("batch_size") or preset.batch_size)
+    batch_size = int(request.batch_size or preset.batch_size)
     steps = steps_per_epoch(len(case_ids), batch_size)
     # one sigma for every setting of the server's grid (its plan: expected batch and epochs of each), at this
     # hospital's own sampling rates: all of them together spend this run's budget
-    plan = json.loads(config["plan"]) if config.get("plan") else [{"batch_size": batch_size,
-                                                                   "epochs": local_epochs * rounds}]
+    plan = request.plan_entries() or [{"batch_size": batch_size, "epochs": local_epochs * rounds}]
     noise_multiplier = plan_noise_multiplier(
         epsilon, delta, tuple((steps_per_epoch(len(case_ids), int(s["batch_size"])), int(s["epochs"])) for s in plan),
         relation)
     # reproducible noise (simulation only) is named by what the run is, not by its nonce: the same seed and
     # budget repeat the same streams; every round and epoch still draws its own
-    noise = (NoiseSource.reproducible(int(config.get("seed", 0))).child("dp-fedavg", hospital.hospital_id,
-                                                                          f"eps-{epsilon:g}")
-             if config.get("reproducible_noise") else NoiseSource())
+    noise = (NoiseSource.reproducible(request.seed).child("dp-fedavg", hospital.hospital_id, f"eps-{epsilon:g}")
+             if request.reproducible_noise else NoiseSource())
     ledger = Ledger(Path(hospital.workdir) / f"dpfedavg-{run_tag}.jsonl")
     # this run's budget, and the hospital's lifetime budget over everything released from its patients
-    guard = GuardChain(BudgetGuard(ledger, epsilon, delta), [(hospital.lifetime_guard(config), [hospital.hospital_id])])
+    guard = GuardChain(BudgetGuard(ledger, epsilon, delta), [(hospital.lifetime_guard(request), [hospital.hospital_id])])
     before = {record["release_id"] for record in ledger.records()}
-    setting = f"setting-{int(config['setting'])}:" if config.get("plan") else ""
+    setting = f"setting-{request.setting}:" if request.plan else ""
     # the server's run tag and round name the release; the hospital's nonce makes every training its own
     prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}@{mint_nonce()}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=float(config.get("max_grad_norm") or preset.dp_sgd.max_grad_norm),
+                  max_grad_norm=float(request.max_grad_norm or preset.dp_sgd.max_grad_norm),
                   per_layer=preset.dp_sgd.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
     # local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
     # on the host from the stream above and copied, task.dpsgd)
-    device, precision = hospital.compute(config)
+    device, precision = hospital.compute(request)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
-                               learning_rate=float(config.get("learning_rate") or preset.learning_rate),
-                               seed=int(config.get("seed", 0)) * 1009 + round_index,
+                               learning_rate=float(request.learning_rate or preset.learning_rate),
+                               seed=request.seed * 1009 + round_index,
                                progress=False, description=f"{hospital.hospital_id} round {round_index}",
                                device=device, precision=precision,
                                # the server's grid entry may set the fine-tuning levers
-                               **lever_settings(config))
+                               **lever_settings(request.levers()))
     result = train_segmentation(model, images, labels, train_config,
                                 private=PrivateTraining(dp, guard, owners=(hospital.hospital_id,), noise=noise))
     new_records = [record for record in ledger.records() if record["release_id"] not in before]

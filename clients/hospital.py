@@ -7,7 +7,8 @@ and encoding the softmax output **locally** with the public codec (:func:`task.c
 1-2, "compress the prediction"), so that only ``T x n x l`` bounded numbers leave the hospital. It never returns
 scans, labels, weights or full-resolution outputs.
 
-Optional local DP-SGD (``config["local_dp"]`` = DPConfig fields): the teacher weights then carry their
+Requests arrive as the frozen records of ``task.requests`` (each handler reads its kind's ``from_config`` once,
+first). Optional local DP-SGD (``TeacherTrainingRequest.local_dp`` = DPConfig fields): the teacher weights then carry their
 own add-remove guarantee, recorded in the hospital's own ledger ``workdir/ledger.jsonl``. Owners are
 ``"<hospital>/teacher-<k>"``: teachers see disjoint patients, so a patient's local guarantee is its own
 teacher's (parallel composition); the reported local epsilon is the max over the hospital's teachers.
@@ -24,7 +25,7 @@ also refuses everything meant for simulations only: un-noised diagnostic queries
 seeded noise.
 
 Device and precision (``task.device``): a simulated hospital trains, answers and evaluates on the
-device and precision the run's messages name (``config["device"]``, ``config["precision"]``; default auto);
+device and precision the run's messages name (``HospitalRequest.device`` / ``.precision``; default auto);
 a deployed hospital on its own node config's (``device``, ``precision``), whatever the server says -- its GPU
 is its own machine's. Teachers are kept on disk on the host and loaded onto that device; the codec's
 autoencoder encodes there too (``task.codecs.make_encoder``).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -54,14 +56,58 @@ from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
 from task.networks import build_unet, load_start_weights
 from task.options import Trainable, look_up_option
+from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
 from task.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
 
 
+@dataclass(frozen=True)
+class HospitalSettings:
+    """A hospital's own settings (a deployed hospital's node config, ``clients.node``; a simulated one's
+    defaults), validated when built.
+
+    ``seed``: its teachers' training seed when a request names none. ``deployed``: a hospital on its own
+    machine with its own patients (not a simulated node), which refuses everything meant for simulations only
+    (seeded noise, un-noised diagnostics) and ignores the privacy settings a simulation's messages carry.
+    ``privacy_ledger``: its own ledger of everything released from its patients (None:
+    ``workdir/privacy-ledger.jsonl``), enforcing ``lifetime_epsilon`` at ``delta`` (None: the preset's δ).
+    ``codec_policy``: the codecs it answers through (None: ``task.codecs.CodecPolicy()``). ``max_teachers``:
+    the most teachers the consortium has (node config ``max-teachers``), the largest K a server may declare --
+    a query's sensitivity is 2C/K for the declared K, so without this bound a server declaring K = 1e9 would
+    make it charge almost nothing. ``device`` / ``precision``: its own compute (None: the run's, else auto)."""
+
+    seed: int = 0
+    deployed: bool = False
+    privacy_ledger: str | Path | None = None
+    lifetime_epsilon: float | None = None
+    delta: float | None = None
+    codec_policy: CodecPolicy | None = None
+    max_teachers: int | None = None
+    device: str | None = None
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "deployed", bool(self.deployed))
+        if self.lifetime_epsilon is not None:
+            object.__setattr__(self, "lifetime_epsilon", float(self.lifetime_epsilon))
+            if not self.lifetime_epsilon > 0:
+                raise UserError(f"epsilon-budget: expected a positive number, got {self.lifetime_epsilon}")
+        if self.delta is not None and not 0 < float(self.delta) < 1:
+            raise UserError(f"delta: expected a number in (0, 1), got {self.delta}")
+        if self.max_teachers is not None:
+            object.__setattr__(self, "max_teachers", int(self.max_teachers))
+            if self.max_teachers < 1:
+                raise UserError(f"max-teachers: expected a positive integer, got {self.max_teachers}")
+        if self.device is not None:
+            object.__setattr__(self, "device", check_device_spec(self.device, "node-config device"))
+        if self.precision is not None:
+            object.__setattr__(self, "precision", check_precision(self.precision, "node-config precision"))
+
+
 class Hospital:
-    def __init__(self, hospital_id: str, prepared, partitions, preset, workdir, seed: int = 0,
-                 validation: list | None = None, deployed: bool = False, privacy_ledger=None,
-                 lifetime_epsilon: float | None = None, delta: float | None = None, codec_policy=None,
-                 max_teachers: int | None = None, device: str | None = None, precision: str | None = None):
+    def __init__(self, hospital_id: str, prepared, partitions, preset, workdir,
+                 settings: HospitalSettings | None = None, validation: list | None = None):
+        own = settings or HospitalSettings()
         #: names files (``<ledger_dir>/<id>.jsonl``) and the ledger's owner: a plain name part, never a path
         self.hospital_id = check_name_part(str(hospital_id), "hospital id")
         self._lifetime_ledgers: dict[Path, Ledger] = {}   # lifetime_guard's ledgers, kept and refreshed
@@ -69,24 +115,16 @@ class Hospital:
         self.partitions = [list(p) for p in partitions]
         self.preset = preset
         self.workdir = Path(workdir)
-        self.seed = int(seed)
+        self.settings = own
+        self.seed = own.seed
         self.validation = list(validation or [])
-        #: a hospital on its own machine with its own patients (not a simulated node): refuses everything
-        #: meant for simulations only (seeded noise, un-noised diagnostics)
-        self.deployed = bool(deployed)
-        #: this hospital's own ledger of everything released from its patients, with its lifetime budget
-        self.privacy_ledger = Path(privacy_ledger) if privacy_ledger else self.workdir / "privacy-ledger.jsonl"
-        self.lifetime_epsilon = None if lifetime_epsilon is None else float(lifetime_epsilon)
-        self.delta = float(delta if delta is not None else preset.delta)
-
-        self.codec_policy = codec_policy or CodecPolicy()
-        #: the most teachers the consortium has (node config ``max-teachers``): the K a server may declare.
-        #: A query's sensitivity is 2C/K for the declared K, so without this bound a server declaring K = 1e9
-        #: would make this hospital charge almost nothing
-        self.max_teachers = None if max_teachers is None else int(max_teachers)
-        #: this hospital's own device / precision (a deployed hospital's node config; None: the run's, else auto)
-        self.device = None if device is None else check_device_spec(device, "node-config device")
-        self.precision = None if precision is None else check_precision(precision, "node-config precision")
+        self.deployed = own.deployed
+        self.privacy_ledger = Path(own.privacy_ledger) if own.privacy_ledger else self.workdir / "privacy-ledger.jsonl"
+        self.lifetime_epsilon = own.lifetime_epsilon
+        self.delta = float(own.delta if own.delta is not None else preset.delta)
+        self.codec_policy = own.codec_policy or CodecPolicy()
+        self.max_teachers = own.max_teachers
+        self.device, self.precision = own.device, own.precision
         self._models: dict[int, Any] = {}
         #: simulation-only diagnostics already computed for the current teachers (see _diagnostic_pass)
         self._diagnostics: dict[str, Any] = {}
@@ -106,15 +144,23 @@ class Hospital:
         """A teacher's network: the preset's U-Net, with a voxel head when the teachers train one."""
         return build_unet(self.preset.unet, trainable=trainable)
 
-    def compute(self, config: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    def read_request(self, kind: type[HospitalRequest], config) -> Any:
+        """``config`` as a request of ``kind`` (``kind.from_config``); a malformed one is refused naming this
+        hospital and the key."""
+        try:
+            return kind.from_config(config)
+        except UserError as exc:
+            raise UserError(f"hospital {self.hospital_id}: {exc}") from None
+
+    def compute(self, config: HospitalRequest | Mapping[str, Any] | None = None) -> tuple[Any, str]:
         """(torch.device, precision) for one request: a deployed hospital's own node config; a simulated one
-        the run's (``config["device"]``/``["precision"]``), else its constructor's, else auto / 32."""
-        config = dict(config or {})
+        the run's (the request's ``device`` / ``precision``), else its own settings', else auto / 32."""
+        request = self.read_request(HospitalRequest, config)
         if self.deployed:
             device, precision = self.device, self.precision
         else:
-            device = config.get("device") or self.device
-            precision = config.get("precision") or self.precision
+            device = request.device or self.device
+            precision = request.precision or self.precision
         return resolve_device(device or "auto"), check_precision(precision or "32")
 
     def _teacher(self, k: int, device=None):
@@ -135,7 +181,7 @@ class Hospital:
         model = self._models[k]
         return model if device is None else model.to(device)
 
-    def load_teachers(self, config: Mapping[str, Any] | None = None) -> None:
+    def load_teachers(self, config: HospitalRequest | Mapping[str, Any] | None = None) -> None:
         """Load every teacher onto this request's device; UserError when one is missing or unreadable.
 
         A query batch calls it before it charges the ledger: a hospital that cannot answer (never trained, or a
@@ -146,23 +192,22 @@ class Hospital:
             self._teacher(k, device)
 
     # ----------------------------------------------------------------------------------------------
-    def train_teachers(self, config: Mapping[str, Any] | None = None) -> dict:
+    def train_teachers(self, config: TeacherTrainingRequest | Mapping[str, Any] | None = None) -> dict:
         """Train (fine-tune) every teacher on its own partition; return metrics only."""
 
-        config = dict(config or {})
-        init = config.get("init_weights")
+        request = self.read_request(TeacherTrainingRequest, config)
+        init = request.init_weights
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         recipe = self.preset.teacher
-        epochs = int(config.get("teacher_epochs", recipe.epochs))
+        epochs = recipe.epochs if request.teacher_epochs is None else request.teacher_epochs
         # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
         # (task.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
-        trainable = look_up_option(config.get("teacher_trainable") or recipe.trainable, Trainable,
-                                   "teacher_trainable").value
-        learning_rate = float(config.get("teacher_learning_rate") or recipe.learning_rate or self.preset.learning_rate)
-        augment = bool(config.get("teacher_augment", recipe.augment))
-        seed = int(config.get("seed", self.seed))
-        local_dp = config.get("local_dp")
-        device, precision = self.compute(config)
+        trainable = request.teacher_trainable or look_up_option(recipe.trainable, Trainable, "teacher_trainable").value
+        learning_rate = float(request.teacher_learning_rate or recipe.learning_rate or self.preset.learning_rate)
+        augment = bool(recipe.augment if request.teacher_augment is None else request.teacher_augment)
+        seed = self.seed if request.seed is None else request.seed
+        local_dp = request.local_dp
+        device, precision = self.compute(request)
         guard, ledger = None, None
         if local_dp:
             ledger = Ledger(self.workdir / "ledger.jsonl")
@@ -246,22 +291,23 @@ class Hospital:
         self._models.clear()
         return {**saved["metrics"], "reused": True}
 
-    def teacher_probs(self, k: int, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
+    def teacher_probs(self, k: int, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
+                      ) -> np.ndarray:
         device, precision = self.compute(config)
         return predict_probs(self._teacher(k, device), np.asarray(scans, np.float32), batch_size=2, device=device,
                              precision=precision)
 
     # ----------------------------------------------------------------------------------------------
-    def lifetime_guard(self, config: Mapping[str, Any] | None = None):
+    def lifetime_guard(self, config: HospitalRequest | Mapping[str, Any] | None = None):
         """A guard over this hospital's own ledger with its lifetime budget, re-read from disk (other runs
         or processes may have appended). A deployed hospital uses its node config only; a simulated one
         keeps its ledger where the simulation says (``ledger_dir``, e.g. one comparison's folder) with the
-        simulation's ``lifetime_epsilon``."""
+        simulation's ``lifetime_epsilon`` and ``delta``."""
 
-        config = {} if self.deployed else dict(config or {})
-        path = (Path(config["ledger_dir"]) / f"{self.hospital_id}.jsonl" if config.get("ledger_dir")
+        request = HospitalRequest() if self.deployed else self.read_request(HospitalRequest, config)
+        path = (Path(request.ledger_dir) / f"{self.hospital_id}.jsonl" if request.ledger_dir
                 else self.privacy_ledger)
-        budget = config.get("lifetime_epsilon", self.lifetime_epsilon)
+        budget = self.lifetime_epsilon if request.lifetime_epsilon is None else request.lifetime_epsilon
         if budget is None:
             raise UserError(f"hospital {self.hospital_id}: no lifetime privacy budget configured "
                             "(node-config epsilon-budget, or the simulation's lifetime epsilon)")
@@ -273,45 +319,47 @@ class Hospital:
             ledger = self._lifetime_ledgers[path] = Ledger(path)
         else:
             ledger.refresh()
-        return BudgetGuard(ledger, {self.hospital_id: float(budget)}, float(config.get("delta", self.delta)))
+        return BudgetGuard(ledger, {self.hospital_id: float(budget)},
+                           float(self.delta if request.delta is None else request.delta))
 
-    def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping | None = None
-                     ) -> tuple[np.ndarray, dict]:
+    def answer_query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray],
+                     config: QueryRequest | Mapping[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         """(T, n, l) float32 encodings of every teacher's softmax output on the public ``scans``, plus what
         the hospital may say about them (``{"fallback_teachers": count}``).
 
-        A normal query batch must declare ``release_ids`` (one per scan), ``sigma`` and ``teachers`` (the K
-        the server will average, or release nothing): the hospital verifies the codec, loads its teachers
+        A normal query batch (:class:`task.requests.QueryRequest`) must declare ``release_ids`` (one per scan),
+        ``sigma`` and ``teachers`` (the K the server will average, or release nothing): the hospital verifies
+        the codec, loads its teachers
         (refusing, uncharged, when it has none to answer with), charges ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
-        and K, and only then runs its teachers. ``config["diagnostic"]`` (an un-noised query, simulation
+        and K, and only then runs its teachers. A ``diagnostic`` request (an un-noised query, simulation
         only) is refused by a deployed hospital and charged nothing (it is reported as not private).
         """
 
-        config = dict(config or {})
+        request = self.read_request(QueryRequest, config)
         scans = np.asarray(scans, np.float32)
         # everything is validated before anything is charged: a request that cannot be answered costs nothing
-        codec = verify_codec(codec, self._codec_policy(config), scans_shape=scans.shape)
+        codec = verify_codec(codec, self._codec_policy(request), scans_shape=scans.shape)
         # one encoder for all of this hospital's teachers (verify_codec already refused a state that cannot build one)
-        encode = make_encoder(codec, self.compute(config)[0])
-        if config.get("diagnostic"):
+        encode = make_encoder(codec, self.compute(request)[0])
+        if request.diagnostic:
             if self.deployed:
                 raise UserError(f"hospital {self.hospital_id}: refuses un-noised diagnostic queries "
                                 "(simulation only)")
-            return self._diagnostic_pass(scans, config, codec, encode)
-        release_ids, sigma, teachers = self._query_declaration(config, len(scans))
+            return self._diagnostic_pass(scans, request, codec, encode)
+        release_ids, sigma, teachers = self._query_declaration(request, len(scans))
         # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
-        request = ({"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
-                   {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
-                    "teachers_trained": self._teachers_fingerprint() or ""})
-        key = request_key("query", *request)
-        answered = self.answers.lookup(key, legacy_request_key("query", *request))
+        asked = ({"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
+                 {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
+                  "teachers_trained": self._teachers_fingerprint() or ""})
+        key = request_key("query", *asked)
+        answered = self.answers.lookup(key, legacy_request_key("query", *asked))
         if answered is not None:
             return answered[0]["rows"], answered[1]
-        self.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
-        self._charge_query(codec, config, release_ids, sigma, teachers)
+        self.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
+        self._charge_query(codec, request, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
         for k in range(self.num_teachers):
-            probs = self.teacher_probs(k, scans, config)
+            probs = self.teacher_probs(k, scans, request)
             if np.all(np.isfinite(probs)):
                 rows.append(encode(probs))
             else:  # a broken teacher answers a fixed row; only the count leaves the hospital
@@ -322,7 +370,8 @@ class Hospital:
         self.answers.store(key, {"rows": rows}, notes)
         return rows, notes
 
-    def _diagnostic_pass(self, scans: np.ndarray, config: Mapping, codec=None, encode=None) -> tuple[np.ndarray, dict]:
+    def _diagnostic_pass(self, scans: np.ndarray, request: HospitalRequest, codec=None, encode=None
+                         ) -> tuple[np.ndarray, dict]:
         """SIMULATION ONLY: every teacher run once over ``scans`` for the un-noised diagnostics -- the encoded
         rows of a diagnostic query (when ``codec`` is given) and the teachers' probability sum
         (:meth:`ensemble_probability_sum`) -- remembered for these teachers, these scans and this codec.
@@ -334,7 +383,7 @@ class Hospital:
         retrained teachers are run again."""
         fingerprint = self._teachers_fingerprint() or ""
         scans_key = request_key("diagnostic", {"scans": scans}, {"teachers_trained": fingerprint,
-                                                                  "compute": list(map(str, self.compute(config)))})
+                                                                  "compute": list(map(str, self.compute(request)))})
         codec_key = None if codec is None else request_key(
             "diagnostic-codec", {f"codec.{n}": v for n, v in codec.items()}, {"scans": scans_key})
         memo = self._diagnostics
@@ -347,7 +396,7 @@ class Hospital:
             return memo["probability_sum"], {}
         rows, fallbacks, total = [], 0, None
         for k in range(self.num_teachers):
-            probs = self.teacher_probs(k, scans, config)
+            probs = self.teacher_probs(k, scans, request)
             total = probs.astype(np.float64) if total is None else total + probs
             if encode is None:
                 continue
@@ -372,29 +421,24 @@ class Hospital:
         record = self.workdir / "teachers" / "training.json"
         return json.loads(record.read_text()).get("fingerprint", "") if record.exists() else None
 
-    def _codec_policy(self, config: Mapping[str, Any]):
-        """A deployed hospital's own policy (node config); a simulated one takes the simulation's."""
+    def _codec_policy(self, request: HospitalRequest):
+        """A deployed hospital's own policy (node config); a simulated one takes the simulation's (when its
+        messages set ``allow_identity``)."""
 
-        if self.deployed or "allow_identity" not in config:
+        if self.deployed or request.allow_identity is None:
             return self.codec_policy
-        return CodecPolicy(max_latent_dim=int(config.get("max_latent_dim", self.codec_policy.max_latent_dim)),
-                           allow_identity=bool(config["allow_identity"]))
+        return CodecPolicy(max_latent_dim=(self.codec_policy.max_latent_dim if request.max_latent_dim is None
+                                           else request.max_latent_dim),
+                           allow_identity=request.allow_identity)
 
-    def _query_declaration(self, config: Mapping, scans: int) -> tuple[list[str], float, int]:
-        """(release ids, sigma, K) a query batch declares, checked against what this hospital knows."""
+    def _query_declaration(self, request: QueryRequest, scans: int) -> tuple[list[str], float, int]:
+        """(release ids, sigma, K) a query batch declares (``sigma`` > 0 already checked by the request),
+        checked against what this hospital knows."""
 
-        try:
-            release_ids = [str(r) for r in config["release_ids"]]
-            sigma = float(config["sigma"])
-            teachers = int(config["teachers"])
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"hospital {self.hospital_id}: a query must declare release_ids, sigma and "
-                            "teachers (the hospital charges its own ledger before answering)") from None
+        release_ids, sigma, teachers = list(request.release_ids), request.sigma, request.teachers
         if len(release_ids) != scans or len(set(release_ids)) != scans:
             raise UserError(f"hospital {self.hospital_id}: {scans} scans need {scans} distinct release ids, "
                             f"got {len(release_ids)}")
-        if not (np.isfinite(sigma) and sigma > 0):
-            raise UserError(f"hospital {self.hospital_id}: the server declares sigma={sigma}; expected > 0")
         if teachers < self.num_teachers:
             raise UserError(f"hospital {self.hospital_id}: the server declares K={teachers} teachers, fewer "
                             f"than this hospital's own {self.num_teachers}")
@@ -404,39 +448,40 @@ class Hospital:
                             f"the consortium's {self.max_teachers} (node-config max-teachers)")
         return release_ids, sigma, teachers
 
-    def _charge_query(self, codec: Mapping[str, np.ndarray], config: Mapping, release_ids: list[str],
+    def _charge_query(self, codec: Mapping[str, np.ndarray], request: QueryRequest, release_ids: list[str],
                       sigma: float, teachers: int) -> None:
         """Charge this batch to the hospital's own ledger before any teacher sees a scan: all or nothing,
         under ids with a nonce this hospital mints (the server's ids alone could be sent again)."""
 
-        guard = self.lifetime_guard(config)
+        guard = self.lifetime_guard(request)
         event = GaussianEvent(sensitivity=codecs.codec_sensitivity(codec, teachers), sigma=sigma)
         note = {"teachers": teachers, "sigma": sigma, "codec": str(np.asarray(codec["kind"]).item()),
                 "latent_dim": int(np.asarray(codec["latent_dim"]).item())}
         nonce = mint_nonce()
         guard.charge_all([self.hospital_id], event, [f"{r}@{nonce}" for r in release_ids], note)
 
-    def ensemble_probability_sum(self, scans: np.ndarray, config: Mapping[str, Any] | None = None) -> np.ndarray:
+    def ensemble_probability_sum(self, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
+                                 ) -> np.ndarray:
         """Sum of the teachers' probabilities (C, ...): a SIMULATION-ONLY diagnostic (the noise-free
         probability ensemble, the ceiling PATE can reach). Full-resolution: never exposed by the Flower app. Computed
         in the same pass as a diagnostic query of the same scans (:meth:`_diagnostic_pass`)."""
         if self.deployed:
             raise UserError(f"hospital {self.hospital_id}: refuses un-noised diagnostics (simulation only)")
-        return self._diagnostic_pass(np.asarray(scans, np.float32), dict(config or {}))[0].copy()
+        return self._diagnostic_pass(np.asarray(scans, np.float32), self.read_request(HospitalRequest, config))[0].copy()
 
-    def evaluate(self, config: Mapping[str, Any] | None = None) -> dict:
+    def evaluate(self, config: EvaluationRequest | Mapping[str, Any] | None = None) -> dict:
         """Per-teacher Dice (scalars only) on the public test scans + labels the server sends
-        (``config["images"]``, ``config["labels"]``), else on this hospital's validation cases.
+        (:class:`task.requests.EvaluationRequest` ``images``, ``labels``), else on this hospital's validation cases.
 
         Un-noised statistics of models trained on private patients: a simulation-only diagnostic, refused
         by a deployed hospital."""
 
+        request = self.read_request(EvaluationRequest, config)
         if self.deployed:
             raise UserError(f"hospital {self.hospital_id}: refuses to report per-teacher Dice (an un-noised "
                             "statistic of its patients; simulation only)")
-        config = dict(config or {})
-        if config.get("images") is not None and config.get("labels") is not None:
-            images, labels, on = np.asarray(config["images"], np.float32), np.asarray(config["labels"]), "public-test"
+        if request.images is not None and request.labels is not None:
+            images, labels, on = np.asarray(request.images, np.float32), np.asarray(request.labels), "public-test"
         elif self.validation:
             images, labels, on = self.prepared.images(self.validation), self.prepared.labels(self.validation), \
                 "own-validation"
@@ -446,7 +491,7 @@ class Hospital:
         cache = self._evaluation_cache(images, labels)
         if cache is not None and cache.exists():
             return json.loads(cache.read_text())
-        device, precision = self.compute(config)
+        device, precision = self.compute(request)
         scores = [evaluate_segmentation(self._teacher(k, device), images, labels, device=device, precision=precision)
                   for k in range(self.num_teachers)]
         means = [s.get("mean") for s in scores]

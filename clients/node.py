@@ -26,10 +26,11 @@ live on the hospital's disk (``workdir``) so a fresh process picks them up again
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecurePolicy
 from task.codecs import CodecPolicy
 from task.data.partitions import split_into_teachers
@@ -37,6 +38,7 @@ from task.data.preprocess import PreprocessConfig, prepare_dataset
 from task.errors import UserError
 from task.names import check_name_part
 from task.presets import get_preset
+from task.requests import RunContext
 from task.runconfig import config_flag
 from task.world import open_world
 
@@ -47,23 +49,100 @@ def _default_workroot() -> Path:
     return Path(os.environ.get("FEDPATE_NODE_ROOT", Path.home() / ".cache" / "fedpate" / "nodes"))
 
 
+def _node_value(node_config: Mapping[str, Any], key: str, convert, default=None):
+    """``node_config[key]`` through ``convert`` (``default`` when it is absent); one-line UserError naming it."""
+    if key not in node_config:
+        return default
+    try:
+        return convert(node_config[key])
+    except (TypeError, ValueError):
+        raise UserError(f"node-config: {key}: expected a {'number' if convert is not str else 'string'}, "
+                        f"got {node_config[key]!r}") from None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A Flower node's own configuration (``--node-config``, kebab-case keys), parsed and checked before anything
+    touches a disk: a simulated node names its ``partition-id``; a deployed hospital its ``data-dir`` and
+    everything else below -- its own privacy settings, never defaulted for it where they bound what it releases
+    (``epsilon-budget``, ``max-teachers``), and its compute. The secure-sum policy keys are read by
+    :func:`secure_policy_for`."""
+
+    partition_id: int | None = None
+    data_dir: str | None = None
+    hospital_id: str = ""
+    workdir: str | None = None
+    epsilon_budget: float | None = None
+    max_teachers: int | None = None
+    delta: float = 1e-3
+    max_latent_dim: int = 1024
+    allow_identity: bool = False
+    device: str = "auto"
+    precision: str = "32"
+    teachers_per_hospital: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.deployed:
+            if self.partition_id is None:
+                raise UserError("node-config: expected either 'data-dir' (deployment) or 'partition-id' (simulation)")
+            return
+        if not self.hospital_id:
+            raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
+        check_name_part(self.hospital_id, "node-config hospital-id")   # names its folder and ledger owner
+        required = {"epsilon-budget": (self.epsilon_budget, "its lifetime privacy budget"),
+                    "max-teachers": (self.max_teachers,
+                                     "the most teachers the consortium has (bounds the K a server may declare)")}
+        for name, (value, meaning) in required.items():   # a hospital's privacy settings are never defaulted for it
+            if value is None:
+                raise UserError(f"node-config: '{name}' is required on a deployed hospital ({meaning})")
+
+    @property
+    def deployed(self) -> bool:
+        return self.data_dir is not None
+
+    @classmethod
+    def from_node_config(cls, node_config: "Mapping[str, Any] | NodeConfig") -> "NodeConfig":
+        if isinstance(node_config, cls):
+            return node_config
+        given = {k: v for k, v in dict(node_config).items() if v not in (None, "")
+                 or k in ("data-dir", "partition-id")}
+        return cls(
+            partition_id=_node_value(given, "partition-id", int),
+            data_dir=_node_value(given, "data-dir", str),
+            hospital_id=str(given.get("hospital-id") or ""),
+            workdir=_node_value(given, "workdir", str),
+            epsilon_budget=_node_value(given, "epsilon-budget", float),
+            max_teachers=_node_value(given, "max-teachers", int),
+            delta=_node_value(given, "delta", float, 1e-3),
+            max_latent_dim=_node_value(given, "max-latent-dim", int, 1024),
+            allow_identity=config_flag(given.get("allow-identity", False), "node-config allow-identity"),
+            device=str(given.get("device", "auto")), precision=str(given.get("precision", "32")),
+            teachers_per_hospital=_node_value(given, "teachers-per-hospital", int) or None)
+
+    def hospital_settings(self, seed: int) -> HospitalSettings:
+        """A deployed hospital's own settings (its ledger is ``workdir/privacy-ledger.jsonl``)."""
+        return HospitalSettings(seed=seed, deployed=True, lifetime_epsilon=self.epsilon_budget, delta=self.delta,
+                                codec_policy=CodecPolicy(max_latent_dim=self.max_latent_dim,
+                                                         allow_identity=self.allow_identity),
+                                max_teachers=self.max_teachers, device=self.device, precision=self.precision)
+
+
 def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
     """Return the (cached) :class:`clients.hospital.Hospital` this node plays."""
 
-    preset = get_preset(str(config["preset"]), **(config.get("preset_overrides") or {}))
-    seed = int(config.get("seed", 0))
-    if "data-dir" in node_config:
-        return _deployed_hospital(node_config, config, preset, seed, Hospital)
-    if "partition-id" not in node_config:
-        raise UserError("node-config: expected either 'data-dir' (deployment) or 'partition-id' (simulation)")
-    world_dir = config.get("world")
+    context = RunContext.from_config(config)
+    preset = get_preset(context.preset, **(context.preset_overrides or {}))
+    node = NodeConfig.from_node_config(node_config)
+    if node.deployed:
+        return _deployed_hospital(node, context, preset, context.seed, Hospital)
+    world_dir = context.world
     if not world_dir:
         raise UserError("message config: simulation messages must carry 'world' (the prepared world folder)")
-    key = ("sim", str(world_dir), int(node_config["partition-id"]))
+    key = ("sim", str(world_dir), node.partition_id)
     if key not in _HOSPITALS:
         prepared, split = open_world(world_dir)
         hospital_ids = sorted(split.hospitals)
-        index = int(node_config["partition-id"])
+        index = node.partition_id
         if index >= len(hospital_ids):
             raise UserError(
                 f"node-config partition-id={index}: the world at {world_dir} has only {len(hospital_ids)} hospitals"
@@ -73,25 +152,19 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
         workdir = Path(world_dir) / "nodes" / hospital_id
         # a simulated consortium knows its size: no server may declare more teachers than the world has
         consortium = sum(len(partitions) for partitions in split.hospitals.values())
-        _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir, seed,
-                                   max_teachers=consortium)
+        _HOSPITALS[key] = Hospital(hospital_id, prepared, split.hospitals[hospital_id], preset, workdir,
+                                   HospitalSettings(seed=context.seed, max_teachers=consortium))
     return _HOSPITALS[key]
 
 
 def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
-    hospital_id = str(node_config.get("hospital-id") or "")
-    if not hospital_id:
-        raise UserError("node-config: 'hospital-id' is required next to 'data-dir'")
-    hospital_id = check_name_part(hospital_id, "node-config hospital-id")   # names its folder and ledger owner
-    data_dir = Path(str(node_config["data-dir"]))
-    required = {"epsilon-budget": "its lifetime privacy budget", "max-teachers":
-                "the most teachers the consortium has (bounds the K a server may declare)"}
-    for name, meaning in required.items():   # a hospital's privacy settings are never defaulted for it
-        if node_config.get(name) in (None, ""):
-            raise UserError(f"node-config: '{name}' is required on a deployed hospital ({meaning})")
-    workdir = Path(str(node_config.get("workdir") or _default_workroot() / hospital_id))
-    teachers = int(node_config.get("teachers-per-hospital") or config.get("teachers_per_hospital")
-                   or preset.teachers_per_hospital)
+    """The deployed hospital of ``node_config`` (a :class:`NodeConfig` or its mapping), made once per data
+    folder, grid and teacher count: its own patients prepared and split into teacher partitions by patient."""
+    node, context = NodeConfig.from_node_config(node_config), RunContext.from_config(config)
+    hospital_id = node.hospital_id
+    data_dir = Path(node.data_dir)
+    workdir = Path(node.workdir or _default_workroot() / hospital_id)
+    teachers = int(node.teachers_per_hospital or context.teachers_per_hospital or preset.teachers_per_hospital)
     key = ("deploy", str(data_dir), hospital_id, tuple(preset.grid), teachers)
     if key not in _HOSPITALS:
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
@@ -99,14 +172,8 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         # by patient: a hospital's scans of one patient (timepoints) all go to one teacher
         partitions = split_into_teachers(list(prepared.case_ids), teachers, seed=seed, patients=prepared.patient)
 
-        policy = CodecPolicy(max_latent_dim=int(node_config.get("max-latent-dim", 1024)),
-                             allow_identity=config_flag(node_config.get("allow-identity", False), "node-config allow-identity"))
-        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir, seed, deployed=True,
-                                       lifetime_epsilon=float(node_config["epsilon-budget"]),
-                                       delta=float(node_config.get("delta", 1e-3)), codec_policy=policy,
-                                       max_teachers=int(node_config["max-teachers"]),
-                                       device=str(node_config.get("device", "auto")),
-                                       precision=str(node_config.get("precision", "32")))
+        _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir,
+                                       node.hospital_settings(seed))
     return _HOSPITALS[key]
 
 

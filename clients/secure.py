@@ -37,6 +37,7 @@ import numpy as np
 from privacy.distributed import share_count
 from task import secagg
 from task.errors import UserError
+from task.requests import HospitalRequest, SecureStageRequest
 
 STAGES = ("setup", "share-keys", "collect-masked", "unmask")
 
@@ -278,9 +279,11 @@ class SecureSumParty:
 
 
 # ------------------------------------------------------------------------------------------ a hospital
-def policy_from(config: Mapping[str, Any] | None, default: SecurePolicy | None = None) -> SecurePolicy:
-    """A simulated hospital's policy as the simulation sets it (``config["secure_policy"]``), else ``default``."""
-    given = dict((config or {}).get("secure_policy") or {})
+def policy_from(request: HospitalRequest | Mapping[str, Any] | None, default: SecurePolicy | None = None
+                ) -> SecurePolicy:
+    """A simulated hospital's policy as the simulation sets it (the request's ``secure_policy``), else
+    ``default``."""
+    given = dict(HospitalRequest.from_config(request).secure_policy or {})
     if not given:
         return default or SecurePolicy()
     try:
@@ -330,14 +333,17 @@ class SecureHospital:
 
         return contributor_for(self.hospital)
 
-    def handle(self, stage: str, message: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
-        config = dict(config or {})
+    def handle(self, stage: str, message: Mapping[str, Any],
+               config: SecureStageRequest | Mapping[str, Any] | None = None) -> dict:
+        """One stage of a secure sum; ``config``: the run's settings beside it (a
+        :class:`task.requests.SecureStageRequest`, read once here)."""
+        request = self.hospital.read_request(SecureStageRequest, config)
         if stage == secagg.JOIN_STAGE:   # before any secure sum of a dp-fedavg-secure run: nothing is charged
-            return self.gradients.join(message, config)
+            return self.gradients.join(message, request)
         if stage == "setup":
             deployed = bool(getattr(self.hospital, "deployed", False))
             # a deployed hospital's policy is its own node config's, never the server's (default: the strictest)
-            self.party.policy = (self.policy or SecurePolicy()) if deployed else policy_from(config, self.policy)
+            self.party.policy = (self.policy or SecurePolicy()) if deployed else policy_from(request, self.policy)
             noise = dict(message.get("noise") or {})
             declared_grid(self.party.name, noise)
             ids = noise.get("release_ids")
@@ -346,22 +352,23 @@ class SecureHospital:
                                            "release ids, one per query")
         session_id = str(message.get("session"))
         return self.party.handle(stage, message, lambda msg: self.contribution(self.party.sessions[session_id], msg,
-                                                                               config))
+                                                                               request))
 
-    def contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]) -> np.ndarray:
+    def contribution(self, session: _Session, message: Mapping[str, Any],
+                     request: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
         (the default) or ``dp-fedavg-secure``'s patient gradients (``task.secagg.CONTRIBUTION_KIND``)."""
         from task.secagg import CONTRIBUTION_KIND as KIND
 
         kind = str(session.noise.get("kind") or "pate")
         if kind == KIND:
-            return self.gradients.contribution(session, message, config, self.party.policy)
+            return self.gradients.contribution(session, message, request, self.party.policy)
         if kind != "pate":
             raise SecureRequestRefused(f"hospital {self.party.name}: unknown contribution kind {kind!r}")
-        return self.pate_contribution(session, message, config)
+        return self.pate_contribution(session, message, request)
 
-    def pate_contribution(self, session: _Session, message: Mapping[str, Any], config: Mapping[str, Any]
-                          ) -> np.ndarray:
+    def pate_contribution(self, session: _Session, message: Mapping[str, Any],
+                          config: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """Charge, then the noised integer sum of this hospital's teachers' rounded encodings (flattened)."""
         from clients.replay import mint_nonce
         from privacy.distributed import ddg_event, sample_discrete_gaussian
@@ -369,9 +376,10 @@ class SecureHospital:
         from task.codecs import fallback_encoding, make_encoder, verify_codec
 
         hospital, noise = self.hospital, session.noise
+        request = hospital.read_request(SecureStageRequest, config)
         who = hospital.hospital_id
         scans = np.asarray(message["scans"], np.float32)
-        codec = verify_codec(message["codec"], hospital._codec_policy(config), scans_shape=scans.shape)
+        codec = verify_codec(message["codec"], hospital._codec_policy(request), scans_shape=scans.shape)
         grid = declared_grid(who, noise)
         release_ids = [str(r) for r in noise["release_ids"]]
         latent = int(np.asarray(codec["latent_dim"]).item())
@@ -379,28 +387,28 @@ class SecureHospital:
             raise SecureRequestRefused(f"hospital {who}: {len(scans)} scans of latent dimension {latent} do not match "
                                        f"the declared {len(release_ids)} releases of dimension {grid.dimension}")
         local_variance = float(noise["local_variance"])
-        encode = make_encoder(codec, hospital.compute(config)[0])
+        encode = make_encoder(codec, hospital.compute(request)[0])
         # refusals first: nothing is charged for a request this hospital will not answer
-        seed = config.get("secure_noise_seed")
+        seed = request.secure_noise_seed
         if seed is not None and getattr(hospital, "deployed", False):
             raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
-        hospital.load_teachers(config)   # a hospital that cannot answer refuses before it is charged
+        hospital.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
         # the charge: one release per query, the noise it can count on, before any teacher sees a scan
         event = ddg_event(grid, local_variance, session.counted, 1, "replace-one")
         nonce = mint_nonce()
-        hospital.lifetime_guard(config).charge_all(
+        hospital.lifetime_guard(request).charge_all(
             [who], event, [f"{r}@{nonce}" for r in release_ids],
             {"secure_sum": True, "participants": len(session.participants), "counted_shares": session.counted,
              "colluders": self.party.policy.colluders, "dropouts": self.party.policy.dropouts,
              "threshold": session.threshold, "local_variance": local_variance,
              "codec": str(np.asarray(codec["kind"]).item()), "latent_dim": latent})
-        source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
+        source = NoiseSource() if seed is None else NoiseSource.reproducible(seed)
         # a stream named by what the release is (the server's query batch), not by the run's nonce: reproducible
         # noise repeats; with secure noise the name only separates streams
         generator = source.generator(who, str(message.get("stream") or ",".join(release_ids)))
         total = np.zeros((len(scans), latent), np.int64)
         for k in range(hospital.num_teachers):
-            probs = hospital.teacher_probs(k, scans, config)
+            probs = hospital.teacher_probs(k, scans, request)
             rows = encode(probs) if np.all(np.isfinite(probs)) else fallback_encoding(codec, len(scans))
             total += grid.to_integers(np.asarray(rows, np.float64), generator)
         shares = sample_discrete_gaussian(local_variance, total.size, generator)
@@ -435,8 +443,8 @@ def restore_session(state: Mapping[str, Any]) -> tuple[_Session, SecurePolicy]:
 FINISHED = None
 
 
-def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any], config: Mapping[str, Any],
-              store) -> dict:
+def run_stage(secure: SecureHospital, stage: str, message: Mapping[str, Any],
+              config: SecureStageRequest | Mapping[str, Any], store) -> dict:
     """One secure-sum stage at a hospital whose per-session secrets live in ``store`` (a mutable mapping
     session id -> :func:`session_state`, or :data:`FINISHED`), not in ``secure``: the in-process engine keeps
     a dict per hospital, the Flower ClientApp the node's ``context.state`` (rebuilt objects, same secrets), so

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from task.errors import UserError
+from task.requests import SecureStageRequest
 from task.secagg import CONTRIBUTION_KIND as KIND, RELATION
 
 #: one contributor per hospital object, kept as long as the hospital is: the Flower ClientApp builds a new
@@ -110,8 +111,9 @@ class HeadGradientContributor:
         return len(set(self._cases()[1]))
 
     # ------------------------------------------------------------------------------------------ join
-    def join(self, message: Mapping[str, Any], config: Mapping[str, Any]) -> dict:
-        """Take the run's frozen start model; answer with the patient count, the digest and the head's size."""
+    def join(self, message: Mapping[str, Any], config: SecureStageRequest | Mapping[str, Any] | None = None) -> dict:
+        """Take the run's frozen start model; answer with the patient count, the digest and the head's size
+        (nothing is charged: the start model is public, and so is the count under replace-one)."""
         from task.headgrad import head_dimension
         from task.io import atomic_write_bytes
 
@@ -134,7 +136,8 @@ class HeadGradientContributor:
         return {"patients": self.patient_count(), "start_digest": digest, "dimension": head_dimension(model)}
 
     # ------------------------------------------------------------------------------------------ contribute
-    def contribution(self, session, message: Mapping[str, Any], config: Mapping[str, Any], policy) -> np.ndarray:
+    def contribution(self, session, message: Mapping[str, Any], config: SecureStageRequest | Mapping[str, Any],
+                     policy) -> np.ndarray:
         """Checks, then the charge, then the noised integer sum of this hospital's rounded patient rows."""
         from clients.replay import mint_nonce
         from clients.secure import SecureRequestRefused, declared_grid
@@ -144,6 +147,7 @@ class HeadGradientContributor:
                                   per_patient_rows, per_sample_head_gradients)
 
         hospital, noise = self.hospital, session.noise
+        request = hospital.read_request(SecureStageRequest, config)
         who = hospital.hospital_id
         grid = declared_grid(who, noise)
         release_ids = [str(r) for r in noise["release_ids"]]
@@ -162,23 +166,23 @@ class HeadGradientContributor:
             load_head_state(model, dict(message.get("head") or {}))
         except UserError as exc:
             raise SecureRequestRefused(f"hospital {who}: {exc}") from None
-        seed = config.get("secure_noise_seed")
+        seed = request.secure_noise_seed
         if seed is not None and getattr(hospital, "deployed", False):
             raise SecureRequestRefused(f"hospital {who}: refuses seeded noise (simulation only)")
         local_variance = float(noise["local_variance"])
         # the charge: one release, the noise shares it counts on, before any patient's data is read
         event = ddg_event(grid, local_variance, session.counted, 1, RELATION)
         nonce = mint_nonce()
-        hospital.lifetime_guard(config).charge_all(
+        hospital.lifetime_guard(request).charge_all(
             [who], event, [f"{release_ids[0]}@{nonce}"],
             {"secure_sum": True, "participants": len(session.participants), "counted_shares": session.counted,
              "colluders": policy.colluders, "dropouts": policy.dropouts, "threshold": session.threshold,
              "local_variance": local_variance, "kind": KIND, "dimension": dimension})
-        source = NoiseSource() if seed is None else NoiseSource.reproducible(int(seed))
+        source = NoiseSource() if seed is None else NoiseSource.reproducible(seed)
         generator = source.generator(who, str(message.get("stream") or release_ids[0]))
         cases, patients = self._cases()
         if digest not in self._features:   # the frozen U-Net runs once per scan and start model
-            device = hospital.compute(config)[0]
+            device = hospital.compute(request)[0]
             self._features[digest] = (frozen_features(model, hospital.prepared.images(cases), device=device),
                                       np.asarray(hospital.prepared.labels(cases), np.int64))
         features, labels = self._features[digest]

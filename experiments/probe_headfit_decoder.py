@@ -97,7 +97,7 @@ def main() -> None:
     public_path, seed = sys.argv[1], int(sys.argv[2])
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
     from privacy.calibration import pate_sigma
-    from server.student import train_student
+    from server.student import ModelTraining, train_student
     from task.codecs.headfit import HeadFitSettings, fit_head_decode
     from task.networks import VOXEL_HEAD
     from task.training import predict_probs
@@ -132,14 +132,15 @@ def main() -> None:
         row["a release of pure noise: what the fit explained"] = round(history[0] - history[-1], 1)
         print(json.dumps(row), flush=True)
         for name, trainable, learning_rate, reference in students:
-            student = train_student(world, pseudo, list(range(len(pseudo))), preset, seed=seed,
-                                    init={k: v.clone() for k, v in state.items()}, include_reference=reference,
-                                    trainable=trainable, learning_rate=learning_rate)
+            student = train_student(world, pseudo, list(range(len(pseudo))), preset,
+                                    ModelTraining(seed=seed, include_reference=reference, trainable=trainable,
+                                                  learning_rate=learning_rate),
+                                    init={k: v.clone() for k, v in state.items()})
             print(json.dumps({"epsilon": epsilon, "student": name,
                               "test": dice(predict_probs(student, world.test_images), world.test_labels)}), flush=True)
     control = train_student(world, predict_probs(public, world.query_images), list(range(len(query_probs))), preset,
-                            seed=seed, init={k: v.clone() for k, v in state.items()}, include_reference=True,
-                            trainable=VOXEL_HEAD, learning_rate=1e-2)
+                            ModelTraining(seed=seed, include_reference=True, trainable=VOXEL_HEAD, learning_rate=1e-2),
+                            init={k: v.clone() for k, v in state.items()})
     print(json.dumps({"control": "voxel-head student on the public model's own query predictions + reference",
                       "test": dice(predict_probs(control, world.test_images), world.test_labels),
                       "public model, test": dice(predict_probs(public, world.test_images), world.test_labels)}),

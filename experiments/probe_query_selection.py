@@ -23,7 +23,7 @@ def main() -> None:
     public_path, seed = sys.argv[1], int(sys.argv[2])
     epsilons = [float(e) for e in (sys.argv[3] if len(sys.argv) > 3 else "8,1").split(",")]
     from privacy.calibration import pate_sigma
-    from server.student import train_student
+    from server.student import ModelTraining, train_student
     from task.codecs.headfit import fit_head_decode
     from task.networks import VOXEL_HEAD
     from task.training import predict_probs
@@ -42,9 +42,10 @@ def main() -> None:
             rng = np.random.default_rng(seed + 100 + chosen)
             z = mean_latent[index] + rng.normal(0.0, sigma, mean_latent[index].shape)
             pseudo = fit_head_decode(z, query_probs[index], world.query_images[index], regions[index], count)
-            student = train_student(world, pseudo, list(index), preset, seed=seed,
-                                    init={k: v.clone() for k, v in state.items()}, include_reference=True,
-                                    trainable=VOXEL_HEAD, learning_rate=1e-2)
+            student = train_student(world, pseudo, list(index), preset,
+                                    ModelTraining(seed=seed, include_reference=True, trainable=VOXEL_HEAD,
+                                                  learning_rate=1e-2),
+                                    init={k: v.clone() for k, v in state.items()})
             print(json.dumps({"epsilon": epsilon, "queries": chosen, "sigma": round(sigma, 4),
                               "pseudo-labels, chosen queries": dice(pseudo, world.query_labels[index]),
                               "student, test": dice(predict_probs(student, world.test_images), world.test_labels)}),

@@ -62,7 +62,7 @@ def main() -> None:
     names = sys.argv[5].split(",") if len(sys.argv) > 5 else list(STUDENTS)
     from privacy.calibration import pate_sigma
     from server.selftrain import DEFAULT_TEMPERATURE, sharpen
-    from server.student import train_student
+    from server.student import ModelTraining, train_student
     from task.codecs.headfit import fit_head_decode
     from task.metrics import dice_scores
     from task.networks import VOXEL_HEAD
@@ -94,17 +94,18 @@ def main() -> None:
     for name in names:
         started = time.time()
         if name in ("voxel-head", "lp-ft"):   # the product's code path (server.student.train_student)
-            model = train_student(world, pseudo, queries, preset, seed=seed, init=init(), trainable=VOXEL_HEAD,
-                                  learning_rate=1e-2, finetune=name == "lp-ft")
+            model = train_student(world, pseudo, queries, preset,
+                                  ModelTraining(seed=seed, trainable=VOXEL_HEAD, learning_rate=1e-2,
+                                                finetune=name == "lp-ft"), init=init())
         elif name == "all":
-            model = train_student(world, pseudo, queries, preset, seed=seed, init=init())
+            model = train_student(world, pseudo, queries, preset, ModelTraining(seed=seed), init=init())
         elif name == "all-selftrain":
             own = sharpen(release.query_probs, DEFAULT_TEMPERATURE)
             doubled = world.__class__.__new__(world.__class__)
             doubled.__dict__.update(world.__dict__)
             doubled.query_images = np.concatenate([world.query_images, world.query_images])
             model = train_student(doubled, np.concatenate([pseudo, own]), list(range(2 * len(pseudo))), preset,
-                                  seed=seed, init=init())
+                                  ModelTraining(seed=seed), init=init())
         else:
             raise SystemExit(f"unknown student {name!r}; expected one of {', '.join(STUDENTS)}")
         report(name, model, time.time() - started)

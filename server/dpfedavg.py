@@ -14,8 +14,10 @@ global model is computed from a ledger (the worst hospital's), never from a repo
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,10 +32,12 @@ from server.selftrain import start_description
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from task.bundle import preprocessing_of
 from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from task.errors import UserError
 from task.names import safe_name_part
-from task.options import Relation
+from task.options import Init, Relation, look_up_option
 from task.presets import DpSetting
 from task.networks import build_unet, load_start_weights, network_config_of
+from task.requests import FedAvgRoundRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
                            public_validation_dice, trainable_of)
@@ -102,16 +106,102 @@ def dpfedavg_settings(preset, rounds: int | None = None, local_epochs: int = 1) 
     return settings
 
 
-def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, delta: float, out_dir: str | Path,
-                 seed: int = 0, rounds: int | None = None, local_epochs: int = 1, progress: bool = True,
-                 reproducible_noise: bool = False, relation: Relation = Relation.REPLACE_ONE,
-                 init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public", device: str = "auto",
-                 precision: str = "32") -> dict[str, Any]:
+@dataclass(frozen=True)
+class FederatedRun:
+    """What a federated DP run (DP-FedAvg, dp-fedavg-secure) is asked to do, validated when built.
+
+    Args:
+        epsilon / delta: the run's budget, sent to the hospitals, which calibrate their noise to it and charge
+            their ledgers; ``delta`` is also the δ the run's ledger is accounted at.
+        seed: the global model's initialisation (when there are no start weights) and the hospitals' local
+            training; also their noise under ``reproducible_noise``.
+        progress: a progress bar over the rounds (or steps).
+        reproducible_noise: simulation only -- the hospitals' noise seeded by ``seed`` (a deployed hospital
+            refuses it), which is then left out of results.json. Default: secure noise.
+        init: the name of the start recorded in results.json (:class:`task.options.Init`); ``scratch`` is recorded
+            whatever it says when the run is given no start weights. It loads nothing itself.
+        device / precision: sent to the simulated hospitals with every request (deployed ones use their node
+            config) and used here to evaluate the global model.
+    """
+
+    epsilon: float
+    delta: float
+    seed: int = 0
+    progress: bool = True
+    reproducible_noise: bool = False
+    init: Init = Init.PUBLIC
+    device: str = "auto"
+    precision: str = "32"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(float(self.epsilon)) and float(self.epsilon) > 0):
+            raise UserError(f"epsilon: expected a positive number, got {self.epsilon!r}")
+        if not 0 < float(self.delta) < 1:
+            raise UserError(f"delta: expected a number in (0, 1), got {self.delta!r}")
+        object.__setattr__(self, "epsilon", float(self.epsilon))
+        object.__setattr__(self, "delta", float(self.delta))
+        object.__setattr__(self, "init", look_up_option(self.init, Init, "init"))
+        object.__setattr__(self, "device", check_device_spec(self.device))
+        object.__setattr__(self, "precision", check_precision(self.precision))
+
+    def recorded_init(self, started_from_weights: bool) -> Init:
+        """The start recorded in results.json: ``init``, or ``scratch`` for a run given no start weights."""
+        return self.init if started_from_weights else Init.SCRATCH
+
+
+@dataclass(frozen=True)
+class DpFedAvgConfig(FederatedRun):
+    """A DP-FedAvg run (:func:`run_dpfedavg`): a :class:`FederatedRun` with
+
+    Args:
+        rounds: federated rounds of every grid entry (None = the preset's: ``central_epochs`` split into
+            rounds of ``local_epochs``, or the grid entry's own ``rounds``).
+        local_epochs: local DP-SGD epochs per round at each hospital.
+        relation: the neighbouring relation of the guarantee (``replace-one``, the default: dataset sizes are
+            treated as public; see the module docstring); the hospitals calibrate and the ledger is accounted
+            under it.
+    """
+
+    rounds: int | None = None
+    local_epochs: int = 1
+    relation: Relation = Relation.REPLACE_ONE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rounds is not None and int(self.rounds) < 1:
+            raise UserError(f"rounds: expected a positive integer, got {self.rounds!r}")
+        if int(self.local_epochs) < 1:
+            raise UserError(f"local_epochs: expected a positive integer, got {self.local_epochs!r}")
+        object.__setattr__(self, "relation", look_up_option(self.relation, Relation, "relation"))
+
+
+@dataclass
+class Candidate:
+    """One grid entry's federated run: its setting, its global model and how its rounds went."""
+
+    setting: dict
+    model: torch.nn.Module
+    history: list[dict]
+    validation_dice: float | None
+
+
+@dataclass
+class FedAvgOutcome:
+    """What a DP-FedAvg run produced, for the record."""
+
+    candidates: list[Candidate]
+    ledger: Ledger
+    last_replies: dict | None          # the last round any hospital answered (where each trained)
+    started_from_weights: bool         # whether the run was given start weights
+
+
+def run_dpfedavg(transport: HospitalTransport, world, preset, config: DpFedAvgConfig, out_dir: str | Path,
+                 init_weights: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Rounds of local DP-SGD averaged with public weights; writes ``out_dir`` and returns its results.
 
     Settings grid (``dpfedavg_settings``): every entry is a full federated run from the same start; the
     hospitals calibrate one noise multiplier for all entries together (the plan travels in each round's
-    config), so their ledgers' ε over the whole grid is the budget; the entry whose global model has the best
+    request), so their ledgers' ε over the whole grid is the budget; the entry whose global model has the best
     public validation Dice is kept (post-processing of released models).
 
     Args:
@@ -120,106 +210,110 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         world: the server's :class:`task.world.PublicWorld` (public validation set for the choice among the grid,
             test set for the score).
         preset: the preset (network, learning rate, clipping norm, batch, rounds, ``dpfedavg_grid``).
-        epsilon / delta: the run's budget, sent to the hospitals, which calibrate their noise to it and charge
-            their ledgers; ``delta`` is also the δ the mirrored ledger is accounted at.
+        config: what the run is asked to do (:class:`DpFedAvgConfig`: budget, seed, rounds, relation, device, ...).
         out_dir: the run folder (results.json, ledger.jsonl with the hospitals' mirrored records, model/).
-        seed: the global model's initialisation (when ``init_weights`` is None) and the hospitals' local
-            training; also their noise under ``reproducible_noise``.
-        rounds: federated rounds of every grid entry (None = the preset's: ``central_epochs`` split into
-            rounds of ``local_epochs``, or the grid entry's own ``rounds``).
-        local_epochs: local DP-SGD epochs per round at each hospital.
-        progress: a progress bar over rounds.
-        reproducible_noise: simulation only -- the hospitals' noise seeded by ``seed``, which is then left out
-            of results.json. Default: secure noise.
-        relation: the neighbouring relation of the guarantee (``replace-one``, the default: dataset sizes are
-            treated as public; see the module docstring); the hospitals calibrate and the ledger is accounted
-            under it.
         init_weights: the starting global model -- the start model (every method starts from the same
-            public model, as PATE's teachers and student); random weights
-            when None.
-        init: the name of that start recorded in results.json (``public`` / ``scratch``); ``scratch`` is
-            recorded whatever it says when ``init_weights`` is None. It loads nothing itself.
-        device / precision: sent to the simulated hospitals with every round (deployed ones use
-            their node config) and used here to evaluate the global models.
+            public model, as PATE's teachers and student); random weights when None.
     """
-    device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
     out = fresh_run_folder(out_dir)
     ledger = Ledger(out / "ledger.jsonl")
-    settings = dpfedavg_settings(preset, rounds, local_epochs)
-
-    def start_of(setting) -> dict[str, np.ndarray]:
-        """The global model every round 0 of ``setting`` starts from: the public model (random weights when
-        none), with the setting's voxel head (task.networks.VoxelHeadUNet, identity at start) if it trains one."""
-        torch.manual_seed(seed)
-        model = build_unet(preset.unet, trainable=trainable_of(setting))
-        if init_weights is not None:
-            load_start_weights(model, {name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
-        return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
-
+    settings = dpfedavg_settings(preset, config.rounds, config.local_epochs)
     # unique per run: the hospitals keep a ledger per run tag, and their lifetime ledgers outlive runs. It names
     # a file at every hospital, which accepts only a plain name part (task.names): the folder's name is made one
-    run_tag = f"{safe_name_part(out.resolve().name)}-e{epsilon:g}-{secrets.token_hex(4)}"
+    run_tag = f"{safe_name_part(out.resolve().name)}-e{config.epsilon:g}-{secrets.token_hex(4)}"
     plan = json.dumps([{"batch_size": s["batch_size"], "epochs": s["rounds"] * s["local_epochs"]} for s in settings])
-    candidates = []
-    last_replies = None
+    outcome = FedAvgOutcome([], ledger, None, init_weights is not None)
     for index, setting in enumerate(settings):
-        weights, history = start_of(setting), []
-        iterator = range(setting["rounds"])
-        if progress:
-            label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
-            iterator = tqdm(iterator, desc=label, unit="round")
-        for round_index in iterator:
-            replies = transport.fedavg_round(weights, {
-                "round": round_index, "rounds": setting["rounds"], "local_epochs": setting["local_epochs"],
-                "epsilon": epsilon, "delta": delta, "seed": seed, "run_tag": run_tag,
-                "reproducible_noise": bool(reproducible_noise), "relation": relation,
-                "setting": index, "plan": plan, "learning_rate": setting["learning_rate"],
-                "max_grad_norm": setting["max_grad_norm"], "batch_size": setting["batch_size"],
-                "device": device, "precision": precision, **lever_settings(setting)})
-            if not replies:
-                history.append({"round": round_index, "hospitals": 0})
-                break
-            last_replies = replies
-            updates = {}
-            for hospital, (metrics, new_weights) in replies.items():
-                mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
-                if int(metrics.get("epochs_trained", 0)) > 0:
-                    updates[hospital] = new_weights   # equal public weights: no reported size is used
-            if not updates:  # every hospital's budget is spent
-                history.append({"round": round_index, "hospitals": 0, "reason": "budget spent"})
-                break
-            weights = federated_average(updates)
-            history.append({"round": round_index, "hospitals": len(updates)})
-        candidate = build_unet(preset.unet, trainable=trainable_of(setting))
-        candidate.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
-        candidate.to(resolve_device(device))
-        # public labels only: what may choose among the released global models
-        candidates.append((setting, candidate, history, public_validation_dice(candidate, world, precision=precision)))
-    chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i][3] is None else candidates[i][3], -i))
-    setting, model, history, validation_dice = candidates[chosen]
+        request = FedAvgRoundRequest(
+            round=0, rounds=setting["rounds"], local_epochs=setting["local_epochs"], epsilon=config.epsilon,
+            delta=config.delta, seed=config.seed, run_tag=run_tag, reproducible_noise=bool(config.reproducible_noise),
+            relation=config.relation, setting=index, plan=plan, learning_rate=setting["learning_rate"],
+            max_grad_norm=setting["max_grad_norm"], batch_size=setting["batch_size"], device=config.device,
+            precision=config.precision, **lever_settings(setting))
+        label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
+        start = _start_of(preset, setting, config.seed, init_weights)
+        candidate, replies = _federate(transport, world, preset, config, outcome.ledger, start, request, label)
+        candidate.setting = setting
+        outcome.candidates.append(candidate)
+        outcome.last_replies = replies or outcome.last_replies
+    return _write_dpfedavg(out, world, preset, config, outcome, transport, started)
+
+
+def _start_of(preset, setting, seed: int, init_weights) -> dict[str, np.ndarray]:
+    """The global model every round 0 of ``setting`` starts from: the public model (random weights when
+    none), with the setting's voxel head (task.networks.VoxelHeadUNet, identity at start) if it trains one."""
+    torch.manual_seed(seed)
+    model = build_unet(preset.unet, trainable=trainable_of(setting))
+    if init_weights is not None:
+        load_start_weights(model, {name: torch.as_tensor(np.asarray(value)) for name, value in init_weights.items()})
+    return {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+
+
+def _federate(transport: HospitalTransport, world, preset, config: DpFedAvgConfig, ledger: Ledger,
+              weights: dict[str, np.ndarray], request: FedAvgRoundRequest, label: str) -> tuple[Candidate, dict | None]:
+    """The rounds of one grid entry from ``weights`` (each a ``request`` for its round), mirroring the
+    hospitals' records into ``ledger``; returns the entry's global model as a :class:`Candidate` and the last
+    replies any hospital sent (None: none)."""
+    history, last_replies = [], None
+    iterator = range(request.rounds)
+    if config.progress:
+        iterator = tqdm(iterator, desc=label, unit="round")
+    for round_index in iterator:
+        replies = transport.fedavg_round(weights, replace(request, round=round_index).to_config())
+        if not replies:
+            history.append({"round": round_index, "hospitals": 0})
+            break
+        last_replies = replies
+        updates = {}
+        for hospital, (metrics, new_weights) in replies.items():
+            mirror_hospital_records(ledger, hospital, metrics.get("ledger_records", "[]"))
+            if int(metrics.get("epochs_trained", 0)) > 0:
+                updates[hospital] = new_weights   # equal public weights: no reported size is used
+        if not updates:  # every hospital's budget is spent
+            history.append({"round": round_index, "hospitals": 0, "reason": "budget spent"})
+            break
+        weights = federated_average(updates)
+        history.append({"round": round_index, "hospitals": len(updates)})
+    model = build_unet(preset.unet, trainable=trainable_of(request.levers()))
+    model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
+    model.to(resolve_device(config.device))
+    # public labels only: what may choose among the released global models
+    validation = public_validation_dice(model, world, precision=config.precision)
+    return Candidate({}, model, history, validation), last_replies
+
+
+def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: FedAvgOutcome,
+                    transport: HospitalTransport, started: float) -> dict[str, Any]:
+    """The entry with the best public validation Dice (the earliest on ties) scored on the test set, and the
+    run's record: results.json from the mirrored ledger, the model bundle (task.results.write_run)."""
+    candidates, ledger, delta = outcome.candidates, outcome.ledger, config.delta
+    chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i].validation_dice is None
+                                                       else candidates[i].validation_dice, -i))
+    best = candidates[chosen]
+    setting, model, history = best.setting, best.model, best.history
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=precision)
+                                                         precision=config.precision)
     results = RunResults(
-        method="dp-fedavg", dice=dice, epsilon_budget=epsilon, hospitals=len(transport.hospital_ids()),
+        method="dp-fedavg", dice=dice, epsilon_budget=config.epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published
-        seed=None if reproducible_noise else seed,
-        device=device_name(model_device(model)), precision=precision,
-    ).account(ledger, delta, relation=relation)   # the worst hospital's, from the mirrored records
+        seed=None if config.reproducible_noise else config.seed,
+        device=device_name(model_device(model)), precision=config.precision,
+    ).account(ledger, delta, relation=config.relation)   # the worst hospital's, from the mirrored records
+    rounds_run = sum(1 for entry in history if entry.get("hospitals"))
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
-        "noise": "reproducible" if reproducible_noise else "secure",
+        "noise": "reproducible" if config.reproducible_noise else "secure",
         "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
         # fewer rounds than planned: the hospitals' budgets (a lifetime budget shared with other cells) ran out
-        "stopped_by_budget": (None if sum(1 for entry in history if entry.get("hospitals")) >= setting["rounds"] else
-                              f"{sum(1 for entry in history if entry.get('hospitals'))} of {setting['rounds']} rounds"),
-        "validation_dice_mean": validation_dice,   # public: what model selection may use
-        "init": init if init_weights is not None else "scratch",
-        "start": (start_description(preset)
-                  if init_weights is not None else "random weights"),
-        "settings_grid": [dict(c[0]) for c in candidates],
-        "settings_validation_dice": [c[3] for c in candidates],
+        "stopped_by_budget": (None if rounds_run >= setting["rounds"] else
+                              f"{rounds_run} of {setting['rounds']} rounds"),
+        "validation_dice_mean": best.validation_dice,   # public: what model selection may use
+        "init": config.recorded_init(outcome.started_from_weights),
+        "start": start_description(preset) if outcome.started_from_weights else "random weights",
+        "settings_grid": [dict(c.setting) for c in candidates],
+        "settings_validation_dice": [c.validation_dice for c in candidates],
         "setting_chosen": chosen,
         "setting_selection": ("best Dice on the public validation set among the grid; every entry was a full "
                               "federated run on the private data, charged to the hospitals' ledgers"
@@ -229,7 +323,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, epsilon: float, de
         "fedavg_weights": "equal per hospital (public; hospitals' example counts are not used)",
         "dropped_hospitals": {h: public_dropout_reason(why) for h, why in transport.dropped.items()},
         # where each hospital ran its local DP-SGD in the last round (a deployed hospital chooses its own)
-        "hospital_devices": {h: m.get("device") for h, (m, _) in (last_replies or {}).items()},
+        "hospital_devices": {h: m.get("device") for h, (m, _) in (outcome.last_replies or {}).items()},
     }
     release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})

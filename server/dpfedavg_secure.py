@@ -59,6 +59,7 @@ import logging
 import math
 import secrets
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -71,15 +72,17 @@ from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from server.dpfedavg import FederatedRun
 from server.pate_secure import threat_model
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from task.bundle import preprocessing_of
-from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from task.device import device_name, model_device, resolve_device
 from task.dpsgd import steps_per_epoch
 from task.errors import UserError
 from task.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
 from task.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
+from task.requests import SecureStageRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
 from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
@@ -129,11 +132,85 @@ def who_sees_what(secure: Mapping[str, Any]) -> dict[str, str]:
             "results": "the trained voxel head"}
 
 
-def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: float, delta: float,
-                        out_dir: str | Path, *, seed: int = 0, progress: bool = True, reproducible_noise: bool = False,
-                        init_weights: Mapping[str, np.ndarray] | None = None, init: str = "public",
-                        device: str = "auto", precision: str = "32", threat: Mapping[str, Any] | None = None,
-                        steps: int | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DpFedAvgSecureConfig(FederatedRun):
+    """A dp-fedavg-secure run (:func:`run_dpfedavg_secure`): a :class:`server.dpfedavg.FederatedRun` (its seed
+    initialises the head, and the U-Net when there are no start weights; its device is where the hospitals
+    compute the frozen features) with
+
+    Args:
+        threat: colluders, dropouts and the Shamir threshold (``server.pate_secure.threat_model``; None: none
+            colluding, no dropout, the smallest threshold).
+        steps: the number of steps (None: :func:`planned_steps`, pooled DP-SGD's; tests shorten it).
+    """
+
+    threat: Mapping[str, Any] | None = None
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "threat", threat_model(self.threat or {}))
+        if self.steps is not None and int(self.steps) < 1:
+            raise UserError(f"{METHOD}: steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class HeadModel:
+    """What dp-fedavg-secure trains: the voxel head on the frozen start model."""
+
+    model: torch.nn.Module
+    start: dict[str, np.ndarray]                 # the frozen start model's weights (public: sent at join)
+    digest: str
+    dimension: int
+    names: list[str]                             # the head's parameters
+    parameters: dict[str, torch.nn.Parameter]
+
+
+@dataclass
+class SecureStepPlan:
+    """The plan every hospital checks before it joins a step's secure sum: who takes part with how many patients,
+    the integer grid, the calibrated noise and the modulus; ``record`` is what results.json says of it."""
+
+    setting: dict[str, Any]
+    counts: dict[str, int]                       # hospital -> patients (public under replace-one)
+    steps: int
+    counted: int                                 # noise shares every hospital can count on
+    threshold: int
+    grid: IntegerGrid
+    per_step: Any                                # the privacy event of one step's release
+    bits: int
+    noise_sd: float                              # of the sum, in gradient units
+    declaration: dict[str, Any]
+    record: dict[str, Any]
+
+    @property
+    def participants(self) -> list[str]:
+        return sorted(self.counts)
+
+
+@dataclass
+class SecureTraining:
+    """How the steps went: why they stopped early (None: all planned ran), who dropped mid-protocol, and per
+    released step how many hospitals and patients were in the sum."""
+
+    stopped_early: str | None = None
+    dropped_at: dict[str, list[str]] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class RunRecord:
+    """What the record of a run needs besides its results: its ledger, its transport (who dropped), whether it
+    was given start weights and when it started (``time.perf_counter()``)."""
+
+    ledger: Ledger
+    transport: HospitalTransport
+    started_from_weights: bool
+    started: float
+
+
+def run_dpfedavg_secure(transport: HospitalTransport, world, preset, config: DpFedAvgSecureConfig,
+                        out_dir: str | Path, init_weights: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Train the voxel head by distributed DP gradient descent through secure sums; write ``out_dir``.
 
     Args:
@@ -141,176 +218,204 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
             ``secure_stage`` (in-process, or Flower messages: ``query.secure``).
         world: the server's ``task.world.PublicWorld`` (public validation set, test set for the score).
         preset: the preset (network, and pooled DP-SGD's setting: :func:`pooled_dpsgd_setting`).
-        epsilon / delta: the run's budget; the local noise variance is calibrated so that the planned steps
-            spend it.
+        config: what the run is asked to do (:class:`DpFedAvgSecureConfig`: budget -- the local noise variance is
+            calibrated so that the planned steps spend it --, seed, threat model, device, ...).
         out_dir: the run folder (results.json, ledger.jsonl, model/); refused when it holds an earlier ledger.
-        seed: the head's initialisation (and the U-Net's when ``init_weights`` is None); the hospitals' noise
-            only under ``reproducible_noise``.
-        progress: a progress bar over the steps.
-        reproducible_noise: simulation only -- the hospitals' noise and rounding seeded by ``seed`` (a deployed
-            hospital refuses), which is then left out of results.json. Default: secure noise.
         init_weights: the start model's weights (the public model; random weights when None).
-        init: the name of that start recorded in results.json.
-        device / precision: sent to the simulated hospitals (the frozen features' forward pass) and used here
-            to evaluate.
-        threat: colluders, dropouts and the Shamir threshold (``server.pate_secure.threat_model``; None: none
-            colluding, no dropout, the smallest threshold).
-        steps: the number of steps (None: :func:`planned_steps`, pooled DP-SGD's; tests shorten it).
     """
-    device, precision = check_device_spec(device), check_precision(precision)
     started = time.perf_counter()
     out = fresh_run_folder(out_dir)
     ledger = Ledger(out / "ledger.jsonl")
-    guard = BudgetGuard(ledger, float(epsilon), float(delta))
-    threat = threat_model(threat or {})
+    guard = BudgetGuard(ledger, config.epsilon, config.delta)
     setting = pooled_dpsgd_setting(preset)
+    head = head_model(preset, config.seed, init_weights)
+    settings = SecureStageRequest(method=METHOD, delta=config.delta, device=config.device, precision=config.precision,
+                                  secure_noise_seed=int(config.seed) if config.reproducible_noise else None
+                                  ).to_config()
 
+    def exchange(stage, messages):
+        return transport.secure_stage(stage, messages, settings)
+
+    counts = join_hospitals(exchange, transport, head)
+    plan = plan_steps(config, setting, counts, head.dimension)
+    training = train_head(exchange, transport, head, plan, config, guard)
+    return _write_secure(out, world, preset, config, head, plan, training,
+                         RunRecord(ledger, transport, init_weights is not None, started))
+
+
+def head_model(preset, seed: int, init_weights: Mapping[str, np.ndarray] | None) -> HeadModel:
+    """The voxel-head network (its head seeded by ``seed``) on the start model ``init_weights`` (random weights
+    when None), with only the head's parameters trainable."""
     torch.manual_seed(seed)
     model = build_unet(preset.unet, trainable=VOXEL_HEAD)
     if init_weights is not None:
         load_start_weights(model, {k: torch.as_tensor(np.asarray(v)) for k, v in init_weights.items()
                                    if not k.startswith("voxel_head.")})
     start = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if not k.startswith("voxel_head.")}
-    digest = state_digest(start)
-    dimension = head_dimension(model)
     names = head_parameter_names(model)
     parameters = dict(model.named_parameters())
     for name, parameter in parameters.items():
         parameter.requires_grad_(name in names)
-    settings = {"method": METHOD, "delta": float(delta), "device": device, "precision": precision}
-    if reproducible_noise:
-        settings["secure_noise_seed"] = int(seed)
+    return HeadModel(model, start, state_digest(start), head_dimension(model), names, parameters)
 
-    def exchange(stage, messages):
-        return transport.secure_stage(stage, messages, settings)
 
-    # join: the public start model out, each hospital's number of patients back (public under replace-one)
+def join_hospitals(exchange, transport: HospitalTransport, head: HeadModel) -> dict[str, int]:
+    """The join: the public start model out, each hospital's number of patients back (public under replace-one);
+    a hospital that answers with another start model, head or count is left out. UserError when fewer than two
+    hospitals, or no patient, are left."""
     asked = sorted(transport.hospital_ids())
-    joined = exchange(JOIN_STAGE, {h: {"kind": CONTRIBUTION_KIND, "relation": RELATION, "start_weights": start}
+    joined = exchange(JOIN_STAGE, {h: {"kind": CONTRIBUTION_KIND, "relation": RELATION, "start_weights": head.start}
                                    for h in asked})
     counts = {}
     for hospital, reply in sorted(joined.items()):
         patients, size = reply.get("patients"), reply.get("dimension")
-        if (reply.get("start_digest") != digest or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                                            for v in (patients, size))
-                or size != dimension or patients < 0):
+        if (reply.get("start_digest") != head.digest
+                or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (patients, size))
+                or size != head.dimension or patients < 0):
             log.warning("hospital %s joined with another start model, head or count: left out", hospital)
             continue
         counts[hospital] = int(patients)
-    participants = sorted(counts)
-    if len(participants) < 2:
-        raise UserError(f"{METHOD}: {len(participants)} hospital(s) joined (of {len(asked)}); a secure sum needs at "
+    if len(counts) < 2:
+        raise UserError(f"{METHOD}: {len(counts)} hospital(s) joined (of {len(asked)}); a secure sum needs at "
                         "least 2")
-    patients = sum(counts.values())
-    if patients < 1:
+    if sum(counts.values()) < 1:
         raise UserError(f"{METHOD}: the hospitals that joined hold no patients")
-    total_steps = planned_steps(setting, patients) if steps is None else int(steps)
+    return counts
+
+
+def plan_steps(config: DpFedAvgSecureConfig, setting: Mapping[str, Any], counts: Mapping[str, int],
+               dimension: int) -> SecureStepPlan:
+    """The plan: steps, grid, noise, modulus -- every hospital checks the declaration against its own policy."""
+    threat, participants, patients = config.threat, len(counts), sum(counts.values())
+    total_steps = planned_steps(setting, patients) if config.steps is None else int(config.steps)
     if total_steps < 1:
         raise UserError(f"{METHOD}: steps must be >= 1, got {total_steps}")
-
-    # the plan: grid, noise, modulus -- every hospital checks the declaration against its own policy
-    counted = share_count(len(participants), threat["colluders"], threat["dropouts"])
+    counted = share_count(participants, threat["colluders"], threat["dropouts"])
     threshold = int(threat.get("threshold") or max(2, threat["colluders"] + 1))
     grid = IntegerGrid.for_rows(float(setting["max_grad_norm"]), dimension, inflation=GRID_INFLATION)
-    variance = calibrate_local_variance(float(epsilon), float(delta), total_steps, grid, counted, RELATION)
+    variance = calibrate_local_variance(config.epsilon, config.delta, total_steps, grid, counted, RELATION)
     per_step = ddg_event(grid, variance, counted, 1, RELATION)
-    bits = modulus_bits(patients * grid.row_bound, len(participants) * variance, dimension, WRAP_PROBABILITY)
-    noise_sd = grid.granularity * math.sqrt(len(participants) * variance)   # of the sum, in gradient units
+    bits = modulus_bits(patients * grid.row_bound, participants * variance, dimension, WRAP_PROBABILITY)
+    noise_sd = grid.granularity * math.sqrt(participants * variance)   # of the sum, in gradient units
     declaration = {"kind": CONTRIBUTION_KIND, "relation": RELATION, "local_variance": variance, "shares": counted,
                    "total_variance": counted * variance, "clip": grid.clip, "granularity": grid.granularity,
                    "dimension": dimension}
-    record = {"aggregation": "secure", "participants": len(participants), "colluders": threat["colluders"],
+    record = {"aggregation": "secure", "participants": participants, "colluders": threat["colluders"],
               "dropouts": threat["dropouts"], "threshold": threshold, "counted_shares": counted,
               "local_variance": variance, "granularity": grid.granularity, "row_bound": grid.row_bound,
               "bits": bits, "wrap_probability_bound": wrap_bound(bits, patients * grid.row_bound,
-                                                                  len(participants) * variance, dimension),
+                                                                  participants * variance, dimension),
               "dimension": dimension, "patients": patients, "patients_per_hospital": dict(counts),
               "steps_planned": total_steps, "steps_released": 0, "failed_steps": 0,
               "released_mean_gradient_sigma": noise_sd / patients,
               "bytes_up_per_hospital_per_step": {}, "bytes_down_per_hospital_per_step": {}}
+    return SecureStepPlan(dict(setting), dict(counts), total_steps, counted, threshold, grid, per_step, bits,
+                          noise_sd, declaration, record)
 
-    optimizer = torch.optim.Adam([parameters[name] for name in names], lr=float(setting["learning_rate"]))
+
+def train_head(exchange, transport: HospitalTransport, head: HeadModel, plan: SecureStepPlan,
+               config: DpFedAvgSecureConfig, guard: BudgetGuard) -> SecureTraining:
+    """The steps: each charged to the run's ledger, then one secure sum of the hospitals' noised head gradients,
+    then an Adam step on its mean; stops when a hospital left, the budget is spent or a sum fails.
+
+    Args:
+        exchange: sends each named hospital its message for a secure-sum stage (``transport.secure_stage``).
+        transport: the hospitals (who is still connected).
+        head: the model trained (its head's parameters step; ``plan.record`` counts what was released).
+        plan: the participants, grid, noise and modulus every hospital accepted.
+        config: the run (its epsilon names the noise streams; ``progress``).
+        guard: the run ledger's guard, charged before each step's sum.
+    """
+    participants, counts, record = plan.participants, plan.counts, plan.record
+    optimizer = torch.optim.Adam([head.parameters[name] for name in head.names], lr=float(plan.setting["learning_rate"]))
     run_nonce = secrets.token_hex(4)
-    stopped_early, dropped_at, history = None, {}, []
+    training = SecureTraining()
     bytes_up = {h: 0 for h in participants}
     bytes_down = {h: 0 for h in participants}
-    iterator = range(total_steps)
-    if progress:
+    iterator = range(plan.steps)
+    if config.progress:
         iterator = tqdm(iterator, desc=f"{METHOD} steps", unit="step")
     for step in iterator:
         connected = sorted(h for h in transport.hospital_ids() if h in counts)
         if connected != participants:
-            stopped_early = (f"hospitals {sorted(set(participants) - set(connected))} left; the noise was planned "
-                             f"for {len(participants)} participants")
+            training.stopped_early = (f"hospitals {sorted(set(participants) - set(connected))} left; the noise was "
+                                      f"planned for {len(participants)} participants")
             break
         release_id = f"{METHOD}:{run_nonce}:step-{step}"
         try:   # the run's ledger first: nothing is summed for a step it cannot pay for
-            guard.charge_all(participants, per_step, [release_id],
-                             {"secure_sum": True, "counted_shares": counted, "participants": len(participants),
+            guard.charge_all(participants, plan.per_step, [release_id],
+                             {"secure_sum": True, "counted_shares": plan.counted, "participants": len(participants),
                               "kind": CONTRIBUTION_KIND})
         except BudgetExceeded as exc:
-            stopped_early = str(exc)
+            training.stopped_early = str(exc)
             break
-        head = head_state(model)
-        inputs = {h: {"head": head, "start_digest": digest, "stream": f"{METHOD}:eps-{float(epsilon):g}:step-{step}"}
-                  for h in participants}
+        weights = head_state(head.model)
+        inputs = {h: {"head": weights, "start_digest": head.digest,
+                      "stream": f"{METHOD}:eps-{config.epsilon:g}:step-{step}"} for h in participants}
         try:
-            result = secure_sum(exchange, participants, threshold, bits, dimension,
-                                {**declaration, "release_ids": [release_id]}, inputs)
+            result = secure_sum(exchange, participants, plan.threshold, plan.bits, head.dimension,
+                                {**plan.declaration, "release_ids": [release_id]}, inputs)
         except SecureSumFailed as exc:
             record["failed_steps"] += 1
-            stopped_early = f"step {step} was not released: {exc}"
-            log.warning("%s: %s", METHOD, stopped_early)
+            training.stopped_early = f"step {step} was not released: {exc}"
+            log.warning("%s: %s", METHOD, training.stopped_early)
             break
         in_sum = sum(counts[h] for h in result.survivors)
-        total = grid.to_reals(centered(result.total, bits))
+        total = plan.grid.to_reals(centered(result.total, plan.bits))
         mean = total / max(1, in_sum)
-        for name, gradient in unflatten(model, mean).items():
-            parameters[name].grad = gradient.to(parameters[name].device)
+        for name, gradient in unflatten(head.model, mean).items():
+            head.parameters[name].grad = gradient.to(head.parameters[name].device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         record["steps_released"] += 1
         for h, stage in result.dropped.items():
-            dropped_at.setdefault(h, []).append(f"step {step}: dropped at {stage}")
+            training.dropped_at.setdefault(h, []).append(f"step {step}: dropped at {stage}")
         for h in participants:
             bytes_up[h] += result.bytes_up.get(h, 0)
             bytes_down[h] += result.bytes_down.get(h, 0)
-        history.append({"step": step, "hospitals": len(result.survivors), "patients": in_sum})
+        training.history.append({"step": step, "hospitals": len(result.survivors), "patients": in_sum})
     released = max(1, record["steps_released"])
     record["bytes_up_per_hospital_per_step"] = {h: round(b / released) for h, b in bytes_up.items()}
     record["bytes_down_per_hospital_per_step"] = {h: round(b / released) for h, b in bytes_down.items()}
+    return training
 
+
+def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: HeadModel, plan: SecureStepPlan,
+                  training: SecureTraining, run: RunRecord) -> dict[str, Any]:
+    """The trained head evaluated (public validation, test) and the run's record written
+    (task.results.write_run)."""
+    model, setting, record, ledger = head.model, plan.setting, plan.record, run.ledger
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    model.to(resolve_device(device))
-    validation_dice = public_validation_dice(model, world, precision=precision)
+    model.to(resolve_device(config.device))
+    validation_dice = public_validation_dice(model, world, precision=config.precision)
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=precision)
-    results = RunResults(method=METHOD, dice=dice, epsilon_budget=float(epsilon), hospitals=len(participants),
-                         sigma=noise_sd / grid.clip, seed=None if reproducible_noise else seed,
-                         device=device_name(model_device(model)), precision=precision,
-                         ).account(ledger, float(delta), relation=RELATION)
+                                                         precision=config.precision)
+    results = RunResults(method=METHOD, dice=dice, epsilon_budget=config.epsilon, hospitals=len(plan.counts),
+                         sigma=plan.noise_sd / plan.grid.clip, seed=None if config.reproducible_noise else config.seed,
+                         device=device_name(model_device(model)), precision=config.precision,
+                         ).account(ledger, config.delta, relation=RELATION)
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
-        "noise": "reproducible" if reproducible_noise else "secure",
-        "init": init if init_weights is not None else "scratch",
+        "noise": "reproducible" if config.reproducible_noise else "secure",
+        "init": config.recorded_init(run.started_from_weights),
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
-                  if init_weights is not None else "random weights"),
+                  if run.started_from_weights else "random weights"),
         "validation_dice_mean": validation_dice,
         "trainable": VOXEL_HEAD, "learning_rate": setting["learning_rate"], "max_grad_norm": setting["max_grad_norm"],
         "epochs": setting["epochs"], "pooled_expected_batch": setting["batch_size"], "steps": record["steps_released"],
         "batch": "full: every patient of every hospital in the sum, every step (no subsampling)",
         "settings_principle": PRINCIPLE,
-        "epsilon_per_hospital": {o: ledger.spent(o, float(delta)).epsilon for o in ledger.owners()},
-        "stopped_early": stopped_early,
-        "history": history,
-        "dropped_hospitals": {h: public_dropout_reason(why) for h, why in transport.dropped.items()},
-        "dropped_mid_protocol": dropped_at,
-        "privacy_statement": (f"({results.epsilon:.4g}, {float(delta):g})-DP per patient, replace-one adjacency, "
+        "epsilon_per_hospital": {o: ledger.spent(o, config.delta).epsilon for o in ledger.owners()},
+        "stopped_early": training.stopped_early,
+        "history": training.history,
+        "dropped_hospitals": {h: public_dropout_reason(why) for h, why in run.transport.dropped.items()},
+        "dropped_mid_protocol": training.dropped_at,
+        "privacy_statement": (f"({results.epsilon:.4g}, {config.delta:g})-DP per patient, replace-one adjacency, "
                               f"{results.accountant} accountant over {record['steps_released']} distributed discrete "
                               f"Gaussian releases of the summed clipped head gradients through a secure sum "
-                              f"({counted} counted noise shares); covers the trained head"),
+                              f"({plan.counted} counted noise shares); covers the trained head"),
         "aggregation": "secure",
         "secure_aggregation": record,
         "who_sees_what": who_sees_what(record),
@@ -318,4 +423,4 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, epsilon: fl
     release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "aggregation": "secure sum (SecAgg+) with "
                                        "distributed discrete Gaussian noise"})
-    return write_run(out, results, release, started=started)
+    return write_run(out, results, release, started=run.started)

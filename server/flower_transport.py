@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 from flwr.app import Message
 
-from task.flower_wire import arrays_digest, make_content, pack_nested, read_content, unpack_nested
+from task.errors import UserError
+from task.flower_wire import CODEC_DIGEST, arrays_digest, make_content, pack_nested, read_content, unpack_nested
+from task.requests import QueryRequest
 
 log = logging.getLogger("fedpate.flower")
 
@@ -25,22 +28,55 @@ class HospitalsUnavailable(RuntimeError):
     """Fewer hospitals connected than the run needs (named in the message)."""
 
 
+@dataclass(frozen=True)
+class TransportSettings:
+    """How a :class:`FlowerTransport` reaches the hospitals, validated when built.
+
+    Args:
+        expected_hospitals: the nodes to wait for before the run starts.
+        wait_seconds: how long to wait for them (the run goes on with at least ``min_hospitals``).
+        reply_timeout: the deadline of a reply (training rounds).
+        query_timeout: the deadline of a query round (None or 0: ``reply_timeout``) -- a query is inference on
+            teachers already trained, so a hospital that dies mid-query holds the run up for seconds, not for a
+            training round's deadline.
+        base_config: what every message carries beside its request (``task.requests.RunContext`` and the
+            simulated hospitals' privacy settings, ``task.runconfig.RunSettings.hospital_privacy_config``).
+        min_hospitals: the fewest hospitals a run starts with.
+        poll_seconds: how often to look for connected nodes while waiting.
+        clock: the clock the waiting is measured on (tests pass a fake one).
+    """
+
+    expected_hospitals: int
+    wait_seconds: float = 120.0
+    reply_timeout: float = 600.0
+    query_timeout: float | None = None
+    base_config: Mapping[str, Any] | None = None
+    min_hospitals: int = 1
+    poll_seconds: float = 0.5
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        for name in ("expected_hospitals", "min_hospitals"):
+            if int(getattr(self, name)) < 0:
+                raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {getattr(self, name)!r}")
+        for name in ("wait_seconds", "reply_timeout", "poll_seconds"):
+            if not float(getattr(self, name)) >= 0:
+                raise UserError(f"{name.replace('_', '-')}: expected a non-negative number, got {getattr(self, name)!r}")
+        object.__setattr__(self, "base_config", dict(self.base_config or {}))
+
+
 class FlowerTransport:
-    def __init__(self, grid, expected_hospitals: int, *, wait_seconds: float = 120.0,
-                 reply_timeout: float = 600.0, query_timeout: float | None = None,
-                 base_config: Mapping[str, Any] | None = None,
-                 min_hospitals: int = 1, poll_seconds: float = 0.5, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, grid, settings: TransportSettings):
         self.grid = grid
-        self.expected = int(expected_hospitals)
-        self.wait_seconds = float(wait_seconds)
-        self.reply_timeout = float(reply_timeout)
-        # a query is inference on teachers already trained: a much shorter deadline than training, so a
-        # hospital that dies mid-query holds the run up for seconds, not for a training round's deadline
-        self.query_timeout = float(query_timeout) if query_timeout else self.reply_timeout
-        self.base_config = dict(base_config or {})
-        self.min_hospitals = int(min_hospitals)
-        self.poll_seconds = poll_seconds
-        self.clock = clock
+        self.settings = settings
+        self.expected = int(settings.expected_hospitals)
+        self.wait_seconds = float(settings.wait_seconds)
+        self.reply_timeout = float(settings.reply_timeout)
+        self.query_timeout = float(settings.query_timeout) if settings.query_timeout else self.reply_timeout
+        self.base_config = dict(settings.base_config)
+        self.min_hospitals = int(settings.min_hospitals)
+        self.poll_seconds = settings.poll_seconds
+        self.clock = settings.clock
         self.node_of: dict[str, int] = {}       # hospital id -> node id
         self.teachers_of: dict[str, int] = {}
         self.deployed: dict[str, bool] = {}     # hospital id -> runs on its own data (not a simulated node)
@@ -88,7 +124,9 @@ class FlowerTransport:
 
     def query(self, scans: np.ndarray, codec: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> dict[str, np.ndarray]:
         digest = arrays_digest(codec)
-        message_config = {**self.base_config, **config, "codec_digest": digest}
+        request = QueryRequest.from_config(config)
+        # the codec travels once per hospital; the message names the one meant, so a node that lost it asks again
+        message_config = {**self.base_config, **request.to_config(), CODEC_DIGEST: digest}
         scans = np.ascontiguousarray(scans, np.float32)  # once, not per hospital
 
         def build(hospital: str, resend: bool = False):
@@ -101,7 +139,7 @@ class FlowerTransport:
         for hospital in replies:
             self.codec_sent[hospital] = digest
         # Payload bytes per (teacher, scan): what one teacher uploads for one query.
-        if not config.get("diagnostic"):
+        if not request.diagnostic:
             self.bytes_up.append({h: arrays["encodings"]["z"].nbytes / max(1, arrays["encodings"]["z"].shape[0]
                                                                           * len(scans))
                                   for h, (_, arrays) in replies.items()})

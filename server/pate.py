@@ -53,7 +53,7 @@ from privacy.mechanisms import NoiseSource
 from server.aggregation import QueryRelease, aggregate_query
 from server.pate_secure import is_secure, run_secure_query_phase, who_sees_what
 from server.selftrain import PublicModels, train_public_models
-from server.student import train_public_model, train_student
+from server.student import ModelTraining, train_public_model, train_student
 from server.transport import (
     HospitalTransport,
     TeacherEnsembleDiagnostics,
@@ -70,7 +70,8 @@ from task.errors import UserError
 from task import methods
 from task.metrics import dice_scores
 from task.networks import network_config_of
-from task.options import PcaMode, Relation, look_up_option
+from task.options import PcaMode, PublicScans, Relation, look_up_option
+from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
 from task.world import PublicWorld
@@ -120,9 +121,9 @@ class PateConfig:
         object.__setattr__(self, "device", check_device_spec(self.device))
         object.__setattr__(self, "precision", check_precision(self.precision))
 
-    def compute(self) -> dict[str, str]:
-        """What every message to the hospitals says about device and precision (strings: they travel)."""
-        return {"device": self.device, "precision": self.precision}
+    def compute(self) -> HospitalRequest:
+        """What every message to the hospitals says about device and precision."""
+        return HospitalRequest(device=self.device, precision=self.precision)
 
 
 # ---------------------------------------------------------------------------------------------- steps' data
@@ -159,20 +160,22 @@ class ReleasePlan:
     public_query_scans: np.ndarray | None = None
     public_test_scans: np.ndarray | None = None
 
-    def _public_side(self, indices, on: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _public_side(self, indices, on: PublicScans) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(the public model's probabilities, the scans) for the scans ``indices`` of the query or test set."""
-        probs = self.public_query_probs if on == "query" else self.public_test_probs
-        scans = self.public_query_scans if on == "query" else self.public_test_scans
+        on = look_up_option(on, PublicScans, "public scans")
+        probs = self.public_query_probs if on is PublicScans.QUERY else self.public_test_probs
+        scans = self.public_query_scans if on is PublicScans.QUERY else self.public_test_scans
         index = np.asarray(indices, dtype=int)
         return (None if probs is None else probs[index]), (None if scans is None else scans[index])
 
-    def codec_for(self, indices, on: str = "query") -> dict:
+    def codec_for(self, indices, on: PublicScans = PublicScans.QUERY) -> dict:
         """The codec state shipped with the scans ``indices`` (with the public side information the compressor
         says a batch needs, e.g. the anchored codec's anchors and intensity bins)."""
         probs, scans = self._public_side(indices, on)
         return self.compressor.batch_state(self.codec, probs, scans)
 
-    def decode(self, latents: np.ndarray, indices, on: str = "query", noisy: bool = True) -> np.ndarray:
+    def decode(self, latents: np.ndarray, indices, on: PublicScans = PublicScans.QUERY, noisy: bool = True
+               ) -> np.ndarray:
         """Pseudo-labels from mean latents (``noisy=False``: the un-noised diagnostic, decoded as if sigma were 0)."""
         probs, scans = self._public_side(indices, on)
         return self.compressor.decode_release(latents, probs, self.sigma if noisy else 0.0, scans)
@@ -277,17 +280,18 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
                                device=config.device, precision=config.precision)
 
 
-def teacher_training(preset) -> dict[str, Any]:
-    """What the teachers train, as the preset's :class:`task.presets.Teachers` says, in the hospitals' train
-    message: the trainable set, the learning rate (the preset's when the recipe names none) and augmentation."""
+def teacher_training(preset) -> TeacherTrainingRequest:
+    """What the teachers train, as the preset's :class:`task.presets.Teachers` says, as the hospitals' train
+    request: the epochs, the trainable set, the learning rate (the preset's when the recipe names none) and
+    augmentation."""
     recipe = preset.teacher
-    return {"teacher_trainable": recipe.trainable.value,
-            "teacher_learning_rate": float(recipe.learning_rate or preset.learning_rate),
-            "teacher_augment": bool(recipe.augment)}
+    return TeacherTrainingRequest(teacher_epochs=recipe.epochs, teacher_trainable=recipe.trainable.value,
+                                  teacher_learning_rate=float(recipe.learning_rate or preset.learning_rate),
+                                  teacher_augment=bool(recipe.augment))
 
 
 def student_training(preset) -> dict[str, Any]:
-    """What the student trains, as the preset's :class:`task.presets.Student` says: ``server.student.train_student``'s
+    """What the student trains, as the preset's :class:`task.presets.Student` says: :class:`server.student.ModelTraining`'s
     ``trainable``, ``learning_rate`` (None = the preset's) and ``finetune`` (then every weight)."""
     recipe = preset.student
     return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune}
@@ -296,10 +300,9 @@ def student_training(preset) -> dict[str, Any]:
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
-    metrics = transport.train({"teacher_epochs": preset.teacher.epochs, "seed": config.seed, **config.compute(),
-                               **teacher_training(preset),
-                               **({"local_dp": dict(config.local_dp)} if config.local_dp else {})},
-                              init_weights=_state_arrays(public_model))
+    request = replace(teacher_training(preset), seed=config.seed, device=config.device, precision=config.precision,
+                      local_dp=dict(config.local_dp) if config.local_dp else None)
+    metrics = transport.train(request.to_config(), init_weights=_state_arrays(public_model))
     per_hospital = {h: int(m.get("teachers", 0)) for h, m in metrics.items() if int(m.get("teachers", 0)) > 0}
     if not per_hospital:
         raise UserError("no hospital trained any teacher: nothing to query")
@@ -394,10 +397,12 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
             phase.stopped_early = refusal
             break
         release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
-        replies = transport.query(world.query_images[batch], plan.codec_for(batch), {
-            "method": config.method, "seed": config.seed, "queries": batch, "release_ids": release_ids,
-            "sigma": float(plan.sigma), "teachers": declared, "delta": float(config.delta), **config.compute()})
-        phase.stopped_early = _aggregate_batch(phase, batch, release_ids, replies, plan, guard, noise, asked, bar)
+        request = QueryRequest(method=config.method, seed=config.seed, queries=batch, release_ids=release_ids,
+                               sigma=float(plan.sigma), teachers=declared, delta=float(config.delta),
+                               device=config.device, precision=config.precision)
+        replies = transport.query(world.query_images[batch], plan.codec_for(batch), request.to_config())
+        answered = AnsweredBatch(batch, release_ids, replies, asked)
+        phase.stopped_early = _aggregate_batch(phase, answered, plan, guard, noise, bar)
         if phase.stopped_early:
             break
     if bar is not None:
@@ -429,13 +434,15 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     start_init = {k: v.clone() for k, v in public.start.state_dict().items()}
     public_init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    student = train_student(world, targets, queries.answered, preset, seed=config.seed, init=start_init,
-                            include_reference=config.include_reference, progress=config.progress,
-                            device=config.device, precision=config.precision, **student_training(preset))
-    public_only = train_public_model(world, preset, seed=config.seed, epochs=preset.student.epochs, init=public_init,
-                                     progress=config.progress,
-                                     checkpoint=shared / "public-only.pt" if shared else None,
-                                     device=config.device, precision=config.precision)
+    training = ModelTraining(seed=config.seed, progress=config.progress, device=config.device,
+                             precision=config.precision)
+    student = train_student(world, targets, queries.answered, preset,
+                            replace(training, include_reference=config.include_reference, **student_training(preset)),
+                            init=start_init)
+    public_only = train_public_model(world, preset,
+                                     replace(training, epochs=preset.student.epochs,
+                                             checkpoint=shared / "public-only.pt" if shared else None),
+                                     init=public_init)
     return Student(student, public_only, pseudo)
 
 
@@ -464,21 +471,24 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
                         diagnostics=config.diagnostics)
     if not config.diagnostics:
         return result
-    teacher_dice = transport.evaluate({"seed": config.seed, **config.compute()}, test={"images": world.test_images,
-                                                                   "labels": world.test_labels})
+    teacher_dice = transport.evaluate(
+        EvaluationRequest(seed=config.seed, device=config.device, precision=config.precision).to_config(),
+        test={"images": world.test_images, "labels": world.test_labels})
     scores = [d for m in teacher_dice.values() for d in (m.get("teacher_dice") or []) if d is not None]
     result.teacher_dice_mean = float(np.mean(scores)) if scores else None
     result.teacher_dice_per_hospital = {h: m.get("teacher_dice_mean") for h, m in teacher_dice.items()}
     test_indices = np.arange(len(world.test_images))
-    clean = transport.query(world.test_images, plan.codec_for(test_indices, on="test"),
-                            {"method": config.method, "diagnostic": True, **config.compute()})
+    diagnostic = QueryRequest(method=config.method, diagnostic=True, device=config.device, precision=config.precision)
+    clean = transport.query(world.test_images, plan.codec_for(test_indices, on=PublicScans.TEST),
+                            diagnostic.to_config())
     rows = [np.asarray(r, np.float64) for r in clean.values() if np.asarray(r).ndim == 3]
     if rows:
         mean_latent = np.concatenate(rows, axis=0).mean(axis=0)
-        result.ensemble_dice = _label_dice(plan.decode(mean_latent, test_indices, on="test", noisy=False),
+        result.ensemble_dice = _label_dice(plan.decode(mean_latent, test_indices, on=PublicScans.TEST, noisy=False),
                                            world.test_labels)
     if isinstance(transport, TeacherEnsembleDiagnostics):
-        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images, config.compute()),
+        result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images,
+                                                                                 config.compute().to_config()),
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])
@@ -582,19 +592,29 @@ def _without_diagnostics_if_deployed(config: PateConfig, transport: HospitalTran
     return config
 
 
-def _aggregate_batch(phase: QueryPhase, batch: list[int], release_ids: list[str], replies: Mapping[str, Any],
-                     plan: ReleasePlan, guard: BudgetGuard, noise: NoiseSource, asked: Mapping[str, int],
-                     bar) -> str | None:
+@dataclass(frozen=True)
+class AnsweredBatch:
+    """One query batch as the hospitals answered it: the query indices, their release ids, each hospital's
+    (T_h, n, l) rows, and the teachers each asked hospital must answer with."""
+
+    indices: list[int]
+    release_ids: list[str]
+    replies: Mapping[str, Any]
+    asked: Mapping[str, int]
+
+
+def _aggregate_batch(phase: QueryPhase, batch: AnsweredBatch, plan: ReleasePlan, guard: BudgetGuard,
+                     noise: NoiseSource, bar) -> str | None:
     """One noisy mean per query of the batch (server.aggregation.aggregate_query); returns why the phase
     stops, if a charge would exceed a budget."""
-    for j, index in enumerate(batch):
+    for j, index in enumerate(batch.indices):
         per_query = {}
-        for hospital, rows in replies.items():
+        for hospital, rows in batch.replies.items():
             rows = np.asarray(rows)
-            per_query[hospital] = rows[:, j, :] if rows.ndim == 3 and rows.shape[1] == len(batch) else rows
+            per_query[hospital] = rows[:, j, :] if rows.ndim == 3 and rows.shape[1] == len(batch.indices) else rows
         try:
-            release = QueryRelease(release_ids[j], plan.sigma, plan.compressor, state=plan.codec,
-                                   expected_rows=asked, stream=f"query-{index}", note={"query": int(index)})
+            release = QueryRelease(batch.release_ids[j], plan.sigma, plan.compressor, state=plan.codec,
+                                   expected_rows=batch.asked, stream=f"query-{index}", note={"query": int(index)})
             noisy, teachers = aggregate_query(per_query, release, guard, noise, rejected=phase.rejected)
         except BudgetExceeded as exc:
             return str(exc)

@@ -36,6 +36,7 @@ from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport
 from task import codecs
 from task.errors import UserError
+from task.requests import SecureStageRequest
 
 log = logging.getLogger("fedpate.pate")
 
@@ -123,11 +124,13 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
             phase.stopped_early = str(exc)
             break
         codec = plan.codec_for(batch)
-        settings = {"method": config.method, "seed": config.seed, "delta": float(config.delta), **config.compute()}
-        if noise.is_reproducible:
-            # simulation only: each hospital seeds its rounding and noise shares by the run's seed and a stream
-            # named by what the release is (the query batch), so the run repeats; a deployed hospital refuses it
-            settings["secure_noise_seed"] = int(config.seed)
+        # with reproducible noise (simulation only) each hospital seeds its rounding and noise shares by the run's
+        # seed and a stream named by what the release is (the query batch), so the run repeats; a deployed
+        # hospital refuses it
+        settings = SecureStageRequest(method=config.method, seed=config.seed, delta=float(config.delta),
+                                      device=config.device, precision=config.precision,
+                                      secure_noise_seed=int(config.seed) if noise.is_reproducible else None
+                                      ).to_config()
         stream = f"{config.method}:eps-{float(config.epsilon):g}:queries-{batch[0]}-{batch[-1]}"
         try:
             result = secure_sum(lambda stage, messages: transport.secure_stage(stage, messages, settings), asked,

@@ -12,12 +12,13 @@ import numpy as np
 
 from pathlib import Path
 
-from server.dpfedavg import run_dpfedavg
-from server.dpfedavg_secure import run_dpfedavg_secure
+from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
+from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
 from server.selftrain import train_public_models
 from task.errors import UserError
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
+from task.options import Init
 from task.registry import Registry
 from task.runconfig import Cell, RunSettings
 from task.world import PublicWorld
@@ -42,10 +43,10 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
 
 
 def start_weights(world: PublicWorld, settings: RunSettings, cell: Cell) -> dict[str, np.ndarray] | None:
-    """The start model's weights for a cell that starts from it (``cell.init == "public"``): the same model PATE's
-    teachers and student start from, shared with the comparison's other cells through ``cell.shared_dir``; None
-    (random weights) for ``scratch``."""
-    if cell.init != "public":
+    """The start model's weights for a cell that starts from it (``cell.init`` is ``Init.PUBLIC``): the same model
+    PATE's teachers and student start from, shared with the comparison's other cells through ``cell.shared_dir``;
+    None (random weights) for ``scratch``."""
+    if cell.init is not Init.PUBLIC:
         return None
     public = train_public_models(world, settings.resolved_preset, seed=settings.seed, progress=settings.progress,
                                  checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
@@ -58,10 +59,10 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
     (clients/fedavg.py)."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    return run_dpfedavg(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
-                        seed=settings.seed, progress=settings.progress,
-                        reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
-                        device=settings.device, precision=settings.precision)
+    config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=settings.progress,
+                            reproducible_noise=settings.reproducible_noise, init=cell.init, device=settings.device,
+                            precision=settings.precision)
+    return run_dpfedavg(transport, world, preset, config, cell.out, init_weights=start)
 
 
 def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings,
@@ -70,10 +71,10 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     model as DP-FedAvg and pooled DP-SGD; the hospitals draw their own noise shares."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    return run_dpfedavg_secure(transport, world, preset, cell.epsilon, settings.resolved_delta, cell.out,
-                               seed=settings.seed, progress=settings.progress,
-                               reproducible_noise=settings.reproducible_noise, init_weights=start, init=cell.init,
-                               device=settings.device, precision=settings.precision, threat=settings.threat_model)
+    config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=settings.progress,
+                                  reproducible_noise=settings.reproducible_noise, init=cell.init,
+                                  device=settings.device, precision=settings.precision, threat=settings.threat_model)
+    return run_dpfedavg_secure(transport, world, preset, config, cell.out, init_weights=start)
 
 
 def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:

@@ -33,13 +33,13 @@ labels, and the cell's results say so (``sim.runners.selftrain.labels_used``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from server.student import train_public_model, train_student
+from server.student import ModelTraining, train_public_model, train_student
 from task.options import PublicStart
 from task.presets import SelfTraining
 from task.training import evaluate_segmentation, predict_probs
@@ -75,31 +75,30 @@ def sharpen(probs: np.ndarray, temperature: float) -> np.ndarray:
     return (sharp / sharp.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, rounds: int = DEFAULT_ROUNDS,
-               temperature: float = DEFAULT_TEMPERATURE, epochs: int | None = None, progress: bool = False,
-               checkpoint_dir: str | Path | None = None, device=None, precision: str = "32") -> SelfTrainOutcome:
+def self_train(world, preset, public_model: torch.nn.Module, training: ModelTraining = ModelTraining(),
+               recipe: SelfTraining = SelfTraining(), checkpoint_dir: str | Path | None = None) -> SelfTrainOutcome:
     """Rounds of pseudo-labelling on ``world.query_images`` (module docstring).
 
     Args:
         world: a :class:`task.world.PublicWorld`; only its public arrays are read (query scans, reference
             data, validation set -- never ``query_labels``, though the reference maps are the query labels where
             the reference set is the query set).
-        preset: the preset (network, batch size, learning rate; ``student.epochs`` when ``epochs`` is None).
+        preset: the preset (network, batch size, learning rate; ``student.epochs`` when ``training.epochs`` is
+            None).
         public_model: round 1's labeller and starting point.
-        seed: training seed of round 1; round r trains with ``seed + r - 1``.
-        rounds: rounds of pseudo-labelling (at least 1); the one with the best public validation Dice is kept
-            (the earliest on ties or without a validation set).
-        temperature: the sharpening temperature T (> 0; :func:`sharpen`); the default is MixMatch's 0.5.
-        epochs: fine-tuning epochs per round (None = the preset's ``student.epochs``).
-        progress: progress bars.
+        training: round 1's seed (round r trains with ``seed + r - 1``), the fine-tuning epochs per round (None =
+            the preset's ``student.epochs``), progress bars, and where the models train and predict
+            (``device``, ``precision``); every round trains every weight with the public reference data, as
+            PATE's student does (its other fields are not read).
+        recipe: the rounds of pseudo-labelling (the one with the best public validation Dice is kept, the
+            earliest on ties or without a validation set) and the sharpening temperature T (:func:`sharpen`;
+            MixMatch's 0.5 by default) -- :class:`task.presets.SelfTraining`.
         checkpoint_dir: where each round's training is checkpointed (``round-<r>.pt``) and resumed from;
             None = no checkpoints.
-        device / precision: where the models train and predict (``task.device``; None = auto) and whether
-            forward passes run under bf16 autocast (``"32"`` = float32).
     """
-    if rounds < 1:
-        raise ValueError(f"self-training rounds: expected at least 1, got {rounds}")
-    epochs = preset.student.epochs if epochs is None else int(epochs)
+    rounds, temperature = int(recipe.rounds), float(recipe.temperature)
+    device, precision = training.device, training.precision
+    epochs = preset.student.epochs if training.epochs is None else int(training.epochs)
     queries = np.arange(len(world.query_images))
     model = public_model
     candidates: list[tuple[torch.nn.Module, float | None]] = []
@@ -107,9 +106,10 @@ def self_train(world, preset, public_model: torch.nn.Module, *, seed: int = 0, r
         targets = sharpen(predict_probs(model, world.query_images, device=device, precision=precision), temperature)
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         checkpoint = Path(checkpoint_dir) / f"round-{round_index}.pt" if checkpoint_dir else None
-        model = train_student(world, targets, queries, preset, seed=seed + round_index - 1, init=init,
-                              epochs=epochs, include_reference=True, progress=progress, checkpoint=checkpoint,
-                              device=device, precision=precision)
+        round_training = ModelTraining(seed=training.seed + round_index - 1, epochs=epochs, include_reference=True,
+                                       progress=training.progress, checkpoint=checkpoint, device=device,
+                                       precision=precision)
+        model = train_student(world, targets, queries, preset, round_training, init=init)
         score = None
         if world.validation_images is not None and len(world.validation_images):
             score = evaluate_segmentation(model, world.validation_images, world.validation_labels,
@@ -170,14 +170,13 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
         device / precision: where the models train (``task.device``; None = auto) and whether forward passes run
             under bf16 autocast (``"32"`` = float32).
     """
-    reference = train_public_model(world, preset, seed=seed, progress=progress, checkpoint=checkpoint,
-                                   device=device, precision=precision)
+    training = ModelTraining(seed=seed, progress=progress, device=device, precision=precision)
+    reference = train_public_model(world, preset, replace(training, checkpoint=checkpoint))
     if preset.public_start is PublicStart.REFERENCE:
         return PublicModels(reference=reference, start=reference)
     rounds, temperature = selftrain_settings(preset)
-    outcome = self_train(world, preset, reference, seed=seed, rounds=rounds, temperature=temperature,
-                         progress=progress, checkpoint_dir=selftrain_checkpoints(checkpoint), device=device,
-                         precision=precision)
+    outcome = self_train(world, preset, reference, training, SelfTraining(rounds=rounds, temperature=temperature),
+                         checkpoint_dir=selftrain_checkpoints(checkpoint))
     return PublicModels(reference=reference, start=outcome.model, selftrain=outcome)
 
 

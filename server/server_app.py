@@ -13,9 +13,10 @@ from typing import Any, Mapping
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from server.flower_transport import FlowerTransport
+from server.flower_transport import FlowerTransport, TransportSettings
 from server.protocols import plan_cells, run_cell
 from task.errors import UserError
+from task.requests import RunContext
 from task.runconfig import RunSettings
 from task.world import load_world, materialise_world, open_world
 
@@ -42,13 +43,13 @@ def connect_hospitals(grid: Grid, settings: RunSettings, world_dir) -> FlowerTra
     message carries the preset, the seed, the simulated world's folder (simulated hospitals find their
     partitions there; deployed ones ignore it) and the simulated hospitals' privacy settings."""
     preset = settings.resolved_preset
-    hospitals = FlowerTransport(
-        grid, preset.hospitals, wait_seconds=settings.wait_seconds, reply_timeout=settings.reply_timeout,
+    context = RunContext(preset=settings.preset, seed=settings.seed, world=str(world_dir),
+                         preset_overrides={"hospitals": preset.hospitals,
+                                           "teachers_per_hospital": preset.teachers_per_hospital})
+    hospitals = FlowerTransport(grid, TransportSettings(
+        preset.hospitals, wait_seconds=settings.wait_seconds, reply_timeout=settings.reply_timeout,
         query_timeout=settings.query_timeout,
-        base_config={"preset": settings.preset, "seed": settings.seed, "world": str(world_dir),
-                     "preset_overrides": {"hospitals": preset.hospitals,
-                                          "teachers_per_hospital": preset.teachers_per_hospital},
-                     **settings.hospital_privacy_config()})
+        base_config={**context.to_config(), **settings.hospital_privacy_config()}))
     hospitals.connect()
     return hospitals
 

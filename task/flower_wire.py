@@ -18,6 +18,11 @@ from typing import Any, Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+#: the query message's config key naming the codec state meant (its :func:`arrays_digest`): the Flower transport
+#: ships a codec once per hospital, and a node that does not hold that state answers ``codec-missing`` (checked
+#: before the request itself, so the server re-sends the state)
+CODEC_DIGEST = "codec_digest"
+
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Pack named numpy arrays (0-d arrays included) into one ArrayRecord, preserving names."""

@@ -88,6 +88,13 @@ class AugmentOn(StrEnum):
     DEVICE = "device"   # task.data.augment.BatchAugmentation: the whole batch in torch on the training device
 
 
+class PublicScans(StrEnum):
+    """Which of the server's public scan sets a PATE batch belongs to (``server.pate.ReleasePlan``): the query
+    scans the hospitals label, or the test scans of the un-noised diagnostic."""
+    QUERY = "query"
+    TEST = "test"
+
+
 class SplitScheme(StrEnum):
     """How private patients go to hospitals (``task.data.partitions.make_split``)."""
     INSTITUTION = "institution"
@@ -115,5 +122,5 @@ class CentralMethod(StrEnum):
 
 
 __all__ = ["AugmentOn", "CalibrationAccountant", "CentralMethod", "Decoder", "GradSampleMode", "Init", "NoiseMode",
-           "PcaMode", "Precision", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection", "SplitScheme",
-           "Trainable", "choices", "look_up_option"]
+           "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection",
+           "SplitScheme", "Trainable", "choices", "look_up_option"]

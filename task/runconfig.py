@@ -17,7 +17,9 @@ from privacy.mechanisms import NoiseSource
 from task.device import check_device_spec, check_precision
 from task.errors import UserError
 from task import methods as registry
+from task.options import Init, look_up_option
 from task.presets import Preset, get_preset, preset_reference
+from task.requests import HospitalRequest
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -41,7 +43,7 @@ class Cell:
     method: str
     epsilon: float | None
     out: str
-    init: str = "public"
+    init: Init = Init.PUBLIC
     shared_dir: str | None = None
     teachers: int | None = None
 
@@ -53,8 +55,7 @@ class Cell:
             object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, "epsilon"))
         elif self.epsilon is not None:
             raise UserError(f"{self.method}: takes no privacy budget, got epsilon {self.epsilon!r}")
-        if self.init not in ("public", "scratch"):
-            raise UserError(f"--init: expected public or scratch, got {self.init!r}")
+        object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
 
     @property
     def record(self) -> "registry.Method":
@@ -129,8 +130,8 @@ class RunSettings:
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)
                                                       and self.lifetime_epsilon > 0):
             raise UserError(f"lifetime-epsilon: expected a positive number, got {self.lifetime_epsilon}")
-        if self.init not in ("public", "scratch"):
-            raise UserError(f"init: expected 'public' or 'scratch', got {self.init!r}")
+        # a plain string: it travels in Flower's run config (Init's value)
+        object.__setattr__(self, "init", look_up_option(self.init, Init, "init").value)
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
         # spec syntax only (no torch here): each party resolves it where it runs (task.device.resolve_device)
@@ -160,10 +161,11 @@ class RunSettings:
         """What simulated hospitals are told about their own privacy (deployed ones use their node config):
         where each keeps its ledger, its lifetime budget and delta, and their codec policy -- simulated
         hospitals opt in to the identity codec, whose full-resolution votes only the simulation sees."""
-        return {"ledger_dir": self.ledger_dir or str(Path(self.out) / "hospital-ledgers"),
-                "lifetime_epsilon": float(self.lifetime_epsilon or self.budget), "delta": self.resolved_delta,
-                "allow_identity": True,
-                "secure_policy": {"colluders": self.secure_colluders, "dropouts": self.secure_dropouts}}
+        return HospitalRequest(ledger_dir=self.ledger_dir or str(Path(self.out) / "hospital-ledgers"),
+                               lifetime_epsilon=float(self.lifetime_epsilon or self.budget), delta=self.resolved_delta,
+                               allow_identity=True,
+                               secure_policy={"colluders": self.secure_colluders, "dropouts": self.secure_dropouts},
+                               ).to_config()
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":

@@ -139,8 +139,8 @@ def test_dpfedavg_grid_from_the_public_model_spends_exactly_the_budget(tmp_path)
     """Every grid entry is a federated run from the public start; each hospital calibrates one sigma for the
     whole plan, so its ledger's ε over all entries is the budget; the choice reads public validation only."""
     from clients.fedavg import plan_noise_multiplier
-    from clients.hospital import Hospital
-    from server.dpfedavg import dpfedavg_settings, run_dpfedavg
+    from clients.hospital import Hospital, HospitalSettings
+    from server.dpfedavg import DpFedAvgConfig, dpfedavg_settings, run_dpfedavg
     from task.presets import get_preset
     from sim.runners.inprocess import InProcessTransport
     from types import SimpleNamespace
@@ -151,7 +151,7 @@ def test_dpfedavg_grid_from_the_public_model_spends_exactly_the_budget(tmp_path)
     prepared = SimpleNamespace(images=lambda ids: np.stack([data[i] for i in ids]),
                                labels=lambda ids: np.stack([(data[i][0] > 0.5).astype(np.int64) for i in ids]))
     hospitals = [Hospital(f"h{i}", prepared, [list("abcd"[2 * i:2 * i + 2]), list("efgh"[2 * i:2 * i + 2])], preset,
-                          tmp_path / f"h{i}", lifetime_epsilon=100.0) for i in range(2)]
+                          tmp_path / f"h{i}", HospitalSettings(lifetime_epsilon=100.0)) for i in range(2)]
     transport = InProcessTransport(hospitals, base_config={"ledger_dir": str(tmp_path / "ledgers"),
                                                            "lifetime_epsilon": 100.0, "delta": 1e-3})
     x = rng.normal(size=(4, 4, *preset.grid)).astype(np.float32)
@@ -160,8 +160,8 @@ def test_dpfedavg_grid_from_the_public_model_spends_exactly_the_budget(tmp_path)
                             source={"kind": "synthetic-test"}, grid=preset.grid)
     plan_noise_multiplier.cache_clear()
     start = {k: v.numpy() for k, v in _public_weights(preset).items()}
-    results = run_dpfedavg(transport, world, preset, 3.0, 1e-3, tmp_path / "run", rounds=1, progress=False,
-                           init_weights=start)
+    results = run_dpfedavg(transport, world, preset, DpFedAvgConfig(3.0, 1e-3, rounds=1, progress=False),
+                           tmp_path / "run", init_weights=start)
     settings = dpfedavg_settings(preset, rounds=1)
     assert len(settings) == 2 and results["settings_grid"] == settings and results["init"] == "public"
     assert results["setting_chosen"] == int(np.argmax(results["settings_validation_dice"]))

@@ -236,7 +236,7 @@ def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
     root = make_msd(tmp_path / "h0", names=names, patients={"BRATS_010": "TCIA01_001"})   # a third scan of 001
     made = {}
 
-    def hospital(hospital_id, prepared, partitions, preset, workdir, seed, deployed, **privacy):
+    def hospital(hospital_id, prepared, partitions, preset, workdir, settings):
         made.update(prepared=prepared, partitions=partitions)
         return made
 

@@ -236,7 +236,7 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
 
 
 def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, monkeypatch):
-    from server.dpfedavg import run_dpfedavg
+    from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
     from task.world import load_world
 
@@ -250,8 +250,8 @@ def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, m
     transport = InProcessTransport(hospitals, base_config={"ledger_dir": str(tmp_path / "ledgers"),
                                                            "lifetime_epsilon": 50.0, "delta": 1e-3})
     results = run_dpfedavg(transport, load_world(prepared, split), preset.with_changes(dp_fedavg=dict(grid=())),
-                           50.0, 1e-3, tmp_path / "fedavg", rounds=1, progress=False, reproducible_noise=True,
-                           device="cpu")
+                           DpFedAvgConfig(50.0, 1e-3, rounds=1, progress=False, reproducible_noise=True, device="cpu"),
+                           tmp_path / "fedavg")
     assert results["device"] == "cpu" and set(results["hospital_devices"].values()) == {"cpu"}
     assert spy.batches and spy.devices() == {"cpu"}
 

@@ -29,7 +29,7 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
 
     import privacy.calibration as calibration
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
-    from clients.hospital import Hospital
+    from clients.hospital import Hospital, HospitalSettings
     from privacy.events import event_from_dict
     from task.networks import build_unet
     from task.presets import get_preset
@@ -43,7 +43,7 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
     weights = {k: v.numpy() for k, v in build_unet("tiny").state_dict().items()}
     for relation in (None, "add-remove"):
         hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], get_preset("tiny"), tmp_path / str(relation),
-                            lifetime_epsilon=100.0)
+                            HospitalSettings(lifetime_epsilon=100.0))
         config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True}
         _, metrics = local_dpsgd_round(hospital, weights, {**config, **({"relation": relation} if relation else {})})
         assert "n_examples" not in metrics and metrics["epochs_trained"] == 1
@@ -80,7 +80,7 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
     from types import SimpleNamespace
 
     from privacy.accountants import epsilon_under
-    from server.dpfedavg import run_dpfedavg
+    from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
     from task.presets import get_preset
 
     preset = get_preset("tiny")
@@ -105,7 +105,8 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
     world = SimpleNamespace(test_images=np.zeros((1, 4, *preset.grid), np.float32),
                             test_labels=np.zeros((1, *preset.grid), np.int64), grid=preset.grid,
                             validation_images=None, validation_labels=None, source={"kind": "synthetic-test"})
-    results = run_dpfedavg(Transport(), world, preset, 8.0, 1e-3, tmp_path / "run", rounds=2, progress=False)
+    results = run_dpfedavg(Transport(), world, preset, DpFedAvgConfig(8.0, 1e-3, rounds=2, progress=False),
+                           tmp_path / "run")
     assert all(config["relation"] == "replace-one" for _, config in seen)
     averaged = seen[1][0]  # what the server sent in round 2: the mean of round 1's updates
     assert all(np.allclose(v, 0.5) for v in averaged.values() if np.issubdtype(v.dtype, np.floating))

@@ -64,7 +64,7 @@ def recorded(tmp_path_factory):
     """One run over two hospitals (12 steps: the tiny plan on 6 patients), every exchange recorded."""
     import clients.secure_gradients as contributor_module
     import server.dpfedavg_secure as server_module
-    from server.dpfedavg_secure import run_dpfedavg_secure
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
     from sim.runners.inprocess import InProcessTransport
     from task.world import load_world
 
@@ -106,8 +106,8 @@ def recorded(tmp_path_factory):
     patch.setattr(contributor_module.HeadGradientContributor, "contribution", contribution)
     patch.setattr(server_module, "secure_sum", secure_sum)
     try:
-        results = run_dpfedavg_secure(transport, load_world(prepared, split), preset, EPSILON, DELTA, root / "run",
-                                      progress=False)
+        results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
+                                      DpFedAvgSecureConfig(EPSILON, DELTA, progress=False), root / "run")
     finally:
         patch.undo()
     return SimpleNamespace(root=root, transport=transport, results=results, contributions=contributions, sums=sums,
@@ -168,15 +168,15 @@ def test_the_charged_epsilon_is_dp_accountings_for_the_composed_events(recorded)
 def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(recorded, tmp_path):
     """Each hospital now assumes one colluder: with two participants it can count one noise share, the server
     declares two -- refused at setup, nothing charged, no step released."""
-    from server.dpfedavg_secure import run_dpfedavg_secure
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
     from task.world import load_world
 
     prepared, split, preset = recorded.world
     ledgers = sorted((recorded.root / "ledgers").glob("*.jsonl"))
     before = {p.name: p.read_bytes() for p in ledgers}
     transport = _transport(prepared, split, preset, recorded.root, policy={"colluders": 1})
-    results = run_dpfedavg_secure(transport, load_world(prepared, split), preset, EPSILON, DELTA, tmp_path / "run",
-                                  progress=False)
+    results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False), tmp_path / "run")
     assert results["steps"] == 0 and "not released" in results["stopped_early"]
     assert {p.name: p.read_bytes() for p in sorted((recorded.root / "ledgers").glob("*.jsonl"))} == before
 
@@ -318,14 +318,15 @@ def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
 
 
 def test_a_hospital_dropping_mid_protocol_is_recovered_and_the_charges_count_the_missing_share(tmp_path):
-    from server.dpfedavg_secure import run_dpfedavg_secure
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
     from task.world import load_world
 
     prepared, split, preset = _world(hospitals=3, per_hospital=2)
     transport = _transport(prepared, split, preset, tmp_path, policy={"dropouts": 1})
     transport.secure_drop = {"h2": "collect-masked"}      # h2 leaves after sharing its keys, in the first step
-    results = run_dpfedavg_secure(transport, load_world(prepared, split), preset, EPSILON, DELTA, tmp_path / "run",
-                                  progress=False, threat={"dropouts": 1}, steps=3)
+    results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, threat={"dropouts": 1}, steps=3),
+                                  tmp_path / "run")
     assert results["steps"] == 3 and results["stopped_early"] is None
     assert results["history"][0] == {"step": 0, "hospitals": 2, "patients": 4}     # divided by the survivors'
     assert results["history"][1] == {"step": 1, "hospitals": 3, "patients": 6}
@@ -371,21 +372,21 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
     """The same protocol over Flower messages (the real ClientApp behind an in-memory Grid): a new
     SecureHospital per message, the start model found again by its digest; only identify and secure-sum
     messages travel, the server side receives only protocol fields, and ε is the run ledger's."""
-    from server.dpfedavg_secure import run_dpfedavg_secure
-    from server.flower_transport import FlowerTransport
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
+    from server.flower_transport import FlowerTransport, TransportSettings
     from task.world import load_world
     from tests.test_flower_secure import RecordingGrid
 
     tiny_split.to_json(tmp_path / "split.json")
     (tmp_path / "world.json").write_text(json.dumps({"prepared": str(tiny_prepared.path), "preset": "tiny"}))
     grid = RecordingGrid(tmp_path, nodes=2)
-    transport = FlowerTransport(grid, 2, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
+    transport = FlowerTransport(grid, TransportSettings(2, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
                                 base_config={"preset": "tiny", "seed": 0, "world": str(tmp_path),
                                              "ledger_dir": str(tmp_path / "hospital-ledgers"),
-                                             "lifetime_epsilon": EPSILON, "delta": DELTA})
+                                             "lifetime_epsilon": EPSILON, "delta": DELTA}))
     transport.connect()
-    results = run_dpfedavg_secure(transport, load_world(tiny_prepared, tiny_split), get_preset("tiny"), EPSILON,
-                                  DELTA, tmp_path / "run", progress=False, steps=3)
+    results = run_dpfedavg_secure(transport, load_world(tiny_prepared, tiny_split), get_preset("tiny"),
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, steps=3), tmp_path / "run")
     assert results["steps"] == 3 and results["stopped_early"] is None and results["hospitals"] == 2
     ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
     assert results["epsilon"] == pytest.approx(max(ledger.spent(o, DELTA).epsilon for o in ledger.owners()))
@@ -404,16 +405,16 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
 def test_noise_is_seeded_only_under_reproducible_noise(tmp_path):
     """Two runs with reproducible noise and one seed train the same head and publish no seed; secure runs
     (the default) draw fresh noise every time."""
-    from server.dpfedavg_secure import run_dpfedavg_secure
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
     from task.world import load_world
 
     prepared, split, preset = _world()
 
     def head_after(name, reproducible):
         transport = _transport(prepared, split, preset, tmp_path / name)
-        results = run_dpfedavg_secure(transport, load_world(prepared, split), preset, EPSILON, DELTA,
-                                      tmp_path / name / "run", progress=False, steps=2,
-                                      reproducible_noise=reproducible)
+        results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
+                                      DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, steps=2,
+                                                           reproducible_noise=reproducible), tmp_path / name / "run")
         weights = torch.load(tmp_path / name / "run" / "model" / "weights.pt", weights_only=True)
         return results, torch.cat([v.reshape(-1) for k, v in sorted(weights.items()) if k.startswith("voxel_head.")])
 

@@ -17,7 +17,7 @@ from clients.client_app import NodeSecureSessions
 from clients.secure import FINISHED, SecureHospital, SecurePolicy, restore_session, run_stage, session_state
 from privacy.distributed import centered
 from privacy.ledger import Ledger
-from server.flower_transport import FlowerTransport
+from server.flower_transport import FlowerTransport, TransportSettings
 from server.secure import secure_sum
 from task.errors import UserError
 from task.flower_wire import read_content
@@ -65,7 +65,8 @@ def _fixed_federation(tmp_path, n=3, policy=None, grid_class=RecordingGrid):
     base = {"preset": "tiny", "seed": 0, "world": world, "ledger_dir": str(tmp_path / "flower-ledgers"),
             "lifetime_epsilon": 8.0, "delta": DELTA, "secure_policy": (policy or SecurePolicy()).to_dict(),
             "secure_noise_seed": 7}
-    transport = FlowerTransport(grid, n, wait_seconds=1, reply_timeout=5, poll_seconds=0.01, base_config=base)
+    transport = FlowerTransport(grid, TransportSettings(n, wait_seconds=1, reply_timeout=5, poll_seconds=0.01,
+                                                        base_config=base))
     assert transport.connect() == [h.hospital_id for h in hospitals]
     return grid, transport, hospitals, base
 
@@ -225,13 +226,13 @@ def test_secure_pate_over_the_flower_transport_with_a_dropout(tiny_prepared, tmp
     split.to_json(tmp_path / "split.json")
     (tmp_path / "world.json").write_text(json.dumps({"prepared": str(tiny_prepared.path), "preset": "tiny"}))
     grid = RecordingGrid(tmp_path, nodes=3)
-    transport = FlowerTransport(grid, 3, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
+    transport = FlowerTransport(grid, TransportSettings(3, wait_seconds=1, reply_timeout=30, poll_seconds=0.01,
                                 base_config={"preset": "tiny", "seed": 0, "world": str(tmp_path),
                                              "preset_overrides": {"teacher": {"epochs": 1}, "hospitals": 3,
                                                                   "teachers_per_hospital": 2},
                                              "ledger_dir": str(tmp_path / "hospital-ledgers"),
                                              "lifetime_epsilon": 8.0, "delta": 1e-3,
-                                             "secure_policy": {"dropouts": 1}})
+                                             "secure_policy": {"dropouts": 1}}))
     transport.connect()
 
     def silence_the_third(grid, message):

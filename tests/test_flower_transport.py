@@ -12,7 +12,8 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from privacy.ledger import Ledger
 from task.presets import get_preset
 from task.flower_wire import read_content
-from server.flower_transport import FlowerTransport, HospitalsUnavailable
+from server.flower_transport import FlowerTransport, HospitalsUnavailable, TransportSettings
+from task.requests import QueryRequest
 
 PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1))
 
@@ -73,12 +74,13 @@ def world_dir(tiny_prepared, tiny_split, tmp_path):
 
 
 def _transport(grid, world_dir, **kw):
-    return FlowerTransport(grid, 2, wait_seconds=1, reply_timeout=5, poll_seconds=0.01,
-                           base_config={"preset": "tiny", "seed": 0, "world": str(world_dir),
-                                        "preset_overrides": {"teacher": {"epochs": 1}},
-                                        # the simulated hospitals' own ledgers and lifetime budget
-                                        "ledger_dir": str(world_dir / "hospital-ledgers"),
-                                        "lifetime_epsilon": 8.0, "delta": 1e-3}, **kw)
+    return FlowerTransport(grid, TransportSettings(
+        2, wait_seconds=1, reply_timeout=5, poll_seconds=0.01,
+        base_config={"preset": "tiny", "seed": 0, "world": str(world_dir),
+                     "preset_overrides": {"teacher": {"epochs": 1}},
+                     # the simulated hospitals' own ledgers and lifetime budget
+                     "ledger_dir": str(world_dir / "hospital-ledgers"),
+                     "lifetime_epsilon": 8.0, "delta": 1e-3}, **kw))
 
 
 def test_connect_maps_nodes_to_hospitals(world_dir, tiny_split):
@@ -171,7 +173,8 @@ def test_a_query_round_waits_for_the_query_deadline_and_training_for_the_reply_d
     grid.dead.add(101)
     transport.evaluate({})
     scans = np.zeros((1, 4, *PRESET.grid), np.float32)
-    transport.query(scans, {"kind": np.array([0])}, {"query_ids": ["q0"]})   # (a bogus codec: refused)
+    transport.query(scans, {"kind": np.array([0])},   # (a bogus codec: refused)
+                    QueryRequest(release_ids=["q0"], sigma=1.0, teachers=8).to_config())
     assert waited[1] == ("evaluate", 5.0) and ("query", 2.0) in waited
     assert transport.dropped["hospital-01"] == "no reply within 5 s"
     assert _transport(MemoryGrid(world_dir), world_dir).query_timeout == 5.0   # none given: the reply deadline

@@ -47,7 +47,7 @@ def node(world_dir):
     return send, context
 
 
-def world_dir_ledgers(context) -> "Path":
+def world_dir_ledgers(context):
     """A fresh folder for the simulated hospital's own ledgers (the server says where, in simulation)."""
     import tempfile
     from pathlib import Path

@@ -6,7 +6,7 @@ deployed hospital refuses both."""
 import numpy as np
 import pytest
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
@@ -20,7 +20,8 @@ class _CountingTeachers(Hospital):
 
     def __init__(self, tmp_path, deployed=False):
         super().__init__("h0", prepared=None, partitions=[["a"], ["b"], ["c"]], preset=PRESET,
-                         workdir=tmp_path / "h0", lifetime_epsilon=10.0, delta=1e-3, deployed=deployed)
+                         workdir=tmp_path / "h0",
+                         settings=HospitalSettings(lifetime_epsilon=10.0, delta=1e-3, deployed=deployed))
         self.runs = 0
 
     def teacher_probs(self, k, scans, config=None):

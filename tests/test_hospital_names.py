@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clients.fedavg import local_dpsgd_round
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
 from task.errors import UserError
@@ -47,7 +47,7 @@ def _files(root):
                                      ".hidden", "a\\b"])
 def test_a_dpfedavg_run_tag_that_is_not_a_plain_name_is_refused_before_anything_is_charged(tmp_path, run_tag):
     hospital = Hospital("h0", prepared=None, partitions=[["p0"]], preset=PRESET, workdir=tmp_path / "nodes" / "h0",
-                        lifetime_epsilon=8.0, delta=1e-3)
+                        settings=HospitalSettings(lifetime_epsilon=8.0, delta=1e-3))
     earlier = Ledger(hospital.privacy_ledger)           # the lifetime ledger a tag like x/../privacy-ledger aliases
     earlier.record(["h0"], GaussianEvent(1.0, 5.0), "earlier@0")
     before, files = hospital.privacy_ledger.read_bytes(), _files(tmp_path)

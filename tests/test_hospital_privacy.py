@@ -5,7 +5,7 @@ budget, and a deployed hospital refuses everything meant for simulations only.""
 import numpy as np
 import pytest
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
@@ -30,7 +30,8 @@ class FixedTeachers(Hospital):
 
     def __init__(self, tmp_path, teachers=3, broken=(), deployed=False, lifetime=4.0, **kw):
         super().__init__("h0", prepared=None, partitions=[[f"p{k}"] for k in range(teachers)], preset=PRESET,
-                         workdir=tmp_path / "h0", deployed=deployed, lifetime_epsilon=lifetime, delta=1e-3, **kw)
+                         workdir=tmp_path / "h0",
+                         settings=HospitalSettings(deployed=deployed, lifetime_epsilon=lifetime, delta=1e-3, **kw))
         self.broken = set(broken)
         self.runs = 0
 
@@ -215,8 +216,8 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
                       test=ids[18:22])
     preset = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1),
                                              hospitals=2, teachers_per_hospital=2)
-    hospitals = [Hospital(h, prepared, split.hospitals[h], preset, tmp_path / h, deployed=True,
-                          lifetime_epsilon=8.0) for h in sorted(split.hospitals)]
+    hospitals = [Hospital(h, prepared, split.hospitals[h], preset, tmp_path / h,
+                          HospitalSettings(deployed=True, lifetime_epsilon=8.0)) for h in sorted(split.hospitals)]
     transport = InProcessTransport(hospitals)
     world = load_world(prepared, split)
     config = PateConfig("pate-pca", 8.0, 1e-3, progress=False)
@@ -237,7 +238,7 @@ def test_a_hospital_without_its_teachers_refuses_a_query_and_its_ledger_is_uncha
     from task.networks import build_unet
 
     hospital = Hospital("h0", prepared=None, partitions=[["p0"], ["p1"]], preset=PRESET, workdir=tmp_path / "h0",
-                        lifetime_epsilon=4.0, delta=1e-3)
+                        settings=HospitalSettings(lifetime_epsilon=4.0, delta=1e-3))
     earlier = Ledger(hospital.privacy_ledger)   # what it spent before: must survive byte for byte
     earlier.record(["h0"], GaussianEvent(sensitivity=1.0, sigma=5.0), "earlier@0")
     before = hospital.privacy_ledger.read_bytes()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from task.codecs import PCACompressor
@@ -46,7 +46,7 @@ def cheap_sigma(monkeypatch):
 
 def test_the_same_dpfedavg_round_twice_gets_the_identical_update_and_one_charge(tmp_path, cheap_sigma):
     hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
-                        lifetime_epsilon=1000.0, delta=1e-3)
+                        HospitalSettings(lifetime_epsilon=1000.0, delta=1e-3))
     weights = _weights()
     config = {"round": 0, "rounds": 4, "epsilon": 500.0, "delta": 1e-3, "run_tag": "r1"}
     first, metrics = local_dpsgd_round(hospital, weights, config)
@@ -67,7 +67,7 @@ def test_the_same_dpfedavg_round_twice_gets_the_identical_update_and_one_charge(
 
 def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
     hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
-                        lifetime_epsilon=1000.0, delta=1e-3)
+                        HospitalSettings(lifetime_epsilon=1000.0, delta=1e-3))
     local_dp = {"mode": "fixed", "noise_multiplier": 2.0, "epsilon": 1000.0, "delta": 1e-3, "max_grad_norm": 1.0}
     first = hospital.train_teachers({"teacher_epochs": 1, "seed": 0, "local_dp": local_dp})
     ledger_path = hospital.workdir / "ledger.jsonl"
@@ -85,7 +85,7 @@ def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
 class _FixedTeachers(Hospital):
     def __init__(self, tmp_path, max_teachers=None, lifetime=50.0):
         super().__init__("h0", prepared=None, partitions=[["a"], ["b"]], preset=PRESET, workdir=tmp_path / "h0",
-                         lifetime_epsilon=lifetime, delta=1e-3, max_teachers=max_teachers)
+                         settings=HospitalSettings(lifetime_epsilon=lifetime, delta=1e-3, max_teachers=max_teachers))
         self.runs = 0
 
     def load_teachers(self, config=None):   # fixed answers: nothing on disk to load

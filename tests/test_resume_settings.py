@@ -128,7 +128,7 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
     in one ledger under the second run's results. Refused before any hospital is asked for a round."""
     from privacy.events import GaussianEvent
     from privacy.ledger import Ledger
-    from server.dpfedavg import run_dpfedavg
+    from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
     from task.presets import get_preset
 
     (tmp_path / "run").mkdir()
@@ -140,4 +140,4 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
             raise AssertionError(f"the hospitals were asked ({name}) before the folder was checked")
 
     with pytest.raises(UserError, match="already holds ledger.jsonl from an earlier run"):
-        run_dpfedavg(Untouched(), None, get_preset("tiny"), 8.0, 1e-3, tmp_path / "run", progress=False)
+        run_dpfedavg(Untouched(), None, get_preset("tiny"), DpFedAvgConfig(8.0, 1e-3, progress=False), tmp_path / "run")

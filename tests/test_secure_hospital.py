@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecureHospital, SecurePolicy, SecureRequestRefused
 from privacy.accountants import epsilon_spent
 from privacy.distributed import IntegerGrid, calibrate_local_variance, centered, ddg_event
@@ -28,7 +28,7 @@ class FixedTeachers(Hospital):
 
     def __init__(self, name, tmp_path, teachers, level):
         super().__init__(name, prepared=None, partitions=[[f"{name}-p{k}"] for k in range(teachers)], preset=PRESET,
-                         workdir=tmp_path / name, lifetime_epsilon=8.0, delta=DELTA)
+                         workdir=tmp_path / name, settings=HospitalSettings(lifetime_epsilon=8.0, delta=DELTA))
         self.level = level
         self.runs = 0
 
@@ -158,7 +158,7 @@ def test_a_hospital_without_teachers_refuses_before_it_is_charged(tmp_path):
 
     hospitals, exchange, config = _world(tmp_path)
     untrained = Hospital("h9", prepared=None, partitions=[["p0"]], preset=PRESET, workdir=tmp_path / "h9",
-                         lifetime_epsilon=8.0, delta=DELTA)
+                         settings=HospitalSettings(lifetime_epsilon=8.0, delta=DELTA))
     secure = {h.hospital_id: SecureHospital(h) for h in hospitals + [untrained]}
     codec, scans = _codec(), np.zeros((1, 4, *GRID), np.float32)
     grid, noise = _declaration(codec, 1, 4, 4, variance=1e6)

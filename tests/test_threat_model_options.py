@@ -35,8 +35,8 @@ def test_both_secure_protocols_receive_the_declared_threat_model(monkeypatch, tm
     seen = {}
     monkeypatch.setattr(protocols, "run_pate", lambda transport, world, preset, config, out, noise: seen.update(
         pate=config.secure) or {})
-    monkeypatch.setattr(protocols, "run_dpfedavg_secure", lambda *args, **kwargs: seen.update(
-        fedavg=kwargs["threat"]) or {})
+    monkeypatch.setattr(protocols, "run_dpfedavg_secure", lambda transport, world, preset, config, out, init_weights:
+                        seen.update(fedavg=dict(config.threat)) or {})
     settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=1)
     protocols.run_pate_cell(None, None, settings, Cell("pate-anchored-secure", 8.0, str(tmp_path / "a")))
     protocols.run_dpfedavg_secure_cell(None, None, settings, Cell("dp-fedavg-secure", 8.0, str(tmp_path / "b"),

@@ -117,7 +117,7 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
 
     import privacy.calibration as calibration
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
-    from clients.hospital import Hospital
+    from clients.hospital import Hospital, HospitalSettings
     from server.dpfedavg import dpfedavg_settings
     from task.presets import DpSetting, get_preset
 
@@ -131,7 +131,8 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     model = build_unet("tiny", trainable=VOXEL_HEAD)
     load_start_weights(model, _public().state_dict())
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
-    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=100.0)
+    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0",
+                        HospitalSettings(lifetime_epsilon=100.0))
     config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True,
               "learning_rate": setting["learning_rate"], "trainable": setting["trainable"]}
     new_weights, metrics = local_dpsgd_round(hospital, weights, config)
@@ -146,7 +147,7 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
     full fine-tuning instead is another training, not the cached one."""
     from types import SimpleNamespace
 
-    from clients.hospital import Hospital
+    from clients.hospital import Hospital, HospitalSettings
     from server.pate import teacher_training
     from task.presets import get_preset
 
@@ -157,12 +158,14 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
     preset = get_preset("tiny")
     preset = preset.with_changes(teacher=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, augment=False))
     public = {k: v.numpy() for k, v in _public().state_dict().items()}
-    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=10.0)
-    config = {"teacher_epochs": 2, "seed": 0, "init_weights": public, **teacher_training(preset)}
+    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0",
+                        HospitalSettings(lifetime_epsilon=10.0))
+    config = {**teacher_training(preset).to_config(), "teacher_epochs": 2, "seed": 0, "init_weights": public}
     assert config["teacher_trainable"] == VOXEL_HEAD and config["teacher_augment"] is False
     hospital.train_teachers(config)
     scans = images[:1]
-    again = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0", lifetime_epsilon=10.0)
+    again = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0",
+                     HospitalSettings(lifetime_epsilon=10.0))
     for k in range(2):
         teacher = again._teacher(k)
         assert isinstance(teacher, VoxelHeadUNet)
@@ -195,7 +198,7 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     from types import SimpleNamespace
 
     from server.pate import student_training
-    from server.student import train_student
+    from server.student import ModelTraining, train_student
     from task.codecs import one_hot
     from task.presets import get_preset
 
@@ -206,8 +209,9 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     preset = preset.with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2))
     assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": False}
     public = _public().state_dict()
-    student = train_student(world, one_hot(labels[2:], 4).astype(np.float32), [2, 3], preset, seed=0,
-                            init={k: v.clone() for k, v in public.items()}, epochs=1, **student_training(preset))
+    student = train_student(world, one_hot(labels[2:], 4).astype(np.float32), [2, 3], preset,
+                            ModelTraining(seed=0, epochs=1, **student_training(preset)),
+                            init={k: v.clone() for k, v in public.items()})
     assert isinstance(student, VoxelHeadUNet)
     state = student.state_dict()
     assert all(torch.equal(state[name].cpu(), value) for name, value in public.items())
@@ -221,7 +225,7 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     from types import SimpleNamespace
 
     from server.pate import student_training
-    from server.student import train_student
+    from server.student import ModelTraining, train_student
     from task.codecs import one_hot
     from task.networks import VOXEL_HEAD_AND_UNET
     from task.presets import get_preset
@@ -234,10 +238,11 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     public = _public().state_dict()
     targets = one_hot(labels[2:], 4).astype(np.float32)
     common = dict(seed=0, epochs=1, include_reference=True)
-    probe = train_student(world, targets, [2, 3], preset, init={k: v.clone() for k, v in public.items()},
-                          trainable=VOXEL_HEAD, learning_rate=1e-2, **common)
-    tuned = train_student(world, targets, [2, 3], preset, init={k: v.clone() for k, v in public.items()},
-                          **common, **student_training(preset))
+    probe = train_student(world, targets, [2, 3], preset, ModelTraining(trainable=VOXEL_HEAD, learning_rate=1e-2,
+                                                                        **common),
+                          init={k: v.clone() for k, v in public.items()})
+    tuned = train_student(world, targets, [2, 3], preset, ModelTraining(**common, **student_training(preset)),
+                          init={k: v.clone() for k, v in public.items()})
     assert isinstance(tuned, VoxelHeadUNet)
     state, probed = tuned.state_dict(), probe.state_dict()
     assert not all(torch.equal(state[name].cpu(), value) for name, value in public.items())   # the U-Net moved

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from server.selftrain import train_public_models
-from server.student import train_public_model
+from server.student import ModelTraining, train_public_model
 from task.bundle import preprocessing_of
 from task.device import device_name, model_device
 from task.networks import network_config
@@ -102,9 +102,10 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
     public = train_public_models(world, preset, seed=seed, progress=progress,
                                  checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
     init = {k: v.clone() for k, v in public.reference.state_dict().items()}
-    public_only = train_public_model(world, preset, seed=seed, epochs=preset.student.epochs, init=init,
-                                     progress=progress, checkpoint=shared_dir / "public-only.pt", device=device,
-                                     precision=precision)
+    public_only = train_public_model(world, preset,
+                                     ModelTraining(seed=seed, epochs=preset.student.epochs, progress=progress,
+                                                   checkpoint=shared_dir / "public-only.pt", device=device,
+                                                   precision=precision), init=init)
     return public.start, public_only
 
 

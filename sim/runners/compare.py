@@ -216,7 +216,7 @@ def run_compare(config: CompareConfig) -> Path:
         raise UserError(f"--out {config.out}: holds a comparison over several seeds; resume it with its --seeds, "
                         "or use a new --out folder")
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
-    seed, data, hospitals, init, where = config.seed, config.data, config.hospitals, config.init, config.where
+    seed, data, hospitals, where = config.seed, config.data, config.hospitals, config.where
     device, engine = config.device, config.engine
     progress, reproducible_noise = config.progress, config.reproducible_noise
     out = config.out

@@ -14,12 +14,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from clients.fedavg import local_dpsgd_round
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
 from task.errors import UserError
 from task.presets import get_preset
+from task.requests import HospitalRequest
 from task.world import build_world, load_world
 
 log = logging.getLogger("fedpate.inprocess")
@@ -110,7 +111,8 @@ class InProcessTransport:
 
 def simulated_hospitals(prepared, split, preset, root: str | Path, seed: int = 0) -> list[Hospital]:
     """One :class:`Hospital` per hospital of the split, each keeping its teachers under ``root/<id>``."""
-    return [Hospital(h, prepared, split.hospitals[h], preset, Path(root) / h, seed) for h in sorted(split.hospitals)]
+    return [Hospital(h, prepared, split.hospitals[h], preset, Path(root) / h, HospitalSettings(seed=seed))
+            for h in sorted(split.hospitals)]
 
 
 def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: float | None, out,
@@ -149,8 +151,9 @@ def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: f
     # ``hospitals_root``: where the hospitals keep their teachers (shared across a comparison's cells)
     members = simulated_hospitals(prepared, split, preset,
                                   hospitals_root if hospitals_root is not None else out / "hospitals", seed)
-    hospital_config = dict(hospital_config or {"ledger_dir": str(out / "hospital-ledgers"),
-                                               "lifetime_epsilon": epsilon, "delta": delta, "allow_identity": True})
+    hospital_config = dict(hospital_config or HospitalRequest(ledger_dir=str(out / "hospital-ledgers"),
+                                                              lifetime_epsilon=epsilon, delta=delta,
+                                                              allow_identity=True).to_config())
     transport = InProcessTransport(members, drop=drop, base_config=hospital_config)
     config = PateConfig(method, epsilon, delta, seed=seed, progress=progress, **options)
     return run_pate(transport, load_world(prepared, split), preset, config, out, noise=noise)

@@ -105,7 +105,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from clients.hospital import Hospital
+from clients.hospital import Hospital, HospitalSettings
 from privacy.accountants import epsilon_spent, gdp_epsilon
 from privacy.audit import AuditBound, epsilon_lower_bound, largest_resolvable
 from privacy.calibration import pate_sigma
@@ -121,6 +121,7 @@ from task.codecs import PCACompressor, make_compressor
 from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
 from task.presets import get_preset
 from task.options import PcaMode, Relation, Sampling, look_up_option
+from task.requests import QueryRequest
 
 # ======================================================================================== accounting
 
@@ -294,8 +295,9 @@ def audit_hospital(name: str, probs, workdir, lifetime_epsilon: float, delta: fl
             return answer(k)[: len(scans)]
 
     return AuditHospital(name, prepared=None, partitions=[[f"{name}/teacher-{k}"] for k in range(count)],
-                         preset=get_preset("tiny"), workdir=workdir, lifetime_epsilon=lifetime_epsilon, delta=delta,
-                         max_teachers=max_teachers)
+                         preset=get_preset("tiny"), workdir=workdir,
+                         settings=HospitalSettings(lifetime_epsilon=lifetime_epsilon, delta=delta,
+                                                   max_teachers=max_teachers))
 
 
 def public_lesion_maps(rng: np.random.Generator, n: int, grid=(16, 16, 16), classes: int = 4, shells=None):
@@ -553,19 +555,19 @@ def _hospitals_answer(audit: PateAudit, public: AuditedPublicSide, answers_of, n
         state, charged, sigma = pate_calibration(compressor, audit.epsilon, audit.delta, audit.queries,
                                                  audit.teachers)
         shipped = compressor.batch_state(compressor.state(), public.anchors, public.scans)
-        config = {"method": f"pate-{audit.codec}", "queries": list(range(audit.queries)),
-                  "release_ids": [f"pate-{audit.codec}:audit:query-{n}" for n in range(audit.queries)],
-                  "sigma": sigma, "teachers": audit.teachers, "delta": float(audit.delta)}
+        request = QueryRequest(method=f"pate-{audit.codec}", queries=list(range(audit.queries)),
+                               release_ids=[f"pate-{audit.codec}:audit:query-{n}" for n in range(audit.queries)],
+                               sigma=sigma, teachers=audit.teachers, delta=float(audit.delta))
         for side in (+1, -1):
             for index, name in enumerate(names if side == +1 else [audited]):
                 hospital = audit_hospital(name, answers_of(index, side), Path(tmp) / f"{name}{side:+d}",
                                           audit.epsilon, audit.delta, teachers=per_hospital,
                                           max_teachers=audit.teachers)
-                answers[side][name], _ = hospital.answer_query(public.scans, shipped, config)
+                answers[side][name], _ = hospital.answer_query(public.scans, shipped, request.to_config())
                 own = Ledger(hospital.privacy_ledger)
                 charged_ids = sorted(r["release_id"].rsplit("@", 1)[0] for r in own.records())
-                if charged_ids != sorted(config["release_ids"]):   # one charge per query, under its own nonce
-                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {config['release_ids']}")
+                if charged_ids != sorted(request.release_ids):   # one charge per query, under its own nonce
+                    raise RuntimeError(f"hospital {name} charged {charged_ids}, asked {list(request.release_ids)}")
                 spent = own.spent(name, audit.delta).epsilon
                 hospital_epsilon.setdefault(name, set()).add(float(spent))
         for name in names[1:]:

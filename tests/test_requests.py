@@ -1,0 +1,95 @@
+"""The typed hospital requests (task/requests.py): the keys on the wire, the defaults a hospital applies, and
+one-line refusals naming the key."""
+
+import json
+
+import pytest
+
+from task.errors import UserError
+from task.options import Relation
+from task.requests import (FEDAVG_LEVERS, EvaluationRequest, FedAvgRoundRequest, HospitalRequest, QueryRequest,
+                           RunContext, SecureStageRequest, TeacherTrainingRequest)
+
+
+def test_each_request_sends_exactly_the_keys_a_hospital_reads():
+    query = QueryRequest(method="pate-pca", seed=0, queries=[0, 1], release_ids=["q-0", "q-1"], sigma=0.5, teachers=4,
+                         delta=1e-3, device="cpu", precision="32")
+    assert query.to_config() == {"method": "pate-pca", "seed": 0, "queries": [0, 1], "release_ids": ["q-0", "q-1"],
+                                 "sigma": 0.5, "teachers": 4, "delta": 1e-3, "device": "cpu", "precision": "32"}
+    diagnostic = QueryRequest(method="pate-pca", diagnostic=True, device="auto", precision="32")
+    assert diagnostic.to_config() == {"method": "pate-pca", "diagnostic": True, "device": "auto", "precision": "32"}
+    train = TeacherTrainingRequest(teacher_epochs=2, seed=1, device="auto", precision="32", teacher_trainable="all",
+                                   teacher_learning_rate=1e-3, teacher_augment=True, init_weights={"w": [0.0]})
+    assert train.to_config() == {"teacher_epochs": 2, "seed": 1, "device": "auto", "precision": "32",
+                                 "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": True}
+    assert EvaluationRequest(seed=0, device="auto", precision="32", images=[1]).to_config() == \
+        {"seed": 0, "device": "auto", "precision": "32"}   # the test arrays travel beside the config
+    assert SecureStageRequest(method="dp-fedavg-secure", delta=1e-3, device="auto", precision="32").to_config() == \
+        {"method": "dp-fedavg-secure", "delta": 1e-3, "device": "auto", "precision": "32"}
+    assert RunContext(preset="tiny", seed=0, world="/w", preset_overrides={"hospitals": 2}).to_config() == \
+        {"preset": "tiny", "seed": 0, "world": "/w", "preset_overrides": {"hospitals": 2}}
+
+
+def test_a_fedavg_round_sends_every_setting_and_its_levers():
+    plan = json.dumps([{"batch_size": 4, "epochs": 2}])
+    request = FedAvgRoundRequest(round=1, rounds=2, local_epochs=1, epsilon=8.0, delta=1e-3, seed=0, run_tag="r-1",
+                                 relation=Relation.REPLACE_ONE, setting=0, plan=plan, learning_rate=1e-3,
+                                 max_grad_norm=0.1, batch_size=4, device="auto", precision="32", trainable="voxel-head")
+    config = request.to_config()
+    assert set(config) == {"round", "rounds", "local_epochs", "epsilon", "delta", "seed", "run_tag",
+                           "reproducible_noise", "relation", "setting", "plan", "learning_rate", "max_grad_norm",
+                           "batch_size", "device", "precision", "trainable"}
+    assert config["relation"] is Relation.REPLACE_ONE and config["reproducible_noise"] is False
+    assert FedAvgRoundRequest.from_config(config) == request
+    assert request.plan_entries() == [{"batch_size": 4, "epochs": 2}] and request.levers() == {"trainable": "voxel-head"}
+
+
+def test_the_fedavg_levers_are_the_training_engines():
+    from task.training import LEVER_KEYS
+
+    assert FEDAVG_LEVERS == LEVER_KEYS
+
+
+def test_a_hospital_reads_what_it_was_sent_and_its_own_defaults_for_the_rest():
+    received = {"round": 0, "rounds": 1, "epsilon": 4.0, "delta": 1e-3, "preset": "tiny", "world": "/w",
+                "ledger_dir": "/l", "lifetime_epsilon": 8.0, "allow_identity": True}
+    request = FedAvgRoundRequest.from_config(received)
+    assert (request.local_epochs, request.seed, request.run_tag, request.relation) == (1, 0, "run", Relation.REPLACE_ONE)
+    assert request.plan_entries() is None and request.levers() == {}
+    assert (request.ledger_dir, request.lifetime_epsilon, request.delta, request.allow_identity) == ("/l", 8.0, 1e-3, True)
+    training = TeacherTrainingRequest.from_config({"teacher_learning_rate": 0, "teacher_trainable": ""})
+    assert training.teacher_learning_rate is None and training.teacher_trainable is None   # unset: the preset's
+    assert QueryRequest.from_config({"diagnostic": True}).release_ids is None
+    assert HospitalRequest.from_config(None) == HospitalRequest()
+    assert QueryRequest.from_config(request := QueryRequest(diagnostic=True)) is request
+
+
+@pytest.mark.parametrize("kind, config, key", [
+    (QueryRequest, {}, "release_ids"),
+    (QueryRequest, {"release_ids": ["a"], "sigma": 0.0, "teachers": 2}, "sigma"),
+    (QueryRequest, {"release_ids": "a", "sigma": 1.0, "teachers": 2}, "release_ids"),
+    (QueryRequest, {"release_ids": ["a"], "sigma": 1.0, "teachers": True}, "teachers"),
+    (FedAvgRoundRequest, {"round": 0, "epsilon": 1.0, "delta": 1e-3}, "rounds"),
+    (FedAvgRoundRequest, {"round": 0, "rounds": 1, "epsilon": 1.0, "delta": 2.0}, "delta"),
+    (FedAvgRoundRequest, {"round": 0, "rounds": 1, "epsilon": 1.0, "delta": 1e-3, "relation": "x"}, "relation"),
+    (FedAvgRoundRequest, {"round": 0, "rounds": 1, "epsilon": 1.0, "delta": 1e-3, "plan": "[{}]", "setting": 0},
+     "plan"),
+    (TeacherTrainingRequest, {"teacher_trainable": "everything"}, "teacher_trainable"),
+    (TeacherTrainingRequest, {"local_dp": {"delta": 1e-3}}, "local_dp"),
+    (HospitalRequest, {"device": "tpu"}, "device"),
+    (HospitalRequest, {"secure_policy": {"colluders": -1}}, "secure_policy.colluders"),
+    (RunContext, {"seed": 0}, "preset"),
+])
+def test_a_malformed_request_is_refused_in_one_line_naming_the_key(kind, config, key):
+    with pytest.raises(UserError, match=key) as info:
+        kind.from_config(config)
+    assert "\n" not in str(info.value)
+
+
+def test_the_run_settings_tell_simulated_hospitals_their_privacy():
+    from task.runconfig import RunSettings
+
+    config = RunSettings(method="pate-pca", out="/runs/x", epsilon=2.0).hospital_privacy_config()
+    assert config == {"ledger_dir": "/runs/x/hospital-ledgers", "lifetime_epsilon": 2.0, "delta": 1e-3,
+                      "allow_identity": True, "secure_policy": {"colluders": 0, "dropouts": 0}}
+    assert HospitalRequest.from_config(config).to_config() == config
