@@ -79,7 +79,7 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
 
 
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
-    from task.classification.dpmac import layer_coefficients
+    from task.classification.dpmac import DPMACConfig, layer_coefficients
 
     torch.manual_seed(1)
     w = torch.randn(4, 6, requires_grad=True)
