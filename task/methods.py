@@ -27,8 +27,35 @@ from task.registry import Registry
 ROLES = ("private", "floor", "ceiling")
 
 
+class _Roled:
+    """What every method record has: a ``name`` and a ``role`` (:data:`ROLES`)."""
+
+    def _check_role(self, kind: str) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"{kind} {self.name}: role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def private(self) -> bool:
+        return self.role == "private"
+
+
+class _Records(Registry):
+    """Method records, each registered under its own ``name``."""
+
+    def add(self, record):
+        """Add a record (one per name)."""
+        return self.register(record.name, record)
+
+    def where(self, **fields) -> tuple:
+        """The registered records whose fields equal ``fields`` (all of them without), in registration order."""
+        return tuple(m for m in self.values() if all(getattr(m, k) == v for k, v in fields.items()))
+
+    def names(self, **fields) -> tuple[str, ...]:
+        return tuple(m.name for m in self.where(**fields))
+
+
 @dataclass(frozen=True)
-class Method:
+class Method(_Roled):
     """One segmentation method.
 
     ``family``: methods of one family share a protocol or runner and are compared as one kind in the report
@@ -62,36 +89,20 @@ class Method:
     cell_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"method {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        self._check_role("method")
         if self.federated != (self.protocol is not None) or self.federated == (self.runner is not None):
             raise ValueError(f"method {self.name}: a federated method names a protocol, any other a runner")
 
-    @property
-    def private(self) -> bool:
-        return self.role == "private"
 
-
-_METHODS: Registry[Method] = Registry("method")
-
-
-def register_method(record: Method) -> Method:
-    """Add a method record (one per name)."""
-    return _METHODS.register(record.name, record)
-
-
+_METHODS: _Records = _Records("method")
+#: add a method record (one per name)
+register_method = _METHODS.add
 unregister_method = _METHODS.unregister
 #: the record of a name; KeyError names the registered methods
 method = _METHODS.get
-
-
-def methods(**fields) -> tuple[Method, ...]:
-    """The registered records whose fields equal ``fields`` (all of them without), in registration order."""
-    return tuple(m for m in _METHODS.values() if all(getattr(m, k) == v for k, v in fields.items()))
-
-
-def names(**fields) -> tuple[str, ...]:
-    return tuple(m.name for m in methods(**fields))
+#: the registered records whose fields equal the keywords given (all of them without), in registration order
+methods = _METHODS.where
+names = _METHODS.names
 
 
 def role_of(name: str | None) -> str | None:
@@ -150,7 +161,7 @@ SEGMENTATION_METHODS = names()
 
 # ------------------------------------------------------------------------ the classification seed systems
 @dataclass(frozen=True)
-class ClassificationMethod:
+class ClassificationMethod(_Roled):
     """One method of the classification comparison (``fedpate compare --task``, ``task/classification/``).
 
     ``runner``: the key of the function that trains one cell (``sim.runners.classification_compare``; methods
@@ -177,39 +188,18 @@ class ClassificationMethod:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"classification method {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        self._check_role("classification method")
         if self.per_epsilon != self.private:
             raise ValueError(f"classification method {self.name}: a private method has one cell per budget, "
                              "any other one ε-free cell")
         if (self.always or self.reference_for) and not self.reference:
             raise ValueError(f"classification method {self.name}: only a reference row is added by the comparison")
 
-    @property
-    def private(self) -> bool:
-        return self.role == "private"
 
-
-_CLASSIFICATION: Registry[ClassificationMethod] = Registry("classification method")
-
-
-def register_classification_method(record: ClassificationMethod) -> ClassificationMethod:
-    """Add a classification method record (one per name)."""
-    return _CLASSIFICATION.register(record.name, record)
-
-
-unregister_classification_method = _CLASSIFICATION.unregister
-#: the record of a classification method's name; KeyError names the registered ones
-classification_method = _CLASSIFICATION.get
-
-
-def classification_methods(**fields) -> tuple[ClassificationMethod, ...]:
-    """The registered classification records whose fields equal ``fields`` (all without), in registration order."""
-    return tuple(m for m in _CLASSIFICATION.values() if all(getattr(m, k) == v for k, v in fields.items()))
-
-
-def classification_names(**fields) -> tuple[str, ...]:
-    return tuple(m.name for m in classification_methods(**fields))
+#: the classification methods' records: ``.add(record)``, ``.get(name)`` (KeyError names the registered ones),
+#: ``.where(**fields)`` and ``.names(**fields)`` (the records, or their names, whose fields equal those given, in
+#: registration order), ``.unregister(name)``
+CLASSIFICATION: _Records = _Records("classification method")
 
 
 #: DP-SGD's diagnostic that no ε covers: its empty-batch count is a function of the secret Poisson batches
@@ -246,8 +236,8 @@ for _record in (
                              description="AdLM's network, polynomial loss and optimiser with the mechanism "
                                          "switched off (NOT private)"),
 ):
-    register_classification_method(_record)
+    CLASSIFICATION.add(_record)
 
 #: the classification seed systems ``--methods`` chooses from (``fedpate compare --task``); the comparison adds its
-#: reference rows (``classification_names(reference=True)``) itself
-CLASSIFICATION_METHODS = classification_names(reference=False)
+#: reference rows (``CLASSIFICATION.names(reference=True)``) itself
+CLASSIFICATION_METHODS = CLASSIFICATION.names(reference=False)

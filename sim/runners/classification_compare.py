@@ -58,8 +58,7 @@ from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from task.classification.tasks import load_task, task_name
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from task.methods import (CLASSIFICATION_METHODS, ClassificationMethod, classification_method, classification_methods,
-                          classification_names)
+from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod
 from task.registry import Registry
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from task.results import RunResults, csv_row, write_run
@@ -89,7 +88,8 @@ def not_private_diagnostics(method: str, details: dict) -> list[str]:
     teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch count is a
     function of the secret Poisson batches, the non-private rows cover nothing) and the dataset sizes, published
     as they are."""
-    return list(classification_method(method).not_private) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
+    record = _known(method)
+    return list(record.not_private if record else ()) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
 
 
 def _eps_dir(epsilon: float | None) -> str:
@@ -228,7 +228,7 @@ def _train(record: ClassificationMethod, task, epsilon: float | None, guard, set
 
 def _known(method: str) -> ClassificationMethod | None:
     """The record of a method name, None for a name no record has (a cell written by another version)."""
-    return classification_method(method) if method in classification_names() else None
+    return CLASSIFICATION.get(method) if method in CLASSIFICATION else None
 
 
 def _record_of(method: str) -> ClassificationMethod:
@@ -335,10 +335,10 @@ def _with_reference_rows(methods: list[str]) -> list[str]:
     """The requested methods, then the reference rows the comparison adds: those run beside a requested method
     (AdLM's noise-free row beside AdLM/ILM), then those in every report (public-only)."""
     rows = list(methods)
-    for record in classification_methods(reference=True):
+    for record in CLASSIFICATION.where(reference=True):
         if any(m in methods for m in record.reference_for) and record.name not in rows:
             rows.append(record.name)
-    for record in classification_methods(reference=True, always=True):
+    for record in CLASSIFICATION.where(reference=True, always=True):
         if record.name not in rows:
             rows.append(record.name)
     return rows
@@ -384,7 +384,7 @@ class ClassificationCompareConfig:
             raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, "
                             f"got {self.preset!r}")
         methods = [m.strip() for m in _listed(self.methods) if m.strip()]
-        unknown = [m for m in methods if m not in classification_names()]
+        unknown = [m for m in methods if m not in CLASSIFICATION]
         if unknown:
             raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of "
                             f"{', '.join(CLASSIFICATION_METHODS)}")
@@ -631,7 +631,7 @@ def _delta(cell: dict) -> str:
 def verdicts(cells: list[dict]) -> list[str]:
     """Report lines comparing every private cell with the public-only floor: a private method is worth its
     privacy cost only where it beats the same network trained on the public labelled records alone."""
-    floor_name = classification_names(role="floor")[0]
+    floor_name = CLASSIFICATION.names(role="floor")[0]
     floor = next((c["accuracy"] for c in cells if c["method"] == floor_name and c["accuracy"] is not None), None)
     if floor is None:
         return ["", f"Verdicts: no {floor_name} accuracy (its cell failed), so no private method is compared with it."]
@@ -646,7 +646,7 @@ def verdicts(cells: list[dict]) -> list[str]:
 
 
 def _order(method: str) -> int:
-    known = classification_names()
+    known = CLASSIFICATION.names()
     return known.index(method) if method in known else len(known)
 
 
