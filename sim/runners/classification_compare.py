@@ -112,7 +112,8 @@ class CellSettings:
             unless the noise is reproducible.
         preset: ``tiny`` or ``quick`` (:data:`PRESET_SETTINGS`: epochs, teachers, queries).
         progress: per-epoch lines, a summary line and, on an error, its traceback.
-        teachers_per_hospital: PATE-GNMax's teachers per hospital (None = the preset setting's, else its rule).
+        teachers_per_hospital: PATE-GNMax's teachers per hospital (None or 0 = the preset setting's, else its
+            rule).
     """
 
     delta: float
@@ -127,8 +128,6 @@ class CellSettings:
                             f"got {self.preset!r}")
         if self.delta is None or not (0 < self.delta < 1):
             raise UserError(f"--delta: expected a number in (0, 1), got {self.delta}")
-        if self.teachers_per_hospital is not None and self.teachers_per_hospital < 1:
-            raise UserError(f"--teachers-per-hospital: expected at least 1, got {self.teachers_per_hospital}")
 
 
 @dataclass(frozen=True)
@@ -176,16 +175,11 @@ def _adlm_trainer(adaptive: bool) -> CellTrainer:
     return train
 
 
-def _public_only_settings(cell: Cell) -> DPSGDConfig:
-    """The non-private cell's network and batch, which public-only trains on the public records."""
-    return DPSGDConfig(epochs=cell.training["epochs"], batch_size=_batch_size(cell.units, 250))
-
-
 def _train_public_only(cell: Cell) -> SeedResult:
     # the non-private cell's network and optimiser for the same number of Adam steps, on the public
     # labelled reference records only
     task = cell.run.task
-    cfg = _public_only_settings(cell)
+    cfg = DPSGDConfig(epochs=cell.training["epochs"], batch_size=_batch_size(cell.units, 250))
     steps = cfg.epochs * math.ceil(len(task.y_private) / cfg.batch_size)
     return train_public_only(task, cfg, steps, _batch_size(len(task.y_reference), cfg.batch_size), seed=cell.run.seed)
 
@@ -193,8 +187,9 @@ def _train_public_only(cell: Cell) -> SeedResult:
 def _train_gnmax(cell: Cell) -> SeedResult:
     # a preset may pin K or N; otherwise the rules of task.classification.gnmax choose them
     settings = cell.training
-    cfg = GNMaxConfig(teachers_per_hospital=cell.settings.teachers_per_hospital or settings.get("teachers_per_hospital"),
-                      queries=settings.get("queries"), teacher_epochs=settings["teacher_epochs"])
+    teachers = cell.settings.teachers_per_hospital or settings.get("teachers_per_hospital")
+    cfg = GNMaxConfig(teachers_per_hospital=teachers, queries=settings.get("queries"),
+                      teacher_epochs=settings["teacher_epochs"])
     return train_pate_gnmax(cell.run, cfg)
 
 

@@ -35,9 +35,6 @@ import torch
 import torch.nn as nn
 
 from task.errors import UserError
-from task.methods import CLASSIFICATION_METHODS
-
-METHODS = CLASSIFICATION_METHODS
 
 
 class PrivacyUnit(StrEnum):

@@ -329,8 +329,8 @@ def train_adlm(run: SeedRun, cfg: AdLMConfig | None = None, adaptive: bool = Tru
 
 @dataclass(frozen=True)
 class _Releases:
-    """What training sees: the perturbed features x̄ and label coefficients φ̄⁽¹⁾, the per-feature Laplace scales
-    (∞ = no noise, or withheld) and the budget split (None each without a budget)."""
+    """What training sees: the perturbed features x̄ and label coefficients φ̄⁽¹⁾, the per-feature Laplace
+    scales (∞ = no noise, or withheld) and the budget split (None each without a budget)."""
 
     x_bar: np.ndarray
     phi1: np.ndarray
