@@ -25,7 +25,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from task.data.msd import load_case, read_msd
-    from task.data.phantoms import anatomy_shape, generate_phantoms
+    from task.data.phantoms import PhantomSpec, anatomy_shape, generate_phantoms
     from task.data.preprocess import PreprocessConfig, preprocess_case
 
     rates = {}
@@ -35,8 +35,9 @@ def main() -> None:
             shape = anatomy_shape(res)
             setup = time.perf_counter() - start
             start = time.perf_counter()
-            root = generate_phantoms(Path(tmp) / f"p{res:g}", cases=args.cases, institutions=4, seed=0,
-                                     resolution_mm=res, progress=False)
+            root = generate_phantoms(Path(tmp) / f"p{res:g}",
+                                     PhantomSpec(cases=args.cases, institutions=4, seed=0, resolution_mm=res),
+                                     progress=False)
             seconds = time.perf_counter() - start
             rates[f"generate {res:g} mm"] = args.cases / seconds
             print(f"generate  {res:g} mm  grid {'x'.join(map(str, shape))}: {args.cases / seconds:6.2f} cases/s "

@@ -49,7 +49,8 @@ def main() -> None:
     import torch
 
     from task.bundle import privacy_card, save_bundle
-    from task.data.phantoms import GENERATOR_VERSION, generate_phantoms
+    from task.data.phantoms import GENERATOR_VERSION, PhantomSpec, generate_phantoms
+    from task.data.shifts import Shift
     from task.data.preprocess import PreprocessConfig, prepare_dataset
     from task.io import atomic_write_json, atomic_write_text
     from task.networks import build_unet_from_config, network_config
@@ -60,15 +61,15 @@ def main() -> None:
     out = Path(args.out)
     data = out / "data"
     started = time.perf_counter()
-    train_dir = generate_phantoms(data / "train", cases=args.train_cases, institutions=args.institutions,
-                                  seed=args.seed, resolution_mm=args.train_resolution, workers=args.workers)
+    train_dir = generate_phantoms(data / "train", PhantomSpec(cases=args.train_cases, institutions=args.institutions,
+                                                              seed=args.seed, resolution_mm=args.train_resolution),
+                                  workers=args.workers)
     test_dirs: dict[str, Path] = {}
     for shift in [s for s in args.shifts.split(",") if s]:
         resolution = 1.0 if shift == "1mm" else args.train_resolution
-        test_dirs[shift] = generate_phantoms(data / f"test-{shift}", cases=args.test_cases,
-                                             institutions=args.institutions, seed=args.seed + 1,
-                                             resolution_mm=resolution, workers=args.workers,
-                                             shift="none" if shift == "1mm" else shift)
+        spec = PhantomSpec(cases=args.test_cases, institutions=args.institutions, seed=args.seed + 1,
+                           resolution_mm=resolution, shift=Shift.NONE if shift == "1mm" else shift)
+        test_dirs[shift] = generate_phantoms(data / f"test-{shift}", spec, workers=args.workers)
     for real in args.real:
         test_dirs[f"real:{Path(real).name}"] = Path(real)
     data_seconds = time.perf_counter() - started

@@ -12,8 +12,9 @@ federated, whether it sweeps K, whether it has one cell per ε, which protocol o
 they loop over records and never test a method's name (``register_method`` adds one, as Opus' accountants
 are registered: tests/test_registries.py adds a toy method and a toy codec this way). The functions that run a
 cell live above this layer and are found by key: ``server.protocols`` (federated protocols) and
-``sim.runners.cells`` (everything else). The classification seed systems have their own list,
-:data:`CLASSIFICATION_METHODS` (``fedpate compare --task``). Pure Python, so the command line imports it for its
+``sim.runners.cells`` (everything else). The classification seed systems have their own records,
+:class:`ClassificationMethod` (``fedpate compare --task``; their trainers are found by key in
+``sim.runners.classification_compare``). Pure Python, so the command line imports it for its
 help without paying for torch.
 """
 
@@ -26,8 +27,35 @@ from task.registry import Registry
 ROLES = ("private", "floor", "ceiling")
 
 
+class _Roled:
+    """What every method record has: a ``name`` and a ``role`` (:data:`ROLES`)."""
+
+    def _check_role(self, kind: str) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"{kind} {self.name}: role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def private(self) -> bool:
+        return self.role == "private"
+
+
+class _Records(Registry):
+    """Method records, each registered under its own ``name``."""
+
+    def add(self, record):
+        """Add a record (one per name)."""
+        return self.register(record.name, record)
+
+    def where(self, **fields) -> tuple:
+        """The registered records whose fields equal ``fields`` (all of them without), in registration order."""
+        return tuple(m for m in self.values() if all(getattr(m, k) == v for k, v in fields.items()))
+
+    def names(self, **fields) -> tuple[str, ...]:
+        return tuple(m.name for m in self.where(**fields))
+
+
 @dataclass(frozen=True)
-class Method:
+class Method(_Roled):
     """One segmentation method.
 
     ``family``: methods of one family share a protocol or runner and are compared as one kind in the report
@@ -63,36 +91,20 @@ class Method:
     cell_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"method {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        self._check_role("method")
         if self.federated != (self.protocol is not None) or self.federated == (self.runner is not None):
             raise ValueError(f"method {self.name}: a federated method names a protocol, any other a runner")
 
-    @property
-    def private(self) -> bool:
-        return self.role == "private"
 
-
-_METHODS: Registry[Method] = Registry("method")
-
-
-def register_method(record: Method) -> Method:
-    """Add a method record (one per name)."""
-    return _METHODS.register(record.name, record)
-
-
+_METHODS: _Records = _Records("method")
+#: add a method record (one per name)
+register_method = _METHODS.add
 unregister_method = _METHODS.unregister
 #: the record of a name; KeyError names the registered methods
 method = _METHODS.get
-
-
-def methods(**fields) -> tuple[Method, ...]:
-    """The registered records whose fields equal ``fields`` (all of them without), in registration order."""
-    return tuple(m for m in _METHODS.values() if all(getattr(m, k) == v for k, v in fields.items()))
-
-
-def names(**fields) -> tuple[str, ...]:
-    return tuple(m.name for m in methods(**fields))
+#: the registered records whose fields equal the keywords given (all of them without), in registration order
+methods = _METHODS.where
+names = _METHODS.names
 
 
 def role_of(name: str | None) -> str | None:
@@ -147,5 +159,87 @@ FEDERATED_METHODS = names(federated=True)
 #: ``fedpate central --method`` name -> the method it writes
 CENTRAL_METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
 SEGMENTATION_METHODS = names()
-#: the classification seed systems (task/classification/)
-CLASSIFICATION_METHODS = ("dp-mac", "adlm", "ilm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled", "nonprivate")
+
+
+# ------------------------------------------------------------------------ the classification seed systems
+@dataclass(frozen=True)
+class ClassificationMethod(_Roled):
+    """One method of the classification comparison (``fedpate compare --task``, ``task/classification/``).
+
+    ``runner``: the key of the function that trains one cell (``sim.runners.classification_compare``; methods
+    sharing a trainer differ by key, e.g. ``adlm`` and ``ilm``). ``role`` as :class:`Method`'s: ``private``
+    cells spend a budget (one cell per ε, ``per_epsilon``), the others train without noise in one ε-free cell.
+    ``reference``: a row the comparison adds by itself (never one of ``--methods``' defaults): ``always``
+    in every report, or whenever one of ``reference_for`` runs. ``report_note``: which note the report writes
+    beside its cells. ``pure_epsilon``: its releases are pure ε-DP (Laplace), so the report's δ is 0.
+    ``not_private``: the result keys no ε covers (simulation diagnostics; dotted names point into
+    ``details``). ``plot_style``: (colour, line style) of an ε-free row's horizontal line in the plot.
+    """
+
+    name: str
+    runner: str
+    role: str
+    per_epsilon: bool = False
+    reference: bool = False
+    always: bool = False
+    reference_for: tuple[str, ...] = ()
+    report_note: str = ""
+    pure_epsilon: bool = False
+    not_private: tuple[str, ...] = ()
+    plot_style: tuple[str, str] = ("tab:brown", "-.")
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        self._check_role("classification method")
+        if self.per_epsilon != self.private:
+            raise ValueError(f"classification method {self.name}: a private method has one cell per budget, "
+                             "any other one ε-free cell")
+        if (self.always or self.reference_for) and not self.reference:
+            raise ValueError(f"classification method {self.name}: only a reference row is added by the comparison")
+
+
+#: the classification methods' records: ``.add(record)``, ``.get(name)`` (KeyError names the registered ones),
+#: ``.where(**fields)`` and ``.names(**fields)`` (the records, or their names, whose fields equal those given, in
+#: registration order), ``.unregister(name)``
+CLASSIFICATION: _Records = _Records("classification method")
+
+
+#: DP-SGD's diagnostic that no ε covers: its empty-batch count is a function of the secret Poisson batches
+_EMPTY_BATCHES = ("details.empty_batches",)
+
+for _record in (
+        ClassificationMethod("dp-mac", "dp-mac", "private", per_epsilon=True, report_note="noise-multiplier",
+                             description="DP-MAC (Harder, Köhler, Welling & Park 2019, arXiv 1910.06924)"),
+        ClassificationMethod("adlm", "adlm", "private", per_epsilon=True, report_note="laplace", pure_epsilon=True,
+                             description="the Adaptive Laplace Mechanism (Phan, Wu, Hu & Dou 2017, "
+                                         "arXiv 1709.05750)"),
+        ClassificationMethod("ilm", "ilm", "private", per_epsilon=True, report_note="laplace", pure_epsilon=True,
+                             description="AdLM's identical-noise ablation (ILM, their Appendix C)"),
+        ClassificationMethod("pate-gnmax", "pate-gnmax", "private", per_epsilon=True, report_note="gnmax",
+                             not_private=("teacher_accuracy_mean", "ensemble_accuracy",
+                                          "details.teacher_accuracy_mean", "details.ensemble_accuracy",
+                                          "details.records_per_teacher"),
+                             description="PATE with GNMax (Papernot et al. 2018, arXiv 1802.08908); its teachers "
+                                         "and their noise-free ensemble see the private records directly"),
+        ClassificationMethod("dp-sgd", "dp-sgd", "private", per_epsilon=True, report_note="noise-multiplier",
+                             not_private=_EMPTY_BATCHES, description="DP-SGD (Abadi et al. 2016, arXiv 1607.00133)"),
+        ClassificationMethod("dp-sgd-scheduled", "dp-sgd-scheduled", "private", per_epsilon=True,
+                             report_note="noise-multiplier", not_private=_EMPTY_BATCHES,
+                             description="DP-SGD with an exponentially decaying noise schedule (Yu et al. 2019, "
+                                         "arXiv 1904.02200)"),
+        ClassificationMethod("nonprivate", "dp-sgd", "ceiling", not_private=("accuracy",), plot_style=("k", "--"),
+                             description="DP-SGD's network trained without clipping or noise"),
+        ClassificationMethod("public-only", "public-only", "floor", reference=True, always=True,
+                             report_note="public-only", plot_style=("tab:gray", ":"),
+                             description="the non-private cell's network trained on the public labelled reference "
+                                         "records alone: the floor a private method must beat"),
+        ClassificationMethod("adlm-noise-free", "adlm", "ceiling", reference=True, reference_for=("adlm", "ilm"),
+                             report_note="noise-free", not_private=("accuracy",),
+                             description="AdLM's network, polynomial loss and optimiser with the mechanism "
+                                         "switched off (NOT private)"),
+):
+    CLASSIFICATION.add(_record)
+
+#: the classification seed systems ``--methods`` chooses from (``fedpate compare --task``); the comparison adds its
+#: reference rows (``CLASSIFICATION.names(reference=True)``) itself
+CLASSIFICATION_METHODS = CLASSIFICATION.names(reference=False)

@@ -121,6 +121,20 @@ class CentralMethod(StrEnum):
     DP_SGD = "dp-sgd"           # DP-SGD with per-sample clipping and Gaussian noise
 
 
-__all__ = ["AugmentOn", "CalibrationAccountant", "CentralMethod", "Decoder", "GradSampleMode", "Init", "NoiseMode",
-           "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation", "Sampling", "ScheduleFamily", "Selection",
-           "SplitScheme", "Trainable", "choices", "look_up_option"]
+class AugmentLevel(StrEnum):
+    """How much training augments (``task.data.augment``)."""
+    GEOMETRIC = "geometric"   # flips and a small rotation
+    DOMAIN = "domain"         # ... plus per-channel intensity randomisation (SynthSeg-style)
+
+
+class CompareTask(StrEnum):
+    """What ``fedpate compare --task`` compares: tumour segmentation, or the classification seed systems on 2D tumour
+    slices or on 5,000 MNIST digits (``task.classification.tasks``)."""
+    SEGMENTATION = "segmentation"
+    SLICE_CLASSIFICATION = "slice-classification"
+    MNIST5K = "mnist5k"
+
+
+__all__ = ["AugmentLevel", "AugmentOn", "CalibrationAccountant", "CentralMethod", "CompareTask", "Decoder",
+           "GradSampleMode", "Init", "NoiseMode", "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation",
+           "Sampling", "ScheduleFamily", "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]

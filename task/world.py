@@ -46,11 +46,12 @@ from typing import Any
 import numpy as np
 
 from task.data.brats import PHANTOMS_MARKER
-from task.data.partitions import PUBLIC_SOURCE, Split, make_split
-from task.data.phantoms import ensure_phantoms
+from task.data.partitions import PUBLIC_SOURCE, Split, SplitPlan, make_split
+from task.data.phantoms import PhantomCollection, ensure_phantoms
 from task.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
 from task.errors import UserError
 from task.io import atomic_write_json, cache_root
+from task.options import SplitScheme
 
 #: The simulated dataset is one fixed world whatever a run's seed, which drives the split and training:
 #: runs with different seeds are comparable on the same patients.
@@ -97,8 +98,9 @@ def _prepared_population(preset, data, progress: bool, layout: str | None = None
     if data is not None or not preset.world.public_cases:
         return prepared
     other = ensure_phantoms(preset, cache_root() / "phantoms", seed=PUBLIC_PHANTOM_SEED, progress=progress,
-                            cases=preset.world.public_cases, institutions=preset.world.public_institutions,
-                            test_cases=0, shift=preset.world.public_shift, workers=workers)
+                            workers=workers, collection=PhantomCollection(
+                                cases=preset.world.public_cases, institutions=preset.world.public_institutions,
+                                test_cases=0, shift=preset.world.public_shift))
     other_prepared = prepare_dataset(other, cache_root() / "prepared" / f"{other.name}-{grid}", config,
                                      progress=progress)
     # the folder names carry every generation setting of both sources: a changed world gets a new cache
@@ -131,9 +133,9 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
     teachers = teachers_per_hospital or preset.teachers_per_hospital
     if partition_file:
         return prepared, partition_split(prepared, preset, partition_file, hospitals, teachers, seed)
-    split = make_split(prepared, hospitals, teachers, preset.world.split_scheme, preset.federation.n_query,
-                       preset.world.n_reference, preset.world.n_validation, preset.world.n_test, seed,
-                       public_pool=prepared.cases_from(PUBLIC_SOURCE) or None)
+    split = make_split(prepared, SplitPlan(hospitals, teachers, preset.world.split_scheme, preset.federation.n_query,
+                                           preset.world.n_reference, preset.world.n_validation, preset.world.n_test,
+                                           seed, public_pool=prepared.cases_from(PUBLIC_SOURCE) or None))
     return prepared, split
 
 
@@ -157,9 +159,9 @@ def partition_split(prepared, preset, partition_file, hospitals: int, teachers: 
     from task.data.fets import assign_partitions
 
     institutions, info = assign_partitions(partition_file, prepared.case_ids, prepared.patient, hospitals)
-    split = make_split(institutions, hospitals, teachers, "institution", preset.federation.n_query,
-                       preset.world.n_reference, preset.world.n_validation, preset.world.n_test, seed,
-                       patients=prepared.patient)
+    split = make_split(institutions, SplitPlan(hospitals, teachers, SplitScheme.INSTITUTION, preset.federation.n_query,
+                                               preset.world.n_reference, preset.world.n_validation,
+                                               preset.world.n_test, seed), patients=prepared.patient)
     split.params["partition_file"] = info
     split.params["institutions"] = institutions       # each case's partition: who the World section names
     return split

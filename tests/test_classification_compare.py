@@ -17,8 +17,9 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
     # keep the test small: fewer epochs/queries than the tiny preset
     monkeypatch.setitem(runner.PRESET_SETTINGS, "tiny", {"epochs": 1, "adlm_epochs": 1, "teachers_per_hospital": 2,
                                                          "queries": 20, "teacher_epochs": 2})
-    cells = runner.run_classification_compare("mnist5k", "nonprivate,adlm,ilm,pate-gnmax,dp-mac", [2.0],
-                                              tmp_path, seed=0, delta=1e-5, hospitals=2, progress=False)
+    cells = runner.run_classification_compare(runner.ClassificationCompareConfig(
+        "mnist5k", "nonprivate,adlm,ilm,pate-gnmax,dp-mac", [2.0], tmp_path, seed=0, delta=1e-5, hospitals=2,
+        progress=False))
     # the reference rows come with every report: public-only always, AdLM's noise-free row beside AdLM/ILM
     assert [c["method"] for c in cells] == ["nonprivate", "adlm", "ilm", "pate-gnmax", "dp-mac", "adlm-noise-free",
                                             "public-only"]
@@ -50,12 +51,12 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
 
 def test_unknown_task_and_method_are_user_errors(tmp_path):
     from task.errors import UserError
-    from sim.runners.classification_compare import run_classification_compare
+    from sim.runners.classification_compare import ClassificationCompareConfig, run_classification_compare
 
     with pytest.raises(UserError, match="--methods"):
-        run_classification_compare("mnist5k", "dp-mac,bogus", [1], tmp_path)
+        run_classification_compare(ClassificationCompareConfig("mnist5k", "dp-mac,bogus", [1], tmp_path))
     with pytest.raises(UserError, match="--task"):
-        run_classification_compare("cifar", "dp-mac", [1], tmp_path)
+        run_classification_compare(ClassificationCompareConfig("cifar", "dp-mac", [1], tmp_path))
 
 
 def test_mnist5k_split_is_deterministic_disjoint_and_bounded():
@@ -200,9 +201,9 @@ def test_no_ledger_is_deleted_and_an_interrupted_cells_spend_stays_in_the_report
 def test_a_cell_folder_that_released_is_not_run_again(tmp_path):
     """``run_cell`` on a folder whose ledger holds releases refuses: it neither deletes nor adds to that ledger."""
     from task.errors import UserError
-    from sim.runners.classification_compare import run_cell
+    from sim.runners.classification_compare import CellSettings, run_cell
 
     (tmp_path / "ledger.jsonl").write_text('{"event": "an earlier release"}\n')
     with pytest.raises(UserError, match="earlier run"):
-        run_cell(None, "adlm", 1.0, tmp_path, 1e-5, 0, "tiny", progress=False)
+        run_cell(None, "adlm", 1.0, tmp_path, CellSettings(delta=1e-5, seed=0, preset="tiny", progress=False))
     assert (tmp_path / "ledger.jsonl").read_text() == '{"event": "an earlier release"}\n'

@@ -11,6 +11,7 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import GaussianMechanism, NoiseSource
+from task.classification import SeedRun
 from task.classification.tasks import ClassificationTask
 
 
@@ -36,13 +37,14 @@ def guard_for(budget, delta=1e-5):
 # ------------------------------------------------------------------------------------------------ DP-MAC
 @pytest.mark.parametrize("order", [1, 2])
 def test_dpmac_per_record_coefficients_are_clipped(order):
-    from task.classification.dpmac import layer_coefficients
+    from task.classification.dpmac import DPMACConfig, layer_coefficients
 
     torch.manual_seed(0)
     w, b = torch.randn(7, 5) * 10, torch.randn(7)
     z_prev = torch.randn(30, 5) * 10
     for target, labels in ((torch.randn(30, 7) * 10, None), (None, torch.randint(0, 7, (30,)))):
-        sums, clipped = layer_coefficients(w, b, z_prev, target, labels, mu=1.0, clip=0.5, order=order, clip2=0.25)
+        sums, clipped = layer_coefficients(w, b, z_prev, target, labels,
+                                           DPMACConfig(mu=1.0, clip=0.5, order=order, clip2=0.25))
         assert len(sums) == order
         assert float(clipped[0].max()) <= 0.5 + 1e-5
         if order == 2:
@@ -77,7 +79,7 @@ def test_dpmac_adding_one_record_moves_each_block_by_at_most_its_clip(order):
 
 
 def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
-    from task.classification.dpmac import layer_coefficients
+    from task.classification.dpmac import DPMACConfig, layer_coefficients
 
     torch.manual_seed(1)
     w = torch.randn(4, 6, requires_grad=True)
@@ -85,7 +87,7 @@ def test_dpmac_output_coefficient_is_the_cross_entropy_gradient():
     z = torch.randn(10, 6) * 0.1
     y = torch.randint(0, 4, (10,))
     torch.nn.functional.cross_entropy(z @ w.T + b, y, reduction="sum").backward()
-    sums, _ = layer_coefficients(w.detach(), b.detach(), z, None, y, mu=1.0, clip=1e6)
+    sums, _ = layer_coefficients(w.detach(), b.detach(), z, None, y, DPMACConfig(mu=1.0, clip=1e6))
     assert torch.allclose(sums[0][:, :-1], w.grad, atol=1e-5)
     assert torch.allclose(sums[0][:, -1], b.grad, atol=1e-5)
 
@@ -119,8 +121,8 @@ def test_dpmac_ledger_epsilon_matches_dp_accounting():
 
     task = synthetic_task()
     ledger, guard = guard_for(2.0)
-    res = train_dpmac(task, 2.0, 1e-5, guard, task.hospitals,
-                      DPMACConfig(hidden=(16,), epochs=2, batch_size=40, pca_components=None, z_steps=2), seed=0)
+    res = train_dpmac(SeedRun(task, 2.0, 1e-5, guard, task.hospitals, seed=0),
+                      DPMACConfig(hidden=(16,), epochs=2, batch_size=40, pca_components=None, z_steps=2))
     q, z, steps = res.details["sampling_rate"], res.details["noise_multiplier"], res.details["steps"]
     # the comparison's one relation, replace-one (sizes are published), straight from dp_accounting
     acc = pld_privacy_accountant.PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-4)
@@ -138,8 +140,8 @@ def test_dpmac_with_dp_pca_is_accounted_and_within_budget():
 
     task = synthetic_task()
     ledger, guard = guard_for(3.0)
-    train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
-                DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, pca_basis="dp"), seed=0)
+    train_dpmac(SeedRun(task, 3.0, 1e-5, guard, task.hospitals, seed=0),
+                DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, pca_basis="dp"))
     kinds = [type(e).__name__ for e in ledger.events("h0")]
     assert kinds == ["GaussianEvent", "SampledGaussianEvent"]
     assert 0.98 * 3.0 <= ledger.spent("h0", 1e-5).epsilon <= 3.0
@@ -159,7 +161,7 @@ def test_dpmac_public_basis_reads_no_private_record_and_returns_its_budget_to_th
     runs = []
     for t in (task, other):
         ledger, guard = guard_for(3.0)
-        res = train_dpmac(t, 3.0, 1e-5, guard, t.hospitals, cfg, seed=0)
+        res = train_dpmac(SeedRun(t, 3.0, 1e-5, guard, t.hospitals, seed=0), cfg)
         runs.append(res)
         assert [type(e).__name__ for e in ledger.events("h0")] == ["SampledGaussianEvent"]
         assert 0.98 * 3.0 <= ledger.spent("h0", 1e-5).epsilon <= 3.0
@@ -169,9 +171,9 @@ def test_dpmac_public_basis_reads_no_private_record_and_returns_its_budget_to_th
     assert len(public_images(task)) == len(task.x_query) + len(task.x_reference)
     assert runs[0].details["pca_basis"] == "public" and runs[0].details["pca_sigma"] is None
     _, guard = guard_for(3.0)
-    with_dp_pca = train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
+    with_dp_pca = train_dpmac(SeedRun(task, 3.0, 1e-5, guard, task.hospitals, seed=0),
                               DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1,
-                                          pca_basis="dp"), seed=0)
+                                          pca_basis="dp"))
     assert runs[0].sigma < with_dp_pca.sigma         # the DP-PCA share went back to the W-steps
 
 
@@ -181,8 +183,8 @@ def test_dpmac_falls_back_to_dp_pca_without_enough_public_images():
     task = synthetic_task()
     task.x_query, task.x_reference = task.x_query[:0], task.x_reference[:2]
     ledger, guard = guard_for(3.0)
-    res = train_dpmac(task, 3.0, 1e-5, guard, task.hospitals,
-                      DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1), seed=0)
+    res = train_dpmac(SeedRun(task, 3.0, 1e-5, guard, task.hospitals, seed=0),
+                      DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1))
     assert res.details["pca_basis"] == "dp"
     assert [type(e).__name__ for e in ledger.events("h0")] == ["GaussianEvent", "SampledGaussianEvent"]
 
@@ -242,14 +244,14 @@ def test_adlm_noise_free_reference_charges_nothing_and_learns():
 
     task = synthetic_task()
     ledger, guard = guard_for(1.0)
-    res = train_adlm(task, None, 1e-5, guard, task.hospitals, AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32),
-                     seed=0)
+    res = train_adlm(SeedRun(task, None, 1e-5, guard, task.hospitals, seed=0),
+                     AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32))
     assert ledger.records() == [] and res.relation is None and res.details["noise_free"] is True
     assert res.details["epsilon_split"] is None and res.details["label_scale"] is None
     assert res.accuracy > 0.8                     # three well-separated classes
     _, guard = guard_for(1.0)
-    noisy = train_adlm(task, 1.0, 1e-5, guard, task.hospitals, AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32),
-                       seed=0)
+    noisy = train_adlm(SeedRun(task, 1.0, 1e-5, guard, task.hospitals, seed=0),
+                       AdLMConfig(hidden=(16, 8), epochs=30, batch_size=32))
     assert noisy.details["noise_free"] is False and noisy.relation == "replace-one"
 
 
@@ -261,9 +263,9 @@ def test_adlm_ledger_total_is_sum_and_independent_of_epochs(adaptive):
     spent = []
     for epochs in (1, 4):
         ledger, guard = guard_for(1.5)
-        res = train_adlm(task, 1.5, 1e-5, guard, task.hospitals,
-                         AdLMConfig(hidden=(8, 4), epochs=epochs, batch_size=32, relevance_epochs=3), seed=0,
-                         adaptive=adaptive)
+        res = train_adlm(SeedRun(task, 1.5, 1e-5, guard, task.hospitals, seed=0),
+                         AdLMConfig(hidden=(8, 4), epochs=epochs, batch_size=32,
+                                    relevance_epochs=3), adaptive=adaptive)
         s = ledger.spent("h1", 1e-5)
         assert s.accountant == "basic" and s.relation == "replace-one"
         assert s.epsilon == pytest.approx(sum(res.details["epsilon_split"]), rel=1e-9)
@@ -325,9 +327,8 @@ def test_gnmax_end_to_end_spends_at_most_budget():
 
     task = synthetic_task()
     ledger, guard = guard_for(4.0)
-    res = train_pate_gnmax(task, 4.0, 1e-5, guard, task.hospitals,
-                           GNMaxConfig(teachers_per_hospital=3, queries=40, teacher_epochs=5, student_epochs=5),
-                           seed=0)
+    res = train_pate_gnmax(SeedRun(task, 4.0, 1e-5, guard, task.hospitals, seed=0),
+                           GNMaxConfig(teachers_per_hospital=3, queries=40, teacher_epochs=5, student_epochs=5))
     assert res.teachers == 6 and res.queries == 40
     s = ledger.spent("h0", 1e-5)
     assert s.accountant == "gdp-exact" and 0.99 * 4.0 <= s.epsilon <= 4.0
@@ -365,7 +366,8 @@ def test_gnmax_uses_the_rules_when_k_and_n_are_not_given():
 
     task = synthetic_task(n=240, hospitals=2)
     ledger, guard = guard_for(4.0)
-    res = train_pate_gnmax(task, 4.0, 1e-5, guard, task.hospitals, GNMaxConfig(teacher_epochs=2, student_epochs=2))
+    res = train_pate_gnmax(SeedRun(task, 4.0, 1e-5, guard, task.hospitals),
+                           GNMaxConfig(teacher_epochs=2, student_epochs=2))
     assert res.teachers == 24 and res.details["teachers_per_hospital"] == 12
     assert res.queries == queries_for(4.0, 1e-5, 24, len(task.x_query), task.n_classes)
     assert len(ledger.events("h0")) == res.queries and ledger.spent("h0", 1e-5).epsilon <= 4.0
@@ -379,12 +381,13 @@ def test_budget_guard_refuses_before_anything_is_recorded():
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
     with pytest.raises(BudgetExceeded):
-        train_adlm(task, 1.0, 1e-5, guard, task.hospitals, AdLMConfig(hidden=(4, 4), epochs=1, relevance_epochs=1))
+        train_adlm(SeedRun(task, 1.0, 1e-5, guard, task.hospitals),
+                   AdLMConfig(hidden=(4, 4), epochs=1, relevance_epochs=1))
     # the relevance release (ε1 = 0.2) fitted; the affine release (0.5) would not, and was not recorded
     assert len(ledger.events("h0")) == 1
     ledger2, guard2 = guard_for(0.5)
     with pytest.raises(BudgetExceeded):
-        train_pate_gnmax(task, 2.0, 1e-5, guard2, task.hospitals,
+        train_pate_gnmax(SeedRun(task, 2.0, 1e-5, guard2, task.hospitals),
                          GNMaxConfig(teachers_per_hospital=2, queries=10, teacher_epochs=1, student_epochs=1))
     assert ledger2.spent("h0", 1e-5).epsilon <= 0.5
 
@@ -395,7 +398,7 @@ def test_dpsgd_guard_refuses_over_budget():
     task = synthetic_task()
     ledger, guard = guard_for(0.5)
     with pytest.raises(BudgetExceeded):
-        train_dpsgd(task, 1.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(8,), epochs=1, batch_size=40))
+        train_dpsgd(SeedRun(task, 1.0, 1e-5, guard, task.hospitals), DPSGDConfig(hidden=(8,), epochs=1, batch_size=40))
     assert ledger.owners() == []
 
 
@@ -432,20 +435,17 @@ def _run_seed_method(method, task, guard, noise, seed=0, epsilon=2.0):
     from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd
     from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 
+    run = SeedRun(task, epsilon, 1e-5, guard, task.hospitals, seed=seed, noise=noise)
     if method == "dp-mac":
-        return train_dpmac(task, epsilon, 1e-5, guard, task.hospitals, DPMACConfig(
-            hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1, noise_multiplier=2.0), seed=seed,
-            noise=noise)
+        return train_dpmac(run, DPMACConfig(hidden=(8,), epochs=1, batch_size=40, pca_components=4, z_steps=1,
+                                            noise_multiplier=2.0))
     if method == "adlm":
-        return train_adlm(task, epsilon, 1e-5, guard, task.hospitals, AdLMConfig(
-            hidden=(8, 4), epochs=1, batch_size=32, relevance_epochs=2), seed=seed, noise=noise)
+        return train_adlm(run, AdLMConfig(hidden=(8, 4), epochs=1, batch_size=32, relevance_epochs=2))
     if method == "pate-gnmax":
-        return train_pate_gnmax(task, epsilon, 1e-5, guard, task.hospitals, GNMaxConfig(
-            teachers_per_hospital=2, queries=20, teacher_epochs=2, student_epochs=3, confident=True,
-            threshold_fraction=0.3), seed=seed, noise=noise)
-    return train_dpsgd(task, epsilon, 1e-5, guard, task.hospitals, DPSGDConfig(
-        hidden=(4,), epochs=2, batch_size=60, schedule="exp" if method == "dp-sgd-scheduled" else None),
-        seed=seed, noise=noise)
+        return train_pate_gnmax(run, GNMaxConfig(teachers_per_hospital=2, queries=20, teacher_epochs=2,
+                                                 student_epochs=3, confident=True, threshold_fraction=0.3))
+    return train_dpsgd(run, DPSGDConfig(hidden=(4,), epochs=2, batch_size=60,
+                                        schedule="exp" if method == "dp-sgd-scheduled" else None))
 
 
 SEED_METHODS = ("dp-mac", "adlm", "pate-gnmax", "dp-sgd", "dp-sgd-scheduled")
@@ -489,8 +489,8 @@ def test_dpsgd_classifier_takes_a_noise_only_step_for_every_empty_poisson_batch(
     task = synthetic_task(n=60)
     ledger, guard = guard_for(8.0)
     source = WatchedSource(ledger, seed=3)
-    res = train_dpsgd(task, 8.0, 1e-5, guard, task.hospitals, DPSGDConfig(hidden=(4,), epochs=2, batch_size=2),
-                      noise=source.child("dp-sgd", "eps-8"))
+    res = train_dpsgd(SeedRun(task, 8.0, 1e-5, guard, task.hospitals, noise=source.child("dp-sgd", "eps-8")),
+                      DPSGDConfig(hidden=(4,), epochs=2, batch_size=2))
     steps = res.details["steps"]
     assert steps == 2 * 30 and res.details["empty_batches"] >= 3        # q = 1/30, n = 60: ~e^-2 empty
     assert sum(e.steps for e in ledger.events("h0")) == steps
@@ -509,8 +509,8 @@ def test_results_flag_what_no_epsilon_covers(tmp_path, monkeypatch):
                                                          "queries": 20, "teacher_epochs": 2})
     task = synthetic_task()
     for method in ("pate-gnmax", "dp-sgd", "nonprivate"):
-        cell = runner.run_cell(task, method, None if method == "nonprivate" else 4.0, tmp_path / method, 1e-5, 0,
-                               "tiny", progress=False)
+        cell = runner.run_cell(task, method, None if method == "nonprivate" else 4.0, tmp_path / method,
+                               runner.CellSettings(delta=1e-5, seed=0, preset="tiny", progress=False))
         written = json.loads((tmp_path / method / "results.json").read_text())
         flagged = written["not_private_diagnostics"]
         assert cell["error"] is None and flagged == cell["not_private_diagnostics"]

@@ -9,6 +9,7 @@ import torch
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from task.classification import SeedRun
 from task.classification.tasks import ClassificationTask
 
 
@@ -132,8 +133,8 @@ def test_adlm_sizes_every_release_for_k_slices_per_patient():
 
     task = patient_task()
     ledger = Ledger(None)
-    res = train_adlm(task, 1.5, 1e-5, BudgetGuard(ledger, 1.5, 1e-5), task.hospitals,
-                     AdLMConfig(hidden=(4, 4), epochs=1, relevance_epochs=2, records_per_patient=3), seed=0)
+    res = train_adlm(SeedRun(task, 1.5, 1e-5, BudgetGuard(ledger, 1.5, 1e-5), task.hospitals, seed=0),
+                     AdLMConfig(hidden=(4, 4), epochs=1, relevance_epochs=2, records_per_patient=3))
     e1, e2, e3 = res.details["epsilon_split"]
     assert res.details["records_per_unit"] == 3 and res.details["privacy_unit"] == "patient"
     assert res.details["label_scale"] == pytest.approx(3 * LABEL_SENSITIVITY / e3)
@@ -146,10 +147,11 @@ def test_adlm_sizes_every_release_for_k_slices_per_patient():
 
 
 def test_results_and_report_state_the_patient_as_the_unit(tmp_path):
-    from sim.runners.classification_compare import run_cell, write_report
+    from sim.runners.classification_compare import CellSettings, run_cell, write_report
 
     task = patient_task()
-    cells = [run_cell(task, m, 2.0, tmp_path / m, 1e-5, 0, "tiny", progress=False) for m in ("adlm", "pate-gnmax")]
+    settings = CellSettings(delta=1e-5, seed=0, preset="tiny", progress=False)
+    cells = [run_cell(task, m, 2.0, tmp_path / m, settings) for m in ("adlm", "pate-gnmax")]
     for cell in cells:
         assert cell["error"] is None and cell["privacy_unit"].startswith("one patient")
         assert cell["details"]["privacy_unit"] == "patient"

@@ -130,15 +130,16 @@ def test_prepared_arrays_are_identical_across_layouts(layouts, tmp_path):
 
 
 def test_a_complete_brats_phantom_folder_is_returned_and_other_settings_refused(layouts, tmp_path):
-    from task.data.phantoms import generate_phantoms
+    from task.data.phantoms import PhantomSpec, generate_phantoms
 
     folder = _copy(layouts, "brats2023", tmp_path)
-    assert generate_phantoms(folder, cases=6, institutions=2, seed=3, resolution_mm=6,
-                             progress=False, layout="brats2023") == folder
+    spec = PhantomSpec(cases=6, institutions=2, seed=3, resolution_mm=6)
+    assert generate_phantoms(folder, spec, progress=False, layout="brats2023") == folder
     with pytest.raises(DataError, match="--test-cases=2: a BraTS training folder holds labelled cases only"):
-        generate_phantoms(tmp_path / "new", cases=6, institutions=2, seed=3, test_cases=2, layout="brats2021")
+        generate_phantoms(tmp_path / "new", PhantomSpec(cases=6, institutions=2, seed=3, test_cases=2),
+                          layout="brats2021")
     with pytest.raises(DataError, match="other settings"):
-        generate_phantoms(folder, cases=7, institutions=2, seed=3, resolution_mm=6, progress=False,
+        generate_phantoms(folder, PhantomSpec(cases=7, institutions=2, seed=3, resolution_mm=6), progress=False,
                           layout="brats2023")
 
 
@@ -243,7 +244,7 @@ def test_partitions_become_hospitals_largest_first_and_public_sets_come_from_the
     keeps the two largest; test and public patients are held out from each of them, none from the third."""
     from task.data.fets import assign_partitions
     from task.data.msd import patient_id
-    from task.data.partitions import make_split
+    from task.data.partitions import SplitPlan, make_split
 
     cases = [f"BraTS-GLI-{i:05d}-000" for i in range(38)] + ["BraTS-GLI-00000-001"]   # patient 0 twice
     sizes = {"A": range(0, 20), "B": range(20, 34), "C": range(34, 38)}
@@ -253,7 +254,7 @@ def test_partitions_become_hospitals_largest_first_and_public_sets_come_from_the
     assert info["hospital_partitions"] == {"partition-A": 20, "partition-B": 14}
     assert info["left_out_partitions"] == 1 and info["left_out_patients"] == 4
     assert institutions["BraTS-GLI-00000-001"] == institutions["BraTS-GLI-00000-000"] == "partition-A"
-    split = make_split(institutions, 2, 2, "institution", 4, 2, 2, 4, seed=0, patients=patient_id)
+    split = make_split(institutions, SplitPlan(2, 2, "institution", 4, 2, 2, 4, seed=0), patients=patient_id)
     hospital_sites = {h: {institutions[c] for c in split.hospital_cases(h)} for h in split.hospitals}
     assert sorted(map(tuple, hospital_sites.values())) == [("partition-A",), ("partition-B",)]
     held_out = split.test + split.public_query + split.public_reference + split.public_validation

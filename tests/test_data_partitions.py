@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from task.data.partitions import SCHEMES, Split, check_patients_disjoint, make_split, split_into_teachers
+from task.data.partitions import (SCHEMES, Split, SplitPlan, check_patients_disjoint, make_split,
+                                  split_into_teachers)
 from task.errors import UserError
 
 
@@ -29,36 +30,36 @@ def _check(split, cases, teachers_per_hospital):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_schemes_partition_every_case(scheme):
     world = _world()
-    split = make_split(world, hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
-                       n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=1)
+    split = make_split(world, SplitPlan(hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
+                                        n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=1))
     _check(split, world, 3)
     assert len(split.public_query) == 10 and len(split.test) == 12 and len(split.public_validation) == 4
     assert split.teachers == 12 and len(split.teacher_ids()) == 12
-    again = make_split(world, hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
-                       n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=1)
+    again = make_split(world, SplitPlan(hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
+                                        n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=1))
     assert again.to_dict() == split.to_dict()
-    other = make_split(world, hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
-                       n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=2)
+    other = make_split(world, SplitPlan(hospitals=4, teachers_per_hospital=3, scheme=scheme, n_query=10,
+                                        n_reference=0 if scheme == "paper" else 8, n_validation=4, n_test=12, seed=2))
     assert other.to_dict() != split.to_dict()
 
 
 def test_institution_scheme_gives_each_hospital_its_sites_and_public_sets_are_stratified():
     world = _world(120, 4)
-    split = make_split(world, hospitals=2, teachers_per_hospital=2, scheme="institution", n_query=8,
-                       n_reference=8, n_validation=4, n_test=12, seed=0)
+    split = make_split(world, SplitPlan(hospitals=2, teachers_per_hospital=2, scheme="institution", n_query=8,
+                                        n_reference=8, n_validation=4, n_test=12, seed=0))
     for h, name in enumerate(sorted(split.hospitals)):
         assert {world[c] for c in split.hospital_cases(name)} == {f"site{h}", f"site{h + 2}"}
     assert sorted(world[c] for c in split.test) == sorted([f"site{k}" for k in range(4)] * 3)
     assert sorted(world[c] for c in split.public_query) == sorted([f"site{k}" for k in range(4)] * 2)
-    more_hospitals = make_split(world, hospitals=8, teachers_per_hospital=2, scheme="institution", n_query=0,
-                                n_reference=0, n_validation=0, n_test=0, seed=0)
+    more_hospitals = make_split(world, SplitPlan(hospitals=8, teachers_per_hospital=2, scheme="institution", n_query=0,
+                                                 n_reference=0, n_validation=0, n_test=0, seed=0))
     assert all(len({world[c] for c in more_hospitals.hospital_cases(h)}) == 1 for h in more_hospitals.hospitals)
 
 
 def test_dirichlet_is_size_skewed_but_keeps_a_case_per_teacher():
     world = _world(200, 1)
-    split = make_split(world, hospitals=5, teachers_per_hospital=2, scheme="dirichlet", n_query=0, n_reference=0,
-                       n_validation=0, n_test=0, seed=3, alpha=0.3)
+    split = make_split(world, SplitPlan(hospitals=5, teachers_per_hospital=2, scheme="dirichlet", n_query=0,
+                                        n_reference=0, n_validation=0, n_test=0, seed=3, alpha=0.3))
     sizes = sorted(len(split.hospital_cases(h)) for h in split.hospitals)
     assert sizes[0] >= 2 and sizes[-1] > 2 * sizes[0]
     _check(split, world, 2)
@@ -66,8 +67,8 @@ def test_dirichlet_is_size_skewed_but_keeps_a_case_per_teacher():
 
 def test_paper_split_reference_is_query_and_json_round_trip(tmp_path):
     world = {f"BRATS_{i:03d}": None for i in range(484)}
-    split = make_split(world, hospitals=8, teachers_per_hospital=1, scheme="paper", n_query=80, n_reference=0,
-                       n_validation=0, n_test=84, seed=0)
+    split = make_split(world, SplitPlan(hospitals=8, teachers_per_hospital=1, scheme="paper", n_query=80,
+                                        n_reference=0, n_validation=0, n_test=84, seed=0))
     assert split.reference_is_query and split.public_reference == split.public_query
     assert sorted(len(split.hospital_cases(h)) for h in split.hospitals) == [40] * 8     # 320 over K = 8
     path = split.to_json(tmp_path / "split.json")
@@ -78,15 +79,15 @@ def test_paper_split_reference_is_query_and_json_round_trip(tmp_path):
 def test_errors_name_the_parameter():
     world = _world(30, 2)
     with pytest.raises(UserError, match="teachers-per-hospital"):
-        make_split(world, hospitals=2, teachers_per_hospital=20, scheme="iid", n_query=0, n_reference=0,
-                   n_validation=0, n_test=0, seed=0)
+        make_split(world, SplitPlan(hospitals=2, teachers_per_hospital=20, scheme="iid", n_query=0, n_reference=0,
+                                    n_validation=0, n_test=0, seed=0))
     with pytest.raises(UserError, match="n_query"):
-        make_split(world, hospitals=2, teachers_per_hospital=1, scheme="iid", n_query=40, n_reference=0,
-                   n_validation=0, n_test=0, seed=0)
+        make_split(world, SplitPlan(hospitals=2, teachers_per_hospital=1, scheme="iid", n_query=40, n_reference=0,
+                                    n_validation=0, n_test=0, seed=0))
     with pytest.raises(UserError, match="--split"):
-        make_split(world, 2, 1, "random", 0, 0, 0, 0, 0)
+        make_split(world, SplitPlan(2, 1, "random", 0, 0, 0, 0, 0))
     with pytest.raises(UserError, match="institution"):
-        make_split({f"c{i}": None for i in range(20)}, 2, 1, "institution", 0, 0, 0, 0, 0)
+        make_split({f"c{i}": None for i in range(20)}, SplitPlan(2, 1, "institution", 0, 0, 0, 0, 0))
     with pytest.raises(UserError, match="teachers-per-hospital"):
         split_into_teachers(["a", "b"], 3)
     with pytest.raises(UserError, match="split.json"):
@@ -134,8 +135,8 @@ def _assert_patients_together(split):
 def test_multi_scan_patients_are_never_split_across_parties_or_teachers(scheme):
     world = _multi_scan_world()
     n_reference = 0 if scheme == "paper" else 6
-    split = make_split(world, hospitals=3, teachers_per_hospital=4, scheme=scheme, n_query=8,
-                       n_reference=n_reference, n_validation=3, n_test=9, seed=5)
+    split = make_split(world, SplitPlan(hospitals=3, teachers_per_hospital=4, scheme=scheme, n_query=8,
+                                        n_reference=n_reference, n_validation=3, n_test=9, seed=5))
     _check(split, world, 4)
     _assert_patients_together(split)
     parties = split.party_patients()
@@ -162,12 +163,13 @@ def test_explicit_patients_override_and_split_into_teachers_groups():
     with pytest.raises(UserError, match="patients: case 'scan00' has an empty patient id"):
         split_into_teachers(ids, 2, patients={"scan00": " "})
     world = {cid: "site0" for cid in ids}
-    split = make_split(world, 2, 1, "iid", n_query=1, n_reference=0, n_validation=0, n_test=1, seed=0,
-                       patients=patients)
+    split = make_split(world, SplitPlan(2, 1, "iid", n_query=1, n_reference=0, n_validation=0, n_test=1,
+                                        seed=0), patients=patients)
     assert len(split.public_query) == 3 and split.patients == patients
     _assert_patients_together(split)
     with pytest.raises(UserError, match="need 5 patients; the dataset has 4 .12 scans."):
-        make_split(world, 3, 1, "iid", n_query=1, n_reference=0, n_validation=0, n_test=1, seed=0, patients=patients)
+        make_split(world, SplitPlan(3, 1, "iid", n_query=1, n_reference=0, n_validation=0, n_test=1,
+                                    seed=0), patients=patients)
 
 
 def _assignment_digest(split) -> str:
@@ -204,11 +206,11 @@ def test_one_scan_per_patient_splits_are_unchanged(key):
     world = {_case_name(i, total): institution_name(i % sets.institutions) for i in range(sets.phantom_cases)}
     sizes = dict(n_query=preset.federation.n_query, n_reference=0 if scheme == "paper" else sets.n_reference,
                  n_validation=sets.n_validation, n_test=sets.n_test)
-    split = make_split(world, hospitals, teachers, scheme, seed=seed, **sizes)
+    split = make_split(world, SplitPlan(hospitals, teachers, scheme, seed=seed, **sizes))
     assert _assignment_digest(split) == BEFORE_PATIENTS[key] and split.patients == {}
     # explicit patient ids that differ from the case ids, one scan each: still the same split
-    renamed = make_split(world, hospitals, teachers, scheme, seed=seed, patients={c: f"patient-{c}" for c in world},
-                         **sizes)
+    renamed = make_split(world, SplitPlan(hospitals, teachers, scheme, seed=seed,
+                                          **sizes), patients={c: f"patient-{c}" for c in world})
     assert _assignment_digest(renamed) == BEFORE_PATIENTS[key]
     assert renamed.party_patients()["test"] == {f"patient-{c}" for c in split.test}
 

@@ -11,7 +11,8 @@ import pytest
 
 from task.data.errors import DataError
 from task.data.msd import load_case, read_msd, validate_case
-from task.data.phantoms import SHIFTS, GENERATOR_VERSION, generate_phantoms, institution_profiles, make_case
+from task.data.phantoms import (SHIFTS, GENERATOR_VERSION, PhantomSpec, generate_phantoms, institution_profiles,
+                                 make_case)
 
 FLAIR, T1, T1GD, T2 = range(4)
 
@@ -91,9 +92,10 @@ def test_same_seed_same_arrays_other_seed_different():
 
 
 def test_written_files_are_byte_identical_and_resumable(tmp_path):
-    first = generate_phantoms(tmp_path / "a", cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    spec = PhantomSpec(cases=3, institutions=2, seed=1, resolution_mm=4.0)
+    first = generate_phantoms(tmp_path / "a", spec, progress=False)
     second_root = tmp_path / "b"
-    generate_phantoms(second_root, cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    generate_phantoms(second_root, spec, progress=False)
     for sub in ("imagesTr", "labelsTr"):
         for path in sorted((first / sub).iterdir()):
             assert path.read_bytes() == (second_root / sub / path.name).read_bytes()
@@ -105,7 +107,7 @@ def test_written_files_are_byte_identical_and_resumable(tmp_path):
          "test_cases": 0, "shift": "none"}))
     with pytest.raises(DataError, match="dataset.json"):
         read_msd(second_root)
-    generate_phantoms(second_root, cases=3, institutions=2, seed=1, resolution_mm=4.0, progress=False)
+    generate_phantoms(second_root, spec, progress=False)
     assert (second_root / "imagesTr" / "BRATS_002.nii.gz").read_bytes() == \
         (first / "imagesTr" / "BRATS_002.nii.gz").read_bytes()
     assert json.loads((second_root / "dataset.json").read_text())["training"] == \
@@ -114,10 +116,9 @@ def test_written_files_are_byte_identical_and_resumable(tmp_path):
 
 def test_two_generating_processes_write_the_bytes_one_writes(tmp_path):
     """The world generates its phantoms in one process per core (task.world): same files as one process."""
-    serial = generate_phantoms(tmp_path / "one", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
-                               progress=False)
-    parallel = generate_phantoms(tmp_path / "two", cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1,
-                                 progress=False, workers=2)
+    spec = PhantomSpec(cases=3, institutions=2, seed=4, resolution_mm=4.0, test_cases=1)
+    serial = generate_phantoms(tmp_path / "one", spec, progress=False)
+    parallel = generate_phantoms(tmp_path / "two", spec, progress=False, workers=2)
     files = sorted(p.relative_to(serial) for p in serial.rglob("*.nii.gz"))
     assert len(files) == 7
     for name in files:
@@ -126,12 +127,13 @@ def test_two_generating_processes_write_the_bytes_one_writes(tmp_path):
 
 
 def test_refuses_a_folder_with_other_data(tmp_path):
-    root = generate_phantoms(tmp_path / "a", cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False)
-    assert generate_phantoms(root, cases=2, institutions=2, seed=1, resolution_mm=4.0, progress=False) == root
+    spec = PhantomSpec(cases=2, institutions=2, seed=1, resolution_mm=4.0)
+    root = generate_phantoms(tmp_path / "a", spec, progress=False)
+    assert generate_phantoms(root, spec, progress=False) == root
     with pytest.raises(DataError, match="already holds"):
-        generate_phantoms(root, cases=2, institutions=2, seed=2, resolution_mm=4.0, progress=False)
+        generate_phantoms(root, PhantomSpec(cases=2, institutions=2, seed=2, resolution_mm=4.0), progress=False)
     with pytest.raises(DataError, match="--cases"):
-        generate_phantoms(tmp_path / "c", cases=0, institutions=2, seed=1, progress=False)
+        generate_phantoms(tmp_path / "c", PhantomSpec(cases=0, institutions=2, seed=1), progress=False)
 
 
 def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
@@ -174,7 +176,7 @@ def test_scanner_shift_is_noisier_than_every_training_site():
 def test_unknown_shift_is_a_one_line_error(tmp_path):
     assert SHIFTS[0] == "none" and "all" in SHIFTS
     with pytest.raises(DataError, match="--shift=warp: expected one of none"):
-        generate_phantoms(tmp_path / "x", cases=1, institutions=1, seed=0, shift="warp", progress=False)
+        generate_phantoms(tmp_path / "x", PhantomSpec(cases=1, institutions=1, seed=0, shift="warp"), progress=False)
 
 
 def test_enhancement_strength_varies_per_case_and_is_rendered(sample_cases):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from task.data.partitions import PUBLIC_SOURCE, make_split
+from task.data.partitions import PUBLIC_SOURCE, SplitPlan, make_split
 from task.data.preprocess import combine_prepared
 from task.errors import UserError
 from task.presets import get_preset
@@ -97,8 +97,8 @@ def _two_source_cases(population=40, public=10):
 @pytest.mark.parametrize("scheme", ["institution", "iid", "dirichlet"])
 def test_make_split_draws_labelled_public_sets_from_the_pool_only(scheme):
     world, pool = _two_source_cases()
-    split = make_split(world, 2, 2, scheme, n_query=6, n_reference=6, n_validation=3, n_test=8, seed=3,
-                       public_pool=pool)
+    split = make_split(world, SplitPlan(2, 2, scheme, n_query=6, n_reference=6, n_validation=3, n_test=8, seed=3,
+                                        public_pool=pool))
     assert set(split.public_reference + split.public_validation) <= set(pool)
     assert not set(split.public_query + split.test + split.private_cases()) & set(pool)
     # the population's cases are all used; the pool's undrawn case stays unused (never private)
@@ -108,10 +108,11 @@ def test_make_split_draws_labelled_public_sets_from_the_pool_only(scheme):
 def test_make_split_refuses_a_too_small_public_pool():
     world, pool = _two_source_cases(public=5)
     with pytest.raises(UserError, match="public labelled patients"):
-        make_split(world, 2, 2, "iid", n_query=6, n_reference=4, n_validation=2, n_test=8, seed=0, public_pool=pool)
+        make_split(world, SplitPlan(2, 2, "iid", n_query=6, n_reference=4, n_validation=2, n_test=8, seed=0,
+                                    public_pool=pool))
     with pytest.raises(UserError, match="not in the dataset"):
-        make_split(world, 2, 2, "iid", n_query=6, n_reference=1, n_validation=0, n_test=8, seed=0,
-                   public_pool=["nobody"])
+        make_split(world, SplitPlan(2, 2, "iid", n_query=6, n_reference=1, n_validation=0, n_test=8, seed=0,
+                                    public_pool=["nobody"]))
 
 
 def test_combine_prepared_refuses_colliding_ids(tiny_prepared, tmp_path):

@@ -76,8 +76,11 @@ def main() -> None:
     out.mkdir(parents=True)
     phantoms = generator(args.name, out)
     # workers=1: the switched-off factors are patched into this process only
-    train = phantoms.generate_phantoms(out / "train", cases=64, institutions=4, seed=args.seed, resolution_mm=3.0,
-                                       workers=1, progress=False)
+    settings = dict(cases=64, institutions=4, seed=args.seed, resolution_mm=3.0)
+    if hasattr(phantoms, "PhantomSpec"):   # today's generator takes its settings as one spec
+        train = phantoms.generate_phantoms(out / "train", phantoms.PhantomSpec(**settings), workers=1, progress=False)
+    else:                                  # v2's, read from git, takes them one by one
+        train = phantoms.generate_phantoms(out / "train", **settings, workers=1, progress=False)
     prepare_dataset(train, out / "prepared", PreprocessConfig(grid=(32, 32, 32)), progress=False)
     (out / "rc").mkdir()
     for mask in (args.masks.glob("*_brainmask.nii.gz") if args.masks else []):

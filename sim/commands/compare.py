@@ -5,6 +5,7 @@ from __future__ import annotations
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
                                  resolved_device, threat_options)
 from task.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
+from task.options import CompareTask
 
 
 def register(subparsers) -> None:
@@ -19,7 +20,7 @@ def register(subparsers) -> None:
     add_compute_options(parser)
     add_real_check_option(parser)
     add_threat_options(parser)
-    parser.add_argument("--task", default="segmentation", choices=("segmentation", "slice-classification", "mnist5k"),
+    parser.add_argument("--task", default=CompareTask.SEGMENTATION, choices=tuple(CompareTask),
                         help="what is compared: tumour segmentation (default), or the classification seed systems "
                              "on 2D tumour slices (slice-classification) or on 5,000 MNIST digits (mnist5k)")
     parser.add_argument("--methods", default=None,
@@ -66,9 +67,9 @@ def run(args) -> int:
     sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
              if args.teachers_per_hospital else None)
     ensure_folder(args.out)
-    if args.task != "segmentation":
+    if args.task != CompareTask.SEGMENTATION:
         from task.errors import UserError
-        from sim.runners.classification_compare import run_classification_compare
+        from sim.runners.classification_compare import ClassificationCompareConfig, run_classification_compare
 
         if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:
             raise UserError(f"--seeds: --task {args.task} takes one seed (--seed), got {args.seeds}")
@@ -82,11 +83,11 @@ def run(args) -> int:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
                             f"got {args.teachers_per_hospital}")
         methods = parse_list(args.methods, str, "--methods") if args.methods else list(CLASSIFICATION_METHODS)
-        run_classification_compare(args.task, methods, epsilons, args.out, seed=args.seed,
-                                   progress=not args.no_progress, preset=args.preset, data=args.data,
-                                   hospitals=args.hospitals, teachers_per_hospital=sweep[0] if sweep else None,
-                                   reproducible_noise=args.reproducible_noise,
-                                   **({"delta": args.delta} if args.delta else {}))
+        run_classification_compare(ClassificationCompareConfig(
+            args.task, methods, epsilons, args.out, seed=args.seed, progress=not args.no_progress,
+            preset=args.preset, data=args.data, hospitals=args.hospitals,
+            teachers_per_hospital=sweep[0] if sweep else None, reproducible_noise=args.reproducible_noise,
+            **({"delta": args.delta} if args.delta else {})))
         print(f"report: {args.out}/report.md")
         return 0
     methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)

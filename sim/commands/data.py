@@ -85,18 +85,19 @@ def parse_grid(text: str) -> tuple[int, int, int]:
 
 
 def _phantoms(args: argparse.Namespace) -> int:
-    from task.data.phantoms import generate_phantoms
+    from task.data.phantoms import PhantomSpec, generate_phantoms
+    from task.data.shifts import Shift
     from task.io import ensure_folder
 
     ensure_folder(args.out)
     start = time.perf_counter()
-    out = generate_phantoms(args.out, cases=args.cases, institutions=args.institutions, seed=args.seed,
-                            resolution_mm=args.resolution, test_cases=args.test_cases,
-                            progress=not args.no_progress, workers=max(1, args.workers), shift=args.shift,
+    spec = PhantomSpec(cases=args.cases, institutions=args.institutions, seed=args.seed,
+                       resolution_mm=args.resolution, test_cases=args.test_cases, shift=args.shift)
+    out = generate_phantoms(args.out, spec, progress=not args.no_progress, workers=max(1, args.workers),
                             layout=args.layout)
     seconds = time.perf_counter() - start
     total = args.cases + args.test_cases
-    shifted = "" if args.shift == "none" else f", shift {args.shift}"
+    shifted = "" if args.shift == Shift.NONE else f", shift {args.shift}"
     print(f"wrote {args.cases} labelled + {args.test_cases} test phantoms ({args.institutions} institutions, "
           f"{args.resolution:g} mm, seed {args.seed}{shifted}, layout {args.layout}) to {out} in {seconds:.1f} s "
           f"({seconds / max(total, 1):.2f} s/case)")

@@ -2,16 +2,21 @@
 
 Entry point for ``fedpate compare --task mnist5k|slice-classification``::
 
-    from sim.runners.classification_compare import run_classification_compare
-    cells = run_classification_compare(task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8],
-                                       out="runs/cls", seed=0, delta=1e-5, hospitals=None, progress=True,
-                                       preset="tiny", data=None, teachers_per_hospital=None,
-                                       reproducible_noise=False)
+    from sim.runners.classification_compare import ClassificationCompareConfig, run_classification_compare
+    cells = run_classification_compare(ClassificationCompareConfig(
+        task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8], out="runs/cls", seed=0, delta=1e-5,
+        hospitals=None, progress=True, preset="tiny", data=None, teachers_per_hospital=None,
+        reproducible_noise=False))
+
+Which methods there are, and what the comparison needs to know about each (its trainer, whether it has one cell
+per ε, its report note, what its ε does not cover), are the records of ``task.methods.ClassificationMethod``; the
+trainers are found here by the record's ``runner`` key (:func:`register_classification_runner`), so nothing
+below tests a method's name.
 
 Writes ``out/<method>/eps-<E>/results.json`` (the results schema, ``"dice": null``, ``"accuracy"`` set) and
 ``ledger.jsonl`` per cell (``nonprivate`` is one cell, ``out/nonprivate/eps-inf``; so are the reference rows
-``public-only``, in every report, and ``adlm-noise-free``, beside AdLM/ILM: see ``REFERENCE_METHODS``), ``out/cells.csv``,
-``out/report.md`` (with a verdict of every private cell against public-only) and
+``public-only``, in every report, and ``adlm-noise-free``, beside AdLM/ILM: the records with ``reference``),
+``out/cells.csv``, ``out/report.md`` (with a verdict of every private cell against public-only) and
 ``out/accuracy_vs_epsilon.png``. Every ε written comes from the cell's ledger
 (the maximum over hospitals; all hospitals carry the same events here).
 
@@ -38,19 +43,23 @@ import logging
 import math
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from task.classification import METHODS
+from task.classification import PrivacyUnit, SeedResult, SeedRun
 from task.classification.adlm import AdLMConfig, train_adlm
 from task.classification.dpmac import DPMACConfig, train_dpmac
 from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
 from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
-from task.classification.tasks import load_task
+from task.classification.tasks import load_task, task_name
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod
+from task.registry import Registry
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from task.results import RunResults, csv_row, write_run
 from sim.runners.resume import merged, read_settings, refuse_other_settings, set_aside_interrupted
@@ -67,37 +76,20 @@ PRESET_SETTINGS = {
 }
 DPMAC_BATCH = 1000   # the paper's batch (capped at n/10 on small tasks)
 
-#: rows every report carries beside the requested methods (no ε, nothing charged):
-#: ``public-only`` -- the non-private cell's network trained on the public labelled reference set alone, the
-#: floor a private method must beat (always run); ``adlm-noise-free`` -- AdLM's network, polynomial loss and
-#: optimiser with the mechanism switched off (run whenever adlm or ilm is), NOT private.
-PUBLIC_ONLY = "public-only"
-ADLM_NOISE_FREE = "adlm-noise-free"
-REFERENCE_METHODS = (PUBLIC_ONLY, ADLM_NOISE_FREE)
-
 #: what one cell's ε protects (docs/PRIVACY.md, "The unit of privacy"), by ``task.privacy_unit``
-PRIVACY_UNITS = {"record": "one record (an MNIST digit) at one hospital",
-                 "patient": "one patient (all of the patient's slices) at one hospital"}
+PRIVACY_UNITS = {PrivacyUnit.RECORD: "one record (an MNIST digit) at one hospital",
+                 PrivacyUnit.PATIENT: "one patient (all of the patient's slices) at one hospital"}
 
-
-#: numbers a cell writes that the DP guarantee does NOT cover (simulation diagnostics), by method:
-#: GNMax's teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch
-#: count is a function of the secret Poisson batches, dataset sizes are published as they are, and the
-#: non-private baseline covers nothing. Dotted names point into ``details``.
-NOT_PRIVATE = {
-    "pate-gnmax": ("teacher_accuracy_mean", "ensemble_accuracy", "details.teacher_accuracy_mean",
-                   "details.ensemble_accuracy", "details.records_per_teacher"),
-    "dp-sgd": ("details.empty_batches",),
-    "dp-sgd-scheduled": ("details.empty_batches",),
-    "nonprivate": ("accuracy",),
-    ADLM_NOISE_FREE: ("accuracy",),
-}
 SIZE_DETAILS = ("units",)       # dataset sizes in ``details``, published as they are
 
 
 def not_private_diagnostics(method: str, details: dict) -> list[str]:
-    """The result keys of one cell that are not covered by its ε (see ``NOT_PRIVATE``)."""
-    return list(NOT_PRIVATE.get(method, ())) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
+    """The result keys of one cell that are not covered by its ε: the record's ``not_private`` (GNMax's
+    teachers and their noise-free ensemble see the private records directly, DP-SGD's empty-batch count is a
+    function of the secret Poisson batches, the non-private rows cover nothing) and the dataset sizes, published
+    as they are."""
+    record = _known(method)
+    return list(record.not_private if record else ()) + [f"details.{k}" for k in SIZE_DETAILS if k in details]
 
 
 def _eps_dir(epsilon: float | None) -> str:
@@ -109,58 +101,159 @@ def _batch_size(n: int, wanted: int) -> int:
     return int(max(16, min(wanted, n // 10)))
 
 
-def _run_method(method: str, task, epsilon, delta, guard, owners, preset: str, seed: int, progress: bool,
-                teachers_per_hospital: int | None, noise):
-    settings = PRESET_SETTINGS[preset]
-    n = len(task.y_private)
-    units = len(task.unit_records())       # DP-MAC and DP-SGD sample units (patients on the slice task)
-    if method == "dp-mac":
-        cfg = DPMACConfig(epochs=settings.get("dpmac_epochs", settings["epochs"]), batch_size=_batch_size(units, DPMAC_BATCH),
-                          pca_components=min(60, task.input_dim))
-        return train_dpmac(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
-    if method in ("adlm", "ilm", ADLM_NOISE_FREE):
-        cfg = AdLMConfig(epochs=settings["adlm_epochs"], batch_size=_batch_size(n, 128))
-        res = train_adlm(task, None if method == ADLM_NOISE_FREE else epsilon, delta, guard, owners, cfg, seed=seed,
-                         adaptive=method != "ilm", progress=progress, noise=noise)
-        res.method = method
+# ------------------------------------------------------------------------------------------------ one cell
+@dataclass(frozen=True)
+class CellSettings:
+    """What every cell of a comparison shares besides its method, budget and folder.
+
+    Args:
+        delta: the cells' δ.
+        seed: the methods' non-private randomness (initialisation, partitions; see each method); recorded
+            unless the noise is reproducible.
+        preset: ``tiny`` or ``quick`` (:data:`PRESET_SETTINGS`: epochs, teachers, queries).
+        progress: per-epoch lines, a summary line and, on an error, its traceback.
+        teachers_per_hospital: PATE-GNMax's teachers per hospital (None or 0 = the preset setting's, else its
+            rule).
+    """
+
+    delta: float
+    seed: int = 0
+    preset: str = "tiny"
+    progress: bool = True
+    teachers_per_hospital: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESET_SETTINGS:
+            raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, "
+                            f"got {self.preset!r}")
+        if self.delta is None or not (0 < self.delta < 1):
+            raise UserError(f"--delta: expected a number in (0, 1), got {self.delta}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell as its trainer sees it: the method's record, the run (task, budget -- None for a record that is
+    not private --, guard, owners, seed, noise) and the comparison's settings."""
+
+    record: ClassificationMethod
+    run: SeedRun
+    settings: CellSettings
+
+    @property
+    def training(self) -> dict:
+        """The preset's training sizes (:data:`PRESET_SETTINGS`)."""
+        return PRESET_SETTINGS[self.settings.preset]
+
+    @property
+    def units(self) -> int:
+        """The privacy units DP-MAC and DP-SGD sample (patients on the slice task)."""
+        return len(self.run.task.unit_records())
+
+
+CellTrainer = Callable[[Cell], SeedResult]
+_TRAINERS: Registry[CellTrainer] = Registry("classification runner")
+register_classification_runner = _TRAINERS.register
+unregister_classification_runner = _TRAINERS.unregister
+
+
+def _train_dpmac(cell: Cell) -> SeedResult:
+    settings = cell.training
+    cfg = DPMACConfig(epochs=settings.get("dpmac_epochs", settings["epochs"]),
+                      batch_size=_batch_size(cell.units, DPMAC_BATCH), pca_components=min(60, cell.run.task.input_dim))
+    return train_dpmac(cell.run, cfg)
+
+
+def _adlm_trainer(adaptive: bool) -> CellTrainer:
+    """AdLM (``adaptive``) or ILM; a record that is not private (AdLM's noise-free row) runs without a budget."""
+
+    def train(cell: Cell) -> SeedResult:
+        cfg = AdLMConfig(epochs=cell.training["adlm_epochs"], batch_size=_batch_size(len(cell.run.task.y_private), 128))
+        res = train_adlm(cell.run, cfg, adaptive=adaptive)
+        res.method = cell.record.name
         return res
-    if method == PUBLIC_ONLY:
-        # the non-private cell's network and optimiser for the same number of Adam steps, on the public
-        # labelled reference records only
-        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250))
-        steps = cfg.epochs * math.ceil(n / cfg.batch_size)
-        return train_public_only(task, cfg, steps, _batch_size(len(task.y_reference), cfg.batch_size), seed=seed)
-    if method == "pate-gnmax":
-        # a preset may pin K or N; otherwise the rules of task.classification.gnmax choose them
-        cfg = GNMaxConfig(teachers_per_hospital=teachers_per_hospital or settings.get("teachers_per_hospital"),
-                          queries=settings.get("queries"), teacher_epochs=settings["teacher_epochs"])
-        return train_pate_gnmax(task, epsilon, delta, guard, owners, cfg, seed=seed, progress=progress, noise=noise)
-    if method in ("dp-sgd", "dp-sgd-scheduled", "nonprivate"):
-        cfg = DPSGDConfig(epochs=settings["epochs"], batch_size=_batch_size(units, 250),
-                          schedule="exp" if method == "dp-sgd-scheduled" else None)
-        return train_dpsgd(task, None if method == "nonprivate" else epsilon, delta, guard, owners, cfg, seed=seed,
-                           progress=progress, noise=noise)
-    raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(METHODS)}")
+
+    return train
 
 
-def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, seed: int, preset: str,
-             progress: bool = True, teachers_per_hospital: int | None = None, noise=None) -> dict:
+def _train_public_only(cell: Cell) -> SeedResult:
+    # the non-private cell's network and optimiser for the same number of Adam steps, on the public
+    # labelled reference records only
+    task = cell.run.task
+    cfg = DPSGDConfig(epochs=cell.training["epochs"], batch_size=_batch_size(cell.units, 250))
+    steps = cfg.epochs * math.ceil(len(task.y_private) / cfg.batch_size)
+    return train_public_only(task, cfg, steps, _batch_size(len(task.y_reference), cfg.batch_size), seed=cell.run.seed)
+
+
+def _train_gnmax(cell: Cell) -> SeedResult:
+    # a preset may pin K or N; otherwise the rules of task.classification.gnmax choose them
+    settings = cell.training
+    teachers = cell.settings.teachers_per_hospital or settings.get("teachers_per_hospital")
+    cfg = GNMaxConfig(teachers_per_hospital=teachers, queries=settings.get("queries"),
+                      teacher_epochs=settings["teacher_epochs"])
+    return train_pate_gnmax(cell.run, cfg)
+
+
+def _dpsgd_trainer(schedule: str | None) -> CellTrainer:
+    """DP-SGD with constant noise (``schedule`` None) or a schedule; a record that is not private (the
+    non-private baseline) trains the same net without clipping or noise."""
+
+    def train(cell: Cell) -> SeedResult:
+        cfg = DPSGDConfig(epochs=cell.training["epochs"], batch_size=_batch_size(cell.units, 250), schedule=schedule)
+        return train_dpsgd(cell.run, cfg)
+
+    return train
+
+
+register_classification_runner("dp-mac", _train_dpmac)
+register_classification_runner("adlm", _adlm_trainer(adaptive=True))
+register_classification_runner("ilm", _adlm_trainer(adaptive=False))
+register_classification_runner("public-only", _train_public_only)
+register_classification_runner("pate-gnmax", _train_gnmax)
+register_classification_runner("dp-sgd", _dpsgd_trainer(None))
+register_classification_runner("dp-sgd-scheduled", _dpsgd_trainer("exp"))   # Yu et al. 2019, Sec. IV-A-2b
+
+
+def _train(record: ClassificationMethod, task, epsilon: float | None, guard, settings: CellSettings,
+           noise) -> SeedResult:
+    """Train one cell: a private record spends ``epsilon``; any other trains without noise."""
+    run = SeedRun(task, epsilon if record.private else None, settings.delta, guard, list(task.hospitals),
+                  seed=settings.seed, noise=noise, progress=settings.progress)
+    return _TRAINERS.get(record.runner)(Cell(record, run, settings))
+
+
+def _known(method: str) -> ClassificationMethod | None:
+    """The record of a method name, None for a name no record has (a cell written by another version)."""
+    return CLASSIFICATION.get(method) if method in CLASSIFICATION else None
+
+
+def _record_of(method: str) -> ClassificationMethod:
+    record = _known(method)
+    if record is None:
+        raise UserError(f"--methods: unknown method {method!r}; expected some of {', '.join(CLASSIFICATION_METHODS)}")
+    return record
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a cell's training ended: its result, or the error that stopped it, and its wall time."""
+
+    result: SeedResult | None
+    error: str | None
+    wall_seconds: float
+
+
+def run_cell(task, method: str, epsilon: float | None, out: Path, settings: CellSettings, noise=None) -> dict:
     """One method at one ε: fresh ledger + guard in ``out``, train, write results.json.
 
     A method that raises does not stop the grid: its error is written into the cell.
 
     Args:
         task: the :class:`task.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
-        method: one of ``task.classification.METHODS``.
-        epsilon: the cell's budget (None = the non-private cell: nothing is accounted).
+        method: a registered classification method (``task.methods.ClassificationMethod``).
+        epsilon: the cell's budget (None = an ε-free cell: nothing is accounted).
         out: the cell's folder (ledger.jsonl, results.json). A folder already holding releases (an earlier,
             unfinished run of the cell) is refused: its ledger is never deleted or added to.
-        delta: the cell's δ.
-        seed: the method's non-private randomness (initialisation, partitions; see each method); recorded
-            unless the noise is reproducible.
-        preset: ``tiny`` or ``quick`` (:data:`PRESET_SETTINGS`: epochs, teachers, queries).
-        progress: per-epoch lines, a summary line and, on an error, its traceback.
-        teachers_per_hospital: PATE-GNMax's teachers per hospital (None = the preset setting's).
+        settings: δ, seed, preset, progress and GNMax's teachers (:class:`CellSettings`).
         noise: the comparison's ``privacy.mechanisms.NoiseSource`` (secure when None); the cell draws from its
             child ``<method>/eps-<E>``. A reproducible source keeps the seed out of results.json.
     """
@@ -175,61 +268,85 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, delta: float, 
         raise UserError(f"{out}: holds an earlier run of this cell (its releases stay on {ledger_path.name}); "
                         "use a new folder")
     ledger = Ledger(ledger_path)
-    guard = BudgetGuard(ledger, epsilon if epsilon is not None else 1e-9, delta)
-    owners = list(task.hospitals)
+    guard = BudgetGuard(ledger, epsilon if epsilon is not None else 1e-9, settings.delta)
     start = time.perf_counter()
     error, res = None, None
     try:
-        res = _run_method(method, task, epsilon, delta, guard, owners, preset, seed, progress, teachers_per_hospital,
-                          noise)
+        res = _train(_record_of(method), task, epsilon, guard, settings, noise)
     except Exception as exc:  # one failing cell must not lose the grid; the error is written into the cell
         error = f"{type(exc).__name__}: {exc}"
-        if progress:
+        if settings.progress:
             traceback.print_exc()
-    wall = time.perf_counter() - start
+    outcome = _Outcome(res, error, time.perf_counter() - start)
     if not ledger_path.exists():
         # a non-private cell has an (empty) ledger too: nothing was released; owner-only as every ledger
         atomic_write_text(ledger_path, "", private=True)
+    results = _cell_results(task, method, epsilon, outcome, ledger, settings, noise)
+    result = write_run(out, results)
+    if settings.progress:
+        acc = "n/a" if result["accuracy"] is None else f"{result['accuracy']:.3f}"
+        eps = "—" if result["epsilon"] is None else f"{result['epsilon']:.3f}"
+        print(f"[{method} ε={epsilon}] accuracy {acc}, ε spent {eps} ({results.accountant}), "
+              f"{outcome.wall_seconds:.1f}s" + (f"  ERROR {error}" if error else ""), flush=True)
+    return result
+
+
+def _cell_results(task, method: str, epsilon: float | None, outcome: _Outcome, ledger: Ledger,
+                  settings: CellSettings, noise) -> RunResults:
+    """The cell's results record: every ε in it is the ledger's (the worst hospital's)."""
+    res = outcome.result
     details = dict(res.details) if res else {}
     results = RunResults(
         method=method, accuracy=None if res is None else res.accuracy, epsilon_budget=epsilon,
         teachers=res.teachers if res else None, hospitals=len(task.hospitals),
         queries=res.queries if res else None, sigma=res.sigma if res else None,
         bytes_up_per_query_per_teacher=res.bytes_up_per_query_per_teacher if res else None,
-        seed=None if noise.is_reproducible else seed)
+        seed=None if noise.is_reproducible else settings.seed)
     if epsilon is not None:   # every epsilon written is the ledger's (the worst hospital's)
-        results.account(ledger, delta, relation=res.relation if res else None)
+        results.account(ledger, settings.delta, relation=res.relation if res else None)
     else:
         results.relation = res.relation if res else None
-    results.delta = delta
-    results.wall_seconds = wall
+    results.delta = settings.delta
+    results.wall_seconds = outcome.wall_seconds
     results.extras = {
         "task": task.name,
         "teacher_accuracy_mean": details.get("teacher_accuracy_mean"),
         "ensemble_accuracy": details.get("ensemble_accuracy"),
-        **(noise.describe() if epsilon is not None else {}), "preset": preset,
+        **(noise.describe() if epsilon is not None else {}), "preset": settings.preset,
         "privacy_unit": PRIVACY_UNITS[task.privacy_unit],
-        "details": details, "error": error,
+        "details": details, "error": outcome.error,
         "not_private_diagnostics": not_private_diagnostics(method, details),
     }
-    result = write_run(out, results)
-    if progress:
-        acc = "n/a" if result["accuracy"] is None else f"{result['accuracy']:.3f}"
-        eps = "—" if result["epsilon"] is None else f"{result['epsilon']:.3f}"
-        print(f"[{method} ε={epsilon}] accuracy {acc}, ε spent {eps} ({results.accountant}), {wall:.1f}s"
-              + (f"  ERROR {error}" if error else ""), flush=True)
-    return result
+    return results
 
 
-def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0, delta: float = 1e-5,
-                               hospitals: int | None = None, progress: bool = True, preset: str = "tiny",
-                               data: str | None = None, teachers_per_hospital: int | None = None,
-                               reproducible_noise: bool = False) -> list[dict]:
-    """Run every method × ε on ``task`` and write the cells, ``cells.csv``, ``report.md`` and the plot.
+# ------------------------------------------------------------------------------------------------ the grid
+def _listed(values) -> list:
+    """A list, or one comma-separated string, as a list."""
+    return values.split(",") if isinstance(values, str) else list(values)
+
+
+def _with_reference_rows(methods: list[str]) -> list[str]:
+    """The requested methods, then the reference rows the comparison adds: those run beside a requested method
+    (AdLM's noise-free row beside AdLM/ILM), then those in every report (public-only)."""
+    rows = list(methods)
+    for record in CLASSIFICATION.where(reference=True):
+        if any(m in methods for m in record.reference_for) and record.name not in rows:
+            rows.append(record.name)
+    for record in CLASSIFICATION.where(reference=True, always=True):
+        if record.name not in rows:
+            rows.append(record.name)
+    return rows
+
+
+@dataclass(frozen=True)
+class ClassificationCompareConfig:
+    """One classification comparison: every method × ε on one task; validated once, here.
 
     Args:
         task: ``mnist5k`` or ``slice-classification`` (``task.classification.tasks.load_task``).
-        methods: method names (a list, or one comma-separated string); ``nonprivate`` is one cell.
+        methods: method names (a list, or one comma-separated string); ``nonprivate`` is one cell. The
+            reference rows (public-only always, AdLM's noise-free row beside AdLM/ILM) are added here.
         epsilons: the private cells' budgets (positive; a list, or one comma-separated string).
         out: the comparison's folder (``out/<method>/eps-<E>`` per cell, cells.csv, report.md, the plot).
         seed: the task's split (mnist5k's permutation, the slice task's world) and every method's non-private
@@ -244,68 +361,104 @@ def run_classification_compare(task: str, methods, epsilons, out, seed: int = 0,
             release); the seed is then left out of everything written. Default: secure noise.
     """
 
+    task: str
+    methods: Sequence[str]
+    epsilons: Sequence[float]
+    out: Path
+    seed: int = 0
+    delta: float = 1e-5
+    hospitals: int | None = None
+    progress: bool = True
+    preset: str = "tiny"
+    data: str | None = None
+    teachers_per_hospital: int | None = None
+    reproducible_noise: bool = False
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESET_SETTINGS:
+            raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, "
+                            f"got {self.preset!r}")
+        methods = [m.strip() for m in _listed(self.methods) if m.strip()]
+        unknown = [m for m in methods if m not in CLASSIFICATION]
+        if unknown:
+            raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of "
+                            f"{', '.join(CLASSIFICATION_METHODS)}")
+        object.__setattr__(self, "methods", _with_reference_rows(methods))
+        epsilons = [float(e) for e in _listed(self.epsilons)]
+        if any(not (e > 0 and math.isfinite(e)) for e in epsilons):
+            raise UserError(f"--epsilons: expected positive numbers, got {epsilons}")
+        object.__setattr__(self, "epsilons", epsilons)
+        if self.delta is None or not (0 < self.delta < 1):
+            raise UserError(f"--delta: expected a number in (0, 1), got {self.delta}")
+        object.__setattr__(self, "task", str(task_name(self.task)))
+        object.__setattr__(self, "out", Path(self.out))
+
+    @property
+    def cell_settings(self) -> CellSettings:
+        return CellSettings(self.delta, self.seed, self.preset, self.progress, self.teachers_per_hospital)
+
+    @property
+    def hidden_settings(self) -> tuple[str, ...]:
+        """Settings recorded as None (the seed of reproducible noise, published nowhere)."""
+        return ("seed",) if self.reproducible_noise else ()
+
+
+def run_classification_compare(config: ClassificationCompareConfig) -> list[dict]:
+    """Run every method × ε of ``config`` on its task and write the cells, ``cells.csv``, ``report.md`` and the
+    plot. Returns every finished cell's results (this run's and a resumed folder's earlier ones)."""
+
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp_accounting's RDP order warnings drown the progress
-    if preset not in PRESET_SETTINGS:
-        raise UserError(f"--preset: classification tasks support {', '.join(PRESET_SETTINGS)}, got {preset!r}")
-    methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
-    unknown = [m for m in methods if m not in METHODS + REFERENCE_METHODS]
-    if unknown:
-        raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of {', '.join(METHODS)}")
-    # the reference rows (REFERENCE_METHODS): public-only in every report, AdLM's noise-free row beside AdLM/ILM
-    if any(m in methods for m in ("adlm", "ilm")) and ADLM_NOISE_FREE not in methods:
-        methods.append(ADLM_NOISE_FREE)
-    if PUBLIC_ONLY not in methods:
-        methods.append(PUBLIC_ONLY)
-    epsilons = [float(e) for e in (epsilons.split(",") if isinstance(epsilons, str) else epsilons)]
-    if any(not (e > 0 and math.isfinite(e)) for e in epsilons):
-        raise UserError(f"--epsilons: expected positive numbers, got {epsilons}")
-    if delta is None or not (0 < delta < 1):
-        raise UserError(f"--delta: expected a number in (0, 1), got {delta}")
-    out = Path(out)
-    header = out / "compare.json"
-    # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
-    # anything is written or charged
-    saved = read_settings(header) or {}
-    settings = resume_settings(task, seed, delta, preset, data, teachers_per_hospital, reproducible_noise)
-    if saved and "task" not in saved:   # written by a segmentation comparison before it recorded its task
-        raise UserError(f"--out {out}: holds a run with other settings (--task segmentation there, {task} now); "
-                        "resume it with the same settings, or use a new --out folder")
-    hidden = ("seed",) if reproducible_noise else ()
-    refuse_other_settings(header, settings, hidden=hidden)
-    t = load_task(task, preset=preset, hospitals=hospitals, seed=seed, data=data)
-    settings["hospitals"] = len(t.hospitals)   # the number the task resolved (--hospitals or the task's default)
-    refuse_other_settings(header, settings, hidden=hidden)
-    saved_split = read_settings(out / WORLD_FILE)
-    if saved_split is not None and saved_split != describe_split(t):
-        # every other setting matched: the seed (not recorded under reproducible noise) or the data changed
-        raise UserError(f"--out {out}: holds a run on another split of the private records (--seed differs, "
-                        "its value unpublished under reproducible noise, or the --data folder changed); resume it "
-                        "with the same settings and data, or use a new --out folder")
-    noise = NoiseSource.reproducible(seed) if reproducible_noise else NoiseSource()
-    summary = t.summary()
-    if reproducible_noise:
+    out = config.out
+    task, settings, saved = _open_folder(config)
+    noise = NoiseSource.reproducible(config.seed) if config.reproducible_noise else NoiseSource()
+    summary = task.summary()
+    if config.reproducible_noise:
         summary.pop("seed", None)      # the seed of reproducible noise must not appear in anything written
-    if progress:
-        print(f"task {t.name}: {summary}", flush=True)
+    if config.progress:
+        print(f"task {task.name}: {summary}", flush=True)
     # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
     # the report cover every cell of the folder
-    methods_all, epsilons_all = merged(saved.get("methods"), methods), merged(saved.get("epsilons"), epsilons)
+    methods_all = merged(saved.get("methods"), config.methods)
+    epsilons_all = merged(saved.get("epsilons"), config.epsilons)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(header, {"methods": methods_all, "epsilons": epsilons_all, **settings})
-    atomic_write_json(out / WORLD_FILE, describe_split(t))
-    for method in methods:
-        for epsilon in _cell_budgets(method, epsilons):
+    atomic_write_json(out / "compare.json", {"methods": methods_all, "epsilons": epsilons_all, **settings})
+    atomic_write_json(out / WORLD_FILE, describe_split(task))
+    for method in config.methods:
+        for epsilon in _cell_budgets(method, config.epsilons):
             path = out / method / _eps_dir(epsilon)
             if (path / "results.json").exists():      # finished: nothing is run or charged again
                 continue
             set_aside_interrupted(path, counted_in=f"its own ledger, {path.name}.interrupted-*/ledger.jsonl")
-            run_cell(t, method, epsilon, path, delta, seed, preset, progress, teachers_per_hospital, noise)
+            run_cell(task, method, epsilon, path, config.cell_settings, noise)
     cells = [json.loads((out / m / _eps_dir(e) / "results.json").read_text())
              for m in methods_all for e in _cell_budgets(m, epsilons_all)
              if (out / m / _eps_dir(e) / "results.json").exists()]
     write_cells_csv(cells, out / "cells.csv")
-    write_report(cells, out, summary, delta, interrupted=interrupted_releases(out, delta))
+    write_report(cells, out, summary, config.delta, interrupted=interrupted_releases(out, config.delta))
     return cells
+
+
+def _open_folder(config: ClassificationCompareConfig):
+    """``(task, settings, saved header)``: the task loaded, once the folder's recorded settings and split (if
+    it holds a run) are those of ``config`` (``sim.runners.resume``) -- checked before anything is written or
+    charged."""
+    out, header, hidden = config.out, config.out / "compare.json", config.hidden_settings
+    saved = read_settings(header) or {}
+    settings = resume_settings(config)
+    if saved and "task" not in saved:   # written by a segmentation comparison before it recorded its task
+        raise UserError(f"--out {out}: holds a run with other settings (--task segmentation there, {config.task} "
+                        "now); resume it with the same settings, or use a new --out folder")
+    refuse_other_settings(header, settings, hidden=hidden)
+    task = load_task(config.task, preset=config.preset, hospitals=config.hospitals, seed=config.seed, data=config.data)
+    settings["hospitals"] = len(task.hospitals)   # the number the task resolved (--hospitals or the task's default)
+    refuse_other_settings(header, settings, hidden=hidden)
+    saved_split = read_settings(out / WORLD_FILE)
+    if saved_split is not None and saved_split != describe_split(task):
+        # every other setting matched: the seed (not recorded under reproducible noise) or the data changed
+        raise UserError(f"--out {out}: holds a run on another split of the private records (--seed differs, "
+                        "its value unpublished under reproducible noise, or the --data folder changed); resume it "
+                        "with the same settings and data, or use a new --out folder")
+    return task, settings, saved
 
 
 #: the split of a classification comparison (who holds how many records, and a digest of which), beside compare.json
@@ -313,27 +466,20 @@ WORLD_FILE = "world.json"
 
 
 def _cell_budgets(method: str, epsilons) -> list:
-    return [None] if method in ("nonprivate",) + REFERENCE_METHODS else list(epsilons)
+    """One cell per budget for a private method; one ε-free cell for any other."""
+    record = _known(method)
+    return [None] if record is not None and not record.per_epsilon else list(epsilons)
 
 
-def resume_settings(task: str, seed: int, delta: float, preset: str, data, teachers_per_hospital,
-                    reproducible_noise: bool) -> dict:
+def resume_settings(config: ClassificationCompareConfig) -> dict:
     """What decides a classification comparison's cells, recorded in compare.json and required to be the same
     when the folder is resumed (``sim.runners.resume``); methods and budgets may be added. The seed drives the
-    noise when it is reproducible: then it is not recorded (the split in world.json still checks it).
-
-    Args:
-        task: the classification task's name.
-        seed: the run's seed (left out under reproducible noise).
-        delta: the comparison's δ.
-        preset: the preset's name.
-        data: the data folder given, or None for the task's own data.
-        teachers_per_hospital: the GNMax teachers per hospital given (None: the default rule).
-        reproducible_noise: whether the run's noise is seeded (a simulation).
-    """
-    return {"task": task, "preset": preset, "delta": delta, "seed": None if reproducible_noise else seed,
-            "noise": "reproducible" if reproducible_noise else "secure",
-            "data": None if data is None else str(data), "teachers_per_hospital": teachers_per_hospital}
+    noise when it is reproducible: then it is not recorded (the split in world.json still checks it)."""
+    return {"task": config.task, "preset": config.preset, "delta": config.delta,
+            "seed": None if config.reproducible_noise else config.seed,
+            "noise": "reproducible" if config.reproducible_noise else "secure",
+            "data": None if config.data is None else str(config.data),
+            "teachers_per_hospital": config.teachers_per_hospital}
 
 
 def describe_split(task) -> dict:
@@ -378,50 +524,81 @@ def write_cells_csv(cells: list[dict], path: Path) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+# ------------------------------------------------------------------------------------------------ the report
 def _fmt(value, spec=".3f") -> str:
     return "—" if value is None else format(value, spec)
 
 
-def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float,
-                 interrupted: list[dict] = ()) -> None:
-    unit = task_summary.get("privacy_unit", "record")
-    lines = [f"# Seed systems on `{task_summary['task']}`", "",
-             f"Task: {task_summary}", "",
-             f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: replace-one {unit}, Poisson sampling of "
+def _gnmax_note(c: dict) -> str:
+    d = c.get("details") or {}
+    return (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, label acc {_fmt(d.get('label_accuracy'))}; "
+            f"not private: teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
+            f"ensemble {_fmt(d.get('ensemble_accuracy'))}")
+
+
+def _noise_multiplier_note(c: dict) -> str:
+    return f"noise multiplier {_fmt(c['sigma'], '.2f')}" if c.get("sigma") else ""
+
+
+def _laplace_note(c: dict) -> str:
+    d = c.get("details") or {}
+    return (f"feature Laplace scale (median) {_fmt(d.get('feature_scale_median'), '.1f')}, "
+            f"label scale {_fmt(d.get('label_scale'), '.1f')}")
+
+
+def _noise_free_note(c: dict) -> str:
+    return "NOT PRIVATE: AdLM's network, loss and optimiser with the mechanism switched off; no ε is claimed"
+
+
+def _public_only_note(c: dict) -> str:
+    d = c.get("details") or {}
+    return (f"public labelled reference set only ({d.get('reference_records')} records); no private record "
+            "read, nothing charged")
+
+
+#: the note beside a cell in the report, by its record's ``report_note``
+REPORT_NOTES: dict[str, Callable[[dict], str]] = {
+    "gnmax": _gnmax_note, "noise-multiplier": _noise_multiplier_note, "laplace": _laplace_note,
+    "noise-free": _noise_free_note, "public-only": _public_only_note}
+
+
+def _note(c: dict) -> str:
+    """A failed cell's error, else its record's note (empty for a record without one)."""
+    if c.get("error"):
+        return c["error"]
+    record = _known(c["method"])
+    write = REPORT_NOTES.get(record.report_note) if record is not None else None
+    return write(c) if write is not None else ""
+
+
+def _unit_lines(unit: PrivacyUnit) -> list[str]:
+    """What every ε of the report protects, method by method."""
+    lines = [f"Privacy unit: {PRIVACY_UNITS[unit]}. DP-MAC, DP-SGD: replace-one {unit}, Poisson sampling of "
              f"{unit}s, PLD accountant. AdLM/ILM: replace-one {unit}, pure ε (basic composition ε1+ε2+ε3, "
              f"independent of epochs). PATE-GNMax: replace-one {unit}, data-independent accounting of Gaussian "
              "noisy-argmax (gdp-exact). ε spent is read from each cell's ledger.jsonl. Numbers listed under "
              "`not_private_diagnostics` in a cell's results.json (GNMax's teacher and noise-free ensemble "
              "accuracies, DP-SGD's empty-batch count, dataset sizes) are simulation diagnostics that no ε covers.",
              ""]
-    if unit == "patient":
+    if unit is PrivacyUnit.PATIENT:
         lines += ["Every ε here is per patient, not per slice: DP-MAC and DP-SGD sample whole patients and clip "
                   "the sum of a patient's slice contributions (coefficients, DP-PCA second moment, gradient) to C; "
                   "AdLM/ILM take exactly k slices per patient (`records_per_unit` in results) and size every "
                   "slice's noise for ε/k; PATE-GNMax's teachers partition whole patients.", ""]
+    return lines
+
+
+def write_report(cells: list[dict], out: Path, task_summary: dict, delta: float,
+                 interrupted: list[dict] = ()) -> None:
+    unit = PrivacyUnit(task_summary.get("privacy_unit", PrivacyUnit.RECORD))
+    lines = [f"# Seed systems on `{task_summary['task']}`", "", f"Task: {task_summary}", "", *_unit_lines(unit)]
     lines += ["| method | ε budget | ε spent | δ | relation | accountant | accuracy | wall s | note |",
               "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        d = c.get("details") or {}
-        note = c.get("error") or ""
-        if c["method"] == "pate-gnmax" and not note:
-            note = (f"K={c['teachers']}, σ={_fmt(c['sigma'], '.1f')}, label acc {_fmt(d.get('label_accuracy'))}; "
-                    f"not private: teacher acc {_fmt(d.get('teacher_accuracy_mean'))}, "
-                    f"ensemble {_fmt(d.get('ensemble_accuracy'))}")
-        elif c["method"] in ("dp-mac", "dp-sgd", "dp-sgd-scheduled") and c.get("sigma") and not note:
-            note = f"noise multiplier {_fmt(c['sigma'], '.2f')}"
-        elif c["method"] in ("adlm", "ilm") and not note:
-            note = (f"feature Laplace scale (median) {_fmt(d.get('feature_scale_median'), '.1f')}, "
-                    f"label scale {_fmt(d.get('label_scale'), '.1f')}")
-        elif c["method"] == ADLM_NOISE_FREE and not note:
-            note = "NOT PRIVATE: AdLM's network, loss and optimiser with the mechanism switched off; no ε is claimed"
-        elif c["method"] == PUBLIC_ONLY and not note:
-            note = (f"public labelled reference set only ({d.get('reference_records')} records); no private record "
-                    "read, nothing charged")
         lines.append(f"| {c['method']} | {_fmt(c['epsilon_budget'], 'g')} | {_fmt(c['epsilon'])} | "
                      f"{_delta(c)} | "
                      f"{c['relation'] or '—'} | {c['accountant'] or '—'} | {_fmt(c['accuracy'])} | "
-                     f"{c['wall_seconds']:.1f} | {note} |")
+                     f"{c['wall_seconds']:.1f} | {_note(c)} |")
     lines += verdicts(cells)
     if interrupted:   # their releases happened: the ε they spent stays in the report
         lines += ["", "## Interrupted cells (kept aside; their releases stay counted)", "",
@@ -442,27 +619,29 @@ def _delta(cell: dict) -> str:
     """δ of a private cell (0 for the pure-ε Laplace releases of AdLM/ILM); "—" where nothing is claimed."""
     if cell["epsilon_budget"] is None:
         return "—"
-    return "0" if cell["method"] in ("adlm", "ilm") else f"{cell['delta']:g}"
+    record = _known(cell["method"])
+    return "0" if record is not None and record.pure_epsilon else f"{cell['delta']:g}"
 
 
 def verdicts(cells: list[dict]) -> list[str]:
     """Report lines comparing every private cell with the public-only floor: a private method is worth its
     privacy cost only where it beats the same network trained on the public labelled records alone."""
-    floor = next((c["accuracy"] for c in cells if c["method"] == PUBLIC_ONLY and c["accuracy"] is not None), None)
+    floor_name = CLASSIFICATION.names(role="floor")[0]
+    floor = next((c["accuracy"] for c in cells if c["method"] == floor_name and c["accuracy"] is not None), None)
     if floor is None:
-        return ["", "Verdicts: no public-only accuracy (its cell failed), so no private method is compared with it."]
-    lines = ["", f"## Verdicts against public-only (accuracy {floor:.3f})", ""]
+        return ["", f"Verdicts: no {floor_name} accuracy (its cell failed), so no private method is compared with it."]
+    lines = ["", f"## Verdicts against {floor_name} (accuracy {floor:.3f})", ""]
     for c in cells:
         if c["epsilon_budget"] is None or c["accuracy"] is None:
             continue
         gap = c["accuracy"] - floor
-        verdict = "beats public-only" if gap > 0 else "does not beat public-only"
+        verdict = f"beats {floor_name}" if gap > 0 else f"does not beat {floor_name}"
         lines.append(f"- {c['method']} at ε = {c['epsilon_budget']:g}: {c['accuracy']:.3f} ({gap:+.3f}): {verdict}")
     return lines
 
 
 def _order(method: str) -> int:
-    known = list(METHODS) + list(REFERENCE_METHODS)
+    known = CLASSIFICATION.names()
     return known.index(method) if method in known else len(known)
 
 
@@ -478,13 +657,14 @@ def _plot(cells: list[dict], path: Path) -> None:
     for m in methods:
         pts = sorted((c["epsilon_budget"], c["accuracy"]) for c in cells
                      if c["method"] == m and c["accuracy"] is not None and c["epsilon_budget"] is not None)
+        record = _known(m)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        elif m in ("nonprivate",) + REFERENCE_METHODS:   # one ε-free cell: a horizontal line
+        elif record is not None and not record.per_epsilon:   # one ε-free cell: a horizontal line
             acc = next((c["accuracy"] for c in cells if c["method"] == m and c["accuracy"] is not None), None)
             if acc is not None:
-                style = {"nonprivate": ("k", "--"), PUBLIC_ONLY: ("tab:gray", ":")}.get(m, ("tab:brown", "-."))
-                ax.axhline(acc, color=style[0], linestyle=style[1], label=m)
+                colour, style = record.plot_style
+                ax.axhline(acc, color=colour, linestyle=style, label=m)
     ax.set_xscale("log")
     ax.set_xlabel("ε (budget)")
     ax.set_ylabel("test accuracy")

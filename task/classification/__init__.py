@@ -24,17 +24,100 @@ owner with the same events; PATE's teachers sit at the hospitals (disjoint parti
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from task.errors import UserError
-from task.methods import CLASSIFICATION_METHODS
 
-METHODS = CLASSIFICATION_METHODS
+
+class PrivacyUnit(StrEnum):
+    """What one ε protects on a task (docs/PRIVACY.md, "The unit of privacy"): one record, or one patient with
+    all of its records (slices)."""
+    RECORD = "record"
+    PATIENT = "patient"
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    """What one training run of a seed system is given: the task, the budget it may spend and where it is
+    charged, and its randomness. Each trainer (``train_dpmac``, ``train_adlm``, ``train_pate_gnmax``,
+    ``train_dpsgd``) takes one, beside its own settings.
+
+    Args:
+        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records).
+        epsilon: the budget (> 0); None = no noise and nothing charged (a non-private or noise-free run).
+        delta: the δ of the budget (in [0, 1)).
+        guard: the ``privacy.guard.BudgetGuard`` every release is charged through before its noise is drawn.
+        owners: the ledger owners charged (every hospital whose records are pooled).
+        seed: the run's non-private randomness (initialisation, batch order, partitions; see each trainer).
+        noise: the ``privacy.mechanisms.NoiseSource`` of the releases and private sampling (secure when None).
+        progress: per-epoch (or summary) lines.
+        release_prefix: the prefix of the release ids, which also name the noise streams (None = the
+            trainer's own: its method's name).
+    """
+
+    task: Any
+    epsilon: float | None
+    delta: float
+    guard: Any
+    owners: Sequence[str]
+    seed: int = 0
+    noise: Any = None
+    progress: bool = False
+    release_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.epsilon is not None and not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            raise UserError(f"epsilon: expected a positive budget (or None: no noise), got {self.epsilon}")
+        if not 0 <= self.delta < 1:
+            raise UserError(f"delta: expected a number in [0, 1), got {self.delta}")
+
+    @property
+    def private(self) -> bool:
+        """Whether the run spends a budget (releases noise, charged to ``owners``)."""
+        return self.epsilon is not None
+
+    def prefix(self, default: str) -> str:
+        """The release ids' prefix: the run's own, else ``default``."""
+        return self.release_prefix or default
+
+
+@dataclass(frozen=True)
+class PlainTraining:
+    """Plain (non-private) Adam / cross-entropy training of a :func:`build_mlp` net (:func:`train_nonprivate`).
+
+    Args:
+        hidden: the hidden layers' widths.
+        epochs: passes over the data.
+        batch_size: examples per Adam step (each epoch in a seeded random order).
+        lr: Adam's learning rate.
+        weight_decay: Adam's weight decay.
+    """
+
+    hidden: tuple[int, ...] = (128,)
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        if any(int(h) < 1 for h in self.hidden):
+            raise UserError(f"hidden: expected positive layer widths, got {self.hidden}")
+        if self.epochs < 0:
+            raise UserError(f"epochs: expected 0 or more, got {self.epochs}")
+        if self.batch_size < 1:
+            raise UserError(f"batch_size: expected at least 1, got {self.batch_size}")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise UserError(f"lr / weight_decay: expected lr > 0 and weight_decay >= 0, got {self.lr}, "
+                            f"{self.weight_decay}")
 
 
 @dataclass
@@ -86,29 +169,27 @@ def predict(model, x: np.ndarray) -> np.ndarray:
         return model(torch.as_tensor(x, dtype=torch.float32)).argmax(dim=1).numpy()
 
 
-def train_nonprivate(x: np.ndarray, y: np.ndarray, classes: int, hidden=(128,), epochs: int = 20,
-                     batch_size: int = 64, lr: float = 1e-3, seed: int = 0, weight_decay: float = 0.0):
-    """Plain Adam/cross-entropy training (the non-private baseline, PATE teachers and students).
+def train_nonprivate(x: np.ndarray, y: np.ndarray, classes: int, training: PlainTraining = PlainTraining(),
+                     seed: int = 0):
+    """Plain Adam/cross-entropy training (the non-private baseline, PATE teachers and students, AdLM's relevance
+    network).
 
     Args:
         x: (n, d) features.
         y: (n,) integer labels.
         classes: the number of classes (the output width).
-        hidden: the hidden layers' widths (:func:`build_mlp`).
-        epochs: passes over the data.
-        batch_size: examples per Adam step (each epoch in a seeded random order).
-        lr: Adam's learning rate.
+        training: the network and optimiser settings (:class:`PlainTraining`).
         seed: the network's initialisation and the batch order.
-        weight_decay: Adam's weight decay.
     """
 
     set_seed(seed)
-    model = build_mlp(x.shape[1], tuple(hidden), classes)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model = build_mlp(x.shape[1], training.hidden, classes)
+    opt = torch.optim.Adam(model.parameters(), lr=training.lr, weight_decay=training.weight_decay)
     xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.int64)
     gen = torch.Generator().manual_seed(seed)
     n = len(yt)
-    for _ in range(epochs):
+    batch_size = training.batch_size
+    for _ in range(training.epochs):
         model.train()
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, batch_size):

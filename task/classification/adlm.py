@@ -79,7 +79,8 @@ import torch
 
 from privacy.events import LaplaceEvent
 from privacy.mechanisms import LaplaceMechanism, NoiseSource
-from task.classification import SeedResult, accuracy, capped_units, set_seed, train_nonprivate
+from task.classification import (PlainTraining, PrivacyUnit, SeedResult, SeedRun, accuracy, capped_units, set_seed,
+                                 train_nonprivate)
 from task.errors import UserError
 from task.options import Relation
 
@@ -87,7 +88,7 @@ FEATURE_SENSITIVITY = 1.0   # |x_ij − x'_ij| ≤ 1 for x ∈ [0, 1] (Lemma 3's
 LABEL_SENSITIVITY = 2.0     # ||(½ − y) − (½ − y')||_1 for one-hot y, y' (replace-one)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdLMConfig:
     hidden: tuple[int, ...] = (64, 32)      # h0 (private affine layer) and one stacked hidden layer
     epochs: int = 20
@@ -98,6 +99,15 @@ class AdLMConfig:
     relevance_epochs: int = 30
     lrp_epsilon: float = 1e-6
     records_per_patient: int = 4            # k slices per patient on the slice task (noise grows with k)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        if len(self.budget_split) != 3 or any(f < 0 for f in self.budget_split) or not sum(self.budget_split) > 0:
+            raise UserError(f"adlm: budget_split must be three non-negative shares of ε (ε1, ε2, ε3), got "
+                            f"{self.budget_split}")
+        if self.epochs < 0 or self.batch_size < 1:
+            raise UserError(f"adlm: expected epochs >= 0 and a positive batch size, got {self.epochs}, "
+                            f"{self.batch_size}")
 
 
 # --------------------------------------------------------------------------------------------- LRP
@@ -265,92 +275,46 @@ def taylor_loss(logits: torch.Tensor, phi1: torch.Tensor) -> torch.Tensor:
     return (phi1 * logits + logits * logits / 8.0).sum(dim=1).mean()
 
 
-def train_adlm(task, epsilon: float | None, delta: float, guard, owners, cfg: AdLMConfig | None = None, seed: int = 0,
-               adaptive: bool = True, release_prefix: str | None = None, progress: bool = False,
-               noise=None) -> SeedResult:
+def train_adlm(run: SeedRun, cfg: AdLMConfig | None = None, adaptive: bool = True) -> SeedResult:
     """AdLM (``adaptive=True``) or ILM (``adaptive=False``) on the pooled private records.
 
     All three releases are made (and charged) before training; the epochs only post-process them, so the
     ledger's ε is ε1 + ε2 + ε3 whatever ``cfg.epochs`` is (Theorem 1).
 
     Args:
-        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records; the public
-            reference records train the LRP network).
-        epsilon: the budget, split into ε1, ε2, ε3 by ``cfg.budget_split`` (ILM gives ε1's share to ε2); None
-            trains the noise-free reference: the mechanism switched off, nothing released or charged, NOT
-            private.
-        delta: recorded in the result only: the three Laplace releases are pure ε-DP.
-        guard: the budget guard every release is charged through before its noise is drawn.
-        owners: the ledger owners charged (every hospital whose records are pooled).
+        run: the task (its pooled private records; the public reference records train the LRP network), the
+            budget, split into ε1, ε2, ε3 by ``cfg.budget_split`` (ILM gives ε1's share to ε2; None trains the
+            noise-free reference: the mechanism switched off, nothing released or charged, NOT private), δ
+            (recorded in the result only: the three Laplace releases are pure ε-DP), the guard and owners every
+            release is charged to before its noise is drawn, ``run.seed`` (the networks' initialisation and the
+            training's batch order, not the noise), the prefix of the three release ids (default: the method's
+            name) and ``run.progress`` (the test accuracy after every epoch).
         cfg: the network, training and budget-split settings (None = :class:`AdLMConfig`'s defaults).
-        seed: the networks' initialisation and the training's batch order (not the noise).
         adaptive: AdLM (relevance-weighted feature noise) when True, ILM (identical feature noise) when False.
-        release_prefix: the prefix of the three release ids (None = the method's name).
-        progress: print the test accuracy after every epoch.
-        noise: the ``privacy.mechanisms.NoiseSource`` of the releases (secure when None).
     """
 
     cfg = cfg or AdLMConfig()
-    noise = noise if noise is not None else NoiseSource()
+    noise = run.noise if run.noise is not None else NoiseSource()
+    task = run.task
     method = "adlm" if adaptive else "ilm"
-    prefix = release_prefix or method
-    set_seed(seed)
+    set_seed(run.seed)
     units = task.unit_records()
-    k = 1 if task.privacy_unit == "record" else cfg.records_per_patient
+    k = 1 if task.privacy_unit is PrivacyUnit.RECORD else cfg.records_per_patient
     chosen = capped_units(units, k).reshape(-1)            # exactly k records per unit
     x = np.asarray(task.x_private, np.float32)[chosen]
     y = np.asarray(task.y_private, np.int64)[chosen]
     n, d = x.shape
-    private = epsilon is not None
-    e1 = e2 = e3 = None
-    if private:
-        f1, f2, f3 = cfg.budget_split
-        if not adaptive:                         # ILM needs no relevance: give ε1's share to the features
-            f1, f2 = 0.0, f1 + f2
-        total = f1 + f2 + f3
-        # (1 − 1e-9): floating-point sums of the per-feature terms must not round past the budget
-        e1, e2, e3 = (epsilon * (1 - 1e-9) * f / total for f in (f1, f2, f3))
-        noisy_relevance = None
-        if adaptive:
-            if len(task.y_reference) == 0:
-                raise UserError("adlm: the task has no public labelled reference records for the LRP network")
-            ref_model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
-                                         hidden=cfg.relevance_hidden, epochs=cfg.relevance_epochs, seed=seed)
-            per_record = lrp_relevance(ref_model, torch.as_tensor(x), cfg.lrp_epsilon).numpy()
-            noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", noise, k)
-        beta = budget_ratios(noisy_relevance, d)
-        scales = feature_scales(beta, e2, k)
-        x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", noise, k)
-        phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", noise, k)
+    if run.private:
+        releases = _releases(run, cfg, adaptive, x, y, k, noise, run.prefix(method))
     else:
-        # the noise-free reference (NOT private; nothing is released or charged): the same inputs, polynomial
-        # loss, network and optimiser with the mechanism switched off, so a report shows that the noise, not the
-        # optimiser, is what costs the accuracy
-        scales = np.full(d, np.inf)
-        x_bar = np.clip(x, 0.0, 1.0).astype(np.float32)
-        phi1 = (0.5 - np.eye(task.n_classes)[y]).astype(np.float32)
-
-    model = build_adlm_net(d, cfg.hidden, task.n_classes)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    xt, pt = torch.as_tensor(x_bar), torch.as_tensor(phi1)
-    gen = torch.Generator().manual_seed(seed)
-    for epoch in range(cfg.epochs):
-        model.train()
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            if len(idx) < 2:
-                continue
-            opt.zero_grad()
-            taylor_loss(model(xt[idx]), pt[idx]).backward()
-            opt.step()
-        if progress:
-            print(f"  {method} epoch {epoch + 1}/{cfg.epochs}: test acc "
-                  f"{accuracy(model, task.x_test, task.y_test):.3f}", flush=True)
+        releases = _noise_free(x, y, task.n_classes)
+    model = _train_on_releases(run, cfg, releases, method, d)
+    scales, (e1, e2, e3) = releases.scales, releases.epsilons
     finite = np.isfinite(scales)
+    private = run.private
     return SeedResult(
-        method=method, accuracy=accuracy(model, np.clip(task.x_test, 0, 1), task.y_test), epsilon_budget=epsilon,
-        delta=delta, relation=Relation.REPLACE_ONE if private else None, sigma=None,
+        method=method, accuracy=accuracy(model, np.clip(task.x_test, 0, 1), task.y_test), epsilon_budget=run.epsilon,
+        delta=run.delta, relation=Relation.REPLACE_ONE if private else None, sigma=None,
         details={"epsilon_split": [e1, e2, e3] if private else None, "epochs": cfg.epochs, "lr": cfg.lr,
                  "hidden": list(cfg.hidden), "noise_free": not private,
                  "feature_scale_median": float(np.median(scales[finite])) if finite.any() else None,
@@ -361,3 +325,74 @@ def train_adlm(task, epsilon: float | None, delta: float, guard, owners, cfg: Ad
                  "features_withheld": int((~finite).sum()) if private else 0},
         model=model,
     )
+
+
+@dataclass(frozen=True)
+class _Releases:
+    """What training sees: the perturbed features x̄ and label coefficients φ̄⁽¹⁾, the per-feature Laplace
+    scales (∞ = no noise, or withheld) and the budget split (None each without a budget)."""
+
+    x_bar: np.ndarray
+    phi1: np.ndarray
+    scales: np.ndarray
+    epsilons: tuple = (None, None, None)
+
+
+def _releases(run: SeedRun, cfg: AdLMConfig, adaptive: bool, x: np.ndarray, y: np.ndarray, k: int, noise,
+              prefix: str) -> _Releases:
+    """Algorithm 1's three releases, each charged before its noise is drawn (``<prefix>/relevance``,
+    ``<prefix>/affine``, ``<prefix>/loss``); ILM skips the relevance and gives ε1's share to the features."""
+    task, guard, owners = run.task, run.guard, run.owners
+    d = x.shape[1]
+    f1, f2, f3 = cfg.budget_split
+    if not adaptive:                         # ILM needs no relevance: give ε1's share to the features
+        f1, f2 = 0.0, f1 + f2
+    total = f1 + f2 + f3
+    # (1 − 1e-9): floating-point sums of the per-feature terms must not round past the budget
+    e1, e2, e3 = (run.epsilon * (1 - 1e-9) * f / total for f in (f1, f2, f3))
+    noisy_relevance = None
+    if adaptive:
+        if len(task.y_reference) == 0:
+            raise UserError("adlm: the task has no public labelled reference records for the LRP network")
+        ref_model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
+                                     PlainTraining(hidden=cfg.relevance_hidden, epochs=cfg.relevance_epochs),
+                                     seed=run.seed)
+        per_record = lrp_relevance(ref_model, torch.as_tensor(x), cfg.lrp_epsilon).numpy()
+        noisy_relevance = private_relevance(per_record, e1, guard, owners, f"{prefix}/relevance", noise, k)
+    beta = budget_ratios(noisy_relevance, d)
+    scales = feature_scales(beta, e2, k)
+    x_bar = perturb_features(x, scales, guard, owners, f"{prefix}/affine", noise, k)
+    phi1 = perturb_label_coefficients(y, task.n_classes, e3, guard, owners, f"{prefix}/loss", noise, k)
+    return _Releases(x_bar, phi1, scales, (e1, e2, e3))
+
+
+def _noise_free(x: np.ndarray, y: np.ndarray, classes: int) -> _Releases:
+    """The noise-free reference (NOT private; nothing is released or charged): the same inputs, polynomial loss,
+    network and optimiser with the mechanism switched off, so a report shows that the noise, not the optimiser,
+    is what costs the accuracy."""
+    return _Releases(np.clip(x, 0.0, 1.0).astype(np.float32), (0.5 - np.eye(classes)[y]).astype(np.float32),
+                     np.full(x.shape[1], np.inf))
+
+
+def _train_on_releases(run: SeedRun, cfg: AdLMConfig, releases: _Releases, method: str, d: int):
+    """Train AdLM's network on the released x̄ and φ̄⁽¹⁾ with the polynomial loss (post-processing only)."""
+    task = run.task
+    model = build_adlm_net(d, cfg.hidden, task.n_classes)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    xt, pt = torch.as_tensor(releases.x_bar), torch.as_tensor(releases.phi1)
+    n = len(xt)
+    gen = torch.Generator().manual_seed(run.seed)
+    for epoch in range(cfg.epochs):
+        model.train()
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, cfg.batch_size):
+            idx = order[start:start + cfg.batch_size]
+            if len(idx) < 2:
+                continue
+            opt.zero_grad()
+            taylor_loss(model(xt[idx]), pt[idx]).backward()
+            opt.step()
+        if run.progress:
+            print(f"  {method} epoch {epoch + 1}/{cfg.epochs}: test acc "
+                  f"{accuracy(model, task.x_test, task.y_test):.3f}", flush=True)
+    return model

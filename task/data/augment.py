@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from task.options import AugmentLevel
+
 
 class TrainingAugmentation:
     """Callable on ``(image, label)`` pairs or ``{"image": ..., "label": ...}`` dicts (numpy or torch).
@@ -90,15 +92,14 @@ class TrainingAugmentation:
         if img.ndim != 4:
             raise ValueError(f"augmentation: expected an image (channels, *grid), got shape {tuple(img.shape)}")
         channels = img.shape[0]
-        target, kind = None, None
+        target, integer_labels = None, False
         if label is not None:
             lab = label.detach().cpu() if isinstance(label, torch.Tensor) else torch.as_tensor(np.asarray(label))
             if lab.ndim == 3:
-                kind = "int"
+                integer_labels = True
                 target = torch.nn.functional.one_hot(lab.long().clamp(0, self.classes - 1), self.classes)
                 target = target.movedim(-1, 0).float()
             elif lab.ndim == 4:
-                kind = "soft"
                 target = lab.float()
             else:
                 raise ValueError(f"augmentation: expected a label (*grid) or probabilities (C, *grid), "
@@ -128,7 +129,7 @@ class TrainingAugmentation:
         empty = total < 1e-3                                       # corners rotated in from outside: background
         probs = torch.where(empty, torch.zeros_like(probs), probs / total.clamp_min(1e-6))
         probs[0:1] = torch.where(empty, torch.ones_like(probs[0:1]), probs[0:1])
-        if kind == "int":
+        if integer_labels:
             out_label = probs.argmax(dim=0)
         else:
             out_label = probs
@@ -143,14 +144,19 @@ def _plain(tensor):
     return tensor.as_tensor() if hasattr(tensor, "as_tensor") else torch.as_tensor(tensor)
 
 
-AUGMENTATIONS = ("geometric", "domain")   # flips + rotations only; plus per-channel domain randomisation
+AUGMENTATIONS = tuple(AugmentLevel)   # flips + rotations only; plus per-channel domain randomisation
 
 
-def training_augmentation(seed: int = 0, level: str = "domain", **options) -> TrainingAugmentation:
-    """Flips on three axes and a small rotation (each p = 0.5), plus intensity randomisation at ``"domain"``."""
+def _level(level: str) -> AugmentLevel:
+    """``level`` as an :class:`task.options.AugmentLevel` (a one-line error listing the levels otherwise)."""
     if level not in AUGMENTATIONS:
         raise ValueError(f"augmentation: unknown level {level!r}; expected one of {', '.join(AUGMENTATIONS)}")
-    options.setdefault("intensity", level == "domain")
+    return AugmentLevel(level)
+
+
+def training_augmentation(seed: int = 0, level: str = AugmentLevel.DOMAIN, **options) -> TrainingAugmentation:
+    """Flips on three axes and a small rotation (each p = 0.5), plus intensity randomisation at ``"domain"``."""
+    options.setdefault("intensity", _level(level) is AugmentLevel.DOMAIN)
     return TrainingAugmentation(seed=seed, **options)
 
 
@@ -335,9 +341,7 @@ class BatchAugmentation:
         return out[0, 0]
 
 
-def batch_augmentation(seed: int = 0, level: str = "domain", **options) -> BatchAugmentation:
+def batch_augmentation(seed: int = 0, level: str = AugmentLevel.DOMAIN, **options) -> BatchAugmentation:
     """:class:`BatchAugmentation` at one of :data:`AUGMENTATIONS` (geometric: flips and rotations only)."""
-    if level not in AUGMENTATIONS:
-        raise ValueError(f"augmentation: unknown level {level!r}; expected one of {', '.join(AUGMENTATIONS)}")
-    options.setdefault("intensity", level == "domain")
+    options.setdefault("intensity", _level(level) is AugmentLevel.DOMAIN)
     return BatchAugmentation(seed=seed, **options)

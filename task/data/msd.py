@@ -337,7 +337,7 @@ def load_label(path: str | os.PathLike, shape: tuple[int, ...] | None = None,
             raise DataError(f"{where}: non-integer label values (e.g. {values[values != np.round(values)][0]:g}); "
                             "expected integers 0..3")
         data = values
-    if get_layout(layout).name == "msd":
+    if not get_layout(layout).per_modality:   # MSD's codes are ours: range-checked here (a release's, by to_ours)
         lo, hi = int(np.min(data)), int(np.max(data))
         if lo < 0 or hi >= N_CLASSES:
             found = sorted(int(v) for v in np.unique(data) if not 0 <= v < N_CLASSES)[:5]

@@ -223,44 +223,98 @@ def _stratified_draw(rng: np.random.Generator, pool: dict[str, list], n: int) ->
     return sorted(chosen)
 
 
-def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str, n_query: int,
-               n_reference: int, n_validation: int, n_test: int, seed: int, alpha: float = 0.5,
-               patients: PatientsArg = None, public_pool: Sequence[str] | None = None) -> Split:
-    """Partition the patients of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids).
-
-    Sizes count patients and every patient's scans stay together (module docstring).
+@dataclass(frozen=True)
+class SplitPlan:
+    """How many patients each party gets and how private patients go to hospitals; validated when built
+    (one-line UserError naming the option). Sizes count patients (module docstring).
 
     Args:
-        prepared: the cases to split: a PreparedDataset, a {case: institution} map or a list of case ids.
         hospitals: the number of hospitals H (at least 1).
         teachers_per_hospital: disjoint, non-empty teacher partitions per hospital T (at least 1; every
             hospital needs at least one patient per teacher).
         scheme: how private patients go to hospitals: ``institution``, ``iid``, ``dirichlet`` or ``paper``
-            (module docstring).
+            (:class:`task.options.SplitScheme`, module docstring).
         n_query / n_reference / n_validation / n_test: patients in the public query, public reference, public
             validation and test sets (0 or more; with the ``paper`` scheme ``n_reference == 0`` makes the
             reference set the query set).
         seed: the draws (sets, hospital assignment, teacher partitions).
         alpha: the Dirichlet concentration of the ``dirichlet`` scheme's hospital shares (> 0).
+        public_pool: the case ids of the public labelled source (another centre): the reference and validation
+            sets come from these only, everything else from the other cases (None or empty = one population).
+    """
+
+    hospitals: int
+    teachers_per_hospital: int
+    scheme: SplitScheme
+    n_query: int = 0
+    n_reference: int = 0
+    n_validation: int = 0
+    n_test: int = 0
+    seed: int = 0
+    alpha: float = 0.5
+    public_pool: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheme", look_up_option(self.scheme, SplitScheme, "--split"))
+        if self.hospitals < 1:
+            raise UserError(f"--hospitals={self.hospitals}: expected at least 1")
+        if self.teachers_per_hospital < 1:
+            raise UserError(f"--teachers-per-hospital={self.teachers_per_hospital}: expected at least 1")
+        for name in ("n_query", "n_reference", "n_validation", "n_test"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name}={getattr(self, name)}: expected 0 or more")
+        if self.scheme is SplitScheme.DIRICHLET and not self.alpha > 0:
+            raise UserError(f"--alpha={self.alpha}: expected a positive Dirichlet concentration")
+        object.__setattr__(self, "public_pool", tuple(map(str, self.public_pool or ())))
+
+    def params(self) -> dict:
+        """The sizes a split records (``Split.params``)."""
+        return {"hospitals": self.hospitals, "teachers_per_hospital": self.teachers_per_hospital,
+                "n_query": self.n_query, "n_reference": self.n_reference, "n_validation": self.n_validation,
+                "n_test": self.n_test, "alpha": self.alpha}
+
+
+Groups = list[tuple[str, ...]]
+
+
+def make_split(prepared, plan: SplitPlan, patients: PatientsArg = None) -> Split:
+    """Partition the patients of ``prepared`` (a PreparedDataset, a {case: institution} map or a list of ids)
+    as ``plan`` says: the test and public sets first, then the hospitals, then each hospital's teachers.
+
+    Sizes count patients and every patient's scans stay together (module docstring).
+
+    Args:
+        prepared: the cases to split: a PreparedDataset, a {case: institution} map or a list of case ids.
+        plan: the parties' sizes, the scheme and the seed (:class:`SplitPlan`).
         patients: case -> patient, overriding the dataset's own (default: ``prepared.patient``, else
             :func:`task.data.msd.patient_id`).
-        public_pool: the case ids of the public labelled source (another centre): the reference and validation
-            sets come from these only, everything else from the other cases (None = one population).
     """
-    scheme = look_up_option(scheme, SplitScheme, "--split")
-    if hospitals < 1:
-        raise UserError(f"--hospitals={hospitals}: expected at least 1")
-    if teachers_per_hospital < 1:
-        raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: expected at least 1")
-    for name, value in (("n_query", n_query), ("n_reference", n_reference), ("n_validation", n_validation),
-                        ("n_test", n_test)):
-        if value < 0:
-            raise UserError(f"{name}={value}: expected 0 or more")
-    if scheme is SplitScheme.DIRICHLET and not alpha > 0:
-        raise UserError(f"--alpha={alpha}: expected a positive Dirichlet concentration")
     institution_of, patient_of = _cases_institutions_patients(prepared, patients)
-    groups = _group_by_patient(patient_of)
-    external = set(map(str, public_pool or ()))
+    groups, public_groups = _separate_public_source(_group_by_patient(patient_of), patient_of, plan)
+    _check_enough_patients(plan, len(groups), len(public_groups), len(patient_of))
+    rng = np.random.default_rng([int(plan.seed), 15_485_863])
+    pool = _by_institution(groups, institution_of)
+    labelled = _by_institution(public_groups, institution_of) if plan.public_pool else pool
+    test = _stratified_draw(rng, pool, plan.n_test)
+    query = _stratified_draw(rng, pool, plan.n_query)
+    reference = _stratified_draw(rng, labelled, plan.n_reference)
+    validation = _stratified_draw(rng, labelled, plan.n_validation)
+    reference_is_query = plan.scheme is SplitScheme.PAPER and plan.n_reference == 0
+    if reference_is_query:
+        reference = list(query)
+    private = {k: sorted(v) for k, v in pool.items() if v}
+    split_hospitals = _ASSIGN_HOSPITALS[plan.scheme](rng, private, plan, patient_of)
+    split = Split(split_hospitals, _cases(query), _cases(reference), _cases(validation), _cases(test),
+                  reference_is_query, str(plan.scheme), int(plan.seed),
+                  {**plan.params(), **({"public_pool": len(public_groups)} if plan.public_pool else {})},
+                  patients={c: p for c, p in patient_of.items() if p != c})
+    check_patients_disjoint(split)
+    return split
+
+
+def _separate_public_source(groups: Groups, patient_of: Mapping[str, str], plan: SplitPlan) -> tuple[Groups, Groups]:
+    """(the population's patient groups, the public source's): a patient's scans must all be in one source."""
+    external = set(plan.public_pool)
     if external - set(patient_of):
         raise UserError(f"public_pool: {len(external - set(patient_of))} case(s) not in the dataset, e.g. "
                         f"{sorted(external - set(patient_of))[0]!r}; expected case ids of the dataset")
@@ -269,96 +323,120 @@ def make_split(prepared, hospitals: int, teachers_per_hospital: int, scheme: str
                                                               if g[0] not in external):
         raise UserError("public_pool: a patient has scans inside and outside the public source; expected each "
                         "patient's scans in one source")
-    groups = [g for g in groups if g[0] not in external]
-    total = len(groups)
-    labelled_public = n_reference + n_validation
-    if external and labelled_public > len(public_groups):
+    return [g for g in groups if g[0] not in external], public_groups
+
+
+def _check_enough_patients(plan: SplitPlan, total: int, public_source: int, scans: int) -> None:
+    """Refuse a plan that needs more patients than the population (``total``) or the public source holds."""
+    external = bool(plan.public_pool)
+    labelled_public = plan.n_reference + plan.n_validation
+    if external and labelled_public > public_source:
         raise UserError(f"n_reference + n_validation = {labelled_public} public labelled patients need that many "
-                        f"in the public source; it has {len(public_groups)}")
-    public = n_query + n_test + (0 if external else labelled_public)
-    needed = public + hospitals * teachers_per_hospital
+                        f"in the public source; it has {public_source}")
+    public = plan.n_query + plan.n_test + (0 if external else labelled_public)
+    needed = public + plan.hospitals * plan.teachers_per_hospital
     if needed > total:
         what = "n_query + n_test" if external else "n_query + n_reference + n_validation + n_test"
-        raise UserError(f"--hospitals={hospitals} x --teachers-per-hospital={teachers_per_hospital} (one patient "
-                        f"per teacher) plus {what} = {public} public patients need {needed} patients; the "
-                        f"{'population' if external else 'dataset'} has {total} ({len(patient_of)} scans)")
-    rng = np.random.default_rng([int(seed), 15_485_863])
-    pool: dict[str, list[tuple[str, ...]]] = {}
+        raise UserError(f"--hospitals={plan.hospitals} x --teachers-per-hospital={plan.teachers_per_hospital} (one "
+                        f"patient per teacher) plus {what} = {public} public patients need {needed} patients; the "
+                        f"{'population' if external else 'dataset'} has {total} ({scans} scans)")
+
+
+def _by_institution(groups: Groups, institution_of: Mapping[str, str]) -> dict[str, Groups]:
+    """Patient groups per institution (of each patient's first scan), in the groups' order."""
+    pool: dict[str, Groups] = {}
     for group in groups:
         pool.setdefault(institution_of[group[0]], []).append(group)
-    labelled: dict[str, list[tuple[str, ...]]] = pool
-    if external:
-        labelled = {}
-        for group in public_groups:
-            labelled.setdefault(institution_of[group[0]], []).append(group)
-    test = _stratified_draw(rng, pool, n_test)
-    query = _stratified_draw(rng, pool, n_query)
-    reference = _stratified_draw(rng, labelled, n_reference)
-    validation = _stratified_draw(rng, labelled, n_validation)
-    reference_is_query = scheme is SplitScheme.PAPER and n_reference == 0
-    if reference_is_query:
-        reference = list(query)
-    names = [hospital_name(h, hospitals) for h in range(hospitals)]
-    private = {k: sorted(v) for k, v in pool.items() if v}
-    all_private = sorted(group for held in private.values() for group in held)
+    return pool
 
-    holdings: dict[str, list[tuple[str, ...]]] = {name: [] for name in names}
-    split_hospitals: dict[str, list[list[str]]] = {}
-    if scheme is SplitScheme.INSTITUTION:
-        institutions = sorted(private)
-        if UNKNOWN_INSTITUTION in institutions and len(institutions) == 1 and hospitals > 1:
-            raise UserError("--split=institution: the dataset does not say which institution each case comes from "
-                            "(no 'institution' in dataset.json); expected --split iid or dirichlet")
-        if len(institutions) >= hospitals:
-            for j, inst in enumerate(institutions):
-                holdings[names[j % hospitals]] += private[inst]
-        else:
-            for j, inst in enumerate(institutions):
-                sharing = [names[h] for h in range(hospitals) if h % len(institutions) == j]
-                order = rng.permutation(len(private[inst]))
-                for name, chunk in zip(sharing, np.array_split(order, len(sharing))):
-                    holdings[name] += [private[inst][i] for i in chunk]
-    elif scheme is SplitScheme.IID:
-        order = rng.permutation(len(all_private))
-        for name, chunk in zip(names, np.array_split(order, hospitals)):
-            holdings[name] = [all_private[i] for i in chunk]
-    elif scheme is SplitScheme.DIRICHLET:
-        order = [all_private[i] for i in rng.permutation(len(all_private))]
-        minimum = teachers_per_hospital
-        shares = rng.dirichlet(np.full(hospitals, float(alpha)))
-        extra = len(order) - minimum * hospitals
-        counts = np.full(hospitals, minimum) + _apportion(extra, shares)
-        start = 0
-        for name, count in zip(names, counts):
-            holdings[name] = order[start:start + int(count)]
-            start += int(count)
-    else:  # paper: even over all K teachers, hospital h holds teachers [h*T, (h+1)*T)
-        order = [all_private[i] for i in rng.permutation(len(all_private))]
-        chunks = np.array_split(np.arange(len(order)), hospitals * teachers_per_hospital)
-        for h, name in enumerate(names):
-            parts = chunks[h * teachers_per_hospital:(h + 1) * teachers_per_hospital]
-            split_hospitals[name] = [_cases(order[i] for i in part) for part in parts]
-        for name, parts in split_hospitals.items():
-            if any(not p for p in parts):
-                raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} would get an empty "
-                                "teacher partition; expected at least one private patient per teacher")
 
-    if scheme is not SplitScheme.PAPER:
-        for h, name in enumerate(names):
-            held = holdings[name]
-            if len(held) < teachers_per_hospital:
-                raise UserError(f"--teachers-per-hospital={teachers_per_hospital}: {name} has only {len(held)} "
-                                f"private patient(s) under --split={scheme}; expected at least one per teacher")
-            parts = split_into_teachers(_cases(held), teachers_per_hospital, seed=seed * 1000 + h,
-                                        patients=patient_of)
-            split_hospitals[name] = [sorted(part) for part in parts]
-    split = Split(split_hospitals, _cases(query), _cases(reference), _cases(validation), _cases(test),
-                  reference_is_query, str(scheme), int(seed),
-                  {**_params(hospitals, teachers_per_hospital, n_query, n_reference, n_validation, n_test, alpha),
-                   **({"public_pool": len(public_groups)} if external else {})},
-                  patients={c: p for c, p in patient_of.items() if p != c})
-    check_patients_disjoint(split)
-    return split
+def _hospital_names(plan: SplitPlan) -> list[str]:
+    return [hospital_name(h, plan.hospitals) for h in range(plan.hospitals)]
+
+
+def _all_private(private: dict[str, Groups]) -> Groups:
+    return sorted(group for held in private.values() for group in held)
+
+
+def _assign_by_institution(rng, private: dict[str, Groups], plan: SplitPlan, patient_of) -> dict[str, list[list[str]]]:
+    """``institution``: institution j goes to hospital j mod H; with fewer institutions than hospitals each
+    institution's patients are shared evenly among the hospitals mapped to it."""
+    names, hospitals = _hospital_names(plan), plan.hospitals
+    holdings: dict[str, Groups] = {name: [] for name in names}
+    institutions = sorted(private)
+    if UNKNOWN_INSTITUTION in institutions and len(institutions) == 1 and hospitals > 1:
+        raise UserError("--split=institution: the dataset does not say which institution each case comes from "
+                        "(no 'institution' in dataset.json); expected --split iid or dirichlet")
+    if len(institutions) >= hospitals:
+        for j, inst in enumerate(institutions):
+            holdings[names[j % hospitals]] += private[inst]
+    else:
+        for j, inst in enumerate(institutions):
+            sharing = [names[h] for h in range(hospitals) if h % len(institutions) == j]
+            order = rng.permutation(len(private[inst]))
+            for name, chunk in zip(sharing, np.array_split(order, len(sharing))):
+                holdings[name] += [private[inst][i] for i in chunk]
+    return _teachers_of(holdings, plan, patient_of)
+
+
+def _assign_iid(rng, private: dict[str, Groups], plan: SplitPlan, patient_of) -> dict[str, list[list[str]]]:
+    """``iid``: shuffled and dealt evenly."""
+    all_private = _all_private(private)
+    order = rng.permutation(len(all_private))
+    holdings = {name: [all_private[i] for i in chunk]
+                for name, chunk in zip(_hospital_names(plan), np.array_split(order, plan.hospitals))}
+    return _teachers_of(holdings, plan, patient_of)
+
+
+def _assign_dirichlet(rng, private: dict[str, Groups], plan: SplitPlan, patient_of) -> dict[str, list[list[str]]]:
+    """``dirichlet``: hospital shares ~ Dirichlet(alpha) on top of one patient per teacher at every hospital."""
+    all_private = _all_private(private)
+    order = [all_private[i] for i in rng.permutation(len(all_private))]
+    minimum = plan.teachers_per_hospital
+    shares = rng.dirichlet(np.full(plan.hospitals, float(plan.alpha)))
+    extra = len(order) - minimum * plan.hospitals
+    counts = np.full(plan.hospitals, minimum) + _apportion(extra, shares)
+    holdings, start = {}, 0
+    for name, count in zip(_hospital_names(plan), counts):
+        holdings[name] = order[start:start + int(count)]
+        start += int(count)
+    return _teachers_of(holdings, plan, patient_of)
+
+
+def _assign_paper(rng, private: dict[str, Groups], plan: SplitPlan, patient_of) -> dict[str, list[list[str]]]:
+    """``paper`` (Fay et al. Sec. 5): even over all K = H x T teachers, hospital h holds teachers [h*T, (h+1)*T)."""
+    all_private = _all_private(private)
+    teachers = plan.teachers_per_hospital
+    order = [all_private[i] for i in rng.permutation(len(all_private))]
+    chunks = np.array_split(np.arange(len(order)), plan.hospitals * teachers)
+    split_hospitals = {}
+    for h, name in enumerate(_hospital_names(plan)):
+        parts = chunks[h * teachers:(h + 1) * teachers]
+        split_hospitals[name] = [_cases(order[i] for i in part) for part in parts]
+    for name, parts in split_hospitals.items():
+        if any(not p for p in parts):
+            raise UserError(f"--teachers-per-hospital={teachers}: {name} would get an empty "
+                            "teacher partition; expected at least one private patient per teacher")
+    return split_hospitals
+
+
+def _teachers_of(holdings: dict[str, Groups], plan: SplitPlan, patient_of) -> dict[str, list[list[str]]]:
+    """Each hospital's patients cut into its teacher partitions (:func:`split_into_teachers`)."""
+    split_hospitals = {}
+    for h, name in enumerate(_hospital_names(plan)):
+        held = holdings[name]
+        if len(held) < plan.teachers_per_hospital:
+            raise UserError(f"--teachers-per-hospital={plan.teachers_per_hospital}: {name} has only {len(held)} "
+                            f"private patient(s) under --split={plan.scheme}; expected at least one per teacher")
+        parts = split_into_teachers(_cases(held), plan.teachers_per_hospital, seed=plan.seed * 1000 + h,
+                                    patients=patient_of)
+        split_hospitals[name] = [sorted(part) for part in parts]
+    return split_hospitals
+
+
+#: how each scheme deals the private patients to hospitals and their teachers (module docstring)
+_ASSIGN_HOSPITALS = {SplitScheme.INSTITUTION: _assign_by_institution, SplitScheme.IID: _assign_iid,
+                     SplitScheme.DIRICHLET: _assign_dirichlet, SplitScheme.PAPER: _assign_paper}
 
 
 def check_patients_disjoint(split: Split) -> None:
@@ -379,13 +457,15 @@ def check_patients_disjoint(split: Split) -> None:
                                     f"teacher {t}; expected every patient at exactly one teacher")
                 holder[patient] = f"{hospital} teacher {t}"
     test = split.patients_of(split.test)
-    for party, ids in (("test", split.test), ("public_query", split.public_query),
-                       ("public_reference", split.public_reference), ("public_validation", split.public_validation)):
+    # (party, whether it must be apart from the test set)
+    for party, ids, apart_from_test in (("test", split.test, False), ("public_query", split.public_query, True),
+                                        ("public_reference", split.public_reference, True),
+                                        ("public_validation", split.public_validation, True)):
         for patient in sorted(split.patients_of(ids)):
             if patient in holder:
                 raise UserError(f"split: patient {patient!r} is in {party} and at {holder[patient]}; expected "
                                 "public and test sets disjoint from every hospital's patients")
-            if party != "test" and patient in test:
+            if apart_from_test and patient in test:
                 raise UserError(f"split: patient {patient!r} is in {party} and in test; expected the test set "
                                 "disjoint from the public sets")
 
@@ -399,18 +479,15 @@ def _apportion(n: int, shares: np.ndarray) -> np.ndarray:
     return counts
 
 
-def _params(hospitals, teachers, n_query, n_reference, n_validation, n_test, alpha) -> dict:
-    return {"hospitals": hospitals, "teachers_per_hospital": teachers, "n_query": n_query,
-            "n_reference": n_reference, "n_validation": n_validation, "n_test": n_test, "alpha": alpha}
-
-
 def split_for_preset(prepared, preset, seed: int = 0, **overrides) -> Split:
-    """The preset's split (``overrides`` replace any make_split argument); the public labelled sets come from
-    the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world, task.world.build_world)."""
+    """The preset's split (``overrides`` replace any :class:`SplitPlan` field, or ``patients``); the public
+    labelled sets come from the dataset's :data:`PUBLIC_SOURCE` cases when it has any (a two-source world,
+    task.world.build_world)."""
     pool = prepared.cases_from(PUBLIC_SOURCE) if hasattr(prepared, "cases_from") else []
     args = dict(hospitals=preset.hospitals, teachers_per_hospital=preset.teachers_per_hospital,
                 scheme=preset.world.split_scheme, n_query=preset.federation.n_query,
                 n_reference=preset.world.n_reference, n_validation=preset.world.n_validation,
                 n_test=preset.world.n_test, seed=seed, public_pool=pool or None)
     args.update({k: v for k, v in overrides.items() if v is not None})
-    return make_split(prepared, **args)
+    patients = args.pop("patients", None)
+    return make_split(prepared, SplitPlan(**args), patients=patients)

@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from task.data.errors import DataError
 from task.data.msd import LABELS, MODALITIES
-from task.data.shifts import SHIFT_PARTS, SHIFTS
+from task.data.shifts import SHIFTS, Shift, shift_parts
 
 # aliased: ensure_phantoms has a parameter named cache_root
 from task.io import atomic_write_bytes, atomic_write_json
@@ -240,39 +240,55 @@ class PhantomCase:
     tissue: dict | None = None   # deformed tissue maps (gm, wm, csf, mask, vessels): for tests and studies
 
 
-def shift_parts(shift: str) -> frozenset[str]:
-    """The factors a ``shift`` name moves (``"all"`` moves every one; ``"scanner+lesions"`` names several, as
-    another centre differs in scanners and in its patients' lesions); raises DataError for unknown names."""
-    if "+" in shift:
-        parts = shift.split("+")
-        if any(p not in SHIFT_PARTS for p in parts) or len(set(parts)) != len(parts):
-            raise DataError(f"--shift={shift}: expected distinct factors joined by '+' from "
-                            f"{', '.join(SHIFT_PARTS)}")
-        return frozenset(parts)
-    if shift not in SHIFTS:
-        raise DataError(f"--shift={shift}: expected one of {', '.join(SHIFTS)} (or factors joined by '+')")
-    if shift == "all":
-        return frozenset(SHIFT_PARTS)
-    return frozenset() if shift == "none" else frozenset({shift})
-
-
 def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2.0,
-              shift: str = "none") -> PhantomCase:
+              shift: str = Shift.NONE) -> PhantomCase:
     """Generate case ``index`` of the phantom world ``seed`` (depends only on these and the settings)."""
     parts = shift_parts(shift)
     anatomy = _anatomy(resolution_mm)
     rng = np.random.default_rng([int(seed), int(index)])
     # shifted factors draw from their own stream: the subject and its tumour stay those of the unshifted case
     shift_rng = np.random.default_rng([int(seed), int(index), 104_729])
-    k = index % institutions
-    profile = institution_profiles(institutions, seed)[k]
-    if "scanner" in parts:
+    profile = institution_profiles(institutions, seed)[index % institutions]
+    if Shift.SCANNER in parts:
         profile = _shifted_scanner(shift_rng, profile)
     res = anatomy["resolution"]
     shape = anatomy["shape"]
-    centre = (np.asarray(shape) - 1) / 2.0
 
-    # --- subject shape: affine + elastic, as a map from output voxels to template-grid voxels
+    coords, matrix = _subject_warp(rng, shape, res)
+    p, r_edema = _tumour_centre(rng, anatomy, coords)
+    mass = _mass_effect(rng, coords, matrix, p, r_edema, res)
+    tissue = {name: ndimage.map_coordinates(anatomy[name], coords, order=1, mode="constant", cval=0.0,
+                                            output=np.float32)
+              for name in ("gm", "wm", "csf", "mask")}
+    brain = tissue["mask"] > 0.5
+
+    primary_radius = r_edema * (0.6 if Shift.LESIONS in parts else 1.0)
+    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
+    depth = ndimage.distance_transform_edt(brain) * res                  # mm inside the brain
+    if Shift.LESIONS in parts:
+        _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain, depth)
+
+    vessels = _enhancing_structures(rng, res, tissue, depth, label)
+    image, enhancement = _intensities(rng, tissue, vessels, tumour_weights, core_kind, label,
+                                      contrast_shift=Shift.CONTRAST in parts)
+
+    head = brain
+    if Shift.SKULL in parts:
+        head = _skull_residue(shift_rng, image, brain, res)
+    image = _scanner(rng, image, head, profile, res)
+    label[~brain] = 0
+    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
+            "solid_enhancing": bool(solid_enhancing), "enhancement_ratio": round(enhancement, 3),
+            "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
+    return PhantomCase(image=image, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
+                       info=info, tissue={**tissue, "vessels": vessels})
+
+
+def _subject_warp(rng: np.random.Generator, shape: tuple[int, ...], res: float) -> tuple[list[np.ndarray], np.ndarray]:
+    """A random subject's shape: for every output voxel its template-grid coordinates (one array per axis) under
+    a random affine (rotation <= 10 deg, scale 0.9-1.1, translation <= 4 mm) plus a smooth elastic displacement;
+    and the affine's linear part (the mass effect moves tissue through it)."""
+    centre = (np.asarray(shape) - 1) / 2.0
     angles = np.deg2rad(rng.uniform(-10, 10, 3))
     scales = rng.uniform(0.92, 1.08) * rng.uniform(0.95, 1.05, 3)
     matrix = (_rotation(angles) @ np.diag(1.0 / scales)).astype(np.float32)
@@ -286,9 +302,14 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
                 + np.float32(centre[d]) + translation[d] for d in range(3)]
 
     base = source([grids[0][:, None, None], grids[1][None, :, None], grids[2][None, None, :]])
-    coords = [np.broadcast_to(base[d], shape) + elastic[d] for d in range(3)]
+    return [np.broadcast_to(base[d], shape) + elastic[d] for d in range(3)], matrix
 
-    # --- tumour centre: white matter, deep enough, found by rejection on template lookups
+
+def _tumour_centre(rng: np.random.Generator, anatomy: dict[str, Any],
+                   coords: list[np.ndarray]) -> tuple[np.ndarray, float]:
+    """The tumour's centre (output voxel) and its oedema radius (mm): in white matter, deep enough for the
+    oedema, found by rejection on template lookups (anywhere in the brain when no candidate qualifies)."""
+    shape = anatomy["shape"]
     nearest = lambda volume, idx: volume[tuple(np.clip(np.rint(coords[d][idx]), 0, shape[d] - 1).astype(int)
                                                for d in range(3))]
     r_edema = rng.uniform(20.0, 38.0)
@@ -297,11 +318,16 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     if not ok.any():
         ok = nearest(anatomy["mask"], candidates) > 0.5
     pick = int(np.flatnonzero(ok)[0])
-    p = np.array([c[pick] for c in candidates], np.float32)
+    return np.array([c[pick] for c in candidates], np.float32), r_edema
 
-    # --- mass effect: tissue within ~R of p is pushed outward (monotone radial warp, m < 1)
+
+def _mass_effect(rng: np.random.Generator, coords: list[np.ndarray], matrix: np.ndarray, p: np.ndarray,
+                 r_edema: float, res: float) -> float:
+    """Mass effect (in most cases): tissue within ~R of the tumour centre ``p`` is pushed outward by a monotone
+    radial warp of strength m < 1, applied to ``coords`` in place. Returns m (0 = none)."""
     mass = rng.uniform(0.0, 0.45) if rng.random() < 0.7 else 0.0
     if mass > 0:
+        shape = coords[0].shape
         radius_vox = r_edema / res
         rel = [(np.arange(n, dtype=np.float32) - pc) for n, pc in zip(shape, p)]
         d2 = rel[0][:, None, None] ** 2 + rel[1][None, :, None] ** 2 + rel[2][None, None, :] ** 2
@@ -310,21 +336,17 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
         disp = [rel[0][:, None, None] * factor, rel[1][None, :, None] * factor, rel[2][None, None, :] * factor]
         for d in range(3):
             coords[d] = coords[d] + matrix[d, 0] * disp[0] + matrix[d, 1] * disp[1] + matrix[d, 2] * disp[2]
+    return mass
 
-    tissue = {name: ndimage.map_coordinates(anatomy[name], coords, order=1, mode="constant", cval=0.0,
-                                            output=np.float32)
-              for name in ("gm", "wm", "csf", "mask")}
-    brain = tissue["mask"] > 0.5
 
-    primary_radius = r_edema * (0.6 if "lesions" in parts else 1.0)
-    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
-    depth = ndimage.distance_transform_edt(brain) * res                  # mm inside the brain
-    if "lesions" in parts:
-        _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain, depth)
-
-    vessels = _enhancing_structures(rng, res, tissue, depth, label)
-
-    # --- intensities: class means randomised per case and channel (directions preserved)
+def _intensities(rng: np.random.Generator, tissue: dict[str, np.ndarray], vessels: np.ndarray,
+                 tumour_weights: dict[str, np.ndarray], core_kind: str, label: np.ndarray,
+                 contrast_shift: bool = False) -> tuple[np.ndarray, float]:
+    """The four sequences before the scanner, (4, *shape): class means randomised per case and channel (their
+    directions preserved; jittered 3x more under the ``contrast`` shift), mixed by partial volume, with a
+    fine texture everywhere and a heterogeneous one inside the lesion. Returns the image and this case's T1-Gd
+    enhancement ratio."""
+    shape = label.shape
     image = np.zeros((4, *shape), np.float32)
     tumour_total = sum(tumour_weights.values())
     healthy = 1.0 - tumour_total
@@ -332,7 +354,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     enhancement = _log_uniform(rng, *ENHANCEMENT_RATIO)
     vessel_enhancement = _log_uniform(rng, *VESSEL_RATIO)
     for c in range(4):
-        jitter = 0.21 if "contrast" in parts else 0.07     # log-std of each class mean per case and channel
+        jitter = 0.21 if contrast_shift else 0.07     # log-std of each class mean per case and channel
         means = {name: CONTRAST[name][c] * float(np.exp(jitter * rng.normal(0.0, 1.0))) for name in CONTRAST}
         # grey/white and CSF/grey contrasts scaled separately (order kept): real sequences differ in how far
         # apart the healthy tissues sit, and z-scoring removes only a common scale, not their ratio
@@ -352,18 +374,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
         speckle = ndimage.gaussian_filter(rng.standard_normal(shape).astype(np.float32), 0.8) * 0.25
         for c in range(4):
             image[c][lesion] *= 1.0 + speckle[lesion]
-
-    head = brain
-    if "skull" in parts:
-        head = _skull_residue(shift_rng, image, brain, res)
-    image = _scanner(rng, image, head, profile, res)
-    label[~brain] = 0
-    volume = image
-    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
-            "solid_enhancing": bool(solid_enhancing), "enhancement_ratio": round(enhancement, 3),
-            "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
-    return PhantomCase(image=volume, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
-                       info=info, tissue={**tissue, "vessels": vessels})
+    return image, enhancement
 
 
 def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
@@ -561,11 +572,49 @@ def _case_name(index: int, total: int) -> str:
     return f"BRATS_{index + 1:0{max(3, len(str(total)))}d}"
 
 
-def _generation_config(cases: int, institutions: int, seed: int, resolution_mm: float, test_cases: int,
-                       shift: str = "none") -> dict:
-    return {"generator_version": GENERATOR_VERSION, "seed": int(seed), "cases": int(cases),
-            "institutions": int(institutions), "resolution_mm": float(resolution_mm), "test_cases": int(test_cases),
-            "shift": shift}
+@dataclass(frozen=True)
+class PhantomSpec:
+    """What a phantom collection is generated from: every setting is recorded in its dataset.json
+    (``"phantoms"``) and in its cache folder's name (:func:`phantom_folder_name`), so a folder is reused only for
+    identical bytes. Validated when built (one-line DataError naming the option).
+
+    Args:
+        cases: labelled cases (at least 1).
+        institutions: simulated institutions (scanner profiles; at least 1); case i belongs to institution
+            i mod M.
+        seed: the phantom world's generator seed (subjects, tumours, scanner profiles; non-negative).
+        resolution_mm: the voxel size in mm (0.5 to 8).
+        test_cases: unlabelled cases in ``imagesTs`` (0 or more; must be 0 in a BraTS layout).
+        shift: renders the same subjects in a held-out regime (:data:`SHIFTS`, or factors joined by '+'), for
+            measuring generalisation (``none`` = no shift).
+    """
+
+    cases: int
+    institutions: int
+    seed: int
+    resolution_mm: float = 2.0
+    test_cases: int = 0
+    shift: str = Shift.NONE
+
+    def __post_init__(self) -> None:
+        shift_parts(self.shift)
+        object.__setattr__(self, "shift", str(self.shift))   # the name as written, whichever way it was given
+        if self.cases < 1:
+            raise DataError(f"--cases={self.cases}: expected at least 1 labelled case")
+        if self.institutions < 1:
+            raise DataError(f"--institutions={self.institutions}: expected at least 1 institution")
+        if self.test_cases < 0:
+            raise DataError(f"--test-cases={self.test_cases}: expected 0 or more")
+        if not 0.5 <= self.resolution_mm <= 8.0:
+            raise DataError(f"--resolution={self.resolution_mm}: expected a voxel size between 0.5 and 8 mm")
+        if self.seed < 0:
+            raise DataError(f"--seed={self.seed}: expected a non-negative integer")
+
+    def generation_config(self) -> dict:
+        """The settings a folder records (and a resumed or reused folder must match)."""
+        return {"generator_version": GENERATOR_VERSION, "seed": int(self.seed), "cases": int(self.cases),
+                "institutions": int(self.institutions), "resolution_mm": float(self.resolution_mm),
+                "test_cases": int(self.test_cases), "shift": self.shift}
 
 
 def _write_case(out: Path, index: int, total: int, config: dict, labelled: bool) -> dict:
@@ -586,52 +635,47 @@ def _generate_one(args: tuple) -> dict:
     return _write_case(*args)
 
 
-def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, seed: int,
-                      resolution_mm: float = 2.0, test_cases: int = 0, progress: bool = True,
-                      workers: int = 1, shift: str = "none", layout: str = "msd") -> Path:
-    """Write ``cases`` labelled (+ ``test_cases`` unlabelled) phantoms in the MSD Task01 layout under ``out``.
+def generate_phantoms(out: str | os.PathLike, spec: PhantomSpec, progress: bool = True, workers: int = 1,
+                      layout: str = "msd") -> Path:
+    """Write ``spec.cases`` labelled (+ ``spec.test_cases`` unlabelled) phantoms in the MSD Task01 layout under
+    ``out``.
 
     Resumes an incomplete folder made with the same settings; refuses a folder holding other data.
 
     Args:
         out: the dataset folder (empty or missing, or an incomplete one with the same settings).
-        cases: labelled cases (at least 1).
-        institutions: simulated institutions (scanner profiles; at least 1); case i belongs to institution
-            i mod M.
-        seed: the phantom world's generator seed (subjects, tumours, scanner profiles; non-negative).
-        resolution_mm: the voxel size in mm (0.5 to 8).
-        test_cases: unlabelled cases in ``imagesTs`` (0 or more; must be 0 in a BraTS layout).
+        spec: what the phantoms are generated from (:class:`PhantomSpec`).
         progress: a progress bar.
         workers: ``workers > 1`` generates in that many processes (same bytes as serial generation).
-        shift: renders the same subjects in a held-out regime (:data:`SHIFTS`), for measuring generalisation
-            (``none`` = no shift).
         layout: ``task.data.layouts``: ``msd`` (default), or ``brats2021`` / ``brats2023``, which write the same
             phantoms as BraTS case folders (:func:`_generate_in_layout`).
     """
     from task.data.layouts import get_layout
 
     if get_layout(layout).per_modality:
-        return _generate_in_layout(out, get_layout(layout).name, cases=cases, institutions=institutions, seed=seed,
-                                   resolution_mm=resolution_mm, test_cases=test_cases, progress=progress,
-                                   workers=workers, shift=shift)
-    shift_parts(shift)
-    if cases < 1:
-        raise DataError(f"--cases={cases}: expected at least 1 labelled case")
-    if institutions < 1:
-        raise DataError(f"--institutions={institutions}: expected at least 1 institution")
-    if test_cases < 0:
-        raise DataError(f"--test-cases={test_cases}: expected 0 or more")
-    if not 0.5 <= resolution_mm <= 8.0:
-        raise DataError(f"--resolution={resolution_mm}: expected a voxel size between 0.5 and 8 mm")
-    if seed < 0:
-        raise DataError(f"--seed={seed}: expected a non-negative integer")
+        return _generate_in_layout(out, get_layout(layout).name, spec, progress, workers)
     out = Path(out)
-    config = _generation_config(cases, institutions, seed, resolution_mm, test_cases, shift)
+    config = spec.generation_config()
+    if _claim_folder(out, config):
+        return out
+    results = _write_cases(out, spec, config, progress, workers)
+    _write_manifest(out, spec, config, results)   # last: its presence means the folder is complete
+    try:
+        (out / PROGRESS_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _claim_folder(out: Path, config: dict) -> bool:
+    """Make ``out`` ready for the phantoms of ``config``: True when it already holds them, complete; otherwise it
+    is empty or an incomplete folder with the same settings, now marked as theirs (:data:`PROGRESS_FILE`).
+    A folder holding anything else is refused (DataError)."""
     meta_path, progress_path = out / "dataset.json", out / PROGRESS_FILE
     if meta_path.exists():
         existing = _read_config(meta_path)
         if existing == config:
-            return out
+            return True
         raise DataError(f"{meta_path}: folder already holds a dataset "
                         f"({'other phantom settings' if existing else 'not phantoms of this generator'}); "
                         "expected an empty or missing --out folder")
@@ -648,10 +692,14 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
     for sub in ("imagesTr", "labelsTr", "imagesTs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     atomic_write_json(progress_path, config)
+    return False
 
-    total = cases + test_cases
-    jobs = [(out, i, total, config, i < cases) for i in range(total)]
 
+def _write_cases(out: Path, spec: PhantomSpec, config: dict, progress: bool, workers: int) -> list[dict]:
+    """Write every case not written yet (labelled ones first), serially or in ``workers`` processes; returns
+    each case's name and institution, in case order."""
+    total = spec.cases + spec.test_cases
+    jobs = [(out, i, total, config, i < spec.cases) for i in range(total)]
     bar = tqdm(total=total, desc=f"phantoms {out.name}", unit="case", disable=not progress, leave=False)
     results: list[dict] = []
     if workers > 1:
@@ -665,8 +713,13 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
             results.append(_generate_one(job))
             bar.update(1)
     bar.close()
+    return results
 
-    profiles = institution_profiles(institutions, seed)
+
+def _write_manifest(out: Path, spec: PhantomSpec, config: dict, results: list[dict]) -> None:
+    """dataset.json of the MSD layout, with the generator's settings and the scanner profiles."""
+    cases = spec.cases
+    profiles = institution_profiles(spec.institutions, spec.seed)
     meta = {
         "name": "BrainTumourPhantoms",
         "description": "Deterministic MNI152-based brain-tumour phantoms in the MSD Task01 layout (fedpate)",
@@ -676,7 +729,7 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
         "modality": {str(i): m for i, m in enumerate(MODALITIES)},
         "labels": dict(LABELS),
         "numTraining": cases,
-        "numTest": test_cases,
+        "numTest": spec.test_cases,
         # one subject, one scan: the patient id is the case name, which is also what patient_id() gives folders
         # written before this key existed (same generator version), so their splits and patients agree
         "training": [{"image": f"./imagesTr/{r['name']}.nii.gz", "label": f"./labelsTr/{r['name']}.nii.gz",
@@ -684,19 +737,15 @@ def generate_phantoms(out: str | os.PathLike, cases: int, institutions: int, see
         "test": [f"./imagesTs/{r['name']}.nii.gz" for r in results[cases:]],
         "phantoms": {**config, "profiles": [asdict(p) for p in profiles]},
     }
-    atomic_write_json(meta_path, meta)      # last: its presence means the folder is complete
-    try:
-        progress_path.unlink()
-    except FileNotFoundError:
-        pass
-    return out
+    atomic_write_json(out / "dataset.json", meta)
 
 
 #: hidden staging folder inside a BraTS-layout phantom folder: the MSD phantoms it is converted from
 STAGING = ".msd-phantoms"
 
 
-def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path:
+def _generate_in_layout(out: str | os.PathLike, layout: str, spec: PhantomSpec, progress: bool,
+                        workers: int) -> Path:
     """The phantoms in a BraTS layout: generated in the MSD layout in a hidden staging folder inside ``out``
     (resumable as usual), converted case by case (``task.data.brats.convert_msd_folder``), staging removed.
 
@@ -707,14 +756,12 @@ def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path
 
     from task.data.brats import PHANTOMS_MARKER, convert_msd_folder
 
-    if settings.get("test_cases"):
-        raise DataError(f"--test-cases={settings['test_cases']}: a BraTS training folder holds labelled cases only "
+    if spec.test_cases:
+        raise DataError(f"--test-cases={spec.test_cases}: a BraTS training folder holds labelled cases only "
                         f"(a case folder without seg is an error where labels are needed; BraTS ships unlabelled "
                         f"validation cases as a separate download); expected --test-cases 0 with --layout {layout}")
     out = Path(out)
-    config = {**_generation_config(settings["cases"], settings["institutions"], settings["seed"],
-                                   settings["resolution_mm"], settings["test_cases"], settings["shift"]),
-              "layout": layout}
+    config = {**spec.generation_config(), "layout": layout}
     marker, staging = out / PHANTOMS_MARKER, out / STAGING
     if marker.exists():
         existing = _read_config_file(marker)
@@ -724,7 +771,7 @@ def _generate_in_layout(out: str | os.PathLike, layout: str, **settings) -> Path
                         "missing --out folder")
     if out.exists() and not staging.exists() and any(p for p in out.iterdir() if not p.name.startswith(".")):
         raise DataError(f"{out}: folder is not empty; expected an empty or missing --out folder")
-    generate_phantoms(staging, **settings)
+    generate_phantoms(staging, spec, progress=progress, workers=workers)
     convert_msd_folder(staging, out, layout)
     shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -749,28 +796,47 @@ def _read_config(meta_path: Path) -> dict | None:
                                       "test_cases", "shift")}
 
 
-def phantom_folder_name(preset, seed: int = 0, *, cases: int | None = None, institutions: int | None = None,
-                        test_cases: int | None = None, shift: str = "none") -> str:
+@dataclass(frozen=True)
+class PhantomCollection:
+    """Which of a preset's phantom settings a collection replaces (None, and ``none`` for ``shift``: the
+    preset's): the other centre's public collection (``task.world``) has its own cases, institutions and regime.
+    """
+
+    cases: int | None = None
+    institutions: int | None = None
+    test_cases: int | None = None
+    shift: str = Shift.NONE
+
+    def __post_init__(self) -> None:
+        shift_parts(self.shift)
+
+    def spec(self, preset, seed: int = 0) -> PhantomSpec:
+        """The collection's :class:`PhantomSpec` under ``preset`` (its phantom settings and resolution) and
+        ``seed``."""
+        world = preset.world
+        return PhantomSpec(cases=world.phantom_cases if self.cases is None else self.cases,
+                           institutions=world.institutions if self.institutions is None else self.institutions,
+                           seed=seed, resolution_mm=world.phantom_resolution_mm,
+                           test_cases=world.phantom_test_cases if self.test_cases is None else self.test_cases,
+                           shift=self.shift)
+
+
+def phantom_folder_name(preset, spec: PhantomSpec) -> str:
     """Cache folder of a phantom collection: every generation setting is in the name, so a folder is reused
     only for identical bytes (the shift is named when there is one, keeping older names for "none").
 
     Args:
-        preset: the :class:`task.presets.Preset` (its name, phantom settings and resolution).
-        seed: the generator seed.
-        cases / institutions / test_cases: override the preset's ``phantom_cases``, ``institutions`` and
-            ``phantom_test_cases`` (None = the preset's).
-        shift: the held-out regime (:data:`SHIFTS`; ``none`` = no shift).
+        preset: the :class:`task.presets.Preset` whose collection it is (its name).
+        spec: the collection's settings (:meth:`PhantomCollection.spec`).
     """
-    cases = preset.world.phantom_cases if cases is None else cases
-    institutions = preset.world.institutions if institutions is None else institutions
-    test_cases = preset.world.phantom_test_cases if test_cases is None else test_cases
-    return (f"phantoms-{preset.name}-n{cases}-t{test_cases}-m{institutions}-{preset.world.phantom_resolution_mm:g}mm"
-            f"-seed{seed}{'' if shift == 'none' else '-' + shift}-v{GENERATOR_VERSION}")
+    shift = "" if spec.shift == Shift.NONE else "-" + spec.shift
+    return (f"phantoms-{preset.name}-n{spec.cases}-t{spec.test_cases}-m{spec.institutions}-{spec.resolution_mm:g}mm"
+            f"-seed{spec.seed}{shift}-v{GENERATOR_VERSION}")
 
 
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
-                    progress: bool = True, workers: int = 1, *, cases: int | None = None,
-                    institutions: int | None = None, test_cases: int | None = None, shift: str = "none") -> Path:
+                    progress: bool = True, workers: int = 1, *,
+                    collection: PhantomCollection | None = None) -> Path:
     """Phantoms for ``preset`` (a name or :class:`task.presets.Preset`), generated once and cached.
 
     Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
@@ -783,25 +849,20 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
         seed: the generator seed.
         progress: a progress bar while generating.
         workers: generating processes (:func:`generate_phantoms`).
-        cases / institutions / test_cases / shift: override the preset's (the other centre's public
-            collection, task.world); None (``none`` for ``shift``) = the preset's.
+        collection: the settings that replace the preset's (the other centre's public collection,
+            task.world); None = the preset's own collection.
     """
 
     if isinstance(preset, str):
         preset = get_preset(preset)
-    shift_parts(shift)
+    spec = (collection or PhantomCollection()).spec(preset, seed)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    cases = preset.world.phantom_cases if cases is None else cases
-    institutions = preset.world.institutions if institutions is None else institutions
-    test_cases = preset.world.phantom_test_cases if test_cases is None else test_cases
-    out = root / phantom_folder_name(preset, seed, cases=cases, institutions=institutions, test_cases=test_cases,
-                                     shift=shift)
+    out = root / phantom_folder_name(preset, spec)
     if (out / "dataset.json").exists():
         return out
     with _file_lock(root / f".{out.name}.lock"):
-        return generate_phantoms(out, cases, institutions, seed, resolution_mm=preset.world.phantom_resolution_mm,
-                                 test_cases=test_cases, progress=progress, workers=workers, shift=shift)
+        return generate_phantoms(out, spec, progress=progress, workers=workers)
 
 
 class _file_lock:

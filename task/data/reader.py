@@ -30,7 +30,7 @@ def require_labels(dataset: MSDDataset, purpose: str) -> MSDDataset:
     evaluation): a one-line DataError naming the case and the missing file. Why: in a BraTS download a case
     without seg is a validation case or a lost file, and silently training without it would hide either.
     (An MSD folder's unlabelled scans live apart, in imagesTs, and stay allowed.)"""
-    if dataset.layout != "msd" and dataset.test:
+    if get_layout(dataset.layout).per_modality and dataset.test:
         case = dataset.test[0]
         layout = get_layout(dataset.layout)
         more = f" (and {len(dataset.test) - 1} more case(s))" if len(dataset.test) > 1 else ""
@@ -44,6 +44,6 @@ def require_labels(dataset: MSDDataset, purpose: str) -> MSDDataset:
 
 def dataset_fingerprint(dataset: MSDDataset) -> str:
     """What a prepared cache is keyed on: dataset.json's bytes for MSD (as before), the files for BraTS."""
-    if dataset.layout == "msd":
+    if not get_layout(dataset.layout).per_modality:
         return hashlib.sha256((Path(dataset.root) / "dataset.json").read_bytes()).hexdigest()[:16]
     return brats_fingerprint(dataset)
