@@ -148,3 +148,33 @@ def test_secure_pate_deployed_with_tls_and_supernode_authentication(cache, tmp_p
     assert results["deployment"]["tls"] and results["deployment"]["supernode_auth"]
     _check_secure(out, results, {h: work / "hospitals" / h / "privacy-ledger.jsonl"
                                  for h in ("hospital-00", "hospital-01")})
+
+
+def test_secure_dp_fedavg_deployed_with_tls_and_supernode_authentication(cache, tmp_path):
+    """dp-fedavg-secure across separate SuperNode processes (TLS, authenticated keys): every step is a secure sum
+    of the deployed hospitals' clipped patient gradients with their own noise shares; each hospital checks the
+    request against its node-config policy and charges its own ledger one distributed discrete Gaussian per step,
+    and the run's epsilon is its ledger's. A short variant of the tiny preset (one epoch of expected batch 16: a
+    few steps) keeps the test to minutes; the protocol per step is the full one."""
+    from privacy.events import DistributedDiscreteGaussianEvent
+    from sim.deployment.fedpate_local import run_local_deployment
+    from task.presets import get_preset
+
+    out, work = tmp_path / "run", tmp_path / "work"
+    preset = get_preset("tiny").with_changes(central_epochs=1, dp_sgd=dict(batch_size=16))
+    settings = RunSettings(method="dp-fedavg-secure", preset=preset, out=str(out), progress=False,
+                           wait_seconds=180, reply_timeout=300, query_timeout=120)
+    results = run_local_deployment(settings, work, timeout=1200)
+    assert results["deployment"]["status"] == "finished:completed"
+    assert results["deployment"]["tls"] and results["deployment"]["supernode_auth"]
+    assert results["aggregation"] == "secure" and results["dropped_hospitals"] in ({}, [], None)
+    steps = results["secure_aggregation"]["steps_released"]
+    assert steps >= 1
+    run_ledger = Ledger.load(out / "ledger.jsonl")
+    worst = max(run_ledger.spent(o, results["delta"], relation=results["relation"]).epsilon
+                for o in run_ledger.owners())
+    assert results["epsilon"] == pytest.approx(worst) and results["epsilon"] <= results["epsilon_budget"]
+    for hospital in ("hospital-00", "hospital-01"):
+        own = Ledger.load(work / "hospitals" / hospital / "privacy-ledger.jsonl").events(hospital)
+        assert len(own) == steps and all(isinstance(e, DistributedDiscreteGaussianEvent) for e in own)
+        assert own == run_ledger.events(hospital)
