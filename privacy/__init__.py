@@ -1,4 +1,4 @@
-"""fedpate's framework-free privacy core (its model: docs/PRIVACY.md; its contract: docs/ARCHITECTURE.md).
+"""fedpate's framework-free privacy core (its model: docs/PRIVACY.md; its place among the layers: docs/ARCHITECTURE.md).
 
 events (what was released) → ledger (append-only, per owner) → accountants (ε from the events) →
 guard (refuse before release); calibration (σ for a target ε), mechanisms (noise), sensitivity (S),
