@@ -112,6 +112,7 @@ def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epoch
     """Seconds per epoch of train_segmentation with augmentation: host augmentation with prefetch off and on
     (same weights), and batched augmentation on the device."""
     from task.networks import build_unet
+    from task.compute import Compute
     from task.training import TrainConfig, train_segmentation
 
     rng = np.random.default_rng(0)
@@ -123,7 +124,7 @@ def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epoch
         augment_on, prefetch = variants[name]
         torch.manual_seed(0)
         config = TrainConfig(epochs=epochs, batch_size=batch, learning_rate=1e-3, seed=0, augment=True,
-                             progress=False, device=device, prefetch=prefetch, augment_on=augment_on)
+                             prefetch=prefetch, augment_on=augment_on, compute=Compute(device=device, progress=False))
         start = time.perf_counter()
         model = train_segmentation(build_unet(preset), images, labels, config).model
         out.setdefault(f"{name}_s_per_epoch", []).append((time.perf_counter() - start) / epochs)

@@ -36,7 +36,8 @@ def synthetic_world(preset, seed=0):
 
 def main() -> None:
     from task.presets import get_preset
-    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
+    from task.compute import Compute
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
@@ -54,8 +55,8 @@ def main() -> None:
     rows = []
     for epsilon in args.epsilons:
         for method in args.methods:
-            r = run_pate_inprocess(preset, method, epsilon, preset.delta, out / f"{method}-eps{epsilon:g}",
-                                   progress=False, **world)
+            r = run_pate_inprocess(InProcessPateRun(preset, method, out / f"{method}-eps{epsilon:g}", epsilon,
+                                                    preset.delta, compute=Compute(progress=False), **world))
             rows.append({k: r.get(k) for k in ("method", "epsilon", "sigma", "components", "teacher_dice_mean",
                                                 "ensemble_dice_mean", "ensemble_vote_dice_mean",
                                                 "pseudo_label_dice_mean", "public_only_dice_mean",

@@ -68,13 +68,15 @@ def main() -> None:
             if str(results.get("method", "")).startswith("pate-"):
                 rows.append(row(results))
     else:
-        from sim.runners.inprocess import run_pate_inprocess
+        from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
+        from task.compute import Compute
 
         out = Path(args.out or tempfile.mkdtemp(prefix="bench_pate_signal_"))
         for method in args.methods:
-            results = run_pate_inprocess(args.preset, method, args.epsilon, None, out / method, progress=False,
-                                         teachers_per_hospital=args.teachers_per_hospital,
-                                         hospitals_root=out / "hospitals", shared_dir=out / "shared")
+            results = run_pate_inprocess(InProcessPateRun(
+                args.preset, method, out / method, args.epsilon, teachers_per_hospital=args.teachers_per_hospital,
+                hospitals_root=out / "hospitals", compute=Compute(progress=False),
+                options={"shared_dir": out / "shared"}))
             rows.append(row(results))
             print(json.dumps(rows[-1]), flush=True)
     if not rows:

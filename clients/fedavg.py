@@ -31,6 +31,7 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
+from task.compute import Compute
 from task.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
 from task.errors import UserError
 from task.names import check_name_part
@@ -111,10 +112,10 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
                                learning_rate=float(request.learning_rate or preset.learning_rate),
                                seed=request.seed * 1009 + round_index,
-                               progress=False, description=f"{hospital.hospital_id} round {round_index}",
-                               device=device, precision=precision,
+                               description=f"{hospital.hospital_id} round {round_index}",
                                # the server's grid entry may set the fine-tuning levers
-                               **lever_settings(request.levers()))
+                               **lever_settings(request.levers()),
+                               compute=Compute(device=device, precision=precision, progress=False))
     result = train_segmentation(model, images, labels, train_config,
                                 private=PrivateTraining(dp, guard, owners=(hospital.hospital_id,), noise=noise))
     new_records = [record for record in ledger.records() if record["release_id"] not in before]

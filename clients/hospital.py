@@ -47,6 +47,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.options import Relation
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
+from task.compute import Compute
 from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from task.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
 from task.device import check_device_spec, check_precision, resolve_device
@@ -234,8 +235,9 @@ class Hospital:
                                  "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
             train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
                                 learning_rate=learning_rate, seed=seed * 1009 + k, trainable=trainable,
-                                augment=augment, progress=False, init_from=init_state,
-                                description=f"{self.hospital_id} teacher {k}", device=device, precision=precision)
+                                augment=augment, init_from=init_state,
+                                description=f"{self.hospital_id} teacher {k}",
+                                compute=Compute(device=device, precision=precision, progress=False))
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
                                             train, private_training(dp, guard, owners=(f"{self.hospital_id}/teacher-{k}",)))

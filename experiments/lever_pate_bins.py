@@ -14,6 +14,7 @@ a measurement, not a release.
 import argparse
 from pathlib import Path
 
+from task.compute import Compute
 from task.presets import get_preset
 from sim.runners.compare import CompareConfig, run_compare
 
@@ -42,7 +43,7 @@ def main() -> None:
     # a variant of the preset: every cell (and worker) rebuilds it from its reference (task.presets)
     variant = get_preset(args.preset).with_changes(teacher=teacher, codec=codec)
     run_compare(CompareConfig(variant, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
-                              Path(args.out), seed=args.seed, progress=False, workers=1,
+                              Path(args.out), seed=args.seed, compute=Compute(workers=1, progress=False),
                               teachers_per_hospital=[args.teachers_per_hospital] if args.teachers_per_hospital else None))
 
 

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 from task.presets import get_preset
-from sim.runners.inprocess import run_pate_inprocess
+from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
+from task.compute import Compute
 
 KEYS = ("teacher_dice_mean", "ensemble_probability_average_dice_mean", "ensemble_dice_mean",
         "pseudo_label_dice_mean", "public_model_query_dice_mean", "public_only_dice_mean")
@@ -31,9 +32,10 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     for epochs in args.epochs:
         preset = get_preset("quick").with_changes(teacher=dict(epochs=epochs))
-        result = run_pate_inprocess(preset, "pate-anchored", args.epsilon, None, root / f"E{epochs}", seed=args.seed,
-                                    progress=False, hospitals_root=root / f"hospitals-E{epochs}",
-                                    shared_dir=root / "shared")
+        result = run_pate_inprocess(InProcessPateRun(preset, "pate-anchored", root / f"E{epochs}", args.epsilon,
+                                                     seed=args.seed, hospitals_root=root / f"hospitals-E{epochs}",
+                                                     compute=Compute(progress=False),
+                                                     options={"shared_dir": root / "shared"}))
         row = {"teacher_epochs": epochs, "student": result["dice"]["mean"], **{k: result.get(k) for k in KEYS}}
         print(json.dumps(row), flush=True)
         with open(root / "rows.jsonl", "a") as f:

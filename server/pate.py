@@ -65,7 +65,8 @@ from server.transport import (
 from task import codecs
 from task.codecs import Compressor, PublicFit, make_compressor
 from task.bundle import preprocessing_of
-from task.device import check_device_spec, check_precision, device_name, model_device
+from task.compute import Compute
+from task.device import device_name, model_device
 from task.errors import UserError
 from task import methods
 from task.metrics import dice_scores
@@ -103,12 +104,9 @@ class PateConfig:
     diagnostics: bool = True              # simulation-only un-noised measurements (never against deployed)
     #: checkpoints of the epsilon-independent public models, shared by a comparison's cells
     shared_dir: str | Path | None = None
-    progress: bool = True
-    #: where the server's models (public model, autoencoder, student) run, and the spec the simulated
-    #: hospitals are sent for their teachers (deployed hospitals follow their own node config); auto | cpu |
-    #: cuda | cuda:N (task.device)
-    device: str = "auto"
-    precision: str = "32"                 # "32" | "bf16": autocast around forward passes (task.device)
+    #: where the server's models (public model, autoencoder, student) run, and the device spec and precision the
+    #: simulated hospitals are sent for their teachers (deployed hospitals follow their own node config); progress bars
+    compute: Compute = Compute()
     #: secure aggregation's threat model (server/pate_secure.py): colluders, dropouts, threshold (None: none
     #: colluding, no dropout, the smallest threshold); only for the secure methods
     secure: Mapping[str, Any] | None = None
@@ -118,12 +116,12 @@ class PateConfig:
         if self.method not in pate_methods:
             raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
         object.__setattr__(self, "pca_mode", look_up_option(self.pca_mode, PcaMode, "pca_mode"))
-        object.__setattr__(self, "device", check_device_spec(self.device))
-        object.__setattr__(self, "precision", check_precision(self.precision))
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
-    def compute(self) -> HospitalRequest:
+    def hospital_compute(self) -> HospitalRequest:
         """What every message to the hospitals says about device and precision."""
-        return HospitalRequest(device=self.device, precision=self.precision)
+        return HospitalRequest(device=self.compute.device, precision=self.compute.precision)
 
 
 # ---------------------------------------------------------------------------------------------- steps' data
@@ -275,9 +273,9 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
     model, or it self-trained on the query scans: the preset's ``public_start``), checkpointed where a
     comparison shares them."""
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    return train_public_models(world, preset, seed=config.seed, progress=config.progress,
+    return train_public_models(world, preset, seed=config.seed, progress=config.compute.progress,
                                checkpoint=shared / "public-model.pt" if shared else None,
-                               device=config.device, precision=config.precision)
+                               device=config.compute.device, precision=config.compute.precision)
 
 
 def teacher_training(preset) -> TeacherTrainingRequest:
@@ -300,8 +298,8 @@ def student_training(preset) -> dict[str, Any]:
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,
                    public_model: torch.nn.Module) -> Teachers:
     """Step 2: the hospitals train their teachers from the public model's weights."""
-    request = replace(teacher_training(preset), seed=config.seed, device=config.device, precision=config.precision,
-                      local_dp=dict(config.local_dp) if config.local_dp else None)
+    request = replace(teacher_training(preset), seed=config.seed, device=config.compute.device,
+                      precision=config.compute.precision, local_dp=dict(config.local_dp) if config.local_dp else None)
     metrics = transport.train(request.to_config(), init_weights=_state_arrays(public_model))
     per_hospital = {h: int(m.get("teachers", 0)) for h, m in metrics.items() if int(m.get("teachers", 0)) > 0}
     if not per_hospital:
@@ -336,16 +334,17 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     queries = len(world.query_images)
     noise_per_sensitivity = pate_sigma(config.epsilon, config.delta, queries, 1.0, mode=config.calibration)
     compressor = make_compressor(config.method, preset, seed=config.seed,
-                                 checkpoint=out / "compressor" / "autoencoder.pt", progress=config.progress,
-                                 device=config.device, pca_mode=config.pca_mode,
+                                 checkpoint=out / "compressor" / "autoencoder.pt",
+                                 progress=config.compute.progress, device=config.compute.device,
+                                 pca_mode=config.pca_mode,
                                  **dict(config.compressor_options or {}))
     if compressor.needs_public_model and (public_model is None or world.reference_images is None):
         raise UserError(f"{config.method} needs the public model and public reference scans with labels")
-    public_query = (predict_probs(public_model, world.query_images, precision=config.precision)
+    public_query = (predict_probs(public_model, world.query_images, precision=config.compute.precision)
                     if public_model is not None else None)
     public = PublicFit(
         reference_maps=codecs.one_hot(world.reference_labels, world.classes),
-        reference_probs=(predict_probs(public_model, world.reference_images, precision=config.precision)
+        reference_probs=(predict_probs(public_model, world.reference_images, precision=config.compute.precision)
                          if compressor.needs_public_model else None),
         query_probs=public_query, reference_is_query=list(world.reference_ids) == list(world.query_ids),
         with_predictions=bool(config.fit_on_public_predictions), reference_scans=world.reference_images)
@@ -353,7 +352,7 @@ def plan_release(world: PublicWorld, preset, config: PateConfig, teachers: Teach
     codec = codecs.verify_codec(compressor.state(), SERVER_POLICY)
     sensitivity = codecs.codec_sensitivity(codec, K)
     sigma = pate_sigma(config.epsilon, config.delta, queries, sensitivity, mode=config.calibration)
-    public_test = (predict_probs(public_model, world.test_images, precision=config.precision)
+    public_test = (predict_probs(public_model, world.test_images, precision=config.compute.precision)
                    if compressor.needs_public_model else None)
     return ReleasePlan(compressor, codec, queries, noise_per_sensitivity, sensitivity, sigma,
                        compressor.release_checks(), public_query, public_test, compressor.fit_counts,
@@ -382,7 +381,7 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
     phase = QueryPhase()
     first_round = len(transport.bytes_up), len(transport.notes)
     run_nonce = secrets.token_hex(4)
-    bar = _progress_bar(plan.queries, f"{config.method} queries") if config.progress else None
+    bar = _progress_bar(plan.queries, f"{config.method} queries") if config.compute.progress else None
     batch_size = max(1, int(config.query_batch))
     for start in range(0, plan.queries, batch_size):
         asked = {h: teachers.per_hospital[h] for h in transport.hospital_ids() if h in teachers.per_hospital}
@@ -399,7 +398,7 @@ def run_query_phase(transport: HospitalTransport, world: PublicWorld, plan: Rele
         release_ids = [f"{config.method}:{run_nonce}:query-{index}" for index in batch]
         request = QueryRequest(method=config.method, seed=config.seed, queries=batch, release_ids=release_ids,
                                sigma=float(plan.sigma), teachers=declared, delta=float(config.delta),
-                               device=config.device, precision=config.precision)
+                               device=config.compute.device, precision=config.compute.precision)
         replies = transport.query(world.query_images[batch], plan.codec_for(batch), request.to_config())
         answered = AnsweredBatch(batch, release_ids, replies, asked)
         phase.stopped_early = _aggregate_batch(phase, answered, plan, guard, noise, bar)
@@ -434,8 +433,8 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     start_init = {k: v.clone() for k, v in public.start.state_dict().items()}
     public_init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    training = ModelTraining(seed=config.seed, progress=config.progress, device=config.device,
-                             precision=config.precision)
+    training = ModelTraining(seed=config.seed, progress=config.compute.progress, device=config.compute.device,
+                             precision=config.compute.precision)
     student = train_student(world, targets, queries.answered, preset,
                             replace(training, include_reference=config.include_reference, **student_training(preset)),
                             init=start_init)
@@ -461,7 +460,7 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
         queries: the query phase (which queries were answered).
         student: the student, the public-only baseline and the pseudo-labels.
     """
-    precision = config.precision   # the models are already on the run's device
+    precision = config.compute.precision   # the models are already on the run's device
     dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels,
                                                     precision=precision)
     public_dice, public_per_case = evaluate_segmentation_per_case(student.public_only, world.test_images,
@@ -472,13 +471,15 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
     if not config.diagnostics:
         return result
     teacher_dice = transport.evaluate(
-        EvaluationRequest(seed=config.seed, device=config.device, precision=config.precision).to_config(),
+        EvaluationRequest(seed=config.seed, device=config.compute.device,
+                          precision=config.compute.precision).to_config(),
         test={"images": world.test_images, "labels": world.test_labels})
     scores = [d for m in teacher_dice.values() for d in (m.get("teacher_dice") or []) if d is not None]
     result.teacher_dice_mean = float(np.mean(scores)) if scores else None
     result.teacher_dice_per_hospital = {h: m.get("teacher_dice_mean") for h, m in teacher_dice.items()}
     test_indices = np.arange(len(world.test_images))
-    diagnostic = QueryRequest(method=config.method, diagnostic=True, device=config.device, precision=config.precision)
+    diagnostic = QueryRequest(method=config.method, diagnostic=True, device=config.compute.device,
+                              precision=config.compute.precision)
     clean = transport.query(world.test_images, plan.codec_for(test_indices, on=PublicScans.TEST),
                             diagnostic.to_config())
     rows = [np.asarray(r, np.float64) for r in clean.values() if np.asarray(r).ndim == 3]
@@ -488,7 +489,7 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
                                            world.test_labels)
     if isinstance(transport, TeacherEnsembleDiagnostics):
         result.ensemble_vote_dice = _label_dice(transport.ensemble_probabilities(world.test_images,
-                                                                                 config.compute().to_config()),
+                                                                                 config.hospital_compute().to_config()),
                                                 world.test_labels)
     if world.query_labels is not None and queries.answered:
         result.pseudo_label_dice = _label_dice(student.pseudo_labels, world.query_labels[queries.answered])
@@ -519,7 +520,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         bytes_up_per_query_per_teacher=int(plan.compressor.bytes_per_query_per_teacher),
         # with reproducible noise the seed would let anyone regenerate and subtract it: never published
         seed=None if noise.is_reproducible else int(config.seed),
-        device=device_name(model_device(student.model)), precision=config.precision,
+        device=device_name(model_device(student.model)), precision=config.compute.precision,
     ).account(ledger, config.delta, relation=Relation.REPLACE_ONE)
     results.extras = {
         **noise.describe(),
@@ -579,7 +580,8 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "secure_aggregation": queries.secure,
         "who_sees_what": who_sees_what(queries.secure),
     }
-    labels = predict_probs(student.model, world.test_images, precision=config.precision).argmax(axis=1).astype(np.uint8)
+    labels = predict_probs(student.model, world.test_images,
+                           precision=config.compute.precision).argmax(axis=1).astype(np.uint8)
     release = ModelRelease(student.model, network_config_of(student.model, preset.unet), preprocessing_of(world), world.source,
                            test_predictions=(labels, world))
     return write_run(out, results, release, started=started)

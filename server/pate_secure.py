@@ -128,7 +128,7 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
         # seed and a stream named by what the release is (the query batch), so the run repeats; a deployed
         # hospital refuses it
         settings = SecureStageRequest(method=config.method, seed=config.seed, delta=float(config.delta),
-                                      device=config.device, precision=config.precision,
+                                      device=config.compute.device, precision=config.compute.precision,
                                       secure_noise_seed=int(config.seed) if noise.is_reproducible else None
                                       ).to_config()
         stream = f"{config.method}:eps-{float(config.epsilon):g}:queries-{batch[0]}-{batch[-1]}"

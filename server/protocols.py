@@ -48,9 +48,10 @@ def start_weights(world: PublicWorld, settings: RunSettings, cell: Cell) -> dict
     None (random weights) for ``scratch``."""
     if cell.init is not Init.PUBLIC:
         return None
-    public = train_public_models(world, settings.resolved_preset, seed=settings.seed, progress=settings.progress,
+    compute = settings.compute
+    public = train_public_models(world, settings.resolved_preset, seed=settings.seed, progress=compute.progress,
                                  checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
-                                 device=settings.device, precision=settings.precision)
+                                 device=compute.device, precision=compute.precision)
     return {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
 
 
@@ -59,9 +60,10 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
     (clients/fedavg.py)."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=settings.progress,
-                            reproducible_noise=settings.reproducible_noise, init=cell.init, device=settings.device,
-                            precision=settings.precision)
+    compute = settings.compute
+    config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=compute.progress,
+                            reproducible_noise=settings.reproducible_noise, init=cell.init, device=compute.device,
+                            precision=compute.precision)
     return run_dpfedavg(transport, world, preset, config, cell.out, init_weights=start)
 
 
@@ -71,9 +73,10 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     model as DP-FedAvg and pooled DP-SGD; the hospitals draw their own noise shares."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=settings.progress,
+    compute = settings.compute
+    config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=compute.progress,
                                   reproducible_noise=settings.reproducible_noise, init=cell.init,
-                                  device=settings.device, precision=settings.precision, threat=settings.threat_model)
+                                  device=compute.device, precision=compute.precision, threat=settings.threat_model)
     return run_dpfedavg_secure(transport, world, preset, config, cell.out, init_weights=start)
 
 
@@ -82,8 +85,7 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
     namespace (``RunSettings.cell_noise_source``)."""
     config = PateConfig(cell.method, cell.epsilon, settings.resolved_delta, seed=settings.seed,
                         calibration=settings.calibration, query_batch=settings.query_batch,
-                        shared_dir=cell.shared_dir, progress=settings.progress,
-                        device=settings.device, precision=settings.precision,
+                        shared_dir=cell.shared_dir, compute=settings.compute,
                         secure=settings.threat_model if cell.record.secure_sum else None)
     return run_pate(transport, world, settings.resolved_preset, config, cell.out,
                     noise=settings.cell_noise_source(cell))

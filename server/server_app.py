@@ -26,7 +26,7 @@ log = logging.getLogger("fedpate.server")
 def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
     """Connect to the hospitals, then run every cell (method x epsilon) of the plan through them."""
     world_dir = settings.world or materialise_world(settings.resolved_preset, settings.data, settings.seed,
-                                                    settings.progress, layout=settings.layout,
+                                                    settings.compute.progress, layout=settings.layout,
                                                     partition_file=settings.partition_file)
     world = load_world(*open_world(world_dir))
     hospitals = connect_hospitals(grid, settings, world_dir)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from task.compute import Compute
 from task.codecs import one_hot
 from task.device import check_precision, resolve_device
 from task.errors import UserError
@@ -87,9 +88,10 @@ def _train(images, targets, preset, init, training: ModelTraining, description: 
     config = TrainConfig(epochs=int(training.epochs), batch_size=preset.batch_size,
                          learning_rate=(preset.learning_rate if training.learning_rate is None
                                         else float(training.learning_rate)),
-                         seed=training.seed, progress=training.progress, checkpoint=training.checkpoint,
-                         init_from=init, description=description, device=training.device,
-                         precision=training.precision, trainable=training.trainable)
+                         seed=training.seed, checkpoint=training.checkpoint, init_from=init, description=description,
+                         trainable=training.trainable,
+                         compute=Compute(device=training.device, precision=training.precision,
+                                         progress=training.progress))
     return train_segmentation(model, images, targets, config).model
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from privacy.mechanisms import NoiseSource
-from task.device import check_device_spec, check_precision
+from task.compute import Compute
 from task.errors import UserError
 from task import methods as registry
 from task.options import Init, look_up_option
@@ -85,7 +85,6 @@ class RunSettings:
     reply_timeout: float = 600.0
     query_timeout: float | None = None   # a query round's deadline (None = reply_timeout)
     world: str | None = None          # a prepared world folder (set by fedpate's runners)
-    progress: bool = True
     calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
     query_batch: int = 8              # public scans per query message
     reproducible_noise: bool = False  # simulation only: noise streams seeded by ``seed`` (not private)
@@ -94,10 +93,11 @@ class RunSettings:
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
     layout: str | None = None         # the data folder's layout (task.data.layouts); None = detected
     partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (task.world)
-    #: where every model trains and predicts (task.device: auto = CUDA when there is one); the server's
-    #: own models and the simulated hospitals' (deployed hospitals follow their node config)
-    device: str = "auto"
-    precision: str = "32"             # "32" | "bf16": autocast around forward passes
+    #: where every model trains and predicts (task.device: auto = CUDA when there is one), the server's
+    #: own models and the simulated hospitals' (deployed hospitals follow their node config), at which
+    #: forward-pass precision, and whether progress bars show; its device and precision travel in the run
+    #: config under their own keys (``device``, ``precision``: :func:`run_config_fields` flattens it)
+    compute: Compute = Compute()
     #: the secure methods' threat model (honest-but-curious aggregator): up to ``secure_colluders`` hospitals share
     #: everything with it and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise
     #: shares of the others that remain; ``secure_threshold`` is the Shamir threshold asked (0 = the smallest the
@@ -134,9 +134,8 @@ class RunSettings:
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init").value)
         if self.calibration not in ("exact", "paper"):
             raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
-        # spec syntax only (no torch here): each party resolves it where it runs (task.device.resolve_device)
-        object.__setattr__(self, "device", check_device_spec(self.device, "device"))
-        object.__setattr__(self, "precision", check_precision(self.precision, "precision"))
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
     @functools.cached_property
     def resolved_preset(self) -> Preset:
@@ -171,12 +170,13 @@ class RunSettings:
     def from_run_config(cls, run_config: Mapping[str, Any], **overrides) -> "RunSettings":
         """From Flower's run_config: one kebab-case key per field (:func:`run_config_keys`); 0 / "" mean "the
         preset's value" (None) for a field that may be None; a missing key is the field's default."""
-        values = {}
+        values, compute = {}, {}
         for f in run_config_fields():
             value = run_config.get(run_config_key(f.name))
             if value in ("", None):
                 continue
-            values[f.name] = _from_config(value, f)
+            (compute if f in COMPUTE_FIELDS else values)[f.name] = _from_config(value, f)
+        values["compute"] = Compute(**compute)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -184,8 +184,12 @@ class RunSettings:
         """The kebab-case run_config ``flwr run -c`` accepts (every key is in pyproject.toml's
         ``[tool.flwr.app.config]``): the budget and delta resolved, None as 0 or ""."""
         resolved = {"epsilon": self.budget, "delta": self.resolved_delta}
-        return {run_config_key(f.name): _to_config(resolved.get(f.name, getattr(self, f.name)), f)
+        return {run_config_key(f.name): _to_config(resolved.get(f.name, getattr(self._owner(f), f.name)), f)
                 for f in run_config_fields()}
+
+    def _owner(self, f: dataclasses.Field) -> Any:
+        """The object a run-config field belongs to: these settings, or their :class:`task.compute.Compute`."""
+        return self.compute if f in COMPUTE_FIELDS else self
 
     def noise_source(self, *names):
         """The privacy noise of the run (or of one cell, named by ``names``): secure unless this is a
@@ -215,13 +219,23 @@ def config_flag(value: Any, key: str) -> bool:
     raise UserError(f"{key}: expected true or false, got {value!r}")
 
 
-#: RunSettings fields that are not run-config keys: progress bars are the caller's, ``extra`` carries the cells
-NOT_RUN_CONFIG = ("progress", "extra")
+#: RunSettings fields that are not run-config keys: ``extra`` carries the cells
+NOT_RUN_CONFIG = ("extra",)
+#: the fields of :class:`task.compute.Compute` that are run-config keys, each under its own name: progress bars
+#: and worker processes are the caller's
+COMPUTE_FIELDS = tuple(f for f in dataclasses.fields(Compute) if f.name not in ("progress", "workers"))
 
 
 def run_config_fields() -> list[dataclasses.Field]:
-    """The :class:`RunSettings` fields Flower's run config carries (``[tool.flwr.app.config]``), in order."""
-    return [f for f in dataclasses.fields(RunSettings) if f.name not in NOT_RUN_CONFIG]
+    """The :class:`RunSettings` fields Flower's run config carries (``[tool.flwr.app.config]``), in order;
+    ``compute`` flattened into its own run-config fields (:data:`COMPUTE_FIELDS`)."""
+    fields = []
+    for f in dataclasses.fields(RunSettings):
+        if f.name == "compute":
+            fields.extend(COMPUTE_FIELDS)
+        elif f.name not in NOT_RUN_CONFIG:
+            fields.append(f)
+    return fields
 
 
 def run_config_key(name: str) -> str:

@@ -17,7 +17,7 @@ source (a ``privacy.mechanisms.NoiseSource``, secure by default), never from the
 ``PrivacyEngine.make_private`` wraps model, optimiser and data loader once and leaves the loop alone, plain and
 DP-SGD training are two strategies (``_PlainTraining``, ``_DPSGDTraining``) chosen once before the one loop.
 
-Device and precision (``task.device``): ``TrainConfig.device`` (auto | cpu | cuda | cuda:N, default
+Device and precision (``task.device``): ``TrainConfig.compute.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
 once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
 device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
@@ -26,7 +26,7 @@ calling the augmenter in exactly the same order, so the trained weights do not c
 far shorter than augmenting a batch on the host, so on a GPU augmentation runs on the device by default
 (``augment_on``: :class:`task.data.augment.BatchAugmentation`, the whole batch at once, dataset on the
 device). DP-SGD batches are not prefetched: batch i+1 is drawn from the epoch's noise stream after step i's
-noise, and reproducible streams must keep that order. ``TrainConfig.precision="bf16"`` runs the
+noise, and reproducible streams must keep that order. ``TrainConfig.compute.precision="bf16"`` runs the
 forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32 logits.
 """
 
@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from task.data.augment import batch_augmentation, training_augmentation
-from task.device import autocast, check_precision, model_device, resolve_device
+from task.compute import Compute
+from task.device import autocast, model_device, resolve_device
 from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
 from task.io import atomic_save_torch
@@ -60,7 +61,6 @@ class TrainConfig:
     seed: int = 0
     augment: bool | str = True             # True = "domain" (flips, rotations, intensity randomisation),
                                            # "geometric" (flips, rotations only) or False
-    progress: bool = True
     checkpoint: str | Path | None = None   # saved after every epoch; resumed from when it exists
     init_from: Any = None                  # path to a checkpoint / state_dict to start from (e.g. public pre-training)
     weight_decay: float = 0.0
@@ -68,8 +68,9 @@ class TrainConfig:
     extra_checkpoint: dict = field(default_factory=dict)  # stored with the checkpoint (e.g. network_config)
     loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
     optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
-    device: Any = None                     # auto (None) | cpu | cuda | cuda:N | torch.device (task.device)
-    precision: Precision | str = Precision.FP32   # "32" | "bf16": autocast around the forward pass (task.device)
+    #: where it trains (auto | cpu | cuda | cuda:N; a torch.device is kept as its spec), "32" | "bf16" autocast
+    #: around the forward pass (task.device), and the progress bar
+    compute: Compute = Compute()
     #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
     #: host would otherwise starve it; on a shared CPU both compete for the same cores)
     prefetch: bool | None = None
@@ -455,8 +456,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     """
     started = time.perf_counter()
     x_all, y_all = _training_tensors(images, targets, config)
-    device = resolve_device(config.device)
-    precision = check_precision(config.precision)
+    device = resolve_device(config.compute.device)
+    precision = config.compute.precision
     base_model = model
     checkpoint = Path(config.checkpoint) if config.checkpoint else None
     resume_state = _load_start(base_model, config, checkpoint)
@@ -489,7 +490,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     if resume_state is not None:
         history, start_epoch = _resume(resume_state, optimizer, generator, steps, ema, checkpoint)
 
-    bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.progress,
+    bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.compute.progress,
                initial=start_epoch, total=config.epochs, leave=False)
     for epoch in bar:
         if not steps.begin_epoch(epoch):

@@ -5,6 +5,7 @@ reads public arrays only."""
 import numpy as np
 import pytest
 
+from task.compute import Compute
 from task.codecs import AnchoredResidualCompressor
 from task import codecs
 from task.metrics import dice_scores
@@ -149,7 +150,7 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
     monkeypatch.setattr(AnchoredResidualCompressor, "fit",
                         lambda self, maps, probs=None, scans=None: seen.append((maps, probs, scans))
                         or original(self, maps, probs, scans))
-    config = pate.PateConfig(method="pate-anchored", epsilon=8.0, delta=1e-3, progress=False)
+    config = pate.PateConfig(method="pate-anchored", epsilon=8.0, delta=1e-3, compute=Compute(progress=False))
     teachers = pate.Teachers({"h0": 4}, {})
     plan = pate.plan_release(world, get_preset("tiny"), config, teachers, tmp_path, model)
     (maps, probs, scans), = seen

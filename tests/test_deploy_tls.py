@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key, l
 from task.errors import UserError
 from sim.deployment.flower_cli import config_string, parse_run_id
 from sim.deployment.local import write_echo_app
-from sim.deployment.recipe import deployment_commands
+from sim.deployment.recipe import DeploymentRecipe, deployment_commands
 from sim.deployment.tls import certificate_sans, make_certificates, verify_chain
 
 
@@ -76,8 +76,8 @@ def test_parse_run_id():
 
 
 def test_deployment_commands_cover_every_hospital(certs):
-    text = deployment_commands(certs["ca_cert"].parent, "agg.example.org:9093",
-                               [("h0", "/data/h0"), ("h1", "/srv/msd/h1")], teachers_per_hospital=2)
+    text = deployment_commands(DeploymentRecipe(certs["ca_cert"].parent, "agg.example.org:9093",
+                                                [("h0", "/data/h0"), ("h1", "/srv/msd/h1")], teachers_per_hospital=2))
     assert "flower-superlink --host 0.0.0.0 --port 9093" in text
     assert "--enable-supernode-auth" in text
     for hid, data in (("h0", "/data/h0"), ("h1", "/srv/msd/h1")):
@@ -85,8 +85,10 @@ def test_deployment_commands_cover_every_hospital(certs):
         assert f"--auth-supernode-private-key /etc/fedpate/certs/{hid}.key" in text
         assert f'data-dir="{data}"' in text
     assert text.count("flower-supernode --superlink agg.example.org:9093") == 2
-    with pytest.raises(UserError):
-        deployment_commands(certs["ca_cert"].parent, "no-port", [("h0", "/d")])
+    with pytest.raises(UserError, match="--superlink"):
+        DeploymentRecipe(certs["ca_cert"].parent, "no-port", [("h0", "/d")])
+    with pytest.raises(UserError, match="--device"):
+        DeploymentRecipe(certs["ca_cert"].parent, "agg.example.org:9093", [("h0", "/d")], device="gpu")
 
 
 def test_echo_app_is_a_valid_flower_app(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sim.cli import main
+from task.compute import Compute
 from task.errors import UserError
 
 COMMANDS_THAT_COMPUTE = {
@@ -100,11 +101,11 @@ def test_run_settings_carry_device_through_the_flower_run_config():
     app_config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_config["device"] == "auto" and app_config["precision"] == "32"
     settings = RunSettings.from_run_config({**app_config, "device": "cuda:1", "precision": "bf16"})
-    assert (settings.device, settings.precision) == ("cuda:1", "bf16")
+    assert (settings.compute.device, settings.compute.precision) == ("cuda:1", "bf16")
     assert set(settings.to_run_config()) <= set(app_config)                 # `flwr run -c` can override them
     assert RunSettings.from_run_config(settings.to_run_config()) == settings
     with pytest.raises(UserError, match="device"):
-        RunSettings(device="gpu")
+        RunSettings(compute=Compute(device="gpu"))
 
 
 # ------------------------------------------------------------------------------------------ the device spy
@@ -170,10 +171,12 @@ def test_the_trap_catches_a_component_that_ignores_the_device(spy):
     x, y = np.zeros((2, 4, 16, 16, 16), np.float32), np.zeros((2, 16, 16, 16), np.int64)
     with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
         train_segmentation(build_unet("tiny"), x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3,
-                                                                 augment=False, progress=False))   # device left out
+                                                                 augment=False,   # device left out
+                                                                 compute=Compute(progress=False)))
     spy.forwards.clear()
     train_segmentation(build_unet("tiny"), x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3,
-                                                             augment=False, progress=False, device="cpu"))
+                                                             augment=False,
+                                                             compute=Compute(device="cpu", progress=False)))
     assert spy.devices() == {"cpu"} and spy.forwards
 
 
@@ -208,11 +211,12 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
     import nibabel as nib
 
     from task.predict import predict_scans
-    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = small_world
-    results = run_pate_inprocess(preset, "pate-ae", 8.0, 1e-3, tmp_path / "pate", prepared=prepared, split=split,
-                                 progress=False, device="cpu", precision="32")
+    results = run_pate_inprocess(InProcessPateRun(preset, "pate-ae", tmp_path / "pate", 8.0, 1e-3, prepared=prepared,
+                                                  split=split,
+                                                  compute=Compute(device="cpu", precision="32", progress=False)))
     assert results["device"] == "cpu" and results["precision"] == "32"
     assert set(results["hospital_devices"].values()) == {"cpu"}
     card = (tmp_path / "pate" / "model" / "MODEL_CARD.md").read_text()
@@ -290,8 +294,9 @@ def test_bf16_on_the_cpu_trains(spy):
     torch.manual_seed(0)
     model = build_unet("tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    bf16 = Compute(device="cpu", precision="bf16", progress=False)
     result = train_segmentation(model, x, y, TrainConfig(epochs=2, batch_size=2, learning_rate=3e-3, augment=False,
-                                                         progress=False, device="cpu", precision="bf16"))
+                                                         compute=bf16))
     assert all(np.isfinite(r["loss"]) for r in result.history)
     assert any(not torch.equal(before[k], v) for k, v in result.model.state_dict().items())
     assert all(p.dtype == torch.float32 for p in result.model.parameters())        # weights stay float32
@@ -309,8 +314,9 @@ def test_bf16_dpsgd_trains_with_float32_noise(spy):
     torch.manual_seed(0)
     model = build_unet("tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    bf16 = Compute(device="cpu", precision="bf16", progress=False)
     result = train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=False,
-                                                         progress=False, device="cpu", precision="bf16"),
+                                                         compute=bf16),
                                 PrivateTraining(DPConfig(mode="fixed", epsilon=50.0, noise_multiplier=1.0,
                                                          sampling="shuffle", grad_sample_mode="hooks"),
                                                 owners=("h0",), noise=NoiseSource.reproducible(0)))
@@ -369,8 +375,8 @@ def test_prefetching_augmented_batches_does_not_change_the_result():
     weights = []
     for prefetch in (False, True):
         torch.manual_seed(0)
-        config = TrainConfig(epochs=2, batch_size=2, learning_rate=3e-3, augment="geometric", progress=False,
-                             device="cpu", prefetch=prefetch, seed=3)
+        config = TrainConfig(epochs=2, batch_size=2, learning_rate=3e-3, augment="geometric",
+                             prefetch=prefetch, seed=3, compute=Compute(device="cpu", progress=False))
         weights.append(train_segmentation(build_unet("tiny"), x, y, config).model.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
@@ -422,8 +428,8 @@ def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
     results = {}
     for augment_on in (None, "host", "device"):
         torch.manual_seed(0)
-        config = TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=True, progress=False, device="cpu",
-                             augment_on=augment_on)
+        config = TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=True,
+                             augment_on=augment_on, compute=Compute(device="cpu", progress=False))
         result = train_segmentation(build_unet("tiny"), x, y, config)
         assert np.isfinite(result.history[0]["loss"])
         results[augment_on] = result.model.state_dict()

@@ -9,6 +9,7 @@ import torch
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.dpsgd import DPConfig, DPSession, PrivateTraining
 from task.errors import UserError
 from task.networks import TRAINABLE_SETS, build_unet, freeze_all_but, trainable_parameter_names
@@ -41,8 +42,9 @@ def test_dpsgd_on_the_head_leaves_every_other_weight_exactly_where_it_started():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=1.0)
     result = train_segmentation(model, images, labels, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
-                                                                    progress=False, augment=False,
-                                                                    trainable="head"), PrivateTraining(dp))
+                                                                    augment=False, trainable="head",
+                                                                    compute=Compute(progress=False)),
+                                PrivateTraining(dp))
     head = trainable_parameter_names(build_unet("tiny"), "head")
     moved = {n for n, p in result.model.named_parameters() if not torch.equal(p.detach(), start[n])}
     assert moved and moved <= head   # noise and updates only where trained
@@ -99,15 +101,16 @@ def test_augmentation_multiplicity_trains_and_is_charged_exactly_like_one_view()
         ledger = Ledger(None)
         dp = DPConfig(mode="fixed", noise_multiplier=1.5, epsilon=1e6, delta=1e-3, max_grad_norm=1.0)
         train_segmentation(build_unet("tiny"), images, labels,
-                           TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3, progress=False,
-                                       augmentation_multiplicity=views),
+                           TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3,
+                                       augmentation_multiplicity=views, compute=Compute(progress=False)),
                            PrivateTraining(dp, BudgetGuard(ledger, 1e6, 1e-3), owners=("h0",)))
         ledgers.append([r["event"] for r in ledger.records()])
     assert ledgers[0] == ledgers[1]   # same sampling rate, steps and sigma: the views cost nothing
     with pytest.raises(UserError, match="augmentation_multiplicity"):
         train_segmentation(build_unet("tiny"), images, labels,
-                           TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3, progress=False,
-                                       augmentation_multiplicity=2))   # not DP-SGD: refused
+                           TrainConfig(epochs=1, batch_size=2, learning_rate=1e-3,
+                                       augmentation_multiplicity=2,   # not DP-SGD: refused
+                                       compute=Compute(progress=False)))
 
 
 def test_parameter_averaging_is_the_last_iterate_at_decay_zero_and_the_start_near_one():
@@ -116,8 +119,8 @@ def test_parameter_averaging_is_the_last_iterate_at_decay_zero_and_the_start_nea
     def run(decay):
         torch.manual_seed(0)
         model = build_unet("tiny")
-        config = TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, progress=False, augment=False, seed=3,
-                             ema_decay=decay)
+        config = TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, augment=False, seed=3,
+                             ema_decay=decay, compute=Compute(progress=False))
         return model, {n: p.detach().clone() for n, p in model.named_parameters()}, \
             train_segmentation(model, images, labels, config).model
 

@@ -10,6 +10,7 @@ from privacy.events import SampledGaussianEvent, ZCDPEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from task.compute import Compute
 from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.networks import build_unet
@@ -26,8 +27,8 @@ def _train(dp, epochs, tmp_path=None, guard=None, checkpoint=None, validation=No
     torch.manual_seed(seed)
     x, y = _data()
     model = build_unet("tiny")
-    cfg = TrainConfig(epochs=epochs, batch_size=2, learning_rate=1e-2, progress=False, augment=False,
-                      checkpoint=checkpoint, seed=seed)
+    cfg = TrainConfig(epochs=epochs, batch_size=2, learning_rate=1e-2, augment=False,
+                      checkpoint=checkpoint, seed=seed, compute=Compute(progress=False))
     return model, train_segmentation(model, x, y, cfg, private_training(dp, guard, noise=noise), validation=validation)
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.bundle import load_bundle
 from task.runconfig import RunSettings
 
@@ -37,7 +38,7 @@ def test_pate_ae_in_flower_simulation_engine(cache, tmp_path):
     from sim.runners.simulation import simulate
 
     out = tmp_path / "sim"
-    settings = RunSettings(method="pate-ae", preset="tiny", out=str(out), progress=False)
+    settings = RunSettings(method="pate-ae", preset="tiny", out=str(out), compute=Compute(progress=False))
     (results,) = simulate(settings, engine="flower")
     ledger = _check_run(out, results)
     assert results["method"] == "pate-ae" and results["teachers"] == 8 and results["hospitals"] == 2
@@ -50,8 +51,8 @@ def test_deployment_with_tls_and_a_hospital_killed_during_queries(cache, tmp_pat
     from sim.deployment.fedpate_local import run_local_deployment
 
     out = tmp_path / "run"
-    settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), progress=False, query_batch=2,
-                           wait_seconds=180, reply_timeout=150, query_timeout=45)
+    settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), query_batch=2,
+                           wait_seconds=180, reply_timeout=150, query_timeout=45, compute=Compute(progress=False))
     # training has its own deadline: 45 s was too short for teacher training on a loaded machine (load 12:
     # hospital-01 timed out before the first query); a query round is inference only, and the killed
     # hospital costs the query deadline once
@@ -71,7 +72,7 @@ def test_pate_pca_through_flwr_run_and_a_simulation_superlink(cache, tmp_path):
     from sim.runners.simulation import simulate
 
     out = tmp_path / "runtime"
-    settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), progress=False)
+    settings = RunSettings(method="pate-pca", preset="tiny", out=str(out), compute=Compute(progress=False))
     (results,) = simulate(settings, engine="runtime")
     _check_run(out, results)
     assert results["hospitals"] == 2 and results["dropped_hospitals"] == {}
@@ -102,7 +103,8 @@ def test_secure_pate_in_flower_simulation_engine_matches_the_in_process_engine(c
     runs = {}
     for engine in ("inprocess", "flower"):
         out = tmp_path / engine
-        settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out), progress=False)
+        settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out),
+                               compute=Compute(progress=False))
         (runs[engine],) = simulate(settings, engine=engine)
         _check_secure(out, runs[engine], {h: out / "hospital-ledgers" / f"{h}.jsonl"
                                           for h in ("hospital-00", "hospital-01")})
@@ -124,8 +126,8 @@ def test_secure_dp_fedavg_in_flower_simulation_engine_is_the_in_process_run(cach
 
     runs = {}
     for engine in ("inprocess", "flower"):
-        settings = RunSettings(method="dp-fedavg-secure", preset="tiny", out=str(tmp_path / engine), progress=False,
-                               reproducible_noise=True)
+        settings = RunSettings(method="dp-fedavg-secure", preset="tiny", out=str(tmp_path / engine),
+                               reproducible_noise=True, compute=Compute(progress=False))
         (runs[engine],) = simulate(settings, engine=engine)
     flower, inprocess = runs["flower"], runs["inprocess"]
     assert flower["aggregation"] == inprocess["aggregation"] == "secure"
@@ -141,8 +143,8 @@ def test_secure_pate_deployed_with_tls_and_supernode_authentication(cache, tmp_p
     from sim.deployment.fedpate_local import run_local_deployment
 
     out, work = tmp_path / "run", tmp_path / "work"
-    settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out), progress=False,
-                           wait_seconds=180, reply_timeout=300, query_timeout=120)
+    settings = RunSettings(method="pate-anchored-secure", preset="tiny", out=str(out),
+                           wait_seconds=180, reply_timeout=300, query_timeout=120, compute=Compute(progress=False))
     results = run_local_deployment(settings, work, timeout=900)
     assert results["deployment"]["status"] == "finished:completed"
     assert results["deployment"]["tls"] and results["deployment"]["supernode_auth"]

@@ -19,6 +19,7 @@ from privacy.distributed import centered
 from privacy.ledger import Ledger
 from server.flower_transport import FlowerTransport, TransportSettings
 from server.secure import secure_sum
+from task.compute import Compute
 from task.errors import UserError
 from task.flower_wire import read_content
 from tests.test_flower_transport import PRESET, MemoryGrid
@@ -241,8 +242,8 @@ def test_secure_pate_over_the_flower_transport_with_a_dropout(tiny_prepared, tmp
             grid.dead.add(102)
 
     grid.on_send = silence_the_third
-    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, progress=False, diagnostics=False,
-                        query_batch=4, secure={"dropouts": 1})
+    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, diagnostics=False,
+                        query_batch=4, secure={"dropouts": 1}, compute=Compute(progress=False))
     out = tmp_path / "run"
     results = run_pate(transport, load_world(tiny_prepared, split), preset, config, out)
     assert results["aggregation"] == "secure" and results["secure_aggregation"]["counted_shares"] == 2

@@ -10,6 +10,7 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.presets import get_preset
 from task.flower_wire import read_content
 from server.flower_transport import FlowerTransport, HospitalsUnavailable, TransportSettings
@@ -128,8 +129,9 @@ def test_pate_over_flower_transport_with_a_dropout_mid_query_phase(world_dir, ti
     grid.on_send = kill_after_first_query
     world = load_world(tiny_prepared, tiny_split)
     out = tmp_path / "run"
-    results = run_pate(transport, world, PRESET, PateConfig("pate-pca", 8.0, 1e-3, seed=0, progress=False,
-                                                            query_batch=2, pca_mode="clip"), out)
+    results = run_pate(transport, world, PRESET, PateConfig("pate-pca", 8.0, 1e-3, seed=0,
+                                                            query_batch=2, pca_mode="clip",
+                                                            compute=Compute(progress=False)), out)
     ledger = Ledger.load(out / "ledger.jsonl")
     queries = [r for r in ledger.records() if ":query-" in r["release_id"]]
     teachers = [r["note"]["teachers"] for r in queries]

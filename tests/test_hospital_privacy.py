@@ -10,6 +10,7 @@ from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.codecs import AutoencoderCompressor, IdentityCompressor, PCACompressor
 from task import codecs
 from task.errors import UserError
@@ -220,7 +221,7 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
                           HospitalSettings(deployed=True, lifetime_epsilon=8.0)) for h in sorted(split.hospitals)]
     transport = InProcessTransport(hospitals)
     world = load_world(prepared, split)
-    config = PateConfig("pate-pca", 8.0, 1e-3, progress=False)
+    config = PateConfig("pate-pca", 8.0, 1e-3, compute=Compute(progress=False))
     results = run_pate(transport, world, preset, config, tmp_path / "run")
     assert results["queries"] == 4 and results["teacher_dice_mean"] is None
     assert results["ensemble_dice_mean"] is None and results["not_private_diagnostics"] == ["fallback_teachers"]

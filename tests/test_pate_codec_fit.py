@@ -4,6 +4,7 @@ public reference labels plus the public model's label maps of the public query s
 import numpy as np
 import pytest
 
+from task.compute import Compute
 from task import codecs
 
 
@@ -28,7 +29,7 @@ def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **confi
     seen = []
     original = PCACompressor.fit
     monkeypatch.setattr(PCACompressor, "fit", lambda self, maps: seen.append(maps) or original(self, maps))
-    settings = pate.PateConfig(method=method, epsilon=8.0, delta=1e-3, progress=False, **config)
+    settings = pate.PateConfig(method=method, epsilon=8.0, delta=1e-3, **config, compute=Compute(progress=False))
     plan = pate.plan_release(world, get_preset("tiny"), settings, pate.Teachers({"h0": 4}, {}), tmp_path, model)
     (maps,) = seen
     return maps, plan

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from task.compute import Compute
 from task.data.synthetic import SyntheticPrepared as FakePrepared
 from task.presets import get_preset
 
@@ -38,11 +39,11 @@ def world():
 @pytest.mark.parametrize("method", ["pate-pca", "pate-ae", "pate-anchored", "pate-naive"])
 def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_path):
     from privacy.ledger import Ledger
-    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = world
-    results = run_pate_inprocess(preset, method, 8.0, 1e-3, tmp_path, seed=0, prepared=prepared, split=split,
-                                 progress=False)
+    results = run_pate_inprocess(InProcessPateRun(preset, method, tmp_path, 8.0, 1e-3, seed=0, prepared=prepared,
+                                                  split=split, compute=Compute(progress=False)))
     written = json.loads((tmp_path / "results.json").read_text())
     assert all(key in written for key in SCHEMA)
     assert written["method"] == method and written["relation"] == "replace-one"
@@ -72,11 +73,12 @@ def test_dropout_stops_when_the_budget_would_be_exceeded(world, tmp_path):
     """h1 leaves after the first query batch: K halves, S doubles, the guard refuses before the budget is
     exceeded, and the student is trained on the answered queries."""
     from privacy.ledger import Ledger
-    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = world
-    results = run_pate_inprocess(preset, "pate-ae", 8.0, 1e-3, tmp_path, prepared=prepared, split=split,
-                                 progress=False, drop={"h1": 1}, query_batch=2, diagnostics=False)
+    results = run_pate_inprocess(InProcessPateRun(preset, "pate-ae", tmp_path, 8.0, 1e-3, prepared=prepared,
+                                                  split=split, drop={"h1": 1}, compute=Compute(progress=False),
+                                                  options={"query_batch": 2, "diagnostics": False}))
     ledger = Ledger.load(tmp_path / "ledger.jsonl")
     s_full, s_half = (e.sensitivity for e in ledger.events("h0")[1:3])
     assert s_half == pytest.approx(2 * s_full)
@@ -91,14 +93,14 @@ def test_head_fit_decoder_and_voxel_head_student_run_end_to_end(world, tmp_path)
     ledger's epsilon."""
     from task.bundle import load_bundle
     from task.networks import VoxelHeadUNet
-    from sim.runners.inprocess import run_pate_inprocess
+    from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = world
     preset = preset.with_changes(teacher=dict(trainable="voxel-head", learning_rate=1e-2, augment=False),
                                  codec=dict(anchored_intensity_bins=3, anchored_decoder="head-fit"),
                                  student=dict(trainable="voxel-head", learning_rate=1e-2))
-    results = run_pate_inprocess(preset, "pate-anchored", 8.0, 1e-3, tmp_path, seed=0, prepared=prepared,
-                                 split=split, progress=False)
+    results = run_pate_inprocess(InProcessPateRun(preset, "pate-anchored", tmp_path, 8.0, 1e-3, seed=0,
+                                                  prepared=prepared, split=split, compute=Compute(progress=False)))
     assert results["compressor"]["decoder"] == "head-fit" and results["compressor"]["intensity_bins"] == 3
     bundle = load_bundle(tmp_path)
     assert isinstance(bundle.model, VoxelHeadUNet) and bundle.network["voxel_head_hidden"] == 16

@@ -10,6 +10,7 @@ import pytest
 from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
 from tests.test_pate_run import world  # noqa: F401  (the module-scoped synthetic world fixture)
+from task.compute import Compute
 
 
 @pytest.mark.slow
@@ -42,7 +43,8 @@ def test_secure_pate_runs_and_the_server_sees_only_the_secure_sum(world, tmp_pat
     members = simulated_hospitals(prepared, split, preset, tmp_path / "hospitals", 0)
     transport = Recording(members, base_config={"ledger_dir": str(ledgers), "lifetime_epsilon": 8.0, "delta": 1e-3,
                                                 "allow_identity": True})
-    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, progress=False, diagnostics=False, query_batch=4)
+    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, diagnostics=False, query_batch=4,
+                        compute=Compute(progress=False))
     results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / "run")
     assert transport.encodings_received == 0                   # no teacher encoding ever reached the server
     assert len(transport.masked_received) == 2 * 2             # two hospitals x two batches of four queries
@@ -96,8 +98,8 @@ def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_
                                    base_config={"ledger_dir": str(ledgers), "lifetime_epsilon": 8.0, "delta": 1e-3,
                                                 "secure_policy": {"dropouts": 1}})
     transport.secure_drop = {"h2": "collect-masked"}
-    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, progress=False, diagnostics=False, query_batch=4,
-                        secure={"dropouts": 1})
+    config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, diagnostics=False, query_batch=4,
+                        secure={"dropouts": 1}, compute=Compute(progress=False))
     results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / "run")
     assert results["queries"] == 8 and results["teachers_per_query"] == {"min": 4, "max": 6}
     assert results["secure_aggregation"]["counted_shares"] == 2 and results["epsilon"] <= 8.0
@@ -141,8 +143,8 @@ def test_reproducible_noise_seeds_every_hospital_share_and_secure_noise_does_not
         transport = InProcessTransport(simulated_hospitals(prepared, split, preset, tmp_path / name / "hospitals", 0),
                                        base_config={"ledger_dir": str(tmp_path / name / "ledgers"),
                                                     "lifetime_epsilon": 8.0, "delta": 1e-3})
-        config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=3, progress=False, diagnostics=False,
-                            query_batch=4)
+        config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=3, diagnostics=False,
+                            query_batch=4, compute=Compute(progress=False))
         results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / name / "run",
                            noise=noise)
         return totals[-1], results

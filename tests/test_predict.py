@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sim.cli import main
+from task.compute import Compute
 from task.errors import UserError
 
 
@@ -25,7 +26,7 @@ def trained_run(tiny_prepared, tmp_path_factory):
     images, labels = tiny_prepared.images(), tiny_prepared.labels()
     model = train_segmentation(build_unet("tiny"), images, labels,
                                TrainConfig(epochs=12, batch_size=4, learning_rate=5e-3, seed=0, augment=False,
-                                           progress=False)).model
+                                           compute=Compute(progress=False))).model
     run = tmp_path_factory.mktemp("run")
     card = privacy_card(method="nonprivate-central", ledger_path=None,
                         data_source=tiny_prepared.source)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sim.cli import main
+from task.compute import Compute
 
 CASES = ("BRATS_001", "BRATS_002")
 
@@ -27,7 +28,7 @@ def model_run(tiny_prepared, tmp_path_factory):
     torch.manual_seed(0)
     model = train_segmentation(build_unet("tiny"), tiny_prepared.images(), tiny_prepared.labels(),
                                TrainConfig(epochs=8, batch_size=4, learning_rate=5e-3, seed=0, augment=False,
-                                           progress=False)).model
+                                           compute=Compute(progress=False))).model
     run = tmp_path_factory.mktemp("run")
     card = privacy_card(method="nonprivate-central", ledger_path=None,
                         data_source=tiny_prepared.source)

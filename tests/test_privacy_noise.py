@@ -8,6 +8,7 @@ import pytest
 
 from privacy.errors import PrivacyError
 from privacy.mechanisms import GaussianMechanism, NoiseGenerator, NoiseSource, SecureNoiseGenerator
+from task.compute import Compute
 
 
 def test_default_source_is_secure_and_unrepeatable():
@@ -79,8 +80,8 @@ def test_two_cells_of_one_comparison_never_share_a_noise_draw(tiny_prepared, tin
 
     tiny_split.to_json(tmp_path / "split.json")
     (tmp_path / "world.json").write_text(json.dumps({"prepared": str(tiny_prepared.path), "preset": "tiny"}))
-    settings = RunSettings(method="pate-pca", preset="tiny", seed=0, world=str(tmp_path), progress=False,
-                           reproducible_noise=True)
+    settings = RunSettings(method="pate-pca", preset="tiny", seed=0, world=str(tmp_path),
+                           reproducible_noise=True, compute=Compute(progress=False))
     per_cell = {}
     for epsilon in (1.0, 8.0):
         draws = _record_draws(monkeypatch)

@@ -9,6 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from sim.runners.floors import FloorRun
+from task.compute import Compute
+
 
 def test_sharpen_is_a_renormalised_power_of_the_probabilities():
     from server.selftrain import sharpen
@@ -52,8 +55,8 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
     monkeypatch.setattr(selftrain, "build_world", lambda preset, data, seed, progress, **where: (tiny_prepared, tiny_split))
     preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
                                              self_training=dict(rounds=2))
-    results = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "public-selftrain", tmp_path / "_shared",
-                                             progress=False)
+    results = selftrain.run_public_selftrain(FloorRun(preset, tmp_path / "public-selftrain", tmp_path / "_shared",
+                                                      compute=Compute(progress=False)))
 
     assert None not in read["images"] and None not in read["labels"]        # never "everything"
     images = {c for ids in read["images"] for c in ids}
@@ -97,7 +100,8 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
                         lambda preset, data, seed, progress, **where: (tiny_prepared, reference_is_query))
     preset = get_preset("tiny").with_changes(student=dict(epochs=1), pretrain_epochs=1,
                                              self_training=dict(rounds=1))
-    record = selftrain.run_public_selftrain(preset, None, 0, tmp_path / "cell", tmp_path / "_shared", progress=False)
+    record = selftrain.run_public_selftrain(FloorRun(preset, tmp_path / "cell", tmp_path / "_shared",
+                                                     compute=Compute(progress=False)))
     said = record["selftrain"]["labels_used"]
     assert "query scans' labels" in said and "never read" not in said
     assert "query scans' labels" in (tmp_path / "cell" / "model" / "MODEL_CARD.md").read_text()

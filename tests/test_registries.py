@@ -66,7 +66,7 @@ def toy_registered():
                            sweeps_k=True, starts_from_public=True, codec="toy-means",
                            description="PATE through the toy codec"))
     register_method(Method("toy-floor", "toy-floor", "floor", runner="toy-floor"))
-    register_cell_runner("toy-floor", run_floor(lambda *a, **kw: _toy_floor(*a, **kw)))
+    register_cell_runner("toy-floor", run_floor(lambda run: _toy_floor(run)))
     yield
     unregister_cell_runner("toy-floor")
     unregister_method("toy-floor")
@@ -74,11 +74,11 @@ def toy_registered():
     codecs.unregister_codec("toy-means")
 
 
-def _toy_floor(preset, data, seed, out, shared_dir, **options):
+def _toy_floor(run):
     """A floor written by the public-only runner, relabelled: the report must take it from its record."""
-    written = run_public_only(preset, data, seed, out, shared_dir, **options)
-    results = json.loads((out / "results.json").read_text())
-    (out / "results.json").write_text(json.dumps({**results, "method": "toy-floor"}))
+    written = run_public_only(run)
+    results = json.loads((run.out / "results.json").read_text())
+    (run.out / "results.json").write_text(json.dumps({**results, "method": "toy-floor"}))
     return written
 
 

@@ -7,16 +7,16 @@ import pytest
 from task.errors import UserError
 from sim.deployment.local import write_echo_app
 from sim.deployment.processes import pid_alive, start_time
-from sim.deployment.runtime_simulation import run_runtime_simulation, simulation_federation_config
+from sim.deployment.runtime_simulation import RuntimeSimulation, run_runtime_simulation, simulation_federation_config
 
 
 @pytest.mark.slow
 def test_runtime_simulation_two_supernodes(tmp_path):
     app = write_echo_app(tmp_path / "app")
     result = tmp_path / "result.json"
-    status = run_runtime_simulation(app, {"result-file": str(result), "expected-nodes": 2,
-                                          "wait-seconds": 120.0},
-                                    num_supernodes=2, work_dir=tmp_path / "sim", timeout=400.0)
+    status = run_runtime_simulation(RuntimeSimulation(app, {"result-file": str(result), "expected-nodes": 2,
+                                                            "wait-seconds": 120.0},
+                                                      num_supernodes=2, work_dir=tmp_path / "sim", timeout=400.0))
     assert status.ok, status
     data = json.loads(result.read_text())
     assert len(data["replies"]) == 2 and data["errors"] == []
@@ -34,5 +34,5 @@ def test_federation_config_validation():
     assert simulation_federation_config(3)["num-supernodes"] == 3
     with pytest.raises(UserError):
         simulation_federation_config(0)
-    with pytest.raises(UserError):
-        run_runtime_simulation("/nonexistent-app", {}, 2, "/tmp/unused-fedpate-sim")
+    with pytest.raises(UserError, match="pyproject.toml"):
+        RuntimeSimulation("/nonexistent-app", {}, 2, "/tmp/unused-fedpate-sim")

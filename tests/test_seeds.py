@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+from task.compute import Compute
 
 T_975 = {1: 12.706204736174698, 2: 4.302652729749464, 3: 3.182446305284263}
 
@@ -121,7 +122,8 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
     monkeypatch.setattr(compare, "patient_homes", lambda preset, data, seeds, **where: {})
     out = tmp_path / "cmp"
     report = compare.run_compare_seeds(
-        compare.CompareConfig("tiny", ["dp-sgd-central", "public-only"], [2.0], out, progress=False), [0, 1, 2])
+        compare.CompareConfig("tiny", ["dp-sgd-central", "public-only"], [2.0], out,
+                              compute=Compute(progress=False)), [0, 1, 2])
     assert report == out / "report.md" and report.exists()
     assert [c["seed"] for c in calls] == [0, 1, 2]
     assert {c["ledger_dir"] for c in calls} == {out / "hospital-ledgers"}          # one folder for all seeds
@@ -141,7 +143,7 @@ def test_every_seed_charges_the_same_hospital_ledgers_and_the_lifetime_budget_re
     calls.clear()
     out = tmp_path / "tight"
     compare.run_compare_seeds(compare.CompareConfig("tiny", ["dp-sgd-central"], [2.0], out, lifetime_epsilon=5.0,
-                                                    progress=False), [0, 1, 2])
+                                                    compute=Compute(progress=False)), [0, 1, 2])
     assert [c["charged"] for c in calls] == [True, True, False]
     for path in sorted((out / "hospital-ledgers").glob("*.jsonl")):
         assert {r["release_id"] for r in Ledger.load(path).records()} == {"seed-0:cell", "seed-1:cell"}

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from task.compute import Compute
 from task.networks import build_unet
 from task.training import (TrainConfig, evaluate_segmentation, per_sample_loss, predict_probs,
                           train_segmentation)
@@ -43,7 +44,7 @@ def test_training_reduces_loss_and_predicts_probabilities():
     x, y = _data()
     model = _model()
     result = train_segmentation(model, x, y, TrainConfig(epochs=4, batch_size=2, learning_rate=1e-2,
-                                                         progress=False, augment=False))
+                                                         augment=False, compute=Compute(progress=False)))
     losses = [h["loss"] for h in result.history]
     assert losses[-1] < losses[0]
     probs = predict_probs(model, x)
@@ -56,7 +57,7 @@ def test_soft_targets_train():
     x, y = _data()
     soft = np.eye(4, dtype=np.float32)[y].transpose(0, 4, 1, 2, 3) * 0.9 + 0.025
     result = train_segmentation(_model(), x, soft, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
-                                                               progress=False, augment=False))
+                                                               augment=False, compute=Compute(progress=False)))
     assert all(np.isfinite(h["loss"]) for h in result.history)
 
 
@@ -65,8 +66,8 @@ def test_init_from_starts_from_given_weights(tmp_path):
     source = _model(seed=1)
     torch.save({"model": source.state_dict()}, tmp_path / "pre.pt")
     target = _model(seed=2)
-    train_segmentation(target, x, y, TrainConfig(epochs=0, batch_size=2, learning_rate=1e-2, progress=False,
-                                                 init_from=tmp_path / "pre.pt"))
+    train_segmentation(target, x, y, TrainConfig(epochs=0, batch_size=2, learning_rate=1e-2,
+                                                 init_from=tmp_path / "pre.pt", compute=Compute(progress=False)))
     for a, b in zip(source.state_dict().values(), target.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -74,15 +75,18 @@ def test_init_from_starts_from_given_weights(tmp_path):
 def test_resume_continues_identically(tmp_path):
     x, y = _data()
     straight = _model()
-    train_segmentation(straight, x, y, TrainConfig(epochs=3, batch_size=2, learning_rate=1e-2, progress=False,
-                                                   augment=False, checkpoint=tmp_path / "a.pt"))
+    train_segmentation(straight, x, y, TrainConfig(epochs=3, batch_size=2, learning_rate=1e-2,
+                                                   augment=False, checkpoint=tmp_path / "a.pt",
+                                                   compute=Compute(progress=False)))
     first = _model()
-    train_segmentation(first, x, y, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, progress=False,
-                                                augment=False, checkpoint=tmp_path / "b.pt"))
+    train_segmentation(first, x, y, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
+                                                augment=False, checkpoint=tmp_path / "b.pt",
+                                                compute=Compute(progress=False)))
     resumed = _model(seed=5)   # different init: must be overwritten by the checkpoint
     result = train_segmentation(resumed, x, y, TrainConfig(epochs=3, batch_size=2, learning_rate=1e-2,
-                                                           progress=False, augment=False,
-                                                           checkpoint=tmp_path / "b.pt"))
+                                                           augment=False,
+                                                           checkpoint=tmp_path / "b.pt",
+                                                           compute=Compute(progress=False)))
     assert result.resumed_from_epoch == 2 and len(result.history) == 3
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
@@ -94,8 +98,8 @@ def test_augmentation_is_used_and_seeded():
 
     def run(augment, seed=0):
         model = _model()
-        train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-2, progress=False,
-                                                    augment=augment, seed=seed))
+        train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-2,
+                                                    augment=augment, seed=seed, compute=Compute(progress=False)))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     with_aug = run(True)

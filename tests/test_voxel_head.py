@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from task.compute import Compute
 from task.dpsgd import DPConfig, PrivateTraining
 from task.errors import UserError
 from task.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
@@ -56,8 +57,9 @@ def test_dpsgd_on_the_voxel_head_moves_only_the_head_and_is_charged():
     model = build_unet("tiny", trainable=VOXEL_HEAD)
     dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=0.1)
     result = train_segmentation(model, images, labels,
-                                TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, progress=False, augment=False,
-                                            trainable=VOXEL_HEAD, init_from=public.state_dict()), PrivateTraining(dp))
+                                TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, augment=False,
+                                            trainable=VOXEL_HEAD, init_from=public.state_dict(),
+                                            compute=Compute(progress=False)), PrivateTraining(dp))
     trained = dict(result.model.named_parameters())
     for name, value in public.named_parameters():
         assert torch.equal(trained[name].detach(), value.detach()), name

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.errors import UserError
 from sim.runners import compare
 from sim.runners.compare import CompareConfig, spread_over_workers
@@ -22,7 +23,7 @@ def test_longest_unit_first_onto_the_least_loaded_worker():
 
 def test_methods_with_teachers_are_one_unit_and_finished_cells_are_not_work(tmp_path):
     config = CompareConfig("quick", ["pate-anchored", "pate-pca", "dp-sgd-central", "public-only"], [1.0, 8.0],
-                           tmp_path, progress=False)
+                           tmp_path, compute=Compute(progress=False))
     units = dict(compare._work_units(config))
     assert set(units) == {("pate-anchored", "pate-pca"), ("dp-sgd-central",), ("public-only",)}
     assert units[("pate-anchored", "pate-pca")] == 4 * 190 + compare.TEACHER_TRAINING_SECONDS
@@ -40,9 +41,9 @@ def test_methods_with_teachers_are_one_unit_and_finished_cells_are_not_work(tmp_
 def test_workers_are_checked_once_and_only_with_the_inprocess_engine(tmp_path, monkeypatch):
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(UserError, match="--workers"):
-            CompareConfig("tiny", ["public-only"], [1.0], tmp_path, workers=bad)
+            CompareConfig("tiny", ["public-only"], [1.0], tmp_path, compute=Compute(workers=bad))
     with pytest.raises(UserError, match="--engine inprocess only"):
-        CompareConfig("tiny", ["public-only"], [1.0], tmp_path, workers=2, engine="flower")
+        CompareConfig("tiny", ["public-only"], [1.0], tmp_path, engine="flower", compute=Compute(workers=2))
     assert compare.parse_workers("3", "inprocess", "cpu") == 3
     with pytest.raises(UserError, match="--workers: expected a whole number"):
         compare.parse_workers("many", "inprocess", "cpu")
@@ -62,8 +63,9 @@ def test_two_workers_run_the_cells_one_process_runs(tmp_path, monkeypatch):
     results = {}
     for workers in (1, 2):
         out = tmp_path / f"workers-{workers}"
-        report = compare.run_compare(CompareConfig("tiny", methods, [2.0], out, progress=False,
-                                                   reproducible_noise=True, workers=workers))
+        report = compare.run_compare(CompareConfig("tiny", methods, [2.0], out,
+                                                   reproducible_noise=True,
+                                                   compute=Compute(workers=workers, progress=False)))
         assert report.exists() and f"workers = {workers}," in report.read_text()
         results[workers] = {path.parent.relative_to(out).as_posix(): json.loads(path.read_text())
                             for path in out.rglob("results.json")}
@@ -87,7 +89,7 @@ def test_a_method_registered_at_run_time_keeps_every_cell_in_this_process(tmp_pa
     register_method(Method("toy-late", "toy-late", "floor", runner="public-only"))
     try:
         config = CompareConfig("tiny", ["toy-late", "dp-sgd-central", "nonprivate-central"], [1.0], tmp_path,
-                               progress=False, workers=2)
+                               compute=Compute(workers=2, progress=False))
         compare.run_in_workers(config, 1.0, tmp_path / "ledgers")
     finally:
         unregister_method("toy-late")

@@ -147,6 +147,7 @@ def main() -> None:
     from task.data.preprocess import PreparedDataset, PreprocessConfig
     from task.networks import build_unet_from_config, network_config
     from task.predict import segment_scan
+    from task.compute import Compute
     from task.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
@@ -157,7 +158,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = train_segmentation(build_unet_from_config(network_config("small", in_channels=1)), images, labels,
                                TrainConfig(epochs=args.epochs, batch_size=2, learning_rate=2e-3, seed=0,
-                                           augment=args.augment, progress=True)).model.eval()
+                                           augment=args.augment, compute=Compute(progress=True))).model.eval()
     report = {}
     for name, (scan_file, label_file, value) in SCANS.items():
         scan = nib.load(args.qtim / scan_file)

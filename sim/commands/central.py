@@ -95,15 +95,16 @@ def run(args) -> int:
     from task.io import ensure_folder
     from task.realcheck import scoring
     from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
+    from task.compute import Compute
     from task.selection import SelectionConfig
 
     where = data_options(args)
     # the config checks every option (naming its flag) when it is made: before the device, the data or the ledger
     config = CentralConfig(
         method=args.method, preset=args.preset, out=args.out, epsilon=args.epsilon, delta=args.delta,
-        seed=args.seed, data=args.data, progress=not args.no_progress, init=args.init,
+        seed=args.seed, data=args.data, init=args.init,
         hospitals=resolve_hospitals(None, where["partition_file"]), **where,
-        device=args.device, precision=args.precision,
+        compute=Compute(device=args.device, precision=args.precision, progress=not args.no_progress),
         training=TrainingOptions(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                                  max_grad_norm=args.max_grad_norm, augment=not args.no_augment,
                                  levers={"trainable": args.trainable,
@@ -121,7 +122,7 @@ def run(args) -> int:
     device = resolved_device(args)
     ensure_folder(args.out)
     with scoring(real_check):   # every model it releases is also scored on the real cases
-        results = run_central(dataclasses.replace(config, device=str(device)))
+        results = run_central(dataclasses.replace(config, compute=config.compute.replace(device=str(device))))
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

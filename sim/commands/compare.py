@@ -53,6 +53,7 @@ def run(args) -> int:
     from sim.commands.common import data_options, open_real_check, resolve_hospitals
     from task.io import ensure_folder
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
+    from task.compute import Compute
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
         from task.errors import UserError
@@ -95,12 +96,12 @@ def run(args) -> int:
     seeds = parse_list(args.seeds, int, "--seeds") if args.seeds else [args.seed]
     config = CompareConfig(args.preset, methods, epsilons, args.out, data=args.data, delta=args.delta,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
-                           teachers_per_hospital=sweep, engine=args.engine, progress=not args.no_progress,
+                           teachers_per_hospital=sweep, engine=args.engine,
                            reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                           init=args.init, device=str(device), precision=args.precision,
-                           workers=parse_workers(args.workers, args.engine, str(device)),
-                           real_check=real_check.folders if real_check else (), threat=threat_options(args),
-                           **where)
+                           init=args.init, real_check=real_check.folders if real_check else (),
+                           threat=threat_options(args), **where,
+                           compute=Compute(device=str(device), precision=args.precision, progress=not args.no_progress,
+                                           workers=parse_workers(args.workers, args.engine, str(device))))
     report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0

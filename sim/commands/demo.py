@@ -72,6 +72,7 @@ def run(args) -> int:
     from task.presets import get_preset
     from sim.report import load_cells
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare
+    from task.compute import Compute
     from task.io import cache_root, ensure_folder
     from task.world import PHANTOM_SEED
     from task.data.phantoms import ensure_phantoms
@@ -84,11 +85,12 @@ def run(args) -> int:
     methods = DEMO_METHODS + ("," + SECURE_METHODS if args.secure else "")
     report = run_compare(CompareConfig(args.preset, parse_list(methods, str, "methods"),
                                        parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
-                                       progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                                       engine=args.engine, init=args.init, device=str(device),
-                                       precision=args.precision,
-                                       workers=parse_workers(args.workers, args.engine, str(device)),
-                                       real_check=real_check.folders if real_check else ()))
+                                       reproducible_noise=args.reproducible_noise,
+                                       engine=args.engine, init=args.init,
+                                       real_check=real_check.folders if real_check else (),
+                                       compute=Compute(device=str(device), precision=args.precision,
+                                                       workers=parse_workers(args.workers, args.engine, str(device)),
+                                                       progress=not args.no_progress)))
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,

@@ -116,14 +116,13 @@ def _certs(args) -> int:
 
 
 def _commands(args) -> int:
-    from sim.deployment.recipe import deployment_commands
+    from sim.deployment.recipe import DeploymentRecipe, deployment_commands
 
-    from task.device import check_device_spec
-
-    device = check_device_spec(args.device) if args.device else None   # checked here, resolved on each hospital
-    print(deployment_commands(args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"),
-                              app_dir=args.app, teachers_per_hospital=args.teachers_per_hospital,
-                              epsilon_budget=args.epsilon_budget, device=device, precision=args.precision), end="")
+    # the device spec is checked here (DeploymentRecipe) and resolved on each hospital
+    print(deployment_commands(DeploymentRecipe(
+        args.certs, args.superlink, _hospital_pairs(args.hospital, "--hospital"), app_dir=args.app,
+        teachers_per_hospital=args.teachers_per_hospital, epsilon_budget=args.epsilon_budget,
+        device=args.device or None, precision=args.precision)), end="")
     return 0
 
 

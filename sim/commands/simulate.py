@@ -37,6 +37,7 @@ def run(args) -> int:
     from task.errors import UserError
     from task.io import ensure_folder
     from task.realcheck import scoring
+    from task.compute import Compute
     from task.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
@@ -52,8 +53,9 @@ def run(args) -> int:
                            seed=args.seed, out=str(args.out), data=args.data, **where,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
-                           progress=not args.no_progress, reproducible_noise=args.reproducible_noise,
-                           init=args.init, device=args.device, precision=args.precision, **threat_options(args))
+                           reproducible_noise=args.reproducible_noise, init=args.init,
+                           compute=Compute(device=args.device, precision=args.precision, progress=not args.no_progress),
+                           **threat_options(args))
     with scoring(real_check):   # the model the ServerApp releases is also scored on the real cases
         results = simulate(settings, engine=args.engine)
     for result in results:

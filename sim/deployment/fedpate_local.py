@@ -94,7 +94,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                         "regenerated and subtracted; it is for simulations only)")
     work = Path(work_dir).resolve()
     preset = settings.resolved_preset
-    world = materialise_world(preset, settings.data, settings.seed, settings.progress, layout=settings.layout,
+    world = materialise_world(preset, settings.data, settings.seed, settings.compute.progress, layout=settings.layout,
                               partition_file=settings.partition_file)
     folders = export_hospital_folders(world, work / "hospital-data")
     out = Path(settings.out).resolve()
@@ -106,7 +106,8 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "max-teachers": preset.teachers_per_hospital * len(folders),
                   "delta": float(settings.resolved_delta),
                   # each hospital's device is its own machine's; on localhost: the run's spec
-                  "device": settings.device, "precision": settings.precision} for h, folder in folders.items()]
+                  "device": settings.compute.device, "precision": settings.compute.precision}
+                 for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
         if kill_hospital_during_queries is None:

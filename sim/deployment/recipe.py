@@ -7,22 +7,21 @@ every step.
 
 from __future__ import annotations
 
+import math
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from sim.deployment.flower_cli import FLOWER_ENV, config_string
+from task.device import check_device_spec, check_precision
 from task.errors import UserError
 from task.presets import get_preset
 
 
-def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequence[tuple[str, str]],
-                        app_dir: str = ".",
-                        supernode_port: int = 9094, teachers_per_hospital: int | None = None,
-                        remote_certs: str = "/etc/fedpate/certs", workdir_root: str = "/var/lib/fedpate",
-                        epsilon_budget: float = 8.0, max_teachers: int | None = None,
-                        device: str | None = None, precision: str | None = None) -> str:
-    """The step-by-step commands for real separate machines, as text.
+@dataclass(frozen=True)
+class DeploymentRecipe:
+    """What ``fedpate deploy commands`` writes the commands for, validated on construction.
 
     ``epsilon_budget`` and ``max_teachers`` go into every node config: a deployed hospital refuses to start
     without them.
@@ -40,17 +39,54 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
         epsilon_budget: each hospital's lifetime ε.
         max_teachers: the consortium's K (None = hospitals x ``teachers_per_hospital``, or x the quick preset's).
         device / precision: written into each node config when given: where that hospital trains its teachers
-            and at which precision (None = the node's default, auto and 32).
+            and at which precision (None = the node's default, auto and 32). Not a :class:`task.compute.Compute`:
+            each is the hospital's own machine's setting, written only when asked for.
     """
-    if ":" not in superlink:
-        raise UserError(f"--superlink {superlink!r}: expected HOST:PORT")
-    host, port = superlink.rsplit(":", 1)
-    if not port.isdigit():
-        raise UserError(f"--superlink {superlink!r}: port must be a number")
-    certs = Path(certs_dir)
-    consortium = int(max_teachers or len(hospitals) * (teachers_per_hospital or get_preset("quick").teachers_per_hospital))
+
+    certs_dir: Path
+    superlink: str
+    hospitals: Sequence[tuple[str, str]]
+    app_dir: str = "."
+    supernode_port: int = 9094
+    teachers_per_hospital: int | None = None
+    remote_certs: str = "/etc/fedpate/certs"
+    workdir_root: str = "/var/lib/fedpate"
+    epsilon_budget: float = 8.0
+    max_teachers: int | None = None
+    device: str | None = None
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        host, _, port = self.superlink.rpartition(":")
+        if not host:
+            raise UserError(f"--superlink {self.superlink!r}: expected HOST:PORT")
+        if not port.isdigit():
+            raise UserError(f"--superlink {self.superlink!r}: port must be a number")
+        object.__setattr__(self, "certs_dir", Path(self.certs_dir))
+        object.__setattr__(self, "hospitals", tuple((str(h), str(d)) for h, d in self.hospitals))
+        if not 0 < int(self.supernode_port) < 65536:
+            raise UserError(f"supernode port: expected 1..65535, got {self.supernode_port!r}")
+        if not (math.isfinite(float(self.epsilon_budget)) and float(self.epsilon_budget) > 0):
+            raise UserError(f"--epsilon-budget: expected a positive number, got {self.epsilon_budget!r}")
+        for name in ("teachers_per_hospital", "max_teachers"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise UserError(f"--{name.replace('_', '-')}: expected a positive integer, got {value!r}")
+        if self.device:
+            object.__setattr__(self, "device", check_device_spec(self.device))
+        if self.precision:
+            object.__setattr__(self, "precision", check_precision(self.precision))
+
+
+def deployment_commands(recipe: DeploymentRecipe) -> str:
+    """The step-by-step commands for real separate machines, as text (``recipe``: :class:`DeploymentRecipe`)."""
+    certs, hospitals, teachers_per_hospital = recipe.certs_dir, recipe.hospitals, recipe.teachers_per_hospital
+    host, port = recipe.superlink.rsplit(":", 1)
+    supernode_port, app_dir, device, precision = recipe.supernode_port, recipe.app_dir, recipe.device, recipe.precision
+    per_hospital = teachers_per_hospital or get_preset("quick").teachers_per_hospital
+    consortium = int(recipe.max_teachers or len(hospitals) * per_hospital)
     q = shlex.quote
-    r = remote_certs.rstrip("/")
+    r = recipe.remote_certs.rstrip("/")
     lines = [
         "# fedpate deployment: one aggregator (SuperLink + ServerApp) and one SuperNode per hospital.",
         f"# Generated from certificates in {certs}. Run each block on the machine named in its heading.",
@@ -93,10 +129,10 @@ def deployment_commands(certs_dir: str | Path, superlink: str, hospitals: Sequen
     lines.append("flwr supernode ls fedpate        # every hospital listed, status 'registered'")
     lines.append("")
     for hid, data in hospitals:
-        node_config = {"hospital-id": hid, "data-dir": data, "workdir": f"{workdir_root}/{hid}"}
+        node_config = {"hospital-id": hid, "data-dir": data, "workdir": f"{recipe.workdir_root}/{hid}"}
         if teachers_per_hospital:
             node_config["teachers-per-hospital"] = teachers_per_hospital
-        node_config["epsilon-budget"] = float(epsilon_budget)
+        node_config["epsilon-budget"] = float(recipe.epsilon_budget)
         node_config["max-teachers"] = consortium
         if device:      # where this hospital trains its teachers (its own GPU; default auto)
             node_config["device"] = device

@@ -16,6 +16,7 @@ per-run equivalent of ``flwr federation simulation-config --num-supernodes K``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,15 +44,10 @@ def simulation_federation_config(num_supernodes: int, num_cpus: int = 1, num_gpu
     return config
 
 
-def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | None, num_supernodes: int,
-                           work_dir: str | Path, timeout: float = 1800.0, num_cpus: int = 1,
-                           num_gpus: float = 0.0, init_num_cpus: int | None = None,
-                           startup_timeout: float = 180.0, env: Mapping[str, str] | None = None,
-                           verbose: bool = False) -> RunStatus:
-    """Start a simulation SuperLink, ``flwr run`` the app with ``num_supernodes`` virtual SuperNodes, stop.
-
-    Returns the :class:`~sim.deployment.flower_cli.RunStatus` (``ok`` only for ``finished:completed``); every
-    process started here is gone when it returns, whatever happened.
+@dataclass(frozen=True)
+class RuntimeSimulation:
+    """One run of a Flower app in the simulation runtime (:func:`run_runtime_simulation`), validated on
+    construction.
 
     Args:
         app_dir: the Flower app's folder (with pyproject.toml).
@@ -66,14 +62,48 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
         env: extra environment of every process (on top of :data:`FLOWER_ENV` and ``FLWR_HOME``).
         verbose: print when the SuperLink is up and how the run ended.
     """
-    app = Path(app_dir).resolve()
-    if not (app / "pyproject.toml").exists():
-        raise UserError(f"{app}: expected a Flower app folder with pyproject.toml")
-    work = Path(work_dir).resolve()
+
+    app_dir: Path
+    run_config: Mapping[str, Any] | None
+    num_supernodes: int
+    work_dir: Path
+    timeout: float = 1800.0
+    num_cpus: int = 1
+    num_gpus: float = 0.0
+    init_num_cpus: int | None = None
+    startup_timeout: float = 180.0
+    env: Mapping[str, str] | None = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        app = Path(self.app_dir).resolve()
+        if not (app / "pyproject.toml").exists():
+            raise UserError(f"{app}: expected a Flower app folder with pyproject.toml")
+        object.__setattr__(self, "app_dir", app)
+        object.__setattr__(self, "work_dir", Path(self.work_dir).resolve())
+        for name in ("timeout", "startup_timeout"):
+            if not float(getattr(self, name)) > 0:
+                raise UserError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
+        self.federation   # the SuperNodes and their resources, checked now
+
+    @property
+    def federation(self) -> dict[str, Any]:
+        """``--federation-config``: the SuperNodes and each ClientApp's resources."""
+        return simulation_federation_config(self.num_supernodes, self.num_cpus, self.num_gpus, self.init_num_cpus)
+
+
+def run_runtime_simulation(simulation: RuntimeSimulation) -> RunStatus:
+    """Start a simulation SuperLink, ``flwr run`` the app with ``simulation.num_supernodes`` virtual SuperNodes,
+    stop (``simulation``: :class:`RuntimeSimulation`).
+
+    Returns the :class:`~sim.deployment.flower_cli.RunStatus` (``ok`` only for ``finished:completed``); every
+    process started here is gone when it returns, whatever happened.
+    """
+    app, work, verbose = simulation.app_dir, simulation.work_dir, simulation.verbose
     work.mkdir(parents=True, exist_ok=True)
-    federation = simulation_federation_config(num_supernodes, num_cpus, num_gpus, init_num_cpus)
+    federation = simulation.federation
     flwr_home = work / "flwr-home"
-    environment = {**FLOWER_ENV, "FLWR_HOME": str(flwr_home), **(env or {})}
+    environment = {**FLOWER_ENV, "FLWR_HOME": str(flwr_home), **(simulation.env or {})}
     port = free_ports(1)[0]
     write_flower_config(flwr_home, CONNECTION, f"{LOOPBACK}:{port}", None)
     with Supervisor(work) as sup:
@@ -84,11 +114,11 @@ def run_runtime_simulation(app_dir: str | Path, run_config: Mapping[str, Any] | 
                           "--database", str(work / "superlink-sim.db"),
                           "--disable-runtime-dependency-installation"],
                          env=environment)
-        wait_for_http_health(f"http://{LOOPBACK}:{port}/health", startup_timeout, proc=link)
+        wait_for_http_health(f"http://{LOOPBACK}:{port}/health", simulation.startup_timeout, proc=link)
         if verbose:
             print(f"[runtime-sim] SuperLink (simulation) up on {LOOPBACK}:{port} in "
                   f"{time.monotonic() - t0:.1f} s (pid {link.pid})", flush=True)
-        status = flwr_run(sup, environment, app, CONNECTION, run_config or {}, timeout,
+        status = flwr_run(sup, environment, app, CONNECTION, simulation.run_config or {}, simulation.timeout,
                           extra_args=["--federation-config", config_string(federation)])
         sup.snapshot()
         if verbose:

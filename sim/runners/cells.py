@@ -17,12 +17,14 @@ from typing import Callable
 from server.selftrain import train_public_models
 from server.student import ModelTraining, train_public_model
 from task.bundle import preprocessing_of
+from task.compute import Compute
 from task.device import device_name, model_device
 from task.networks import network_config
 from task.registry import Registry
 from task.results import ModelRelease, RunResults, write_run
 from task.runconfig import Cell
 from sim.runners.central import CentralConfig, DPSGDOptions, run_central
+from sim.runners.floors import FloorRun
 from sim.runners.selftrain import run_public_selftrain
 from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
 from task.world import build_world, load_world
@@ -42,10 +44,8 @@ class CompareContext:
     ledger_dir: Path
     lifetime_epsilon: float
     public_checkpoint: Path             # the public model every cell starts from
-    progress: bool = True
     reproducible_noise: bool = False
-    device: str = "auto"
-    precision: str = "32"
+    compute: Compute = Compute()        # device, precision and progress bars of every cell
     where: dict = field(default_factory=dict)   # layout / partition_file
 
     @property
@@ -64,11 +64,11 @@ def run_pooled(context: CompareContext, cell: Cell) -> None:
     private = cell.record.private
     run_central(CentralConfig(
         method="dp-sgd" if private else "nonprivate", preset=context.preset_name, out=cell.out,
-        epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data, progress=context.progress,
+        epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data,
         hospital_ledger_dir=context.ledger_dir if private else None,
         lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
         public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
-        device=context.device, precision=context.precision, **context.where,
+        compute=context.compute, **context.where,
         dpsgd=DPSGDOptions(reproducible_noise=context.reproducible_noise)))
 
 
@@ -77,14 +77,13 @@ def run_floor(floor: Callable) -> CellRunner:
     drives reproducible noise)."""
 
     def run(context: CompareContext, cell: Cell) -> None:
-        floor(context.preset, context.data, context.seed, Path(cell.out), context.shared_dir,
-              progress=context.progress, publish_seed=not context.reproducible_noise, device=context.device,
-              precision=context.precision, **context.where)
+        floor(FloorRun(context.preset, Path(cell.out), context.shared_dir, data=context.data, seed=context.seed,
+                       publish_seed=not context.reproducible_noise, compute=context.compute, **context.where))
 
     return run
 
 
-def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: bool, device: str, precision: str):
+def shared_public_models(world, preset, seed: int, shared_dir: Path, compute: Compute):
     """(start model, public-only model) at a comparison's shared checkpoints, trained or loaded: the model every
     cell starts from (``public-model.pt``, self-trained in ``public-model-selftrain/`` where the preset's
     ``public_start`` says so) and the reference-trained public model's continuation on the student's schedule
@@ -95,10 +94,10 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
         preset: the preset (network, public and student epochs).
         seed: the training seed.
         shared_dir: the folder of both checkpoints (a finished checkpoint is loaded, not retrained).
-        progress: progress bars.
-        device / precision: where they train (``task.device``) and whether forward passes run under bf16.
+        compute: where they train (``task.device``), whether forward passes run under bf16, progress bars.
     """
     shared_dir = Path(shared_dir)
+    progress, device, precision = compute.progress, compute.device, compute.precision
     public = train_public_models(world, preset, seed=seed, progress=progress,
                                  checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
     init = {k: v.clone() for k, v in public.reference.state_dict().items()}
@@ -109,33 +108,19 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, progress: b
     return public.start, public_only
 
 
-def run_public_only(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                    publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
-                    device: str = "auto", precision: str = "32") -> dict:
-    """The student trained on the public reference set only (same schedule as PATE's public-only model).
-
-    Args:
-        preset: the comparison's preset (its world, network and schedule).
-        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
-        seed: the world's split and the trainings.
-        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
-        shared_dir: where the public model (``public-model.pt``) and this model (``public-only.pt``) are
-            checkpointed, shared with the comparison's other cells.
-        progress: progress bars.
-        publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
-        layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
-            partitions are the hospitals (``task.world.build_world``; None = none).
-        device / precision: where the models train and are evaluated (``task.device``; default auto) and whether
-            forward passes run under bf16 autocast (``"32"`` = float32).
-    """
+def run_public_only(run: FloorRun) -> dict:
+    """The student trained on the public reference set only (same schedule as PATE's public-only model), in
+    ``run.out``; the public model (``public-model.pt``) and this model (``public-only.pt``) are checkpointed in
+    ``run.shared_dir`` (:class:`sim.runners.floors.FloorRun`)."""
     started = time.perf_counter()
-    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file))
-    _, model = shared_public_models(world, preset, seed, shared_dir, progress, device, precision)
+    preset, seed, out, precision = run.preset, run.seed, run.out, run.compute.precision
+    world = load_world(*build_world(preset, run.data, seed, run.compute.progress, **run.where))
+    _, model = shared_public_models(world, preset, seed, run.shared_dir, run.compute)
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
-    results = RunResults(method="public-only", dice=dice, seed=seed if publish_seed else None,
+    results = RunResults(method="public-only", dice=dice, seed=seed if run.publish_seed else None,
                          device=device_name(model_device(model)), precision=precision)
     results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
                       "reference_cases": len(world.reference_labels),

@@ -38,7 +38,8 @@ from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.selftrain import start_description, train_public_models
 from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, private_training, steps_per_epoch
-from task.device import check_precision, device_name, resolve_device
+from task.compute import Compute
+from task.device import device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
 from task.methods import CENTRAL_METHODS
@@ -146,15 +147,14 @@ class CentralConfig:
             ``dpsgd.reproducible_noise``.
         data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``hospitals``, ``layout`` and
             ``partition_file`` shape its world (``task.world.build_world``; None = as the preset says).
-        progress: progress bars.
         init: ``public`` -- start from the public model (trained on the public reference set, as PATE's
             teachers and student; shared through ``public_model_checkpoint`` in a comparison) -- or
             ``scratch`` (random weights; the seed paper's DP-SGD baseline).
         hospital_ledger_dir / lifetime_epsilon: the hospitals' own ledgers of a comparison
             (``<dir>/<hospital>.jsonl``) and their lifetime budget: every epoch is also charged there, and
             refused when a hospital's lifetime budget would be exceeded.
-        device / precision: where the models train and are evaluated (auto = CUDA when there is one;
-            ``task.device``) and whether forward passes run under bf16 autocast; both are recorded.
+        compute: where the models train and are evaluated (auto = CUDA when there is one; ``task.device``),
+            whether forward passes run under bf16 autocast (both are recorded), and progress bars.
         training: settings fixed by the caller (:class:`TrainingOptions`).
         dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
         selection: how DP-SGD's setting is chosen: ``public`` (default) -- the preset's grid,
@@ -171,7 +171,6 @@ class CentralConfig:
     delta: float | None = None
     seed: int = 0
     data: str | Path | None = None
-    progress: bool = True
     init: Init = Init.PUBLIC
     public_model_checkpoint: str | Path | None = None
     hospital_ledger_dir: str | Path | None = None
@@ -179,8 +178,7 @@ class CentralConfig:
     hospitals: int | None = None
     layout: str | None = None
     partition_file: str | None = None
-    device: str = "auto"
-    precision: str = "32"
+    compute: Compute = Compute()
     training: TrainingOptions = TrainingOptions()
     dpsgd: DPSGDOptions = DPSGDOptions()
     selection: Selection = Selection.PUBLIC
@@ -209,6 +207,8 @@ class CentralConfig:
         _check_number("--epsilon", self.epsilon, positive=True)
         _check_number("--delta", self.delta, low=0.0, high=1.0, closed_low=False, closed_high=False)
         _check_integer("--seed", self.seed, low=0)
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
         if self.data is not None and not Path(self.data).exists():
             raise UserError(f"--data: {self.data} does not exist (expected an MSD Task01 or BraTS folder)")
         if self.lifetime_epsilon is not None:
@@ -239,11 +239,13 @@ class CentralConfig:
 
     @classmethod
     def of(cls, **options) -> "CentralConfig":
-        """A config from flat keyword options (scripts, tests): the fields of :class:`TrainingOptions` and
-        :class:`DPSGDOptions` go to ``training`` / ``dpsgd``, the rest are this class's own."""
+        """A config from flat keyword options (scripts, tests): the fields of :class:`TrainingOptions`,
+        :class:`DPSGDOptions` and :class:`task.compute.Compute` go to ``training`` / ``dpsgd`` / ``compute``, the
+        rest are this class's own."""
         groups = {name: {k: options.pop(k) for k in [f.name for f in dataclasses.fields(kind)] if k in options}
-                  for name, kind in (("training", TrainingOptions), ("dpsgd", DPSGDOptions))}
-        return cls(**options, training=TrainingOptions(**groups["training"]), dpsgd=DPSGDOptions(**groups["dpsgd"]))
+                  for name, kind in (("training", TrainingOptions), ("dpsgd", DPSGDOptions), ("compute", Compute))}
+        return cls(**options, training=TrainingOptions(**groups["training"]), dpsgd=DPSGDOptions(**groups["dpsgd"]),
+                   compute=Compute(**groups["compute"]))
 
     @property
     def private(self) -> bool:
@@ -306,6 +308,11 @@ class PooledRun:
         if self.config.private and (self.guard is None or self.prefix is None):
             raise ValueError("PooledRun: DP-SGD needs the run's budget guard and release-id prefix")
 
+    @property
+    def compute(self) -> Compute:
+        """The config's compute context with the device resolved: what each of the run's trainings is given."""
+        return self.config.compute.replace(device=str(self.device), precision=self.precision)
+
 
 def run_central(config: CentralConfig) -> dict[str, Any]:
     """Train on the pooled private data, evaluate on the test split, write the run folder; return results.
@@ -316,7 +323,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
     every epoch of every grid entry, so its ε is the budget. DP-SGD's noise is drawn on the host
-    (``task.dpsgd``) whatever ``config.device`` is.
+    (``task.dpsgd``) whatever ``config.compute.device`` is.
 
     Steps: :func:`prepare_run` (everything refused before anything trains), :func:`_train_grid` or
     :func:`private_selection`, then the chosen model evaluated on the test split and written.
@@ -357,8 +364,8 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     budget; the folder (a finished run's is refused, an earlier start's must have had the same settings); the world
     and the settings to try; what needs only the data's sizes (a budget that cannot be met is refused before the
     public model is trained or anything is written to --out); then the start model, the ledger and the noise."""
-    device = resolve_device(config.device)   # a GPU asked for and missing: refused before any data is touched
-    precision = check_precision(config.precision)
+    device = resolve_device(config.compute.device)   # a GPU asked for and missing: refused before any data is touched
+    precision = config.compute.precision
     try:
         p = get_preset(config.preset)
     except ValueError as exc:
@@ -372,7 +379,7 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     record_central_settings(config, out, p.reference, epsilon, delta)
 
     torch.manual_seed(seed)
-    world = load_central_data(p, seed=seed, data=config.data, progress=config.progress, **config.where)
+    world = load_central_data(p, seed=seed, data=config.data, progress=config.compute.progress, **config.where)
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, config.private, config.training.explicit(),
                              grid=(config.private and dpsgd.noise_mode is NoiseMode.TARGET
@@ -381,7 +388,7 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     out.mkdir(parents=True, exist_ok=True)
     start_weights = None
     if config.init is Init.PUBLIC:
-        start_weights = public_start(p, seed=seed, data=config.data, progress=config.progress,
+        start_weights = public_start(p, seed=seed, data=config.data, progress=config.compute.progress,
                                      checkpoint=config.public_model_checkpoint or out / "public-model.pt",
                                      device=device, precision=precision, **config.where)
     ledger, guard = _open_ledger(config, out / "ledger.jsonl", world["hospital_ids"], epsilon, delta)
@@ -443,7 +450,7 @@ def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
     for index, setting in enumerate(settings):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = _setting_training(
-            config, setting, run.start_weights, run.device, run.precision,
+            config, setting, run.start_weights, run.compute,
             checkpoint=run.out / "checkpoint" / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
             description=METHODS[config.method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
             extra_checkpoint={"network_config": network_config(p.unet, trainable=trainable_of(setting))})
@@ -560,9 +567,8 @@ def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
         dp = dp_config(setting, rep, z, f"{run.prefix}:selection:rep-{rep}")
         # no bar of its own: task.selection shows one bar for the whole selection (a bar per candidate would
         # count the repetitions and name the candidates drawn)
-        train_config = dataclasses.replace(
-            _setting_training(config, setting, run.start_weights, run.device, run.precision, checkpoint=None,
-                              description="private selection"), progress=False)
+        train_config = _setting_training(config, setting, run.start_weights, run.compute.replace(progress=False),
+                                         checkpoint=None, description="private selection")
         torch.manual_seed(seed)
         return train_segmentation(build_unet(p.unet, trainable=trainable_of(setting)), images, labels, train_config,
                                   private_training(dp, covered, owners=tuple(world["hospital_ids"]), noise=stream),
@@ -579,7 +585,7 @@ def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
         seed=seed, config=config.selection_config or SelectionConfig(),
         callbacks=SelectionCallbacks(public_model=public_model, train_candidate=train_candidate,
                                      evaluate_per_case=per_case, steps_per_epoch=steps_per_epoch),
-        progress=config.progress)
+        progress=config.compute.progress)
     # the released model's own DP-SGD configuration, and none when the public model was released: whether some
     # other candidate was trained on the way is not part of the release
     if selected.setting is None:
@@ -587,12 +593,12 @@ def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
     return selected, dp_config(selected.setting, 0, selected.info["dpsgd_noise_multiplier"], run.prefix)
 
 
-def _setting_training(config: CentralConfig, setting: dict, start_weights, device, precision, **run) -> TrainConfig:
-    """One grid entry's training (its epochs, batch, learning rate and levers) from the run's start; ``run``: its
-    checkpoint, progress description and checkpoint extras."""
+def _setting_training(config: CentralConfig, setting: dict, start_weights, compute: Compute, **run) -> TrainConfig:
+    """One grid entry's training (its epochs, batch, learning rate and levers) from the run's start, computed as
+    ``compute`` says; ``run``: its checkpoint, progress description and checkpoint extras."""
     return TrainConfig(epochs=setting["epochs"], batch_size=setting["batch_size"],
                        learning_rate=setting["learning_rate"], seed=config.seed, augment=config.training.augment,
-                       progress=config.progress, init_from=start_weights, device=device, precision=precision,
+                       init_from=start_weights, compute=compute,
                        **lever_settings(setting), **run)
 
 
@@ -722,7 +728,7 @@ def record_central_settings(config: CentralConfig, out: Path, preset: str, epsil
                 "seed": None if reproducible else config.seed, "noise": "reproducible" if reproducible else "secure",
                 "data": None if config.data is None else str(config.data), "hospitals": config.hospitals,
                 "layout": config.layout, "partition_file": config.partition_file, "init": config.init,
-                "precision": config.precision, "selection": config.selection,
+                "precision": config.compute.precision, "selection": config.selection,
                 "selection_config": dataclasses.asdict(config.selection_config) if config.selection_config else None,
                 "training": dataclasses.asdict(config.training),
                 "dpsgd": {k: v for k, v in dataclasses.asdict(config.dpsgd).items() if k != "reproducible_noise"}}

@@ -41,7 +41,8 @@ from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_eps
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from task.bundle import attach_release, load_bundle
-from task.device import check_precision, resolve_device
+from task.compute import Compute
+from task.device import resolve_device
 from task.errors import UserError
 from task.io import atomic_write_json
 from task import methods as registry
@@ -89,7 +90,6 @@ class CompareConfig:
             the first.
         engine: ``inprocess`` (default; the same protocol code as the Flower apps, torch on every core) or
             ``flower`` (Flower's simulation engine).
-        progress: progress bars.
         reproducible_noise: simulation only -- every cell's noise seeded by ``seed``, which is then published
             nowhere.
         lifetime_epsilon: each hospital's lifetime budget over the comparison (None = the sum of the private
@@ -98,9 +98,10 @@ class CompareConfig:
             teachers and student start from; one checkpoint shared by every cell) or ``scratch``.
         ledger_dir: the hospitals' own lifetime ledgers every private cell charges (None =
             ``out/hospital-ledgers``); :func:`run_compare_seeds` points every seed at one folder.
-        device / precision: every cell's, passed on as a spec (each party resolves it where it runs).
-        workers: how many cells run at once, each group of cells in its own process with its share of the
-            cores (:func:`run_in_workers`; 1 = every cell in this process, in sequence; :func:`default_workers`).
+        compute: every cell's device and precision, passed on as a spec (each party resolves it where it runs),
+            progress bars, and ``workers``: how many cells run at once, each group of cells in its own process with
+            its share of the cores (:func:`run_in_workers`; 1 = every cell in this process, in sequence;
+            :func:`default_workers`).
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
         real_check: folders of labelled real cases (``--real-check``): every model a cell releases is also
@@ -118,16 +119,13 @@ class CompareConfig:
     hospitals: int | None = None
     teachers_per_hospital: Sequence[int] | None = None
     engine: str = "inprocess"
-    progress: bool = True
     reproducible_noise: bool = False
     lifetime_epsilon: float | None = None
     init: str = "public"
     ledger_dir: Path | None = None
     layout: str | None = None
     partition_file: str | None = None
-    device: str = "auto"
-    precision: str = "32"
-    workers: int = 1
+    compute: Compute = Compute()
     lane: bool = False
     real_check: Sequence[str] = ()
     #: the secure methods' threat model as RunSettings' fields (``secure_colluders``, ``secure_dropouts``,
@@ -139,11 +137,11 @@ class CompareConfig:
         object.__setattr__(self, "preset", preset_reference(self.preset))
         if self.init not in ("public", "scratch"):
             raise UserError(f"--init: expected public or scratch, got {self.init!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
-            raise UserError(f"--workers: expected a whole number >= 1, got {self.workers!r}")
-        if self.workers > 1 and self.engine != "inprocess":
-            raise UserError(f"--workers {self.workers}: cells run in worker processes with --engine inprocess only "
-                            f"(Flower's simulation engine schedules its own processes); use --workers 1")
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        if self.compute.workers > 1 and self.engine != "inprocess":
+            raise UserError(f"--workers {self.compute.workers}: cells run in worker processes with --engine inprocess "
+                            "only (Flower's simulation engine schedules its own processes); use --workers 1")
         known = registry.names()
         unknown = [m for m in self.methods if m not in known]
         if unknown:
@@ -156,7 +154,7 @@ class CompareConfig:
         fields = {"methods": tuple(self.methods),
                   # the one place a comparison's budgets are checked
                   "epsilons": tuple(check_epsilon(e) for e in self.epsilons),
-                  "out": Path(self.out), "hospitals": hospitals, "precision": check_precision(self.precision),
+                  "out": Path(self.out), "hospitals": hospitals,
                   "teachers_per_hospital": tuple(self.teachers_per_hospital) if self.teachers_per_hospital else None,
                   "ledger_dir": Path(self.ledger_dir) if self.ledger_dir is not None else None,
                   "real_check": tuple(str(folder) for folder in (self.real_check or ()))}
@@ -207,18 +205,18 @@ def run_compare(config: CompareConfig) -> Path:
     """Every method x epsilon (x K) on one world (``config``, :class:`CompareConfig`); returns the report's path.
 
     Federated methods run one simulation per K (all of that K's cells in sequence); every other method runs
-    through its record's cell runner (``sim.runners.cells``); with ``config.workers`` > 1 the cells are spread
+    through its record's cell runner (``sim.runners.cells``); with ``config.compute.workers`` > 1 the cells are spread
     over that many processes (:func:`run_in_workers`); then the overlays, the combined release and the
     report. A GPU asked for and missing is refused here, before any cell starts.
     """
-    resolve_device(config.device)
+    resolve_device(config.compute.device)
     if not config.lane and (config.out / "compare-seeds.json").exists():
         raise UserError(f"--out {config.out}: holds a comparison over several seeds; resume it with its --seeds, "
                         "or use a new --out folder")
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     seed, data, hospitals, where = config.seed, config.data, config.hospitals, config.where
-    device, engine = config.device, config.engine
-    progress, reproducible_noise = config.progress, config.reproducible_noise
+    device, engine = config.compute.device, config.engine
+    progress, reproducible_noise = config.compute.progress, config.reproducible_noise
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
     base = config.base_preset
@@ -253,7 +251,7 @@ def run_compare(config: CompareConfig) -> Path:
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
     with realcheck.scoring(config.real_cases):   # every model a cell releases is scored on the real cases
-        if config.workers > 1:
+        if config.compute.workers > 1:
             worlds = run_in_workers(config, lifetime, ledger_dir)
         else:
             worlds = _run_cells(config, lifetime, ledger_dir)
@@ -273,7 +271,8 @@ def run_compare(config: CompareConfig) -> Path:
     title = f"fedpate comparison — preset {preset_name}"
     settings = {"preset": preset_name, "hospitals": base.hospitals, "teachers per hospital": ",".join(map(str, sweep)),
                 "δ": delta, "seed": "—" if reproducible_noise else seed, "start model": base.public_start,
-                "engine": engine, "workers": config.workers, "wall minutes": round((time.perf_counter() - started) / 60, 1)}
+                "engine": engine, "workers": config.compute.workers,
+                "wall minutes": round((time.perf_counter() - started) / 60, 1)}
     # kept so that a multi-seed comparison can restate this seed's report with everything released after it
     atomic_write_json(out / REPORT_SETTINGS, {"title": title, "settings": settings,
                                               "overlays": [str(Path(o).relative_to(out)) for o in overlays]})
@@ -291,7 +290,7 @@ def resume_settings(config: CompareConfig) -> dict[str, Any]:
                 "noise": "reproducible" if config.reproducible_noise else "secure",
                 "hospitals": config.base_preset.hospitals, "teachers_per_hospital": config.teacher_sweep,
                 "data": config.data, **config.where, "engine": config.engine, "init": config.init,
-                "precision": config.precision}
+                "precision": config.compute.precision}
     if config.ledger_dir is None:
         settings["lifetime_epsilon_given"] = config.lifetime_epsilon
     if any(config.threat.values()):   # only when given: folders started before it existed resume as they were
@@ -324,7 +323,7 @@ def _cell_done(path: Path) -> bool:
 def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict[int, str]:
     """Every not yet finished cell of ``config``'s methods, in this process, in sequence; returns each K's
     materialised world. Federated cells: one simulation per K; every other cell through its record's runner."""
-    out, seed, data, init, progress = config.out, config.seed, config.data, config.init, config.progress
+    out, seed, data, init = config.out, config.seed, config.data, config.init
     federations = config.federations
     first = federations[0]
     chosen = [registry.method(m) for m in config.methods]
@@ -340,15 +339,15 @@ def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict
             cells += [Cell(record.name, epsilon, str(path), init=init, shared_dir=str(shared), teachers=teachers)
                       for k_index, epsilon, teachers, path in _planned_cells(config, record)
                       if k_index == index and not _cell_done(path)]
-        worlds[preset.teachers] = str(materialise_world(preset, data, seed, progress, **config.where))
+        worlds[preset.teachers] = str(materialise_world(preset, data, seed, config.compute.progress, **config.where))
         # the settings every cell of this K shares; each cell names its own method (RunSettings needs one)
         settings = RunSettings(method=cells[0].method if cells else registry.names(federated=True)[0],
                                preset=config.preset, delta=config.resolved_delta, seed=seed, data=data,
-                               hospitals=config.hospitals, teachers_per_hospital=per_hospital, progress=progress,
+                               hospitals=config.hospitals, teachers_per_hospital=per_hospital,
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=config.reproducible_noise, ledger_dir=str(ledger_dir),
                                lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
-                               device=str(config.device), precision=config.precision, **dict(config.threat))
+                               compute=config.compute, **dict(config.threat))
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
@@ -377,8 +376,8 @@ def _cell_context(config: CompareConfig, lifetime: float, ledger_dir: Path) -> C
                           delta=config.resolved_delta, hospitals=config.hospitals, ledger_dir=ledger_dir,
                           lifetime_epsilon=lifetime,
                           public_checkpoint=config.out / "_shared" / f"K-{first.teachers}" / "public-model.pt",
-                          progress=config.progress, reproducible_noise=config.reproducible_noise,
-                          device=str(config.device), precision=config.precision, where=config.where)
+                          reproducible_noise=config.reproducible_noise, compute=config.compute,
+                          where=config.where)
 
 
 def parse_workers(text: str | int | None, engine: str, device: str) -> int:
@@ -440,7 +439,7 @@ def spread_over_workers(units: Sequence[tuple[tuple[str, ...], float]], workers:
 
 
 def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict[int, str]:
-    """Run the comparison's cells in ``config.workers`` processes at once (so the demo fits in 15 min on
+    """Run the comparison's cells in ``config.compute.workers`` processes at once (so the demo fits in 15 min on
     two cores); returns each K's materialised world.
 
     This process first materialises every K's world and trains what every worker would otherwise train
@@ -458,10 +457,10 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     """
     import multiprocessing
 
-    worlds = {preset.teachers: str(materialise_world(preset, config.data, config.seed, config.progress,
+    worlds = {preset.teachers: str(materialise_world(preset, config.data, config.seed, config.compute.progress,
                                                      **config.where))
               for preset in config.federations}
-    lanes = spread_over_workers(_work_units(config), config.workers)
+    lanes = spread_over_workers(_work_units(config), config.compute.workers)
     runtime_registered = [m for m in config.methods if m not in registry.BUILTIN_METHODS]
     if runtime_registered:
         print(f"compare: {', '.join(runtime_registered)} registered at run time, unknown to worker processes: "
@@ -476,8 +475,9 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
           + "; ".join(", ".join(lane) for lane in lanes), flush=True)
     spawn = multiprocessing.get_context("spawn")   # no forked torch / OpenMP state
     processes = [spawn.Process(target=_run_lane, name=f"fedpate-worker-{i}",
-                               args=(dataclasses.replace(config, methods=tuple(lane), workers=1, lane=True,
-                                                         progress=False, lifetime_epsilon=lifetime,
+                               args=(dataclasses.replace(config, methods=tuple(lane), lane=True,
+                                                         compute=config.compute.replace(workers=1, progress=False),
+                                                         lifetime_epsilon=lifetime,
                                                          ledger_dir=ledger_dir, delta=config.resolved_delta),
                                      threads))
                  for i, lane in enumerate(lanes)]
@@ -492,7 +492,7 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     finally:
         if masking:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-    bar = _cells_bar(len(planned)) if config.progress else None
+    bar = _cells_bar(len(planned)) if config.compute.progress else None
     try:
         while any(process.is_alive() for process in processes):
             if bar is not None:
@@ -563,9 +563,9 @@ def _cells_bar(total: int):
 def prepare_public_models(context: CompareContext) -> None:
     """Train (or load) the first K's public model and its public-only schedule at their shared checkpoints, so
     that concurrent workers load them instead of each training them (``sim.runners.cells.shared_public_models``)."""
-    world = load_world(*build_world(context.preset, context.data, context.seed, context.progress, **context.where))
-    shared_public_models(world, context.preset, context.seed, context.shared_dir, context.progress,
-                         context.device, context.precision)
+    world = load_world(*build_world(context.preset, context.data, context.seed, context.compute.progress,
+                                    **context.where))
+    shared_public_models(world, context.preset, context.seed, context.shared_dir, context.compute)
 
 
 #: a single-seed comparison's report title, settings and overlays (rewritten by run_compare_seeds at the end)

@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,9 +20,12 @@ from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
+from task.compute import Compute
 from task.errors import UserError
+from task import methods
 from task.presets import get_preset
 from task.requests import HospitalRequest
+from task.runconfig import check_epsilon
 from task.world import build_world, load_world
 
 log = logging.getLogger("fedpate.inprocess")
@@ -115,23 +120,21 @@ def simulated_hospitals(prepared, split, preset, root: str | Path, seed: int = 0
             for h in sorted(split.hospitals)]
 
 
-def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: float | None, out,
-                       seed: int = 0, data=None, hospitals: int | None = None,
-                       teachers_per_hospital: int | None = None, progress: bool = True, *, prepared=None,
-                       split=None, drop: Mapping[str, int] | None = None, hospitals_root=None,
-                       hospital_config: Mapping | None = None, noise=None, **options) -> dict:
-    """Build the world (task.world), one Hospital per split hospital, and run :func:`server.pate.run_pate`.
+@dataclass(frozen=True)
+class InProcessPateRun:
+    """One PATE run with every hospital simulated in this process (:func:`run_pate_inprocess`), validated on
+    construction.
 
     Args:
-        preset_name: a preset's name or a Preset (tests use shortened budgets).
-        method: the PATE method (``pate-pca``, ``pate-ae``, ``pate-anchored``, ``pate-naive``).
-        epsilon / delta: the run's budget (None = the preset's).
+        preset: a preset's name (or a variant's reference), resolved with ``hospitals`` and
+            ``teachers_per_hospital``, or a :class:`task.presets.Preset` used as it is (tests use shortened budgets).
+        method: the PATE method (a ``task.methods`` record whose protocol is ``pate``).
         out: the run folder (``server.pate.run_pate``).
+        epsilon / delta: the run's budget (None = the preset's).
         seed: the world's split, the hospitals' and the server's training; the noise only when ``noise`` is
             reproducible.
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
         hospitals / teachers_per_hospital: override the preset's (None = the preset's).
-        progress: progress bars.
         prepared / split: a world already built (both, or the world is built from the preset).
         drop: {hospital: query round from which it stops answering}, a simulated dropout (None = none).
         hospitals_root: where the hospitals keep their teachers (shared across a comparison's cells; None =
@@ -139,21 +142,69 @@ def run_pate_inprocess(preset_name, method: str, epsilon: float | None, delta: f
         hospital_config: where the simulated hospitals keep their own ledgers and their lifetime budget
             (``RunSettings.hospital_privacy_config``); default: ``out/hospital-ledgers`` and this run's epsilon.
         noise: the ``privacy.mechanisms.NoiseSource`` of the releases (None = secure).
-        **options: the other :class:`server.pate.PateConfig` fields.
+        compute: the server's and the simulated hospitals' device and precision, and progress bars.
+        options: the other :class:`server.pate.PateConfig` fields (``query_batch``, ``diagnostics``, ...).
     """
-    preset = (get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=teachers_per_hospital)
-              if isinstance(preset_name, str) else preset_name)
-    epsilon = preset.epsilon if epsilon is None else float(epsilon)
-    delta = preset.delta if delta is None else float(delta)
-    if prepared is None or split is None:
-        prepared, split = build_world(preset, data, seed, progress, hospitals, teachers_per_hospital)
-    out = Path(out)
+
+    preset: Any
+    method: str
+    out: Path
+    epsilon: float | None = None
+    delta: float | None = None
+    seed: int = 0
+    data: str | None = None
+    hospitals: int | None = None
+    teachers_per_hospital: int | None = None
+    prepared: Any = None
+    split: Any = None
+    drop: Mapping[str, int] | None = None
+    hospitals_root: Path | None = None
+    hospital_config: Mapping[str, Any] | None = None
+    noise: Any = None
+    compute: Compute = Compute()
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        pate_methods = methods.names(protocol="pate")
+        if self.method not in pate_methods:
+            raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
+        if self.epsilon is not None:
+            object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, "epsilon"))
+        if self.delta is not None and not 0 < float(self.delta) < 1:
+            raise UserError(f"delta: expected a number in (0, 1), got {self.delta!r}")
+        if (self.prepared is None) != (self.split is None):
+            raise UserError("prepared / split: give both (a world already built) or neither")
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        known = {f.name for f in dataclasses.fields(PateConfig)} - {"method", "epsilon", "delta", "seed", "compute"}
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise UserError(f"options: unknown PateConfig field(s) {', '.join(unknown)}; expected some of "
+                            f"{', '.join(sorted(known))}")
+        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "options", dict(self.options))
+        if self.hospitals_root is not None:
+            object.__setattr__(self, "hospitals_root", Path(self.hospitals_root))
+
+
+def run_pate_inprocess(run: InProcessPateRun) -> dict:
+    """Build the world (task.world), one Hospital per split hospital, and run :func:`server.pate.run_pate`
+    (``run``: :class:`InProcessPateRun`)."""
+    preset = (get_preset(run.preset, hospitals=run.hospitals, teachers_per_hospital=run.teachers_per_hospital)
+              if isinstance(run.preset, str) else run.preset)
+    epsilon = preset.epsilon if run.epsilon is None else float(run.epsilon)
+    delta = preset.delta if run.delta is None else float(run.delta)
+    prepared, split = run.prepared, run.split
+    if prepared is None:
+        prepared, split = build_world(preset, run.data, run.seed, run.compute.progress, run.hospitals,
+                                      run.teachers_per_hospital)
+    out = run.out
     # ``hospitals_root``: where the hospitals keep their teachers (shared across a comparison's cells)
     members = simulated_hospitals(prepared, split, preset,
-                                  hospitals_root if hospitals_root is not None else out / "hospitals", seed)
-    hospital_config = dict(hospital_config or HospitalRequest(ledger_dir=str(out / "hospital-ledgers"),
-                                                              lifetime_epsilon=epsilon, delta=delta,
-                                                              allow_identity=True).to_config())
-    transport = InProcessTransport(members, drop=drop, base_config=hospital_config)
-    config = PateConfig(method, epsilon, delta, seed=seed, progress=progress, **options)
-    return run_pate(transport, load_world(prepared, split), preset, config, out, noise=noise)
+                                  run.hospitals_root if run.hospitals_root is not None else out / "hospitals", run.seed)
+    hospital_config = dict(run.hospital_config or HospitalRequest(ledger_dir=str(out / "hospital-ledgers"),
+                                                                  lifetime_epsilon=epsilon, delta=delta,
+                                                                  allow_identity=True).to_config())
+    transport = InProcessTransport(members, drop=run.drop, base_config=hospital_config)
+    config = PateConfig(run.method, epsilon, delta, seed=run.seed, compute=run.compute, **run.options)
+    return run_pate(transport, load_world(prepared, split), preset, config, out, noise=run.noise)

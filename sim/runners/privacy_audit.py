@@ -116,6 +116,7 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.aggregation import QueryRelease, aggregate_query, validate_reply
 from server.pate import SERVER_POLICY
+from task.compute import Compute
 from task import codecs, dpsgd, training
 from task.codecs import PCACompressor, make_compressor
 from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
@@ -873,8 +874,9 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
             p.zero_()
     recorder = _StepRecorder(model, len(x) - 1 if with_canary or setup.relation == Relation.REPLACE_ONE else None)
     config = training.TrainConfig(epochs=setup.epochs, batch_size=setup.batch_size, learning_rate=1.0,
-                                  augment=False, progress=False, description="privacy audit",
-                                  loss_fn=recorder.loss, optimizer_factory=recorder.optimizer)
+                                  augment=False, description="privacy audit",
+                                  loss_fn=recorder.loss, optimizer_factory=recorder.optimizer,
+                                  compute=Compute(progress=False))
     dp = setup.config()
     if sigma is not None:
         dp.mode, dp.noise_multiplier = "fixed", float(sigma)

@@ -17,9 +17,9 @@ labels".
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from server.selftrain import train_public_models
+from sim.runners.floors import FloorRun
 from task.options import PublicStart
 from task.bundle import preprocessing_of
 from task.networks import network_config
@@ -40,41 +40,26 @@ def labels_used(world) -> str:
     return "public reference maps only; the query scans' labels are never read"
 
 
-def run_public_selftrain(preset, data, seed: int, out: Path, shared_dir: Path, progress: bool = True,
-                         publish_seed: bool = True, layout: str | None = None, partition_file: str | None = None,
-                         device: str = "auto", precision: str = "32") -> dict:
-    """Self-train the public model (``shared_dir/public-model.pt``) on the public query scans; rounds and
-    temperature from the preset's ``self_training`` (:class:`task.presets.SelfTraining`). The rounds are checkpointed
-    beside the public model, where a comparison whose ``public_start`` is ``self-trained`` finds them: this baseline
-    is then the model every cell starts from.
-
-    Args:
-        preset: the comparison's preset (its world, network, schedule and ``self_training``).
-        data: an MSD Task01 or BraTS folder (None = the preset's phantoms).
-        seed: the world's split and the trainings.
-        out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
-        shared_dir: where the comparison's public model is checkpointed (``public-model.pt``).
-        progress: progress bars.
-        publish_seed: record the seed in results.json (False when it drives a comparison's reproducible noise).
-        layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
-            partitions are the hospitals (``task.world.build_world``; None = none).
-        device / precision: where the models train and are evaluated (``task.device``; default auto) and whether
-            forward passes run under bf16 autocast (``"32"`` = float32).
+def run_public_selftrain(run: FloorRun) -> dict:
+    """Self-train the public model (``run.shared_dir/public-model.pt``) on the public query scans, in ``run.out``
+    (:class:`sim.runners.floors.FloorRun`); rounds and temperature from the preset's ``self_training``
+    (:class:`task.presets.SelfTraining`). The rounds are checkpointed beside the public model, where a comparison
+    whose ``public_start`` is ``self-trained`` finds them: this baseline is then the model every cell starts from.
     """
     started = time.perf_counter()
-    out = Path(out)
-    world = load_world(*build_world(preset, data, seed, progress, layout=layout, partition_file=partition_file),
-                       with_query_labels=False)
+    preset, seed, out, compute = run.preset, run.seed, run.out, run.compute
+    precision = compute.precision
+    world = load_world(*build_world(preset, run.data, seed, compute.progress, **run.where), with_query_labels=False)
     # the same call, and so the same checkpoints, as the comparison's start model when that is self-trained
     outcome = train_public_models(world, preset.with_changes(public_start=PublicStart.SELF_TRAINED), seed=seed,
-                                  progress=progress, checkpoint=Path(shared_dir) / "public-model.pt", device=device,
-                                  precision=precision).selftrain
+                                  progress=compute.progress, checkpoint=run.shared_dir / "public-model.pt",
+                                  device=compute.device, precision=precision).selftrain
     rounds = len(outcome.validation_dice)
     dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
                                                          precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
-    results = RunResults(method=METHOD, dice=dice, seed=seed if publish_seed else None,
+    results = RunResults(method=METHOD, dice=dice, seed=seed if run.publish_seed else None,
                          device=device_name(model_device(outcome.model)), precision=precision)
     results.extras = {
         "dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
-from sim.deployment.runtime_simulation import run_runtime_simulation
+from sim.deployment.runtime_simulation import RuntimeSimulation, run_runtime_simulation
 from server.protocols import run_cell
 from task.errors import UserError
 from task.runconfig import Cell, RunSettings
@@ -40,7 +40,7 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | 
     for key, value in SIMULATION_ENV.items():
         os.environ.setdefault(key, value)
     if not settings.world:  # a caller (compare) may already have materialised it
-        world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.progress,
+        world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.compute.progress,
                                   layout=settings.layout, partition_file=settings.partition_file)
         settings = settings.replace(world=str(world))
     cells = [c if isinstance(c, Cell) else Cell.from_dict(c) for c in cells] if cells else \
@@ -80,8 +80,9 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
     server_app = make_app(extra={"cells": [cell.to_dict() for cell in cells]}, **_settings_fields(settings))
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hospitals = settings.resolved_preset.hospitals
+    gpus = client_gpus(settings.compute.device, hospitals)
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=hospitals,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": client_gpus(settings.device, hospitals)},
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus},
                                    "init_args": {"log_to_driver": True}})
 
 
@@ -107,8 +108,8 @@ def _run_runtime(settings: RunSettings, cells) -> None:
     run_config = {**settings.replace(method=cell.method, epsilon=cell.epsilon,
                                      out=str(Path(cell.out).resolve()), init=cell.init).to_run_config(),
                   "world": settings.world}
-    run_runtime_simulation(PROJECT_ROOT, run_config, settings.resolved_preset.hospitals,
-                           Path(cell.out) / "runtime", timeout=3600)
+    run_runtime_simulation(RuntimeSimulation(PROJECT_ROOT, run_config, settings.resolved_preset.hospitals,
+                                             Path(cell.out) / "runtime", timeout=3600))
 
 
 def _run_inprocess(settings: RunSettings, cells) -> list[dict]:
