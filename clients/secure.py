@@ -358,12 +358,12 @@ class SecureHospital:
                      request: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
         (the default) or ``dp-fedavg-secure``'s patient gradients (``task.secagg.CONTRIBUTION_KIND``)."""
-        from task.secagg import CONTRIBUTION_KIND as KIND
+        from task.secagg import CONTRIBUTION_KIND as KIND, PATE_CONTRIBUTION_KIND
 
-        kind = str(session.noise.get("kind") or "pate")
+        kind = str(session.noise.get("kind") or PATE_CONTRIBUTION_KIND)
         if kind == KIND:
             return self.gradients.contribution(session, message, request, self.party.policy)
-        if kind != "pate":
+        if kind != PATE_CONTRIBUTION_KIND:
             raise SecureRequestRefused(f"hospital {self.party.name}: unknown contribution kind {kind!r}")
         return self.pate_contribution(session, message, request)
 

@@ -52,7 +52,7 @@ from typing import Iterable, Sequence
 from scipy import optimize, special
 
 from privacy.errors import PrivacyError, UnsupportedEvent
-from privacy.options import Relation
+from privacy.options import AccountantName, Relation
 from privacy.events import (
     ComposedEvent,
     DistributedDiscreteGaussianEvent,
@@ -951,7 +951,7 @@ def accountant_for(events: Iterable[Event]) -> Accountant:
         order += ["pld", "rdp", "zcdp"]
     single = next((make_accountant(name) for name in order
                    if all(make_accountant(name)._supports_leaf(leaf) for leaf in leaves)), None)
-    if not adaptive and (single is None or single.name == "rdp"):   # rdp: only the loose union reading
+    if not adaptive and (single is None or single.name == AccountantName.RDP):   # rdp: only the loose union reading
         split = _split_for(leaves)
         if split is not None:
             return split

@@ -28,6 +28,7 @@ import numpy as np
 from scipy import special
 
 from privacy.errors import PrivacyError
+from privacy.options import NoiseKind
 from privacy.validation import positive_number
 
 
@@ -154,13 +155,13 @@ class NoiseSource:
 
     def describe(self) -> dict:
         if self._seed is None:
-            return {"noise": "secure", "noise_source": "operating-system CSPRNG (secrets/os.urandom); "
+            return {"noise": NoiseKind.SECURE, "noise_source": "operating-system CSPRNG (secrets/os.urandom); "
                                                         "every release draws its own stream"}
-        return {"noise": "reproducible", "noise_source": "seeded PCG64 per release name (simulation only: "
+        return {"noise": NoiseKind.REPRODUCIBLE, "noise_source": "seeded PCG64 per release name (simulation only: "
                                                           "whoever knows the seed can remove the noise)"}
 
     def __repr__(self) -> str:
-        kind = "reproducible" if self._seed is not None else "secure"
+        kind = NoiseKind.REPRODUCIBLE if self._seed is not None else NoiseKind.SECURE
         return f"NoiseSource({kind}, path={'/'.join(self.path) or '-'})"
 
 

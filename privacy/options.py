@@ -45,6 +45,12 @@ class Calibration(StrEnum):
     PAPER = "paper"   # Fay et al.'s eq. (15), the zCDP conversion: valid, looser
 
 
+class NoiseKind(StrEnum):
+    """Where a run's noise comes from (``privacy.mechanisms.NoiseSource``; the ``noise`` of results.json)."""
+    SECURE = "secure"               # the operating system's CSPRNG, a fresh stream per release
+    REPRODUCIBLE = "reproducible"   # seeded per release name: a simulation only, whoever knows the seed removes it
+
+
 class AccountantName(StrEnum):
     """The accountants by the names ledgers and results record (``privacy.accountants.make_accountant``)."""
     GDP_EXACT = "gdp-exact"     # exact μ-GDP of Gaussian compositions
@@ -78,4 +84,4 @@ def look_up_option(value, options: type[E], name: str, *, error: type[Exception]
         raise error(f"{name}: unknown value {value!r}; expected one of {choices(options)}") from None
 
 
-__all__ = ["AccountantName", "Calibration", "Relation", "Sampling", "ScheduleFamily", "choices", "look_up_option"]
+__all__ = ["AccountantName", "Calibration", "NoiseKind", "Relation", "Sampling", "ScheduleFamily", "choices", "look_up_option"]

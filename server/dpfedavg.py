@@ -34,7 +34,7 @@ from task.bundle import preprocessing_of
 from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
 from task.errors import UserError
 from task.names import safe_name_part
-from task.options import Init, Relation, look_up_option
+from task.options import Init, NoiseKind, Relation, look_up_option
 from task.presets import DpSetting
 from task.networks import build_unet, load_start_weights, network_config_of
 from task.requests import FedAvgRoundRequest
@@ -304,7 +304,7 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
-        "noise": "reproducible" if config.reproducible_noise else "secure",
+        "noise": NoiseKind.REPRODUCIBLE if config.reproducible_noise else NoiseKind.SECURE,
         "rounds": history, "epsilon_per_hospital": {o: ledger.spent(o, delta).epsilon for o in ledger.owners()},
         # fewer rounds than planned: the hospitals' budgets (a lifetime budget shared with other cells) ran out
         "stopped_by_budget": (None if rounds_run >= setting["rounds"] else

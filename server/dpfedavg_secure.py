@@ -72,6 +72,7 @@ from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
+from privacy.options import NoiseKind
 from server.dpfedavg import FederatedRun
 from server.pate_secure import threat_model
 from server.secure import SecureSumFailed, secure_sum
@@ -398,7 +399,7 @@ def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: 
     results.extras = {
         "dice_per_case": dice_per_case,
         "dice_per_case_class": per_class_of(dice_per_case),
-        "noise": "reproducible" if config.reproducible_noise else "secure",
+        "noise": NoiseKind.REPRODUCIBLE if config.reproducible_noise else NoiseKind.SECURE,
         "init": config.recorded_init(run.started_from_weights),
         "start": ("the public model (pre-trained on the public reference set, as PATE's teachers and student)"
                   if run.started_from_weights else "random weights"),

@@ -17,10 +17,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from privacy.ledger import Ledger
-from task.data.layouts import CLASSES
+from task.data.layouts import CLASSES, PHANTOMS_SOURCE, LayoutName
 from task.io import atomic_write_bytes, atomic_write_text
 from sim import report_real
 from task import methods as registry   # every method's family and role: the report never tests a name
+from task.methods import Role
+from task.options import Init, NoiseKind
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 
 DICE_COLUMNS = DICE_KEYS
@@ -117,12 +119,10 @@ def _dice(key: str) -> Callable[[Mapping[str, Any]], str]:
     return lambda cell: _fmt((cell.get("dice") or {}).get(key))
 
 
-def _noise(kind: str) -> Callable[[Mapping[str, Any]], str]:
+def _noise(pate: bool) -> Callable[[Mapping[str, Any]], str]:
     """A cell's ``sigma`` in the column of what it is: PATE's absolute noise standard deviation on the teachers'
-    aggregated codes, or DP-SGD's noise multiplier z = σ / clip norm."""
-    pate = kind == "pate"
-    return lambda cell: (_fmt(cell.get("sigma"), 4) if (registry.family_of(cell.get("method")) == "pate") == pate
-                         else "—")
+    aggregated codes (``pate``), or DP-SGD's noise multiplier z = σ / clip norm."""
+    return lambda cell: (_fmt(cell.get("sigma"), 4) if registry.is_pate(cell.get("method")) == pate else "—")
 
 
 #: what the two noise columns hold (said under the table)
@@ -144,7 +144,7 @@ ACCURACY_COLUMNS: tuple[Column, ...] = (
 #: the segmentation table: every cell's privacy, its Dice per class and region, its costs
 SEGMENTATION_COLUMNS: tuple[Column, ...] = (
     *_PRIVACY_COLUMNS, ("ε add/remove", _number("epsilon_add_remove", 3)), *_GUARANTEE_COLUMNS,
-    ("PATE σ", _noise("pate")), ("DP-SGD z", _noise("multiplier")), ("K", _number("teachers")),
+    ("PATE σ", _noise(pate=True)), ("DP-SGD z", _noise(pate=False)), ("K", _number("teachers")),
     ("H", _number("hospitals")), ("N", _number("queries")),
     *((f"Dice {class_name(k)}" if k.isdigit() else k, _dice(k)) for k in DICE_COLUMNS),
     ("teacher mean", _number("teacher_dice_mean")), ("ensemble", _number("ensemble_dice_mean")),
@@ -174,19 +174,19 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
                 return name, max(found, key=mean_dice)
         return registry.names(role=role)[0], None
 
-    floor_name, public_cell = best_reference("floor")
+    floor_name, public_cell = best_reference(Role.FLOOR)
     public_only = mean_dice(public_cell) if public_cell is not None else None
-    nonprivate = mean_dice(best_reference("ceiling")[1]) if best_reference("ceiling")[1] is not None else None
+    nonprivate = mean_dice(best_reference(Role.CEILING)[1]) if best_reference(Role.CEILING)[1] is not None else None
     lines = []
     for eps in sorted(by_eps):
         methods = by_eps[eps]
         best = {m: max(methods[m], key=mean_dice) for m in methods}
         # teacher-based methods (their K is swept: the PATE family) against the other private methods
         pate = {m: c for m, c in best.items() if _record(m) is not None and _record(m).sweeps_k}
-        dpsgd = {m: c for m, c in best.items() if registry.role_of(m) == "private" and m not in pate}
+        dpsgd = {m: c for m, c in best.items() if registry.is_private(m) and m not in pate}
         if public_only is not None:   # the DP baselines against the public model they started from
             for name, cell in sorted(dpsgd.items()):
-                start = "the public model" if cell.get("init") == "public" else "random weights"
+                start = "the public model" if cell.get("init") == Init.PUBLIC else "random weights"
                 lines.append(f"ε = {eps:g}: {name} (from {start}) with mean Dice "
                              f"{mean_dice(cell):.3f} " + _versus(cell, mean_dice(cell), floor_name, public_only,
                                                                  public_cell.get("dice_per_case")) + ".")
@@ -241,11 +241,11 @@ def _record(name):
 def floors_of(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     """The public floors present in these cells, in the registry's order (the first is the one *headroom
     recovered* is measured from; the report also states it against the others)."""
-    return [m for m in registry.names(role="floor") if reference_cell(cells, m) is not None]
+    return [m for m in registry.names(role=Role.FLOOR) if reference_cell(cells, m) is not None]
 
 
 def ceiling_of(cells: Sequence[Mapping[str, Any]]) -> str | None:
-    return next((m for m in registry.names(role="ceiling") if reference_cell(cells, m) is not None), None)
+    return next((m for m in registry.names(role=Role.CEILING) if reference_cell(cells, m) is not None), None)
 
 
 def headroom_of(cell, floor_cell, ceiling_cell, key: str = "mean") -> tuple[float, float, int] | None:
@@ -271,7 +271,7 @@ def best_private_cells(cells: Sequence[Mapping[str, Any]]) -> dict[float, dict[s
     by_eps: dict[float, dict[str, Mapping[str, Any]]] = {}
     for cell in cells:
         dice = (cell.get("dice") or {}).get("mean")
-        if registry.role_of(cell.get("method")) != "private" or cell.get("epsilon_budget") is None or dice is None:
+        if not registry.is_private(cell.get("method")) or cell.get("epsilon_budget") is None or dice is None:
             continue
         slot = by_eps.setdefault(float(cell["epsilon_budget"]), {})
         held = slot.get(cell["method"])
@@ -373,7 +373,7 @@ def summary_table(cells: Sequence[Mapping[str, Any]]) -> str:
     against the first public floor, against every other floor, and per class and region --
     where each method started and which setting it chose (on public validation)."""
     floors = floors_of(cells)
-    primary = reference_cell(cells, floors[0] if floors else registry.names(role="floor")[0])
+    primary = reference_cell(cells, floors[0] if floors else registry.names(role=Role.FLOOR)[0])
     ceiling = reference_cell(cells, ceiling_of(cells))
 
     def recovered(cell):
@@ -434,7 +434,7 @@ def headroom_class_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     primary = reference_cell(cells, floors[0])
     shown = [(cell, headroom_per_class(cell, primary, ceiling)) for cell in sorted(cells, key=_sort_key)
-             if registry.role_of(cell.get("method")) != "ceiling" and cell.get("method") != floors[0]]
+             if not registry.is_ceiling(cell.get("method")) and cell.get("method") != floors[0]]
     shown = [(cell, ratios) for cell, ratios in shown if any(v is not None for v in ratios.values())]
     if not shown:
         return None
@@ -543,7 +543,7 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
 
 
 def _describe_source(source: Mapping[str, Any]) -> str:
-    if source.get("kind") == "phantoms":
+    if source.get("kind") == PHANTOMS_SOURCE:
         return (f"phantoms, generator seed {source.get('seed')}, {source.get('institutions')} institution(s), "
                 f"shift regime '{source.get('shift')}', {source.get('cases')} cases "
                 f"(generator v{source.get('generator_version')})")
@@ -559,7 +559,7 @@ def world_section(world: Mapping[str, Any], cells: Sequence[Mapping[str, Any]] =
     if not world.get("two_sources"):
         lines.append("- one population: the public sets are drawn from the same distribution as the hospitals' "
                      "patients (a --data folder, MSD or BraTS, has one population)")
-    if world.get("layout") and world.get("layout") != "msd":
+    if world.get("layout") and world.get("layout") != LayoutName.MSD:
         lines.append(f"- data layout: {world['layout']} (label codes mapped to ours: 1 oedema, 2 necrotic / "
                      "non-enhancing core, 3 enhancing; task/data/layouts.py)")
     partitions = world.get("partition_file")
@@ -638,7 +638,7 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
                  "progress bars' rates of DP-SGD and DP-FedAvg: they grow with the Poisson batch sizes, the "
                  "sampling's secret randomness.")
     noise = sorted({c.get("noise") for c in cells if c.get("noise")})
-    if "reproducible" in noise:
+    if NoiseKind.REPRODUCIBLE in noise:
         lines.append("- The noise of this comparison was **reproducible** (seeded, `--reproducible-noise`): its "
                      "noise is derived from the run's seed, which is the world's split seed printed in the World "
                      "section -- **the noise is public** and anyone can subtract it. A simulation, not a private "
@@ -662,7 +662,7 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
     if stopped:
         lines.append("- **Stopped by a budget before their plan** (a hospital's lifetime budget, shared with the other "
                      "cells, ran out; raise `--lifetime-epsilon` to let them finish): " + ", ".join(stopped) + ".")
-    if any(registry.role_of(c.get("method")) == "ceiling" for c in cells):
+    if any(registry.is_ceiling(c.get("method")) for c in cells):
         lines.append("- `nonprivate-central` is trained on the hospitals' patients without privacy: a yardstick "
                      "for the simulation, never a release.")
     return lines + [""]
@@ -761,7 +761,7 @@ def plot_dice_vs_teachers(cells, path: Path) -> Path | None:
     if len(teachers) > 1:
         ks = sorted(teachers)
         ax.plot(ks, [teachers[k] for k in ks], marker="s", linestyle=":", color="grey", label="mean teacher")
-    references = [(m, "--") for m in registry.names(role="floor")] + [(m, "-.") for m in registry.names(role="ceiling")]
+    references = [(m, "--") for m in registry.names(role=Role.FLOOR)] + [(m, "-.") for m in registry.names(role=Role.CEILING)]
     for name, style in references:
         dice = [(c.get("dice") or {}).get("mean") for c in cells if c.get("method") == name]
         if dice and dice[0] is not None:
@@ -816,7 +816,7 @@ def plot_headroom_per_class(rows, path: Path, error: str = "± 1 SE, paired over
     ax.set_xticks(range(len(HEADROOM_KEYS)))
     ax.set_xticklabels([class_name(k).replace(" / ", "/\n").replace(" (", "\n(") if k.isdigit() else k
                         for k in HEADROOM_KEYS], fontsize=8)
-    ax.set_ylabel(f"headroom recovered (0 = {floor or registry.names(role='floor')[0]}, 1 = non-private)")
+    ax.set_ylabel(f"headroom recovered (0 = {floor or registry.names(role=Role.FLOOR)[0]}, 1 = non-private)")
     ax.set_title(f"headroom recovered per class ({error}); simulation")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2)

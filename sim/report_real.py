@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from task import methods as registry
+from task.methods import Role
 from task.realcheck import REGIONS, real_dice, real_per_case
 
 #: the key both rankings use: the mean over the three classes, as the phantom report's *mean Dice*
@@ -95,7 +96,7 @@ def _ratio(value) -> str:
     return f"{value[0]:+.2f}" + (f" ± {value[1]:.2f}" if value[1] is not None else "")
 
 
-def _reference(cells, role: str, method: str | None = None):
+def _reference(cells, role: Role, method: str | None = None):
     names = [method] if method else registry.names(role=role)
     for name in names:
         found = [c for c in cells if c.get("method") == name]
@@ -151,7 +152,7 @@ def _best_private(cells) -> dict[float, list]:
     """Per budget, each private method's cells (every K)."""
     by_eps: dict[float, list] = {}
     for cell in cells:
-        if registry.role_of(cell.get("method")) == "private" and cell.get("epsilon_budget") is not None:
+        if registry.is_private(cell.get("method")) and cell.get("epsilon_budget") is not None:
             by_eps.setdefault(float(cell["epsilon_budget"]), []).append(cell)
     return by_eps
 
@@ -167,7 +168,7 @@ def disagreements(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     each public floor."""
     scored = checked(cells)
     lines = []
-    floors = [c for c in (_reference(scored, "floor", m) for m in registry.names(role="floor")) if c is not None]
+    floors = [c for c in (_reference(scored, Role.FLOOR, m) for m in registry.names(role=Role.FLOOR)) if c is not None]
     for eps, group in sorted(_best_private(scored).items()):
         group = [c for c in group if (c.get("dice") or {}).get(RANK_KEY) is not None
                  and real_dice(c, RANK_KEY) is not None]
@@ -207,7 +208,7 @@ def real_section(cells: Sequence[Mapping[str, Any]],
             f"{c.get('_cell', c.get('method'))}: {c['real_check']['error']}" for c in failed) + ".", ""]
     if not scored:
         return lines
-    floor, ceiling = _reference(scored, "floor", registry.names(role="floor")[0]), _reference(scored, "ceiling")
+    floor, ceiling = _reference(scored, Role.FLOOR, registry.names(role=Role.FLOOR)[0]), _reference(scored, Role.CEILING)
     if floor is not None and ceiling is not None:
         lines += [headroom_line(floor, ceiling), ""]
     else:
@@ -249,8 +250,8 @@ def seeds_section(per_seed: Mapping[int, Sequence[Mapping[str, Any]]], interval:
         headroom = {k: [] for k in REGIONS}
         for seed, cell in by_seed.items():
             cells = scored_by_seed[seed]
-            floor = _reference(cells, "floor", registry.names(role="floor")[0])
-            ceiling = _reference(cells, "ceiling")
+            floor = _reference(cells, Role.FLOOR, registry.names(role=Role.FLOOR)[0])
+            ceiling = _reference(cells, Role.CEILING)
             for k in REGIONS:
                 found = ratio_over_cases(cell, floor, ceiling, k) if floor and ceiling else None
                 headroom[k].append(None if found is None else found[0])

@@ -28,7 +28,7 @@ import numpy as np
 
 from task.io import atomic_write_text
 from sim import report_real
-from task.methods import role_of
+from task.methods import is_ceiling
 from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells,
                         cells_to_csv, ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells,
                         plot_headroom_per_class, privacy_statement, reference_cell, smoke_test_banner, table)
@@ -288,7 +288,7 @@ def write_seeds_report(root: str | Path, title: str, settings: Mapping[str, Any]
                    {k: None if r["class_intervals"].get(k) is None else
                     (r["class_intervals"][k][0], r["class_intervals"][k][1] or 0.0) for k in HEADROOM_KEYS})
                   for r in rows if r["method"] != (floors[0] if floors else None)
-                  and role_of(r["method"]) != "ceiling"]
+                  and not is_ceiling(r["method"])]
     plots = [plot_headroom_per_class(class_rows, root / "plot_headroom_per_class.png",
                                      error="mean over seeds ± 95 % t half-width",
                                      floor=floors[0] if floors else "floor"),

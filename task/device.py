@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from task.errors import UserError
-from task.options import Precision, look_up_option
+from task.options import AUTO, Precision, look_up_option
 
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
 PRECISIONS = tuple(member.value for member in Precision)   # the --precision choices
@@ -73,7 +73,7 @@ def resolve_device(spec: Any = "auto", option: str = "--device"):
             _require_cuda(spec.index or 0, str(spec), option)
         return spec
     text = check_device_spec(spec, option)
-    if text == "auto":
+    if text == AUTO:
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if text == "cpu":
         return torch.device("cpu")

@@ -21,22 +21,45 @@ help without paying for torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from task.registry import Registry
 
-ROLES = ("private", "floor", "ceiling")
+
+class Role(StrEnum):
+    """What a method's cells are to a comparison (:class:`Method`'s ``role``)."""
+    PRIVATE = "private"   # its releases are charged to the hospitals' ledgers
+    FLOOR = "floor"       # public data only: what a private method must beat
+    CEILING = "ceiling"   # pooled, no privacy: the simulation's yardstick, never a release
+
+
+class Family(StrEnum):
+    """The built-in methods' families (:class:`Method`'s ``family``; a registered method may name its own)."""
+    PATE = "pate"
+    DP_FEDAVG = "dp-fedavg"
+    DP_FEDAVG_SECURE = "dp-fedavg-secure"
+    DP_SGD = "dp-sgd"
+    NONPRIVATE = "nonprivate"
+    PUBLIC_ONLY = "public-only"
+    PUBLIC_SELFTRAIN = "public-selftrain"
+
+
+ROLES = tuple(Role)
 
 
 class _Roled:
-    """What every method record has: a ``name`` and a ``role`` (:data:`ROLES`)."""
+    """What every method record has: a ``name`` and a ``role`` (:class:`Role`)."""
 
     def _check_role(self, kind: str) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"{kind} {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ValueError(f"{kind} {self.name}: role must be one of {', '.join(ROLES)}, "
+                             f"got {self.role!r}") from None
 
     @property
     def private(self) -> bool:
-        return self.role == "private"
+        return self.role is Role.PRIVATE
 
 
 class _Records(Registry):
@@ -71,7 +94,7 @@ class Method(_Roled):
 
     name: str
     family: str
-    role: str
+    role: Role
     federated: bool = False
     protocol: str | None = None
     runner: str | None = None
@@ -107,7 +130,7 @@ methods = _METHODS.where
 names = _METHODS.names
 
 
-def role_of(name: str | None) -> str | None:
+def role_of(name: str | None) -> Role | None:
     """The role of a method name (None for a name that is not registered, e.g. a classification cell)."""
     return _METHODS.get(name).role if name in _METHODS else None
 
@@ -116,34 +139,52 @@ def family_of(name: str | None) -> str | None:
     return _METHODS.get(name).family if name in _METHODS else None
 
 
+def is_private(name: str | None) -> bool:
+    """Whether ``name`` is a registered private method (its releases are charged)."""
+    return role_of(name) is Role.PRIVATE
+
+
+def is_ceiling(name: str | None) -> bool:
+    """Whether ``name`` is a registered non-private ceiling (a yardstick, never a release)."""
+    return role_of(name) is Role.CEILING
+
+
+def is_pate(name: str | None) -> bool:
+    """Whether ``name`` is a registered method of the PATE family."""
+    return family_of(name) == Family.PATE
+
+
 for _record in (
-        Method("pate-ae", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, codec="ae", description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=190),
-        Method("pate-pca", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, codec="pca", description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
-        Method("pate-anchored", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-ae", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+               sweeps_k=True, starts_from_public=True, codec="ae",
+               description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=190),
+        Method("pate-pca", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+               sweeps_k=True, starts_from_public=True, codec="pca",
+               description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=190),
+        Method("pate-anchored", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="anchored",
                description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=190),
-        Method("pate-anchored-secure", "pate", "private", federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-anchored-secure", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, secure_sum=True, codec="anchored",
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=230),
-        Method("pate-naive", "pate", "private", federated=True, protocol="pate", per_epsilon=True, sweeps_k=True,
-               starts_from_public=True, codec="identity", description="PATE on per-voxel one-hot votes", cell_seconds=190),
-        Method("dp-fedavg", "dp-fedavg", "private", federated=True, protocol="dp-fedavg", per_epsilon=True,
+        Method("pate-naive", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+               sweeps_k=True, starts_from_public=True, codec="identity",
+               description="PATE on per-voxel one-hot votes", cell_seconds=190),
+        Method("dp-fedavg", Family.DP_FEDAVG, Role.PRIVATE, federated=True, protocol="dp-fedavg", per_epsilon=True,
                description="FedAvg of each hospital's local DP-SGD", cell_seconds=210),
-        Method("dp-fedavg-secure", "dp-fedavg-secure", "private", federated=True, protocol="dp-fedavg-secure",
+        Method("dp-fedavg-secure", Family.DP_FEDAVG_SECURE, Role.PRIVATE, federated=True, protocol="dp-fedavg-secure",
                per_epsilon=True, secure_sum=True,
                description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
                            "patients, each step a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=370),
-        Method("dp-sgd-central", "dp-sgd", "private", runner="pooled", per_epsilon=True,
+        Method("dp-sgd-central", Family.DP_SGD, Role.PRIVATE, runner="pooled", per_epsilon=True,
                description="DP-SGD on the pooled private patients", cell_seconds=185),
-        Method("nonprivate-central", "nonprivate", "ceiling", runner="pooled",
+        Method("nonprivate-central", Family.NONPRIVATE, Role.CEILING, runner="pooled",
                description="non-private training on the pooled private patients", cell_seconds=135),
-        Method("public-only", "public-only", "floor", runner="public-only",
+        Method("public-only", Family.PUBLIC_ONLY, Role.FLOOR, runner="public-only",
                description="the student trained on the public labelled data alone", cell_seconds=1),
-        Method("public-selftrain", "public-selftrain", "floor", runner="public-selftrain",
+        Method("public-selftrain", Family.PUBLIC_SELFTRAIN, Role.FLOOR, runner="public-selftrain",
                description="the public model self-trained on the public unlabelled query scans",
                cell_seconds=80),
 ):
@@ -154,7 +195,7 @@ for _record in (
 BUILTIN_METHODS = frozenset(names())
 
 # Views kept for the command line's help and older callers; computed from the registry at import.
-PATE_METHODS = names(family="pate")
+PATE_METHODS = names(family=Family.PATE)
 FEDERATED_METHODS = names(federated=True)
 #: ``fedpate central --method`` name -> the method it writes
 CENTRAL_METHODS = {"nonprivate": "nonprivate-central", "dp-sgd": "dp-sgd-central"}
@@ -178,7 +219,7 @@ class ClassificationMethod(_Roled):
 
     name: str
     runner: str
-    role: str
+    role: Role
     per_epsilon: bool = False
     reference: bool = False
     always: bool = False
@@ -208,32 +249,32 @@ CLASSIFICATION: _Records = _Records("classification method")
 _EMPTY_BATCHES = ("details.empty_batches",)
 
 for _record in (
-        ClassificationMethod("dp-mac", "dp-mac", "private", per_epsilon=True, report_note="noise-multiplier",
+        ClassificationMethod("dp-mac", "dp-mac", Role.PRIVATE, per_epsilon=True, report_note="noise-multiplier",
                              description="DP-MAC (Harder, Köhler, Welling & Park 2019, arXiv 1910.06924)"),
-        ClassificationMethod("adlm", "adlm", "private", per_epsilon=True, report_note="laplace", pure_epsilon=True,
+        ClassificationMethod("adlm", "adlm", Role.PRIVATE, per_epsilon=True, report_note="laplace", pure_epsilon=True,
                              description="the Adaptive Laplace Mechanism (Phan, Wu, Hu & Dou 2017, "
                                          "arXiv 1709.05750)"),
-        ClassificationMethod("ilm", "ilm", "private", per_epsilon=True, report_note="laplace", pure_epsilon=True,
+        ClassificationMethod("ilm", "ilm", Role.PRIVATE, per_epsilon=True, report_note="laplace", pure_epsilon=True,
                              description="AdLM's identical-noise ablation (ILM, their Appendix C)"),
-        ClassificationMethod("pate-gnmax", "pate-gnmax", "private", per_epsilon=True, report_note="gnmax",
+        ClassificationMethod("pate-gnmax", "pate-gnmax", Role.PRIVATE, per_epsilon=True, report_note="gnmax",
                              not_private=("teacher_accuracy_mean", "ensemble_accuracy",
                                           "details.teacher_accuracy_mean", "details.ensemble_accuracy",
                                           "details.records_per_teacher"),
                              description="PATE with GNMax (Papernot et al. 2018, arXiv 1802.08908); its teachers "
                                          "and their noise-free ensemble see the private records directly"),
-        ClassificationMethod("dp-sgd", "dp-sgd", "private", per_epsilon=True, report_note="noise-multiplier",
+        ClassificationMethod("dp-sgd", "dp-sgd", Role.PRIVATE, per_epsilon=True, report_note="noise-multiplier",
                              not_private=_EMPTY_BATCHES, description="DP-SGD (Abadi et al. 2016, arXiv 1607.00133)"),
-        ClassificationMethod("dp-sgd-scheduled", "dp-sgd-scheduled", "private", per_epsilon=True,
+        ClassificationMethod("dp-sgd-scheduled", "dp-sgd-scheduled", Role.PRIVATE, per_epsilon=True,
                              report_note="noise-multiplier", not_private=_EMPTY_BATCHES,
                              description="DP-SGD with an exponentially decaying noise schedule (Yu et al. 2019, "
                                          "arXiv 1904.02200)"),
-        ClassificationMethod("nonprivate", "dp-sgd", "ceiling", not_private=("accuracy",), plot_style=("k", "--"),
+        ClassificationMethod("nonprivate", "dp-sgd", Role.CEILING, not_private=("accuracy",), plot_style=("k", "--"),
                              description="DP-SGD's network trained without clipping or noise"),
-        ClassificationMethod("public-only", "public-only", "floor", reference=True, always=True,
+        ClassificationMethod("public-only", "public-only", Role.FLOOR, reference=True, always=True,
                              report_note="public-only", plot_style=("tab:gray", ":"),
                              description="the non-private cell's network trained on the public labelled reference "
                                          "records alone: the floor a private method must beat"),
-        ClassificationMethod("adlm-noise-free", "adlm", "ceiling", reference=True, reference_for=("adlm", "ilm"),
+        ClassificationMethod("adlm-noise-free", "adlm", Role.CEILING, reference=True, reference_for=("adlm", "ilm"),
                              report_note="noise-free", not_private=("accuracy",),
                              description="AdLM's network, polynomial loss and optimiser with the mechanism "
                                          "switched off (NOT private)"),

@@ -4,7 +4,8 @@ A member *is* its string (``Trainable.VOXEL_HEAD == "voxel-head"``), so results,
 keep their text while code compares against members. :func:`look_up_option` turns a user's value into a member or
 fails with one line naming the option and listing the choices (MONAI's ``monai.utils.look_up_option`` pattern);
 it is :func:`privacy.options.look_up_option` raising :class:`task.errors.UserError`. The privacy core's options
-(neighbouring relation, sampling, schedule family) live in :mod:`privacy.options` and are re-exported here.
+(neighbouring relation, sampling, schedule family, PATE calibration, noise kind) live in :mod:`privacy.options`
+and are re-exported here.
 
 Kept free of torch and numpy: the CLI builds its help from these at start-up.
 """
@@ -14,11 +15,16 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-from privacy.options import Relation, Sampling, ScheduleFamily, choices
+from privacy.options import Calibration, NoiseKind, Relation, Sampling, ScheduleFamily, choices
 from privacy.options import look_up_option as _look_up_option
 from task.errors import UserError
 
 E = TypeVar("E", bound=StrEnum)
+
+
+#: the value of a count or device option this machine decides (``--workers``, ``--device``,
+#: ``$FEDPATE_PHANTOM_WORKERS``)
+AUTO = "auto"
 
 
 def look_up_option(value, options: type[E], name: str) -> E:
@@ -127,6 +133,17 @@ class AugmentLevel(StrEnum):
     DOMAIN = "domain"         # ... plus per-channel intensity randomisation (SynthSeg-style)
 
 
+class Engine(StrEnum):
+    """What runs the federated cells of ``fedpate simulate`` / ``compare`` (``sim.runners.simulation``)."""
+    FLOWER = "flower"         # flwr.simulation.run_simulation in this process (Ray, one virtual SuperNode per hospital)
+    RUNTIME = "runtime"       # the simulation runtime behind `flwr run` (a --simulation SuperLink), as `flwr run .`
+    INPROCESS = "inprocess"   # no Flower: the same protocol code (server.protocols), fastest
+
+
+#: the engines ``fedpate compare`` and ``demo`` offer (Flower's runtime starts its own ServerApp process per run)
+COMPARE_ENGINES = (Engine.INPROCESS, Engine.FLOWER)
+
+
 class CompareTask(StrEnum):
     """What ``fedpate compare --task`` compares: tumour segmentation, or the classification seed systems on 2D tumour
     slices or on 5,000 MNIST digits (``task.classification.tasks``)."""
@@ -135,6 +152,7 @@ class CompareTask(StrEnum):
     MNIST5K = "mnist5k"
 
 
-__all__ = ["AugmentLevel", "AugmentOn", "CalibrationAccountant", "CentralMethod", "CompareTask", "Decoder",
-           "GradSampleMode", "Init", "NoiseMode", "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation",
-           "Sampling", "ScheduleFamily", "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]
+__all__ = ["AUTO", "AugmentLevel", "AugmentOn", "COMPARE_ENGINES", "Calibration", "CalibrationAccountant",
+           "CentralMethod", "CompareTask", "Decoder", "Engine", "GradSampleMode", "Init", "NoiseKind", "NoiseMode",
+           "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation", "Sampling", "ScheduleFamily",
+           "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]

@@ -17,7 +17,7 @@ from privacy.mechanisms import NoiseSource
 from task.compute import Compute
 from task.errors import UserError
 from task import methods as registry
-from task.options import Init, look_up_option
+from task.options import Calibration, Init, look_up_option
 from task.presets import Preset, get_preset, preset_reference
 from task.requests import HospitalRequest
 
@@ -85,7 +85,7 @@ class RunSettings:
     reply_timeout: float = 600.0
     query_timeout: float | None = None   # a query round's deadline (None = reply_timeout)
     world: str | None = None          # a prepared world folder (set by fedpate's runners)
-    calibration: str = "exact"        # exact | paper (Fay et al. eq. 15)
+    calibration: str = Calibration.EXACT.value   # exact | paper (Fay et al. eq. 15)
     query_batch: int = 8              # public scans per query message
     reproducible_noise: bool = False  # simulation only: noise streams seeded by ``seed`` (not private)
     lifetime_epsilon: float | None = None  # simulated hospitals' lifetime budget (default: this run's budget)
@@ -132,8 +132,7 @@ class RunSettings:
             raise UserError(f"lifetime-epsilon: expected a positive number, got {self.lifetime_epsilon}")
         # a plain string: it travels in Flower's run config (Init's value)
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init").value)
-        if self.calibration not in ("exact", "paper"):
-            raise UserError(f"calibration: expected 'exact' or 'paper', got {self.calibration!r}")
+        object.__setattr__(self, "calibration", look_up_option(self.calibration, Calibration, "calibration").value)
         if not isinstance(self.compute, Compute):
             raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 

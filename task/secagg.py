@@ -31,6 +31,8 @@ import numpy as np
 JOIN_STAGE = "join"
 #: the contribution kind its secure sums' noise declarations name (``noise["kind"]``)
 CONTRIBUTION_KIND = "head-gradient"
+#: the contribution kind of PATE's secure sums (the teachers' encodings): what a declaration without ``kind`` means
+PATE_CONTRIBUTION_KIND = "pate"
 #: the only neighbouring relation it runs under: it publishes the hospitals' patient counts
 RELATION = "replace-one"
 

@@ -46,12 +46,13 @@ from typing import Any
 import numpy as np
 
 from task.data.brats import PHANTOMS_MARKER
+from task.data.layouts import PHANTOMS_SOURCE, LayoutName
 from task.data.partitions import PUBLIC_SOURCE, Split, SplitPlan, make_split
 from task.data.phantoms import PhantomCollection, ensure_phantoms
 from task.data.preprocess import PreparedDataset, PreprocessConfig, combine_prepared, prepare_dataset
 from task.errors import UserError
 from task.io import atomic_write_json, cache_root
-from task.options import SplitScheme
+from task.options import AUTO, SplitScheme
 
 #: The simulated dataset is one fixed world whatever a run's seed, which drives the split and training:
 #: runs with different seeds are comparable on the same patients.
@@ -77,7 +78,7 @@ def phantom_workers() -> int:
     text = os.environ.get(PHANTOM_WORKERS_ENV, "1").strip()
     if multiprocessing.parent_process() is not None:
         return 1
-    if text == "auto":
+    if text == AUTO:
         return os.cpu_count() or 1
     try:
         return max(1, int(text))
@@ -178,7 +179,7 @@ def _collection(root: str | None, cases: int, fallback: dict) -> dict[str, Any]:
             continue
         break
     if isinstance(block, dict):
-        return {"kind": "phantoms", "cases": cases, **{k: block.get(k) for k in (
+        return {"kind": PHANTOMS_SOURCE, "cases": cases, **{k: block.get(k) for k in (
             "seed", "institutions", "shift", "resolution_mm", "generator_version")}}
     return {**fallback, "cases": cases}
 
@@ -222,7 +223,7 @@ def describe_world(prepared, split) -> dict[str, Any]:
         "hospitals": holdings, "sets": sets, "split_seed": split.seed, "scheme": split.scheme,
         "reference_is_query": bool(split.reference_is_query),
         "private_patients": sum(h["patients"] for h in holdings.values()),
-        "layout": prepared.manifest.get("layout", "msd"),
+        "layout": prepared.manifest.get("layout", LayoutName.MSD),
         "partition_file": (split.params or {}).get("partition_file"),
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
                                  resolved_device, threat_options)
 from task.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
-from task.options import CompareTask
+from task.options import COMPARE_ENGINES, CompareTask, Engine, Init
 
 
 def register(subparsers) -> None:
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("--workers", default="auto",
                         help="how many cells run at once, each group in its own process with its share of the cores "
                              "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")
-    parser.add_argument("--engine", default="inprocess", choices=("flower", "inprocess"),
+    parser.add_argument("--engine", default=Engine.INPROCESS, choices=COMPARE_ENGINES,
                         help="federated cells in this process through the same protocol code as the Flower apps, "
                              "torch on every core (default), or as Flower ClientApps/ServerApp in Flower's "
                              "simulation engine (flower; Ray gives each hospital one core)")
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
                         help="comma-separated seeds, e.g. 0,1,2: the grid once per seed (its own split, public model "
                              "and training) in OUT/seed-<S>/, one report over all seeds at OUT, every seed charging "
                              "the same hospital ledgers (default: --seed alone, in OUT itself)")
-    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+    parser.add_argument("--init", default=Init.PUBLIC, choices=tuple(Init),
                         help="where DP-SGD, DP-FedAvg and non-private training start: the public model that PATE's "
                              "teachers and student start from (default), or random weights")
     parser.set_defaults(func=run)

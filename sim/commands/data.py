@@ -17,7 +17,7 @@ DESCRIPTION = ("Make, check, preprocess and look at tumour data: `phantoms` writ
 
 
 def register(subparsers) -> None:
-    from task.data.layouts import LAYOUT_NAMES
+    from task.data.layouts import LAYOUT_NAMES, LayoutName
     from task.data.shifts import SHIFT_HELP
 
     layout_help = ("data layout: msd (Task01 4D images), brats2021 (X/X_{flair,t1,t1ce,t2,seg}, FeTS 2022 too), "
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                    help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "
                         + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items())
                         + "; factors combine with '+' (e.g. scanner+lesions)")
-    p.add_argument("--layout", default="msd", choices=LAYOUT_NAMES,
+    p.add_argument("--layout", default=LayoutName.MSD, choices=LAYOUT_NAMES,
                    help="write the phantoms as this release ships its data (default: msd); the same phantoms, "
                         "voxel for voxel, in every layout (BraTS: one file per modality, its label codes)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -108,7 +108,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
     from task.data.brats import skull_strip_warnings
-    from task.data.layouts import CHANNELS, get_layout
+    from task.data.layouts import CHANNELS, LayoutName, get_layout
     from task.data.msd import LABELS, load_case, validate_case
     from task.data.reader import read_dataset
 
@@ -132,7 +132,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         print(f"  modalities: {', '.join(dataset.modalities[str(i)] for i in range(4))}")
     print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(dataset.labels.items()))}")
-    unlabelled = "test" if layout.name == "msd" else "without seg (usable by `fedpate predict` only)"
+    unlabelled = "test" if layout.name == LayoutName.MSD else "without seg (usable by `fedpate predict` only)"
     print(f"  cases:      {len(dataset.training)} labelled, {len(dataset.test)} {unlabelled}"
           + (" (checked: first case only)" if args.quick else " (all checked)"))
     shapes = sorted({s["shape"] for s in summaries + test_summaries})

@@ -25,6 +25,7 @@ SECURE_METHODS = "pate-anchored-secure,dp-fedavg-secure"
 def register(subparsers) -> None:
     from sim.commands.common import (SEED_HELP, add_compute_options, add_real_check_option, non_negative_integer,
                                      preset_help)
+    from task.options import COMPARE_ENGINES, Engine, Init
 
     parser = subparsers.add_parser(
         "demo", help="the end-to-end demo (compare on fresh phantoms, then predict a new scan)",
@@ -39,10 +40,10 @@ def register(subparsers) -> None:
     parser.add_argument("--workers", default="auto",
                         help="how many cells run at once, each group in its own process with its share of the cores "
                              "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")
-    parser.add_argument("--engine", default="inprocess", choices=("inprocess", "flower"),
+    parser.add_argument("--engine", default=Engine.INPROCESS, choices=COMPARE_ENGINES,
                         help="federated cells in this process (default; same protocol code as the Flower apps, torch "
                              "on every core) or as Flower apps in Flower's simulation engine")
-    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+    parser.add_argument("--init", default=Init.PUBLIC, choices=tuple(Init),
                         help="where DP-SGD, DP-FedAvg and non-private training start (default: the public model)")
     parser.add_argument("--reproducible-noise", action="store_true",
                         help="SIMULATION ONLY: seeded noise streams so the demo repeats exactly (not private)")
@@ -58,9 +59,9 @@ def register(subparsers) -> None:
 def choose_student(cells):
     """The PATE student to show, chosen on the PUBLIC validation set, never on the test set: the largest
     budget, then the best public validation Dice. None when no cell has a validation score."""
-    from task.methods import family_of   # pure Python: the CLI start-up stays free of torch
+    from task.methods import is_pate   # pure Python: the CLI start-up stays free of torch
 
-    candidates = [c for c in cells if family_of(c.get("method")) == "pate" and c.get("validation_dice_mean") is not None]
+    candidates = [c for c in cells if is_pate(c.get("method")) and c.get("validation_dice_mean") is not None]
     return max(candidates, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
 

@@ -129,6 +129,7 @@ def _commands(args) -> int:
 def _local(args) -> int:
     from sim.deployment.local import LocalDeployment, write_echo_app
     from task.presets import get_preset
+    from task.runconfig import config_flag
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -160,7 +161,7 @@ def _local(args) -> int:
         resolve_device(args.device or run_config.get("device") or "auto")
         compute = {"device": args.device, "precision": args.precision}
         run_config.update({k: v for k, v in compute.items() if v and k in app_config})
-    if str(run_config.get("reproducible-noise", "false")).lower() in ("true", "1", "yes"):
+    if config_flag(run_config.get("reproducible-noise", False), "reproducible-noise"):
         raise UserError("-c reproducible-noise=true: refused; a deployment always draws secure noise "
                         "(seeded noise is for simulations only)")
     if not args.echo and not data and args.app is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sim.commands.common import (add_compute_options, add_federation_options, add_real_check_option, add_run_options,
                                  add_threat_options, resolved_device)
 from task.methods import FEDERATED_METHODS
+from task.options import Calibration, Engine, Init
 
 
 def register(subparsers) -> None:
@@ -22,12 +23,12 @@ def register(subparsers) -> None:
     add_threat_options(parser)
     add_compute_options(parser)
     add_real_check_option(parser)
-    parser.add_argument("--engine", default="flower", choices=("flower", "runtime", "inprocess"),
+    parser.add_argument("--engine", default=Engine.FLOWER, choices=tuple(Engine),
                         help="flower: Flower simulation engine in this process (default); runtime: through a "
                              "--simulation SuperLink and `flwr run`; inprocess: the same protocol without Flower")
-    parser.add_argument("--init", default="public", choices=("public", "scratch"),
+    parser.add_argument("--init", default=Init.PUBLIC, choices=tuple(Init),
                         help="dp-fedavg: start from the public model (as PATE; default) or random weights")
-    parser.add_argument("--calibration", default="exact", choices=("exact", "paper"),
+    parser.add_argument("--calibration", default=Calibration.EXACT, choices=tuple(Calibration),
                         help="PATE noise: exact mu-GDP (default) or the paper's eq. 15")
     parser.set_defaults(func=run)
 
@@ -43,7 +44,7 @@ def run(args) -> int:
 
     where = data_options(args)
     real_check = open_real_check(args)   # a bad folder is refused before anything trains
-    if real_check is not None and args.engine == "runtime":
+    if real_check is not None and args.engine == Engine.RUNTIME:
         # the runtime engine's ServerApp is another process, started by Flower's SuperLink
         raise UserError("--real-check: needs --engine flower or inprocess (the ServerApp then runs in this process "
                         "and scores the model it releases); --engine runtime runs it elsewhere")

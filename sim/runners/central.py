@@ -44,7 +44,7 @@ from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
 from task.methods import CENTRAL_METHODS
 from task.networks import build_unet, network_config, network_config_of
-from task.options import CentralMethod, Init, NoiseMode, Relation, Sampling, Selection, look_up_option
+from task.options import CentralMethod, Init, NoiseKind, NoiseMode, Relation, Sampling, Selection, look_up_option
 from task.presets import DpSetting, Preset, get_preset, preset_reference
 from sim.runners.resume import refuse_other_settings
 from task.results import ModelRelease, RunResults, write_run
@@ -725,7 +725,7 @@ def record_central_settings(config: CentralConfig, out: Path, preset: str, epsil
     reproducible, private = config.dpsgd.reproducible_noise, config.private
     settings = {"method": config.method, "preset": preset, "epsilon": epsilon if private else None,
                 "delta": delta if private else None,
-                "seed": None if reproducible else config.seed, "noise": "reproducible" if reproducible else "secure",
+                "seed": None if reproducible else config.seed, "noise": NoiseKind.REPRODUCIBLE if reproducible else NoiseKind.SECURE,
                 "data": None if config.data is None else str(config.data), "hospitals": config.hospitals,
                 "layout": config.layout, "partition_file": config.partition_file, "init": config.init,
                 "precision": config.compute.precision, "selection": config.selection,

@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from privacy.options import NoiseKind
 from task.classification import PrivacyUnit, SeedResult, SeedRun
 from task.classification.adlm import AdLMConfig, train_adlm
 from task.classification.dpmac import DPMACConfig, train_dpmac
@@ -58,7 +59,7 @@ from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from task.classification.tasks import load_task, task_name
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod
+from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod, Role
 from task.registry import Registry
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
 from task.results import RunResults, csv_row, write_run
@@ -477,7 +478,7 @@ def resume_settings(config: ClassificationCompareConfig) -> dict:
     noise when it is reproducible: then it is not recorded (the split in world.json still checks it)."""
     return {"task": config.task, "preset": config.preset, "delta": config.delta,
             "seed": None if config.reproducible_noise else config.seed,
-            "noise": "reproducible" if config.reproducible_noise else "secure",
+            "noise": NoiseKind.REPRODUCIBLE if config.reproducible_noise else NoiseKind.SECURE,
             "data": None if config.data is None else str(config.data),
             "teachers_per_hospital": config.teachers_per_hospital}
 
@@ -626,7 +627,7 @@ def _delta(cell: dict) -> str:
 def verdicts(cells: list[dict]) -> list[str]:
     """Report lines comparing every private cell with the public-only floor: a private method is worth its
     privacy cost only where it beats the same network trained on the public labelled records alone."""
-    floor_name = CLASSIFICATION.names(role="floor")[0]
+    floor_name = CLASSIFICATION.names(role=Role.FLOOR)[0]
     floor = next((c["accuracy"] for c in cells if c["method"] == floor_name and c["accuracy"] is not None), None)
     if floor is None:
         return ["", f"Verdicts: no {floor_name} accuracy (its cell failed), so no private method is compared with it."]

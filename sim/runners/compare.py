@@ -46,6 +46,8 @@ from task.device import resolve_device
 from task.errors import UserError
 from task.io import atomic_write_json
 from task import methods as registry
+from task.methods import Role
+from task.options import AUTO, Engine, Init, NoiseKind, look_up_option
 from task import realcheck
 from task.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
@@ -118,10 +120,10 @@ class CompareConfig:
     delta: float | None = None
     hospitals: int | None = None
     teachers_per_hospital: Sequence[int] | None = None
-    engine: str = "inprocess"
+    engine: str = Engine.INPROCESS
     reproducible_noise: bool = False
     lifetime_epsilon: float | None = None
-    init: str = "public"
+    init: str = Init.PUBLIC
     ledger_dir: Path | None = None
     layout: str | None = None
     partition_file: str | None = None
@@ -135,11 +137,11 @@ class CompareConfig:
     def __post_init__(self) -> None:
         # a variant travels to the cells, workers and Flower's run config as its reference (task.presets)
         object.__setattr__(self, "preset", preset_reference(self.preset))
-        if self.init not in ("public", "scratch"):
-            raise UserError(f"--init: expected public or scratch, got {self.init!r}")
+        object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
+        object.__setattr__(self, "engine", look_up_option(self.engine, Engine, "--engine"))
         if not isinstance(self.compute, Compute):
             raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
-        if self.compute.workers > 1 and self.engine != "inprocess":
+        if self.compute.workers > 1 and self.engine is not Engine.INPROCESS:
             raise UserError(f"--workers {self.compute.workers}: cells run in worker processes with --engine inprocess "
                             "only (Flower's simulation engine schedules its own processes); use --workers 1")
         known = registry.names()
@@ -287,7 +289,7 @@ def resume_settings(config: CompareConfig) -> dict[str, Any]:
     settings = {"task": "segmentation", "preset": config.preset, "delta": config.resolved_delta,
                 # the seed drives the noise when it is reproducible: not published (world.json's split checks it)
                 "seed": None if config.reproducible_noise else config.seed,
-                "noise": "reproducible" if config.reproducible_noise else "secure",
+                "noise": NoiseKind.REPRODUCIBLE if config.reproducible_noise else NoiseKind.SECURE,
                 "hospitals": config.base_preset.hospitals, "teachers_per_hospital": config.teacher_sweep,
                 "data": config.data, **config.where, "engine": config.engine, "init": config.init,
                 "precision": config.compute.precision}
@@ -356,7 +358,7 @@ def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict
     # --- every other cell, in this process, through its record's runner (sim.runners.cells) ---------------
     context = _cell_context(config, lifetime, ledger_dir)
     # the references first (as before the registry): the ceiling, then the private ones, then the floors
-    order = {"ceiling": 0, "private": 1, "floor": 2}
+    order = {Role.CEILING: 0, Role.PRIVATE: 1, Role.FLOOR: 2}
     for record in sorted((r for r in chosen if not r.federated), key=lambda r: order[r.role]):
         for _, epsilon, _, path in _planned_cells(config, record):
             if _cell_done(path):
@@ -382,7 +384,7 @@ def _cell_context(config: CompareConfig, lifetime: float, ledger_dir: Path) -> C
 
 def parse_workers(text: str | int | None, engine: str, device: str) -> int:
     """``--workers``: a whole number >= 1, or ``auto`` (:func:`default_workers`)."""
-    if text is None or str(text).strip().lower() == "auto":
+    if text is None or str(text).strip().lower() == AUTO:
         return default_workers(engine, device)
     try:
         return int(str(text))
@@ -397,7 +399,7 @@ def default_workers(engine: str, device: str) -> int:
     side by side -- 1.5 times the throughput), and much of a cell is single-threaded Python and host
     augmentation. A GPU is one device the cells would queue on: one worker."""
     cores = os.cpu_count() or 1
-    if engine != "inprocess" or cores < 2 or resolve_device(device).type != "cpu":
+    if engine != Engine.INPROCESS or cores < 2 or resolve_device(device).type != "cpu":
         return 1
     return 2
 
@@ -773,8 +775,8 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, seed
                  and c.get("validation_dice_mean") is not None]
         return max(found, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
 
-    families = list(dict.fromkeys(r.family for r in registry.methods(role="private")))
-    families += list(dict.fromkeys(r.family for r in registry.methods(role="floor")))
+    families = list(dict.fromkeys(r.family for r in registry.methods(role=Role.PRIVATE)))
+    families += list(dict.fromkeys(r.family for r in registry.methods(role=Role.FLOOR)))
     predictions: dict[str, Any] = {}
     for family in families:
         cell = best(family)

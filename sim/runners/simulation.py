@@ -23,20 +23,19 @@ from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
 from sim.deployment.runtime_simulation import RuntimeSimulation, run_runtime_simulation
 from server.protocols import run_cell
 from task.errors import UserError
+from task.options import Engine, look_up_option
 from task.runconfig import Cell, RunSettings
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from task.world import load_world, materialise_world, open_world
 
-ENGINES = ("flower", "runtime", "inprocess")
 #: Flower's environment, and every hospital's log line shown (Ray folds repeated lines by default)
 SIMULATION_ENV = {**FLOWER_ENV, "RAY_DEDUP_LOGS": "0"}
 
 
-def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | None = None) -> list[dict]:
+def simulate(settings: RunSettings, engine: str = Engine.FLOWER, cells: list[Cell] | None = None) -> list[dict]:
     """Run the configured method (or the given :class:`task.runconfig.Cell` s) with all hospitals simulated on
     this machine."""
-    if engine not in ENGINES:
-        raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    engine = look_up_option(engine, Engine, "--engine")
     for key, value in SIMULATION_ENV.items():
         os.environ.setdefault(key, value)
     if not settings.world:  # a caller (compare) may already have materialised it
@@ -45,9 +44,9 @@ def simulate(settings: RunSettings, engine: str = "flower", cells: list[Cell] | 
         settings = settings.replace(world=str(world))
     cells = [c if isinstance(c, Cell) else Cell.from_dict(c) for c in cells] if cells else \
         [Cell(settings.method, settings.budget, settings.out, init=settings.init)]
-    if engine == "inprocess":
+    if engine is Engine.INPROCESS:
         return _run_inprocess(settings, cells)
-    if engine == "flower":
+    if engine is Engine.FLOWER:
         _run_flower_inprocess(settings, cells)
     else:
         _run_runtime(settings, cells)

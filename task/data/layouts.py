@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,13 @@ CLASSES = {0: "background", 1: "oedema", 2: "necrotic / non-enhancing core", 3: 
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 
 
+class LayoutName(StrEnum):
+    """The releases a dataset folder may follow (``--layout``; the keys of :data:`LAYOUTS`)."""
+    MSD = "msd"               # MSD Task01: one 4D image per case, our label codes
+    BRATS2021 = "brats2021"   # BraTS 2021 / FeTS 2022 case folders
+    BRATS2023 = "brats2023"   # BraTS 2023+ case folders
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one release stores a case.
@@ -48,7 +56,7 @@ class Layout:
     our class (background 0 -> 0 included); ``names``: the release's own name of each code.
     """
 
-    name: str
+    name: LayoutName
     title: str
     modalities: tuple[str, ...]
     separator: str
@@ -75,18 +83,21 @@ class Layout:
         return Path(case_dir) / f"{case_id}{self.separator}{self.seg}.nii.gz"
 
 
-LAYOUTS: dict[str, Layout] = {
-    "msd": Layout("msd", "MSD Task01 (BraTS 2016-17)", (), "",
-                  {0: 0, 1: 1, 2: 2, 3: 3},
-                  {0: "background", 1: "edema", 2: "non-enhancing tumour", 3: "enhancing tumour"}),
-    "brats2021": Layout("brats2021", "BraTS 2021 / FeTS 2022", ("flair", "t1", "t1ce", "t2"), "_",
-                        {0: 0, 2: 1, 1: 2, 4: 3},
-                        {0: "background", 1: "NCR/NET", 2: "ED", 4: "ET"}),
-    "brats2023": Layout("brats2023", "BraTS 2023+ (GLI, MEN, METS, PED, SSA)", ("t2f", "t1n", "t1c", "t2w"), "-",
-                        {0: 0, 2: 1, 1: 2, 3: 3},
-                        {0: "background", 1: "NCR", 2: "ED", 3: "ET"}),
-}
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (
+    Layout(LayoutName.MSD, "MSD Task01 (BraTS 2016-17)", (), "",
+           {0: 0, 1: 1, 2: 2, 3: 3},
+           {0: "background", 1: "edema", 2: "non-enhancing tumour", 3: "enhancing tumour"}),
+    Layout(LayoutName.BRATS2021, "BraTS 2021 / FeTS 2022", ("flair", "t1", "t1ce", "t2"), "_",
+           {0: 0, 2: 1, 1: 2, 4: 3},
+           {0: "background", 1: "NCR/NET", 2: "ED", 4: "ET"}),
+    Layout(LayoutName.BRATS2023, "BraTS 2023+ (GLI, MEN, METS, PED, SSA)", ("t2f", "t1n", "t1c", "t2w"), "-",
+           {0: 0, 2: 1, 1: 2, 3: 3},
+           {0: "background", 1: "NCR", 2: "ED", 3: "ET"}),
+)}
 LAYOUT_NAMES = tuple(LAYOUTS)
+#: the ``kind`` of a generated phantom collection's source description (a dataset folder's kind is its layout's
+#: name; ``task.data.preprocess.describe_source``)
+PHANTOMS_SOURCE = "phantoms"
 
 
 def get_layout(name: str | None, option: str = "--layout") -> Layout:
@@ -187,7 +198,7 @@ def detect_layout(root: str | os.PathLike) -> Layout:
     if not root.is_dir():
         raise DataError(f"{root}: expected a data folder (MSD Task01 or BraTS case folders), but it is not a folder")
     if (root / "dataset.json").is_file() or (root / "imagesTr").is_dir():
-        return LAYOUTS["msd"]
+        return LAYOUTS[LayoutName.MSD]
     found: dict[str, str] = {}
     for folder in sorted(root.iterdir()):
         layout = case_folder_layout(folder)

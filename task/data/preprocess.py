@@ -27,6 +27,7 @@ from scipy import ndimage
 from tqdm import tqdm
 
 from task.data.errors import DataError
+from task.data.layouts import PHANTOMS_SOURCE, LayoutName
 from task.data.msd import load_case, patient_id
 from task.data.reader import dataset_fingerprint, read_dataset, require_labels
 from task.data.phantoms import _file_lock
@@ -254,8 +255,8 @@ def describe_source(dataset) -> dict:
     layout: its name)."""
     block = dataset.extra.get("phantoms")
     if isinstance(block, dict):
-        return {"kind": "phantoms", "seed": block.get("seed"), "generator_version": block.get("generator_version")}
-    return {"kind": getattr(dataset, "layout", "msd"), "name": dataset.root.resolve().name}
+        return {"kind": PHANTOMS_SOURCE, "seed": block.get("seed"), "generator_version": block.get("generator_version")}
+    return {"kind": getattr(dataset, "layout", LayoutName.MSD), "name": dataset.root.resolve().name}
 
 
 class PreparedDataset:
