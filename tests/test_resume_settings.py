@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from task.compute import Compute
 from task.errors import UserError
 from sim.runners.compare import CompareConfig, run_compare, run_compare_seeds
 
@@ -21,7 +22,9 @@ def cache(tmp_path_factory):
 
 def _config(out, data, **changes):
     # no methods: the folder's header and world are written exactly as a full comparison writes them, in seconds
-    settings = dict(preset="tiny", methods=(), epsilons=(1.0,), out=Path(out), data=str(data), progress=False)
+    compute = {k: changes.pop(k) for k in ("precision", "workers") if k in changes}
+    settings = dict(preset="tiny", methods=(), epsilons=(1.0,), out=Path(out), data=str(data),
+                    compute=Compute(progress=False, **compute))
     return CompareConfig(**{**settings, **changes})
 
 
