@@ -164,7 +164,7 @@ def test_secure_dp_fedavg_deployed_with_tls_and_supernode_authentication(cache, 
 
     out, work = tmp_path / "run", tmp_path / "work"
     preset = get_preset("tiny").with_changes(central_epochs=1, dp_sgd=dict(batch_size=16))
-    settings = RunSettings(method="dp-fedavg-secure", preset=preset, out=str(out), progress=False,
+    settings = RunSettings(method="dp-fedavg-secure", preset=preset, out=str(out), compute=Compute(progress=False),
                            wait_seconds=180, reply_timeout=300, query_timeout=120)
     results = run_local_deployment(settings, work, timeout=1200)
     assert results["deployment"]["status"] == "finished:completed"
