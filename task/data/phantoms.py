@@ -660,10 +660,7 @@ def generate_phantoms(out: str | os.PathLike, spec: PhantomSpec, progress: bool 
         return out
     results = _write_cases(out, spec, config, progress, workers)
     _write_manifest(out, spec, config, results)   # last: its presence means the folder is complete
-    try:
-        (out / PROGRESS_FILE).unlink()
-    except FileNotFoundError:
-        pass
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
     return out
 
 
