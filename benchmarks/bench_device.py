@@ -15,7 +15,8 @@ step, samples per second, DP/plain; also the host-side augmentation of one batch
 GPU would wait for without prefetching) over the plain step.
 
 ``--pipeline`` also times whole training epochs through ``task.training.train_segmentation`` with augmentation:
-host augmentation with batch prefetching off and on (checks both give the same weights), and
+host augmentation with batch prefetching off and on (checks both give the same weights, and that two runs without
+prefetching do: on a GPU only with --deterministic), and
 batched augmentation on the device (``task.data.augment.BatchAugmentation``).
 
 Timings on a shared 2-core CPU swing by +-30% between runs: compare the ratios of one run, not seconds.
@@ -118,7 +119,7 @@ def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epoch
     rng = np.random.default_rng(0)
     images = rng.normal(size=(cases, 4, grid, grid, grid)).astype(np.float32)
     labels = (images[:, 0] > 0.5).astype(np.int64) + (images[:, 1] > 1.2).astype(np.int64)
-    out, weights = {}, []
+    out, weights = {}, {}
     variants = {"prefetch_off": ("host", False), "prefetch_on": ("host", True), "device_augment": ("device", False)}
     for name in list(variants) * 2:   # interleaved: drift on a shared machine hits every variant alike
         augment_on, prefetch = variants[name]
@@ -129,10 +130,14 @@ def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epoch
         model = train_segmentation(build_unet(preset), images, labels, config).model
         out.setdefault(f"{name}_s_per_epoch", []).append((time.perf_counter() - start) / epochs)
         if augment_on == "host":
-            weights.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
+            weights.setdefault(name, []).append({k: v.detach().cpu() for k, v in model.state_dict().items()})
     result = {k: min(v) for k, v in out.items()}
     result["prefetch_speedup"] = result["prefetch_off_s_per_epoch"] / result["prefetch_on_s_per_epoch"]
-    result["same_weights"] = all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+    # Two runs without prefetching first: on a GPU, cuDNN's non-deterministic kernels can make them differ, and then
+    # a difference between prefetching off and on says nothing about prefetching (use --deterministic).
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    result["same_weights_repeat"] = same(*weights["prefetch_off"])
+    result["same_weights"] = all(same(weights["prefetch_off"][0], w) for w in weights["prefetch_on"])
     return result
 
 
@@ -150,9 +155,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=8, help="--pipeline: training volumes")
     parser.add_argument("--epochs", type=int, default=1, help="--pipeline: epochs per timing")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (torch.use_deterministic_algorithms), for the same-weights check")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS' condition for determinism
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
 
     import warnings
 
@@ -185,7 +198,8 @@ def main(argv=None) -> int:
         report["pipeline"] = row
         print(f"training epoch with augmentation ({args.cases} volumes): host augmentation, prefetch off "
               f"{row['prefetch_off_s_per_epoch']:.2f} s, on {row['prefetch_on_s_per_epoch']:.2f} s "
-              f"(x{row['prefetch_speedup']:.2f}; same weights: {row['same_weights']}); batched on the device "
+              f"(x{row['prefetch_speedup']:.2f}; same weights: {row['same_weights']}, two runs without prefetching alike: "
+              f"{row['same_weights_repeat']}); batched on the device "
               f"{row['device_augment_s_per_epoch']:.2f} s (x{row['prefetch_off_s_per_epoch'] / row['device_augment_s_per_epoch']:.2f})")
     if args.json:
         with open(args.json, "w") as handle:

@@ -126,7 +126,7 @@ def test_autoencoder_state_roundtrip_and_encodings_in_unit_ball():
              "row_bound": np.array(1.0), **codecs.encoder_arrays(net)}
     assert not any("decoder" in name or "expand" in name for name in state)  # decoder stays on the server
     probs = torch.softmax(torch.randn(3, 4, 8, 8, 8) * 4, dim=1).numpy()
-    z = codecs.encode(state, probs)
+    z = codecs.encode(state, probs, device="cpu")   # net is on the CPU: the same arithmetic, no TF32
     with torch.no_grad():
         expected = net.encode(torch.from_numpy(probs)).numpy()
     assert np.allclose(z, expected, atol=1e-6)

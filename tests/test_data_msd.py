@@ -107,7 +107,7 @@ CORRUPTIONS = {
     "image/label affine mismatch": (lambda r: _save(r / LAB, _label(), np.diag([1.0, 2.0, 2.0, 1.0])), LAB, "affine"),
     "label values outside 0-3": (lambda r: _save(r / LAB, np.where(_label() == 3, 5, _label()).astype(np.uint8)),
                                  LAB, "outside 0..3"),
-    "negative label values": (lambda r: _save(r / LAB, np.where(_label() == 3, -1, _label()).astype(np.int16)),
+    "negative label values": (lambda r: _save(r / LAB, np.where(_label() == 3, -1, _label().astype(np.int16))),
                               LAB, "outside 0..3"),
     "non-integer label values": (lambda r: _save(r / LAB, _label().astype(np.float32) * 0.5), LAB, "non-integer"),
     "NaN voxels": (lambda r: _save(r / IMG, np.where(_image() > 90, np.nan, _image()).astype(np.float32)), IMG,

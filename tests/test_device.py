@@ -163,6 +163,8 @@ def spy(monkeypatch):
     handle.remove()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA trap needs a torch without a GPU: on a GPU the "
+                    "default device works, and the spies' device checks are what catch a dropped device")
 def test_the_trap_catches_a_component_that_ignores_the_device(spy):
     """The premise of the tests below: with the trap set, the default device is CUDA and cannot be used here."""
     from task.networks import build_unet
@@ -437,6 +439,8 @@ def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
     assert any(not torch.equal(results["device"][k], results["host"][k]) for k in results[None])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA trap needs a torch without a GPU: on a GPU the "
+                    "default device works, and the spies' device checks are what catch a dropped device")
 def test_explicit_cpu_reaches_the_head_fit_decoder(spy):
     """The anchored codec's head-fit decoder fits on the run's device: explicit cpu works under the trap,
     a decoder built without a device would have gone to the (trapped) GPU."""

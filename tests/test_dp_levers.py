@@ -43,7 +43,7 @@ def test_dpsgd_on_the_head_leaves_every_other_weight_exactly_where_it_started():
     dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=1.0)
     result = train_segmentation(model, images, labels, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
                                                                     augment=False, trainable="head",
-                                                                    compute=Compute(progress=False)),
+                                                                    compute=Compute(device="cpu", progress=False)),
                                 PrivateTraining(dp))
     head = trainable_parameter_names(build_unet("tiny"), "head")
     moved = {n for n, p in result.model.named_parameters() if not torch.equal(p.detach(), start[n])}
@@ -120,7 +120,7 @@ def test_parameter_averaging_is_the_last_iterate_at_decay_zero_and_the_start_nea
         torch.manual_seed(0)
         model = build_unet("tiny")
         config = TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, augment=False, seed=3,
-                             ema_decay=decay, compute=Compute(progress=False))
+                             ema_decay=decay, compute=Compute(device="cpu", progress=False))
         return model, {n: p.detach().clone() for n, p in model.named_parameters()}, \
             train_segmentation(model, images, labels, config).model
 

@@ -144,7 +144,7 @@ def test_reproducible_noise_seeds_every_hospital_share_and_secure_noise_does_not
                                        base_config={"ledger_dir": str(tmp_path / name / "ledgers"),
                                                     "lifetime_epsilon": 8.0, "delta": 1e-3})
         config = PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=3, diagnostics=False,
-                            query_batch=4, compute=Compute(progress=False))
+                            query_batch=4, compute=Compute(device="cpu", progress=False))
         results = run_pate(transport, load_world(prepared, split), preset, config, tmp_path / name / "run",
                            noise=noise)
         return totals[-1], results

@@ -67,7 +67,7 @@ def test_init_from_starts_from_given_weights(tmp_path):
     torch.save({"model": source.state_dict()}, tmp_path / "pre.pt")
     target = _model(seed=2)
     train_segmentation(target, x, y, TrainConfig(epochs=0, batch_size=2, learning_rate=1e-2,
-                                                 init_from=tmp_path / "pre.pt", compute=Compute(progress=False)))
+                                                 init_from=tmp_path / "pre.pt", compute=Compute(device="cpu", progress=False)))
     for a, b in zip(source.state_dict().values(), target.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -77,16 +77,16 @@ def test_resume_continues_identically(tmp_path):
     straight = _model()
     train_segmentation(straight, x, y, TrainConfig(epochs=3, batch_size=2, learning_rate=1e-2,
                                                    augment=False, checkpoint=tmp_path / "a.pt",
-                                                   compute=Compute(progress=False)))
+                                                   compute=Compute(device="cpu", progress=False)))
     first = _model()
     train_segmentation(first, x, y, TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2,
                                                 augment=False, checkpoint=tmp_path / "b.pt",
-                                                compute=Compute(progress=False)))
+                                                compute=Compute(device="cpu", progress=False)))
     resumed = _model(seed=5)   # different init: must be overwritten by the checkpoint
     result = train_segmentation(resumed, x, y, TrainConfig(epochs=3, batch_size=2, learning_rate=1e-2,
                                                            augment=False,
                                                            checkpoint=tmp_path / "b.pt",
-                                                           compute=Compute(progress=False)))
+                                                           compute=Compute(device="cpu", progress=False)))
     assert result.resumed_from_epoch == 2 and len(result.history) == 3
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
@@ -99,7 +99,7 @@ def test_augmentation_is_used_and_seeded():
     def run(augment, seed=0):
         model = _model()
         train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=1e-2,
-                                                    augment=augment, seed=seed, compute=Compute(progress=False)))
+                                                    augment=augment, seed=seed, compute=Compute(device="cpu", progress=False)))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     with_aug = run(True)

@@ -59,7 +59,7 @@ def test_dpsgd_on_the_voxel_head_moves_only_the_head_and_is_charged():
     result = train_segmentation(model, images, labels,
                                 TrainConfig(epochs=2, batch_size=2, learning_rate=1e-2, augment=False,
                                             trainable=VOXEL_HEAD, init_from=public.state_dict(),
-                                            compute=Compute(progress=False)), PrivateTraining(dp))
+                                            compute=Compute(device="cpu", progress=False)), PrivateTraining(dp))
     trained = dict(result.model.named_parameters())
     for name, value in public.named_parameters():
         assert torch.equal(trained[name].detach(), value.detach()), name

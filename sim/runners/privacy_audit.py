@@ -876,7 +876,9 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
     config = training.TrainConfig(epochs=setup.epochs, batch_size=setup.batch_size, learning_rate=1.0,
                                   augment=False, description="privacy audit",
                                   loss_fn=recorder.loss, optimizer_factory=recorder.optimizer,
-                                  compute=Compute(progress=False))
+                                  # the CPU on every machine: the canary model has a handful of weights, and the
+                                  # observations are exact projections that a GPU's TF32 arithmetic would blur
+                                  compute=Compute(device="cpu", progress=False))
     dp = setup.config()
     if sigma is not None:
         dp.mode, dp.noise_multiplier = "fixed", float(sigma)
@@ -959,7 +961,7 @@ def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGD
         raise RuntimeError(f"the run trained {result.epochs_completed} epochs / {len(recorder.updates)} steps at "
                            f"σ {sorted(set(result.sigmas))}, planned {setup.epochs} / {setup.steps} at {setup.sigma}")
     # the canary's clipped gradient is -C e_1 in each tensor: unit direction over both, as one flat vector
-    direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1]), -1.0)
+    direction = torch.cat([torch.zeros_like(p).flatten().index_fill_(0, torch.tensor([1], device=p.device), -1.0)
                            for p in recorder.params]) / math.sqrt(len(recorder.params))
     scale = setup.expected_batch_size(with_canary) / setup.total_clip
     observations = [float(update @ direction) * scale for update in recorder.updates]
