@@ -54,6 +54,7 @@ def main() -> None:
     from task.data.preprocess import PreprocessConfig, prepare_dataset
     from task.io import atomic_write_json, atomic_write_text
     from task.networks import build_unet_from_config, network_config
+    from task.compute import Compute
     from task.predict import EvaluationOptions, evaluate_scans
     from task.training import TrainConfig, train_segmentation
 
@@ -96,7 +97,7 @@ def main() -> None:
                                              "generator_version": GENERATOR_VERSION,
                                              "resolution_mm": args.train_resolution})
             save_bundle(model_dir, trained, net_cfg, {"grid": list(config.grid), "config": config.to_dict()}, card)
-        results[level] = {name: evaluate_scans(model_dir, folder, EvaluationOptions(progress=False))
+        results[level] = {name: evaluate_scans(model_dir, folder, EvaluationOptions(compute=Compute(progress=False)))
                           for name, folder in test_dirs.items()}
 
     table = _table(results, list(test_dirs))

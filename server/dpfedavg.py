@@ -31,7 +31,8 @@ from privacy.ledger import Ledger
 from server.selftrain import start_description
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from task.bundle import preprocessing_of
-from task.device import check_device_spec, check_precision, device_name, model_device, resolve_device
+from task.compute import Compute
+from task.device import device_name, model_device, resolve_device
 from task.errors import UserError
 from task.names import safe_name_part
 from task.options import Init, NoiseKind, Relation, look_up_option
@@ -115,23 +116,21 @@ class FederatedRun:
             their ledgers; ``delta`` is also the δ the run's ledger is accounted at.
         seed: the global model's initialisation (when there are no start weights) and the hospitals' local
             training; also their noise under ``reproducible_noise``.
-        progress: a progress bar over the rounds (or steps).
         reproducible_noise: simulation only -- the hospitals' noise seeded by ``seed`` (a deployed hospital
             refuses it), which is then left out of results.json. Default: secure noise.
         init: the name of the start recorded in results.json (:class:`task.options.Init`); ``scratch`` is recorded
             whatever it says when the run is given no start weights. It loads nothing itself.
-        device / precision: sent to the simulated hospitals with every request (deployed ones use their node
-            config) and used here to evaluate the global model.
+        compute: ``progress`` -- a progress bar over the rounds (or steps); ``device`` / ``precision`` -- sent
+            to the simulated hospitals with every request (deployed ones use their node config) and used here to
+            evaluate the global model (:class:`task.compute.Compute`; ``workers`` is not used here).
     """
 
     epsilon: float
     delta: float
     seed: int = 0
-    progress: bool = True
     reproducible_noise: bool = False
     init: Init = Init.PUBLIC
-    device: str = "auto"
-    precision: str = "32"
+    compute: Compute = Compute()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(float(self.epsilon)) and float(self.epsilon) > 0):
@@ -141,8 +140,8 @@ class FederatedRun:
         object.__setattr__(self, "epsilon", float(self.epsilon))
         object.__setattr__(self, "delta", float(self.delta))
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init"))
-        object.__setattr__(self, "device", check_device_spec(self.device))
-        object.__setattr__(self, "precision", check_precision(self.precision))
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
     def recorded_init(self, started_from_weights: bool) -> Init:
         """The start recorded in results.json: ``init``, or ``scratch`` for a run given no start weights."""
@@ -229,8 +228,8 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, config: DpFedAvgCo
             round=0, rounds=setting["rounds"], local_epochs=setting["local_epochs"], epsilon=config.epsilon,
             delta=config.delta, seed=config.seed, run_tag=run_tag, reproducible_noise=bool(config.reproducible_noise),
             relation=config.relation, setting=index, plan=plan, learning_rate=setting["learning_rate"],
-            max_grad_norm=setting["max_grad_norm"], batch_size=setting["batch_size"], device=config.device,
-            precision=config.precision, **lever_settings(setting))
+            max_grad_norm=setting["max_grad_norm"], batch_size=setting["batch_size"], device=config.compute.device,
+            precision=config.compute.precision, **lever_settings(setting))
         label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
         start = _start_of(preset, setting, config.seed, init_weights)
         candidate, replies = _federate(transport, world, preset, config, outcome.ledger, start, request, label)
@@ -257,7 +256,7 @@ def _federate(transport: HospitalTransport, world, preset, config: DpFedAvgConfi
     replies any hospital sent (None: none)."""
     history, last_replies = [], None
     iterator = range(request.rounds)
-    if config.progress:
+    if config.compute.progress:
         iterator = tqdm(iterator, desc=label, unit="round")
     for round_index in iterator:
         replies = transport.fedavg_round(weights, replace(request, round=round_index).to_config())
@@ -277,9 +276,9 @@ def _federate(transport: HospitalTransport, world, preset, config: DpFedAvgConfi
         history.append({"round": round_index, "hospitals": len(updates)})
     model = build_unet(preset.unet, trainable=trainable_of(request.levers()))
     model.load_state_dict({name: torch.as_tensor(value) for name, value in weights.items()})
-    model.to(resolve_device(config.device))
+    model.to(resolve_device(config.compute.device))
     # public labels only: what may choose among the released global models
-    validation = public_validation_dice(model, world, precision=config.precision)
+    validation = public_validation_dice(model, world, precision=config.compute.precision)
     return Candidate({}, model, history, validation), last_replies
 
 
@@ -293,12 +292,12 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
     best = candidates[chosen]
     setting, model, history = best.setting, best.model, best.history
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=config.precision)
+                                                         precision=config.compute.precision)
     results = RunResults(
         method="dp-fedavg", dice=dice, epsilon_budget=config.epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published
         seed=None if config.reproducible_noise else config.seed,
-        device=device_name(model_device(model)), precision=config.precision,
+        device=device_name(model_device(model)), precision=config.compute.precision,
     ).account(ledger, delta, relation=config.relation)   # the worst hospital's, from the mirrored records
     rounds_run = sum(1 for entry in history if entry.get("hospitals"))
     results.extras = {

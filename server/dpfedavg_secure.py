@@ -136,8 +136,8 @@ def who_sees_what(secure: Mapping[str, Any]) -> dict[str, str]:
 @dataclass(frozen=True)
 class DpFedAvgSecureConfig(FederatedRun):
     """A dp-fedavg-secure run (:func:`run_dpfedavg_secure`): a :class:`server.dpfedavg.FederatedRun` (its seed
-    initialises the head, and the U-Net when there are no start weights; its device is where the hospitals
-    compute the frozen features) with
+    initialises the head, and the U-Net when there are no start weights; its ``compute.device`` is where the
+    hospitals compute the frozen features) with
 
     Args:
         threat: colluders, dropouts and the Shamir threshold (``server.pate_secure.threat_model``; None: none
@@ -230,7 +230,8 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, config: DpF
     guard = BudgetGuard(ledger, config.epsilon, config.delta)
     setting = pooled_dpsgd_setting(preset)
     head = head_model(preset, config.seed, init_weights)
-    settings = SecureStageRequest(method=METHOD, delta=config.delta, device=config.device, precision=config.precision,
+    settings = SecureStageRequest(method=METHOD, delta=config.delta, device=config.compute.device,
+                                  precision=config.compute.precision,
                                   secure_noise_seed=int(config.seed) if config.reproducible_noise else None
                                   ).to_config()
 
@@ -334,7 +335,7 @@ def train_head(exchange, transport: HospitalTransport, head: HeadModel, plan: Se
     bytes_up = {h: 0 for h in participants}
     bytes_down = {h: 0 for h in participants}
     iterator = range(plan.steps)
-    if config.progress:
+    if config.compute.progress:
         iterator = tqdm(iterator, desc=f"{METHOD} steps", unit="step")
     for step in iterator:
         connected = sorted(h for h in transport.hospital_ids() if h in counts)
@@ -388,13 +389,13 @@ def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: 
     model, setting, record, ledger = head.model, plan.setting, plan.record, run.ledger
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    model.to(resolve_device(config.device))
-    validation_dice = public_validation_dice(model, world, precision=config.precision)
+    model.to(resolve_device(config.compute.device))
+    validation_dice = public_validation_dice(model, world, precision=config.compute.precision)
     dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=config.precision)
+                                                         precision=config.compute.precision)
     results = RunResults(method=METHOD, dice=dice, epsilon_budget=config.epsilon, hospitals=len(plan.counts),
                          sigma=plan.noise_sd / plan.grid.clip, seed=None if config.reproducible_noise else config.seed,
-                         device=device_name(model_device(model)), precision=config.precision,
+                         device=device_name(model_device(model)), precision=config.compute.precision,
                          ).account(ledger, config.delta, relation=RELATION)
     results.extras = {
         "dice_per_case": dice_per_case,

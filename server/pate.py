@@ -433,8 +433,7 @@ def decode_and_train_student(world: PublicWorld, preset, config: PateConfig, pla
     start_init = {k: v.clone() for k, v in public.start.state_dict().items()}
     public_init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    training = ModelTraining(seed=config.seed, progress=config.compute.progress, device=config.compute.device,
-                             precision=config.compute.precision)
+    training = ModelTraining(seed=config.seed, compute=config.compute)
     student = train_student(world, targets, queries.answered, preset,
                             replace(training, include_reference=config.include_reference, **student_training(preset)),
                             init=start_init)

@@ -60,10 +60,8 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
     (clients/fedavg.py)."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    compute = settings.compute
-    config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=compute.progress,
-                            reproducible_noise=settings.reproducible_noise, init=cell.init, device=compute.device,
-                            precision=compute.precision)
+    config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed,
+                            reproducible_noise=settings.reproducible_noise, init=cell.init, compute=settings.compute)
     return run_dpfedavg(transport, world, preset, config, cell.out, init_weights=start)
 
 
@@ -73,10 +71,9 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     model as DP-FedAvg and pooled DP-SGD; the hospitals draw their own noise shares."""
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
-    compute = settings.compute
-    config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed, progress=compute.progress,
+    config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed,
                                   reproducible_noise=settings.reproducible_noise, init=cell.init,
-                                  device=compute.device, precision=compute.precision, threat=settings.threat_model)
+                                  compute=settings.compute, threat=settings.threat_model)
     return run_dpfedavg_secure(transport, world, preset, config, cell.out, init_weights=start)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from server.student import ModelTraining, train_public_model, train_student
+from task.compute import Compute
 from task.options import PublicStart
 from task.presets import SelfTraining
 from task.training import evaluate_segmentation, predict_probs
@@ -88,7 +89,7 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
         public_model: round 1's labeller and starting point.
         training: round 1's seed (round r trains with ``seed + r - 1``), the fine-tuning epochs per round (None =
             the preset's ``student.epochs``), progress bars, and where the models train and predict
-            (``device``, ``precision``); every round trains every weight with the public reference data, as
+            (its ``compute``); every round trains every weight with the public reference data, as
             PATE's student does (its other fields are not read).
         recipe: the rounds of pseudo-labelling (the one with the best public validation Dice is kept, the
             earliest on ties or without a validation set) and the sharpening temperature T (:func:`sharpen`;
@@ -97,7 +98,7 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
             None = no checkpoints.
     """
     rounds, temperature = int(recipe.rounds), float(recipe.temperature)
-    device, precision = training.device, training.precision
+    device, precision = training.compute.device, training.compute.precision
     epochs = preset.student.epochs if training.epochs is None else int(training.epochs)
     queries = np.arange(len(world.query_images))
     model = public_model
@@ -107,8 +108,7 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         checkpoint = Path(checkpoint_dir) / f"round-{round_index}.pt" if checkpoint_dir else None
         round_training = ModelTraining(seed=training.seed + round_index - 1, epochs=epochs, include_reference=True,
-                                       progress=training.progress, checkpoint=checkpoint, device=device,
-                                       precision=precision)
+                                       checkpoint=checkpoint, compute=training.compute)
         model = train_student(world, targets, queries, preset, round_training, init=init)
         score = None
         if world.validation_images is not None and len(world.validation_images):
@@ -170,7 +170,7 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
         device / precision: where the models train (``task.device``; None = auto) and whether forward passes run
             under bf16 autocast (``"32"`` = float32).
     """
-    training = ModelTraining(seed=seed, progress=progress, device=device, precision=precision)
+    training = ModelTraining(seed=seed, compute=Compute(device=device, precision=precision, progress=bool(progress)))
     reference = train_public_model(world, preset, replace(training, checkpoint=checkpoint))
     if preset.public_start is PublicStart.REFERENCE:
         return PublicModels(reference=reference, start=reference)

@@ -9,8 +9,8 @@ model on ((x_n, y_hat_n))"), trained with the shared engine (task.training).
   (``include_reference``): everything public the server holds. PATE helps exactly where this student
   beats the public-only model trained on the reference data alone for the same number of epochs.
 
-Both train as a :class:`ModelTraining` says -- on its ``device`` (``task.device``; None = auto) at its ``precision``,
-and are returned there.
+Both train as a :class:`ModelTraining` says -- on its ``compute.device`` (``task.device``; auto = CUDA when there is
+one) at its ``compute.precision``, and are returned there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from task.compute import Compute
 from task.codecs import one_hot
-from task.device import check_precision, resolve_device
+from task.device import resolve_device
 from task.errors import UserError
 from task.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
@@ -39,11 +39,11 @@ class ModelTraining:
         seed: the network's initialisation and the training's batch order and augmentation.
         epochs: training epochs (None = the preset's: ``pretrain_epochs`` for the public model,
             ``student.epochs`` for the student; 0 = no training).
-        progress: a progress bar.
         checkpoint: saved after every epoch and resumed from when it exists, so a comparison's cells share one
             training (None = no checkpoint).
-        device / precision: where the model trains and is returned (``task.device``; None = auto) and whether
-            forward passes run under bf16 autocast (``"32"`` = float32).
+        compute: where the model trains and is returned (``device``: ``task.device``; None or auto = CUDA when
+            there is one), whether forward passes run under bf16 autocast (``precision``; ``"32"`` = float32) and
+            a progress bar (``progress``; off by default) -- :class:`task.compute.Compute`.
         trainable: what is trained (``task.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the start
             model and trains only the head).
         learning_rate: Adam's learning rate (None = the preset's).
@@ -59,10 +59,8 @@ class ModelTraining:
 
     seed: int = 0
     epochs: int | None = None
-    progress: bool = False
     checkpoint: str | Path | None = None
-    device: str | None = None
-    precision: str = "32"
+    compute: Compute = Compute(progress=False)
     trainable: Trainable | str = Trainable.ALL
     learning_rate: float | None = None
     finetune: bool = False
@@ -74,7 +72,8 @@ class ModelTraining:
         if self.learning_rate is not None and not float(self.learning_rate) > 0:
             raise UserError(f"learning_rate: expected a positive number, got {self.learning_rate!r}")
         look_up_option(self.trainable, Trainable, "trainable")
-        check_precision(self.precision)
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
 
 def _train(images, targets, preset, init, training: ModelTraining, description: str):
@@ -84,14 +83,12 @@ def _train(images, targets, preset, init, training: ModelTraining, description: 
     if training.epochs <= 0:
         if init is not None:
             load_start_weights(model, init)
-        return model.to(resolve_device(training.device))
+        return model.to(resolve_device(training.compute.device))
     config = TrainConfig(epochs=int(training.epochs), batch_size=preset.batch_size,
                          learning_rate=(preset.learning_rate if training.learning_rate is None
                                         else float(training.learning_rate)),
                          seed=training.seed, checkpoint=training.checkpoint, init_from=init, description=description,
-                         trainable=training.trainable,
-                         compute=Compute(device=training.device, precision=training.precision,
-                                         progress=training.progress))
+                         trainable=training.trainable, compute=training.compute)
     return train_segmentation(model, images, targets, config).model
 
 
@@ -103,7 +100,7 @@ def train_public_model(world, preset, training: ModelTraining = ModelTraining(),
             nothing is trained and the model is ``init``, or its random start).
         preset: the preset (network, batch size, learning rate; ``pretrain_epochs`` when ``training.epochs`` is
             None).
-        training: how (:class:`ModelTraining`: seed, epochs, progress, checkpoint, device, precision).
+        training: how (:class:`ModelTraining`: seed, epochs, checkpoint, compute, ...).
         init: a state_dict (or checkpoint path / module) to start from (None = random weights).
     """
     epochs = preset.pretrain_epochs if training.epochs is None else training.epochs

@@ -19,7 +19,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -32,7 +32,8 @@ from task.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_
 from task.data.msd import Case, display_path, load_case, load_modalities
 from task.data.reader import read_dataset, require_labels
 from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
-from task.device import autocast, check_precision, model_device, resolve_device
+from task.compute import Compute
+from task.device import autocast, model_device, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes
 from task.metrics import per_case_dice, summarise
@@ -352,25 +353,24 @@ class EvaluationOptions:
         layout: the folder's layout (``task.data.layouts``; None = detected).
         labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
         limit: score only the first ``limit`` labelled cases (None = all).
-        progress: a progress bar.
-        device: where the network runs (``task.device``; default auto).
-        precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
+        compute: a progress bar (``progress``), where the network runs (``device``: ``task.device``; default
+            auto) and ``precision`` (``"bf16"``: the forward passes under autocast; ``"32"`` = float32) --
+            :class:`task.compute.Compute`.
     """
 
     out_dir: str | Path | None = None
     layout: str | None = None
     labels: str | None = None
     limit: int | None = None
-    progress: bool = True
-    device: Any = "auto"
-    precision: str = "32"
+    compute: Compute = Compute()
 
     def __post_init__(self) -> None:
         if self.layout:
             get_layout(self.layout, "--layout")
         if self.labels:
             get_layout(self.labels, "--labels")
-        check_precision(self.precision)
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
 
 def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
@@ -385,10 +385,10 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
     Args:
         model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.
         data_dir: the MSD Task01 or BraTS folder whose labelled cases are scored.
-        options: where label maps go, the folder's layout and their convention, how many cases, the progress bar,
-            the device and the precision (:class:`EvaluationOptions`).
+        options: where label maps go, the folder's layout and their convention, how many cases, and how it
+            computes: progress bar, device, precision (:class:`EvaluationOptions`).
     """
-    out_dir, device, precision = options.out_dir, options.device, options.precision
+    out_dir, device, precision = options.out_dir, options.compute.device, options.compute.precision
     dataset = require_labels(read_dataset(data_dir, options.layout), "evaluate")
     convention = resolve_labels(options.labels, dataset.layout)
     _, config, model = _bundle_model(model_dir, device)
@@ -396,7 +396,7 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
     if not cases:
         raise UserError(f"--data {data_dir}: no labelled cases (imagesTr with labelsTr) to evaluate")
     iterator: Iterable = cases
-    if options.progress:
+    if options.compute.progress:
         iterator = tqdm(cases, desc="evaluate", unit="scan")
     class_rows, region_rows, rows = [], [], []
     for case in iterator:

@@ -11,6 +11,7 @@ from privacy import calibration
 from privacy.accountants import make_accountant
 from privacy.events import ComposedEvent, SampledGaussianEvent
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.presets import DpSetting
 
 
@@ -160,7 +161,8 @@ def test_dpfedavg_grid_from_the_public_model_spends_exactly_the_budget(tmp_path)
                             source={"kind": "synthetic-test"}, grid=preset.grid)
     plan_noise_multiplier.cache_clear()
     start = {k: v.numpy() for k, v in _public_weights(preset).items()}
-    results = run_dpfedavg(transport, world, preset, DpFedAvgConfig(3.0, 1e-3, rounds=1, progress=False),
+    quiet = Compute(progress=False)
+    results = run_dpfedavg(transport, world, preset, DpFedAvgConfig(3.0, 1e-3, rounds=1, compute=quiet),
                            tmp_path / "run", init_weights=start)
     settings = dpfedavg_settings(preset, rounds=1)
     assert len(settings) == 2 and results["settings_grid"] == settings and results["init"] == "public"

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from task.compute import Compute
+
 SCHEMA_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
              "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
              "bytes_up_per_query_per_teacher", "wall_seconds", "seed")
@@ -19,7 +21,7 @@ def test_tiny_compare_on_mnist5k_writes_schema_complete_cells(tmp_path, monkeypa
                                                          "queries": 20, "teacher_epochs": 2})
     cells = runner.run_classification_compare(runner.ClassificationCompareConfig(
         "mnist5k", "nonprivate,adlm,ilm,pate-gnmax,dp-mac", [2.0], tmp_path, seed=0, delta=1e-5, hospitals=2,
-        progress=False))
+        compute=Compute(progress=False)))
     # the reference rows come with every report: public-only always, AdLM's noise-free row beside AdLM/ILM
     assert [c["method"] for c in cells] == ["nonprivate", "adlm", "ilm", "pate-gnmax", "dp-mac", "adlm-noise-free",
                                             "public-only"]

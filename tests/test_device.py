@@ -256,7 +256,8 @@ def test_explicit_cpu_reaches_dpfedavg_local_dpsgd(spy, small_world, tmp_path, m
     transport = InProcessTransport(hospitals, base_config={"ledger_dir": str(tmp_path / "ledgers"),
                                                            "lifetime_epsilon": 50.0, "delta": 1e-3})
     results = run_dpfedavg(transport, load_world(prepared, split), preset.with_changes(dp_fedavg=dict(grid=())),
-                           DpFedAvgConfig(50.0, 1e-3, rounds=1, progress=False, reproducible_noise=True, device="cpu"),
+                           DpFedAvgConfig(50.0, 1e-3, rounds=1, reproducible_noise=True,
+                                          compute=Compute(device="cpu", progress=False)),
                            tmp_path / "fedavg")
     assert results["device"] == "cpu" and set(results["hospital_devices"].values()) == {"cpu"}
     assert spy.batches and spy.devices() == {"cpu"}

@@ -8,6 +8,7 @@ import pytest
 from privacy.events import SampledGaussianEvent
 from privacy.ledger import Ledger
 from server.dpfedavg import federated_average, mirror_hospital_records
+from task.compute import Compute
 
 
 def test_federated_average_uses_public_weights_only():
@@ -105,7 +106,8 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
     world = SimpleNamespace(test_images=np.zeros((1, 4, *preset.grid), np.float32),
                             test_labels=np.zeros((1, *preset.grid), np.int64), grid=preset.grid,
                             validation_images=None, validation_labels=None, source={"kind": "synthetic-test"})
-    results = run_dpfedavg(Transport(), world, preset, DpFedAvgConfig(8.0, 1e-3, rounds=2, progress=False),
+    quiet = Compute(progress=False)
+    results = run_dpfedavg(Transport(), world, preset, DpFedAvgConfig(8.0, 1e-3, rounds=2, compute=quiet),
                            tmp_path / "run")
     assert all(config["relation"] == "replace-one" for _, config in seen)
     averaged = seen[1][0]  # what the server sent in round 2: the mean of round 1's updates

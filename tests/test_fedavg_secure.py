@@ -20,11 +20,13 @@ import torch
 from privacy.distributed import IntegerGrid, rounded_norm_bound
 from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
+from task.compute import Compute
 from task.data.synthetic import SyntheticPrepared
 from task.presets import get_preset
 from tests.test_pate_run import FakeSplit
 
 DELTA = 1e-3
+QUIET = Compute(progress=False)
 EPSILON = 8.0
 
 
@@ -107,7 +109,7 @@ def recorded(tmp_path_factory):
     patch.setattr(server_module, "secure_sum", secure_sum)
     try:
         results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
-                                      DpFedAvgSecureConfig(EPSILON, DELTA, progress=False), root / "run")
+                                      DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET), root / "run")
     finally:
         patch.undo()
     return SimpleNamespace(root=root, transport=transport, results=results, contributions=contributions, sums=sums,
@@ -176,7 +178,7 @@ def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(
     before = {p.name: p.read_bytes() for p in ledgers}
     transport = _transport(prepared, split, preset, recorded.root, policy={"colluders": 1})
     results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
-                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False), tmp_path / "run")
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET), tmp_path / "run")
     assert results["steps"] == 0 and "not released" in results["stopped_early"]
     assert {p.name: p.read_bytes() for p in sorted((recorded.root / "ledgers").glob("*.jsonl"))} == before
 
@@ -325,7 +327,7 @@ def test_a_hospital_dropping_mid_protocol_is_recovered_and_the_charges_count_the
     transport = _transport(prepared, split, preset, tmp_path, policy={"dropouts": 1})
     transport.secure_drop = {"h2": "collect-masked"}      # h2 leaves after sharing its keys, in the first step
     results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
-                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, threat={"dropouts": 1}, steps=3),
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET, threat={"dropouts": 1}, steps=3),
                                   tmp_path / "run")
     assert results["steps"] == 3 and results["stopped_early"] is None
     assert results["history"][0] == {"step": 0, "hospitals": 2, "patients": 4}     # divided by the survivors'
@@ -386,7 +388,7 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
                                              "lifetime_epsilon": EPSILON, "delta": DELTA}))
     transport.connect()
     results = run_dpfedavg_secure(transport, load_world(tiny_prepared, tiny_split), get_preset("tiny"),
-                                  DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, steps=3), tmp_path / "run")
+                                  DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET, steps=3), tmp_path / "run")
     assert results["steps"] == 3 and results["stopped_early"] is None and results["hospitals"] == 2
     ledger = Ledger.load(tmp_path / "run" / "ledger.jsonl")
     assert results["epsilon"] == pytest.approx(max(ledger.spent(o, DELTA).epsilon for o in ledger.owners()))
@@ -413,7 +415,7 @@ def test_noise_is_seeded_only_under_reproducible_noise(tmp_path):
     def head_after(name, reproducible):
         transport = _transport(prepared, split, preset, tmp_path / name)
         results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
-                                      DpFedAvgSecureConfig(EPSILON, DELTA, progress=False, steps=2,
+                                      DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET, steps=2,
                                                            reproducible_noise=reproducible), tmp_path / name / "run")
         weights = torch.load(tmp_path / name / "run" / "model" / "weights.pt", weights_only=True)
         return results, torch.cat([v.reshape(-1) for k, v in sorted(weights.items()) if k.startswith("voxel_head.")])

@@ -124,10 +124,10 @@ def test_a_case_folder_missing_a_modality_names_the_file(model_run, small_msd, t
 def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd, tmp_path):
     from task.predict import EvaluationOptions, evaluate_scans
 
-    msd = evaluate_scans(model_run, small_msd / "msd", EvaluationOptions(progress=False))
+    msd = evaluate_scans(model_run, small_msd / "msd", EvaluationOptions(compute=Compute(progress=False)))
     for layout in ("brats2021", "brats2023"):
         result = evaluate_scans(model_run, small_msd / layout,
-                                EvaluationOptions(out_dir=tmp_path / layout, progress=False))
+                                EvaluationOptions(out_dir=tmp_path / layout, compute=Compute(progress=False)))
         assert [r["case"] for r in result["cases"]] == list(CASES)
         assert result["dice"] == pytest.approx(msd["dice"])
         seg = layout == "brats2021" and _labels(tmp_path / layout / "BRATS_001_seg.nii.gz")[0]

@@ -143,4 +143,5 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
             raise AssertionError(f"the hospitals were asked ({name}) before the folder was checked")
 
     with pytest.raises(UserError, match="already holds ledger.jsonl from an earlier run"):
-        run_dpfedavg(Untouched(), None, get_preset("tiny"), DpFedAvgConfig(8.0, 1e-3, progress=False), tmp_path / "run")
+        run_dpfedavg(Untouched(), None, get_preset("tiny"), DpFedAvgConfig(8.0, 1e-3, compute=Compute(progress=False)),
+                     tmp_path / "run")

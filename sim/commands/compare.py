@@ -85,7 +85,7 @@ def run(args) -> int:
                             f"got {args.teachers_per_hospital}")
         methods = parse_list(args.methods, str, "--methods") if args.methods else list(CLASSIFICATION_METHODS)
         run_classification_compare(ClassificationCompareConfig(
-            args.task, methods, epsilons, args.out, seed=args.seed, progress=not args.no_progress,
+            args.task, methods, epsilons, args.out, seed=args.seed, compute=Compute(progress=not args.no_progress),
             preset=args.preset, data=args.data, hospitals=args.hospitals,
             teachers_per_hospital=sweep[0] if sweep else None, reproducible_noise=args.reproducible_noise,
             **({"delta": args.delta} if args.delta else {})))

@@ -32,6 +32,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from task.io import atomic_write_json, ensure_file_folder, ensure_folder
     from sim.commands.common import resolved_device
+    from task.compute import Compute
     from task.predict import EvaluationOptions, evaluate_scans
 
     device = resolved_device(args)
@@ -40,8 +41,8 @@ def run(args) -> int:
     if args.json:
         ensure_file_folder(args.json, "--json")
     result = evaluate_scans(args.model, args.data, EvaluationOptions(
-        out_dir=args.out, layout=args.layout, labels=args.labels, limit=args.limit, progress=not args.no_progress,
-        device=str(device), precision=args.precision))
+        out_dir=args.out, layout=args.layout, labels=args.labels, limit=args.limit,
+        compute=Compute(device=str(device), precision=args.precision, progress=not args.no_progress)))
     for row in result["cases"]:
         print(f"{row['case']}: mean Dice {_fmt(row['mean'])} (WT {_fmt(row['WT'])}, TC {_fmt(row['TC'])}, "
               f"ET {_fmt(row['ET'])}); tumour {row['volume_ml']:.1f} ml predicted, {row['true_volume_ml']:.1f} ml true")

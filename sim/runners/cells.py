@@ -102,9 +102,9 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, compute: Co
                                  checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
     init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     public_only = train_public_model(world, preset,
-                                     ModelTraining(seed=seed, epochs=preset.student.epochs, progress=progress,
-                                                   checkpoint=shared_dir / "public-only.pt", device=device,
-                                                   precision=precision), init=init)
+                                     ModelTraining(seed=seed, epochs=preset.student.epochs,
+                                                   checkpoint=shared_dir / "public-only.pt", compute=compute),
+                                     init=init)
     return public.start, public_only
 
 

@@ -5,7 +5,7 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
     from sim.runners.classification_compare import ClassificationCompareConfig, run_classification_compare
     cells = run_classification_compare(ClassificationCompareConfig(
         task="mnist5k", methods=["dp-mac", "adlm", ...], epsilons=[1, 8], out="runs/cls", seed=0, delta=1e-5,
-        hospitals=None, progress=True, preset="tiny", data=None, teachers_per_hospital=None,
+        hospitals=None, compute=Compute(progress=True), preset="tiny", data=None, teachers_per_hospital=None,
         reproducible_noise=False))
 
 Which methods there are, and what the comparison needs to know about each (its trainer, whether it has one cell
@@ -45,7 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
@@ -57,6 +57,7 @@ from task.classification.dpmac import DPMACConfig, train_dpmac
 from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
 from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from task.classification.tasks import load_task, task_name
+from task.compute import Compute
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod, Role
@@ -354,7 +355,8 @@ class ClassificationCompareConfig:
             randomness; also the noise under ``reproducible_noise``.
         delta: δ of every cell (in (0, 1)).
         hospitals: the number of hospitals (None = 4 for mnist5k, the preset's for the slice task).
-        progress: progress lines.
+        compute: ``progress``: progress lines (:class:`task.compute.Compute`; the classification tasks are small
+            enough for the CPU, so its device, precision and workers are not read).
         preset: ``tiny`` or ``quick``: the training sizes (:data:`PRESET_SETTINGS`) and the slice task's world.
         data: the slice task's MSD Task01 or BraTS folder (None = the preset's phantoms; mnist5k ignores it).
         teachers_per_hospital: PATE-GNMax's teachers per hospital (None = the preset setting's).
@@ -369,7 +371,7 @@ class ClassificationCompareConfig:
     seed: int = 0
     delta: float = 1e-5
     hospitals: int | None = None
-    progress: bool = True
+    compute: Compute = Compute()
     preset: str = "tiny"
     data: str | None = None
     teachers_per_hospital: int | None = None
@@ -393,10 +395,12 @@ class ClassificationCompareConfig:
             raise UserError(f"--delta: expected a number in (0, 1), got {self.delta}")
         object.__setattr__(self, "task", str(task_name(self.task)))
         object.__setattr__(self, "out", Path(self.out))
+        if not isinstance(self.compute, Compute):
+            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
 
     @property
     def cell_settings(self) -> CellSettings:
-        return CellSettings(self.delta, self.seed, self.preset, self.progress, self.teachers_per_hospital)
+        return CellSettings(self.delta, self.seed, self.preset, self.compute.progress, self.teachers_per_hospital)
 
     @property
     def hidden_settings(self) -> tuple[str, ...]:
@@ -415,7 +419,7 @@ def run_classification_compare(config: ClassificationCompareConfig) -> list[dict
     summary = task.summary()
     if config.reproducible_noise:
         summary.pop("seed", None)      # the seed of reproducible noise must not appear in anything written
-    if config.progress:
+    if config.compute.progress:
         print(f"task {task.name}: {summary}", flush=True)
     # a resume may add methods or budgets (each cell is its own folder, with these same settings): the header and
     # the report cover every cell of the folder
