@@ -273,9 +273,8 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
     model, or it self-trained on the query scans: the preset's ``public_start``), checkpointed where a
     comparison shares them."""
     shared = Path(config.shared_dir) if config.shared_dir is not None else None
-    return train_public_models(world, preset, seed=config.seed, progress=config.compute.progress,
-                               checkpoint=shared / "public-model.pt" if shared else None,
-                               device=config.compute.device, precision=config.compute.precision)
+    return train_public_models(world, preset, seed=config.seed,
+                               checkpoint=shared / "public-model.pt" if shared else None, compute=config.compute)
 
 
 def teacher_training(preset) -> TeacherTrainingRequest:

@@ -48,10 +48,9 @@ def start_weights(world: PublicWorld, settings: RunSettings, cell: Cell) -> dict
     None (random weights) for ``scratch``."""
     if cell.init is not Init.PUBLIC:
         return None
-    compute = settings.compute
-    public = train_public_models(world, settings.resolved_preset, seed=settings.seed, progress=compute.progress,
+    public = train_public_models(world, settings.resolved_preset, seed=settings.seed,
                                  checkpoint=Path(cell.shared_dir) / "public-model.pt" if cell.shared_dir else None,
-                                 device=compute.device, precision=compute.precision)
+                                 compute=settings.compute)
     return {k: v.detach().cpu().numpy() for k, v in public.start.state_dict().items()}
 
 

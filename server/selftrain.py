@@ -148,8 +148,8 @@ def selftrain_checkpoints(checkpoint: str | Path | None) -> Path | None:
     return checkpoint.with_name(checkpoint.stem + "-selftrain")
 
 
-def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
-                        checkpoint: str | Path | None = None, device=None, precision: str = "32") -> PublicModels:
+def train_public_models(world, preset, *, seed: int = 0, checkpoint: str | Path | None = None,
+                        compute: Compute = Compute(progress=False)) -> PublicModels:
     """The public model and the start every method shares, as the preset's ``public_start`` says.
 
     ``reference`` (:class:`task.presets.PublicStart`): the public model trained on the public reference maps.
@@ -164,13 +164,12 @@ def train_public_models(world, preset, *, seed: int = 0, progress: bool = False,
             for self-training; never the query scans' labels).
         preset: the preset (``public_start``, the network, the epochs; ``self_training``).
         seed: the trainings' seed.
-        progress: progress bars.
         checkpoint: the public model's checkpoint (``public-model.pt``); the self-training's rounds are kept in
             the folder :func:`selftrain_checkpoints` names. Both are resumed from. None = no checkpoints.
-        device / precision: where the models train (``task.device``; None = auto) and whether forward passes run
-            under bf16 autocast (``"32"`` = float32).
+        compute: where the models train (``device``: ``task.device``; auto = CUDA when there is one), whether
+            forward passes run under bf16 autocast (``precision``) and progress bars (``progress``; off by default).
     """
-    training = ModelTraining(seed=seed, compute=Compute(device=device, precision=precision, progress=bool(progress)))
+    training = ModelTraining(seed=seed, compute=compute)
     reference = train_public_model(world, preset, replace(training, checkpoint=checkpoint))
     if preset.public_start is PublicStart.REFERENCE:
         return PublicModels(reference=reference, start=reference)

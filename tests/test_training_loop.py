@@ -67,7 +67,8 @@ def test_init_from_starts_from_given_weights(tmp_path):
     torch.save({"model": source.state_dict()}, tmp_path / "pre.pt")
     target = _model(seed=2)
     train_segmentation(target, x, y, TrainConfig(epochs=0, batch_size=2, learning_rate=1e-2,
-                                                 init_from=tmp_path / "pre.pt", compute=Compute(device="cpu", progress=False)))
+                                                 init_from=tmp_path / "pre.pt",
+                                                 compute=Compute(device="cpu", progress=False)))
     for a, b in zip(source.state_dict().values(), target.state_dict().values()):
         assert torch.equal(a, b)
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
+from task import methods as registry
 from task.compute import Compute
 from task.errors import UserError
 from sim.runners import compare
@@ -24,9 +25,10 @@ def test_longest_unit_first_onto_the_least_loaded_worker():
 def test_methods_with_teachers_are_one_unit_and_finished_cells_are_not_work(tmp_path):
     config = CompareConfig("quick", ["pate-anchored", "pate-pca", "dp-sgd-central", "public-only"], [1.0, 8.0],
                            tmp_path, compute=Compute(progress=False))
+    PATE_CELL, PCA_CELL = registry.method("pate-anchored").cell_seconds, registry.method("pate-pca").cell_seconds
     units = dict(compare._work_units(config))
     assert set(units) == {("pate-anchored", "pate-pca"), ("dp-sgd-central",), ("public-only",)}
-    assert units[("pate-anchored", "pate-pca")] == 4 * 190 + compare.TEACHER_TRAINING_SECONDS
+    assert units[("pate-anchored", "pate-pca")] == 2 * PATE_CELL + 2 * PCA_CELL + compare.TEACHER_TRAINING_SECONDS
     # a finished cell is not work; a method with every cell finished is no unit at all
     for epsilon in ("eps-1", "eps-8"):
         (tmp_path / "dp-sgd-central" / epsilon).mkdir(parents=True)
@@ -35,7 +37,7 @@ def test_methods_with_teachers_are_one_unit_and_finished_cells_are_not_work(tmp_
     (tmp_path / "pate-pca" / "eps-8" / "results.json").write_text("{}")
     units = dict(compare._work_units(config))
     assert ("dp-sgd-central",) not in units
-    assert units[("pate-anchored", "pate-pca")] == 3 * 190 + compare.TEACHER_TRAINING_SECONDS
+    assert units[("pate-anchored", "pate-pca")] == 2 * PATE_CELL + PCA_CELL + compare.TEACHER_TRAINING_SECONDS
 
 
 def test_workers_are_checked_once_and_only_with_the_inprocess_engine(tmp_path, monkeypatch):

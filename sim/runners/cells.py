@@ -97,9 +97,7 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, compute: Co
         compute: where they train (``task.device``), whether forward passes run under bf16, progress bars.
     """
     shared_dir = Path(shared_dir)
-    progress, device, precision = compute.progress, compute.device, compute.precision
-    public = train_public_models(world, preset, seed=seed, progress=progress,
-                                 checkpoint=shared_dir / "public-model.pt", device=device, precision=precision)
+    public = train_public_models(world, preset, seed=seed, checkpoint=shared_dir / "public-model.pt", compute=compute)
     init = {k: v.clone() for k, v in public.reference.state_dict().items()}
     public_only = train_public_model(world, preset,
                                      ModelTraining(seed=seed, epochs=preset.student.epochs,

@@ -706,8 +706,8 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
         **where: ``task.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
     """
     world = load_world(*build_world(preset, data, seed, progress, **where))
-    model = train_public_models(world, preset, seed=seed, progress=progress, checkpoint=checkpoint, device=device,
-                                precision=precision).start
+    model = train_public_models(world, preset, seed=seed, checkpoint=checkpoint,
+                                compute=Compute(device=device, precision=precision, progress=bool(progress))).start
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

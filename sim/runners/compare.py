@@ -404,9 +404,9 @@ def default_workers(engine: str, device: str) -> int:
     return 2
 
 
-#: a PATE method's first cell at a K also trains that K's teachers (quick preset, one-thread worker, 2026-11-25:
-#: the epsilon-1 cell took 395 s, the epsilon-8 cell 192 s)
-TEACHER_TRAINING_SECONDS = 200.0
+#: a PATE method's first cell at a K also trains that K's teachers (quick preset, one-thread worker, fresh-clone
+#: demo on 2026-11-27: the epsilon-1 cell took 714 s, the epsilon-8 cell 329 s)
+TEACHER_TRAINING_SECONDS = 385.0
 
 
 def _work_units(config: CompareConfig) -> list[tuple[tuple[str, ...], float]]:

@@ -52,8 +52,7 @@ def run_public_selftrain(run: FloorRun) -> dict:
     world = load_world(*build_world(preset, run.data, seed, compute.progress, **run.where), with_query_labels=False)
     # the same call, and so the same checkpoints, as the comparison's start model when that is self-trained
     outcome = train_public_models(world, preset.with_changes(public_start=PublicStart.SELF_TRAINED), seed=seed,
-                                  progress=compute.progress, checkpoint=run.shared_dir / "public-model.pt",
-                                  device=compute.device, precision=precision).selftrain
+                                  checkpoint=run.shared_dir / "public-model.pt", compute=compute).selftrain
     rounds = len(outcome.validation_dice)
     dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
                                                          precision=precision)
