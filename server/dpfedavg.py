@@ -31,7 +31,7 @@ from privacy.ledger import Ledger
 from server.selftrain import start_description
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from task.bundle import preprocessing_of
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.device import device_name, model_device, resolve_device
 from task.errors import UserError
 from task.names import safe_name_part
@@ -140,8 +140,7 @@ class FederatedRun:
         object.__setattr__(self, "epsilon", float(self.epsilon))
         object.__setattr__(self, "delta", float(self.delta))
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init"))
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
     def recorded_init(self, started_from_weights: bool) -> Init:
         """The start recorded in results.json: ``init``, or ``scratch`` for a run given no start weights."""

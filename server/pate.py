@@ -65,7 +65,7 @@ from server.transport import (
 from task import codecs
 from task.codecs import Compressor, PublicFit, make_compressor
 from task.bundle import preprocessing_of
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.device import device_name, model_device
 from task.errors import UserError
 from task import methods
@@ -116,8 +116,7 @@ class PateConfig:
         if self.method not in pate_methods:
             raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
         object.__setattr__(self, "pca_mode", look_up_option(self.pca_mode, PcaMode, "pca_mode"))
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
     def hospital_compute(self) -> HospitalRequest:
         """What every message to the hospitals says about device and precision."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.codecs import one_hot
 from task.device import resolve_device
 from task.errors import UserError
@@ -72,8 +72,7 @@ class ModelTraining:
         if self.learning_rate is not None and not float(self.learning_rate) > 0:
             raise UserError(f"learning_rate: expected a positive number, got {self.learning_rate!r}")
         look_up_option(self.trainable, Trainable, "trainable")
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
 
 def _train(images, targets, preset, init, training: ModelTraining, description: str):

@@ -49,3 +49,11 @@ class Compute:
 
 #: the defaults: auto device, float32, one worker, progress bars
 DEFAULT_COMPUTE = Compute()
+
+
+def check_compute(value: Any) -> Compute:
+    """``value`` if it is a :class:`Compute` (what every run configuration's ``compute`` field must hold), else a
+    one-line UserError naming its type."""
+    if not isinstance(value, Compute):
+        raise UserError(f"compute: expected a task.compute.Compute, got {type(value).__name__}")
+    return value

@@ -32,7 +32,7 @@ from task.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_
 from task.data.msd import Case, display_path, load_case, load_modalities
 from task.data.reader import read_dataset, require_labels
 from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.device import autocast, model_device, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes
@@ -369,8 +369,7 @@ class EvaluationOptions:
             get_layout(self.layout, "--layout")
         if self.labels:
             get_layout(self.labels, "--labels")
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
 
 def evaluate_scans(model_dir: str | Path, data_dir: str | Path,

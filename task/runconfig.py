@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from privacy.mechanisms import NoiseSource
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.errors import UserError
 from task import methods as registry
 from task.options import Calibration, Init, look_up_option
@@ -133,8 +133,7 @@ class RunSettings:
         # a plain string: it travels in Flower's run config (Init's value)
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init").value)
         object.__setattr__(self, "calibration", look_up_option(self.calibration, Calibration, "calibration").value)
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
     @functools.cached_property
     def resolved_preset(self) -> Preset:

@@ -108,6 +108,19 @@ def test_run_settings_carry_device_through_the_flower_run_config():
         RunSettings(compute=Compute(device="gpu"))
 
 
+def test_every_run_configuration_refuses_a_compute_that_is_not_one_in_one_line():
+    """The configs that compose :class:`task.compute.Compute` share one check (a dict of settings is not one)."""
+    from server.dpfedavg import DpFedAvgConfig
+    from server.student import ModelTraining
+    from task.predict import EvaluationOptions
+    from task.runconfig import RunSettings
+
+    for build in (lambda c: RunSettings(compute=c), lambda c: ModelTraining(compute=c),
+                  lambda c: EvaluationOptions(compute=c), lambda c: DpFedAvgConfig(8.0, 1e-3, compute=c)):
+        with pytest.raises(UserError, match=r"^compute: expected a task\.compute\.Compute, got dict$"):
+            build({"device": "cpu"})
+
+
 # ------------------------------------------------------------------------------------------ the device spy
 @dataclass
 class Spy:

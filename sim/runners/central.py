@@ -38,7 +38,7 @@ from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.selftrain import start_description, train_public_models
 from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, private_training, steps_per_epoch
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.device import device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
@@ -207,8 +207,7 @@ class CentralConfig:
         _check_number("--epsilon", self.epsilon, positive=True)
         _check_number("--delta", self.delta, low=0.0, high=1.0, closed_low=False, closed_high=False)
         _check_integer("--seed", self.seed, low=0)
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
         if self.data is not None and not Path(self.data).exists():
             raise UserError(f"--data: {self.data} does not exist (expected an MSD Task01 or BraTS folder)")
         if self.lifetime_epsilon is not None:

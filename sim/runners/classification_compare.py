@@ -57,7 +57,7 @@ from task.classification.dpmac import DPMACConfig, train_dpmac
 from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
 from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from task.classification.tasks import load_task, task_name
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod, Role
@@ -395,8 +395,7 @@ class ClassificationCompareConfig:
             raise UserError(f"--delta: expected a number in (0, 1), got {self.delta}")
         object.__setattr__(self, "task", str(task_name(self.task)))
         object.__setattr__(self, "out", Path(self.out))
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
     @property
     def cell_settings(self) -> CellSettings:

@@ -41,7 +41,7 @@ from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_eps
 from privacy.errors import BudgetExceeded
 from privacy.ledger import Ledger
 from task.bundle import attach_release, load_bundle
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.device import resolve_device
 from task.errors import UserError
 from task.io import atomic_write_json
@@ -139,8 +139,7 @@ class CompareConfig:
         object.__setattr__(self, "preset", preset_reference(self.preset))
         object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
         object.__setattr__(self, "engine", look_up_option(self.engine, Engine, "--engine"))
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
         if self.compute.workers > 1 and self.engine is not Engine.INPROCESS:
             raise UserError(f"--workers {self.compute.workers}: cells run in worker processes with --engine inprocess "
                             "only (Flower's simulation engine schedules its own processes); use --workers 1")

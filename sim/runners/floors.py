@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.errors import UserError
 
 
@@ -44,8 +44,7 @@ class FloorRun:
         object.__setattr__(self, "shared_dir", Path(self.shared_dir))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise UserError(f"--seed: expected a whole number >= 0, got {self.seed!r}")
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
 
     @property
     def where(self) -> dict[str, str | None]:

@@ -20,7 +20,7 @@ from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
-from task.compute import Compute
+from task.compute import Compute, check_compute
 from task.errors import UserError
 from task import methods
 from task.presets import get_preset
@@ -174,8 +174,7 @@ class InProcessPateRun:
             raise UserError(f"delta: expected a number in (0, 1), got {self.delta!r}")
         if (self.prepared is None) != (self.split is None):
             raise UserError("prepared / split: give both (a world already built) or neither")
-        if not isinstance(self.compute, Compute):
-            raise UserError(f"compute: expected a task.compute.Compute, got {type(self.compute).__name__}")
+        check_compute(self.compute)
         known = {f.name for f in dataclasses.fields(PateConfig)} - {"method", "epsilon", "delta", "seed", "compute"}
         unknown = sorted(set(self.options) - known)
         if unknown:
