@@ -171,7 +171,11 @@ def test_ledger_survives_sigkill(tmp_path):
             printed.append(line.strip())
     finally:
         os.kill(child.pid, signal.SIGKILL)
-        rest, _ = child.communicate(timeout=30)
+        child.wait(timeout=30)
+    # read through the text wrapper, not the pipe's descriptor (as communicate() does): lines the child printed
+    # may already sit in this side's buffer, and they too were printed after their record() returned
+    rest = child.stdout.read()
+    child.stdout.close()
     printed += [line.strip() for line in rest.splitlines() if line.strip()]
     assert child.returncode == -signal.SIGKILL
     assert len(printed) >= 150
