@@ -37,7 +37,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -55,10 +55,11 @@ from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
-from task.networks import build_unet, load_start_weights
+from task.networks import VoxelHeadUNet, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
-from task.training import TrainConfig, evaluate_segmentation, predict_probs, train_segmentation
+from task.training import (TrainConfig, evaluate_segmentation, predict_probs, predict_probs_per_head,
+                           train_segmentation)
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,38 @@ class Hospital:
         return predict_probs(self._teacher(k, device), np.asarray(scans, np.float32), batch_size=2, device=device,
                              precision=precision)
 
+    def each_teacher_probs(self, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
+                           ) -> Iterator[np.ndarray]:
+        """:meth:`teacher_probs` of teacher 0, 1, ..., K-1 on ``scans``, in that order -- the same arrays.
+
+        Voxel-head teachers (docs/decisions/teachers.md) are the public model's frozen U-Net plus a head each, so
+        when every teacher's U-Net weights are bit-identical the U-Net runs once for all of them
+        (:func:`task.training.predict_probs_per_head`). Teachers that differ anywhere in the U-Net, and hospitals
+        that answer with other teachers (a subclass's :meth:`teacher_probs`), are run one by one."""
+        scans = np.asarray(scans, np.float32)
+        device, precision = self.compute(config)
+        unet, heads = self._shared_unet_and_heads(device)
+        if unet is None:
+            for k in range(self.num_teachers):
+                yield self.teacher_probs(k, scans, config)
+            return
+        yield from predict_probs_per_head(unet, heads, scans, batch_size=2, device=device, precision=precision)
+
+    def _shared_unet_and_heads(self, device) -> tuple[Any, list]:
+        """(the U-Net every teacher shares, each teacher's voxel head), or (None, []) when they do not share one
+        bit for bit, or when a subclass answers with teachers of its own."""
+        if type(self).teacher_probs is not Hospital.teacher_probs or self.num_teachers == 0:
+            return None, []
+        models = [self._teacher(k, device) for k in range(self.num_teachers)]
+        if not all(isinstance(model, VoxelHeadUNet) for model in models):
+            return None, []
+        reference = models[0].model.state_dict()
+        for model in models[1:]:
+            state = model.model.state_dict()
+            if state.keys() != reference.keys() or not all(torch.equal(state[n], reference[n]) for n in reference):
+                return None, []
+        return models[0].model, [model.voxel_head for model in models]
+
     # ----------------------------------------------------------------------------------------------
     def lifetime_guard(self, config: HospitalRequest | Mapping[str, Any] | None = None):
         """A guard over this hospital's own ledger with its lifetime budget, re-read from disk (other runs
@@ -360,8 +393,7 @@ class Hospital:
         self.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, request, release_ids, sigma, teachers)
         rows, fallbacks = [], 0
-        for k in range(self.num_teachers):
-            probs = self.teacher_probs(k, scans, request)
+        for probs in self.each_teacher_probs(scans, request):
             if np.all(np.isfinite(probs)):
                 rows.append(encode(probs))
             else:  # a broken teacher answers a fixed row; only the count leaves the hospital
@@ -397,8 +429,7 @@ class Hospital:
         if codec_key is None and "probability_sum" in memo:
             return memo["probability_sum"], {}
         rows, fallbacks, total = [], 0, None
-        for k in range(self.num_teachers):
-            probs = self.teacher_probs(k, scans, request)
+        for probs in self.each_teacher_probs(scans, request):
             total = probs.astype(np.float64) if total is None else total + probs
             if encode is None:
                 continue

@@ -407,8 +407,7 @@ class SecureHospital:
         # noise repeats; with secure noise the name only separates streams
         generator = source.generator(who, str(message.get("stream") or ",".join(release_ids)))
         total = np.zeros((len(scans), latent), np.int64)
-        for k in range(hospital.num_teachers):
-            probs = hospital.teacher_probs(k, scans, request)
+        for probs in hospital.each_teacher_probs(scans, request):
             rows = encode(probs) if np.all(np.isfinite(probs)) else fallback_encoding(codec, len(scans))
             total += grid.to_integers(np.asarray(rows, np.float64), generator)
         shares = sample_discrete_gaussian(local_variance, total.size, generator)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -602,6 +602,37 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
     if not outs:
         return np.zeros((0,), dtype=np.float32)
     return np.concatenate(outs, axis=0)
+
+
+@torch.no_grad()
+def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Module], images: Any, batch_size: int = 2,
+                           device: Any = None, precision: str = Precision.FP32) -> Iterator[np.ndarray]:
+    """What :func:`predict_probs` gives for each :class:`task.networks.VoxelHeadUNet` that shares the U-Net
+    ``unet`` (its ``.model``) and has the voxel head ``heads[k]``, in head order -- with the U-Net run once.
+
+    Why: voxel-head teachers are the public model's frozen U-Net plus each teacher's 213-weight head, so the
+    U-Net's logits on the query scans are the same for all of them; running it once per teacher was most of a
+    hospital's answering time (one forward pass per teacher and scan). The batches, the autocast context and the
+    arithmetic are :func:`predict_probs`' own (``logits + head([logits, x])``), so each array is the one that
+    function returns for that teacher, bit for bit. The logits of every scan are kept on ``device`` meanwhile
+    (the size of one teacher's output).
+    """
+    device = model_device(unet) if device is None else resolve_device(device)
+    unet.to(device).eval()
+    x_all = _as_tensor(images, torch.float32)
+    batches = []
+    for start in range(0, len(x_all), batch_size):
+        x = x_all[start:start + batch_size].to(device)
+        with autocast(device, precision):
+            batches.append((x, unet(x)))
+    for head in heads:
+        head.to(device).eval()
+        outs = []
+        for x, logits in batches:
+            with autocast(device, precision):
+                scores = logits + head(torch.cat([logits, x], dim=1))
+            outs.append(torch.softmax(scores.float(), dim=1).cpu().numpy().astype(np.float32))
+        yield np.concatenate(outs, axis=0) if outs else np.zeros((0,), dtype=np.float32)
 
 
 def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,

@@ -180,6 +180,51 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
     assert not full.get("reused") and not isinstance(again._teacher(0), VoxelHeadUNet)
 
 
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_voxel_head_teachers_answer_with_one_unet_pass_and_the_same_arrays(tmp_path, precision):
+    """A hospital whose voxel-head teachers share the public U-Net runs it once per query for all of them, and
+    each teacher's answer is bit for bit what running that teacher alone gives; a teacher whose U-Net differs in
+    one weight sends the hospital back to running them one by one."""
+    from types import SimpleNamespace
+
+    from clients.hospital import Hospital, HospitalSettings
+    from server.pate import teacher_training
+    from task.presets import get_preset
+
+    images, labels = _data(6)
+    index = {case: i for i, case in enumerate("abcdef")}
+    prepared = SimpleNamespace(images=lambda ids: images[[index[c] for c in ids]],
+                               labels=lambda ids: labels[[index[c] for c in ids]], grid=(16, 16, 16))
+    preset = get_preset("tiny").with_changes(teacher=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, augment=False))
+    public = {k: v.numpy() for k, v in _public().state_dict().items()}
+    hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"], ["e", "f"]], preset, tmp_path / "h0",
+                        HospitalSettings(lifetime_epsilon=10.0, device="cpu", precision=precision))
+    hospital.train_teachers({**teacher_training(preset).to_config(), "teacher_epochs": 2, "seed": 0,
+                             "init_weights": public})
+    scans = images[:5]   # an odd count: the last batch holds one scan
+    one_by_one = [hospital.teacher_probs(k, scans) for k in range(3)]
+    assert not np.array_equal(one_by_one[0], one_by_one[1])   # the heads differ, so the answers do
+
+    unet_calls = []
+    for k in range(3):
+        hospital._teacher(k).model.register_forward_hook(lambda module, inputs, output, k=k:
+                                                         unet_calls.append((k, len(inputs[0]))))
+    shared = list(hospital.each_teacher_probs(scans))
+    assert unet_calls == [(0, 2), (0, 2), (0, 1)]   # one pass in predict_probs' batches, not one per teacher
+    assert len(shared) == 3
+    for k in range(3):
+        np.testing.assert_array_equal(shared[k], one_by_one[k])
+
+    with torch.no_grad():
+        next(hospital._teacher(2).model.parameters()).view(-1)[0] += 1e-3
+    unet_calls.clear()
+    changed = list(hospital.each_teacher_probs(scans))
+    assert unet_calls == [(k, n) for k in range(3) for n in (2, 2, 1)]   # each teacher on its own again
+    np.testing.assert_array_equal(changed[0], one_by_one[0])
+    assert not np.array_equal(changed[2], one_by_one[2])
+    np.testing.assert_array_equal(changed[2], hospital.teacher_probs(2, scans))
+
+
 def test_the_central_command_offers_exactly_the_trainable_sets():
     """The CLI spells the sets itself (it must not import torch); this keeps it in step with task.networks."""
     import argparse
