@@ -58,8 +58,8 @@ from task.io import atomic_save_torch, atomic_write_json
 from task.networks import VoxelHeadUNet, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
-from task.training import (TrainConfig, evaluate_segmentation, predict_probs, predict_probs_per_head,
-                           train_segmentation)
+from task.training import (TrainConfig, dice_of_probabilities, evaluate_segmentation, predict_probs,
+                           predict_probs_per_head, train_segmentation)
 
 
 @dataclass(frozen=True)
@@ -524,9 +524,8 @@ class Hospital:
         cache = self._evaluation_cache(images, labels)
         if cache is not None and cache.exists():
             return json.loads(cache.read_text())
-        device, precision = self.compute(request)
-        scores = [evaluate_segmentation(self._teacher(k, device), images, labels, device=device, precision=precision)
-                  for k in range(self.num_teachers)]
+        # each teacher's probabilities as it answers queries (one U-Net pass for voxel-head teachers that share it)
+        scores = [dice_of_probabilities(probs, labels) for probs in self.each_teacher_probs(images, request)]
         means = [s.get("mean") for s in scores]
         valid = [m for m in means if m is not None]
         result = {"hospital_id": self.hospital_id, "teacher_dice": means,

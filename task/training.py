@@ -32,6 +32,7 @@ forward pass under ``torch.autocast(bfloat16)``; the loss is computed on float32
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,39 +493,44 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
 
     bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.compute.progress,
                initial=start_epoch, total=config.epochs, leave=False)
-    for epoch in bar:
-        if not steps.begin_epoch(epoch):
-            break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
-        steps.model.train()
-        aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
-        for batch, xb, yb in _device_batches(steps.batches(epoch), x_all, y_all, aug, device,
-                                             prefetch and steps.prefetch_safe, batched):
-            steps.optimizer.zero_grad(set_to_none=True)
-            with autocast(device, precision):
-                logits = steps.model(xb)
-            # the loss in float32 (a no-op at precision 32): Dice/CE sums over many voxels lose digits in bf16
-            loss = (config.loss_fn or per_sample_loss)(logits.float(), yb).mean()
-            loss.backward()
-            steps.after_backward()
-            steps.optimizer.step()
-            if ema is not None:
-                ema.update()
-            steps.after_step(loss, len(batch))
-        record = steps.epoch_record(epoch)
-        if validation is not None:
-            val_dice = evaluate_segmentation(base_model, validation[0], validation[1], device=device,
-                                             precision=precision)["mean"]
-            record["validation_dice_mean"] = val_dice
-            steps.observe_validation(val_dice)
-        history.append(record)
-        bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                         if k in ("loss", "noise_multiplier", "epsilon")})
-        if checkpoint is not None:   # mid-training weights and the sampling's random state: owner-only
-            atomic_save_torch(checkpoint, {
-                "model": base_model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
-                "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
-                "dp": steps.state_dict(), "ema": ema.state_dict() if ema is not None else None,
-                "dp_config": steps.config_dict(), **config.extra_checkpoint}, private=True)
+    frozen = _FrozenUNetMemo.for_training(base_model, config, private)
+    try:
+        for epoch in bar:
+            if not steps.begin_epoch(epoch):
+                break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
+            steps.model.train()
+            aug = _augmenter(config.seed * 100_003 + epoch, config.augment, batched) if config.augment else None
+            for batch, xb, yb in _device_batches(steps.batches(epoch), x_all, y_all, aug, device,
+                                                 prefetch and steps.prefetch_safe, batched):
+                steps.optimizer.zero_grad(set_to_none=True)
+                with autocast(device, precision), _remembering(frozen, batch):
+                    logits = steps.model(xb)
+                # the loss in float32 (a no-op at precision 32): Dice/CE sums over many voxels lose digits in bf16
+                loss = (config.loss_fn or per_sample_loss)(logits.float(), yb).mean()
+                loss.backward()
+                steps.after_backward()
+                steps.optimizer.step()
+                if ema is not None:
+                    ema.update()
+                steps.after_step(loss, len(batch))
+            record = steps.epoch_record(epoch)
+            if validation is not None:
+                val_dice = evaluate_segmentation(base_model, validation[0], validation[1], device=device,
+                                                 precision=precision)["mean"]
+                record["validation_dice_mean"] = val_dice
+                steps.observe_validation(val_dice)
+            history.append(record)
+            bar.set_postfix({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
+                             if k in ("loss", "noise_multiplier", "epsilon")})
+            if checkpoint is not None:   # mid-training weights and the sampling's random state: owner-only
+                atomic_save_torch(checkpoint, {
+                    "model": base_model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
+                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
+                    "dp": steps.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+                    "dp_config": steps.config_dict(), **config.extra_checkpoint}, private=True)
+    finally:
+        if frozen is not None:
+            frozen.remove()
     bar.close()
 
     result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
@@ -536,6 +542,78 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         parameter.requires_grad_(True)
     result.wall_seconds = time.perf_counter() - started
     return result
+
+
+
+
+@contextlib.contextmanager
+def _remembering(frozen: "_FrozenUNetMemo | None", batch: torch.Tensor):
+    """Inside: the frozen U-Net's memo (if any) answers for this training batch; outside (validation, inference)
+    it computes as usual."""
+    if frozen is None:
+        yield
+        return
+    frozen.batch = batch
+    try:
+        yield
+    finally:
+        frozen.batch = None
+
+
+class _FrozenUNetMemo:
+    """The frozen U-Net's output under a voxel head, remembered per batch while only the head trains.
+
+    Why: a voxel-head teacher (docs/decisions/teachers.md) trains 213 weights on one or two patients for 60 epochs
+    without augmentation, so every epoch ran the frozen U-Net on the same batch again -- most of a comparison's
+    teacher training. The memo is keyed by the batch's sample indices in their order, so a hit returns what the
+    U-Net computed for exactly that input tensor (same samples, same order, same batch size, same autocast
+    context), and the training is the same bit for bit. It is used only where that holds: plain training (not
+    DP-SGD, whose Opacus wrapper hooks every module), no augmentation (the input of a batch is then fixed), every
+    U-Net weight frozen, and a U-Net whose output does not depend on train/eval mode or on the other samples
+    (:func:`task.headgrad.check_frozen_deterministic`). It holds at most ``budget_bytes`` of outputs; past that it
+    computes as before."""
+
+    def __init__(self, unet: torch.nn.Module, budget_bytes: int) -> None:
+        self.unet, self.budget, self.used = unet, int(budget_bytes), 0
+        self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
+        self.batch: torch.Tensor | None = None
+        self.hits = 0
+        compute = unet.forward
+
+        def remembered(x: torch.Tensor) -> torch.Tensor:
+            key = None if self.batch is None else tuple(int(i) for i in self.batch)
+            if key is not None and key in self.outputs:
+                self.hits += 1
+                return self.outputs[key]
+            out = compute(x)
+            size = out.numel() * out.element_size()
+            if key is not None and not out.requires_grad and self.used + size <= self.budget:
+                self.outputs[key] = out.detach()
+                self.used += size
+            return out
+
+        unet.forward = remembered   # an instance attribute: the module's state dict and hooks are unchanged
+
+    def remove(self) -> None:
+        """Back to the module's own forward; the remembered outputs are dropped."""
+        self.unet.__dict__.pop("forward", None)
+        self.outputs.clear()
+
+    @classmethod
+    def for_training(cls, model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None,
+                     budget_bytes: int = 512 * 2 ** 20) -> "_FrozenUNetMemo | None":
+        from task.headgrad import check_frozen_deterministic
+        from task.networks import VoxelHeadUNet
+
+        if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
+            return None
+        if any(p.requires_grad for p in model.model.parameters()):
+            return None
+        try:
+            check_frozen_deterministic(model)
+        except UserError:
+            return None
+        return cls(model.model, budget_bytes)
 
 
 class _ParameterAverage:
@@ -684,6 +762,18 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
+
+
+def dice_of_probabilities(probs: np.ndarray, labels: Any, batch_size: int = 2) -> dict:
+    """:func:`evaluate_segmentation`'s Dice dict from the model's probabilities on the same images, already
+    computed (:func:`predict_probs`' or :func:`predict_probs_per_head`'s output): the same argmax and the same
+    accumulation, ``batch_size`` cases at a time."""
+    y_all = np.asarray(labels)
+    acc = DiceAccumulator()
+    for start in range(0, len(probs), batch_size):
+        acc.add(np.asarray(probs[start:start + batch_size]).argmax(axis=1).astype(np.int64),
+                y_all[start:start + batch_size].astype(np.int64))
+    return acc.aggregate()
 
 
 def per_class_of(per_case: Any) -> dict[str, list[float | None]] | None:

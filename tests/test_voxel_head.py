@@ -12,7 +12,7 @@ from task.dpsgd import DPConfig, PrivateTraining
 from task.errors import UserError
 from task.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
                           load_start_weights, network_config, network_config_of, trainable_parameter_names)
-from task.training import TrainConfig, train_segmentation
+from task.training import TrainConfig, evaluate_segmentation, train_segmentation
 
 
 def _data(n=4, grid=(16, 16, 16), seed=0):
@@ -214,6 +214,12 @@ def test_voxel_head_teachers_answer_with_one_unet_pass_and_the_same_arrays(tmp_p
     assert len(shared) == 3
     for k in range(3):
         np.testing.assert_array_equal(shared[k], one_by_one[k])
+    # the per-teacher Dice a simulated hospital reports comes from the same pass, and is each teacher's own
+    unet_calls.clear()
+    reported = hospital.evaluate({"images": scans, "labels": labels[:5]})["teacher_dice"]
+    assert unet_calls == [(0, 2), (0, 2), (0, 1)]
+    assert reported == [evaluate_segmentation(hospital._teacher(k), scans, labels[:5], precision=precision)["mean"]
+                        for k in range(3)]
 
     with torch.no_grad():
         next(hospital._teacher(2).model.parameters()).view(-1)[0] += 1e-3
@@ -223,6 +229,43 @@ def test_voxel_head_teachers_answer_with_one_unet_pass_and_the_same_arrays(tmp_p
     np.testing.assert_array_equal(changed[0], one_by_one[0])
     assert not np.array_equal(changed[2], one_by_one[2])
     np.testing.assert_array_equal(changed[2], hospital.teacher_probs(2, scans))
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_a_voxel_head_on_a_frozen_unet_trains_the_same_with_the_unet_output_remembered(monkeypatch, precision):
+    """Training only the head without augmentation runs the frozen U-Net once per distinct batch, not once per
+    step, and gives the same weights and history bit for bit as running it every step; validation inside the
+    loop is computed, not served from the training batches' memo."""
+    import task.training
+
+    images, labels = _data(2)
+    validation = _data(2, seed=1)
+    config = TrainConfig(epochs=6, batch_size=2, learning_rate=1e-2, seed=3, trainable=VOXEL_HEAD, augment=False,
+                         compute=Compute(device="cpu", precision=precision, progress=False))
+
+    def train(remember: bool):
+        if not remember:
+            monkeypatch.setattr(task.training._FrozenUNetMemo, "for_training", classmethod(lambda *a, **k: None))
+        public = _public().state_dict()
+        torch.manual_seed(7)   # the head's first layer starts random: the same start both ways
+        model = build_unet("tiny", trainable=VOXEL_HEAD)
+        load_start_weights(model, public)
+        runs = []
+        model.model[0].register_forward_hook(lambda module, inputs, output: runs.append(len(inputs[0])))
+        result = train_segmentation(model, images, labels, config, validation=validation)
+        monkeypatch.undo()
+        return result, len(runs)
+
+    remembered, runs_remembered = train(True)
+    plain, runs_plain = train(False)
+    # 2 patients in one batch per epoch, then 2 validation scans in one batch: 6 epochs x 2 runs of the U-Net
+    assert runs_plain == 6 * 2
+    # the batch comes in one of 2 orders, each run once; validation is run every epoch
+    assert 6 + 1 <= runs_remembered <= 6 + 2
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(remembered.model.state_dict()[name], value), name
+    assert remembered.history == plain.history
+    assert not hasattr(remembered.model.model, "__dict__") or "forward" not in remembered.model.model.__dict__
 
 
 def test_the_central_command_offers_exactly_the_trainable_sets():
