@@ -1,6 +1,7 @@
 """Voxel-head teachers on the frozen public U-Net: what running that U-Net once saves, in one process.
 
     .venv/bin/python benchmarks/bench_teachers.py [--preset quick] [--teachers 32] [--scans 20] [--device cpu]
+                                                  [--patients 2] [--deterministic]
 
 1. Answering: one hospital with ``--teachers`` voxel-head teachers on the preset's U-Net (random public weights,
    random heads: the arithmetic, not the accuracy, is measured) gives its teachers' softmax outputs on ``--scans``
@@ -41,7 +42,15 @@ def main() -> None:
     parser.add_argument("--scans", type=int, default=20)
     parser.add_argument("--patients", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (torch.use_deterministic_algorithms): on a GPU, cuDNN's default "
+                             "kernels can differ between two runs of the same computation, shared pass or not")
     args = parser.parse_args()
+    if args.deterministic:
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
     preset = get_preset(args.preset)
     torch.manual_seed(0)
     public = build_unet(preset.unet).state_dict()
