@@ -486,15 +486,13 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         steps = _DPSGDTraining(DPSession(base_model, optimizer, private, n=len(x_all), batch_size=config.batch_size,
                                          epochs=config.epochs, has_validation=validation is not None),
                                config.augmentation_multiplicity, precision)
-    history: list[dict] = []
-    start_epoch = 0
+    history, start_epoch = [], 0   # per-epoch records; the epoch a resumed run starts at
     if resume_state is not None:
         history, start_epoch = _resume(resume_state, optimizer, generator, steps, ema, checkpoint)
 
     bar = tqdm(range(start_epoch, config.epochs), desc=config.description, disable=not config.compute.progress,
                initial=start_epoch, total=config.epochs, leave=False)
-    frozen = _FrozenUNetMemo.for_training(base_model, config, private)
-    try:
+    with _frozen_unet_memo(base_model, config, private) as frozen:
         for epoch in bar:
             if not steps.begin_epoch(epoch):
                 break  # budget spent (fixed / schedule modes); nothing of this epoch touched the data
@@ -528,9 +526,6 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
                     "generator": generator.get_state(), "torch_rng": torch.get_rng_state(), "history": history,
                     "dp": steps.state_dict(), "ema": ema.state_dict() if ema is not None else None,
                     "dp_config": steps.config_dict(), **config.extra_checkpoint}, private=True)
-    finally:
-        if frozen is not None:
-            frozen.remove()
     bar.close()
 
     result = TrainResult(model=base_model, history=history, epochs_completed=len(history),
@@ -544,6 +539,17 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     return result
 
 
+
+
+@contextlib.contextmanager
+def _frozen_unet_memo(model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None):
+    """A :class:`_FrozenUNetMemo` for this training where it is exact (else None), removed when it ends."""
+    memo = _FrozenUNetMemo.for_training(model, config, private)
+    try:
+        yield memo
+    finally:
+        if memo is not None:
+            memo.remove()
 
 
 @contextlib.contextmanager
@@ -694,6 +700,13 @@ def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Modul
     arithmetic are :func:`predict_probs`' own (``logits + head([logits, x])``), so each array is the one that
     function returns for that teacher, bit for bit. The logits of every scan are kept on ``device`` meanwhile
     (the size of one teacher's output).
+
+    Args:
+        unet: the U-Net every teacher shares (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        heads: each teacher's ``.voxel_head``; one array is yielded per head, in this order.
+        images: (n, 4, *g) volumes.
+        batch_size: volumes per forward pass (:func:`predict_probs`' default, so its batches are these).
+        device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
     """
     device = model_device(unet) if device is None else resolve_device(device)
     unet.to(device).eval()
