@@ -539,8 +539,6 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     return result
 
 
-
-
 @contextlib.contextmanager
 def _frozen_unet_memo(model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None):
     """A :class:`_FrozenUNetMemo` for this training where it is exact (else None), removed when it ends."""
@@ -583,13 +581,11 @@ class _FrozenUNetMemo:
         self.unet, self.budget, self.used = unet, int(budget_bytes), 0
         self.outputs: dict[tuple[int, ...], torch.Tensor] = {}
         self.batch: torch.Tensor | None = None
-        self.hits = 0
         compute = unet.forward
 
         def remembered(x: torch.Tensor) -> torch.Tensor:
             key = None if self.batch is None else tuple(int(i) for i in self.batch)
             if key is not None and key in self.outputs:
-                self.hits += 1
                 return self.outputs[key]
             out = compute(x)
             size = out.numel() * out.element_size()
