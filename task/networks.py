@@ -133,8 +133,13 @@ class VoxelHeadUNet(torch.nn.Module):
         self.voxel_head = voxel_head(in_channels, out_channels, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        return logits + self.voxel_head(torch.cat([logits, x], dim=1))
+        return corrected_logits(self.voxel_head, self.model(x), x)
+
+
+def corrected_logits(head: torch.nn.Module, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A voxel head's correction added to the U-Net's ``logits`` on the scan ``x``: :class:`VoxelHeadUNet`'s output,
+    for callers that computed ``logits`` once for several heads (``task.training.predict_probs_per_head``)."""
+    return logits + head(torch.cat([logits, x], dim=1))
 
 
 def network_config_of(model: torch.nn.Module, preset: str) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from task.device import autocast, model_device, resolve_device
 from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
 from task.io import atomic_save_torch
-from task.networks import freeze_all_but, load_start_weights
+from task.networks import corrected_logits, freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
 from task.options import AugmentOn, Precision, Trainable, look_up_option
 
@@ -693,8 +693,8 @@ def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Modul
     Why: voxel-head teachers are the public model's frozen U-Net plus each teacher's 213-weight head, so the
     U-Net's logits on the query scans are the same for all of them; running it once per teacher was most of a
     hospital's answering time (one forward pass per teacher and scan). The batches, the autocast context and the
-    arithmetic are :func:`predict_probs`' own (``logits + head([logits, x])``), so each array is the one that
-    function returns for that teacher, bit for bit. The logits of every scan are kept on ``device`` meanwhile
+    arithmetic are :func:`predict_probs`' own (the head's correction is :func:`task.networks.corrected_logits`, as
+    in the network's forward), so each array is the one that function returns for that teacher, bit for bit. The logits of every scan are kept on ``device`` meanwhile
     (the size of one teacher's output).
 
     Args:
@@ -717,7 +717,7 @@ def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Modul
         outs = []
         for x, logits in batches:
             with autocast(device, precision):
-                scores = logits + head(torch.cat([logits, x], dim=1))
+                scores = corrected_logits(head, logits, x)
             outs.append(torch.softmax(scores.float(), dim=1).cpu().numpy().astype(np.float32))
         yield np.concatenate(outs, axis=0) if outs else np.zeros((0,), dtype=np.float32)
 
