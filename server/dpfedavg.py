@@ -40,7 +40,7 @@ from task.presets import DpSetting
 from task.networks import build_unet, load_start_weights, network_config_of
 from task.requests import FedAvgRoundRequest
 from task.results import ModelRelease, RunResults, write_run
-from task.training import (LEVER_KEYS, evaluate_segmentation_per_case, lever_settings, per_class_of,
+from task.training import (LEVER_KEYS, evaluate_release, lever_settings, per_class_of,
                            public_validation_dice, trainable_of)
 
 
@@ -290,8 +290,8 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
                                                        else candidates[i].validation_dice, -i))
     best = candidates[chosen]
     setting, model, history = best.setting, best.model, best.history
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=config.compute.precision)
+    dice, dice_per_case = evaluate_release(model, world.test_images, world.test_labels,
+                                           precision=config.compute.precision)
     results = RunResults(
         method="dp-fedavg", dice=dice, epsilon_budget=config.epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published

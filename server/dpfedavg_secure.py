@@ -86,7 +86,7 @@ from task.networks import VOXEL_HEAD, build_unet, load_start_weights, network_co
 from task.requests import SecureStageRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
-from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from task.training import evaluate_release, per_class_of, public_validation_dice
 
 log = logging.getLogger("fedpate.dpfedavg")
 
@@ -391,8 +391,8 @@ def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: 
         parameter.requires_grad_(True)
     model.to(resolve_device(config.compute.device))
     validation_dice = public_validation_dice(model, world, precision=config.compute.precision)
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=config.compute.precision)
+    dice, dice_per_case = evaluate_release(model, world.test_images, world.test_labels,
+                                           precision=config.compute.precision)
     results = RunResults(method=METHOD, dice=dice, epsilon_budget=config.epsilon, hospitals=len(plan.counts),
                          sigma=plan.noise_sd / plan.grid.clip, seed=None if config.reproducible_noise else config.seed,
                          device=device_name(model_device(model)), precision=config.compute.precision,

@@ -74,7 +74,7 @@ from task.networks import network_config_of
 from task.options import PcaMode, PublicScans, Relation, look_up_option
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
 from task.results import ModelRelease, RunResults, write_run
-from task.training import evaluate_segmentation_per_case, per_class_of, predict_probs, public_validation_dice
+from task.training import evaluate_release, per_class_of, predict_probs, public_validation_dice
 from task.world import PublicWorld
 
 log = logging.getLogger("fedpate.pate")
@@ -458,10 +458,9 @@ def evaluate(transport: HospitalTransport, world: PublicWorld, config: PateConfi
         student: the student, the public-only baseline and the pseudo-labels.
     """
     precision = config.compute.precision   # the models are already on the run's device
-    dice, per_case = evaluate_segmentation_per_case(student.model, world.test_images, world.test_labels,
-                                                    precision=precision)
-    public_dice, public_per_case = evaluate_segmentation_per_case(student.public_only, world.test_images,
-                                                                  world.test_labels, precision=precision)
+    dice, per_case = evaluate_release(student.model, world.test_images, world.test_labels, precision=precision)
+    public_dice, public_per_case = evaluate_release(student.public_only, world.test_images,
+                                                    world.test_labels, precision=precision)
     result = Evaluation(dice, per_case, public_dice, public_per_case,
                         public_validation_dice(student.model, world, precision=precision),
                         diagnostics=config.diagnostics)
@@ -577,8 +576,8 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
         "secure_aggregation": queries.secure,
         "who_sees_what": who_sees_what(queries.secure),
     }
-    labels = predict_probs(student.model, world.test_images,
-                           precision=config.compute.precision).argmax(axis=1).astype(np.uint8)
+    labels = predict_probs(student.model, world.test_images, precision=config.compute.precision,
+                           mirror=True).argmax(axis=1).astype(np.uint8)   # as evaluate_release scored them
     release = ModelRelease(student.model, network_config_of(student.model, preset.unet), preprocessing_of(world), world.source,
                            test_predictions=(labels, world))
     return write_run(out, results, release, started=started)

@@ -464,6 +464,20 @@ def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: floa
             f"{', within two standard errors' if word == 'is level with' else ''})")
 
 
+def scoring_line(cells: Sequence[Mapping[str, Any]]) -> str:
+    """How the cells' models were scored (their ``inference``, ``task.inference``), phantom test set and real
+    scans alike; cells written before test-time mirroring carry none and were scored with one forward pass."""
+    named = [c["inference"] for c in cells if c.get("inference")]
+    kinds = sorted(set(named))
+    one_pass = len(cells) - len(named)
+    if not kinds:
+        return "Scoring: one forward pass per scan."
+    if not one_pass:
+        return f"Scoring: {'; '.join(kinds)}."
+    return (f"Scoring: {'; '.join(kinds)} for {len(named)} cell(s); one forward pass for {one_pass} (scored "
+            "before test-time mirroring): compare them with care.")
+
+
 def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | None = None,
                  accuracy: bool = False, overlays: Iterable[Path] = (),
                  release: Mapping[str, Any] | None = None) -> Path:
@@ -492,7 +506,7 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
     if not accuracy:
-        lines += [report_real.header_line(cells), ""]
+        lines += [report_real.header_line(cells), scoring_line(cells), ""]
     if (root / WORLD_FILE).exists():
         lines += world_section(json.loads((root / WORLD_FILE).read_text()), cells)
     lines += privacy_statement(cells, release, interrupted_cells(root))

@@ -18,6 +18,7 @@ import gzip
 import sys
 import zlib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -35,6 +36,7 @@ from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preproc
 from task.compute import Compute, check_compute
 from task.device import autocast, model_device, resolve_device
 from task.errors import UserError
+from task.inference import mirrored_probabilities
 from task.io import atomic_write_bytes
 from task.metrics import per_case_dice, summarise
 
@@ -204,7 +206,7 @@ def preprocess_config_of(preprocessing) -> PreprocessConfig:
 
 
 def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=None,
-                 precision: str = "32") -> np.ndarray:
+                 precision: str = "32", mirror: bool = True) -> np.ndarray:
     """Label map (uint8, MSD labels 0-3) of one scan (x, y, z, 4) in the scan's own grid.
 
     Args:
@@ -215,13 +217,14 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
         affine: the scan's voxel-to-world affine.
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
+        mirror: test-time mirroring (``task.inference``, nnU-Net's default); False = one pass.
     """
     image_grid, _, record = preprocess_case(data, None, affine, config)
-    return segment_preprocessed(model, config, image_grid, record, brain_mask(data), device, precision)
+    return segment_preprocessed(model, config, image_grid, record, brain_mask(data), device, precision, mirror)
 
 
 def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray | None, device=None,
-                         precision: str = "32") -> np.ndarray:
+                         precision: str = "32", mirror: bool = True) -> np.ndarray:
     """:func:`segment_scan` from a scan already preprocessed. Why apart: the real-scan check
     (``task.realcheck``) preprocesses each case once and scores many models.
 
@@ -233,6 +236,7 @@ def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: n
         brain: the scan's :func:`brain_mask` in its own grid (no tumour outside it; None: the caller masks).
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
+        mirror: as :func:`segment_scan`.
     """
     # MONAI (~10 s to import) only when a scan is segmented
     from monai.inferers import sliding_window_inference
@@ -241,9 +245,13 @@ def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: n
     with torch.no_grad():
         x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
         with autocast(device, precision):
-            logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
-                                              overlap=0.25)
-        probs = torch.softmax(logits.float(), dim=1)[0].cpu().numpy()
+            if mirror:   # each window's probabilities averaged over its mirrorings, then the windows blended
+                probs = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1,
+                                                 predictor=partial(mirrored_probabilities, model), overlap=0.25)
+            else:
+                logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
+                                                  overlap=0.25)
+        probs = (probs.float() if mirror else torch.softmax(logits.float(), dim=1))[0].cpu().numpy()
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
     # smoother boundaries than nearest-neighbour upsampling of a coarse label map. Outside the crop box every
     # voxel is background (invert_probs), so the argmax is taken inside it only.
@@ -273,7 +281,7 @@ def class_argmax(probs: np.ndarray) -> np.ndarray:
 
 def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: str | Path,
                   progress: bool = True, device="auto", labels: str | None = None,
-                  precision: str = "32") -> list[Prediction]:
+                  precision: str = "32", mirror: bool = True) -> list[Prediction]:
     """Segment each scan with the bundle in ``model_dir``; returns one :class:`Prediction` per scan.
 
     Every output is written atomically as soon as it is ready, so an error on a later scan loses nothing
@@ -289,6 +297,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         labels: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
             4D file).
         precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
+        mirror: test-time mirroring (``task.inference``; False = one pass, 8 times faster).
     """
     if labels is not None:
         get_layout(labels, "--labels")
@@ -307,7 +316,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         warnings = skull_strip_warnings(_as_case(scan), data)
         for line in warnings:   # above the progress bar, not through it
             tqdm.write(line, file=sys.stderr)
-        segmentation = segment_scan(model, config, data, affine, device, precision)
+        segmentation = segment_scan(model, config, data, affine, device, precision, mirror)
         convention = resolve_labels(labels, scan.layout)
         output = out_dir / name
         _write_label_map(output, from_ours(segmentation, convention), affine, header)
@@ -356,6 +365,7 @@ class EvaluationOptions:
         compute: a progress bar (``progress``), where the network runs (``device``: ``task.device``; default
             auto) and ``precision`` (``"bf16"``: the forward passes under autocast; ``"32"`` = float32) --
             :class:`task.compute.Compute`.
+        mirror: test-time mirroring (``task.inference``; False = one pass).
     """
 
     out_dir: str | Path | None = None
@@ -363,6 +373,7 @@ class EvaluationOptions:
     labels: str | None = None
     limit: int | None = None
     compute: Compute = Compute()
+    mirror: bool = True
 
     def __post_init__(self) -> None:
         if self.layout:
@@ -400,7 +411,7 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
     class_rows, region_rows, rows = [], [], []
     for case in iterator:
         image, truth, affine = load_case(case)
-        labels = segment_scan(model, config, image, affine, device, precision)
+        labels = segment_scan(model, config, image, affine, device, precision, options.mirror)
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             _write_label_map(Path(out_dir) / f"{case.case_id}_seg.nii.gz", from_ours(labels, convention), affine,

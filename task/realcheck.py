@@ -48,6 +48,7 @@ from task.data.msd import Case, load_case
 from task.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, preprocess_case
 from task.data.reader import read_dataset, require_labels
 from task.errors import UserError
+from task.inference import DESCRIPTION
 from task.io import atomic_write_bytes, cache_root
 from task.metrics import DICE_KEYS, per_case_dice_counted, summarise
 
@@ -240,7 +241,7 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
     finally:
         model.train(was_training)
     return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows,
-            "folders": check.describe(), "grid": "each case's own grid",
+            "folders": check.describe(), "grid": "each case's own grid", "inference": DESCRIPTION,
             "seconds": round(time.perf_counter() - started, 2)}
 
 

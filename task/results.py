@@ -33,7 +33,7 @@ from privacy.accountants import epsilon_per_relation
 from privacy.ledger import Ledger
 from task.bundle import CardGuarantee, privacy_card, save_bundle
 from task.data.preprocess import invert_label
-from task import realcheck
+from task import inference, realcheck
 from task.io import atomic_write_bytes, atomic_write_json
 from task.metrics import DICE_KEYS
 
@@ -69,6 +69,9 @@ class RunResults:
     #: the released model scored on labelled real cases (``--real-check``, ``task.realcheck.score_model``):
     #: {"dice": mean over cases, "cases": per-case rows, "folders", "seconds"}; None when no real case was given
     real_check: dict | None = None
+    #: how the released model's Dice (phantom test set and real check) was computed (``task.inference``);
+    #: None on classification
+    inference: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
@@ -99,7 +102,8 @@ class RunResults:
 
 
 #: scalar schema fields, in record order: the columns every comparison's cells.csv has (sim.report)
-SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(RunResults) if f.name not in ("dice", "real_check", "extras"))
+SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(RunResults)
+                      if f.name not in ("dice", "real_check", "inference", "extras"))
 CSV_COLUMNS = SCALAR_FIELDS + tuple(f"dice_{key}" for key in DICE_KEYS) + realcheck.CSV_COLUMNS
 
 
@@ -163,6 +167,9 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
             results.extras["predictions"] = write_test_predictions(out / "predictions", labels, world)
     if started is not None:
         results.wall_seconds = round(time.perf_counter() - started, 3)
+    if results.dice is not None and results.inference is None:
+        # every segmentation producer scores its release with task.training.evaluate_release
+        results.inference = inference.DESCRIPTION
     if release is not None and results.real_check is None:
         # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
         results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)

@@ -48,6 +48,7 @@ from task.compute import Compute
 from task.device import autocast, model_device, resolve_device
 from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
+from task.inference import mirrored_probabilities
 from task.io import atomic_save_torch
 from task.networks import corrected_logits, freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
@@ -662,11 +663,16 @@ def _unwrap(wrapped: torch.nn.Module) -> None:
 # -------------------------------------------------------------------------------------------- inference
 @torch.no_grad()
 def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
-                  precision: str = Precision.FP32) -> np.ndarray:
+                  precision: str = Precision.FP32, mirror: bool = False) -> np.ndarray:
     """Softmax class probabilities (n, C, *g) float32, as a host array.
 
-    ``device``: where to run (the model is moved there); None = wherever the model already is. ``precision``
-    "bf16": the forward pass under autocast, the softmax on float32 logits.
+    Args:
+        model: the segmentation network.
+        images: (n, 4, *g) volumes.
+        batch_size: volumes per forward pass.
+        device: where to run (the model is moved there); None = wherever the model already is.
+        precision: "bf16": the forward pass under autocast, the softmax on float32 logits.
+        mirror: test-time mirroring (``task.inference``), as released models are scored; False = one pass.
     """
     device = model_device(model) if device is None else resolve_device(device)
     model.to(device)
@@ -675,9 +681,15 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
     model.eval()
     outs = []
     for start in range(0, len(x_all), batch_size):
-        with autocast(device, precision):
-            logits = model(x_all[start:start + batch_size].to(device))
-        outs.append(torch.softmax(logits.float(), dim=1).cpu().numpy().astype(np.float32))
+        x = x_all[start:start + batch_size].to(device)
+        if mirror:
+            with autocast(device, precision):
+                probs = mirrored_probabilities(model, x)
+        else:
+            with autocast(device, precision):
+                logits = model(x)
+            probs = torch.softmax(logits.float(), dim=1)
+        outs.append(probs.cpu().numpy().astype(np.float32))
     model.train(was_training)
     if not outs:
         return np.zeros((0,), dtype=np.float32)
@@ -723,8 +735,13 @@ def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Modul
 
 
 def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
-                   precision: str = Precision.FP32) -> np.ndarray:
-    return predict_probs(model, images, batch_size, device, precision).argmax(axis=1).astype(np.int64)
+                   precision: str = Precision.FP32, mirror: bool = False) -> np.ndarray:
+    """The argmax class (n, *g) int64 of :func:`predict_probs`.
+
+    Args:
+        model / images / batch_size / device / precision / mirror: as :func:`predict_probs`.
+    """
+    return predict_probs(model, images, batch_size, device, precision, mirror).argmax(axis=1).astype(np.int64)
 
 
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
@@ -752,7 +769,8 @@ class PerCaseDice(list):
 
 
 def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
-                                   device: Any = None, precision: str = Precision.FP32) -> tuple[dict, PerCaseDice]:
+                                   device: Any = None, precision: str = Precision.FP32,
+                                   mirror: bool = False) -> tuple[dict, PerCaseDice]:
     """(Dice dict, per-case mean Dice with ``.by_class``) -- results.json stores the latter as
     ``dice_per_case`` and its ``by_class`` as ``dice_per_case_class`` (:func:`per_class_of`).
 
@@ -761,16 +779,24 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
         images: (n, 4, *g) volumes.
         labels: (n, *g) int labels.
         batch_size: volumes per forward pass.
-        device / precision: as :func:`predict_probs` (None = where the model is; ``"bf16"`` = autocast).
+        device / precision / mirror: as :func:`predict_probs` (None = where the model is; ``"bf16"`` =
+            autocast; test-time mirroring).
     """
 
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
     for start in range(0, len(x_all), batch_size):
-        pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision)
+        pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision, mirror)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
+
+
+def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
+                     precision: str = Precision.FP32) -> tuple[dict, PerCaseDice]:
+    """How every released model is scored on the phantom test set: :func:`evaluate_segmentation_per_case`
+    with test-time mirroring (``task.inference``), as ``fedpate predict`` and the real-scan check run it."""
+    return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision, mirror=True)
 
 
 def dice_of_probabilities(probs: np.ndarray, labels: Any, batch_size: int = 2) -> dict:

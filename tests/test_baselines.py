@@ -83,7 +83,7 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
     monkeypatch.setattr(central, "load_central_data", _world)
     monkeypatch.setattr(central, "public_start", lambda preset, **kw: _public_weights(preset))
     scored, tested = [], []
-    real_score, real_test = central.evaluate_segmentation, central.evaluate_segmentation_per_case
+    real_score, real_test = central.evaluate_segmentation, central.evaluate_release
 
     def score(model, images, labels, **options):   # the only evaluation that may choose: on public validation
         scored.append(images)
@@ -94,7 +94,7 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
         return real_test(model, images, labels, **options)
 
     monkeypatch.setattr(central, "evaluate_segmentation", score)
-    monkeypatch.setattr(central, "evaluate_segmentation_per_case", test)
+    monkeypatch.setattr(central, "evaluate_release", test)
     results = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=2.0, delta=1e-3,
                                   progress=False, epochs=1, augment=False, batch_size=3))
     grid = results["settings_grid"]

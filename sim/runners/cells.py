@@ -26,7 +26,7 @@ from task.runconfig import Cell
 from sim.runners.central import CentralConfig, DPSGDOptions, run_central
 from sim.runners.floors import FloorRun
 from sim.runners.selftrain import run_public_selftrain
-from task.training import evaluate_segmentation_per_case, per_class_of, public_validation_dice
+from task.training import evaluate_release, per_class_of, public_validation_dice
 from task.world import build_world, load_world
 
 
@@ -114,8 +114,8 @@ def run_public_only(run: FloorRun) -> dict:
     preset, seed, out, precision = run.preset, run.seed, run.out, run.compute.precision
     world = load_world(*build_world(preset, run.data, seed, run.compute.progress, **run.where))
     _, model = shared_public_models(world, preset, seed, run.shared_dir, run.compute)
-    dice, dice_per_case = evaluate_segmentation_per_case(model, world.test_images, world.test_labels,
-                                                         precision=precision)
+    dice, dice_per_case = evaluate_release(model, world.test_images, world.test_labels,
+                                           precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
     results = RunResults(method="public-only", dice=dice, seed=seed if run.publish_seed else None,

@@ -50,8 +50,8 @@ from sim.runners.resume import refuse_other_settings
 from task.results import ModelRelease, RunResults, write_run
 from task.selection import (SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection,
                             split_and_plan, stamp_one_time)
-from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_segmentation, evaluate_segmentation_per_case,
-                          lever_settings, per_class_of, train_segmentation, trainable_of)
+from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_release, evaluate_segmentation,
+                          evaluate_segmentation_per_case, lever_settings, per_class_of, train_segmentation, trainable_of)
 from task.world import build_world, load_world, pooled_private_data
 
 METHODS = CENTRAL_METHODS
@@ -339,8 +339,8 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     result = candidates[chosen][1]
     model = result.model
     net_cfg = network_config_of(model, run.preset.unet)   # the released network: with a voxel head if it has one
-    dice, dice_per_case = evaluate_segmentation_per_case(model, run.world["test_images"], run.world["test_labels"],
-                                                         device=run.device, precision=run.precision)
+    dice, dice_per_case = evaluate_release(model, run.world["test_images"], run.world["test_labels"],
+                                           device=run.device, precision=run.precision)
     results = _run_results(run, dice, result, selected)
     results.extras = _extras(run, candidates, chosen, selected, dp, dice_per_case)
     preprocessing = {"grid": list(run.preset.grid), "config": _config_dict(run.world["config"])}

@@ -784,7 +784,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, seed
         model = load_bundle(out / cell["_cell"]).model
         eps = cell.get("epsilon_budget")
         name = f"{cell['method']}" + (f" ε={eps:g}" if eps else "")
-        predictions[name] = predict_probs(model, images, device=device).argmax(axis=1)
+        predictions[name] = predict_probs(model, images, device=device, mirror=True).argmax(axis=1)
         if registry.method(cell["method"]).sweeps_k:   # a teacher-based method: its teachers' noise-free vote
             ensemble = teacher_ensemble(Path(world_dir), images, preset_name, hospitals, per_hospital, seed, device)
             if ensemble is not None:

@@ -25,7 +25,7 @@ from task.bundle import preprocessing_of
 from task.networks import network_config
 from task.device import device_name, model_device
 from task.results import ModelRelease, RunResults, write_run
-from task.training import evaluate_segmentation_per_case, per_class_of
+from task.training import evaluate_release, per_class_of
 from task.world import build_world, load_world
 
 METHOD = "public-selftrain"
@@ -54,8 +54,8 @@ def run_public_selftrain(run: FloorRun) -> dict:
     outcome = train_public_models(world, preset.with_changes(public_start=PublicStart.SELF_TRAINED), seed=seed,
                                   checkpoint=run.shared_dir / "public-model.pt", compute=compute).selftrain
     rounds = len(outcome.validation_dice)
-    dice, dice_per_case = evaluate_segmentation_per_case(outcome.model, world.test_images, world.test_labels,
-                                                         precision=precision)
+    dice, dice_per_case = evaluate_release(outcome.model, world.test_images, world.test_labels,
+                                           precision=precision)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger.jsonl").touch(mode=0o600)   # no private data: an empty ledger, no privacy cost
     results = RunResults(method=METHOD, dice=dice, seed=seed if run.publish_seed else None,
