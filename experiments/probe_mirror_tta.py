@@ -15,32 +15,10 @@ the labelled real cases in REAL_DIR as the report scores them (a check, never a 
 """
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 import time
 from pathlib import Path
-
-import torch
-
-
-class MirrorAveraged(torch.nn.Module):
-    """``log`` of the mean softmax of ``model`` over the 8 mirrorings of the three spatial axes (each output
-    flipped back), so that a softmax of this module's output is that mean, as every scorer here takes one."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = None
-        combos = [c for r in range(4) for c in itertools.combinations((2, 3, 4), r)]
-        for axes in combos:
-            flipped = torch.flip(x, axes) if axes else x
-            probs = torch.softmax(self.model(flipped).float(), dim=1)
-            probs = torch.flip(probs, axes) if axes else probs
-            total = probs if total is None else total + probs
-        return torch.log((total / len(combos)).clamp_min(1e-12))
 
 
 def main() -> None:
@@ -49,7 +27,7 @@ def main() -> None:
     from task.bundle import load_bundle
     from task.predict import preprocess_config_of
     from task.realcheck import open_check, score_model
-    from task.training import evaluate_segmentation
+    from task.training import evaluate_segmentation_per_case
     from task.world import build_world, load_world
 
     prepared, split = build_world(presets.get_preset("quick"), None, seed, False)
@@ -62,12 +40,12 @@ def main() -> None:
         bundle = load_bundle(run / where, verify_ledger=False)
         config = preprocess_config_of(bundle.preprocessing)
         for mirrored in (False, True):
-            model = MirrorAveraged(bundle.model).eval() if mirrored else bundle.model
             started = time.perf_counter()
-            validation = evaluate_segmentation(model, world.validation_images, world.validation_labels,
-                                               device="cpu")["mean"]
-            test = evaluate_segmentation(model, world.test_images, world.test_labels, device="cpu")["mean"]
-            real = score_model(model, config, check)["dice"]
+            validation, test = (evaluate_segmentation_per_case(bundle.model, images, labels, device="cpu",
+                                                               mirror=mirrored)[0]["mean"]
+                                for images, labels in ((world.validation_images, world.validation_labels),
+                                                       (world.test_images, world.test_labels)))
+            real = score_model(bundle.model, config, check, mirror=mirrored)["dice"]
             row = {"seed": seed, "model": str(where), "mirrored": mirrored,
                    "public_validation": round(validation, 4), "phantom_test": round(test, 4),
                    **{f"real_{k}": None if real[k] is None else round(float(real[k]), 4)

@@ -209,8 +209,10 @@ def score_release(model, preprocessing: Mapping[str, Any], precision: str | None
         return {"error": message, "folders": check.describe()}
 
 
-def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32") -> dict:
-    """Dice of ``model`` on every case of ``check``, each in its own grid.
+def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32",
+                mirror: bool = True) -> dict:
+    """Dice of ``model`` on every case of ``check``, each in its own grid, with test-time mirroring
+    (``task.inference``; ``mirror=False``: one pass).
 
     Returns ``{"dice": mean over cases (task.metrics.summarise's keys), "cases": [per-case rows: case,
     folder, layout and the same keys], "folders": check.describe(), "seconds": this scoring's wall time
@@ -232,7 +234,7 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
             # Dice as over the whole scan, in a third of the voxels
             box = tuple(slice(lo, hi) for lo, hi in prepared["box"])
             labels = segment_preprocessed(model, config, prepared["image"], prepared["record"], None,
-                                          precision=precision)[box]
+                                          precision=precision, mirror=mirror)[box]
             labels[~prepared["brain"]] = 0      # segment_scan's rule: no tumour outside the brain
             class_dice, region_dice = per_case_dice_counted(labels[None], prepared["truth"][None])
             class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
@@ -241,7 +243,8 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
     finally:
         model.train(was_training)
     return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows,
-            "folders": check.describe(), "grid": "each case's own grid", "inference": DESCRIPTION,
+            "folders": check.describe(), "grid": "each case's own grid",
+            "inference": DESCRIPTION if mirror else "one pass",
             "seconds": round(time.perf_counter() - started, 2)}
 
 
