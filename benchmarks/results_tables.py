@@ -261,6 +261,15 @@ def secure_pairs(comparisons: list[Comparison]):
                     yield comparison, secure.get("epsilon_budget"), secure, trusted, kind
 
 
+def headroom_share(h_secure, h_trusted) -> float | None:
+    """The secure method's headroom as a share of its trusted counterpart's; None unless both were measured and
+    the trusted headroom is above zero by more than two standard errors (a share of a headroom that cannot be
+    told from zero is any number: -20483 % on one seed's ε 1)."""
+    if not h_secure or not h_trusted or h_trusted[0] <= 2 * h_trusted[1]:
+        return None
+    return h_secure[0] / h_trusted[0]
+
+
 def secure_table(comparisons: list[Comparison]) -> str:
     lines = ["| comparison | secure / trusted | ε | trusted mean Dice | secure mean Dice "
              "| secure − trusted, paired over test cases (± SE) | trusted headroom | secure headroom "
@@ -270,7 +279,7 @@ def secure_table(comparisons: list[Comparison]) -> str:
         found = True
         difference = paired_difference(per_case_of(secure), per_case_of(trusted))
         h_secure, h_trusted = comparison.headroom(secure), comparison.headroom(trusted)
-        ratio = (h_secure[0] / h_trusted[0] if h_secure and h_trusted and h_trusted[0] > 0 else None)
+        ratio = headroom_share(h_secure, h_trusted)
         lines.append(f"| {comparison.name} | {secure['method']} / {trusted['method']} | {budget:g} | "
                      f"{_fmt(trusted['dice'].get('mean'))} | {_fmt(secure['dice'].get('mean'))} | "
                      f"{'—' if difference is None else f'{difference[0]:+.3f} ± {difference[1]:.3f}'} | "
@@ -373,10 +382,13 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
             goal = (f"{secure['method']} recovers ≥ {100 * SECURE_HEADROOM_SHARE:.0f} % of {trusted['method']}'s "
                     "phantom headroom")
             h_secure, h_trusted = comparison.headroom(secure), comparison.headroom(trusted)
-            if h_secure and h_trusted and h_trusted[0] > 0:
-                ratio = h_secure[0] / h_trusted[0]
+            ratio = headroom_share(h_secure, h_trusted)
+            if ratio is not None:
                 rows.append((goal, comparison.name, f"ε {budget:g}: {100 * ratio:.0f} %",
                              _yes(_reaches(ratio, SECURE_HEADROOM_SHARE))))
+            elif h_secure and h_trusted:
+                rows.append((goal, comparison.name, f"ε {budget:g}: {trusted['method']}'s headroom "
+                             f"{format_ratio(h_trusted)} is not above zero by two standard errors", "no share"))
     return rows
 
 

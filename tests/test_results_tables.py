@@ -189,3 +189,11 @@ def test_without_write_the_tables_are_printed(runs, capsys):
 def test_malformed_arguments_are_refused_in_one_line(item):
     with pytest.raises(SystemExit, match="results_tables"):
         results_tables.parse_item(item)
+
+
+def test_a_share_of_a_headroom_that_cannot_be_told_from_zero_is_not_given():
+    share = results_tables.headroom_share
+    assert share((0.5, 0.1, 40), (0.6, 0.1, 40)) == pytest.approx(0.5 / 0.6)
+    assert share((0.5, 0.1, 40), (0.002, 0.14, 40)) is None      # +0.00 ± 0.14: any ratio at all
+    assert share((0.5, 0.1, 40), (-0.1, 0.05, 40)) is None
+    assert share(None, (0.6, 0.1, 40)) is None
