@@ -215,7 +215,8 @@ class Hospital:
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
-                                                 {"trainable": trainable, "lr": learning_rate, "augment": augment})
+                                                 {"trainable": trainable, "lr": learning_rate, "augment": augment,
+                                                  "precision": precision})
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
@@ -271,7 +272,9 @@ class Hospital:
 
     def _training_fingerprint(self, init, epochs: int, seed: int, local_dp, how: Mapping[str, Any]) -> str:
         """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time);
-        ``how``: what they train, at which learning rate, with or without augmentation."""
+        ``how``: what they train, at which learning rate, with or without augmentation, at which precision
+        (bf16 teachers are other teachers than float32 ones). Not the device or the thread count: they change
+        the last bits of the float arithmetic, not what was asked for."""
 
         digest = hashlib.sha256()
         for name in sorted(init or {}):

@@ -176,6 +176,8 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
         assert not torch.all(state["voxel_head.2.weight"] == 0)
         np.testing.assert_array_equal(again.teacher_probs(k, scans), hospital.teacher_probs(k, scans))
     assert again.train_teachers(config).get("reused")
+    assert not again.train_teachers({**config, "precision": "bf16"}).get("reused")   # other teachers
+    assert again.train_teachers({**config, "precision": "bf16"}).get("reused")
     full = again.train_teachers({**config, "teacher_trainable": "all"})
     assert not full.get("reused") and not isinstance(again._teacher(0), VoxelHeadUNet)
 
