@@ -244,14 +244,12 @@ def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: n
     device = model_device(model) if device is None else resolve_device(device)
     with torch.no_grad():
         x = torch.as_tensor(image_grid[None], dtype=torch.float32, device=device)
+        # mirrored: each window's probabilities averaged over its mirrorings, then the windows blended
+        predictor = partial(mirrored_probabilities, model) if mirror else model
         with autocast(device, precision):
-            if mirror:   # each window's probabilities averaged over its mirrorings, then the windows blended
-                probs = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1,
-                                                 predictor=partial(mirrored_probabilities, model), overlap=0.25)
-            else:
-                logits = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=model,
-                                                  overlap=0.25)
-        probs = (probs.float() if mirror else torch.softmax(logits.float(), dim=1))[0].cpu().numpy()
+            out = sliding_window_inference(x, roi_size=tuple(config.grid), sw_batch_size=1, predictor=predictor,
+                                           overlap=0.25)
+        probs = (out.float() if mirror else torch.softmax(out.float(), dim=1))[0].cpu().numpy()
     # Resample probabilities (not labels) back to the scan grid, then take the argmax there:
     # smoother boundaries than nearest-neighbour upsampling of a coarse label map. Outside the crop box every
     # voxel is background (invert_probs), so the argmax is taken inside it only.

@@ -682,13 +682,10 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
     outs = []
     for start in range(0, len(x_all), batch_size):
         x = x_all[start:start + batch_size].to(device)
-        if mirror:
-            with autocast(device, precision):
-                probs = mirrored_probabilities(model, x)
-        else:
-            with autocast(device, precision):
-                logits = model(x)
-            probs = torch.softmax(logits.float(), dim=1)
+        with autocast(device, precision):
+            out = mirrored_probabilities(model, x) if mirror else model(x)
+        # mirrored: already the float32 mean of the probabilities; one pass: logits, the softmax on float32
+        probs = out if mirror else torch.softmax(out.float(), dim=1)
         outs.append(probs.cpu().numpy().astype(np.float32))
     model.train(was_training)
     if not outs:
@@ -706,8 +703,8 @@ def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Modul
     U-Net's logits on the query scans are the same for all of them; running it once per teacher was most of a
     hospital's answering time (one forward pass per teacher and scan). The batches, the autocast context and the
     arithmetic are :func:`predict_probs`' own (the head's correction is :func:`task.networks.corrected_logits`, as
-    in the network's forward), so each array is the one that function returns for that teacher, bit for bit. The logits of every scan are kept on ``device`` meanwhile
-    (the size of one teacher's output).
+    in the network's forward), so each array is the one that function returns for that teacher, bit for bit. The
+    logits of every scan are kept on ``device`` meanwhile (the size of one teacher's output).
 
     Args:
         unet: the U-Net every teacher shares (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).

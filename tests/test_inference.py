@@ -88,10 +88,11 @@ def test_results_name_the_inference_of_a_segmentation_release(tmp_path):
     assert write_run(tmp_path / "cls", RunResults(method="x", accuracy=0.9))["inference"] is None
 
 
-def test_predict_and_evaluate_take_no_mirroring(monkeypatch, tmp_path):
+def test_predict_and_evaluate_take_no_mirroring(monkeypatch, tmp_path, tiny_phantoms):
     """``--no-mirroring`` reaches the segmentation of every scan, in both commands; the default mirrors."""
-    import task.predict
+    import nibabel as nib
 
+    import task.predict
     from sim.cli import main
 
     seen = []
@@ -100,14 +101,14 @@ def test_predict_and_evaluate_take_no_mirroring(monkeypatch, tmp_path):
     monkeypatch.setattr("task.bundle.load_bundle", lambda *a, **k: type("B", (), {"card": {"private": False,
                                                                                          "method": "m"}})())
     scan = tmp_path / "case.nii.gz"
-    import nibabel as nib
-
     nib.save(nib.Nifti1Image(np.ones((4, 4, 4, 4), np.float32), np.eye(4)), scan)
-    for extra, expected in (([], True), (["--no-mirroring"], False)):
-        with pytest.raises(ZeroDivisionError):
-            main(["predict", "--model", str(tmp_path), "--image", str(scan), "--out", str(tmp_path / "o"),
-                  "--no-progress", "--device", "cpu", *extra])
-        assert seen.pop() is expected
+    commands = (["predict", "--model", str(tmp_path), "--image", str(scan), "--out", str(tmp_path / "o")],
+                ["evaluate", "--model", str(tmp_path), "--data", str(tiny_phantoms), "--limit", "1"])
+    for command in commands:
+        for extra, expected in (([], True), (["--no-mirroring"], False)):
+            with pytest.raises(ZeroDivisionError):
+                main([*command, "--no-progress", "--device", "cpu", *extra])
+            assert seen.pop() is expected, (command[0], extra)
 
 
 def test_the_report_says_how_its_models_were_scored():
