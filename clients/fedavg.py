@@ -117,7 +117,8 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
                                **lever_settings(request.levers()),
                                compute=Compute(device=device, precision=precision, progress=False))
     result = train_segmentation(model, images, labels, train_config,
-                                private=PrivateTraining(dp, guard, owners=(hospital.hospital_id,), noise=noise))
+                                private=PrivateTraining(dp, guard, owners=(hospital.hospital_id,), noise=noise,
+                                                         comparison_figures=False))
     new_records = [record for record in ledger.records() if record["release_id"] not in before]
     spent = ledger.spent(hospital.hospital_id, delta) if len(ledger) else None
     new_weights = {name: value.detach().cpu().numpy() for name, value in result.model.state_dict().items()}

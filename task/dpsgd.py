@@ -191,6 +191,10 @@ class PrivateTraining:
     owners: tuple[str, ...] = ("central",)   # the ledger owners every epoch is charged to
     #: the ``privacy.mechanisms.NoiseSource`` of the batches and noise (None = a secure one)
     noise: Any = None
+    #: also put the comparison figures on the result (RDP's epsilon, the same mechanism's epsilon under the other
+    #: relation). Each is composed from the whole ledger afresh (about 1 s a call); a DP-FedAvg hospital's local
+    #: round reports only its ledger's epsilon, so it asks for none
+    comparison_figures: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.dp, DPConfig):
@@ -294,6 +298,7 @@ class DPSession:
         if errors:
             raise UserError(f"DP-SGD: the network is not Opacus-compatible: {errors[0]}")
         self.owners = private.owners
+        self.comparison_figures = bool(private.comparison_figures)
         self.n = int(n)
         self.batch_size = int(batch_size)
         self.planned_epochs = int(dp.target_epochs or epochs)

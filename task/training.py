@@ -415,7 +415,7 @@ class _DPSGDTraining:
 
     def finish(self, result: TrainResult) -> None:
         _unwrap(self.model)
-        spent = self.session.spent()
+        spent = self.session.spent(with_rdp=self.session.comparison_figures)
         for figure in ("epsilon", "delta", "accountant", "relation", "epsilon_rdp", "epsilon_add_remove",
                        "epsilon_replace_one", "adaptive"):
             setattr(result, figure, spent[figure])

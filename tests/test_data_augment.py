@@ -56,3 +56,15 @@ def test_soft_targets_stay_distributions_and_dicts_and_tensors_work():
     assert torch.allclose(out_probs.sum(0), torch.ones(16, 16, 16), atol=1e-4) and out_probs.min() >= 0
     result = aug({"image": image, "label": label, "case": "x"})
     assert result["image"].shape == image.shape and result["label"].shape == label.shape and result["case"] == "x"
+
+
+def test_integer_labels_are_the_first_most_probable_class_of_the_soft_path():
+    """An integer label map comes out as the argmax (first maximum, as ``argmax(dim=0)`` gives it) of the same
+    augmentation applied to its one-hot map: the class-last argmax changes no label, ties included."""
+    image, label = _pair()
+    one_hot = np.eye(4, dtype=np.float32)[label].transpose(3, 0, 1, 2)
+    hard, soft = training_augmentation(seed=5), training_augmentation(seed=5)
+    for _ in range(4):
+        _, out_label = hard(image, label)
+        _, out_soft = soft(image, one_hot)
+        assert np.array_equal(out_label, torch.as_tensor(out_soft).argmax(dim=0).numpy())

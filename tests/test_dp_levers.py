@@ -152,3 +152,21 @@ def test_settings_grids_carry_the_levers_to_the_training_they_choose_between():
         DpSgd(grid=({"trainable_set": "head"},))
     with pytest.raises(UserError, match="^settings grid entry: trainable: unknown value 'heads'; expected one of "):
         DpSetting(trainable="heads")
+
+
+@pytest.mark.parametrize("figures", [True, False])
+def test_comparison_figures_are_left_off_only_when_asked(figures):
+    """A DP-FedAvg hospital's local round asks for no comparison figures (each is a fresh composition of its
+    ledger); the ledger's own epsilon is on the result either way, and the default keeps the figures."""
+    images, labels = _data(n=4, grid=(8, 8, 8))
+    dp = DPConfig(mode="fixed", noise_multiplier=1.0, epsilon=1e6, delta=1e-3, max_grad_norm=1.0, sampling="poisson")
+    private = (PrivateTraining(dp) if figures else PrivateTraining(dp, comparison_figures=False))
+    result = train_segmentation(build_unet("tiny"), images, labels,
+                                TrainConfig(epochs=1, batch_size=2, learning_rate=1e-2, augment=False,
+                                            compute=Compute(device="cpu", progress=False)), private)
+    assert result.epsilon is not None and result.epsilon > 0
+    assert (result.epsilon_rdp is not None) is figures
+    own, other = ("epsilon_replace_one", "epsilon_add_remove") if result.relation == "replace-one" else \
+        ("epsilon_add_remove", "epsilon_replace_one")
+    assert getattr(result, own) == result.epsilon              # the relation's own figure is the ledger's
+    assert (getattr(result, other) is not None) is figures    # the other relation's is composed afresh

@@ -105,3 +105,19 @@ def test_case_means_are_each_cases_mean_over_its_valid_classes():
     acc = DiceAccumulator().add(pred[:2], truth[:2]).add(pred[2:], truth[2:])   # case 2: all empty
     means = acc.case_means()
     assert means[0] == pytest.approx(1.0) and means[1] == pytest.approx((2 / 3 + 0 + 0) / 3) and means[2] is None
+
+
+def test_region_masks_are_torchs_isin_and_dice_matches_counting():
+    """The regions' masks are built by equality tests instead of ``torch.isin`` (which sorts): the same masks,
+    and the Dice of the MONAI path still equals the one from voxel counts."""
+    import torch
+
+    from task.metrics import REGIONS, _member_of, per_case_dice, per_case_dice_counted
+
+    rng = np.random.default_rng(3)
+    labels = torch.as_tensor(rng.integers(0, 5, size=(3, 6, 6, 6)))   # 4: a code outside every region
+    for members in REGIONS.values():
+        assert torch.equal(_member_of(labels, members), torch.isin(labels, torch.tensor(members)))
+    pred, true = rng.integers(0, 4, size=(2, 2, 8, 8, 8))
+    for mine, counted in zip(per_case_dice(pred, true), per_case_dice_counted(pred, true)):
+        np.testing.assert_allclose(mine, counted, rtol=1e-6)

@@ -130,7 +130,9 @@ class TrainingAugmentation:
         probs = torch.where(empty, torch.zeros_like(probs), probs / total.clamp_min(1e-6))
         probs[0:1] = torch.where(empty, torch.ones_like(probs[0:1]), probs[0:1])
         if integer_labels:
-            out_label = probs.argmax(dim=0)
+            # the class axis moved last first: the same first-maximum argmax, several times faster on a CPU
+            # than reducing over the outer axis
+            out_label = probs.movedim(0, -1).contiguous().argmax(dim=-1)
         else:
             out_label = probs
         if isinstance(label, torch.Tensor):
