@@ -155,6 +155,8 @@ class Ledger:
         self._by_id: dict[str, dict] = {}
         self._events_cache: dict[str, list[Event]] = {}
         self._accountant_cache: dict[tuple, tuple] = {}
+        self._checked: dict[tuple, tuple] = {}    # (owner, relation, accountant) -> (events, accountant over them)
+        self._epsilons: dict[tuple, tuple] = {}   # (owner, relation, accountant, delta) -> (events, epsilon)
         self._thread_lock = threading.RLock()
         self._lock_depth = 0
         self._offset = 0   # bytes of the file merged so far (always the end of a complete line)
@@ -451,11 +453,15 @@ class Ledger:
                 "pass relation= to account one of them (they must not be added up)"
             )
         name = accountant_for(events).name if accountant is None else accountant
+        key = (owner, relation, name)
         acc = self._accountant(owner, relation, name, len(events) - len(extra))
         if extra:
-            # Hypothetical events go on a copy: the cached state must keep matching the ledger.
+            # Hypothetical events go on a copy: the cached state must keep matching the ledger. The copy is kept
+            # with the events it holds: a guard checks a release, then records it, and the next accountant over
+            # the ledger is this one if (only if) those very events were recorded (``_accountant``)
             acc = copy.deepcopy(acc).compose_all(extra)
-        epsilon = acc.get_epsilon(delta) if events else 0.0
+            self._checked[key] = (tuple(events), acc)
+        epsilon = self._epsilon(key, tuple(events), acc, delta) if events else 0.0
         releases = len(events) - len(extra)
         return Spent(
             epsilon=float(epsilon),
@@ -476,9 +482,28 @@ class Ledger:
         if cached is None or cached[1] > upto:
             cached = (make_accountant(name), 0)
         acc, done = cached
-        acc.compose_all(self.events(owner, relation)[done:upto])
+        events = self.events(owner, relation)
+        checked = self._checked.get(key)
+        if checked is not None:
+            held, checked_acc = checked
+            # the accountant a budget check composed over exactly these events (the same ones, compared, not
+            # assumed): the composition need not be done twice, once to check and once to record
+            if done < len(held) <= upto and tuple(events[:len(held)]) == held:
+                acc, done = checked_acc, len(held)
+                del self._checked[key]
+        acc.compose_all(events[done:upto])
         self._accountant_cache[key] = (acc, upto)
         return acc
+
+    def _epsilon(self, key: tuple, events: tuple, acc, delta: float) -> float:
+        """``acc.get_epsilon(delta)``, remembered for the last ``events`` of ``key``: the PLD's search for epsilon
+        costs ~0.1 s, and a charge asks it twice over the same events (the check, then the spent after it)."""
+        remembered = self._epsilons.get((*key, delta))
+        if remembered is not None and remembered[0] == events:
+            return remembered[1]
+        epsilon = acc.get_epsilon(delta)
+        self._epsilons[(*key, delta)] = (events, epsilon)
+        return epsilon
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of the merged records (stable across reloads)."""

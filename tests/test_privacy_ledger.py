@@ -143,6 +143,39 @@ def test_accounting_is_incremental_and_matches_fresh(tmp_path):
     assert ledger.spent("h", 1e-5).accountant == "zcdp"
 
 
+
+def test_a_checked_release_is_composed_once_and_only_the_checked_events_reuse_the_check(tmp_path, monkeypatch):
+    """A budget check composes the release onto a copy; when exactly those events are then recorded the copy
+    becomes the ledger's accountant (no second composition), and when anything else is recorded it is not used:
+    epsilon is always the one a freshly loaded ledger computes."""
+    from privacy.accountants import _DpAccountingWrapper
+
+    composed = []
+    original = _DpAccountingWrapper.compose_all
+    monkeypatch.setattr(_DpAccountingWrapper, "compose_all",
+                        lambda self, events: (composed.append(len(list(events))), original(self, events))[1])
+    epoch = SampledGaussianEvent(0.1, 1.1, 10, relation="replace-one")
+    ledger = Ledger(tmp_path / "l.jsonl")
+    ledger.record(["h"], epoch, "e0")
+    ledger.spent("h", 1e-5)
+    checked = ledger.spent("h", 1e-5, extra=[epoch, epoch])        # the check: a copy with both epochs
+    ledger.record(["h"], epoch, "e1")
+    ledger.record(["h"], epoch, "e2")
+    composed.clear()
+    after = ledger.spent("h", 1e-5)
+    assert not any(composed)                                      # the check's copy, nothing composed again
+    assert after.epsilon == checked.epsilon and after.releases == 3
+    assert after.epsilon == pytest.approx(Ledger.load(tmp_path / "l.jsonl").spent("h", 1e-5).epsilon, rel=1e-9)
+
+    checked = ledger.spent("h", 1e-5, extra=[epoch])               # checked one epoch at sigma 1.1 ...
+    other = SampledGaussianEvent(0.1, 0.6, 10, relation="replace-one")
+    ledger.record(["h"], other, "e3")                              # ... and recorded another mechanism
+    recorded = ledger.spent("h", 1e-5)
+    fresh = Ledger.load(tmp_path / "l.jsonl").spent("h", 1e-5)
+    assert recorded.epsilon == pytest.approx(fresh.epsilon, rel=1e-9) and recorded.releases == 4
+    assert recorded.epsilon > checked.epsilon                      # not the check's (smaller) epsilon either
+
+
 CHILD = r"""
 import sys
 from privacy.events import GaussianEvent
