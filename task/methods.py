@@ -111,8 +111,10 @@ class Method(_Roled):
     #: wall seconds of one cell on the quick preset in a one-thread worker: only a hint for spreading a
     #: comparison's cells over worker processes (``sim.runners.compare.spread_over_workers``), so only the ratios
     #: matter. The demo's methods are from one fresh-clone ``fedpate demo`` with --workers 2 on a 2-core machine
-    #: (2026-11-28); PATE's other codecs take pate-anchored's (same teachers and student), pate-anchored-secure
-    #: its earlier ratio to pate-anchored (370 / 330), and dp-fedavg-secure its earlier value.
+    #: (2026-11-28, after the profiled speed-ups: each method's mean over its epsilon cells, PATE's epsilon-8
+    #: cell without the teachers' training); PATE's other codecs take pate-anchored's (same teachers and
+    #: student), pate-anchored-secure its earlier ratio to pate-anchored (370 / 330), and dp-fedavg-secure its
+    #: earlier value.
     cell_seconds: float = 60.0
 
     def __post_init__(self) -> None:
@@ -159,36 +161,36 @@ def is_pate(name: str | None) -> bool:
 for _record in (
         Method("pate-ae", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="ae",
-               description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=270),
+               description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=266),
         Method("pate-pca", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="pca",
-               description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=270),
+               description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=266),
         Method("pate-anchored", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="anchored",
-               description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=270),
+               description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=266),
         Method("pate-anchored-secure", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, secure_sum=True, codec="anchored",
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
-                           "aggregator sees only the noisy sum)", cell_seconds=300),
+                           "aggregator sees only the noisy sum)", cell_seconds=298),
         Method("pate-naive", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="identity",
-               description="PATE on per-voxel one-hot votes", cell_seconds=270),
+               description="PATE on per-voxel one-hot votes", cell_seconds=266),
         Method("dp-fedavg", Family.DP_FEDAVG, Role.PRIVATE, federated=True, protocol="dp-fedavg", per_epsilon=True,
-               description="FedAvg of each hospital's local DP-SGD", cell_seconds=250),
+               description="FedAvg of each hospital's local DP-SGD", cell_seconds=186),
         Method("dp-fedavg-secure", Family.DP_FEDAVG_SECURE, Role.PRIVATE, federated=True, protocol="dp-fedavg-secure",
                per_epsilon=True, secure_sum=True,
                description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
                            "patients, each step a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=370),
         Method("dp-sgd-central", Family.DP_SGD, Role.PRIVATE, runner="pooled", per_epsilon=True,
-               description="DP-SGD on the pooled private patients", cell_seconds=215),
+               description="DP-SGD on the pooled private patients", cell_seconds=186),
         Method("nonprivate-central", Family.NONPRIVATE, Role.CEILING, runner="pooled",
-               description="non-private training on the pooled private patients", cell_seconds=145),
+               description="non-private training on the pooled private patients", cell_seconds=118),
         Method("public-only", Family.PUBLIC_ONLY, Role.FLOOR, runner="public-only",
                description="the student trained on the public labelled data alone", cell_seconds=1),
         Method("public-selftrain", Family.PUBLIC_SELFTRAIN, Role.FLOOR, runner="public-selftrain",
                description="the public model self-trained on the public unlabelled query scans",
-               cell_seconds=95),
+               cell_seconds=77),
 ):
     register_method(_record)
 

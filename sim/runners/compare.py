@@ -404,8 +404,8 @@ def default_workers(engine: str, device: str) -> int:
 
 
 #: a PATE method's first cell at a K also trains that K's teachers (quick preset, one-thread worker, fresh-clone
-#: demo on 2026-11-28: the epsilon-1 cell took 496 s, the epsilon-8 cell 268 s)
-TEACHER_TRAINING_SECONDS = 230.0
+#: demo on 2026-11-28 after the profiled speed-ups: the epsilon-1 cell took 408 s, the epsilon-8 cell 266 s)
+TEACHER_TRAINING_SECONDS = 142.0
 
 
 def _work_units(config: CompareConfig) -> list[tuple[tuple[str, ...], float]]:
