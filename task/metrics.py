@@ -110,7 +110,8 @@ def truth_presence(true_labels: Any) -> np.ndarray:
     true = np.asarray(_as_label_tensor(true_labels))
     flat = true.reshape(len(true), -1)
     classes = [(flat == c).any(axis=1) for c in (1, 2, 3)]
-    regions = [np.isin(flat, r).any(axis=1) for r in REGIONS.values()]
+    # a region is present where any of its classes is: read off the classes' presence, not a second pass
+    regions = [np.logical_or.reduce([classes[c - 1] for c in r]) for r in REGIONS.values()]
     return np.stack(classes + regions, axis=1)
 
 

@@ -109,10 +109,11 @@ def test_case_means_are_each_cases_mean_over_its_valid_classes():
 
 def test_region_masks_are_torchs_isin_and_dice_matches_counting():
     """The regions' masks are built by equality tests instead of ``torch.isin`` (which sorts): the same masks,
-    and the Dice of the MONAI path still equals the one from voxel counts."""
+    and the Dice of the MONAI path still equals the one from voxel counts; a region's presence in the truth is
+    read off its classes' presence, as ``isin`` would find it."""
     import torch
 
-    from task.metrics import REGIONS, _member_of, per_case_dice, per_case_dice_counted
+    from task.metrics import REGIONS, _member_of, per_case_dice, per_case_dice_counted, truth_presence
 
     rng = np.random.default_rng(3)
     labels = torch.as_tensor(rng.integers(0, 5, size=(3, 6, 6, 6)))   # 4: a code outside every region
@@ -121,3 +122,7 @@ def test_region_masks_are_torchs_isin_and_dice_matches_counting():
     pred, true = rng.integers(0, 4, size=(2, 2, 8, 8, 8))
     for mine, counted in zip(per_case_dice(pred, true), per_case_dice_counted(pred, true)):
         np.testing.assert_allclose(mine, counted, rtol=1e-6)
+    sparse = labels.numpy() * (rng.random(labels.shape) < 0.02)        # some cases miss some classes
+    flat = sparse.reshape(len(sparse), -1)
+    expected = [(flat == c).any(axis=1) for c in (1, 2, 3)] + [np.isin(flat, r).any(axis=1) for r in REGIONS.values()]
+    assert np.array_equal(truth_presence(sparse), np.stack(expected, axis=1))
