@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from task.options import Trainable
 from task.registry import Registry
 
 
@@ -39,6 +40,7 @@ class Family(StrEnum):
     DP_FEDAVG = "dp-fedavg"
     DP_FEDAVG_SECURE = "dp-fedavg-secure"
     DP_SGD = "dp-sgd"
+    DP_SGD_DECODER = "dp-sgd-decoder"
     NONPRIVATE = "nonprivate"
     PUBLIC_ONLY = "public-only"
     PUBLIC_SELFTRAIN = "public-selftrain"
@@ -116,9 +118,19 @@ class Method(_Roled):
     #: student), pate-anchored-secure its earlier ratio to pate-anchored (370 / 330), and dp-fedavg-secure its
     #: earlier value.
     cell_seconds: float = 60.0
+    #: a pooled method's trainable set and learning rate when they are not the preset's (None: the preset's
+    #: ``dp_sgd`` setting); ``task.networks.TRAINABLE_SETS`` names the sets
+    trainable: Trainable | None = None
+    learning_rate: float | None = None
 
     def __post_init__(self) -> None:
         self._check_role("method")
+        if (self.trainable is not None or self.learning_rate is not None) and self.runner != "pooled":
+            raise ValueError(f"method {self.name}: only a pooled method fixes its own trainable set or learning rate")
+        if self.trainable is not None:
+            object.__setattr__(self, "trainable", Trainable(self.trainable))
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ValueError(f"method {self.name}: learning_rate must be > 0, got {self.learning_rate}")
         if self.federated != (self.protocol is not None) or self.federated == (self.runner is not None):
             raise ValueError(f"method {self.name}: a federated method names a protocol, any other a runner")
 
@@ -184,6 +196,12 @@ for _record in (
                            "aggregator sees only the noisy sum)", cell_seconds=370),
         Method("dp-sgd-central", Family.DP_SGD, Role.PRIVATE, runner="pooled", per_epsilon=True,
                description="DP-SGD on the pooled private patients", cell_seconds=186),
+        # features adapted rather than voxels re-scored: the decoder at the non-private ceiling's learning rate
+        # (docs/decisions/dp-sgd-decoder.md)
+        Method("dp-sgd-central-decoder", Family.DP_SGD_DECODER, Role.PRIVATE, runner="pooled", per_epsilon=True,
+               trainable=Trainable.DECODER, learning_rate=2e-3,
+               description="DP-SGD on the pooled private patients, training the public model's decoder (every "
+                           "up-sampling stage and the output block) instead of a voxel head", cell_seconds=186),
         Method("nonprivate-central", Family.NONPRIVATE, Role.CEILING, runner="pooled",
                description="non-private training on the pooled private patients", cell_seconds=118),
         Method("public-only", Family.PUBLIC_ONLY, Role.FLOOR, runner="public-only",

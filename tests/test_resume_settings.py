@@ -145,3 +145,21 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
     with pytest.raises(UserError, match="already holds ledger.jsonl from an earlier run"):
         run_dpfedavg(Untouched(), None, get_preset("tiny"), DpFedAvgConfig(8.0, 1e-3, compute=Compute(progress=False)),
                      tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_cells_added_to_a_finished_comparison_leave_its_models_loadable(cache, tiny_phantoms, tmp_path, capsys):
+    """Adding a private method charges the hospitals' ledgers after the first cells' bundles stated what they were
+    released with; the report's overlays load those bundles, so every bundle must state the new release first."""
+    from task.bundle import load_bundle
+
+    out = tmp_path / "cmp"
+    methods = ("public-only", "dp-sgd-central")
+    run_compare(_config(out, tiny_phantoms, methods=methods, epsilons=(8.0,), workers=1))
+    first = load_bundle(out / "public-only").card["released_with"]["combined_epsilon"]
+    run_compare(_config(out, tiny_phantoms, methods=methods, epsilons=(8.0, 1.0), workers=1))
+    assert "overlay plot skipped" not in capsys.readouterr().out
+    assert json.loads((out / "report-settings.json").read_text())["overlays"] == ["overlays.png"]
+    # each bundle is checked against the ledgers the added cell charged, and states their larger combined epsilon
+    assert load_bundle(out / "public-only").card["released_with"]["combined_epsilon"] > first > 0
+    assert load_bundle(out / "dp-sgd-central" / "eps-8").card["released_with"]["combined_epsilon"] > first

@@ -23,7 +23,7 @@ from task.networks import network_config
 from task.registry import Registry
 from task.results import ModelRelease, RunResults, write_run
 from task.runconfig import Cell
-from sim.runners.central import CentralConfig, DPSGDOptions, run_central
+from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
 from sim.runners.floors import FloorRun
 from sim.runners.selftrain import run_public_selftrain
 from task.training import evaluate_release, per_class_of, public_validation_dice
@@ -61,14 +61,18 @@ register_cell_runner, unregister_cell_runner, cell_runner = _RUNNERS.register, _
 def run_pooled(context: CompareContext, cell: Cell) -> None:
     """Training on the pooled private patients: DP-SGD when the record is private (charged to every hospital's
     lifetime ledger), non-private training otherwise (``sim.runners.central``)."""
-    private = cell.record.private
+    record = cell.record
+    private = record.private
+    # a method that fixes its own trainable set / learning rate (task.methods.Method) overrides the preset's
+    training = TrainingOptions(learning_rate=record.learning_rate,
+                               levers={"trainable": record.trainable} if record.trainable is not None else None)
     run_central(CentralConfig(
         method="dp-sgd" if private else "nonprivate", preset=context.preset_name, out=cell.out,
         epsilon=cell.epsilon, delta=context.delta, seed=context.seed, data=context.data,
         hospital_ledger_dir=context.ledger_dir if private else None,
         lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
         public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
-        compute=context.compute, **context.where,
+        compute=context.compute, **context.where, training=training, name=record.name,
         dpsgd=DPSGDOptions(reproducible_noise=context.reproducible_noise)))
 
 

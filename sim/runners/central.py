@@ -42,6 +42,7 @@ from task.compute import Compute, check_compute
 from task.device import device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
+from task import methods as registered_methods
 from task.methods import CENTRAL_METHODS
 from task.networks import build_unet, network_config, network_config_of
 from task.options import CentralMethod, Init, NoiseKind, NoiseMode, Relation, Sampling, Selection, look_up_option
@@ -162,6 +163,8 @@ class CentralConfig:
             among the grid and the public model unchanged on held-out private patients, charged as one event up
             front (``task.selection``; target mode, Poisson sampling, replace-one, init public).
         selection_config: private selection's settings (``task.selection.SelectionConfig``; None = defaults).
+        name: the method its results, model card and noise streams carry: a registered pooled method of the same
+            privacy (``task.methods``; e.g. ``dp-sgd-central-decoder``); None = ``CENTRAL_METHODS[method]``.
     """
 
     method: CentralMethod = CentralMethod.NONPRIVATE
@@ -183,6 +186,7 @@ class CentralConfig:
     dpsgd: DPSGDOptions = DPSGDOptions()
     selection: Selection = Selection.PUBLIC
     selection_config: SelectionConfig | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preset", preset_reference(self.preset))
@@ -198,6 +202,11 @@ class CentralConfig:
                             "hospital ledgers")
         object.__setattr__(self, "method", look_up_option(self.method, CentralMethod, "--method"))
         object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
+        if self.name is not None:
+            record = registered_methods.method(self.name) if self.name in registered_methods.names() else None
+            if record is None or record.runner != "pooled" or record.private != self.private:
+                raise UserError(f"method name {self.name!r}: not a registered pooled "
+                                f"{'private' if self.private else 'non-private'} method")
         self.validate()
 
     def validate(self) -> None:
@@ -249,6 +258,11 @@ class CentralConfig:
     @property
     def private(self) -> bool:
         return self.method is CentralMethod.DP_SGD
+
+    @property
+    def method_name(self) -> str:
+        """The method this run is (``results.json``'s ``method``)."""
+        return self.name if self.name is not None else METHODS[self.method]
 
     @property
     def selects_privately(self) -> bool:
@@ -393,7 +407,7 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     ledger, guard = _open_ledger(config, out / "ledger.jsonl", world["hospital_ids"], epsilon, delta)
     prefix = _release_prefix(out / "ledger.jsonl") if config.private else None
     noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(
-        METHODS[config.method], f"eps-{epsilon:g}")
+        config.method_name, f"eps-{epsilon:g}")
     return PooledRun(config=config, preset=p, out=out, epsilon=epsilon, delta=delta, device=device,
                      precision=precision, world=world, settings=settings, grid_sigma=grid_sigma,
                      start_weights=start_weights, ledger=ledger, guard=guard, prefix=prefix, noise=noise)
@@ -451,7 +465,7 @@ def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
         train_config = _setting_training(
             config, setting, run.start_weights, run.compute,
             checkpoint=run.out / "checkpoint" / ("train.pt" if len(settings) == 1 else f"setting-{index}.pt"),
-            description=METHODS[config.method] + (f" setting {index + 1}/{len(settings)}" if tag else ""),
+            description=config.method_name + (f" setting {index + 1}/{len(settings)}" if tag else ""),
             extra_checkpoint={"network_config": network_config(p.unet, trainable=trainable_of(setting))})
         if config.private:
             dp = _dp_config(p, config.dpsgd, run.epsilon, run.delta, setting, run.grid_sigma,
@@ -474,7 +488,7 @@ def _run_results(run: PooledRun, dice: dict, result: TrainResult, selected) -> R
     """The results record's own fields: the method, Dice, the hospitals, where it ran and, for DP-SGD, the ledger's
     ε (the worst owner's; here all owners alike), the budget and the released model's noise multiplier."""
     config, dpsgd = run.config, run.config.dpsgd
-    results = RunResults(method=METHODS[config.method], dice=dice, hospitals=run.world["hospitals"],
+    results = RunResults(method=config.method_name, dice=dice, hospitals=run.world["hospitals"],
                          # under reproducible noise the seed also drives the other cells' noise: never published
                          seed=None if dpsgd.reproducible_noise else config.seed,
                          device=device_name(run.device), precision=run.precision)

@@ -259,6 +259,10 @@ def run_compare(config: CompareConfig) -> Path:
     first_k = min(worlds) if worlds else None
 
     # --- report --------------------------------------------------------------------------------------
+    # every bundle first states what it was released with: the overlays load the bundles, and loading checks that
+    # statement against the hospitals' ledgers, which cells added to a resumed comparison have just charged
+    release = combined_release(out, delta, ledger_dir=ledger_dir)
+    attach_release_everywhere(out, release)
     overlays = []
     try:
         overlay = plot_comparison_overlays(out, worlds.get(first_k) if first_k else None, preset_name, seed,
@@ -267,8 +271,6 @@ def run_compare(config: CompareConfig) -> Path:
             overlays.append(overlay)
     except Exception as exc:  # a plot must never lose the finished cells' report
         print(f"compare: overlay plot skipped ({exc.__class__.__name__}: {exc})")
-    release = combined_release(out, delta, ledger_dir=ledger_dir)
-    attach_release_everywhere(out, release)
     title = f"fedpate comparison — preset {preset_name}"
     settings = {"preset": preset_name, "hospitals": base.hospitals, "teachers per hospital": ",".join(map(str, sweep)),
                 "δ": delta, "seed": "—" if reproducible_noise else seed, "start model": base.public_start,
