@@ -18,7 +18,7 @@ def test_the_decoder_variant_is_its_own_private_pooled_method():
     decoder, voxel = method("dp-sgd-central-decoder"), method("dp-sgd-central")
     assert decoder.private and decoder.runner == "pooled" and decoder.per_epsilon
     assert decoder.trainable is Trainable.DECODER and decoder.learning_rate == pytest.approx(2e-3)
-    # a family of its own: the report's per-family verdicts show it beside the voxel head, not instead of it
+    # a family of its own: the report's overlay figure (the best cell per family) shows it beside the voxel head
     assert decoder.family != voxel.family
     assert voxel.trainable is None and voxel.learning_rate is None   # the preset's voxel head
 
