@@ -58,14 +58,16 @@ def register(subparsers) -> None:
                              "on 2 CPU cores)")
     add_compute_options(parser)
     add_real_check_option(parser, environment=True)
-    parser.epilog = f"With real cases (--real-check or its environment variable) the demo also runs {REAL_CHECK_METHODS}."
+    parser.epilog = (f"With real cases (--real-check or its environment variable) the demo also runs "
+                     f"{REAL_CHECK_METHODS}.")
     parser.set_defaults(func=run)
 
 
 def demo_methods(secure: bool = False, real_check: bool = False) -> str:
     """The demo's ``--methods``: :data:`DEMO_METHODS`, with :data:`SECURE_METHODS` under ``--secure`` and
     :data:`REAL_CHECK_METHODS` when real cases are checked."""
-    return ",".join([DEMO_METHODS] + ([SECURE_METHODS] if secure else []) + ([REAL_CHECK_METHODS] if real_check else []))
+    chosen = [DEMO_METHODS] + ([SECURE_METHODS] if secure else []) + ([REAL_CHECK_METHODS] if real_check else [])
+    return ",".join(chosen)
 
 
 def choose_student(cells):
