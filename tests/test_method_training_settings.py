@@ -72,3 +72,21 @@ def test_the_demo_runs_the_decoder_variant_only_with_real_cases_to_check():
     with_real = demo_methods(real_check=True).split(",")
     assert with_real[-1] == "dp-sgd-central-decoder" and with_real[:-1] == DEMO_METHODS.split(",")
     assert "pate-anchored-secure" in demo_methods(secure=True, real_check=True)
+
+
+def test_a_checkpoint_left_under_one_method_name_is_not_resumed_under_another(tmp_path):
+    """The same DP-SGD settings under two names draw two noise streams: resuming one's checkpoint as the other
+    would mix them, so the folder is refused, naming the difference; the same name resumes."""
+    from sim.runners.central import CentralConfig, record_central_settings
+    from task.errors import UserError
+
+    def config(name):
+        return CentralConfig(method="dp-sgd", preset="tiny", out=tmp_path, name=name,
+                             training=TrainingOptions(learning_rate=2e-3, levers={"trainable": Trainable.DECODER}))
+
+    record_central_settings(config("dp-sgd-central-decoder"), tmp_path, "tiny", 8.0, 1e-3)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "train.pt").write_bytes(b"a checkpoint")
+    record_central_settings(config("dp-sgd-central-decoder"), tmp_path, "tiny", 8.0, 1e-3)   # same name: resumes
+    with pytest.raises(UserError, match="the method name dp-sgd-central-decoder there, dp-sgd-central now"):
+        record_central_settings(config(None), tmp_path, "tiny", 8.0, 1e-3)

@@ -736,7 +736,11 @@ def record_central_settings(config: CentralConfig, out: Path, preset: str, epsil
     resumed into this run), then record this start's. Under a comparison (``hospital_ledger_dir``) the lifetime
     budget and the shared public model are the comparison's, which checks them itself; the device may differ."""
     reproducible, private = config.dpsgd.reproducible_noise, config.private
-    settings = {"method": config.method, "preset": preset, "epsilon": epsilon if private else None,
+    # "name": the same settings under another method name draw other noise streams (`central --trainable decoder`
+    # and `dp-sgd-central-decoder`), so a checkpoint of one is not resumed as the other (folders written before the
+    # name was recorded are not compared on it)
+    settings = {"method": config.method, "name": config.method_name, "preset": preset,
+                "epsilon": epsilon if private else None,
                 "delta": delta if private else None,
                 "seed": None if reproducible else config.seed, "noise": NoiseKind.REPRODUCIBLE if reproducible else NoiseKind.SECURE,
                 "data": None if config.data is None else str(config.data), "hospitals": config.hospitals,

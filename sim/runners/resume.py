@@ -23,6 +23,7 @@ FLAGS = {
     "data": "--data", "layout": "--layout", "partition_file": "--partition-file", "hospitals": "--hospitals",
     "teachers_per_hospital": "--teachers-per-hospital", "init": "--init", "engine": "--engine",
     "precision": "--precision", "lifetime_epsilon_given": "--lifetime-epsilon", "method": "--method",
+    "name": "the method name",
     "epsilon": "--epsilon", "training": "the training options", "dpsgd": "the DP-SGD options",
     "selection": "--selection", "selection_config": "the selection options",
 }
