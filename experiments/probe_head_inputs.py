@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+from task.networks import corrected_logits
+
 INPUTS = ("scores+scan", "scores")
 
 
@@ -39,8 +41,7 @@ class HeadOnScores(nn.Module):
         self.unet, self.head, self.mask = unet, head, 1.0 if reads_scan else 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.unet(x)
-        return logits + self.head(torch.cat([logits, x * self.mask], 1))
+        return corrected_logits(self.head, self.unet(x), x * self.mask)
 
 
 def main() -> None:
@@ -49,13 +50,12 @@ def main() -> None:
     epochs = int(sys.argv[5]) if len(sys.argv) > 5 else 10
     draws = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     import task.presets as presets
-    from sim.runners.central import _config_dict, load_central_data, public_start
-    from task.inference import mirrored_probabilities
-    from task.metrics import dice_scores
+    from sim.runners.central import load_central_data, public_start
+    from task.bundle import preprocessing_of
     from task.networks import build_unet_from_config, network_config, voxel_head
     from task.predict import preprocess_config_of
     from task.realcheck import open_check, score_model
-    from task.training import per_sample_loss
+    from task.training import evaluate_release, per_sample_loss
 
     preset = presets.get_preset("quick")
     world = load_central_data(preset, seed=seed, progress=False)
@@ -64,18 +64,14 @@ def main() -> None:
     unet.load_state_dict(state)
     unet.eval().requires_grad_(False)
     check = open_check([real_dir], cache_dir=None)
-    config = preprocess_config_of({"grid": list(preset.grid), "config": _config_dict(world["config"])})
+    config = preprocess_config_of(preprocessing_of(world["prepared"]))
 
     def logits_of(x):
         with torch.no_grad():
             return torch.cat([unet(torch.as_tensor(x[i:i + 8])) for i in range(0, len(x), 8)])
 
-    def phantom(model, images, labels):
-        with torch.no_grad():
-            probs = torch.cat([mirrored_probabilities(model, torch.as_tensor(images[i:i + 4]))
-                               for i in range(0, len(images), 4)])
-        scores = dice_scores(probs.argmax(1), torch.as_tensor(labels))
-        return round(float(scores["mean"]), 3)
+    def phantom(model, images, labels):   # mean Dice as a released model is scored: with test-time mirroring
+        return round(float(evaluate_release(model, images, labels)[0]["mean"]), 3)
 
     def scored(model):
         real = score_model(model, config, check)["dice"]

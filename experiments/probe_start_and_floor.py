@@ -14,19 +14,16 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 
 def main() -> None:
     shared, seed, real_dir = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     import task.presets as presets
     from sim.runners.cells import shared_public_models
-    from sim.runners.central import _config_dict
+    from task.bundle import preprocessing_of
     from task.compute import Compute
-    from task.inference import mirrored_probabilities
-    from task.metrics import dice_scores
     from task.predict import preprocess_config_of
     from task.realcheck import open_check, score_model
+    from task.training import evaluate_release
     from task.world import build_world, load_world
 
     preset = presets.get_preset("quick")
@@ -34,14 +31,10 @@ def main() -> None:
     world = load_world(prepared, split)
     start, public_only = shared_public_models(world, preset, seed, shared, Compute(progress=False))
     check = open_check([real_dir], cache_dir=None)
-    config = preprocess_config_of({"grid": list(preset.grid), "config": _config_dict(prepared.config)})
+    config = preprocess_config_of(preprocessing_of(prepared))
 
-    def phantom(model, images, labels):
-        model.eval()
-        with torch.no_grad():
-            probs = torch.cat([mirrored_probabilities(model, torch.as_tensor(images[i:i + 4]))
-                               for i in range(0, len(images), 4)])
-        return round(float(dice_scores(probs.argmax(1), torch.as_tensor(labels))["mean"]), 3)
+    def phantom(model, images, labels):   # mean Dice as a released model is scored: with test-time mirroring
+        return round(float(evaluate_release(model, images, labels)[0]["mean"]), 3)
 
     for name, model in (("start (public-model.pt)", start), ("public-only (public-only.pt)", public_only)):
         real = score_model(model, config, check)["dice"]
