@@ -42,6 +42,7 @@ from task.requests import FedAvgRoundRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.training import (LEVER_KEYS, evaluate_release, lever_settings, per_class_of,
                            public_validation_dice, trainable_of)
+from task import trust
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -322,6 +323,7 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
         "dropped_hospitals": {h: public_dropout_reason(why) for h, why in transport.dropped.items()},
         # where each hospital ran its local DP-SGD in the last round (a deployed hospital chooses its own)
         "hospital_devices": {h: m.get("device") for h, (m, _) in (outcome.last_replies or {}).items()},
+        "aggregation": "trusted", "who_sees_what": trust.federated_averaging(),
     }
     release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})

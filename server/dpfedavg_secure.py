@@ -241,6 +241,9 @@ def run_dpfedavg_secure(transport: HospitalTransport, world, preset, config: DpF
     counts = join_hospitals(exchange, transport, head)
     plan = plan_steps(config, setting, counts, head.dimension)
     training = train_head(exchange, transport, head, plan, config, guard)
+    if not plan.record["steps_released"]:   # the start model would ship under a private method's name
+        raise UserError(f"{METHOD} at epsilon {float(config.epsilon):g}: no step was released "
+                        f"({training.stopped_early or 'none was planned'}); no model is written to {out}")
     return _write_secure(out, world, preset, config, head, plan, training,
                          RunRecord(ledger, transport, init_weights is not None, started))
 

@@ -260,10 +260,22 @@ def run_pate(transport: HospitalTransport, world: PublicWorld, preset, config: P
         queries, plan = run_secure_query_phase(transport, world, plan, teachers, config, guard, noise, QueryPhase)
     else:
         queries = run_query_phase(transport, world, plan, teachers, config, guard, noise)
+    refuse_empty_release(config, queries, out)
     student = decode_and_train_student(world, preset, config, plan, queries, public)
     evaluation = evaluate(transport, world, config, plan, queries, student)
     outcome = PateOutcome(teachers, plan, queries, student, evaluation, ledger, dict(transport.dropped), noise)
     return write(out, world, preset, config, outcome, started)
+
+
+def refuse_empty_release(config: PateConfig, queries: QueryPhase, out: Path) -> None:
+    """A run that released no query has nothing private to train its student on: the student would be the public
+    model shipped under a private method's name. Refused (what was charged stays in the ledgers), no model written."""
+    if queries.answered:
+        return
+    why = queries.stopped_early or (f"every query batch failed ({len(queries.unreleased)} queries not released)"
+                                    if queries.unreleased else "no query was asked")
+    raise UserError(f"{config.method} at epsilon {float(config.epsilon):g}: no query was released ({why}); no student "
+                    f"is trained and no model is written to {out}")
 
 
 # ---------------------------------------------------------------------------------------------- the steps

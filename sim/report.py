@@ -24,6 +24,7 @@ from task import methods as registry   # every method's family and role: the rep
 from task.methods import Role
 from task.options import Init, NoiseKind
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
+from task.trust import PROTECTS, trust_line
 
 DICE_COLUMNS = DICE_KEYS
 #: the comparison's world (task.world.describe_world), written by sim.runners.compare beside the cells
@@ -620,11 +621,7 @@ def who_sees_what_lines(cells: Sequence[Mapping[str, Any]]) -> list[str]:
         parties = cell.get("who_sees_what")
         if isinstance(parties, Mapping) and parties and cell.get("method") not in seen:
             seen[str(cell["method"])] = (str(cell.get("aggregation", "trusted")), parties)
-    lines = []
-    for method, (aggregation, parties) in seen.items():
-        said = "; ".join(f"{party}: {what}" for party, what in parties.items())
-        lines.append(f"- Who could see what in `{method}` (aggregation: **{aggregation}**): {said}.")
-    return lines
+    return [f"- {trust_line(method, aggregation, parties)}" for method, (aggregation, parties) in seen.items()]
 
 
 def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, Any] | None,
@@ -639,10 +636,9 @@ def privacy_statement(cells: Sequence[Mapping[str, Any]], release: Mapping[str, 
     elif relations:
         lines.append(f"- WARNING: the cells use different neighbouring relations ({', '.join(relations)}); "
                      "their ε are not comparable at face value.")
-    lines.append("- Threat model: the aggregator is trusted with the teachers' un-noised encodings; differential "
-                 "privacy protects the patients against everyone who sees what a private method releases: its "
-                 "pseudo-labels, its model, and the Dice of that model on the test patients (a post-processing "
-                 "of the model). Each hospital keeps its own ledger and lifetime budget.")
+    lines.append(f"- Threat model: {PROTECTS}. Who could see what before the noise differs per method (each "
+                 "model card states its own, in the same words as below). Each hospital keeps its own ledger and "
+                 "lifetime budget.")
     lines += who_sees_what_lines(cells)
     lines.append("- **Simulation-only numbers in this report are not covered by any guarantee**: the "
                  "`nonprivate-central` row (trained on the pooled patients without noise), and every field a "

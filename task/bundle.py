@@ -23,9 +23,10 @@ Models released together (the cells of one comparison, trained on the same patie
 card's ``released_with``, the combined epsilon of everything released with them, computed from the
 hospitals' own ledgers (:func:`attach_release`); loading re-checks it when those ledgers are reachable.
 
-Every card states the threat model (docs/PRIVACY.md, "Who is trusted"): the aggregator is trusted with the teachers'
-un-noised encodings; differential privacy protects the patients against everyone who sees what is
-released (pseudo-labels, models, reports).
+Every card states its own method's trust model (``task.trust``): who could see what -- a trusted PATE aggregator
+every teacher's un-noised encoding, a secure one only masked vectors and a noised sum, pooled training's trainer
+every patient, a public floor none --, in the same sentence the comparison report prints for that method; and
+that differential privacy protects the patients against everyone who sees what is released.
 """
 
 from __future__ import annotations
@@ -44,16 +45,19 @@ import torch
 
 from privacy.errors import PrivacyError
 from privacy.ledger import Ledger
-from task.data.msd import LABELS, MODALITIES
+from task.data.layouts import CLASSES
+from task.data.msd import MODALITIES
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from task.networks import build_unet_from_config
+from task.trust import PROTECTS, trust_line
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
 #: 2: ``bundle_sha256`` covers every field and MODEL_CARD.md (version 1 covered the weights only)
 BUNDLE_VERSION = 2
-#: the label and channel conventions a bundle states: MSD Task01's (task.data.msd)
-MSD_LABELS = dict(LABELS)
+#: the label and channel conventions a bundle states: MSD Task01's codes (task.data.msd), named as every report and
+#: command names our classes (task.data.layouts.CLASSES)
+MSD_LABELS = {str(code): name for code, name in CLASSES.items()}
 MSD_MODALITIES = {str(index): name for index, name in enumerate(MODALITIES)}
 CARD_KEYS = ("method", "private", "epsilon", "epsilon_budget", "delta", "relation", "accountant",
              "teachers", "hospitals", "data_source", "ledger_digest")
@@ -354,9 +358,10 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
         ]
     lines += [
         "",
-        "Threat model: the aggregator (the PATE server) is trusted with the teachers' un-noised encodings; "
-        "differential privacy protects the patients against everyone who sees what is released (pseudo-labels, "
-        "models, reports). Each hospital keeps its own ledger and lifetime budget and refuses queries beyond it.",
+        "**Trust model.** " + trust_line(card["method"], card.get("aggregation"), card.get("who_sees_what")) + " "
+        + PROTECTS[0].upper() + PROTECTS[1:] + "."
+        + (" Each hospital keeps its own ledger and lifetime budget and refuses releases beyond it."
+           if card["private"] else ""),
     ]
     lines += [
         "",
@@ -370,7 +375,7 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
         f"| teachers | {_fmt(card['teachers'])} |",
         f"| hospitals | {_fmt(card['hospitals'])} |",
         f"| public queries | {_fmt(card.get('queries'))} |",
-        f"| data source | {json.dumps(card['data_source'], sort_keys=True)} |",
+        f"| data source | {readable(card['data_source'])} |",
         f"| ledger digest (sha256) | `{card['ledger_digest']}` |",
         f"| weights digest (sha256) | `{bundle['weights_sha256']}` |",
         *[f"| {label} | {card[key]} |" for key, label in (("start", "training started from"),
@@ -382,9 +387,9 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
         "## Use",
         "",
         f"Input: 4-channel MRI (MSD order {', '.join(bundle['modalities'].values())}), skull-stripped. "
-        f"Preprocessing (applied by `fedpate predict`): {json.dumps(pre, sort_keys=True)}.",
+        f"Preprocessing (applied by `fedpate predict`): {readable(pre.get('config') or pre)}.",
         f"Output labels: {', '.join(f'{k} {v}' for k, v in bundle['labels'].items())}.",
-        f"Network: {json.dumps(network, sort_keys=True)}.",
+        f"Network: {readable(network)}.",
         "",
         "```bash",
         "fedpate predict --model RUN_DIR --image SCAN.nii.gz --out PREDICTIONS/",
@@ -394,6 +399,32 @@ def model_card_markdown(bundle: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def readable(value: Any, key: str | None = None) -> str:
+    """A card field for people, not a parser: ``key value`` pairs (underscores as spaces) separated by commas,
+    nested records in parentheses, a grid as ``16x16x16``, other lists by commas, lists of records by semicolons
+    (bundle.json keeps the exact JSON)."""
+    if isinstance(value, Mapping):
+        parts = []
+        for name, item in sorted(value.items()):
+            text = readable(item, name)
+            if isinstance(item, Mapping) or (isinstance(item, (list, tuple)) and item
+                                             and all(isinstance(v, Mapping) for v in item)):
+                text = f"({text})"
+            parts.append(f"{str(name).replace('_', ' ')} {text}")
+        return ", ".join(parts)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "none"
+        if all(isinstance(v, Mapping) for v in value):
+            return "; ".join(readable(v) for v in value)
+        return ("x" if key == "grid" else ", ").join(readable(v) for v in value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None or value == "":
+        return "none"
+    return _fmt(value)
 
 
 def _fmt(value: Any) -> str:

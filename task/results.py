@@ -160,7 +160,7 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
                             teachers=results.teachers, hospitals=results.hospitals, queries=results.queries,
                             extra={**({"device": results.device} if results.device else {}),
                                    **({"precision": results.precision} if results.precision else {}),
-                                   **dict(release.card_extra or {})})
+                                   **dict(release.card_extra or {}), **trust_of(results)})
         save_bundle(out, release.model, release.network, release.preprocessing, card)
         if release.test_predictions is not None:
             labels, world = release.test_predictions
@@ -176,6 +176,15 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     record = results.to_dict()
     atomic_write_json(out / "results.json", record)
     return record
+
+
+def trust_of(results: RunResults) -> dict[str, Any]:
+    """The card's trust model: the run's own ``aggregation`` and ``who_sees_what`` (``task.trust``), as the
+    report states them per cell; nothing for a producer that records none."""
+    extras = results.extras or {}
+    if not extras.get("who_sees_what"):
+        return {}
+    return {"aggregation": extras.get("aggregation"), "who_sees_what": dict(extras["who_sees_what"])}
 
 
 def write_test_predictions(folder: Path, labels: np.ndarray, world) -> dict:

@@ -176,10 +176,13 @@ def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(
     prepared, split, preset = recorded.world
     ledgers = sorted((recorded.root / "ledgers").glob("*.jsonl"))
     before = {p.name: p.read_bytes() for p in ledgers}
+    from task.errors import UserError
+
     transport = _transport(prepared, split, preset, recorded.root, policy={"colluders": 1})
-    results = run_dpfedavg_secure(transport, load_world(prepared, split), preset,
-                                  DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET), tmp_path / "run")
-    assert results["steps"] == 0 and "not released" in results["stopped_early"]
+    with pytest.raises(UserError, match="no step was released .*not released"):   # the start model is not shipped
+        run_dpfedavg_secure(transport, load_world(prepared, split), preset,
+                            DpFedAvgSecureConfig(EPSILON, DELTA, compute=QUIET), tmp_path / "run")
+    assert not (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / "model").exists()
     assert {p.name: p.read_bytes() for p in sorted((recorded.root / "ledgers").glob("*.jsonl"))} == before
 
 

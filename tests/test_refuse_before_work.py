@@ -17,6 +17,8 @@ def no_work(monkeypatch):
     """Fail the test as soon as a command starts work: every command resolves its device first."""
     import task.device
     import sim.runners.central as central
+    import sim.runners.compare   # noqa: F401  imported before the patch: a module that binds resolve_device at
+    import sim.runners.simulation  # noqa: F401  import must keep the real one for the tests that run after this
 
     def started(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
@@ -149,3 +151,60 @@ def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_mode
                                                      progress=False, selection="private"))
     # the folder holds at most the start's settings record (which binds nothing): no public model, no ledger
     assert not (out / "public-model.pt").exists() and not (out / "ledger.jsonl").exists()
+
+
+# impossible secure-sum parameters: every hospital would refuse, nothing would be released, and the public model
+# would ship under the secure method's name -- refused in one line before any work
+SECURE_REFUSALS = [
+    (["compare", "--methods", "pate-anchored-secure", "--epsilons", "8", "--secure-threshold", "99"],
+     "--secure-threshold 99"),
+    (["simulate", "--method", "pate-anchored-secure", "--secure-threshold", "1"], "--secure-threshold 1"),
+    (["simulate", "--method", "pate-anchored-secure", "--hospitals", "1"], "--hospitals 1"),
+    (["compare", "--methods", "dp-fedavg-secure", "--epsilons", "1", "--hospitals", "1"], "--hospitals 1"),
+    (["simulate", "--method", "dp-fedavg-secure", "--secure-colluders", "2"], "--secure-colluders 2"),
+    (["simulate", "--method", "pate-anchored-secure", "--secure-dropouts", "1"], "--secure-dropouts 1"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", SECURE_REFUSALS, ids=[" ".join(a) for a, _ in SECURE_REFUSALS])
+def test_impossible_secure_parameters_are_refused_before_any_work(tmp_path, capsys, no_work, argv, flag):
+    from sim.cli import main
+
+    out = tmp_path / "run"
+    status = main([*argv, "--preset", "tiny", "--out", str(out)])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(error) == 1 and error[0].startswith(f"fedpate {argv[0]}: error: {flag}"), error
+    assert not out.exists()
+
+
+def test_a_secure_setting_the_hospitals_accept_is_not_refused():
+    from task.runconfig import RunSettings, check_secure_sum_plan
+
+    check_secure_sum_plan(4, colluders=1, dropouts=1)          # threshold 2 of 4; 3 survivors; 2 honest shares
+    check_secure_sum_plan(5, colluders=1, dropouts=1, threshold=3)
+    RunSettings(method="pate-anchored", hospitals=1)           # a trusted method sums nothing securely
+
+
+def test_a_pate_cell_that_released_nothing_fails_and_ships_no_model(tmp_path, monkeypatch):
+    """Every hospital refused (or every batch failed): the student would be the public model under a private name.
+    The run fails after the query phase, before a student is trained or anything is written."""
+    from types import SimpleNamespace
+
+    import server.pate as pate
+    from task.errors import UserError
+
+    def never(*args, **kwargs):
+        raise AssertionError("a student was trained on no released query")
+
+    monkeypatch.setattr(pate, "pretrain_public_model", lambda world, preset, config: SimpleNamespace(start=None))
+    monkeypatch.setattr(pate, "train_teachers", lambda transport, preset, config, start: None)
+    monkeypatch.setattr(pate, "plan_release", lambda *args: None)
+    monkeypatch.setattr(pate, "run_secure_query_phase", lambda *args: (
+        pate.QueryPhase(unreleased=list(range(8))), None))
+    monkeypatch.setattr(pate, "decode_and_train_student", never)
+    transport = SimpleNamespace(deployed={})
+    config = pate.PateConfig("pate-anchored-secure", 8.0, 1e-3, seed=0, diagnostics=False)
+    with pytest.raises(UserError, match=r"^pate-anchored-secure at epsilon 8: no query was released \(every query "
+                                        r"batch failed \(8 queries"):
+        pate.run_pate(transport, None, None, config, tmp_path / "run")
+    assert not (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / "model").exists()

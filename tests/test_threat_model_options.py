@@ -9,7 +9,8 @@ import pytest
 def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hospitals():
     from task.runconfig import RunSettings
 
-    settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=2, secure_threshold=4)
+    settings = RunSettings(method="pate-anchored-secure", hospitals=6, secure_colluders=1, secure_dropouts=2,
+                           secure_threshold=4)
     assert settings.threat_model == {"colluders": 1, "dropouts": 2, "threshold": 4}
     assert settings.hospital_privacy_config()["secure_policy"] == {"colluders": 1, "dropouts": 2}
     assert RunSettings(method="pate-anchored-secure").threat_model == {"colluders": 0, "dropouts": 0}
@@ -37,7 +38,7 @@ def test_both_secure_protocols_receive_the_declared_threat_model(monkeypatch, tm
         pate=config.secure) or {})
     monkeypatch.setattr(protocols, "run_dpfedavg_secure", lambda transport, world, preset, config, out, init_weights:
                         seen.update(fedavg=dict(config.threat)) or {})
-    settings = RunSettings(method="pate-anchored-secure", secure_colluders=1, secure_dropouts=1)
+    settings = RunSettings(method="pate-anchored-secure", hospitals=4, secure_colluders=1, secure_dropouts=1)
     protocols.run_pate_cell(None, None, settings, Cell("pate-anchored-secure", 8.0, str(tmp_path / "a")))
     protocols.run_dpfedavg_secure_cell(None, None, settings, Cell("dp-fedavg-secure", 8.0, str(tmp_path / "b"),
                                                                   init="scratch"))

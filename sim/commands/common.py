@@ -111,6 +111,20 @@ def threat_options(args) -> dict:
             "secure_threshold": args.secure_threshold or None}
 
 
+def check_secure_plan(args, methods) -> None:
+    """Secure-sum parameters under which no hospital would take part (``task.runconfig.check_secure_sum_plan``),
+    refused in one line before the device, the data or the output folder is touched."""
+    from task import methods as registry
+    from task.presets import get_preset
+    from task.runconfig import check_secure_sum_plan
+
+    secure = [m for m in methods if m in registry.names() and registry.method(m).secure_sum]
+    if secure:
+        hospitals = resolve_hospitals(getattr(args, "hospitals", None), getattr(args, "partition_file", None))
+        check_secure_sum_plan(get_preset(args.preset, hospitals=hospitals).hospitals, args.secure_colluders,
+                              args.secure_dropouts, args.secure_threshold or None, secure[0])
+
+
 def data_options(args) -> dict:
     """``layout`` / ``partition_file`` of the parsed options, checked (a layout or partition file without
     --data is a mistake, not something to ignore)."""

@@ -50,29 +50,40 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, open_real_check, resolve_hospitals
+    from sim.commands.common import check_secure_plan, data_options, open_real_check, resolve_hospitals
+    from task.errors import UserError
     from task.io import ensure_folder
+    from task.runconfig import check_epsilon
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
     from task.compute import Compute
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
-        from task.errors import UserError
-
         raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
                         f"e.g. --epsilons {args.epsilon:g}")
     where = data_options(args)
+    # every list is read and checked before anything runs; an empty one ("") is refused, never read as the default
+    epsilons = [check_epsilon(e, "--epsilons") for e in parse_list(args.epsilons, float, "--epsilons")]
+    sweep = (parse_list(args.teachers_per_hospital, _positive("--teachers-per-hospital"), "--teachers-per-hospital")
+             if args.teachers_per_hospital is not None else None)
+    # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
+    seeds = parse_list(args.seeds, _seed, "--seeds") if args.seeds is not None else [args.seed]
+    segmentation = args.task == CompareTask.SEGMENTATION
+    offered = SEGMENTATION_METHODS if segmentation else CLASSIFICATION_METHODS
+    methods = parse_list(args.methods, str, "--methods") if args.methods is not None else list(offered)
+    if segmentation:
+        from task import methods as registry
+
+        unknown = [m for m in methods if m not in registry.names()]
+        if unknown:
+            raise UserError(f"--methods: unknown {', '.join(unknown)}; expected some of {', '.join(registry.names())}")
+        check_secure_plan(args, methods)
     real_check = open_real_check(args)   # a bad folder is refused before anything runs
 
     device = resolved_device(args)
-    epsilons = parse_list(args.epsilons, float, "--epsilons")
-    sweep = (parse_list(args.teachers_per_hospital, int, "--teachers-per-hospital")
-             if args.teachers_per_hospital else None)
-    ensure_folder(args.out)
-    if args.task != CompareTask.SEGMENTATION:
-        from task.errors import UserError
+    if not segmentation:
         from sim.runners.classification_compare import ClassificationCompareConfig, run_classification_compare
 
-        if args.seeds and len(parse_list(args.seeds, int, "--seeds")) > 1:
+        if len(seeds) > 1:
             raise UserError(f"--seeds: --task {args.task} takes one seed (--seed), got {args.seeds}")
         if real_check is not None:
             raise UserError(f"--real-check: --task {args.task} has no tumour segmentations to score on real scans; "
@@ -83,17 +94,14 @@ def run(args) -> int:
         if sweep and len(sweep) > 1:
             raise UserError(f"--teachers-per-hospital: --task {args.task} takes one value, "
                             f"got {args.teachers_per_hospital}")
-        methods = parse_list(args.methods, str, "--methods") if args.methods else list(CLASSIFICATION_METHODS)
+        ensure_folder(args.out)
         run_classification_compare(ClassificationCompareConfig(
-            args.task, methods, epsilons, args.out, seed=args.seed, compute=Compute(progress=not args.no_progress),
+            args.task, methods, epsilons, args.out, seed=seeds[0], compute=Compute(progress=not args.no_progress),
             preset=args.preset, data=args.data, hospitals=args.hospitals,
             teachers_per_hospital=sweep[0] if sweep else None, reproducible_noise=args.reproducible_noise,
             **({"delta": args.delta} if args.delta else {})))
         print(f"report: {args.out}/report.md")
         return 0
-    methods = parse_list(args.methods, str, "--methods") if args.methods else list(SEGMENTATION_METHODS)
-    # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
-    seeds = parse_list(args.seeds, int, "--seeds") if args.seeds else [args.seed]
     config = CompareConfig(args.preset, methods, epsilons, args.out, data=args.data, delta=args.delta,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=sweep, engine=args.engine,
@@ -102,6 +110,24 @@ def run(args) -> int:
                            threat=threat_options(args), **where,
                            compute=Compute(device=str(device), precision=args.precision, progress=not args.no_progress,
                                            workers=parse_workers(args.workers, args.engine, str(device))))
+    ensure_folder(args.out)
     report = run_compare_seeds(config, seeds)
     print(f"report: {report}")
     return 0
+
+
+def _positive(option: str):
+    """A list item that must be a whole number >= 1 (``parse_list`` names ``option`` when it is not)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise ValueError(f"{option}: expected whole numbers >= 1, got {text.strip()}")
+        return value
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"--seeds: expected whole numbers >= 0, got {text.strip()}")
+    return value

@@ -48,15 +48,15 @@ def run(args) -> int:
         # the runtime engine's ServerApp is another process, started by Flower's SuperLink
         raise UserError("--real-check: needs --engine flower or inprocess (the ServerApp then runs in this process "
                         "and scores the model it releases); --engine runtime runs it elsewhere")
-    resolved_device(args)   # refused here when asked for a GPU this machine does not have
-    ensure_folder(args.out)
     settings = RunSettings(method=args.method, preset=args.preset, epsilon=args.epsilon, delta=args.delta,
                            seed=args.seed, out=str(args.out), data=args.data, **where,
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            reproducible_noise=args.reproducible_noise, init=args.init,
                            compute=Compute(device=args.device, precision=args.precision, progress=not args.no_progress),
-                           **threat_options(args))
+                           **threat_options(args))   # every setting checked (secure sums included) before any work
+    resolved_device(args)   # refused here when asked for a GPU this machine does not have
+    ensure_folder(args.out)
     with scoring(real_check):   # the model the ServerApp releases is also scored on the real cases
         results = simulate(settings, engine=args.engine)
     for result in results:

@@ -28,6 +28,7 @@ from sim.runners.floors import FloorRun
 from sim.runners.selftrain import run_public_selftrain
 from task.training import evaluate_release, per_class_of, public_validation_dice
 from task.world import build_world, load_world
+from task import trust
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def run_public_only(run: FloorRun) -> dict:
                          device=device_name(model_device(model)), precision=precision)
     results.extras = {"dice_per_case": dice_per_case, "dice_per_case_class": per_class_of(dice_per_case),
                       "reference_cases": len(world.reference_labels),
-                      "validation_dice_mean": public_validation_dice(model, world, precision=precision)}
+                      "validation_dice_mean": public_validation_dice(model, world, precision=precision),
+                      "aggregation": "none", "who_sees_what": trust.public_only()}
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "trained on public reference data only: no private data, "
                                                "no privacy cost"})

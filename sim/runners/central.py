@@ -54,6 +54,7 @@ from task.selection import (SelectionBudget, SelectionCallbacks, SelectionConfig
 from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_release, evaluate_segmentation,
                           evaluate_segmentation_per_case, lever_settings, per_class_of, train_segmentation, trainable_of)
 from task.world import build_world, load_world, pooled_private_data
+from task import trust
 
 METHODS = CENTRAL_METHODS
 
@@ -542,6 +543,7 @@ def _extras(run: PooledRun, candidates: list, chosen: int, selected, dp: DPConfi
             "adaptive": result.adaptive,
         },
         "data_source": world["source"],
+        "aggregation": "pooled", "who_sees_what": trust.pooled(private),
         # DP-SGD's wall time grows with its Poisson batch sizes, the sampling's secret randomness: a simulation
         # diagnostic the guarantee does not cover (private selection writes no wall time at all)
         **({"not_private_diagnostics": ["wall_seconds"]} if private and selected is None else {}),

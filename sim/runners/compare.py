@@ -51,7 +51,7 @@ from task.options import AUTO, Engine, Init, NoiseKind, look_up_option
 from task import realcheck
 from task.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
-from task.runconfig import Cell, RunSettings, check_epsilon
+from task.runconfig import Cell, RunSettings, check_epsilon, check_secure_sum_plan
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
@@ -65,8 +65,10 @@ from task.world import build_world, describe_world, load_world, materialise_worl
 def parse_list(text: str, kind, option: str) -> list:
     try:
         values = [kind(item) for item in str(text).split(",") if item.strip()]
-    except ValueError:
-        raise UserError(f"{option}: expected a comma-separated list, got {text!r}") from None
+    except ValueError as exc:
+        said = str(exc)   # an item parser that names the option says what it expected
+        raise UserError(said if said.startswith(option) else
+                        f"{option}: expected a comma-separated list, got {text!r}") from None
     if not values:
         raise UserError(f"{option}: empty list")
     return values
@@ -161,6 +163,11 @@ class CompareConfig:
                   "real_check": tuple(str(folder) for folder in (self.real_check or ()))}
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        secure = [m for m in self.methods if registry.method(m).secure_sum]
+        if secure:   # a threat model no secure sum can be released under: refused before anything trains
+            threat = dict(self.threat)
+            check_secure_sum_plan(self.base_preset.hospitals, threat.get("secure_colluders") or 0,
+                                  threat.get("secure_dropouts") or 0, threat.get("secure_threshold"), secure[0])
         self.real_cases   # a bad --real-check folder is refused now, before anything trains
 
     @functools.cached_property

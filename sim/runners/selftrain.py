@@ -27,6 +27,7 @@ from task.device import device_name, model_device
 from task.results import ModelRelease, RunResults, write_run
 from task.training import evaluate_release, per_class_of
 from task.world import build_world, load_world
+from task import trust
 
 METHOD = "public-selftrain"
 
@@ -70,6 +71,7 @@ def run_public_selftrain(run: FloorRun) -> dict:
                       "selection": "best mean Dice on the public validation set",
                       "labels_used": labels_used(world)},
         "role": "floor: public data only, no hospital involved",
+        "aggregation": "none", "who_sees_what": trust.public_only("the public reference data and query scans"),
     }
     release = ModelRelease(outcome.model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "the public model self-trained on the public query scans "
