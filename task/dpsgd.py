@@ -218,6 +218,27 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
     return max(1, math.ceil(n / batch_size))
 
 
+def check_first_epoch(dp: "DPConfig", n: int, batch_size: int) -> None:
+    """Refuse a fixed or scheduled noise under which not even the first epoch fits the budget (target mode
+    calibrates its noise to fit): training would stop before its first step, and the start model would be
+    released as DP-SGD's without a single charge -- a card saying it was trained without privacy. The same check
+    the budget guard makes when the epoch is charged (:meth:`DPSession.begin_epoch`), made before anything trains.
+    """
+    if dp.mode is NoiseMode.TARGET:
+        return
+    steps = steps_per_epoch(int(n), int(batch_size))
+    sigma = float(dp.noise_multiplier or 6 ** 0.5)   # every schedule starts at sigma_0
+    event = _epoch_event(dp, 1.0 / steps, sigma, steps)
+    try:
+        BudgetGuard(Ledger(None), dp.epsilon, dp.delta).check(["pooled"], event)
+    except BudgetExceeded:
+        epoch = epsilon_spent([event], dp.delta)[0]
+        raise UserError(f"--noise-multiplier {sigma:g}: one epoch of DP-SGD at this noise costs epsilon {epoch:.3g} "
+                        f"(delta {dp.delta:g}, {steps} steps of {int(n)} patients), more than --epsilon "
+                        f"{dp.epsilon:g}: no epoch could be trained; raise --noise-multiplier or --epsilon, or use "
+                        "--noise-mode target (noise calibrated to the budget)") from None
+
+
 def poisson_batches(n: int, sampling_rate: float, steps: int, stream) -> Iterator[torch.Tensor]:
     """``steps`` Poisson-sampled batches: each index joins each batch with prob. q (may be empty).
 

@@ -208,3 +208,44 @@ def test_a_pate_cell_that_released_nothing_fails_and_ships_no_model(tmp_path, mo
                                         r"batch failed \(8 queries"):
         pate.run_pate(transport, None, None, config, tmp_path / "run")
     assert not (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / "model").exists()
+
+
+def test_a_fixed_noise_that_affords_no_epoch_is_refused_before_the_public_model(tmp_path, monkeypatch):
+    """``--noise-mode fixed --noise-multiplier 0.3 --epsilon 0.05``: one epoch costs far more than the budget, so
+    training would stop before its first step and the start model would ship, uncharged, as DP-SGD's. Refused in
+    one line naming the flags, before the public model is trained or a ledger is made."""
+    import sim.runners.central as central
+    from task.errors import UserError
+    from synthetic_worlds import pooled_world
+
+    def started(*args, **kwargs):
+        raise AssertionError("the public model was trained for a run that cannot happen")
+
+    monkeypatch.setattr(central, "public_start", started)
+    monkeypatch.setattr(central, "load_central_data",
+                        lambda preset, seed=0, data=None, progress=True, **kw: pooled_world(preset, seed, n_train=6,
+                                                                                          n_test=2))
+    out = tmp_path / "run"
+    for mode in ({"noise_mode": "fixed"}, {"noise_mode": "schedule", "schedule": "exp"}):
+        with pytest.raises(UserError, match=r"^--noise-multiplier 0.3: one epoch .* more than --epsilon 0.05"):
+            central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=out, epsilon=0.05,
+                                                         noise_multiplier=0.3, progress=False, **mode))
+        assert not (out / "public-model.pt").exists() and not (out / "ledger.jsonl").exists()
+
+
+def test_dp_sgd_that_trained_no_epoch_ships_no_model(tmp_path, monkeypatch):
+    """Whatever stopped it (a lifetime budget already spent elsewhere), DP-SGD that charged no epoch releases
+    nothing: the start model is not written as DP-SGD's."""
+    from types import SimpleNamespace
+
+    import sim.runners.central as central
+    from privacy.errors import BudgetExceeded
+
+    run = SimpleNamespace(config=central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run"),
+                          out=tmp_path / "run")
+    untrained = SimpleNamespace(epochs_completed=0, stopped_reason="budget spent: the next epoch would exceed it")
+    monkeypatch.setattr(central, "prepare_run", lambda config: run)
+    monkeypatch.setattr(central, "_train_grid", lambda run: ([({}, untrained, None)], None))
+    monkeypatch.setattr(central, "write_run", lambda *a, **k: pytest.fail("a model was written"))
+    with pytest.raises(BudgetExceeded, match="no epoch fitted the budget .*budget spent"):
+        central.run_central(run.config)

@@ -32,12 +32,13 @@ from typing import Any, Mapping
 
 import torch
 
+from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy import calibration
 from server.selftrain import start_description, train_public_models
-from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, private_training, steps_per_epoch
+from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, check_first_epoch, private_training, steps_per_epoch
 from task.compute import Compute, check_compute
 from task.device import device_name, resolve_device
 from task.errors import UserError
@@ -350,6 +351,11 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
         candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
     else:
         candidates, dp = _train_grid(run)
+        if config.private and not any(result.epochs_completed for _, result, _ in candidates):
+            # the start model, uncharged, would ship as DP-SGD's (its card: no privacy, may memorise its patients)
+            reasons = sorted({str(result.stopped_reason) for _, result, _ in candidates if result.stopped_reason})
+            raise BudgetExceeded(f"{config.method_name}: no epoch fitted the budget ({'; '.join(reasons) or 'none'}); "
+                                 f"nothing was trained and no model is written to {run.out}")
     chosen = choose_setting(candidates)
     result = candidates[chosen][1]
     model = result.model
@@ -430,6 +436,10 @@ def _plan_budget(config: CentralConfig, world: dict, settings: list[dict], epsil
     if not config.private:
         return None
     relation = config.dpsgd.relation
+    preset = get_preset(config.preset)
+    for setting in settings:   # fixed or scheduled noise: the first epoch must fit, or nothing would be trained
+        check_first_epoch(_dp_config(preset, config.dpsgd, epsilon, delta, setting, None),
+                          len(world["train_ids"]), setting["batch_size"])
     if config.selects_privately:
         split_and_plan(settings, len(world["train_images"]), epsilon, delta, relation, config.seed,
                        config.selection_config or SelectionConfig(), steps_per_epoch)
