@@ -100,18 +100,19 @@ def folders_from_environment(environ: Mapping[str, str] | None = None) -> list[s
 
 
 def open_check(folders: Sequence[str | os.PathLike] | None, option: str = OPTION,
-               cache_dir: str | os.PathLike | None | bool = True) -> RealCheck | None:
+               cache_dir: str | os.PathLike | None | bool = True, read: bool = True) -> RealCheck | None:
     """The check of ``folders`` (None when there are none), every case's files checked now.
 
     A folder that is missing, of no known layout, holds an unlabelled case or a file that is not a readable
-    NIfTI of the right shape is a one-line UserError naming ``option`` and the folder: refused before any
-    training starts, not after an hour of it.
+    NIfTI of the right shape -- its header or any of its voxels (every file is read whole) -- is a one-line
+    UserError naming ``option`` and the folder: refused before any training starts, not after an hour of it.
 
     Args:
         folders: MSD Task01 folders, folders of BraTS case folders, or single BraTS case folders.
         option: the option named in errors.
         cache_dir: where preprocessed cases are kept (True: ``cache_root() / "real-check"``; None or False:
             memory only).
+        read: read every file whole (False: headers only, for a worker re-opening what its parent read).
     """
     folders = [str(f) for f in (folders or []) if str(f).strip()]
     if not folders:
@@ -121,7 +122,7 @@ def open_check(folders: Sequence[str | os.PathLike] | None, option: str = OPTION
     cases: list[RealCase] = []
     for folder in folders:
         for case in _labelled_cases(Path(folder), option):
-            _check_files(case, folder, option)
+            _check_files(case, folder, option, read)
             cases.append(RealCase(case.case_id, folder, case.layout or "msd", case))
     if cache_dir is True:
         cache_dir = cache_root() / "real-check"
@@ -153,16 +154,22 @@ def _labelled_cases(folder: Path, option: str) -> list[Case]:
     return list(dataset.training)
 
 
-def _check_files(case: Case, folder: str, option: str) -> None:
-    """Headers only (no voxels read): every file a readable NIfTI, one 3D grid for the modalities and the label."""
+def _check_files(case: Case, folder: str, option: str, read: bool = True) -> None:
+    """Every file a readable NIfTI, read whole (``read``; a file whose header reads but whose data is cut short
+    is found now, not when the first model is scored after training), one 3D grid for the modalities and the
+    label. ``read=False``: headers only (a worker re-opening folders its parent read)."""
     images = list(case.modalities) or [case.image]
     shapes = {}
     for path in [*images, case.label]:
         try:
-            shapes[Path(path).name] = tuple(int(s) for s in nib.load(str(path)).shape)
+            image = nib.load(str(path))
+            shapes[Path(path).name] = tuple(int(s) for s in image.shape)
+            if read:
+                np.asanyarray(image.dataobj)   # every voxel decompressed: a truncated file raises here
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix, in one line
+            said = " ".join(str(exc).split())
             raise UserError(f"{option} {folder}: {Path(path).name} of case {case.case_id} is not a readable NIfTI "
-                            f"file ({exc.__class__.__name__})") from None
+                            f"file ({exc.__class__.__name__}{': ' + said if said else ''})") from None
     grids = {name: shape[:3] for name, shape in shapes.items()}
     if len(set(grids.values())) != 1:
         raise UserError(f"{option} {folder}: case {case.case_id} has files on different grids "
@@ -204,9 +211,17 @@ def score_release(model, preprocessing: Mapping[str, Any], precision: str | None
     try:
         return score_model(model, preprocess_config_of(preprocessing), check, precision=precision or "32")
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        message = f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        message = f"{exc.__class__.__name__}: {_shortened(str(exc))}"
         print(f"real-scan check: scoring failed ({message}); the model is kept", flush=True)
         return {"error": message, "folders": check.describe()}
+
+
+def _shortened(text: str, limit: int = 300) -> str:
+    """One line of at most ``limit`` characters, cut at a word boundary with an ellipsis (never mid-word)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32",

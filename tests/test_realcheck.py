@@ -78,6 +78,27 @@ def test_bad_folders_are_one_line_errors_naming_the_option_and_the_folder(tmp_pa
     assert open_check([]) is None and open_check(None) is None
 
 
+def truncated_cases(folder: Path, file: str = "Case000-t2w.nii.gz") -> Path:
+    """A labelled case whose file's header reads but whose data is cut short (a copy that stopped half-way)."""
+    write_cases(folder, "brats2023")
+    path = folder / "Case000" / file
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return folder
+
+
+@pytest.mark.parametrize("file", ["Case000-t2w.nii.gz", "Case000-seg.nii.gz"])
+def test_a_case_whose_header_reads_but_whose_data_is_truncated_is_refused_when_opened(tmp_path, file):
+    import nibabel as nib
+
+    from task.realcheck import open_check
+
+    folder = truncated_cases(tmp_path / "cut", file)
+    assert len(nib.load(str(folder / "Case000" / file)).shape) == 3          # the header alone passes
+    with pytest.raises(UserError, match=rf"^--real-check {folder}: {file} of case Case000 is not a readable NIfTI"):
+        open_check([folder], cache_dir=None)
+    assert open_check([folder], cache_dir=None, read=False) is not None      # a worker re-opening reads headers
+
+
 def test_cases_of_every_layout_and_a_lone_case_folder_are_read_and_a_readme_beside_them_ignored(tmp_path):
     from task.realcheck import open_check
 
@@ -265,6 +286,11 @@ def test_a_bad_folder_is_refused_before_anything_runs(tmp_path, capsys, command)
     code = main([*command, "--preset", "tiny", "--out", str(out), "--real-check", str(tmp_path / "absent")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].endswith(f"error: --real-check {tmp_path / 'absent'}: no such folder")
+    assert not out.exists()
+    cut = truncated_cases(tmp_path / "cut")   # every command that takes --real-check reads every case whole first
+    code = main([*command, "--preset", "tiny", "--out", str(out), "--real-check", str(cut)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Case000-t2w.nii.gz of case Case000 is not a readable NIfTI" in err[0]
     assert not out.exists()
 
 

@@ -173,7 +173,7 @@ class CompareConfig:
     @functools.cached_property
     def real_cases(self):
         """The :class:`task.realcheck.RealCheck` of ``real_check`` (None without folders)."""
-        return realcheck.open_check(self.real_check)
+        return realcheck.open_check(self.real_check, read=not self.lane)   # a worker's parent read every file
 
     @property
     def where(self) -> dict:
