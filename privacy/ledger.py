@@ -148,9 +148,11 @@ class Ledger:
     repetitions, would date their start.
     """
 
-    def __init__(self, path: str | Path | None = None, *, timestamps: bool = True) -> None:
+    def __init__(self, path: str | Path | None = None, *, timestamps: bool = True, read_only: bool = False) -> None:
         self.path = Path(path) if path is not None else None
         self.timestamps = bool(timestamps)
+        #: opened to be read (``fedpate privacy spent``): nothing is written, a torn tail is left as found
+        self.read_only = bool(read_only)
         self._records: list[dict] = []
         self._by_id: dict[str, dict] = {}
         self._events_cache: dict[str, list[Event]] = {}
@@ -162,9 +164,20 @@ class Ledger:
         self._offset = 0   # bytes of the file merged so far (always the end of a complete line)
         if self.path is not None and self.path.exists():
             self.refresh()   # reading needs no lock (complete lines only), so a read-only copy opens too
+            if self.read_only:
+                return
             if self.path.stat().st_size > self._offset or not self._ends_with_newline():
                 with self.exclusive():   # re-read under the lock, then cut the torn tail while no one appends
                     self._truncate_partial_tail(self._offset)
+
+    @property
+    def torn_tail_bytes(self) -> int:
+        """Bytes after the last complete record (0 in memory or when the file ends with one): a write cut short
+        by a kill (nothing was released) -- or, in a copied file, a copy cut short (a release may be missing, so
+        the ε it gives is only a lower bound). Cut off when the file is opened for writing; kept read-only."""
+        if self.path is None or not self.path.exists():
+            return 0
+        return max(0, self.path.stat().st_size - self._offset)
 
     # ------------------------------------------------------------------ locking
 
@@ -207,12 +220,13 @@ class Ledger:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, path: str | Path) -> "Ledger":
-        """Load an existing ledger file (PrivacyError if it is missing or corrupt before its last line)."""
+    def load(cls, path: str | Path, read_only: bool = False) -> "Ledger":
+        """Load an existing ledger file (PrivacyError if it is missing or corrupt before its last line);
+        ``read_only``: change nothing in it (a torn tail stays, :attr:`torn_tail_bytes`)."""
         path = Path(path)
         if not path.is_file():
             raise PrivacyError(f"ledger file {path} does not exist")
-        return cls(path)
+        return cls(path, read_only=read_only)
 
     @staticmethod
     def _read(path: Path, start: int = 0) -> tuple[list[dict], int]:
@@ -351,6 +365,8 @@ class Ledger:
             "note": dict(note or {}),
             "time": time.time() if self.timestamps else None,
         }
+        if self.read_only:
+            raise PrivacyError(f"ledger {self.path} was opened read-only: release {release_id!r} not recorded")
         record = self._validate(candidate)
         try:
             line = _canonical(record) + "\n"

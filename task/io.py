@@ -8,13 +8,19 @@ a privacy guarantee, caches of patient volumes) is written with ``private=True``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
+
+try:  # POSIX advisory locks; where fcntl does not exist (Windows) no folder is locked
+    import fcntl
+except ImportError:  # pragma: no cover - not on the platforms we run
+    fcntl = None
 
 import numpy as np
 
@@ -48,6 +54,30 @@ def ensure_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: the folder is not writable")
     return path
+
+
+@contextlib.contextmanager
+def writing_folder(path: str | os.PathLike, flag: str = "--out") -> Iterator[Path]:
+    """Hold ``path`` (an existing folder) as this run's for the block: a second run asked to write into it at the
+    same time is refused in one line naming ``flag``, before it reads or writes anything there. An advisory
+    ``flock`` of the folder itself: no lock file is left behind, and the lock ends with the process however it
+    ends. Not re-entrant: take it once per folder, where a run starts."""
+    from task.errors import UserError
+
+    path = Path(path)
+    if fcntl is None:
+        yield path
+        return
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{flag} {path}: another run is writing this folder; wait for it to finish, or use "
+                            "another folder") from None
+        yield path
+    finally:
+        os.close(handle)   # closing the only descriptor releases the lock
 
 
 def ensure_file_folder(path: str | os.PathLike, flag: str = "--out") -> Path:

@@ -179,3 +179,40 @@ def test_workers_are_interrupted_when_only_the_parent_was():
                 process.join()
     assert listening.exitcode == 130            # interrupted, ended quietly
     assert deaf.exitcode == -signal.SIGTERM     # did not stop: terminated
+
+
+@pytest.mark.parametrize("extra", [[], ["--seeds", "0,1"]])
+def test_a_second_compare_into_a_folder_being_written_is_refused_in_one_line(capsys, tmp_path, extra):
+    """Two comparisons into one --out at once: the second says so in one line and touches nothing there (the
+    first holds the folder: an advisory lock of the folder itself, so no lock file is left behind)."""
+    from task.io import writing_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with writing_folder(out):   # the first run, still writing
+        line = _one_line_error(capsys, ["compare", "--preset", "tiny", "--methods", "public-only", "--epsilons", "1",
+                                        "--no-progress", "--out", str(out), *extra])
+    assert "another run is writing this folder" in line
+    assert list(out.iterdir()) == []
+    with writing_folder(out):   # released when the holder ends: the next run may take it
+        pass
+
+
+def test_a_corrupt_hospital_ledger_line_is_named_with_what_to_do_before_anything_runs(capsys, tmp_path, monkeypatch):
+    """A hospital ledger edited by hand (line 2 no longer a record): one line naming the file, the line and what to
+    do, before any cell or worker opens it -- not worker tracebacks followed by resume advice that fails again."""
+    import sim.runners.compare as compare
+    from privacy.events import GaussianEvent
+    from privacy.ledger import Ledger
+
+    monkeypatch.setattr(compare, "build_world", lambda *a, **k: pytest.fail("the comparison started"))
+    out = tmp_path / "run"
+    path = out / "hospital-ledgers" / "h0.jsonl"
+    ledger = Ledger(path)
+    for index in range(3):
+        ledger.record(["h0"], GaussianEvent(0.25, 1.0), f"q{index}")
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1].replace('"event"', '"evnt"') + lines[2])
+    line = _one_line_error(capsys, ["compare", "--preset", "tiny", "--methods", "public-only", "--epsilons", "1",
+                                    "--no-progress", "--out", str(out)], flag=str(path))
+    assert "line 2" in line and "restore h0.jsonl from a backup" in line and "new --out" in line

@@ -93,3 +93,27 @@ def test_cli_subprocess():
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["ratio_paper_over_exact"] == pytest.approx(1.49, abs=0.01)
+
+
+def test_spent_warns_of_a_torn_last_line_and_leaves_the_file_as_found(tmp_path, capsys):
+    """A ledger whose last line is cut short (a copy that stopped half-way, or a kill mid-write): the complete
+    records are accounted, a one-line warning says the ε is a lower bound until the file is repaired, and reading
+    it changes nothing in it (the evidence stays)."""
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    for query in range(2):
+        ledger.record(["h0"], GaussianEvent(0.25, 1.0), f"q{query}")
+    whole = path.read_bytes()
+    torn = whole + whole.splitlines(keepends=True)[0][:40]
+    path.write_bytes(torn)
+    assert main(["privacy", "spent", str(path)]) == 0
+    captured = capsys.readouterr()
+    warning = captured.err.strip().splitlines()
+    assert len(warning) == 1 and "warning" in warning[0] and "40 bytes" in warning[0] and "lower bound" in warning[0]
+    assert "releases=2" in captured.out
+    assert path.read_bytes() == torn
+    assert main(["privacy", "spent", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["torn_tail_bytes"] == 40 and data["epsilon_is_lower_bound"] is True
+    path.write_bytes(whole)
+    assert main(["privacy", "spent", str(path)]) == 0 and capsys.readouterr().err == ""

@@ -124,15 +124,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_spent(args: argparse.Namespace) -> int:
+    import sys
+
     from privacy.ledger import Ledger
 
-    ledger = Ledger.load(args.ledger)
+    ledger = Ledger.load(args.ledger, read_only=True)   # reading a ledger changes nothing in it
+    torn = ledger.torn_tail_bytes
+    if torn:
+        print(f"fedpate privacy: warning: {args.ledger} ends with an incomplete line ({torn} bytes after the last "
+              "complete record), skipped: every epsilon below is a lower bound until the file is repaired (if it "
+              "was copied, copy it again whole; a record a killed run left unfinished is cut off by the next run "
+              "that writes this ledger, and was never released)", file=sys.stderr)
     rows = []
     for owner in ledger.owners():
         spent = ledger.spent(owner, args.delta, relation=args.relation)
         rows.append({"owner": owner, **spent.to_dict()})
     if args.json:
-        print(json.dumps({"ledger": str(args.ledger), "digest": ledger.digest(), "owners": rows}, indent=2))
+        print(json.dumps({"ledger": str(args.ledger), "digest": ledger.digest(), "owners": rows,
+                          "torn_tail_bytes": torn, "epsilon_is_lower_bound": bool(torn)}, indent=2))
         return 0
     if not rows:
         print(f"{args.ledger}: no releases recorded")

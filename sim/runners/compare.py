@@ -38,13 +38,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_epsilon, zcdp_rho_for
-from privacy.errors import BudgetExceeded
+from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.ledger import Ledger
 from task.bundle import attach_release, load_bundle
 from task.compute import Compute, check_compute
 from task.device import resolve_device
 from task.errors import UserError
-from task.io import atomic_write_json
+from task.io import atomic_write_json, writing_folder
 from task import methods as registry
 from task.methods import Role
 from task.options import AUTO, Engine, Init, NoiseKind, look_up_option
@@ -200,6 +200,19 @@ class CompareConfig:
         return [get_preset(self.preset, hospitals=self.hospitals, teachers_per_hospital=k) for k in self.teacher_sweep]
 
 
+def refuse_unreadable_ledgers(ledger_dir: Path, out: Path) -> None:
+    """Every ledger a resumed comparison would charge or account (the hospitals' own, every cell's), read before
+    anything runs: a corrupt line (an edit, a disk error) is one line naming the file and the line and what to do,
+    instead of a traceback from every worker that opens it and advice to resume that fails the same way."""
+    for path in [*sorted(Path(ledger_dir).glob("*.jsonl")), *sorted(out.glob("**/ledger.jsonl"))]:
+        try:
+            Ledger.load(path, read_only=True)
+        except PrivacyError as exc:
+            raise UserError(f"{exc} -- nothing was run: what was spent from those patients cannot be known; restore "
+                            f"{path.name} from a backup (a ledger line is never edited by hand), or start a new --out "
+                            "(its releases still count against those patients)") from None
+
+
 def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int | None = None) -> Path:
     path = out / method
     if epsilon is not None:
@@ -210,6 +223,17 @@ def cell_dir(out: Path, method: str, epsilon: float | None = None, teachers: int
 
 
 def run_compare(config: CompareConfig) -> Path:
+    """:func:`compare_in_folder` with ``config.out`` held for this run (``task.io.writing_folder``): a second
+    comparison started on the same folder is refused in one line before it reads or writes there. A worker of this
+    comparison (``lane``) runs inside its parent's hold."""
+    if config.lane:
+        return compare_in_folder(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    with writing_folder(config.out):
+        return compare_in_folder(config)
+
+
+def compare_in_folder(config: CompareConfig) -> Path:
     """Every method x epsilon (x K) on one world (``config``, :class:`CompareConfig`); returns the report's path.
 
     Federated methods run one simulation per K (all of that K's cells in sequence); every other method runs
@@ -241,6 +265,7 @@ def run_compare(config: CompareConfig) -> Path:
     # anything is written or charged; who holds what in this comparison's world: the split of the first K
     saved = read_settings(out / "compare.json") or {}
     refuse_other_settings(out / "compare.json", resume_settings(config))
+    refuse_unreadable_ledgers(ledger_dir, out)
     prepared, split = build_world(config.federations[0], data, seed, progress, **where)
     world = describe_world(prepared, split)
     refuse_other_world(out / WORLD_FILE, world)
@@ -556,8 +581,8 @@ def _run_lane(config: CompareConfig, threads: int) -> None:
 
         torch.set_num_threads(int(threads))
         run_compare(config)
-    except UserError as exc:   # one line, as the command line would print it; the parent names the worker
-        print(f"error: {exc}", flush=True)
+    except (UserError, PrivacyError) as exc:   # one line, as the command line would print it; the parent names
+        print(f"error: {exc}", flush=True)      # the worker
         raise SystemExit(2) from None
     except KeyboardInterrupt:   # quiet: the parent says once that the run was interrupted and can be resumed
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -615,9 +640,15 @@ def run_compare_seeds(config: CompareConfig, seeds: Sequence[int]) -> Path:
         raise UserError("--reproducible-noise: takes one seed (the seed drives the noise and is never published); "
                         "several --seeds would publish them in the folder names")
     out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    with writing_folder(out):   # each seed's run_compare holds its own seed-<S> folder inside
+        return _compare_seeds_in_folder(config, seeds)
+
+
+def _compare_seeds_in_folder(config: CompareConfig, seeds: list[int]) -> Path:
+    out = config.out
     if (out / "compare.json").exists():
         raise UserError(f"--out {out}: holds a single-seed comparison; several --seeds need a new --out folder")
-    out.mkdir(parents=True, exist_ok=True)
     preset_name, methods, epsilons = config.preset, config.methods, config.epsilons
     base = config.base_preset
     delta = config.resolved_delta
