@@ -29,8 +29,17 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return (UserError, PrivacyError)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line (``fedpate compare: error: argument --task: invalid choice ...``)
+    instead of the whole usage first: the usage is one ``--help`` away, and named in the line. Subcommands' parsers
+    are of the same class (``add_subparsers`` makes them so)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedpate",
         description="Federated, privately trained brain-tumour segmentation (high-dimensional PATE, DP-SGD).",
     )
@@ -44,7 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # not built yet
             raise
         module.register(subparsers)
+    plain_choices(parser)
     return parser
+
+
+def plain_choices(parser: argparse.ArgumentParser) -> None:
+    """Every option's choices and default as the strings a user types: argparse names a bad value's choices by
+    their ``repr``, which for an option enum is ``<CompareTask.SEGMENTATION: 'segmentation'>`` (the enums are
+    ``StrEnum``s, so the commands compare the plain strings with their members alike)."""
+    from enum import Enum
+
+    def plain(value):
+        return value.value if isinstance(value, Enum) else value
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                plain_choices(sub)
+            continue
+        if action.choices is not None:
+            action.choices = tuple(plain(choice) for choice in action.choices)
+        action.default = plain(action.default)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,3 +51,32 @@ def test_compare_help_hides_epsilon_and_still_refuses_it_in_one_line(capsys, tmp
     status = main(["compare", "--preset", "tiny", "--epsilon", "2", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert status == 2 and "--epsilons 2" in err and "Traceback" not in err
+
+
+def test_every_option_with_a_default_says_what_it_is():
+    """An option a user may leave out says, in its help, what it then is (``default: ...``)."""
+    silent = [f"{' '.join(path)} {'/'.join(action.option_strings)} (default {action.default!r})"
+              for path, parser in _commands(build_parser()) for action in parser._actions
+              if action.option_strings and not isinstance(action, (argparse._SubParsersAction, argparse._HelpAction))
+              and action.help != argparse.SUPPRESS and not action.required
+              and action.default not in (None, False, [], ()) and "default" not in (action.help or "").lower()]
+    assert not silent, silent
+
+
+def test_no_choice_or_default_is_shown_as_an_enum_repr(capsys):
+    """argparse names a bad value's choices by their repr: an option enum's would read
+    ``<CompareTask.SEGMENTATION: 'segmentation'>``. Every choice and default is the string a user types, and a
+    parser error is one line (the usage is one --help away)."""
+    from enum import Enum
+
+    enums = [f"{' '.join(path)} {'/'.join(action.option_strings)}"
+             for path, parser in _commands(build_parser()) for action in parser._actions
+             if not isinstance(action, argparse._SubParsersAction)
+             and (isinstance(action.default, Enum) or any(isinstance(c, Enum) for c in action.choices or ()))]
+    assert not enums, enums
+    for argv in (["compare", "--out", "x", "--task", "nope"], ["simulate", "--out", "x", "--engine", "nope"],
+                 ["central", "--out", "x", "--method", "nope"], ["demo", "--init", "nope"]):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.count("\n") == 1 and "<" not in err and "usage" not in err, err

@@ -113,3 +113,19 @@ def test_cli_certs_and_commands(tmp_path, capsys):
     assert main(["deploy", "commands", "--certs", str(tmp_path / "c"), "--superlink", "agg.test:9093",
                  "--hospital", "h0"]) == 2
     assert main(["deploy", "local", "--out", str(tmp_path / "l"), "--hospitals", "2", "-c", "no-such-key=1"]) == 2
+
+
+def test_deploy_commands_refuse_missing_certificates_in_one_line(tmp_path, certs, capsys):
+    """Printing steps whose first ``scp`` fails on another machine helps nobody: a missing folder, or a hospital
+    without its key pair, is refused in one line naming what is missing."""
+    from sim.cli import main
+
+    for folder, hospitals, missing in ((tmp_path / "absent", ["h0=/d"], "no such folder"),
+                                       (certs["ca_cert"].parent, ["h0=/d", "h7=/d"], "supernodes/h7.key"),
+                                       (tmp_path, ["h0=/d"], "ca.crt")):
+        argv = ["deploy", "commands", "--certs", str(folder), "--superlink", "agg.test:9093"]
+        for hospital in hospitals:
+            argv += ["--hospital", hospital]
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and missing in captured.err

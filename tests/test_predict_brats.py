@@ -133,3 +133,20 @@ def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd,
         seg = layout == "brats2021" and _labels(tmp_path / layout / "BRATS_001_seg.nii.gz")[0]
         if layout == "brats2021":
             assert 4 in seg and 3 not in seg                            # written in the folder's own codes
+
+
+def test_inspect_and_evaluate_accept_one_case_folder_as_predict_does(model_run, small_msd, tmp_path, capsys):
+    """One BraTS case folder given by itself: `predict` segments it, and `data inspect` and `evaluate` read it as a
+    dataset of that one case (it scores as that case does inside its folder)."""
+    from task.predict import EvaluationOptions, evaluate_scans
+
+    case = small_msd / "brats2023" / CASES[0]
+    assert main(["data", "inspect", str(case)]) == 0
+    assert "1 labelled" in capsys.readouterr().out
+    whole = evaluate_scans(model_run, small_msd / "brats2023", EvaluationOptions(compute=Compute(progress=False)))
+    alone = evaluate_scans(model_run, case, EvaluationOptions(compute=Compute(progress=False)))
+    assert [r["case"] for r in alone["cases"]] == [CASES[0]]
+    assert alone["cases"][0]["mean"] == pytest.approx(whole["cases"][0]["mean"])
+    assert main(["evaluate", "--model", str(model_run), "--data", str(case), "--no-progress",
+                 "--no-mirroring"]) == 0
+    assert f"{CASES[0]}: mean Dice" in capsys.readouterr().out

@@ -86,8 +86,9 @@ def resolved_device(args):
 
 
 def add_federation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
-    parser.add_argument("--teachers-per-hospital", type=int, default=None,
+    parser.add_argument("--hospitals", type=positive_integer, default=None,
+                        help="number of hospitals (default: preset's)")
+    parser.add_argument("--teachers-per-hospital", type=positive_integer, default=None,
                         help="teacher partitions per hospital (default: preset's); K = hospitals x this")
 
 

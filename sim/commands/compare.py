@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
-                                 resolved_device, threat_options)
+                                 positive_integer, positive_number, resolved_device, threat_options)
 from task.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 from task.options import COMPARE_ENGINES, CompareTask, Engine, Init
 
@@ -24,12 +24,14 @@ def register(subparsers) -> None:
                         help="what is compared: tumour segmentation (default), or the classification seed systems "
                              "on 2D tumour slices (slice-classification) or on 5,000 MNIST digits (mnist5k)")
     parser.add_argument("--methods", default=None,
-                        help=f"comma-separated (default for segmentation: {','.join(SEGMENTATION_METHODS)})")
+                        help=f"comma-separated (default for segmentation: {','.join(SEGMENTATION_METHODS)}; for the "
+                             f"classification tasks: {','.join(CLASSIFICATION_METHODS)})")
     parser.add_argument("--epsilons", default="1,2,4,8", help="comma-separated budgets (default 1,2,4,8)")
-    parser.add_argument("--hospitals", type=int, default=None, help="number of hospitals (default: preset's)")
+    parser.add_argument("--hospitals", type=positive_integer, default=None,
+                        help="number of hospitals (default: preset's)")
     parser.add_argument("--teachers-per-hospital", default=None,
-                        help="one value or a comma-separated sweep, e.g. 1,4,16 (K = hospitals x this)")
-    parser.add_argument("--lifetime-epsilon", type=float, default=None,
+                        help="one value or a comma-separated sweep, e.g. 1,4,16 (K = hospitals x this; default: preset's)")
+    parser.add_argument("--lifetime-epsilon", type=positive_number, default=None,
                         help="each hospital's lifetime budget over every cell of this comparison (default: the "
                              "sum of the private cells' budgets); a cell that would exceed it is refused")
     parser.add_argument("--workers", default="auto",

@@ -17,6 +17,7 @@ DESCRIPTION = ("Make, check, preprocess and look at tumour data: `phantoms` writ
 
 
 def register(subparsers) -> None:
+    from sim.commands.common import non_negative_integer, positive_integer, positive_number
     from task.data.layouts import LAYOUT_NAMES, LayoutName
     from task.data.shifts import SHIFT_HELP
 
@@ -30,17 +31,18 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("phantoms", help="write deterministic multi-institution phantoms (MSD Task01 or a BraTS layout)")
     p.add_argument("--out", required=True, help="output folder (created; an incomplete one is resumed)")
-    p.add_argument("--cases", type=int, required=True, help="labelled cases (imagesTr + labelsTr)")
-    p.add_argument("--institutions", type=int, default=4, help="scanner profiles / sites (default: 4)")
-    p.add_argument("--seed", type=int, default=0, help="world seed; case i depends only on (seed, i)")
-    p.add_argument("--resolution", type=float, default=2.0, help="voxel size in mm (default: 2)")
-    p.add_argument("--test-cases", type=int, default=0,
+    p.add_argument("--cases", type=positive_integer, required=True, help="labelled cases (imagesTr + labelsTr)")
+    p.add_argument("--institutions", type=positive_integer, default=4, help="scanner profiles / sites (default: 4)")
+    p.add_argument("--seed", type=non_negative_integer, default=0,
+                   help="world seed; case i depends only on (seed, i) (default: 0)")
+    p.add_argument("--resolution", type=positive_number, default=2.0, help="voxel size in mm (default: 2)")
+    p.add_argument("--test-cases", type=non_negative_integer, default=0,
                    help="unlabelled cases in imagesTs (default: 0; MSD layout only)")
-    p.add_argument("--workers", type=int, default=1, help="processes to generate with (default: 1)")
+    p.add_argument("--workers", type=positive_integer, default=1, help="processes to generate with (default: 1)")
     p.add_argument("--shift", default="none",
                    help="held-out regime for measuring generalisation (docs/GENERALISATION.md): "
                         + "; ".join(f"{name} = {text}" for name, text in SHIFT_HELP.items())
-                        + "; factors combine with '+' (e.g. scanner+lesions)")
+                        + "; factors combine with '+' (e.g. scanner+lesions) (default: none)")
     p.add_argument("--layout", default=LayoutName.MSD, choices=LAYOUT_NAMES,
                    help="write the phantoms as this release ships its data (default: msd); the same phantoms, "
                         "voxel for voxel, in every layout (BraTS: one file per modality, its label codes)")
@@ -57,7 +59,7 @@ def register(subparsers) -> None:
     p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
     p.add_argument("--layout", default=None, choices=LAYOUT_NAMES, help=layout_help)
     p.add_argument("--grid", default="32", help="working grid: N or X,Y,Z (default: 32)")
-    p.add_argument("--margin", type=int, default=2, help="voxels kept around the brain's box (default: 2)")
+    p.add_argument("--margin", type=non_negative_integer, default=2, help="voxels kept around the brain's box (default: 2)")
     p.add_argument("--out", required=True, help="cache folder (images.npy, labels.npy, records.json, manifest.json)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_prepare)
@@ -65,7 +67,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("gallery", help="draw mid axial slices (4 modalities + labels) of a few cases to a PNG")
     p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
     p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--cases", type=int, default=4, help="how many cases (default: 4)")
+    p.add_argument("--cases", type=positive_integer, default=4, help="how many cases (default: 4)")
     p.add_argument("--case", action="append", default=None, help="draw this case id (repeatable)")
     p.set_defaults(func=_gallery)
 
@@ -93,7 +95,7 @@ def _phantoms(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     spec = PhantomSpec(cases=args.cases, institutions=args.institutions, seed=args.seed,
                        resolution_mm=args.resolution, test_cases=args.test_cases, shift=args.shift)
-    out = generate_phantoms(args.out, spec, progress=not args.no_progress, workers=max(1, args.workers),
+    out = generate_phantoms(args.out, spec, progress=not args.no_progress, workers=args.workers,
                             layout=args.layout)
     seconds = time.perf_counter() - start
     total = args.cases + args.test_cases
@@ -108,8 +110,8 @@ def _inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
     from task.data.brats import skull_strip_warnings
-    from task.data.layouts import CHANNELS, LayoutName, get_layout
-    from task.data.msd import LABELS, load_case, validate_case
+    from task.data.layouts import CHANNELS, CLASSES, LayoutName, get_layout
+    from task.data.msd import load_case, validate_case
     from task.data.reader import read_dataset
 
     dataset = read_dataset(args.dir, args.layout)
@@ -131,7 +133,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  modalities: {', '.join(f'{m} <- {layout.separator}{f}' for m, f in zip(CHANNELS, layout.modalities))}")
     else:
         print(f"  modalities: {', '.join(dataset.modalities[str(i)] for i in range(4))}")
-    print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(dataset.labels.items()))}")
+    if layout.name == LayoutName.MSD:   # what its dataset.json states (MSD spells them its own way)
+        print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(dataset.labels.items()))} (its dataset.json)")
+    else:
+        print(f"  labels:     {', '.join(f'{k} {v}' for k, v in sorted(CLASSES.items()))} (ours)")
     unlabelled = "test" if layout.name == LayoutName.MSD else "without seg (usable by `fedpate predict` only)"
     print(f"  cases:      {len(dataset.training)} labelled, {len(dataset.test)} {unlabelled}"
           + (" (checked: first case only)" if args.quick else " (all checked)"))
@@ -140,10 +145,10 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"  shapes:     {', '.join('x'.join(map(str, s)) for s in shapes)}")
     print(f"  spacing mm: {', '.join('x'.join(f'{v:g}' for v in s) for s in spacings)}")
     counts = np.array([[s["label_counts"][str(k)] for k in range(4)] for s in summaries]).reshape(-1, 4)
-    names = {key: name.split()[0] for key, name in LABELS.items()}   # "non-enhancing tumor" -> "non-enhancing"
+    names = {key: name.split(" / ")[-1] for key, name in CLASSES.items()}   # our names, as every report gives them
     for k in (1, 2, 3) if len(counts) else ():
         column = counts[:, k]
-        print(f"  label {k} {names[str(k)]:<14} voxels/case: mean {column.mean():9.1f}  min {column.min():7d}  "
+        print(f"  label {k} {names[k]:<18} voxels/case: mean {column.mean():9.1f}  min {column.min():7d}  "
               f"max {column.max():7d}  present in {int((column > 0).sum())}/{len(column)}")
     if dataset.institutions:
         per_site = {inst: sum(c.institution == inst for c in dataset.training) for inst in dataset.institutions}
@@ -181,6 +186,6 @@ def _gallery(args: argparse.Namespace) -> int:
     from task.io import ensure_file_folder
 
     ensure_file_folder(args.out)
-    out = render_gallery(args.dir, args.out, cases=max(1, args.cases), case_ids=args.case)
+    out = render_gallery(args.dir, args.out, cases=args.cases, case_ids=args.case)
     print(f"wrote {out}")
     return 0

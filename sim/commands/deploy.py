@@ -36,9 +36,11 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="deploy_command", metavar="STEP")
     sub.required = True
 
+    from sim.commands.common import non_negative_integer, positive_integer, positive_number
+
     certs = sub.add_parser("certs", help="make a CA, the SuperLink certificate and one key pair per hospital")
     certs.add_argument("--out", required=True, help="folder for ca.crt, superlink.crt/.key, supernodes/h<i>.key/.pub")
-    certs.add_argument("--hospitals", type=int, required=True, help="number of hospitals (names h0, h1, ...)")
+    certs.add_argument("--hospitals", type=positive_integer, required=True, help="number of hospitals (names h0, h1, ...)")
     certs.add_argument("--host", action="append", default=None,
                        help="name or IP the SuperNodes use to reach the SuperLink (repeatable; "
                             "default: localhost 127.0.0.1 ::1)")
@@ -49,9 +51,9 @@ def register(subparsers) -> None:
     commands.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink as the hospitals see it")
     commands.add_argument("--hospital", action="append", required=True, metavar="ID=DATA_DIR",
                           help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
-    commands.add_argument("--teachers-per-hospital", type=int, default=None,
+    commands.add_argument("--teachers-per-hospital", type=positive_integer, default=None,
                           help="teachers each hospital trains, written into its node config (default: the node's own)")
-    commands.add_argument("--epsilon-budget", type=float, default=8.0,
+    commands.add_argument("--epsilon-budget", type=positive_number, default=8.0,
                           help="each hospital's lifetime epsilon in its node config (default 8; its IT may change it)")
     commands.add_argument("--app", default=".", help="the fedpate source folder on the aggregator (default: .)")
     commands.add_argument("--device", default=None,
@@ -63,14 +65,14 @@ def register(subparsers) -> None:
 
     local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
     local.add_argument("--out", required=True, help="work folder (certs, logs, pids, results)")
-    local.add_argument("--hospitals", type=int, required=True, help="number of hospitals (names h0, h1, ...)")
+    local.add_argument("--hospitals", type=positive_integer, required=True, help="number of hospitals (names h0, h1, ...)")
     local.add_argument("--app", default=None, help="Flower app folder (default: the fedpate app of this installation)")
     local.add_argument("--echo", action="store_true", help="run the built-in echo app (plumbing check)")
     local.add_argument("--hospital-data", action="append", default=[], metavar="ID=DATA_DIR",
                        help="data-dir of a hospital (default: empty = the preset's phantoms)")
-    local.add_argument("--teachers-per-hospital", type=int, default=0,
+    local.add_argument("--teachers-per-hospital", type=non_negative_integer, default=0,
                        help="teachers each hospital trains (default 0: the run config's preset's)")
-    local.add_argument("--epsilon-budget", type=float, default=8.0,
+    local.add_argument("--epsilon-budget", type=positive_number, default=8.0,
                        help="each hospital's lifetime epsilon, written into its node config (default 8)")
     local.add_argument("-c", "--run-config", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the app's [tool.flwr.app.config] (repeatable)")
@@ -80,7 +82,8 @@ def register(subparsers) -> None:
     local.add_argument("--precision", default=None, choices=("32", "bf16"),
                        help="forward-pass precision of the run (run config and node config `precision`; default 32)")
     local.add_argument("--no-tls", action="store_true", help="plain HTTP and no SuperNode authentication")
-    local.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is abandoned")
+    local.add_argument("--timeout", type=positive_number, default=3600.0,
+                       help="seconds before the run is abandoned (default: 3600)")
     local.set_defaults(func=_local)
 
 

@@ -23,7 +23,10 @@ def register(subparsers) -> None:
                         help="label codes of the maps written to --out (default: the folder's own)")
     parser.add_argument("--out", default=None, help="also write each label map here")
     parser.add_argument("--json", default=None, help="write the summary and per-case rows to this JSON file")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N cases")
+    from sim.commands.common import positive_integer
+
+    parser.add_argument("--limit", type=positive_integer, default=None,
+                        help="evaluate only the first N cases (default: every labelled case)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--no-mirroring", action="store_true",
                         help="one forward pass per scan instead of the mean over its 8 mirrorings (nnU-Net's "

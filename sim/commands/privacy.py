@@ -44,26 +44,29 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="privacy_command", metavar="ACTION")
     sub.required = True
 
+    from sim.commands.common import open_fraction, positive_integer, positive_number
+
     cal = sub.add_parser("calibrate", help="sigma per PATE query for a target (epsilon, delta)")
-    cal.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (default 8)")
-    cal.add_argument("--delta", type=float, default=1e-3, help="target delta (default 1e-3)")
-    cal.add_argument("--queries", type=int, default=80, help="number of student queries N (default 80)")
-    cal.add_argument("--teachers", type=int, default=8, help="total number of teachers K (default 8)")
+    cal.add_argument("--epsilon", type=positive_number, default=8.0, help="target epsilon (default 8)")
+    cal.add_argument("--delta", type=open_fraction, default=1e-3, help="target delta (default 1e-3)")
+    cal.add_argument("--queries", type=positive_integer, default=80, help="number of student queries N (default 80)")
+    cal.add_argument("--teachers", type=positive_integer, default=8, help="total number of teachers K (default 8)")
     cal.add_argument("--compressor", choices=COMPRESSORS, default="ae",
-                     help="ae: unit ball 2/K; pca: sqrt(d)/K (needs --dim); clip: 2C/K (needs --clip); "
+                     help="ae: unit ball 2/K (default); pca: sqrt(d)/K (needs --dim); clip: 2C/K (needs --clip); "
                           "naive: one-hot votes sqrt(2*voxels)/K (needs --voxels)")
-    cal.add_argument("--dim", type=int, default=None, help="d = classes x voxels (pca)")
-    cal.add_argument("--clip", type=float, default=None, help="clip norm C (clip)")
-    cal.add_argument("--voxels", type=int, default=None, help="voxels per query volume (naive)")
+    cal.add_argument("--dim", type=positive_integer, default=None, help="d = classes x voxels (pca)")
+    cal.add_argument("--clip", type=positive_number, default=None, help="clip norm C (clip)")
+    cal.add_argument("--voxels", type=positive_integer, default=None, help="voxels per query volume (naive)")
     cal.add_argument("--no-pld", action="store_true", help="skip the (slower) PLD cross-check")
     cal.add_argument("--json", action="store_true", help="machine-readable output")
     cal.set_defaults(func=run_calibrate)
 
     spent = sub.add_parser("spent", help="epsilon spent per data owner, from a ledger.jsonl")
     spent.add_argument("ledger", help="path to ledger.jsonl")
-    spent.add_argument("--delta", type=float, default=1e-3, help="delta at which to report epsilon (default 1e-3)")
+    spent.add_argument("--delta", type=open_fraction, default=1e-3, help="delta at which to report epsilon (default 1e-3)")
     spent.add_argument("--relation", choices=("replace-one", "add-remove", "zero-out"), default=None,
-                       help="account only events under this neighbouring relation")
+                       help="account only events under this neighbouring relation (default: every event; they must then "
+                            "share one relation)")
     spent.add_argument("--json", action="store_true", help="machine-readable output")
     spent.set_defaults(func=run_spent)
 

@@ -76,6 +76,24 @@ class DeploymentRecipe:
             object.__setattr__(self, "device", check_device_spec(self.device))
         if self.precision:
             object.__setattr__(self, "precision", check_precision(self.precision))
+        names = [hid for hid, _ in self.hospitals]
+        if len(set(names)) != len(names):
+            raise UserError(f"--hospital: each hospital once, got {', '.join(names)}")
+        self.check_certificates()
+
+    def check_certificates(self) -> None:
+        """Every file the commands copy must be there: printing steps that fail at the first ``scp`` on another
+        machine helps nobody. Refused in one line naming the folder and what is missing."""
+        certs = self.certs_dir
+        if not certs.is_dir():
+            raise UserError(f"--certs {certs}: no such folder; make it with `fedpate deploy certs --out {certs} "
+                            f"--hospitals {len(self.hospitals)} --host <aggregator's name>`")
+        needed = ["ca.crt", "superlink.crt", "superlink.key"]
+        needed += [f"supernodes/{hid}.{kind}" for hid, _ in self.hospitals for kind in ("key", "pub")]
+        missing = [name for name in needed if not (certs / name).is_file()]
+        if missing:
+            raise UserError(f"--certs {certs}: missing {', '.join(missing)} (`fedpate deploy certs` names the "
+                            "hospitals h0, h1, ...: one key pair per --hospital)")
 
 
 def deployment_commands(recipe: DeploymentRecipe) -> str:

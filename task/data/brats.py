@@ -84,6 +84,18 @@ def read_brats(root: str | os.PathLike, layout: str | Layout) -> MSDDataset:
                       name=root.name, extra=extra, layout=layout.name)
 
 
+def read_brats_case(folder: str | os.PathLike, layout: str | Layout) -> MSDDataset:
+    """One BraTS case folder given by itself (``X/X-t2f.nii.gz ...``), as a dataset of that one case: what
+    ``fedpate predict`` accepts, ``data inspect``, ``data prepare``, ``data gallery`` and ``evaluate`` accept too."""
+    folder = Path(folder)
+    layout = get_layout(layout)
+    case = brats_case(folder, layout)
+    return MSDDataset(root=folder, training=[case] if case.label is not None else [],
+                      test=[] if case.label is not None else [case],
+                      labels=dict(LABELS), modalities={str(i): m for i, m in enumerate(MODALITIES)},
+                      name=folder.name, extra={}, layout=layout.name)
+
+
 def fingerprint(dataset: MSDDataset) -> str:
     """What the prepared cache is keyed on for a BraTS folder (it has no dataset.json): the layout, every
     file's name, size and modification time, and the institutions file. A folder rewritten in another layout

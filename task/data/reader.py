@@ -11,14 +11,18 @@ import hashlib
 import os
 from pathlib import Path
 
-from task.data.brats import fingerprint as brats_fingerprint, read_brats
+from task.data.brats import fingerprint as brats_fingerprint, read_brats, read_brats_case
 from task.data.errors import DataError
-from task.data.layouts import detect_layout, get_layout
+from task.data.layouts import case_folder_layout, detect_layout, get_layout
 from task.data.msd import MSDDataset, display_path, read_msd
 
 
 def read_dataset(root: str | os.PathLike, layout: str | None = None) -> MSDDataset:
-    """The dataset at ``root`` in ``layout`` (``msd``, ``brats2021``, ``brats2023``; None = detect)."""
+    """The dataset at ``root`` in ``layout`` (``msd``, ``brats2021``, ``brats2023``; None = detect): a folder of
+    cases, or one BraTS case folder by itself (a dataset of that case, as ``fedpate predict`` reads it)."""
+    lone = case_folder_layout(root)
+    if lone is not None and (not layout or get_layout(layout) is lone):
+        return read_brats_case(root, lone)
     chosen = get_layout(layout) if layout else detect_layout(root)
     if chosen.per_modality:
         return read_brats(root, chosen)
