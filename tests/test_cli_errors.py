@@ -216,3 +216,24 @@ def test_a_corrupt_hospital_ledger_line_is_named_with_what_to_do_before_anything
     line = _one_line_error(capsys, ["compare", "--preset", "tiny", "--methods", "public-only", "--epsilons", "1",
                                     "--no-progress", "--out", str(out)], flag=str(path))
     assert "line 2" in line and "restore h0.jsonl from a backup" in line and "new --out" in line
+
+
+def test_simulate_silences_the_library_notices_a_user_need_not_see(capsys, caplog):
+    """Flower's deprecation notice of run_simulation and Ray's tip on CUDA_VISIBLE_DEVICES are fedpate's to act
+    on, not the user's; any other warning still shows."""
+    import logging
+    import warnings
+
+    from sim.runners.simulation import quiet_flower
+
+    flower = logging.getLogger("flwr")
+    with caplog.at_level(logging.WARNING, logger="flwr"), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with quiet_flower():
+            flower.warning("DEPRECATED FEATURE: The `run_simulation` function is deprecated")
+            warnings.warn("Tip: In future versions of Ray, Ray will no longer override accelerator visible devices",
+                          FutureWarning)
+            flower.warning("a SuperNode did not reply")
+            warnings.warn("something else", FutureWarning)
+    assert [r.getMessage() for r in caplog.records] == ["a SuperNode did not reply"]
+    assert [str(w.message) for w in shown] == ["something else"]

@@ -129,3 +129,40 @@ def test_deploy_commands_refuse_missing_certificates_in_one_line(tmp_path, certs
         assert main(argv) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.count("\n") == 1 and missing in captured.err
+
+
+def test_deploy_local_says_what_it_runs_before_it_starts(tmp_path, capsys, monkeypatch):
+    """`deploy local` without an app runs the fedpate app's default method: it names it (and how to choose
+    another), the budget and the consortium first, then reports as it goes -- not minutes of silence."""
+    import sim.deployment.fedpate_local as fedpate_local
+    from sim.cli import main
+
+    seen = {}
+
+    def deployed(settings, out, **kwargs):
+        seen.update(kwargs, method=settings.method)
+        print("[deploy] running", flush=True)
+        return {"method": settings.method, "dice": {"mean": 0.5}, "epsilon": 1.0, "delta": 1e-3,
+                "relation": "replace-one", "dropped_hospitals": {}, "deployment": {"run_id": 1}}
+
+    monkeypatch.setattr(fedpate_local, "run_local_deployment", deployed)
+    assert main(["deploy", "local", "--out", str(tmp_path / "l"), "--hospitals", "2"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("deploy local: runs pate-ae (choose another with -c method=NAME) at epsilon")
+    assert "2 hospitals" in first and seen["verbose"] is True and seen["method"] == "pate-ae"
+
+
+def test_a_running_deployment_reports_its_progress(tmp_path, capsys):
+    from concurrent.futures import Future
+    import threading
+
+    from sim.deployment.fedpate_local import _wait_saying_progress
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"a": 1}\n{"b": 2}\n')
+    future = Future()
+    threading.Timer(0.35, lambda: future.set_result("done")).start()
+    said = []
+    assert _wait_saying_progress(future, ledger, said.append, every=0.1) == "done"
+    assert said and all("still running after" in line for line in said) and "2 release(s)" in said[0]

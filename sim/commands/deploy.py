@@ -50,7 +50,8 @@ def register(subparsers) -> None:
     commands.add_argument("--certs", required=True, help="folder written by `fedpate deploy certs`")
     commands.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink as the hospitals see it")
     commands.add_argument("--hospital", action="append", required=True, metavar="ID=DATA_DIR",
-                          help="a hospital and its own MSD Task01-layout folder on its machine (repeatable)")
+                          help="a hospital and its own data folder on its machine: MSD Task01 or a folder of BraTS case "
+                               "folders (repeatable)")
     commands.add_argument("--teachers-per-hospital", type=positive_integer, default=None,
                           help="teachers each hospital trains, written into its node config (default: the node's own)")
     commands.add_argument("--epsilon-budget", type=positive_number, default=8.0,
@@ -195,7 +196,12 @@ def _local_fedpate(args, out: Path, run_config: dict) -> int:
     if args.teachers_per_hospital:
         config["teachers-per-hospital"] = args.teachers_per_hospital
     settings = RunSettings.from_run_config(config, out=str(run_config.get("out", out / "run")))
-    results = run_local_deployment(settings, out, tls=not args.no_tls, timeout=args.timeout)
+    preset = settings.resolved_preset
+    print(f"deploy local: runs {settings.method} (choose another with -c method=NAME) at epsilon {settings.budget:g}, "
+          f"delta {settings.resolved_delta:g}, preset {preset.name}: {preset.hospitals} hospitals x "
+          f"{preset.teachers_per_hospital} teachers, each hospital its own SuperNode process; results in "
+          f"{settings.out}", flush=True)
+    results = run_local_deployment(settings, out, tls=not args.no_tls, timeout=args.timeout, verbose=True)
     dice = (results.get("dice") or {}).get("mean")
     print(json.dumps({"method": results["method"], "mean_dice": dice, "epsilon": results["epsilon"],
                       "delta": results["delta"], "relation": results["relation"],

@@ -81,19 +81,25 @@ def _export_case_folders(source_root: Path, split, out_root: str | Path) -> dict
 
 
 def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bool = True, timeout: float = 3600.0,
-                         kill_hospital_during_queries: str | None = None) -> dict[str, Any]:
+                         kill_hospital_during_queries: str | None = None, verbose: bool = False,
+                         every: float = 30.0) -> dict[str, Any]:
     """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json's content
     with ``"deployment"`` (run id, status, TLS), which is also written to ``deployment.json`` beside it.
 
     ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
-    first PATE query has been charged to the ledger -- the dropout test.
+    first PATE query has been charged to the ledger -- the dropout test. ``verbose``: say each step as it
+    starts, and every ``every`` seconds while the run goes on how long it has run and what its ledger holds
+    (a run takes minutes; silence reads as a hang).
     """
+    say = (lambda text: print(f"[deploy] {text}", flush=True)) if verbose else (lambda text: None)
 
     if settings.reproducible_noise:
         raise UserError("reproducible-noise: a deployment always draws secure noise (seeded noise can be "
                         "regenerated and subtracted; it is for simulations only)")
     work = Path(work_dir).resolve()
     preset = settings.resolved_preset
+    say(f"preparing the world of preset {preset.name} ({preset.hospitals} hospitals; its public sets for the "
+        "aggregator, each hospital's own patients for that hospital)")
     world = materialise_world(preset, settings.data, settings.seed, settings.compute.progress, layout=settings.layout,
                               partition_file=settings.partition_file)
     folders = export_hospital_folders(world, work / "hospital-data")
@@ -109,9 +115,13 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "device": settings.compute.device, "precision": settings.compute.precision}
                  for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
-    with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
+    say(f"starting a SuperLink and {len(hospitals)} SuperNodes on 127.0.0.1 ({'TLS, authenticated SuperNodes' if tls else 'no TLS'})")
+    with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls,
+                         verbose=verbose) as deployment:
         if kill_hospital_during_queries is None:
-            status = deployment.run(run_config, timeout=timeout)
+            future = deployment.submit(run_config, timeout=timeout)
+            say(f"running {settings.method} (flwr run; logs in {work / 'deployment'})")
+            status = _wait_saying_progress(future, out / "ledger.jsonl", say, every)
         else:
             future = deployment.submit(run_config, timeout=timeout)
             _wait_for_first_query(out / "ledger.jsonl", future, timeout)
@@ -125,6 +135,21 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "tls": tls, "supernode_auth": tls}
     atomic_write_json(out / DEPLOYMENT_FILE, deployment)
     return {**json.loads((out / "results.json").read_text()), "deployment": deployment}
+
+
+def _wait_saying_progress(future, ledger: Path, say, every: float):
+    """The run's status once it ends; meanwhile, every ``every`` seconds, its running time and the releases its
+    ledger holds (how far it is: a count the ledger states anyway, nothing else of the run)."""
+    from concurrent.futures import TimeoutError as StillRunning
+
+    started = time.monotonic()
+    while True:
+        try:
+            return future.result(timeout=every)
+        except StillRunning:
+            released = sum(1 for line in ledger.read_text().splitlines() if line.strip()) if ledger.exists() else 0
+            say(f"still running after {time.monotonic() - started:.0f} s; {released} release(s) charged to the "
+                "run's ledger so far")
 
 
 def _wait_for_first_query(ledger: Path, future, timeout: float) -> None:

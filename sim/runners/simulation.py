@@ -11,13 +11,14 @@ Engines:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sim.deployment.flower_cli import FLOWER_ENV, PROJECT_ROOT
 from sim.deployment.runtime_simulation import RuntimeSimulation, run_runtime_simulation
@@ -80,9 +81,38 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hospitals = settings.resolved_preset.hospitals
     gpus = client_gpus(settings.compute.device, hospitals)
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=hospitals,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus},
-                                   "init_args": {"log_to_driver": True}})
+    with quiet_flower():
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=hospitals,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": gpus},
+                                       "init_args": {"log_to_driver": True}})
+
+
+#: what Flower and Ray tell a developer about the library calls fedpate makes, never the user's to act on:
+#: Flower's notice that ``run_simulation`` is deprecated in favour of ``flwr run`` (``--engine runtime`` is
+#: that path), and Ray's tip on how it will set CUDA_VISIBLE_DEVICES for workers asking no GPU
+FLOWER_NOTICES = ("DEPRECATED FEATURE",)
+RAY_TIPS = r"Tip: In future versions of Ray"
+
+
+class _DropNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(notice in message for notice in FLOWER_NOTICES)
+
+
+@contextlib.contextmanager
+def quiet_flower() -> Iterator[None]:
+    """Silence, for the block, the library notices a user of ``fedpate simulate`` need not see
+    (:data:`FLOWER_NOTICES`, :data:`RAY_TIPS`); every other Flower or Ray warning and error still shows."""
+    flower = logging.getLogger("flwr")
+    dropping = _DropNotices()
+    flower.addFilter(dropping)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=RAY_TIPS, category=FutureWarning)
+            yield
+    finally:
+        flower.removeFilter(dropping)
 
 
 def client_gpus(device: str, hospitals: int) -> float:
