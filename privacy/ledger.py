@@ -16,12 +16,12 @@ behind it does not run again with fresh noise: release ids that a party outside 
 (a server's round number) must carry a nonce the owner mints (``clients/replay.py``).
 
 Several writers: every process and thread that opens the same file serialises on an exclusive
-``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`). ``record`` holds it while it re-reads what others
-appended and appends its own line; opening a file holds it while it reads and cuts a torn tail, so a
-complete record another process appended in between is never cut off. The budget guard holds it from its
-check to its record (``privacy.guard``), so two guards over one lifetime ledger cannot both pass. Within one
-process the lock is one per file, by device and inode: Ledger objects (or paths) naming the same file share it
-instead of waiting for each other.
+``flock`` of ``<file>.lock`` (:meth:`Ledger.exclusive`; the file exists only while the lock is held). ``record``
+holds it while it re-reads what others appended and appends its own line; opening a file holds it while it
+reads and cuts a torn tail, so a complete record another process appended in between is never cut off. The
+budget guard holds it from its check to its record (``privacy.guard``), so two guards over one lifetime ledger
+cannot both pass. Within one process the lock is one per file, by its folder's device and inode and its name:
+Ledger objects (or paths) naming the same file share it instead of waiting for each other.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _SharedFileLock:
         self.handle = None
 
 
-_FILE_LOCKS: dict[tuple[int, int], _SharedFileLock] = {}
+_FILE_LOCKS: dict[tuple, _SharedFileLock] = {}
 _FILE_LOCKS_GUARD = threading.Lock()
 
 
@@ -73,34 +73,55 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_file_locks)
 
 
+def _lock_key(lock_path: Path) -> tuple:
+    """Which lock ``lock_path`` is, whatever path names it and whether or not the file exists now: its folder's
+    device and inode, and its name (a ``..`` or a linked folder give the same key; the file itself comes and
+    goes, :func:`_file_lock`)."""
+    folder = os.stat(lock_path.parent)
+    return (folder.st_dev, folder.st_ino, lock_path.name)
+
+
+def _flock_current(lock_path: Path):
+    """An open handle of the file now at ``lock_path``, exclusively ``flock``ed. The previous holder removes the
+    file before it unlocks, so a waiter that wakes up holding a removed file tries again with the file now there:
+    two processes never both hold the file at ``lock_path``."""
+    while True:
+        handle = open(lock_path, "a+b")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            mine = os.fstat(handle.fileno())
+            try:
+                current = os.stat(lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+                return handle
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()
+
+
 @contextlib.contextmanager
 def _file_lock(lock_path: Path | None, ledger_path: Path | None) -> Iterator[None]:
-    """Hold the exclusive lock of ``lock_path``, keyed by the file's (device, inode) in this process: any number
-    of Ledgers and paths naming one file take one ``flock``. Nothing to hold in memory or without fcntl."""
+    """Hold the exclusive lock of ``lock_path`` (:func:`_lock_key`: any number of Ledgers and paths naming one
+    file take one ``flock`` in this process); nothing to hold in memory or without fcntl. The lock file exists
+    only while the lock is held: the outermost holder removes it before unlocking (:func:`_flock_current`), so
+    no empty ``.lock`` file is left beside a ledger."""
     if lock_path is None or fcntl is None:
         yield
         return
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(lock_path, "a+b")
-    try:
-        status = os.fstat(handle.fileno())
-        with _FILE_LOCKS_GUARD:
-            shared = _FILE_LOCKS.setdefault((status.st_dev, status.st_ino), _SharedFileLock())
-        shared.mutex.acquire()
-    except BaseException:
-        handle.close()
-        raise
+    with _FILE_LOCKS_GUARD:
+        shared = _FILE_LOCKS.setdefault(_lock_key(lock_path), _SharedFileLock())
+    shared.mutex.acquire()
     try:
         if shared.depth == 0:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-            shared.handle, handle = handle, None
+            shared.handle = _flock_current(lock_path)
         shared.depth += 1
     except BaseException:
         shared.mutex.release()
         raise
-    finally:
-        if handle is not None:   # this thread holds the file through another handle already (or flock failed)
-            handle.close()
     try:
         yield
     finally:
@@ -108,9 +129,12 @@ def _file_lock(lock_path: Path | None, ledger_path: Path | None) -> Iterator[Non
         if shared.depth == 0:
             held, shared.handle = shared.handle, None
             try:
-                fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+                lock_path.unlink(missing_ok=True)   # still held: whoever waits on this file will take the next
             finally:
-                held.close()
+                try:
+                    fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+                finally:
+                    held.close()
         shared.mutex.release()
 
 
@@ -183,19 +207,20 @@ class Ledger:
 
     @property
     def lock_path(self) -> Path | None:
-        """``<ledger>.lock`` beside the file: locked, never written (the ledger itself may not exist yet)."""
+        """``<ledger>.lock`` beside the file: locked, never written, there only while the lock is held (the
+        ledger itself may not exist yet)."""
         return None if self.path is None else self.path.with_name(self.path.name + ".lock")
 
     def lock_identity(self) -> tuple:
-        """Which lock this ledger takes: ``("file", st_dev, st_ino)`` of its lock file (created if missing), so
-        that two paths naming one file -- a symlink, a ``..`` -- are seen as one; ``("memory", id)`` in memory.
-        A chain of guards orders and de-duplicates the locks it takes by it (``privacy.guard.GuardChain``)."""
+        """Which lock this ledger takes: ``("file", st_dev, st_ino, name)`` of its lock file's folder and name
+        (:func:`_lock_key`), so that two paths naming one file -- a linked folder, a ``..`` -- are seen as one,
+        and every process orders the same locks alike whether their files exist at the moment or not;
+        ``("memory", id)`` in memory. A chain of guards orders and de-duplicates the locks it takes by it
+        (``privacy.guard.GuardChain``)."""
         if self.path is None:
             return ("memory", id(self))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+b") as handle:
-            status = os.fstat(handle.fileno())
-        return ("file", status.st_dev, status.st_ino)
+        return ("file", *_lock_key(self.lock_path))
 
     @contextlib.contextmanager
     def exclusive(self, refresh: bool = True) -> Iterator["Ledger"]:
@@ -203,9 +228,9 @@ class Ledger:
         writers appended (``refresh``). Everything that decides on the ledger's content and then writes to it
         -- the guard's check-then-record, a batch of charges, cutting a torn tail -- runs inside it.
 
-        The file lock is shared by every Ledger of this process whose lock file is the same file (same device
-        and inode, whatever path named it): ``flock`` locks belong to an open file, so a second Ledger over
-        the same file in the same thread would otherwise wait for itself forever."""
+        The file lock is shared by every Ledger of this process whose lock file is the same file (same folder and
+        name, whatever path named it): ``flock`` locks belong to an open file, so a second Ledger over the same
+        file in the same thread would otherwise wait for itself forever."""
         with _file_lock(None if self.path is None else self.lock_path, self.path):
             with self._thread_lock:
                 outermost = self._lock_depth == 0

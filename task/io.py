@@ -80,6 +80,40 @@ def writing_folder(path: str | os.PathLike, flag: str = "--out") -> Iterator[Pat
         os.close(handle)   # closing the only descriptor releases the lock
 
 
+@contextlib.contextmanager
+def held_lock_file(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the exclusive ``flock`` of the lock file ``path`` for the block (processes that share a cache take
+    turns); the file exists only while held. The holder removes it before unlocking, and a waiter that wakes
+    up holding a removed file takes the one now at ``path``, so two processes never both hold it and no empty
+    lock file is left behind (``privacy.ledger`` locks its ledgers the same way). Not re-entrant."""
+    path = Path(path)
+    if fcntl is None:
+        yield
+        return
+    while True:
+        handle = open(path, "a+b")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            mine = os.fstat(handle.fileno())
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+        except BaseException:
+            handle.close()
+            raise
+        if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        handle.close()
+    try:
+        yield
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            handle.close()   # closing the only descriptor releases the lock
+
+
 def ensure_file_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """For an output *file*: create its folder (:func:`ensure_folder`) and refuse a path that is a folder."""
     from task.errors import UserError

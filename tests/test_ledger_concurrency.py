@@ -145,3 +145,32 @@ def test_opening_a_ledger_takes_no_lock_unless_it_must_cut_a_torn_tail(tmp_path,
         handle.write(b'{"release_id": "torn"')
     with pytest.raises(PermissionError):
         Ledger.load(path)
+
+
+def _count_under_lock(path: str, counter: str, times: int) -> None:
+    ledger = Ledger(path)
+    for _ in range(times):
+        with ledger.exclusive(refresh=False):   # a read-modify-write only a held lock keeps whole
+            value = int(open(counter).read())
+            with open(counter, "w") as handle:
+                handle.write(str(value + 1))
+
+
+def test_the_lock_file_is_removed_after_use_and_still_excludes_other_processes(tmp_path):
+    """The lock file exists only while held (no empty ``.lock`` is left beside a ledger), yet three processes
+    taking it 150 times each never overlap: each waiter that wakes up on a removed file takes the current one."""
+    path, counter = tmp_path / "ledger.jsonl", tmp_path / "counter"
+    counter.write_text("0")
+    context = multiprocessing.get_context("fork")   # nothing held at the fork; no interpreter start-up to pay
+    processes = [context.Process(target=_count_under_lock, args=(str(path), str(counter), 150)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    assert counter.read_text() == "450"
+    Ledger(path).record(["h0"], GaussianEvent(1.0, SIGMA_EPS6), "one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter", "ledger.jsonl"]
+    path.with_name("ledger.jsonl.lock").touch()   # left by a holder that was killed: taken, then removed
+    Ledger(path).record(["h0"], GaussianEvent(1.0, SIGMA_EPS6 * 4), "two")
+    assert not path.with_name("ledger.jsonl.lock").exists()

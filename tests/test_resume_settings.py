@@ -111,14 +111,15 @@ def test_compare_cli_with_another_seed_keeps_the_earlier_report(cache, tiny_phan
 
 @pytest.mark.slow
 def test_central_resumes_a_folder_only_with_its_settings(cache, tiny_phantoms, tmp_path, capsys):
-    """A finished non-private run keeps its public model (``public-model.pt``), which a rerun resumes from: with
-    another seed it trained on seed 0's public model under seed 1's header. A failed start binds nothing."""
+    """A finished run leaves no checkpoint behind (its public model, ``public-model.pt``, was only needed to
+    resume), and its settings still bind the folder: a rerun with another seed would state seed 1 over seed 0's
+    results. A failed start binds nothing."""
     from sim.cli import main
 
     out = tmp_path / "central"
     args = ["central", "--preset", "tiny", "--method", "nonprivate", "--data", str(tiny_phantoms), "--epochs", "1",
             "--out", str(out), "--no-progress"]
-    assert main(args) == 0 and (out / "public-model.pt").exists()
+    assert main(args) == 0 and not (out / "public-model.pt").exists() and not (out / "checkpoint").exists()
     capsys.readouterr()
     assert main(args + ["--seed", "1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -73,7 +73,9 @@ def _no_public_world(monkeypatch):
 
     def fixed_public_start(preset, **kwargs):
         torch.manual_seed(1234)
-        return build_unet(preset.unet).state_dict()
+        model = build_unet(preset.unet)
+        torch.save(model.state_dict(), kwargs["checkpoint"])   # as the real one checkpoints its training
+        return model.state_dict()
 
     monkeypatch.setattr(central, "public_start", fixed_public_start)
 
@@ -98,6 +100,9 @@ def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
 
     bundle = load_bundle(tmp_path / "run")   # verifies weights digest and the card against the ledger
     assert bundle.card["epsilon"] == written["epsilon"]
+    # nothing left behind that only a run in progress needs: no checkpoint, no public-model checkpoint, no lock file
+    assert not list((tmp_path / "run").rglob("*.lock")) and not list((tmp_path / "run").rglob("*.pt.tmp*"))
+    assert not (tmp_path / "run" / "public-model.pt").exists() and not (tmp_path / "run" / "checkpoint").exists()
     if method == "dp-sgd":
         from privacy.ledger import Ledger
 

@@ -372,8 +372,13 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
                         ModelRelease(model, net_cfg, preprocessing, run.world["source"], card_extra=card),
                         started=None if selected is not None else started)
     # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
-    # (and the ledger without a checkpoint marks the folder as finished: see _refuse_finished_folder)
+    # (and the ledger without a checkpoint marks the folder as finished: see _refuse_finished_folder); so was its
+    # own public model's (a comparison's shared one stays: its other cells start from it)
     shutil.rmtree(run.out / "checkpoint", ignore_errors=True)
+    if config.public_model_checkpoint is None:
+        own = run.out / "public-model.pt"
+        own.unlink(missing_ok=True)
+        shutil.rmtree(own.with_name(own.stem + "-selftrain"), ignore_errors=True)
     if selected is not None:   # and no file time either: the ledger's and the public model's would date the start
         stamp_one_time(run.out)
     return written

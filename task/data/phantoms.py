@@ -862,23 +862,8 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
         return generate_phantoms(out, spec, progress=progress, workers=workers)
 
 
-class _file_lock:
-    """Exclusive advisory lock on ``path`` (POSIX ``flock``); a no-op where fcntl is unavailable."""
+def _file_lock(path: Path):
+    """Exclusive advisory lock on ``path`` (``task.io.held_lock_file``: the file exists only while held)."""
+    from task.io import held_lock_file
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.handle = None
-
-    def __enter__(self):
-        self.handle = open(self.path, "a+")
-        try:
-            import fcntl
-
-            fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX)
-        except ImportError:
-            pass
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.close()   # closing releases the lock
-        return False
+    return held_lock_file(path)
