@@ -34,36 +34,40 @@ def check_epsilon(value: Any, option: str = "--epsilons") -> float:
 
 
 def check_secure_sum_plan(hospitals: int, colluders: int = 0, dropouts: int = 0, threshold: int | None = None,
-                          method: str = "a secure method") -> None:
-    """Refuse, in one line naming the flag, a threat model under which no secure sum can be released: every
+                          method: str = "a secure method", flag: str = "--") -> None:
+    """Refuse, in one line naming the setting, a threat model under which no secure sum can be released: every
     hospital would refuse the request (or the sum could not be unmasked), nothing would be released and the run
     would end with the public model under a private method's name. Checked before anything trains.
 
     The rules are the ones each simulated hospital applies to the aggregator's request (a policy with these
     colluders and dropouts and its least threshold 2) and the one the unmasking needs (the survivors of
     ``dropouts`` departures still reach the Shamir threshold; Bell et al., CCS 2020). ``threshold`` None is the
-    aggregator's default, the smallest the hospitals accept: ``max(2, colluders + 1)``.
+    aggregator's default, the smallest the hospitals accept: ``max(2, colluders + 1)``. ``flag``: how the settings
+    are named, ``--`` for the command line (``--secure-threshold 99``), ``""`` for Flower's run config keys.
     """
+    def name(key: str, value) -> str:
+        return f"{flag}{key} {value}" if flag else f"{key}={value}"
+
     least = max(2, int(colluders) + 1)
     if int(hospitals) < 2:
-        raise UserError(f"--hospitals {hospitals}: {method} sums over at least 2 hospitals (a sum over one "
+        raise UserError(f"{name('hospitals', hospitals)}: {method} sums over at least 2 hospitals (a sum over one "
                         "hospital is that hospital's own answer); use 2 or more")
     if threshold is not None and int(threshold) < least:
-        raise UserError(f"--secure-threshold {threshold}: below {least}, the least every hospital accepts (more "
-                        f"than --secure-colluders {colluders} hospital(s) must be needed to rebuild a hospital's "
+        raise UserError(f"{name('secure-threshold', threshold)}: below {least}, the least every hospital accepts "
+                        f"(more than the {colluders} colluding hospital(s) must be needed to rebuild a hospital's "
                         "masks)")
     honest = int(hospitals) - int(colluders) - int(dropouts)
     if honest < 1:
-        raise UserError(f"--secure-colluders {colluders} and --secure-dropouts {dropouts}: with {hospitals} "
-                        "hospitals no hospital's noise share is left to count on; allow fewer")
+        raise UserError(f"{name('secure-colluders', colluders)} and {name('secure-dropouts', dropouts)}: with "
+                        f"{hospitals} hospitals no hospital's noise share is left to count on; allow fewer")
     used = least if threshold is None else int(threshold)
     if used > int(hospitals):
-        raise UserError(f"--secure-threshold {used}: exceeds the {hospitals} hospitals; the masks could never be "
-                        f"rebuilt (at most {hospitals})")
+        raise UserError(f"{name('secure-threshold', used)}: exceeds the {hospitals} hospitals; the masks could never "
+                        f"be rebuilt (at most {hospitals})")
     if used > int(hospitals) - int(dropouts):
-        raise UserError(f"--secure-dropouts {dropouts}: if {dropouts} of the {hospitals} hospitals left, the "
+        raise UserError(f"{name('secure-dropouts', dropouts)}: if {dropouts} of the {hospitals} hospitals left, the "
                         f"{int(hospitals) - int(dropouts)} left could not reach the threshold {used} to unmask the "
-                        "sum; allow fewer dropouts" + (" or lower --secure-threshold" if threshold else ""))
+                        "sum; allow fewer dropouts" + (" or a lower threshold" if threshold else ""))
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class RunSettings:
                 raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
         if registry.method(self.method).secure_sum:   # no secure sum could be released: refused before any work
             check_secure_sum_plan(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
-                                  self.secure_threshold, self.method)
+                                  self.secure_threshold, self.method, flag="")
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)

@@ -131,9 +131,15 @@ def data_options(args) -> dict:
     --data is a mistake, not something to ignore)."""
     from task.errors import UserError
 
+    from pathlib import Path
+
     layout, partition_file = getattr(args, "layout", None), getattr(args, "partition_file", None)
     if (layout or partition_file) and not getattr(args, "data", None):
         raise UserError(f"{'--layout' if layout else '--partition-file'}: needs --data (a data folder to read)")
+    data = getattr(args, "data", None)
+    if data and not Path(data).exists():
+        raise UserError(f"--data {data}: does not exist (expected an MSD Task01 folder or a folder of BraTS case "
+                        "folders)")
     return {"layout": layout, "partition_file": partition_file}
 
 

@@ -69,6 +69,8 @@ def run(args) -> int:
              if args.teachers_per_hospital is not None else None)
     # --seed S is --seeds S: one seed keeps the single-seed folder layout (run_compare on OUT itself)
     seeds = parse_list(args.seeds, _seed, "--seeds") if args.seeds is not None else [args.seed]
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds: expected distinct seeds, got {args.seeds}")
     segmentation = args.task == CompareTask.SEGMENTATION
     offered = SEGMENTATION_METHODS if segmentation else CLASSIFICATION_METHODS
     methods = parse_list(args.methods, str, "--methods") if args.methods is not None else list(offered)

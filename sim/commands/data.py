@@ -91,10 +91,10 @@ def _phantoms(args: argparse.Namespace) -> int:
     from task.data.shifts import Shift
     from task.io import ensure_folder
 
-    ensure_folder(args.out)
-    start = time.perf_counter()
     spec = PhantomSpec(cases=args.cases, institutions=args.institutions, seed=args.seed,
                        resolution_mm=args.resolution, test_cases=args.test_cases, shift=args.shift)
+    ensure_folder(args.out)   # after the settings are checked: a refused command leaves no folder
+    start = time.perf_counter()
     out = generate_phantoms(args.out, spec, progress=not args.no_progress, workers=args.workers,
                             layout=args.layout)
     seconds = time.perf_counter() - start
@@ -171,11 +171,10 @@ def _prepare(args: argparse.Namespace) -> int:
     from task.data.preprocess import PreprocessConfig, prepare_dataset
     from task.io import ensure_folder
 
-    ensure_folder(args.out)
+    config = PreprocessConfig(grid=parse_grid(args.grid), margin_voxels=args.margin)
+    ensure_folder(args.out)   # after the settings are checked: a refused command leaves no folder
     start = time.perf_counter()
-    prepared = prepare_dataset(args.dir, args.out, PreprocessConfig(grid=parse_grid(args.grid),
-                                                                  margin_voxels=args.margin),
-                               progress=not args.no_progress, layout=args.layout)
+    prepared = prepare_dataset(args.dir, args.out, config, progress=not args.no_progress, layout=args.layout)
     print(f"prepared {len(prepared)} cases on the {'x'.join(map(str, prepared.grid))} grid in {prepared.path} "
           f"({time.perf_counter() - start:.1f} s; source {prepared.source})")
     return 0

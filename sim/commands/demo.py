@@ -96,16 +96,15 @@ def run(args) -> int:
 
     real_check = open_real_check(args, environment=True)   # --real-check, else FEDPATE_REAL_CHECK; checked now
     device = resolved_device(args)
-    out = ensure_folder(args.out)
     methods = demo_methods(secure=args.secure, real_check=bool(real_check))
-    report = run_compare(CompareConfig(args.preset, parse_list(methods, str, "methods"),
-                                       parse_list(DEMO_EPSILONS, float, "epsilons"), out, seed=args.seed,
-                                       reproducible_noise=args.reproducible_noise,
-                                       engine=args.engine, init=args.init,
-                                       real_check=real_check.folders if real_check else (),
-                                       compute=Compute(device=str(device), precision=args.precision,
-                                                       workers=parse_workers(args.workers, args.engine, str(device)),
-                                                       progress=not args.no_progress)))
+    config = CompareConfig(args.preset, parse_list(methods, str, "methods"), parse_list(DEMO_EPSILONS, float, "epsilons"),
+                           Path(args.out), seed=args.seed, reproducible_noise=args.reproducible_noise,
+                           engine=args.engine, init=args.init, real_check=real_check.folders if real_check else (),
+                           compute=Compute(device=str(device), precision=args.precision,
+                                           workers=parse_workers(args.workers, args.engine, str(device)),
+                                           progress=not args.no_progress))
+    out = ensure_folder(args.out)   # after every setting is checked: a refused demo leaves no folder
+    report = run_compare(config)
     best = choose_student(load_cells(out))
     if best is not None:
         phantoms = ensure_phantoms(get_preset(args.preset), cache_root() / "phantoms", seed=PHANTOM_SEED,

@@ -34,7 +34,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals, threat_options
+    from sim.commands.common import (check_secure_plan, data_options, open_real_check, real_check_line,
+                                     resolve_hospitals, threat_options)
     from task.errors import UserError
     from task.io import ensure_folder
     from task.realcheck import scoring
@@ -43,6 +44,7 @@ def run(args) -> int:
     from sim.runners.simulation import simulate
 
     where = data_options(args)
+    check_secure_plan(args, [args.method])   # named as this command's flags (RunSettings checks it too)
     real_check = open_real_check(args)   # a bad folder is refused before anything trains
     if real_check is not None and args.engine == Engine.RUNTIME:
         # the runtime engine's ServerApp is another process, started by Flower's SuperLink

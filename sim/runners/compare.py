@@ -420,9 +420,12 @@ def parse_workers(text: str | int | None, engine: str, device: str) -> int:
     if text is None or str(text).strip().lower() == AUTO:
         return default_workers(engine, device)
     try:
-        return int(str(text))
+        workers = int(str(text))
     except ValueError:
-        raise UserError(f"--workers: expected a whole number >= 1 or auto, got {text!r}") from None
+        workers = 0
+    if workers < 1:
+        raise UserError(f"--workers: expected a whole number >= 1 or auto, got {text!r}")
+    return workers
 
 
 def default_workers(engine: str, device: str) -> int:
