@@ -385,6 +385,29 @@ def test_a_bad_input_gets_one_line_naming_it_and_starts_no_work(capsys, no_work,
     assert lines[0].startswith("fedpate") and "error:" in lines[0], lines[0]
     assert said.format(**places) in lines[0], lines[0]
     assert not places["out"].exists() or template.startswith("deploy local"), "a refused run left its --out"
+    # it names only flags this command has, and no internal setting (``federation.teachers_per_hospital``)
+    import re
+
+    # (a flag the user typed is named as typed; a command quoted in backticks is another command's own)
+    said_outside_quotes = re.sub(r"`[^`]*`", "", lines[0].replace(str(places["tmp"]), ""))
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", said_outside_quotes)) - set(argv)
+    assert flags <= _options(argv), (flags - _options(argv), lines[0])
+    assert not re.search(r"\b(federation|world|teacher|student|codec|dp_sgd)\.[a-z_]+", lines[0]), lines[0]
+
+
+def _options(argv: list[str]) -> set[str]:
+    """Every option string of the (sub)command ``argv`` names (``fedpate --help`` when it names none)."""
+    import argparse
+
+    from sim.cli import build_parser
+
+    parser = build_parser()
+    for word in argv:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or word not in actions[0].choices:
+            break
+        parser = actions[0].choices[word]
+    return {option for action in parser._actions for option in action.option_strings}
 
 
 def test_the_table_covers_every_command():
