@@ -41,9 +41,16 @@ def check_secure_sum_plan(hospitals: int, colluders: int = 0, dropouts: int = 0,
 
     The rules are the ones each simulated hospital applies to the aggregator's request (a policy with these
     colluders and dropouts and its least threshold 2) and the one the unmasking needs (the survivors of
-    ``dropouts`` departures still reach the Shamir threshold; Bell et al., CCS 2020). ``threshold`` None is the
-    aggregator's default, the smallest the hospitals accept: ``max(2, colluders + 1)``. ``flag``: how the settings
-    are named, ``--`` for the command line (``--secure-threshold 99``), ``""`` for Flower's run config keys.
+    ``dropouts`` departures still reach the Shamir threshold; Bell et al., CCS 2020).
+
+    Args:
+        hospitals: the hospitals in every sum (H).
+        colluders / dropouts: the threat model's t and d (each hospital counts H - t - d noise shares).
+        threshold: the Shamir threshold asked; None is the aggregator's default, the smallest the hospitals
+            accept: ``max(2, colluders + 1)``.
+        method: the secure method, as the message names it.
+        flag: how the settings are named: ``--`` for the command line (``--secure-threshold 99``), ``""`` for
+            Flower's run-config keys (``secure-threshold=99``).
     """
     def name(key: str, value) -> str:
         return f"{flag}{key} {value}" if flag else f"{key}={value}"

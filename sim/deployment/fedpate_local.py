@@ -86,10 +86,16 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     """Deploy on localhost, run ``settings.method`` once, stop everything; returns results.json's content
     with ``"deployment"`` (run id, status, TLS), which is also written to ``deployment.json`` beside it.
 
-    ``kill_hospital_during_queries``: kill that hospital's SuperNode (and its ClientApp) by PID once the
-    first PATE query has been charged to the ledger -- the dropout test. ``verbose``: say each step as it
-    starts, and every ``every`` seconds while the run goes on how long it has run and what its ledger holds
-    (a run takes minutes; silence reads as a hang).
+    Args:
+        settings: the run (method, preset, budget, world, device), as Flower's run config carries it.
+        work_dir: the deployment's folder (hospital folders, certificates, process logs).
+        tls: TLS and authenticated SuperNodes (False: plain HTTP, for tests).
+        timeout: seconds before the run is abandoned.
+        kill_hospital_during_queries: kill that hospital's SuperNode (and its ClientApp) by PID once the first
+            PATE query has been charged to the ledger -- the dropout test.
+        verbose: say each step as it starts, and every ``every`` seconds while the run goes on how long it has
+            run and what its ledger holds (a run takes minutes; silence reads as a hang).
+        every: seconds between two progress lines.
     """
     say = (lambda text: print(f"[deploy] {text}", flush=True)) if verbose else (lambda text: None)
 
