@@ -152,7 +152,8 @@ class GuardChain:
         """Every guard checks, then every ledger records, all under every ledger's lock.
 
         The locks are taken in one fixed order, by file identity (the lock file's folder's device and inode, and
-        its name; ``Ledger.lock_identity``), not by path: two processes may name one file by different paths, and ordering by path would let them take
+        its name; ``Ledger.lock_identity``), not by path: two processes may name one file by different paths, and
+        ordering by path would let them take
         the same two locks in opposite orders and deadlock. Two ledgers of the chain over one file (two paths,
         or two Ledger objects) take its lock once: the first takes it, the others only re-enter it to merge
         what is on disk (``Ledger.exclusive`` shares one file's lock within a process), so the chain cannot

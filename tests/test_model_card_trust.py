@@ -21,7 +21,8 @@ def _trust_models():
     from server.pate_secure import who_sees_what as pate
 
     return {"pate-anchored": ("trusted", pate(None)), "pate-anchored-secure": ("secure", pate(SECURE)),
-            "dp-fedavg-secure": ("secure", fedavg_secure(SECURE)), "dp-fedavg": ("trusted", trust.federated_averaging()),
+            "dp-fedavg-secure": ("secure", fedavg_secure(SECURE)),
+            "dp-fedavg": ("trusted", trust.federated_averaging()),
             "dp-sgd-central": ("pooled", trust.pooled(True)), "nonprivate-central": ("pooled", trust.pooled(False)),
             "public-only": ("none", trust.public_only())}
 

@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     parser.add_argument("--schedule", default=None, choices=("time", "exp", "step", "poly", "validation"),
                         help="noise schedule for --noise-mode schedule (Yu et al.; no default: required by that mode)")
     parser.add_argument("--sampling", default=Sampling.POISSON.value, choices=tuple(m.value for m in Sampling),
-                        help="batching: Poisson sampling (PLD/RDP accounting; default) or shuffled disjoint batches (zCDP)")
+                        help="batching: Poisson sampling (PLD/RDP accounting; default) or shuffled disjoint batches "
+                             "(zCDP)")
     parser.add_argument("--relation", default=Relation.REPLACE_ONE.value, choices=tuple(m.value for m in Relation),
                         help="neighbouring relation of the DP-SGD guarantee: replace-one (default; the only one "
                              "that holds when dataset sizes are published, and the one comparisons use), "
@@ -56,16 +57,18 @@ def register(subparsers) -> None:
                              "(a small new per-voxel head on the frozen public model), voxel-head+all (that head and "
                              "every U-Net weight)")
     parser.add_argument("--augmentation-multiplicity", type=positive_integer, default=None, metavar="K",
-                        help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon; default: 1)")
+                        help="DP-SGD: K augmented views per patient, averaged before clipping (same epsilon; "
+                             "default: 1)")
     parser.add_argument("--ema-decay", type=decay_fraction, default=None,
-                        help="return the exponential moving average of the weights (post-processing, free; default: none, "
-                             "the last weights)")
+                        help="return the exponential moving average of the weights (post-processing, free; "
+                             "default: none, the last weights)")
     parser.add_argument("--selection", default=Selection.PUBLIC.value, choices=tuple(m.value for m in Selection),
                         help="DP-SGD setting selection: best of the grid on the public validation set (default), "
                              "or private selection (Papernot & Steinke) on held-out private patients among the "
                              "grid and the public model unchanged, charged as one event")
     parser.add_argument("--selection-heldout", type=open_fraction, default=0.2, metavar="F",
-                        help="private selection: fraction of the pooled private patients held out for scoring (default: 0.2)")
+                        help="private selection: fraction of the pooled private patients held out for scoring "
+                             "(default: 0.2)")
     parser.add_argument("--selection-score-noise", type=positive_number, default=0.05, metavar="S",
                         help="private selection: std of the Gaussian noise on the mean held-out Dice (default: 0.05)")
     parser.add_argument("--selection-mean", type=at_least_one, default=None, metavar="M",

@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     parser.add_argument("--hospitals", type=positive_integer, default=None,
                         help="number of hospitals (default: preset's)")
     parser.add_argument("--teachers-per-hospital", default=None,
-                        help="one value or a comma-separated sweep, e.g. 1,4,16 (K = hospitals x this; default: preset's)")
+                        help="one value or a comma-separated sweep, e.g. 1,4,16 (K = hospitals x this; default: "
+                             "preset's)")
     parser.add_argument("--lifetime-epsilon", type=positive_number, default=None,
                         help="each hospital's lifetime budget over every cell of this comparison (default: the "
                              "sum of the private cells' budgets); a cell that would exceed it is refused")

@@ -59,7 +59,8 @@ def register(subparsers) -> None:
     p.add_argument("dir", help="MSD Task01 folder, or a folder of BraTS case folders")
     p.add_argument("--layout", default=None, choices=LAYOUT_NAMES, help=layout_help)
     p.add_argument("--grid", default="32", help="working grid: N or X,Y,Z (default: 32)")
-    p.add_argument("--margin", type=non_negative_integer, default=2, help="voxels kept around the brain's box (default: 2)")
+    p.add_argument("--margin", type=non_negative_integer, default=2,
+                   help="voxels kept around the brain's box (default: 2)")
     p.add_argument("--out", required=True, help="cache folder (images.npy, labels.npy, records.json, manifest.json)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_prepare)

@@ -97,8 +97,9 @@ def run(args) -> int:
     real_check = open_real_check(args, environment=True)   # --real-check, else FEDPATE_REAL_CHECK; checked now
     device = resolved_device(args)
     methods = demo_methods(secure=args.secure, real_check=bool(real_check))
-    config = CompareConfig(args.preset, parse_list(methods, str, "methods"), parse_list(DEMO_EPSILONS, float, "epsilons"),
-                           Path(args.out), seed=args.seed, reproducible_noise=args.reproducible_noise,
+    config = CompareConfig(args.preset, parse_list(methods, str, "methods"),
+                           parse_list(DEMO_EPSILONS, float, "epsilons"), Path(args.out), seed=args.seed,
+                           reproducible_noise=args.reproducible_noise,
                            engine=args.engine, init=args.init, real_check=real_check.folders if real_check else (),
                            compute=Compute(device=str(device), precision=args.precision,
                                            workers=parse_workers(args.workers, args.engine, str(device)),

@@ -40,7 +40,8 @@ def register(subparsers) -> None:
 
     certs = sub.add_parser("certs", help="make a CA, the SuperLink certificate and one key pair per hospital")
     certs.add_argument("--out", required=True, help="folder for ca.crt, superlink.crt/.key, supernodes/h<i>.key/.pub")
-    certs.add_argument("--hospitals", type=positive_integer, required=True, help="number of hospitals (names h0, h1, ...)")
+    certs.add_argument("--hospitals", type=positive_integer, required=True,
+                       help="number of hospitals (names h0, h1, ...)")
     certs.add_argument("--host", action="append", default=None,
                        help="name or IP the SuperNodes use to reach the SuperLink (repeatable; "
                             "default: localhost 127.0.0.1 ::1)")
@@ -66,7 +67,8 @@ def register(subparsers) -> None:
 
     local = sub.add_parser("local", help="start SuperLink + one SuperNode per hospital on 127.0.0.1, run, stop")
     local.add_argument("--out", required=True, help="work folder (certs, logs, pids, results)")
-    local.add_argument("--hospitals", type=positive_integer, required=True, help="number of hospitals (names h0, h1, ...)")
+    local.add_argument("--hospitals", type=positive_integer, required=True,
+                       help="number of hospitals (names h0, h1, ...)")
     local.add_argument("--app", default=None, help="Flower app folder (default: the fedpate app of this installation)")
     local.add_argument("--echo", action="store_true", help="run the built-in echo app (plumbing check)")
     local.add_argument("--hospital-data", action="append", default=[], metavar="ID=DATA_DIR",

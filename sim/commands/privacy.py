@@ -63,7 +63,8 @@ def register(subparsers) -> None:
 
     spent = sub.add_parser("spent", help="epsilon spent per data owner, from a ledger.jsonl")
     spent.add_argument("ledger", help="path to ledger.jsonl")
-    spent.add_argument("--delta", type=open_fraction, default=1e-3, help="delta at which to report epsilon (default 1e-3)")
+    spent.add_argument("--delta", type=open_fraction, default=1e-3,
+                       help="delta at which to report epsilon (default 1e-3)")
     spent.add_argument("--relation", choices=("replace-one", "add-remove", "zero-out"), default=None,
                        help="account only events under this neighbouring relation (default: every event; they must then "
                             "share one relation)")

@@ -121,7 +121,8 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "device": settings.compute.device, "precision": settings.compute.precision}
                  for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
-    say(f"starting a SuperLink and {len(hospitals)} SuperNodes on 127.0.0.1 ({'TLS, authenticated SuperNodes' if tls else 'no TLS'})")
+    security = "TLS, authenticated SuperNodes" if tls else "no TLS"
+    say(f"starting a SuperLink and {len(hospitals)} SuperNodes on 127.0.0.1 ({security})")
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls,
                          verbose=verbose) as deployment:
         if kill_hospital_during_queries is None:
