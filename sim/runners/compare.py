@@ -547,8 +547,11 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
             bar.close()
     failed = [f"{p.name} ({', '.join(lane)}): exit {p.exitcode}" for p, lane in zip(processes, lanes) if p.exitcode]
     if failed:
-        raise UserError(f"compare: worker(s) failed -- {'; '.join(failed)}; finished cells are kept: run the same "
-                        "command again to resume")
+        # exit 2: the worker said why in one line above (a setting or file to fix first); resuming alone repeats it
+        told = any(p.exitcode == 2 for p in processes)
+        raise UserError(f"compare: worker(s) failed -- {'; '.join(failed)}; finished cells are kept: "
+                        + ("fix what the worker's error above says, then run the same command again to resume"
+                           if told else "run the same command again to resume"))
     return worlds
 
 
