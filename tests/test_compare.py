@@ -51,7 +51,13 @@ def test_segmentation_compare_is_complete_consistent_and_resumable(cache, tmp_pa
     assert f"ε = {combined:.3g} per patient" in report and "One neighbouring relation" in report
     card = load_bundle(out / "pate-pca/eps-8").card       # verifies the combined epsilon too
     assert card["released_with"]["combined_epsilon"] == pytest.approx(combined)
-    assert "Threat model" in (out / "pate-pca/eps-8/model/MODEL_CARD.md").read_text()
+    # each card states its own method's trust model, in the report's words for that method
+    for cell in ("pate-pca/eps-8", "nonprivate-central", "public-only"):
+        said = (out / cell / "model" / "MODEL_CARD.md").read_text()
+        line = next(line for line in said.splitlines() if line.startswith("**Trust model.**"))
+        assert line.split("**Trust model.** ", 1)[1].split(". Differential privacy")[0] + "." in report, line
+    assert "aggregation: **trusted**" in (out / "pate-pca/eps-8/model/MODEL_CARD.md").read_text()
+    assert "aggregation: **pooled**" in (out / "nonprivate-central/model/MODEL_CARD.md").read_text()
     # selection never looks at the test set: every cell reports its public validation Dice
     assert all(r["validation_dice_mean"] is not None for r in results)
     stamps = {c: os.path.getmtime(out / c / "results.json") for c in cells}
