@@ -249,3 +249,19 @@ def test_dp_sgd_that_trained_no_epoch_ships_no_model(tmp_path, monkeypatch):
     monkeypatch.setattr(central, "write_run", lambda *a, **k: pytest.fail("a model was written"))
     with pytest.raises(BudgetExceeded, match="no epoch fitted the budget .*budget spent"):
         central.run_central(run.config)
+
+
+def test_the_first_epoch_check_agrees_with_the_guard_at_the_budgets_edge():
+    """The fast estimate decides only far from the budget; near it the guard's own check decides, as at the
+    charge: a budget 2 % above one epoch's ε passes, 2 % below is refused."""
+    from privacy.accountants import epsilon_spent
+    from task.dpsgd import DPConfig, _epoch_event, check_first_epoch, steps_per_epoch
+    from task.errors import UserError
+
+    steps = steps_per_epoch(34, 2)
+    probe = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=2.0).validate()
+    epoch = epsilon_spent([_epoch_event(probe, 1.0 / steps, 2.0, steps)], 1e-3)[0]
+    check_first_epoch(DPConfig(mode="fixed", epsilon=1.02 * epoch, delta=1e-3, noise_multiplier=2.0).validate(), 34, 2)
+    with pytest.raises(UserError, match="^--noise-multiplier 2: one epoch"):
+        check_first_epoch(DPConfig(mode="fixed", epsilon=0.98 * epoch, delta=1e-3, noise_multiplier=2.0).validate(),
+                          34, 2)
