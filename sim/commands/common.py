@@ -134,10 +134,12 @@ def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int 
 def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = False) -> None:
     """``--real-check DIR`` (repeatable): score every model the command trains on labelled real cases too
     (``task.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
-    parser.add_argument("--real-check", action="append", default=None, metavar="DIR",
+    parser.add_argument("--real-check", action="append", default=None, metavar="[KIND=]DIR",
                         help="a folder of labelled real cases (MSD Task01, BraTS 2021 or BraTS 2023 case folders, or "
                              "one case folder); every model is also scored on them, in each case's own grid, beside "
-                             "its phantom Dice (repeatable)"
+                             "its phantom Dice (repeatable: the cases of every folder are pooled). KIND says who drew "
+                             "the folder's label maps, expert or algorithm (an algorithm's output), and the report "
+                             "marks its cases so; fedpate cannot tell from the files"
                              + ("; default: the folders in FEDPATE_REAL_CHECK (separated by ':')" if environment else ""))
 
 

@@ -106,8 +106,8 @@ class CompareConfig:
             :func:`default_workers`).
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
-        real_check: folders of labelled real cases (``--real-check``): every model a cell releases is also
-            scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
+        real_check: folders of labelled real cases (``--real-check``, each ``[KIND=]DIR``): every model a cell
+            releases is also scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
             resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
