@@ -125,6 +125,11 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
+        if self.method in registry.names(secure_sum=True):   # before any work: a sum these settings cannot hold
+            from task.secagg import check_secure_settings
+
+            check_secure_settings(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
+                                  self.secure_threshold)
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)
