@@ -293,7 +293,8 @@ def test_a_doomed_unmask_is_refused_before_the_contribution():
                 for name in messages:
                     party = self.parties[name]
                     with pytest.raises(SecureRequestRefused, match="shared their keys"):
-                        party.handle(stage, messages[name], lambda _m, n=name: charged.append(n))
+                        party.handle(stage, messages[name],
+                                     lambda _m, n=name: charged.append(n) or np.zeros(8, np.int64))
                 return {}
             return super().__call__(stage, messages)
 
