@@ -26,7 +26,7 @@ hospitals), each at ``--secure-epsilon`` (default 1), each release a full ``serv
 hospitals' real ``SecureHospital`` parties -- each checks the server's plan, charges its ledger, re-clips and
 conditionally rounds its rows onto the declared grid and adds its own exact discrete Gaussian share. The audited
 row is ``+C u`` in D and ``-C u`` in D'; the adversary projects the unmasked sum on u. Broken control: every
-hospital's noise share drawn with a tenth of the standard deviation it declared and charged. Product path only
+hospital's noise share drawn with a twentieth of the standard deviation it declared and charged. Product path only
 (the rounding and the sampler are the product's own code, run by run).
 
 The "perfect-test limit" column is ε(δ) of the pair actually run (PATE: its exact μ-GDP curve; DP-SGD:
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     secure_notes = []
     with tempfile.TemporaryDirectory() as workdir:
         for name, make in (("pate", secure_pate_setup), ("dp-fedavg", secure_fedavg_setup)):
-            for broken in (None, 10.0):
+            for broken in (None, 20.0):
                 setup = make(SecureAudit(args.secure_epsilon, args.delta, broken_factor=broken, seed=seed,
                                          **({"intensity_bins": bins} if name == "pate" else {})),
                              Path(workdir) / f"{name}-{broken or 1}")

@@ -98,11 +98,11 @@ class RunSettings:
     #: forward-pass precision, and whether progress bars show; its device and precision travel in the run
     #: config under their own keys (``device``, ``precision``: :func:`run_config_fields` flattens it)
     compute: Compute = Compute()
-    #: the secure methods' threat model (honest-but-curious aggregator): up to ``secure_colluders`` hospitals share
-    #: everything with it and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise
-    #: shares of the others that remain; ``secure_threshold`` is the Shamir threshold asked (0 = the smallest the
-    #: hospitals accept). Simulated hospitals adopt this model as their policy; deployed ones hold their own
-    #: (node config) and refuse a request below it.
+    #: the secure methods' threat model: up to ``secure_colluders`` hospitals share everything with the aggregator
+    #: and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise shares of the others
+    #: that remain; ``secure_threshold`` is the Shamir threshold asked (None = the smallest the hospitals accept,
+    #: ``task.secagg.smallest_threshold``). Simulated hospitals adopt this model as their policy; deployed ones hold
+    #: their own (node config) and refuse any other. A model the run's hospitals cannot hold is refused here.
     secure_colluders: int = 0
     secure_dropouts: int = 0
     secure_threshold: int | None = None
