@@ -98,11 +98,11 @@ class RunSettings:
     #: forward-pass precision, and whether progress bars show; its device and precision travel in the run
     #: config under their own keys (``device``, ``precision``: :func:`run_config_fields` flattens it)
     compute: Compute = Compute()
-    #: the secure methods' threat model (honest-but-curious aggregator): up to ``secure_colluders`` hospitals share
-    #: everything with it and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise
-    #: shares of the others that remain; ``secure_threshold`` is the Shamir threshold asked (0 = the smallest the
-    #: hospitals accept). Simulated hospitals adopt this model as their policy; deployed ones hold their own
-    #: (node config) and refuse a request below it.
+    #: the secure methods' threat model: up to ``secure_colluders`` hospitals share everything with the aggregator
+    #: and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise shares of the others
+    #: that remain; ``secure_threshold`` is the Shamir threshold asked (None = the smallest the hospitals accept,
+    #: ``task.secagg.smallest_threshold``). Simulated hospitals adopt this model as their policy; deployed ones hold
+    #: their own (node config) and refuse any other. A model the run's hospitals cannot hold is refused here.
     secure_colluders: int = 0
     secure_dropouts: int = 0
     secure_threshold: int | None = None
@@ -125,6 +125,11 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
+        if self.method in registry.names(secure_sum=True):   # before any work: a sum these settings cannot hold
+            from task.secagg import check_secure_settings
+
+            check_secure_settings(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
+                                  self.secure_threshold)
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)

@@ -109,7 +109,8 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
                   "device": settings.compute.device, "precision": settings.compute.precision}
                  for h, folder in folders.items()]
     run_config = {**settings.replace(out=str(out)).to_run_config(), "world": str(world)}
-    with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls) as deployment:
+    with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls,
+                         secure_roster=True) as deployment:
         if kill_hospital_during_queries is None:
             status = deployment.run(run_config, timeout=timeout)
         else:

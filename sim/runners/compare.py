@@ -161,6 +161,12 @@ class CompareConfig:
                   "real_check": tuple(str(folder) for folder in (self.real_check or ()))}
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+        if set(self.methods) & set(registry.names(secure_sum=True)):   # a threat model its hospitals cannot hold
+            from task.secagg import check_secure_settings
+
+            threat = dict(self.threat)
+            check_secure_settings(self.base_preset.hospitals, threat.get("secure_colluders", 0),
+                                  threat.get("secure_dropouts", 0), threat.get("secure_threshold"))
         self.real_cases   # a bad --real-check folder is refused now, before anything trains
 
     @functools.cached_property
