@@ -20,6 +20,15 @@ Broken controls must come out above their claim: PATE with ``codec_sensitivity``
 function calibration and every ledger use, patched for that run only); DP-SGD with a quarter of the
 noise, and without clipping, under each relation.
 
+The secure sums (``sim/runners/privacy_audit.py``, "secure sums"): one secure PATE query (the anchored codec,
+K=6 teachers over 3 hospitals) and one dp-fedavg-secure step (the voxel head's 213 coordinates, 6 patients over 3
+hospitals), each at ``--secure-epsilon`` (default 1), each release a full ``server.secure.secure_sum`` of the
+hospitals' real ``SecureHospital`` parties -- each checks the server's plan, charges its ledger, re-clips and
+conditionally rounds its rows onto the declared grid and adds its own exact discrete Gaussian share. The audited
+row is ``+C u`` in D and ``-C u`` in D'; the adversary projects the unmasked sum on u. Broken control: every
+hospital's noise share drawn with a twentieth of the standard deviation it declared and charged. Product path only
+(the rounding and the sampler are the product's own code, run by run).
+
 The "perfect-test limit" column is ε(δ) of the pair actually run (PATE: its exact μ-GDP curve; DP-SGD:
 the PLD of the pair under its relation): what the bound would approach with unlimited runs; for an
 honest mechanism it is the claim. "ceiling at these runs" is the bound an error-free test would give
@@ -55,6 +64,10 @@ def main(argv=None) -> int:
     parser.add_argument("--teachers", type=int, default=128)
     parser.add_argument("--hospitals", type=int, default=4)
     parser.add_argument("--queries", type=int, default=40)
+    parser.add_argument("--secure-runs", type=int, default=None,
+                        help="product-path releases per side of each secure-sum row (default 300; --quick: 100)")
+    parser.add_argument("--secure-epsilon", type=float, default=1.0,
+                        help="the budget one secure PATE query / one dp-fedavg-secure step is calibrated to")
     parser.add_argument("--seed", type=int, default=None,
                         help="reproducible noise streams for the product runs (default: the secure source)")
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -64,13 +77,15 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from privacy.mechanisms import NoiseSource
-    from sim.runners.privacy_audit import (DPSGDAudit, PateAudit, audit_dpsgd, audit_failures, audit_pate,
-                                           dpsgd_setup, format_table, pate_setup)
+    from sim.runners.privacy_audit import (DPSGDAudit, PateAudit, SecureAudit, audit_dpsgd, audit_failures,
+                                           audit_pate, audit_secure, dpsgd_setup, format_table, pate_setup,
+                                           secure_fedavg_setup, secure_pate_setup)
 
     pate_runs = args.pate_runs if args.pate_runs is not None else (200 if args.quick else 600)
     dpsgd_runs = args.dpsgd_runs if args.dpsgd_runs is not None else (100 if args.quick else 400)
     vectorised = args.vectorised if args.vectorised is not None else (200_000 if args.quick else 1_000_000)
     broken_runs = max(100, pate_runs // 2)
+    secure_runs = args.secure_runs if args.secure_runs is not None else (100 if args.quick else 300)
     pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
     from task.presets import get_preset
 
@@ -119,6 +134,21 @@ def main(argv=None) -> int:
                                 sigma=real.sigma)
         show(audit_dpsgd(unclipped, 100, noise=streams("dpsgd", relation, "unclipped"), seed=seed))
 
+    # the secure sums: one release each, through the hospitals' own rounding and discrete Gaussian shares
+    import tempfile
+
+    secure_notes = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, make in (("pate", secure_pate_setup), ("dp-fedavg", secure_fedavg_setup)):
+            for broken in (None, 20.0):
+                setup = make(SecureAudit(args.secure_epsilon, args.delta, broken_factor=broken, seed=seed,
+                                         **({"intensity_bins": bins} if name == "pate" else {})),
+                             Path(workdir) / f"{name}-{broken or 1}")
+                show(audit_secure(setup, secure_runs, seed=seed, noise_seed=args.seed))
+                if broken is None:
+                    secure_notes.append(f"{setup.mechanism}: {setup.length} coordinates, threshold {setup.threshold}, "
+                                        f"2^{setup.bits} modulus, declared noise sd {setup.noise_sd:.4g} grid units")
+
     seconds = time.perf_counter() - started
     print()
     print(format_table(rows))
@@ -130,7 +160,10 @@ def main(argv=None) -> int:
           f"PATE ({'; '.join(codec_notes.values())}): sigma from pate_sigma (exact GDP) at "
           f"S = codec_sensitivity(verified state, K) = 2C/K; "
           f"{len(hospital_eps)} hospital ledgers (each charged by its hospital, through Hospital.answer_query) "
-          f"claimed the server ledger's epsilon in every PATE row. Lower bounds at 95% confidence "
+          f"claimed the server ledger's epsilon in every PATE row. Secure sums ({'; '.join(secure_notes)}): every "
+          f"release a full secure sum of the hospitals' SecureHospital parties, each hospital charging its ledger "
+          f"before drawing its share; the audited hospital's ledger claimed the server plan's epsilon in every run. "
+          f"Lower bounds at 95% confidence "
           f"(Clopper-Pearson, each rate at 97.5%, threshold chosen on the other half of the runs). Noise: "
           f"{'reproducible (seed given)' if noise is not None else 'secure (OS CSPRNG)'} for product runs. "
           f"Total {seconds:.0f} s wall, {time.process_time() - cpu_started:.0f} s CPU.")

@@ -11,11 +11,16 @@ hold the same seed (different runs of it). The tables, by name:
 
 * ``GROUP:cells`` -- per comparison, one row per cell: phantom mean Dice, headroom recovered on the phantom test
   set (paired over its cases, ± SE: the report's estimator), the same over ``public-selftrain`` and, where the
-  comparison scored real cases (``--real-check``), the real WT / TC / ET Dice and the share of the real headroom
-  (public-only -> non-private) recovered in each;
+  comparison scored real cases (``--real-check``), the real WT / TC / ET Dice (means over the cases), their mean,
+  and the share of the real headroom (public-only -> non-private) recovered in each, paired over the cases (± SE,
+  ``sim.report_real.ratio_over_cases``);
 * ``GROUP:across`` -- per cell, over the group's comparisons: mean phantom Dice, mean headroom ± its standard error
   across the comparisons (each comparison's value beside it), mean real Dice and real headroom, and the number of
   comparisons whose real WT and TC headroom both reach one half;
+* ``GROUP:real-cases`` -- per comparison scored on real cases, one row per cell and one column per case: that
+  case's real WT / TC / ET Dice (cases whose reference is an algorithm's output marked †);
+* ``GROUP:rank`` -- per comparison, Kendall's τ between the phantom and the real ranking of the private models
+  (``sim.report_real.rank_agreement``), and its mean ± standard error across the group's comparisons;
 * ``GROUP:cost`` -- every cell's wall seconds (``wall_seconds`` of its results) per comparison;
 * ``secure-vs-trusted`` -- every comparison holding a secure method and its trusted counterpart
   (``pate-anchored-secure`` / ``pate-anchored``, ``dp-fedavg-secure`` / ``dp-sgd-central``): both mean Dice, the
@@ -47,6 +52,8 @@ from pathlib import Path
 from task import methods as registry
 from sim.report import (ceiling_of, floors_of, format_ratio, headroom_of, load_cells, paired_difference,
                         per_case_of, reference_cell)
+from sim.report_real import case_list, per_case_table, rank_agreement, ratio_over_cases
+from task.realcheck import real_region_mean
 
 REPO = Path(__file__).resolve().parents[1]
 REGIONS = ("WT", "TC", "ET")
@@ -61,6 +68,8 @@ PHANTOM_GOALS = ((8.0, 0.5), (1.0, 0.2))
 REAL_GOAL = 0.5
 #: PATE's own real-scan goal: at least this share of the real WT headroom, and above the self-trained floor
 REAL_PATE_GOAL = 0.4
+#: the phantom ranking of the private models predicts the real one: Kendall's τ at least this
+RANK_GOAL = 0.7
 PATE = "pate-anchored"
 SELFTRAIN = "public-selftrain"
 SECURE_DICE_TOLERANCE = 0.02
@@ -100,14 +109,17 @@ class Comparison:
         floor, ceiling = self.floor, self.ceiling
         return headroom_of(cell, floor, ceiling) if floor and ceiling and cell else None
 
-    def real_headroom(self, cell, region: str) -> float | None:
+    def real_share(self, cell, region: str) -> tuple[float, float | None, int] | None:
+        """(share, its standard error or None, cases) of the real headroom ``cell`` recovers in ``region``, paired
+        over the real cases (the report's estimator, ``sim.report_real.ratio_over_cases``)."""
         floor, ceiling = self.floor, self.ceiling
         if not (floor and ceiling and cell):
             return None
-        value, low, high = _real(cell).get(region), _real(floor).get(region), _real(ceiling).get(region)
-        if None in (value, low, high) or high == low:
-            return None
-        return (value - low) / (high - low)
+        return ratio_over_cases(cell, floor, ceiling, region)
+
+    def real_headroom(self, cell, region: str) -> float | None:
+        found = self.real_share(cell, region)
+        return None if found is None else found[0]
 
 
 def parse_item(item: str) -> tuple[str, str, Path]:
@@ -183,15 +195,57 @@ def cells_table(comparison: Comparison) -> str:
     selftrain = reference_cell(comparison.cells, "public-selftrain")
     ceiling = comparison.ceiling
     lines = ["| cell | phantom mean Dice | phantom headroom (± SE) | over public-selftrain (± SE) | real WT / TC / ET "
-             "| real headroom WT / TC / ET |", "|---|---|---|---|---|---|"]
+             "| real mean (WT, TC, ET) | real headroom WT / TC / ET (± SE over the cases) |",
+             "|---|---|---|---|---|---|---|"]
     for cell in sorted(comparison.cells, key=_order):
         over = (headroom_of(cell, selftrain, ceiling) if selftrain and ceiling and cell is not selftrain else None)
         real = _real(cell)
-        shares = [comparison.real_headroom(cell, r) for r in REGIONS]
+        shares = [_share(comparison.real_share(cell, r)) for r in REGIONS]
         lines.append(f"| {_label(cell)} | {_fmt((cell.get('dice') or {}).get('mean'))} | "
                      f"{format_ratio(comparison.headroom(cell))} | {format_ratio(over)} | "
                      f"{' / '.join(_fmt(real.get(r)) for r in REGIONS) if real else '—'} | "
-                     f"{' / '.join(_fmt(s, 2) for s in shares) if real else '—'} |")
+                     f"{_fmt(real_region_mean(cell)) if real else '—'} | "
+                     f"{' / '.join(shares) if real else '—'} |")
+    return "\n".join(lines)
+
+
+def _share(found) -> str:
+    if found is None:
+        return "—"
+    return f"{found[0]:.2f}" + (f" ± {found[1]:.2f}" if found[1] is not None else "")
+
+
+def real_cases_table(comparisons: list[Comparison]) -> str:
+    """Per comparison scored on real cases: every cell's WT / TC / ET Dice on every case (``sim.report_real``)."""
+    blocks = []
+    for comparison in comparisons:
+        scored = [c for c in comparison.cells if _real(c)]
+        if not scored:
+            continue
+        cases = case_list(scored)
+        origin = "; ".join(f"{c['case']} from {Path(str(c['folder'])).name}"
+                           + (f" ({c['reference']})" if c.get("reference") else "") for c in cases)
+        blocks.append(f"**{comparison.label}** ({origin}; † an algorithm's reference)\n\n"
+                      + per_case_table(sorted(scored, key=_order), cases))
+    return "\n\n".join(blocks) if blocks else "(No comparison given was scored on real cases.)"
+
+
+def rank_table(comparisons: list[Comparison]) -> str:
+    """Kendall's τ between the phantom and the real ranking of the private models, per comparison and on average."""
+    lines = ["| comparison | private models | Kendall τ | pairs ranked alike / reversed / tied |", "|---|---|---|---|"]
+    taus = []
+    for comparison in comparisons:
+        found = rank_agreement(comparison.cells)
+        if found is None:
+            continue
+        taus.append(found["tau"])
+        lines.append(f"| {comparison.name} | {found['n']} | {found['tau']:+.2f} | {found['concordant']} / "
+                     f"{found['discordant']} / {found['tied']} |")
+    if not taus:
+        return "(No comparison given ranks two private models on phantoms and real scans.)"
+    se = _se(taus)
+    lines.append(f"| mean over {len(taus)} | | {_mean(taus):+.2f}" + (f" ± {se:.2f}" if se is not None else "")
+                 + " | |")
     return "\n".join(lines)
 
 
@@ -365,6 +419,12 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
                          _yes(_reaches(low, REAL_GOAL))))
             rows += _above_selftrain_rows(comparison, cell, budget)
     rows += _pate_real_rows(comparisons, budget)
+    for comparison in comparisons:
+        found = rank_agreement(comparison.cells)
+        if found is not None:
+            rows.append((f"the phantom ranking of the private models predicts the real one: Kendall τ ≥ {RANK_GOAL:g}",
+                         comparison.name, f"τ {found['tau']:+.2f} over {found['n']} private models",
+                         _yes(_reaches(found["tau"], RANK_GOAL))))
     for comparison, budget, secure, trusted, kind in secure_pairs(comparisons):
         if kind == "dice":
             goal = f"{secure['method']} within {SECURE_DICE_TOLERANCE} of {trusted['method']} (paired mean Dice)"
@@ -464,6 +524,8 @@ def tables(comparisons: list[Comparison], argv: list[str]) -> dict[str, str]:
         out[f"{group}:cells"] = group_cells(members)
         out[f"{group}:across"] = across_table(members)
         out[f"{group}:cost"] = cost_table(members)
+        out[f"{group}:real-cases"] = real_cases_table(members)
+        out[f"{group}:rank"] = rank_table(members)
     out["secure-vs-trusted"] = secure_table(comparisons)
     out["secure-sums"] = secure_sums_table(comparisons)
     out["goals"] = goals_table(comparisons)

@@ -41,7 +41,8 @@ def run(hospitals: int, length: int, dropped: int) -> dict:
     threshold = max(2, hospitals // 2 + 1)
     started = time.perf_counter()
     result = secure_sum(exchange, names, threshold, 40, length,
-                        {"local_variance": 1.0, "shares": counted, "total_variance": float(counted)})
+                        {"local_variance": 1.0, "shares": counted, "total_variance": float(counted),
+                         "colluders": policy.colluders, "dropouts": policy.dropouts})
     total = time.perf_counter() - started
     survivors = result.survivors
     return {"hospitals": hospitals, "length": length, "dropped": dropped, "threshold": threshold,

@@ -35,7 +35,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.fedavg import local_dpsgd_round
-from clients.node import hospital_for, secure_policy_for
+from clients.node import hospital_for, secure_identity_for, secure_policy_for
 from clients.secure import FINISHED, SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from task.errors import UserError
@@ -183,7 +183,8 @@ def secure_stage(msg: Message, context: Context) -> Message:
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"hospital {hospital.hospital_id}: malformed secure-sum message ({exc})") from None
     settings = {k: v for k, v in config.items() if k not in _SECURE_KEYS}
-    secure = SecureHospital(hospital, secure_policy_for(context.node_config))
+    node_config = context.node_config
+    secure = SecureHospital(hospital, secure_policy_for(node_config), secure_identity_for(node_config))
     reply = run_stage(secure, stage, message, settings, NodeSecureSessions(context.state))
     skeleton, payload = pack_nested(reply)
     return Message(make_content({"hospital_id": hospital.hospital_id, "reply": skeleton}, reply=payload),

@@ -13,7 +13,9 @@ Two ways a node learns who it is:
   is ``workdir/privacy-ledger.jsonl``. Its threat model for secure sums is its own too
   (:func:`secure_policy_for`): ``secure-colluders`` and ``secure-dropouts`` (default 0: it then counts
   every participant's noise share and refuses to unmask when one is missing), ``secure-min-participants``
-  and ``secure-min-threshold`` (default 2). Its compute is its own too: ``device`` (auto | cpu | cuda |
+  and ``secure-min-threshold`` (default 2), and who it trusts in them (:func:`secure_identity_for`):
+  ``secure-roster`` (the consortium's roster of hospital keys) and ``secure-signing-key`` (its own SuperNode
+  key); without them it refuses every secure sum. Its compute is its own too: ``device`` (auto | cpu | cuda |
   cuda:N, default auto: its GPU when it has one) and ``precision`` (32 | bf16), whatever the run config says.
 * **Simulation** (all hospitals on one machine): Flower gives ``partition-id``; the server's messages
   carry the path of the simulated world (prepared cases + the split manifest every party reads), and
@@ -40,6 +42,7 @@ from task.names import check_name_part
 from task.presets import get_preset
 from task.requests import RunContext
 from task.runconfig import config_flag
+from task.secagg import SigningIdentity
 from task.world import open_world
 
 _HOSPITALS: dict[tuple, Any] = {}
@@ -134,7 +137,7 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
     preset = get_preset(context.preset, **(context.preset_overrides or {}))
     node = NodeConfig.from_node_config(node_config)
     if node.deployed:
-        return _deployed_hospital(node, context, preset, context.seed, Hospital)
+        return _deployed_hospital(node, context, preset, context.seed, Hospital, node_config)
     world_dir = context.world
     if not world_dir:
         raise UserError("message config: simulation messages must carry 'world' (the prepared world folder)")
@@ -157,7 +160,7 @@ def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
     return _HOSPITALS[key]
 
 
-def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
+def _deployed_hospital(node_config, config, preset, seed, hospital_cls, raw_config=None):
     """The deployed hospital of ``node_config`` (a :class:`NodeConfig` or its mapping), made once per data
     folder, grid and teacher count: its own patients prepared and split into teacher partitions by patient."""
     node, context = NodeConfig.from_node_config(node_config), RunContext.from_config(config)
@@ -167,6 +170,8 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
     teachers = int(node.teachers_per_hospital or context.teachers_per_hospital or preset.teachers_per_hospital)
     key = ("deploy", str(data_dir), hospital_id, tuple(preset.grid), teachers)
     if key not in _HOSPITALS:
+        if raw_config is not None:   # its secure-sum identity checked before any work (one line on a mistake)
+            secure_identity_for(raw_config)
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),
                                    progress=False)
         # by patient: a hospital's scans of one patient (timepoints) all go to one teacher
@@ -175,6 +180,27 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls):
         _HOSPITALS[key] = hospital_cls(hospital_id, prepared, partitions, preset, workdir,
                                        node.hospital_settings(seed))
     return _HOSPITALS[key]
+
+
+#: node-config keys naming the consortium's roster of hospital keys and this hospital's own signing key (its
+#: SuperNode authentication key): a deployed hospital takes part in secure sums only with both
+SECURE_IDENTITY_KEYS = ("secure-roster", "secure-signing-key")
+
+
+def secure_identity_for(node_config: Mapping[str, Any]) -> SigningIdentity | None:
+    """A deployed hospital's :class:`task.secagg.SigningIdentity` from its node config (``secure-roster``: the
+    consortium's ``roster.txt``; ``secure-signing-key``: its own private key, the one its roster line lists);
+    None when neither is set (it then refuses every secure sum) or for a simulated node. One-line UserError
+    naming the key or file when only one is set, a file cannot be read, or the two do not match."""
+    if "data-dir" not in node_config:
+        return None
+    roster, key = (str(node_config.get(name) or "") for name in SECURE_IDENTITY_KEYS)
+    if not roster and not key:
+        return None
+    if not (roster and key):
+        missing, given = SECURE_IDENTITY_KEYS if not roster else SECURE_IDENTITY_KEYS[::-1]
+        raise UserError(f"node-config: '{missing}' is required next to '{given}'")
+    return SigningIdentity.load(str(node_config.get("hospital-id") or ""), key, roster)
 
 
 #: node-config key -> ``clients.secure.SecurePolicy`` field (a deployed hospital's threat model for secure sums)

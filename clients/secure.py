@@ -9,21 +9,29 @@ self mask plus one pairwise mask per neighbour, modulo 2^bits) and **unmask** (s
 self-mask seeds and of the dropped hospitals' masking keys). Every primitive is a library's
 (``task.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
 
-Threat model (the hospital's :class:`SecurePolicy`, from its own node config, never from the server): an
-honest-but-curious aggregator, up to ``colluders`` hospitals that share everything with it, up to
-``dropouts`` hospitals that leave mid-protocol. The hospital counts only the noise it can rely on -- its
-own share and the honest survivors', at least ``participants - colluders - dropouts`` shares -- and before
-anything is charged refuses a request that
+Threat model (the hospital's :class:`SecurePolicy`, from its own node config, never from the server): up to
+``colluders`` hospitals that share everything with the aggregator, up to ``dropouts`` hospitals that leave
+mid-protocol, and an aggregator that adds no noise and may deviate from the protocol. The hospital counts only
+the noise it can rely on -- its own share and the honest survivors', ``participants - colluders - dropouts``
+shares -- and before anything is charged refuses a request that
 
-* has fewer participants than its policy's minimum;
+* declares another threat model than its own (``check_request`` says why mixed policies are refused);
+* has fewer participants than its policy's minimum, or (a deployed hospital, with the consortium's roster,
+  :class:`task.secagg.SigningIdentity`) a participant who is not on the roster;
 * sets the Shamir threshold at or below the colluders (``threshold <= colluders`` would let the colluders
-  alone rebuild its self-mask seed and masking key) or below its policy's minimum;
-* declares noise that does not add up: a counted total variance larger than ``shares it can count on x
-  local variance`` (the run would claim noise the hospital cannot rely on), or a share count above the
-  participants;
+  alone rebuild its self-mask seed and masking key), below its policy's minimum, above the hospitals left
+  after the dropouts, or -- with dropouts allowed -- at or below half of ``participants + colluders``
+  (``task.secagg.threat_problem``: a server lying about who dropped could otherwise collect both secrets of
+  one hospital);
+* declares noise that does not add up, or counts other than exactly the shares it can count on;
+* (a deployed hospital) forwards keys that their owner did not sign, over the setup this hospital was told,
+  with its roster key -- checked at share-keys, before any share is encrypted: no substituted key, no
+  hospital told another setup;
+* leaves fewer than ``participants - dropouts`` hospitals that shared their keys (at collect-masked, before
+  the charge: the unmask would be refused);
 
-and refuses to unmask when fewer hospitals than ``participants - dropouts`` sent masked inputs (their
-noise, which it counted, would be missing from the sum) or when asked for both shares of one hospital.
+and refuses to unmask when fewer hospitals than ``participants - dropouts`` sent masked inputs (their noise,
+which it counted, would be missing), when a name is repeated, or when asked for both shares of one hospital.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import numpy as np
 
 from privacy.distributed import share_count
 from task import secagg
+from task.secagg import SigningIdentity, setup_statement, threat_problem
 from task.errors import UserError
 from task.requests import HospitalRequest, SecureStageRequest
 
@@ -70,15 +79,40 @@ class SecurePolicy:
                 "min_threshold": self.min_threshold}
 
 
+def declared_threat(who: str, noise: Mapping[str, Any]) -> tuple[int, int]:
+    """The (colluders, dropouts) a request's noise declaration states (its threat model), checked."""
+    values = []
+    for name in ("colluders", "dropouts"):
+        value = noise.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise SecureRequestRefused(f"hospital {who}: a secure sum must declare its {name} (a non-negative "
+                                       f"integer), got {value!r}")
+        values.append(int(value))
+    return values[0], values[1]
+
+
 def check_request(policy: SecurePolicy, who: str, participants: list, threshold: int, noise: Mapping[str, Any]
                   ) -> int:
-    """Refuse (:class:`SecureRequestRefused`) a setup request below ``policy``; returns the shares it counts."""
+    """Refuse (:class:`SecureRequestRefused`) a setup request below ``policy``; returns the shares it counts.
+
+    The request's declared threat model (``noise["colluders"]``, ``noise["dropouts"]``) must be the hospital's
+    own. A hospital that assumed fewer dropouts than the others would count more noise shares than the sum
+    may hold -- the others, assuming more, still unmask it when that many leave, so its own refusal to unmask
+    would enforce nothing and its ledger would under-charge -- and one that assumed more would be asked to
+    rely on shares it does not trust. Refusing a different policy (rather than charging the fewest shares any
+    policy allows) also keeps one unmask rule for every hospital in a sum, which the threshold's protection
+    against a server lying about dropouts needs (``task.secagg.threat_problem``)."""
     count = len(participants)
     if len(set(participants)) != count:
         raise SecureRequestRefused(f"hospital {who}: the participant list repeats a hospital")
     if count < max(2, policy.min_participants):
         raise SecureRequestRefused(f"hospital {who}: refuses a secure sum over {count} hospital(s); its policy "
                                    f"needs at least {max(2, policy.min_participants)}")
+    colluders, dropouts = declared_threat(who, noise)
+    if (colluders, dropouts) != (policy.colluders, policy.dropouts):
+        raise SecureRequestRefused(
+            f"hospital {who}: the request assumes {colluders} colluder(s) and {dropouts} dropout(s), its policy "
+            f"{policy.colluders} and {policy.dropouts}: every hospital of a secure sum must assume the same")
     floor = max(policy.min_threshold, policy.colluders + 1)
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < floor:
         raise SecureRequestRefused(f"hospital {who}: reconstruction threshold {threshold!r} is below its policy's "
@@ -86,11 +120,10 @@ def check_request(policy: SecurePolicy, who: str, participants: list, threshold:
                                    "hospital's masks)")
     if threshold > count:
         raise SecureRequestRefused(f"hospital {who}: threshold {threshold} exceeds the {count} participants")
-    try:
-        counted = policy.counted_shares(count)
-    except Exception:
-        raise SecureRequestRefused(f"hospital {who}: {count} participants with {policy.colluders} colluder(s) and "
-                                   f"{policy.dropouts} dropout(s) leave no honest noise share") from None
+    problem = threat_problem(count, policy.colluders, policy.dropouts, threshold)
+    if problem:
+        raise SecureRequestRefused(f"hospital {who}: {problem}")
+    counted = policy.counted_shares(count)
     try:
         local = float(noise["local_variance"])
         declared = int(noise["shares"])
@@ -105,10 +138,10 @@ def check_request(policy: SecurePolicy, who: str, participants: list, threshold:
     if abs(total - declared * local) > 1e-9 * total:
         raise SecureRequestRefused(f"hospital {who}: the noise shares do not add up ({declared} x {local:.6g} != "
                                    f"declared total {total:.6g})")
-    if counted * local < total * (1 - 1e-12):
+    if declared != counted:
         raise SecureRequestRefused(
             f"hospital {who}: the request counts {declared} noise shares, but with {policy.colluders} colluder(s) "
-            f"and {policy.dropouts} dropout(s) it can rely on {counted}: less noise than the run would claim")
+            f"and {policy.dropouts} dropout(s) it can rely on {counted}: the declaration must be exactly that")
     return counted
 
 
@@ -121,6 +154,7 @@ class _Session:
     length: int
     noise: dict
     counted: int
+    key: str = ""                           # the session id (what the signed setup statement names)
     sk1: bytes = b""
     pk1: bytes = b""
     sk2: bytes = b""
@@ -142,9 +176,14 @@ class SecureSumParty:
     check: it charges the hospital's ledger and returns its noised integer contribution (modulo nothing:
     the party reduces it)."""
 
-    def __init__(self, name: str, policy: SecurePolicy | None = None) -> None:
+    def __init__(self, name: str, policy: SecurePolicy | None = None, identity: SigningIdentity | None = None
+                 ) -> None:
         self.name = str(name)
         self.policy = policy or SecurePolicy()
+        #: the consortium's roster and this hospital's signing key (a deployed hospital's, from its node
+        #: config): with it every participant must be on the roster and every advertised key signed by its
+        #: owner; None (a simulated hospital: the simulation plays every party) checks neither
+        self.identity = identity
         self.sessions: dict[str, _Session] = {}
 
     # -------------------------------------------------------------------------------------------- stages
@@ -178,20 +217,46 @@ class SecureSumParty:
         participants = [str(p) for p in message["participants"]]
         if self.name not in participants:
             raise SecureRequestRefused(f"hospital {self.name}: not among the session's participants")
+        if self.identity is not None:   # invented participants would inflate the shares it counts
+            strangers = [p for p in participants if p not in self.identity.roster.keys]
+            if strangers:
+                raise SecureRequestRefused(f"hospital {self.name}: participants {strangers} are not on the "
+                                           "consortium's secure-roster")
         threshold = message.get("threshold")
         counted = check_request(self.policy, self.name, participants, threshold, dict(message.get("noise") or {}))
         bits, length = int(message["bits"]), int(message["length"])
         if not (2 <= bits <= 62) or length < 1:
             raise SecureRequestRefused(f"hospital {self.name}: bits {bits} / length {length} out of range")
         session = _Session(participants.index(self.name) + 1, participants, int(threshold), bits, length,
-                           dict(message["noise"]), counted)
+                           dict(message["noise"]), counted, key)
         session.sk1, session.pk1 = secagg.generate_keys()
         session.sk2, session.pk2 = secagg.generate_keys()
         self.sessions[key] = session
-        return {"pk1": session.pk1, "pk2": session.pk2}
+        reply = {"pk1": session.pk1, "pk2": session.pk2}
+        if self.identity is not None:
+            reply["signature"] = self.identity.sign(self._statement(session, self.name, session.pk1, session.pk2))
+        return reply
+
+    @staticmethod
+    def _statement(session: _Session, hospital: str, pk1: bytes, pk2: bytes) -> bytes:
+        return setup_statement(session.key, hospital, pk1, pk2, session.participants, session.threshold,
+                               session.bits, session.length, session.noise)
 
     def share_keys(self, session: _Session, message: Mapping[str, Any]) -> dict:
-        keys = {str(k): (bytes(v[0]), bytes(v[1])) for k, v in dict(message["public_keys"]).items()}
+        advertised = dict(message["public_keys"])
+        keys = {str(k): (bytes(v[0]), bytes(v[1])) for k, v in advertised.items()}
+        if self.identity is not None:
+            # before any share leaves: every advertised key signed by its owner on the roster, over the setup
+            # this hospital was told -- no substituted key, no hospital told another setup or threat model
+            for name, (pk1, pk2) in keys.items():
+                value = advertised[name]
+                try:
+                    signature = bytes(value[2]) if len(value) > 2 else b""
+                except (TypeError, ValueError):
+                    signature = b""
+                if not self.identity.roster.verify(name, self._statement(session, name, pk1, pk2), signature):
+                    raise SecureRequestRefused(f"hospital {self.name}: the keys advertised for {name} are not "
+                                               "signed by that hospital's roster key for this setup")
         if len(keys) < session.threshold:
             raise SecureRequestRefused(f"hospital {self.name}: {len(keys)} hospitals advertised keys, fewer than "
                                        f"the threshold {session.threshold}")
@@ -234,6 +299,11 @@ class SecureSumParty:
             session.seed_shares[source] = seed_share
             session.key_shares[source] = key_share
         session.neighbours = sorted(received, key=session.participants.index)
+        need = len(session.participants) - self.policy.dropouts
+        if len(received) + 1 < need:   # the unmask would be refused: refuse now, before the charge
+            raise SecureRequestRefused(
+                f"hospital {self.name}: only {len(received) + 1} of {len(session.participants)} hospitals shared "
+                f"their keys; with its policy of at most {self.policy.dropouts} dropout(s) the sum needs {need}")
         if contribute is None:
             raise SecureRequestRefused(f"hospital {self.name}: nothing to contribute")
         vector = np.asarray(contribute(message), dtype=np.int64).reshape(-1)
@@ -255,6 +325,8 @@ class SecureSumParty:
     def unmask(self, session: _Session, message: Mapping[str, Any]) -> dict:
         survivors = [str(s) for s in message["survivors"]]
         dropped = [str(s) for s in message["dropped"]]
+        if len(set(survivors)) != len(survivors) or len(set(dropped)) != len(dropped):
+            raise SecureRequestRefused(f"hospital {self.name}: the survivors or dropped list repeats a hospital")
         if set(survivors) & set(dropped):
             both = sorted(set(survivors) & set(dropped))
             raise SecureRequestRefused(f"hospital {self.name}: asked for both shares of {both}")
@@ -321,10 +393,11 @@ class SecureHospital:
     A deployed hospital's policy is its own (``policy``); a simulated one's comes with the simulation's
     messages (``secure_policy``), as its lifetime budget does."""
 
-    def __init__(self, hospital, policy: SecurePolicy | None = None) -> None:
+    def __init__(self, hospital, policy: SecurePolicy | None = None, identity: SigningIdentity | None = None
+                 ) -> None:
         self.hospital = hospital
         self.policy = policy
-        self.party = SecureSumParty(hospital.hospital_id, policy or SecurePolicy())
+        self.party = SecureSumParty(hospital.hospital_id, policy or SecurePolicy(), identity)
 
     @property
     def gradients(self):
@@ -342,6 +415,11 @@ class SecureHospital:
             return self.gradients.join(message, request)
         if stage == "setup":
             deployed = bool(getattr(self.hospital, "deployed", False))
+            if deployed and self.party.identity is None:
+                raise SecureRequestRefused(
+                    f"hospital {self.party.name}: takes part in secure sums only with the consortium's roster "
+                    "(node-config secure-roster and secure-signing-key): without it a server could substitute "
+                    "the other hospitals' keys")
             # a deployed hospital's policy is its own node config's, never the server's (default: the strictest)
             self.party.policy = (self.policy or SecurePolicy()) if deployed else policy_from(request, self.policy)
             noise = dict(message.get("noise") or {})

@@ -16,7 +16,9 @@ Two requests reach it through the secure-sum channel (``clients.secure.SecureHos
   release (``privacy.distributed.ddg_event``, the shares it counts on) and only then touches its patients:
   the frozen features (cached per start model, ``task.headgrad``), one gradient row per patient, clipped to
   the declared ``clip``, conditionally rounded onto the grid, summed, plus ``N_Z(0, local_variance)`` per
-  coordinate (Kairouz, Liu & Steinke 2021, arXiv 2102.06387, Algorithm 1, client side).
+  coordinate (Kairouz, Liu & Steinke 2021, arXiv 2102.06387, Algorithm 1, client side). A patient whose gradient
+  is not finite (head weights that overflow on its scans) contributes a zero row instead, so nothing after the
+  charge can fail because of one patient's data.
 
 Noise and rounding randomness: the operating system's CSPRNG unless the simulation sends
 ``secure_noise_seed`` (``--reproducible-noise``), which a deployed hospital refuses before it charges.
@@ -25,6 +27,7 @@ Noise and rounding randomness: the operating system's CSPRNG unless the simulati
 from __future__ import annotations
 
 import io
+import logging
 import re
 import weakref
 from pathlib import Path
@@ -35,6 +38,8 @@ import numpy as np
 from task.errors import UserError
 from task.requests import SecureStageRequest
 from task.secagg import CONTRIBUTION_KIND as KIND, RELATION
+
+log = logging.getLogger("fedpate.hospital")
 
 #: one contributor per hospital object, kept as long as the hospital is: the Flower ClientApp builds a new
 #: ``SecureHospital`` for every message, while its ``Hospital`` is cached (``clients.node.hospital_for``)
@@ -189,6 +194,14 @@ class HeadGradientContributor:
         model.to(features.device)
         per_scan = per_sample_head_gradients(model, features, labels)
         rows, _ = per_patient_rows(per_scan, patients)
+        # a patient whose gradient is not finite (head weights that overflow on its scans) contributes a fixed
+        # zero row, as secure PATE's teachers answer a fixed fallback: the step is released whatever the data,
+        # never aborted after the charge by one patient, and a zero row is inside the clip the charge assumes
+        finite = np.all(np.isfinite(rows), axis=1)
+        if not np.all(finite):
+            log.warning("hospital %s: %d patient gradient(s) were not finite; a zero row stands in for each",
+                        who, int(np.sum(~finite)))
+        rows = np.where(finite[:, None], rows, 0.0)
         integers = grid.to_integers(clip_rows(rows, grid.clip), generator)
         total = integers.sum(axis=0).astype(np.int64)
         return total + sample_discrete_gaussian(local_variance, dimension, generator)

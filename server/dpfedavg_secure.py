@@ -74,7 +74,7 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.options import NoiseKind
 from server.dpfedavg import FederatedRun
-from server.pate_secure import threat_model
+from server.pate_secure import checked_threshold, threat_model
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
 from task.bundle import preprocessing_of
@@ -295,15 +295,16 @@ def plan_steps(config: DpFedAvgSecureConfig, setting: Mapping[str, Any], counts:
     total_steps = planned_steps(setting, patients) if config.steps is None else int(config.steps)
     if total_steps < 1:
         raise UserError(f"{METHOD}: steps must be >= 1, got {total_steps}")
+    threshold = checked_threshold(METHOD, participants, threat)
     counted = share_count(participants, threat["colluders"], threat["dropouts"])
-    threshold = int(threat.get("threshold") or max(2, threat["colluders"] + 1))
     grid = IntegerGrid.for_rows(float(setting["max_grad_norm"]), dimension, inflation=GRID_INFLATION)
     variance = calibrate_local_variance(config.epsilon, config.delta, total_steps, grid, counted, RELATION)
     per_step = ddg_event(grid, variance, counted, 1, RELATION)
     bits = modulus_bits(patients * grid.row_bound, participants * variance, dimension, WRAP_PROBABILITY)
     noise_sd = grid.granularity * math.sqrt(participants * variance)   # of the sum, in gradient units
     declaration = {"kind": CONTRIBUTION_KIND, "relation": RELATION, "local_variance": variance, "shares": counted,
-                   "total_variance": counted * variance, "clip": grid.clip, "granularity": grid.granularity,
+                   "total_variance": counted * variance, "colluders": threat["colluders"],
+                   "dropouts": threat["dropouts"], "clip": grid.clip, "granularity": grid.granularity,
                    "dimension": dimension}
     record = {"aggregation": "secure", "participants": participants, "colluders": threat["colluders"],
               "dropouts": threat["dropouts"], "threshold": threshold, "counted_shares": counted,

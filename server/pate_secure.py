@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -37,6 +37,7 @@ from server.transport import HospitalTransport
 from task import codecs
 from task.errors import UserError
 from task.requests import SecureStageRequest
+from task.secagg import smallest_threshold, threat_problem
 
 log = logging.getLogger("fedpate.pate")
 
@@ -64,6 +65,52 @@ def threat_model(config) -> dict:
     return {**DEFAULT_THREAT, **given}
 
 
+def checked_threshold(method: str, participants: int, threat: Mapping[str, Any]) -> int:
+    """The Shamir threshold of a secure sum over ``participants`` hospitals under ``threat`` (its ``threshold``,
+    else the smallest safe one, ``task.secagg.smallest_threshold``); UserError, before anything is charged,
+    when the threat model makes the sum impossible or unsafe (``task.secagg.threat_problem``)."""
+    colluders, dropouts = int(threat["colluders"]), int(threat["dropouts"])
+    threshold = int(threat.get("threshold") or smallest_threshold(participants, colluders, dropouts))
+    problem = threat_problem(participants, colluders, dropouts, threshold)
+    if problem:
+        raise UserError(f"{method}: {problem}")
+    return threshold
+
+
+@dataclass(frozen=True)
+class SecureQueryPlan:
+    """How every secure query sum of a run is made: the Shamir threshold, the noise shares every hospital counts,
+    the integer grid, the local variance, one query's privacy event, the modulus bits, the released mean's noise
+    and the declaration each hospital checks (:func:`plan_secure_queries`)."""
+
+    threshold: int
+    counted: int
+    grid: IntegerGrid
+    variance: float
+    per_query: Any
+    bits: int
+    mean_sigma: float
+    declaration: dict
+
+
+def plan_secure_queries(method: str, codec, latent: int, teachers: int, participants: int, threat: Mapping[str, Any],
+                        epsilon: float, delta: float, queries: int, batch_size: int) -> SecureQueryPlan:
+    """The secure query phase's plan: the smallest local variance with which ``queries`` releases, each with the
+    shares the hospitals count on, stay within (ε, δ); the coarsest grid with 0.1 % rounding inflation of the
+    codec's row bound; bits for ``batch_size`` queries of ``teachers`` rows that wrap with probability at most
+    :data:`WRAP_PROBABILITY` (UserError for a threat model the participants cannot hold)."""
+    threshold = checked_threshold(method, participants, threat)
+    counted = share_count(participants, threat["colluders"], threat["dropouts"])
+    grid = IntegerGrid.for_rows(codecs.row_bound(codec), latent)
+    variance = calibrate_local_variance(epsilon, delta, queries, grid, counted)
+    bits = modulus_bits(teachers * grid.row_bound, participants * variance, batch_size * latent, WRAP_PROBABILITY)
+    declaration = {"local_variance": variance, "shares": counted, "total_variance": counted * variance,
+                   "colluders": int(threat["colluders"]), "dropouts": int(threat["dropouts"]),
+                   "clip": grid.clip, "granularity": grid.granularity, "dimension": latent}
+    return SecureQueryPlan(threshold, counted, grid, variance, ddg_event(grid, variance, counted, 1), bits,
+                           grid.granularity * math.sqrt(participants * variance) / teachers, declaration)
+
+
 def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, config, guard, noise, phase_type):
     """Step 4 of :func:`server.pate.run_pate` for a secure method: returns ``(QueryPhase, plan)``, the plan's
     ``sigma`` now the standard deviation of the released mean's noise (what the decoder assumes).
@@ -87,19 +134,14 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
     phase = phase_type()
     hospitals = sorted(h for h in transport.hospital_ids() if h in teachers.per_hospital)
     participants = len(hospitals)
-    counted = share_count(participants, threat["colluders"], threat["dropouts"])
-    threshold = int(threat.get("threshold") or max(2, threat["colluders"] + 1))
-    latent = int(plan.compressor.latent_dim)
-    grid = IntegerGrid.for_rows(codecs.row_bound(plan.codec), latent)
-    variance = calibrate_local_variance(config.epsilon, config.delta, plan.queries, grid, counted)
-    per_query = ddg_event(grid, variance, counted, 1)
     batch_size = max(1, int(config.query_batch))
     K = teachers.total
-    bits = modulus_bits(K * grid.row_bound, participants * variance, batch_size * latent, WRAP_PROBABILITY)
-    mean_sigma = grid.granularity * math.sqrt(participants * variance) / K
+    latent = int(plan.compressor.latent_dim)
+    secure = plan_secure_queries(config.method, plan.codec, latent, K, participants, threat, config.epsilon,
+                                 config.delta, plan.queries, batch_size)
+    threshold, counted, grid, variance = secure.threshold, secure.counted, secure.grid, secure.variance
+    per_query, bits, mean_sigma, declaration = secure.per_query, secure.bits, secure.mean_sigma, secure.declaration
     plan = replace(plan, sigma=mean_sigma)
-    declaration = {"local_variance": variance, "shares": counted, "total_variance": counted * variance,
-                   "clip": grid.clip, "granularity": grid.granularity, "dimension": latent}
     run_nonce = secrets.token_hex(4)
     record = {"aggregation": "secure", "participants": participants, "colluders": threat["colluders"],
               "dropouts": threat["dropouts"], "threshold": threshold, "counted_shares": counted,

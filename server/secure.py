@@ -3,9 +3,10 @@
 :func:`secure_sum` drives the four stages of ``clients/secure.py`` through one callable,
 ``exchange(stage, {hospital: message}) -> {hospital: reply}`` (a hospital absent from the reply dropped out
 at that stage and is not asked again): the in-process transport calls the hospitals' objects, the Flower
-transport sends messages, so both engines run the same stages. It forwards public keys and encrypted
-shares, adds the masked vectors modulo 2^bits, and removes the masks with the shares the survivors send:
-each survivor's self mask (its seed rebuilt from ``threshold`` shares) and every pairwise mask between a
+transport sends messages, so both engines run the same stages. It forwards public keys (each with its
+owner's signature, which every deployed hospital checks against the consortium's roster) and encrypted
+shares, adds the masked vectors modulo 2^bits, and removes the masks with the shares the survivors send: each
+survivor's self mask (its seed rebuilt from ``threshold`` shares) and every pairwise mask between a
 survivor and a hospital that dropped after sharing its keys (that hospital's masking key rebuilt).
 
 What the server learns: the public keys, ciphertexts it cannot read, masked vectors (uniform modulo
@@ -102,7 +103,10 @@ def secure_sum(exchange: Exchange, hospitals: list[str], threshold: int, bits: i
              "noise": dict(noise)}
     advertised = call("setup", {h: {**base, **setup} for h in participants})
     public_keys = {h: (bytes(r["pk1"]), bytes(r["pk2"])) for h, r in advertised.items()}
-    shared = call("share-keys", {h: {**base, "public_keys": public_keys} for h in advertised})
+    # each key pair travels with its owner's signature (deployed hospitals sign it with their roster key)
+    forwarded = {h: (*public_keys[h], *([bytes(r["signature"])] if "signature" in r else []))
+                 for h, r in advertised.items()}
+    shared = call("share-keys", {h: {**base, "public_keys": forwarded} for h in advertised})
     mailbox: dict[str, dict[str, bytes]] = {h: {} for h in shared}
     for source, reply in shared.items():
         for destination, ciphertext in dict(reply["ciphertexts"]).items():

@@ -144,6 +144,13 @@ class Engine(StrEnum):
 COMPARE_ENGINES = (Engine.INPROCESS, Engine.FLOWER)
 
 
+class Reference(StrEnum):
+    """Who drew the label maps of a real-scan check folder (``--real-check KIND=DIR``, ``task.realcheck``): fedpate
+    cannot tell from the files, so the user says, and the report marks every case with it."""
+    EXPERT = "expert"         # a radiologist's segmentation, or a challenge's expert-approved ground truth
+    ALGORITHM = "algorithm"   # an algorithm's output: scores against it measure agreement with that algorithm
+
+
 class CompareTask(StrEnum):
     """What ``fedpate compare --task`` compares: tumour segmentation, or the classification seed systems on 2D tumour
     slices or on 5,000 MNIST digits (``task.classification.tasks``)."""
@@ -154,5 +161,5 @@ class CompareTask(StrEnum):
 
 __all__ = ["AUTO", "AugmentLevel", "AugmentOn", "COMPARE_ENGINES", "Calibration", "CalibrationAccountant",
            "CentralMethod", "CompareTask", "Decoder", "Engine", "GradSampleMode", "Init", "NoiseKind", "NoiseMode",
-           "PcaMode", "Precision", "PublicScans", "PublicStart", "Relation", "Sampling", "ScheduleFamily",
+           "PcaMode", "Precision", "PublicScans", "PublicStart", "Reference", "Relation", "Sampling", "ScheduleFamily",
            "Selection", "SplitScheme", "Trainable", "choices", "look_up_option"]

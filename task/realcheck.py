@@ -22,7 +22,10 @@ files' names, sizes and modification times), so each further model costs one for
 back to the scan's grid. The seconds each model's scoring took are recorded with its scores.
 
 The references are what the user gives: fedpate cannot tell a radiologist's segmentation from an algorithm's
-output, and reads nothing but the image and label files (a README beside the cases is ignored).
+output, and reads nothing but the image and label files (a README beside the cases is ignored). So the user may
+say it per folder, ``--real-check expert=DIR`` or ``--real-check algorithm=DIR`` (:class:`task.options.Reference`;
+a plain ``DIR`` leaves it unstated), and every case carries its folder and that label into ``results.json`` and
+the report. The cases of every folder are pooled, each known by its folder and id.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from task.errors import UserError
 from task.inference import DESCRIPTION
 from task.io import atomic_write_bytes, cache_root
 from task.metrics import DICE_KEYS, per_case_dice_counted, summarise
+from task.options import Reference, look_up_option
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
 OPTION = "--real-check"
@@ -66,13 +70,14 @@ REGIONS = ("WT", "TC", "ET")
 
 @dataclass(frozen=True)
 class RealCase:
-    """One labelled real case: its id, the ``--real-check`` folder it came from, its layout, and the
-    :class:`task.data.msd.Case` that reads it."""
+    """One labelled real case: its id, the ``--real-check`` folder it came from, its layout, the
+    :class:`task.data.msd.Case` that reads it, and who drew its reference (None: not stated)."""
 
     case_id: str
     folder: str
     layout: str
     case: Case
+    reference: Reference | None = None
 
 
 @dataclass(frozen=True)
@@ -82,15 +87,44 @@ class RealCheck:
     folders: tuple[str, ...]
     cases: tuple[RealCase, ...]
     cache_dir: str | None = None        # None: preprocessed cases kept in memory only
+    references: tuple[Reference | None, ...] = ()   # per folder (empty: none stated)
+
+    def reference_of(self, folder: str) -> Reference | None:
+        return dict(zip(self.folders, self.references)).get(folder)
+
+    @property
+    def specs(self) -> tuple[str, ...]:
+        """The folders as ``--real-check`` takes them (``KIND=DIR`` where a reference was stated): what a worker
+        process or a comparison's settings re-open the check from."""
+        return tuple(folder_spec(folder, self.reference_of(folder)) for folder in self.folders)
 
     def describe(self) -> list[dict]:
-        """Per folder: its path, layout and case ids (results.json and the report's header state them)."""
+        """Per folder: its path, layout, case ids and who drew the references (results.json and the report's
+        header state them)."""
         described = []
         for folder in self.folders:
             found = [c for c in self.cases if c.folder == folder]
+            reference = self.reference_of(folder)
             described.append({"folder": folder, "layout": found[0].layout if found else None,
-                              "cases": [c.case_id for c in found]})
+                              "cases": [c.case_id for c in found], "reference": reference and str(reference)})
         return described
+
+
+def parse_folder(text: str | os.PathLike, option: str = OPTION) -> tuple[str, Reference | None]:
+    """``[KIND=]DIR`` -> (DIR, KIND or None), KIND a :class:`task.options.Reference`. A folder that exists under the
+    whole text is that folder (a path may hold ``=``); a KIND that is not one is a one-line error naming ``option``."""
+    text = str(text)
+    kind, equals, folder = text.partition("=")
+    if not equals or os.sep in kind or Path(text).exists():
+        return text, None
+    if not folder.strip():
+        raise UserError(f"{option} {text}: no folder after {kind}=")
+    return folder, look_up_option(kind, Reference, f"{option} {text}: reference kind")
+
+
+def folder_spec(folder: str, reference: Reference | str | None) -> str:
+    """The ``--real-check`` text of ``folder`` with its reference kind (:func:`parse_folder`'s inverse)."""
+    return f"{reference}={folder}" if reference else str(folder)
 
 
 def folders_from_environment(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -108,25 +142,28 @@ def open_check(folders: Sequence[str | os.PathLike] | None, option: str = OPTION
     UserError naming ``option`` and the folder: refused before any training starts, not after an hour of it.
 
     Args:
-        folders: MSD Task01 folders, folders of BraTS case folders, or single BraTS case folders.
+        folders: MSD Task01 folders, folders of BraTS case folders, or single BraTS case folders, each as
+            ``[KIND=]DIR`` (:func:`parse_folder`: KIND says who drew its references, ``expert`` or ``algorithm``).
         option: the option named in errors.
         cache_dir: where preprocessed cases are kept (True: ``cache_root() / "real-check"``; None or False:
             memory only).
         read: read every file whole (False: headers only, for a worker re-opening what its parent read).
     """
-    folders = [str(f) for f in (folders or []) if str(f).strip()]
-    if not folders:
+    parsed = [parse_folder(f, option) for f in (folders or []) if str(f).strip()]
+    if not parsed:
         return None
+    folders = [folder for folder, _ in parsed]
     if len(set(folders)) != len(folders):
         raise UserError(f"{option}: the same folder given twice ({', '.join(folders)})")
     cases: list[RealCase] = []
-    for folder in folders:
+    for folder, reference in parsed:
         for case in _labelled_cases(Path(folder), option):
             _check_files(case, folder, option, read)
-            cases.append(RealCase(case.case_id, folder, case.layout or "msd", case))
+            cases.append(RealCase(case.case_id, folder, case.layout or "msd", case, reference))
     if cache_dir is True:
         cache_dir = cache_root() / "real-check"
-    return RealCheck(tuple(folders), tuple(cases), str(cache_dir) if cache_dir else None)
+    return RealCheck(tuple(folders), tuple(cases), str(cache_dir) if cache_dir else None,
+                     tuple(reference for _, reference in parsed))
 
 
 def _labelled_cases(folder: Path, option: str) -> list[Case]:
@@ -230,8 +267,8 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
     (``task.inference``; ``mirror=False``: one pass).
 
     Returns ``{"dice": mean over cases (task.metrics.summarise's keys), "cases": [per-case rows: case,
-    folder, layout and the same keys], "folders": check.describe(), "seconds": this scoring's wall time
-    (preprocessing included when a case was not cached yet)}``.
+    folder, layout, reference (who drew it, or None) and the same keys], "folders": check.describe(),
+    "seconds": this scoring's wall time (preprocessing included when a case was not cached yet)}``.
     """
     # MONAI's first import (~10 s) is not the check's cost: paid before the clock starts
     import monai.inferers  # noqa: F401
@@ -254,7 +291,7 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
             class_dice, region_dice = per_case_dice_counted(labels[None], prepared["truth"][None])
             class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
             rows.append({"case": real.case_id, "folder": real.folder, "layout": real.layout,
-                         **summarise(class_dice, region_dice)})
+                         "reference": real.reference and str(real.reference), **summarise(class_dice, region_dice)})
     finally:
         model.train(was_training)
     return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows,
@@ -352,17 +389,46 @@ def real_per_case(cell: Mapping[str, Any], key: str) -> dict[tuple[str, str], fl
     return {(row.get("folder"), row.get("case")): row.get(key) for row in found["cases"]}
 
 
+def real_region_mean(cell: Mapping[str, Any]) -> float | None:
+    """The mean of a results record's real-scan WT, TC and ET Dice (each a mean over the cases): what the reports
+    rank real scans by (those of the three that were scored; None without any)."""
+    found = [real_dice(cell, key) for key in REGIONS]
+    found = [value for value in found if value is not None]
+    return float(np.mean(found)) if found else None
+
+
+def case_name(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """A case's id, prefixed with its folder's name where another folder holds a case of that id."""
+    repeated = sum(1 for other in rows if other.get("case") == row.get("case")) > 1
+    return f"{Path(str(row.get('folder'))).name}/{row.get('case')}" if repeated else str(row.get("case"))
+
+
+def _per_case_text(rows: Sequence[Mapping[str, Any]], key: str) -> str | None:
+    """``case=value;...`` (value empty where the case has none) for a cells.csv column."""
+    if not rows:
+        return None
+    return ";".join(f"{case_name(row, rows)}={'' if row.get(key) is None else f'{row[key]:.4f}'}" for row in rows)
+
+
 def csv_fields(results: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``cells.csv`` columns of a record's check (:data:`CSV_COLUMNS`); empty without one."""
+    """The ``cells.csv`` columns of a record's check (:data:`CSV_COLUMNS`); empty without one: the means over the
+    cases, the mean of WT, TC and ET, each case's WT / TC / ET Dice as ``case=value;...`` and each case's
+    reference as ``case=expert|algorithm|;...`` (empty: not stated)."""
     found = results.get("real_check") or {}
-    row: dict[str, Any] = {"real_cases": len(found["cases"]) if found.get("cases") else None}
+    rows = found.get("cases") or []
+    row: dict[str, Any] = {"real_cases": len(rows) if rows else None}
     row.update({f"real_dice_{key}": (found.get("dice") or {}).get(key) for key in DICE_KEYS})
+    row["real_dice_region_mean"] = real_region_mean(results) if found.get("dice") else None
+    row.update({f"real_per_case_{key}": _per_case_text(rows, key) for key in REGIONS})
+    row["real_case_references"] = (";".join(f"{case_name(r, rows)}={r.get('reference') or ''}" for r in rows)
+                                   if rows else None)
     row["real_check_seconds"] = found.get("seconds")
     return row
 
 
 #: the check's columns in cells.csv (task.results.CSV_COLUMNS appends them)
-CSV_COLUMNS = ("real_cases",) + tuple(f"real_dice_{key}" for key in DICE_KEYS) + ("real_check_seconds",)
+CSV_COLUMNS = (("real_cases",) + tuple(f"real_dice_{key}" for key in DICE_KEYS) + ("real_dice_region_mean",)
+               + tuple(f"real_per_case_{key}" for key in REGIONS) + ("real_case_references", "real_check_seconds"))
 
 
 def prepare_cases(check: RealCheck | None, config: PreprocessConfig | None) -> None:

@@ -33,48 +33,8 @@ def check_epsilon(value: Any, option: str = "--epsilons") -> float:
     return epsilon
 
 
-def check_secure_sum_plan(hospitals: int, colluders: int = 0, dropouts: int = 0, threshold: int | None = None,
-                          method: str = "a secure method", flag: str = "--") -> None:
-    """Refuse, in one line naming the setting, a threat model under which no secure sum can be released: every
-    hospital would refuse the request (or the sum could not be unmasked), nothing would be released and the run
-    would end with the public model under a private method's name. Checked before anything trains.
-
-    The rules are the ones each simulated hospital applies to the aggregator's request (a policy with these
-    colluders and dropouts and its least threshold 2) and the one the unmasking needs (the survivors of
-    ``dropouts`` departures still reach the Shamir threshold; Bell et al., CCS 2020).
-
-    Args:
-        hospitals: the hospitals in every sum (H).
-        colluders / dropouts: the threat model's t and d (each hospital counts H - t - d noise shares).
-        threshold: the Shamir threshold asked; None is the aggregator's default, the smallest the hospitals
-            accept: ``max(2, colluders + 1)``.
-        method: the secure method, as the message names it.
-        flag: how the settings are named: ``--`` for the command line (``--secure-threshold 99``), ``""`` for
-            Flower's run-config keys (``secure-threshold=99``).
-    """
-    def name(key: str, value) -> str:
-        return f"{flag}{key} {value}" if flag else f"{key}={value}"
-
-    least = max(2, int(colluders) + 1)
-    if int(hospitals) < 2:
-        raise UserError(f"{name('hospitals', hospitals)}: {method} sums over at least 2 hospitals (a sum over one "
-                        "hospital is that hospital's own answer); use 2 or more")
-    if threshold is not None and int(threshold) < least:
-        raise UserError(f"{name('secure-threshold', threshold)}: below {least}, the least every hospital accepts "
-                        f"(more than the {colluders} colluding hospital(s) must be needed to rebuild a hospital's "
-                        "masks)")
-    honest = int(hospitals) - int(colluders) - int(dropouts)
-    if honest < 1:
-        raise UserError(f"{name('secure-colluders', colluders)} and {name('secure-dropouts', dropouts)}: with "
-                        f"{hospitals} hospitals no hospital's noise share is left to count on; allow fewer")
-    used = least if threshold is None else int(threshold)
-    if used > int(hospitals):
-        raise UserError(f"{name('secure-threshold', used)}: exceeds the {hospitals} hospitals; the masks could never "
-                        f"be rebuilt (at most {hospitals})")
-    if used > int(hospitals) - int(dropouts):
-        raise UserError(f"{name('secure-dropouts', dropouts)}: if {dropouts} of the {hospitals} hospitals left, the "
-                        f"{int(hospitals) - int(dropouts)} left could not reach the threshold {used} to unmask the "
-                        "sum; allow fewer dropouts" + (" or a lower threshold" if threshold else ""))
+#: how a threat model that came through Flower's run config names its settings (``check_secure_settings``)
+RUN_CONFIG_THREAT_KEYS = "hospitals, secure-colluders, secure-dropouts and secure-threshold"
 
 
 @dataclass(frozen=True)
@@ -142,11 +102,11 @@ class RunSettings:
     #: forward-pass precision, and whether progress bars show; its device and precision travel in the run
     #: config under their own keys (``device``, ``precision``: :func:`run_config_fields` flattens it)
     compute: Compute = Compute()
-    #: the secure methods' threat model (honest-but-curious aggregator): up to ``secure_colluders`` hospitals share
-    #: everything with it and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise
-    #: shares of the others that remain; ``secure_threshold`` is the Shamir threshold asked (0 = the smallest the
-    #: hospitals accept). Simulated hospitals adopt this model as their policy; deployed ones hold their own
-    #: (node config) and refuse a request below it.
+    #: the secure methods' threat model: up to ``secure_colluders`` hospitals share everything with the aggregator
+    #: and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise shares of the others
+    #: that remain; ``secure_threshold`` is the Shamir threshold asked (None = the smallest the hospitals accept,
+    #: ``task.secagg.smallest_threshold``). Simulated hospitals adopt this model as their policy; deployed ones hold
+    #: their own (node config) and refuse any other. A model the run's hospitals cannot hold is refused here.
     secure_colluders: int = 0
     secure_dropouts: int = 0
     secure_threshold: int | None = None
@@ -169,9 +129,11 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
-        if registry.method(self.method).secure_sum:   # no secure sum could be released: refused before any work
-            check_secure_sum_plan(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
-                                  self.secure_threshold, self.method, flag="")
+        if self.method in registry.names(secure_sum=True):   # before any work: a sum these settings cannot hold
+            from task.secagg import check_secure_settings
+
+            check_secure_settings(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
+                                  self.secure_threshold, RUN_CONFIG_THREAT_KEYS)
         if self.query_batch < 1:
             raise UserError(f"query-batch: expected a positive integer, got {self.query_batch}")
         if self.lifetime_epsilon is not None and not (math.isfinite(self.lifetime_epsilon)

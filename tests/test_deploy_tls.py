@@ -115,14 +115,57 @@ def test_cli_certs_and_commands(tmp_path, capsys):
     assert main(["deploy", "local", "--out", str(tmp_path / "l"), "--hospitals", "2", "-c", "no-such-key=1"]) == 2
 
 
+def test_the_roster_lists_every_hospitals_key_and_a_node_checks_its_own_against_it(certs, tmp_path):
+    """``deploy certs`` writes roster.txt (every hospital's SuperNode public key); a deployed node's
+    secure-roster and secure-signing-key must both be given, readable and match -- one line otherwise."""
+    from clients.node import secure_identity_for
+    from task.secagg import Roster
+
+    roster = Roster.load(certs["roster"])
+    assert sorted(roster.keys) == ["h0", "h1"]
+    for name in ("h0", "h1"):
+        public = load_ssh_public_key(certs["supernodes"][name]["public"].read_bytes())
+        assert roster.verify(name, b"x", b"") is False
+        assert load_ssh_public_key(roster.keys[name]).public_numbers() == public.public_numbers()
+    node = {"data-dir": "/d", "hospital-id": "h0", "secure-roster": str(certs["roster"]),
+            "secure-signing-key": str(certs["supernodes"]["h0"]["private"])}
+    identity = secure_identity_for(node)
+    assert identity.roster.verify("h0", b"statement", identity.sign(b"statement"))
+    assert not identity.roster.verify("h1", b"statement", identity.sign(b"statement"))
+    assert secure_identity_for({**node, "secure-signing-key": str(certs["supernodes"]["h0"]["private_pem"])})
+    assert secure_identity_for({"data-dir": "/d", "hospital-id": "h0"}) is None
+    bad = tmp_path / "roster.txt"
+    bad.write_text("h0 ssh-rsa AAAA\n")
+    for change, message in [({"secure-roster": ""}, "'secure-roster' is required next to 'secure-signing-key'"),
+                            ({"secure-signing-key": ""}, "'secure-signing-key' is required next to 'secure-roster'"),
+                            ({"secure-roster": str(tmp_path / "none")}, "cannot be read"),
+                            ({"secure-roster": str(bad)}, "line 1"),
+                            ({"hospital-id": "h9"}, "not on the secure-roster"),
+                            ({"secure-signing-key": str(certs["supernodes"]["h1"]["private"])}, "not the key")]:
+        with pytest.raises(UserError, match=message) as error:
+            secure_identity_for({**node, **change})
+        assert "\n" not in str(error.value)
+    text = deployment_commands(DeploymentRecipe(certs["ca_cert"].parent, "agg.example.org:9093",
+                                                [("h0", "/data/h0"), ("h1", "/data/h1")]))
+    assert "roster.txt" in text and 'secure-signing-key="/etc/fedpate/certs/h1.key"' in text
+    with pytest.raises(UserError, match="--hospital h7: not on"):
+        DeploymentRecipe(certs["ca_cert"].parent, "agg.example.org:9093", [("h0", "/d"), ("h7", "/d")])
+
+
 def test_deploy_commands_refuse_missing_certificates_in_one_line(tmp_path, certs, capsys):
-    """Printing steps whose first ``scp`` fails on another machine helps nobody: a missing folder, or a hospital
-    without its key pair, is refused in one line naming what is missing."""
+    """Printing steps whose first ``scp`` fails on another machine helps nobody: a missing folder, a hospital
+    without its key pair, or a hospital not on the roster is refused in one line naming what is missing."""
+    import shutil
+
     from sim.cli import main
 
+    partial = tmp_path / "partial"
+    shutil.copytree(certs["ca_cert"].parent, partial)
+    (partial / "supernodes" / "h1.pub").unlink()
     for folder, hospitals, missing in ((tmp_path / "absent", ["h0=/d"], "no such folder"),
-                                       (certs["ca_cert"].parent, ["h0=/d", "h7=/d"], "supernodes/h7.key"),
-                                       (tmp_path, ["h0=/d"], "ca.crt")):
+                                       (certs["ca_cert"].parent, ["h0=/d", "h7=/d"], "--hospital h7: not on"),
+                                       (tmp_path, ["h0=/d"], "no roster.txt"),
+                                       (partial, ["h0=/d", "h1=/d"], "missing supernodes/h1.pub")):
         argv = ["deploy", "commands", "--certs", str(folder), "--superlink", "agg.test:9093"]
         for hospital in hospitals:
             argv += ["--hospital", hospital]

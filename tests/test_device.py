@@ -88,7 +88,7 @@ def test_help_shows_device_and_precision(command, capsys):
 def test_deploy_commands_put_the_device_in_each_hospitals_node_config(tmp_path, capsys):
     from sim.deployment.tls import make_certificates
 
-    make_certificates(tmp_path, None, ["h0"])
+    make_certificates(tmp_path, None, ["h0", "h1"])   # two or more: with the roster their secure sums check
     assert main(["deploy", "commands", "--certs", str(tmp_path), "--superlink", "agg:9092", "--hospital",
                  "h0=/data/h0", "--device", "cuda:1", "--precision", "bf16"]) == 0
     text = capsys.readouterr().out

@@ -223,6 +223,34 @@ def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_
     assert not (tmp_path / "ledgers" / "h0.jsonl").exists()
 
 
+def test_head_weights_that_overflow_a_patients_gradient_cannot_abort_the_step_after_the_charge(tmp_path):
+    """Finite head weights of 1e35 make the patients' gradients overflow: each such patient contributes a zero
+    row, so the contribution is still released (finite, inside the clip the charge assumed) and charged once,
+    never aborted after the charge by something one patient's data decides."""
+    from clients.secure import SecureHospital, SecurePolicy
+    from task.headgrad import head_state
+    from task.secagg import CONTRIBUTION_KIND
+
+    prepared, split, preset = _world()
+    transport = _transport(prepared, split, preset, tmp_path)
+    config = {**transport.base_config, "lifetime_epsilon": math.inf}
+    model = _head_model()
+    start = {k: v.numpy() for k, v in model.state_dict().items() if not k.startswith("voxel_head.")}
+    party = SecureHospital(transport.hospitals["h0"])
+    digest = party.handle("join", {"kind": CONTRIBUTION_KIND, "start_weights": start}, config)["start_digest"]
+    head = {name: np.full_like(value, 1e35) for name, value in head_state(model).items()}
+    grid = IntegerGrid.for_rows(0.1, 213)
+    session = SimpleNamespace(noise={"kind": CONTRIBUTION_KIND, "local_variance": 100.0, "shares": 2,
+                                     "total_variance": 200.0, "clip": grid.clip, "granularity": grid.granularity,
+                                     "dimension": 213, "release_ids": ["overflow"]},
+                              counted=2, participants=["h0", "h1"], threshold=2, length=213)
+    vector = party.gradients.contribution(session, {"head": head, "start_digest": digest}, config, SecurePolicy())
+    assert vector.shape == (213,) and vector.dtype == np.int64
+    # every patient's row was the zero fallback: what is left is the noise share alone (sd 10 per coordinate)
+    assert np.abs(vector).max() < 100 and 50 < np.var(vector) < 200
+    assert len(Ledger.load(tmp_path / "ledgers" / "h0.jsonl").records()) == 1
+
+
 # ------------------------------------------------------------------------------ the gradients themselves
 def _clipped_patient_gradients_through_the_network(model, images, labels, clip):
     """Reference: each patient's head gradient by plain autograd through the whole network, clipped flat."""

@@ -75,7 +75,7 @@ def _fixed_federation(tmp_path, n=3, policy=None, grid_class=RecordingGrid):
 def _request(hospitals, scans_count, policy=None):
     codec, scans = _codec(), np.zeros((scans_count, 4, *GRID), np.float32)
     shares = (policy or SecurePolicy()).counted_shares(len(hospitals))
-    grid, noise = _declaration(codec, scans_count, shares, len(hospitals))
+    grid, noise = _declaration(codec, scans_count, shares, len(hospitals), policy=policy or SecurePolicy())
     inputs = {h.hospital_id: {"scans": scans, "codec": codec} for h in hospitals}
     return grid, noise, inputs, scans_count * grid.dimension
 
@@ -323,12 +323,14 @@ def test_a_deployed_hospital_takes_its_secure_policy_from_its_node_config_only(t
     with pytest.raises(UserError, match="secure-dropouts"):
         secure_policy_for({"data-dir": "/d", "secure-dropouts": 0.5})
     # the server's secure_policy (simulations) is ignored by a deployed hospital, even one given no policy
+    from tests.test_secure_sum import _identities
+
     hospital = FixedTeachers("h0", tmp_path, 2, 0)
     hospital.deployed = True
-    secure = SecureHospital(hospital)
+    secure = SecureHospital(hospital, None, _identities(["h0", "h1"])["h0"])
     _, noise, _, length = _request([hospital, FixedTeachers("h1", tmp_path, 2, 1)], 1,
                                    SecurePolicy(colluders=1))
     setup = {"session": "s", "participants": ["h0", "h1"], "threshold": 2, "bits": BITS, "length": length,
-             "noise": {**noise, "shares": 2, "total_variance": 2 * noise["local_variance"]}}
+             "noise": {**noise, "shares": 2, "total_variance": 2 * noise["local_variance"], "colluders": 0}}
     secure.handle("setup", setup, {"secure_policy": {"colluders": 1}})
     assert secure.party.policy == SecurePolicy()

@@ -13,6 +13,7 @@ Product runs use reproducible noise streams (fixed seeds), so the test is determ
 uses the secure source.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -392,3 +393,24 @@ def test_dpsgd_audit_catches_missing_clipping_and_missing_noise(dpsgd):
     assert np.std(residual) == pytest.approx(dpsgd.sigma / 4, rel=0.15)
     (row,) = pa.audit_dpsgd(quarter, 0, vectorised_trials=100_000, seed=0)
     assert row.violated and row.bound.epsilon_lower > 3.0
+
+
+# ================================================================================================ secure sums
+@pytest.mark.parametrize("kind", ["pate", "dp-fedavg"])
+def test_the_secure_audit_runs_the_product_and_its_broken_control_is_told_apart(kind, tmp_path):
+    """A secure PATE query and a dp-fedavg-secure step through full secure sums of the hospitals' own parties:
+    every run's ledger claims the server plan's ε, the scores are in units of the declared noise (the honest
+    sides overlap), and with every noise share a tenth of what was charged D and D' come apart completely
+    (seeded noise, so the test is exact)."""
+    from sim.runners.privacy_audit import (SecureAudit, secure_fedavg_setup, secure_pate_setup,
+                                           secure_product_scores)
+
+    make = secure_pate_setup if kind == "pate" else secure_fedavg_setup
+    honest = make(SecureAudit(), tmp_path / "honest")
+    positive, negative, claimed = secure_product_scores(honest, 4, noise_seed=1)
+    assert claimed == pytest.approx(honest.planned_epsilon) and 0.99 < claimed <= 1.0
+    assert max(positive) > min(negative) and np.all(np.abs(np.concatenate([positive, negative])) < 4)
+    broken = dataclasses.replace(honest, audit=dataclasses.replace(honest.audit, broken_factor=100.0))
+    positive, negative, claimed = secure_product_scores(broken, 4, noise_seed=1)
+    assert claimed == pytest.approx(honest.planned_epsilon)      # the ledger still says the budget holds
+    assert min(positive) > max(negative)

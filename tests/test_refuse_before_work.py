@@ -157,32 +157,35 @@ def test_a_selection_the_budget_cannot_pay_for_is_refused_before_the_public_mode
 # would ship under the secure method's name -- refused in one line before any work
 SECURE_REFUSALS = [
     (["compare", "--methods", "pate-anchored-secure", "--epsilons", "8", "--secure-threshold", "99"],
-     "--secure-threshold 99"),
-    (["simulate", "--method", "pate-anchored-secure", "--secure-threshold", "1"], "--secure-threshold 1"),
-    (["simulate", "--method", "pate-anchored-secure", "--hospitals", "1"], "--hospitals 1"),
-    (["compare", "--methods", "dp-fedavg-secure", "--epsilons", "1", "--hospitals", "1"], "--hospitals 1"),
-    (["simulate", "--method", "dp-fedavg-secure", "--secure-colluders", "2"], "--secure-colluders 2"),
-    (["simulate", "--method", "pate-anchored-secure", "--secure-dropouts", "1"], "--secure-dropouts 1"),
+     "threshold 99 exceeds"),
+    (["simulate", "--method", "pate-anchored-secure", "--secure-threshold", "1"], "threshold 1 must be at least 2"),
+    (["simulate", "--method", "pate-anchored-secure", "--hospitals", "1"], "a secure sum needs at least 2"),
+    (["compare", "--methods", "dp-fedavg-secure", "--epsilons", "1", "--hospitals", "1"],
+     "a secure sum needs at least 2"),
+    (["simulate", "--method", "dp-fedavg-secure", "--secure-colluders", "2"], "leave no honest noise share"),
+    (["simulate", "--method", "pate-anchored-secure", "--secure-dropouts", "1"], "exceeds the 1 hospitals left"),
 ]
 
 
-@pytest.mark.parametrize("argv,flag", SECURE_REFUSALS, ids=[" ".join(a) for a, _ in SECURE_REFUSALS])
-def test_impossible_secure_parameters_are_refused_before_any_work(tmp_path, capsys, no_work, argv, flag):
+@pytest.mark.parametrize("argv,said", SECURE_REFUSALS, ids=[" ".join(a) for a, _ in SECURE_REFUSALS])
+def test_impossible_secure_parameters_are_refused_before_any_work(tmp_path, capsys, no_work, argv, said):
     from sim.cli import main
 
     out = tmp_path / "run"
     status = main([*argv, "--preset", "tiny", "--out", str(out)])
     error = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(error) == 1 and error[0].startswith(f"fedpate {argv[0]}: error: {flag}"), error
+    assert status == 2 and len(error) == 1 and error[0].startswith(f"fedpate {argv[0]}: error: secure aggregation")
+    assert said in error[0] and "--secure-threshold" in error[0], error
     assert not out.exists()
 
 
 def test_a_secure_setting_the_hospitals_accept_is_not_refused():
-    from task.runconfig import RunSettings, check_secure_sum_plan
+    from task.runconfig import RunSettings
+    from task.secagg import check_secure_settings
 
-    check_secure_sum_plan(4, colluders=1, dropouts=1)          # threshold 2 of 4; 3 survivors; 2 honest shares
-    check_secure_sum_plan(5, colluders=1, dropouts=1, threshold=3)
-    RunSettings(method="pate-anchored", hospitals=1)           # a trusted method sums nothing securely
+    check_secure_settings(4, 1, 1, None)    # the smallest threshold the hospitals accept: 3 of 4, 3 survivors
+    check_secure_settings(5, 1, 1, 4)
+    RunSettings(method="pate-anchored", hospitals=1)   # a trusted method sums nothing securely
 
 
 def test_a_pate_cell_that_released_nothing_fails_and_ships_no_model(tmp_path, monkeypatch):

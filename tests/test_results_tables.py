@@ -23,9 +23,12 @@ def _cell(root, folder, method, per_case, budget=None, real=None, wall=10.0, sec
     result = {"method": method, "dice": {"mean": sum(per_case) / len(per_case)}, "dice_per_case": per_case,
               "epsilon": budget, "epsilon_budget": budget, "delta": 1e-3 if budget else None,
               "wall_seconds": wall, "hospitals": 4}
-    if real is not None:
-        result["real_check"] = {"dice": dict(zip(("WT", "TC", "ET"), real)),
-                                "cases": [{"case": "real-0"}]}
+    if real is not None:   # three real cases around the given means, the last with an algorithm's reference
+        cases = [{"case": f"real-{i}", "folder": "/data/real-gt" if i < 2 else "/data/real-dev",
+                  "reference": "expert" if i < 2 else "algorithm",
+                  **{k: round(v + offset, 6) for k, v in zip(("WT", "TC", "ET"), real)}}
+                 for i, offset in enumerate((-0.05, 0.0, 0.05))]
+        result["real_check"] = {"dice": dict(zip(("WT", "TC", "ET"), real)), "cases": cases}
     if secure is not None:
         result.update(aggregation="secure", secure_aggregation=secure)
     (cell / "results.json").write_text(json.dumps(result))
@@ -126,12 +129,12 @@ def test_write_fills_the_blocks_with_the_runs_numbers_and_leaves_the_rest(runs, 
 
     cells = _block(text, "demo:cells")
     assert "**seed 1**" in cells and "**seed 2**" in cells and "_shared" not in cells
-    assert "real check on 1 case(s)" in cells
+    assert "real check on 3 case(s)" in cells
     pate = _row(cells.split("**seed 2**")[0], "| pate-anchored ε 8")
     # phantom mean Dice 0.600, headroom +0.50 ± 0.00 (+0.47 over public-selftrain: 0.09 of its 0.19),
-    # real 0.800 / 0.600 / 0.600 -> headroom 0.50 / 0.50 / 0.50
-    assert pate == ("| pate-anchored ε 8 | 0.600 | +0.50 ± 0.00 | +0.47 ± 0.00 | 0.800 / 0.600 / 0.600 "
-                    "| 0.50 / 0.50 / 0.50 |")
+    # real 0.800 / 0.600 / 0.600 (their mean 0.667) -> headroom 0.50 / 0.50 / 0.50, the same at every case
+    assert pate == ("| pate-anchored ε 8 | 0.600 | +0.50 ± 0.00 | +0.47 ± 0.00 | 0.800 / 0.600 / 0.600 | 0.667 "
+                    "| 0.50 ± 0.00 / 0.50 ± 0.00 / 0.50 ± 0.00 |")
 
     across = _row(_block(text, "demo:across"), "| pate-anchored ε 8")
     # headroom 0.50 and 0.80: mean 0.65, SE across two = 0.15; both seeds reach half the real WT and TC headroom
@@ -161,10 +164,33 @@ def test_write_fills_the_blocks_with_the_runs_numbers_and_leaves_the_rest(runs, 
     assert "| demo: seed 1 | WT +0.50 of the headroom; 0.800 vs 0.750 | **met** |" in goals
     assert "| demo: seed 2 | WT +0.50 of the headroom; 0.800 vs 0.850 | not met |" in goals
 
+    # the phantom ranking of the private models (pate-anchored above dp-sgd-central) is the real one at both seeds
+    assert ("| the phantom ranking of the private models predicts the real one: Kendall τ ≥ 0.7 | demo: seed 1 "
+            "| τ +1.00 over 2 private models | **met** |") in goals
+
     command = _block(text, "command")
     assert "--write" in command and "'demo:seed 1=RUNS/demo-s1'" in command and str(tmp_path) not in command
     assert "results_tables: rewrote 6 block(s)" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_real_cases_and_the_rank_agreement_are_tabled_per_comparison(runs, tmp_path):
+    demo, _ = runs
+    comparisons = [results_tables.load_comparison("demo", f"seed {i + 1}", folder) for i, folder in enumerate(demo)]
+    written = results_tables.tables(comparisons, [])
+    cases = written["demo:real-cases"]
+    assert "real-0 from real-gt (expert); real-1 from real-gt (expert); real-2 from real-dev (algorithm)" in cases
+    assert "| method | ε budget | K | real-0 WT / TC / ET | real-1 WT / TC / ET | real-2† WT / TC / ET |" in cases
+    assert "| pate-anchored | 8.00 | — | 0.750 / 0.550 / 0.550 | 0.800 / 0.600 / 0.600 | 0.850 / 0.650 / 0.650 |" in cases
+    rank = written["demo:rank"]
+    assert "| demo: seed 1 | 2 | +1.00 | 1 / 0 / 0 |" in rank and "| mean over 2 | | +1.00 ± 0.00 | |" in rank
+    # a reversed pair at one seed: τ −1 there, the mean over the two 0
+    flipped = json.loads((demo[1] / "dp-sgd-central/eps-8/results.json").read_text())
+    flipped["dice"]["mean"] = 0.99
+    (demo[1] / "dp-sgd-central/eps-8/results.json").write_text(json.dumps(flipped))
+    comparisons[1] = results_tables.load_comparison("demo", "seed 2", demo[1])
+    rank = results_tables.tables(comparisons, [])["demo:rank"]
+    assert "| demo: seed 2 | 2 | -1.00 | 0 / 1 / 0 |" in rank and "| mean over 2 | | +0.00 ± 1.00 | |" in rank
 
 
 def test_a_block_without_its_runs_is_refused_and_the_file_kept(runs, tmp_path):

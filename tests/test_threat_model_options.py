@@ -69,3 +69,44 @@ def test_the_demo_shows_the_secure_variants_when_asked(tmp_path, monkeypatch, fl
     assert main(["demo", "--preset", "tiny", "--out", str(tmp_path / "demo"), "--no-progress", *flag]) == 0
     assert {"pate-anchored", "dp-fedavg", "dp-sgd-central"} <= set(asked["methods"])
     assert {m for m in asked["methods"] if m.endswith("-secure")} == expected
+
+
+@pytest.mark.parametrize("hospitals, colluders, dropouts, threshold, match", [
+    (4, 0, 1, 2, "must exceed half of 4 participants"),     # a server lying about dropouts could unmask one
+    (5, 1, 1, 3, "must exceed half of 5 participants"),     # colluders hold both kinds of share: 2t > H + c
+    (3, 1, 0, 1, "above the 1 colluder"),
+    (4, 0, 1, 4, "exceeds the 3 hospitals left"),
+    (2, 1, 1, None, "leave no honest noise share"),
+])
+def test_a_threat_model_the_hospitals_cannot_hold_is_refused_in_one_line_before_any_work(
+        tmp_path, capsys, monkeypatch, hospitals, colluders, dropouts, threshold, match):
+    import sim.runners.compare as compare
+    from sim.cli import main
+    from task.errors import UserError
+    from task.runconfig import RunSettings
+
+    with pytest.raises(UserError, match=match):
+        RunSettings(method="dp-fedavg-secure", hospitals=hospitals, secure_colluders=colluders,
+                    secure_dropouts=dropouts, secure_threshold=threshold)
+    RunSettings(method="dp-fedavg", hospitals=hospitals, secure_colluders=colluders, secure_dropouts=dropouts,
+                secure_threshold=threshold)   # a trusted method never runs a secure sum: nothing to refuse
+    monkeypatch.setattr(compare, "run_compare", lambda config: pytest.fail("the comparison started"))
+    flags = ["--secure-colluders", str(colluders), "--secure-dropouts", str(dropouts),
+             *(["--secure-threshold", str(threshold)] if threshold else [])]
+    assert main(["compare", "--preset", "tiny", "--methods", "pate-anchored-secure", "--epsilons", "8", "--hospitals",
+                 str(hospitals), "--out", str(tmp_path / "c"), "--no-progress", *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert match in error and "\n" not in error
+
+
+def test_the_smallest_threshold_is_safe_and_the_default():
+    from task.secagg import smallest_threshold, threat_problem
+
+    for hospitals in range(2, 12):
+        for colluders in range(hospitals):
+            for dropouts in range(hospitals):
+                threshold = smallest_threshold(hospitals, colluders, dropouts)
+                if threat_problem(hospitals, colluders, dropouts, None) is None:
+                    assert threshold > colluders and (dropouts == 0 or 2 * threshold > hospitals + colluders)
+                    assert threat_problem(hospitals, colluders, dropouts, threshold - 1) is not None \
+                        or threshold == 2

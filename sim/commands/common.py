@@ -113,17 +113,16 @@ def threat_options(args) -> dict:
 
 
 def check_secure_plan(args, methods) -> None:
-    """Secure-sum parameters under which no hospital would take part (``task.runconfig.check_secure_sum_plan``),
-    refused in one line before the device, the data or the output folder is touched."""
+    """Secure-sum parameters the hospitals cannot hold (``task.secagg.check_secure_settings``), refused in one
+    line before the device, the data or the output folder is touched."""
     from task import methods as registry
     from task.presets import get_preset
-    from task.runconfig import check_secure_sum_plan
+    from task.secagg import check_secure_settings
 
-    secure = [m for m in methods if m in registry.names() and registry.method(m).secure_sum]
-    if secure:
+    if set(methods) & set(registry.names(secure_sum=True)):
         hospitals = resolve_hospitals(getattr(args, "hospitals", None), getattr(args, "partition_file", None))
-        check_secure_sum_plan(get_preset(args.preset, hospitals=hospitals).hospitals, args.secure_colluders,
-                              args.secure_dropouts, args.secure_threshold or None, secure[0])
+        check_secure_settings(get_preset(args.preset, hospitals=hospitals).hospitals, args.secure_colluders,
+                              args.secure_dropouts, args.secure_threshold or None)
 
 
 def data_options(args) -> dict:
@@ -155,10 +154,12 @@ def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int 
 def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = False) -> None:
     """``--real-check DIR`` (repeatable): score every model the command trains on labelled real cases too
     (``task.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
-    parser.add_argument("--real-check", action="append", default=None, metavar="DIR",
+    parser.add_argument("--real-check", action="append", default=None, metavar="[KIND=]DIR",
                         help="a folder of labelled real cases (MSD Task01, BraTS 2021 or BraTS 2023 case folders, or "
                              "one case folder); every model is also scored on them, in each case's own grid, beside "
-                             "its phantom Dice (repeatable)"
+                             "its phantom Dice (repeatable: the cases of every folder are pooled). KIND says who drew "
+                             "the folder's label maps, expert or algorithm (an algorithm's output), and the report "
+                             "marks its cases so; fedpate cannot tell from the files"
                              + ("; default: the folders in FEDPATE_REAL_CHECK (separated by ':')" if environment else ""))
 
 

@@ -111,7 +111,7 @@ def run(args) -> int:
                            hospitals=resolve_hospitals(args.hospitals, where["partition_file"]),
                            teachers_per_hospital=sweep, engine=args.engine,
                            reproducible_noise=args.reproducible_noise, lifetime_epsilon=args.lifetime_epsilon,
-                           init=args.init, real_check=real_check.folders if real_check else (),
+                           init=args.init, real_check=real_check.specs if real_check else (),
                            threat=threat_options(args), **where,
                            compute=Compute(device=str(device), precision=args.precision, progress=not args.no_progress,
                                            workers=parse_workers(args.workers, args.engine, str(device))))

@@ -100,7 +100,7 @@ def run(args) -> int:
     config = CompareConfig(args.preset, parse_list(methods, str, "methods"),
                            parse_list(DEMO_EPSILONS, float, "epsilons"), Path(args.out), seed=args.seed,
                            reproducible_noise=args.reproducible_noise,
-                           engine=args.engine, init=args.init, real_check=real_check.folders if real_check else (),
+                           engine=args.engine, init=args.init, real_check=real_check.specs if real_check else (),
                            compute=Compute(device=str(device), precision=args.precision,
                                            workers=parse_workers(args.workers, args.engine, str(device)),
                                            progress=not args.no_progress))
@@ -130,18 +130,21 @@ def run(args) -> int:
 
 
 def real_check_summary(cells) -> list[str]:
-    """The demo's closing lines on the real-scan check: each model's real WT / TC / ET Dice beside its phantom
-    mean Dice (from the cells' results.json), or how to ask for the check."""
+    """The demo's closing lines on the real-scan check: the cases, pooled, with their folders and references; each
+    model's real WT / TC / ET Dice beside its phantom mean Dice (from the cells' results.json); Kendall's τ between
+    the phantom and the real ranking of the private models. Or how to ask for the check."""
     from task.realcheck import ENVIRONMENT, REGIONS, real_dice
-    from sim.report_real import checked
+    from sim.report_real import case_list, checked, describe_reference, rank_agreement
 
     scored = checked(cells)
     if not scored:
         return [f"\nreal-scan check: none (--real-check DIR or {ENVIRONMENT}=DIR scores every model on labelled real "
                 "cases too)"]
-    cases = max(len(c["real_check"].get("cases") or []) for c in scored)
-    lines = [f"\nreal-scan check on {cases} labelled real case(s) (each case's own grid; section Real scans of the "
-             "report):"]
+    cases = case_list(scored)
+    lines = [f"\nreal-scan check on {len(cases)} labelled real case(s), pooled (each case's own grid; section Real "
+             "scans of the report):"]
+    lines += [f"  {case['case']} from {case['folder']} (reference: {describe_reference(case.get('reference'))})"
+              for case in cases]
     for cell in sorted(scored, key=lambda c: (str(c.get("method")), c.get("epsilon_budget") or 0)):
         budget = cell.get("epsilon_budget")
         name = cell["method"] + (f" eps {budget:g}" if budget is not None else "")
@@ -149,4 +152,7 @@ def real_check_summary(cells) -> list[str]:
         real = ", ".join(f"{k} {real_dice(cell, k):.3f}" if real_dice(cell, k) is not None else f"{k} n/a"
                          for k in REGIONS)
         lines.append(f"  {name:<28} phantom mean Dice {'n/a' if phantom is None else f'{phantom:.3f}'}; real {real}")
+    found = rank_agreement(scored)
+    lines.append("  Kendall tau, phantom against real ranking of the private models: "
+                 + ("not defined" if found is None else f"{found['tau']:+.2f} over {found['n']} models"))
     return lines

@@ -124,7 +124,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     security = "TLS, authenticated SuperNodes" if tls else "no TLS"
     say(f"starting a SuperLink and {len(hospitals)} SuperNodes on 127.0.0.1 ({security})")
     with LocalDeployment(PROJECT_ROOT, work / "deployment", hospitals, tls=tls, auth=tls,
-                         verbose=verbose) as deployment:
+                         secure_roster=True, verbose=verbose) as deployment:
         if kill_hospital_during_queries is None:
             future = deployment.submit(run_config, timeout=timeout)
             say(f"running {settings.method} (flwr run; logs in {work / 'deployment'})")

@@ -46,7 +46,7 @@ from sim.deployment.processes import (
     wait_for_http_health,
     wait_for_port,
 )
-from sim.deployment.tls import DEFAULT_HOSTS, make_certificates, make_supernode_keys
+from sim.deployment.tls import DEFAULT_HOSTS, ROSTER_FILE, make_certificates, make_supernode_keys, write_roster
 from task.errors import UserError
 
 CONNECTION = "fedpate-local"
@@ -78,7 +78,7 @@ class LocalDeployment:
 
     def __init__(self, app_dir: str | Path, work_dir: str | Path, hospitals: Sequence[Mapping[str, Any]],
                  tls: bool = True, auth: bool = True, startup_timeout: float = 180.0,
-                 env: Mapping[str, str] | None = None, verbose: bool = False):
+                 env: Mapping[str, str] | None = None, verbose: bool = False, secure_roster: bool = False):
         if auth and not tls:
             raise UserError("SuperNode authentication requires TLS (Flower refuses --enable-supernode-auth "
                             "without certificates): use tls=True")
@@ -91,6 +91,9 @@ class LocalDeployment:
         if len(set(self.names)) != len(self.names):
             raise UserError(f"hospital ids must be unique, got {self.names}")
         self.tls, self.auth = tls, auth
+        #: also write the consortium's roster of hospital keys and give every hospital its node-config keys
+        #: ``secure-roster`` and ``secure-signing-key`` (fedpate's secure sums; its SuperNode key when auth is on)
+        self.secure_roster = secure_roster
         self.startup_timeout = startup_timeout
         self.verbose = verbose
         self.flwr_home = self.work_dir / "flwr-home"
@@ -124,6 +127,8 @@ class LocalDeployment:
         if self.tls:
             self.certs = make_certificates(self.work_dir / "certs", list(DEFAULT_HOSTS),
                                            self.names if self.auth else [])
+        if self.secure_roster and len(self.names) >= 2:   # a secure sum needs two hospitals at least
+            self._write_roster()
         self.port = free_ports(1)[0]
         write_flower_config(self.flwr_home, CONNECTION, self.address,
                             self.certs.get("ca_cert") if self.tls else None)
@@ -147,6 +152,17 @@ class LocalDeployment:
         for name, node_config in zip(self.names, self.hospitals):
             self.add_supernode(name, node_config, register=self.auth)
         self.started = True
+
+    def _write_roster(self) -> None:
+        """The roster (``certs/roster.txt``) of every hospital's key -- the SuperNode keys, made here when
+        authentication is off -- and each hospital's ``secure-roster`` / ``secure-signing-key`` node config."""
+        folder = self.work_dir / "certs"
+        keys = {name: (self.certs.get("supernodes", {}).get(name)
+                       or make_supernode_keys(folder / "supernodes", name)) for name in self.names}
+        self.certs.setdefault("supernodes", {}).update(keys)
+        roster = write_roster(folder / ROSTER_FILE, {name: k["public"] for name, k in keys.items()})
+        for name, node_config in zip(self.names, self.hospitals):
+            node_config.update({"secure-roster": str(roster), "secure-signing-key": str(keys[name]["private"])})
 
     def register_key(self, public_key: Path) -> str:
         """``flwr supernode register <public key> <connection>``; returns the node id it printed."""

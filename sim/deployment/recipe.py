@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Sequence
 
 from sim.deployment.flower_cli import FLOWER_ENV, config_string
+from sim.deployment.tls import ROSTER_FILE
 from task.device import check_device_spec, check_precision
 from task.errors import UserError
 from task.presets import get_preset
+from task.secagg import Roster
 
 
 @dataclass(frozen=True)
@@ -82,18 +84,26 @@ class DeploymentRecipe:
         self.check_certificates()
 
     def check_certificates(self) -> None:
-        """Every file the commands copy must be there: printing steps that fail at the first ``scp`` on another
-        machine helps nobody. Refused in one line naming the folder and what is missing."""
+        """Every file the commands copy must be there, and every hospital on the roster its secure sums check
+        participants against: printing steps that fail at the first ``scp`` on another machine helps nobody.
+        Refused in one line naming the folder and what is missing."""
         certs = self.certs_dir
         if not certs.is_dir():
             raise UserError(f"--certs {certs}: no such folder; make it with `fedpate deploy certs --out {certs} "
                             f"--hospitals {len(self.hospitals)} --host <aggregator's name>`")
+        if not (certs / ROSTER_FILE).is_file():
+            raise UserError(f"--certs {certs}: no {ROSTER_FILE} (`fedpate deploy certs` writes it beside the "
+                            "keys; rerun it)")
+        roster = Roster.load(certs / ROSTER_FILE)
+        strangers = [h for h, _ in self.hospitals if h not in roster.keys]
+        if strangers:
+            raise UserError(f"--hospital {strangers[0]}: not on {certs / ROSTER_FILE} (the hospitals "
+                            f"`fedpate deploy certs` made keys for: {', '.join(sorted(roster.keys))})")
         needed = ["ca.crt", "superlink.crt", "superlink.key"]
         needed += [f"supernodes/{hid}.{kind}" for hid, _ in self.hospitals for kind in ("key", "pub")]
         missing = [name for name in needed if not (certs / name).is_file()]
         if missing:
-            raise UserError(f"--certs {certs}: missing {', '.join(missing)} (`fedpate deploy certs` names the "
-                            "hospitals h0, h1, ...: one key pair per --hospital)")
+            raise UserError(f"--certs {certs}: missing {', '.join(missing)} (make them with `fedpate deploy certs`)")
 
 
 def deployment_commands(recipe: DeploymentRecipe) -> str:
@@ -112,7 +122,8 @@ def deployment_commands(recipe: DeploymentRecipe) -> str:
         "export " + " ".join(f"{key}={value}" for key, value in FLOWER_ENV.items()),
         "",
         "## 0. On the machine that made the certificates: distribute the files (never copy *.key elsewhere",
-        "##    than stated; ca.key stays offline)",
+        "##    than stated; ca.key stays offline; roster.txt goes to every hospital from here, never through the",
+        "##    aggregator: it names the keys the hospitals trust in secure sums)",
         f"ssh {host} 'mkdir -p {r} && chmod 700 {r}'",
         f"scp {q(str(certs / 'ca.crt'))} {q(str(certs / 'superlink.crt'))} {q(str(certs / 'superlink.key'))} "
         f"{host}:{r}/",
@@ -120,7 +131,8 @@ def deployment_commands(recipe: DeploymentRecipe) -> str:
     for hid, _ in hospitals:
         lines += [
             f"ssh <{hid}-machine> 'mkdir -p {r} && chmod 700 {r}'",
-            f"scp {q(str(certs / 'ca.crt'))} {q(str(certs / 'supernodes' / (hid + '.key')))} <{hid}-machine>:{r}/",
+            f"scp {q(str(certs / 'ca.crt'))} {q(str(certs / ROSTER_FILE))} "
+            f"{q(str(certs / 'supernodes' / (hid + '.key')))} <{hid}-machine>:{r}/",
             f"scp {q(str(certs / 'supernodes' / (hid + '.pub')))} {host}:{r}/   # public key, for registration",
         ]
     lines += [
@@ -156,6 +168,9 @@ def deployment_commands(recipe: DeploymentRecipe) -> str:
             node_config["device"] = device
         if precision:
             node_config["precision"] = precision
+        # secure sums: the consortium's roster and this hospital's own key, the one it authenticates with
+        node_config["secure-roster"] = f"{r}/{ROSTER_FILE}"
+        node_config["secure-signing-key"] = f"{r}/{hid}.key"
         lines += [
             f"## 3. Hospital {hid}: outbound TCP to {host}:{port} only; nothing listens except 127.0.0.1:{supernode_port}",
             f"flower-supernode --superlink {host}:{port} --root-certificates {r}/ca.crt \\",

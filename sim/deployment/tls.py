@@ -145,9 +145,10 @@ def make_certificates(out_dir: str | Path, hosts: Sequence[str] | None = None,
         ca.crt  ca.key                      # keep ca.key offline / on the aggregator only
         superlink.crt  superlink.key        # the SuperLink machine
         supernodes/<name>.key|.pem|.pub     # .key (OpenSSH private) to that hospital; .pub to the SuperLink admin
+        roster.txt                          # every hospital's public key: to every hospital (secure sums)
 
     Returns ``{"ca_cert", "ca_key", "server_cert", "server_key", "supernodes": {name: {"private",
-    "private_pem", "public"}}}`` (all Paths).
+    "private_pem", "public"}}, "roster"}`` (all Paths; ``roster`` only with two SuperNodes or more).
     """
     hosts = list(hosts) if hosts else list(DEFAULT_HOSTS)
     names = list(supernodes)
@@ -169,7 +170,32 @@ def make_certificates(out_dir: str | Path, hosts: Sequence[str] | None = None,
     }
     for name in names:
         paths["supernodes"][name] = make_supernode_keys(out / "supernodes", name)
+    if len(names) >= 2:
+        paths["roster"] = write_roster(out / ROSTER_FILE, {n: k["public"] for n, k in paths["supernodes"].items()})
     return paths
+
+
+#: the consortium's roster of hospital keys, beside the certificates (every hospital gets a copy)
+ROSTER_FILE = "roster.txt"
+
+
+def write_roster(path: str | Path, public_keys: dict) -> Path:
+    """The roster every hospital checks a secure sum's participants and keys against
+    (``task.secagg.Roster``): one line per hospital, ``<hospital-id> <its SuperNode public key>``, from the
+    ``.pub`` files ``public_keys`` names (hospital -> path). Public: it holds no secret, but it must reach each
+    hospital from this trusted machine, never through the aggregator (whoever controls it controls who the
+    hospitals trust)."""
+    from task.secagg import Roster
+
+    lines = []
+    for name, pub in sorted(public_keys.items()):
+        fields = Path(pub).read_text().split()
+        if len(fields) < 2:
+            raise UserError(f"{pub}: not an OpenSSH public key")
+        lines.append(f"{name} {fields[0]} {fields[1]}")
+    text = "".join(line + "\n" for line in lines)
+    Roster.parse(text, str(path))   # what every hospital will parse: checked before it is written
+    return _write(Path(path), text.encode(), private=False)
 
 
 def verify_chain(ca_cert_path: str | Path, cert_path: str | Path) -> None:

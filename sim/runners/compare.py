@@ -51,7 +51,7 @@ from task.options import AUTO, Engine, Init, NoiseKind, look_up_option
 from task import realcheck
 from task.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
-from task.runconfig import Cell, RunSettings, check_epsilon, check_secure_sum_plan
+from task.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
@@ -108,8 +108,8 @@ class CompareConfig:
             :func:`default_workers`).
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
-        real_check: folders of labelled real cases (``--real-check``): every model a cell releases is also
-            scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
+        real_check: folders of labelled real cases (``--real-check``, each ``[KIND=]DIR``): every model a cell
+            releases is also scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
             resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
@@ -163,11 +163,12 @@ class CompareConfig:
                   "real_check": tuple(str(folder) for folder in (self.real_check or ()))}
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-        secure = [m for m in self.methods if registry.method(m).secure_sum]
-        if secure:   # a threat model no secure sum can be released under: refused before anything trains
+        if set(self.methods) & set(registry.names(secure_sum=True)):   # a threat model its hospitals cannot hold
+            from task.secagg import check_secure_settings
+
             threat = dict(self.threat)
-            check_secure_sum_plan(self.base_preset.hospitals, threat.get("secure_colluders") or 0,
-                                  threat.get("secure_dropouts") or 0, threat.get("secure_threshold"), secure[0])
+            check_secure_settings(self.base_preset.hospitals, threat.get("secure_colluders", 0),
+                                  threat.get("secure_dropouts", 0), threat.get("secure_threshold"))
         self.real_cases   # a bad --real-check folder is refused now, before anything trains
 
     @functools.cached_property

@@ -1009,6 +1009,270 @@ def dpsgd_vectorised_scores(setup: DPSGDSetup, with_canary: bool, trials: int, r
     return np.concatenate(out) if out else np.zeros(0)
 
 
+# ======================================================================================== secure sums
+
+
+@dataclass(frozen=True)
+class SecureAudit:
+    """What a secure-sum audit audits (:func:`secure_pate_setup`, :func:`secure_fedavg_setup`): one release -- a
+    secure PATE query, or one step of dp-fedavg-secure -- summed by ``hospitals`` hospitals, each adding its own
+    share of discrete Gaussian noise.
+
+    ``epsilon`` / ``delta``: the budget the release is calibrated to (the server's own plan); ``per_hospital``:
+    teachers (PATE) or patients (dp-fedavg-secure) per hospital; ``seed``: the public data, the other rows and the
+    direction u (not the noise); ``broken_factor``: broken control -- every hospital draws its noise share with
+    standard deviation ``1/broken_factor`` of what it declared and charged (None = the honest product);
+    ``intensity_bins``: PATE's anchored codec, as :class:`PateAudit`."""
+
+    epsilon: float = 1.0
+    delta: float = 1e-3
+    hospitals: int = 3
+    per_hospital: int = 2
+    seed: int = 0
+    broken_factor: float | None = None
+    intensity_bins: int = 1
+
+
+@dataclass
+class SecureSetup:
+    """Everything a product run of one secure sum needs (:func:`secure_pate_setup`, :func:`secure_fedavg_setup`).
+
+    The release is ``secure_sum`` over the hospitals' real ``clients.secure.SecureHospital`` parties (masks,
+    Shamir shares, unmasking), each contribution the product's: the hospital checks the declaration, charges
+    its ledger the event of the shares it counts, then re-clips and conditionally rounds its rows onto the
+    declared grid and adds ``sample_discrete_gaussian(local_variance)``. The adversary knows every row but the
+    audited one, which is ``+C u`` in D and ``-C u`` in D'; it scores a release by its projection on u, less
+    the others' rows, over the declared noise's standard deviation."""
+
+    mechanism: str
+    audit: SecureAudit
+    parties: dict                 # hospital -> clients.secure.SecureHospital
+    threshold: int
+    bits: int
+    length: int
+    declaration: dict             # what every hospital checks (release ids added per run)
+    inputs: dict                  # hospital -> what it is sent with the collect-masked stage
+    config: dict                  # the run's settings beside each stage (the hospitals' request)
+    direction: np.ndarray         # u, unit norm, in the release's integer coordinates
+    middle: float                 # <the others' clipped rows / granularity, u>: the midpoint of D and D'
+    noise_sd: float               # sqrt(participants x local variance): the declared noise of the sum
+    set_side: Callable[[int], None]   # the audited row to +C u (D, +1) or -C u (D', -1)
+    audited: str
+    planned_epsilon: float        # ε of the plan's event (the server's calibration): what every ledger must say
+    patches: Callable = field(default=lambda: _no_patch())
+
+    @property
+    def broken(self) -> bool:
+        return self.audit.broken_factor is not None
+
+
+@contextmanager
+def _no_patch():
+    yield
+
+
+@contextmanager
+def scaled_noise_shares(factor: float | None):
+    """Broken control: while open, every hospital's ``privacy.distributed.sample_discrete_gaussian`` draws with
+    variance ``v / factor²`` -- a noise share ``factor`` times too small while each hospital declared and
+    charged ``v``. ``factor=None``: the unpatched product."""
+    if factor is None:
+        yield
+        return
+    from privacy import distributed
+
+    true = distributed.sample_discrete_gaussian
+
+    def scaled(variance, size, generator=None):
+        return true(float(variance) / float(factor) ** 2, size, generator)
+
+    with mock.patch.object(distributed, "sample_discrete_gaussian", scaled):
+        yield
+
+
+def _secure_parties(names, hospitals, config):
+    from clients.secure import SecureHospital
+
+    return {h: SecureHospital(hospitals[h]) for h in names}
+
+
+def secure_pate_setup(audit: SecureAudit, workdir) -> SecureSetup:
+    """One secure PATE query (``pate-anchored-secure``): the product's anchored compressor fitted on public maps
+    as :func:`pate_setup` fits it, one public anchor, ``hospitals x per_hospital`` teachers answering random maps
+    around it, the audited one (h0's first) the pair ``p ± t B^T u`` the codec clips to ``±C u``; the plan is
+    ``server.pate_secure.plan_secure_queries`` for one query of one batch."""
+    from server.pate_secure import plan_secure_queries
+    from task.codecs import make_encoder
+
+    rng = np.random.default_rng(audit.seed)
+    teachers, classes = audit.hospitals * audit.per_hospital, 4
+    pate = PateAudit(audit.epsilon, audit.delta, teachers=teachers, hospitals=audit.hospitals, queries=1,
+                     seed=audit.seed, intensity_bins=audit.intensity_bins)
+    codec = AUDITED_CODECS["anchored"]
+    public = codec.fit(rng, pate, classes)
+    true_state = codecs.verify_codec(public.compressor.state())
+    direction = rng.normal(size=int(public.compressor.latent_dim))
+    direction /= np.linalg.norm(direction)
+    extreme = codec.extreme_pair(public, direction, true_state, classes)
+    seeds = rng.integers(0, 2 ** 63, size=audit.hospitals)
+    names = [f"h{i}" for i in range(audit.hospitals)]
+    answers_of = _teacher_answers(pate, public, extreme, seeds, classes)
+    side = {"now": +1}
+    hospitals = {h: audit_hospital(h, lambda k, i=i: answers_of(i, side["now"])(k), Path(workdir) / h, math.inf,
+                                   audit.delta, teachers=audit.per_hospital, max_teachers=teachers)
+                 for i, h in enumerate(names)}
+    shipped = public.compressor.batch_state(public.compressor.state(), public.anchors, public.scans)
+    verified = codecs.verify_codec(shipped, SERVER_POLICY)
+    latent = int(public.compressor.latent_dim)
+    plan = plan_secure_queries("pate-anchored-secure", verified, latent, teachers, audit.hospitals,
+                               {"colluders": 0, "dropouts": 0}, audit.epsilon, audit.delta, 1, 1)
+    encode = make_encoder(verified, "cpu")
+    others = sum(float(encode(answers_of(i, +1)(k))[0] @ direction) for i in range(audit.hospitals)
+                 for k in range(audit.per_hospital) if (i, k) != (0, 0))
+    label = (f"secure PATE anchored query K={teachers} H={audit.hospitals}"
+             + (f" [broken: noise shares sd/{audit.broken_factor:g}]" if audit.broken_factor else ""))
+    return SecureSetup(label, audit, _secure_parties(names, hospitals, {}), plan.threshold, plan.bits, latent,
+                       dict(plan.declaration),
+                       {h: {"scans": public.scans, "codec": shipped, "stream": "audit-query"} for h in names},
+                       {"delta": float(audit.delta), "device": "cpu"}, direction,
+                       others / plan.grid.granularity, math.sqrt(audit.hospitals * plan.variance),
+                       lambda value: side.update(now=int(value)), names[0],
+                       float(epsilon_spent([plan.per_query], audit.delta)[0]))
+
+
+def secure_fedavg_setup(audit: SecureAudit, workdir) -> SecureSetup:
+    """One step of ``dp-fedavg-secure``: ``hospitals`` hospitals of ``per_hospital`` patients each join with the
+    tiny preset's start model (``server.dpfedavg_secure.head_model``: public weights) and the step is planned
+    by ``plan_steps`` (pooled DP-SGD's clip, one step at the audit's budget). The patients' head gradients are
+    the audit's rows -- every other patient a random direction well beyond the clip, the audited patient (h0's
+    first) ``±100 C u`` -- held where the contributor caches a start model's features, and
+    ``task.headgrad.per_sample_head_gradients``, patched for the audit's runs only, returns them (as PATE's
+    audit hospitals answer fixed maps): everything after -- per-patient rows, the finite check, the clip, the
+    conditional rounding, the charge and the noise share -- is the product's."""
+    import torch
+
+    from clients.secure_gradients import contributor_for
+    from server.dpfedavg_secure import DpFedAvgSecureConfig, head_model, plan_steps, pooled_dpsgd_setting
+    from task import headgrad
+    from task.headgrad import clip_rows, head_state
+    from task.secagg import CONTRIBUTION_KIND, RELATION
+
+    rng = np.random.default_rng(audit.seed)
+    preset = get_preset("tiny")
+    names = [f"h{i}" for i in range(audit.hospitals)]
+    head = head_model(preset, audit.seed, None)
+    setting = pooled_dpsgd_setting(preset)
+    plan = plan_steps(DpFedAvgSecureConfig(audit.epsilon, audit.delta, steps=1,
+                                           compute=Compute(device="cpu", progress=False)),
+                      setting, {h: audit.per_hospital for h in names}, head.dimension)
+    clip, scale = plan.grid.clip, 100.0 * plan.grid.clip
+    direction = rng.normal(size=head.dimension)
+    direction /= np.linalg.norm(direction)
+    rows = {h: rng.normal(size=(audit.per_hospital, head.dimension)) for h in names}
+    for h in names:
+        rows[h] *= scale / np.linalg.norm(rows[h], axis=1, keepdims=True)
+    config = {"delta": float(audit.delta), "device": "cpu"}
+    hospitals = {h: audit_hospital(h, lambda k: None, Path(workdir) / h, math.inf, audit.delta,
+                                   teachers=audit.per_hospital) for h in names}
+    parties = _secure_parties(names, hospitals, config)
+    contributors, digests = {}, {}
+    for h in names:
+        joined = parties[h].handle("join", {"kind": CONTRIBUTION_KIND, "relation": RELATION,
+                                            "start_weights": head.start}, config)
+        contributors[h], digests[h] = contributor_for(hospitals[h]), joined["start_digest"]
+    labels = np.zeros(audit.per_hospital, np.int64)
+
+    def set_side(side: int) -> None:
+        for h in names:
+            held = rows[h].copy()
+            if h == names[0]:
+                held[0] = side * scale * direction
+            contributors[h]._features[digests[h]] = (torch.from_numpy(held), labels)
+
+    set_side(+1)
+    others = sum(float(clip_rows(rows[h], clip)[k] @ direction) for h in names
+                 for k in range(audit.per_hospital) if (h, k) != (names[0], 0))
+
+    @contextmanager
+    def gradients_are_the_rows():
+        with mock.patch.object(headgrad, "per_sample_head_gradients",
+                               lambda model, features, labels, **_: features.double().cpu().numpy()):
+            yield
+
+    weights = head_state(head.model)
+    label = (f"dp-fedavg-secure step H={audit.hospitals} n={audit.hospitals * audit.per_hospital} "
+             f"d={head.dimension}" + (f" [broken: noise shares sd/{audit.broken_factor:g}]"
+                                      if audit.broken_factor else ""))
+    return SecureSetup(label, audit, parties, plan.threshold, plan.bits, head.dimension, dict(plan.declaration),
+                       {h: {"head": weights, "start_digest": digests[h], "stream": "audit-step"} for h in names},
+                       config, direction, others / plan.grid.granularity, math.sqrt(audit.hospitals * plan.per_step
+                                                                                      .local_variance),
+                       set_side, names[0], float(epsilon_spent([plan.per_step], audit.delta)[0]),
+                       gradients_are_the_rows)
+
+
+def secure_product_run(setup: SecureSetup, side: int, run: int, noise_seed: int | None = None
+                       ) -> tuple[float, float]:
+    """One release through ``server.secure.secure_sum`` over the hospitals' real parties, the audited row on
+    ``side``; each hospital charged to a fresh in-memory ledger (:func:`make_guard`, its lifetime budget's
+    place) before it draws. ``noise_seed``: the simulation's reproducible noise (``secure_noise_seed``: every
+    hospital's rounding and share seeded from it; None = the OS CSPRNG). Returns (the adversary's score, the ε
+    the audited hospital's ledger claims)."""
+    from privacy.distributed import centered
+    from server.secure import secure_sum
+
+    setup.set_side(side)
+    guards = {}
+    for name, party in setup.parties.items():
+        guards[name] = make_guard(setup.audit.epsilon, setup.audit.delta)
+        party.hospital.lifetime_guard = lambda config=None, guard=guards[name]: guard
+
+    config = {**setup.config, **({"secure_noise_seed": int(noise_seed)} if noise_seed is not None else {})}
+
+    def exchange(stage, messages):
+        return {h: setup.parties[h].handle(stage, m, config) for h, m in messages.items()}
+
+    with setup.patches(), scaled_noise_shares(setup.audit.broken_factor):
+        result = secure_sum(exchange, sorted(setup.parties), setup.threshold, setup.bits, setup.length,
+                            {**setup.declaration, "release_ids": [f"audit-{side:+d}-{run}"]}, setup.inputs)
+    if result.survivors != sorted(setup.parties):
+        raise RuntimeError(f"run {run}: only {result.survivors} in the sum")
+    total = centered(result.total, setup.bits).astype(np.float64)
+    claimed = ledger_epsilon(guards[setup.audited].ledger, setup.audited, setup.audit.delta)
+    return float((total @ setup.direction - setup.middle) / setup.noise_sd), float(claimed)
+
+
+def secure_product_scores(setup: SecureSetup, trials: int, noise_seed: int | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Scores of ``trials`` product-path releases on D and on D', and the claimed ε -- the audited hospital's
+    ledger, which must be the same in every run and equal to the plan's (else RuntimeError). ``noise_seed``:
+    reproducible noise, a seed per run drawn from it (None = the OS CSPRNG)."""
+    scores, claimed = {+1: [], -1: []}, set()
+    for side in (+1, -1):
+        for t in range(trials):
+            run_seed = (None if noise_seed is None
+                        else int(np.random.SeedSequence([int(noise_seed), side + 1, t]).generate_state(1)[0]))
+            score, eps = secure_product_run(setup, side, t, run_seed)
+            scores[side].append(score)
+            claimed.add(eps)
+    if len(claimed) != 1 or not math.isclose(next(iter(claimed)), setup.planned_epsilon, rel_tol=1e-9):
+        raise RuntimeError(f"the hospitals' ledgers claimed {sorted(claimed)}, the plan {setup.planned_epsilon!r}")
+    return np.array(scores[+1]), np.array(scores[-1]), claimed.pop()
+
+
+def audit_secure(setup: SecureSetup, trials: int, *, seed: int = 0, confidence: float = 0.95,
+                 noise_seed: int | None = None) -> list[AuditRow]:
+    """Product-path audit of one secure-sum release: ``trials`` releases per side
+    (:func:`secure_product_scores`; no vectorised path: the rounding and the exact discrete Gaussian are the
+    product's own code, run by run). ``seed``: the bound's held-out split; ``noise_seed``: reproducible noise
+    (None = secure)."""
+    started = time.perf_counter()
+    positive, negative, claimed = secure_product_scores(setup, trials, noise_seed)
+    bound = epsilon_lower_bound(positive, negative, setup.audit.delta, confidence, seed=seed)
+    return [AuditRow(setup.mechanism, claimed, setup.audit.delta, "product", trials, bound,
+                     time.perf_counter() - started, setup.broken, None)]
+
+
 # ============================================================================================ the audit
 
 
@@ -1188,7 +1452,9 @@ def audit_failures(rows: list[AuditRow]) -> list[str]:
 
 
 __all__ = ["AUDITED_CODECS", "AuditRow", "AuditedCodec", "AuditedPublicSide", "DPSGDAudit", "DPSGDRun", "DPSGDSetup",
-           "PATE_CODECS", "PateAudit", "PateSetup", "anchored_lift", "audit_dpsgd",
+           "PATE_CODECS", "PateAudit", "PateSetup", "SecureAudit", "SecureSetup", "anchored_lift", "audit_dpsgd",
+           "audit_secure", "scaled_noise_shares", "secure_fedavg_setup", "secure_pate_setup", "secure_product_run",
+           "secure_product_scores",
            "audit_failures", "audit_hospital", "audit_pate", "broken_dpsgd_session", "dpsgd_product_run",
            "dpsgd_product_runs", "dpsgd_scores", "dpsgd_setup", "dpsgd_train", "dpsgd_vectorised_observations",
            "dpsgd_vectorised_scores", "format_table", "make_guard", "memoised_accounting", "misreporting_compressor",
