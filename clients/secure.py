@@ -44,7 +44,7 @@ import numpy as np
 
 from privacy.distributed import share_count
 from task import secagg
-from task.secagg import SigningIdentity, setup_statement, threat_problem
+from task.secagg import SigningIdentity, SumSetup, setup_statement, threat_problem
 from task.errors import UserError
 from task.requests import HospitalRequest, SecureStageRequest
 
@@ -239,8 +239,9 @@ class SecureSumParty:
 
     @staticmethod
     def _statement(session: _Session, hospital: str, pk1: bytes, pk2: bytes) -> bytes:
-        return setup_statement(session.key, hospital, pk1, pk2, session.participants, session.threshold,
-                               session.bits, session.length, session.noise)
+        setup = SumSetup(session.key, tuple(session.participants), session.threshold, session.bits,
+                         session.length, session.noise)
+        return setup_statement(setup, hospital, pk1, pk2)
 
     def share_keys(self, session: _Session, message: Mapping[str, Any]) -> dict:
         advertised = dict(message["public_keys"])

@@ -93,12 +93,40 @@ class SecureQueryPlan:
     declaration: dict
 
 
-def plan_secure_queries(method: str, codec, latent: int, teachers: int, participants: int, threat: Mapping[str, Any],
-                        epsilon: float, delta: float, queries: int, batch_size: int) -> SecureQueryPlan:
+@dataclass(frozen=True)
+class SecureQueryShape:
+    """The size of a run's secure query sums.
+
+    Attributes:
+        teachers: K, the teachers whose encodings are summed.
+        participants: H, the hospitals taking part.
+        latent: the encoding's length per scan.
+        batch_size: the scans summed in one secure sum.
+    """
+
+    teachers: int
+    participants: int
+    latent: int
+    batch_size: int
+
+
+def plan_secure_queries(method: str, codec, shape: SecureQueryShape, threat: Mapping[str, Any],
+                        epsilon: float, delta: float, queries: int) -> SecureQueryPlan:
     """The secure query phase's plan: the smallest local variance with which ``queries`` releases, each with the
     shares the hospitals count on, stay within (ε, δ); the coarsest grid with 0.1 % rounding inflation of the
-    codec's row bound; bits for ``batch_size`` queries of ``teachers`` rows that wrap with probability at most
-    :data:`WRAP_PROBABILITY` (UserError for a threat model the participants cannot hold)."""
+    codec's row bound; bits for a batch of queries of every teacher's rows that wrap with probability at most
+    :data:`WRAP_PROBABILITY`.
+
+    Args:
+        method: the secure method's name (for errors).
+        codec: the verified codec, whose row bound sets the grid.
+        shape: teachers, hospitals, encoding length and batch size of the sums.
+        threat: colluders, dropouts and an optional threshold (UserError if the hospitals cannot hold it).
+        epsilon: the run's budget ε.
+        delta: its δ.
+        queries: the number of queries released.
+    """
+    teachers, participants, latent, batch_size = shape.teachers, shape.participants, shape.latent, shape.batch_size
     threshold = checked_threshold(method, participants, threat)
     counted = share_count(participants, threat["colluders"], threat["dropouts"])
     grid = IntegerGrid.for_rows(codecs.row_bound(codec), latent)
@@ -137,8 +165,8 @@ def run_secure_query_phase(transport: HospitalTransport, world, plan, teachers, 
     batch_size = max(1, int(config.query_batch))
     K = teachers.total
     latent = int(plan.compressor.latent_dim)
-    secure = plan_secure_queries(config.method, plan.codec, latent, K, participants, threat, config.epsilon,
-                                 config.delta, plan.queries, batch_size)
+    secure = plan_secure_queries(config.method, plan.codec, SecureQueryShape(K, participants, latent, batch_size),
+                                 threat, config.epsilon, config.delta, plan.queries)
     threshold, counted, grid, variance = secure.threshold, secure.counted, secure.grid, secure.variance
     per_query, bits, mean_sigma, declaration = secure.per_query, secure.bits, secure.mean_sigma, secure.declaration
     plan = replace(plan, sigma=mean_sigma)

@@ -148,16 +148,37 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"secure-sum statement: cannot sign a {type(value).__name__}")
 
 
-def setup_statement(session: str, hospital: str, pk1: bytes, pk2: bytes, participants: Sequence[str],
-                    threshold: int, bits: int, length: int, noise: Mapping[str, Any]) -> bytes:
+@dataclass(frozen=True)
+class SumSetup:
+    """One secure sum's setup as a hospital was told it: what every advertised key is signed over.
+
+    Attributes:
+        session: the sum's id.
+        participants: the hospital names, in share order.
+        threshold: shares needed to rebuild a secret.
+        bits: the modulus' bits.
+        length: the summed vector's length.
+        noise: the noise declaration, with its colluders and dropouts.
+    """
+
+    session: str
+    participants: tuple
+    threshold: int
+    bits: int
+    length: int
+    noise: Mapping[str, Any]
+
+
+def setup_statement(setup: SumSetup, hospital: str, pk1: bytes, pk2: bytes) -> bytes:
     """What a hospital signs when it advertises its keys for one secure sum: its keys *and* the sum's setup as
     it was told it (the session, the participants in order, the threshold, modulus, length and the noise
     declaration with its colluders and dropouts). Every other hospital rebuilds the statement from its own
     setup message, so a signature verifies only if both were told the same setup: a server cannot give
     different hospitals different participants, thresholds or threat models, nor substitute keys."""
-    body = {"session": str(session), "hospital": str(hospital), "pk1": bytes(pk1).hex(), "pk2": bytes(pk2).hex(),
-            "participants": [str(p) for p in participants], "threshold": int(threshold), "bits": int(bits),
-            "length": int(length), "noise": _canonical(dict(noise))}
+    body = {"session": str(setup.session), "hospital": str(hospital), "pk1": bytes(pk1).hex(),
+            "pk2": bytes(pk2).hex(), "participants": [str(p) for p in setup.participants],
+            "threshold": int(setup.threshold), "bits": int(setup.bits), "length": int(setup.length),
+            "noise": _canonical(dict(setup.noise))}
     return STATEMENT_DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 

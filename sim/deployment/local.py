@@ -78,7 +78,7 @@ class LocalDeployment:
 
     def __init__(self, app_dir: str | Path, work_dir: str | Path, hospitals: Sequence[Mapping[str, Any]],
                  tls: bool = True, auth: bool = True, startup_timeout: float = 180.0,
-                 env: Mapping[str, str] | None = None, verbose: bool = False, secure_roster: bool = False):
+                 verbose: bool = False, secure_roster: bool = False):
         if auth and not tls:
             raise UserError("SuperNode authentication requires TLS (Flower refuses --enable-supernode-auth "
                             "without certificates): use tls=True")
@@ -97,7 +97,7 @@ class LocalDeployment:
         self.startup_timeout = startup_timeout
         self.verbose = verbose
         self.flwr_home = self.work_dir / "flwr-home"
-        self.env = {**FLOWER_ENV, "FLWR_HOME": str(self.flwr_home), **(env or {})}
+        self.env = {**FLOWER_ENV, "FLWR_HOME": str(self.flwr_home)}
         self.sup = Supervisor(self.work_dir)
         self.certs: dict = {}
         self.superlink: ManagedProcess | None = None

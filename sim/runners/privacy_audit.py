@@ -1101,7 +1101,7 @@ def secure_pate_setup(audit: SecureAudit, workdir) -> SecureSetup:
     as :func:`pate_setup` fits it, one public anchor, ``hospitals x per_hospital`` teachers answering random maps
     around it, the audited one (h0's first) the pair ``p ± t B^T u`` the codec clips to ``±C u``; the plan is
     ``server.pate_secure.plan_secure_queries`` for one query of one batch."""
-    from server.pate_secure import plan_secure_queries
+    from server.pate_secure import SecureQueryShape, plan_secure_queries
     from task.codecs import make_encoder
 
     rng = np.random.default_rng(audit.seed)
@@ -1124,8 +1124,9 @@ def secure_pate_setup(audit: SecureAudit, workdir) -> SecureSetup:
     shipped = public.compressor.batch_state(public.compressor.state(), public.anchors, public.scans)
     verified = codecs.verify_codec(shipped, SERVER_POLICY)
     latent = int(public.compressor.latent_dim)
-    plan = plan_secure_queries("pate-anchored-secure", verified, latent, teachers, audit.hospitals,
-                               {"colluders": 0, "dropouts": 0}, audit.epsilon, audit.delta, 1, 1)
+    shape = SecureQueryShape(teachers, audit.hospitals, latent, 1)
+    plan = plan_secure_queries("pate-anchored-secure", verified, shape,
+                               {"colluders": 0, "dropouts": 0}, audit.epsilon, audit.delta, 1)
     encode = make_encoder(verified, "cpu")
     others = sum(float(encode(answers_of(i, +1)(k))[0] @ direction) for i in range(audit.hospitals)
                  for k in range(audit.per_hospital) if (i, k) != (0, 0))
