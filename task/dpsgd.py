@@ -72,7 +72,9 @@ add/remove). The validation set is public: its scores are post-processing and co
 from __future__ import annotations
 
 import math
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -254,8 +256,6 @@ class StepNoise:
     """
 
     def __init__(self, stream, *, steps: int, size: int, device: torch.device, workers: int = 1) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.stream, self.steps, self.size, self.device = stream, int(steps), int(size), torch.device(device)
         self.workers = max(1, int(workers)) if getattr(stream, "secure", False) else 1
         self.pinned = self.device.type == "cuda"
@@ -301,8 +301,6 @@ def noise_workers(device: torch.device) -> int:
     GPU (its host's cores are otherwise idle while the kernels run)."""
     if torch.device(device).type != "cuda":
         return 1
-    import os
-
     return max(1, min(4, (os.cpu_count() or 2) // 4))
 
 

@@ -17,6 +17,7 @@ federated model), ``teachers``, ``queries`` (answers, encoding and aggregation),
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Iterator
@@ -92,8 +93,6 @@ def seconds_since(started: float, now: float | None = None) -> dict[str, float]:
 
 def timed(name: str, default: bool = False):
     """Decorator: the function's calls run under ``phase(name)`` (``default_phase`` with ``default=True``)."""
-    import functools
-
     def wrap(function):
         @functools.wraps(function)
         def run(*args, **kwargs):

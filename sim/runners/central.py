@@ -489,7 +489,11 @@ def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
                                                      noise=run.noise.child(f"setting-{index}") if tag else run.noise),
                                     validation=world["validation"])
         validation_dice = None
-        if world["validation"] is not None:   # public: the only data a choice of setting may look at
+        last = result.history[-1] if result.history else {}
+        if world["validation"] is not None and setting.get("ema_decay") is None and "validation_dice_mean" in last:
+            # the training scored this very model on the same set after its last epoch: scored once, not twice
+            validation_dice = last["validation_dice_mean"]
+        elif world["validation"] is not None:   # public: the only data a choice of setting may look at
             validation_dice = evaluate_segmentation(result.model, *world["validation"], device=run.device,
                                                     precision=run.precision).get("mean")
         candidates.append((setting, result, validation_dice))
