@@ -38,10 +38,13 @@ import torch
 
 
 def dp_setting(preset, trainable: str | None) -> dict:
-    """The preset's (first) DP-SGD setting, as ``sim.runners.central`` reads it."""
+    """The first entry of the preset's DP-SGD settings grid, as ``sim.runners.central`` reads it (``trainable``
+    replaces its trainable set)."""
     from sim.runners.central import settings_grid
 
-    (setting, *_) = settings_grid(preset, True, {"trainable": trainable} if trainable else {}, grid=False)
+    (setting, *_) = settings_grid(preset, True, {}, grid=True)
+    if trainable:
+        setting["trainable"] = trainable
     return setting
 
 

@@ -26,8 +26,11 @@ from typing import Iterator
 PHASES = ("imports", "data", "public model", "training", "teachers", "queries", "decoding", "student", "evaluation",
           "accounting", "writing", "other")
 
+#: the clock of every interval (``time.perf_counter``, the clock ``write_run``'s ``started`` reads)
+_clock = time.perf_counter
+
 #: ``time.perf_counter()`` when this module was first imported (``sim.cli`` imports it first): the process start
-PROCESS_START = time.perf_counter()
+PROCESS_START = _clock()
 
 _intervals: list[tuple[str, float, float]] = []   # (phase, start, end), exclusive of nested phases
 _stack: list[list] = []                            # open phases: [name, started, time inside nested phases]
@@ -46,13 +49,13 @@ def phase(name: str) -> Iterator[None]:
     if not _recording():
         yield
         return
-    frame = [name, time.perf_counter(), 0.0]
+    frame = [name, _clock(), 0.0]
     _stack.append(frame)
     try:
         yield
     finally:
         _stack.pop()
-        end = time.perf_counter()
+        end = _clock()
         inside = end - frame[1]
         if len(_intervals) < _MAX_INTERVALS:
             # exclusive: an interval that covers the nested phases' time is shortened by it at its end
@@ -74,7 +77,7 @@ def default_phase(name: str) -> Iterator[None]:
 def seconds_since(started: float, now: float | None = None) -> dict[str, float]:
     """Seconds per phase inside ``[started, now]`` (rounded to ms), ``other`` for the rest, and ``imports`` for the
     first window a process reports: the time from the process start to ``started``."""
-    now = time.perf_counter() if now is None else now
+    now = _clock() if now is None else now
     totals: dict[str, float] = {}
     for name, start, end in _intervals:
         # an exclusive interval is (start, end - nested): clip both ends to the window

@@ -15,26 +15,37 @@ def fresh_clock(monkeypatch):
     monkeypatch.setattr(phases, "_first_window", [])
 
 
-def test_nested_phases_count_once_and_the_rest_is_other():
-    started = time.perf_counter()
+class _Clock:
+    """A perf_counter that moves only when told (the test's timings then cannot depend on the machine's load)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
+
+
+def test_nested_phases_count_once_and_the_rest_is_other(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(phases, "_clock", clock)
+    monkeypatch.setattr(phases, "PROCESS_START", clock() - 3.0)
+    started = clock()
     with phases.phase("training"):
-        time.sleep(0.05)
+        clock.advance(5)
         with phases.phase("evaluation"):
-            time.sleep(0.05)
+            clock.advance(2)
         with phases.default_phase("writing"):    # named already: stays training
-            time.sleep(0.02)
-    time.sleep(0.03)
-    seconds = phases.seconds_since(started)
-    assert seconds["training"] == pytest.approx(0.07, abs=0.03)
-    assert seconds["evaluation"] == pytest.approx(0.05, abs=0.03)
-    assert "writing" not in seconds
-    assert seconds["other"] == pytest.approx(0.03, abs=0.03)
-    assert seconds["imports"] >= 0.0             # the process start-up goes to the first window only
-    later = time.perf_counter()
+            clock.advance(1)
+    clock.advance(0.5)
+    assert phases.seconds_since(started) == {"imports": 3.0, "training": 6.0, "evaluation": 2.0, "other": 0.5}
+    later = clock()
     with phases.default_phase("accounting"):
-        time.sleep(0.02)
-    second = phases.seconds_since(later)
-    assert "imports" not in second and "training" not in second and second["accounting"] >= 0.015
+        clock.advance(4)
+    # the start-up goes to a process's first window only; the earlier phases are outside this one
+    assert phases.seconds_since(later) == {"accounting": 4.0, "other": 0.0}
 
 
 def test_a_worker_threads_phases_are_its_callers():
