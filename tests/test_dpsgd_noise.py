@@ -144,3 +144,14 @@ def test_a_spawned_stream_is_independent_and_leaves_its_parent_alone():
     assert not np.intersect1d(first, NoiseSource.reproducible(9).generator("epoch-1").spawn().standard_normal(
         (1000,))).size
     assert isinstance(NoiseSource().generator("e").spawn(), SecureNoiseGenerator)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_noise_on_a_gpu_is_pinned_and_copied_once():
+    noise = StepNoise(NoiseSource.reproducible(2).generator("epoch-0").spawn(), steps=2, size=1000, device="cuda")
+    assert noise.pinned
+    taken = [noise.take() for _ in range(2)]
+    assert all(t.device.type == "cuda" for t in taken)
+    reference = NoiseSource.reproducible(2).generator("epoch-0").spawn().standard_normal((2000,)).astype(np.float32)
+    np.testing.assert_array_equal(torch.cat(taken).cpu().numpy(), reference)   # the same draws on every device
+    noise.close()
