@@ -96,11 +96,14 @@ def main(argv=None) -> int:
         from types import SimpleNamespace
 
         from privacy.mechanisms import NoiseSource
-        from task.dpsgd import _install_stream_noise
+        from task.dpsgd import StepNoise, _install_stream_noise
 
         step, _, opt = private("functorch")
         stream = (NoiseSource() if source == "secure" else NoiseSource.reproducible(0)).generator("bench")
-        _install_stream_noise(opt, SimpleNamespace(stream=stream))
+        size = sum(p.numel() for p in opt.params)
+        # the session's wiring: one flat buffer per step, drawn a step ahead on its own thread
+        _install_stream_noise(opt, SimpleNamespace(step_noise=StepNoise(stream, steps=10 ** 9, size=size,
+                                                                         device="cpu")))
         return step
 
     diff = float((clipped_sum("hooks") - clipped_sum("functorch")).abs().max())

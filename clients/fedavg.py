@@ -26,11 +26,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from privacy import calibration
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
+from task import accounting
 from task.compute import Compute
 from task.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
 from task.errors import UserError
@@ -43,7 +43,7 @@ from task.training import TrainConfig, lever_settings, train_segmentation, train
 @functools.lru_cache(maxsize=64)
 def plan_noise_multiplier(epsilon: float, delta: float, plan: tuple, relation: str) -> float:
     """Noise multiplier for a plan of (steps per epoch, epochs) runs composed (cached: every round asks)."""
-    return calibration.composed_dpsgd_noise_multiplier(
+    return accounting.composed_dpsgd_noise_multiplier(   # and on disk: every run of the same plan asks again
         epsilon, delta, [(1.0 / steps, steps * epochs) for steps, epochs in plan], relation=relation)
 
 

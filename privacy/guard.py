@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Mapping, Sequence
 
-from privacy.accountants import epsilon_spent
+from privacy.accountants import accountant_for, epsilon_spent, make_accountant
 from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import Event, RepeatAndSelectEvent, SampledGaussianEvent
 from privacy.ledger import Ledger
@@ -42,6 +42,7 @@ class BudgetGuard:
         else:
             self.budget = {"*": self._check_budget(budget, "*")}
         self.delta = probability("delta", delta)
+        self._plans: dict[str, tuple[Event, ...]] = {}   # owner -> a plan verified to fit (see expect)
 
     @staticmethod
     def _check_budget(value, owner: str) -> float:
@@ -59,15 +60,69 @@ class BudgetGuard:
         """Budget minus what the ledger says ``owner`` has spent (may be 0, never negative)."""
         return max(0.0, self.budget_of(owner) - self.ledger.spent(owner, self.delta).epsilon)
 
+    def expect(self, owners: Sequence[str], plan: Sequence[Event]) -> list[str]:
+        """Verify a run's whole plan once, so that charging it event by event composes nothing.
+
+        ``plan``: every event the run will charge, in order (a DP-SGD run calibrated to its budget: its epochs).
+        For each owner whose ledger holds a prefix of the plan and nothing else (a fresh run, or one resumed), the
+        plan is composed once with the accountant the ledger picks for it; if its ε fits the owner's budget, the
+        plan is remembered, and :meth:`check` of an event that extends the ledger along the plan passes at once:
+        any prefix of a composition is post-processing of the whole (drop the later outputs), so its true ε is at
+        most the whole plan's, which the accountant bounds. The composed accountant is handed to the ledger
+        (:meth:`privacy.ledger.Ledger.adopt`), so the ε it reports once the plan is spent is that composition's.
+
+        An owner whose ledger holds anything else, or whose budget the plan exceeds, gets no plan: its checks
+        compose as always (and refuse where the budget ends). Returns the owners whose plan was verified."""
+        if isinstance(owners, str):
+            raise PrivacyError(f"owners must be a list of owner names, got the string {owners!r}")
+        plan = tuple(plan)
+        if not plan or not all(isinstance(event, Event) for event in plan):
+            raise PrivacyError("expect: the plan must be a non-empty sequence of privacy events")
+        verified, composed = [], None
+        for owner in owners:
+            known = self._plans.get(owner)
+            if known is not None and plan == known[:len(plan)]:   # already verified, as part of a longer plan
+                verified.append(owner)
+                continue
+            held = tuple(self.ledger.events(owner))
+            if held != plan[:len(held)]:
+                continue
+            if composed is None:
+                accountant = make_accountant(accountant_for(list(plan)).name)
+                accountant.compose_all(plan)
+                composed = (accountant, float(accountant.get_epsilon(self.delta)))
+            accountant, epsilon = composed
+            if epsilon > self.budget_of(owner):
+                continue
+            self._plans[owner] = plan
+            self.ledger.adopt(owner, plan, accountant, self.delta, epsilon)
+            verified.append(owner)
+        return verified
+
+    def plan_of(self, owner: str) -> tuple[Event, ...] | None:
+        """The verified plan ``owner``'s charges follow (:meth:`expect`), or None."""
+        return self._plans.get(owner)
+
+    def _follows_plan(self, owner: str, event: Event, count: int) -> bool:
+        """True when ``owner``'s ledger plus ``count`` x ``event`` is still a prefix of its verified plan."""
+        plan = self._plans.get(owner)
+        if plan is None:
+            return False
+        after = tuple(self.ledger.events(owner)) + (event,) * int(count)
+        return len(after) <= len(plan) and after == plan[:len(after)]
+
     def check(self, owners: Sequence[str], event: Event, count: int = 1) -> None:
         """Raise BudgetExceeded if adding ``count`` x ``event`` would take any owner past its budget; writes
-        nothing. (A check alone decides nothing another writer cannot change: :meth:`charge` holds the lock.)"""
+        nothing. (A check alone decides nothing another writer cannot change: :meth:`charge` holds the lock.)
+        An owner whose verified plan (:meth:`expect`) this event follows passes without a composition."""
         if isinstance(owners, str):
             raise PrivacyError(f"owners must be a list of owner names, got the string {owners!r}")
         if not isinstance(event, Event):
             raise PrivacyError(f"check expects a privacy event, got {event!r}")
         alone = None
         for owner in owners:
+            if self._follows_plan(owner, event, count):
+                continue
             budget = self.budget_of(owner)
             after = self.ledger.spent(owner, self.delta, extra=[event] * int(count))
             if after.epsilon > budget:
@@ -136,6 +191,14 @@ class GuardChain:
 
     def budget_of(self, owner: str) -> float:
         return self.primary.budget_of(owner)
+
+    def expect(self, owners: Sequence[str], plan: Sequence[Event]) -> list[str]:
+        """The run's own guard verifies the plan (:meth:`BudgetGuard.expect`); the lifetime ledgers, which hold
+        other runs' releases too, still compose at every charge."""
+        return self.primary.expect(owners, plan)
+
+    def plan_of(self, owner: str) -> tuple[Event, ...] | None:
+        return self.primary.plan_of(owner)
 
     def remaining(self, owner: str) -> float:
         return min(guard.remaining(owner) for guard, mine in self._targets([owner]))

@@ -536,6 +536,22 @@ class Ledger:
         self._accountant_cache[key] = (acc, upto)
         return acc
 
+    def adopt(self, owner: str, events: Sequence[Event], accountant, delta: float, epsilon: float) -> None:
+        """Remember an accountant composed elsewhere over exactly ``events`` (and its ε at ``delta``), so that once
+        ``owner``'s events *are* those events, :meth:`spent` reads it instead of composing them again.
+
+        Compared, not assumed: it is used only while the owner's events equal ``events`` (the same events in the
+        same order, under the accountant ``accountant_for`` picks for them); anything else composes as usual. A
+        budget guard's verified plan uses it (``privacy.guard.BudgetGuard.expect``): the plan is composed once,
+        and the ledger's ε at the end of a run that followed it is that composition's."""
+        events = tuple(events)
+        name = accountant_for(list(events)).name
+        if accountant.name != name:
+            raise PrivacyError(f"adopt: an accountant {accountant.name!r} for events the ledger accounts with {name!r}")
+        key = (owner, None, name)
+        self._checked[key] = (events, copy.deepcopy(accountant))
+        self._epsilons[(*key, delta)] = (events, float(epsilon))
+
     def _epsilon(self, key: tuple, events: tuple, acc, delta: float) -> float:
         """``acc.get_epsilon(delta)``, remembered for the last ``events`` of ``key``: the PLD's search for epsilon
         costs ~0.1 s, and a charge asks it twice over the same events (the check, then the spent after it)."""

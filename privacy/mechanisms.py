@@ -12,6 +12,13 @@ cells of a comparison, two queries, two epochs) never share a stream. A reproduc
 private release: whoever knows the seed can remove the noise; runners never write that seed into an
 artefact.
 
+The secure generator turns the CSPRNG's bytes into standard normals with the Box–Muller transform (Box &
+Muller 1958): 64 random bits for the radius (53 used: the tails reach 8.6 standard deviations, beyond the
+8.3 of the inverse-CDF sampler it replaced) and 32 for the angle, for every pair of normals; cosine and
+sine of the angle come from a 1024-entry table and a short Taylor series, accurate to float64 rounding.
+The transform is a fixed function of the bytes (:func:`box_muller`), so it can be tested against a
+reference, and vectorised in chunks so a DP-SGD step's millions of normals stay cheap.
+
 Security note: noise is drawn in floating point. Floating-point samplers are *not* hardened against
 Mironov's floating-point attack on the Laplace mechanism (CCS 2012) or its Gaussian analogues (Jin et al.
 2022, precision-based attacks); the secure source only makes the randomness unpredictable, not the
@@ -25,7 +32,6 @@ import secrets
 from typing import Any
 
 import numpy as np
-from scipy import special
 
 from privacy.errors import PrivacyError
 from privacy.options import NoiseKind
@@ -43,6 +49,15 @@ class NoiseGenerator:
     def standard_normal(self, shape: tuple[int, ...]) -> np.ndarray:
         return self.rng.standard_normal(shape)
 
+    def fill_standard_normal(self, out: np.ndarray) -> np.ndarray:
+        """Fill the 1-d float array ``out`` with standard normals, drawn in its order (each rounded once to its
+        dtype) in chunks that bound the temporaries; returns ``out``. The same stream fills the same values
+        whatever the chunking: it draws what ``standard_normal((out.size,))`` would."""
+        for start in range(0, out.size, _CHUNK):
+            part = out[start:start + _CHUNK]
+            part[...] = self.rng.standard_normal(part.size)
+        return out
+
     def laplace(self, shape: tuple[int, ...], scale: float) -> np.ndarray:
         return self.rng.laplace(0.0, scale, shape)
 
@@ -50,11 +65,51 @@ class NoiseGenerator:
         """Uniform doubles in [0, 1) (Poisson sampling and shuffling of private records)."""
         return self.rng.random(shape)
 
+    def spawn(self) -> "NoiseGenerator":
+        """An independent stream derived from this one without drawing from it (``SeedSequence.spawn``: the
+        child's spawn key extends this stream's), so one release may draw from two streams in parallel -- DP-SGD's
+        batches on the training thread, its noise on a thread of its own -- each in its own fixed order. Each
+        call gives the next child."""
+        return NoiseGenerator(self.rng.spawn(1)[0])
+
+
+#: normals per Box–Muller chunk: bounds the transform's temporaries (about 30 bytes a normal) to a few MB
+_CHUNK = 1 << 18
+
+#: the angle's table: cos and sin of 2 pi i / 2^_TABLE_BITS; the remaining angle is under 2 pi / 1024
+_TABLE_BITS = 10
+_TABLE_COS = np.cos(2.0 * np.pi * np.arange(1 << _TABLE_BITS) / (1 << _TABLE_BITS))
+_TABLE_SIN = np.sin(2.0 * np.pi * np.arange(1 << _TABLE_BITS) / (1 << _TABLE_BITS))
+
+
+def box_muller(radius_words: np.ndarray, angle_words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two independent standard normals (float64) per pair of random words (Box & Muller 1958).
+
+    ``radius_words`` (uint64): the top 53 bits k give u = (k + 1) / 2^53 in (0, 1] and the radius
+    r = sqrt(-2 ln u), so |z| <= sqrt(106 ln 2) = 8.57; ``angle_words`` (uint32): j gives the angle
+    theta = 2 pi (j + 1/2) / 2^32. Returns (r cos theta, r sin theta). cos and sin come from the table entry
+    of the top 10 bits of j and the Taylor series of the remaining angle b < 2 pi / 1024 (cos to b^6, sin to
+    b^5: truncation errors under 1e-19, below float64 rounding), several times cheaper than numpy's float64
+    cos and sin and as accurate (tests/test_privacy_noise.py checks both against math.cos / math.sin).
+    """
+    u = ((radius_words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+    radius = np.sqrt(-2.0 * np.log(u))
+    high = (angle_words >> np.uint32(32 - _TABLE_BITS)).astype(np.intp)
+    low = (angle_words & np.uint32((1 << (32 - _TABLE_BITS)) - 1)).astype(np.float64)
+    b = (low + 0.5) * (2.0 * np.pi / 2.0 ** 32)
+    b2 = b * b
+    cos_b = 1.0 + b2 * (-0.5 + b2 * (1.0 / 24.0 - b2 * (1.0 / 720.0)))
+    sin_b = b * (1.0 + b2 * (-1.0 / 6.0 + b2 * (1.0 / 120.0)))
+    cos_a, sin_a = _TABLE_COS[high], _TABLE_SIN[high]
+    return radius * (cos_a * cos_b - sin_a * sin_b), radius * (sin_a * cos_b + cos_a * sin_b)
+
 
 class SecureNoiseGenerator(NoiseGenerator):
-    """Noise from ``secrets`` (os.urandom): uniform doubles from 53 random bits, then inverse CDFs.
+    """Noise from ``secrets`` (os.urandom): normals by Box–Muller (:func:`box_muller`), uniform doubles from 53
+    random bits, Laplace by the inverse CDF.
 
-    Not seedable; see the module note on floating-point attacks.
+    Not seedable and stateless (so several threads may fill parts of one buffer); see the module note on
+    floating-point attacks.
     """
 
     secure = True
@@ -68,9 +123,26 @@ class SecureNoiseGenerator(NoiseGenerator):
         raw = np.frombuffer(secrets.token_bytes(8 * size), dtype=np.uint64) >> np.uint64(11)
         return (raw.astype(np.float64) + 0.5) / float(2**53)
 
+    @staticmethod
+    def _normal_pairs(pairs: int) -> tuple[np.ndarray, np.ndarray]:
+        """``pairs`` pairs of standard normals from 12 fresh bytes each (8 for the radius, 4 for the angle)."""
+        raw = secrets.token_bytes(12 * pairs)
+        radius_words = np.frombuffer(raw, dtype=np.uint64, count=pairs)
+        angle_words = np.frombuffer(raw, dtype=np.uint32, offset=8 * pairs, count=pairs)
+        return box_muller(radius_words, angle_words)
+
+    def fill_standard_normal(self, out: np.ndarray) -> np.ndarray:
+        for start in range(0, out.size, _CHUNK):
+            part = out[start:start + _CHUNK]
+            pairs = (part.size + 1) // 2
+            first, second = self._normal_pairs(pairs)
+            part[:pairs] = first
+            part[pairs:] = second[:part.size - pairs]
+        return out
+
     def standard_normal(self, shape: tuple[int, ...]) -> np.ndarray:
         size = int(np.prod(shape, dtype=np.int64))
-        return special.ndtri(self._uniform_open(size)).reshape(shape)
+        return self.fill_standard_normal(np.empty(size, dtype=np.float64)).reshape(shape)
 
     def laplace(self, shape: tuple[int, ...], scale: float) -> np.ndarray:
         size = int(np.prod(shape, dtype=np.int64))
@@ -80,6 +152,9 @@ class SecureNoiseGenerator(NoiseGenerator):
     def uniform(self, shape: tuple[int, ...]) -> np.ndarray:
         size = int(np.prod(shape, dtype=np.int64))
         return self._uniform_open(size).reshape(shape)
+
+    def spawn(self) -> "SecureNoiseGenerator":
+        return SecureNoiseGenerator()
 
 
 def make_generator(seed: int | None, secure: bool = False) -> NoiseGenerator:

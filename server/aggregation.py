@@ -34,6 +34,7 @@ from privacy.events import GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
 from privacy.validation import positive_number
 from task import codecs
+from task.phases import timed
 
 log = logging.getLogger("fedpate.pate")
 
@@ -121,6 +122,7 @@ def accepted_rows(encodings: Mapping[str, np.ndarray], release: QueryRelease, st
     return accepted
 
 
+@timed("queries")
 def aggregate_query(encodings: Mapping[str, np.ndarray], release: QueryRelease, guard, noise=None, *,
                     mechanism=None, rejected: dict | None = None) -> tuple[np.ndarray | None, int]:
     """Noisy mean of the teachers' encodings for one query (Fay et al., Alg. 1-2, "aggregate and perturb").

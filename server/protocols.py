@@ -16,6 +16,7 @@ from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
 from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
 from server.selftrain import train_public_models
 from task.errors import UserError
+from task.phases import timed
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
 from task.options import Init
@@ -39,7 +40,29 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
     protocol = cell.record.protocol
     if protocol not in PROTOCOLS:
         raise UserError(f"{cell.method}: no federated protocol {protocol!r} (registered: {', '.join(PROTOCOLS)})")
-    return PROTOCOLS.get(protocol)(transport, world, settings, cell)
+    return PROTOCOLS.get(protocol)(PhasedTransport(transport), world, settings, cell)
+
+
+class PhasedTransport:
+    """A transport whose calls count as the phases of a cell's cost (``task.phases``): the server waits for the
+    hospitals' training (``teachers``), their answers to queries (``queries``), their scoring (``evaluation``) and
+    their federated rounds (``training``). Everything else is the wrapped transport's."""
+
+    _PHASES = {"train": "teachers", "query": "queries", "evaluate": "evaluation", "fedavg_round": "training",
+               "secure_stage": "training"}
+
+    def __init__(self, transport: HospitalTransport) -> None:
+        self._transport = transport
+        # an optional capability stays visible to isinstance checks of runtime protocols, which look the attribute up
+        # statically (TeacherEnsembleDiagnostics)
+        if hasattr(transport, "ensemble_probabilities"):
+            self.ensemble_probabilities = transport.ensemble_probabilities
+
+    def __getattr__(self, name: str):
+        value = getattr(self._transport, name)
+        if name in self._PHASES and callable(value):
+            return timed(self._PHASES[name])(value)
+        return value
 
 
 def start_weights(world: PublicWorld, settings: RunSettings, cell: Cell) -> dict[str, np.ndarray] | None:

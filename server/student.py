@@ -27,6 +27,7 @@ from task.device import resolve_device
 from task.errors import UserError
 from task.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
+from task.phases import timed
 from task.training import TrainConfig, train_segmentation
 
 
@@ -91,6 +92,7 @@ def _train(images, targets, preset, init, training: ModelTraining, description: 
     return train_segmentation(model, images, targets, config).model
 
 
+@timed("public model")
 def train_public_model(world, preset, training: ModelTraining = ModelTraining(), init=None):
     """U-Net on the public reference images + labels (pre-training / public-only baseline).
 
@@ -124,6 +126,7 @@ def _student_data(world, pseudo_labels: np.ndarray, query_indices, include_refer
     return images, targets
 
 
+@timed("student")
 def train_student(world, pseudo_labels: np.ndarray, query_indices, preset,
                   training: ModelTraining = ModelTraining(), init=None):
     """Student on (query scans, decoded pseudo-labels) [+ public reference (images, one-hot labels)].

@@ -23,6 +23,7 @@ from sim import report_real
 from task import methods as registry   # every method's family and role: the report never tests a name
 from task.methods import Role
 from task.options import Init, NoiseKind
+from task.phases import PHASES
 from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
 from task.trust import PROTECTS, trust_line
 
@@ -549,12 +550,40 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
         found = verdicts(cells)
         if found:
             lines += ["## Where PATE helps, and where it does not", ""] + [f"- {v}" for v in found] + [""]
+    lines += cost_section(cells)
     for plot in (plots, k_plot, class_plot, *overlays):
         if plot is not None and Path(plot).exists():
             lines += [f"![{Path(plot).stem}]({Path(plot).relative_to(root)})", ""]
     report = root / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report
+
+
+def cost_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
+    """Seconds per phase of every cell that recorded them (``phase_seconds`` in results.json, ``task.phases``):
+    one column per phase any cell spent time in, in :data:`task.phases.PHASES` order, then the wall time."""
+    timed = [cell for cell in cells if isinstance(cell.get("phase_seconds"), Mapping)]
+    if not timed:
+        return None
+    seen = {name for cell in timed for name, value in cell["phase_seconds"].items() if value}
+    names = [name for name in PHASES if name in seen] + sorted(seen - set(PHASES))
+    columns: list[Column] = [("method", lambda c: c.get("method")), ("ε budget", _number("epsilon_budget", 2)),
+                             ("K", _number("teachers"))]
+    columns += [(name, lambda c, name=name: _fmt(c["phase_seconds"].get(name), 1)) for name in names]
+    columns.append(("wall s", _number("wall_seconds", 1)))
+    return table(columns, sorted(timed, key=_sort_key))
+
+
+def cost_section(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The report's cost table (:func:`cost_table`) under its heading; nothing when no cell recorded phases."""
+    found = cost_table(cells)
+    if found is None:
+        return []
+    return ["## Cost", "",
+            "Wall seconds per phase of each cell, as the cell measured them (exclusive: time inside a nested phase "
+            "counts once, for the inner one). *imports* is the process's start-up before its first cell (later "
+            "cells of one process share it); *other* is the rest of the cell's wall time. A DP-SGD cell's times "
+            "depend on its secret Poisson batch sizes: a simulation diagnostic no guarantee covers.", "", found, ""]
 
 
 def _describe_source(source: Mapping[str, Any]) -> str:

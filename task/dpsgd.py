@@ -31,13 +31,17 @@ Batching and accounting must match (Yu et al. 2019, arXiv 1904.02200, Sec. 4):
   *empty* Poisson batch still takes a noise-only step (clipped sum = 0, plus noise): that is what the
   sampled-Gaussian analysis assumes, and skipping forward/backward avoids the crash Opacus hits on
   empty inputs.
-* Randomness: the Poisson masks (or the shuffle) and the Gaussian noise of epoch e come from one stream
-  of a :class:`privacy.mechanisms.NoiseSource`, named after the epoch's release id and opened only after
-  the epoch is charged. By default that stream is the OS's CSPRNG (Opacus' ``secure_mode`` needs
-  torchcsprng, whose last release predates our torch, so the optimizer's ``add_noise`` draws from
-  our stream instead of a ``torch.Generator``); amplification by subsampling also needs the batches to be
-  secret, hence the masks come from the same source, never from the training seed. Seeded streams only
-  with an explicit reproducible source (simulations).
+* Randomness: the Poisson masks (or the shuffle) and the Gaussian noise of epoch e come from the stream
+  of a :class:`privacy.mechanisms.NoiseSource` named after the epoch (``<stream prefix>:epoch-e``) and
+  opened only after the epoch is charged: the masks from the stream, the noise from a stream spawned from
+  it (``NoiseGenerator.spawn``, independent, drawn in its own order). By default both are the
+  OS's CSPRNG (Opacus' ``secure_mode`` needs torchcsprng, whose last release predates our torch, so the
+  optimizer's ``add_noise`` draws from our stream instead of a ``torch.Generator``); amplification by
+  subsampling also needs the batches to be secret, hence the masks come from the same source, never from
+  the training seed. Seeded streams only with an explicit reproducible source (simulations). The noise of
+  a step is one flat buffer drawn a step ahead on a thread of its own (:class:`StepNoise`), so the host's
+  draw overlaps the step before; its stream is its own, so its draws keep their order whatever the
+  batches do.
 * ``sampling="shuffle"``: a random permutation cut into disjoint batches each epoch; each record is used
   once per epoch, so an epoch is ``Delta^2/(2 sigma^2 C^2)``-zCDP (Yu et al., Theorem 3 + parallel
   composition) with Delta = 2C under replace-one (``2/sigma^2``) and Delta = C under zero-out adjacency
@@ -68,7 +72,9 @@ add/remove). The validation set is public: its scores are post-processing and co
 from __future__ import annotations
 
 import math
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -76,14 +82,16 @@ import numpy as np
 import torch
 
 from privacy import calibration, schedules
-from privacy.accountants import epsilon_per_relation, epsilon_spent
 from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.schedules import epoch_event
+from task import accounting
+from task.accounting import memoised_epsilon_spent, memoised_per_relation
 from task.errors import UserError
+from task.phases import phase, timed
 from task.options import CalibrationAccountant, GradSampleMode, NoiseMode, look_up_option
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
@@ -279,33 +287,98 @@ def shuffled_batches(n: int, batch_size: int, stream) -> Iterator[torch.Tensor]:
         yield order[start:start + batch_size]
 
 
+class StepNoise:
+    """One epoch's DP-SGD noise, off the training step's critical path: for every step, one flat float32 buffer of
+    standard normals (every noised parameter, in the optimiser's order), drawn one step ahead on a thread of its
+    own from the epoch's gradient-noise stream, pinned on a GPU and sent with one non-blocking copy.
+
+    The draws stay in a fixed order -- step 0's buffer, then step 1's, ... on the one drawing thread, each
+    started only when the one before was taken -- so a reproducible stream repeats bit for bit. A secure
+    stream (the default) may split one buffer between ``workers`` threads: its draws are independent and
+    ``os.urandom`` releases the interpreter lock. The stream is opened by ``DPSession.begin_epoch`` after the
+    epoch is charged, so nothing is drawn before the ledger holds the epoch; at most ``steps`` buffers are drawn.
+    """
+
+    def __init__(self, stream, *, steps: int, size: int, device: torch.device, workers: int = 1) -> None:
+        self.stream, self.steps, self.size, self.device = stream, int(steps), int(size), torch.device(device)
+        self.workers = max(1, int(workers)) if getattr(stream, "secure", False) else 1
+        self.pinned = self.device.type == "cuda"
+        self.taken = 0
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="fedpate-dp-noise")
+        self._next = self._pool.submit(self._draw) if self.steps > 0 else None
+
+    def _draw(self) -> torch.Tensor:
+        host = torch.empty(self.size, dtype=torch.float32, pin_memory=self.pinned)
+        flat = host.numpy()
+        if self.workers == 1:
+            self.stream.fill_standard_normal(flat)
+            return host
+        # a secure stream only: slices filled concurrently (this thread fills the first), each from the OS CSPRNG
+        bounds = np.linspace(0, self.size, self.workers + 1).astype(np.int64)
+        others = [self._pool.submit(self.stream.fill_standard_normal, flat[lo:hi])
+                  for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        self.stream.fill_standard_normal(flat[:bounds[1]])
+        for part in others:
+            part.result()
+        return host
+
+    def take(self) -> torch.Tensor:
+        """The next step's standard normals on the training device (the copy is queued, not waited for)."""
+        if self._next is None:
+            raise RuntimeError(f"DP-SGD: more noisy steps than the epoch's {self.steps}")
+        host = self._next.result()
+        self.taken += 1
+        self._next = self._pool.submit(self._draw) if self.taken < self.steps else None
+        # the caching host allocator keeps the pinned block until the copy is done
+        return host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+
+    def close(self) -> None:
+        """Stop drawing (an epoch left early): a draw under way finishes, none starts."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def noise_workers(device: torch.device) -> int:
+    """Threads that draw one step's secure noise: one beside CPU training (the cores train), up to four beside a
+    GPU (its host's cores are otherwise idle while the kernels run)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
+
+
 def _install_stream_noise(optimizer, session: "DPSession") -> None:
-    """Make the Opacus optimizer draw its Gaussian noise from the session's current epoch stream.
+    """Make the Opacus optimizer take its Gaussian noise from the session's :class:`StepNoise` of the charged epoch.
 
-    Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the
-    total clipping norm, added to the summed clipped gradient of each parameter), only the source differs.
-
-    On a GPU the noise is still drawn on the host, from the epoch's stream -- the OS CSPRNG, or the
-    seeded stream of an explicitly reproducible simulation -- exactly as on the CPU, and then copied to the
-    gradient's device in float32. Never a device RNG: a CUDA generator would need a seed, and a seed is what
-    lets anyone regenerate the noise. The same draws on every device keep ``--reproducible-noise`` runs
-    comparable across devices.
+    Same maths as ``opacus.optimizers.optimizer.DPOptimizer.add_noise`` (std = noise multiplier x the total
+    clipping norm, added to the summed clipped gradient of each parameter), only the source differs: one flat
+    buffer of standard normals per step from the epoch's stream -- the OS CSPRNG, or the seeded stream of an
+    explicitly reproducible simulation -- drawn on the host, exactly as on the CPU, then copied to the
+    gradient's device in float32 and scaled there by the std the optimizer holds at the step. Never a device
+    RNG: a CUDA generator would need a seed, and a seed is what lets anyone regenerate the noise. The same
+    draws on every device keep ``--reproducible-noise`` runs comparable across devices.
     """
     def add_noise() -> None:
-        stream = session.stream
-        if stream is None:
+        noise = session.step_noise
+        if noise is None:
             raise RuntimeError("DP-SGD noise requested before begin_epoch charged the epoch to the ledger")
-        std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
-        for p in optimizer.params:
+        summed = [p.summed_grad for p in optimizer.params]
+        for grad in summed:
             # Opacus builds a fresh summed_grad every step (zero_grad clears it): one marked as noised already
             # would get a second draw (Opacus guards the same way with private helpers we do not import)
-            if getattr(p.summed_grad, "_fedpate_noised", False):
+            if getattr(grad, "_fedpate_noised", False):
                 raise RuntimeError("DP-SGD: noise added twice to one step's clipped gradient (zero_grad missing)")
-            noise = std * stream.standard_normal(tuple(p.summed_grad.shape))   # float64, host, from the stream
-            # float32 on the gradient's device (a no-op copy on the CPU); never a bf16 noise sample
-            p.grad = (p.summed_grad + torch.from_numpy(noise).to(device=p.summed_grad.device,
-                                                                  dtype=torch.float32)).view_as(p)
-            p.summed_grad._fedpate_noised = True
+        if sum(grad.numel() for grad in summed) != noise.size:
+            raise RuntimeError("DP-SGD: the noise buffer does not match the noised parameters")
+        std = float(optimizer.noise_multiplier) * float(optimizer.max_grad_norm)
+        flat = noise.take()
+        views = [view.view_as(grad) for view, grad in zip(flat.split([g.numel() for g in summed]), summed)]
+        # float32 (the buffer's dtype; never a bf16 noise sample), one fused add per parameter list
+        noisy = torch._foreach_add([grad.float() for grad in summed], views, alpha=std)
+        for p, grad, value in zip(optimizer.params, summed, noisy):
+            p.grad = value.view_as(p)
+            grad._fedpate_noised = True
 
     optimizer.add_noise = add_noise
 
@@ -315,6 +388,13 @@ def _epoch_event(dp: DPConfig, sampling_rate: float, sigma: float, steps: int):
     """The epoch's privacy event (``privacy.schedules.epoch_event``) under the run's relation and adaptivity."""
 
     return epoch_event(sigma, sampling_rate, steps, mode=dp.sampling, relation=dp.relation, adaptive=dp.adaptive)
+
+
+def epoch_plan(dp: DPConfig, n: int, batch_size: int, epochs: int, sigma: float) -> tuple:
+    """The events of ``epochs`` epochs at noise multiplier ``sigma`` over ``n`` records in (expected) batches of
+    ``batch_size``: what such a training charges, in order, when it runs to its end."""
+    steps = steps_per_epoch(n, batch_size)
+    return (_epoch_event(dp, 1.0 / steps, float(sigma), steps),) * int(epochs)
 
 
 class DPSession:
@@ -354,15 +434,22 @@ class DPSession:
         self.ledger = guard.ledger
 
         self.noise = noise if noise is not None else NoiseSource()
-        self.stream = None                  # the charged epoch's stream (batches + noise); None = not charged
+        self.stream = None                  # the charged epoch's batch stream; None = not charged
+        self.step_noise: StepNoise | None = None   # the charged epoch's gradient noise (its own stream)
         self.sigmas: list[float] = []       # sigma of every charged epoch, in order
         self.stopped_reason: str | None = None
         self._schedule = None
         self.base_sigma = self._initial_sigma(has_validation)
+        # a run calibrated to its budget has a plan: its epochs at that sigma. The guard composes it once and then
+        # lets the epochs that follow it through without composing (privacy.guard.BudgetGuard.expect)
+        expect = getattr(guard, "expect", None)
+        if dp.mode is NoiseMode.TARGET and expect is not None:
+            with phase("accounting"):
+                expect(self.owners, epoch_plan(dp, self.n, self.batch_size, self.planned_epochs, self.base_sigma))
 
         # Opacus wiring. The data loader only tells make_private the dataset size and batch size (it derives
         # q = 1/len(loader) and the expected batch size from it); batches themselves come from
-        # poisson_batches / shuffled_batches, drawn from the epoch's noise stream.
+        # poisson_batches / shuffled_batches, drawn from the epoch's batch stream.
         index_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(self.n)),
                                                    batch_size=self.batch_size)
         if dp.per_layer:
@@ -388,8 +475,8 @@ class DPSession:
         if dp.mode is NoiseMode.FIXED:
             return float(dp.noise_multiplier or 6 ** 0.5)
         if dp.mode is NoiseMode.TARGET:
-            if dp.sampling == Sampling.POISSON:
-                return float(calibration.dpsgd_noise_multiplier(
+            if dp.sampling == Sampling.POISSON:   # memoised on disk: the guard verifies the plan anyway
+                return float(accounting.dpsgd_noise_multiplier(
                     dp.epsilon, dp.delta, self.sampling_rate, self.steps * self.planned_epochs,
                     accountant=dp.accountant, relation=dp.relation))
             return float(calibration.shuffled_noise_multiplier(dp.epsilon, dp.delta, self.planned_epochs,
@@ -423,6 +510,7 @@ class DPSession:
 
     def begin_epoch(self, epoch: int) -> bool:
         """Charge epoch ``epoch`` (0-based) before touching data. False = stop (budget spent)."""
+        self.end_epoch()
 
         sigma = self.sigma_for_epoch(epoch)
         event = _epoch_event(self.dp, self.sampling_rate, sigma, self.steps)
@@ -431,7 +519,8 @@ class DPSession:
                 "relation": self.dp.relation}
         try:
             # charge = check, then a durable ledger record; a refusal records nothing
-            self.guard.charge(self.owners, event, release_id=self.release_id(epoch), note=note)
+            with phase("accounting"):
+                self.guard.charge(self.owners, event, release_id=self.release_id(epoch), note=note)
         except BudgetExceeded:
             if self.dp.mode is NoiseMode.TARGET:
                 raise  # the plan was calibrated to fit: a refusal is a real error (e.g. an already used ledger)
@@ -439,10 +528,34 @@ class DPSession:
             return False
         self.sigmas.append(sigma)
         self.optimizer.noise_multiplier = sigma
-        # opened only after the charge
+        # opened only after the charge: the epoch's stream gives the batches, and a stream spawned from it the
+        # gradient noise (drawn ahead on a thread, so the two never share one: each repeats in its own fixed order
+        # under reproducible noise)
         self.stream = self.noise.generator(f"{self.dp.stream_prefix or self.dp.release_prefix}:epoch-{epoch}")
+        params = self.optimizer.params
+        self.step_noise = StepNoise(self.stream.spawn(), steps=self.steps,
+                                    size=sum(p.numel() for p in params), device=params[0].device,
+                                    workers=noise_workers(params[0].device))
         return True
 
+    def end_epoch(self) -> None:
+        """Stop the epoch's noise thread (called by the next ``begin_epoch`` and by ``finish``)."""
+        if self.step_noise is not None:
+            self.step_noise.close()
+            self.step_noise = None
+
+    def epoch_epsilon(self) -> float | None:
+        """The ledger's epsilon after the epochs charged so far, or None while the run follows its verified plan
+        short of its end: the guard then composes nothing per epoch, and the ledger's figure comes at the end,
+        from the plan's one composition (``spent``)."""
+        owner = self.owners[0]
+        plan_of = getattr(self.guard, "plan_of", None)
+        plan = plan_of(owner) if plan_of is not None else None
+        if plan is not None and tuple(self.ledger.events(owner)) != plan:
+            return None
+        return self.spent(with_rdp=False)["epsilon"]
+
+    @timed("accounting")
     def spent(self, owner: str | None = None, with_rdp: bool = True) -> dict[str, Any]:
         """epsilon from the ledger (the reporting accountant and relation), plus comparison figures.
 
@@ -457,17 +570,18 @@ class DPSession:
                "relation": spent.relation, "releases": spent.releases, "adaptive": self.dp.adaptive,
                "epsilon_rdp": None, "epsilon_add_remove": None, "epsilon_replace_one": None}
         events = self.ledger.events(owner) if with_rdp else []
-        out.update(epsilon_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
+        # comparison figures: pure functions of the events, memoised on disk (task.accounting)
+        out.update(memoised_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
         if with_rdp and self.dp.sampling == Sampling.POISSON:
             try:
-                out["epsilon_rdp"] = float(epsilon_spent(events, self.dp.delta, accountant="rdp")[0])
+                out["epsilon_rdp"] = memoised_epsilon_spent(events, self.dp.delta, accountant="rdp")
             except Exception:  # RDP is informative only (refuses replace-one/adaptive); never break a run
                 out["epsilon_rdp"] = None
         return out
 
     # -- steps -----------------------------------------------------------------------------------------
     def batches(self) -> Iterator[torch.Tensor]:
-        """The charged epoch's batches (Poisson or shuffled), from the epoch's noise stream."""
+        """The charged epoch's batches (Poisson or shuffled), from the epoch's batch stream."""
         if self.stream is None:
             raise RuntimeError("DPSession.batches: begin_epoch must charge the epoch first")
         if self.dp.sampling == Sampling.POISSON:

@@ -29,12 +29,13 @@ from typing import Any, Mapping
 import nibabel as nib
 import numpy as np
 
-from privacy.accountants import epsilon_per_relation
 from privacy.ledger import Ledger
 from task.bundle import CardGuarantee, privacy_card, save_bundle
 from task.data.preprocess import invert_label
-from task import inference, realcheck
+from task import inference, phases, realcheck
+from task.accounting import memoised_per_relation
 from task.io import atomic_write_bytes, atomic_write_json
+from task.phases import phase
 from task.metrics import DICE_KEYS
 
 
@@ -76,7 +77,7 @@ class RunResults:
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
         """Fill ε, δ, relation and accountant from ``ledger``: the worst owner's, plus that mechanism's ε
-        under each relation where it is defined (``privacy.accountants.epsilon_per_relation``). An empty
+        under each relation where it is defined (``privacy.accountants.epsilon_per_relation``, memoised). An empty
         ledger has spent nothing: ε = 0 under the ``relation`` the method declares."""
         self.delta = float(delta)
         owners = ledger.owners()
@@ -125,7 +126,8 @@ def _worst_per_relation(ledger: Ledger, spent: Mapping[str, Any], delta: float) 
         events = ledger.events(owner)
         key = (tuple(repr(event) for event in events), owner_spent.relation)
         if key not in seen:
-            seen[key] = epsilon_per_relation(events, delta, owner_spent.relation, owner_spent.epsilon)
+            # memoised on disk (task.accounting): the run's DP-SGD session asked for the same figure
+            seen[key] = memoised_per_relation(events, delta, owner_spent.relation, owner_spent.epsilon)
         rows.append(seen[key])
     return {name: None if any(row[name] is None for row in rows) else max(row[name] for row in rows)
             for name in ("epsilon_add_remove", "epsilon_replace_one")}
@@ -149,10 +151,33 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     """Write a run folder: the model bundle (card from ``out/ledger.jsonl``), predictions, results.json.
 
     ``started`` (``time.perf_counter()`` at the start of the run): ``wall_seconds`` then covers
-    everything up to this write. Returns the dict written.
+    everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.phases``). Returns the
+    dict written.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with phase("writing"):
+        _write_release(out, results, release)
+    if started is not None:
+        results.wall_seconds = round(time.perf_counter() - started, 3)
+        # where the wall time went (task.phases); under the same privacy note as the wall time where it has one
+        results.extras["phase_seconds"] = phases.seconds_since(started)
+        flagged = results.extras.get("not_private_diagnostics")
+        if isinstance(flagged, list) and "wall_seconds" in flagged and "phase_seconds" not in flagged:
+            flagged.append("phase_seconds")
+    if results.dice is not None and results.inference is None:
+        # every segmentation producer scores its release with task.training.evaluate_release
+        results.inference = inference.DESCRIPTION
+    if release is not None and results.real_check is None:
+        # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
+        results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
+    record = results.to_dict()
+    atomic_write_json(out / "results.json", record)
+    return record
+
+
+def _write_release(out: Path, results: RunResults, release: ModelRelease | None) -> None:
+    """The model bundle (its card from ``out/ledger.jsonl``) and the test predictions of ``release``, if any."""
     if release is not None:
         card = privacy_card(method=results.method, ledger_path=out / "ledger.jsonl", data_source=release.data_source,
                             guarantee=CardGuarantee(delta=results.delta, epsilon_budget=results.epsilon_budget,
@@ -165,17 +190,6 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
         if release.test_predictions is not None:
             labels, world = release.test_predictions
             results.extras["predictions"] = write_test_predictions(out / "predictions", labels, world)
-    if started is not None:
-        results.wall_seconds = round(time.perf_counter() - started, 3)
-    if results.dice is not None and results.inference is None:
-        # every segmentation producer scores its release with task.training.evaluate_release
-        results.inference = inference.DESCRIPTION
-    if release is not None and results.real_check is None:
-        # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
-        results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
-    record = results.to_dict()
-    atomic_write_json(out / "results.json", record)
-    return record
 
 
 def trust_of(results: RunResults) -> dict[str, Any]:

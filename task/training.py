@@ -49,6 +49,7 @@ from task.device import autocast, model_device, resolve_device
 from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
 from task.inference import mirrored_probabilities
+from task.phases import timed
 from task.io import atomic_save_torch
 from task.networks import corrected_logits, freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
@@ -362,9 +363,10 @@ class _DPSGDTraining:
     optimiser, the ledger, the noise stream.
 
     Its order of operations is the privacy argument's: ``begin_epoch`` charges the epoch to the ledger before
-    the epoch's stream is opened; the batches come from that stream one at a time, so batch i+1 is drawn only
-    after step i's noise (never prefetched); an empty Poisson batch still takes its noise-only step where it
-    falls; the loss and the batch sizes are never recorded, only sigma and the ledger's epsilon."""
+    the epoch's streams are opened; the batches come from their stream one at a time, and the noise from its
+    own (drawn a step ahead on a thread, ``task.dpsgd.StepNoise``); batches are not prefetched, so an empty
+    Poisson batch takes its noise-only step where it falls, after the step before it; the loss and the batch
+    sizes are never recorded, only sigma and the ledger's epsilon."""
 
     prefetch_safe = False
 
@@ -396,8 +398,11 @@ class _DPSGDTraining:
     def epoch_record(self, epoch: int) -> dict[str, Any]:
         # DP-SGD releases only the noisy model: the training loss and the Poisson batch sizes (the secret
         # randomness the amplification relies on) are never recorded, printed or checkpointed
+        # the ledger's epsilon; none on the epochs of a verified plan short of its end (composing it every epoch
+        # is what the plan saves: DPSession.epoch_epsilon)
+        epsilon = self.session.epoch_epsilon()
         return {"epoch": epoch + 1, "noise_multiplier": self.session.sigmas[-1],
-                "epsilon": self.session.spent(with_rdp=False)["epsilon"]}
+                **({} if epsilon is None else {"epsilon": epsilon})}
 
     def observe_validation(self, score: float | None) -> None:
         self.session.observe_validation(score if score is not None else 0.0)
@@ -414,6 +419,7 @@ class _DPSGDTraining:
         self.session.load_state_dict(state)
 
     def finish(self, result: TrainResult) -> None:
+        self.session.end_epoch()
         _unwrap(self.model)
         spent = self.session.spent(with_rdp=self.session.comparison_figures)
         for figure in ("epsilon", "delta", "accountant", "relation", "epsilon_rdp", "epsilon_add_remove",
@@ -438,6 +444,7 @@ def _resume(state: dict, optimizer: torch.optim.Optimizer, generator: torch.Gene
     return history, start_epoch
 
 
+@timed("training", default=True)
 def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config: TrainConfig,
                        private: PrivateTraining | None = None,
                        validation: tuple[Any, Any] | None = None) -> TrainResult:
@@ -741,6 +748,7 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, dev
     return predict_probs(model, images, batch_size, device, precision, mirror).argmax(axis=1).astype(np.int64)
 
 
+@timed("evaluation")
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                           device: Any = None, precision: str = Precision.FP32) -> dict:
     """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``: the first
@@ -765,6 +773,7 @@ class PerCaseDice(list):
         self.by_class = dict(by_class or {})
 
 
+@timed("evaluation")
 def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                                    device: Any = None, precision: str = Precision.FP32,
                                    mirror: bool = False) -> tuple[dict, PerCaseDice]:
@@ -789,6 +798,7 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
     return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
 
 
+@timed("evaluation")
 def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
                      precision: str = Precision.FP32) -> tuple[dict, PerCaseDice]:
     """How every released model is scored on the phantom test set: :func:`evaluate_segmentation_per_case`

@@ -9,6 +9,12 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+# the calibrations the tests make are never memoised in the user's cache (task.accounting; and see
+# own_accounting_memo below: each test has its own memo)
+if "FEDPATE_ACCOUNTING_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["FEDPATE_ACCOUNTING_CACHE"] = tempfile.mkdtemp(prefix="fedpate-test-accounting-")
 
 try:
     import torch
@@ -20,6 +26,13 @@ except ImportError:  # the privacy tests do not need torch
 
 # ------------------------------------------------------------------ shared data fixtures (task/data)
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def own_accounting_memo(monkeypatch, tmp_path_factory):
+    """Every test memoises its calibrations in a folder of its own (task.accounting): a test that replaces a
+    calibration by a stand-in never hands its value to another test."""
+    monkeypatch.setenv("FEDPATE_ACCOUNTING_CACHE", str(tmp_path_factory.mktemp("accounting-memo")))
 
 
 @pytest.fixture(scope="session")

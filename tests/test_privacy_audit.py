@@ -328,8 +328,9 @@ def test_dpsgd_canary_contributes_exactly_the_clip_without_noise(dpsgd):
 
 def test_dpsgd_batches_and_noise_come_from_the_charged_epochs_stream(dpsgd):
     """Replaying the stream DPSession opens after charging epoch e (named after its release id): its
-    Poisson masks and then each tensor's Gaussian draw, step by step, give the product's observations
-    exactly (float32): ``c b_t + sigma (-xi_a - xi_b)[canary coordinate] / sqrt 2``."""
+    Poisson masks, and from the stream spawned from it one flat float32 buffer per step (tensor a's noise,
+    then tensor b's), give the product's observations exactly (float32):
+    ``c b_t + sigma (-xi_a - xi_b)[canary coordinate] / sqrt 2``."""
     source = NoiseSource.reproducible(11)
     for with_canary in (True, False):
         run = pa.dpsgd_product_run(dpsgd, with_canary, source)
@@ -337,9 +338,11 @@ def test_dpsgd_batches_and_noise_come_from_the_charged_epochs_stream(dpsgd):
         expected, members = [], []
         for epoch in range(dpsgd.epochs):
             stream = source.generator(f"audit:epoch-{epoch}")
+            noise = stream.spawn()
             for _ in range(dpsgd.steps_per_epoch):
                 member = bool((stream.uniform((n,)) < dpsgd.sampling_rate)[-1])
-                xi_a, xi_b = (stream.standard_normal((1, dpsgd.dim)) for _ in range(2))
+                flat = noise.standard_normal((2 * dpsgd.dim,)).astype(np.float32)
+                xi_a, xi_b = flat[None, :dpsgd.dim], flat[None, dpsgd.dim:]
                 members.append(member)
                 expected.append(_contribution(dpsgd, with_canary) * member
                                 + dpsgd.sigma * (-xi_a[0, 1] - xi_b[0, 1]) / math.sqrt(2))

@@ -36,13 +36,15 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from privacy import calibration
 from server.selftrain import start_description, train_public_models
-from task.dpsgd import DEFAULT_GRAD_SAMPLE_MODE, DPConfig, check_first_epoch, private_training, steps_per_epoch
+from task.dpsgd import (DEFAULT_GRAD_SAMPLE_MODE, DPConfig, check_first_epoch, epoch_plan, private_training,
+                        steps_per_epoch)
 from task.compute import Compute, check_compute
 from task.device import device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
+from task import accounting
+from task.phases import phase
 from task import methods as registered_methods
 from task.methods import CENTRAL_METHODS
 from task.networks import build_unet, network_config, network_config_of
@@ -404,7 +406,8 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     record_central_settings(config, out, p.reference, epsilon, delta)
 
     torch.manual_seed(seed)
-    world = load_central_data(p, seed=seed, data=config.data, progress=config.compute.progress, **config.where)
+    with phase("data"):
+        world = load_central_data(p, seed=seed, data=config.data, progress=config.compute.progress, **config.where)
     # the grid needs one sigma for all its runs: Poisson sampling in target mode (PLD composition)
     settings = settings_grid(p, config.private, config.training.explicit(),
                              grid=(config.private and dpsgd.noise_mode is NoiseMode.TARGET
@@ -413,9 +416,10 @@ def prepare_run(config: CentralConfig) -> PooledRun:
     out.mkdir(parents=True, exist_ok=True)
     start_weights = None
     if config.init is Init.PUBLIC:
-        start_weights = public_start(p, seed=seed, data=config.data, progress=config.compute.progress,
-                                     checkpoint=config.public_model_checkpoint or out / "public-model.pt",
-                                     device=device, precision=precision, **config.where)
+        with phase("public model"):
+            start_weights = public_start(p, seed=seed, data=config.data, progress=config.compute.progress,
+                                         checkpoint=config.public_model_checkpoint or out / "public-model.pt",
+                                         device=device, precision=precision, **config.where)
     ledger, guard = _open_ledger(config, out / "ledger.jsonl", world["hospital_ids"], epsilon, delta)
     prefix = _release_prefix(out / "ledger.jsonl") if config.private else None
     noise = (NoiseSource.reproducible(seed) if dpsgd.reproducible_noise else NoiseSource()).child(
@@ -452,7 +456,8 @@ def _plan_budget(config: CentralConfig, world: dict, settings: list[dict], epsil
     if len(settings) == 1:
         return None
     n = len(world["train_ids"])
-    return calibration.composed_dpsgd_noise_multiplier(
+    # memoised on disk (task.accounting): the guard composes the grid's plan once anyway (_train_grid)
+    return accounting.composed_dpsgd_noise_multiplier(
         epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]), steps_per_epoch(n, s["batch_size"]) * s["epochs"])
                          for s in settings],
         relation=relation)
@@ -476,6 +481,14 @@ def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
     ``(setting, TrainResult, validation Dice)`` and the last entry's DPConfig (None without DP-SGD)."""
     config, p, settings, world = run.config, run.preset, run.settings, run.world
     candidates, dp = [], None
+    if config.private and run.grid_sigma is not None:
+        # the grid's calibrated plan (every entry's epochs at the one sigma, in order), composed once by the run's
+        # guard: the epochs that follow it are then charged without a composition each (BudgetGuard.expect)
+        n = len(world["train_ids"])
+        plan = [event for index, setting in enumerate(settings) for event in epoch_plan(
+            _dp_config(p, config.dpsgd, run.epsilon, run.delta, setting, run.grid_sigma, release_prefix="plan"),
+            n, setting["batch_size"], setting["epochs"], run.grid_sigma)]
+        run.guard.expect(tuple(world["hospital_ids"]), plan)
     for index, setting in enumerate(settings):
         tag = "" if len(settings) == 1 else f":setting-{index}"
         train_config = _setting_training(
@@ -493,7 +506,11 @@ def _train_grid(run: PooledRun) -> tuple[list, DPConfig | None]:
                                                      noise=run.noise.child(f"setting-{index}") if tag else run.noise),
                                     validation=world["validation"])
         validation_dice = None
-        if world["validation"] is not None:   # public: the only data a choice of setting may look at
+        last = result.history[-1] if result.history else {}
+        if world["validation"] is not None and setting.get("ema_decay") is None and "validation_dice_mean" in last:
+            # the training scored this very model on the same set after its last epoch: scored once, not twice
+            validation_dice = last["validation_dice_mean"]
+        elif world["validation"] is not None:   # public: the only data a choice of setting may look at
             validation_dice = evaluate_segmentation(result.model, *world["validation"], device=run.device,
                                                     precision=run.precision).get("mean")
         candidates.append((setting, result, validation_dice))

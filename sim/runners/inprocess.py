@@ -20,6 +20,7 @@ from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
+from server.protocols import PhasedTransport
 from task.compute import Compute, check_compute
 from task.errors import UserError
 from task import methods
@@ -204,6 +205,7 @@ def run_pate_inprocess(run: InProcessPateRun) -> dict:
     hospital_config = dict(run.hospital_config or HospitalRequest(ledger_dir=str(out / "hospital-ledgers"),
                                                                   lifetime_epsilon=epsilon, delta=delta,
                                                                   allow_identity=True).to_config())
-    transport = InProcessTransport(members, drop=run.drop, base_config=hospital_config)
+    # the hospitals' work timed as the cell's phases (teachers, queries), as server.protocols.run_cell does
+    transport = PhasedTransport(InProcessTransport(members, drop=run.drop, base_config=hospital_config))
     config = PateConfig(run.method, epsilon, delta, seed=run.seed, compute=run.compute, **run.options)
     return run_pate(transport, load_world(prepared, split), preset, config, out, noise=run.noise)

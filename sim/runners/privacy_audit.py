@@ -208,7 +208,7 @@ def memoised_accounting():
     ε under the other relation, and RDP) are memoised per (events, δ, ...), like the guard's verdicts:
     they do not depend on the run's randomness, and each is a PLD / RDP composition."""
 
-    real_per_relation, real_spent = dpsgd.epsilon_per_relation, dpsgd.epsilon_spent
+    real_per_relation, real_spent = dpsgd.memoised_per_relation, dpsgd.memoised_epsilon_spent
 
     def per_relation(events, delta, relation, epsilon):
         key = ("per-relation", _events_json(events), float(delta), relation, epsilon)
@@ -218,8 +218,8 @@ def memoised_accounting():
         key = ("epsilon_spent", _events_json(events), float(delta), repr(sorted(options.items())))
         return _memoised(key, lambda: real_spent(events, delta, **options))
 
-    with mock.patch.object(dpsgd, "epsilon_per_relation", per_relation), \
-            mock.patch.object(dpsgd, "epsilon_spent", spent):
+    with mock.patch.object(dpsgd, "memoised_per_relation", per_relation), \
+            mock.patch.object(dpsgd, "memoised_epsilon_spent", spent):
         yield
 
 # ================================================================================================ PATE

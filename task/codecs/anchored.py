@@ -30,6 +30,7 @@ from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, ch
                              clip_rows, encode, register_codec, row_bound, scalar, zero_rows)
 from task.codecs.headfit import fit_head_decode
 from task.errors import UserError
+from task.phases import timed
 from task.options import Decoder, look_up_option
 from task.presets import Codec
 
@@ -522,6 +523,7 @@ class AnchoredResidualCompressor(Compressor):
         and, with intensity bins, their bin map (from the public scans)."""
         return with_anchor(state, public_probs, scans)
 
+    @timed("decoding")
     def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float,
                        scans: np.ndarray | None = None) -> np.ndarray:
         """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from task.codecs.core import check_probabilities, codec_kind, encode, one_hot, row_bound
 from task.errors import UserError
+from task.phases import timed
 from task.methods import methods
 from task.options import Relation
 from task.presets import Codec
@@ -95,6 +96,7 @@ class Compressor:
         ``scans``: the public model's probabilities for the batch's public scans, and the scans."""
         return state
 
+    @timed("decoding")
     def decode_release(self, z: np.ndarray, public_probs: np.ndarray | None, sigma: float,
                        scans: np.ndarray | None = None) -> np.ndarray:
         """Probabilities from noisy mean latents of noise ``sigma`` (default: :meth:`decode`)."""
