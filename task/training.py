@@ -619,6 +619,242 @@ class _FrozenUNetMemo:
         return cls(model.model, budget_bytes)
 
 
+# ----------------------------------------------------------------------------------- stacked voxel heads
+#: how many bytes of intermediate tensors one step of stacked heads (or one group of answers) may hold on the host;
+#: on a GPU a quarter of its free memory (:func:`stacked_budget_bytes`)
+HOST_STACK_BYTES = 256 * 2 ** 20
+
+
+def stacked_budget_bytes(device) -> int:
+    """The memory a group of stacked voxel heads may fill on ``device`` (its intermediate tensors)."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(max(HOST_STACK_BYTES, free // 4))
+    return HOST_STACK_BYTES
+
+
+def _groups(count: int, per_item_bytes: int, budget_bytes: int) -> list[range]:
+    """``range(count)`` cut into consecutive groups of at most ``budget_bytes // per_item_bytes`` (at least 1)."""
+    size = max(1, int(budget_bytes) // max(1, int(per_item_bytes)))
+    return [range(start, min(count, start + size)) for start in range(0, count, size)]
+
+
+def stacked_training_applies(model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None) -> bool:
+    """Whether ``model``'s training under ``config`` may be one of :func:`train_stacked_voxel_heads`' heads: plain
+    training (DP-SGD keeps each teacher's own Opacus session, sampling and noise), of the voxel head only, without
+    augmentation (then every sample's frozen U-Net output is one fixed tensor), with the default loss, optimiser
+    and no checkpoint, moving average or views, on a U-Net whose output does not depend on train/eval mode or on
+    the other samples (:func:`task.headgrad.check_unet_deterministic`)."""
+    from task.headgrad import check_unet_deterministic
+    from task.networks import VOXEL_HEAD, VoxelHeadUNet
+
+    if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
+        return False
+    if look_up_option(config.trainable, Trainable, "trainable") is not VOXEL_HEAD:
+        return False
+    if (config.loss_fn is not None or config.optimizer_factory is not None or config.checkpoint is not None
+            or config.ema_decay is not None or int(config.augmentation_multiplicity) != 1):
+        return False
+    try:
+        check_unet_deterministic(model.model)
+    except UserError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def stacked_head_features(unet: torch.nn.Module, images: torch.Tensor, device, precision: str = Precision.FP32,
+                          batch_size: int = 4) -> torch.Tensor:
+    """``[u(x), x]`` of every scan as (n, C + channels, V) float32 on ``device``: the frozen U-Net run once per
+    scan, in training mode under the run's autocast as the training loop runs it (instance normalisation without
+    running statistics: the same as eval mode, and per sample)."""
+    unet.to(device)
+    was_training = unet.training
+    unet.train()
+    parts = []
+    for start in range(0, len(images), int(batch_size)):
+        x = images[start:start + int(batch_size)].to(device)
+        with autocast(device, precision):
+            logits = unet(x)
+        parts.append(torch.cat([logits.float(), x], dim=1).flatten(2))
+    unet.train(was_training)
+    return torch.cat(parts)
+
+
+def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets: Any,
+                              samples: Sequence[Sequence[int]], seeds: Sequence[int], config: TrainConfig,
+                              budget_bytes: int | None = None):
+    """Train head k of ``heads`` (a :class:`task.networks.StackedVoxelHeads`, in place) on the frozen ``unet`` and
+    the samples ``samples[k]`` (indices into ``images`` / ``targets``) as :func:`train_segmentation` trains a
+    :class:`task.networks.VoxelHeadUNet` with that head under ``config`` with the seed ``seeds[k]`` -- for every k
+    at once; returns ``heads``.
+
+    The same maths, not the same bits: each teacher's batches come from its own generator (``seeds[k]``, the same
+    permutation per epoch as the loop draws), its loss is the mean per-sample Dice + CE of its own batch, and its
+    head takes the update of its own Adam (:class:`_StackedAdam`: Adam is per coordinate, so one optimiser over
+    the stacked heads with a step count per head is K independent Adams). What changes is the float summation
+    order (batched matrix products for 1x1x1 convolutions) and that the frozen U-Net runs once per scan instead of
+    once per batch: trained heads agree to float tolerance (tests/test_voxel_head.py), not bit for bit.
+    ``config`` must satisfy :func:`stacked_training_applies` (checked by the caller); a head with no samples, or
+    ``config.epochs == 0``, keeps its start. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds one
+    step's intermediate tensors: beyond it the heads train in consecutive groups, which changes nothing but the
+    memory.
+    """
+    if len(samples) != len(heads) or len(seeds) != len(heads):
+        raise UserError(f"stacked heads: {len(heads)} heads but {len(samples)} sample lists and {len(seeds)} seeds")
+    x_all, y_all = _training_tensors(images, targets, config)
+    device = resolve_device(config.compute.device)
+    heads.to(device)
+    trained = [k for k, own in enumerate(samples) if len(own) > 0] if config.epochs > 0 else []
+    if not trained:
+        return heads
+    features = stacked_head_features(unet, x_all, device, config.compute.precision)
+    y_all = y_all.to(device)
+    hidden = heads.first_weight.shape[1]
+    # one teacher's step: its batch's features, the hidden layer before and after PReLU (kept for backward), the
+    # class scores and the loss's softmax, one-hot and products (about ten class-sized maps)
+    per_teacher = config.batch_size * features.shape[2] * 4 * (features.shape[1] + 3 * hidden + 10 * heads.classes)
+    budget = stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+    for group in _groups(len(trained), per_teacher, budget):
+        members = [trained[i] for i in group]
+        part = heads.subset(members)
+        _train_head_group(part, features, y_all, [samples[k] for k in members], [seeds[k] for k in members],
+                          config, device)
+        with torch.no_grad():
+            chosen = torch.as_tensor(members, dtype=torch.long, device=device)
+            for mine, theirs in zip(part.parameters(), heads.parameters()):
+                theirs[chosen] = mine.detach()
+    return heads
+
+
+def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: int, batch_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every step of several teachers trained side by side: (index (T, K, B) into the samples, weight (T, K, B),
+    active (T, K)). Teacher k's step sequence is :class:`_PlainTraining`'s with generator seed ``seeds[k]``: per
+    epoch one ``randperm`` of its samples cut into batches; a step where a teacher has no batch left in the epoch
+    leaves it inactive (no update). A slot past a teacher's batch size points at sample 0 with weight 0; the others
+    weigh 1 / its batch size, so the weighted sum is its batch's mean loss."""
+    generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+    steps = []
+    for _ in range(int(epochs)):
+        batches = []
+        for own, generator in zip(samples, generators):
+            order = torch.randperm(len(own), generator=generator)
+            chosen = torch.as_tensor(list(own), dtype=torch.long)[order]
+            batches.append([chosen[i:i + batch_size] for i in range(0, len(own), batch_size)])
+        for j in range(max(len(b) for b in batches)):
+            steps.append([b[j] if j < len(b) else None for b in batches])
+    index = torch.zeros((len(steps), len(samples), batch_size), dtype=torch.long)
+    weight = torch.zeros((len(steps), len(samples), batch_size))
+    active = torch.zeros((len(steps), len(samples)), dtype=torch.bool)
+    for t, step in enumerate(steps):
+        for k, batch in enumerate(step):
+            if batch is None:
+                continue
+            index[t, k, :len(batch)] = batch
+            weight[t, k, :len(batch)] = 1.0 / len(batch)
+            active[t, k] = True
+    return index, weight, active
+
+
+def _train_head_group(heads, features: torch.Tensor, targets: torch.Tensor, samples, seeds, config: TrainConfig,
+                      device) -> None:
+    """:func:`train_stacked_voxel_heads` for one group of heads that fits the memory budget."""
+    index, weight, active = (t.to(device) for t in _batch_plan(samples, seeds, config.epochs, config.batch_size))
+    optimizer = _StackedAdam(list(heads.parameters()), config.learning_rate, weight_decay=config.weight_decay)
+    count, size = index.shape[1:]
+    classes, grid = heads.classes, targets.shape[1:]
+    heads.train()
+    for t in range(len(index)):
+        batch = features[index[t]]                       # (K, B, C + channels, V)
+        with autocast(device, config.compute.precision):
+            scores = batch[:, :, :classes] + heads.corrections(batch)
+        losses = per_sample_loss(scores.float().reshape(count * size, classes, *grid),
+                                 targets[index[t].reshape(-1)])
+        loss = (losses.view(count, size) * weight[t]).sum()
+        optimizer.step(torch.autograd.grad(loss, optimizer.parameters), active[t])
+
+
+class _StackedAdam:
+    """``torch.optim.Adam``'s update (Kingma & Ba 2014, arXiv 1412.6980, as torch writes it: no AMSGrad, L2 weight
+    decay added to the gradient) for parameters stacked along dim 0 over K independent models, each with its own
+    step count: at a step where model k is not ``active`` its slice -- parameters, moments, step count -- stays
+    exactly as it was (one ``torch.optim.Adam`` over the stack would count the step and move it by its momentum).
+    Adam is per coordinate, so this is K independent Adam runs."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], learning_rate: float, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.parameters = list(parameters)
+        self.learning_rate, self.betas, self.eps = float(learning_rate), betas, float(eps)
+        self.weight_decay = float(weight_decay)
+        first = self.parameters[0]
+        self.steps = torch.zeros(len(first), dtype=torch.float64, device=first.device)
+        self.first_moments = [torch.zeros_like(p) for p in self.parameters]
+        self.second_moments = [torch.zeros_like(p) for p in self.parameters]
+
+    @torch.no_grad()
+    def step(self, gradients: Sequence[torch.Tensor], active: torch.Tensor) -> None:
+        beta1, beta2 = self.betas
+        self.steps += active.to(self.steps.dtype)
+        steps = self.steps.clamp(min=1.0)    # an inactive model's update is computed and discarded
+        step_size = (self.learning_rate / (1.0 - beta1 ** steps)).to(self.parameters[0].dtype)
+        correction = torch.sqrt(1.0 - beta2 ** steps).to(self.parameters[0].dtype)
+        for parameter, gradient, first, second in zip(self.parameters, gradients, self.first_moments,
+                                                      self.second_moments):
+            shape = (-1,) + (1,) * (parameter.dim() - 1)
+            keep = active.view(shape)
+            if self.weight_decay:
+                gradient = gradient.add(parameter, alpha=self.weight_decay)
+            new_first = first.lerp(gradient, 1.0 - beta1)
+            new_second = torch.addcmul(second * beta2, gradient, gradient, value=1.0 - beta2)
+            denominator = (new_second.sqrt() / correction.view(shape)).add_(self.eps)
+            moved = parameter + (-step_size).view(shape) * (new_first / denominator)
+            first.copy_(torch.where(keep, new_first, first))
+            second.copy_(torch.where(keep, new_second, second))
+            parameter.copy_(torch.where(keep, moved, parameter))
+
+
+@torch.no_grad()
+def stacked_head_probabilities(unet: torch.nn.Module, heads, images: Any, batch_size: int = 2, device: Any = None,
+                               precision: str = Precision.FP32, budget_bytes: int | None = None
+                               ) -> Iterator[tuple[range, torch.Tensor]]:
+    """The softmax output of every :class:`task.networks.VoxelHeadUNet` made of the U-Net ``unet`` and one head of
+    ``heads`` (:class:`task.networks.StackedVoxelHeads`) on ``images``, as ``(heads k, probabilities (len(k), n, C,
+    *g) float32 on device)`` for consecutive groups of heads -- the U-Net run once per scan, every head of a group
+    in one batched product, nothing copied to the host.
+
+    What :func:`predict_probs` gives for each such network, up to float summation order: the same batches of
+    ``batch_size`` scans through the U-Net, the same autocast context (``precision``), the softmax on float32
+    scores. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds a group's output and intermediates.
+    """
+    device = model_device(unet) if device is None else resolve_device(device)
+    unet.to(device).eval()
+    heads.to(device).eval()
+    x_all = _as_tensor(images, torch.float32)
+    batches = []
+    for start in range(0, len(x_all), batch_size):
+        x = x_all[start:start + batch_size].to(device)
+        with autocast(device, precision):
+            batches.append((x, unet(x)))
+    if not batches:
+        return
+    n, voxels = len(x_all), int(np.prod(x_all.shape[2:]))
+    hidden = heads.first_weight.shape[1]
+    per_head = 4 * voxels * (n * heads.classes + batch_size * 2 * hidden)
+    budget = stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+    for group in _groups(len(heads), per_head, budget):
+        part = heads if len(group) == len(heads) else heads.subset(group)
+        out = torch.empty((len(group), n, heads.classes, *x_all.shape[2:]), dtype=torch.float32, device=device)
+        at = 0
+        for x, logits in batches:
+            with autocast(device, precision):
+                scores = part(logits, x)
+            out[:, at:at + len(x)] = torch.softmax(scores.float(), dim=2)
+            at += len(x)
+        yield group, out
+
+
 class _ParameterAverage:
     """Exponential moving average of the trained parameters over optimiser steps (Polyak averaging; De et
     al. 2022, arXiv 2204.13650, use it for DP-SGD). It reads only the iterates DP-SGD already released, so the
