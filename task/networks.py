@@ -138,7 +138,7 @@ class VoxelHeadUNet(torch.nn.Module):
 
 def corrected_logits(head: torch.nn.Module, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A voxel head's correction added to the U-Net's ``logits`` on the scan ``x``: :class:`VoxelHeadUNet`'s output,
-    for callers that computed ``logits`` once for several heads (``task.training.predict_probs_per_head``)."""
+    for callers that computed ``logits`` once (several heads on the same U-Net: :class:`StackedVoxelHeads`)."""
     return logits + head(torch.cat([logits, x], dim=1))
 
 
@@ -216,28 +216,23 @@ class StackedVoxelHeads(torch.nn.Module):
         states = [self.head_state(k) for k in range(len(self))]
         return {name: torch.stack([state[name] for state in states]).cpu() for name in VOXEL_HEAD_NAMES}
 
-    def corrections(self, features: torch.Tensor) -> torch.Tensor:
-        """Each head's correction of the class scores from ``features`` (K, m, inputs, V) -- head k reads its own
-        m samples -- as (K, m, classes, V)."""
-        count, m, inputs, voxels = features.shape
-        flat = features.transpose(1, 2).reshape(count, inputs, m * voxels)
-        hidden = torch.bmm(self.first_weight, flat) + self.first_bias.unsqueeze(-1)
-        out = torch.bmm(self.second_weight, self._prelu(hidden)) + self.second_bias.unsqueeze(-1)
-        return out.view(count, self.classes, m, voxels).transpose(1, 2)
+    def corrections(self, features: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Each sample's correction of its class scores under its own head: ``features`` (S, inputs, V), ``heads``
+        (S,) the head of each sample; (S, classes, V). Gradients reach each head's slice from its own samples only
+        (the per-example-parameter construction of :func:`task.headgrad.per_sample_head_gradients`)."""
+        hidden = torch.baddbmm(self.first_bias[heads].unsqueeze(-1), self.first_weight[heads], features)
+        active = _prelu(hidden, self.slope[heads])
+        return torch.baddbmm(self.second_bias[heads].unsqueeze(-1), self.second_weight[heads], active)
 
     def shared_corrections(self, features: torch.Tensor) -> torch.Tensor:
         """Every head's correction from the same ``features`` (m, inputs, V): (K, m, classes, V)."""
         m, inputs, voxels = features.shape
         flat = features.transpose(0, 1).reshape(inputs, m * voxels)
         count, hidden_units = self.first_weight.shape[:2]
-        hidden = (self.first_weight.reshape(count * hidden_units, inputs) @ flat).view(count, hidden_units, -1)
-        hidden = hidden + self.first_bias.unsqueeze(-1)
-        out = torch.bmm(self.second_weight, self._prelu(hidden)) + self.second_bias.unsqueeze(-1)
+        hidden = torch.addmm(self.first_bias.reshape(-1, 1), self.first_weight.reshape(count * hidden_units, inputs),
+                             flat).view(count, hidden_units, -1)
+        out = torch.baddbmm(self.second_bias.unsqueeze(-1), self.second_weight, _prelu(hidden, self.slope))
         return out.view(count, self.classes, m, voxels).transpose(1, 2)
-
-    def _prelu(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Head k's PReLU on ``hidden[k]`` (K, hidden, ...): torch's own, with the heads as its channel axis."""
-        return torch.nn.functional.prelu(hidden.unsqueeze(0), self.slope).squeeze(0)
 
     def forward(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """:func:`corrected_logits` of every head on the same U-Net ``logits`` (m, C, *g) and scans ``x``:
@@ -245,6 +240,13 @@ class StackedVoxelHeads(torch.nn.Module):
         features = torch.cat([logits, x], dim=1).flatten(2)
         scores = logits.flatten(2).unsqueeze(0) + self.shared_corrections(features)
         return scores.reshape(len(self), *logits.shape)
+
+
+def _prelu(hidden: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """PReLU of ``hidden[i]`` (n, ...) with the slope ``slopes[i]``: ``x`` where ``x > 0``, else ``slope x``. Written
+    as ``x + (1 - slope) relu(-x)``: torch's PReLU takes one slope per channel, not per head, and ``torch.where``
+    was several times slower on a CPU (the gradient at exactly 0 is 1, not the slope: a set of measure zero)."""
+    return hidden + (1.0 - slopes).view(-1, *(1,) * (hidden.dim() - 1)) * torch.relu(-hidden)
 
 
 def _head_values(head: torch.nn.Module) -> list[torch.Tensor]:

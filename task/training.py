@@ -50,7 +50,7 @@ from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
 from task.inference import mirrored_probabilities
 from task.io import atomic_save_torch
-from task.networks import corrected_logits, freeze_all_but, load_start_weights
+from task.networks import freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
 from task.options import AugmentOn, Precision, Trainable, look_up_option
 
@@ -694,47 +694,49 @@ def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets
     permutation per epoch as the loop draws), its loss is the mean per-sample Dice + CE of its own batch, and its
     head takes the update of its own Adam (:class:`_StackedAdam`: Adam is per coordinate, so one optimiser over
     the stacked heads with a step count per head is K independent Adams). What changes is the float summation
-    order (batched matrix products for 1x1x1 convolutions) and that the frozen U-Net runs once per scan instead of
-    once per batch: trained heads agree to float tolerance (tests/test_voxel_head.py), not bit for bit.
+    order (matrix products for 1x1x1 convolutions) and that the frozen U-Net runs once per scan instead of once
+    per batch: trained heads agree to float tolerance (tests/test_voxel_head.py), not bit for bit.
     ``config`` must satisfy :func:`stacked_training_applies` (checked by the caller); a head with no samples, or
-    ``config.epochs == 0``, keeps its start. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds one
-    step's intermediate tensors: beyond it the heads train in consecutive groups, which changes nothing but the
-    memory.
+    ``config.epochs == 0``, keeps its start. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds the
+    intermediate tensors of one pass: a step's samples (every teacher's batch) go through in chunks that fit it,
+    their gradients summed before the step, which changes nothing but the memory.
     """
     if len(samples) != len(heads) or len(seeds) != len(heads):
         raise UserError(f"stacked heads: {len(heads)} heads but {len(samples)} sample lists and {len(seeds)} seeds")
     x_all, y_all = _training_tensors(images, targets, config)
     device = resolve_device(config.compute.device)
-    heads.to(device)
-    trained = [k for k, own in enumerate(samples) if len(own) > 0] if config.epochs > 0 else []
-    if not trained:
+    heads.to(device).train()
+    if config.epochs <= 0 or not any(len(own) for own in samples):
         return heads
     features = stacked_head_features(unet, x_all, device, config.compute.precision)
     y_all = y_all.to(device)
-    hidden = heads.first_weight.shape[1]
-    # one teacher's step: its batch's features, the hidden layer before and after PReLU (kept for backward), the
-    # class scores and the loss's softmax, one-hot and products (about ten class-sized maps)
-    per_teacher = config.batch_size * features.shape[2] * 4 * (features.shape[1] + 3 * hidden + 10 * heads.classes)
-    budget = stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
-    for group in _groups(len(trained), per_teacher, budget):
-        members = [trained[i] for i in group]
-        part = heads.subset(members)
-        _train_head_group(part, features, y_all, [samples[k] for k in members], [seeds[k] for k in members],
-                          config, device)
-        with torch.no_grad():
-            chosen = torch.as_tensor(members, dtype=torch.long, device=device)
-            for mine, theirs in zip(part.parameters(), heads.parameters()):
-                theirs[chosen] = mine.detach()
+    classes, grid = heads.classes, y_all.shape[1:]
+    # one sample's pass: its features, the hidden layer before and after PReLU (kept for backward), the class
+    # scores and the loss's softmax, one-hot and products (about ten class-sized maps)
+    per_sample = features.shape[2] * 4 * (features.shape[1] + 3 * heads.first_weight.shape[1] + 10 * classes)
+    chunk = max(1, (stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)) // per_sample)
+    optimizer = _StackedAdam(list(heads.parameters()), config.learning_rate, weight_decay=config.weight_decay)
+    for chosen, owners, weights, active in _batch_plan(samples, seeds, config.epochs, config.batch_size, device):
+        gradients = None
+        for start in range(0, len(chosen), chunk):
+            part = slice(start, start + chunk)
+            batch = features[chosen[part]]               # (S, C + channels, V): each sample under its teacher's head
+            with autocast(device, config.compute.precision):
+                scores = batch[:, :classes] + heads.corrections(batch, owners[part])
+            losses = per_sample_loss(scores.float().reshape(len(batch), classes, *grid), y_all[chosen[part]])
+            found = torch.autograd.grad((losses * weights[part]).sum(), optimizer.parameters)
+            gradients = found if gradients is None else [g + f for g, f in zip(gradients, found)]
+        optimizer.step(gradients, active)
     return heads
 
 
-def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: int, batch_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every step of several teachers trained side by side: (index (T, K, B) into the samples, weight (T, K, B),
-    active (T, K)). Teacher k's step sequence is :class:`_PlainTraining`'s with generator seed ``seeds[k]``: per
-    epoch one ``randperm`` of its samples cut into batches; a step where a teacher has no batch left in the epoch
-    leaves it inactive (no update). A slot past a teacher's batch size points at sample 0 with weight 0; the others
-    weigh 1 / its batch size, so the weighted sum is its batch's mean loss."""
+def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: int, batch_size: int, device
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every step of several teachers trained side by side, as (samples (S,), their teachers (S,), their loss
+    weights (S,), active teachers (K,) bool) on ``device``. Teacher k's step sequence is :class:`_PlainTraining`'s
+    with generator seed ``seeds[k]``: per epoch one ``randperm`` of its samples cut into batches, each sample of a
+    batch weighing 1 / its size (the batch's mean loss); a teacher with no batch left at a step of the epoch is
+    inactive there (no update). Drawn up front (a few thousand indices) and copied to the device once."""
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     steps = []
     for _ in range(int(epochs)):
@@ -744,36 +746,14 @@ def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: 
             chosen = torch.as_tensor(list(own), dtype=torch.long)[order]
             batches.append([chosen[i:i + batch_size] for i in range(0, len(own), batch_size)])
         for j in range(max(len(b) for b in batches)):
-            steps.append([b[j] if j < len(b) else None for b in batches])
-    index = torch.zeros((len(steps), len(samples), batch_size), dtype=torch.long)
-    weight = torch.zeros((len(steps), len(samples), batch_size))
-    active = torch.zeros((len(steps), len(samples)), dtype=torch.bool)
-    for t, step in enumerate(steps):
-        for k, batch in enumerate(step):
-            if batch is None:
-                continue
-            index[t, k, :len(batch)] = batch
-            weight[t, k, :len(batch)] = 1.0 / len(batch)
-            active[t, k] = True
-    return index, weight, active
-
-
-def _train_head_group(heads, features: torch.Tensor, targets: torch.Tensor, samples, seeds, config: TrainConfig,
-                      device) -> None:
-    """:func:`train_stacked_voxel_heads` for one group of heads that fits the memory budget."""
-    index, weight, active = (t.to(device) for t in _batch_plan(samples, seeds, config.epochs, config.batch_size))
-    optimizer = _StackedAdam(list(heads.parameters()), config.learning_rate, weight_decay=config.weight_decay)
-    count, size = index.shape[1:]
-    classes, grid = heads.classes, targets.shape[1:]
-    heads.train()
-    for t in range(len(index)):
-        batch = features[index[t]]                       # (K, B, C + channels, V)
-        with autocast(device, config.compute.precision):
-            scores = batch[:, :, :classes] + heads.corrections(batch)
-        losses = per_sample_loss(scores.float().reshape(count * size, classes, *grid),
-                                 targets[index[t].reshape(-1)])
-        loss = (losses.view(count, size) * weight[t]).sum()
-        optimizer.step(torch.autograd.grad(loss, optimizer.parameters), active[t])
+            step = [(k, b[j]) for k, b in enumerate(batches) if j < len(b)]
+            active = torch.zeros(len(samples), dtype=torch.bool)
+            active[[k for k, _ in step]] = True
+            steps.append((torch.cat([batch for _, batch in step]),
+                          torch.cat([torch.full((len(batch),), k) for k, batch in step]),
+                          torch.cat([torch.full((len(batch),), 1.0 / len(batch)) for _, batch in step]), active))
+    for step in steps:
+        yield tuple(t.to(device, non_blocking=True) for t in step)
 
 
 class _StackedAdam:
@@ -929,44 +909,6 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
     return np.concatenate(outs, axis=0)
 
 
-@torch.no_grad()
-def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Module], images: Any, batch_size: int = 2,
-                           device: Any = None, precision: str = Precision.FP32) -> Iterator[np.ndarray]:
-    """What :func:`predict_probs` gives for each :class:`task.networks.VoxelHeadUNet` that shares the U-Net
-    ``unet`` (its ``.model``) and has the voxel head ``heads[k]``, in head order -- with the U-Net run once.
-
-    Why: voxel-head teachers are the public model's frozen U-Net plus each teacher's 213-weight head, so the
-    U-Net's logits on the query scans are the same for all of them; running it once per teacher was most of a
-    hospital's answering time (one forward pass per teacher and scan). The batches, the autocast context and the
-    arithmetic are :func:`predict_probs`' own (the head's correction is :func:`task.networks.corrected_logits`, as
-    in the network's forward), so each array is the one that function returns for that teacher, bit for bit. The
-    logits of every scan are kept on ``device`` meanwhile (the size of one teacher's output).
-
-    Args:
-        unet: the U-Net every teacher shares (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
-        heads: each teacher's ``.voxel_head``; one array is yielded per head, in this order.
-        images: (n, 4, *g) volumes.
-        batch_size: volumes per forward pass (:func:`predict_probs`' default, so its batches are these).
-        device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
-    """
-    device = model_device(unet) if device is None else resolve_device(device)
-    unet.to(device).eval()
-    x_all = _as_tensor(images, torch.float32)
-    batches = []
-    for start in range(0, len(x_all), batch_size):
-        x = x_all[start:start + batch_size].to(device)
-        with autocast(device, precision):
-            batches.append((x, unet(x)))
-    for head in heads:
-        head.to(device).eval()
-        outs = []
-        for x, logits in batches:
-            with autocast(device, precision):
-                scores = corrected_logits(head, logits, x)
-            outs.append(torch.softmax(scores.float(), dim=1).cpu().numpy().astype(np.float32))
-        yield np.concatenate(outs, axis=0) if outs else np.zeros((0,), dtype=np.float32)
-
-
 def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
                    precision: str = Precision.FP32, mirror: bool = False) -> np.ndarray:
     """The argmax class (n, *g) int64 of :func:`predict_probs`.
@@ -1034,12 +976,18 @@ def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: A
 
 def dice_of_probabilities(probs: np.ndarray, labels: Any, batch_size: int = 2) -> dict:
     """:func:`evaluate_segmentation`'s Dice dict from the model's probabilities on the same images, already
-    computed (:func:`predict_probs`' or :func:`predict_probs_per_head`'s output): the same argmax and the same
+    computed (:func:`predict_probs`' or :func:`stacked_head_probabilities`' output): the same argmax and the same
     accumulation, ``batch_size`` cases at a time."""
+    return dice_of_labels(np.asarray(probs).argmax(axis=1), labels, batch_size)
+
+
+def dice_of_labels(predicted: np.ndarray, labels: Any, batch_size: int = 2) -> dict:
+    """:func:`dice_of_probabilities` from the argmax labels (n, *g) already taken (on the device that has the
+    probabilities: only the labels come to the host)."""
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
-    for start in range(0, len(probs), batch_size):
-        acc.add(np.asarray(probs[start:start + batch_size]).argmax(axis=1).astype(np.int64),
+    for start in range(0, len(predicted), batch_size):
+        acc.add(np.asarray(predicted[start:start + batch_size]).astype(np.int64),
                 y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate()
 
