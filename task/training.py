@@ -622,7 +622,7 @@ class _FrozenUNetMemo:
 # ----------------------------------------------------------------------------------- stacked voxel heads
 #: how many bytes of intermediate tensors one step of stacked heads (or one group of answers) may hold on the host;
 #: on a GPU a quarter of its free memory (:func:`stacked_budget_bytes`)
-HOST_STACK_BYTES = 256 * 2 ** 20
+HOST_STACK_BYTES = 16 * 2 ** 20
 
 
 def stacked_budget_bytes(device) -> int:
@@ -958,13 +958,22 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
             autocast; test-time mirroring).
     """
 
+    return _scored_per_case(model, images, labels, batch_size, device, precision, mirror)[:2]
+
+
+def _scored_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int, device: Any,
+                     precision: str, mirror: bool) -> tuple[dict, PerCaseDice, np.ndarray]:
+    """:func:`evaluate_segmentation_per_case` and the label maps (n, *g) uint8 it scored."""
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
+    predicted = []
     for start in range(0, len(x_all), batch_size):
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision, mirror)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
-    return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
+        predicted.append(pred.astype(np.uint8))
+    labels_out = np.concatenate(predicted) if predicted else np.zeros((0,), np.uint8)
+    return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table()), labels_out
 
 
 def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
@@ -972,6 +981,13 @@ def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: A
     """How every released model is scored on the phantom test set: :func:`evaluate_segmentation_per_case`
     with test-time mirroring (``task.inference``), as ``fedpate predict`` and the real-scan check run it."""
     return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision, mirror=True)
+
+
+def evaluate_release_predicting(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
+                                precision: str = Precision.FP32) -> tuple[dict, PerCaseDice, np.ndarray]:
+    """:func:`evaluate_release` and the test label maps (n, *g) uint8 it scored: what a run writes as its test
+    predictions, without predicting the 8 mirrorings of every test scan a second time."""
+    return _scored_per_case(model, images, labels, 2, device, precision, True)
 
 
 def dice_of_probabilities(probs: np.ndarray, labels: Any, batch_size: int = 2) -> dict:

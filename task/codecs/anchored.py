@@ -19,6 +19,8 @@ malicious one included: the mean of K rows moves by at most 2C/K.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Callable, Mapping
 
@@ -577,6 +579,17 @@ class AnchoredResidualCompressor(Compressor):
                        scans: np.ndarray | None = None) -> np.ndarray:
         """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""
         return self.decode(z, public_probs, sigma=sigma, scans=scans)
+
+    def noise_free_decode_key(self) -> str:
+        """The fitted state, the settings and the device: the decoders read nothing else but the latents, the
+        anchor and the scans (the head-fit decoder's own settings are fixed; docs/decisions/head-fit-decoder.md)."""
+        digest = hashlib.sha256(json.dumps({**self.describe(), "device": str(self.device)}, sort_keys=True,
+                                           default=str).encode())
+        state = self.state()
+        for name in sorted(state):
+            value = np.ascontiguousarray(np.asarray(state[name]))
+            digest.update(f"{name}:{value.dtype}:{value.shape}".encode() + value.tobytes())
+        return digest.hexdigest()
 
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
