@@ -696,10 +696,20 @@ def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets
     the stacked heads with a step count per head is K independent Adams). What changes is the float summation
     order (matrix products for 1x1x1 convolutions) and that the frozen U-Net runs once per scan instead of once
     per batch: trained heads agree to float tolerance (tests/test_voxel_head.py), not bit for bit.
-    ``config`` must satisfy :func:`stacked_training_applies` (checked by the caller); a head with no samples, or
-    ``config.epochs == 0``, keeps its start. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds the
-    intermediate tensors of one pass: a step's samples (every teacher's batch) go through in chunks that fit it,
-    their gradients summed before the step, which changes nothing but the memory.
+    A head with no samples, or ``config.epochs == 0``, keeps its start.
+
+    Args:
+        unet: the frozen U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        heads: the K heads, each at its start; trained in place.
+        images: (n, 4, *g) float training volumes of every teacher together.
+        targets: (n, *g) int labels of the same volumes.
+        samples: for each head, the indices of its own volumes (disjoint partitions).
+        seeds: for each head, its training seed (batch order), as :class:`TrainConfig`'s ``seed``.
+        config: epochs, batch size, learning rate, weight decay, device and precision; it must satisfy
+            :func:`stacked_training_applies` (checked by the caller).
+        budget_bytes: bounds the intermediate tensors of one pass (None: :func:`stacked_budget_bytes`): a step's
+            samples (every teacher's batch) go through in chunks that fit it, their gradients summed before the
+            step, which changes nothing but the memory.
     """
     if len(samples) != len(heads) or len(seeds) != len(heads):
         raise UserError(f"stacked heads: {len(heads)} heads but {len(samples)} sample lists and {len(seeds)} seeds")
@@ -805,8 +815,15 @@ def stacked_head_probabilities(unet: torch.nn.Module, heads, images: Any, batch_
     in one batched product, nothing copied to the host.
 
     What :func:`predict_probs` gives for each such network, up to float summation order: the same batches of
-    ``batch_size`` scans through the U-Net, the same autocast context (``precision``), the softmax on float32
-    scores. ``budget_bytes`` (None: :func:`stacked_budget_bytes`) bounds a group's output and intermediates.
+    ``batch_size`` scans through the U-Net, the same autocast context, the softmax on float32 scores.
+
+    Args:
+        unet: the U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        heads: the heads (:class:`task.networks.StackedVoxelHeads`).
+        images: (n, 4, *g) volumes.
+        batch_size: volumes per U-Net pass (:func:`predict_probs`' default).
+        device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
+        budget_bytes: bounds a group's output and intermediates (None: :func:`stacked_budget_bytes`).
     """
     device = model_device(unet) if device is None else resolve_device(device)
     unet.to(device).eval()
