@@ -1,14 +1,18 @@
 """A hospital's voxel-head teachers one by one against all of them stacked, in one process, on the same data.
 
-    .venv/bin/python benchmarks/bench_teachers.py [--preset quick] [--teachers 32] [--patients 2] [--epochs E]
+    .venv/bin/python benchmarks/bench_teachers.py [--preset quick] [--teachers 32] [--patients 45] [--epochs E]
                                                   [--scans 8] [--device cpu] [--threads 1] [--deterministic]
 
-1. Training: ``--teachers`` voxel-head teachers, ``--patients`` random patients each, trained as the preset's
+1. Training: ``--teachers`` voxel-head teachers on ``--patients`` random patients split as evenly as they go (a quick
+   hospital: 45 patients, 32 teachers of one or two patients each), trained as the preset's
    teachers train (its epochs unless ``--epochs``, its learning rate, no augmentation) from the same heads on the
    preset's U-Net (random public weights: the arithmetic, not the accuracy, is measured) -- one
    :func:`task.training.train_segmentation` per teacher (the frozen U-Net's output remembered per batch, as a
    hospital trained them before) and all at once (:func:`task.training.train_stacked_voxel_heads`: the U-Net once
-   per patient, the heads stacked, one optimiser). Reports the largest difference between the two ways' heads.
+   per patient, the heads stacked, one optimiser). Reports the largest difference between the two ways' heads, and
+   the torch operators one epoch dispatches each way (leaf operators in ``torch.profiler``, second epoch minus
+   first: on a GPU each is at least one kernel launch) -- stacked both in the chunks this device's memory budget
+   gives and in one chunk per step, as on a GPU.
 2. Answering: one hospital with those teachers answers a query batch of ``--scans`` random scans through the
    anchored codec (shells and intensity bins fitted on the public U-Net's own output) -- each teacher's softmax
    copied to the host and encoded there (:meth:`clients.hospital.Hospital.teacher_probs`, then the codec's
@@ -44,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--teachers", type=int, default=32)
-    parser.add_argument("--patients", type=int, default=2, help="patients per teacher")
+    parser.add_argument("--patients", type=int, default=45, help="the hospital's patients, over its teachers")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: the preset's teachers')")
     parser.add_argument("--scans", type=int, default=8, help="scans in the query batch (a PATE query batch: 8)")
     parser.add_argument("--device", default="cpu")
@@ -65,14 +69,16 @@ def main() -> None:
     torch.manual_seed(0)
     public = build_unet(preset.unet).state_dict()
     rng = np.random.default_rng(0)
-    patients = args.teachers * args.patients
+    patients = args.patients
     images = rng.normal(size=(patients, 4, *preset.grid)).astype(np.float32)
     labels = rng.integers(0, 4, size=(patients, *preset.grid))
-    training = _training(preset, public, images, labels, args.teachers, args.patients, epochs, device)
+    samples = [range(int(part[0]), int(part[-1]) + 1) if len(part) else range(0)
+               for part in np.array_split(np.arange(patients), args.teachers)]
+    training = _training(preset, public, images, labels, samples, epochs, device)
     answering = _answering(preset, public, training.pop("heads"), args.scans, device)
     print(json.dumps({"preset": args.preset, "grid": list(preset.grid), "device": str(device),
                       "threads": torch.get_num_threads(), "teachers": args.teachers,
-                      "patients_per_teacher": args.patients, "epochs": epochs, "query_scans": args.scans,
+                      "patients": patients, "epochs": epochs, "query_scans": args.scans,
                       **training, **answering}))
 
 
@@ -102,7 +108,7 @@ def _ratio(slow: float, fast: float) -> float:
     return round(slow / fast, 2) if fast > 0 else float("nan")
 
 
-def _training(preset, public, images, labels, teachers: int, per_teacher: int, epochs: int, device) -> dict:
+def _training(preset, public, images, labels, samples: list, epochs: int, device) -> dict:
     """Both ways of training the same teachers from the same heads; their times and how far their heads differ."""
     import torch
 
@@ -113,13 +119,12 @@ def _training(preset, public, images, labels, teachers: int, per_teacher: int, e
     config = TrainConfig(epochs=epochs, batch_size=preset.batch_size,
                          learning_rate=float(preset.teacher.learning_rate or preset.learning_rate),
                          trainable=VOXEL_HEAD, augment=False, compute=Compute(device=str(device), progress=False))
-    start = []
+    start, teachers = [], len(samples)
     for k in range(teachers):
         torch.manual_seed(100 + k)
         model = build_unet(preset.unet, trainable=VOXEL_HEAD)
         load_start_weights(model, public)
         start.append(model)
-    samples = [range(k * per_teacher, (k + 1) * per_teacher) for k in range(teachers)]
     one = copy.deepcopy(start[0])   # warm-up: the loss's import (MONAI) and first allocations are not compared
     train_segmentation(one, images[:1], labels[:1], TrainConfig(**{**config.__dict__, "epochs": 1}))
     with _Clock(device) as alone:
@@ -128,6 +133,7 @@ def _training(preset, public, images, labels, teachers: int, per_teacher: int, e
     stacked = StackedVoxelHeads.from_heads([model.voxel_head for model in start])
     with _Clock(device) as together:
         train_stacked_voxel_heads(start[0].model, stacked, images, labels, samples, list(range(teachers)), config)
+    operators = _operators_per_epoch(start, images, labels, samples, config)
     difference = max(float((stacked.head_state(k)[name].to(value.device) - value).abs().max())
                      for k, model in enumerate(trained)
                      for name, value in model.state_dict().items() if name.startswith("voxel_head."))
@@ -139,14 +145,41 @@ def _training(preset, public, images, labels, teachers: int, per_teacher: int, e
             "train_speed_up_cpu": _ratio(alone.cpu, together.cpu),
             "train_one_by_one_wall_s": round(alone.wall, 2), "train_stacked_wall_s": round(together.wall, 2),
             "train_speed_up_wall": _ratio(alone.wall, together.wall),
-            "heads_max_abs_difference": difference, "heads_max_abs_move": moved, "heads": heads}
+            "heads_max_abs_difference": difference, "heads_max_abs_move": moved, **operators, "heads": heads}
+
+
+def _operators_per_epoch(start, images, labels, samples, config) -> dict:
+    """Leaf torch operators of one training epoch (two epochs minus one), one by one and stacked."""
+    from torch.profiler import profile
+
+    from task.networks import StackedVoxelHeads
+    from task.training import TrainConfig, train_segmentation, train_stacked_voxel_heads
+
+    def count(run, epochs: int) -> int:
+        with profile() as prof:
+            run(TrainConfig(**{**config.__dict__, "epochs": epochs}))
+        return sum(1 for event in prof.events() if event.name.startswith("aten::") and not event.cpu_children)
+
+    def alone(epoch_config):
+        for k, own in enumerate(samples):
+            train_segmentation(copy.deepcopy(start[k]), images[list(own)], labels[list(own)],
+                               TrainConfig(**{**epoch_config.__dict__, "seed": k}))
+
+    def together(budget):
+        def run(epoch_config):
+            heads = StackedVoxelHeads.from_heads([model.voxel_head for model in start])
+            train_stacked_voxel_heads(start[0].model, heads, images, labels, samples, list(range(len(start))),
+                                      epoch_config, budget_bytes=budget)
+        return run
+
+    runs = {"one_by_one": alone, "stacked": together(None), "stacked_one_chunk": together(1 << 50)}
+    return {f"operators_per_epoch_{name}": count(run, 2) - count(run, 1) for name, run in runs.items()}
 
 
 def _answering(preset, public, heads: list, scans: int, device) -> dict:
     """One hospital with those teachers (each in a file of its own, sharing the public U-Net) answers one batch
     both ways."""
     import numpy as np
-    import torch
 
     from clients.hospital import Hospital, HospitalSettings
     from task import codecs
