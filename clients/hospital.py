@@ -322,7 +322,8 @@ class Hospital:
                             description=f"{self.hospital_id} teachers",
                             compute=Compute(device=device, precision=precision, progress=False))
         first = self._new_model(trainable)   # teacher 0's network, drawn first by either way of training
-        if not local_dp and init_state is not None and stacked_training_applies(first, train, None):
+        if (not local_dp and init_state is not None and self.num_teachers > 0
+                and stacked_training_applies(first, train, None)):
             validation_dice = self._train_stacked_teachers(first, train, seed, validation)
         else:
             validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
@@ -379,16 +380,16 @@ class Hospital:
         teacher and one optimiser; the heads saved as one file beside the U-Net they share. The same training as
         :meth:`_train_each_teacher`'s, up to float summation order (tests/test_voxel_head.py). Returns each teacher's
         validation Dice (empty without validation cases)."""
-        heads, model = [], first
+        heads = []
         for k, case_ids in enumerate(self.partitions):
-            # teacher k's head starts where the per-teacher loop has always drawn it: a new network built from the
-            # global generator as teacher k - 1's training left it (seeded with that teacher's seed), so both ways
-            # train the same heads from the same start
+            # teacher k starts where the per-teacher loop has always started it: a new network drawn from the global
+            # generator as teacher k - 1's training left it (seeded with that teacher's seed), then the start weights
+            # loaded into it -- so both ways train the same heads from the same start
             model = first if k == 0 else self._new_model(train.trainable)
+            load_start_weights(model, train.init_from)
             heads.append(model.voxel_head)
             if case_ids and train.epochs > 0:
                 torch.manual_seed(seed * 1009 + k)   # what train_segmentation seeds before teacher k trains
-        load_start_weights(first, train.init_from)
         stacked = StackedVoxelHeads.from_heads(heads)
         cases = [case for case_ids in self.partitions for case in case_ids]
         starts = np.cumsum([0] + [len(case_ids) for case_ids in self.partitions])
