@@ -746,7 +746,8 @@ def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: 
     weights (S,), active teachers (K,) bool) on ``device``. Teacher k's step sequence is :class:`_PlainTraining`'s
     with generator seed ``seeds[k]``: per epoch one ``randperm`` of its samples cut into batches, each sample of a
     batch weighing 1 / its size (the batch's mean loss); a teacher with no batch left at a step of the epoch is
-    inactive there (no update). Drawn up front (a few thousand indices) and copied to the device once."""
+    inactive there (no update). Drawn up front (a few thousand indices) and copied to the device before the first
+    step, so that no step waits on a copy from the host."""
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     steps = []
     for _ in range(int(epochs)):
@@ -762,8 +763,8 @@ def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: 
             steps.append((torch.cat([batch for _, batch in step]),
                           torch.cat([torch.full((len(batch),), k) for k, batch in step]),
                           torch.cat([torch.full((len(batch),), 1.0 / len(batch)) for _, batch in step]), active))
-    for step in steps:
-        yield tuple(t.to(device, non_blocking=True) for t in step)
+    on_device = [tuple(t.to(device) for t in step) for step in steps]
+    yield from on_device
 
 
 class _StackedAdam:

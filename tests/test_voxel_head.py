@@ -238,6 +238,28 @@ def test_voxel_head_teachers_trained_together_are_the_teachers_trained_one_by_on
     assert torch.all(_heads_of(together)[3]["voxel_head.2.weight"] == 0)   # no patients: the identity correction
 
 
+def test_voxel_head_teachers_under_local_dpsgd_still_train_one_by_one_each_charged_to_its_own_owner(tmp_path):
+    """Local DP-SGD keeps each teacher's own Opacus session, Poisson sampling, noise stream and ledger owner: the
+    hospital does not stack those heads (each teacher in its own file, each charged as its own owner), and still
+    answers with them stacked, their U-Net being the same frozen public model."""
+    from privacy.ledger import Ledger
+    from server.pate import teacher_training
+
+    hospital, images, _, preset = _head_hospital(tmp_path, [["a", "b"], ["c", "d"]])
+    local_dp = {"mode": "fixed", "noise_multiplier": 2.0, "epsilon": 1000.0, "delta": 1e-3, "max_grad_norm": 1.0}
+    public = {k: v.numpy() for k, v in _public().state_dict().items()}
+    metrics = hospital.train_teachers({**teacher_training(preset).to_config(), "teacher_epochs": 1, "seed": 0,
+                                       "init_weights": public, "local_dp": local_dp})
+    assert metrics["local_epsilon"] > 0
+    assert hospital._teacher_path(0).exists() and hospital._teacher_path(1).exists()
+    assert not hospital._heads_path().exists()
+    ledger = Ledger.load(hospital.workdir / "ledger.jsonl")
+    assert ledger.owners() == ["h0/teacher-0", "h0/teacher-1"] and len(ledger) == 2
+    assert hospital._stacked_teachers(torch.device("cpu")) is not None   # answers: one U-Net pass for both
+    np.testing.assert_allclose(next(hospital.each_teacher_probs(images[:2])), hospital.teacher_probs(0, images[:2]),
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["32", "bf16"])
 def test_voxel_head_teachers_answer_with_one_unet_pass_and_stacked_heads(tmp_path, precision):
     """Voxel-head teachers trained together answer with their shared U-Net run once per query scan (in
