@@ -470,7 +470,7 @@ class Hospital:
             return
         yield from stacked_head_probabilities(*stacked, scans, batch_size=2, device=device, precision=precision)
 
-    def _encoded_answers(self, scans: np.ndarray, request: HospitalRequest, codec, encode, probability_sum: bool = False
+    def encoded_answers(self, scans: np.ndarray, request: HospitalRequest, codec, encode, probability_sum: bool = False
                          ) -> tuple[np.ndarray | None, int, np.ndarray | None]:
         """(every teacher's encoded rows (K, n, l) float32 or None without ``encode``, how many teachers answered
         the fixed fallback row, the teachers' probability sum (C, ...) float64 when asked).
@@ -561,7 +561,7 @@ class Hospital:
             return answered[0]["rows"], answered[1]
         self.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, request, release_ids, sigma, teachers)
-        rows, fallbacks, _ = self._encoded_answers(scans, request, codec, encode)
+        rows, fallbacks, _ = self.encoded_answers(scans, request, codec, encode)
         notes = {"fallback_teachers": fallbacks}
         self.answers.store(key, {"rows": rows}, notes)
         return rows, notes
@@ -590,7 +590,7 @@ class Hospital:
             return memo[codec_key]
         if codec_key is None and "probability_sum" in memo:
             return memo["probability_sum"], {}
-        rows, fallbacks, total = self._encoded_answers(scans, request, codec, encode, probability_sum=True)
+        rows, fallbacks, total = self.encoded_answers(scans, request, codec, encode, probability_sum=True)
         memo["probability_sum"] = total
         if codec_key is None:
             return total, {}
