@@ -63,6 +63,10 @@ from task.training import (TrainConfig, dice_of_labels, dice_of_probabilities, e
                            train_stacked_voxel_heads)
 
 
+#: how ``teachers/training.json`` records where the teachers are: one file of stacked voxel heads, or one per teacher
+STACKED_STORAGE, TEACHER_FILES_STORAGE = "voxel-heads", "teacher-files"
+
+
 @dataclass(frozen=True)
 class HospitalSettings:
     """A hospital's own settings (a deployed hospital's node config, ``clients.node``; a simulated one's
@@ -143,7 +147,9 @@ class Hospital:
     def has_trained_teachers(self) -> bool:
         """Whether every teacher's weights are on this hospital's disk (one file per teacher, or every voxel head in
         one file)."""
-        return self._heads_path().exists() or all(self._teacher_path(k).exists() for k in range(self.num_teachers))
+        if self._kept_stacked():
+            return self._heads_path().exists()
+        return all(self._teacher_path(k).exists() for k in range(self.num_teachers))
 
     def _teacher_path(self, k: int) -> Path:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
@@ -151,6 +157,15 @@ class Hospital:
     def _heads_path(self) -> Path:
         """Where voxel-head teachers trained together keep their heads, stacked, beside the U-Net they share."""
         return self.workdir / "teachers" / "voxel-heads.pt"
+
+    def _kept_stacked(self) -> bool:
+        """Whether the current teachers are kept as one file of stacked heads. ``teachers/training.json`` says how the
+        training that wrote it kept them (a record without ``storage``: one file per teacher, as every training did
+        before stacked heads); without a record (teachers put there by hand), whether the heads' file exists."""
+        record = self.workdir / "teachers" / "training.json"
+        if record.exists():
+            return json.loads(record.read_text()).get("storage") == STACKED_STORAGE
+        return self._heads_path().exists()
 
     def _drop_loaded(self) -> None:
         """Forget the teachers held in memory (read from disk again when next needed)."""
@@ -192,12 +207,12 @@ class Hospital:
 
     def _teacher(self, k: int, device=None):
         if k not in self._models:
-            heads = self._heads_path()
-            path = heads if heads.exists() else self._teacher_path(k)
+            stacked = self._kept_stacked()
+            path = self._heads_path() if stacked else self._teacher_path(k)
             if not path.exists():
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
             try:
-                if heads.exists():   # one voxel-head teacher of several trained together
+                if stacked:   # one voxel-head teacher of several trained together
                     saved = self._load_stacked_file()
                     state = {**saved["unet"], **{name: value[k] for name, value in saved["heads"].items()}}
                 else:
@@ -243,7 +258,7 @@ class Hospital:
         if type(self).teacher_probs is not Hospital.teacher_probs or self.num_teachers == 0:
             return None
         if self._stack is None:
-            if self._heads_path().exists():
+            if self._kept_stacked():
                 saved = self._load_stacked_file()
                 with torch.random.fork_rng(devices=[]):   # building the modules draws nothing from the run's generator
                     unet = self._new_model(Trainable.VOXEL_HEAD)
@@ -279,7 +294,7 @@ class Hospital:
         teacher's file lost or torn) refuses and spends nothing. A hospital whose teachers are not files (a test
         or an audit's fixed answers, which override :meth:`teacher_probs`) overrides this too."""
         device = self.compute(config)[0]
-        if self._heads_path().exists() and self._stacked_teachers(device) is not None:
+        if self._kept_stacked() and self._stacked_teachers(device) is not None:
             return
         for k in range(self.num_teachers):
             self._teacher(k, device)
@@ -341,7 +356,9 @@ class Hospital:
                 "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
                 "device": str(device), "precision": precision}
 
-        atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
+        atomic_write_json(self.workdir / "teachers" / "training.json",
+                          {"fingerprint": fingerprint, "metrics": metrics,
+                           "storage": STACKED_STORAGE if self._heads_path().exists() else TEACHER_FILES_STORAGE})
         return metrics
 
     def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dp, guard, nonce: str,

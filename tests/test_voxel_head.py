@@ -238,6 +238,31 @@ def test_voxel_head_teachers_trained_together_are_the_teachers_trained_one_by_on
     assert torch.all(_heads_of(together)[3]["voxel_head.2.weight"] == 0)   # no patients: the identity correction
 
 
+def test_the_training_record_says_which_teachers_file_is_current(tmp_path):
+    """A heads file left from an earlier stacked training does not stand in for teachers a later training kept one
+    file each (a record without ``storage``: as every training wrote before stacked heads)."""
+    import json
+
+    from clients.hospital import Hospital
+
+    hospital, images, _, preset = _head_hospital(tmp_path, [["a", "b"], ["c", "d"]])
+    _train_heads(hospital, preset, epochs=1)
+    record = hospital.workdir / "teachers" / "training.json"
+    assert json.loads(record.read_text())["storage"] == "voxel-heads"
+    later = []
+    for k in range(2):   # a later training, one file per teacher: other heads
+        state = hospital._teacher(k).state_dict()
+        state["voxel_head.2.bias"] = state["voxel_head.2.bias"] + 1.0
+        torch.save(state, hospital._teacher_path(k))
+        later.append(state["voxel_head.2.bias"])
+    saved = json.loads(record.read_text())
+    record.write_text(json.dumps({"fingerprint": saved["fingerprint"], "metrics": saved["metrics"]}))
+    again = Hospital("h0", hospital.prepared, hospital.partitions, preset, hospital.workdir, hospital.settings)
+    assert again._heads_path().exists() and again.has_trained_teachers()
+    for k in range(2):
+        assert torch.equal(again._teacher(k).state_dict()["voxel_head.2.bias"], later[k])
+
+
 def test_voxel_head_teachers_under_local_dpsgd_still_train_one_by_one_each_charged_to_its_own_owner(tmp_path):
     """Local DP-SGD keeps each teacher's own Opacus session, Poisson sampling, noise stream and ledger owner: the
     hospital does not stack those heads (each teacher in its own file, each charged as its own owner), and still
