@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -55,11 +55,16 @@ from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
-from task.networks import VoxelHeadUNet, build_unet, load_start_weights
+from task.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
-from task.training import (TrainConfig, dice_of_probabilities, evaluate_segmentation, predict_probs,
-                           predict_probs_per_head, train_segmentation)
+from task.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation, predict_probs,
+                           stacked_head_probabilities, stacked_training_applies, train_segmentation,
+                           train_stacked_voxel_heads)
+
+
+#: how ``teachers/training.json`` records where the teachers are: one file of stacked voxel heads, or one per teacher
+STACKED_STORAGE, TEACHER_FILES_STORAGE = "voxel-heads", "teacher-files"
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,10 @@ class Hospital:
         self.max_teachers = own.max_teachers
         self.device, self.precision = own.device, own.precision
         self._models: dict[int, Any] = {}
+        #: (the U-Net every teacher shares, their StackedVoxelHeads) once loaded or checked; False: checked, they
+        #: do not share one (see _stacked_teachers)
+        self._stack: tuple | bool | None = None
+        self._saved_heads: dict | None = None   # the stacked heads' file as read (see _load_stacked_file)
         #: simulation-only diagnostics already computed for the current teachers (see _diagnostic_pass)
         self._diagnostics: dict[str, Any] = {}
 
@@ -136,11 +145,42 @@ class Hospital:
         return len(self.partitions)
 
     def has_trained_teachers(self) -> bool:
-        """Whether every teacher's weights are on this hospital's disk."""
+        """Whether every teacher's weights are on this hospital's disk (one file per teacher, or every voxel head in
+        one file)."""
+        if self._kept_stacked():
+            return self._heads_path().exists()
         return all(self._teacher_path(k).exists() for k in range(self.num_teachers))
 
     def _teacher_path(self, k: int) -> Path:
         return self.workdir / "teachers" / f"teacher-{k:03d}.pt"
+
+    def _heads_path(self) -> Path:
+        """Where voxel-head teachers trained together keep their heads, stacked, beside the U-Net they share."""
+        return self.workdir / "teachers" / "voxel-heads.pt"
+
+    def _kept_stacked(self) -> bool:
+        """Whether the current teachers are kept as one file of stacked heads. ``teachers/training.json`` says how the
+        training that wrote it kept them (a record without ``storage``: one file per teacher, as every training did
+        before stacked heads); without a record (teachers put there by hand), whether the heads' file exists."""
+        record = self.workdir / "teachers" / "training.json"
+        if record.exists():
+            return json.loads(record.read_text()).get("storage") == STACKED_STORAGE
+        return self._heads_path().exists()
+
+    def _drop_loaded(self) -> None:
+        """Forget the teachers held in memory (read from disk again when next needed)."""
+        self._models.clear()
+        self._stack = None
+        self._saved_heads = None
+
+    def _forget_teachers(self) -> None:
+        """Before a training: nothing of the previous teachers is kept in memory or counts as trained on disk (a
+        training that stops half-way leaves no record that could pass it off as the earlier teachers)."""
+        self._drop_loaded()
+        self._diagnostics.clear()
+        for path in [self.workdir / "teachers" / "training.json", self._heads_path(),
+                     *(self._teacher_path(k) for k in range(self.num_teachers))]:
+            path.unlink(missing_ok=True)
 
     def _new_model(self, trainable: Trainable = Trainable.ALL):
         """A teacher's network: the preset's U-Net, with a voxel head when the teachers train one."""
@@ -167,21 +207,85 @@ class Hospital:
 
     def _teacher(self, k: int, device=None):
         if k not in self._models:
-            path = self._teacher_path(k)
+            stacked = self._kept_stacked()
+            path = self._heads_path() if stacked else self._teacher_path(k)
             if not path.exists():
                 raise UserError(f"hospital {self.hospital_id}: teacher {k} has not been trained ({path} missing)")
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                if stacked:   # one voxel-head teacher of several trained together
+                    saved = self._load_stacked_file()
+                    state = {**saved["unet"], **{name: value[k] for name, value in saved["heads"].items()}}
+                else:
+                    state = torch.load(path, map_location="cpu", weights_only=True)
                 # a saved teacher says what it is: its weights hold a voxel head or not
                 model = self._new_model(Trainable.VOXEL_HEAD if any(name.startswith("voxel_head.") for name in state)
                                         else Trainable.ALL)
                 model.load_state_dict(state)
+            except UserError:
+                raise
             except Exception as exc:   # a torn or foreign file: this hospital cannot answer with it
-                raise UserError(f"hospital {self.hospital_id}: cannot load teacher {k} from {path} "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                raise self._unreadable(k, path, exc) from None
             self._models[k] = model.eval()
         model = self._models[k]
         return model if device is None else model.to(device)
+
+    def _unreadable(self, k: int, path: Path, exc: Exception) -> UserError:
+        return UserError(f"hospital {self.hospital_id}: cannot load teacher {k} from {path} "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+
+    def _load_stacked_file(self) -> dict:
+        """The stacked heads' file: ``{"unet": U-Net state, "heads": voxel_head.* entries with a leading axis of
+        K}``; UserError when it is torn, foreign or holds another number of teachers."""
+        if self._saved_heads is not None:
+            return self._saved_heads
+        path = self._heads_path()
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            counts = {len(value) for value in saved["heads"].values()}
+            if not isinstance(saved.get("unet"), dict) or counts != {self.num_teachers}:
+                raise ValueError(f"heads for {sorted(counts)} teachers, this hospital has {self.num_teachers}")
+        except Exception as exc:
+            raise self._unreadable(0, path, exc) from None
+        self._saved_heads = saved
+        return saved
+
+    def _stacked_teachers(self, device) -> tuple | None:
+        """(the U-Net every teacher shares, their :class:`task.networks.StackedVoxelHeads`) on ``device``, or None
+        when the teachers do not share one U-Net bit for bit, or when a subclass answers with teachers of its own.
+
+        Teachers trained together (one heads file) share it by construction; teachers trained one by one (each its
+        own file, e.g. under local DP-SGD) are compared weight by weight once, when loaded -- not at every query."""
+        if type(self).teacher_probs is not Hospital.teacher_probs or self.num_teachers == 0:
+            return None
+        if self._stack is None:
+            if self._kept_stacked():
+                saved = self._load_stacked_file()
+                with torch.random.fork_rng(devices=[]):   # building the modules draws nothing from the run's generator
+                    unet = self._new_model(Trainable.VOXEL_HEAD)
+                    unet.load_state_dict({**saved["unet"], **{n: v[0] for n, v in saved["heads"].items()}})
+                    heads = StackedVoxelHeads.from_heads([unet.voxel_head] * self.num_teachers)
+                heads.load_head_states([{n: v[k] for n, v in saved["heads"].items()}
+                                        for k in range(self.num_teachers)])
+                self._stack = (unet.model.eval(), heads.eval())
+            else:
+                self._stack = self._shared_unet_of_files()
+        if self._stack is False:
+            return None
+        unet, heads = self._stack
+        return unet.to(device), heads.to(device)
+
+    def _shared_unet_of_files(self) -> tuple | bool:
+        """Teachers in files of their own: (their shared U-Net, their heads stacked) when every one is a voxel-head
+        teacher on the same U-Net weights, else False."""
+        models = [self._teacher(k) for k in range(self.num_teachers)]
+        if not all(isinstance(model, VoxelHeadUNet) for model in models):
+            return False
+        reference = models[0].model.state_dict()
+        for model in models[1:]:
+            state = model.model.state_dict()
+            if state.keys() != reference.keys() or not all(torch.equal(state[n], reference[n]) for n in reference):
+                return False
+        return models[0].model, StackedVoxelHeads.from_heads([model.voxel_head for model in models]).eval()
 
     def load_teachers(self, config: HospitalRequest | Mapping[str, Any] | None = None) -> None:
         """Load every teacher onto this request's device; UserError when one is missing or unreadable.
@@ -190,6 +294,8 @@ class Hospital:
         teacher's file lost or torn) refuses and spends nothing. A hospital whose teachers are not files (a test
         or an audit's fixed answers, which override :meth:`teacher_probs`) overrides this too."""
         device = self.compute(config)[0]
+        if self._kept_stacked() and self._stacked_teachers(device) is not None:
+            return
         for k in range(self.num_teachers):
             self._teacher(k, device)
 
@@ -220,39 +326,22 @@ class Hospital:
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
-        self._models.clear()
-        self._diagnostics.clear()
+        self._forget_teachers()
         # every training that runs is a new release of the patients: its local-DP release ids
         # carry a nonce this hospital mints, so retraining -- another seed, a cleared cache -- is charged again
         nonce = mint_nonce()
-        validation_dice = []
-        if self.validation:   # read once, not once per teacher
-            validation_images = self.prepared.images(self.validation)
-            validation_labels = self.prepared.labels(self.validation)
-        for k, case_ids in enumerate(self.partitions):
-            model = self._new_model(trainable)
-            dp = None
-            if local_dp:
-                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
-                                 "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
-            train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size,
-                                learning_rate=learning_rate, seed=seed * 1009 + k, trainable=trainable,
-                                augment=augment, init_from=init_state,
-                                description=f"{self.hospital_id} teacher {k}",
-                                compute=Compute(device=device, precision=precision, progress=False))
-            if case_ids and epochs > 0:
-                result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
-                                            train, private_training(dp, guard, owners=(f"{self.hospital_id}/teacher-{k}",)))
-                model = result.model
-            elif init_state is not None:
-                load_start_weights(model, init_state)
-            model.to(device)
-            atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()},
-                              private=True)   # a teacher has no privacy guarantee: it stays with its hospital
-            self._models[k] = model.eval()
-            if self.validation:
-                dice = evaluate_segmentation(model, validation_images, validation_labels, precision=precision)
-                validation_dice.append(dice.get("mean"))
+        validation = ((self.prepared.images(self.validation), self.prepared.labels(self.validation))
+                      if self.validation else None)   # read once, not once per teacher
+        train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size, learning_rate=learning_rate,
+                            seed=seed * 1009, trainable=trainable, augment=augment, init_from=init_state,
+                            description=f"{self.hospital_id} teachers",
+                            compute=Compute(device=device, precision=precision, progress=False))
+        first = self._new_model(trainable)   # teacher 0's network, drawn first by either way of training
+        if (not local_dp and init_state is not None and self.num_teachers > 0
+                and stacked_training_applies(first, train, None)):
+            validation_dice = self._train_stacked_teachers(first, train, seed, validation)
+        else:
+            validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
         local_epsilon = None
         if ledger is not None and len(ledger):
             delta = float(local_dp.get("delta", self.preset.delta))
@@ -267,8 +356,75 @@ class Hospital:
                 "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
                 "device": str(device), "precision": precision}
 
-        atomic_write_json(self.workdir / "teachers" / "training.json", {"fingerprint": fingerprint, "metrics": metrics})
+        atomic_write_json(self.workdir / "teachers" / "training.json",
+                          {"fingerprint": fingerprint, "metrics": metrics,
+                           "storage": STACKED_STORAGE if self._heads_path().exists() else TEACHER_FILES_STORAGE})
         return metrics
+
+    def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dp, guard, nonce: str,
+                            validation) -> list:
+        """One :func:`task.training.train_segmentation` per teacher (every teacher of a hospital whose teachers cannot
+        be trained as stacked heads: full fine-tuning, augmentation, local DP-SGD -- each teacher its own Opacus
+        session, Poisson sampling, noise stream and ledger owner); each saved to its own file. Returns each
+        teacher's validation Dice (empty without validation cases)."""
+        validation_dice = []
+        epochs, init_state = train.epochs, train.init_from
+        for k, case_ids in enumerate(self.partitions):
+            model = first if k == 0 else self._new_model(train.trainable)
+            dp = None
+            if local_dp:
+                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
+                                 "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
+            config = replace(train, seed=seed * 1009 + k, description=f"{self.hospital_id} teacher {k}")
+            if case_ids and epochs > 0:
+                result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
+                                            config, private_training(dp, guard, owners=(f"{self.hospital_id}/teacher-{k}",)))
+                model = result.model
+            elif init_state is not None:
+                load_start_weights(model, init_state)
+            model.to(resolve_device(config.compute.device))
+            atomic_save_torch(self._teacher_path(k), {n: t.detach().cpu() for n, t in model.state_dict().items()},
+                              private=True)   # a teacher has no privacy guarantee: it stays with its hospital
+            self._models[k] = model.eval()
+            if validation is not None:
+                dice = evaluate_segmentation(model, validation[0], validation[1], precision=config.compute.precision)
+                validation_dice.append(dice.get("mean"))
+        return validation_dice
+
+    def _train_stacked_teachers(self, first, train: TrainConfig, seed: int, validation) -> list:
+        """Every voxel-head teacher of this hospital at once (:func:`task.training.train_stacked_voxel_heads`): the
+        frozen public U-Net's output computed once per patient, the K heads as stacked parameters with one loss per
+        teacher and one optimiser; the heads saved as one file beside the U-Net they share. The same training as
+        :meth:`_train_each_teacher`'s, up to float summation order (tests/test_voxel_head.py). Returns each teacher's
+        validation Dice (empty without validation cases)."""
+        heads = []
+        for k, case_ids in enumerate(self.partitions):
+            # teacher k starts where the per-teacher loop has always started it: a new network drawn from the global
+            # generator as teacher k - 1's training left it (seeded with that teacher's seed), then the start weights
+            # loaded into it -- so both ways train the same heads from the same start
+            model = first if k == 0 else self._new_model(train.trainable)
+            load_start_weights(model, train.init_from)
+            heads.append(model.voxel_head)
+            if case_ids and train.epochs > 0:
+                torch.manual_seed(seed * 1009 + k)   # what train_segmentation seeds before teacher k trains
+        stacked = StackedVoxelHeads.from_heads(heads)
+        cases = [case for case_ids in self.partitions for case in case_ids]
+        starts = np.cumsum([0] + [len(case_ids) for case_ids in self.partitions])
+        if cases:
+            train_stacked_voxel_heads(first.model, stacked, self.prepared.images(cases), self.prepared.labels(cases),
+                                      [range(starts[k], starts[k + 1]) for k in range(self.num_teachers)],
+                                      [seed * 1009 + k for k in range(self.num_teachers)], train)
+        unet_state = {n: t.detach().cpu() for n, t in first.state_dict().items() if not n.startswith("voxel_head.")}
+        # a teacher has no privacy guarantee: its head stays with its hospital
+        atomic_save_torch(self._heads_path(), {"unet": unet_state, "heads": stacked.stacked_state()}, private=True)
+        device, precision = resolve_device(train.compute.device), train.compute.precision
+        self._stack = (first.model.to(device).eval(), stacked.to(device).eval())
+        if validation is None:
+            return []
+        return [dice_of_probabilities(probs.cpu().numpy(), validation[1]).get("mean")
+                for _, group in stacked_head_probabilities(*self._stack, validation[0], device=device,
+                                                            precision=precision)
+                for probs in group]
 
     def _training_fingerprint(self, init, epochs: int, seed: int, local_dp, how: Mapping[str, Any]) -> str:
         """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time);
@@ -294,7 +450,7 @@ class Hospital:
         saved = json.loads(record.read_text())
         if saved.get("fingerprint") != fingerprint:
             return None
-        self._models.clear()
+        self._drop_loaded()
         return {**saved["metrics"], "reused": True}
 
     def teacher_probs(self, k: int, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
@@ -305,35 +461,62 @@ class Hospital:
 
     def each_teacher_probs(self, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
                            ) -> Iterator[np.ndarray]:
-        """:meth:`teacher_probs` of teacher 0, 1, ..., K-1 on ``scans``, in that order -- the same arrays.
+        """:meth:`teacher_probs` of teacher 0, 1, ..., K-1 on ``scans``, in that order, as host arrays (the same
+        arrays up to float summation order for voxel-head teachers, :meth:`teacher_probability_groups`)."""
+        for _, probs in self.teacher_probability_groups(scans, config):
+            for one in probs:
+                yield one.cpu().numpy() if isinstance(one, torch.Tensor) else one
+
+    def teacher_probability_groups(self, scans: np.ndarray, config: HospitalRequest | Mapping[str, Any] | None = None
+                                   ) -> Iterator[tuple[range, Any]]:
+        """Every teacher's softmax output on ``scans`` as ``(teachers k, probabilities (len(k), n, C, *g))`` for
+        consecutive groups of teachers, in teacher order.
 
         Voxel-head teachers (docs/decisions/teachers.md) are the public model's frozen U-Net plus a head each, so
-        when every teacher's U-Net weights are bit-identical the U-Net runs once for all of them
-        (:func:`task.training.predict_probs_per_head`). Teachers that differ anywhere in the U-Net, and hospitals
-        that answer with other teachers (a subclass's :meth:`teacher_probs`), are run one by one."""
+        when they share the U-Net bit for bit it runs once per scan for all of them and the heads of a group run as
+        one batched product on the device, their outputs left there as one tensor
+        (:func:`task.training.stacked_head_probabilities`: what :meth:`teacher_probs` gives, up to float summation
+        order). Teachers that differ anywhere in the U-Net, and hospitals that answer with other teachers (a
+        subclass's :meth:`teacher_probs`), are run one by one, each group one teacher's host array."""
         scans = np.asarray(scans, np.float32)
         device, precision = self.compute(config)
-        unet, heads = self._shared_unet_and_heads(device)
-        if unet is None:
+        stacked = self._stacked_teachers(device)
+        if stacked is None:
             for k in range(self.num_teachers):
-                yield self.teacher_probs(k, scans, config)
+                yield range(k, k + 1), self.teacher_probs(k, scans, config)[None]
             return
-        yield from predict_probs_per_head(unet, heads, scans, batch_size=2, device=device, precision=precision)
+        yield from stacked_head_probabilities(*stacked, scans, batch_size=2, device=device, precision=precision)
 
-    def _shared_unet_and_heads(self, device) -> tuple[Any, list]:
-        """(the U-Net every teacher shares, each teacher's voxel head), or (None, []) when they do not share one
-        bit for bit, or when a subclass answers with teachers of its own."""
-        if type(self).teacher_probs is not Hospital.teacher_probs or self.num_teachers == 0:
-            return None, []
-        models = [self._teacher(k, device) for k in range(self.num_teachers)]
-        if not all(isinstance(model, VoxelHeadUNet) for model in models):
-            return None, []
-        reference = models[0].model.state_dict()
-        for model in models[1:]:
-            state = model.model.state_dict()
-            if state.keys() != reference.keys() or not all(torch.equal(state[n], reference[n]) for n in reference):
-                return None, []
-        return models[0].model, [model.voxel_head for model in models]
+    def encoded_answers(self, scans: np.ndarray, request: HospitalRequest, codec, encode, probability_sum: bool = False
+                         ) -> tuple[np.ndarray | None, int, np.ndarray | None]:
+        """(every teacher's encoded rows (K, n, l) float32 or None without ``encode``, how many teachers answered
+        the fixed fallback row, the teachers' probability sum (C, ...) float64 when asked).
+
+        A group of teachers is encoded where its outputs lie (``encode.many``: one transfer of rows per group, not
+        one of probabilities per teacher); a teacher whose output is not finite answers the codec's fallback row,
+        and only their count leaves the hospital."""
+        rows: list = [None] * self.num_teachers
+        fallbacks, total = 0, None
+        for teachers, probs in self.teacher_probability_groups(scans, request):
+            if probability_sum:   # float64, including unusable teachers, as the diagnostic has always summed
+                part = (probs.double().sum(0) if isinstance(probs, torch.Tensor)
+                        else probs.astype(np.float64).sum(0))
+                total = part if total is None else total + part
+            if encode is None:
+                continue
+            finite = (torch.isfinite(probs).flatten(1).all(1).tolist() if isinstance(probs, torch.Tensor)
+                      else np.isfinite(probs).reshape(len(probs), -1).all(1).tolist())
+            usable = [i for i, ok in enumerate(finite) if ok]
+            if usable:
+                chosen = probs if len(usable) == len(probs) else probs[usable]
+                for i, row in zip(usable, encode.many(chosen)):
+                    rows[teachers[i]] = row
+            for i in (i for i, ok in enumerate(finite) if not ok):
+                rows[teachers[i]] = fallback_encoding(codec, len(scans))
+                fallbacks += 1
+        if isinstance(total, torch.Tensor):
+            total = total.cpu().numpy()
+        return (np.stack(rows).astype(np.float32) if encode is not None else None), fallbacks, total
 
     # ----------------------------------------------------------------------------------------------
     def lifetime_guard(self, config: HospitalRequest | Mapping[str, Any] | None = None):
@@ -395,14 +578,7 @@ class Hospital:
             return answered[0]["rows"], answered[1]
         self.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, request, release_ids, sigma, teachers)
-        rows, fallbacks = [], 0
-        for probs in self.each_teacher_probs(scans, request):
-            if np.all(np.isfinite(probs)):
-                rows.append(encode(probs))
-            else:  # a broken teacher answers a fixed row; only the count leaves the hospital
-                rows.append(fallback_encoding(codec, len(scans)))
-                fallbacks += 1
-        rows = np.stack(rows).astype(np.float32)
+        rows, fallbacks, _ = self.encoded_answers(scans, request, codec, encode)
         notes = {"fallback_teachers": fallbacks}
         self.answers.store(key, {"rows": rows}, notes)
         return rows, notes
@@ -431,20 +607,11 @@ class Hospital:
             return memo[codec_key]
         if codec_key is None and "probability_sum" in memo:
             return memo["probability_sum"], {}
-        rows, fallbacks, total = [], 0, None
-        for probs in self.each_teacher_probs(scans, request):
-            total = probs.astype(np.float64) if total is None else total + probs
-            if encode is None:
-                continue
-            if np.all(np.isfinite(probs)):
-                rows.append(encode(probs))
-            else:
-                rows.append(fallback_encoding(codec, len(scans)))
-                fallbacks += 1
+        rows, fallbacks, total = self.encoded_answers(scans, request, codec, encode, probability_sum=True)
         memo["probability_sum"] = total
         if codec_key is None:
             return total, {}
-        memo[codec_key] = (np.stack(rows).astype(np.float32), {"fallback_teachers": fallbacks})
+        memo[codec_key] = (rows, {"fallback_teachers": fallbacks})
         return memo[codec_key]
 
     @property
@@ -528,7 +695,9 @@ class Hospital:
         if cache is not None and cache.exists():
             return json.loads(cache.read_text())
         # each teacher's probabilities as it answers queries (one U-Net pass for voxel-head teachers that share it)
-        scores = [dice_of_probabilities(probs, labels) for probs in self.each_teacher_probs(images, request)]
+        scores = [dice_of_labels(probs.argmax(1).cpu().numpy() if isinstance(probs, torch.Tensor)
+                                 else probs.argmax(1), labels)
+                  for _, group in self.teacher_probability_groups(images, request) for probs in group]
         means = [s.get("mean") for s in scores]
         valid = [m for m in means if m is not None]
         result = {"hospital_id": self.hospital_id, "teacher_dice": means,

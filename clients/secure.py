@@ -452,7 +452,7 @@ class SecureHospital:
         from clients.replay import mint_nonce
         from privacy.distributed import ddg_event, sample_discrete_gaussian
         from privacy.mechanisms import NoiseSource
-        from task.codecs import fallback_encoding, make_encoder, verify_codec
+        from task.codecs import make_encoder, verify_codec
 
         hospital, noise = self.hospital, session.noise
         request = hospital.read_request(SecureStageRequest, config)
@@ -486,8 +486,9 @@ class SecureHospital:
         # noise repeats; with secure noise the name only separates streams
         generator = source.generator(who, str(message.get("stream") or ",".join(release_ids)))
         total = np.zeros((len(scans), latent), np.int64)
-        for probs in hospital.each_teacher_probs(scans, request):
-            rows = encode(probs) if np.all(np.isfinite(probs)) else fallback_encoding(codec, len(scans))
+        # every teacher's rows (a broken teacher's: the fixed fallback), encoded where the teachers computed them,
+        # then rounded teacher after teacher, in the order the rounding draws from the stream
+        for rows in hospital.encoded_answers(scans, request, codec, encode)[0]:
             total += grid.to_integers(np.asarray(rows, np.float64), generator)
         shares = sample_discrete_gaussian(local_variance, total.size, generator)
         return total.reshape(-1) + shares

@@ -40,7 +40,12 @@ def check_frozen_deterministic(model: torch.nn.Module) -> None:
     and per sample: no dropout with a positive rate, no normalisation with running statistics."""
     if not isinstance(model, VoxelHeadUNet):
         raise UserError("cached head gradients: the network has no voxel head (task.networks.VoxelHeadUNet)")
-    for name, module in model.model.named_modules():
+    check_unet_deterministic(model.model)
+
+
+def check_unet_deterministic(unet: torch.nn.Module) -> None:
+    """:func:`check_frozen_deterministic` of the U-Net (the module tree under a voxel head) itself."""
+    for name, module in unet.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             raise UserError(f"cached head gradients: {name} is a dropout with rate {module.p}; the frozen features "
                             "would differ between steps")

@@ -12,7 +12,7 @@ activations without in-place ops, and no custom ``autograd.Function``. ``tests/t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -138,8 +138,121 @@ class VoxelHeadUNet(torch.nn.Module):
 
 def corrected_logits(head: torch.nn.Module, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A voxel head's correction added to the U-Net's ``logits`` on the scan ``x``: :class:`VoxelHeadUNet`'s output,
-    for callers that computed ``logits`` once for several heads (``task.training.predict_probs_per_head``)."""
+    for callers that computed ``logits`` once (several heads on the same U-Net: :class:`StackedVoxelHeads`)."""
     return logits + head(torch.cat([logits, x], dim=1))
+
+
+#: a voxel head's parameter names (:func:`voxel_head` inside :class:`VoxelHeadUNet`), in :class:`StackedVoxelHeads`' order
+VOXEL_HEAD_NAMES = ("voxel_head.0.weight", "voxel_head.0.bias", "voxel_head.1.weight", "voxel_head.2.weight",
+                    "voxel_head.2.bias")
+
+
+class StackedVoxelHeads(torch.nn.Module):
+    """K voxel heads (:func:`voxel_head`) held as stacked parameters: teacher k's head is slice k of each.
+
+    Why: a hospital's voxel-head teachers share the frozen public U-Net and differ only in their 213-weight heads,
+    so K heads evaluated as K separate 1x1x1 convolutions are K x (a few dozen) tiny kernels per step; as batched
+    matrix products over the stacked weights they are a handful (the per-example-parameter trick of
+    :func:`task.headgrad.per_sample_head_gradients`, here one copy per teacher). Each head's output depends on its
+    own slice only, so gradients of a sum of per-teacher losses are each teacher's own, and the arithmetic is the
+    convolutions' (``W2 PReLU(W1 f + b1) + b2`` per voxel) in another summation order.
+
+    ``first_weight`` (K, hidden, inputs), ``first_bias`` (K, hidden), ``slope`` (K,), ``second_weight``
+    (K, classes, hidden), ``second_bias`` (K, classes); ``inputs`` = classes + the scan's channels.
+    """
+
+    def __init__(self, count: int, in_channels: int, out_channels: int, hidden: int = VOXEL_HEAD_HIDDEN) -> None:
+        super().__init__()
+        inputs = int(in_channels) + int(out_channels)
+        self.classes = int(out_channels)
+        self.first_weight = torch.nn.Parameter(torch.zeros(count, hidden, inputs))
+        self.first_bias = torch.nn.Parameter(torch.zeros(count, hidden))
+        self.slope = torch.nn.Parameter(torch.zeros(count))
+        self.second_weight = torch.nn.Parameter(torch.zeros(count, out_channels, hidden))
+        self.second_bias = torch.nn.Parameter(torch.zeros(count, out_channels))
+
+    def __len__(self) -> int:
+        return int(self.first_weight.shape[0])
+
+    @classmethod
+    def from_heads(cls, heads: Sequence[torch.nn.Module]) -> "StackedVoxelHeads":
+        """The heads (each a :func:`voxel_head`) stacked in order, with their current values."""
+        if not heads:
+            raise UserError("stacked voxel heads: no heads to stack")
+        first, second = heads[0][0], heads[0][2]
+        stacked = cls(len(heads), first.in_channels - second.out_channels, second.out_channels, first.out_channels)
+        stacked.load_head_states([{name: value for name, value in zip(VOXEL_HEAD_NAMES, _head_values(h))}
+                                  for h in heads])
+        return stacked.to(first.weight.device)
+
+    @torch.no_grad()
+    def load_head_states(self, states: Sequence[dict]) -> None:
+        """Set every head from a :class:`VoxelHeadUNet` state's ``voxel_head.*`` entries (one dict per head)."""
+        if len(states) != len(self):
+            raise UserError(f"stacked voxel heads: {len(states)} head states for {len(self)} heads")
+        for parameter, name in zip(self.parameters(), VOXEL_HEAD_NAMES):
+            parameter.copy_(torch.stack([torch.as_tensor(state[name]).reshape(parameter.shape[1:])
+                                         for state in states]))
+
+    def subset(self, indices: Sequence[int]) -> "StackedVoxelHeads":
+        """The heads ``indices``, in that order, as a stack of their own (copies, on the same device)."""
+        hidden, inputs = self.first_weight.shape[1:]
+        part = StackedVoxelHeads(len(indices), inputs - self.classes, self.classes, hidden).to(self.first_weight.device)
+        chosen = torch.as_tensor(list(indices), dtype=torch.long, device=self.first_weight.device)
+        with torch.no_grad():
+            for mine, theirs in zip(part.parameters(), self.parameters()):
+                mine.copy_(theirs[chosen])
+        return part
+
+    def head_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Head ``k`` as a :class:`VoxelHeadUNet`'s ``voxel_head.*`` state entries (its convolutions' shapes)."""
+        hidden, inputs = self.first_weight.shape[1:]
+        shapes = ((hidden, inputs, 1, 1, 1), (hidden,), (1,), (self.classes, hidden, 1, 1, 1), (self.classes,))
+        return {name: parameter[k].detach().reshape(shape).clone()
+                for name, parameter, shape in zip(VOXEL_HEAD_NAMES, self.parameters(), shapes)}
+
+    def stacked_state(self) -> dict[str, torch.Tensor]:
+        """Every head's ``voxel_head.*`` entries stacked along a leading axis (what a hospital saves)."""
+        states = [self.head_state(k) for k in range(len(self))]
+        return {name: torch.stack([state[name] for state in states]).cpu() for name in VOXEL_HEAD_NAMES}
+
+    def corrections(self, features: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Each sample's correction of its class scores under its own head: ``features`` (S, inputs, V), ``heads``
+        (S,) the head of each sample; (S, classes, V). Gradients reach each head's slice from its own samples only
+        (the per-example-parameter construction of :func:`task.headgrad.per_sample_head_gradients`)."""
+        hidden = torch.baddbmm(self.first_bias[heads].unsqueeze(-1), self.first_weight[heads], features)
+        active = _prelu(hidden, self.slope[heads])
+        return torch.baddbmm(self.second_bias[heads].unsqueeze(-1), self.second_weight[heads], active)
+
+    def shared_corrections(self, features: torch.Tensor) -> torch.Tensor:
+        """Every head's correction from the same ``features`` (m, inputs, V): (K, m, classes, V)."""
+        m, inputs, voxels = features.shape
+        flat = features.transpose(0, 1).reshape(inputs, m * voxels)
+        count, hidden_units = self.first_weight.shape[:2]
+        hidden = torch.addmm(self.first_bias.reshape(-1, 1), self.first_weight.reshape(count * hidden_units, inputs),
+                             flat).view(count, hidden_units, -1)
+        out = torch.baddbmm(self.second_bias.unsqueeze(-1), self.second_weight, _prelu(hidden, self.slope))
+        return out.view(count, self.classes, m, voxels).transpose(1, 2)
+
+    def forward(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:func:`corrected_logits` of every head on the same U-Net ``logits`` (m, C, *g) and scans ``x``:
+        (K, m, C, *g)."""
+        features = torch.cat([logits, x], dim=1).flatten(2)
+        scores = logits.flatten(2).unsqueeze(0) + self.shared_corrections(features)
+        return scores.reshape(len(self), *logits.shape)
+
+
+def _prelu(hidden: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """PReLU of ``hidden[i]`` (n, ...) with the slope ``slopes[i]``: ``x`` where ``x > 0``, else ``slope x``. Written
+    as ``x + (1 - slope) relu(-x)``: torch's PReLU takes one slope per channel, not per head, and ``torch.where``
+    was several times slower on a CPU (the gradient at exactly 0 is 1, not the slope: a set of measure zero)."""
+    return hidden + (1.0 - slopes).view(-1, *(1,) * (hidden.dim() - 1)) * torch.relu(-hidden)
+
+
+def _head_values(head: torch.nn.Module) -> list[torch.Tensor]:
+    first, prelu, second = head[0], head[1], head[2]
+    return [first.weight.detach(), first.bias.detach(), prelu.weight.detach(), second.weight.detach(),
+            second.bias.detach()]
 
 
 def network_config_of(model: torch.nn.Module, preset: str) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from task.errors import UserError
 from task.inference import mirrored_probabilities
 from task.phases import timed
 from task.io import atomic_save_torch
-from task.networks import corrected_logits, freeze_all_but, load_start_weights
+from task.networks import freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
 from task.options import AugmentOn, Precision, Trainable, look_up_option
 
@@ -626,6 +626,240 @@ class _FrozenUNetMemo:
         return cls(model.model, budget_bytes)
 
 
+# ----------------------------------------------------------------------------------- stacked voxel heads
+#: how many bytes of intermediate tensors one step of stacked heads (or one group of answers) may hold on the host;
+#: on a GPU a quarter of its free memory (:func:`stacked_budget_bytes`)
+HOST_STACK_BYTES = 16 * 2 ** 20
+
+
+def stacked_budget_bytes(device) -> int:
+    """The memory a group of stacked voxel heads may fill on ``device`` (its intermediate tensors)."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(max(HOST_STACK_BYTES, free // 4))
+    return HOST_STACK_BYTES
+
+
+def _groups(count: int, per_item_bytes: int, budget_bytes: int) -> list[range]:
+    """``range(count)`` cut into consecutive groups of at most ``budget_bytes // per_item_bytes`` (at least 1)."""
+    size = max(1, int(budget_bytes) // max(1, int(per_item_bytes)))
+    return [range(start, min(count, start + size)) for start in range(0, count, size)]
+
+
+def stacked_training_applies(model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None) -> bool:
+    """Whether ``model``'s training under ``config`` may be one of :func:`train_stacked_voxel_heads`' heads: plain
+    training (DP-SGD keeps each teacher's own Opacus session, sampling and noise), of the voxel head only, without
+    augmentation (then every sample's frozen U-Net output is one fixed tensor), with the default loss, optimiser
+    and no checkpoint, moving average or views, on a U-Net whose output does not depend on train/eval mode or on
+    the other samples (:func:`task.headgrad.check_unet_deterministic`)."""
+    from task.headgrad import check_unet_deterministic
+    from task.networks import VOXEL_HEAD, VoxelHeadUNet
+
+    if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
+        return False
+    if look_up_option(config.trainable, Trainable, "trainable") is not VOXEL_HEAD:
+        return False
+    if (config.loss_fn is not None or config.optimizer_factory is not None or config.checkpoint is not None
+            or config.ema_decay is not None or int(config.augmentation_multiplicity) != 1):
+        return False
+    try:
+        check_unet_deterministic(model.model)
+    except UserError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def stacked_head_features(unet: torch.nn.Module, images: torch.Tensor, device, precision: str = Precision.FP32,
+                          batch_size: int = 4) -> torch.Tensor:
+    """``[u(x), x]`` of every scan as (n, C + channels, V) float32 on ``device``: the frozen U-Net run once per
+    scan, in training mode under the run's autocast as the training loop runs it (instance normalisation without
+    running statistics: the same as eval mode, and per sample)."""
+    unet.to(device)
+    was_training = unet.training
+    unet.train()
+    parts = []
+    for start in range(0, len(images), int(batch_size)):
+        x = images[start:start + int(batch_size)].to(device)
+        with autocast(device, precision):
+            logits = unet(x)
+        parts.append(torch.cat([logits.float(), x], dim=1).flatten(2))
+    unet.train(was_training)
+    return torch.cat(parts)
+
+
+def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets: Any,
+                              samples: Sequence[Sequence[int]], seeds: Sequence[int], config: TrainConfig,
+                              budget_bytes: int | None = None):
+    """Train head k of ``heads`` (a :class:`task.networks.StackedVoxelHeads`, in place) on the frozen ``unet`` and
+    the samples ``samples[k]`` (indices into ``images`` / ``targets``) as :func:`train_segmentation` trains a
+    :class:`task.networks.VoxelHeadUNet` with that head under ``config`` with the seed ``seeds[k]`` -- for every k
+    at once; returns ``heads``.
+
+    The same maths, not the same bits: each teacher's batches come from its own generator (``seeds[k]``, the same
+    permutation per epoch as the loop draws), its loss is the mean per-sample Dice + CE of its own batch, and its
+    head takes the update of its own Adam (:class:`_StackedAdam`: Adam is per coordinate, so one optimiser over
+    the stacked heads with a step count per head is K independent Adams). What changes is the float summation
+    order (matrix products for 1x1x1 convolutions) and that the frozen U-Net runs once per scan instead of once
+    per batch: trained heads agree to float tolerance (tests/test_voxel_head.py), not bit for bit.
+    A head with no samples, or ``config.epochs == 0``, keeps its start.
+
+    Args:
+        unet: the frozen U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        heads: the K heads, each at its start; trained in place.
+        images: (n, 4, *g) float training volumes of every teacher together.
+        targets: (n, *g) int labels of the same volumes.
+        samples: for each head, the indices of its own volumes (disjoint partitions).
+        seeds: for each head, its training seed (batch order), as :class:`TrainConfig`'s ``seed``.
+        config: epochs, batch size, learning rate, weight decay, device and precision; it must satisfy
+            :func:`stacked_training_applies` (checked by the caller).
+        budget_bytes: bounds the intermediate tensors of one pass (None: :func:`stacked_budget_bytes`): a step's
+            samples (every teacher's batch) go through in chunks that fit it, their gradients summed before the
+            step, which changes nothing but the memory.
+    """
+    if len(samples) != len(heads) or len(seeds) != len(heads):
+        raise UserError(f"stacked heads: {len(heads)} heads but {len(samples)} sample lists and {len(seeds)} seeds")
+    x_all, y_all = _training_tensors(images, targets, config)
+    device = resolve_device(config.compute.device)
+    heads.to(device).train()
+    if config.epochs <= 0 or not any(len(own) for own in samples):
+        return heads
+    features = stacked_head_features(unet, x_all, device, config.compute.precision)
+    y_all = y_all.to(device)
+    classes, grid = heads.classes, y_all.shape[1:]
+    # one sample's pass: its features, the hidden layer before and after PReLU (kept for backward), the class
+    # scores and the loss's softmax, one-hot and products (about ten class-sized maps)
+    per_sample = features.shape[2] * 4 * (features.shape[1] + 3 * heads.first_weight.shape[1] + 10 * classes)
+    chunk = max(1, (stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)) // per_sample)
+    optimizer = _StackedAdam(list(heads.parameters()), config.learning_rate, weight_decay=config.weight_decay)
+    for chosen, owners, weights, active in _batch_plan(samples, seeds, config.epochs, config.batch_size, device):
+        gradients = None
+        for start in range(0, len(chosen), chunk):
+            part = slice(start, start + chunk)
+            batch = features[chosen[part]]               # (S, C + channels, V): each sample under its teacher's head
+            with autocast(device, config.compute.precision):
+                scores = batch[:, :classes] + heads.corrections(batch, owners[part])
+            losses = per_sample_loss(scores.float().reshape(len(batch), classes, *grid), y_all[chosen[part]])
+            found = torch.autograd.grad((losses * weights[part]).sum(), optimizer.parameters)
+            gradients = found if gradients is None else [g + f for g, f in zip(gradients, found)]
+        optimizer.step(gradients, active)
+    return heads
+
+
+def _batch_plan(samples: Sequence[Sequence[int]], seeds: Sequence[int], epochs: int, batch_size: int, device
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every step of several teachers trained side by side, as (samples (S,), their teachers (S,), their loss
+    weights (S,), active teachers (K,) bool) on ``device``. Teacher k's step sequence is :class:`_PlainTraining`'s
+    with generator seed ``seeds[k]``: per epoch one ``randperm`` of its samples cut into batches, each sample of a
+    batch weighing 1 / its size (the batch's mean loss); a teacher with no batch left at a step of the epoch is
+    inactive there (no update). Drawn up front (a few thousand indices) and copied to the device before the first
+    step, so that no step waits on a copy from the host."""
+    generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+    steps = []
+    for _ in range(int(epochs)):
+        batches = []
+        for own, generator in zip(samples, generators):
+            order = torch.randperm(len(own), generator=generator)
+            chosen = torch.as_tensor(list(own), dtype=torch.long)[order]
+            batches.append([chosen[i:i + batch_size] for i in range(0, len(own), batch_size)])
+        for j in range(max(len(b) for b in batches)):
+            step = [(k, b[j]) for k, b in enumerate(batches) if j < len(b)]
+            active = torch.zeros(len(samples), dtype=torch.bool)
+            active[[k for k, _ in step]] = True
+            steps.append((torch.cat([batch for _, batch in step]),
+                          torch.cat([torch.full((len(batch),), k) for k, batch in step]),
+                          torch.cat([torch.full((len(batch),), 1.0 / len(batch)) for _, batch in step]), active))
+    on_device = [tuple(t.to(device) for t in step) for step in steps]
+    yield from on_device
+
+
+class _StackedAdam:
+    """``torch.optim.Adam``'s update (Kingma & Ba 2014, arXiv 1412.6980, as torch writes it: no AMSGrad, L2 weight
+    decay added to the gradient) for parameters stacked along dim 0 over K independent models, each with its own
+    step count: at a step where model k is not ``active`` its slice -- parameters, moments, step count -- stays
+    exactly as it was (one ``torch.optim.Adam`` over the stack would count the step and move it by its momentum).
+    Adam is per coordinate, so this is K independent Adam runs."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], learning_rate: float, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.parameters = list(parameters)
+        self.learning_rate, self.betas, self.eps = float(learning_rate), betas, float(eps)
+        self.weight_decay = float(weight_decay)
+        first = self.parameters[0]
+        self.steps = torch.zeros(len(first), dtype=torch.float64, device=first.device)
+        self.first_moments = [torch.zeros_like(p) for p in self.parameters]
+        self.second_moments = [torch.zeros_like(p) for p in self.parameters]
+
+    @torch.no_grad()
+    def step(self, gradients: Sequence[torch.Tensor], active: torch.Tensor) -> None:
+        beta1, beta2 = self.betas
+        self.steps += active.to(self.steps.dtype)
+        steps = self.steps.clamp(min=1.0)    # an inactive model's update is computed and discarded
+        step_size = (self.learning_rate / (1.0 - beta1 ** steps)).to(self.parameters[0].dtype)
+        correction = torch.sqrt(1.0 - beta2 ** steps).to(self.parameters[0].dtype)
+        for parameter, gradient, first, second in zip(self.parameters, gradients, self.first_moments,
+                                                      self.second_moments):
+            shape = (-1,) + (1,) * (parameter.dim() - 1)
+            keep = active.view(shape)
+            if self.weight_decay:
+                gradient = gradient.add(parameter, alpha=self.weight_decay)
+            new_first = first.lerp(gradient, 1.0 - beta1)
+            new_second = torch.addcmul(second * beta2, gradient, gradient, value=1.0 - beta2)
+            denominator = (new_second.sqrt() / correction.view(shape)).add_(self.eps)
+            moved = parameter + (-step_size).view(shape) * (new_first / denominator)
+            first.copy_(torch.where(keep, new_first, first))
+            second.copy_(torch.where(keep, new_second, second))
+            parameter.copy_(torch.where(keep, moved, parameter))
+
+
+@torch.no_grad()
+def stacked_head_probabilities(unet: torch.nn.Module, heads, images: Any, batch_size: int = 2, device: Any = None,
+                               precision: str = Precision.FP32, budget_bytes: int | None = None
+                               ) -> Iterator[tuple[range, torch.Tensor]]:
+    """The softmax output of every :class:`task.networks.VoxelHeadUNet` made of the U-Net ``unet`` and one head of
+    ``heads`` (:class:`task.networks.StackedVoxelHeads`) on ``images``, as ``(heads k, probabilities (len(k), n, C,
+    *g) float32 on device)`` for consecutive groups of heads -- the U-Net run once per scan, every head of a group
+    in one batched product, nothing copied to the host.
+
+    What :func:`predict_probs` gives for each such network, up to float summation order: the same batches of
+    ``batch_size`` scans through the U-Net, the same autocast context, the softmax on float32 scores.
+
+    Args:
+        unet: the U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        heads: the heads (:class:`task.networks.StackedVoxelHeads`).
+        images: (n, 4, *g) volumes.
+        batch_size: volumes per U-Net pass (:func:`predict_probs`' default).
+        device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
+        budget_bytes: bounds a group's output and intermediates (None: :func:`stacked_budget_bytes`).
+    """
+    device = model_device(unet) if device is None else resolve_device(device)
+    unet.to(device).eval()
+    heads.to(device).eval()
+    x_all = _as_tensor(images, torch.float32)
+    batches = []
+    for start in range(0, len(x_all), batch_size):
+        x = x_all[start:start + batch_size].to(device)
+        with autocast(device, precision):
+            batches.append((x, unet(x)))
+    if not batches:
+        return
+    n, voxels = len(x_all), int(np.prod(x_all.shape[2:]))
+    hidden = heads.first_weight.shape[1]
+    per_head = 4 * voxels * (n * heads.classes + batch_size * 2 * hidden)
+    budget = stacked_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+    for group in _groups(len(heads), per_head, budget):
+        part = heads if len(group) == len(heads) else heads.subset(group)
+        out = torch.empty((len(group), n, heads.classes, *x_all.shape[2:]), dtype=torch.float32, device=device)
+        at = 0
+        for x, logits in batches:
+            with autocast(device, precision):
+                scores = part(logits, x)
+            out[:, at:at + len(x)] = torch.softmax(scores.float(), dim=2)
+            at += len(x)
+        yield group, out
+
+
 class _ParameterAverage:
     """Exponential moving average of the trained parameters over optimiser steps (Polyak averaging; De et
     al. 2022, arXiv 2204.13650, use it for DP-SGD). It reads only the iterates DP-SGD already released, so the
@@ -700,44 +934,6 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
     return np.concatenate(outs, axis=0)
 
 
-@torch.no_grad()
-def predict_probs_per_head(unet: torch.nn.Module, heads: Sequence[torch.nn.Module], images: Any, batch_size: int = 2,
-                           device: Any = None, precision: str = Precision.FP32) -> Iterator[np.ndarray]:
-    """What :func:`predict_probs` gives for each :class:`task.networks.VoxelHeadUNet` that shares the U-Net
-    ``unet`` (its ``.model``) and has the voxel head ``heads[k]``, in head order -- with the U-Net run once.
-
-    Why: voxel-head teachers are the public model's frozen U-Net plus each teacher's 213-weight head, so the
-    U-Net's logits on the query scans are the same for all of them; running it once per teacher was most of a
-    hospital's answering time (one forward pass per teacher and scan). The batches, the autocast context and the
-    arithmetic are :func:`predict_probs`' own (the head's correction is :func:`task.networks.corrected_logits`, as
-    in the network's forward), so each array is the one that function returns for that teacher, bit for bit. The
-    logits of every scan are kept on ``device`` meanwhile (the size of one teacher's output).
-
-    Args:
-        unet: the U-Net every teacher shares (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
-        heads: each teacher's ``.voxel_head``; one array is yielded per head, in this order.
-        images: (n, 4, *g) volumes.
-        batch_size: volumes per forward pass (:func:`predict_probs`' default, so its batches are these).
-        device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
-    """
-    device = model_device(unet) if device is None else resolve_device(device)
-    unet.to(device).eval()
-    x_all = _as_tensor(images, torch.float32)
-    batches = []
-    for start in range(0, len(x_all), batch_size):
-        x = x_all[start:start + batch_size].to(device)
-        with autocast(device, precision):
-            batches.append((x, unet(x)))
-    for head in heads:
-        head.to(device).eval()
-        outs = []
-        for x, logits in batches:
-            with autocast(device, precision):
-                scores = corrected_logits(head, logits, x)
-            outs.append(torch.softmax(scores.float(), dim=1).cpu().numpy().astype(np.float32))
-        yield np.concatenate(outs, axis=0) if outs else np.zeros((0,), dtype=np.float32)
-
-
 def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, device: Any = None,
                    precision: str = Precision.FP32, mirror: bool = False) -> np.ndarray:
     """The argmax class (n, *g) int64 of :func:`predict_probs`.
@@ -789,13 +985,22 @@ def evaluate_segmentation_per_case(model: torch.nn.Module, images: Any, labels: 
             autocast; test-time mirroring).
     """
 
+    return _scored_per_case(model, images, labels, batch_size, device, precision, mirror)[:2]
+
+
+def _scored_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_size: int, device: Any,
+                     precision: str, mirror: bool) -> tuple[dict, PerCaseDice, np.ndarray]:
+    """:func:`evaluate_segmentation_per_case` and the label maps (n, *g) uint8 it scored."""
     x_all = _as_tensor(images, torch.float32)
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
+    predicted = []
     for start in range(0, len(x_all), batch_size):
         pred = predict_labels(model, x_all[start:start + batch_size], batch_size, device, precision, mirror)
         acc.add(pred, y_all[start:start + batch_size].astype(np.int64))
-    return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table())
+        predicted.append(pred.astype(np.uint8))
+    labels_out = np.concatenate(predicted) if predicted else np.zeros((0,), np.uint8)
+    return acc.aggregate(), PerCaseDice(acc.case_means(), acc.case_table()), labels_out
 
 
 @timed("evaluation")
@@ -806,14 +1011,27 @@ def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: A
     return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision, mirror=True)
 
 
+def evaluate_release_predicting(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
+                                precision: str = Precision.FP32) -> tuple[dict, PerCaseDice, np.ndarray]:
+    """:func:`evaluate_release` and the test label maps (n, *g) uint8 it scored: what a run writes as its test
+    predictions, without predicting the 8 mirrorings of every test scan a second time."""
+    return _scored_per_case(model, images, labels, 2, device, precision, True)
+
+
 def dice_of_probabilities(probs: np.ndarray, labels: Any, batch_size: int = 2) -> dict:
     """:func:`evaluate_segmentation`'s Dice dict from the model's probabilities on the same images, already
-    computed (:func:`predict_probs`' or :func:`predict_probs_per_head`'s output): the same argmax and the same
+    computed (:func:`predict_probs`' or :func:`stacked_head_probabilities`' output): the same argmax and the same
     accumulation, ``batch_size`` cases at a time."""
+    return dice_of_labels(np.asarray(probs).argmax(axis=1), labels, batch_size)
+
+
+def dice_of_labels(predicted: np.ndarray, labels: Any, batch_size: int = 2) -> dict:
+    """:func:`dice_of_probabilities` from the argmax labels (n, *g) already taken (on the device that has the
+    probabilities: only the labels come to the host)."""
     y_all = np.asarray(labels)
     acc = DiceAccumulator()
-    for start in range(0, len(probs), batch_size):
-        acc.add(np.asarray(probs[start:start + batch_size]).argmax(axis=1).astype(np.int64),
+    for start in range(0, len(predicted), batch_size):
+        acc.add(np.asarray(predicted[start:start + batch_size]).astype(np.int64),
                 y_all[start:start + batch_size].astype(np.int64))
     return acc.aggregate()
 

@@ -9,6 +9,7 @@ import pytest
 
 from task.codecs import AnchoredResidualCompressor
 from task import codecs
+from task.errors import UserError
 from task.metrics import dice_scores
 
 GRID = (12, 12, 12)
@@ -123,6 +124,30 @@ def test_the_hospital_encoder_uses_the_shipped_bins_and_matches_the_reference(wo
         for shell in np.unique(shells[i][shells[i] >= 0]):
             sizes = np.bincount(bins[i][shells[i] == shell], minlength=3)
             assert sizes.max() - sizes.min() <= max(2, sizes.sum() // 10), (i, shell, sizes)
+
+
+@pytest.mark.parametrize("bins", [1, 3])
+def test_many_teachers_encoded_together_are_each_teacher_encoded_alone(world, bins):
+    """A hospital encodes every teacher's output of a query batch at once where the outputs lie (region sums as one
+    matrix product per scan, one transfer of rows): the rows each teacher's own encoding gives, to float32, the
+    same clip; a non-finite output is refused as the one-teacher encoder refuses it."""
+    import torch
+
+    scans, _, onehot, anchor = world
+    compressor = _fitted(world, bins)
+    state = codecs.verify_codec(compressor.batch_state(compressor.state(), anchor, scans), scans_shape=scans.shape)
+    encode = codecs.make_encoder(state, "cpu")
+    rng = np.random.default_rng(11)
+    teachers = np.stack([onehot] + [rng.dirichlet(np.full(4, a), size=(len(scans), *GRID)).transpose(0, 4, 1, 2, 3)
+                                    for a in (0.05, 1.0)]).astype(np.float32)
+    together = encode.many(torch.from_numpy(teachers))
+    alone = np.stack([encode(probs) for probs in teachers])
+    assert together.shape == alone.shape == (3, len(scans), compressor.latent_dim) and together.dtype == np.float32
+    np.testing.assert_allclose(together, alone, rtol=1e-6, atol=1e-7)
+    assert np.linalg.norm(together, axis=-1).max() <= compressor.clip
+    teachers[1, 0, 0, 0, 0, 0] = np.nan
+    with pytest.raises(UserError, match="NaN"):
+        encode.many(torch.from_numpy(teachers))
 
 
 def test_one_bin_is_the_codec_as_it_was(world):

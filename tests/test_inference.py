@@ -67,6 +67,41 @@ def test_predict_probs_and_evaluate_release_use_mirroring_and_one_pass_is_unchan
     assert evaluate_segmentation_per_case(model, x, labels)[0]["mean"] < 0.999
 
 
+def test_the_mirrorings_as_one_batch_give_the_mirrorings_one_by_one():
+    """On a GPU the 8 mirrorings go through the network as one batch (8 times fewer kernels); a network that
+    treats the scans of a batch independently gives the same probabilities up to float summation order."""
+    model, x = Lopsided().eval(), _images(n=2)
+    with torch.no_grad():
+        torch.testing.assert_close(mirrored_probabilities(model, x, together=True),
+                                   mirrored_probabilities(model, x, together=False), rtol=1e-5, atol=1e-6)
+    seen = []
+    model.register_forward_hook(lambda module, inputs, output: seen.append(len(inputs[0])))
+    with torch.no_grad():
+        mirrored_probabilities(model, x, together=True)
+    assert seen == [16]                      # one pass of 8 x 2 scans
+    seen.clear()
+    with torch.no_grad():
+        mirrored_probabilities(model, x)     # on the CPU: one mirroring after the other
+    assert seen == [2] * 8
+
+
+def test_a_release_is_scored_and_its_test_predictions_come_from_the_same_pass():
+    """What a run writes as its test predictions are the label maps its test Dice scored (evaluate_release with
+    test-time mirroring), not a second mirrored prediction of the test set."""
+    from task.training import evaluate_release, evaluate_release_predicting, predict_probs
+
+    model, x = Lopsided(), _images(n=5)
+    labels = np.random.default_rng(0).integers(0, 4, size=(5, 8, 8, 8))
+    passes = []
+    model.register_forward_hook(lambda module, inputs, output: passes.append(len(inputs[0])))
+    dice, per_case, predicted = evaluate_release_predicting(model, x, labels)
+    assert sum(passes) == 8 * 5                 # every scan's 8 mirrorings, once
+    assert predicted.dtype == np.uint8
+    np.testing.assert_array_equal(predicted, predict_probs(model, x, mirror=True).argmax(axis=1))
+    assert (dice, list(per_case)) == tuple(map(lambda v: v if isinstance(v, dict) else list(v),
+                                               evaluate_release(model, x, labels)))
+
+
 def test_segment_scan_mirrors_by_default_and_one_pass_on_request(tiny_phantoms):
     from task.data.msd import load_case, read_msd
     from task.data.preprocess import PreprocessConfig

@@ -37,13 +37,19 @@ def world():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["pate-pca", "pate-ae", "pate-anchored", "pate-naive"])
-def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_path):
+def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_path, monkeypatch):
+    import task.training
     from privacy.ledger import Ledger
     from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
+    mirrored = []   # every test-time-mirrored batch of the run: the student's and public-only's test sets, once each
+    monkeypatch.setattr(task.training, "mirrored_probabilities",
+                        lambda model, x, original=task.training.mirrored_probabilities: mirrored.append(len(x))
+                        or original(model, x))
     prepared, split, preset = world
     results = run_pate_inprocess(InProcessPateRun(preset, method, tmp_path, 8.0, 1e-3, seed=0, prepared=prepared,
                                                   split=split, compute=Compute(progress=False)))
+    assert sum(mirrored) == 2 * len(split.test)   # the predictions written are those the Dice scored
     written = json.loads((tmp_path / "results.json").read_text())
     assert all(key in written for key in SCHEMA)
     assert written["method"] == method and written["relation"] == "replace-one"

@@ -56,6 +56,26 @@ def test_workers_are_checked_once_and_only_with_the_inprocess_engine(tmp_path, m
     assert compare.parse_workers("auto", "inprocess", "cpu") == 1
 
 
+def test_cells_share_a_gpu_as_far_as_its_free_memory_and_the_host_cores_allow(monkeypatch):
+    """``--workers auto`` on CUDA: one cell per GPU_BYTES_PER_CELL of free memory, at most MAX_CELLS_PER_GPU and one
+    per two host cores (a cell alone leaves the GPU idle through its host phases)."""
+    import torch
+
+    monkeypatch.setattr(compare, "resolve_device", lambda spec: torch.device("cuda:0"))
+    free = {"bytes": 80 * 2 ** 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 141 * 2 ** 30))
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 16)
+    assert compare.MAX_CELLS_PER_GPU == 4 and compare.parse_workers("auto", "inprocess", "cuda") == 4
+    free["bytes"] = 2 * compare.GPU_BYTES_PER_CELL + 1
+    assert compare.parse_workers("auto", "inprocess", "cuda") == 2
+    free["bytes"] = compare.GPU_BYTES_PER_CELL - 1
+    assert compare.parse_workers("auto", "inprocess", "cuda") == 1     # not even one cell's allowance: one
+    free["bytes"] = 80 * 2 ** 30
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 6)
+    assert compare.parse_workers("auto", "inprocess", "cuda") == 3     # one per two host cores
+    assert compare.parse_workers("auto", "flower", "cuda") == 1
+
+
 @pytest.mark.slow
 def test_two_workers_run_the_cells_one_process_runs(tmp_path, monkeypatch):
     """Tiny preset, reproducible noise: every cell run by two workers has the Dice and epsilon of the same cell

@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--workers", default="auto",
                         help="how many cells run at once, each group in its own process with its share of the cores "
-                             "(default auto: 2 on a CPU with 2+ cores and --engine inprocess, else 1)")
+                             "(default auto with --engine inprocess: 2 on a CPU with 2+ cores; on a GPU as many as its "
+                             "free memory holds at 8 GiB each, at most 4 and one per 2 cores; else 1)")
     parser.add_argument("--engine", default=Engine.INPROCESS, choices=COMPARE_ENGINES,
                         help="federated cells in this process (default; same protocol code as the Flower apps, torch "
                              "on every core) or as Flower apps in Flower's simulation engine")

@@ -429,16 +429,38 @@ def parse_workers(text: str | int | None, engine: str, device: str) -> int:
     return workers
 
 
+#: what one cell may hold on a GPU, an allowance: the largest thing a cell holds is the paper preset's DP-SGD step
+#: (64^3 scans at expected batch 16, Poisson batches up to about twice that; about 60 MiB of activations per scan
+#: forward, several times that kept for the per-sample backward; per-sample gradients of 2.45 M weights), plus a
+#: CUDA context and the cuDNN workspace
+GPU_BYTES_PER_CELL = 8 * 2 ** 30
+#: at most this many cells share one GPU: enough for one cell's host phases (queries, encoding, decoding,
+#: accounting) to overlap another's kernels; more processes only time-slice the same device
+MAX_CELLS_PER_GPU = 4
+
+
 def default_workers(engine: str, device: str) -> int:
-    """How many cells a comparison runs at once when not told: two on a CPU with at least two cores and the
-    in-process engine, else one. Why two: the quick preset's 32^3 U-Net does not scale over two torch threads
-    (one training step: 75 ms on one thread, 54 ms on two, 70-74 ms each when two one-thread processes run
-    side by side -- 1.5 times the throughput), and much of a cell is single-threaded Python and host
-    augmentation. A GPU is one device the cells would queue on: one worker."""
+    """How many cells a comparison runs at once when not told (the in-process engine only; Flower's engine
+    schedules its own processes: one).
+
+    On a CPU with at least two cores: two. Why: the quick preset's 32^3 U-Net does not scale over two torch
+    threads (one training step: 75 ms on one thread, 54 ms on two, 70-74 ms each when two one-thread processes
+    run side by side -- 1.5 times the throughput), and much of a cell is single-threaded Python and host
+    augmentation. On a GPU: as many as its free memory holds at :data:`GPU_BYTES_PER_CELL` each, at most
+    :data:`MAX_CELLS_PER_GPU` and one per two host cores -- a cell alone leaves the GPU idle through its host
+    phases (measured on an H100: busy 0-22 % of the quick demo), which another cell's kernels fill."""
     cores = os.cpu_count() or 1
-    if engine != Engine.INPROCESS or cores < 2 or resolve_device(device).type != "cpu":
+    if engine != Engine.INPROCESS or cores < 2:
         return 1
-    return 2
+    where = resolve_device(device)
+    if where.type == "cpu":
+        return 2
+    if where.type != "cuda":
+        return 1
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(where)
+    return int(max(1, min(cores // 2, MAX_CELLS_PER_GPU, free // GPU_BYTES_PER_CELL)))
 
 
 #: a PATE method's first cell at a K also trains that K's teachers (quick preset, one-thread worker, fresh-clone

@@ -176,6 +176,24 @@ def encoder(state: Mapping[str, np.ndarray], device=None):
     return encode
 
 
+def stacked_encoder(state: Mapping[str, np.ndarray], device=None):
+    """:func:`encoder` of T teachers' outputs at once (T, n, C, *g) -> (T, n, l): their maps through the encoder
+    four at a time where they lie, then the same float64 unit-ball clip on the host."""
+    net = autoencoder_from_state(state, device)
+
+    def encode_many(probs) -> np.ndarray:
+        if not bool(torch.isfinite(probs).all()):
+            raise UserError("encode: teacher outputs contain NaN or infinite values")
+        where = next(net.parameters()).device
+        maps = probs.reshape(-1, *probs.shape[2:])
+        with torch.no_grad():
+            rows = [net.encode(maps[i:i + 4].to(where)) for i in range(0, len(maps), 4)]
+        z = torch.cat(rows).cpu().numpy().astype(np.float64) if rows else np.zeros((0, latent_dim(state)))
+        return clip_rows(z, 1.0).reshape(probs.shape[0], probs.shape[1], -1)
+
+    return encode_many
+
+
 # --------------------------------------------------------------------------------------------------
 # the server's side: train the autoencoder on public maps, ship its encoder, decode
 # --------------------------------------------------------------------------------------------------
@@ -369,4 +387,5 @@ def compressor(settings: Codec, *, seed, checkpoint, progress, device=None, **op
     return AutoencoderCompressor(trained, checkpoint=checkpoint, progress=progress, device=device)
 
 
-AE = register_codec(CodecKind("ae", verify, sensitivity, encoder, zero_rows, compressor=compressor))
+AE = register_codec(CodecKind("ae", verify, sensitivity, encoder, zero_rows, compressor=compressor,
+                                stacked_encoder=stacked_encoder))

@@ -19,6 +19,8 @@ malicious one included: the mean of K rows moves by at most 2C/K.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Callable, Mapping
 
@@ -364,6 +366,57 @@ def encoder(state: Mapping[str, np.ndarray], device=None):
     return encode
 
 
+def stacked_encoder(state: Mapping[str, np.ndarray], device=None):
+    """:func:`anchored_encode` of T teachers' outputs at once, where they lie (T, n, C, *g) -> (T, n, l): per
+    scan, every teacher's residual on the voxels of the anchor's regions times one matrix (the region sums over the
+    square root of their sizes, in float64), then every row clipped to C by the same :func:`clip_rows` on the host.
+    The regions, their sizes and the anchor are computed once per batch state, as the one-teacher encoder does;
+    the sums are the same up to float64 summation order. A matrix product rather than a scatter: it is
+    deterministic on a GPU (atomic float additions are not), so reproducible runs repeat there too."""
+    import torch
+
+    plan: dict = {}
+    bound = row_bound(state)
+
+    def regions_on(where) -> list:
+        """Per scan: (its voxels in some region, (voxels, regions) float64 sum matrix, anchor there (C-1, voxels))."""
+        anchor = np.asarray(state[ANCHOR_KEY])
+        bins, count = shipped_bins(state)
+        regions = anchor_regions(anchor, anchored_shells(state), bins, count)
+        per_class = anchored_latent_dim(2, anchored_shells(state), count)
+        scans = []
+        for i in range(len(anchor)):
+            index = regions[i].reshape(-1)
+            voxels = np.flatnonzero(index >= 0)
+            region = index[voxels]
+            size = np.sqrt(np.maximum(np.bincount(region, minlength=per_class), 1.0))
+            weights = np.zeros((len(voxels), per_class))
+            weights[np.arange(len(voxels)), region] = 1.0 / size[region]
+            anchor_there = anchor[i].reshape(anchor.shape[1], -1)[1:, voxels].astype(np.float64)
+            scans.append((torch.as_tensor(voxels, device=where), torch.as_tensor(weights, device=where),
+                          torch.as_tensor(anchor_there, device=where)))
+        return scans
+
+    def encode_many(probs):
+        if ANCHOR_KEY not in state or len(np.asarray(state[ANCHOR_KEY])) != probs.shape[1]:
+            raise UserError(f"encode: the anchored codec needs the public anchor of these {probs.shape[1]} scans")
+        if not bool(torch.isfinite(probs).all()):
+            raise UserError("encode: teacher outputs contain NaN or infinite values")
+        if plan.get("device") != probs.device:
+            plan["device"], plan["scans"] = probs.device, regions_on(probs.device)
+        teachers, n, classes = probs.shape[:3]
+        flat = probs.reshape(teachers, n, classes, -1)
+        per_class = anchored_latent_dim(2, anchored_shells(state), intensity_bins_of(state))
+        z = torch.zeros((teachers, n, classes - 1, per_class), dtype=torch.float64, device=probs.device)
+        for i, (voxels, weights, anchor_there) in enumerate(plan["scans"]):
+            if len(voxels):
+                z[:, i] = (flat[:, i, 1:][..., voxels].double() - anchor_there) @ weights
+        rows = z.reshape(teachers * n, -1).cpu().numpy()
+        return clip_rows(rows, bound).reshape(teachers, n, -1)
+
+    return encode_many
+
+
 # --------------------------------------------------------------------------------------------------
 # the server's side: fit C on public arrays, ship the anchor with every batch, decode
 # --------------------------------------------------------------------------------------------------
@@ -529,6 +582,17 @@ class AnchoredResidualCompressor(Compressor):
         """Decode against the scans' anchors, shrinking noisy latents towards them (``sigma = 0``: no shrinkage)."""
         return self.decode(z, public_probs, sigma=sigma, scans=scans)
 
+    def noise_free_decode_key(self) -> str:
+        """The fitted state, the settings and the device: the decoders read nothing else but the latents, the
+        anchor and the scans (the head-fit decoder's own settings are fixed; docs/decisions/head-fit-decoder.md)."""
+        digest = hashlib.sha256(json.dumps({**self.describe(), "device": str(self.device)}, sort_keys=True,
+                                           default=str).encode())
+        state = self.state()
+        for name in sorted(state):
+            value = np.ascontiguousarray(np.asarray(state[name]))
+            digest.update(f"{name}:{value.dtype}:{value.shape}".encode() + value.tobytes())
+        return digest.hexdigest()
+
     def describe(self) -> dict:
         return {"name": self.name, "latent_dim": int(self.latent_dim), "shells": list(self.shells),
                 "intensity_bins": self.intensity_bins, "intensity_channel": self.intensity_channel,
@@ -555,4 +619,5 @@ def compressor(settings: Codec, *, seed, checkpoint, progress, device=None, **op
                                       options.get("decoder", settings.anchored_decoder), device)
 
 
-ANCHORED = register_codec(CodecKind(KIND, verify, sensitivity, encoder, zero_rows, compressor=compressor))
+ANCHORED = register_codec(CodecKind(KIND, verify, sensitivity, encoder, zero_rows, compressor=compressor,
+                                      stacked_encoder=stacked_encoder))

@@ -106,6 +106,12 @@ class Compressor:
         """What the record should say about the fitted codec's health (default: nothing)."""
         return None
 
+    def noise_free_decode_key(self) -> str | None:
+        """A digest of everything :meth:`decode_release` at ``sigma = 0`` depends on besides the latents, the public
+        probabilities and the scans -- so that a comparison may reuse a noise-free decode across its budgets --
+        or None when the compressor cannot say (the default: nothing is reused)."""
+        return None
+
     @property
     def bytes_per_query_per_teacher(self) -> int:
         return int(self.latent_dim) * 4

@@ -215,6 +215,9 @@ class CodecKind:
     kind's output, so the reply is rejected rather than re-clipped (None: any rows can be, see below);
     ``exact_rows``: rows are exact values the server aggregates as they arrive (one-hot votes); otherwise it
     re-clips every accepted row to the state's row bound, whose sensitivity holds for any rows of that norm.
+    ``stacked_encoder(state, device)`` (optional) -> a function ``probs (T, n, C, *grid) torch tensor -> rows
+    (T, n, l) float32``: what ``encoder`` gives each of T teachers' outputs, computed for all of them together where
+    the tensor lies (a GPU: no copy per teacher), the bounding step the same function on the host.
     """
 
     name: str
@@ -227,6 +230,7 @@ class CodecKind:
     compressor: Callable | None = None
     implausible_rows: Callable | None = None
     exact_rows: bool = False
+    stacked_encoder: Callable | None = None
 
 
 _KINDS: Registry[CodecKind] = Registry("codec kind")
@@ -344,13 +348,36 @@ def encode(state: Mapping[str, np.ndarray], probs: np.ndarray, device=None) -> n
     return make_encoder(state, device)(probs)
 
 
-def make_encoder(state: Mapping[str, np.ndarray], device=None):
+def make_encoder(state: Mapping[str, np.ndarray], device=None) -> "Encoder":
     """``encode`` bound to one codec state (the kind's encoder is built once, e.g. the autoencoder, on ``device``;
-    None = auto)."""
-    kind = kind_of(state)
-    inner = kind.encoder(state, device)
+    None = auto): an :class:`Encoder`."""
+    return Encoder(state, device)
 
-    def encode_rows(probs: np.ndarray) -> np.ndarray:
-        return np.asarray(inner(check_probability_shape(state, probs)), np.float32)
 
-    return encode_rows
+class Encoder:
+    """One codec state's encoder for all of a hospital's teachers: ``encoder(probs)`` encodes one teacher's
+    probabilities (n, C, *grid) into (n, l) float32 rows, ``encoder.many(probs)`` every teacher's at once."""
+
+    def __init__(self, state: Mapping[str, np.ndarray], device=None) -> None:
+        self.state, self.device = state, device
+        self.kind = kind_of(state)
+        self._one = self.kind.encoder(state, device)
+        self._many = None   # the kind's stacked encoder, built when first asked for
+
+    def __call__(self, probs: np.ndarray) -> np.ndarray:
+        return np.asarray(self._one(check_probability_shape(self.state, probs)), np.float32)
+
+    def many(self, probs) -> np.ndarray:
+        """(T, n, l) float32: the rows of each of T teachers' probabilities (T, n, C, *grid) -- a torch tensor
+        (where the teachers computed them) or an array. Kinds with a ``stacked_encoder`` encode them together where
+        the tensor lies; the others teacher by teacher on the host, as :meth:`__call__` does."""
+        if self.kind.stacked_encoder is None or not isinstance(probs, torch.Tensor):
+            return np.stack([self(p.cpu().numpy() if isinstance(p, torch.Tensor) else p) for p in probs]) \
+                if len(probs) else np.zeros((0, 0, latent_dim(self.state)), np.float32)
+        classes, grid = int(scalar(self.state, "classes")), grid_of(self.state)
+        if probs.dim() != 3 + len(grid) or probs.shape[2] != classes or tuple(probs.shape[3:]) != grid:
+            raise UserError(f"encode: expected probabilities of shape (teachers, n, {classes}, "
+                            f"{', '.join(map(str, grid))}), got {tuple(probs.shape)}")
+        if self._many is None:
+            self._many = self.kind.stacked_encoder(self.state, self.device)
+        return np.asarray(self._many(probs.float()), np.float32)
