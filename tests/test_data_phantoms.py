@@ -42,18 +42,24 @@ def test_each_phantom_subject_is_one_patient(tiny_phantoms):
     assert all(c.patient == c.case_id for c in dataset.training) and len(dataset.patients) == 48
 
 
-def test_every_case_has_every_tumour_class_and_zero_background(tiny_phantoms):
+def test_every_case_has_a_tumour_every_class_occurs_and_background_is_zero(tiny_phantoms):
+    """Every case has oedema and a core; a solidly enhancing core's non-enhancing focus may be under a voxel (as
+    real tumours may lack a class), but most cases hold every class."""
     dataset = read_msd(tiny_phantoms)
+    complete = 0
     for case in dataset.training:
         image, label, _ = load_case(case)
         counts = np.bincount(label.ravel(), minlength=4)
-        assert (counts[1:] > 0).all(), (case.case_id, counts)
+        assert counts[1] > 0 and counts[2] + counts[3] > 0, (case.case_id, counts)
+        complete += bool((counts[1:] > 0).all())
         brain = np.any(image != 0, axis=-1)
         assert not label[~brain].any()                       # tumour only inside the brain
         assert brain.mean() < 0.8 and not image[0, 0, 0].any()   # skull-stripped: zero background
+    assert complete >= 0.8 * len(dataset.training), complete
 
 
 def test_contrast_directions_per_modality(sample_cases):
+    """Only what defines a class, or a healthy tissue's order, holds in every case (TUMOUR_CONTRAST)."""
     for case in sample_cases:
         image, label = case.image.astype(np.float64), case.label
         wm = (case.tissue["wm"] > 0.8) & (label == 0)
@@ -63,13 +69,47 @@ def test_contrast_directions_per_modality(sample_cases):
         def mean(channel, mask):
             return image[..., channel][mask].mean()
 
-        assert mean(FLAIR, label == 1) > 1.15 * mean(FLAIR, wm)          # oedema bright on FLAIR
+        assert mean(FLAIR, label == 1) > 1.05 * mean(FLAIR, wm)          # oedema bright on FLAIR
         assert mean(FLAIR, csf) < mean(FLAIR, wm)                        # CSF dark on FLAIR
-        assert mean(T2, label == 1) > mean(T2, wm) and mean(T2, csf) > mean(T2, wm)   # oedema, CSF bright on T2
-        assert mean(T1GD, label == 3) > 1.3 * mean(T1GD, label == 2)     # enhancing rim bright on T1-Gd
+        assert mean(T2, csf) > 1.2 * mean(T2, wm)                        # CSF bright on T2
+        assert mean(T1GD, label == 3) > mean(T1GD, label == 2)           # enhancing rim brighter than the core
         assert mean(T1GD, label == 3) > mean(T1GD, wm)
-        assert mean(T1, label == 2) < mean(T1, wm)                       # core dark on T1
         assert mean(T1, wm) > mean(T1, gm) > mean(T1, csf)               # WM > GM > CSF on T1
+
+
+def test_no_fixed_intensity_order_identifies_a_tumour_class():
+    """v4: what does not define a class varies from case to case: the core is darker than white matter on T1 in
+    some cases and brighter in others, oedema is above or below grey matter on T2 (a model must not learn "the
+    tumour is T1-dark"); CSF spans a wide range on T2."""
+    cases = [make_case(2, i, 2, 4.0) for i in range(16)]
+    core_t1, edema_t2, csf_t2 = [], [], []
+    for case in cases:
+        image, label = case.image.astype(np.float64), case.label
+        wm = (case.tissue["wm"] > 0.8) & (label == 0)
+        gm = (case.tissue["gm"] > 0.7) & (label == 0)
+        csf = (case.tissue["csf"] > 0.8) & (label == 0)
+        core = (label == 2) & (case.tissue["mask"] > 0.9)
+        if core.sum() >= 3:
+            core_t1.append(image[..., T1][core].mean() / image[..., T1][wm].mean())
+        edema_t2.append(image[..., T2][label == 1].mean() / image[..., T2][gm].mean())
+        csf_t2.append(image[..., T2][csf].mean() / image[..., T2][wm].mean())
+    assert min(core_t1) < 0.9 and max(core_t1) > 1.0, core_t1
+    assert min(edema_t2) < 1.0 < max(edema_t2), edema_t2
+    assert max(csf_t2) / min(csf_t2) > 1.5, csf_t2
+
+
+def test_cores_are_heterogeneous_and_hold_more_enhancing_tissue():
+    """v4: label 2 mixes fluid-filled and solid parts (each with its own appearance) in some lesions, and thicker
+    shells hold more enhancing tissue: the median lesion of 24 at the quick preset's 3 mm has over 15 ml of it
+    (generator 3: 12.9 ml at this seed; the real development cases 22-33 ml)."""
+    from task.data.phantoms import RIM_MM
+
+    cases = [make_case(4, i, 2, 3.0) for i in range(24)]
+    enhancing_ml = [np.count_nonzero(c.label == 3) * 27 / 1000 for c in cases]
+    assert np.median(enhancing_ml) > 15, enhancing_ml
+    assert RIM_MM[0] >= 3.0
+    shares = [c.info["core_fluid_share"] for c in cases]
+    assert any(0.1 < s < 0.9 for s in shares) and min(shares) < 0.5 < max(shares), shares
 
 
 def test_institutions_measurably_differ(sample_cases):

@@ -60,27 +60,47 @@ from task.io import atomic_write_bytes, atomic_write_json
 from task.io import cache_root as default_cache_root
 from task.presets import get_preset
 
-GENERATOR_VERSION = "3"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+GENERATOR_VERSION = "4"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
                           #    lesions, enhancing healthy structures (vessels, choroid plexus)
+                          # 4: tumour intensities keep only their defining contrasts (TUMOUR_CONTRAST); thick,
+                          #    nodular, sometimes broken enhancing shells; heterogeneous cores
 
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
 
-# Mean intensity of each tissue class per sequence (FLAIR, T1, T1-Gd, T2), relative units before the
-# scanner scale. Orders follow clinical appearance of gliomas (e.g. BraTS, Menze et al. 2015).
-CLASSES = ("csf", "gm", "wm", "edema", "necrotic", "solid", "enhancing")
-CONTRAST = {
-    #             FLAIR  T1    T1Gd  T2
-    "csf":       (0.12, 0.25, 0.27, 1.00),
-    "gm":        (0.55, 0.58, 0.60, 0.62),
-    "wm":        (0.42, 0.80, 0.78, 0.42),
-    "edema":     (0.95, 0.52, 0.54, 0.85),
-    "necrotic":  (0.55, 0.28, 0.32, 0.95),   # fluid-filled centre: FLAIR partly suppressed, T2 bright
-    "solid":     (0.82, 0.45, 0.50, 0.72),   # non-enhancing solid tumour
-    "enhancing": (0.75, 0.55, 1.40, 0.70),   # gadolinium uptake: bright on T1-Gd only (T1-Gd: see below)
-    "vessel":    (0.35, 0.50, 1.30, 0.40),   # vessels, choroid plexus: enhance too (T1-Gd: VESSEL_RATIO);
-                                             # darker on T2/FLAIR (flow)
+# Healthy tissue per sequence (FLAIR, T1, T1-Gd, T2). White matter's mean (relative units before the scanner
+# scale) and, drawn uniformly per case and sequence, grey matter's and CSF's means as multiples of it
+# (HEALTHY_RATIOS). The ranges keep each sequence's clinical order of the healthy tissues but are wide, as
+# SynthSeg draws them (Billot et al. 2023, arXiv 2107.09559): in particular CSF is 1.6-4x as bright as white
+# matter on T2 and dark on FLAIR, which gives real scans' long bright tail on T2 after per-scan normalisation
+# (real skull-stripped brains hold sulcal and ventricular CSF). Generator 3's CSF was at most 1.7x white matter
+# on T2; the normalised tumour then stood out far more than on real scans (docs/decisions/world-realism.md).
+WHITE_MATTER = (0.42, 0.80, 0.78, 0.42)   # in task.data.msd.MODALITIES order, as VESSEL
+HEALTHY_RATIOS = {            # (grey / white matter, CSF / white matter), uniform
+    "FLAIR": ((1.0, 1.45), (0.15, 0.7)),
+    "T1w":   ((0.6, 0.95), (0.2, 0.55)),
+    "t1gd":  ((0.6, 1.0), (0.2, 0.6)),
+    "T2w":   ((1.05, 1.6), (1.6, 4.0)),
+}
+VESSEL = (0.35, 0.50, 1.30, 0.40)   # vessels, choroid plexus: enhance too (T1-Gd: VESSEL_RATIO); darker on
+                                    # T2 and FLAIR (flow)
+# Tumour classes: mean intensity relative to the case's parenchyma (mean of grey and white matter) in each
+# sequence, drawn uniformly per case, class and sequence. A class keeps only the contrast that defines it in the
+# BraTS annotation protocol (Menze et al. 2015; Bakas et al. 2017): the whole tumour is the FLAIR-hyperintense
+# abnormality (oedema and solid tumour above the parenchyma on FLAIR), the enhancing tumour is T1-Gd-hyperintense
+# (set apart: ENHANCEMENT_RATIO, against the brightest parenchyma), and the necrotic / non-enhancing core does
+# not enhance (on T1-Gd at most about the parenchyma). Everything else varies, as between real tumours and
+# scanners, so that no fixed intensity order identifies a class (SynthSeg-style domain randomisation): T1 from
+# hypo- to hyperintense, T1-Gd of the non-enhancing classes drawn apart from their T1, FLAIR of necrosis from
+# fluid-suppressed to proteinaceous, T2 from about iso- to strongly hyperintense, contrasts from subtle to
+# strong. Generator 3 kept every class's clinical order with a 7 % jitter; a model trained on it relied on
+# T1-dark tumour and missed real cases whose core is T1-iso or hyperintense (docs/decisions/world-realism.md).
+TUMOUR_CONTRAST = {
+    "FLAIR": {"edema": (1.1, 2.4), "necrotic": (0.3, 2.6), "solid": (1.05, 2.4), "enhancing": (0.9, 2.4)},
+    "T1w":   {"edema": (0.5, 1.3), "necrotic": (0.3, 1.5), "solid": (0.5, 1.4), "enhancing": (0.5, 1.5)},
+    "t1gd":  {"edema": (0.5, 1.2), "necrotic": (0.3, 1.2), "solid": (0.6, 1.2)},
+    "T2w":   {"edema": (1.05, 2.8), "necrotic": (0.9, 3.5), "solid": (0.9, 2.6), "enhancing": (0.8, 2.6)},
 }
 # T1-Gd brightness of enhancing tissue (tumour and healthy) relative to this case's white matter, log-uniform.
 # Why so wide: enhancement depends on dose, timing and lesion; 3D Slicer's MRBrainTumor1/2 lesions sit at
@@ -88,13 +108,15 @@ CONTRAST = {
 # v2-trained model missed them entirely (docs/GENERALISATION.md). The floor keeps "enhancing > white matter".
 ENHANCEMENT_RATIO = (1.12, 2.0)
 VESSEL_RATIO = (1.1, 1.9)
-# Per case and channel, the grey-white and the CSF-grey differences are scaled by these factors (log-uniform):
-# healthy contrast differs by sequence and scanner. The Slicer T1-Gd scans have little grey/white contrast
-# (their brain's 10-90% range is z -0.55..0.6 where v2 phantoms, with a fixed 1.3 ratio, had -1..1).
-GREY_WHITE_CONTRAST = (0.15, 1.1)
-CSF_CONTRAST = (0.3, 1.1)
 SOLID_ENHANCING_SHARE = 0.35   # cores that enhance throughout, around a small focus (rim-enhancing otherwise)
-LITTLE_OEDEMA_SHARE = 0.2      # lesions whose oedema is a thin rim (core radius 0.8-0.92 of the oedema's)
+LITTLE_OEDEMA_SHARE = 0.2      # lesions whose oedema is a thin rim (core radius 0.8-0.95 of the oedema's)
+# The core's radius as a share of the oedema's, and the enhancing shell's thickness (mm). Generator 3 drew
+# 0.45-0.75 and 2-4.5 mm: its median lesion had 15 ml of enhancing tissue and 5 ml of necrosis, so at the working
+# grid (~5 mm voxels) the shell was often under one voxel thick, where the real development cases hold 22-33 ml
+# of enhancing tumour and 11-17 ml of necrosis (docs/decisions/world-realism.md).
+CORE_SHARE = (0.5, 0.85)
+RIM_MM = (3.0, 8.0)
+BROKEN_RIM_SHARE = 0.4         # rim-enhancing lesions whose shell is broken: part of it does not enhance
 
 
 @dataclass(frozen=True)
@@ -263,13 +285,14 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     brain = tissue["mask"] > 0.5
 
     primary_radius = r_edema * (0.6 if Shift.LESIONS in parts else 1.0)
-    label, tumour_weights, core_kind, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
+    label, tumour_weights, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
     depth = ndimage.distance_transform_edt(brain) * res                  # mm inside the brain
     if Shift.LESIONS in parts:
         _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain, depth)
 
     vessels = _enhancing_structures(rng, res, tissue, depth, label)
-    image, enhancement = _intensities(rng, tissue, vessels, tumour_weights, core_kind, label,
+    fluid_share = _share(tumour_weights["necrotic"], tumour_weights["solid"])
+    image, enhancement = _intensities(rng, tissue, vessels, tumour_weights, label,
                                       contrast_shift=Shift.CONTRAST in parts)
 
     head = brain
@@ -277,7 +300,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
         head = _skull_residue(shift_rng, image, brain, res)
     image = _scanner(rng, image, head, profile, res)
     label[~brain] = 0
-    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core": core_kind,
+    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core_fluid_share": fluid_share,
             "solid_enhancing": bool(solid_enhancing), "enhancement_ratio": round(enhancement, 3),
             "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
     return PhantomCase(image=image, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
@@ -340,12 +363,15 @@ def _mass_effect(rng: np.random.Generator, coords: list[np.ndarray], matrix: np.
 
 
 def _intensities(rng: np.random.Generator, tissue: dict[str, np.ndarray], vessels: np.ndarray,
-                 tumour_weights: dict[str, np.ndarray], core_kind: str, label: np.ndarray,
+                 tumour_weights: dict[str, np.ndarray], label: np.ndarray,
                  contrast_shift: bool = False) -> tuple[np.ndarray, float]:
-    """The four sequences before the scanner, (4, *shape): class means randomised per case and channel (their
-    directions preserved; jittered 3x more under the ``contrast`` shift), mixed by partial volume, with a
-    fine texture everywhere and a heterogeneous one inside the lesion. Returns the image and this case's T1-Gd
-    enhancement ratio."""
+    """The four sequences before the scanner, (4, *shape), mixed by partial volume, with a fine texture everywhere
+    and a heterogeneous one inside the lesion. Returns the image and this case's T1-Gd enhancement ratio.
+
+    Per case and sequence: healthy tissue from :data:`WHITE_MATTER` and :data:`HEALTHY_RATIOS`, tumour classes from
+    :data:`TUMOUR_CONTRAST` relative to the parenchyma, enhancing tissue on T1-Gd against the brightest parenchyma
+    (:data:`ENHANCEMENT_RATIO`). The ``contrast`` shift jitters every drawn mean by a further 21 % (log-std), so
+    orders may flip."""
     shape = label.shape
     image = np.zeros((4, *shape), np.float32)
     tumour_total = sum(tumour_weights.values())
@@ -353,20 +379,26 @@ def _intensities(rng: np.random.Generator, tissue: dict[str, np.ndarray], vessel
     texture = 1.0 + 0.04 * smooth_field(rng, shape, (9, 11, 9), count=1)[0]
     enhancement = _log_uniform(rng, *ENHANCEMENT_RATIO)
     vessel_enhancement = _log_uniform(rng, *VESSEL_RATIO)
-    for c in range(4):
-        jitter = 0.21 if contrast_shift else 0.07     # log-std of each class mean per case and channel
-        means = {name: CONTRAST[name][c] * float(np.exp(jitter * rng.normal(0.0, 1.0))) for name in CONTRAST}
-        # grey/white and CSF/grey contrasts scaled separately (order kept): real sequences differ in how far
-        # apart the healthy tissues sit, and z-scoring removes only a common scale, not their ratio
-        means["wm"] = means["gm"] + _log_uniform(rng, *GREY_WHITE_CONTRAST) * (means["wm"] - means["gm"])
-        means["csf"] = means["gm"] + _log_uniform(rng, *CSF_CONTRAST) * (means["csf"] - means["gm"])
-        if MODALITIES[c] == "t1gd":   # enhancement is set against this case's brightest parenchyma
+    jitter = 0.21 if contrast_shift else 0.0
+
+    def draw(low: float, high: float) -> float:
+        return rng.uniform(low, high) * float(np.exp(jitter * rng.normal())) if jitter else rng.uniform(low, high)
+
+    for c, sequence in enumerate(MODALITIES):
+        wm = WHITE_MATTER[c] * float(np.exp(0.1 * rng.normal()))
+        (grey_low, grey_high), (csf_low, csf_high) = HEALTHY_RATIOS[sequence]
+        means = {"wm": wm, "gm": wm * draw(grey_low, grey_high), "csf": wm * draw(csf_low, csf_high),
+                 "vessel": VESSEL[c] * float(np.exp(0.07 * rng.normal()))}
+        parenchyma = 0.5 * (means["gm"] + means["wm"])
+        for name, (low, high) in TUMOUR_CONTRAST[sequence].items():
+            means[name] = parenchyma * draw(low, high)
+        if sequence == "t1gd":   # enhancement is set against this case's brightest parenchyma
             means["enhancing"] = max(means["wm"], means["gm"]) * enhancement
             means["vessel"] = max(means["wm"], means["gm"]) * vessel_enhancement
-        parenchyma = tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]
-        channel = (parenchyma * (1.0 - vessels) + vessels * means["vessel"]) * healthy
+        tissues = tissue["csf"] * means["csf"] + tissue["gm"] * means["gm"] + tissue["wm"] * means["wm"]
+        channel = (tissues * (1.0 - vessels) + vessels * means["vessel"]) * healthy
         for name, weight in tumour_weights.items():
-            channel += weight * means[core_kind if name == "core" else name]
+            channel += weight * means[name]
         image[c] = channel * texture
     # tumour heterogeneity: fine-grained multiplicative texture inside the lesion only
     lesion = label > 0
@@ -379,11 +411,21 @@ def _intensities(rng: np.random.Generator, tissue: dict[str, np.ndarray], vessel
 
 def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
             tissue: dict[str, np.ndarray], brain: np.ndarray):
-    """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights."""
-    rim = max(rng.uniform(2.0, 4.5), 1.1 * res)                          # enhancing shell thickness (mm)
+    """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights (``edema``,
+    ``necrotic`` and ``solid`` -- the fluid and the solid parts of label 2 -- and ``enhancing``), and whether the
+    core enhances throughout.
+
+    Shaped after glioblastomas as BraTS shows them (Menze et al. 2015; Bakas et al. 2017): a thick, nodular
+    enhancing shell (RIM_MM, its thickness varying around the lesion by up to half), broken in a share of lesions
+    (BROKEN_RIM_SHARE: part of the shell does not enhance and is non-enhancing tumour, label 2), around a core in
+    which fluid-filled necrosis and solid non-enhancing tumour lie side by side (both label 2, each with its own
+    appearance), inside oedema of varying extent.
+    """
+    rim = max(rng.uniform(*RIM_MM), 1.1 * res)                           # enhancing shell thickness (mm)
     # one lesion in five has little oedema (a thin rim): enhancing masses are not always wrapped in oedema
-    core_share = rng.uniform(0.8, 0.92) if rng.random() < LITTLE_OEDEMA_SHARE else rng.uniform(0.45, 0.75)
+    core_share = rng.uniform(0.8, 0.95) if rng.random() < LITTLE_OEDEMA_SHARE else rng.uniform(*CORE_SHARE)
     r_core = max(r_edema * core_share, rim + 1.6 * res)
+    rim = min(rim, 0.6 * r_core)                                         # a shell, not a solid ball
     # a third of cores enhance solidly around a small non-enhancing focus; the rest are rim-enhancing
     solid_enhancing = rng.random() < SOLID_ENHANCING_SHARE
     r_edema = max(r_edema, r_core + 2.5 * res)
@@ -408,7 +450,7 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
         lobe = np.sqrt((u[0] - offset[0]) ** 2 + (u[1] - offset[1]) ** 2 + (u[2] - offset[2]) ** 2) / lobe_scale
         dist = np.minimum(dist, lobe.astype(np.float32))
     # additive perturbation of the normalised distance by clipped smooth noise: irregular, bounded shapes
-    noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=3), -1.5, 1.5)
+    noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=5), -1.5, 1.5)
     f_core = dist / r_core + rng.uniform(0.1, 0.25) * noise[0]
     finger = np.clip(smooth_field(rng, bshape, (8, 8, 8), count=1)[0], -1.5, 1.5)   # finer: finger-like oedema
     f_edema = dist / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
@@ -417,20 +459,24 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     if solid_enhancing:
         inner = rng.uniform(0.2, 0.4) * (1.0 + 0.3 * noise[2])            # small necrotic/solid focus
     else:
-        inner = 1.0 - rim / r_core * (1.0 + 0.3 * noise[2])             # variable shell thickness
+        inner = 1.0 - rim / r_core * (1.0 + 0.5 * noise[2])             # nodular: the shell's thickness varies
 
     in_brain = brain[box]
     spared = tissue["csf"][box] > 0.6                                    # oedema does not fill ventricles
     core = (f_core < 1.0) & in_brain
     necrotic = core & (f_core < inner)
     enhancing = core & ~necrotic
+    if not solid_enhancing and rng.random() < BROKEN_RIM_SHARE:
+        # where a smooth field is low the shell does not enhance: it is non-enhancing tumour (label 2)
+        gap = noise[3] < rng.uniform(-1.0, -0.3)
+        necrotic |= enhancing & gap
+        enhancing &= ~gap
     edema = (f_edema < 1.0) & in_brain & ~core & ~spared
     local = np.zeros(bshape, np.uint8)
     local[edema], local[necrotic], local[enhancing] = 1, 2, 3
     label = np.zeros(shape, np.uint8)
     label[box] = local
 
-    core_kind = "necrotic" if rng.random() < 0.6 else "solid"
     weights = {}
     for name, value in (("edema", 1), ("core", 2), ("enhancing", 3)):
         w = np.zeros(shape, np.float32)
@@ -438,12 +484,24 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
         # labelled voxels are pure; partial volume only spills into the healthy neighbours (label 0)
         w[box] = np.where(local > 0, inside, ndimage.gaussian_filter(inside, 0.6))
         weights[name] = w
+    # label 2 is heterogeneous: fluid-filled necrosis and solid non-enhancing tumour in smooth patches, their
+    # shares drawn per lesion (from almost all fluid to almost all solid)
+    fluid = np.zeros(shape, np.float32)
+    fluid[box] = (noise[4] > rng.uniform(-1.0, 1.0)).astype(np.float32)
+    core_weight = weights.pop("core")
+    weights["necrotic"], weights["solid"] = core_weight * fluid, core_weight * (1.0 - fluid)
     # oedema fades towards its border (water content falls off away from the tumour)
     fade = np.ones(shape, np.float32)
     fade[box] = 1.0 - 0.45 * np.clip(f_edema, 0.0, 1.0) ** 2
     weights["edema"] *= fade
     _cap_tumour_weights(weights)
-    return label, weights, core_kind, solid_enhancing
+    return label, weights, solid_enhancing
+
+
+def _share(part: np.ndarray, rest: np.ndarray) -> float:
+    """``part``'s share of ``part + rest`` (0 when both are empty), rounded for the case's info."""
+    total = float(part.sum() + rest.sum())
+    return round(float(part.sum()) / total, 3) if total > 0 else 0.0
 
 
 def _log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
@@ -476,7 +534,7 @@ def _enhancing_structures(rng: np.random.Generator, res: float, tissue: dict[str
 
 def _cap_tumour_weights(weights: dict[str, np.ndarray]) -> None:
     """Rescale (in place) wherever the tumour classes' partial volumes sum past 1, so healthy tissue >= 0."""
-    total = weights["edema"] + weights["core"] + weights["enhancing"]
+    total = sum(weights.values())
     over = total > 1.0
     for w in weights.values():
         w[over] /= total[over]
@@ -496,7 +554,7 @@ def _add_satellites(rng: np.random.Generator, label: np.ndarray, weights: dict[s
             if len(candidates) == 0:
                 return
         centre = candidates[int(rng.integers(len(candidates)))].astype(np.float32)
-        extra_label, extra_weights, _, _ = _tumour(rng, shape, centre, radius, res, tissue, brain)
+        extra_label, extra_weights, _ = _tumour(rng, shape, centre, radius, res, tissue, brain)
         free = (label == 0) & (extra_label > 0)
         label[free] = extra_label[free]
         for name in weights:
