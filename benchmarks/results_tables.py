@@ -16,7 +16,7 @@ hold the same seed (different runs of it). The tables, by name:
   ``sim.report_real.ratio_over_cases``);
 * ``GROUP:across`` -- per cell, over the group's comparisons: mean phantom Dice, mean headroom ± its standard error
   across the comparisons (each comparison's value beside it), mean real Dice and real headroom, and the number of
-  comparisons whose real WT and TC headroom both reach one half;
+  comparisons whose real WT, TC and ET headroom all reach three quarters;
 * ``GROUP:real-cases`` -- per comparison scored on real cases, one row per cell and one column per case: that
   case's real WT / TC / ET Dice (cases whose reference is an algorithm's output marked †);
 * ``GROUP:rank`` -- per comparison, Kendall's τ between the phantom and the real ranking of the private models
@@ -65,9 +65,16 @@ SECURE_PAIRS = (("pate-anchored-secure", "pate-anchored", "dice"),
                 ("dp-fedavg-secure", "dp-fedavg", "above"))
 #: the goals' thresholds (docs/RESULTS.md, "Goals")
 PHANTOM_GOALS = ((8.0, 0.5), (1.0, 0.2))
-REAL_GOAL = 0.5
-#: PATE's own real-scan goal: at least this share of the real WT headroom, and above the self-trained floor
-REAL_PATE_GOAL = 0.4
+#: the best private model's real-scan goal: at least this share of the real headroom in every region
+REAL_GOAL = 0.75
+REAL_GOAL_REGIONS = ("WT", "TC", "ET")
+#: PATE's own real-scan goal: at least this share of the real WT and TC headroom, and above the self-trained floor
+REAL_PATE_GOAL = 0.6
+#: the real ceiling (non-private, trained on phantoms) and the public floor's real WT, per region
+CEILING = "nonprivate-central"
+REAL_CEILING_GOAL = {"WT": 0.85, "TC": 0.70, "ET": 0.60}
+PUBLIC_ONLY = "public-only"
+REAL_FLOOR_GOAL = {"WT": 0.70}
 #: the phantom ranking of the private models predicts the real one: Kendall's τ at least this
 RANK_GOAL = 0.7
 PATE = "pate-anchored"
@@ -270,7 +277,8 @@ def across_table(comparisons: list[Comparison]) -> str:
             })
     lines = [f"Over {len(comparisons)} comparison(s): " + ", ".join(c.label for c in comparisons) + ".", "",
              "| cell | comparisons | phantom mean Dice (mean) | headroom mean ± SE across comparisons (each) "
-             "| real WT / TC / ET (mean) | real headroom WT / TC / ET (mean) | real WT and TC headroom ≥ 0.5 |",
+             "| real WT / TC / ET (mean) | real headroom WT / TC / ET (mean) "
+             f"| real WT, TC and ET headroom ≥ {REAL_GOAL:g} |",
              "|---|---|---|---|---|---|---|"]
     for name in sorted(rows, key=order.get):
         values = rows[name]
@@ -283,7 +291,7 @@ def across_table(comparisons: list[Comparison]) -> str:
         real = " / ".join(_fmt(_mean(v["real"].get(r) for v in has_real)) for r in REGIONS) if has_real else "—"
         share = (" / ".join(_fmt(_mean(v["share"][r] for v in has_real), 2) for r in REGIONS) if has_real else "—")
         both = sum(1 for v in has_real if all(v["share"][r] is not None and _reaches(v["share"][r], REAL_GOAL)
-                                               for r in ("WT", "TC")))
+                                               for r in REAL_GOAL_REGIONS))
         lines.append(f"| {name} | {len(values)} | {_fmt(_mean(v['dice'] for v in values))} | {headroom} | {real} "
                      f"| {share} | {f'{both} of {len(has_real)}' if has_real else '—'} |")
     return "\n".join(lines)
@@ -403,20 +411,21 @@ def goal_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
                 value, cell = max(scored, key=lambda pair: pair[0])
                 rows.append((goal, comparison.name, f"{cell['method']} {value:+.2f}", _yes(_reaches(value, share))))
     budget = max(b for b, _ in PHANTOM_GOALS)
-    goal = (f"a private method at ε {budget:g} recovers ≥ {100 * REAL_GOAL:.0f} % of the real WT and TC headroom "
-            "(best by the smaller of the two)")
+    rows += _real_level_rows(comparisons)
+    goal = (f"a private method at ε {budget:g} recovers ≥ {100 * REAL_GOAL:.0f} % of the real WT, TC and ET headroom "
+            "(best by the smallest of the three)")
     for comparison in comparisons:
         scored = []
         for cell in comparison.cells:
             if registry.role_of(cell.get("method")) != "private" or (cell.get("epsilon_budget") or 0) != budget:
                 continue
-            wt, tc = comparison.real_headroom(cell, "WT"), comparison.real_headroom(cell, "TC")
-            if wt is not None and tc is not None:
-                scored.append((min(wt, tc), wt, tc, cell))
+            shares = [comparison.real_headroom(cell, r) for r in REAL_GOAL_REGIONS]
+            if all(v is not None for v in shares):
+                scored.append((min(shares), shares, cell))
         if scored:
-            low, wt, tc, cell = max(scored, key=lambda item: item[0])
-            rows.append((goal, comparison.name, f"{cell['method']} WT {wt:+.2f} / TC {tc:+.2f}",
-                         _yes(_reaches(low, REAL_GOAL))))
+            low, shares, cell = max(scored, key=lambda item: item[0])
+            measured = " / ".join(f"{r} {v:+.2f}" for r, v in zip(REAL_GOAL_REGIONS, shares))
+            rows.append((goal, comparison.name, f"{cell['method']} {measured}", _yes(_reaches(low, REAL_GOAL))))
             rows += _above_selftrain_rows(comparison, cell, budget)
     rows += _pate_real_rows(comparisons, budget)
     for comparison in comparisons:
@@ -468,18 +477,38 @@ def _above_selftrain_rows(comparison: Comparison, cell, budget: float) -> list[t
 
 
 def _pate_real_rows(comparisons: list[Comparison], budget: float) -> list[tuple[str, str, str, str]]:
-    """PATE's student on the real scans: at least REAL_PATE_GOAL of the real WT headroom, above public-selftrain."""
+    """PATE's student on the real scans: at least REAL_PATE_GOAL of the real WT and TC headroom, and above
+    public-selftrain in both."""
     rows = []
-    goal = (f"{PATE} at ε {budget:g} recovers ≥ {100 * REAL_PATE_GOAL:.0f} % of the real WT headroom and is above "
-            f"{SELFTRAIN} there")
+    goal = (f"{PATE} at ε {budget:g} recovers ≥ {100 * REAL_PATE_GOAL:.0f} % of the real WT and TC headroom and is "
+            f"above {SELFTRAIN} in both")
     for comparison in comparisons:
         pate, selftrain = comparison.cell(PATE, budget), comparison.cell(SELFTRAIN)
-        share = comparison.real_headroom(pate, "WT") if pate else None
-        if share is None or selftrain is None or _real(selftrain).get("WT") is None:
+        shares = [comparison.real_headroom(pate, r) if pate else None for r in ("WT", "TC")]
+        if any(s is None for s in shares) or selftrain is None or any(
+                _real(selftrain).get(r) is None for r in ("WT", "TC")):
             continue
-        ours, floor = _real(pate)["WT"], _real(selftrain)["WT"]
-        rows.append((goal, comparison.name, f"WT {share:+.2f} of the headroom; {ours:.3f} vs {floor:.3f}",
-                     _yes(_reaches(share, REAL_PATE_GOAL) and ours > floor)))
+        ours, floor = _real(pate), _real(selftrain)
+        measured = "; ".join(f"{r} {share:+.2f} of the headroom, {ours[r]:.3f} vs {floor[r]:.3f}"
+                             for r, share in zip(("WT", "TC"), shares))
+        met = all(_reaches(s, REAL_PATE_GOAL) for s in shares) and all(ours[r] > floor[r] for r in ("WT", "TC"))
+        rows.append((goal, comparison.name, measured, _yes(met)))
+    return rows
+
+
+def _real_level_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str, str]]:
+    """The world's real ceiling and floor: the non-private model's and the public model's real Dice against their
+    levels (the world limits every method's real result)."""
+    rows = []
+    for method, levels in ((CEILING, REAL_CEILING_GOAL), (PUBLIC_ONLY, REAL_FLOOR_GOAL)):
+        goal = f"{method} on the real scans: " + ", ".join(f"{r} ≥ {v:g}" for r, v in levels.items())
+        for comparison in comparisons:
+            cell = comparison.cell(method)
+            real = _real(cell) if cell else {}
+            if not real or any(real.get(r) is None for r in levels):
+                continue
+            measured = " / ".join(f"{r} {real[r]:.3f}" for r in levels)
+            rows.append((goal, comparison.name, measured, _yes(all(real[r] >= v for r, v in levels.items()))))
     return rows
 
 
