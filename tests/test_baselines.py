@@ -93,7 +93,11 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
         tested.append((len(scored), images))
         return real_test(model, images, labels, **options)
 
+    import task.training as training
+
+    # each grid entry's choice score is either the training's own last-epoch validation score or the runner's
     monkeypatch.setattr(central, "evaluate_segmentation", score)
+    monkeypatch.setattr(training, "evaluate_segmentation", score)
     monkeypatch.setattr(central, "evaluate_release", test)
     results = central.run_central(central.CentralConfig.of(method="dp-sgd", preset="tiny", out=tmp_path / "run", epsilon=2.0, delta=1e-3,
                                   progress=False, epochs=1, augment=False, batch_size=3))
