@@ -262,7 +262,7 @@ def _epoch_epsilon_estimate(event, delta: float, steps: int) -> tuple[float, flo
     coarse pessimistic grid, an upper bound on the guard's own figure that exceeds it by at most ``slack`` (each
     of the ``steps`` compositions rounds the privacy loss up by less than one grid step); other events through
     the guard's own accountant, exactly (``slack`` 0)."""
-    from privacy.accountants import accountant_for, make_accountant
+    from privacy.accountants import accountant_for, epsilon_spent, make_accountant
 
     if accountant_for([event]).name != "pld":
         return epsilon_spent([event], delta)[0], 0.0
