@@ -11,7 +11,8 @@ relation and accountant, never a number a caller computed.
 
 :func:`write_run` is the only writer of ``results.json``: model bundle first (``task.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
-``results.json`` atomically. Nothing patches ``results.json`` afterwards. When a real-scan check is active
+``results.json`` atomically, with the commit of the code that ran (``task.provenance``). Nothing patches
+``results.json`` afterwards. When a real-scan check is active
 (``task.realcheck.scoring``), the released model is scored on its labelled real cases there, before
 ``results.json`` is written (``real_check``).
 """
@@ -36,6 +37,7 @@ from task import inference, phases, realcheck
 from task.accounting import memoised_per_relation
 from task.io import atomic_write_bytes, atomic_write_json
 from task.phases import phase
+from task.provenance import code_commit
 from task.metrics import DICE_KEYS
 
 
@@ -73,6 +75,9 @@ class RunResults:
     #: how the released model's Dice (phantom test set and real check) was computed (``task.inference``);
     #: None on classification
     inference: str | None = None
+    #: the commit of the code that ran (``task.provenance.code_commit``: ``git rev-parse HEAD``, ``-dirty`` when a
+    #: tracked file differed, ``unknown`` without a checkout); filled by :func:`write_run`
+    commit: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
@@ -171,6 +176,8 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     if release is not None and results.real_check is None:
         # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
         results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
+    if results.commit is None:
+        results.commit = code_commit()
     record = results.to_dict()
     atomic_write_json(out / "results.json", record)
     return record
