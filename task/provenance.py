@@ -3,8 +3,8 @@
 Every ``results.json`` records it (``task.results.write_run``), so a number in a report or in docs/RESULTS.md can be
 traced to the code that produced it. The commit is ``git rev-parse HEAD`` of the checkout this package lives in,
 with ``-dirty`` appended when a tracked file differs from that commit, or git cannot tell (the number then came
-from code no commit holds), and ``unknown`` whenever it cannot be known: git is not installed, the package was installed from a wheel
-(its folder is no checkout's root), or git refuses the folder. Finding it never fails a run.
+from code no commit holds); it is ``unknown`` whenever it cannot be known: git is not installed, the package was
+installed from a wheel (its folder is no checkout's root), or git refuses the folder. Finding it never fails a run.
 """
 
 from __future__ import annotations
