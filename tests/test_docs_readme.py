@@ -136,3 +136,35 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
     page.write_text("[ok](a.md#cost) [title](a.md#a-title) [gone](c.md) [no](a.md#price) [web](https://x.org)\n")
     assert broken_links(page) == ["c.md: no such file", "a.md#price: no heading with that anchor"]
     assert github_anchor("GPU: `--device` and `--precision`") == "gpu---device-and---precision"
+
+
+RESULTS = REPO / "docs" / "RESULTS.md"
+_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+
+
+def opening_lines(text: str) -> list[str]:
+    """The lines of a results document's first section, its heading and HTML comments left out."""
+    title, rest = text.split("\n", 1)
+    assert title.startswith("# "), title
+    section = rest.lstrip("\n")
+    assert section.startswith("## In ten lines\n"), f"the first section is {section.splitlines()[0]!r}"
+    body = _COMMENT.sub("", section.split("\n", 1)[1].split("\n## ", 1)[0])
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def test_results_opens_with_at_most_ten_lines_and_ends_with_how_it_was_made():
+    text = RESULTS.read_text(encoding="utf-8")
+    opening = opening_lines(text)
+    assert 0 < len(opening) <= 10, opening
+    said = " ".join(opening).lower()
+    for topic in ("compared", "pick", "phantom", "real", "case", "cost"):
+        assert topic in said, topic
+    last = text.rsplit("\n## ", 1)[1]
+    assert last.startswith("How these tables were made") and "results_tables:command begin" in last
+
+
+def test_the_opening_check_catches_a_long_or_missing_summary():
+    eleven = "# R\n\n## In ten lines\n\n" + "".join(f"- line {i}\n" for i in range(11)) + "\n## Next\n"
+    assert len(opening_lines(eleven)) == 11
+    with pytest.raises(AssertionError, match="first section"):
+        opening_lines("# R\n\nProvenance first.\n\n## In ten lines\n")
