@@ -27,7 +27,18 @@ hold the same seed (different runs of it). The tables, by name:
   paired difference over the test cases (± SE), both headrooms and their ratio;
 * ``secure-sums`` -- per secure cell: the secure sums it ran and the bytes each hospital sent and received per sum;
 * ``goals`` -- the product's goals read off the same numbers, met or not, per comparison;
+* ``goal-list`` -- the goals themselves, in words, from the thresholds below (no run needed);
 * ``command`` -- the command that wrote them (folders below their common parent, shown as ``RUNS``).
+
+Every table read from runs ends in a stamp naming what it was written from: how many ``results.json`` of how many
+comparisons, the commit(s) they record (``commit``, written by ``task.results.write_run``; "not recorded" for runs
+older than that field) and a digest of those files: the first 12 hex digits of the sha256 of their sha256 digests,
+sorted, one per line. With the runs at hand, the same digest is
+
+    find FOLDER... -name results.json -not -path '*/_shared/*' -exec sha256sum {} + | cut -c1-64 | sort \
+        | sha256sum | cut -c1-12
+
+(the group's folders for a ``GROUP:`` table, every folder for the others), so a number can be traced to its runs.
 
 Without ``--write`` every table is printed as markdown. With ``--write FILE`` each block of FILE between
 ``<!-- results_tables:NAME begin -->`` and ``<!-- results_tables:NAME end -->`` is replaced by the table NAME, the
@@ -38,6 +49,7 @@ a table is never left stale beside a command that claims to have written it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -45,7 +57,7 @@ import re
 import shlex
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +93,10 @@ PATE = "pate-anchored"
 SELFTRAIN = "public-selftrain"
 SECURE_DICE_TOLERANCE = 0.02
 SECURE_HEADROOM_SHARE = 0.9
+#: hex digits of the runs' digest shown in a table's stamp
+DIGEST_CHARS = 12
+#: hex digits of a commit shown in a table's stamp (git's own short names are 7 to 12)
+COMMIT_CHARS = 12
 MARKER = re.compile(r"(<!-- results_tables:(?P<name>[\w:.-]+) begin -->\n)(?P<body>.*?)"
                     r"(<!-- results_tables:(?P=name) end -->)", re.DOTALL)
 
@@ -93,6 +109,8 @@ class Comparison:
     folder: Path
     cells: list = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    #: the sha256 of every cell's results.json as read, by cell folder
+    file_digests: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -148,7 +166,34 @@ def load_comparison(group: str, label: str, folder: Path) -> Comparison:
     cells = [c for c in load_cells(folder) if "_shared" not in Path(c["_cell"]).parts]
     if not cells:
         raise SystemExit(f"results_tables: {folder} holds no results.json")
-    return Comparison(group, label, folder, cells, json.loads((folder / "compare.json").read_text()))
+    digests = {cell["_cell"]: hashlib.sha256((folder / cell["_cell"] / "results.json").read_bytes()).hexdigest()
+               for cell in cells}
+    return Comparison(group, label, folder, cells, json.loads((folder / "compare.json").read_text()), digests)
+
+
+def runs_digest(comparisons: list["Comparison"]) -> str:
+    """The first :data:`DIGEST_CHARS` hex digits of the sha256 of the comparisons' results.json digests, sorted, one
+    per line (``sha256sum`` of the files, sorted, through ``sha256sum`` again: the module docstring's command)."""
+    lines = "".join(f"{digest}\n" for digest in sorted(d for c in comparisons for d in c.file_digests.values()))
+    return hashlib.sha256(lines.encode("ascii")).hexdigest()[:DIGEST_CHARS]
+
+
+def _commit_name(cell) -> str:
+    commit = cell.get("commit")
+    if not commit:
+        return "not recorded"
+    head, dirty, _ = str(commit).partition("-dirty")
+    return head[:COMMIT_CHARS] + ("-dirty" if dirty else "")
+
+
+def stamp(comparisons: list["Comparison"]) -> str:
+    """The line under a table: what it was written from (its runs' count, their commits and digest)."""
+    files = sum(len(c.file_digests) for c in comparisons)
+    commits = Counter(_commit_name(cell) for c in comparisons for cell in c.cells)
+    named = (", ".join(f"{name} ({count})" for name, count in sorted(commits.items())) if len(commits) > 1
+             else next(iter(commits), "none"))
+    return (f"*Written from {files} results.json of {len(comparisons)} comparison(s); commit "
+            f"{named}; runs digest {runs_digest(comparisons)}.*")
 
 
 def _label(cell) -> str:
@@ -512,6 +557,32 @@ def _real_level_rows(comparisons: list[Comparison]) -> list[tuple[str, str, str,
     return rows
 
 
+def goal_list() -> str:
+    """The goals the ``goals`` table checks, in words, from this module's thresholds (written once, here)."""
+    phantom = " and ".join(f"≥ {100 * share:.0f} %" + (" of the phantom headroom" if i == 0 else "")
+                           + f" at ε {budget:g}" for i, (budget, share) in enumerate(PHANTOM_GOALS))
+    secure = {"dice": "`{0}` within {tolerance:g} of `{1}` (paired mean Dice)",
+              "headroom": "`{0}` recovers ≥ {share:.0f} % of `{1}`'s phantom headroom",
+              "above": "`{0}` above `{1}` (paired mean Dice)"}
+    secure_goals = "; ".join(secure[kind].format(s, t, tolerance=SECURE_DICE_TOLERANCE,
+                                                 share=100 * SECURE_HEADROOM_SHARE) for s, t, kind in SECURE_PAIRS)
+    budget = max(b for b, _ in PHANTOM_GOALS)
+    regions = ", ".join(REAL_GOAL_REGIONS[:-1]) + f" and {REAL_GOAL_REGIONS[-1]}"
+    levels = lambda goal: ", ".join(f"{r} ≥ {v:g}" for r, v in goal.items())  # noqa: E731
+    return "\n".join([
+        f"1. the best private method recovers {phantom}, at every seed;",
+        f"2. on the real scans, a private method at ε {budget:g} recovers ≥ {100 * REAL_GOAL:.0f} % of the real "
+        f"{regions} headroom (the best by the smallest of the three) and is above `{SELFTRAIN}` on the real WT and "
+        "TC;",
+        f"3. `{PATE}` at ε {budget:g} recovers ≥ {100 * REAL_PATE_GOAL:.0f} % of the real WT and TC headroom and is "
+        f"above `{SELFTRAIN}` in both;",
+        f"4. the world's real levels: `{CEILING}` {levels(REAL_CEILING_GOAL)}; `{PUBLIC_ONLY}` "
+        f"{levels(REAL_FLOOR_GOAL)};",
+        f"5. the phantom ranking of the private models predicts the real one: Kendall's τ ≥ {RANK_GOAL:g};",
+        f"6. secure aggregation costs little: {secure_goals}.",
+    ])
+
+
 def goals_table(comparisons: list[Comparison]) -> str:
     rows = goal_rows(comparisons)
     if not rows:
@@ -550,15 +621,18 @@ def tables(comparisons: list[Comparison], argv: list[str]) -> dict[str, str]:
     for comparison in comparisons:
         groups[comparison.group].append(comparison)
     for group, members in groups.items():
-        out[f"{group}:cells"] = group_cells(members)
-        out[f"{group}:across"] = across_table(members)
-        out[f"{group}:cost"] = cost_table(members)
-        out[f"{group}:real-cases"] = real_cases_table(members)
-        out[f"{group}:rank"] = rank_table(members)
-    out["secure-vs-trusted"] = secure_table(comparisons)
-    out["secure-sums"] = secure_sums_table(comparisons)
-    out["goals"] = goals_table(comparisons)
-    out["command"] = command_text(argv, comparisons)
+        read = stamp(members)
+        out[f"{group}:cells"] = f"{group_cells(members)}\n\n{read}"
+        out[f"{group}:across"] = f"{across_table(members)}\n\n{read}"
+        out[f"{group}:cost"] = f"{cost_table(members)}\n\n{read}"
+        out[f"{group}:real-cases"] = f"{real_cases_table(members)}\n\n{read}"
+        out[f"{group}:rank"] = f"{rank_table(members)}\n\n{read}"
+    read = stamp(comparisons)
+    out["secure-vs-trusted"] = f"{secure_table(comparisons)}\n\n{read}"
+    out["secure-sums"] = f"{secure_sums_table(comparisons)}\n\n{read}"
+    out["goals"] = f"{goals_table(comparisons)}\n\n{read}"
+    out["goal-list"] = goal_list()
+    out["command"] = f"{command_text(argv, comparisons)}\n\n{read}"
     return out
 
 

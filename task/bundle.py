@@ -26,7 +26,9 @@ hospitals' own ledgers (:func:`attach_release`); loading re-checks it when those
 Every card states its own method's trust model (``task.trust``): who could see what -- a trusted PATE aggregator
 every teacher's un-noised encoding, a secure one only masked vectors and a noised sum, pooled training's trainer
 every patient, a public floor none --, in the same sentence the comparison report prints for that method; and
-that differential privacy protects the patients against everyone who sees what is released.
+that differential privacy protects the patients against everyone who sees what is released. MODEL_CARD.md says it
+all in words, with the data, the network, the preprocessing and the test Dice (``task.model_card``); the card's
+fields stay in bundle.json as JSON.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from task.data.msd import MODALITIES
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from task.networks import build_unet_from_config
-from task.trust import PROTECTS, trust_line
+from task.model_card import model_card_markdown
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
 #: 2: ``bundle_sha256`` covers every field and MODEL_CARD.md (version 1 covered the weights only)
@@ -258,23 +260,29 @@ def _read_matching(path: Path, sha256: Any, missing: str, mismatch: str) -> byte
     return data
 
 
+def update_card(run_dir: str | Path, fields: Mapping[str, Any]) -> None:
+    """Add ``fields`` to a bundle's card, rewrite MODEL_CARD.md and reseal; the weights are untouched. An edited
+    bundle is refused (:func:`verify_bundle_digests`) rather than resealed; a bundle written before bundles were
+    sealed is left as it is (loading refuses it)."""
+    run_dir = Path(run_dir)
+    bundle = json.loads((run_dir / "model" / "bundle.json").read_text())
+    if bundle.get("version") != BUNDLE_VERSION:
+        return
+    verify_bundle_digests(bundle, run_dir / "model")   # resealing an edited bundle would launder the edit
+    bundle["card"].update(fields)
+    seal_bundle(run_dir / "model", bundle)
+
+
 def attach_release(run_dir: str | Path, release: Mapping[str, Any]) -> None:
     """Record in a bundle's card what it was released together with (a comparison's combined epsilon,
-    from the hospitals' own ledgers), rewrite MODEL_CARD.md and reseal; the weights are untouched. An edited
-    bundle is refused (:func:`verify_bundle_digests`) rather than resealed."""
+    from the hospitals' own ledgers), through :func:`update_card`."""
 
     run_dir = Path(run_dir)
-    bundle_file = run_dir / "model" / "bundle.json"
-    bundle = json.loads(bundle_file.read_text())
-    if bundle.get("version") != BUNDLE_VERSION:
-        return   # written before bundles were sealed: left as it is (loading refuses it), never sealed now
-    verify_bundle_digests(bundle, run_dir / "model")   # resealing an edited bundle would launder the edit
     comparison = run_dir
     while comparison != comparison.parent and not (comparison / release["hospital_ledgers"]).exists():
         comparison = comparison.parent
     ledgers = os.path.relpath(comparison / release["hospital_ledgers"], run_dir)
-    bundle["card"]["released_with"] = {**dict(release), "hospital_ledgers": ledgers}
-    seal_bundle(run_dir / "model", bundle)
+    update_card(run_dir, {"released_with": {**dict(release), "hospital_ledgers": ledgers}})
 
 
 def _verify_release(card: Mapping[str, Any], run_dir: Path, where: Path) -> None:
@@ -324,112 +332,3 @@ def verify_card_against_ledger(card: Mapping[str, Any], ledger_path: Path, where
 def _ledger_epsilon(ledger, delta, relation) -> float:
     """The guarantee of a model trained on several owners' data: the worst owner's epsilon."""
     return max(ledger.spent(owner, delta, relation=relation).epsilon for owner in ledger.owners())
-
-
-def model_card_markdown(bundle: Mapping[str, Any]) -> str:
-    card = bundle["card"]
-    network = bundle["network"]
-    pre = bundle["preprocessing"]
-    lines = [f"# Model card — {card['method']}", ""]
-    if card["private"]:
-        lines += [
-            f"**Privacy:** ({card['epsilon']:.4g}, {card['delta']:g})-differential privacy "
-            f"(budget ε = {card['epsilon_budget']}), {card['relation']} neighbouring relation, "
-            f"accountant `{card['accountant']}`.",
-            "",
-            "Unit of privacy: one patient (one labelled volume) at one hospital. The ε is the largest spent "
-            "by any data owner, recomputed from the run's ledger (`../ledger.jsonl`) at load time.",
-        ]
-    else:
-        lines += ["**Privacy: none.** This model was trained without a differential-privacy guarantee; "
-                  "it may memorise its training patients."]
-    release = card.get("released_with")
-    if release:
-        combined = release.get("combined_epsilon")
-        lines += [
-            "",
-            "**Released together with the other models of its comparison:** every model of that comparison "
-            "was trained on the same hospitals' patients, so what they reveal together adds up. Combined: "
-            + (f"ε = {combined:.4g} per patient at δ = {release['delta']:g} ({release['relation']}, accountant "
-               f"`{release['accountant']}`), the worst hospital's, from the hospitals' own ledgers "
-               f"(`{release['hospital_ledgers']}`)." if combined is not None else
-               "no private release (the hospitals' ledgers are empty).")
-            + " A non-private baseline of that comparison, if shipped too, voids every guarantee.",
-        ]
-    lines += [
-        "",
-        "**Trust model.** " + trust_line(card["method"], card.get("aggregation"), card.get("who_sees_what")) + " "
-        + PROTECTS[0].upper() + PROTECTS[1:] + "."
-        + (" Each hospital keeps its own ledger and lifetime budget and refuses releases beyond it."
-           if card["private"] else ""),
-    ]
-    lines += [
-        "",
-        "| field | value |",
-        "|---|---|",
-        f"| method | {card['method']} |",
-        f"| ε spent / budget | {_fmt(card['epsilon'])} / {_fmt(card['epsilon_budget'])} |",
-        f"| δ | {_fmt(card['delta'])} |",
-        f"| neighbouring relation | {card['relation'] or 'n/a'} |",
-        f"| accountant | {card['accountant'] or 'n/a'} |",
-        f"| teachers | {_fmt(card['teachers'])} |",
-        f"| hospitals | {_fmt(card['hospitals'])} |",
-        f"| public queries | {_fmt(card.get('queries'))} |",
-        f"| data source | {readable(card['data_source'])} |",
-        f"| ledger digest (sha256) | `{card['ledger_digest']}` |",
-        f"| weights digest (sha256) | `{bundle['weights_sha256']}` |",
-        *[f"| {label} | {card[key]} |" for key, label in (("start", "training started from"),
-                                                           ("settings", "training settings"),
-                                                           ("device", "trained on device"),
-                                                           ("precision", "forward-pass precision"),
-                                                           ("note", "note")) if card.get(key)],
-        "",
-        "## Use",
-        "",
-        f"Input: 4-channel MRI (MSD order {', '.join(bundle['modalities'].values())}), skull-stripped. "
-        f"Preprocessing (applied by `fedpate predict`): {readable(pre.get('config') or pre)}.",
-        f"Output labels: {', '.join(f'{k} {v}' for k, v in bundle['labels'].items())}.",
-        f"Network: {readable(network)}.",
-        "",
-        "```bash",
-        "fedpate predict --model RUN_DIR --image SCAN.nii.gz --out PREDICTIONS/",
-        "```",
-        "",
-        "Research use only; not a medical device.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def readable(value: Any, key: str | None = None) -> str:
-    """A card field for people, not a parser: ``key value`` pairs (underscores as spaces) separated by commas,
-    nested records in parentheses, a grid as ``16x16x16``, other lists by commas, lists of records by semicolons
-    (bundle.json keeps the exact JSON)."""
-    if isinstance(value, Mapping):
-        parts = []
-        for name, item in sorted(value.items()):
-            text = readable(item, name)
-            if isinstance(item, Mapping) or (isinstance(item, (list, tuple)) and item
-                                             and all(isinstance(v, Mapping) for v in item)):
-                text = f"({text})"
-            parts.append(f"{str(name).replace('_', ' ')} {text}")
-        return ", ".join(parts)
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return "none"
-        if all(isinstance(v, Mapping) for v in value):
-            return "; ".join(readable(v) for v in value)
-        return ("x" if key == "grid" else ", ").join(readable(v) for v in value)
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if value is None or value == "":
-        return "none"
-    return _fmt(value)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)

@@ -11,7 +11,8 @@ relation and accountant, never a number a caller computed.
 
 :func:`write_run` is the only writer of ``results.json``: model bundle first (``task.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
-``results.json`` atomically. Nothing patches ``results.json`` afterwards. When a real-scan check is active
+``results.json`` atomically, with the commit of the code that ran (``task.provenance``). Nothing patches
+``results.json`` afterwards. When a real-scan check is active
 (``task.realcheck.scoring``), the released model is scored on its labelled real cases there, before
 ``results.json`` is written (``real_check``).
 """
@@ -30,12 +31,13 @@ import nibabel as nib
 import numpy as np
 
 from privacy.ledger import Ledger
-from task.bundle import CardGuarantee, privacy_card, save_bundle
+from task.bundle import CardGuarantee, privacy_card, save_bundle, update_card
 from task.data.preprocess import invert_label
 from task import inference, phases, realcheck
 from task.accounting import memoised_per_relation
 from task.io import atomic_write_bytes, atomic_write_json
 from task.phases import phase
+from task.provenance import code_commit
 from task.metrics import DICE_KEYS
 
 
@@ -73,6 +75,9 @@ class RunResults:
     #: how the released model's Dice (phantom test set and real check) was computed (``task.inference``);
     #: None on classification
     inference: str | None = None
+    #: the commit of the code that ran (``task.provenance.code_commit``: ``git rev-parse HEAD``, ``-dirty`` when a
+    #: tracked file differed, ``unknown`` without a checkout); filled by :func:`write_run`
+    commit: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def account(self, ledger: Ledger, delta: float, relation: str | None = None) -> "RunResults":
@@ -148,7 +153,8 @@ class ModelRelease:
 
 def write_run(out: str | Path, results: RunResults, release: ModelRelease | None = None,
               started: float | None = None) -> dict[str, Any]:
-    """Write a run folder: the model bundle (card from ``out/ledger.jsonl``), predictions, results.json.
+    """Write a run folder: the model bundle (card from ``out/ledger.jsonl``, with the test Dice; resealed with the
+    real-scan check's Dice when one ran), predictions, results.json (with the code's commit).
 
     ``started`` (``time.perf_counter()`` at the start of the run): ``wall_seconds`` then covers
     everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.phases``). Returns the
@@ -156,6 +162,11 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if results.dice is not None and results.inference is None:
+        # every segmentation producer scores its release with task.training.evaluate_release
+        results.inference = inference.DESCRIPTION
+    if results.commit is None:
+        results.commit = code_commit()
     with phase("writing"):
         _write_release(out, results, release)
     if started is not None:
@@ -165,12 +176,11 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
         flagged = results.extras.get("not_private_diagnostics")
         if isinstance(flagged, list) and "wall_seconds" in flagged and "phase_seconds" not in flagged:
             flagged.append("phase_seconds")
-    if results.dice is not None and results.inference is None:
-        # every segmentation producer scores its release with task.training.evaluate_release
-        results.inference = inference.DESCRIPTION
     if release is not None and results.real_check is None:
         # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
         results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
+        if (results.real_check or {}).get("dice"):
+            update_card(out, {"test_dice": dice_for_card(results)})   # the card states the real check's Dice too
     record = results.to_dict()
     atomic_write_json(out / "results.json", record)
     return record
@@ -185,11 +195,34 @@ def _write_release(out: Path, results: RunResults, release: ModelRelease | None)
                             teachers=results.teachers, hospitals=results.hospitals, queries=results.queries,
                             extra={**({"device": results.device} if results.device else {}),
                                    **({"precision": results.precision} if results.precision else {}),
-                                   **dict(release.card_extra or {}), **trust_of(results)})
+                                   **dict(release.card_extra or {}), **trust_of(results),
+                                   **({"test_dice": dice_for_card(results)} if results.dice else {}),
+                                   "commit": results.commit})
         save_bundle(out, release.model, release.network, release.preprocessing, card)
         if release.test_predictions is not None:
             labels, world = release.test_predictions
             results.extras["predictions"] = write_test_predictions(out / "predictions", labels, world)
+
+
+def dice_for_card(results: RunResults) -> dict[str, Any]:
+    """The test Dice a model card states: on the held-out test patients and, where it ran, on the real-scan check
+    (mean over its cases), each as WT, TC, ET and the mean over the classes, with its number of cases."""
+    shown = ("WT", "TC", "ET", "mean")
+    per_case = (results.extras or {}).get("dice_per_case")
+    found: dict[str, Any] = {"inference": results.inference}
+    if results.dice:
+        found["test"] = {"cases": len(per_case) if isinstance(per_case, list) else None,
+                         **{key: results.dice.get(key) for key in shown}}
+    check = results.real_check or {}
+    if check.get("dice"):
+        cases = check.get("cases") or []
+        references = {}
+        for case in cases:
+            if case.get("reference"):
+                references[case["reference"]] = references.get(case["reference"], 0) + 1
+        found["real_check"] = {"cases": len(cases), "references": references,
+                               **{key: check["dice"].get(key) for key in shown}}
+    return found
 
 
 def trust_of(results: RunResults) -> dict[str, Any]:

@@ -83,15 +83,15 @@ def test_no_choice_or_default_is_shown_as_an_enum_repr(capsys):
 
 
 def test_the_docs_state_every_flower_variable_and_every_data_layout_a_hospital_may_use():
-    """The README's Flower-app section exports every variable the product sets for Flower (an update check
+    """The guide's Flower-app section exports every variable the product sets for Flower (an update check
     left on waits on the network); DEPLOYMENT.md's ``data-dir`` takes every layout ``--data`` reads."""
     from pathlib import Path
 
     from sim.deployment.flower_cli import FLOWER_ENV
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    assert all(key in readme for key in FLOWER_ENV), [key for key in FLOWER_ENV if key not in readme]
+    guide = (root / "docs" / "GUIDE.md").read_text().split("## As a Flower app", 1)[1].split("\n## ", 1)[0]
+    assert all(key in guide for key in FLOWER_ENV), [key for key in FLOWER_ENV if key not in guide]
     row = next(line for line in (root / "docs" / "DEPLOYMENT.md").read_text().splitlines()
                if line.startswith("| `data-dir` |"))
     assert "MSD" in row and "BraTS" in row

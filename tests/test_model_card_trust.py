@@ -74,4 +74,4 @@ def test_the_card_names_classes_as_the_report_does_and_shows_no_raw_json(tmp_pat
     assert not re.search(r"\bedema|\btumor\b", card)
     assert all(name in card for name in CLASSES.values())
     assert "{" not in card and '"' not in card                      # readable settings, not JSON
-    assert "grid 16x16x16" in card
+    assert "resampled to 16x16x16 voxels" in card

@@ -231,3 +231,57 @@ def test_a_share_of_a_headroom_that_cannot_be_told_from_zero_is_not_given():
     assert share((0.5, 0.1, 40), (0.002, 0.14, 40)) is None      # +0.00 ± 0.14: any ratio at all
     assert share((0.5, 0.1, 40), (-0.1, 0.05, 40)) is None
     assert share(None, (0.6, 0.1, 40)) is None
+
+
+def _stamp(block):
+    return block.rstrip("\n").splitlines()[-1]
+
+
+def _sha256(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_every_table_is_stamped_with_its_runs_commits_and_digest(runs, tmp_path):
+    import hashlib
+
+    demo, secure = runs
+    for folder, commit in ((demo[0], "a" * 40), (demo[1], "b" * 40 + "-dirty")):   # recorded by write_run
+        for path in folder.rglob("results.json"):
+            if "_shared" not in path.parts:
+                path.write_text(json.dumps({**json.loads(path.read_text()), "commit": commit}))
+    document = tmp_path / "RESULTS.md"
+    document.write_text(DOCUMENT)
+    results_tables.main(["--write", str(document), f"demo:seed 1={demo[0]}", f"demo:seed 2={demo[1]}",
+                         f"secure:seed 0={secure}"])
+    text = document.read_text()
+    assert _outside(text) == _outside(DOCUMENT)
+
+    def digest(*folders):   # what the module docstring's shell command computes
+        files = sorted(_sha256(p) for f in folders for p in f.rglob("results.json") if "_shared" not in p.parts)
+        return hashlib.sha256("".join(f"{h}\n" for h in files).encode()).hexdigest()[:12]
+
+    # a group's tables read that group's runs (5 cells a seed), the others every run (7 secure cells, no commit)
+    assert _stamp(_block(text, "demo:cells")) == _stamp(_block(text, "demo:across")) == (
+        f"*Written from 10 results.json of 2 comparison(s); commit aaaaaaaaaaaa (5), bbbbbbbbbbbb-dirty (5); "
+        f"runs digest {digest(*demo)}.*")
+    for name in ("secure-vs-trusted", "secure-sums", "goals", "command"):
+        assert _stamp(_block(text, name)) == (
+            f"*Written from 17 results.json of 3 comparison(s); commit aaaaaaaaaaaa (5), bbbbbbbbbbbb-dirty (5), "
+            f"not recorded (7); runs digest {digest(*demo, secure)}.*"), name
+    # one changed result changes the digest of every table that read it, and of no other
+    path = demo[1] / "pate-anchored/eps-8/results.json"
+    path.write_text(path.read_text().replace('"hospitals": 4', '"hospitals": 5'))
+    written = results_tables.tables([results_tables.load_comparison("demo", "seed 1", demo[0]),
+                                     results_tables.load_comparison("demo", "seed 2", demo[1])], [])
+    assert digest(*demo) in _stamp(written["demo:cells"]) and digest(*demo) not in text
+
+
+def test_one_commit_is_named_once_and_the_goals_are_listed_from_the_thresholds(runs):
+    demo, _ = runs
+    comparison = results_tables.load_comparison("demo", "seed 1", demo[0])
+    assert "; commit not recorded; " in results_tables.stamp([comparison])
+    goals = results_tables.goal_list()
+    assert f"≥ {100 * results_tables.REAL_GOAL:.0f} % of the real WT, TC and ET headroom" in goals
+    assert "`pate-anchored-secure` within 0.02 of `pate-anchored`" in goals and goals.count("\n") == 5
