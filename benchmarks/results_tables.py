@@ -283,21 +283,28 @@ def real_cases_table(comparisons: list[Comparison]) -> str:
 
 
 def rank_table(comparisons: list[Comparison]) -> str:
-    """Kendall's τ between the phantom and the real ranking of the private models, per comparison and on average."""
-    lines = ["| comparison | private models | Kendall τ | pairs ranked alike / reversed / tied |", "|---|---|---|---|"]
-    taus = []
+    """Kendall's τ between the phantom and the real ranking of the private models, per comparison and on average;
+    beside it τ with the phantoms scored by the real side's metric (the mean of the phantom WT, TC and ET)."""
+    lines = ["| comparison | private models | Kendall τ | pairs ranked alike / reversed / tied "
+             "| τ, phantom WT/TC/ET mean |", "|---|---|---|---|---|"]
+    taus, matched_taus = [], []
     for comparison in comparisons:
         found = rank_agreement(comparison.cells)
         if found is None:
             continue
+        matched = rank_agreement(comparison.cells, regions=True)
         taus.append(found["tau"])
+        if matched is not None:
+            matched_taus.append(matched["tau"])
         lines.append(f"| {comparison.name} | {found['n']} | {found['tau']:+.2f} | {found['concordant']} / "
-                     f"{found['discordant']} / {found['tied']} |")
+                     f"{found['discordant']} / {found['tied']} | "
+                     + ("—" if matched is None else f"{matched['tau']:+.2f}") + " |")
     if not taus:
         return "(No comparison given ranks two private models on phantoms and real scans.)"
-    se = _se(taus)
+    se, matched_se = _se(taus), _se(matched_taus)
     lines.append(f"| mean over {len(taus)} | | {_mean(taus):+.2f}" + (f" ± {se:.2f}" if se is not None else "")
-                 + " | |")
+                 + " | | " + ("—" if not matched_taus else f"{_mean(matched_taus):+.2f}"
+                              + (f" ± {matched_se:.2f}" if matched_se is not None else "")) + " |")
     return "\n".join(lines)
 
 

@@ -164,21 +164,34 @@ def _cases_of(cell) -> frozenset:
     return frozenset((row.get("folder"), row.get("case")) for row in (cell.get("real_check") or {}).get("cases") or [])
 
 
-def rank_agreement(cells: Sequence[Mapping[str, Any]]) -> dict | None:
+def phantom_region_mean(cell: Mapping[str, Any]) -> float | None:
+    """The mean of a cell's phantom WT, TC and ET Dice: the phantom side scored with the real side's metric (None
+    when a region is missing)."""
+    dice = cell.get("dice") or {}
+    values = [dice.get(region) for region in REGIONS]
+    return None if any(v is None for v in values) else float(sum(values) / len(values))
+
+
+def _phantom_score(cell: Mapping[str, Any], regions: bool) -> float | None:
+    return phantom_region_mean(cell) if regions else (cell.get("dice") or {}).get(RANK_KEY)
+
+
+def rank_agreement(cells: Sequence[Mapping[str, Any]], regions: bool = False) -> dict | None:
     """Kendall's τ-b between phantom mean Dice and the real mean of WT, TC and ET over every private model (each
     private method x ε x K; floors and ceiling left out), as :func:`kendall_tau` gives it, with ``models``
     (label, phantom, real) and ``left_out`` (models scored on other real cases than the most common set, whose
-    means are not comparable). None when it is not defined."""
+    means are not comparable). ``regions``: the phantom side is the mean of the phantom WT, TC and ET Dice (the
+    real side's own metric) instead of the mean over the three classes. None when it is not defined."""
     private = [c for c in checked(cells) if registry.is_private(c.get("method"))
-               and (c.get("dice") or {}).get(RANK_KEY) is not None and real_region_mean(c) is not None]
+               and _phantom_score(c, regions) is not None and real_region_mean(c) is not None]
     if not private:
         return None
     common, _ = Counter(_cases_of(c) for c in private).most_common(1)[0]
     kept = sorted((c for c in private if _cases_of(c) == common), key=_sort_key)
-    found = kendall_tau([c["dice"][RANK_KEY] for c in kept], [real_region_mean(c) for c in kept])
+    found = kendall_tau([_phantom_score(c, regions) for c in kept], [real_region_mean(c) for c in kept])
     if found is None:
         return None
-    found["models"] = [(_label(c), c["dice"][RANK_KEY], real_region_mean(c)) for c in kept]
+    found["models"] = [(_label(c), _phantom_score(c, regions), real_region_mean(c)) for c in kept]
     found["left_out"] = len(private) - len(kept)
     return found
 
@@ -446,6 +459,11 @@ def real_section(cells: Sequence[Mapping[str, Any]],
               mean_table(scored, floor, ceiling, phantom_headroom), ""]
     found = rank_agreement(scored)
     lines += [tau_sentence(found), ""]
+    matched = rank_agreement(scored, regions=True)
+    if matched is not None:
+        lines += [f"With the phantom side scored by the real side's metric (the mean of the phantom WT, TC and ET "
+                  f"Dice, not of the three classes): **Kendall τ = {matched['tau']:+.2f}** "
+                  f"({matched['concordant']} of {matched['pairs']} pairs ranked alike).", ""]
     if found is not None:
         lines += [rank_table(found), ""]
     lines += ["Dice per case (WT / TC / ET):", "", per_case_table(scored, cases), ""]
@@ -506,13 +524,16 @@ def seeds_section(per_seed: Mapping[int, Sequence[Mapping[str, Any]]], interval:
               "its own non-private one, paired over the cases.", "", "\n".join(table), "",
               "Real headroom recovered, seed by seed (WT / TC / ET):", "", "\n".join(per_seed_table), ""]
     taus = {seed: rank_agreement(cells) for seed, cells in scored_by_seed.items()}
-    rows = ["| seed | private models | Kendall τ | pairs ranked alike / reversed / tied |", "|---|---|---|---|"]
+    matched = {seed: rank_agreement(cells, regions=True) for seed, cells in scored_by_seed.items()}
+    rows = ["| seed | private models | Kendall τ | pairs ranked alike / reversed / tied "
+            "| τ, phantom WT/TC/ET mean |", "|---|---|---|---|---|"]
     for seed, found in taus.items():
+        other = "—" if matched.get(seed) is None else f"{matched[seed]['tau']:+.2f}"
         if found is None:
-            rows.append(f"| {seed} | — | — | — |")
+            rows.append(f"| {seed} | — | — | — | {other} |")
         else:
             rows.append(f"| {seed} | {found['n']} | {found['tau']:+.2f} | {found['concordant']} / "
-                        f"{found['discordant']} / {found['tied']} |")
+                        f"{found['discordant']} / {found['tied']} | {other} |")
     summary = interval([found["tau"] for found in taus.values() if found is not None])
     lines += ["Rank agreement between the phantom and the real ranking of the private models (Kendall τ-b between "
               "phantom mean Dice and the real mean of WT, TC and ET, over every private method × ε × K of the seed; "

@@ -339,6 +339,23 @@ def test_tau_ranks_every_private_model_and_leaves_out_the_floors_and_the_ceiling
     assert rank_agreement(_world() + [other])["left_out"] == 1
 
 
+def test_tau_can_rank_the_phantoms_by_the_real_sides_metric():
+    """The phantom side scored as the real side (the mean of the phantom WT, TC and ET) can rank the private models
+    otherwise than the mean over the classes: here the class mean reverses every pair, the region mean none."""
+    from sim.report_real import phantom_region_mean, rank_agreement
+
+    cells = _world()
+    for cell in cells:
+        if cell["method"] in ("pate-anchored", "dp-sgd-central"):
+            real = cell["real_check"]["dice"]
+            # phantom regions in the real order; the class mean in the reverse one
+            cell["dice"] = {"WT": real["WT"], "TC": real["TC"], "ET": real["ET"], "mean": 1.0 - real["WT"]}
+    assert rank_agreement(cells)["tau"] == pytest.approx(-1.0)
+    assert rank_agreement(cells, regions=True)["tau"] == pytest.approx(1.0)
+    assert phantom_region_mean({"dice": {"WT": 0.9, "TC": 0.6, "ET": 0.3}}) == pytest.approx(0.6)
+    assert phantom_region_mean({"dice": {"mean": 0.5}}) is None
+
+
 def test_paired_differences_and_headroom_are_paired_over_the_cases_with_their_standard_errors():
     from sim.report_real import paired_over_cases, ratio_over_cases
 

@@ -156,4 +156,7 @@ def real_check_summary(cells) -> list[str]:
     found = rank_agreement(scored)
     lines.append("  Kendall tau, phantom against real ranking of the private models: "
                  + ("not defined" if found is None else f"{found['tau']:+.2f} over {found['n']} models"))
+    matched = rank_agreement(scored, regions=True)
+    if matched is not None:
+        lines.append(f"  (phantoms scored as the real scans, mean of WT, TC and ET: tau {matched['tau']:+.2f})")
     return lines
