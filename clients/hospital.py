@@ -56,7 +56,7 @@ from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
 from task.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
-from task.options import Trainable, look_up_option
+from task.options import Trainable
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
 from task.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation, predict_probs,
                            stacked_head_probabilities, stacked_training_applies, train_segmentation,
@@ -306,13 +306,11 @@ class Hospital:
         request = self.read_request(TeacherTrainingRequest, config)
         init = request.init_weights
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
-        recipe = self.preset.teacher
-        epochs = recipe.epochs if request.teacher_epochs is None else request.teacher_epochs
-        # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
-        # (task.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
-        trainable = request.teacher_trainable or look_up_option(recipe.trainable, Trainable, "teacher_trainable").value
-        learning_rate = float(request.teacher_learning_rate or recipe.learning_rate or self.preset.learning_rate)
-        augment = bool(recipe.augment if request.teacher_augment is None else request.teacher_augment)
+        # the server's recipe, whole (the request refuses a missing field): what a teacher trains
+        # (docs/decisions/teachers.md) -- every weight, or a voxel head on the frozen public model
+        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate, with or without augmentation
+        epochs, trainable = request.teacher_epochs, request.teacher_trainable
+        learning_rate, augment = float(request.teacher_learning_rate), bool(request.teacher_augment)
         seed = self.seed if request.seed is None else request.seed
         local_dp = request.local_dp
         device, precision = self.compute(request)

@@ -5,7 +5,8 @@
 
 A module imports only its own layer or below; server and clients never import each other; no import
 cycle between these packages; flwr only in the Flower adapters; the command line's start-up stays free
-of torch, monai and flwr. ``check_tree`` takes any checkout, so the rule can be checked on an older
+of torch, monai and flwr. A setting is resolved once: the hospital (clients/) never reads the teachers' recipe
+from its own preset (``preset.teacher``) -- the server's request carries it whole. ``check_tree`` takes any checkout, so the rule can be checked on an older
 tree too (``python tests/test_architecture.py PATH``).
 """
 
@@ -87,7 +88,32 @@ def check_tree(root: Path) -> list[str]:
                     problems.setdefault((where, "sideways"), f"{where}: {module} imports {target}: server and "
                                                              "clients never import each other")
     cycles = [f"import cycle between packages: {' -> '.join(cycle)}" for cycle in package_cycles(edges)]
-    return list(problems.values()) + cycles
+    return list(problems.values()) + cycles + hospital_recipe_reads(root)
+
+
+def hospital_recipe_reads(root: Path) -> list[str]:
+    """Every place under clients/ that reads the teachers' recipe from a preset (``<...>preset.teacher``, or
+    ``getattr(<...>preset, "teacher")``): the recipe travels whole in the server's train request, resolved once."""
+    found = []
+    for path in sorted((root / "clients").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "teacher" and _names_a_preset(node.value):
+                line = node.lineno
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) >= 2 and _names_a_preset(node.args[0])
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value == "teacher"):
+                line = node.lineno
+            else:
+                continue
+            found.append(f"{path.relative_to(root)}:{line}: a hospital reads its own preset's teacher recipe "
+                         "(the train request carries it: TeacherTrainingRequest.RECIPE)")
+    return found
+
+
+def _names_a_preset(node: ast.AST) -> bool:
+    """Whether ``node`` is a preset: a name or an attribute called ``preset`` (``preset``, ``self.preset``)."""
+    return (isinstance(node, ast.Name) and node.id == "preset") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "preset")
 
 
 def package_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -138,6 +164,8 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     write("server/app.py", "from clients.hospital import Hospital\n")           # server <-> clients
     write("server/results.py", "from sim.report import write_report\n")         # server -> sim's report module
     write("clients/hospital.py", "import flwr.app\n")                            # flwr outside the adapters
+    write("clients/fallback.py", "def f(self):\n    return self.preset.teacher.epochs\n")   # a setting read twice
+    write("clients/fallback_too.py", "def f(preset):\n    return getattr(preset, 'teacher')\n")
     write("sim/runners/compare.py", "from sim.deployment import local\n")
     write("sim/deployment/local.py", "from ..runners import compare\n")          # a cycle, relative import
     found = check_tree(tmp_path)
@@ -149,7 +177,9 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert "clients.hospital imports flwr" in problems
     assert "import cycle between packages: sim.deployment -> sim.runners -> sim.deployment" in problems
     assert "task.flower_wire imports flwr" not in problems
-    assert len(found) == 6, problems
+    assert "clients/fallback.py:2: a hospital reads its own preset's teacher recipe" in problems
+    assert "clients/fallback_too.py:2: a hospital reads its own preset's teacher recipe" in problems
+    assert len(found) == 8, problems
 
 
 def test_the_command_line_starts_without_torch_monai_or_flwr():
