@@ -183,6 +183,27 @@ def test_the_cells_and_the_real_check_travel_typed_beside_the_run_config(tmp_pat
     with pytest.raises(UserError, match="cells: expected a sequence of task.runconfig.Cell records"):
         RunSettings(cells=({"method": "pate-ae", "epsilon": 8.0, "out": "x"},))
 
+
+def test_a_preset_is_resolved_once_per_process(monkeypatch):
+    """The same name (or reference) and overrides give the same immutable Preset object: a reference's JSON is
+    parsed once, however many layers ask for it; a bad name is still refused every time."""
+    from task import presets
+
+    variant = get_preset("tiny", hospitals=3, teachers_per_hospital=2)
+    parsed = []
+    monkeypatch.setattr(presets.json, "loads", lambda text, _loads=presets.json.loads: parsed.append(text) or
+                        _loads(text))
+    presets._resolved_preset.cache_clear()   # as in a fresh process
+    reference = variant.reference
+    assert get_preset(reference) == variant and get_preset(reference) is get_preset(reference)
+    assert len(parsed) == 1
+    variant = get_preset("tiny", hospitals=3, teachers_per_hospital=2)
+    assert get_preset("tiny", hospitals=3, teachers_per_hospital=2, delta=None) is variant
+    assert get_preset("tiny", teacher={"epochs": 1}).teacher.epochs == 1   # a mapping override: resolved anew
+    for _ in range(2):
+        with pytest.raises(UserError, match="unknown preset"):
+            get_preset("nope")
+
 def test_the_cli_offers_exactly_the_enums_choices():
     """The CLI spells the choices itself (its help must not import the privacy core); this keeps them in step."""
     import argparse
