@@ -317,7 +317,7 @@ class Hospital:
         guard, ledger = None, None
         if local_dp:
             ledger = Ledger(self.workdir / "ledger.jsonl")
-            guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
+            guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp["delta"]))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
                                                  {"trainable": trainable, "lr": learning_rate, "augment": augment,
                                                   "precision": precision})
@@ -342,7 +342,7 @@ class Hospital:
             validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
         local_epsilon = None
         if ledger is not None and len(ledger):
-            delta = float(local_dp.get("delta", self.preset.delta))
+            delta = float(local_dp["delta"])
             local_epsilon = max(ledger.spent(owner, delta).epsilon for owner in ledger.owners())
         valid = [d for d in validation_dice if d is not None]
         metrics = {"hospital_id": self.hospital_id, "teachers": self.num_teachers,
@@ -350,7 +350,7 @@ class Hospital:
                 # un-noised: only simulated hospitals report it
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
-                "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
+                "local_delta": float(local_dp["delta"]) if local_dp else None,
                 "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
                 "device": str(device), "precision": precision}
 

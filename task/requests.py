@@ -32,6 +32,9 @@ from task.options import Relation, Trainable, look_up_option
 
 R = TypeVar("R", bound="WireRecord")
 
+#: what a teachers' local DP-SGD request states at least (``task.dpsgd.DPConfig`` has no defaults for them)
+LOCAL_DP_REQUIRED = ("epsilon", "delta", "max_grad_norm")
+
 #: field metadata of a field whose value travels as arrays beside the config (not in :meth:`to_config`)
 ARRAYS = {"arrays": True}
 
@@ -225,8 +228,10 @@ class TeacherTrainingRequest(HospitalRequest):
                             f"({', '.join(self.RECIPE)}), the server's, never completed from a hospital's own preset")
         if self.local_dp is not None:
             local_dp = _mapping(self.local_dp, "local_dp")
-            if local_dp and "epsilon" not in local_dp:
-                raise UserError("local_dp: expected DPConfig fields with at least 'epsilon'")
+            missing = [key for key in LOCAL_DP_REQUIRED if key not in local_dp]
+            if local_dp and missing:
+                raise UserError(f"local_dp: expected DPConfig fields with at least {', '.join(LOCAL_DP_REQUIRED)}; "
+                                f"no {', '.join(missing)}")
             _set(self, "local_dp", local_dp)
 
 
