@@ -82,7 +82,8 @@ def bench_steps(device, precision: str, preset: str, grid: int, batch: int, step
     dp_model = build_unet(preset).to(device)
     dp_optimizer = torch.optim.Adam(dp_model.parameters(), lr=1e-3)
     session = DPSession(dp_model, dp_optimizer,
-                        PrivateTraining(DPConfig(mode="fixed", epsilon=1e9, noise_multiplier=6 ** 0.5, sampling="shuffle"),
+                        PrivateTraining(DPConfig(mode="fixed", epsilon=1e9, noise_multiplier=6 ** 0.5, sampling="shuffle",
+                                                 delta=1e-3, max_grad_norm=4.0),
                                         owners=("bench",), noise=NoiseSource()),   # secure noise: the default path
                         n=batch * 10, batch_size=batch, epochs=1)
     session.begin_epoch(0)

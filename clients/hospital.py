@@ -56,7 +56,7 @@ from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
 from task.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
-from task.options import Trainable, look_up_option
+from task.options import Trainable
 from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
 from task.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation, predict_probs,
                            stacked_head_probabilities, stacked_training_applies, train_segmentation,
@@ -306,20 +306,18 @@ class Hospital:
         request = self.read_request(TeacherTrainingRequest, config)
         init = request.init_weights
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
-        recipe = self.preset.teacher
-        epochs = recipe.epochs if request.teacher_epochs is None else request.teacher_epochs
-        # what a teacher trains (docs/decisions/teachers.md): every weight, or a voxel head on the frozen public model
-        # (task.networks.VoxelHeadUNet); its learning rate and augmentation travel with it (else: the preset's)
-        trainable = request.teacher_trainable or look_up_option(recipe.trainable, Trainable, "teacher_trainable").value
-        learning_rate = float(request.teacher_learning_rate or recipe.learning_rate or self.preset.learning_rate)
-        augment = bool(recipe.augment if request.teacher_augment is None else request.teacher_augment)
+        # the server's recipe, whole (the request refuses a missing field): what a teacher trains
+        # (docs/decisions/teachers.md) -- every weight, or a voxel head on the frozen public model
+        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate, with or without augmentation
+        epochs, trainable = request.teacher_epochs, request.teacher_trainable
+        learning_rate, augment = float(request.teacher_learning_rate), bool(request.teacher_augment)
         seed = self.seed if request.seed is None else request.seed
         local_dp = request.local_dp
         device, precision = self.compute(request)
         guard, ledger = None, None
         if local_dp:
             ledger = Ledger(self.workdir / "ledger.jsonl")
-            guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp.get("delta", self.preset.delta)))
+            guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp["delta"]))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
                                                  {"trainable": trainable, "lr": learning_rate, "augment": augment,
                                                   "precision": precision})
@@ -344,7 +342,7 @@ class Hospital:
             validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
         local_epsilon = None
         if ledger is not None and len(ledger):
-            delta = float(local_dp.get("delta", self.preset.delta))
+            delta = float(local_dp["delta"])
             local_epsilon = max(ledger.spent(owner, delta).epsilon for owner in ledger.owners())
         valid = [d for d in validation_dice if d is not None]
         metrics = {"hospital_id": self.hospital_id, "teachers": self.num_teachers,
@@ -352,7 +350,7 @@ class Hospital:
                 # un-noised: only simulated hospitals report it
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
-                "local_delta": float(local_dp.get("delta", self.preset.delta)) if local_dp else None,
+                "local_delta": float(local_dp["delta"]) if local_dp else None,
                 "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
                 "device": str(device), "precision": precision}
 

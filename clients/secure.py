@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from clients.secure_checks import SecureRequestRefused, declared_grid
+from clients.secure_gradients import contributor_for
 from privacy.distributed import share_count
 from task import secagg
 from task.secagg import SigningIdentity, SumSetup, setup_statement, threat_problem
@@ -49,10 +51,6 @@ from task.errors import UserError
 from task.requests import HospitalRequest, SecureStageRequest
 
 STAGES = ("setup", "share-keys", "collect-masked", "unmask")
-
-
-class SecureRequestRefused(UserError):
-    """A secure-sum request this hospital will not take part in (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -365,21 +363,6 @@ def policy_from(request: HospitalRequest | Mapping[str, Any] | None, default: Se
         raise UserError(f"secure policy: {exc}") from None
 
 
-def declared_grid(who: str, noise: Mapping[str, Any]):
-    """The integer grid a request declares (clip, granularity, dimension), checked; the hospital re-clips its
-    rows to ``clip`` and computes the rounded rows' norm bound itself (``privacy.distributed``)."""
-    from privacy.distributed import IntegerGrid
-
-    try:
-        grid = IntegerGrid(float(noise["clip"]), float(noise["granularity"]), int(noise["dimension"]))
-        bound = grid.row_bound
-    except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
-        raise SecureRequestRefused(f"hospital {who}: the request's integer grid is invalid ({exc})") from None
-    if not (np.isfinite(bound) and grid.dimension >= 1 and grid.granularity > 0):
-        raise SecureRequestRefused(f"hospital {who}: the request's integer grid is invalid")
-    return grid
-
-
 class SecureHospital:
     """A :class:`clients.hospital.Hospital` taking part in secure sums: the stages of :class:`SecureSumParty`,
     and in the collect-masked stage its PATE contribution -- every teacher's encoding of the public scans,
@@ -403,8 +386,6 @@ class SecureHospital:
     @property
     def gradients(self):
         """This hospital's ``dp-fedavg-secure`` contributor (``clients.secure_gradients``; one per hospital)."""
-        from clients.secure_gradients import contributor_for
-
         return contributor_for(self.hospital)
 
     def handle(self, stage: str, message: Mapping[str, Any],

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from clients.secure_checks import SecureRequestRefused, declared_grid
 from task.errors import UserError
 from task.requests import SecureStageRequest
 from task.secagg import CONTRIBUTION_KIND as KIND, RELATION
@@ -145,7 +146,6 @@ class HeadGradientContributor:
                      policy) -> np.ndarray:
         """Checks, then the charge, then the noised integer sum of this hospital's rounded patient rows."""
         from clients.replay import mint_nonce
-        from clients.secure import SecureRequestRefused, declared_grid
         from privacy.distributed import ddg_event, sample_discrete_gaussian
         from privacy.mechanisms import NoiseSource
         from task.headgrad import (clip_rows, frozen_features, head_dimension, load_head_state,

@@ -17,9 +17,9 @@ import json
 import math
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import numpy as np
 
@@ -42,7 +42,10 @@ from task.requests import FedAvgRoundRequest
 from task.results import ModelRelease, RunResults, write_run
 from task.training import (LEVER_KEYS, evaluate_release, lever_settings, per_class_of,
                            public_validation_dice, trainable_of)
-from task import trust
+from task import methods, trust
+
+if TYPE_CHECKING:
+    from task.realcheck import RealCheck
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -124,7 +127,13 @@ class FederatedRun:
         compute: ``progress`` -- a progress bar over the rounds (or steps); ``device`` / ``precision`` -- sent
             to the simulated hospitals with every request (deployed ones use their node config) and used here to
             evaluate the global model (:class:`task.compute.Compute`; ``workers`` is not used here).
+        method: the registered method this run is (``results.json``'s ``method``), one whose record runs this
+            class's :attr:`PROTOCOL` (None: the first registered such method).
+        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
     """
+
+    #: the federated protocol (``task.methods.Protocol``) a run of this kind is; each subclass names its own
+    PROTOCOL: ClassVar[str] = ""
 
     epsilon: float
     delta: float
@@ -132,8 +141,16 @@ class FederatedRun:
     reproducible_noise: bool = False
     init: Init = Init.PUBLIC
     compute: Compute = Compute()
+    method: str | None = field(default=None, kw_only=True)
+    real_check: RealCheck | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        runs_it = methods.names(protocol=self.PROTOCOL)
+        if self.method is None and runs_it:
+            object.__setattr__(self, "method", runs_it[0])
+        if self.method not in runs_it:
+            raise UserError(f"method: {self.method!r} is not run by the {self.PROTOCOL or 'no'} protocol; expected "
+                            f"one of {', '.join(runs_it) or 'none'}")
         if not (math.isfinite(float(self.epsilon)) and float(self.epsilon) > 0):
             raise UserError(f"epsilon: expected a positive number, got {self.epsilon!r}")
         if not 0 < float(self.delta) < 1:
@@ -160,6 +177,8 @@ class DpFedAvgConfig(FederatedRun):
             treated as public; see the module docstring); the hospitals calibrate and the ledger is accounted
             under it.
     """
+
+    PROTOCOL: ClassVar[str] = methods.Protocol.DP_FEDAVG
 
     rounds: int | None = None
     local_epochs: int = 1
@@ -294,7 +313,7 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
     dice, dice_per_case = evaluate_release(model, world.test_images, world.test_labels,
                                            precision=config.compute.precision)
     results = RunResults(
-        method="dp-fedavg", dice=dice, epsilon_budget=config.epsilon, hospitals=len(transport.hospital_ids()),
+        method=config.method, dice=dice, epsilon_budget=config.epsilon, hospitals=len(transport.hospital_ids()),
         # the seed drives the hospitals' noise when it is reproducible: then it is never published
         seed=None if config.reproducible_noise else config.seed,
         device=device_name(model_device(model)), precision=config.compute.precision,
@@ -327,4 +346,4 @@ def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: F
     }
     release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "settings": results.extras["setting_selection"]})
-    return write_run(out, results, release, started=started)
+    return write_run(out, results, release, started=started, real_check=config.real_check)

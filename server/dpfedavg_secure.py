@@ -61,7 +61,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import torch
@@ -81,6 +81,7 @@ from task.bundle import preprocessing_of
 from task.device import device_name, model_device, resolve_device
 from task.dpsgd import steps_per_epoch
 from task.errors import UserError
+from task.methods import Protocol
 from task.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
 from task.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
 from task.requests import SecureStageRequest
@@ -144,6 +145,8 @@ class DpFedAvgSecureConfig(FederatedRun):
             colluding, no dropout, the smallest threshold).
         steps: the number of steps (None: :func:`planned_steps`, pooled DP-SGD's; tests shorten it).
     """
+
+    PROTOCOL: ClassVar[str] = Protocol.DP_FEDAVG_SECURE
 
     threat: Mapping[str, Any] | None = None
     steps: int | None = None
@@ -397,7 +400,7 @@ def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: 
     validation_dice = public_validation_dice(model, world, precision=config.compute.precision)
     dice, dice_per_case = evaluate_release(model, world.test_images, world.test_labels,
                                            precision=config.compute.precision)
-    results = RunResults(method=METHOD, dice=dice, epsilon_budget=config.epsilon, hospitals=len(plan.counts),
+    results = RunResults(method=config.method, dice=dice, epsilon_budget=config.epsilon, hospitals=len(plan.counts),
                          sigma=plan.noise_sd / plan.grid.clip, seed=None if config.reproducible_noise else config.seed,
                          device=device_name(model_device(model)), precision=config.compute.precision,
                          ).account(ledger, config.delta, relation=RELATION)
@@ -429,4 +432,4 @@ def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: 
     release = ModelRelease(model, network_config_of(model, preset.unet), preprocessing_of(world), world.source,
                            card_extra={"start": results.extras["start"], "aggregation": "secure sum (SecAgg+) with "
                                        "distributed discrete Gaussian noise"})
-    return write_run(out, results, release, started=run.started)
+    return write_run(out, results, release, started=run.started, real_check=config.real_check)

@@ -40,7 +40,7 @@ import secrets
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
@@ -81,6 +81,9 @@ from task.training import (evaluate_release, evaluate_release_predicting, per_cl
                            public_validation_dice)
 from task.world import PublicWorld
 
+if TYPE_CHECKING:
+    from task.realcheck import RealCheck
+
 log = logging.getLogger("fedpate.pate")
 
 #: the server checks its own codec as the hospitals will (any kind it can build, any length)
@@ -114,9 +117,11 @@ class PateConfig:
     #: secure aggregation's threat model (server/pate_secure.py): colluders, dropouts, threshold (None: none
     #: colluding, no dropout, the smallest threshold); only for the secure methods
     secure: Mapping[str, Any] | None = None
+    #: the real-scan check the student is scored on (``task.realcheck.RealCheck``; None: none)
+    real_check: RealCheck | None = None
 
     def __post_init__(self) -> None:
-        pate_methods = methods.names(protocol="pate")   # every registered method this protocol runs
+        pate_methods = methods.names(protocol=methods.Protocol.PATE)   # every registered method this protocol runs
         if self.method not in pate_methods:
             raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
         object.__setattr__(self, "pca_mode", look_up_option(self.pca_mode, PcaMode, "pca_mode"))
@@ -627,7 +632,7 @@ def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: Pa
                            # the label maps its Dice scored, not predicted a second time
                            test_predictions=(None if evaluation.test_predictions is None
                                              else (evaluation.test_predictions, world)))
-    return write_run(out, results, release, started=started)
+    return write_run(out, results, release, started=started, real_check=config.real_check)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

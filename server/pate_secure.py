@@ -1,7 +1,7 @@
 """PATE whose aggregator need not be trusted: the query phase through the secure sum with distributed noise.
 
 In trusted PATE (``server/pate.py``) every hospital sends each teacher's encoding and the server adds the
-Gaussian noise. Here (methods registered in :data:`SECURE_PATE_METHODS`) each hospital sends, per query
+Gaussian noise. Here (a PATE method whose record says ``secure_sum``, ``task.methods``) each hospital sends, per query
 batch, only the masked sum of its teachers' rounded encodings plus its own share of discrete Gaussian
 noise (``clients/secure.py``); the server learns nothing but the sum over the K teachers with every
 hospital's noise share in it (Kairouz, Liu & Steinke 2021, arXiv 2102.06387; SecAgg+, Bell et al. CCS
@@ -34,15 +34,12 @@ from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered
 from privacy.errors import BudgetExceeded
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport
-from task import codecs
+from task import codecs, methods
 from task.errors import UserError
 from task.requests import SecureStageRequest
 from task.secagg import smallest_threshold, threat_problem
 
 log = logging.getLogger("fedpate.pate")
-
-#: secure method -> the trusted method whose codec and decoder it shares
-SECURE_PATE_METHODS = {"pate-anchored-secure": "pate-anchored"}
 
 #: what a secure run assumes unless told otherwise: no colluding hospital, no dropout (a hospital that leaves
 #: then stops the release of its batch: the survivors refuse to unmask), the smallest Shamir threshold
@@ -52,7 +49,9 @@ WRAP_PROBABILITY = 1e-9
 
 
 def is_secure(method: str) -> bool:
-    return method in SECURE_PATE_METHODS
+    """Whether ``method`` is a registered PATE method whose queries go through the secure sum (its record's
+    ``secure_sum``; its codec and decoder are its codec kind's, as a trusted PATE method's)."""
+    return method in methods.names(protocol=methods.Protocol.PATE, secure_sum=True)
 
 
 def threat_model(config) -> dict:

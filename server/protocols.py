@@ -5,7 +5,6 @@ engine (sim/runners/simulation.py) run their cells through :func:`run_cell`, so 
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Mapping
 
 import numpy as np
@@ -19,18 +18,11 @@ from task.errors import UserError
 from task.phases import timed
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
+from task.methods import Protocol
 from task.options import Init
 from task.registry import Registry
 from task.runconfig import Cell, RunSettings
 from task.world import PublicWorld
-
-
-def plan_cells(settings: RunSettings) -> list[Cell]:
-    """One cell (the configured method and epsilon) unless a comparison passed a list of cells."""
-    cells = settings.extra.get("cells")
-    if cells:
-        return [Cell.from_dict(cell) for cell in (json.loads(cells) if isinstance(cells, str) else cells)]
-    return [Cell(settings.method, settings.budget, settings.out, init=settings.init)]
 
 
 def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSettings, cell: Cell) -> dict:
@@ -83,7 +75,8 @@ def run_dpfedavg_cell(transport: HospitalTransport, world: PublicWorld, settings
     preset = settings.resolved_preset
     start = start_weights(world, settings, cell)
     config = DpFedAvgConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed,
-                            reproducible_noise=settings.reproducible_noise, init=cell.init, compute=settings.compute)
+                            reproducible_noise=settings.reproducible_noise, init=cell.init, compute=settings.compute,
+                            method=cell.method, real_check=settings.real_check)
     return run_dpfedavg(transport, world, preset, config, cell.out, init_weights=start)
 
 
@@ -95,7 +88,8 @@ def run_dpfedavg_secure_cell(transport: HospitalTransport, world: PublicWorld, s
     start = start_weights(world, settings, cell)
     config = DpFedAvgSecureConfig(cell.epsilon, settings.resolved_delta, seed=settings.seed,
                                   reproducible_noise=settings.reproducible_noise, init=cell.init,
-                                  compute=settings.compute, threat=settings.threat_model)
+                                  compute=settings.compute, threat=settings.threat_model, method=cell.method,
+                                  real_check=settings.real_check)
     return run_dpfedavg_secure(transport, world, preset, config, cell.out, init_weights=start)
 
 
@@ -105,7 +99,8 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
     config = PateConfig(cell.method, cell.epsilon, settings.resolved_delta, seed=settings.seed,
                         calibration=settings.calibration, query_batch=settings.query_batch,
                         shared_dir=cell.shared_dir, compute=settings.compute,
-                        secure=settings.threat_model if cell.record.secure_sum else None)
+                        secure=settings.threat_model if cell.record.secure_sum else None,
+                        real_check=settings.real_check)
     return run_pate(transport, world, settings.resolved_preset, config, cell.out,
                     noise=settings.cell_noise_source(cell))
 
@@ -114,6 +109,6 @@ def run_pate_cell(transport: HospitalTransport, world: PublicWorld, settings: Ru
 #: place a protocol is chosen; ``register_protocol`` adds one)
 PROTOCOLS: Registry[Callable[[HospitalTransport, PublicWorld, RunSettings, Cell], dict]] = Registry("protocol")
 register_protocol = PROTOCOLS.register
-register_protocol("pate", run_pate_cell)
-register_protocol("dp-fedavg", run_dpfedavg_cell)
-register_protocol("dp-fedavg-secure", run_dpfedavg_secure_cell)
+register_protocol(Protocol.PATE, run_pate_cell)
+register_protocol(Protocol.DP_FEDAVG, run_dpfedavg_cell)
+register_protocol(Protocol.DP_FEDAVG_SECURE, run_dpfedavg_secure_cell)

@@ -14,7 +14,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from server.flower_transport import FlowerTransport, TransportSettings
-from server.protocols import plan_cells, run_cell
+from server.protocols import run_cell
 from task.errors import UserError
 from task.requests import RunContext
 from task.runconfig import RunSettings
@@ -32,7 +32,7 @@ def run_federation(grid: Grid, settings: RunSettings) -> list[dict]:
     hospitals = connect_hospitals(grid, settings, world_dir)
     refuse_seeded_noise_in_deployment(settings, hospitals.deployed)
     results = []
-    for cell in plan_cells(settings):
+    for cell in settings.planned_cells():
         results.append(run_cell(hospitals, world, settings, cell))
         log.info("%s at epsilon=%s: results in %s", cell.method, cell.epsilon, cell.out)
     return results
@@ -62,17 +62,15 @@ def refuse_seeded_noise_in_deployment(settings: RunSettings, deployed: Mapping[s
                         "(seeded noise can be regenerated and subtracted; it is for simulations only)")
 
 
-def make_app(extra: Mapping[str, Any] | None = None, **overrides) -> ServerApp:
-    """A ServerApp whose run settings are ``[tool.flwr.app.config]`` with ``overrides`` applied
-    (``extra``: e.g. ``{"cells": [...]}`` from ``fedpate compare``)."""
+def make_app(**overrides: Any) -> ServerApp:
+    """A ServerApp whose run settings are ``[tool.flwr.app.config]`` with ``overrides`` (:class:`RunSettings`
+    fields) applied: what ``fedpate simulate`` and ``fedpate compare`` bind in, the typed records among them
+    (``cells``, ``real_check``) that Flower's run config does not carry."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        settings = RunSettings.from_run_config(context.run_config, **overrides)
-        if extra:
-            settings = settings.replace(extra=dict(extra))
-        run_federation(grid, settings)
+        run_federation(grid, RunSettings.from_run_config(context.run_config, **overrides))
 
     return server_app
 

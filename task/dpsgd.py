@@ -122,13 +122,14 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 @dataclass
 class DPConfig:
-    """DP-SGD settings (docs/ARCHITECTURE.md, "sim training engine")."""
+    """DP-SGD settings (docs/ARCHITECTURE.md, "sim training engine"). The budget, its delta and the clipping norm
+    are always the caller's (the run's budget, the preset's delta and clip): this record has no defaults for them."""
 
     mode: NoiseMode = NoiseMode.TARGET   # "target" | "fixed" | "schedule"
-    epsilon: float = 8.0                 # budget per owner
-    delta: float = 1e-3
+    epsilon: float = field(kw_only=True)   # budget per owner
+    delta: float = field(kw_only=True)
     noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (default sqrt 6)
-    max_grad_norm: float = 4.0           # per parameter tensor when per_layer, else of the whole gradient
+    max_grad_norm: float = field(kw_only=True)   # per parameter tensor when per_layer, else of the whole gradient
     per_layer: bool = True
     sampling: Sampling = Sampling.POISSON  # "poisson" | "shuffle"
     #: calibration accountant for Poisson events ("pld" | "rdp"; rdp: add-remove only)

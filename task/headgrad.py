@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from task.errors import UserError
+from task.losses import per_sample_loss
 from task.networks import VoxelHeadUNet
 
 #: Opacus' flat clipping adds this to the norm before dividing (``DPOptimizer.clip_and_accumulate``)
@@ -157,9 +158,7 @@ def per_sample_head_gradients(model: VoxelHeadUNet, features: torch.Tensor, targ
     faster on a CPU). tests/test_fedavg_secure.py checks it against plain autograd through the whole network.
 
     ``targets``: (n, *grid) int labels; ``chunk``: scans per pass; ``loss_fn``: per-sample loss
-    (default ``task.training.per_sample_loss``)."""
-    from task.training import per_sample_loss
-
+    (default ``task.losses.per_sample_loss``)."""
     loss_fn = loss_fn or per_sample_loss
     first, prelu, second = _head_layers(model)
     hidden, inputs = first.weight.shape[:2]

@@ -46,6 +46,22 @@ class Family(StrEnum):
     PUBLIC_SELFTRAIN = "public-selftrain"
 
 
+class Protocol(StrEnum):
+    """The built-in federated protocols (:class:`Method`'s ``protocol``; ``server.protocols`` runs each; a
+    registered method may name its own)."""
+    PATE = "pate"
+    DP_FEDAVG = "dp-fedavg"
+    DP_FEDAVG_SECURE = "dp-fedavg-secure"
+
+
+class Runner(StrEnum):
+    """The built-in cell runners of the methods that are not federated (:class:`Method`'s ``runner``;
+    ``sim.runners.cells`` registers each; a registered method may name its own)."""
+    POOLED = "pooled"                        # training on the pooled private patients (sim.runners.central)
+    PUBLIC_ONLY = "public-only"
+    PUBLIC_SELFTRAIN = "public-selftrain"
+
+
 ROLES = tuple(Role)
 
 
@@ -125,7 +141,7 @@ class Method(_Roled):
 
     def __post_init__(self) -> None:
         self._check_role("method")
-        if (self.trainable is not None or self.learning_rate is not None) and self.runner != "pooled":
+        if (self.trainable is not None or self.learning_rate is not None) and self.runner != Runner.POOLED:
             raise ValueError(f"method {self.name}: only a pooled method fixes its own trainable set or learning rate")
         if self.trainable is not None:
             object.__setattr__(self, "trainable", Trainable(self.trainable))
@@ -171,42 +187,42 @@ def is_pate(name: str | None) -> bool:
 
 
 for _record in (
-        Method("pate-ae", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-ae", Family.PATE, Role.PRIVATE, federated=True, protocol=Protocol.PATE, per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="ae",
                description="autoencoded PATE (Fay et al., Algorithm 2)", cell_seconds=266),
-        Method("pate-pca", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-pca", Family.PATE, Role.PRIVATE, federated=True, protocol=Protocol.PATE, per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="pca",
                description="PCA-PATE (Fay et al., Algorithm 1)", cell_seconds=266),
-        Method("pate-anchored", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-anchored", Family.PATE, Role.PRIVATE, federated=True, protocol=Protocol.PATE, per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="anchored",
                description="PATE with the public-anchored residual codec (docs/PRIVACY.md, \"What limits PATE\")", cell_seconds=266),
-        Method("pate-anchored-secure", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
-               sweeps_k=True, starts_from_public=True, secure_sum=True, codec="anchored",
+        Method("pate-anchored-secure", Family.PATE, Role.PRIVATE, federated=True, protocol=Protocol.PATE,
+               per_epsilon=True, sweeps_k=True, starts_from_public=True, secure_sum=True, codec="anchored",
                description="pate-anchored through a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=298),
-        Method("pate-naive", Family.PATE, Role.PRIVATE, federated=True, protocol="pate", per_epsilon=True,
+        Method("pate-naive", Family.PATE, Role.PRIVATE, federated=True, protocol=Protocol.PATE, per_epsilon=True,
                sweeps_k=True, starts_from_public=True, codec="identity",
                description="PATE on per-voxel one-hot votes", cell_seconds=266),
-        Method("dp-fedavg", Family.DP_FEDAVG, Role.PRIVATE, federated=True, protocol="dp-fedavg", per_epsilon=True,
-               description="FedAvg of each hospital's local DP-SGD", cell_seconds=186),
-        Method("dp-fedavg-secure", Family.DP_FEDAVG_SECURE, Role.PRIVATE, federated=True, protocol="dp-fedavg-secure",
-               per_epsilon=True, secure_sum=True,
+        Method("dp-fedavg", Family.DP_FEDAVG, Role.PRIVATE, federated=True, protocol=Protocol.DP_FEDAVG,
+               per_epsilon=True, description="FedAvg of each hospital's local DP-SGD", cell_seconds=186),
+        Method("dp-fedavg-secure", Family.DP_FEDAVG_SECURE, Role.PRIVATE, federated=True,
+               protocol=Protocol.DP_FEDAVG_SECURE, per_epsilon=True, secure_sum=True,
                description="pooled DP-SGD's voxel head trained by full-batch gradient descent over the hospitals' "
                            "patients, each step a secure sum with distributed discrete Gaussian noise (the "
                            "aggregator sees only the noisy sum)", cell_seconds=370),
-        Method("dp-sgd-central", Family.DP_SGD, Role.PRIVATE, runner="pooled", per_epsilon=True,
+        Method("dp-sgd-central", Family.DP_SGD, Role.PRIVATE, runner=Runner.POOLED, per_epsilon=True,
                description="DP-SGD on the pooled private patients", cell_seconds=186),
         # features adapted rather than voxels re-scored: the decoder at the non-private ceiling's learning rate
         # (docs/decisions/dp-sgd-decoder.md)
-        Method("dp-sgd-central-decoder", Family.DP_SGD_DECODER, Role.PRIVATE, runner="pooled", per_epsilon=True,
+        Method("dp-sgd-central-decoder", Family.DP_SGD_DECODER, Role.PRIVATE, runner=Runner.POOLED, per_epsilon=True,
                trainable=Trainable.DECODER, learning_rate=2e-3,
                description="DP-SGD on the pooled private patients, training the public model's decoder (every "
                            "up-sampling stage and the output block) instead of a voxel head", cell_seconds=186),
-        Method("nonprivate-central", Family.NONPRIVATE, Role.CEILING, runner="pooled",
+        Method("nonprivate-central", Family.NONPRIVATE, Role.CEILING, runner=Runner.POOLED,
                description="non-private training on the pooled private patients", cell_seconds=118),
-        Method("public-only", Family.PUBLIC_ONLY, Role.FLOOR, runner="public-only",
+        Method("public-only", Family.PUBLIC_ONLY, Role.FLOOR, runner=Runner.PUBLIC_ONLY,
                description="the student trained on the public labelled data alone", cell_seconds=1),
-        Method("public-selftrain", Family.PUBLIC_SELFTRAIN, Role.FLOOR, runner="public-selftrain",
+        Method("public-selftrain", Family.PUBLIC_SELFTRAIN, Role.FLOOR, runner=Runner.PUBLIC_SELFTRAIN,
                description="the public model self-trained on the public unlabelled query scans",
                cell_seconds=77),
 ):

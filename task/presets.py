@@ -24,6 +24,7 @@ rebuilds it from: the registered name, followed by the changes as JSON when ther
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -489,8 +490,28 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(_PRESETS)
 
 def get_preset(name: str, **overrides) -> Preset:
     """The preset ``name`` refers to (a registered name, or a :attr:`Preset.reference`) with ``overrides`` applied
-    by :meth:`Preset.with_changes` (``None`` values are ignored); an unknown name or key is refused in one line."""
-    base, brace, rest = str(name).partition("{")
+    by :meth:`Preset.with_changes` (``None`` values are ignored); an unknown name or key is refused in one line.
+
+    Resolved once per process: the same name and overrides give the same (immutable) :class:`Preset` object, its
+    reference parsed once (overrides that are not hashable values, such as a whole settings group as a mapping,
+    are resolved anew each time)."""
+    changes = tuple(sorted((k, v) for k, v in overrides.items() if v is not None))
+    try:
+        return _resolved_preset(str(name), changes)
+    except TypeError as exc:   # an unhashable override value: not remembered
+        if "unhashable" not in str(exc):
+            raise
+        return _resolve_preset(str(name), dict(changes))
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved_preset(name: str, changes: tuple[tuple[str, Any], ...]) -> Preset:
+    return _resolve_preset(name, dict(changes))
+
+
+def _resolve_preset(name: str, overrides: Mapping[str, Any]) -> Preset:
+    """:func:`get_preset`'s work: the registered preset, the reference's changes, then ``overrides``."""
+    base, brace, rest = name.partition("{")
     try:
         preset = PRESETS[base]
     except KeyError:
@@ -503,8 +524,7 @@ def get_preset(name: str, **overrides) -> Preset:
         if not isinstance(changes, dict):
             raise UserError(f"--preset: the changes after {base!r} must be a JSON object, got {rest!r}")
         preset = preset.with_changes(**changes)
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    return preset.with_changes(**changes) if changes else preset
+    return preset.with_changes(**overrides) if overrides else preset
 
 
 def preset_reference(preset: "str | Preset") -> str:

@@ -10,11 +10,13 @@ back to the scan's own grid and compared with its label map there, in our classe
 maps each release's codes). Dice per class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and
 the BraTS regions WT, TC, ET, per case and averaged.
 
-How it reaches every model: the orchestration that runs cells opens the check (:func:`open_check`, which
-refuses a bad folder in one line naming the option and the folder, before anything trains) and makes it
-:func:`active` for the duration (:func:`scoring`); :func:`task.results.write_run`, the one writer of
-``results.json``, then scores the model it releases (:func:`score_release`) and stores the result under the
-record's ``real_check`` key. Worker processes re-open the check from its folders.
+How it reaches every model: the command opens the check (:func:`open_check`, which refuses a bad folder in
+one line naming the option and the folder, before anything trains) and hands it down with the run's settings
+(``task.runconfig.RunSettings.real_check``, a comparison's cell context, a central run's config) to the code
+that releases a model; :func:`task.results.write_run`, the one writer of ``results.json``, is given it, scores
+the model it releases (:func:`score_release`) and stores the result under the record's ``real_check`` key.
+No module-level state: whatever runs a release, in whichever thread, is told the check it scores on. Worker
+processes re-open the check from its folders.
 
 Cost: reading and preprocessing a 240 x 240 x 155 case takes seconds; it is done once per case and working
 grid (kept in memory, and on disk under the cache, ``task.io.cache_root() / "real-check"``, keyed by the
@@ -30,7 +32,6 @@ the report. The cases of every folder are pooled, each known by its folder and i
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -39,7 +40,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import nibabel as nib
 import numpy as np
@@ -213,34 +214,13 @@ def _check_files(case: Case, folder: str, option: str, read: bool = True) -> Non
                         f"({', '.join(f'{n} {s}' for n, s in grids.items())})")
 
 
-# ------------------------------------------------------------------------------------------ the active check
-_ACTIVE: RealCheck | None = None
-
-
-@contextlib.contextmanager
-def scoring(check: RealCheck | None) -> Iterator[RealCheck | None]:
-    """Make ``check`` the one every model released inside this block is scored on (None: no check).
-
-    A plain module attribute, not a context variable: Flower's simulation engine runs the ServerApp in a
-    thread of this process, and that thread must see it."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, check
-    try:
-        yield check
-    finally:
-        _ACTIVE = previous
-
-
-def active() -> RealCheck | None:
-    return _ACTIVE
-
-
-def score_release(model, preprocessing: Mapping[str, Any], precision: str | None = None) -> dict | None:
-    """The active check's scores of a model about to be released (None without an active check).
+# ------------------------------------------------------------------------------------------ scoring a release
+def score_release(check: RealCheck | None, model, preprocessing: Mapping[str, Any],
+                  precision: str | None = None) -> dict | None:
+    """``check``'s scores of a model about to be released (None without a check).
 
     A failure here must not lose a trained (and, for a private method, paid-for) model: it is recorded as
     ``{"error": ...}`` and said on the console, and the run goes on."""
-    check = active()
     if check is None:
         return None
     from task.predict import preprocess_config_of

@@ -24,13 +24,16 @@ import json
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping, TypeVar
 
 from task.device import check_device_spec, check_precision
 from task.errors import UserError
 from task.options import Relation, Trainable, look_up_option
 
 R = TypeVar("R", bound="WireRecord")
+
+#: what a teachers' local DP-SGD request states at least (``task.dpsgd.DPConfig`` has no defaults for them)
+LOCAL_DP_REQUIRED = ("epsilon", "delta", "max_grad_norm")
 
 #: field metadata of a field whose value travels as arrays beside the config (not in :meth:`to_config`)
 ARRAYS = {"arrays": True}
@@ -189,8 +192,15 @@ class HospitalRequest(WireRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class TeacherTrainingRequest(HospitalRequest):
-    """``train``: fine-tune every teacher from ``init_weights`` (arrays; None = random weights). Unset
-    fields are the hospital's preset's (``task.presets.Teachers``) and its own seed."""
+    """``train``: fine-tune every teacher from ``init_weights`` (arrays; None = random weights) by the teachers'
+    recipe, which the request carries whole (:data:`RECIPE`: the server resolves it once from its preset,
+    ``server.pate.teacher_training``; a hospital never fills a gap from its own); a request without one of its
+    fields is refused. An unset seed is the hospital's own (the run's)."""
+
+    #: the fields of the teachers' recipe (``task.presets.Teachers``, the learning rate resolved): every request
+    #: carries each of them
+    RECIPE: ClassVar[tuple[str, ...]] = ("teacher_epochs", "teacher_trainable", "teacher_learning_rate",
+                                         "teacher_augment")
 
     init_weights: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=ARRAYS)
     teacher_epochs: int | None = None
@@ -212,10 +222,16 @@ class TeacherTrainingRequest(HospitalRequest):
              if self.teacher_learning_rate else None)
         if self.teacher_augment is not None:
             _set(self, "teacher_augment", _flag(self.teacher_augment, "teacher_augment"))
+        missing = [name for name in self.RECIPE if getattr(self, name) is None]
+        if missing:
+            raise UserError(f"train request: no {', '.join(missing)}; a request carries the teachers' whole recipe "
+                            f"({', '.join(self.RECIPE)}), the server's, never completed from a hospital's own preset")
         if self.local_dp is not None:
             local_dp = _mapping(self.local_dp, "local_dp")
-            if local_dp and "epsilon" not in local_dp:
-                raise UserError("local_dp: expected DPConfig fields with at least 'epsilon'")
+            missing = [key for key in LOCAL_DP_REQUIRED if key not in local_dp]
+            if local_dp and missing:
+                raise UserError(f"local_dp: expected DPConfig fields with at least {', '.join(LOCAL_DP_REQUIRED)}; "
+                                f"no {', '.join(missing)}")
             _set(self, "local_dp", local_dp)
 
 

@@ -12,8 +12,8 @@ relation and accountant, never a number a caller computed.
 :func:`write_run` is the only writer of ``results.json``: model bundle first (``task.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
 ``results.json`` atomically, with the commit of the code that ran (``task.provenance``). Nothing patches
-``results.json`` afterwards. When a real-scan check is active
-(``task.realcheck.scoring``), the released model is scored on its labelled real cases there, before
+``results.json`` afterwards. When the run is given a real-scan check (``task.realcheck``), the released model is
+scored on its labelled real cases there, before
 ``results.json`` is written (``real_check``).
 """
 
@@ -152,13 +152,14 @@ class ModelRelease:
 
 
 def write_run(out: str | Path, results: RunResults, release: ModelRelease | None = None,
-              started: float | None = None) -> dict[str, Any]:
+              started: float | None = None, real_check: "realcheck.RealCheck | None" = None) -> dict[str, Any]:
     """Write a run folder: the model bundle (card from ``out/ledger.jsonl``, with the test Dice; resealed with the
     real-scan check's Dice when one ran), predictions, results.json (with the code's commit).
 
     ``started`` (``time.perf_counter()`` at the start of the run): ``wall_seconds`` then covers
-    everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.phases``). Returns the
-    dict written.
+    everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.phases``).
+    ``real_check``: the run's real-scan check (``task.realcheck``; None: none), on which the released model is
+    scored into ``real_check``. Returns the dict written.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +179,8 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
             flagged.append("phase_seconds")
     if release is not None and results.real_check is None:
         # after wall_seconds: the run's time stays comparable with and without the check (it records its own)
-        results.real_check = realcheck.score_release(release.model, release.preprocessing, results.precision)
+        results.real_check = realcheck.score_release(real_check, release.model, release.preprocessing,
+                                                     results.precision)
         if (results.real_check or {}).get("dice"):
             update_card(out, {"test_dice": dice_for_card(results)})   # the card states the real check's Dice too
     record = results.to_dict()

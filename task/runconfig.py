@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from privacy.mechanisms import NoiseSource
 from task.compute import Compute, check_compute
@@ -20,6 +20,9 @@ from task import methods as registry
 from task.options import Calibration, Init, look_up_option
 from task.presets import Preset, get_preset, preset_reference
 from task.requests import HospitalRequest
+
+if TYPE_CHECKING:   # the real-scan check reads NIfTI files: not imported by the command line's start-up
+    from task.realcheck import RealCheck
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -110,7 +113,13 @@ class RunSettings:
     secure_colluders: int = 0
     secure_dropouts: int = 0
     secure_threshold: int | None = None
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: the cells this run executes, in order (a comparison's; empty: one cell, the configured method at the budget,
+    #: :meth:`planned_cells`). Given to an in-process ServerApp (``server.server_app.make_app``), not a run-config key
+    cells: tuple[Cell, ...] = ()
+    #: the real-scan check every model the run releases is scored on (``task.realcheck``; None: none). An open check
+    #: of this process's, given like the cells; a run-config key it is not (a ServerApp in another process, behind
+    #: ``flwr run``, has none)
+    real_check: "RealCheck | None" = None
 
     def __post_init__(self) -> None:
         federated = registry.names(federated=True)
@@ -143,6 +152,10 @@ class RunSettings:
         object.__setattr__(self, "init", look_up_option(self.init, Init, "init").value)
         object.__setattr__(self, "calibration", look_up_option(self.calibration, Calibration, "calibration").value)
         check_compute(self.compute)
+        cells = self.cells if isinstance(self.cells, (tuple, list)) else None
+        if cells is None or not all(isinstance(cell, Cell) for cell in cells):
+            raise UserError(f"cells: expected a sequence of task.runconfig.Cell records, got {self.cells!r}")
+        object.__setattr__(self, "cells", tuple(cells))
 
     @functools.cached_property
     def resolved_preset(self) -> Preset:
@@ -205,6 +218,10 @@ class RunSettings:
         source = NoiseSource.reproducible(self.seed) if self.reproducible_noise else NoiseSource()
         return source.child(*names) if names else source
 
+    def planned_cells(self) -> tuple[Cell, ...]:
+        """The cells this run executes: :attr:`cells`, or the one cell of the configured method at the budget."""
+        return self.cells or (Cell(self.method, self.budget, self.out, init=self.init),)
+
     def cell_noise_source(self, cell: "Cell"):
         """The noise of one cell of a comparison, in its own namespace: method, budget and K (unique within
         a comparison, so no two cells ever share a draw)."""
@@ -226,8 +243,9 @@ def config_flag(value: Any, key: str) -> bool:
     raise UserError(f"{key}: expected true or false, got {value!r}")
 
 
-#: RunSettings fields that are not run-config keys: ``extra`` carries the cells
-NOT_RUN_CONFIG = ("extra",)
+#: RunSettings fields that are not run-config keys: the cells and the real-scan check, typed records this process
+#: hands to the ServerApp it runs (``server.server_app.make_app``)
+NOT_RUN_CONFIG = ("cells", "real_check")
 #: the fields of :class:`task.compute.Compute` that are run-config keys, each under its own name: progress bars
 #: and worker processes are the caller's
 COMPUTE_FIELDS = tuple(f for f in dataclasses.fields(Compute) if f.name not in ("progress", "workers"))

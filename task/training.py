@@ -1,6 +1,7 @@
 """The one segmentation training loop: teachers, students, public pre-training and the baselines.
 
-Loss (per sample, so Opacus' per-sample clipping stays valid: a batch-coupled loss would break it):
+Loss (``task.losses.per_sample_loss``; per sample, so Opacus' per-sample clipping stays valid: a batch-coupled
+loss would break it):
 ``L_i = Dice_i + CE_i`` where ``Dice_i`` is MONAI's soft Dice loss over the four classes of sample i
 (``DiceLoss(softmax=True, batch=False)``) and ``CE_i`` the voxel-mean cross-entropy of sample i; the batch
 loss is the mean of the ``L_i``. This is MONAI's ``DiceCELoss`` with ``batch=False``, written out because
@@ -40,7 +41,6 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from task.data.augment import batch_augmentation, training_augmentation
@@ -48,10 +48,12 @@ from task.compute import Compute
 from task.device import autocast, model_device, resolve_device
 from task.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
+from task.headgrad import check_frozen_deterministic, check_unet_deterministic
 from task.inference import mirrored_probabilities
+from task.losses import per_sample_loss
 from task.phases import timed
 from task.io import atomic_save_torch
-from task.networks import freeze_all_but, load_start_weights
+from task.networks import VOXEL_HEAD, VoxelHeadUNet, freeze_all_but, load_start_weights
 from task.metrics import DiceAccumulator
 from task.options import AugmentOn, Precision, Trainable, look_up_option
 
@@ -123,25 +125,6 @@ class TrainResult:
     stopped_reason: str | None = None
     wall_seconds: float = 0.0
     resumed_from_epoch: int | None = None
-
-
-# ----------------------------------------------------------------------------------------------------- loss
-def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Dice + CE for each sample (shape (n,)); ``targets`` int (n, *g) or probabilities (n, C, *g)."""
-    # MONAI (~10 s to import) only when a loss is built
-    from monai.losses import DiceLoss
-
-    n, classes = logits.shape[:2]
-    if targets.is_floating_point():
-        if targets.shape != logits.shape:
-            raise ValueError(f"soft targets must be shaped like the logits {tuple(logits.shape)}, got {tuple(targets.shape)}")
-        probs_target = targets
-        ce = -(probs_target * F.log_softmax(logits, dim=1)).sum(dim=1)
-    else:
-        probs_target = F.one_hot(targets.long(), classes).movedim(-1, 1).to(logits.dtype)
-        ce = F.cross_entropy(logits, targets.long(), reduction="none")
-    dice = DiceLoss(softmax=True, batch=False, reduction="none")(logits, probs_target)
-    return dice.reshape(n, -1).mean(dim=1) + ce.reshape(n, -1).mean(dim=1)
 
 
 # -------------------------------------------------------------------------------------------- augmentation
@@ -612,9 +595,6 @@ class _FrozenUNetMemo:
     @classmethod
     def for_training(cls, model: torch.nn.Module, config: TrainConfig, private: PrivateTraining | None,
                      budget_bytes: int = 512 * 2 ** 20) -> "_FrozenUNetMemo | None":
-        from task.headgrad import check_frozen_deterministic
-        from task.networks import VoxelHeadUNet
-
         if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
             return None
         if any(p.requires_grad for p in model.model.parameters()):
@@ -653,9 +633,6 @@ def stacked_training_applies(model: torch.nn.Module, config: TrainConfig, privat
     augmentation (then every sample's frozen U-Net output is one fixed tensor), with the default loss, optimiser
     and no checkpoint, moving average or views, on a U-Net whose output does not depend on train/eval mode or on
     the other samples (:func:`task.headgrad.check_unet_deterministic`)."""
-    from task.headgrad import check_unet_deterministic
-    from task.networks import VOXEL_HEAD, VoxelHeadUNet
-
     if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
         return False
     if look_up_option(config.trainable, Trainable, "trainable") is not VOXEL_HEAD:

@@ -39,8 +39,10 @@ def own_accounting_memo(monkeypatch, tmp_path_factory):
 def tiny_phantoms(tmp_path_factory):
     """A phantom MSD folder for the ``tiny`` preset (48 cases, 2 institutions, 4 mm), generated once."""
     from task.data.phantoms import ensure_phantoms
+    from task.presets import get_preset
 
-    return ensure_phantoms("tiny", cache_root=tmp_path_factory.mktemp("phantom-cache"), seed=0, progress=False)
+    return ensure_phantoms(get_preset("tiny"), cache_root=tmp_path_factory.mktemp("phantom-cache"), seed=0,
+                           progress=False)
 
 
 @pytest.fixture(scope="session")

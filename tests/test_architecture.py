@@ -4,8 +4,11 @@
                                                                                  deployment, commands, cli, reports)
 
 A module imports only its own layer or below; server and clients never import each other; no import
-cycle between these packages; flwr only in the Flower adapters; the command line's start-up stays free
-of torch, monai and flwr. ``check_tree`` takes any checkout, so the rule can be checked on an older
+cycle between these packages, nor between their modules (a sub-package such as ``task/data/`` counted as one
+module; an import inside a function counts: one there only to dodge a cycle hides it); flwr only in the Flower
+adapters; the command line's start-up stays free
+of torch, monai and flwr. A setting is resolved once: the hospital (clients/) never reads the teachers' recipe
+from its own preset (``preset.teacher``) -- the server's request carries it whole. ``check_tree`` takes any checkout, so the rule can be checked on an older
 tree too (``python tests/test_architecture.py PATH``).
 """
 
@@ -87,7 +90,136 @@ def check_tree(root: Path) -> list[str]:
                     problems.setdefault((where, "sideways"), f"{where}: {module} imports {target}: server and "
                                                              "clients never import each other")
     cycles = [f"import cycle between packages: {' -> '.join(cycle)}" for cycle in package_cycles(edges)]
-    return list(problems.values()) + cycles
+    return list(problems.values()) + cycles + module_cycles(root) + hospital_recipe_reads(root)
+
+
+def module_of_import(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
+                     modules: set[str]) -> list[str]:
+    """The fedpate modules an import statement runs (the deepest module each imported name is or is in)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = package[: len(package) - node.level + 1] if node.level else []
+        target = ".".join(base + ([node.module] if node.module else []))
+        names = [f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target for alias in node.names]
+    found = []
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.append(name)
+    return found
+
+
+def runtime_imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """(import statement, inside a function) for every import that can run: all but those under
+    ``if TYPE_CHECKING:`` (annotations only)."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit_one(other, in_function)
+                continue
+            visit_one(child, in_function)
+
+    def visit_one(child: ast.AST, in_function: bool) -> None:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            found.append((child, in_function))
+        visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def module_cycles(root: Path) -> list[str]:
+    """One line per group of fedpate modules that import each other, at module level or inside a function, a
+    sub-package below a top-level package (``task/data/``, ``sim/runners/``) counted as one module."""
+    paths = {module_name(path, root): path for package in LAYERS for path in sorted((root / package).rglob("*.py"))}
+    packages = {module for module, path in paths.items() if path.name == "__init__.py"}
+
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 and ".".join(parts[:2]) in packages else module
+
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for module, path in paths.items():
+        for node, in_function in runtime_imports(ast.parse(path.read_text(), str(path))):
+            for target in module_of_import(node, module, path.name == "__init__.py", set(paths)):
+                a, b = unit(module), unit(target)
+                if a != b:
+                    graph.setdefault(a, set()).add(b)
+                    where.setdefault((a, b), f"{path.relative_to(root)}:{node.lineno}"
+                                             + (" inside a function" if in_function else ""))
+    cycles = []
+    for group in strongly_connected(graph):
+        cycle = _path_back({a: graph[a] & set(group) for a in group}, group[0])
+        steps = [f"{a} ({where[(a, b)]})" for a, b in zip(cycle, cycle[1:])]
+        cycles.append(f"import cycle between modules: {' -> '.join(steps)} -> {cycle[-1]}")
+    return cycles
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted; sorted by first node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def hospital_recipe_reads(root: Path) -> list[str]:
+    """Every place under clients/ that reads the teachers' recipe from a preset (``<...>preset.teacher``, or
+    ``getattr(<...>preset, "teacher")``): the recipe travels whole in the server's train request, resolved once."""
+    found = []
+    for path in sorted((root / "clients").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "teacher" and _names_a_preset(node.value):
+                line = node.lineno
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) >= 2 and _names_a_preset(node.args[0])
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value == "teacher"):
+                line = node.lineno
+            else:
+                continue
+            found.append(f"{path.relative_to(root)}:{line}: a hospital reads its own preset's teacher recipe "
+                         "(the train request carries it: TeacherTrainingRequest.RECIPE)")
+    return found
+
+
+def _names_a_preset(node: ast.AST) -> bool:
+    """Whether ``node`` is a preset: a name or an attribute called ``preset`` (``preset``, ``self.preset``)."""
+    return (isinstance(node, ast.Name) and node.id == "preset") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "preset")
 
 
 def package_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -138,6 +270,15 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     write("server/app.py", "from clients.hospital import Hospital\n")           # server <-> clients
     write("server/results.py", "from sim.report import write_report\n")         # server -> sim's report module
     write("clients/hospital.py", "import flwr.app\n")                            # flwr outside the adapters
+    write("clients/fallback.py", "def f(self):\n    return self.preset.teacher.epochs\n")   # a setting read twice
+    write("clients/fallback_too.py", "def f(preset):\n    return getattr(preset, 'teacher')\n")
+    write("task/training.py", "from task.headgrad import check\n")                # a cycle dodged in a function
+    write("task/headgrad.py", "def f():\n    from task.training import loss\n")
+    write("task/presets.py", "from task.data.shifts import SHIFTS\n")            # a module <-> a sub-package
+    write("task/data/__init__.py", "")
+    write("task/data/shifts.py", "SHIFTS = ()\n")
+    write("task/data/phantoms.py", "from task.presets import get_preset\n")
+    write("task/typed.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from task.world import World\n")
     write("sim/runners/compare.py", "from sim.deployment import local\n")
     write("sim/deployment/local.py", "from ..runners import compare\n")          # a cycle, relative import
     found = check_tree(tmp_path)
@@ -149,7 +290,16 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert "clients.hospital imports flwr" in problems
     assert "import cycle between packages: sim.deployment -> sim.runners -> sim.deployment" in problems
     assert "task.flower_wire imports flwr" not in problems
-    assert len(found) == 6, problems
+    assert "clients/fallback.py:2: a hospital reads its own preset's teacher recipe" in problems
+    assert "clients/fallback_too.py:2: a hospital reads its own preset's teacher recipe" in problems
+    assert ("import cycle between modules: task.headgrad (task/headgrad.py:2 inside a function) -> task.training "
+            "(task/training.py:1) -> task.headgrad") in problems
+    assert ("import cycle between modules: task.data (task/data/phantoms.py:1) -> task.presets (task/presets.py:1) "
+            "-> task.data") in problems
+    assert ("import cycle between modules: sim.deployment (sim/deployment/local.py:1) -> sim.runners "
+            "(sim/runners/compare.py:1) -> sim.deployment") in problems   # the package cycle, module by module
+    assert "task.typed" not in problems   # an import for annotations only (TYPE_CHECKING) closes no cycle
+    assert len(found) == 11, problems
 
 
 def test_the_command_line_starts_without_torch_monai_or_flwr():

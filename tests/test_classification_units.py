@@ -114,7 +114,8 @@ def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
     torch.manual_seed(0)
     model = build_mlp(task.input_dim, (5,), 2)
     reference = copy.deepcopy(model)
-    dp = DPConfig(mode="fixed", noise_multiplier=1.0, max_grad_norm=1.0, per_layer=False, grad_sample_mode="hooks")
+    dp = DPConfig(mode="fixed", noise_multiplier=1.0, max_grad_norm=1.0, per_layer=False, grad_sample_mode="hooks",
+                  epsilon=8.0, delta=1e-3)
     session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1), PrivateTraining(dp), n=len(units),
                         batch_size=5, epochs=1)
     chosen = torch.tensor([0, 3, 7, 11])

@@ -178,10 +178,11 @@ def test_refuses_a_folder_with_other_data(tmp_path):
 
 def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
     from task.data.phantoms import ensure_phantoms
+    from task.presets import get_preset
 
     assert "tiny" in tiny_phantoms.name and "seed0" in tiny_phantoms.name and f"v{GENERATOR_VERSION}" in tiny_phantoms.name
     stamp = (tiny_phantoms / "dataset.json").stat().st_mtime_ns
-    assert ensure_phantoms("tiny", cache_root=tiny_phantoms.parent, seed=0, progress=False) == tiny_phantoms
+    assert ensure_phantoms(get_preset("tiny"), cache_root=tiny_phantoms.parent, seed=0, progress=False) == tiny_phantoms
     assert (tiny_phantoms / "dataset.json").stat().st_mtime_ns == stamp
 
 

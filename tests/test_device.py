@@ -337,7 +337,8 @@ def test_bf16_dpsgd_trains_with_float32_noise(spy):
     result = train_segmentation(model, x, y, TrainConfig(epochs=1, batch_size=2, learning_rate=3e-3, augment=False,
                                                          compute=bf16),
                                 PrivateTraining(DPConfig(mode="fixed", epsilon=50.0, noise_multiplier=1.0,
-                                                         sampling="shuffle", grad_sample_mode="hooks"),
+                                                         sampling="shuffle", grad_sample_mode="hooks", delta=1e-3,
+                                                         max_grad_norm=4.0),
                                                 owners=("h0",), noise=NoiseSource.reproducible(0)))
     # a DP run records no training loss (its sensitivity is unbounded): sigma and the ledger's epsilon only
     assert result.epochs_completed == 1 and "loss" not in result.history[0] and result.history[0]["epsilon"] > 0

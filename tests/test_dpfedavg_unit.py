@@ -118,3 +118,53 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
     assert results["epsilon_replace_one"] == results["epsilon"]
     add_remove = epsilon_under(server.events("h0"), 1e-3, "add-remove")[0]
     assert results["epsilon_add_remove"] == pytest.approx(add_remove) and add_remove < results["epsilon"]
+
+
+def test_a_cell_of_a_registered_dp_fedavg_method_is_recorded_under_its_own_name_and_scored_on_its_check(tmp_path):
+    """The method written to results.json is the cell's (its record's name), not the protocol's; the real-scan check
+    reaches the release through the run's settings (no module-level state); a config naming a method that another
+    protocol runs is refused in one line."""
+    from types import SimpleNamespace
+
+    from server.dpfedavg import DpFedAvgConfig
+    from server.protocols import run_cell
+    from task.errors import UserError
+    from task.methods import Family, Method, Protocol, Role, register_method, unregister_method
+    from task.presets import get_preset
+    from task.realcheck import open_check
+    from task.runconfig import Cell, RunSettings
+    from test_realcheck import write_cases
+
+    preset = get_preset("tiny")
+    event = SampledGaussianEvent(0.5, 3.0, 1, relation="replace-one")
+
+    class Transport:
+        dropped, deployed = {}, {}
+
+        def hospital_ids(self):
+            return ["h0", "h1"]
+
+        def fedavg_round(self, weights, config):
+            record = {"release_id": f"r{config['round']}:{config.get('setting', 0)}", "event": event.to_dict()}
+            return {h: ({"epochs_trained": 1, "ledger_records": json.dumps([{**record, "owners": [h]}])}, dict(weights))
+                    for h in self.hospital_ids()}
+
+    world = SimpleNamespace(test_images=np.zeros((1, 4, *preset.grid), np.float32),
+                            test_labels=np.zeros((1, *preset.grid), np.int64), grid=preset.grid,
+                            validation_images=None, validation_labels=None, source={"kind": "synthetic-test"})
+    check = open_check([write_cases(tmp_path / "real", "brats2023")], cache_dir=None)
+    register_method(Method("dp-fedavg-toy", Family.DP_FEDAVG, Role.PRIVATE, federated=True,
+                           protocol=Protocol.DP_FEDAVG, per_epsilon=True))
+    try:
+        settings = RunSettings(method="dp-fedavg-toy", preset="tiny", out=str(tmp_path / "run"), real_check=check,
+                               compute=Compute(progress=False))
+        results = run_cell(Transport(), world, settings, Cell("dp-fedavg-toy", 50.0, str(tmp_path / "run"),
+                                                              init="scratch"))
+        with pytest.raises(UserError, match="'pate-ae' is not run by the dp-fedavg protocol"):
+            DpFedAvgConfig(8.0, 1e-3, method="pate-ae")
+    finally:
+        unregister_method("dp-fedavg-toy")
+    assert results["method"] == "dp-fedavg-toy"
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["method"] == "dp-fedavg-toy"
+    assert [case["case"] for case in results["real_check"]["cases"]] == ["Case000"]
+    assert DpFedAvgConfig(8.0, 1e-3).method == "dp-fedavg"

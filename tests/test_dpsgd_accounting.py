@@ -43,7 +43,8 @@ def _pld_epsilon(q, sigma, steps, delta, relation="ADD_OR_REMOVE_ONE"):
 @pytest.mark.slow  # PLD accounting of q = 0.5 takes seconds per epoch
 def test_epsilon_equals_dp_accounting_pld(tmp_path):
     guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)
-    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=1.5, relation="add-remove")
+    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=1.5, relation="add-remove",
+                  max_grad_norm=4.0)
     _, result = _train(dp, epochs=3, guard=guard)
     q, steps = result.sampling_rate, result.steps_per_epoch * 3
     assert q == 0.5 and steps == 6
@@ -61,9 +62,9 @@ def test_epsilon_equals_dp_accounting_pld(tmp_path):
 def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path):
     """DP-SGD's default is replace-one (docs/PRIVACY.md): epochs are charged as replace-one Poisson events, ε is
     dp_accounting's REPLACE_ONE PLD, and the add/remove ε of the same mechanism is reported beside it."""
-    assert DPConfig().relation == "replace-one"
+    assert DPConfig(epsilon=8.0, delta=1e-3, max_grad_norm=4.0).relation == "replace-one"
     guard = BudgetGuard(Ledger(tmp_path / "ledger.jsonl"), 50.0, 1e-3)
-    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=3.0)
+    dp = DPConfig(mode="fixed", epsilon=50.0, delta=1e-3, noise_multiplier=3.0, max_grad_norm=4.0)
     _, result = _train(dp, epochs=2, guard=guard)
     q, steps = result.sampling_rate, result.steps_per_epoch * 2
     events = Ledger.load(tmp_path / "ledger.jsonl").events("central")
@@ -86,14 +87,16 @@ def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path
 ])
 def test_dp_config_refuses_relations_without_an_analysis(config, message):
     with pytest.raises(UserError, match=message):
-        DPConfig(**config).validate()
-    DPConfig(accountant="rdp", relation="add-remove").validate()
-    DPConfig(mode="schedule", schedule="validation", relation="add-remove").validate()
-    DPConfig(mode="schedule", schedule="validation", sampling="shuffle").validate()
+        DPConfig(**config, epsilon=8.0, delta=1e-3, max_grad_norm=4.0).validate()
+    DPConfig(accountant="rdp", relation="add-remove", epsilon=8.0, delta=1e-3, max_grad_norm=4.0).validate()
+    DPConfig(mode="schedule", schedule="validation", relation="add-remove", epsilon=8.0, delta=1e-3,
+             max_grad_norm=4.0).validate()
+    DPConfig(mode="schedule", schedule="validation", sampling="shuffle", epsilon=8.0, delta=1e-3,
+             max_grad_norm=4.0).validate()
 
 
 def test_target_mode_spends_the_budget_for_the_planned_epochs():
-    dp = DPConfig(mode="target", epsilon=4.0, delta=1e-3, sampling="shuffle")
+    dp = DPConfig(mode="target", epsilon=4.0, delta=1e-3, sampling="shuffle", max_grad_norm=4.0)
     _, result = _train(dp, epochs=3)
     assert result.epochs_completed == 3
     assert result.epsilon <= 4.0 and result.epsilon == pytest.approx(4.0, rel=1e-2)
@@ -103,7 +106,8 @@ def test_target_mode_spends_the_budget_for_the_planned_epochs():
 def test_shuffled_batches_are_accounted_with_zcdp_only(tmp_path, relation, rho_per_epoch):
     """Yu et al.'s 1/(2σ²) per shuffled epoch is zero-out adjacency (sensitivity C); replace-one is 2C."""
     ledger = Ledger(tmp_path / "ledger.jsonl")
-    dp = DPConfig(mode="fixed", epsilon=30.0, delta=1e-3, noise_multiplier=2.0, sampling="shuffle", relation=relation)
+    dp = DPConfig(mode="fixed", epsilon=30.0, delta=1e-3, noise_multiplier=2.0, sampling="shuffle", relation=relation,
+                  max_grad_norm=4.0)
     _, result = _train(dp, epochs=2, guard=BudgetGuard(ledger, 30.0, 1e-3))
     events = ledger.events("central")
     assert len(events) == 2
@@ -136,7 +140,8 @@ def _next_epoch_exceeds(result, guard, sampling="poisson", relation="replace-one
 def test_fixed_sigma_stops_when_the_next_epoch_would_exceed(sampling):
     guard = BudgetGuard(Ledger(None), 2.0, 1e-3)
     # replace-one (the default) doubles a shuffled batch's sensitivity: 2·sqrt(6) here is sqrt(6) under zero-out
-    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=2 * 6 ** 0.5, sampling=sampling)
+    dp = DPConfig(mode="fixed", epsilon=2.0, delta=1e-3, noise_multiplier=2 * 6 ** 0.5, sampling=sampling,
+                  max_grad_norm=4.0)
     _, result = _train(dp, epochs=100, guard=guard)
     assert 0 < result.epochs_completed < 100
     assert result.stopped_reason and "budget" in result.stopped_reason
@@ -150,7 +155,7 @@ def test_schedule_stops_exactly_when_the_budget_is_spent(family):
     options = {"period": 2} if family == "step" else {}
     # σ0 = 8 under replace-one (sensitivity 2C) is σ0 = 4 under zero-out
     dp = DPConfig(mode="schedule", schedule=family, epsilon=3.0, delta=1e-3, noise_multiplier=8.0,
-                  sampling="shuffle", target_epochs=4, schedule_options=options)
+                  sampling="shuffle", target_epochs=4, schedule_options=options, max_grad_norm=4.0)
     _, result = _train(dp, epochs=50, guard=guard)
     sigmas = result.sigmas
     assert result.epochs_completed == len(sigmas) < 50
@@ -161,7 +166,7 @@ def test_schedule_stops_exactly_when_the_budget_is_spent(family):
 
 def test_validation_schedule_needs_a_public_validation_set():
     dp = DPConfig(mode="schedule", schedule="validation", epsilon=3.0, delta=1e-3, sampling="shuffle",
-                  noise_multiplier=5.0)
+                  noise_multiplier=5.0, max_grad_norm=4.0)
     with pytest.raises(UserError, match="validation"):
         _train(dp, epochs=2)
     x, y = _data(n=2)
@@ -178,7 +183,7 @@ def test_validation_schedule_with_poisson_sampling_uses_the_renyi_filter():
     """Poisson sampling under add/remove: the adaptive epochs are accounted by rdp-filter (not PLD), and the
     guard stops training when the filter's ε would pass the budget."""
     dp = DPConfig(mode="schedule", schedule="validation", epsilon=4.0, delta=1e-3, noise_multiplier=2.0,
-                  relation="add-remove", schedule_options={"k": 0.8})
+                  relation="add-remove", schedule_options={"k": 0.8}, max_grad_norm=4.0)
     x, y = _data(n=2)
     guard = BudgetGuard(Ledger(None), 4.0, 1e-3)
     _, result = _train(dp, epochs=40, guard=guard, validation=(x, y))
@@ -197,7 +202,7 @@ def test_validation_schedule_with_poisson_sampling_uses_the_renyi_filter():
 
 @pytest.mark.parametrize("sampling", ["shuffle", pytest.param("poisson", marks=pytest.mark.slow)])
 def test_dp_resume_continues_identically(tmp_path, sampling):
-    dp = DPConfig(mode="fixed", epsilon=100.0, delta=1e-3, noise_multiplier=1.0, sampling=sampling)
+    dp = DPConfig(mode="fixed", epsilon=100.0, delta=1e-3, noise_multiplier=1.0, sampling=sampling, max_grad_norm=4.0)
     # Identical continuation needs reproducible noise (a simulation-only choice): each epoch's stream is
     # derived from its release name, so the resumed epoch 3 draws what the straight run drew.
     noise = NoiseSource.reproducible(7)
@@ -208,3 +213,16 @@ def test_dp_resume_continues_identically(tmp_path, sampling):
     assert r2.epsilon == pytest.approx(r1.epsilon)     # the in-memory ledger was re-filled
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_dp_config_takes_its_budget_delta_and_clip_from_the_caller():
+    """DPConfig has no budget, delta or clipping norm of its own (they are the run's and the preset's, resolved
+    once by whoever builds it), and a teachers' local DP-SGD request that leaves one out is refused."""
+    from task.requests import TeacherTrainingRequest
+
+    with pytest.raises(TypeError, match="'epsilon', 'delta', and 'max_grad_norm'"):
+        DPConfig(mode="fixed", noise_multiplier=1.0)
+    recipe = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False}
+    with pytest.raises(UserError, match="^local_dp: expected DPConfig fields with at least epsilon, delta, "
+                                        "max_grad_norm; no delta, max_grad_norm$"):
+        TeacherTrainingRequest.from_config({**recipe, "local_dp": {"epsilon": 2.0}})

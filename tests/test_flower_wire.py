@@ -69,7 +69,9 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     from task.networks import build_unet
 
     init = {k: v.numpy() for k, v in build_unet(PRESET.unet).state_dict().items()}
-    trained = send("train", {"teacher_epochs": 1}, init_weights=init)
+    from server.pate import teacher_training
+
+    trained = send("train", {**teacher_training(PRESET).to_config(), "teacher_epochs": 1}, init_weights=init)
     assert _all_arrays(trained) == {}, "train replies carry metrics only, never weights"
     metrics = read_content(trained.content)[0]
     assert metrics["teachers"] == teachers and "local_epsilon" in metrics

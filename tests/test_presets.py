@@ -158,6 +158,52 @@ def test_the_run_config_is_derived_from_the_run_settings_fields():
             again.reproducible_noise) == (3, None, None, 5.0, True)
 
 
+
+def test_the_cells_and_the_real_check_travel_typed_beside_the_run_config(tmp_path):
+    """A comparison's cells are a tuple of Cell records and its real-scan check an open RealCheck: neither is a
+    run-config key (Flower's run config holds scalars), both reach the ServerApp's settings as the in-process
+    engines bind them in (``make_app``'s overrides); anything but Cell records is refused in one line."""
+    from sim.runners.simulation import _settings_fields
+    from task.errors import UserError
+    from task.realcheck import RealCheck
+    from task.runconfig import Cell, RunSettings, run_config_keys
+
+    cells = (Cell("pate-anchored", 8.0, str(tmp_path / "a")), Cell("dp-fedavg", 1.0, str(tmp_path / "b")))
+    check = RealCheck(folders=(str(tmp_path),), cases=())
+    settings = RunSettings(method="pate-anchored", epsilon=8.0, delta=1e-3, cells=list(cells), real_check=check)
+    assert settings.cells == cells and settings.planned_cells() == cells
+    config = settings.to_run_config()
+    assert set(config) == set(run_config_keys()) and not {"cells", "real-check", "extra"} & set(config)
+    assert all(isinstance(value, (str, int, float, bool)) for value in config.values())
+    assert RunSettings.from_run_config(config) == settings.replace(cells=(), real_check=None)
+    served = RunSettings.from_run_config(config, **_settings_fields(settings))   # what the ServerApp runs
+    assert served == settings and served.cells == cells and served.real_check is check
+    alone = RunSettings(method="dp-fedavg", epsilon=2.0, out=str(tmp_path / "c"))
+    assert alone.planned_cells() == (Cell("dp-fedavg", 2.0, str(tmp_path / "c")),)
+    with pytest.raises(UserError, match="cells: expected a sequence of task.runconfig.Cell records"):
+        RunSettings(cells=({"method": "pate-ae", "epsilon": 8.0, "out": "x"},))
+
+
+def test_a_preset_is_resolved_once_per_process(monkeypatch):
+    """The same name (or reference) and overrides give the same immutable Preset object: a reference's JSON is
+    parsed once, however many layers ask for it; a bad name is still refused every time."""
+    from task import presets
+
+    variant = get_preset("tiny", hospitals=3, teachers_per_hospital=2)
+    parsed = []
+    monkeypatch.setattr(presets.json, "loads", lambda text, _loads=presets.json.loads: parsed.append(text) or
+                        _loads(text))
+    presets._resolved_preset.cache_clear()   # as in a fresh process
+    reference = variant.reference
+    assert get_preset(reference) == variant and get_preset(reference) is get_preset(reference)
+    assert len(parsed) == 1
+    variant = get_preset("tiny", hospitals=3, teachers_per_hospital=2)
+    assert get_preset("tiny", hospitals=3, teachers_per_hospital=2, delta=None) is variant
+    assert get_preset("tiny", teacher={"epochs": 1}).teacher.epochs == 1   # a mapping override: resolved anew
+    for _ in range(2):
+        with pytest.raises(UserError, match="unknown preset"):
+            get_preset("nope")
+
 def test_the_cli_offers_exactly_the_enums_choices():
     """The CLI spells the choices itself (its help must not import the privacy core); this keeps them in step."""
     import argparse

@@ -156,9 +156,9 @@ def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model,
     assert calls == ["Case000", "Case000"]
 
 
-def test_write_run_stores_the_check_in_results_and_cells_csv_only_while_active(tmp_path, tiny_model):
+def test_write_run_stores_the_check_in_results_and_cells_csv_only_when_given_one(tmp_path, tiny_model):
     from task.data.preprocess import PreprocessConfig
-    from task.realcheck import open_check, scoring
+    from task.realcheck import open_check
     from sim.report import cells_to_csv, load_cells
     from task.results import ModelRelease, RunResults, write_run
 
@@ -169,8 +169,7 @@ def test_write_run_stores_the_check_in_results_and_cells_csv_only_while_active(t
     def release():
         return ModelRelease(tiny_model, {"preset": "tiny"}, preprocessing, {"kind": "test"})
 
-    with scoring(check):
-        written = write_run(tmp_path / "cells" / "with", RunResults("public-only"), release())
+    written = write_run(tmp_path / "cells" / "with", RunResults("public-only"), release(), real_check=check)
     plain = write_run(tmp_path / "cells" / "without", RunResults("public-only"), release())
     assert plain["real_check"] is None
     stored = json.loads((tmp_path / "cells" / "with" / "results.json").read_text())["real_check"]
@@ -192,7 +191,7 @@ def test_write_run_stores_the_check_in_results_and_cells_csv_only_while_active(t
 
 def test_a_failed_scoring_keeps_the_model_and_says_why(tmp_path, tiny_model, monkeypatch, capsys):
     from task import realcheck
-    from task.realcheck import open_check, scoring
+    from task.realcheck import open_check
 
     check = open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=None)
 
@@ -200,8 +199,7 @@ def test_a_failed_scoring_keeps_the_model_and_says_why(tmp_path, tiny_model, mon
         raise MemoryError("no room")
 
     monkeypatch.setattr(realcheck, "score_model", fail)
-    with scoring(check):
-        found = realcheck.score_release(tiny_model, {"grid": [16, 16, 16]})
+    found = realcheck.score_release(check, tiny_model, {"grid": [16, 16, 16]})
     assert found["error"] == "MemoryError: no room" and "scoring failed" in capsys.readouterr().out
 
 

@@ -94,6 +94,29 @@ def test_registering_a_method_and_a_codec_reaches_every_layer(toy_registered):
     assert rows.shape == (2, 3) and np.allclose(rows, 0.25)
 
 
+
+def test_the_secure_variant_and_every_protocol_and_runner_come_from_the_records():
+    """Whether PATE goes through the secure sum is the method record's ``secure_sum`` (a registered secure PATE
+    method is secure without another table to edit); the built-in records name their protocol or cell runner by
+    the registry's enums, and every one of those has its function registered."""
+    from server.pate_secure import is_secure
+    from server.protocols import PROTOCOLS
+    from sim.runners.cells import cell_runner
+    from task.methods import Protocol, Runner, methods
+
+    register_method(Method("pate-toy-secure", "toy-pate", "private", federated=True, protocol="pate",
+                           per_epsilon=True, secure_sum=True, codec="anchored"))
+    try:
+        assert is_secure("pate-toy-secure")
+    finally:
+        unregister_method("pate-toy-secure")
+    assert is_secure("pate-anchored-secure") and not is_secure("pate-anchored")
+    assert not is_secure("dp-fedavg-secure")   # secure, but not a PATE query phase
+    for record in methods():
+        named = record.protocol if record.federated else record.runner
+        assert isinstance(named, Protocol if record.federated else Runner), record.name
+        assert PROTOCOLS.get(named) if record.federated else cell_runner(named)
+
 @pytest.mark.slow
 def test_a_toy_method_and_codec_run_through_compare_and_the_report(toy_registered, tmp_path, monkeypatch,
                                                                    tiny_phantoms):

@@ -15,6 +15,7 @@ from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
 from task.networks import build_unet
+from server.pate import teacher_training
 from task.presets import get_preset
 
 PRESET = get_preset("tiny")
@@ -69,15 +70,16 @@ def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
     hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
                         HospitalSettings(lifetime_epsilon=1000.0, delta=1e-3))
     local_dp = {"mode": "fixed", "noise_multiplier": 2.0, "epsilon": 1000.0, "delta": 1e-3, "max_grad_norm": 1.0}
-    first = hospital.train_teachers({"teacher_epochs": 1, "seed": 0, "local_dp": local_dp})
+    recipe = {**teacher_training(PRESET).to_config(), "teacher_epochs": 1}   # the server's whole recipe
+    first = hospital.train_teachers({**recipe, "seed": 0, "local_dp": local_dp})
     ledger_path = hospital.workdir / "ledger.jsonl"
     charged = len(Ledger.load(ledger_path))
     assert charged == 2 and first["local_epsilon"] > 0
     # the identical request reuses the trained teachers: nothing new is released
-    assert hospital.train_teachers({"teacher_epochs": 1, "seed": 0, "local_dp": local_dp}).get("reused")
+    assert hospital.train_teachers({**recipe, "seed": 0, "local_dp": local_dp}).get("reused")
     assert len(Ledger.load(ledger_path)) == charged
     # another seed trains the teachers again from the same patients: a second release, charged
-    second = hospital.train_teachers({"teacher_epochs": 1, "seed": 1, "local_dp": local_dp})
+    second = hospital.train_teachers({**recipe, "seed": 1, "local_dp": local_dp})
     assert len(Ledger.load(ledger_path)) == 2 * charged
     assert second["local_epsilon"] > first["local_epsilon"]
 

@@ -43,7 +43,7 @@ def test_a_dpsgd_epoch_stream_is_named_by_its_stream_prefix_not_its_release_pref
     def batches(release_prefix: str, stream_prefix: str | None) -> list:
         model = torch.nn.Linear(3, 2)
         dp = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=1.0, release_prefix=release_prefix,
-                      stream_prefix=stream_prefix)
+                      stream_prefix=stream_prefix, max_grad_norm=4.0)
         session = DPSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             PrivateTraining(dp, BudgetGuard(Ledger(None), 8.0, 1e-3), owners=("h0",),
                                             noise=NoiseSource.reproducible(3).child("central", "eps-8")),

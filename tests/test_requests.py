@@ -10,6 +10,9 @@ from task.options import Relation
 from task.requests import (FEDAVG_LEVERS, EvaluationRequest, FedAvgRoundRequest, HospitalRequest, QueryRequest,
                            RunContext, SecureStageRequest, TeacherTrainingRequest)
 
+#: a teachers' recipe as the server sends it whole (``server.pate.teacher_training``)
+RECIPE = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False}
+
 
 def test_each_request_sends_exactly_the_keys_a_hospital_reads():
     query = QueryRequest(method="pate-pca", seed=0, queries=[0, 1], release_ids=["q-0", "q-1"], sigma=0.5, teachers=4,
@@ -57,8 +60,10 @@ def test_a_hospital_reads_what_it_was_sent_and_its_own_defaults_for_the_rest():
     assert (request.local_epochs, request.seed, request.run_tag, request.relation) == (1, 0, "run", Relation.REPLACE_ONE)
     assert request.plan_entries() is None and request.levers() == {}
     assert (request.ledger_dir, request.lifetime_epsilon, request.delta, request.allow_identity) == ("/l", 8.0, 1e-3, True)
-    training = TeacherTrainingRequest.from_config({"teacher_learning_rate": 0, "teacher_trainable": ""})
-    assert training.teacher_learning_rate is None and training.teacher_trainable is None   # unset: the preset's
+    with pytest.raises(UserError, match="no teacher_epochs, teacher_trainable, teacher_learning_rate, teacher_augment"):
+        TeacherTrainingRequest.from_config({"teacher_learning_rate": 0, "teacher_trainable": ""})   # unset: refused
+    training = TeacherTrainingRequest.from_config(RECIPE)
+    assert training.seed is None and training.local_dp is None   # the hospital's own seed; no local DP-SGD
     assert QueryRequest.from_config({"diagnostic": True}).release_ids is None
     assert HospitalRequest.from_config(None) == HospitalRequest()
     assert QueryRequest.from_config(request := QueryRequest(diagnostic=True)) is request
@@ -75,7 +80,7 @@ def test_a_hospital_reads_what_it_was_sent_and_its_own_defaults_for_the_rest():
     (FedAvgRoundRequest, {"round": 0, "rounds": 1, "epsilon": 1.0, "delta": 1e-3, "plan": "[{}]", "setting": 0},
      "plan"),
     (TeacherTrainingRequest, {"teacher_trainable": "everything"}, "teacher_trainable"),
-    (TeacherTrainingRequest, {"local_dp": {"delta": 1e-3}}, "local_dp"),
+    (TeacherTrainingRequest, {**RECIPE, "local_dp": {"delta": 1e-3}}, "local_dp"),
     (HospitalRequest, {"device": "tpu"}, "device"),
     (HospitalRequest, {"secure_policy": {"colluders": -1}}, "secure_policy.colluders"),
     (RunContext, {"seed": 0}, "preset"),
@@ -93,3 +98,29 @@ def test_the_run_settings_tell_simulated_hospitals_their_privacy():
     assert config == {"ledger_dir": "/runs/x/hospital-ledgers", "lifetime_epsilon": 2.0, "delta": 1e-3,
                       "allow_identity": True, "secure_policy": {"colluders": 0, "dropouts": 0}}
     assert HospitalRequest.from_config(config).to_config() == config
+
+
+def test_a_train_request_carries_the_teachers_whole_recipe_and_a_hospital_refuses_one_without(tmp_path):
+    """The server resolves the teachers' recipe once (``server.pate.teacher_training``) and sends every field of
+    it; a request missing one is refused in one line naming it, before anything trains or is charged, instead of
+    being completed from the hospital's own preset."""
+    from types import SimpleNamespace
+
+    from clients.hospital import Hospital, HospitalSettings
+    from server.pate import teacher_training
+    from task.presets import get_preset
+
+    preset = get_preset("tiny")
+    sent = teacher_training(preset).to_config()
+    assert set(TeacherTrainingRequest.RECIPE) <= set(sent)
+    assert sent["teacher_epochs"] == preset.teacher.epochs and sent["teacher_augment"] == preset.teacher.augment
+    assert sent["teacher_learning_rate"] == float(preset.teacher.learning_rate or preset.learning_rate)
+    with pytest.raises(UserError, match=r"^train request: no teacher_trainable, teacher_augment; a request carries"):
+        TeacherTrainingRequest(teacher_epochs=1, teacher_learning_rate=1e-3)
+    prepared = SimpleNamespace(images=lambda ids: pytest.fail("a refused request read patients"),
+                               labels=lambda ids: pytest.fail("a refused request read patients"), grid=preset.grid)
+    hospital = Hospital("h0", prepared, [["p0"], ["p1"]], preset, tmp_path / "h0", HospitalSettings())
+    for dropped in TeacherTrainingRequest.RECIPE:
+        with pytest.raises(UserError, match=f"^hospital h0: train request: no {dropped};"):
+            hospital.train_teachers({k: v for k, v in sent.items() if k != dropped})
+    assert not (tmp_path / "h0" / "teachers").exists() and not (tmp_path / "h0" / "ledger.jsonl").exists()

@@ -98,7 +98,6 @@ def _selection_shape(text: str) -> float | None:
 def run(args) -> int:
     from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals
     from task.io import ensure_folder
-    from task.realcheck import scoring
     from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
     from task.compute import Compute
     from task.selection import SelectionConfig
@@ -126,8 +125,9 @@ def run(args) -> int:
     real_check = open_real_check(args)   # a bad folder is refused before anything trains
     device = resolved_device(args)
     ensure_folder(args.out)
-    with scoring(real_check):   # every model it releases is also scored on the real cases
-        results = run_central(dataclasses.replace(config, compute=config.compute.replace(device=str(device))))
+    # every model it releases is also scored on the real cases
+    results = run_central(dataclasses.replace(config, compute=config.compute.replace(device=str(device)),
+                                              real_check=real_check))
     dice = results["dice"]
     line = f"{results['method']}: Dice mean {_fmt(dice['mean'])} (WT {_fmt(dice['WT'])}, TC {_fmt(dice['TC'])}, " \
            f"ET {_fmt(dice['ET'])})"

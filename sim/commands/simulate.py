@@ -38,7 +38,6 @@ def run(args) -> int:
                                      resolve_hospitals, threat_options)
     from task.errors import UserError
     from task.io import ensure_folder
-    from task.realcheck import scoring
     from task.compute import Compute
     from task.runconfig import RunSettings
     from sim.runners.simulation import simulate
@@ -56,11 +55,11 @@ def run(args) -> int:
                            teachers_per_hospital=args.teachers_per_hospital, calibration=args.calibration,
                            reproducible_noise=args.reproducible_noise, init=args.init,
                            compute=Compute(device=args.device, precision=args.precision, progress=not args.no_progress),
+                           real_check=real_check,   # the model the ServerApp releases is also scored on them
                            **threat_options(args))   # every setting checked (secure sums included) before any work
     resolved_device(args)   # refused here when asked for a GPU this machine does not have
     ensure_folder(args.out)
-    with scoring(real_check):   # the model the ServerApp releases is also scored on the real cases
-        results = simulate(settings, engine=args.engine)
+    results = simulate(settings, engine=args.engine)
     for result in results:
         dice = (result.get("dice") or {}).get("mean")
         eps = result.get("epsilon")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from server.selftrain import train_public_models
 from server.student import ModelTraining, train_public_model
@@ -20,6 +20,7 @@ from task.bundle import preprocessing_of
 from task.compute import Compute
 from task.device import device_name, model_device
 from task.networks import network_config
+from task.methods import Runner
 from task.registry import Registry
 from task.results import ModelRelease, RunResults, write_run
 from task.runconfig import Cell
@@ -29,6 +30,9 @@ from sim.runners.selftrain import run_public_selftrain
 from task.training import evaluate_release, per_class_of, public_validation_dice
 from task.world import build_world, load_world
 from task import trust
+
+if TYPE_CHECKING:
+    from task.realcheck import RealCheck
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class CompareContext:
     reproducible_noise: bool = False
     compute: Compute = Compute()        # device, precision and progress bars of every cell
     where: dict = field(default_factory=dict)   # layout / partition_file
+    real_check: RealCheck | None = None   # the real-scan check every released model is scored on (task.realcheck)
 
     @property
     def shared_dir(self) -> Path:
@@ -74,7 +79,7 @@ def run_pooled(context: CompareContext, cell: Cell) -> None:
         lifetime_epsilon=context.lifetime_epsilon if private else None, init=cell.init,
         public_model_checkpoint=context.public_checkpoint, hospitals=context.hospitals,
         compute=context.compute, **context.where, training=training, name=record.name,
-        dpsgd=DPSGDOptions(reproducible_noise=context.reproducible_noise)))
+        dpsgd=DPSGDOptions(reproducible_noise=context.reproducible_noise), real_check=context.real_check))
 
 
 def run_floor(floor: Callable) -> CellRunner:
@@ -83,7 +88,8 @@ def run_floor(floor: Callable) -> CellRunner:
 
     def run(context: CompareContext, cell: Cell) -> None:
         floor(FloorRun(context.preset, Path(cell.out), context.shared_dir, data=context.data, seed=context.seed,
-                       publish_seed=not context.reproducible_noise, compute=context.compute, **context.where))
+                       publish_seed=not context.reproducible_noise, compute=context.compute, **context.where,
+                       real_check=context.real_check))
 
     return run
 
@@ -132,9 +138,9 @@ def run_public_only(run: FloorRun) -> dict:
     release = ModelRelease(model, network_config(preset.unet), preprocessing_of(world), world.source,
                            card_extra={"note": "trained on public reference data only: no private data, "
                                                "no privacy cost"})
-    return write_run(out, results, release, started=started)
+    return write_run(out, results, release, started=started, real_check=run.real_check)
 
 
-register_cell_runner("pooled", run_pooled)
-register_cell_runner("public-only", run_floor(run_public_only))
-register_cell_runner("public-selftrain", run_floor(run_public_selftrain))
+register_cell_runner(Runner.POOLED, run_pooled)
+register_cell_runner(Runner.PUBLIC_ONLY, run_floor(run_public_only))
+register_cell_runner(Runner.PUBLIC_SELFTRAIN, run_floor(run_public_selftrain))

@@ -28,7 +28,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -60,6 +60,9 @@ from task.world import build_world, load_world, pooled_private_data
 from task import trust
 
 METHODS = CENTRAL_METHODS
+
+if TYPE_CHECKING:
+    from task.realcheck import RealCheck
 
 
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True,
@@ -169,6 +172,7 @@ class CentralConfig:
         selection_config: private selection's settings (``task.selection.SelectionConfig``; None = defaults).
         name: the method its results, model card and noise streams carry: a registered pooled method of the same
             privacy (``task.methods``; e.g. ``dp-sgd-central-decoder``); None = ``CENTRAL_METHODS[method]``.
+        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
     """
 
     method: CentralMethod = CentralMethod.NONPRIVATE
@@ -191,6 +195,7 @@ class CentralConfig:
     selection: Selection = Selection.PUBLIC
     selection_config: SelectionConfig | None = None
     name: str | None = None
+    real_check: RealCheck | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preset", preset_reference(self.preset))
@@ -208,7 +213,7 @@ class CentralConfig:
         object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
         if self.name is not None:
             record = registered_methods.method(self.name) if self.name in registered_methods.names() else None
-            if record is None or record.runner != "pooled" or record.private != self.private:
+            if record is None or record.runner != registered_methods.Runner.POOLED or record.private != self.private:
                 raise UserError(f"method name {self.name!r}: not a registered pooled "
                                 f"{'private' if self.private else 'non-private'} method")
         self.validate()
@@ -372,7 +377,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     # releasing the best of a *secret* number of runs (Papernot & Steinke): no wall time in the release
     written = write_run(run.out, results,
                         ModelRelease(model, net_cfg, preprocessing, run.world["source"], card_extra=card),
-                        started=None if selected is not None else started)
+                        started=None if selected is not None else started, real_check=config.real_check)
     # the checkpoints were only needed to resume; a finished run keeps its results, model bundle and ledger
     # (and the ledger without a checkpoint marks the folder as finished: see _refuse_finished_folder); so was its
     # own public model's (a comparison's shared one stays: its other cells start from it)

@@ -258,9 +258,8 @@ def compare_in_folder(config: CompareConfig) -> Path:
     started = time.perf_counter()
     ledger_dir = config.ledger_dir if config.ledger_dir is not None else out / HOSPITAL_LEDGERS
     if config.lane:   # a worker of this comparison: its parent checked the folder and planned the lifetime
-        with realcheck.scoring(config.real_cases):
-            _run_cells(config, float(config.lifetime_epsilon or
-                                     planned_lifetime_epsilon(methods, epsilons, len(sweep), delta=delta)), ledger_dir)
+        _run_cells(config, float(config.lifetime_epsilon or
+                                 planned_lifetime_epsilon(methods, epsilons, len(sweep), delta=delta)), ledger_dir)
         return out
     # a folder is resumed only with the settings it was started with (sim.runners.resume), checked before
     # anything is written or charged; who holds what in this comparison's world: the split of the first K
@@ -284,11 +283,11 @@ def compare_in_folder(config: CompareConfig) -> Path:
     if ledger_dir == out / HOSPITAL_LEDGERS:   # run_compare_seeds states the budget of all seeds itself
         print(f"compare: each hospital's lifetime budget over this comparison: epsilon {lifetime:g} "
               f"({'--lifetime-epsilon' if config.lifetime_epsilon else 'the sum of the private cells budgets'})", flush=True)
-    with realcheck.scoring(config.real_cases):   # every model a cell releases is scored on the real cases
-        if config.compute.workers > 1:
-            worlds = run_in_workers(config, lifetime, ledger_dir)
-        else:
-            worlds = _run_cells(config, lifetime, ledger_dir)
+    # every model a cell releases is scored on the real cases (config.real_cases, handed to each cell's run)
+    if config.compute.workers > 1:
+        worlds = run_in_workers(config, lifetime, ledger_dir)
+    else:
+        worlds = _run_cells(config, lifetime, ledger_dir)
     first_k = min(worlds) if worlds else None
 
     # --- report --------------------------------------------------------------------------------------
@@ -383,7 +382,7 @@ def _run_cells(config: CompareConfig, lifetime: float, ledger_dir: Path) -> dict
                                out=str(out / "_shared"), world=worlds[preset.teachers],
                                reproducible_noise=config.reproducible_noise, ledger_dir=str(ledger_dir),
                                lifetime_epsilon=lifetime, layout=config.layout, partition_file=config.partition_file,
-                               compute=config.compute, **dict(config.threat))
+                               compute=config.compute, **dict(config.threat), real_check=config.real_cases)
         if cells:
             print(f"compare: {len(cells)} federated cell(s) at K = {preset.teachers} "
                   f"({preset.hospitals} hospitals x {per_hospital} teachers)", flush=True)
@@ -413,7 +412,7 @@ def _cell_context(config: CompareConfig, lifetime: float, ledger_dir: Path) -> C
                           lifetime_epsilon=lifetime,
                           public_checkpoint=config.out / "_shared" / f"K-{first.teachers}" / "public-model.pt",
                           reproducible_noise=config.reproducible_noise, compute=config.compute,
-                          where=config.where)
+                          where=config.where, real_check=config.real_cases)
 
 
 def parse_workers(text: str | int | None, engine: str, device: str) -> int:

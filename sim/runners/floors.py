@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from task.compute import Compute, check_compute
 from task.errors import UserError
+
+if TYPE_CHECKING:
+    from task.realcheck import RealCheck
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class FloorRun:
         layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
             partitions are the hospitals (``task.world.build_world``; None = none).
         compute: where the models train and are evaluated, at which forward-pass precision, and progress bars.
+        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
     """
 
     preset: Any
@@ -38,6 +42,7 @@ class FloorRun:
     layout: str | None = None
     partition_file: str | None = None
     compute: Compute = Compute()
+    real_check: RealCheck | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))

@@ -166,7 +166,7 @@ class InProcessPateRun:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        pate_methods = methods.names(protocol="pate")
+        pate_methods = methods.names(protocol=methods.Protocol.PATE)
         if self.method not in pate_methods:
             raise UserError(f"method: expected one of {', '.join(pate_methods)}, got {self.method!r}")
         if self.epsilon is not None:

@@ -77,4 +77,4 @@ def run_public_selftrain(run: FloorRun) -> dict:
                            card_extra={"note": "the public model self-trained on the public query scans "
                                                "(pseudo-labels) with the public reference data (labels read: "
                                                f"{labels_used(world)}): no private data, no privacy cost"})
-    return write_run(out, results, release, started=started)
+    return write_run(out, results, release, started=started, real_check=run.real_check)

@@ -43,8 +43,9 @@ def simulate(settings: RunSettings, engine: str = Engine.FLOWER, cells: list[Cel
         world = materialise_world(settings.resolved_preset, settings.data, settings.seed, settings.compute.progress,
                                   layout=settings.layout, partition_file=settings.partition_file)
         settings = settings.replace(world=str(world))
-    cells = [c if isinstance(c, Cell) else Cell.from_dict(c) for c in cells] if cells else \
-        [Cell(settings.method, settings.budget, settings.out, init=settings.init)]
+    if cells:
+        settings = settings.replace(cells=tuple(c if isinstance(c, Cell) else Cell.from_dict(c) for c in cells))
+    cells = settings.planned_cells()
     if engine is Engine.INPROCESS:
         return _run_inprocess(settings, cells)
     if engine is Engine.FLOWER:
@@ -61,11 +62,10 @@ def simulate(settings: RunSettings, engine: str = Engine.FLOWER, cells: list[Cel
 
 
 def _settings_fields(settings: RunSettings) -> dict[str, Any]:
-    """Every field of ``settings`` (but the cells, passed apart) as the ServerApp's overrides, with the budget and
-    delta resolved."""
+    """Every field of ``settings`` as the ServerApp's overrides (its cells and real-scan check included), with the
+    budget and delta resolved."""
     resolved = {"epsilon": settings.budget, "delta": settings.resolved_delta}
-    return {f.name: resolved.get(f.name, getattr(settings, f.name)) for f in dataclasses.fields(RunSettings)
-            if f.name != "extra"}
+    return {f.name: resolved.get(f.name, getattr(settings, f.name)) for f in dataclasses.fields(RunSettings)}
 
 
 def _run_flower_inprocess(settings: RunSettings, cells) -> None:
@@ -77,7 +77,7 @@ def _run_flower_inprocess(settings: RunSettings, cells) -> None:
 
     for cell in cells:  # a stale result must not pass for this run's
         (Path(cell.out) / "results.json").unlink(missing_ok=True)
-    server_app = make_app(extra={"cells": [cell.to_dict() for cell in cells]}, **_settings_fields(settings))
+    server_app = make_app(**_settings_fields(settings))
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hospitals = settings.resolved_preset.hospitals
     gpus = client_gpus(settings.compute.device, hospitals)
@@ -132,6 +132,9 @@ def client_gpus(device: str, hospitals: int) -> float:
 def _run_runtime(settings: RunSettings, cells) -> None:
     if len(cells) != 1:
         raise UserError("--engine runtime runs one cell at a time (use --engine flower for comparisons)")
+    if settings.real_check is not None:   # the run config carries no open check: the ServerApp could not score
+        raise UserError("--real-check: needs --engine flower or inprocess (the ServerApp then runs in this process "
+                        "and scores the model it releases); --engine runtime runs it elsewhere")
     cell = cells[0]
     (Path(cell.out) / "results.json").unlink(missing_ok=True)
     run_config = {**settings.replace(method=cell.method, epsilon=cell.epsilon,

@@ -58,7 +58,6 @@ from task.data.shifts import SHIFTS, Shift, shift_parts
 # aliased: ensure_phantoms has a parameter named cache_root
 from task.io import atomic_write_bytes, atomic_write_json
 from task.io import cache_root as default_cache_root
-from task.presets import get_preset
 
 GENERATOR_VERSION = "4"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
@@ -892,14 +891,15 @@ def phantom_folder_name(preset, spec: PhantomSpec) -> str:
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
                     progress: bool = True, workers: int = 1, *,
                     collection: PhantomCollection | None = None) -> Path:
-    """Phantoms for ``preset`` (a name or :class:`task.presets.Preset`), generated once and cached.
+    """Phantoms for ``preset`` (a resolved :class:`task.presets.Preset`: the data layer reads presets, it does not
+    parse them), generated once and cached.
 
     Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
     (:func:`phantom_folder_name`). A file lock serialises concurrent callers (several test sessions or runs
     share the cache).
 
     Args:
-        preset: a preset name or :class:`task.presets.Preset`.
+        preset: a :class:`task.presets.Preset` (``task.presets.get_preset`` resolves a name).
         cache_root: the cache folder (None = ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``).
         seed: the generator seed.
         progress: a progress bar while generating.
@@ -907,9 +907,9 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
         collection: the settings that replace the preset's (the other centre's public collection,
             task.world); None = the preset's own collection.
     """
-
     if isinstance(preset, str):
-        preset = get_preset(preset)
+        raise TypeError(f"ensure_phantoms: expected a task.presets.Preset, got the name {preset!r} "
+                        "(task.presets.get_preset resolves it)")
     spec = (collection or PhantomCollection()).spec(preset, seed)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
