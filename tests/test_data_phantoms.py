@@ -112,6 +112,25 @@ def test_cores_are_heterogeneous_and_hold_more_enhancing_tissue():
     assert any(0.1 < s < 0.9 for s in shares) and min(shares) < 0.5 < max(shares), shares
 
 
+def test_a_share_of_rims_is_broken_where_the_core_meets_the_oedema():
+    """v4: in a share of rim-enhancing lesions (BROKEN_RIM_SHARE) part of the shell does not enhance: there the
+    non-enhancing core (label 2) can touch the oedema (label 1) directly. The gap is where a smooth field is low,
+    and that field often stays high all around the shell: in this sample one of three broken shells opens onto
+    the oedema (docs/decisions/world-realism.md)."""
+    from scipy import ndimage
+
+    cases = [make_case(4, i, 2, 3.0) for i in range(24)]
+    kinds = [c.info["rim"] for c in cases]
+    rimmed = [k for k in kinds if k != "solid"]
+    assert set(kinds) <= {"solid", "closed", "broken"} and rimmed
+    assert 0.1 < kinds.count("broken") / len(rimmed) < 0.8, kinds
+
+    def contact(case):   # label-2 voxels with an oedema neighbour
+        return np.count_nonzero((case.label == 2) & ndimage.binary_dilation(case.label == 1))
+
+    assert max(contact(c) for c in cases if c.info["rim"] == "broken") > 0
+
+
 def test_institutions_measurably_differ(sample_cases):
     features = {0: [], 1: []}
     for i, case in enumerate(sample_cases):

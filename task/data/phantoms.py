@@ -284,7 +284,8 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     brain = tissue["mask"] > 0.5
 
     primary_radius = r_edema * (0.6 if Shift.LESIONS in parts else 1.0)
-    label, tumour_weights, solid_enhancing = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
+    label, tumour_weights, rim = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
+    solid_enhancing = rim == "solid"
     depth = ndimage.distance_transform_edt(brain) * res                  # mm inside the brain
     if Shift.LESIONS in parts:
         _add_satellites(shift_rng, label, tumour_weights, res, tissue, brain, depth)
@@ -300,7 +301,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
     image = _scanner(rng, image, head, profile, res)
     label[~brain] = 0
     info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core_fluid_share": fluid_share,
-            "solid_enhancing": bool(solid_enhancing), "enhancement_ratio": round(enhancement, 3),
+            "solid_enhancing": bool(solid_enhancing), "rim": rim, "enhancement_ratio": round(enhancement, 3),
             "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
     return PhantomCase(image=image, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
                        info=info, tissue={**tissue, "vessels": vessels})
@@ -411,8 +412,8 @@ def _intensities(rng: np.random.Generator, tissue: dict[str, np.ndarray], vessel
 def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res: float,
             tissue: dict[str, np.ndarray], brain: np.ndarray):
     """Labels (1 oedema, 2 necrotic/non-enhancing core, 3 enhancing shell) and soft class weights (``edema``,
-    ``necrotic`` and ``solid`` -- the fluid and the solid parts of label 2 -- and ``enhancing``), and whether the
-    core enhances throughout.
+    ``necrotic`` and ``solid`` -- the fluid and the solid parts of label 2 -- and ``enhancing``), and the kind of
+    enhancing shell: ``"solid"`` (the core enhances throughout), ``"closed"`` or ``"broken"``.
 
     Shaped after glioblastomas as BraTS shows them (Menze et al. 2015; Bakas et al. 2017): a thick, nodular
     enhancing shell (RIM_MM, its thickness varying around the lesion by up to half), broken in a share of lesions
@@ -465,11 +466,13 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     core = (f_core < 1.0) & in_brain
     necrotic = core & (f_core < inner)
     enhancing = core & ~necrotic
+    rim_kind = "solid" if solid_enhancing else "closed"
     if not solid_enhancing and rng.random() < BROKEN_RIM_SHARE:
         # where a smooth field is low the shell does not enhance: it is non-enhancing tumour (label 2)
         gap = noise[3] < rng.uniform(-1.0, -0.3)
         necrotic |= enhancing & gap
         enhancing &= ~gap
+        rim_kind = "broken"
     edema = (f_edema < 1.0) & in_brain & ~core & ~spared
     local = np.zeros(bshape, np.uint8)
     local[edema], local[necrotic], local[enhancing] = 1, 2, 3
@@ -494,7 +497,7 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     fade[box] = 1.0 - 0.45 * np.clip(f_edema, 0.0, 1.0) ** 2
     weights["edema"] *= fade
     _cap_tumour_weights(weights)
-    return label, weights, solid_enhancing
+    return label, weights, rim_kind
 
 
 def _share(part: np.ndarray, rest: np.ndarray) -> float:
