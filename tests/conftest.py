@@ -64,8 +64,3 @@ def tiny_split(tiny_prepared):
 
     return split_for_preset(tiny_prepared, get_preset("tiny"), seed=0)
 
-
-def pytest_collection_modifyitems(config, items):
-    """The end-to-end tests (marked slow) first: xdist's workers then start the long runs together and fill the
-    end with the short tests, instead of one worker finishing a long run while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
