@@ -44,6 +44,20 @@ def test_demo_help_names_the_preset_it_runs():
     assert "tiny = a smoke test" in text and "quick = the demo's size" in text
 
 
+def test_the_presets_size_in_the_help_is_read_from_the_preset(monkeypatch):
+    """K and the grid are written once, in task.presets: the help states what the preset holds."""
+    import sim.commands.common as common
+    from task.presets import get_preset
+
+    quick = get_preset("quick")
+    said = (f"{quick.federation.hospitals} hospitals x {quick.federation.teachers_per_hospital} teachers on a "
+            f"{'x'.join(map(str, quick.world.grid))} grid")
+    assert said in common.PRESET_SIZES["quick"]
+    # another preset's numbers give another text: nothing is written by hand
+    monkeypatch.setattr(type(quick.federation), "teachers_per_hospital", property(lambda self: 7), raising=False)
+    assert "x 7 teachers" in common._size_of("quick")
+
+
 def test_compare_help_hides_epsilon_and_still_refuses_it_in_one_line(capsys, tmp_path):
     text = _help("compare")
     assert not re.search(r"--epsilon\b(?!s)", text), text

@@ -6,6 +6,7 @@ import argparse
 import math
 
 from task.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
+from task.presets import get_preset
 
 
 def _argument_type(kind, accepts, expected: str):
@@ -31,9 +32,18 @@ non_negative_integer = _argument_type(int, lambda v: v >= 0, "a non-negative int
 at_least_one = _argument_type(float, lambda v: math.isfinite(v) and v >= 1, "a finite number >= 1")
 
 
+def _size_of(name: str) -> str:
+    """A preset's federation and grid in words, read from the preset itself (its numbers are written once, in
+    ``task.presets``)."""
+    preset = get_preset(name)
+    grid = "x".join(str(n) for n in preset.world.grid)
+    return (f"{preset.federation.hospitals} hospitals x {preset.federation.teachers_per_hospital} teachers on a "
+            f"{grid} grid")
+
+
 #: what each preset is for (``--preset``'s help everywhere)
 PRESET_SIZES = {"tiny": "a smoke test of the plumbing in minutes, too small to compare methods",
-                "quick": "the demo's size (4 hospitals x 32 teachers on a 32^3 grid; a quarter of an hour on 2 cores)",
+                "quick": f"the demo's size ({_size_of('quick')})",
                 "paper": "the paper's size on the MSD folder at 64^3; for a GPU"}
 SEED_HELP = ("seed of the data split, the initialisations and the batches (default: 0); the privacy noise is drawn "
              "from the OS's secure randomness unless --reproducible-noise")
@@ -116,7 +126,6 @@ def check_secure_plan(args, methods) -> None:
     """Secure-sum parameters the hospitals cannot hold (``task.secagg.check_secure_settings``), refused in one
     line before the device, the data or the output folder is touched."""
     from task import methods as registry
-    from task.presets import get_preset
     from task.secagg import check_secure_settings
 
     if set(methods) & set(registry.names(secure_sum=True)):

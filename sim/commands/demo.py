@@ -1,7 +1,7 @@
 """``fedpate demo``: the README's main job -- PATE vs DP-SGD vs baselines on freshly generated phantoms.
 
-A ``fedpate compare`` on the quick preset (4 hospitals x 32 teachers = 128 teachers, 32^3 grid), sized
-to finish in about a quarter of an hour on a 2-core CPU, followed by a prediction with the best PATE
+A ``fedpate compare`` on the quick preset (its hospitals, teachers and grid: ``--preset``'s help, read from
+``task.presets``), sized for a 2-core CPU, followed by a prediction with the best PATE
 student on a scan it has never seen, written as NIfTI in that scan's own grid.
 
 Every private method starts from the same public model: PATE's teachers and student, DP-SGD
