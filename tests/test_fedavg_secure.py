@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from scipy.stats import norm
 
 from privacy.distributed import IntegerGrid, rounded_norm_bound
 from privacy.events import DistributedDiscreteGaussianEvent
@@ -311,8 +312,8 @@ def test_cached_head_gradients_equal_the_networks():
 
 
 def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
-    """300 noisy contributions of two hospitals, decoded as the server does: per coordinate within 5 standard
-    errors of the true mean clipped patient gradient, and the squared z-scores average about 1 (a rounding
+    """300 noisy contributions of two hospitals, decoded as the server does: per coordinate within about 5.9
+    standard errors of the true mean clipped patient gradient (a family-wise false alarm of one in a million), and the squared z-scores average about 1 (a rounding
     that always floored would shift every coordinate by ~3.7 standard errors)."""
     from clients.secure import SecureHospital, SecurePolicy
     from task.headgrad import head_state
@@ -345,7 +346,9 @@ def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
         model, prepared.images(cases), prepared.labels(cases), np.inf), axis=1) > clip)   # every row is clipped
     standard_error = grid.granularity * math.sqrt(2 * variance) / 6 / math.sqrt(draws)
     z = (np.mean(released, axis=0) - truth) / standard_error
-    assert np.max(np.abs(z)) < 5
+    # the noise is the OS's, so this test sees a fresh draw every run: the largest of 213 |z| stays below the
+    # threshold a correct sum crosses once in a million runs (5 was crossed about once in 8,000)
+    assert np.max(np.abs(z)) < norm.isf(1e-6 / (2 * z.size))
     assert 0.7 < np.mean(z * z) < 1.3
     assert len(Ledger.load(tmp_path / "ledgers" / "h0.jsonl").records()) == draws   # every draw was charged
 
