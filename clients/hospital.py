@@ -308,9 +308,11 @@ class Hospital:
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         # the server's recipe, whole (the request refuses a missing field): what a teacher trains
         # (docs/decisions/teachers.md) -- every weight, or a voxel head on the frozen public model
-        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate, with or without augmentation
+        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate and batch size, with or without
+        # augmentation
         epochs, trainable = request.teacher_epochs, request.teacher_trainable
         learning_rate, augment = float(request.teacher_learning_rate), bool(request.teacher_augment)
+        batch_size = request.teacher_batch_size
         seed = self.seed if request.seed is None else request.seed
         local_dp = request.local_dp
         device, precision = self.compute(request)
@@ -320,7 +322,7 @@ class Hospital:
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp["delta"]))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
                                                  {"trainable": trainable, "lr": learning_rate, "augment": augment,
-                                                  "precision": precision})
+                                                  "batch": batch_size, "precision": precision})
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
@@ -330,7 +332,7 @@ class Hospital:
         nonce = mint_nonce()
         validation = ((self.prepared.images(self.validation), self.prepared.labels(self.validation))
                       if self.validation else None)   # read once, not once per teacher
-        train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size, learning_rate=learning_rate,
+        train = TrainConfig(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
                             seed=seed * 1009, trainable=trainable, augment=augment, init_from=init_state,
                             description=f"{self.hospital_id} teachers",
                             compute=Compute(device=device, precision=precision, progress=False))
@@ -426,17 +428,16 @@ class Hospital:
 
     def _training_fingerprint(self, init, epochs: int, seed: int, local_dp, how: Mapping[str, Any]) -> str:
         """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time);
-        ``how``: what they train, at which learning rate, with or without augmentation, at which precision
-        (bf16 teachers are other teachers than float32 ones). Not the device or the thread count: they change
-        the last bits of the float arithmetic, not what was asked for."""
+        ``how``: what they train, at which learning rate and batch size, with or without augmentation, at which
+        precision (bf16 teachers are other teachers than float32 ones). Not the device or the thread count: they
+        change the last bits of the float arithmetic, not what was asked for."""
 
         digest = hashlib.sha256()
         for name in sorted(init or {}):
             digest.update(name.encode())
             digest.update(np.ascontiguousarray(np.asarray(init[name])).tobytes())
         digest.update(json.dumps({"epochs": epochs, "seed": seed, "partitions": self.partitions,
-                                  "unet": self.preset.unet, **dict(how),
-                                  "batch": self.preset.batch_size, "local_dp": local_dp,
+                                  "unet": self.preset.unet, **dict(how), "local_dp": local_dp,
                                   "grid": list(getattr(self.prepared, "grid", ()))},
                                  sort_keys=True, default=str).encode())
         return digest.hexdigest()

@@ -222,7 +222,8 @@ def test_dp_config_takes_its_budget_delta_and_clip_from_the_caller():
 
     with pytest.raises(TypeError, match="'epsilon', 'delta', and 'max_grad_norm'"):
         DPConfig(mode="fixed", noise_multiplier=1.0)
-    recipe = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False}
+    recipe = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False,
+              "teacher_batch_size": 2}
     with pytest.raises(UserError, match="^local_dp: expected DPConfig fields with at least epsilon, delta, "
                                         "max_grad_norm; no delta, max_grad_norm$"):
         TeacherTrainingRequest.from_config({**recipe, "local_dp": {"epsilon": 2.0}})
