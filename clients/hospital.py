@@ -45,7 +45,6 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from privacy.options import Relation
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from task.compute import Compute
 from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
@@ -316,8 +315,9 @@ class Hospital:
         seed = self.seed if request.seed is None else request.seed
         local_dp = request.local_dp
         device, precision = self.compute(request)
-        guard, ledger = None, None
+        guard, ledger, local_dpsgd = None, None, None
         if local_dp:
+            local_dpsgd = self._local_dpsgd(local_dp)   # refused here, before anything is forgotten or trained
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp["delta"]))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
@@ -341,7 +341,7 @@ class Hospital:
                 and stacked_training_applies(first, train, None)):
             validation_dice = self._train_stacked_teachers(first, train, seed, validation)
         else:
-            validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
+            validation_dice = self._train_each_teacher(first, train, seed, local_dpsgd, guard, nonce, validation)
         local_epsilon = None
         if ledger is not None and len(ledger):
             delta = float(local_dp["delta"])
@@ -353,7 +353,9 @@ class Hospital:
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp["delta"]) if local_dp else None,
-                "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
+                # the relation the teachers' epochs were charged under (DPConfig's: replace-one unless local_dp
+                # names another)
+                "local_relation": local_dpsgd.relation.value if local_dpsgd else None,
                 "device": str(device), "precision": precision}
 
         atomic_write_json(self.workdir / "teachers" / "training.json",
@@ -361,20 +363,21 @@ class Hospital:
                            "storage": STACKED_STORAGE if self._heads_path().exists() else TEACHER_FILES_STORAGE})
         return metrics
 
-    def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dp, guard, nonce: str,
-                            validation) -> list:
+    def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dpsgd: DPConfig | None, guard,
+                            nonce: str, validation) -> list:
         """One :func:`task.training.train_segmentation` per teacher (every teacher of a hospital whose teachers cannot
         be trained as stacked heads: full fine-tuning, augmentation, local DP-SGD -- each teacher its own Opacus
         session, Poisson sampling, noise stream and ledger owner); each saved to its own file. Returns each
-        teacher's validation Dice (empty without validation cases)."""
+        teacher's validation Dice (empty without validation cases). ``local_dpsgd``: the teachers' local DP-SGD
+        (:meth:`_local_dpsgd`), each teacher's release ids and noise streams its own; None: no local DP-SGD."""
         validation_dice = []
         epochs, init_state = train.epochs, train.init_from
         for k, case_ids in enumerate(self.partitions):
             model = first if k == 0 else self._new_model(train.trainable)
             dp = None
-            if local_dp:
-                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
-                                 "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
+            if local_dpsgd is not None:
+                dp = replace(local_dpsgd, release_prefix=f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
+                             stream_prefix=f"{self.hospital_id}/teacher-{k}:dpsgd")
             config = replace(train, seed=seed * 1009 + k, description=f"{self.hospital_id} teacher {k}")
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
@@ -390,6 +393,16 @@ class Hospital:
                 dice = evaluate_segmentation(model, validation[0], validation[1], precision=config.compute.precision)
                 validation_dice.append(dice.get("mean"))
         return validation_dice
+
+    def _local_dpsgd(self, local_dp: Mapping[str, Any]) -> DPConfig:
+        """The teachers' local DP-SGD as the request states it (``local_dp``: DPConfig fields), validated once before
+        anything trains; a field DPConfig does not have, or a value it refuses, is refused in one line."""
+        try:
+            return DPConfig(**dict(local_dp))
+        except TypeError as exc:   # a key that is not a DPConfig field
+            raise UserError(f"hospital {self.hospital_id}: local_dp: {exc}") from None
+        except UserError as exc:
+            raise UserError(f"hospital {self.hospital_id}: local_dp: {exc}") from None
 
     def _train_stacked_teachers(self, first, train: TrainConfig, seed: int, validation) -> list:
         """Every voxel-head teacher of this hospital at once (:func:`task.training.train_stacked_voxel_heads`): the

@@ -76,6 +76,10 @@ def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
     ledger_path = hospital.workdir / "ledger.jsonl"
     charged = len(Ledger.load(ledger_path))
     assert charged == 2 and first["local_epsilon"] > 0
+    # the metrics name the relation the epochs were charged under (DPConfig's default: replace-one)
+    from privacy.events import event_from_dict
+    charged_under = {event_from_dict(record["event"]).relation for record in Ledger.load(ledger_path).records()}
+    assert charged_under == {first["local_relation"]} == {"replace-one"}
     # the identical request reuses the trained teachers: nothing new is released
     assert hospital.train_teachers({**recipe, "seed": 0, "local_dp": local_dp}).get("reused")
     assert len(Ledger.load(ledger_path)) == charged

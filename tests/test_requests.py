@@ -218,3 +218,30 @@ def test_a_dpfedavg_round_trains_by_the_requests_recipe_not_its_presets(tmp_path
     assert set(FedAvgRoundRequest.RECIPE) == set(recipe)
     assert (config.learning_rate, config.batch_size) == (recipe["learning_rate"], recipe["batch_size"])
     assert (private.dp.max_grad_norm, private.dp.per_layer) == (recipe["max_grad_norm"], recipe["per_layer"])
+
+
+@pytest.mark.parametrize("local_dp, refusal", [
+    ({"mode": "fixed", "epsilon": 2.0, "delta": 1e-3, "max_grad_norm": 1.0}, "noise_multiplier: --noise-mode fixed"),
+    ({"epsilon": 2.0, "delta": 1e-3, "max_grad_norm": 1.0, "clip": 2.0}, "unexpected keyword argument 'clip'"),
+    ({"epsilon": 2.0, "delta": 1e-3, "max_grad_norm": 1.0, "sampling": "shuffle", "relation": "add-remove"},
+     "--relation"),
+])
+def test_a_hospital_refuses_local_dpsgd_it_cannot_run_before_anything_trains(tmp_path, monkeypatch, local_dp, refusal):
+    """The teachers' local DP-SGD (DPConfig fields) is validated once, before the hospital forgets its earlier
+    teachers or trains: a fixed noise without its σ (DPConfig has none of its own), a field DPConfig lacks, or a
+    relation the batching has no analysis for is refused in one line naming the hospital."""
+    import clients.hospital as hospital_module
+    from clients.hospital import Hospital, HospitalSettings
+    from server.pate import teacher_training
+    from task.presets import get_preset
+
+    preset = get_preset("tiny")
+    seen = _spy_on_training(monkeypatch, hospital_module)
+    hospital = Hospital("h0", _zeros(), [["p0"], ["p1"]], preset, tmp_path / "h0", HospitalSettings())
+    earlier = tmp_path / "h0" / "teachers" / "training.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}")
+    with pytest.raises(UserError, match="^hospital h0: local_dp: ") as info:
+        hospital.train_teachers({**teacher_training(preset).to_config(), "seed": 0, "local_dp": local_dp})
+    assert refusal in str(info.value) and "\n" not in str(info.value)
+    assert not seen and earlier.exists() and not (tmp_path / "h0" / "ledger.jsonl").exists()
