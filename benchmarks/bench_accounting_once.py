@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["FEDPATE_ACCOUNTING_CACHE"] = tempfile.mkdtemp(prefix="fedpate-bench-accounting-")
 
-    from privacy.accountants import _event_plds
+    from privacy.accountants.pld import _event_plds
     from privacy.events import SampledGaussianEvent
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger

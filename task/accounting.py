@@ -29,8 +29,8 @@ from privacy.accountants import epsilon_per_relation, epsilon_spent
 from task.io import atomic_write_json, cache_root
 from task.phases import phase
 
-#: the ``privacy/`` sources whose code decides every calibrated σ and composed ε
-_ACCOUNTING_SOURCES = ("accountants.py", "calibration.py", "events.py", "options.py")
+#: the ``privacy/`` sources whose code decides every calibrated σ and composed ε (a folder: each of its modules)
+_ACCOUNTING_SOURCES = ("accountants", "calibration.py", "events.py", "options.py")
 
 
 @functools.cache
@@ -43,9 +43,12 @@ def accounting_version() -> str:
     import privacy
 
     digest = hashlib.sha256()
+    root = Path(privacy.__file__).parent
     for name in _ACCOUNTING_SOURCES:
-        digest.update(name.encode())
-        digest.update((Path(privacy.__file__).parent / name).read_bytes())
+        source = root / name
+        for path in sorted(source.glob("*.py")) if source.is_dir() else [source]:
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
     for library in (dp_accounting, scipy, numpy):
         digest.update(f"{library.__name__}=={getattr(library, '__version__', '?')}".encode())
     return digest.hexdigest()
