@@ -23,11 +23,11 @@ Models released together (the cells of one comparison, trained on the same patie
 card's ``released_with``, the combined epsilon of everything released with them, computed from the
 hospitals' own ledgers (:func:`attach_release`); loading re-checks it when those ledgers are reachable.
 
-Every card states its own method's trust model (``task.trust``): who could see what -- a trusted PATE aggregator
+Every card states its own method's trust model (``task.reporting.trust``): who could see what -- a trusted PATE aggregator
 every teacher's un-noised encoding, a secure one only masked vectors and a noised sum, pooled training's trainer
 every patient, a public floor none --, in the same sentence the comparison report prints for that method; and
 that differential privacy protects the patients against everyone who sees what is released. MODEL_CARD.md says it
-all in words, with the data, the network, the preprocessing and the test Dice (``task.model_card``); the card's
+all in words, with the data, the network, the preprocessing and the test Dice (``task.reporting.model_card``); the card's
 fields stay in bundle.json as JSON.
 """
 
@@ -51,8 +51,8 @@ from task.data.layouts import CLASSES
 from task.data.msd import MODALITIES
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from task.networks import build_unet_from_config
-from task.model_card import model_card_markdown
+from task.learning.networks import build_unet_from_config
+from task.reporting.model_card import model_card_markdown
 
 BUNDLE_FORMAT = "fedpate-model-bundle"
 #: 2: ``bundle_sha256`` covers every field and MODEL_CARD.md (version 1 covered the weights only)

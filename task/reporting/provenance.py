@@ -1,6 +1,6 @@
 """Which code a run ran: the commit of the checkout the ``task`` package was imported from.
 
-Every ``results.json`` records it (``task.results.write_run``), so a number in a report or in docs/RESULTS.md can be
+Every ``results.json`` records it (``task.reporting.results.write_run``), so a number in a report or in docs/RESULTS.md can be
 traced to the code that produced it. The commit is ``git rev-parse HEAD`` of the checkout this package lives in,
 with ``-dirty`` appended when a tracked file differs from that commit, or git cannot tell (the number then came
 from code no commit holds); it is ``unknown`` whenever it cannot be known: git is not installed, the package was
@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 #: the folder holding the ``task`` package: a checkout's root when the code runs from one (an editable install)
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]   # task/reporting/provenance.py -> the checkout
 UNKNOWN = "unknown"
 DIRTY = "-dirty"
 #: git's own variables that would point it at another repository than the one asked about

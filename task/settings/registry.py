@@ -1,4 +1,4 @@
-"""One registry type for every extension point: methods (``task.methods``), codec kinds
+"""One registry type for every extension point: methods (``task.settings.methods``), codec kinds
 (``task.codecs``, each with its compressor), federated protocols (``server.protocols``) and cell
 runners (``sim.runners.cells``) -- each one entry per name, registered once, as Opacus registers its
 accountants (``register_accountant`` / ``create_accountant``). Pure Python: the command line imports it."""

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from privacy.mechanisms import NoiseSource
-from task.compute import Compute, check_compute
+from task.learning.compute import Compute, check_compute
 from task.errors import UserError
-from task import methods as registry
+from task.settings import methods as registry
 from task.options import Calibration, Init, look_up_option
-from task.presets import Preset, get_preset, preset_reference
-from task.requests import HospitalRequest
+from task.settings.presets import Preset, get_preset, preset_reference
+from task.wire.requests import HospitalRequest
 
 if TYPE_CHECKING:   # the real-scan check reads NIfTI files: not imported by the command line's start-up
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 
 def check_epsilon(value: Any, option: str = "--epsilons") -> float:
@@ -42,7 +42,7 @@ RUN_CONFIG_THREAT_KEYS = "hospitals, secure-colluders, secure-dropouts and secur
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell of a run plan: a method (a :mod:`task.methods` record's name) at a budget (None for a
+    """One cell of a run plan: a method (a :mod:`task.settings.methods` record's name) at a budget (None for a
     method without one), at K teachers when a comparison sweeps K, started from ``init``, written to ``out``;
     ``shared_dir`` holds the ε-independent public models the cells of one K share. The same object travels to
     the ServerApp (:meth:`to_dict`, JSON in the run config) and back (:meth:`from_dict`)."""
@@ -100,7 +100,7 @@ class RunSettings:
     init: str = "public"              # DP-FedAvg's start: the public model (as PATE) | scratch (random weights)
     layout: str | None = None         # the data folder's layout (task.data.layouts); None = detected
     partition_file: str | None = None  # FeTS partition CSV: its partitions are the hospitals (task.world)
-    #: where every model trains and predicts (task.device: auto = CUDA when there is one), the server's
+    #: where every model trains and predicts (task.learning.device: auto = CUDA when there is one), the server's
     #: own models and the simulated hospitals' (deployed hospitals follow their node config), at which
     #: forward-pass precision, and whether progress bars show; its device and precision travel in the run
     #: config under their own keys (``device``, ``precision``: :func:`run_config_fields` flattens it)
@@ -108,7 +108,7 @@ class RunSettings:
     #: the secure methods' threat model: up to ``secure_colluders`` hospitals share everything with the aggregator
     #: and up to ``secure_dropouts`` leave mid-protocol, so each hospital counts only the noise shares of the others
     #: that remain; ``secure_threshold`` is the Shamir threshold asked (None = the smallest the hospitals accept,
-    #: ``task.secagg.smallest_threshold``). Simulated hospitals adopt this model as their policy; deployed ones hold
+    #: ``task.wire.secagg.smallest_threshold``). Simulated hospitals adopt this model as their policy; deployed ones hold
     #: their own (node config) and refuse any other. A model the run's hospitals cannot hold is refused here.
     secure_colluders: int = 0
     secure_dropouts: int = 0
@@ -116,7 +116,7 @@ class RunSettings:
     #: the cells this run executes, in order (a comparison's; empty: one cell, the configured method at the budget,
     #: :meth:`planned_cells`). Given to an in-process ServerApp (``server.server_app.make_app``), not a run-config key
     cells: tuple[Cell, ...] = ()
-    #: the real-scan check every model the run releases is scored on (``task.realcheck``; None: none). An open check
+    #: the real-scan check every model the run releases is scored on (``task.reporting.realcheck``; None: none). An open check
     #: of this process's, given like the cells; a run-config key it is not (a ServerApp in another process, behind
     #: ``flwr run``, has none)
     real_check: "RealCheck | None" = None
@@ -139,7 +139,7 @@ class RunSettings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise UserError(f"{name.replace('_', '-')}: expected a non-negative integer, got {value!r}")
         if self.method in registry.names(secure_sum=True):   # before any work: a sum these settings cannot hold
-            from task.secagg import check_secure_settings
+            from task.wire.secagg import check_secure_settings
 
             check_secure_settings(self.resolved_preset.hospitals, self.secure_colluders, self.secure_dropouts,
                                   self.secure_threshold, RUN_CONFIG_THREAT_KEYS)
@@ -154,7 +154,7 @@ class RunSettings:
         check_compute(self.compute)
         cells = self.cells if isinstance(self.cells, (tuple, list)) else None
         if cells is None or not all(isinstance(cell, Cell) for cell in cells):
-            raise UserError(f"cells: expected a sequence of task.runconfig.Cell records, got {self.cells!r}")
+            raise UserError(f"cells: expected a sequence of task.settings.runconfig.Cell records, got {self.cells!r}")
         object.__setattr__(self, "cells", tuple(cells))
 
     @functools.cached_property
@@ -208,7 +208,7 @@ class RunSettings:
                 for f in run_config_fields()}
 
     def _owner(self, f: dataclasses.Field) -> Any:
-        """The object a run-config field belongs to: these settings, or their :class:`task.compute.Compute`."""
+        """The object a run-config field belongs to: these settings, or their :class:`task.learning.compute.Compute`."""
         return self.compute if f in COMPUTE_FIELDS else self
 
     def noise_source(self, *names):
@@ -246,7 +246,7 @@ def config_flag(value: Any, key: str) -> bool:
 #: RunSettings fields that are not run-config keys: the cells and the real-scan check, typed records this process
 #: hands to the ServerApp it runs (``server.server_app.make_app``)
 NOT_RUN_CONFIG = ("cells", "real_check")
-#: the fields of :class:`task.compute.Compute` that are run-config keys, each under its own name: progress bars
+#: the fields of :class:`task.learning.compute.Compute` that are run-config keys, each under its own name: progress bars
 #: and worker processes are the caller's
 COMPUTE_FIELDS = tuple(f for f in dataclasses.fields(Compute) if f.name not in ("progress", "workers"))
 

@@ -153,7 +153,7 @@ class StackedVoxelHeads(torch.nn.Module):
     Why: a hospital's voxel-head teachers share the frozen public U-Net and differ only in their 213-weight heads,
     so K heads evaluated as K separate 1x1x1 convolutions are K x (a few dozen) tiny kernels per step; as batched
     matrix products over the stacked weights they are a handful (the per-example-parameter trick of
-    :func:`task.headgrad.per_sample_head_gradients`, here one copy per teacher). Each head's output depends on its
+    :func:`task.learning.headgrad.per_sample_head_gradients`, here one copy per teacher). Each head's output depends on its
     own slice only, so gradients of a sum of per-teacher losses are each teacher's own, and the arithmetic is the
     convolutions' (``W2 PReLU(W1 f + b1) + b2`` per voxel) in another summation order.
 
@@ -219,7 +219,7 @@ class StackedVoxelHeads(torch.nn.Module):
     def corrections(self, features: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Each sample's correction of its class scores under its own head: ``features`` (S, inputs, V), ``heads``
         (S,) the head of each sample; (S, classes, V). Gradients reach each head's slice from its own samples only
-        (the per-example-parameter construction of :func:`task.headgrad.per_sample_head_gradients`)."""
+        (the per-example-parameter construction of :func:`task.learning.headgrad.per_sample_head_gradients`)."""
         hidden = torch.baddbmm(self.first_bias[heads].unsqueeze(-1), self.first_weight[heads], features)
         active = _prelu(hidden, self.slope[heads])
         return torch.baddbmm(self.second_bias[heads].unsqueeze(-1), self.second_weight[heads], active)

@@ -9,10 +9,10 @@ Its privacy fields are read from the run's ledger (:meth:`RunResults.account`): 
 (a model trained on several owners' patients is as private as its least private owner), with that owner's
 relation and accountant, never a number a caller computed.
 
-:func:`write_run` is the only writer of ``results.json``: model bundle first (``task.bundle.save_bundle``,
+:func:`write_run` is the only writer of ``results.json``: model bundle first (``task.reporting.bundle.save_bundle``,
 its privacy card built from the same ledger), then the predicted test segmentations if any, then
-``results.json`` atomically, with the commit of the code that ran (``task.provenance``). Nothing patches
-``results.json`` afterwards. When the run is given a real-scan check (``task.realcheck``), the released model is
+``results.json`` atomically, with the commit of the code that ran (``task.reporting.provenance``). Nothing patches
+``results.json`` afterwards. When the run is given a real-scan check (``task.reporting.realcheck``), the released model is
 scored on its labelled real cases there, before
 ``results.json`` is written (``real_check``).
 """
@@ -31,14 +31,15 @@ import nibabel as nib
 import numpy as np
 
 from privacy.ledger import Ledger
-from task.bundle import CardGuarantee, privacy_card, save_bundle, update_card
+from task.reporting.bundle import CardGuarantee, privacy_card, save_bundle, update_card
 from task.data.preprocess import invert_label
-from task import inference, phases, realcheck
-from task.accounting import memoised_per_relation
+from task.learning import inference, phases
+from task.reporting import realcheck
+from task.learning.accounting import memoised_per_relation
 from task.io import atomic_write_bytes, atomic_write_json
-from task.phases import phase
-from task.provenance import code_commit
-from task.metrics import DICE_KEYS
+from task.learning.phases import phase
+from task.reporting.provenance import code_commit
+from task.learning.metrics import DICE_KEYS
 
 
 
@@ -65,17 +66,17 @@ class RunResults:
     bytes_up_per_query_per_teacher: int | None = None
     wall_seconds: float | None = None
     seed: int | None = None                   # None when it would let anyone regenerate the noise
-    #: where the released model was trained (``task.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
+    #: where the released model was trained (``task.learning.device.device_name``: "cpu", "cuda:0 (<GPU>)") and
     #: the forward-pass precision ("32" | "bf16"); None where the producer does not train a model on a device
     device: str | None = None
     precision: str | None = None
-    #: the released model scored on labelled real cases (``--real-check``, ``task.realcheck.score_model``):
+    #: the released model scored on labelled real cases (``--real-check``, ``task.reporting.realcheck.score_model``):
     #: {"dice": mean over cases, "cases": per-case rows, "folders", "seconds"}; None when no real case was given
     real_check: dict | None = None
-    #: how the released model's Dice (phantom test set and real check) was computed (``task.inference``);
+    #: how the released model's Dice (phantom test set and real check) was computed (``task.learning.inference``);
     #: None on classification
     inference: str | None = None
-    #: the commit of the code that ran (``task.provenance.code_commit``: ``git rev-parse HEAD``, ``-dirty`` when a
+    #: the commit of the code that ran (``task.reporting.provenance.code_commit``: ``git rev-parse HEAD``, ``-dirty`` when a
     #: tracked file differed, ``unknown`` without a checkout); filled by :func:`write_run`
     commit: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -131,7 +132,7 @@ def _worst_per_relation(ledger: Ledger, spent: Mapping[str, Any], delta: float) 
         events = ledger.events(owner)
         key = (tuple(repr(event) for event in events), owner_spent.relation)
         if key not in seen:
-            # memoised on disk (task.accounting): the run's DP-SGD session asked for the same figure
+            # memoised on disk (task.learning.accounting): the run's DP-SGD session asked for the same figure
             seen[key] = memoised_per_relation(events, delta, owner_spent.relation, owner_spent.epsilon)
         rows.append(seen[key])
     return {name: None if any(row[name] is None for row in rows) else max(row[name] for row in rows)
@@ -143,8 +144,8 @@ class ModelRelease:
     """A trained model leaving with its results: what ``fedpate predict`` needs, and its card's inputs."""
 
     model: Any                                  # torch.nn.Module
-    network: Mapping[str, Any]                  # task.networks.network_config
-    preprocessing: Mapping[str, Any]            # task.bundle.preprocessing_of
+    network: Mapping[str, Any]                  # task.learning.networks.network_config
+    preprocessing: Mapping[str, Any]            # task.reporting.bundle.preprocessing_of
     data_source: Mapping[str, Any]
     card_extra: Mapping[str, Any] | None = None
     #: predicted test label maps (n, *grid) and the world they belong to: written as NIfTI in each scan's grid
@@ -157,14 +158,14 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
     real-scan check's Dice when one ran), predictions, results.json (with the code's commit).
 
     ``started`` (``time.perf_counter()`` at the start of the run): ``wall_seconds`` then covers
-    everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.phases``).
-    ``real_check``: the run's real-scan check (``task.realcheck``; None: none), on which the released model is
+    everything up to this write, and ``phase_seconds`` (an extra) says where it went (``task.learning.phases``).
+    ``real_check``: the run's real-scan check (``task.reporting.realcheck``; None: none), on which the released model is
     scored into ``real_check``. Returns the dict written.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if results.dice is not None and results.inference is None:
-        # every segmentation producer scores its release with task.training.evaluate_release
+        # every segmentation producer scores its release with task.learning.training.evaluate_release
         results.inference = inference.DESCRIPTION
     if results.commit is None:
         results.commit = code_commit()
@@ -172,7 +173,7 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
         _write_release(out, results, release)
     if started is not None:
         results.wall_seconds = round(time.perf_counter() - started, 3)
-        # where the wall time went (task.phases); under the same privacy note as the wall time where it has one
+        # where the wall time went (task.learning.phases); under the same privacy note as the wall time where it has one
         results.extras["phase_seconds"] = phases.seconds_since(started)
         flagged = results.extras.get("not_private_diagnostics")
         if isinstance(flagged, list) and "wall_seconds" in flagged and "phase_seconds" not in flagged:
@@ -228,7 +229,7 @@ def dice_for_card(results: RunResults) -> dict[str, Any]:
 
 
 def trust_of(results: RunResults) -> dict[str, Any]:
-    """The card's trust model: the run's own ``aggregation`` and ``who_sees_what`` (``task.trust``), as the
+    """The card's trust model: the run's own ``aggregation`` and ``who_sees_what`` (``task.reporting.trust``), as the
     report states them per cell; nothing for a producer that records none."""
     extras = results.extras or {}
     if not extras.get("who_sees_what"):

@@ -1,6 +1,6 @@
 """The one segmentation training loop: teachers, students, public pre-training and the baselines.
 
-Loss (``task.losses.per_sample_loss``; per sample, so Opacus' per-sample clipping stays valid: a batch-coupled
+Loss (``task.learning.losses.per_sample_loss``; per sample, so Opacus' per-sample clipping stays valid: a batch-coupled
 loss would break it):
 ``L_i = Dice_i + CE_i`` where ``Dice_i`` is MONAI's soft Dice loss over the four classes of sample i
 (``DiceLoss(softmax=True, batch=False)``) and ``CE_i`` the voxel-mean cross-entropy of sample i; the batch
@@ -12,13 +12,13 @@ directly (soft Dice, soft-target CE).
 
 Adam, seeded batch order (``torch.Generator``), optional augmentation (``task.data.augment``), tqdm
 progress, an atomic checkpoint after every epoch and resume (model, optimizer, epoch, RNG states, DP
-session: sigmas charged so far). DP-SGD is switched on by passing a ``task.dpsgd.PrivateTraining`` (its
+session: sigmas charged so far). DP-SGD is switched on by passing a ``task.learning.dpsgd.PrivateTraining`` (its
 ``DPConfig``, budget guard, ledger owners and noise source); its batches and noise then come from that noise
 source (a ``privacy.mechanisms.NoiseSource``, secure by default), never from the training seed. As Opacus'
 ``PrivacyEngine.make_private`` wraps model, optimiser and data loader once and leaves the loop alone, plain and
 DP-SGD training are two strategies (``_PlainTraining``, ``_DPSGDTraining``) chosen once before the one loop.
 
-Device and precision (``task.device``): ``TrainConfig.compute.device`` (auto | cpu | cuda | cuda:N, default
+Device and precision (``task.learning.device``): ``TrainConfig.compute.device`` (auto | cpu | cuda | cuda:N, default
 auto) holds the model, the optimiser state and the dataset tensors -- moved there once per training call, not
 once per batch. Augmentation (MONAI, numpy RNG) runs on the host; with ``prefetch`` (default: on when the
 device is a GPU) a background thread indexes, augments and copies batch i+1 while the device computes step i,
@@ -44,17 +44,17 @@ import torch
 from tqdm.auto import tqdm
 
 from task.data.augment import batch_augmentation, training_augmentation
-from task.compute import Compute
-from task.device import autocast, model_device, resolve_device
-from task.dpsgd import DPSession, PrivateTraining
+from task.learning.compute import Compute
+from task.learning.device import autocast, model_device, resolve_device
+from task.learning.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
-from task.headgrad import check_frozen_deterministic, check_unet_deterministic
-from task.inference import mirrored_probabilities
-from task.losses import per_sample_loss
-from task.phases import timed
+from task.learning.headgrad import check_frozen_deterministic, check_unet_deterministic
+from task.learning.inference import mirrored_probabilities
+from task.learning.losses import per_sample_loss
+from task.learning.phases import timed
 from task.io import atomic_save_torch
-from task.networks import VOXEL_HEAD, VoxelHeadUNet, freeze_all_but, load_start_weights
-from task.metrics import DiceAccumulator
+from task.learning.networks import VOXEL_HEAD, VoxelHeadUNet, freeze_all_but, load_start_weights
+from task.learning.metrics import DiceAccumulator
 from task.options import AugmentOn, Precision, Trainable, look_up_option
 
 
@@ -74,7 +74,7 @@ class TrainConfig:
     loss_fn: Callable | None = None        # (outputs, targets) -> per-sample losses (n,); None = per_sample_loss
     optimizer_factory: Callable | None = None  # parameters -> optimizer; None = Adam(learning_rate, weight_decay)
     #: where it trains (auto | cpu | cuda | cuda:N; a torch.device is kept as its spec), "32" | "bf16" autocast
-    #: around the forward pass (task.device), and the progress bar
+    #: around the forward pass (task.learning.device), and the progress bar
     compute: Compute = Compute()
     #: augment the next batch in a background thread while this one trains (None: only on a GPU, where the
     #: host would otherwise starve it; on a shared CPU both compete for the same cores)
@@ -83,7 +83,7 @@ class TrainConfig:
     #: (task.data.augment.BatchAugmentation: the whole batch in torch on the training device; same transforms and
     #: ranges, other draws). None: "device" on a GPU, "host" otherwise
     augment_on: AugmentOn | str | None = None
-    #: private fine-tuning levers (task.networks.TRAINABLE_SETS for the sets and why they exist)
+    #: private fine-tuning levers (task.learning.networks.TRAINABLE_SETS for the sets and why they exist)
     trainable: str = Trainable.ALL.value   # which parameters are trained (the rest keep their start values)
     augmentation_multiplicity: int = 1     # DP-SGD: k augmented views per patient, averaged before clipping
     ema_decay: float | None = None         # the returned model is the exponential moving average of the iterates
@@ -95,7 +95,7 @@ LEVER_KEYS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": f
 
 
 def trainable_of(entry) -> str:
-    """The trainable set a settings-grid entry or a round's config names (``task.networks.TRAINABLE_SETS``;
+    """The trainable set a settings-grid entry or a round's config names (``task.learning.networks.TRAINABLE_SETS``;
     "all" when it names none): which network to build for it, and what to train."""
     return str(entry.get("trainable") or Trainable.ALL)
 
@@ -342,12 +342,12 @@ class _PlainTraining:
 
 
 class _DPSGDTraining:
-    """DP-SGD training (:class:`_TrainingSteps`) through :class:`task.dpsgd.DPSession`: Opacus-wrapped model and
+    """DP-SGD training (:class:`_TrainingSteps`) through :class:`task.learning.dpsgd.DPSession`: Opacus-wrapped model and
     optimiser, the ledger, the noise stream.
 
     Its order of operations is the privacy argument's: ``begin_epoch`` charges the epoch to the ledger before
     the epoch's streams are opened; the batches come from their stream one at a time, and the noise from its
-    own (drawn a step ahead on a thread, ``task.dpsgd.StepNoise``); batches are not prefetched, so an empty
+    own (drawn a step ahead on a thread, ``task.learning.dpsgd.StepNoise``); batches are not prefetched, so an empty
     Poisson batch takes its noise-only step where it falls, after the step before it; the loss and the batch
     sizes are never recorded, only sigma and the ledger's epsilon."""
 
@@ -441,8 +441,8 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
         images: (n, 4, *g) float training volumes.
         targets: (n, *g) int labels or (n, C, *g) soft probabilities.
         config: the training settings (:class:`TrainConfig`: epochs, batch, optimiser, device, levers, ...).
-        private: a :class:`task.dpsgd.PrivateTraining` (its ``DPConfig``, budget guard, ledger owners and
-            noise source) switches on DP-SGD (None = plain training; ``task.dpsgd.private_training``).
+        private: a :class:`task.learning.dpsgd.PrivateTraining` (its ``DPConfig``, budget guard, ledger owners and
+            noise source) switches on DP-SGD (None = plain training; ``task.learning.dpsgd.private_training``).
         validation: public (images, labels), used by the validation-based noise schedule and logged each epoch
             (None = none).
     """
@@ -460,7 +460,7 @@ def train_segmentation(model: torch.nn.Module, images: Any, targets: Any, config
     if not config.augment or batched:
         x_all, y_all = x_all.to(device), y_all.to(device)
     _check_levers(config, private)
-    # only the trainable set gets gradients, hence DP-SGD's clipping and noise (task.networks.freeze_all_but)
+    # only the trainable set gets gradients, hence DP-SGD's clipping and noise (task.learning.networks.freeze_all_but)
     freeze_all_but(base_model, config.trainable)
     trained = [p for p in base_model.parameters() if p.requires_grad]
 
@@ -565,7 +565,7 @@ class _FrozenUNetMemo:
     context), and the training is the same bit for bit. It is used only where that holds: plain training (not
     DP-SGD, whose Opacus wrapper hooks every module), no augmentation (the input of a batch is then fixed), every
     U-Net weight frozen, and a U-Net whose output does not depend on train/eval mode or on the other samples
-    (:func:`task.headgrad.check_frozen_deterministic`). It holds at most ``budget_bytes`` of outputs; past that it
+    (:func:`task.learning.headgrad.check_frozen_deterministic`). It holds at most ``budget_bytes`` of outputs; past that it
     computes as before."""
 
     def __init__(self, unet: torch.nn.Module, budget_bytes: int) -> None:
@@ -632,7 +632,7 @@ def stacked_training_applies(model: torch.nn.Module, config: TrainConfig, privat
     training (DP-SGD keeps each teacher's own Opacus session, sampling and noise), of the voxel head only, without
     augmentation (then every sample's frozen U-Net output is one fixed tensor), with the default loss, optimiser
     and no checkpoint, moving average or views, on a U-Net whose output does not depend on train/eval mode or on
-    the other samples (:func:`task.headgrad.check_unet_deterministic`)."""
+    the other samples (:func:`task.learning.headgrad.check_unet_deterministic`)."""
     if private is not None or config.augment or not isinstance(model, VoxelHeadUNet):
         return False
     if look_up_option(config.trainable, Trainable, "trainable") is not VOXEL_HEAD:
@@ -669,9 +669,9 @@ def stacked_head_features(unet: torch.nn.Module, images: torch.Tensor, device, p
 def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets: Any,
                               samples: Sequence[Sequence[int]], seeds: Sequence[int], config: TrainConfig,
                               budget_bytes: int | None = None):
-    """Train head k of ``heads`` (a :class:`task.networks.StackedVoxelHeads`, in place) on the frozen ``unet`` and
+    """Train head k of ``heads`` (a :class:`task.learning.networks.StackedVoxelHeads`, in place) on the frozen ``unet`` and
     the samples ``samples[k]`` (indices into ``images`` / ``targets``) as :func:`train_segmentation` trains a
-    :class:`task.networks.VoxelHeadUNet` with that head under ``config`` with the seed ``seeds[k]`` -- for every k
+    :class:`task.learning.networks.VoxelHeadUNet` with that head under ``config`` with the seed ``seeds[k]`` -- for every k
     at once; returns ``heads``.
 
     The same maths, not the same bits: each teacher's batches come from its own generator (``seeds[k]``, the same
@@ -683,7 +683,7 @@ def train_stacked_voxel_heads(unet: torch.nn.Module, heads, images: Any, targets
     A head with no samples, or ``config.epochs == 0``, keeps its start.
 
     Args:
-        unet: the frozen U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
+        unet: the frozen U-Net every head corrects (a :class:`task.learning.networks.VoxelHeadUNet`'s ``.model``).
         heads: the K heads, each at its start; trained in place.
         images: (n, 4, *g) float training volumes of every teacher together.
         targets: (n, *g) int labels of the same volumes.
@@ -794,8 +794,8 @@ class _StackedAdam:
 def stacked_head_probabilities(unet: torch.nn.Module, heads, images: Any, batch_size: int = 2, device: Any = None,
                                precision: str = Precision.FP32, budget_bytes: int | None = None
                                ) -> Iterator[tuple[range, torch.Tensor]]:
-    """The softmax output of every :class:`task.networks.VoxelHeadUNet` made of the U-Net ``unet`` and one head of
-    ``heads`` (:class:`task.networks.StackedVoxelHeads`) on ``images``, as ``(heads k, probabilities (len(k), n, C,
+    """The softmax output of every :class:`task.learning.networks.VoxelHeadUNet` made of the U-Net ``unet`` and one head of
+    ``heads`` (:class:`task.learning.networks.StackedVoxelHeads`) on ``images``, as ``(heads k, probabilities (len(k), n, C,
     *g) float32 on device)`` for consecutive groups of heads -- the U-Net run once per scan, every head of a group
     in one batched product, nothing copied to the host.
 
@@ -803,8 +803,8 @@ def stacked_head_probabilities(unet: torch.nn.Module, heads, images: Any, batch_
     ``batch_size`` scans through the U-Net, the same autocast context, the softmax on float32 scores.
 
     Args:
-        unet: the U-Net every head corrects (a :class:`task.networks.VoxelHeadUNet`'s ``.model``).
-        heads: the heads (:class:`task.networks.StackedVoxelHeads`).
+        unet: the U-Net every head corrects (a :class:`task.learning.networks.VoxelHeadUNet`'s ``.model``).
+        heads: the heads (:class:`task.learning.networks.StackedVoxelHeads`).
         images: (n, 4, *g) volumes.
         batch_size: volumes per U-Net pass (:func:`predict_probs`' default).
         device / precision: as :func:`predict_probs` (None = where ``unet`` is; ``"bf16"`` = autocast).
@@ -890,7 +890,7 @@ def predict_probs(model: torch.nn.Module, images: Any, batch_size: int = 2, devi
         batch_size: volumes per forward pass.
         device: where to run (the model is moved there); None = wherever the model already is.
         precision: "bf16": the forward pass under autocast, the softmax on float32 logits.
-        mirror: test-time mirroring (``task.inference``), as released models are scored; False = one pass.
+        mirror: test-time mirroring (``task.learning.inference``), as released models are scored; False = one pass.
     """
     device = model_device(model) if device is None else resolve_device(device)
     model.to(device)
@@ -924,7 +924,7 @@ def predict_labels(model: torch.nn.Module, images: Any, batch_size: int = 2, dev
 @timed("evaluation")
 def evaluate_segmentation(model: torch.nn.Module, images: Any, labels: Any, batch_size: int = 2,
                           device: Any = None, precision: str = Precision.FP32) -> dict:
-    """Dice dict (``task.metrics.dice_scores``) of the model's argmax prediction against ``labels``: the first
+    """Dice dict (``task.learning.metrics.dice_scores``) of the model's argmax prediction against ``labels``: the first
     half of :func:`evaluate_segmentation_per_case`.
 
     Args:
@@ -984,7 +984,7 @@ def _scored_per_case(model: torch.nn.Module, images: Any, labels: Any, batch_siz
 def evaluate_release(model: torch.nn.Module, images: Any, labels: Any, device: Any = None,
                      precision: str = Precision.FP32) -> tuple[dict, PerCaseDice]:
     """How every released model is scored on the phantom test set: :func:`evaluate_segmentation_per_case`
-    with test-time mirroring (``task.inference``), as ``fedpate predict`` and the real-scan check run it."""
+    with test-time mirroring (``task.learning.inference``), as ``fedpate predict`` and the real-scan check run it."""
     return evaluate_segmentation_per_case(model, images, labels, device=device, precision=precision, mirror=True)
 
 

@@ -3,8 +3,8 @@
 A run's device, forward-pass precision, worker processes and progress bars say nothing about *what* it
 computes -- a fixed seed gives the same results whatever they are (``tests/test_device.py`` measures how far
 bf16 moves them) -- so they live here once, not in every configuration. :class:`Compute` checks the device
-*spec* only (``task.device.check_device_spec``: pure string work, no torch, so that the command line's start-up
-stays free of it); every party resolves it where it runs (``task.device.resolve_device``).
+*spec* only (``task.learning.device.check_device_spec``: pure string work, no torch, so that the command line's start-up
+stays free of it); every party resolves it where it runs (``task.learning.device.resolve_device``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from task.device import check_device_spec, check_precision
+from task.learning.device import check_device_spec, check_precision
 from task.errors import UserError
 from task.options import Precision
 
@@ -55,5 +55,5 @@ def check_compute(value: Any) -> Compute:
     """``value`` if it is a :class:`Compute` (what every run configuration's ``compute`` field must hold), else a
     one-line UserError naming its type."""
     if not isinstance(value, Compute):
-        raise UserError(f"compute: expected a task.compute.Compute, got {type(value).__name__}")
+        raise UserError(f"compute: expected a task.learning.compute.Compute, got {type(value).__name__}")
     return value

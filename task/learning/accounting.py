@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from privacy import calibration
 from privacy.accountants import epsilon_per_relation, epsilon_spent
 from task.io import atomic_write_json, cache_root
-from task.phases import phase
+from task.learning.phases import phase
 
 #: the ``privacy/`` sources whose code decides every calibrated σ and composed ε (a folder: each of its modules)
 _ACCOUNTING_SOURCES = ("accountants", "calibration.py", "events.py", "options.py")

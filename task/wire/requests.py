@@ -1,7 +1,7 @@
 """What the server asks a hospital: one frozen, validated type per request kind.
 
 Both parties import these. The server builds a request and sends ``request.to_config()`` -- plain keys and
-values, what a Flower ``ConfigRecord`` carries (``task.flower_wire``) and what the in-process engine hands a
+values, what a Flower ``ConfigRecord`` carries (``task.wire.flower_wire``) and what the in-process engine hands a
 hospital object. The hospital reads ``Request.from_config(config)`` once at the top of each handler: that
 applies the defaults and refuses a malformed request with one line naming the key
 (:class:`task.errors.UserError`), before anything is charged. Whether a hospital *accepts* a well-formed
@@ -9,7 +9,7 @@ request -- its lifetime budget, its codec policy, its threat model, no seeded no
 own decision, taken in ``clients/`` after parsing and before any charge.
 
 Every request carries :class:`HospitalRequest`'s fields: the device a simulated hospital computes on and the
-privacy settings a simulated hospital adopts (``task.runconfig.RunSettings.hospital_privacy_config``); a
+privacy settings a simulated hospital adopts (``task.settings.runconfig.RunSettings.hospital_privacy_config``); a
 deployed hospital ignores them all for its node config's. Arrays (weights, scans, codec states, test sets)
 travel beside the config as Flower ``ArrayRecord``s, never in it: the fields that hold them are marked
 ``ARRAYS`` and are left out of :meth:`HospitalRequest.to_config`.
@@ -26,13 +26,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from task.device import check_device_spec, check_precision
+from task.learning.device import check_device_spec, check_precision
 from task.errors import UserError
 from task.options import Relation, Trainable, look_up_option
 
 R = TypeVar("R", bound="WireRecord")
 
-#: what a teachers' local DP-SGD request states at least (``task.dpsgd.DPConfig`` has no defaults for them)
+#: what a teachers' local DP-SGD request states at least (``task.learning.dpsgd.DPConfig`` has no defaults for them)
 LOCAL_DP_REQUIRED = ("epsilon", "delta", "max_grad_norm")
 
 #: field metadata of a field whose value travels as arrays beside the config (not in :meth:`to_config`)
@@ -197,7 +197,7 @@ class TeacherTrainingRequest(HospitalRequest):
     ``server.pate.teacher_training``; a hospital never fills a gap from its own); a request without one of its
     fields is refused. An unset seed is the hospital's own (the run's)."""
 
-    #: the fields of the teachers' recipe (``task.presets.Teachers``, the learning rate resolved): every request
+    #: the fields of the teachers' recipe (``task.settings.presets.Teachers``, the learning rate resolved): every request
     #: carries each of them
     RECIPE: ClassVar[tuple[str, ...]] = ("teacher_epochs", "teacher_trainable", "teacher_learning_rate",
                                          "teacher_augment", "teacher_batch_size")
@@ -209,7 +209,7 @@ class TeacherTrainingRequest(HospitalRequest):
     teacher_learning_rate: float | None = None
     teacher_augment: bool | None = None
     teacher_batch_size: int | None = None
-    local_dp: Mapping[str, Any] | None = None   # the teachers train with local DP-SGD (task.dpsgd.DPConfig fields)
+    local_dp: Mapping[str, Any] | None = None   # the teachers train with local DP-SGD (task.learning.dpsgd.DPConfig fields)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -287,7 +287,7 @@ class EvaluationRequest(HospitalRequest):
             _set(self, "seed", _integer(self.seed, "seed"))
 
 
-#: the fine-tuning levers a DP-FedAvg round may set (``task.training.LEVER_KEYS``), and how each is read
+#: the fine-tuning levers a DP-FedAvg round may set (``task.learning.training.LEVER_KEYS``), and how each is read
 FEDAVG_LEVERS = {"trainable": str, "augmentation_multiplicity": int, "ema_decay": float}
 
 
@@ -301,7 +301,7 @@ class FedAvgRoundRequest(HospitalRequest):
     whether DP-SGD clips per layer) travels whole: the server resolves it once from its preset
     (``server.dpfedavg.dpfedavg_settings``); a hospital never fills a gap from its own, and a request without one
     of its fields is refused. ``trainable``, ``augmentation_multiplicity`` and ``ema_decay`` are the grid entry's
-    fine-tuning levers (``task.training.lever_settings``; unset: the engine's defaults).
+    fine-tuning levers (``task.learning.training.lever_settings``; unset: the engine's defaults).
     ``reproducible_noise``: seeded noise (simulation only; a deployed hospital refuses it)."""
 
     #: the round's training recipe: every round request carries each of them
@@ -376,7 +376,7 @@ class FedAvgRoundRequest(HospitalRequest):
             raise UserError("plan: expected a JSON list of {batch_size, epochs} settings") from None
 
     def levers(self) -> dict[str, Any]:
-        """The fine-tuning levers this round sets (for ``task.training.lever_settings``)."""
+        """The fine-tuning levers this round sets (for ``task.learning.training.lever_settings``)."""
         return {key: getattr(self, key) for key in FEDAVG_LEVERS if getattr(self, key) is not None}
 
 

@@ -6,8 +6,8 @@ for deep learning-based biomedical image segmentation", arXiv 1809.10486). The n
 on every axis (``task.data.augment``), so each mirroring is a view they know; the average removes part of one
 pass's variance at 8 times its cost. A fixed rule from the literature: nothing here is chosen on any data.
 
-Where it applies: the phantom test Dice of every released model (``task.training.evaluate_release``), the
-real-scan check (``task.realcheck``), ``fedpate predict`` and ``fedpate evaluate`` (``--no-mirroring`` for one
+Where it applies: the phantom test Dice of every released model (``task.learning.training.evaluate_release``), the
+real-scan check (``task.reporting.realcheck``), ``fedpate predict`` and ``fedpate evaluate`` (``--no-mirroring`` for one
 pass). Training and every choice made during a run (validation, private selection, the teachers' answers, the
 pseudo-labels) use one pass: mirroring them would cost 8 times as much inside the run.
 

@@ -89,10 +89,10 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.schedules import epoch_event
-from task import accounting
-from task.accounting import memoised_epsilon_spent, memoised_per_relation
+from task.learning import accounting
+from task.learning.accounting import memoised_epsilon_spent, memoised_per_relation
 from task.errors import UserError
-from task.phases import phase, timed
+from task.learning.phases import phase, timed
 from task.options import CalibrationAccountant, GradSampleMode, NoiseMode, look_up_option
 
 #: Default Opacus per-sample gradient engine, chosen with ``benchmarks/bench_dpsgd.py`` (small UNet, 32^3,
@@ -130,7 +130,7 @@ class DPConfig:
     norm are always the caller's (the run's budget, the preset's delta and clip): this record has no defaults for
     them.
 
-    The other DP-SGD records sit above it: :class:`task.presets.DpSgd` and :class:`task.presets.DpSetting` are the
+    The other DP-SGD records sit above it: :class:`task.settings.presets.DpSgd` and :class:`task.settings.presets.DpSetting` are the
     preset's recipe and its grid entries, ``sim.runners.central.DPSGDOptions`` the command line's options of one
     pooled run, ``task.classification.dpsgd_classifier.DPSGDConfig`` the classification benchmark's settings; each
     is turned into a DPConfig where training starts."""
@@ -205,7 +205,7 @@ class DPConfig:
 class PrivateTraining:
     """Everything DP-SGD training needs beyond the training settings: what the mechanism is (``dp``), whose
     budget each epoch is charged to (``guard``, ``owners``) and where its batches and noise come from
-    (``noise``). ``task.training.train_segmentation`` trains privately when given one, plainly otherwise."""
+    (``noise``). ``task.learning.training.train_segmentation`` trains privately when given one, plainly otherwise."""
 
     dp: DPConfig
     #: the ``privacy.guard.BudgetGuard`` every epoch is charged through (None = an in-memory one with
@@ -584,7 +584,7 @@ class DPSession:
                "relation": spent.relation, "releases": spent.releases, "adaptive": self.dp.adaptive,
                "epsilon_rdp": None, "epsilon_add_remove": None, "epsilon_replace_one": None}
         events = self.ledger.events(owner) if with_rdp else []
-        # comparison figures: pure functions of the events, memoised on disk (task.accounting)
+        # comparison figures: pure functions of the events, memoised on disk (task.learning.accounting)
         out.update(memoised_per_relation(events, self.dp.delta, spent.relation, spent.epsilon))
         if with_rdp and self.dp.sampling == Sampling.POISSON:
             try:

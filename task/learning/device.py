@@ -10,7 +10,7 @@ never a silent fall-back to the CPU (a user who asked for the GPU would otherwis
 Precision (``--precision 32|bf16``): :func:`autocast` wraps forward passes in ``torch.autocast(bfloat16)``
 where that is safe -- training forward passes and inference. Losses are computed in float32 on the upcast
 logits, parameters, optimiser state, DP-SGD's per-sample gradients, their clipping, the noise and the update
-stay float32 (``task.dpsgd``); ``tests/test_device.py`` measures how far bf16 moves the per-sample gradient norms
+stay float32 (``task.learning.dpsgd``); ``tests/test_device.py`` measures how far bf16 moves the per-sample gradient norms
 that clipping sees.
 
 The spec check (:func:`check_device_spec`, :func:`check_precision`) is pure string work so that run settings

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from task.options import Trainable
-from task.registry import Registry
+from task.settings.registry import Registry
 
 
 class Role(StrEnum):
@@ -135,7 +135,7 @@ class Method(_Roled):
     #: earlier value.
     cell_seconds: float = 60.0
     #: a pooled method's trainable set and learning rate when they are not the preset's (None: the preset's
-    #: ``dp_sgd`` setting); ``task.networks.TRAINABLE_SETS`` names the sets
+    #: ``dp_sgd`` setting); ``task.learning.networks.TRAINABLE_SETS`` names the sets
     trainable: Trainable | None = None
     learning_rate: float | None = None
 

@@ -253,7 +253,7 @@ def plan(settings: Sequence[dict], n_train: int, epsilon: float, delta: float, r
     """
     if relation != Relation.REPLACE_ONE:
         raise UserError("--selection private: replace-one only (the score is a mean over a published number of "
-                        "held-out patients; task/selection.py)")
+                        "held-out patients; task/learning/selection.py)")
     batches = {int(s["batch_size"]) for s in settings}
     if len(batches) != 1:
         raise UserError(f"--selection private: every grid entry must share one expected batch (one sampling rate), "
@@ -333,7 +333,7 @@ class SelectionCallbacks:
             TrainResult``: DP-SGD at multiplier z with ``guard`` (the :class:`CoveredGuard`), on the training part
             only.
         evaluate_per_case: ``(model, images, labels) -> per-patient mean Dice``.
-        steps_per_epoch: ``(n, batch) -> steps``: DP-SGD's steps per epoch (``task.dpsgd.steps_per_epoch``).
+        steps_per_epoch: ``(n, batch) -> steps``: DP-SGD's steps per epoch (``task.learning.dpsgd.steps_per_epoch``).
     """
 
     public_model: Callable[[], Any]

@@ -8,7 +8,7 @@ label map with the scan's shape and affine, so ITK-SNAP or 3D Slicer overlays it
 are the convention asked for (``labels``: msd, brats2021, brats2023), by default the input's own: a BraTS 2021
 case gets 4 for enhancing tumour, as its own ``seg`` files do (``task.data.layouts``, the one mapping table).
 
-Device and precision (``task.device``): the network runs on ``device`` (auto = CUDA when there is one),
+Device and precision (``task.learning.device``): the network runs on ``device`` (auto = CUDA when there is one),
 under bf16 autocast with ``precision="bf16"``; preprocessing and the mapping back stay on the host (numpy).
 """
 
@@ -27,18 +27,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from task.bundle import load_bundle
+from task.reporting.bundle import load_bundle
 from task.data.brats import skull_strip_warnings
 from task.data.layouts import CHANNELS, case_folder_layout, detect_layout, from_ours, get_layout, split_modality_name
 from task.data.msd import Case, display_path, load_case, load_modalities
 from task.data.reader import read_dataset, require_labels
 from task.data.preprocess import PreprocessConfig, brain_mask, crop_box, preprocess_case, probs_in_crop
-from task.compute import Compute, check_compute
-from task.device import autocast, model_device, resolve_device
+from task.learning.compute import Compute, check_compute
+from task.learning.device import autocast, model_device, resolve_device
 from task.errors import UserError
-from task.inference import mirrored_probabilities
+from task.learning.inference import mirrored_probabilities
 from task.io import atomic_write_bytes
-from task.metrics import per_case_dice, summarise
+from task.learning.metrics import per_case_dice, summarise
 
 CLASS_NAMES = {1: "oedema", 2: "non-enhancing core", 3: "enhancing"}
 
@@ -198,7 +198,7 @@ def _bundle_model(model_dir: str | Path, device):
 
 def preprocess_config_of(preprocessing) -> PreprocessConfig:
     """The :class:`PreprocessConfig` a model was trained with, from its bundle's ``preprocessing`` record
-    (``task.bundle.preprocessing_of``)."""
+    (``task.reporting.bundle.preprocessing_of``)."""
     # bundles made before anti-aliasing existed carry no "antialias" key: from_dict repeats their preprocessing
     if "config" in preprocessing:
         return PreprocessConfig.from_dict(preprocessing["config"])
@@ -217,7 +217,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
         affine: the scan's voxel-to-world affine.
         device: where the network runs (None: where the model is).
         precision: ``"bf16"``: its forward pass under autocast (``"32"`` = float32).
-        mirror: test-time mirroring (``task.inference``, nnU-Net's default); False = one pass.
+        mirror: test-time mirroring (``task.learning.inference``, nnU-Net's default); False = one pass.
     """
     image_grid, _, record = preprocess_case(data, None, affine, config)
     return segment_preprocessed(model, config, image_grid, record, brain_mask(data), device, precision, mirror)
@@ -226,7 +226,7 @@ def segment_scan(model, config, data: np.ndarray, affine: np.ndarray, device=Non
 def segment_preprocessed(model, config, image_grid: np.ndarray, record, brain: np.ndarray | None, device=None,
                          precision: str = "32", mirror: bool = True) -> np.ndarray:
     """:func:`segment_scan` from a scan already preprocessed. Why apart: the real-scan check
-    (``task.realcheck``) preprocesses each case once and scores many models.
+    (``task.reporting.realcheck``) preprocesses each case once and scores many models.
 
     Args:
         model: the segmentation network (a bundle's).
@@ -291,11 +291,11 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
             folders of cases, MSD-layout folders).
         out_dir: where the label maps are written (created when missing).
         progress: a progress bar.
-        device: where the network runs (``task.device``; default auto).
+        device: where the network runs (``task.learning.device``; default auto).
         labels: the label convention written (msd, brats2021, brats2023; default: each input's own, MSD for a
             4D file).
         precision: ``"bf16"``: the forward passes under autocast (``"32"`` = float32).
-        mirror: test-time mirroring (``task.inference``; False = one pass, 8 times faster).
+        mirror: test-time mirroring (``task.learning.inference``; False = one pass, 8 times faster).
     """
     if labels is not None:
         get_layout(labels, "--labels")
@@ -360,10 +360,10 @@ class EvaluationOptions:
         layout: the folder's layout (``task.data.layouts``; None = detected).
         labels: the convention of the label maps written to ``out_dir`` (None = the folder's own).
         limit: score only the first ``limit`` labelled cases (None = all).
-        compute: a progress bar (``progress``), where the network runs (``device``: ``task.device``; default
+        compute: a progress bar (``progress``), where the network runs (``device``: ``task.learning.device``; default
             auto) and ``precision`` (``"bf16"``: the forward passes under autocast; ``"32"`` = float32) --
-            :class:`task.compute.Compute`.
-        mirror: test-time mirroring (``task.inference``; False = one pass).
+            :class:`task.learning.compute.Compute`.
+        mirror: test-time mirroring (``task.learning.inference``; False = one pass).
     """
 
     out_dir: str | Path | None = None
@@ -388,7 +388,7 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
     The folder is MSD Task01 or BraTS; Dice is computed in our classes (WT, TC, ET as BraTS defines them)
     whatever the folder's codes. Scores what a user of ``fedpate predict`` gets (preprocessing, network,
     mapping back to the scan), not the working-grid Dice of training. Returns
-    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`task.metrics.summarise`'s keys.
+    ``{"dice": summary, "cases": [per-case rows]}`` with :func:`task.learning.metrics.summarise`'s keys.
 
     Args:
         model_dir: a run folder (or its ``model`` subfolder) holding a verified bundle.

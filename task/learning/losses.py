@@ -4,7 +4,7 @@ Per sample, so that per-sample clipping (Opacus' DP-SGD, the secure head gradien
 batch-coupled loss would break it: ``L_i = Dice_i + CE_i``, where ``Dice_i`` is MONAI's soft Dice loss over the
 four classes of sample i (``DiceLoss(softmax=True, batch=False)``) and ``CE_i`` the voxel-mean cross-entropy of
 sample i. This is MONAI's ``DiceCELoss`` with ``batch=False``, written out because ``DiceCELoss`` cannot return
-per-sample values. ``task.training`` (the training loop) and ``task.headgrad`` (per-patient head gradients)
+per-sample values. ``task.learning.training`` (the training loop) and ``task.learning.headgrad`` (per-patient head gradients)
 both import it.
 """
 

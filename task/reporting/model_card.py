@@ -2,10 +2,10 @@
 
 The card says what the model does; its privacy guarantee (ε with δ, the neighbouring relation in words and what the
 guarantee means, the accountant, everything released together with it); its trust model, who could see what
-(``task.trust``: the sentence the comparison report prints for the same method); the data it was trained on, the
+(``task.reporting.trust``: the sentence the comparison report prints for the same method); the data it was trained on, the
 network in one line and the preprocessing in words; and its test Dice, on the held-out test patients and on the
 real-scan check where one ran (WT, TC and ET, their mean, and how many cases). Then the bundle's fields and digests,
-and how to use it. bundle.json keeps every field as JSON beside it (``task.bundle``): this text is for people, and
+and how to use it. bundle.json keeps every field as JSON beside it (``task.reporting.bundle``): this text is for people, and
 ``bundle.json`` seals its digest, so the text cannot be edited on its own either.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from privacy.options import Relation
 from task.data.layouts import PHANTOMS_SOURCE, LayoutName
 from task.data.partitions import PUBLIC_SOURCE
-from task.trust import PROTECTS, trust_line
+from task.reporting.trust import PROTECTS, trust_line
 from task.world import POPULATION_SOURCE
 
 #: what makes two training sets neighbours under each relation (docs/PRIVACY.md, "Neighbouring relations")
@@ -35,7 +35,7 @@ LAYOUT_WORDS = {LayoutName.MSD: "Medical Segmentation Decathlon Task01 layout",
                 LayoutName.BRATS2021: "BraTS 2021 layout", LayoutName.BRATS2023: "BraTS 2023 layout"}
 #: MONAI's activation names as people write them
 ACTIVATIONS = {"PRELU": "PReLU", "RELU": "ReLU", "LEAKYRELU": "leaky ReLU", "None": "no"}
-#: the test Dice a card shows, in this order (``task.metrics.DICE_KEYS``: ``mean`` is over the three classes)
+#: the test Dice a card shows, in this order (``task.learning.metrics.DICE_KEYS``: ``mean`` is over the three classes)
 DICE_COLUMNS = ("WT", "TC", "ET", "mean")
 
 

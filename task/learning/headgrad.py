@@ -1,16 +1,16 @@
 """Per-patient gradients of a voxel head on a frozen U-Net, from cached features.
 
-:class:`task.networks.VoxelHeadUNet` computes ``logits = u(x) + head([u(x), x])``. When only the head is
+:class:`task.learning.networks.VoxelHeadUNet` computes ``logits = u(x) + head([u(x), x])``. When only the head is
 trained, ``u`` is frozen, so ``[u(x), x]`` is a fixed function of the scan -- provided ``u`` is
 deterministic in the mode DP-SGD trains in (``train()``): no dropout with a positive rate, and no
 normalisation that keeps running statistics (a BatchNorm in training mode would normalise with the batch's
 statistics and couple the patients). The quick and tiny U-Nets use instance normalisation without running
-statistics and dropout 0 (``task.networks.network_config``); :func:`check_frozen_deterministic` refuses any
+statistics and dropout 0 (``task.learning.networks.network_config``); :func:`check_frozen_deterministic` refuses any
 other. Then the features can be computed once per scan (:func:`frozen_features`) and every later gradient
 step runs the 213-parameter head only.
 
 The per-sample gradients (:func:`per_sample_head_gradients`) are those of the training loop's per-sample
-Dice + cross-entropy (``task.training.per_sample_loss``), the loss pooled DP-SGD clips per sample;
+Dice + cross-entropy (``task.learning.training.per_sample_loss``), the loss pooled DP-SGD clips per sample;
 tests/test_fedavg_secure.py checks that the cached gradients equal the ones computed by autograd through the
 whole network.
 
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from task.errors import UserError
-from task.losses import per_sample_loss
-from task.networks import VoxelHeadUNet
+from task.learning.losses import per_sample_loss
+from task.learning.networks import VoxelHeadUNet
 
 #: Opacus' flat clipping adds this to the norm before dividing (``DPOptimizer.clip_and_accumulate``)
 CLIP_EPSILON = 1e-6
@@ -40,7 +40,7 @@ def check_frozen_deterministic(model: torch.nn.Module) -> None:
     """UserError unless the frozen U-Net under a voxel head computes the same features in train and eval mode
     and per sample: no dropout with a positive rate, no normalisation with running statistics."""
     if not isinstance(model, VoxelHeadUNet):
-        raise UserError("cached head gradients: the network has no voxel head (task.networks.VoxelHeadUNet)")
+        raise UserError("cached head gradients: the network has no voxel head (task.learning.networks.VoxelHeadUNet)")
     check_unet_deterministic(model.model)
 
 
@@ -141,7 +141,7 @@ def _head_layers(model: VoxelHeadUNet):
           and isinstance(head[2], torch.nn.Conv3d) and head[1].weight.numel() == 1
           and all(tuple(head[i].kernel_size) == (1, 1, 1) and head[i].bias is not None for i in (0, 2)))
     if not ok:
-        raise UserError("cached head gradients: expected the voxel head of task.networks.voxel_head "
+        raise UserError("cached head gradients: expected the voxel head of task.learning.networks.voxel_head "
                         "(1x1x1 convolution, PReLU with one slope, 1x1x1 convolution)")
     return head[0], head[1], head[2]
 
@@ -158,7 +158,7 @@ def per_sample_head_gradients(model: VoxelHeadUNet, features: torch.Tensor, targ
     faster on a CPU). tests/test_fedavg_secure.py checks it against plain autograd through the whole network.
 
     ``targets``: (n, *grid) int labels; ``chunk``: scans per pass; ``loss_fn``: per-sample loss
-    (default ``task.losses.per_sample_loss``)."""
+    (default ``task.learning.losses.per_sample_loss``)."""
     loss_fn = loss_fn or per_sample_loss
     first, prelu, second = _head_layers(model)
     hidden, inputs = first.weight.shape[:2]

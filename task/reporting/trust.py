@@ -4,8 +4,8 @@ Every producer of a run records, in its results, how its training data was aggre
 ``trusted``, ``secure``, ``pooled`` or ``none``) and what each party could see (``who_sees_what``: party ->
 what it saw), because that differs per method: a trusted PATE aggregator sees every teacher's un-noised
 encoding, a secure one only masked vectors and a noised sum, pooled DP-SGD's trainer holds every patient, a
-public floor touches no patient. :func:`task.results.write_run` copies both into the model card, and
-:func:`trust_line` is the one sentence the card (``task.model_card.model_card_markdown``) and the comparison report
+public floor touches no patient. :func:`task.reporting.results.write_run` copies both into the model card, and
+:func:`trust_line` is the one sentence the card (``task.reporting.model_card.model_card_markdown``) and the comparison report
 (``sim.report.who_sees_what_lines``) both print. The secure and trusted PATE texts are written where their
 protocol is (``server.pate_secure.who_sees_what``, ``server.dpfedavg_secure.who_sees_what``); the others here.
 """

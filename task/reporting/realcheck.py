@@ -5,15 +5,15 @@ rules can be learned by a model that then does not transfer), so a comparison th
 phantoms can pick the wrong one. With ``--real-check DIR`` (repeatable; any layout the readers know: MSD
 Task01, BraTS 2021, BraTS 2023, ``task.data.reader.read_dataset``, or one BraTS case folder) every model a
 run writes is also scored on those cases, exactly as ``fedpate evaluate`` scores a bundle: the scan is
-preprocessed as in training, segmented (``task.predict.segment_preprocessed``), the probabilities are mapped
+preprocessed as in training, segmented (``task.reporting.predict.segment_preprocessed``), the probabilities are mapped
 back to the scan's own grid and compared with its label map there, in our classes (``task.data.layouts``
 maps each release's codes). Dice per class (1 oedema, 2 non-enhancing core, 3 enhancing), their mean, and
 the BraTS regions WT, TC, ET, per case and averaged.
 
 How it reaches every model: the command opens the check (:func:`open_check`, which refuses a bad folder in
 one line naming the option and the folder, before anything trains) and hands it down with the run's settings
-(``task.runconfig.RunSettings.real_check``, a comparison's cell context, a central run's config) to the code
-that releases a model; :func:`task.results.write_run`, the one writer of ``results.json``, is given it, scores
+(``task.settings.runconfig.RunSettings.real_check``, a comparison's cell context, a central run's config) to the code
+that releases a model; :func:`task.reporting.results.write_run`, the one writer of ``results.json``, is given it, scores
 the model it releases (:func:`score_release`) and stores the result under the record's ``real_check`` key.
 No module-level state: whatever runs a release, in whichever thread, is told the check it scores on. Worker
 processes re-open the check from its folders.
@@ -52,9 +52,9 @@ from task.data.msd import Case, load_case
 from task.data.preprocess import PreprocessConfig, PreprocessRecord, brain_mask, preprocess_case
 from task.data.reader import read_dataset, require_labels
 from task.errors import UserError
-from task.inference import DESCRIPTION
+from task.learning.inference import DESCRIPTION
 from task.io import atomic_write_bytes, cache_root
-from task.metrics import DICE_KEYS, per_case_dice_counted, summarise
+from task.learning.metrics import DICE_KEYS, per_case_dice_counted, summarise
 from task.options import Reference, look_up_option
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
@@ -223,7 +223,7 @@ def score_release(check: RealCheck | None, model, preprocessing: Mapping[str, An
     ``{"error": ...}`` and said on the console, and the run goes on."""
     if check is None:
         return None
-    from task.predict import preprocess_config_of
+    from task.reporting.predict import preprocess_config_of
 
     try:
         return score_model(model, preprocess_config_of(preprocessing), check, precision=precision or "32")
@@ -244,16 +244,16 @@ def _shortened(text: str, limit: int = 300) -> str:
 def score_model(model, config: PreprocessConfig, check: RealCheck, precision: str = "32",
                 mirror: bool = True) -> dict:
     """Dice of ``model`` on every case of ``check``, each in its own grid, with test-time mirroring
-    (``task.inference``; ``mirror=False``: one pass).
+    (``task.learning.inference``; ``mirror=False``: one pass).
 
-    Returns ``{"dice": mean over cases (task.metrics.summarise's keys), "cases": [per-case rows: case,
+    Returns ``{"dice": mean over cases (task.learning.metrics.summarise's keys), "cases": [per-case rows: case,
     folder, layout, reference (who drew it, or None) and the same keys], "folders": check.describe(),
     "seconds": this scoring's wall time (preprocessing included when a case was not cached yet)}``.
     """
     # MONAI's first import (~10 s) is not the check's cost: paid before the clock starts
     import monai.inferers  # noqa: F401
 
-    from task.predict import segment_preprocessed
+    from task.reporting.predict import segment_preprocessed
 
     started = time.perf_counter()
     was_training = getattr(model, "training", False)
@@ -356,7 +356,7 @@ def _read_cached(path: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------------ reading results
 def real_dice(cell: Mapping[str, Any], key: str = "mean") -> float | None:
-    """A results record's mean real-scan Dice for ``key`` (a :data:`task.metrics.DICE_KEYS` entry), or None."""
+    """A results record's mean real-scan Dice for ``key`` (a :data:`task.learning.metrics.DICE_KEYS` entry), or None."""
     found = cell.get("real_check") or {}
     return (found.get("dice") or {}).get(key)
 
@@ -406,7 +406,7 @@ def csv_fields(results: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-#: the check's columns in cells.csv (task.results.CSV_COLUMNS appends them)
+#: the check's columns in cells.csv (task.reporting.results.CSV_COLUMNS appends them)
 CSV_COLUMNS = (("real_cases",) + tuple(f"real_dice_{key}" for key in DICE_KEYS) + ("real_dice_region_mean",)
                + tuple(f"real_per_case_{key}" for key in REGIONS) + ("real_case_references", "real_check_seconds"))
 

@@ -207,7 +207,7 @@ class DpSetting:
     the best public validation Dice is kept: sim.runners.central, server.dpfedavg).
 
     Layer: the preset's settings (like :class:`DpSgd`, its recipe). Each entry becomes one training's validated
-    record, ``task.dpsgd.DPConfig``, where the run trains it (``sim.runners.central``; a DP-FedAvg hospital builds
+    record, ``task.learning.dpsgd.DPConfig``, where the run trains it (``sim.runners.central``; a DP-FedAvg hospital builds
     its own from the round request the server resolves from this entry)."""
     learning_rate: float | None = None
     max_grad_norm: float | None = None
@@ -215,7 +215,7 @@ class DpSetting:
     epochs: int | None = None                 # DP-SGD only
     rounds: int | None = None                 # DP-FedAvg only
     local_epochs: int | None = None           # DP-FedAvg only
-    # the fine-tuning levers (task.training.LEVER_KEYS)
+    # the fine-tuning levers (task.learning.training.LEVER_KEYS)
     trainable: Trainable | None = None
     augmentation_multiplicity: int | None = None
     ema_decay: float | None = None
@@ -258,7 +258,7 @@ class DpSgd:
 
     Layer: the preset's settings, the one place the defaults live (the clip of Fay et al. Sec. 5 and their
     σ = √6). The command line's ``sim.runners.central.DPSGDOptions`` override some of them for one run (None =
-    this recipe's); the training itself runs a validated ``task.dpsgd.DPConfig`` built from both, which has no
+    this recipe's); the training itself runs a validated ``task.learning.dpsgd.DPConfig`` built from both, which has no
     defaults for the budget, the clip or a fixed noise."""
     batch_size: int | None = None              # expected batch (None = the preset's batch_size)
     per_layer: bool = True                     # clip each parameter tensor, else the whole gradient
@@ -320,7 +320,7 @@ class Preset:
     student: Student
     codec: Codec
     # --- networks and training every method shares ---
-    unet: str                     # key of task.networks.UNET_PRESETS
+    unet: str                     # key of task.learning.networks.UNET_PRESETS
     pretrain_epochs: int          # public pre-training of the start model (0 = none)
     central_epochs: int           # pooled training (and DP-FedAvg's rounds x local epochs)
     batch_size: int

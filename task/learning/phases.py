@@ -4,7 +4,7 @@ Code that does a phase's work runs under ``with phase("accounting"):`` (or ``def
 only when no caller has named it: ``train_segmentation`` is "training" unless it trains a PATE student, say). Phases
 nest exclusively -- time in an inner phase is the inner one's, not its caller's -- and only the main thread records
 (worker threads' time is already inside a phase of the thread waiting for them). :func:`seconds_since` sums the
-intervals inside a cell's window ``[started, now]`` (``task.results.write_run`` writes them into results.json);
+intervals inside a cell's window ``[started, now]`` (``task.reporting.results.write_run`` writes them into results.json);
 ``imports`` is the process's start-up before the first cell (interpreter, command line, torch / MONAI / Opacus
 imports), given to the first cell a process runs. The report's cost table reads them (``sim.report``).
 
