@@ -109,8 +109,6 @@ def main(argv=None) -> int:
     options.add_argument("--augment", action="store_true", help="both sides augment (see the module docstring)")
     args = options.parse_args(argv)
     work = side_by_side.work_folder(args, "monai")
-    from sim.runners.central import load_central_data
-
     preset, device, world = side_by_side.prepare(args, ("monai.data", "monai.losses", "monai.metrics",
                                                         "monai.transforms"))
     epochs = int(args.epochs or preset.central_epochs)
@@ -120,14 +118,9 @@ def main(argv=None) -> int:
     side_by_side.report_start_up()
 
     def run(side: str, folder: Path) -> dict:
-        if side == "monai":
-            # the plain loop loads the same cached world, as the cell does
-            started = time.perf_counter()
-            loaded = load_central_data(preset, seed=args.seed, progress=False)
-            load_seconds = time.perf_counter() - started
-            record = plain_monai(loaded, preset, epochs, args.seed, device, args.augment, folder)
-            record["data"] += load_seconds
-            return record
+        if side == "monai":   # the plain loop loads the same cached world, as the cell does
+            return side_by_side.plain_side(preset, args.seed, lambda loaded: plain_monai(
+                loaded, preset, epochs, args.seed, device, args.augment, folder))
         record = fedpate_cell(args.preset, epochs, args.seed, args.device, args.augment, folder)
         record["training"] = record.get("phase_seconds", {}).get("training", float("nan"))
         return record

@@ -137,8 +137,6 @@ def main(argv=None) -> int:
     args = options.parse_args(argv)
     warnings.filterwarnings("ignore")
     work = side_by_side.work_folder(args, "opacus")
-    from sim.runners.central import load_central_data
-
     preset, device, world = side_by_side.prepare(args, ("monai.data", "monai.losses", "monai.metrics",
                                                         "monai.transforms", "opacus"))
     setting = dp_setting(preset, args.trainable)
@@ -150,13 +148,8 @@ def main(argv=None) -> int:
 
     def run(side: str, folder: Path) -> dict:
         if side == "opacus":
-            started = time.perf_counter()
-            loaded = load_central_data(preset, seed=args.seed, progress=False)
-            load_seconds = time.perf_counter() - started
-            record = opacus_alone(loaded, preset, setting, epochs, args.epsilon, preset.delta, args.seed, device,
-                                  folder)
-            record["data"] += load_seconds
-            return record
+            return side_by_side.plain_side(preset, args.seed, lambda loaded: opacus_alone(
+                loaded, preset, setting, epochs, args.epsilon, preset.delta, args.seed, device, folder))
         # a first run's calibration: the accounting memo starts empty (task.learning.accounting)
         os.environ["FEDPATE_ACCOUNTING_CACHE"] = str(folder / "accounting-memo")
         try:

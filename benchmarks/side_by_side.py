@@ -79,6 +79,19 @@ def report_start_up() -> None:
     print(f"start-up (imports, world): {phases.seconds_since(time.perf_counter())['imports']:.1f} s", flush=True)
 
 
+def plain_side(preset, seed: int, train: Callable[[dict], dict]) -> dict:
+    """One run of the plain library's side: the same cached world the cell loads (``load_central_data``), loaded
+    on this side's clock and counted as its data time, then ``train`` on it (a record with a ``data`` entry)."""
+    from sim.runners.central import load_central_data
+
+    started = time.perf_counter()
+    loaded = load_central_data(preset, seed=seed, progress=False)
+    load_seconds = time.perf_counter() - started
+    record = train(loaded)
+    record["data"] += load_seconds
+    return record
+
+
 def alternate(sides: tuple[str, str], repeats: int, work: Path, run: Callable[[str, Path], dict]) -> dict[str, list]:
     """Each side measured ``repeats`` times, the order alternating (``sides`` first, then reversed): ``run(side,
     folder)`` returns the side's record, to which its wall and CPU seconds are added."""
