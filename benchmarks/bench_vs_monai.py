@@ -23,14 +23,14 @@ only the ratios of one run mean anything (``--repeats 2`` alternates the order).
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+import side_by_side   # benchmarks/side_by_side.py, beside this script
 
 
 def plain_monai(world: dict, preset, epochs: int, seed: int, device: torch.device, augment: bool,
@@ -104,75 +104,38 @@ def fedpate_cell(preset_name: str, epochs: int, seed: int, device: str, augment:
                                      compute=Compute(device=device, progress=False)))
 
 
-def warm_up(preset, world: dict, device: torch.device) -> None:
-    """One forward and backward pass of the network on a training batch, untimed: one-time kernel set-up (allocator,
-    oneDNN / cuDNN plans) then goes to neither side."""
-    from task.networks import build_unet
-
-    model = build_unet(preset.unet).to(device)
-    model(torch.as_tensor(world["train_images"][:2]).to(device)).sum().backward()
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="quick", choices=("tiny", "quick", "paper"))
-    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: the preset's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--augment", action="store_true", help="both sides augment (see the module docstring)")
-    parser.add_argument("--repeats", type=int, default=1, help="measurements per side, alternating the order")
-    parser.add_argument("--out", default=None, help="work folder (default: a fresh temporary one)")
-    parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+    options = side_by_side.parser(__doc__)
+    options.add_argument("--augment", action="store_true", help="both sides augment (see the module docstring)")
+    args = options.parse_args(argv)
+    work = side_by_side.work_folder(args, "monai")
     from sim.runners.central import load_central_data
-    from task import phases
-    from task.device import resolve_device
-    from task.presets import get_preset
 
-    preset = get_preset(args.preset)
+    preset, device, world = side_by_side.prepare(args, ("monai.data", "monai.losses", "monai.metrics",
+                                                        "monai.transforms"))
     epochs = int(args.epochs or preset.central_epochs)
-    device = resolve_device(args.device)
-    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedpate-bench-monai-"))
-    world = load_central_data(preset, seed=args.seed, progress=False)   # generated and cached before any timing
     print(f"preset {args.preset}: {len(world['train_ids'])} training and {len(world['test_ids'])} test patients, "
           f"U-Net {preset.unet}, batch {preset.batch_size}, {epochs} epochs, augment {args.augment}, device {device}, "
           f"{torch.get_num_threads()} torch threads", flush=True)
+    side_by_side.report_start_up()
 
-    # both sides' libraries imported before either is timed (the first side would pay them otherwise)
-    import monai.data  # noqa: F401
-    import monai.losses  # noqa: F401
-    import monai.metrics  # noqa: F401
-    import monai.transforms  # noqa: F401
-    # this process's start-up (imports, world) is the benchmark's, not the cell's (task.phases gives the first window
-    # a process reports its start-up as "imports")
-    warm_up(preset, world, device)
-    print(f"start-up (imports, world): {phases.seconds_since(time.perf_counter())['imports']:.1f} s", flush=True)
-    runs: dict[str, list] = {"fedpate": [], "monai": []}
-    for repeat in range(args.repeats):
-        order = ("monai", "fedpate") if repeat % 2 == 0 else ("fedpate", "monai")
-        for side in order:
-            folder = work / f"{side}-{repeat}"
-            folder.mkdir(parents=True, exist_ok=True)
-            started, cpu = time.perf_counter(), time.process_time()
-            if side == "monai":
-                # the plain loop loads the same cached world, as the cell does
-                loaded = load_central_data(preset, seed=args.seed, progress=False)
-                load_seconds = time.perf_counter() - started
-                record = plain_monai(loaded, preset, epochs, args.seed, device, args.augment, folder)
-                record["data"] += load_seconds
-            else:
-                record = fedpate_cell(args.preset, epochs, args.seed, args.device, args.augment, folder)
-                record["training"] = record.get("phase_seconds", {}).get("training", float("nan"))
-            record["wall"], record["cpu"] = time.perf_counter() - started, time.process_time() - cpu
-            runs[side].append(record)
-            print(f"  {side} run {repeat + 1}: {record['wall']:.1f} s wall, {record['cpu']:.1f} s CPU", flush=True)
+    def run(side: str, folder: Path) -> dict:
+        if side == "monai":
+            # the plain loop loads the same cached world, as the cell does
+            started = time.perf_counter()
+            loaded = load_central_data(preset, seed=args.seed, progress=False)
+            load_seconds = time.perf_counter() - started
+            record = plain_monai(loaded, preset, epochs, args.seed, device, args.augment, folder)
+            record["data"] += load_seconds
+            return record
+        record = fedpate_cell(args.preset, epochs, args.seed, args.device, args.augment, folder)
+        record["training"] = record.get("phase_seconds", {}).get("training", float("nan"))
+        return record
+
+    runs = side_by_side.alternate(("monai", "fedpate"), args.repeats, work, run)
 
     def median(side, key):
-        return float(np.median([record[key] for record in runs[side]]))
+        return side_by_side.median(runs, side, key)
 
     print(f"plain MONAI: {median('monai', 'wall'):.1f} s wall, {median('monai', 'cpu'):.1f} s CPU (data "
           f"{median('monai', 'data'):.1f}, training {median('monai', 'training'):.1f}, evaluation "
@@ -180,9 +143,7 @@ def main(argv=None) -> int:
     print(f"fedpate nonprivate-central: {median('fedpate', 'wall'):.1f} s wall, {median('fedpate', 'cpu'):.1f} s CPU; "
           "phases " + ", ".join(f"{name} {value:.1f}" for name, value in runs["fedpate"][-1]["phase_seconds"].items())
           + f"; test Dice {runs['fedpate'][-1]['dice']['mean']:.3f}")
-    ratios = {"training": median("fedpate", "training") / median("monai", "training"),
-              "cell_wall": median("fedpate", "wall") / median("monai", "wall"),
-              "cell_cpu": median("fedpate", "cpu") / median("monai", "cpu")}
+    ratios = side_by_side.ratios(runs, "fedpate", "monai")
     print(f"ratio fedpate / plain MONAI: training loop x{ratios['training']:.2f}, whole cell x{ratios['cell_wall']:.2f} "
           f"wall, x{ratios['cell_cpu']:.2f} CPU (goal <= 1.15)")
     if args.json:

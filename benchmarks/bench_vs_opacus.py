@@ -25,16 +25,15 @@ of one run mean anything (``--repeats 2`` alternates the order).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
+
+import side_by_side   # benchmarks/side_by_side.py, beside this script
 
 
 def dp_setting(preset, trainable: str | None) -> dict:
@@ -131,82 +130,46 @@ def fedpate_cell(preset_name: str, setting: dict, epochs: int, epsilon: float, s
                                      training=training))
 
 
-def warm_up(preset, world: dict, device: torch.device) -> None:
-    """One forward and backward pass of the network on a training batch, untimed: one-time kernel set-up (allocator,
-    oneDNN / cuDNN plans) then goes to neither side."""
-    from task.networks import build_unet
-
-    model = build_unet(preset.unet).to(device)
-    model(torch.as_tensor(world["train_images"][:2]).to(device)).sum().backward()
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="quick", choices=("tiny", "quick", "paper"))
-    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: the preset's)")
-    parser.add_argument("--epsilon", type=float, default=8.0)
-    parser.add_argument("--trainable", default=None, help="trainable set (default: the preset's DP-SGD setting's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--repeats", type=int, default=1, help="measurements per side, alternating the order")
-    parser.add_argument("--out", default=None, help="work folder (default: a fresh temporary one)")
-    parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    options = side_by_side.parser(__doc__)
+    options.add_argument("--epsilon", type=float, default=8.0)
+    options.add_argument("--trainable", default=None, help="trainable set (default: the preset's DP-SGD setting's)")
+    args = options.parse_args(argv)
     warnings.filterwarnings("ignore")
-    work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fedpate-bench-opacus-"))
-
+    work = side_by_side.work_folder(args, "opacus")
     from sim.runners.central import load_central_data
-    from task import phases
-    from task.device import resolve_device
-    from task.presets import get_preset
 
-    preset = get_preset(args.preset)
+    preset, device, world = side_by_side.prepare(args, ("monai.data", "monai.losses", "monai.metrics",
+                                                        "monai.transforms", "opacus"))
     setting = dp_setting(preset, args.trainable)
     epochs = int(args.epochs or setting["epochs"])
     setting["epochs"] = epochs
-    device = resolve_device(args.device)
-    world = load_central_data(preset, seed=args.seed, progress=False)   # generated and cached before any timing
     print(f"preset {args.preset}: {len(world['train_ids'])} training patients, U-Net {preset.unet}, setting {setting}, "
           f"epsilon {args.epsilon}, delta {preset.delta}, device {device}, {torch.get_num_threads()} torch threads")
-    # both sides' libraries imported before either is timed (the first side would pay them otherwise)
-    import monai.data  # noqa: F401
-    import monai.losses  # noqa: F401
-    import monai.metrics  # noqa: F401
-    import monai.transforms  # noqa: F401
-    import opacus  # noqa: F401
-    warm_up(preset, world, device)
-    print(f"start-up (imports, world): {phases.seconds_since(time.perf_counter())['imports']:.1f} s", flush=True)
+    side_by_side.report_start_up()
 
-    runs: dict[str, list] = {"fedpate": [], "opacus": []}
-    for repeat in range(args.repeats):
-        order = ("opacus", "fedpate") if repeat % 2 == 0 else ("fedpate", "opacus")
-        for side in order:
-            folder = work / f"{side}-{repeat}"
-            folder.mkdir(parents=True, exist_ok=True)
-            started, cpu = time.perf_counter(), time.process_time()
-            if side == "opacus":
-                loaded = load_central_data(preset, seed=args.seed, progress=False)
-                load_seconds = time.perf_counter() - started
-                record = opacus_alone(loaded, preset, setting, epochs, args.epsilon, preset.delta, args.seed, device,
-                                      folder)
-                record["data"] += load_seconds
-            else:
-                # a first run's calibration: the accounting memo starts empty (task.accounting)
-                os.environ["FEDPATE_ACCOUNTING_CACHE"] = str(folder / "accounting-memo")
-                try:
-                    record = fedpate_cell(args.preset, setting, epochs, args.epsilon, args.seed, args.device, folder)
-                finally:
-                    os.environ.pop("FEDPATE_ACCOUNTING_CACHE", None)
-                record["training"] = record.get("phase_seconds", {}).get("training", float("nan"))
-            record["wall"], record["cpu"] = time.perf_counter() - started, time.process_time() - cpu
-            runs[side].append(record)
-            print(f"  {side} run {repeat + 1}: {record['wall']:.1f} s wall, {record['cpu']:.1f} s CPU", flush=True)
+    def run(side: str, folder: Path) -> dict:
+        if side == "opacus":
+            started = time.perf_counter()
+            loaded = load_central_data(preset, seed=args.seed, progress=False)
+            load_seconds = time.perf_counter() - started
+            record = opacus_alone(loaded, preset, setting, epochs, args.epsilon, preset.delta, args.seed, device,
+                                  folder)
+            record["data"] += load_seconds
+            return record
+        # a first run's calibration: the accounting memo starts empty (task.accounting)
+        os.environ["FEDPATE_ACCOUNTING_CACHE"] = str(folder / "accounting-memo")
+        try:
+            record = fedpate_cell(args.preset, setting, epochs, args.epsilon, args.seed, args.device, folder)
+        finally:
+            os.environ.pop("FEDPATE_ACCOUNTING_CACHE", None)
+        record["training"] = record.get("phase_seconds", {}).get("training", float("nan"))
+        return record
+
+    runs = side_by_side.alternate(("opacus", "fedpate"), args.repeats, work, run)
 
     def median(side, key):
-        return float(np.median([record[key] for record in runs[side]]))
+        return side_by_side.median(runs, side, key)
 
     last = runs["opacus"][-1]
     print(f"Opacus alone: {median('opacus', 'wall'):.1f} s wall, {median('opacus', 'cpu'):.1f} s CPU (data "
@@ -219,9 +182,7 @@ def main(argv=None) -> int:
           "phases " + ", ".join(f"{name} {value:.1f}" for name, value in cell["phase_seconds"].items())
           + f"; sigma {cell['sigma']:.3f} ({cell['relation']}), epsilon {cell['epsilon']:.3f}; test Dice "
           f"{cell['dice']['mean']:.3f}")
-    ratios = {"training": median("fedpate", "training") / median("opacus", "training"),
-              "cell_wall": median("fedpate", "wall") / median("opacus", "wall"),
-              "cell_cpu": median("fedpate", "cpu") / median("opacus", "cpu")}
+    ratios = side_by_side.ratios(runs, "fedpate", "opacus")
     print(f"ratio fedpate / Opacus alone: training loop x{ratios['training']:.2f}, whole cell x{ratios['cell_wall']:.2f} "
           f"wall, x{ratios['cell_cpu']:.2f} CPU (goal <= 1.2)")
     if args.json:

@@ -28,6 +28,9 @@ hold the same seed (different runs of it). The tables, by name:
 * ``secure-sums`` -- per secure cell: the secure sums it ran and the bytes each hospital sent and received per sum;
 * ``goals`` -- the product's goals read off the same numbers, met or not, per comparison;
 * ``goal-list`` -- the goals themselves, in words, from the thresholds below (no run needed);
+* ``settings`` -- each registered preset's world and recipe as ``task.presets`` holds them: hospitals, teachers
+  per hospital, K, the grid, the public query scans, the student's epochs, DP-SGD's clip and fixed σ (no run
+  needed: the prose names K or a grid by pointing here, so a changed preset changes the documents' table);
 * ``command`` -- the command that wrote them (folders below their common parent, shown as ``RUNS``).
 
 Every table read from runs ends in a stamp naming what it was written from: how many ``results.json`` of how many
@@ -39,6 +42,11 @@ sorted, one per line. With the runs at hand, the same digest is
         | sha256sum | cut -c1-12
 
 (the group's folders for a ``GROUP:`` table, every folder for the others), so a number can be traced to its runs.
+
+Without comparisons, ``--write FILE`` rewrites only the blocks of the tables that need no run (``settings``,
+``goal-list``) and leaves every other block as it is, stamp and all:
+
+    .venv/bin/python benchmarks/results_tables.py --write docs/GUIDE.md
 
 Without ``--write`` every table is printed as markdown. With ``--write FILE`` each block of FILE between
 ``<!-- results_tables:NAME begin -->`` and ``<!-- results_tables:NAME end -->`` is replaced by the table NAME, the
@@ -62,6 +70,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from task import methods as registry
+from task.options import Trainable
+from task.presets import PRESETS
 from sim.report import (ceiling_of, floors_of, format_ratio, headroom_of, load_cells, paired_difference,
                         per_case_of, reference_cell)
 from sim.report_real import case_list, per_case_table, rank_agreement, ratio_over_cases
@@ -590,6 +600,47 @@ def goal_list() -> str:
     ])
 
 
+#: the presets the ``settings`` table shows, in this order
+SETTINGS_PRESETS = ("tiny", "quick", "paper")
+
+
+def _grid_text(grid) -> str:
+    """``32³`` for a cubic grid, else ``a × b × c``."""
+    return f"{grid[0]}³" if len(set(grid)) == 1 else " × ".join(str(g) for g in grid)
+
+
+def _student_epochs(student) -> str:
+    """The student's epochs; with ``finetune`` (linear probing, then every weight) the two stages' epochs."""
+    if student.finetune and student.trainable is not Trainable.ALL and student.epochs > 0:
+        return f"{student.epochs} + {student.epochs} (every weight)"
+    return str(student.epochs)
+
+
+def settings_table() -> str:
+    """The ``settings`` table: one row per preset of :data:`SETTINGS_PRESETS`, read from ``task.presets`` (no run
+    needed), so that a document never states K, a grid or a hospital count by hand."""
+    lines = ["| preset | hospitals | teachers per hospital | K | grid | public query scans | student epochs "
+             "| DP-SGD clip | DP-SGD σ (fixed noise) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in SETTINGS_PRESETS:
+        preset = PRESETS[name]
+        dp = preset.dp_sgd
+        clip = f"{dp.max_grad_norm:g} {'per layer' if dp.per_layer else 'flat'}"
+        lines.append(f"| `{name}` | {preset.hospitals} | {preset.teachers_per_hospital} | {preset.teachers} "
+                     f"| {_grid_text(preset.grid)} | {preset.federation.n_query} | {_student_epochs(preset.student)} "
+                     f"| {clip} | {dp.noise_multiplier:.3g} |")
+    return "\n".join(lines + [
+        "",
+        "K = hospitals × teachers per hospital. DP-SGD's σ is its noise multiplier where the noise is fixed "
+        "(`--noise-mode fixed`, or a schedule's start); by default σ is calibrated to the budget. Written from "
+        "`task.presets` by `benchmarks/results_tables.py` (table `settings`)."])
+
+
+def run_free_tables() -> dict[str, str]:
+    """The tables that need no run, by marker name."""
+    return {"goal-list": goal_list(), "settings": settings_table()}
+
+
 def goals_table(comparisons: list[Comparison]) -> str:
     rows = goal_rows(comparisons)
     if not rows:
@@ -638,22 +689,29 @@ def tables(comparisons: list[Comparison], argv: list[str]) -> dict[str, str]:
     out["secure-vs-trusted"] = f"{secure_table(comparisons)}\n\n{read}"
     out["secure-sums"] = f"{secure_sums_table(comparisons)}\n\n{read}"
     out["goals"] = f"{goals_table(comparisons)}\n\n{read}"
-    out["goal-list"] = goal_list()
+    out.update(run_free_tables())
     out["command"] = f"{command_text(argv, comparisons)}\n\n{read}"
     return out
 
 
-def rewrite(text: str, written: dict[str, str]) -> tuple[str, list[str]]:
+def rewrite(text: str, written: dict[str, str], keep_others: bool = False) -> tuple[str, list[str]]:
     """``text`` with every marked block replaced by its table, and the names replaced; refuses a block whose
-    table is not in ``written``, and a text without any block."""
+    table is not in ``written``, and a text without any block. ``keep_others`` (the run-free tables alone):
+    a block whose table is not in ``written`` is left as it is, and a text without any of them is refused."""
     names = [m.group("name") for m in MARKER.finditer(text)]
     if not names:
         raise SystemExit("results_tables: no <!-- results_tables:NAME begin --> ... end block in the file")
     missing = sorted({n for n in names if n not in written})
-    if missing:
+    if keep_others:
+        names = [n for n in names if n in written]
+        if not names:
+            raise SystemExit(f"results_tables: no block of a table that needs no run ({', '.join(sorted(written))}) "
+                             "in the file: give the comparisons its blocks need")
+    elif missing:
         raise SystemExit(f"results_tables: no table for block(s) {', '.join(missing)}: give their group's "
                          "comparisons, or remove the block(s)")
-    return MARKER.sub(lambda m: m.group(1) + written[m.group("name")].rstrip("\n") + "\n" + m.group(4), text), names
+    return MARKER.sub(lambda m: (m.group(1) + written[m.group("name")].rstrip("\n") + "\n" + m.group(4)
+                                 if m.group("name") in written else m.group(0)), text), names
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -701,18 +759,18 @@ def main(argv: list[str]) -> None:
             items.append(item)
         command.append(item)
         index += 1
-    if not items:
+    if not items and target is None:
         sys.exit(__doc__)
     comparisons = [load_comparison(*parse_item(item)) for item in items]
     names = {(c.group, c.label) for c in comparisons}
     if len(names) != len(comparisons):
         raise SystemExit("results_tables: two comparisons share a group and label")
-    written = tables(comparisons, command)
+    written = tables(comparisons, command) if comparisons else run_free_tables()
     if target is None:
         for name, table in written.items():
             print(f"### {name}\n\n{table}\n")
         return
-    text, replaced = rewrite(target.read_text(encoding="utf-8"), written)
+    text, replaced = rewrite(target.read_text(encoding="utf-8"), written, keep_others=not comparisons)
     write_atomic(target, text)
     unused = sorted(set(written) - set(replaced))
     print(f"results_tables: rewrote {len(replaced)} block(s) of {target}"

@@ -73,7 +73,6 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
     answered = book.lookup(key, legacy_request_key("dp-fedavg-round", *asked))
     if answered is not None:
         return answered[0], answered[1]
-    preset = hospital.preset
     round_index, rounds, local_epochs = request.round, request.rounds, request.local_epochs
     epsilon, delta, relation = request.epsilon, request.delta, request.relation
     case_ids = [case for partition in hospital.partitions for case in partition]
@@ -81,9 +80,9 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
     labels = hospital.prepared.labels(case_ids)
 
     # the server's setting names the network: a voxel head arrives in the weights when it trains one
-    model = build_unet(preset.unet, trainable=trainable_of(request.levers()))
+    model = build_unet(hospital.preset.unet, trainable=trainable_of(request.levers()))
     model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
-    batch_size = int(request.batch_size or preset.batch_size)
+    batch_size = request.batch_size   # the server's recipe, whole (the request refuses a missing field)
     steps = steps_per_epoch(len(case_ids), batch_size)
     # one sigma for every setting of the server's grid (its plan: expected batch and epochs of each), at this
     # hospital's own sampling rates: all of them together spend this run's budget
@@ -103,14 +102,13 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
     # the server's run tag and round name the release; the hospital's nonce makes every training its own
     prefix = f"dpfedavg:{run_tag}:{setting}round-{round_index}@{mint_nonce()}"
     dp = DPConfig(mode="fixed", epsilon=epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                  max_grad_norm=float(request.max_grad_norm or preset.dp_sgd.max_grad_norm),
-                  per_layer=preset.dp_sgd.per_layer, release_prefix=prefix,
+                  max_grad_norm=request.max_grad_norm, per_layer=request.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
     # local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
     # on the host from the stream above and copied, task.dpsgd)
     device, precision = hospital.compute(request)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
-                               learning_rate=float(request.learning_rate or preset.learning_rate),
+                               learning_rate=request.learning_rate,
                                seed=request.seed * 1009 + round_index,
                                description=f"{hospital.hospital_id} round {round_index}",
                                # the server's grid entry may set the fine-tuning levers

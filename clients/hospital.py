@@ -45,7 +45,6 @@ import torch
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from privacy.options import Relation
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
 from task.compute import Compute
 from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
@@ -308,19 +307,22 @@ class Hospital:
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         # the server's recipe, whole (the request refuses a missing field): what a teacher trains
         # (docs/decisions/teachers.md) -- every weight, or a voxel head on the frozen public model
-        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate, with or without augmentation
+        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate and batch size, with or without
+        # augmentation
         epochs, trainable = request.teacher_epochs, request.teacher_trainable
         learning_rate, augment = float(request.teacher_learning_rate), bool(request.teacher_augment)
+        batch_size = request.teacher_batch_size
         seed = self.seed if request.seed is None else request.seed
         local_dp = request.local_dp
         device, precision = self.compute(request)
-        guard, ledger = None, None
+        guard, ledger, local_dpsgd = None, None, None
         if local_dp:
+            local_dpsgd = self._local_dpsgd(local_dp)   # refused here, before anything is forgotten or trained
             ledger = Ledger(self.workdir / "ledger.jsonl")
             guard = BudgetGuard(ledger, float(local_dp["epsilon"]), float(local_dp["delta"]))
         fingerprint = self._training_fingerprint(init, epochs, seed, local_dp,
                                                  {"trainable": trainable, "lr": learning_rate, "augment": augment,
-                                                  "precision": precision})
+                                                  "batch": batch_size, "precision": precision})
         cached = self._cached_training(fingerprint)
         if cached is not None:  # teachers do not depend on epsilon: reuse them across a comparison's cells
             return cached       # (an identical request gets the identical teachers: no new noise is drawn)
@@ -330,7 +332,7 @@ class Hospital:
         nonce = mint_nonce()
         validation = ((self.prepared.images(self.validation), self.prepared.labels(self.validation))
                       if self.validation else None)   # read once, not once per teacher
-        train = TrainConfig(epochs=epochs, batch_size=self.preset.batch_size, learning_rate=learning_rate,
+        train = TrainConfig(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
                             seed=seed * 1009, trainable=trainable, augment=augment, init_from=init_state,
                             description=f"{self.hospital_id} teachers",
                             compute=Compute(device=device, precision=precision, progress=False))
@@ -339,7 +341,7 @@ class Hospital:
                 and stacked_training_applies(first, train, None)):
             validation_dice = self._train_stacked_teachers(first, train, seed, validation)
         else:
-            validation_dice = self._train_each_teacher(first, train, seed, local_dp, guard, nonce, validation)
+            validation_dice = self._train_each_teacher(first, train, seed, local_dpsgd, guard, nonce, validation)
         local_epsilon = None
         if ledger is not None and len(ledger):
             delta = float(local_dp["delta"])
@@ -351,7 +353,9 @@ class Hospital:
                 "teacher_dice_validation": float(np.mean(valid)) if valid and not self.deployed else None,
                 "local_epsilon": local_epsilon,
                 "local_delta": float(local_dp["delta"]) if local_dp else None,
-                "local_relation": Relation.ADD_REMOVE.value if local_dp else None,
+                # the relation the teachers' epochs were charged under (DPConfig's: replace-one unless local_dp
+                # names another)
+                "local_relation": local_dpsgd.relation.value if local_dpsgd else None,
                 "device": str(device), "precision": precision}
 
         atomic_write_json(self.workdir / "teachers" / "training.json",
@@ -359,20 +363,21 @@ class Hospital:
                            "storage": STACKED_STORAGE if self._heads_path().exists() else TEACHER_FILES_STORAGE})
         return metrics
 
-    def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dp, guard, nonce: str,
-                            validation) -> list:
+    def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dpsgd: DPConfig | None, guard,
+                            nonce: str, validation) -> list:
         """One :func:`task.training.train_segmentation` per teacher (every teacher of a hospital whose teachers cannot
         be trained as stacked heads: full fine-tuning, augmentation, local DP-SGD -- each teacher its own Opacus
         session, Poisson sampling, noise stream and ledger owner); each saved to its own file. Returns each
-        teacher's validation Dice (empty without validation cases)."""
+        teacher's validation Dice (empty without validation cases). ``local_dpsgd``: the teachers' local DP-SGD
+        (:meth:`_local_dpsgd`), each teacher's release ids and noise streams its own; None: no local DP-SGD."""
         validation_dice = []
         epochs, init_state = train.epochs, train.init_from
         for k, case_ids in enumerate(self.partitions):
             model = first if k == 0 else self._new_model(train.trainable)
             dp = None
-            if local_dp:
-                dp = DPConfig(**{**dict(local_dp), "release_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
-                                 "stream_prefix": f"{self.hospital_id}/teacher-{k}:dpsgd"})
+            if local_dpsgd is not None:
+                dp = replace(local_dpsgd, release_prefix=f"{self.hospital_id}/teacher-{k}:dpsgd@{nonce}",
+                             stream_prefix=f"{self.hospital_id}/teacher-{k}:dpsgd")
             config = replace(train, seed=seed * 1009 + k, description=f"{self.hospital_id} teacher {k}")
             if case_ids and epochs > 0:
                 result = train_segmentation(model, self.prepared.images(case_ids), self.prepared.labels(case_ids),
@@ -388,6 +393,16 @@ class Hospital:
                 dice = evaluate_segmentation(model, validation[0], validation[1], precision=config.compute.precision)
                 validation_dice.append(dice.get("mean"))
         return validation_dice
+
+    def _local_dpsgd(self, local_dp: Mapping[str, Any]) -> DPConfig:
+        """The teachers' local DP-SGD as the request states it (``local_dp``: DPConfig fields), validated once before
+        anything trains; a field DPConfig does not have, or a value it refuses, is refused in one line."""
+        try:
+            return DPConfig(**dict(local_dp))
+        except TypeError as exc:   # a key that is not a DPConfig field
+            raise UserError(f"hospital {self.hospital_id}: local_dp: {exc}") from None
+        except UserError as exc:
+            raise UserError(f"hospital {self.hospital_id}: local_dp: {exc}") from None
 
     def _train_stacked_teachers(self, first, train: TrainConfig, seed: int, validation) -> list:
         """Every voxel-head teacher of this hospital at once (:func:`task.training.train_stacked_voxel_heads`): the
@@ -426,17 +441,16 @@ class Hospital:
 
     def _training_fingerprint(self, init, epochs: int, seed: int, local_dp, how: Mapping[str, Any]) -> str:
         """Everything the trained teachers depend on (not epsilon: PATE's budget is spent at query time);
-        ``how``: what they train, at which learning rate, with or without augmentation, at which precision
-        (bf16 teachers are other teachers than float32 ones). Not the device or the thread count: they change
-        the last bits of the float arithmetic, not what was asked for."""
+        ``how``: what they train, at which learning rate and batch size, with or without augmentation, at which
+        precision (bf16 teachers are other teachers than float32 ones). Not the device or the thread count: they
+        change the last bits of the float arithmetic, not what was asked for."""
 
         digest = hashlib.sha256()
         for name in sorted(init or {}):
             digest.update(name.encode())
             digest.update(np.ascontiguousarray(np.asarray(init[name])).tobytes())
         digest.update(json.dumps({"epochs": epochs, "seed": seed, "partitions": self.partitions,
-                                  "unet": self.preset.unet, **dict(how),
-                                  "batch": self.preset.batch_size, "local_dp": local_dp,
+                                  "unet": self.preset.unet, **dict(how), "local_dp": local_dp,
                                   "grid": list(getattr(self.prepared, "grid", ()))},
                                  sort_keys=True, default=str).encode())
         return digest.hexdigest()

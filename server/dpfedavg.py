@@ -247,7 +247,8 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, config: DpFedAvgCo
             round=0, rounds=setting["rounds"], local_epochs=setting["local_epochs"], epsilon=config.epsilon,
             delta=config.delta, seed=config.seed, run_tag=run_tag, reproducible_noise=bool(config.reproducible_noise),
             relation=config.relation, setting=index, plan=plan, learning_rate=setting["learning_rate"],
-            max_grad_norm=setting["max_grad_norm"], batch_size=setting["batch_size"], device=config.compute.device,
+            max_grad_norm=setting["max_grad_norm"], batch_size=setting["batch_size"],
+            per_layer=bool(preset.dp_sgd.per_layer), device=config.compute.device,
             precision=config.compute.precision, **lever_settings(setting))
         label = "dp-fedavg rounds" + (f" (setting {index + 1}/{len(settings)})" if len(settings) > 1 else "")
         start = _start_of(preset, setting, config.seed, init_weights)

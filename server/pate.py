@@ -301,12 +301,12 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
 
 def teacher_training(preset) -> TeacherTrainingRequest:
     """What the teachers train, as the preset's :class:`task.presets.Teachers` says, as the hospitals' train
-    request: the epochs, the trainable set, the learning rate (the preset's when the recipe names none) and
-    augmentation."""
+    request: the epochs, the trainable set, the learning rate (the preset's when the recipe names none),
+    augmentation and the batch size (the preset's, which every method shares)."""
     recipe = preset.teacher
     return TeacherTrainingRequest(teacher_epochs=recipe.epochs, teacher_trainable=recipe.trainable.value,
                                   teacher_learning_rate=float(recipe.learning_rate or preset.learning_rate),
-                                  teacher_augment=bool(recipe.augment))
+                                  teacher_augment=bool(recipe.augment), teacher_batch_size=int(preset.batch_size))
 
 
 def student_training(preset) -> dict[str, Any]:

@@ -52,8 +52,8 @@ Noise modes:
 
 * ``"target"``: sigma calibrated so the planned epochs spend exactly the target epsilon
   (``privacy.calibration.dpsgd_noise_multiplier`` / ``shuffled_noise_multiplier``);
-* ``"fixed"``: the given sigma (default the paper's sqrt 6); training stops before the first epoch that
-  would exceed the budget;
+* ``"fixed"``: the given sigma (the caller's: the preset's ``dp_sgd.noise_multiplier``, the paper's sqrt 6,
+  unless the run sets one); training stops before the first epoch that would exceed the budget;
 * ``"schedule"``: sigma_t from a Yu et al. dynamic schedule (``privacy.schedules``: time, exp, step, poly,
   validation; Sec. 5 eq. 9-13), changed per epoch on the optimizer; training stops exactly when the
   next epoch would exceed the budget. The validation-based schedule needs a *public* validation set.
@@ -71,6 +71,7 @@ add/remove). The validation set is public: its scores are post-processing and co
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -120,15 +121,24 @@ warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPConfig:
-    """DP-SGD settings (docs/ARCHITECTURE.md, "sim training engine"). The budget, its delta and the clipping norm
-    are always the caller's (the run's budget, the preset's delta and clip): this record has no defaults for them."""
+    """The training's validated DP-SGD record: what one DP-SGD session runs (docs/ARCHITECTURE.md, "sim training
+    engine"). Frozen, and validated and normalised when built (``__post_init__``: the options as their enums, a
+    combination the accounting cannot cover refused in one line), so every DPConfig that exists is one a session
+    can run; ``dataclasses.replace`` builds a changed one, validated again. The budget, its delta and the clipping
+    norm are always the caller's (the run's budget, the preset's delta and clip): this record has no defaults for
+    them.
+
+    The other DP-SGD records sit above it: :class:`task.presets.DpSgd` and :class:`task.presets.DpSetting` are the
+    preset's recipe and its grid entries, ``sim.runners.central.DPSGDOptions`` the command line's options of one
+    pooled run, ``task.classification.dpsgd_classifier.DPSGDConfig`` the classification benchmark's settings; each
+    is turned into a DPConfig where training starts."""
 
     mode: NoiseMode = NoiseMode.TARGET   # "target" | "fixed" | "schedule"
     epsilon: float = field(kw_only=True)   # budget per owner
     delta: float = field(kw_only=True)
-    noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (default sqrt 6)
+    noise_multiplier: float | None = None  # fixed mode sigma; schedule mode sigma_0 (the caller's: no default)
     max_grad_norm: float = field(kw_only=True)   # per parameter tensor when per_layer, else of the whole gradient
     per_layer: bool = True
     sampling: Sampling = Sampling.POISSON  # "poisson" | "shuffle"
@@ -144,10 +154,12 @@ class DPConfig:
     stream_prefix: str | None = None
     target_epochs: int | None = None     # planning horizon for target/schedule (default: the training epochs)
 
-    def validate(self) -> "DPConfig":
-        self.mode = look_up_option(self.mode, NoiseMode, "--noise-mode")
-        self.sampling = look_up_option(self.sampling, Sampling, "--sampling")
-        self.relation = look_up_option(self.relation, Relation, "--relation")
+    def __post_init__(self) -> None:
+        _normalise = functools.partial(object.__setattr__, self)
+        _normalise("mode", look_up_option(self.mode, NoiseMode, "--noise-mode"))
+        _normalise("sampling", look_up_option(self.sampling, Sampling, "--sampling"))
+        _normalise("relation", look_up_option(self.relation, Relation, "--relation"))
+        _normalise("schedule_options", dict(self.schedule_options or {}))
         if not (self.epsilon and self.epsilon > 0):
             raise UserError(f"--epsilon: expected a positive number, got {self.epsilon!r}")
         if not (0 < self.delta < 1):
@@ -158,14 +170,14 @@ class DPConfig:
             raise UserError(f"noise_multiplier: expected > 0, got {self.noise_multiplier!r}")
         if self.mode is NoiseMode.SCHEDULE:
             schedule_family(self.schedule)
-        self.grad_sample_mode = look_up_option(self.grad_sample_mode, GradSampleMode, "grad_sample_mode")
+        _normalise("grad_sample_mode", look_up_option(self.grad_sample_mode, GradSampleMode, "grad_sample_mode"))
         relations = RELATIONS_FOR_SAMPLING[self.sampling]
         if self.relation not in relations:
             why = (" (shuffled batches have no add/remove analysis: removing a record shifts the batches; Yu et al.'s "
                    "1/(2 sigma^2) per epoch is for zero-out adjacency)" if self.sampling is Sampling.SHUFFLE else "")
             raise UserError(f"--relation: expected one of {', '.join(relations)} with --sampling {self.sampling}, "
                             f"got {self.relation!r}{why}")
-        self.accountant = look_up_option(self.accountant, CalibrationAccountant, "accountant")
+        _normalise("accountant", look_up_option(self.accountant, CalibrationAccountant, "accountant"))
         if (self.sampling is Sampling.POISSON and self.relation is Relation.REPLACE_ONE
                 and self.accountant is not CalibrationAccountant.PLD):
             raise UserError("accountant: replace-one Poisson-sampled DP-SGD is accounted with pld only "
@@ -175,7 +187,9 @@ class DPConfig:
                             "(Feldman & Zrnic 2021); PLD is not valid under adaptive choices and dp_accounting has no "
                             "replace-one RDP for Poisson sampling: use --sampling shuffle (zCDP filter) or "
                             "--relation add-remove (Renyi filter)")
-        return self
+        if self.mode is not NoiseMode.TARGET and self.noise_multiplier is None:
+            raise UserError(f"noise_multiplier: --noise-mode {self.mode} needs one (the preset's "
+                            "dp_sgd.noise_multiplier or --noise-multiplier); only target mode calibrates its own")
 
     @property
     def adaptive(self) -> bool:
@@ -208,7 +222,6 @@ class PrivateTraining:
     def __post_init__(self) -> None:
         if not isinstance(self.dp, DPConfig):
             raise UserError(f"private training: expected a DPConfig, got {type(self.dp).__name__}")
-        self.dp.validate()
         object.__setattr__(self, "owners", tuple(self.owners))
         if not self.owners:
             raise UserError("private training: no ledger owner to charge")
@@ -236,7 +249,7 @@ def check_first_epoch(dp: "DPConfig", n: int, batch_size: int) -> None:
     if dp.mode is NoiseMode.TARGET:
         return
     steps = steps_per_epoch(int(n), int(batch_size))
-    sigma = float(dp.noise_multiplier or 6 ** 0.5)   # every schedule starts at sigma_0
+    sigma = float(dp.noise_multiplier)   # every schedule starts at sigma_0
     event = _epoch_event(dp, 1.0 / steps, sigma, steps)
     epoch, slack = _epoch_epsilon_estimate(event, dp.delta, steps)
     if epoch <= dp.epsilon:   # an upper bound within the budget: the guard will let the epoch through
@@ -416,7 +429,7 @@ class DPSession:
         from opacus.validators import ModuleValidator
 
         dp, guard, noise = private.dp, private.guard, private.noise
-        self.dp = dp.validate()
+        self.dp = dp
         if n <= 0:
             raise UserError("DP-SGD: the private training set is empty")
         errors = ModuleValidator.validate(model, strict=False)
@@ -474,7 +487,7 @@ class DPSession:
     def _initial_sigma(self, has_validation: bool) -> float:
         dp = self.dp
         if dp.mode is NoiseMode.FIXED:
-            return float(dp.noise_multiplier or 6 ** 0.5)
+            return float(dp.noise_multiplier)
         if dp.mode is NoiseMode.TARGET:
             if dp.sampling == Sampling.POISSON:   # memoised on disk: the guard verifies the plan anyway
                 return float(accounting.dpsgd_noise_multiplier(
@@ -485,7 +498,7 @@ class DPSession:
         # schedule
         if schedule_family(dp.schedule) is ScheduleFamily.VALIDATION and not has_validation:
             raise UserError("--schedule validation: needs a public validation set (none was given)")
-        sigma0 = float(dp.noise_multiplier or 6 ** 0.5)
+        sigma0 = float(dp.noise_multiplier)
         self._schedule = make_schedule(dp, sigma0, target_epochs=self.planned_epochs,
                                        sampling_rate=self.sampling_rate, steps_per_epoch=self.steps)
         return float(self._schedule.sigma(0))

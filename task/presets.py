@@ -204,7 +204,11 @@ class Codec:
 class DpSetting:
     """One entry of a DP baseline's settings grid: what it fixes; None = the recipe's value (every entry is
     trained on the private data under one noise multiplier calibrated for all of them together, and the one with
-    the best public validation Dice is kept: sim.runners.central, server.dpfedavg)."""
+    the best public validation Dice is kept: sim.runners.central, server.dpfedavg).
+
+    Layer: the preset's settings (like :class:`DpSgd`, its recipe). Each entry becomes one training's validated
+    record, ``task.dpsgd.DPConfig``, where the run trains it (``sim.runners.central``; a DP-FedAvg hospital builds
+    its own from the round request the server resolves from this entry)."""
     learning_rate: float | None = None
     max_grad_norm: float | None = None
     batch_size: int | None = None             # expected batch
@@ -250,7 +254,12 @@ def _grid(owner, refused: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class DpSgd:
-    """Pooled DP-SGD's recipe (sim.runners.central); DP-FedAvg's hospitals clip the same way."""
+    """Pooled DP-SGD's recipe (sim.runners.central); DP-FedAvg's hospitals clip the same way.
+
+    Layer: the preset's settings, the one place the defaults live (the clip of Fay et al. Sec. 5 and their
+    σ = √6). The command line's ``sim.runners.central.DPSGDOptions`` override some of them for one run (None =
+    this recipe's); the training itself runs a validated ``task.dpsgd.DPConfig`` built from both, which has no
+    defaults for the budget, the clip or a fixed noise."""
     batch_size: int | None = None              # expected batch (None = the preset's batch_size)
     per_layer: bool = True                     # clip each parameter tensor, else the whole gradient
     max_grad_norm: float = 4.0

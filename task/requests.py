@@ -200,7 +200,7 @@ class TeacherTrainingRequest(HospitalRequest):
     #: the fields of the teachers' recipe (``task.presets.Teachers``, the learning rate resolved): every request
     #: carries each of them
     RECIPE: ClassVar[tuple[str, ...]] = ("teacher_epochs", "teacher_trainable", "teacher_learning_rate",
-                                         "teacher_augment")
+                                         "teacher_augment", "teacher_batch_size")
 
     init_weights: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=ARRAYS)
     teacher_epochs: int | None = None
@@ -208,6 +208,7 @@ class TeacherTrainingRequest(HospitalRequest):
     teacher_trainable: str | None = None        # a task.options.Trainable value
     teacher_learning_rate: float | None = None
     teacher_augment: bool | None = None
+    teacher_batch_size: int | None = None
     local_dp: Mapping[str, Any] | None = None   # the teachers train with local DP-SGD (task.dpsgd.DPConfig fields)
 
     def __post_init__(self) -> None:
@@ -222,6 +223,8 @@ class TeacherTrainingRequest(HospitalRequest):
              if self.teacher_learning_rate else None)
         if self.teacher_augment is not None:
             _set(self, "teacher_augment", _flag(self.teacher_augment, "teacher_augment"))
+        if self.teacher_batch_size is not None:
+            _set(self, "teacher_batch_size", _integer(self.teacher_batch_size, "teacher_batch_size", 1))
         missing = [name for name in self.RECIPE if getattr(self, name) is None]
         if missing:
             raise UserError(f"train request: no {', '.join(missing)}; a request carries the teachers' whole recipe "
@@ -294,9 +297,15 @@ class FedAvgRoundRequest(HospitalRequest):
     (``epsilon``, ``delta``) for the whole run under ``relation``. ``plan`` (JSON: every grid setting's
     expected batch and epochs) makes the hospital calibrate one noise multiplier for all of them together,
     ``setting`` naming the one this round belongs to; ``run_tag`` names the run's ledger at the hospital.
-    Unset training values are the hospital's preset's; ``trainable``, ``augmentation_multiplicity`` and
-    ``ema_decay`` are the grid entry's fine-tuning levers (``task.training.lever_settings``).
+    The round's recipe (:data:`RECIPE`: the grid setting's learning rate, clipping norm and expected batch, and
+    whether DP-SGD clips per layer) travels whole: the server resolves it once from its preset
+    (``server.dpfedavg.dpfedavg_settings``); a hospital never fills a gap from its own, and a request without one
+    of its fields is refused. ``trainable``, ``augmentation_multiplicity`` and ``ema_decay`` are the grid entry's
+    fine-tuning levers (``task.training.lever_settings``; unset: the engine's defaults).
     ``reproducible_noise``: seeded noise (simulation only; a deployed hospital refuses it)."""
+
+    #: the round's training recipe: every round request carries each of them
+    RECIPE: ClassVar[tuple[str, ...]] = ("learning_rate", "max_grad_norm", "batch_size", "per_layer")
 
     round: int
     rounds: int
@@ -312,6 +321,7 @@ class FedAvgRoundRequest(HospitalRequest):
     learning_rate: float | None = None
     max_grad_norm: float | None = None
     batch_size: int | None = None
+    per_layer: bool | None = None
     trainable: str | None = None
     augmentation_multiplicity: int | None = None
     ema_decay: float | None = None
@@ -327,9 +337,18 @@ class FedAvgRoundRequest(HospitalRequest):
         _set(self, "run_tag", str(self.run_tag))
         _set(self, "reproducible_noise", bool(self.reproducible_noise))
         _set(self, "relation", look_up_option(self.relation, Relation, "relation"))
-        for name in ("learning_rate", "max_grad_norm"):   # unset (or 0): the hospital's preset's
-            _set(self, name, _real(getattr(self, name), name, positive=True) if getattr(self, name) else None)
-        _set(self, "batch_size", _integer(self.batch_size, "batch_size", 1) if self.batch_size else None)
+        for name in ("learning_rate", "max_grad_norm"):
+            if getattr(self, name) is not None:
+                _set(self, name, _real(getattr(self, name), name, positive=True))
+        if self.batch_size is not None:
+            _set(self, "batch_size", _integer(self.batch_size, "batch_size", 1))
+        if self.per_layer is not None:
+            _set(self, "per_layer", _flag(self.per_layer, "per_layer"))
+        missing = [name for name in self.RECIPE if getattr(self, name) is None]
+        if missing:
+            raise UserError(f"dp-fedavg round request: no {', '.join(missing)}; a request carries the round's whole "
+                            f"recipe ({', '.join(self.RECIPE)}), the server's, never completed from a hospital's own "
+                            "preset")
         _set(self, "plan", self.plan or None)
         if self.setting is not None:
             _set(self, "setting", _integer(self.setting, "setting", 0))

@@ -7,8 +7,9 @@ A module imports only its own layer or below; server and clients never import ea
 cycle between these packages, nor between their modules (a sub-package such as ``task/data/`` counted as one
 module; an import inside a function counts: one there only to dodge a cycle hides it); flwr only in the Flower
 adapters; the command line's start-up stays free
-of torch, monai and flwr. A setting is resolved once: the hospital (clients/) never reads the teachers' recipe
-from its own preset (``preset.teacher``) -- the server's request carries it whole. ``check_tree`` takes any checkout, so the rule can be checked on an older
+of torch, monai and flwr. A setting is resolved once: the hospital (clients/) never reads a training setting from
+its own preset (``preset.teacher``, ``preset.batch_size``, ``preset.learning_rate``, ``preset.dp_sgd``, ...) --
+the server's request carries it whole. ``check_tree`` takes any checkout, so the rule can be checked on an older
 tree too (``python tests/test_architecture.py PATH``).
 """
 
@@ -197,22 +198,36 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(groups)
 
 
+#: the preset's training settings a hospital never reads from its own preset, and the request that carries each
+#: (resolved once, by the server). Not the network (``unet``: the weights sent must fit it), nor what the hospital
+#: decides itself (its grid and teachers when deployed, the δ of its lifetime ledger).
+HOSPITAL_FORBIDDEN_SETTINGS = {
+    "teacher": "TeacherTrainingRequest.RECIPE",
+    "batch_size": "TeacherTrainingRequest.RECIPE, FedAvgRoundRequest.RECIPE",
+    "learning_rate": "TeacherTrainingRequest.RECIPE, FedAvgRoundRequest.RECIPE",
+    "dp_sgd": "FedAvgRoundRequest.RECIPE",
+    "dp_fedavg": "FedAvgRoundRequest.RECIPE",
+}
+
+
 def hospital_recipe_reads(root: Path) -> list[str]:
-    """Every place under clients/ that reads the teachers' recipe from a preset (``<...>preset.teacher``, or
-    ``getattr(<...>preset, "teacher")``): the recipe travels whole in the server's train request, resolved once."""
+    """Every place under clients/ that reads a training setting from a preset (``<...>preset.teacher``,
+    ``<...>preset.batch_size``, or ``getattr(<...>preset, "teacher")``; :data:`HOSPITAL_FORBIDDEN_SETTINGS`): the
+    server resolves it once and its request carries it whole."""
     found = []
     for path in sorted((root / "clients").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and node.attr == "teacher" and _names_a_preset(node.value):
-                line = node.lineno
+            if (isinstance(node, ast.Attribute) and node.attr in HOSPITAL_FORBIDDEN_SETTINGS
+                    and _names_a_preset(node.value)):
+                setting = node.attr
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                   and len(node.args) >= 2 and _names_a_preset(node.args[0])
-                  and isinstance(node.args[1], ast.Constant) and node.args[1].value == "teacher"):
-                line = node.lineno
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value in HOSPITAL_FORBIDDEN_SETTINGS):
+                setting = node.args[1].value
             else:
                 continue
-            found.append(f"{path.relative_to(root)}:{line}: a hospital reads its own preset's teacher recipe "
-                         "(the train request carries it: TeacherTrainingRequest.RECIPE)")
+            found.append(f"{path.relative_to(root)}:{node.lineno}: a hospital reads its own preset's {setting} "
+                         f"(a training setting: the request carries it, {HOSPITAL_FORBIDDEN_SETTINGS[setting]})")
     return found
 
 
@@ -272,6 +287,9 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     write("clients/hospital.py", "import flwr.app\n")                            # flwr outside the adapters
     write("clients/fallback.py", "def f(self):\n    return self.preset.teacher.epochs\n")   # a setting read twice
     write("clients/fallback_too.py", "def f(preset):\n    return getattr(preset, 'teacher')\n")
+    write("clients/fallback_batch.py", "def f(self, request):\n    return request.batch_size or self.preset.batch_size\n")
+    write("clients/fallback_clip.py", "def f(hospital):\n    return hospital.preset.dp_sgd.max_grad_norm\n")
+    write("clients/network.py", "def f(self):\n    return self.preset.unet, self.preset.delta\n")   # not a recipe
     write("task/training.py", "from task.headgrad import check\n")                # a cycle dodged in a function
     write("task/headgrad.py", "def f():\n    from task.training import loss\n")
     write("task/presets.py", "from task.data.shifts import SHIFTS\n")            # a module <-> a sub-package
@@ -290,8 +308,11 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert "clients.hospital imports flwr" in problems
     assert "import cycle between packages: sim.deployment -> sim.runners -> sim.deployment" in problems
     assert "task.flower_wire imports flwr" not in problems
-    assert "clients/fallback.py:2: a hospital reads its own preset's teacher recipe" in problems
-    assert "clients/fallback_too.py:2: a hospital reads its own preset's teacher recipe" in problems
+    assert "clients/fallback.py:2: a hospital reads its own preset's teacher" in problems
+    assert "clients/fallback_too.py:2: a hospital reads its own preset's teacher" in problems
+    assert "clients/fallback_batch.py:2: a hospital reads its own preset's batch_size" in problems
+    assert "clients/fallback_clip.py:2: a hospital reads its own preset's dp_sgd" in problems
+    assert "clients/network.py" not in problems
     assert ("import cycle between modules: task.headgrad (task/headgrad.py:2 inside a function) -> task.training "
             "(task/training.py:1) -> task.headgrad") in problems
     assert ("import cycle between modules: task.data (task/data/phantoms.py:1) -> task.presets (task/presets.py:1) "
@@ -299,7 +320,7 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert ("import cycle between modules: sim.deployment (sim/deployment/local.py:1) -> sim.runners "
             "(sim/runners/compare.py:1) -> sim.deployment") in problems   # the package cycle, module by module
     assert "task.typed" not in problems   # an import for annotations only (TYPE_CHECKING) closes no cycle
-    assert len(found) == 11, problems
+    assert len(found) == 13, problems
 
 
 def test_the_command_line_starts_without_torch_monai_or_flwr():

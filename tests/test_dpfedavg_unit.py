@@ -45,7 +45,8 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
     for relation in (None, "add-remove"):
         hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], get_preset("tiny"), tmp_path / str(relation),
                             HospitalSettings(lifetime_epsilon=100.0))
-        config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True}
+        config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True,
+                  "learning_rate": 3e-3, "max_grad_norm": 4.0, "batch_size": 2, "per_layer": True}
         _, metrics = local_dpsgd_round(hospital, weights, {**config, **({"relation": relation} if relation else {})})
         assert "n_examples" not in metrics and metrics["epochs_trained"] == 1
         events = [event_from_dict(r["event"]) for r in json.loads(metrics["ledger_records"])]

@@ -10,9 +10,11 @@ from privacy.events import SampledGaussianEvent, ZCDPEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
+from privacy.options import Relation, Sampling
 from task.compute import Compute
 from task.dpsgd import DPConfig, private_training
 from task.errors import UserError
+from task.options import NoiseMode
 from task.networks import build_unet
 from task.training import TrainConfig, train_segmentation
 
@@ -86,13 +88,38 @@ def test_default_relation_is_replace_one_and_both_epsilons_are_reported(tmp_path
     ({"mode": "schedule", "schedule": "validation"}, "filter"),
 ])
 def test_dp_config_refuses_relations_without_an_analysis(config, message):
+    """Refused when built: no DPConfig exists that a session could not account."""
     with pytest.raises(UserError, match=message):
-        DPConfig(**config, epsilon=8.0, delta=1e-3, max_grad_norm=4.0).validate()
-    DPConfig(accountant="rdp", relation="add-remove", epsilon=8.0, delta=1e-3, max_grad_norm=4.0).validate()
+        DPConfig(**config, epsilon=8.0, delta=1e-3, max_grad_norm=4.0)
+    DPConfig(accountant="rdp", relation="add-remove", epsilon=8.0, delta=1e-3, max_grad_norm=4.0)
     DPConfig(mode="schedule", schedule="validation", relation="add-remove", epsilon=8.0, delta=1e-3,
-             max_grad_norm=4.0).validate()
+             noise_multiplier=2.0, max_grad_norm=4.0)
     DPConfig(mode="schedule", schedule="validation", sampling="shuffle", epsilon=8.0, delta=1e-3,
-             max_grad_norm=4.0).validate()
+             noise_multiplier=2.0, max_grad_norm=4.0)
+
+
+def test_dp_config_is_frozen_normalised_when_built_and_validated_again_when_replaced():
+    """DPConfig is one frozen record: built from plain values it holds the options' enums; a changed copy
+    (``dataclasses.replace``) is validated again; nothing changes one in place."""
+    import dataclasses
+
+    dp = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=2.0, max_grad_norm=4.0, sampling="shuffle",
+                  relation="zero-out", accountant="pld", grad_sample_mode="hooks")
+    assert (dp.mode, dp.sampling, dp.relation) == (NoiseMode.FIXED, Sampling.SHUFFLE, Relation.ZERO_OUT)
+    assert type(dp.mode) is NoiseMode and type(dp.sampling) is Sampling and type(dp.relation) is Relation
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dp.noise_multiplier = 3.0
+    assert dataclasses.replace(dp, noise_multiplier=3.0).noise_multiplier == 3.0 and dp.noise_multiplier == 2.0
+    with pytest.raises(UserError, match="^--relation: expected one of"):
+        dataclasses.replace(dp, relation="add-remove")   # shuffled batches have no add/remove analysis
+    with pytest.raises(UserError, match="^--delta"):
+        DPConfig(epsilon=8.0, delta=2.0, max_grad_norm=4.0)
+    # no noise of its own: a fixed or scheduled noise is the caller's (the preset's), only target mode calibrates
+    for mode in ("fixed", "schedule"):
+        with pytest.raises(UserError, match=f"^noise_multiplier: --noise-mode {mode} needs one"):
+            DPConfig(mode=mode, schedule="exp", epsilon=8.0, delta=1e-3, max_grad_norm=4.0)
+    with pytest.raises(UserError, match="^noise_multiplier: --noise-mode fixed needs one"):
+        dataclasses.replace(DPConfig(epsilon=8.0, delta=1e-3, max_grad_norm=4.0), mode="fixed")
 
 
 def test_target_mode_spends_the_budget_for_the_planned_epochs():
@@ -222,7 +249,8 @@ def test_dp_config_takes_its_budget_delta_and_clip_from_the_caller():
 
     with pytest.raises(TypeError, match="'epsilon', 'delta', and 'max_grad_norm'"):
         DPConfig(mode="fixed", noise_multiplier=1.0)
-    recipe = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False}
+    recipe = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False,
+              "teacher_batch_size": 2}
     with pytest.raises(UserError, match="^local_dp: expected DPConfig fields with at least epsilon, delta, "
                                         "max_grad_norm; no delta, max_grad_norm$"):
         TeacherTrainingRequest.from_config({**recipe, "local_dp": {"epsilon": 2.0}})

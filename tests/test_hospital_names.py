@@ -51,7 +51,8 @@ def test_a_dpfedavg_run_tag_that_is_not_a_plain_name_is_refused_before_anything_
     earlier = Ledger(hospital.privacy_ledger)           # the lifetime ledger a tag like x/../privacy-ledger aliases
     earlier.record(["h0"], GaussianEvent(1.0, 5.0), "earlier@0")
     before, files = hospital.privacy_ledger.read_bytes(), _files(tmp_path)
-    config = {"round": 0, "rounds": 1, "epsilon": 4.0, "delta": 1e-3, "run_tag": run_tag}
+    config = {"round": 0, "rounds": 1, "epsilon": 4.0, "delta": 1e-3, "run_tag": run_tag, "learning_rate": 3e-3,
+              "max_grad_norm": 4.0, "batch_size": 2, "per_layer": True}
     with pytest.raises(UserError, match="the server's run_tag") as info:
         _in_thread(lambda: local_dpsgd_round(hospital, {}, config))
     assert "\n" not in str(info.value)

@@ -131,7 +131,8 @@ def test_deployed_hospital_refuses_seeded_local_dpsgd(tmp_path):
 
     with pytest.raises(UserError, match="refuses reproducible"):
         local_dpsgd_round(_Stub(Deployed), {}, {"round": 0, "rounds": 1, "epsilon": 8.0, "delta": 1e-3,
-                                                "reproducible_noise": True})
+                                                "learning_rate": 3e-3, "max_grad_norm": 4.0, "batch_size": 2,
+                                                "per_layer": True, "reproducible_noise": True})
 
 
 class _Stub:

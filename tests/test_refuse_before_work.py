@@ -262,11 +262,10 @@ def test_the_first_epoch_check_agrees_with_the_guard_at_the_budgets_edge():
     from task.errors import UserError
 
     steps = steps_per_epoch(34, 2)
-    probe = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=2.0, max_grad_norm=4.0).validate()
+    probe = DPConfig(mode="fixed", epsilon=8.0, delta=1e-3, noise_multiplier=2.0, max_grad_norm=4.0)
     epoch = epsilon_spent([_epoch_event(probe, 1.0 / steps, 2.0, steps)], 1e-3)[0]
     check_first_epoch(DPConfig(mode="fixed", epsilon=1.02 * epoch, delta=1e-3, noise_multiplier=2.0,
-                               max_grad_norm=4.0).validate(), 34, 2)
+                               max_grad_norm=4.0), 34, 2)
     with pytest.raises(UserError, match="^--noise-multiplier 2: one epoch"):
         check_first_epoch(DPConfig(mode="fixed", epsilon=0.98 * epoch, delta=1e-3, noise_multiplier=2.0,
-                                   max_grad_norm=4.0).validate(),
-                          34, 2)
+                                   max_grad_norm=4.0), 34, 2)

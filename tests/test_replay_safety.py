@@ -49,7 +49,8 @@ def test_the_same_dpfedavg_round_twice_gets_the_identical_update_and_one_charge(
     hospital = Hospital("h0", _prepared(), [["p0", "p1"], ["p2", "p3"]], PRESET, tmp_path / "h0",
                         HospitalSettings(lifetime_epsilon=1000.0, delta=1e-3))
     weights = _weights()
-    config = {"round": 0, "rounds": 4, "epsilon": 500.0, "delta": 1e-3, "run_tag": "r1"}
+    config = {"round": 0, "rounds": 4, "epsilon": 500.0, "delta": 1e-3, "run_tag": "r1", "learning_rate": 3e-3,
+              "max_grad_norm": 4.0, "batch_size": 2, "per_layer": True}
     first, metrics = local_dpsgd_round(hospital, weights, config)
     charged = len(Ledger.load(hospital.privacy_ledger))
     assert charged >= 1
@@ -75,6 +76,10 @@ def test_retraining_local_dp_teachers_is_charged_again(tmp_path):
     ledger_path = hospital.workdir / "ledger.jsonl"
     charged = len(Ledger.load(ledger_path))
     assert charged == 2 and first["local_epsilon"] > 0
+    # the metrics name the relation the epochs were charged under (DPConfig's default: replace-one)
+    from privacy.events import event_from_dict
+    charged_under = {event_from_dict(record["event"]).relation for record in Ledger.load(ledger_path).records()}
+    assert charged_under == {first["local_relation"]} == {"replace-one"}
     # the identical request reuses the trained teachers: nothing new is released
     assert hospital.train_teachers({**recipe, "seed": 0, "local_dp": local_dp}).get("reused")
     assert len(Ledger.load(ledger_path)) == charged

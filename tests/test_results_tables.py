@@ -285,3 +285,41 @@ def test_one_commit_is_named_once_and_the_goals_are_listed_from_the_thresholds(r
     goals = results_tables.goal_list()
     assert f"≥ {100 * results_tables.REAL_GOAL:.0f} % of the real WT, TC and ET headroom" in goals
     assert "`pate-anchored-secure` within 0.02 of `pate-anchored`" in goals and goals.count("\n") == 5
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("document", ["docs/RESULTS.md", "docs/GUIDE.md"])
+def test_the_documents_settings_table_is_what_the_presets_give_now(document):
+    """K, the hospitals and the grid are stated once, in task.presets: the documents' settings block is the
+    generator's table as the presets stand, so a changed preset fails here until the block is written again
+    (``benchmarks/results_tables.py --write DOCUMENT``)."""
+    text = (REPO / document).read_text(encoding="utf-8")
+    assert _block(text, "settings").rstrip("\n") == results_tables.settings_table()
+
+
+def test_the_settings_table_reads_each_preset(monkeypatch):
+    from task.presets import PRESETS
+
+    quick = PRESETS["quick"]
+    changed = quick.with_changes(hospitals=3, teachers_per_hospital=5, grid=(24, 24, 16), dp_sgd=dict(max_grad_norm=0.5))
+    monkeypatch.setattr(results_tables, "PRESETS", {**PRESETS, "quick": changed})
+    row = _row(results_tables.settings_table(), "| `quick` |")
+    assert row.startswith("| `quick` | 3 | 5 | 15 | 24 × 24 × 16 | ") and "| 0.5 flat | 2.45 |" in row
+    assert row != _row(_block((REPO / "docs/GUIDE.md").read_text(encoding="utf-8"), "settings"), "| `quick` |")
+
+
+def test_without_comparisons_write_fills_only_the_tables_that_need_no_run(tmp_path, capsys):
+    document = tmp_path / "GUIDE.md"
+    document.write_text("Before.\n<!-- results_tables:settings begin -->\nstale\n<!-- results_tables:settings end -->\n"
+                        "<!-- results_tables:demo:cells begin -->\nkept, stamp and all\n"
+                        "<!-- results_tables:demo:cells end -->\nAfter.\n")
+    results_tables.main(["--write", str(document)])
+    text = document.read_text()
+    assert _block(text, "settings").rstrip("\n") == results_tables.settings_table()
+    assert _block(text, "demo:cells") == "kept, stamp and all\n" and _outside(text).startswith("Before.\n")
+    runs_only = tmp_path / "RUNS.md"
+    runs_only.write_text("<!-- results_tables:demo:cells begin -->\nx\n<!-- results_tables:demo:cells end -->\n")
+    with pytest.raises(SystemExit, match="no block of a table that needs no run"):
+        results_tables.main(["--write", str(runs_only)])

@@ -136,7 +136,8 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     hospital = Hospital("h0", prepared, [["a", "b"], ["c", "d"]], preset, tmp_path / "h0",
                         HospitalSettings(lifetime_epsilon=100.0))
     config = {"round": 0, "rounds": 1, "epsilon": 50.0, "delta": 1e-3, "reproducible_noise": True,
-              "learning_rate": setting["learning_rate"], "trainable": setting["trainable"]}
+              "learning_rate": setting["learning_rate"], "max_grad_norm": setting["max_grad_norm"],
+              "batch_size": setting["batch_size"], "per_layer": preset.dp_sgd.per_layer, "trainable": setting["trainable"]}
     new_weights, metrics = local_dpsgd_round(hospital, weights, config)
     assert metrics["epochs_trained"] == 1 and json.loads(metrics["ledger_records"])
     changed = {name for name in weights if not np.array_equal(weights[name], new_weights[name])}

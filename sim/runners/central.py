@@ -108,7 +108,11 @@ class TrainingOptions:
 
 @dataclass(frozen=True)
 class DPSGDOptions:
-    """How DP-SGD releases (``task.dpsgd.DPConfig``; ignored by non-private training).
+    """How DP-SGD releases (ignored by non-private training): the command line's options of one pooled run.
+
+    Layer: the CLI's options, checked on the command line before any work; None = the preset's recipe
+    (``task.presets.DpSgd``). Each grid entry's training runs the validated record ``task.dpsgd.DPConfig`` that
+    :func:`_dp_config` builds from these options, the preset and the entry.
 
     Args:
         noise_mode: ``target`` (sigma calibrated to the budget for the planned epochs), ``fixed`` (the
@@ -679,7 +683,7 @@ def _dp_config(preset, dpsgd: DPSGDOptions, epsilon: float, delta: float, settin
                     max_grad_norm=setting["max_grad_norm"], per_layer=per_layer, sampling=dpsgd.sampling,
                     schedule=dpsgd.schedule, schedule_options=dict(dpsgd.schedule_options or {}),
                     grad_sample_mode=dpsgd.grad_sample_mode or DEFAULT_GRAD_SAMPLE_MODE,
-                    relation=dpsgd.relation, **ids).validate()
+                    relation=dpsgd.relation, **ids)
 
 
 def _check_number(flag: str, value, *, positive: bool = False, low: float | None = None, high: float | None = None,

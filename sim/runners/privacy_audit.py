@@ -97,7 +97,7 @@ import math
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -881,7 +881,7 @@ def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float |
                                   compute=Compute(device="cpu", progress=False))
     dp = setup.config()
     if sigma is not None:
-        dp.mode, dp.noise_multiplier = "fixed", float(sigma)
+        dp = replace(dp, mode="fixed", noise_multiplier=float(sigma))
     guard = make_guard(setup.epsilon, setup.delta)
     with memoised_accounting(), broken_dpsgd_session(setup):
         result = training.train_segmentation(model, x, np.arange(len(x)), config,

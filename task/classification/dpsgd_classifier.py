@@ -46,6 +46,13 @@ RELATION = Relation.REPLACE_ONE
 
 @dataclass(frozen=True)
 class DPSGDConfig:
+    """The classification benchmark's DP-SGD baseline: its network (``hidden``), its optimiser (SGD with momentum)
+    and its training, with DP-SGD's clip and schedule (``sigma0_factor`` × the constant noise for the same budget).
+
+    Layer: a benchmark's own settings, not a preset's (the segmentation presets' DP-SGD is
+    ``task.presets.DpSgd``); :func:`_dp_config` turns it and the seed run's budget into the validated training
+    record ``task.dpsgd.DPConfig``."""
+
     hidden: tuple[int, ...] = (300,)
     epochs: int = 10
     batch_size: int = 250              # expected Poisson batch in units (records, or patients on the slice task)
