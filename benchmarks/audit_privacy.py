@@ -6,7 +6,7 @@
 For the PATE aggregator (K=128 teachers over 4 hospitals, N=40 queries, δ=1e-3, ε ∈ {1, 8}; σ calibrated
 as ``server.pate`` does, from the verified codec state) with the anchored codec (the demo's
 ``pate-anchored``: the product's compressor and defaults, C fitted on public maps, a public anchor per
-query, each shell split into the quick preset's T1-Gd bins unless ``--anchored-bins`` says otherwise) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``task.training.train_segmentation``
+query, each shell split into the quick preset's T1-Gd bins unless ``--anchored-bins`` says otherwise) -- and, in the full run, PCA clipped at C=1 -- and for DP-SGD (``task.learning.training.train_segmentation``
 with a ``DPConfig``: ε=2, δ=1e-3, Poisson rate 1/4, 20 steps, per-layer clipping) under both relations it
 can claim -- replace-one (the default: the canary against a record whose gradient points the other way)
 and add-remove (the canary against its absence) -- runs the product's own mechanism on worst-case
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     broken_runs = max(100, pate_runs // 2)
     secure_runs = args.secure_runs if args.secure_runs is not None else (100 if args.quick else 300)
     pate_codecs = args.codecs or (["anchored"] if args.quick else ["anchored", "pca"])
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     bins = args.anchored_bins or get_preset("quick").codec.anchored_intensity_bins
     noise = NoiseSource.reproducible(args.seed) if args.seed is not None else None

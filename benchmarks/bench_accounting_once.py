@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/bench_accounting_once.py [--owners 4] [--steps 12] [--epochs 10] [--epsilon 8]
 
-A pooled DP-SGD run in target mode (``task.dpsgd.DPSession``) calibrates σ for its plan, charges every epoch to every
+A pooled DP-SGD run in target mode (``task.learning.dpsgd.DPSession``) calibrates σ for its plan, charges every epoch to every
 hospital's ledger (one owner per hospital), and reports ε from the ledger at the end. Measured here on the product's
 own functions, with a replace-one Poisson-sampled Gaussian (the default relation, whose PLD is the costly one):
 
-* **calibration**: ``task.accounting.dpsgd_noise_multiplier`` with an empty disk memo (what a first run pays), then
+* **calibration**: ``task.learning.accounting.dpsgd_noise_multiplier`` with an empty disk memo (what a first run pays), then
   again (every later run with the same ε, δ, q, steps, accountant and relation: read from disk);
 * **charges**: the epochs charged through ``privacy.guard.BudgetGuard`` as before (every charge composes each owner's
   ledger), against the same charges after ``BudgetGuard.expect`` verified the plan once;
@@ -39,11 +39,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["FEDPATE_ACCOUNTING_CACHE"] = tempfile.mkdtemp(prefix="fedpate-bench-accounting-")
 
-    from privacy.accountants import _event_plds
+    from privacy.accountants.pld import _event_plds
     from privacy.events import SampledGaussianEvent
     from privacy.guard import BudgetGuard
     from privacy.ledger import Ledger
-    from task import accounting
+    from task.learning import accounting
 
     owners = [f"h{i}" for i in range(args.owners)]
     q, total = 1.0 / args.steps, args.steps * args.epochs

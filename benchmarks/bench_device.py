@@ -3,18 +3,18 @@
     .venv/bin/python benchmarks/bench_device.py [--device auto] [--precision 32,bf16] [--preset P --grid G]
                                                 [--batch B] [--steps N] [--pipeline]
 
-One command, every ratio from one run. The device is ``task.device.resolve_device(--device)``: CUDA when there
+One command, every ratio from one run. The device is ``task.learning.device.resolve_device(--device)``: CUDA when there
 is one. Defaults follow the device: on a GPU the ``paper`` preset's network (64^3, channels 16..256, batch 2),
 so that the paper preset's time on a GPU can be read off; on the CPU the ``small`` network at 32^3.
 
-What is timed is fedpate's own step, not a stand-in: ``task.networks`` U-Net, ``task.training.per_sample_loss``
-(Dice + CE per sample), Adam; DP-SGD through ``task.dpsgd.DPSession`` (Opacus functorch per-sample gradients,
+What is timed is fedpate's own step, not a stand-in: ``task.learning.networks`` U-Net, ``task.learning.training.per_sample_loss``
+(Dice + CE per sample), Adam; DP-SGD through ``task.learning.dpsgd.DPSession`` (Opacus functorch per-sample gradients,
 per-layer clipping at 4, sigma = sqrt 6, noise drawn on the host from the OS CSPRNG and copied to the device).
 On CUDA every timed step ends with ``torch.cuda.synchronize()``. Printed per precision: median seconds per
 step, samples per second, DP/plain; also the host-side augmentation of one batch (``task.data.augment``, what a
 GPU would wait for without prefetching) over the plain step.
 
-``--pipeline`` also times whole training epochs through ``task.training.train_segmentation`` with augmentation:
+``--pipeline`` also times whole training epochs through ``task.learning.training.train_segmentation`` with augmentation:
 host augmentation with batch prefetching off and on (checks both give the same weights, and that two runs without
 prefetching do: on a GPU only with --deterministic), and
 batched augmentation on the device (``task.data.augment.BatchAugmentation``).
@@ -55,10 +55,10 @@ def _timer(device):
 
 def bench_steps(device, precision: str, preset: str, grid: int, batch: int, steps: int) -> dict:
     from privacy.mechanisms import NoiseSource
-    from task.device import autocast
-    from task.dpsgd import DPConfig, DPSession, PrivateTraining
-    from task.networks import build_unet
-    from task.training import _augment_batch, _augmenter, per_sample_loss
+    from task.learning.device import autocast
+    from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
+    from task.learning.networks import build_unet
+    from task.learning.training import _augment_batch, _augmenter, per_sample_loss
 
     median_seconds = _timer(device)
     gen = torch.Generator().manual_seed(0)
@@ -113,9 +113,9 @@ def bench_steps(device, precision: str, preset: str, grid: int, batch: int, step
 def bench_pipeline(device, preset: str, grid: int, batch: int, cases: int, epochs: int) -> dict:
     """Seconds per epoch of train_segmentation with augmentation: host augmentation with prefetch off and on
     (same weights), and batched augmentation on the device."""
-    from task.networks import build_unet
-    from task.compute import Compute
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet
+    from task.learning.compute import Compute
+    from task.learning.training import TrainConfig, train_segmentation
 
     rng = np.random.default_rng(0)
     images = rng.normal(size=(cases, 4, grid, grid, grid)).astype(np.float32)
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto (default) | cpu | cuda | cuda:N")
     parser.add_argument("--precision", default="32,bf16", help="comma-separated: 32, bf16 (default both)")
-    parser.add_argument("--preset", default=None, help="task.networks preset (default: paper on CUDA, small on CPU)")
+    parser.add_argument("--preset", default=None, help="task.learning.networks preset (default: paper on CUDA, small on CPU)")
     parser.add_argument("--grid", type=int, default=None, help="grid side (default: 64 on CUDA, 32 on CPU)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from task.device import check_precision, device_name, resolve_device
+    from task.learning.device import check_precision, device_name, resolve_device
 
     device = resolve_device(args.device)
     cuda = device.type == "cuda"

@@ -48,15 +48,15 @@ def main() -> None:
 
     import torch
 
-    from task.bundle import privacy_card, save_bundle
+    from task.reporting.bundle import privacy_card, save_bundle
     from task.data.phantoms import GENERATOR_VERSION, PhantomSpec, generate_phantoms
     from task.data.shifts import Shift
     from task.data.preprocess import PreprocessConfig, prepare_dataset
     from task.io import atomic_write_json, atomic_write_text
-    from task.networks import build_unet_from_config, network_config
-    from task.compute import Compute
-    from task.predict import EvaluationOptions, evaluate_scans
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet_from_config, network_config
+    from task.learning.compute import Compute
+    from task.reporting.predict import EvaluationOptions, evaluate_scans
+    from task.learning.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
     out = Path(args.out)

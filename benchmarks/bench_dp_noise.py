@@ -10,7 +10,7 @@ is a sleep of ``--gap-ms`` that leaves the interpreter lock free. Measured in on
 * ``before``: the previous wiring -- one draw per parameter tensor on the training thread, from the OS CSPRNG
   (53-bit uniforms through the float64 inverse normal CDF), then one copy per tensor;
 * ``before-seeded``: the same with a seeded PCG64 stream (``--reproducible-noise``);
-* ``after``: ``task.dpsgd.StepNoise`` -- one flat float32 buffer per step, Box-Muller on the CSPRNG's bytes,
+* ``after``: ``task.learning.dpsgd.StepNoise`` -- one flat float32 buffer per step, Box-Muller on the CSPRNG's bytes,
   drawn a step ahead on its own thread; the training thread only takes it and adds it (one fused add);
 * ``after, no gap``: the same with no time between steps, so the draw itself is on the critical path (the
   floor when a step is shorter than the draw);
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from privacy.mechanisms import NoiseSource
-    from task.dpsgd import StepNoise, _install_stream_noise
-    from task.networks import build_unet
+    from task.learning.dpsgd import StepNoise, _install_stream_noise
+    from task.learning.networks import build_unet
 
     params = [p for p in build_unet(args.preset).parameters()]
     size = sum(p.numel() for p in params)

@@ -7,7 +7,7 @@ Also the cost of where the noise comes from: fedpate draws DP-SGD noise from a
 (``secure``), a seeded PCG64 stream only with ``--reproducible-noise`` (``seeded``) -- compared with
 Opacus' own ``torch.Generator`` noise (``torch-rng``), all functorch, in the same run.
 
-Same network (``task.networks`` preset), same per-sample Dice+CE loss (``task.training.per_sample_loss``),
+Same network (``task.learning.networks`` preset), same per-sample Dice+CE loss (``task.learning.training.per_sample_loss``),
 Adam, per-layer clipping at 4 and sigma = sqrt 6 (Fay et al. Sec. 5). Prints median seconds per step and
 the ratios DP/plain; also checks that both modes give the same clipped gradient sum (max abs difference).
 Timings on a shared 2-core CPU swing by +-30% between runs: only the ratios of one run mean anything.
@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     from opacus import GradSampleModule
     from opacus.optimizers import DPPerLayerOptimizer
 
-    from task.networks import build_unet
-    from task.training import per_sample_loss
+    from task.learning.networks import build_unet
+    from task.learning.training import per_sample_loss
 
     g = args.grid
     x = torch.randn(args.batch, 4, g, g, g, generator=torch.Generator().manual_seed(0))
@@ -92,11 +92,11 @@ def main(argv=None) -> int:
         return torch.cat([p.grad.flatten() for p in params])
 
     def noise_from(source):
-        """functorch DP step whose noise comes from a NoiseSource stream (task.dpsgd's own wiring)."""
+        """functorch DP step whose noise comes from a NoiseSource stream (task.learning.dpsgd's own wiring)."""
         from types import SimpleNamespace
 
         from privacy.mechanisms import NoiseSource
-        from task.dpsgd import StepNoise, _install_stream_noise
+        from task.learning.dpsgd import StepNoise, _install_stream_noise
 
         step, _, opt = private("functorch")
         stream = (NoiseSource() if source == "secure" else NoiseSource.reproducible(0)).generator("bench")

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_mirroring.py [--preset quick] [--batch 2] [--repeats 5] [--device cpu]
                                                    [--threads 1]
 
-What is timed is :func:`task.inference.mirrored_probabilities` on the preset's U-Net (random weights: the arithmetic
+What is timed is :func:`task.learning.inference.mirrored_probabilities` on the preset's U-Net (random weights: the arithmetic
 is measured) for a batch of ``--batch`` random scans, both ways (``together=False`` / ``True``), alternating, the
 median of ``--repeats`` each; on CUDA every timing ends with a synchronisation. The product picks one batch on a GPU
 and one pass after the other on the CPU: this is the measurement behind that choice. Prints one JSON line: seconds
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import torch
 
-    from task.inference import mirrored_probabilities
-    from task.networks import build_unet
-    from task.presets import get_preset
+    from task.learning.inference import mirrored_probabilities
+    from task.learning.networks import build_unet
+    from task.settings.presets import get_preset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick")

@@ -35,9 +35,9 @@ def synthetic_world(preset, seed=0):
 
 
 def main() -> None:
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
-    from task.compute import Compute
+    from task.learning.compute import Compute
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")

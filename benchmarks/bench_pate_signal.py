@@ -69,7 +69,7 @@ def main() -> None:
                 rows.append(row(results))
     else:
         from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
-        from task.compute import Compute
+        from task.learning.compute import Compute
 
         out = Path(args.out or tempfile.mkdtemp(prefix="bench_pate_signal_"))
         for method in args.methods:

@@ -7,8 +7,8 @@
    hospital: 45 patients, 32 teachers of one or two patients each), trained as the preset's
    teachers train (its epochs unless ``--epochs``, its learning rate, no augmentation) from the same heads on the
    preset's U-Net (random public weights: the arithmetic, not the accuracy, is measured) -- one
-   :func:`task.training.train_segmentation` per teacher (the frozen U-Net's output remembered per batch, as a
-   hospital trained them before) and all at once (:func:`task.training.train_stacked_voxel_heads`: the U-Net once
+   :func:`task.learning.training.train_segmentation` per teacher (the frozen U-Net's output remembered per batch, as a
+   hospital trained them before) and all at once (:func:`task.learning.training.train_stacked_voxel_heads`: the U-Net once
    per patient, the heads stacked, one optimiser). Reports the largest difference between the two ways' heads, and
    the torch operators one epoch dispatches each way (leaf operators in ``torch.profiler``, second epoch minus
    first: on a GPU each is at least one kernel launch) -- stacked both in the chunks this device's memory budget
@@ -42,8 +42,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from task.networks import build_unet
-    from task.presets import get_preset
+    from task.learning.networks import build_unet
+    from task.settings.presets import get_preset
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick")
@@ -112,9 +112,9 @@ def _training(preset, public, images, labels, samples: list, epochs: int, device
     """Both ways of training the same teachers from the same heads; their times and how far their heads differ."""
     import torch
 
-    from task.compute import Compute
-    from task.networks import VOXEL_HEAD, StackedVoxelHeads, build_unet, load_start_weights
-    from task.training import TrainConfig, train_segmentation, train_stacked_voxel_heads
+    from task.learning.compute import Compute
+    from task.learning.networks import VOXEL_HEAD, StackedVoxelHeads, build_unet, load_start_weights
+    from task.learning.training import TrainConfig, train_segmentation, train_stacked_voxel_heads
 
     config = TrainConfig(epochs=epochs, batch_size=preset.batch_size,
                          learning_rate=float(preset.teacher.learning_rate or preset.learning_rate),
@@ -152,8 +152,8 @@ def _operators_per_epoch(start, images, labels, samples, config) -> dict:
     """Leaf torch operators of one training epoch (two epochs minus one), one by one and stacked."""
     from torch.profiler import profile
 
-    from task.networks import StackedVoxelHeads
-    from task.training import TrainConfig, train_segmentation, train_stacked_voxel_heads
+    from task.learning.networks import StackedVoxelHeads
+    from task.learning.training import TrainConfig, train_segmentation, train_stacked_voxel_heads
 
     def count(run, epochs: int) -> int:
         with profile() as prof:
@@ -185,8 +185,8 @@ def _answering(preset, public, heads: list, scans: int, device) -> dict:
     from task import codecs
     from task.codecs import AnchoredResidualCompressor
     from task.io import atomic_save_torch
-    from task.networks import build_unet
-    from task.training import predict_probs
+    from task.learning.networks import build_unet
+    from task.learning.training import predict_probs
 
     rng = np.random.default_rng(1)
     queries = rng.normal(size=(scans, 4, *preset.grid)).astype(np.float32)

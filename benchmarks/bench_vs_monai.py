@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/bench_vs_monai.py [--preset quick] [--epochs N] [--augment] [--device cpu]
 
-Both sides train the preset's U-Net (``task.networks.build_unet``, MONAI's ``UNet``) from the same random start
+Both sides train the preset's U-Net (``task.learning.networks.build_unet``, MONAI's ``UNet``) from the same random start
 (``--init scratch``: no public model to pre-train first) on the pooled training patients of the same world, with
 Adam at the preset's learning rate and batch size for the same epochs, and score the test split:
 
 * **fedpate**: ``sim.runners.central.run_central`` exactly as ``fedpate central --method nonprivate --init scratch``
   runs it (the world loaded from the cache, training with its per-sample Dice+CE, the public validation Dice after
   every epoch, test-time mirroring on the test split, the model bundle and results.json written); its
-  ``phase_seconds`` (``task.phases``) say where its time went;
+  ``phase_seconds`` (``task.learning.phases``) say where its time went;
 * **plain MONAI**: ``CacheDataset`` + ``DataLoader`` (shuffled), ``DiceCELoss(to_onehot_y, softmax)``, Adam, one
   forward pass per test case and ``DiceMetric``, ``torch.save`` of the weights.
 
@@ -41,7 +41,7 @@ def plain_monai(world: dict, preset, epochs: int, seed: int, device: torch.devic
     from monai.metrics import DiceMetric
     from monai.transforms import Compose, RandFlipd, RandRotated
 
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     seconds = {}
     started = time.perf_counter()
@@ -96,7 +96,7 @@ def plain_monai(world: dict, preset, epochs: int, seed: int, device: torch.devic
 def fedpate_cell(preset_name: str, epochs: int, seed: int, device: str, augment: bool, out: Path) -> dict:
     """``fedpate central --method nonprivate --init scratch``; its results.json."""
     from sim.runners.central import CentralConfig, TrainingOptions, run_central
-    from task.compute import Compute
+    from task.learning.compute import Compute
     from task.options import Init
 
     return run_central(CentralConfig(method="nonprivate", preset=preset_name, out=out, seed=seed, init=Init.SCRATCH,

@@ -10,7 +10,7 @@ and score the test split:
 * **fedpate**: ``sim.runners.central.run_central`` as ``fedpate central --method dp-sgd --init scratch
   --no-augment`` runs it: σ calibrated for the budget under replace-one (PLD; its disk memo is emptied first, so
   the calibration is paid as on a first run), every epoch charged to every hospital's ledger, Poisson batches and
-  Gaussian noise from the OS CSPRNG (one flat buffer per step drawn a step ahead, ``task.dpsgd.StepNoise``),
+  Gaussian noise from the OS CSPRNG (one flat buffer per step drawn a step ahead, ``task.learning.dpsgd.StepNoise``),
   Opacus' per-sample clipping, the public validation Dice after every epoch, test-time mirroring on the test
   split, the model bundle and results.json; its ``phase_seconds`` say where its time went;
 * **Opacus alone**: ``PrivacyEngine().make_private_with_epsilon`` on a plain ``DataLoader`` (Opacus' Poisson
@@ -54,8 +54,8 @@ def opacus_alone(world: dict, preset, setting: dict, epochs: int, epsilon: float
     from monai.metrics import DiceMetric
     from opacus import PrivacyEngine
 
-    from task.networks import build_unet, freeze_all_but
-    from task.training import trainable_of
+    from task.learning.networks import build_unet, freeze_all_but
+    from task.learning.training import trainable_of
 
     seconds = {}
     started = time.perf_counter()
@@ -118,7 +118,7 @@ def fedpate_cell(preset_name: str, setting: dict, epochs: int, epsilon: float, s
                  out: Path) -> dict:
     """``fedpate central --method dp-sgd --init scratch --no-augment``; its results.json."""
     from sim.runners.central import CentralConfig, TrainingOptions, run_central
-    from task.compute import Compute
+    from task.learning.compute import Compute
     from task.options import Init
 
     # the one setting the Opacus side trains, fixed explicitly (a preset's grid of several is then one entry)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                                   folder)
             record["data"] += load_seconds
             return record
-        # a first run's calibration: the accounting memo starts empty (task.accounting)
+        # a first run's calibration: the accounting memo starts empty (task.learning.accounting)
         os.environ["FEDPATE_ACCOUNTING_CACHE"] = str(folder / "accounting-memo")
         try:
             record = fedpate_cell(args.preset, setting, epochs, args.epsilon, args.seed, args.device, folder)

@@ -15,9 +15,9 @@ import numpy as np
 
 from server.student import ModelTraining, train_public_model
 from task import codecs
-from task.metrics import dice_scores
-from task.presets import get_preset
-from task.training import predict_probs
+from task.learning.metrics import dice_scores
+from task.settings.presets import get_preset
+from task.learning.training import predict_probs
 from task.world import build_world, load_world
 
 CHANNELS = {"FLAIR": 0, "T1-Gd": codecs.T1GD_CHANNEL, "T2": 3}

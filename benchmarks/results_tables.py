@@ -28,13 +28,13 @@ hold the same seed (different runs of it). The tables, by name:
 * ``secure-sums`` -- per secure cell: the secure sums it ran and the bytes each hospital sent and received per sum;
 * ``goals`` -- the product's goals read off the same numbers, met or not, per comparison;
 * ``goal-list`` -- the goals themselves, in words, from the thresholds below (no run needed);
-* ``settings`` -- each registered preset's world and recipe as ``task.presets`` holds them: hospitals, teachers
+* ``settings`` -- each registered preset's world and recipe as ``task.settings.presets`` holds them: hospitals, teachers
   per hospital, K, the grid, the public query scans, the student's epochs, DP-SGD's clip and fixed σ (no run
   needed: the prose names K or a grid by pointing here, so a changed preset changes the documents' table);
 * ``command`` -- the command that wrote them (folders below their common parent, shown as ``RUNS``).
 
 Every table read from runs ends in a stamp naming what it was written from: how many ``results.json`` of how many
-comparisons, the commit(s) they record (``commit``, written by ``task.results.write_run``; "not recorded" for runs
+comparisons, the commit(s) they record (``commit``, written by ``task.reporting.results.write_run``; "not recorded" for runs
 older than that field) and a digest of those files: the first 12 hex digits of the sha256 of their sha256 digests,
 sorted, one per line. With the runs at hand, the same digest is
 
@@ -69,13 +69,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from task import methods as registry
+from task.settings import methods as registry
 from task.options import Trainable
-from task.presets import PRESETS
+from task.settings.presets import PRESETS
 from sim.report import (ceiling_of, floors_of, format_ratio, headroom_of, load_cells, paired_difference,
                         per_case_of, reference_cell)
 from sim.report_real import case_list, per_case_table, rank_agreement, ratio_over_cases
-from task.realcheck import real_region_mean
+from task.reporting.realcheck import real_region_mean
 
 REPO = Path(__file__).resolve().parents[1]
 REGIONS = ("WT", "TC", "ET")
@@ -617,7 +617,7 @@ def _student_epochs(student) -> str:
 
 
 def settings_table() -> str:
-    """The ``settings`` table: one row per preset of :data:`SETTINGS_PRESETS`, read from ``task.presets`` (no run
+    """The ``settings`` table: one row per preset of :data:`SETTINGS_PRESETS`, read from ``task.settings.presets`` (no run
     needed), so that a document never states K, a grid or a hospital count by hand."""
     lines = ["| preset | hospitals | teachers per hospital | K | grid | public query scans | student epochs "
              "| DP-SGD clip | DP-SGD σ (fixed noise) |",
@@ -633,7 +633,7 @@ def settings_table() -> str:
         "",
         "K = hospitals × teachers per hospital. DP-SGD's σ is its noise multiplier where the noise is fixed "
         "(`--noise-mode fixed`, or a schedule's start); by default σ is calibrated to the budget. Written from "
-        "`task.presets` by `benchmarks/results_tables.py` (table `settings`)."])
+        "`task.settings.presets` by `benchmarks/results_tables.py` (table `settings`)."])
 
 
 def run_free_tables() -> dict[str, str]:

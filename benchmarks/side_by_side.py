@@ -46,7 +46,7 @@ def work_folder(args: argparse.Namespace, name: str) -> Path:
 def warm_up(preset, world: dict, device: torch.device) -> None:
     """One forward and backward pass of the network on a training batch, untimed: one-time kernel set-up (allocator,
     oneDNN / cuDNN plans) then goes to neither side."""
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     model = build_unet(preset.unet).to(device)
     model(torch.as_tensor(world["train_images"][:2]).to(device)).sum().backward()
@@ -59,8 +59,8 @@ def prepare(args: argparse.Namespace, libraries: tuple[str, ...]):
     if args.threads:
         torch.set_num_threads(args.threads)
     from sim.runners.central import load_central_data
-    from task.device import resolve_device
-    from task.presets import get_preset
+    from task.learning.device import resolve_device
+    from task.settings.presets import get_preset
 
     preset = get_preset(args.preset)
     device = resolve_device(args.device)
@@ -72,9 +72,9 @@ def prepare(args: argparse.Namespace, libraries: tuple[str, ...]):
 
 
 def report_start_up() -> None:
-    """Print this process's start-up so far (imports, world): the benchmark's, not a cell's (``task.phases`` gives
+    """Print this process's start-up so far (imports, world): the benchmark's, not a cell's (``task.learning.phases`` gives
     the first window a process reports its start-up as "imports"), so it goes to neither side."""
-    from task import phases
+    from task.learning import phases
 
     print(f"start-up (imports, world): {phases.seconds_since(time.perf_counter())['imports']:.1f} s", flush=True)
 

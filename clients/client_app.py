@@ -13,7 +13,7 @@ Message types (``message_type`` = ``<category>[.<action>]``):
 - ``train.fedavg``    -> one DP-FedAvg round of local DP-SGD from the global weights sent
 - ``query.secure``    -> one stage of a secure sum (``config["stage"]``: setup, share-keys, collect-masked,
                          unmask; or dp-fedavg-secure's join before its sums; ``clients/secure.py``); the
-                         message and the reply are nested values (``task.flower_wire.pack_nested``). The
+                         message and the reply are nested values (``task.wire.flower_wire.pack_nested``). The
                          hospital's secrets of that sum (key pairs, self-mask seed, the shares it holds) stay
                          in the node's ``context.state`` between stages and are dropped after the unmask
                          stage; they are never sent
@@ -39,9 +39,9 @@ from clients.node import hospital_for, secure_identity_for, secure_policy_for
 from clients.secure import FINISHED, SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from task.errors import UserError
-from task.flower_wire import (CODEC_DIGEST, arrays_digest, arrays_to_record, config_to_record, make_content,
-                             pack_nested, read_content, record_to_arrays, record_to_config, unpack_nested)
-from task.requests import EvaluationRequest, TeacherTrainingRequest
+from task.wire.flower_wire import (CODEC_DIGEST, arrays_digest, arrays_to_record, config_to_record, make_content,
+                                   pack_nested, read_content, record_to_arrays, record_to_config, unpack_nested)
+from task.wire.requests import EvaluationRequest, TeacherTrainingRequest
 
 app = ClientApp()
 log = logging.getLogger(__name__)

@@ -30,14 +30,14 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
-from task import accounting
-from task.compute import Compute
-from task.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
+from task.learning import accounting
+from task.learning.compute import Compute
+from task.learning.dpsgd import DPConfig, PrivateTraining, steps_per_epoch
 from task.errors import UserError
 from task.names import check_name_part
-from task.networks import build_unet
-from task.requests import FedAvgRoundRequest
-from task.training import TrainConfig, lever_settings, train_segmentation, trainable_of
+from task.learning.networks import build_unet
+from task.wire.requests import FedAvgRoundRequest
+from task.learning.training import TrainConfig, lever_settings, train_segmentation, trainable_of
 
 
 @functools.lru_cache(maxsize=64)
@@ -105,7 +105,7 @@ def local_dpsgd_round(hospital, weights: Mapping[str, np.ndarray], config: FedAv
                   max_grad_norm=request.max_grad_norm, per_layer=request.per_layer, release_prefix=prefix,
                   stream_prefix=f"{setting}round-{round_index}", relation=relation)
     # local DP-SGD on the hospital's device (Opacus' per-sample gradients there; the noise is still drawn
-    # on the host from the stream above and copied, task.dpsgd)
+    # on the host from the stream above and copied, task.learning.dpsgd)
     device, precision = hospital.compute(request)
     train_config = TrainConfig(epochs=local_epochs, batch_size=batch_size,
                                learning_rate=request.learning_rate,

@@ -7,7 +7,7 @@ and encoding the softmax output **locally** with the public codec (:func:`task.c
 1-2, "compress the prediction"), so that only ``T x n x l`` bounded numbers leave the hospital. It never returns
 scans, labels, weights or full-resolution outputs.
 
-Requests arrive as the frozen records of ``task.requests`` (each handler reads its kind's ``from_config`` once,
+Requests arrive as the frozen records of ``task.wire.requests`` (each handler reads its kind's ``from_config`` once,
 first). Optional local DP-SGD (``TeacherTrainingRequest.local_dp`` = DPConfig fields): the teacher weights then carry their
 own add-remove guarantee, recorded in the hospital's own ledger ``workdir/ledger.jsonl``. Owners are
 ``"<hospital>/teacher-<k>"``: teachers see disjoint patients, so a patient's local guarantee is its own
@@ -24,7 +24,7 @@ refusing the batch if the budget would be exceeded. A deployed hospital (its own
 also refuses everything meant for simulations only: un-noised diagnostic queries, per-teacher test Dice,
 seeded noise.
 
-Device and precision (``task.device``): a simulated hospital trains, answers and evaluates on the
+Device and precision (``task.learning.device``): a simulated hospital trains, answers and evaluates on the
 device and precision the run's messages name (``HospitalRequest.device`` / ``.precision``; default auto);
 a deployed hospital on its own node config's (``device``, ``precision``), whatever the server says -- its GPU
 is its own machine's. Teachers are kept on disk on the host and loaded onto that device; the codec's
@@ -46,20 +46,20 @@ from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from clients.replay import AnswerBook, legacy_request_key, mint_nonce, request_key
-from task.compute import Compute
+from task.learning.compute import Compute
 from task import codecs  # codec_sensitivity through the module: the one function server and hospitals share
 from task.codecs import CodecPolicy, fallback_encoding, make_encoder, verify_codec
-from task.device import check_device_spec, check_precision, resolve_device
-from task.dpsgd import DPConfig, private_training
+from task.learning.device import check_device_spec, check_precision, resolve_device
+from task.learning.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
-from task.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
+from task.learning.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
 from task.options import Trainable
-from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
-from task.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation, predict_probs,
-                           stacked_head_probabilities, stacked_training_applies, train_segmentation,
-                           train_stacked_voxel_heads)
+from task.wire.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
+from task.learning.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation,
+                                    predict_probs, stacked_head_probabilities, stacked_training_applies,
+                                    train_segmentation, train_stacked_voxel_heads)
 
 
 #: how ``teachers/training.json`` records where the teachers are: one file of stacked voxel heads, or one per teacher
@@ -249,7 +249,7 @@ class Hospital:
         return saved
 
     def _stacked_teachers(self, device) -> tuple | None:
-        """(the U-Net every teacher shares, their :class:`task.networks.StackedVoxelHeads`) on ``device``, or None
+        """(the U-Net every teacher shares, their :class:`task.learning.networks.StackedVoxelHeads`) on ``device``, or None
         when the teachers do not share one U-Net bit for bit, or when a subclass answers with teachers of its own.
 
         Teachers trained together (one heads file) share it by construction; teachers trained one by one (each its
@@ -307,7 +307,7 @@ class Hospital:
         init_state = {k: torch.as_tensor(np.asarray(v)) for k, v in init.items()} if init else None
         # the server's recipe, whole (the request refuses a missing field): what a teacher trains
         # (docs/decisions/teachers.md) -- every weight, or a voxel head on the frozen public model
-        # (task.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate and batch size, with or without
+        # (task.learning.networks.VoxelHeadUNet) -- for how many epochs, at which learning rate and batch size, with or without
         # augmentation
         epochs, trainable = request.teacher_epochs, request.teacher_trainable
         learning_rate, augment = float(request.teacher_learning_rate), bool(request.teacher_augment)
@@ -365,7 +365,7 @@ class Hospital:
 
     def _train_each_teacher(self, first, train: TrainConfig, seed: int, local_dpsgd: DPConfig | None, guard,
                             nonce: str, validation) -> list:
-        """One :func:`task.training.train_segmentation` per teacher (every teacher of a hospital whose teachers cannot
+        """One :func:`task.learning.training.train_segmentation` per teacher (every teacher of a hospital whose teachers cannot
         be trained as stacked heads: full fine-tuning, augmentation, local DP-SGD -- each teacher its own Opacus
         session, Poisson sampling, noise stream and ledger owner); each saved to its own file. Returns each
         teacher's validation Dice (empty without validation cases). ``local_dpsgd``: the teachers' local DP-SGD
@@ -405,7 +405,7 @@ class Hospital:
             raise UserError(f"hospital {self.hospital_id}: local_dp: {exc}") from None
 
     def _train_stacked_teachers(self, first, train: TrainConfig, seed: int, validation) -> list:
-        """Every voxel-head teacher of this hospital at once (:func:`task.training.train_stacked_voxel_heads`): the
+        """Every voxel-head teacher of this hospital at once (:func:`task.learning.training.train_stacked_voxel_heads`): the
         frozen public U-Net's output computed once per patient, the K heads as stacked parameters with one loss per
         teacher and one optimiser; the heads saved as one file beside the U-Net they share. The same training as
         :meth:`_train_each_teacher`'s, up to float summation order (tests/test_voxel_head.py). Returns each teacher's
@@ -487,7 +487,7 @@ class Hospital:
         Voxel-head teachers (docs/decisions/teachers.md) are the public model's frozen U-Net plus a head each, so
         when they share the U-Net bit for bit it runs once per scan for all of them and the heads of a group run as
         one batched product on the device, their outputs left there as one tensor
-        (:func:`task.training.stacked_head_probabilities`: what :meth:`teacher_probs` gives, up to float summation
+        (:func:`task.learning.training.stacked_head_probabilities`: what :meth:`teacher_probs` gives, up to float summation
         order). Teachers that differ anywhere in the U-Net, and hospitals that answer with other teachers (a
         subclass's :meth:`teacher_probs`), are run one by one, each group one teacher's host array."""
         scans = np.asarray(scans, np.float32)
@@ -560,7 +560,7 @@ class Hospital:
         """(T, n, l) float32 encodings of every teacher's softmax output on the public ``scans``, plus what
         the hospital may say about them (``{"fallback_teachers": count}``).
 
-        A normal query batch (:class:`task.requests.QueryRequest`) must declare ``release_ids`` (one per scan),
+        A normal query batch (:class:`task.wire.requests.QueryRequest`) must declare ``release_ids`` (one per scan),
         ``sigma`` and ``teachers`` (the K the server will average, or release nothing): the hospital verifies
         the codec, loads its teachers
         (refusing, uncharged, when it has none to answer with), charges ``GaussianEvent(S, sigma)`` per release to its own ledger with ``S`` computed from the verified codec
@@ -686,7 +686,7 @@ class Hospital:
 
     def evaluate(self, config: EvaluationRequest | Mapping[str, Any] | None = None) -> dict:
         """Per-teacher Dice (scalars only) on the public test scans + labels the server sends
-        (:class:`task.requests.EvaluationRequest` ``images``, ``labels``), else on this hospital's validation cases.
+        (:class:`task.wire.requests.EvaluationRequest` ``images``, ``labels``), else on this hospital's validation cases.
 
         Un-noised statistics of models trained on private patients: a simulation-only diagnostic, refused
         by a deployed hospital."""

@@ -39,10 +39,10 @@ from task.data.partitions import split_into_teachers
 from task.data.preprocess import PreprocessConfig, prepare_dataset
 from task.errors import UserError
 from task.names import check_name_part
-from task.presets import get_preset
-from task.requests import RunContext
-from task.runconfig import config_flag
-from task.secagg import SigningIdentity
+from task.settings.presets import get_preset
+from task.wire.requests import RunContext
+from task.settings.runconfig import config_flag
+from task.wire.secagg import SigningIdentity
 from task.world import open_world
 
 _HOSPITALS: dict[tuple, Any] = {}
@@ -188,7 +188,7 @@ SECURE_IDENTITY_KEYS = ("secure-roster", "secure-signing-key")
 
 
 def secure_identity_for(node_config: Mapping[str, Any]) -> SigningIdentity | None:
-    """A deployed hospital's :class:`task.secagg.SigningIdentity` from its node config (``secure-roster``: the
+    """A deployed hospital's :class:`task.wire.secagg.SigningIdentity` from its node config (``secure-roster``: the
     consortium's ``roster.txt``; ``secure-signing-key``: its own private key, the one its roster line lists);
     None when neither is set (it then refuses every secure sum) or for a simulated node. One-line UserError
     naming the key or file when only one is set, a file cannot be read, or the two do not match."""

@@ -7,7 +7,7 @@ are Flower's (``secaggplus_mod``): **setup** (two key pairs), **share-keys** (Sh
 seed and of the masking key, encrypted to each neighbour), **collect-masked** (the contribution plus the
 self mask plus one pairwise mask per neighbour, modulo 2^bits) and **unmask** (shares of the survivors'
 self-mask seeds and of the dropped hospitals' masking keys). Every primitive is a library's
-(``task.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
+(``task.wire.secagg``). The server sees masked vectors that are uniform modulo 2^bits, and the sum.
 
 Threat model (the hospital's :class:`SecurePolicy`, from its own node config, never from the server): up to
 ``colluders`` hospitals that share everything with the aggregator, up to ``dropouts`` hospitals that leave
@@ -17,11 +17,11 @@ shares -- and before anything is charged refuses a request that
 
 * declares another threat model than its own (``check_request`` says why mixed policies are refused);
 * has fewer participants than its policy's minimum, or (a deployed hospital, with the consortium's roster,
-  :class:`task.secagg.SigningIdentity`) a participant who is not on the roster;
+  :class:`task.wire.secagg.SigningIdentity`) a participant who is not on the roster;
 * sets the Shamir threshold at or below the colluders (``threshold <= colluders`` would let the colluders
   alone rebuild its self-mask seed and masking key), below its policy's minimum, above the hospitals left
   after the dropouts, or -- with dropouts allowed -- at or below half of ``participants + colluders``
-  (``task.secagg.threat_problem``: a server lying about who dropped could otherwise collect both secrets of
+  (``task.wire.secagg.threat_problem``: a server lying about who dropped could otherwise collect both secrets of
   one hospital);
 * declares noise that does not add up, or counts other than exactly the shares it can count on;
 * (a deployed hospital) forwards keys that their owner did not sign, over the setup this hospital was told,
@@ -45,10 +45,10 @@ import numpy as np
 from clients.secure_checks import SecureRequestRefused, declared_grid
 from clients.secure_gradients import contributor_for
 from privacy.distributed import share_count
-from task import secagg
-from task.secagg import SigningIdentity, SumSetup, setup_statement, threat_problem
+from task.wire import secagg
+from task.wire.secagg import SigningIdentity, SumSetup, setup_statement, threat_problem
 from task.errors import UserError
-from task.requests import HospitalRequest, SecureStageRequest
+from task.wire.requests import HospitalRequest, SecureStageRequest
 
 STAGES = ("setup", "share-keys", "collect-masked", "unmask")
 
@@ -99,7 +99,7 @@ def check_request(policy: SecurePolicy, who: str, participants: list, threshold:
     would enforce nothing and its ledger would under-charge -- and one that assumed more would be asked to
     rely on shares it does not trust. Refusing a different policy (rather than charging the fewest shares any
     policy allows) also keeps one unmask rule for every hospital in a sum, which the threshold's protection
-    against a server lying about dropouts needs (``task.secagg.threat_problem``)."""
+    against a server lying about dropouts needs (``task.wire.secagg.threat_problem``)."""
     count = len(participants)
     if len(set(participants)) != count:
         raise SecureRequestRefused(f"hospital {who}: the participant list repeats a hospital")
@@ -391,7 +391,7 @@ class SecureHospital:
     def handle(self, stage: str, message: Mapping[str, Any],
                config: SecureStageRequest | Mapping[str, Any] | None = None) -> dict:
         """One stage of a secure sum; ``config``: the run's settings beside it (a
-        :class:`task.requests.SecureStageRequest`, read once here)."""
+        :class:`task.wire.requests.SecureStageRequest`, read once here)."""
         request = self.hospital.read_request(SecureStageRequest, config)
         if stage == secagg.JOIN_STAGE:   # before any secure sum of a dp-fedavg-secure run: nothing is charged
             return self.gradients.join(message, request)
@@ -417,8 +417,8 @@ class SecureHospital:
     def contribution(self, session: _Session, message: Mapping[str, Any],
                      request: SecureStageRequest | Mapping[str, Any]) -> np.ndarray:
         """The contribution the session's noise declaration names (``kind``): PATE's teachers' encodings
-        (the default) or ``dp-fedavg-secure``'s patient gradients (``task.secagg.CONTRIBUTION_KIND``)."""
-        from task.secagg import CONTRIBUTION_KIND as KIND, PATE_CONTRIBUTION_KIND
+        (the default) or ``dp-fedavg-secure``'s patient gradients (``task.wire.secagg.CONTRIBUTION_KIND``)."""
+        from task.wire.secagg import CONTRIBUTION_KIND as KIND, PATE_CONTRIBUTION_KIND
 
         kind = str(session.noise.get("kind") or PATE_CONTRIBUTION_KIND)
         if kind == KIND:
@@ -479,7 +479,7 @@ class SecureHospital:
 def session_state(session: _Session, policy: SecurePolicy) -> dict:
     """Everything a hospital keeps of one secure sum between its stages -- its key pairs, its self-mask seed,
     the shares it holds, and the policy it checked the request against at setup -- as a plain dict of str,
-    int, float, lists, dicts and bytes (``task.flower_wire.pack_nested`` carries it). Secret: it never leaves
+    int, float, lists, dicts and bytes (``task.wire.flower_wire.pack_nested`` carries it). Secret: it never leaves
     the hospital (:func:`run_stage` keeps it in a node-local store)."""
     state = {name: getattr(session, name) for name in _Session.__dataclass_fields__}
     state["public_keys"] = {k: [v[0], v[1]] for k, v in session.public_keys.items()}

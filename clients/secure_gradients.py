@@ -5,7 +5,7 @@ Two requests reach it through the secure-sum channel (``clients.secure.SecureHos
 
 * **join** (once per run, before any secure sum): the server sends the frozen start model (public: the
   public model every method starts from) and the run's neighbouring relation. The hospital refuses any
-  relation but replace-one, builds the network (``task.networks.VoxelHeadUNet`` on that U-Net), remembers it
+  relation but replace-one, builds the network (``task.learning.networks.VoxelHeadUNet`` on that U-Net), remembers it
   under its digest and answers with its number of patients. Under replace-one the number of patients is the
   same in every neighbouring dataset, so it is public by the relation itself (the server needs it to plan
   the steps and to divide the sum); under add/remove it would not be, hence the refusal.
@@ -14,7 +14,7 @@ Two requests reach it through the secure-sum channel (``clients.secure.SecureHos
   the head's, one release id, a start model it holds, finite head weights of the right shapes, no seeded
   noise on a deployed hospital -- it charges its own lifetime ledger one distributed discrete Gaussian
   release (``privacy.distributed.ddg_event``, the shares it counts on) and only then touches its patients:
-  the frozen features (cached per start model, ``task.headgrad``), one gradient row per patient, clipped to
+  the frozen features (cached per start model, ``task.learning.headgrad``), one gradient row per patient, clipped to
   the declared ``clip``, conditionally rounded onto the grid, summed, plus ``N_Z(0, local_variance)`` per
   coordinate (Kairouz, Liu & Steinke 2021, arXiv 2102.06387, Algorithm 1, client side). A patient whose gradient
   is not finite (head weights that overflow on its scans) contributes a zero row instead, so nothing after the
@@ -37,8 +37,8 @@ import numpy as np
 
 from clients.secure_checks import SecureRequestRefused, declared_grid
 from task.errors import UserError
-from task.requests import SecureStageRequest
-from task.secagg import CONTRIBUTION_KIND as KIND, RELATION
+from task.wire.requests import SecureStageRequest
+from task.wire.secagg import CONTRIBUTION_KIND as KIND, RELATION
 
 log = logging.getLogger("fedpate.hospital")
 
@@ -74,8 +74,8 @@ class HeadGradientContributor:
         """The voxel-head network on the start model ``state`` (frozen), and its digest."""
         import torch
 
-        from task.headgrad import check_frozen_deterministic, state_digest
-        from task.networks import VOXEL_HEAD, build_unet, load_start_weights
+        from task.learning.headgrad import check_frozen_deterministic, state_digest
+        from task.learning.networks import VOXEL_HEAD, build_unet, load_start_weights
 
         state = {k: np.asarray(v) for k, v in state.items() if not k.startswith("voxel_head.")}
         model = build_unet(self.hospital.preset.unet, trainable=VOXEL_HEAD)
@@ -120,7 +120,7 @@ class HeadGradientContributor:
     def join(self, message: Mapping[str, Any], config: SecureStageRequest | Mapping[str, Any] | None = None) -> dict:
         """Take the run's frozen start model; answer with the patient count, the digest and the head's size
         (nothing is charged: the start model is public, and so is the count under replace-one)."""
-        from task.headgrad import head_dimension
+        from task.learning.headgrad import head_dimension
         from task.io import atomic_write_bytes
 
         who = self.hospital.hospital_id
@@ -148,8 +148,8 @@ class HeadGradientContributor:
         from clients.replay import mint_nonce
         from privacy.distributed import ddg_event, sample_discrete_gaussian
         from privacy.mechanisms import NoiseSource
-        from task.headgrad import (clip_rows, frozen_features, head_dimension, load_head_state,
-                                  per_patient_rows, per_sample_head_gradients)
+        from task.learning.headgrad import (clip_rows, frozen_features, head_dimension, load_head_state,
+                                            per_patient_rows, per_sample_head_gradients)
 
         hospital, noise = self.hospital, session.noise
         request = hospital.read_request(SecureStageRequest, config)

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from task.presets import get_preset
+from task.settings.presets import get_preset
 from sim.runners.central import CentralConfig, run_central
 
 #: the quick preset's grid before DP-SGD trained with the ceiling's settings (chosen on public validation)
@@ -32,7 +32,7 @@ VARIANTS = {"baseline": {}, "public-validation-grid": {"dpsgd_grid": OLD_GRID}, 
             "batch64-epochs20": {"learning_rate": 2e-3, "epochs": 20, "batch_size": 64},
             "head-epochs20": {"learning_rate": 2e-3, "epochs": 20, "levers": {"trainable": "head"}},
             "decoder-epochs10": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "decoder"}},
-            # a voxel head on the frozen public model (task.networks.VoxelHeadUNet): lr ~ 1/T for its T ~ 120 steps
+            # a voxel head on the frozen public model (task.learning.networks.VoxelHeadUNet): lr ~ 1/T for its T ~ 120 steps
             "voxel-head": {"learning_rate": 1e-2, "epochs": 10, "levers": {"trainable": "voxel-head"}},
             "voxel-head-lr2e-3": {"learning_rate": 2e-3, "epochs": 10, "levers": {"trainable": "voxel-head"}},
             # a larger expected batch for the head (De et al. 2022), sigma recalibrated for it: measured, not adopted
@@ -56,7 +56,7 @@ def main() -> None:
     for name in args.variants:
         started = time.time()
         options = dict(VARIANTS[name])
-        # a grid is the preset's: the run gets a variant of it (task.presets), rebuilt from its reference
+        # a grid is the preset's: the run gets a variant of it (task.settings.presets), rebuilt from its reference
         grid = options.pop("dpsgd_grid", None)
         preset = base.with_changes(dp_sgd=dict(grid=grid)) if grid is not None else base
         result = run_central(CentralConfig.of(method="dp-sgd", preset=preset, out=root / name,

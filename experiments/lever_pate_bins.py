@@ -14,8 +14,8 @@ a measurement, not a release.
 import argparse
 from pathlib import Path
 
-from task.compute import Compute
-from task.presets import get_preset
+from task.learning.compute import Compute
+from task.settings.presets import get_preset
 from sim.runners.compare import CompareConfig, run_compare
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--teachers-per-hospital", type=int, default=None)
     parser.add_argument("--teacher-epochs", type=int, default=None,
                         help="fine-tuning epochs per teacher (default: the preset's)")
-    parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (task.networks.TRAINABLE_SETS)")
+    parser.add_argument("--teacher-trainable", default=None, help="what a teacher trains (task.learning.networks.TRAINABLE_SETS)")
     parser.add_argument("--teacher-learning-rate", type=float, default=None)
     parser.add_argument("--teacher-augment", choices=("yes", "no"), default=None)
     parser.add_argument("--decoder", default=None, help="the anchored codec's decoder (task.codecs.anchored.ANCHORED_DECODERS)")
@@ -40,7 +40,7 @@ def main() -> None:
                                              ("augment", None if args.teacher_augment is None
                                               else args.teacher_augment == "yes")) if value is not None}
     codec = {"anchored_intensity_bins": args.bins, **({"anchored_decoder": args.decoder} if args.decoder else {})}
-    # a variant of the preset: every cell (and worker) rebuilds it from its reference (task.presets)
+    # a variant of the preset: every cell (and worker) rebuilds it from its reference (task.settings.presets)
     variant = get_preset(args.preset).with_changes(teacher=teacher, codec=codec)
     run_compare(CompareConfig(variant, args.methods.split(","), [float(e) for e in args.epsilons.split(",")],
                               Path(args.out), seed=args.seed, compute=Compute(workers=1, progress=False),

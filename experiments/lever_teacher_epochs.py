@@ -13,9 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from task.presets import get_preset
+from task.settings.presets import get_preset
 from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
-from task.compute import Compute
+from task.learning.compute import Compute
 
 KEYS = ("teacher_dice_mean", "ensemble_probability_average_dice_mean", "ensemble_dice_mean",
         "pseudo_label_dice_mean", "public_model_query_dice_mean", "public_only_dice_mean")

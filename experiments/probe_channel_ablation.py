@@ -15,10 +15,10 @@ def main() -> None:
 
     from task.data.msd import load_case
     from task.data.preprocess import PreprocessConfig, preprocess_case
-    from task.metrics import per_case_dice_counted, summarise
-    from task.networks import build_unet
-    from task.realcheck import open_check
-    from task.training import predict_probs
+    from task.learning.metrics import per_case_dice_counted, summarise
+    from task.learning.networks import build_unet
+    from task.reporting.realcheck import open_check
+    from task.learning.training import predict_probs
 
     config = PreprocessConfig(grid=(32, 32, 32))
     model = build_unet("small")

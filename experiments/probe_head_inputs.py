@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from task.networks import corrected_logits
+from task.learning.networks import corrected_logits
 
 INPUTS = ("scores+scan", "scores")
 
@@ -49,13 +49,13 @@ def main() -> None:
     sigma = float(sys.argv[4]) if len(sys.argv) > 4 else 0.915
     epochs = int(sys.argv[5]) if len(sys.argv) > 5 else 10
     draws = int(sys.argv[6]) if len(sys.argv) > 6 else 1
-    import task.presets as presets
+    import task.settings.presets as presets
     from sim.runners.central import load_central_data, public_start
-    from task.bundle import preprocessing_of
-    from task.networks import build_unet_from_config, network_config, voxel_head
-    from task.predict import preprocess_config_of
-    from task.realcheck import open_check, score_model
-    from task.training import evaluate_release, per_sample_loss
+    from task.reporting.bundle import preprocessing_of
+    from task.learning.networks import build_unet_from_config, network_config, voxel_head
+    from task.reporting.predict import preprocess_config_of
+    from task.reporting.realcheck import open_check, score_model
+    from task.learning.training import evaluate_release, per_sample_loss
 
     preset = presets.get_preset("quick")
     world = load_central_data(preset, seed=seed, progress=False)

@@ -29,12 +29,12 @@ def teachers_release(public_path: str, seed: int, decoder: str = "head-fit") -> 
     """The quick world at ``seed``, its public model, the product's anchored codec (``decoder``) fitted on public data,
     and the 128 voxel-head teachers' noise-free mean latent on the 40 query scans (shared with
     experiments/probe_query_selection.py)."""
-    import task.presets as presets
+    import task.settings.presets as presets
     from task.codecs import PublicFit, make_compressor
     from task import codecs
-    from task.metrics import dice_scores
-    from task.networks import VOXEL_HEAD, build_unet
-    from task.training import per_sample_loss
+    from task.learning.metrics import dice_scores
+    from task.learning.networks import VOXEL_HEAD, build_unet
+    from task.learning.training import per_sample_loss
     from task.world import build_world, load_world
 
     preset = presets.get_preset("quick")
@@ -99,8 +99,8 @@ def main() -> None:
     from privacy.calibration import pate_sigma
     from server.student import ModelTraining, train_student
     from task.codecs.headfit import HeadFitSettings, fit_head_decode
-    from task.networks import VOXEL_HEAD
-    from task.training import predict_probs
+    from task.learning.networks import VOXEL_HEAD
+    from task.learning.training import predict_probs
 
     release = teachers_release(public_path, seed)
     preset, world, public, state, dice = release.preset, release.world, release.public, release.state, release.dice

@@ -23,11 +23,11 @@ from pathlib import Path
 
 def main() -> None:
     run, seed, real_dir = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    from task import presets
-    from task.bundle import load_bundle
-    from task.predict import preprocess_config_of
-    from task.realcheck import open_check, score_model
-    from task.training import evaluate_segmentation_per_case
+    from task.settings import presets
+    from task.reporting.bundle import load_bundle
+    from task.reporting.predict import preprocess_config_of
+    from task.reporting.realcheck import open_check, score_model
+    from task.learning.training import evaluate_segmentation_per_case
     from task.world import build_world, load_world
 
     prepared, split = build_world(presets.get_preset("quick"), None, seed, False)

@@ -25,8 +25,8 @@ def main() -> None:
     from privacy.calibration import pate_sigma
     from server.student import ModelTraining, train_student
     from task.codecs.headfit import fit_head_decode
-    from task.networks import VOXEL_HEAD
-    from task.training import predict_probs
+    from task.learning.networks import VOXEL_HEAD
+    from task.learning.training import predict_probs
 
     release = teachers_release(public_path, seed)
     preset, world, state, dice = release.preset, release.world, release.state, release.dice

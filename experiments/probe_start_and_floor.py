@@ -17,13 +17,13 @@ from pathlib import Path
 
 def main() -> None:
     shared, seed, real_dir = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    import task.presets as presets
+    import task.settings.presets as presets
     from sim.runners.cells import shared_public_models
-    from task.bundle import preprocessing_of
-    from task.compute import Compute
-    from task.predict import preprocess_config_of
-    from task.realcheck import open_check, score_model
-    from task.training import evaluate_release
+    from task.reporting.bundle import preprocessing_of
+    from task.learning.compute import Compute
+    from task.reporting.predict import preprocess_config_of
+    from task.reporting.realcheck import open_check, score_model
+    from task.learning.training import evaluate_release
     from task.world import build_world, load_world
 
     preset = presets.get_preset("quick")

@@ -34,12 +34,12 @@ STUDENTS = ("voxel-head", "all", "lp-ft", "all-selftrain")
 
 def real_scorer(real_dir: str, world):
     """Mean Dice / WT / TC / ET of a model on every labelled case of ``real_dir``, as `fedpate evaluate` scores it."""
-    from task.bundle import preprocessing_of
+    from task.reporting.bundle import preprocessing_of
     from task.data.msd import load_case
     from task.data.preprocess import PreprocessConfig
     from task.data.reader import read_dataset, require_labels
-    from task.metrics import per_case_dice, summarise
-    from task.predict import segment_scan
+    from task.learning.metrics import per_case_dice, summarise
+    from task.reporting.predict import segment_scan
 
     config = PreprocessConfig.from_dict(preprocessing_of(world)["config"])
     cases = [load_case(case) for case in require_labels(read_dataset(real_dir), "probe").training]
@@ -64,9 +64,9 @@ def main() -> None:
     from server.selftrain import DEFAULT_TEMPERATURE, sharpen
     from server.student import ModelTraining, train_student
     from task.codecs.headfit import fit_head_decode
-    from task.metrics import dice_scores
-    from task.networks import VOXEL_HEAD
-    from task.training import predict_probs
+    from task.learning.metrics import dice_scores
+    from task.learning.networks import VOXEL_HEAD
+    from task.learning.training import predict_probs
 
     release = teachers_release(public_path, seed)
     preset, world, public, state = release.preset, release.world, release.public, release.state

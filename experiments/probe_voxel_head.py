@@ -22,11 +22,11 @@ def main():
     hidden = int(sys.argv[6]) if len(sys.argv) > 6 else 16
     batch = int(sys.argv[7]) if len(sys.argv) > 7 else 16
     torch.manual_seed(1234)
-    import task.presets as presets
+    import task.settings.presets as presets
     from sim.runners.central import load_central_data
-    from task.networks import network_config, build_unet_from_config
-    from task.training import predict_probs, per_sample_loss
-    from task.metrics import dice_scores
+    from task.learning.networks import network_config, build_unet_from_config
+    from task.learning.training import predict_probs, per_sample_loss
+    from task.learning.metrics import dice_scores
     p = presets.get_preset("quick")
     world = load_central_data(p, seed=seed, progress=False)
     model = build_unet_from_config(network_config(p.unet))

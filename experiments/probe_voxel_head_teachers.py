@@ -13,11 +13,11 @@ torch.set_num_threads(1)
 def main():
     public_path = sys.argv.pop(1)
     seed, steps, lr = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    import task.presets as presets
+    import task.settings.presets as presets
     from sim.runners.central import load_central_data
-    from task.networks import build_unet, VOXEL_HEAD, load_start_weights
-    from task.training import per_sample_loss
-    from task.metrics import dice_scores
+    from task.learning.networks import build_unet, VOXEL_HEAD, load_start_weights
+    from task.learning.training import per_sample_loss
+    from task.learning.metrics import dice_scores
     p = presets.get_preset("quick")
     world = load_central_data(p, seed=seed, progress=False)
     prepared, split = world["prepared"], world["split"]

@@ -34,7 +34,7 @@ def interpolate(public_state: dict, tuned_state: dict, alpha: float) -> dict:
     out = {}
     for name, tuned in tuned_state.items():
         if name.startswith("voxel_head."):
-            last = name.startswith("voxel_head.2.")            # task.networks.voxel_head: zero-initialised layer 2
+            last = name.startswith("voxel_head.2.")            # task.learning.networks.voxel_head: zero-initialised layer 2
             out[name] = tuned * alpha if last else tuned.clone()
             continue
         base = public_state[name]
@@ -45,11 +45,11 @@ def interpolate(public_state: dict, tuned_state: dict, alpha: float) -> dict:
 def main() -> None:
     run, seed, real_dir = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     alphas = tuple(float(a) for a in sys.argv[4].split(",")) if len(sys.argv) > 4 else ALPHAS
-    from task import presets
-    from task.bundle import load_bundle
-    from task.predict import preprocess_config_of
-    from task.realcheck import open_check, score_model
-    from task.training import evaluate_segmentation
+    from task.settings import presets
+    from task.reporting.bundle import load_bundle
+    from task.reporting.predict import preprocess_config_of
+    from task.reporting.realcheck import open_check, score_model
+    from task.learning.training import evaluate_segmentation
     from task.world import build_world, load_world
 
     prepared, split = build_world(presets.get_preset("quick"), None, seed, False)

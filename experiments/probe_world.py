@@ -31,12 +31,12 @@ def main() -> None:
     import torch
 
     import task.data.phantoms as phantoms
-    import task.networks as networks
+    import task.learning.networks as networks
     from experiments.world_variants import apply
     from task.data.phantoms import PhantomSpec, generate_phantoms
     from task.data.preprocess import PreprocessConfig, prepare_dataset
-    from task.realcheck import open_check, score_model
-    from task.training import TrainConfig, evaluate_release, train_segmentation
+    from task.reporting.realcheck import open_check, score_model
+    from task.learning.training import TrainConfig, evaluate_release, train_segmentation
 
     torch.set_num_threads(1)
     if args.variant.startswith("current+"):

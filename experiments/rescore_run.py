@@ -3,14 +3,14 @@
     .venv/bin/python -m experiments.rescore_run RUN OUT [REAL_DIR ...]
     e.g. python -m experiments.rescore_run runs/demo-s1 runs/demo-s1-mirrored /data/real-dev
 
-Why: test-time mirroring (``task.inference``) changed how every released model is scored, not how any model is
+Why: test-time mirroring (``task.learning.inference``) changed how every released model is scored, not how any model is
 trained (training, the teachers' answers, the pseudo-labels and every choice still use one pass). The models a
 comparison released before that change are therefore the models it would release now, up to the fresh noise of a
 new run; scoring them again isolates the change, paired case by case, and keeps the privacy spent once.
 
 RUN is copied to OUT. In the copy, every cell's ``results.json`` gets its Dice on the phantom test set
-(``task.training.evaluate_release``: ``dice``, ``dice_per_case``, ``dice_per_case_class``), its test label maps
-(``predictions/``), its real-scan check (``task.realcheck.score_model`` on REAL_DIR; none given: the check is
+(``task.learning.training.evaluate_release``: ``dice``, ``dice_per_case``, ``dice_per_case_class``), its test label maps
+(``predictions/``), its real-scan check (``task.reporting.realcheck.score_model`` on REAL_DIR; none given: the check is
 removed) and ``inference``; a PATE cell's record of its public-only baseline is re-scored from the ``public-only``
 cell's bundle when its old numbers show it is that model. Then the report is written again; the overlay plot
 (one-pass predictions) is dropped. Everything else -- ledgers, ε, wall times, validation Dice, diagnostics -- is
@@ -28,14 +28,14 @@ def main() -> None:
     run, out, real_dirs = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     from sim.report import write_report
     from sim.runners.compare import REPORT_SETTINGS, combined_release
-    from task import presets
-    from task.bundle import load_bundle
-    from task.inference import DESCRIPTION
+    from task.settings import presets
+    from task.reporting.bundle import load_bundle
+    from task.learning.inference import DESCRIPTION
     from task.io import atomic_write_json
-    from task.predict import preprocess_config_of
-    from task.realcheck import open_check, score_model
-    from task.results import write_test_predictions
-    from task.training import evaluate_release, per_class_of, predict_probs
+    from task.reporting.predict import preprocess_config_of
+    from task.reporting.realcheck import open_check, score_model
+    from task.reporting.results import write_test_predictions
+    from task.learning.training import evaluate_release, per_class_of, predict_probs
     from task.world import build_world, load_world
 
     if out.exists():

@@ -8,7 +8,7 @@ import sys
 
 from privacy import calibration
 from privacy.accountants import epsilon_spent
-from task.dpsgd import steps_per_epoch
+from task.learning.dpsgd import steps_per_epoch
 
 eps = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
 delta = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-3

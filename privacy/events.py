@@ -6,7 +6,7 @@ relation (docs/PRIVACY.md, "Neighbouring relations"):
 * ``"replace-one"`` — D and D' have the same size and differ in one patient's record. PATE (as in the
   sensitivity proofs of Fay et al., Sec. 3-4), and the relation every comparison uses: it is the only one
   that holds when dataset sizes are published (FedAvg weights, ``train_cases``), so DP-SGD and DP-FedAvg
-  run under it by default (``task.dpsgd.DPConfig.relation``);
+  run under it by default (``task.learning.dpsgd.DPConfig.relation``);
 * ``"add-remove"`` — D' is D with one patient added or removed (the Opacus / dp_accounting convention for
   Poisson-sampled DP-SGD; kept for standalone runs whose dataset sizes stay private);
 * ``"zero-out"`` — D' is D with one patient's record replaced by a null record that contributes nothing

@@ -14,7 +14,7 @@ shuffled epochs) is the neighbouring relation of those events; comparisons use r
 These pre-defined schedules fix every σ_t before training, so PLD composition is valid for them. The
 validation-based schedule is different: σ_t depends on earlier (private) outputs through the validation
 score, and training stops adaptively, so its epochs are charged with ``adaptive=True`` and accounted by
-a privacy filter (``privacy.accountants.accountant_for``; see ``task.dpsgd``). The validation set itself
+a privacy filter (``privacy.accountants.accountant_for``; see ``task.learning.dpsgd``). The validation set itself
 is public: the scores cost no privacy, only the adaptivity must be accounted.
 """
 

@@ -34,7 +34,7 @@ from privacy.events import GaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
 from privacy.validation import positive_number
 from task import codecs
-from task.phases import timed
+from task.learning.phases import timed
 
 log = logging.getLogger("fedpate.pate")
 

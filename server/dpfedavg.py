@@ -30,22 +30,23 @@ from privacy.events import event_from_dict
 from privacy.ledger import Ledger
 from server.selftrain import start_description
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
-from task.bundle import preprocessing_of
-from task.compute import Compute, check_compute
-from task.device import device_name, model_device, resolve_device
+from task.reporting.bundle import preprocessing_of
+from task.learning.compute import Compute, check_compute
+from task.learning.device import device_name, model_device, resolve_device
 from task.errors import UserError
 from task.names import safe_name_part
 from task.options import Init, NoiseKind, Relation, look_up_option
-from task.presets import DpSetting
-from task.networks import build_unet, load_start_weights, network_config_of
-from task.requests import FedAvgRoundRequest
-from task.results import ModelRelease, RunResults, write_run
-from task.training import (LEVER_KEYS, evaluate_release, lever_settings, per_class_of,
-                           public_validation_dice, trainable_of)
-from task import methods, trust
+from task.settings.presets import DpSetting
+from task.learning.networks import build_unet, load_start_weights, network_config_of
+from task.wire.requests import FedAvgRoundRequest
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.learning.training import (LEVER_KEYS, evaluate_release, lever_settings, per_class_of,
+                                    public_validation_dice, trainable_of)
+from task.settings import methods
+from task.reporting import trust
 
 if TYPE_CHECKING:
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 
 def federated_average(updates: Mapping[str, Mapping[str, np.ndarray]],
@@ -126,13 +127,13 @@ class FederatedRun:
             whatever it says when the run is given no start weights. It loads nothing itself.
         compute: ``progress`` -- a progress bar over the rounds (or steps); ``device`` / ``precision`` -- sent
             to the simulated hospitals with every request (deployed ones use their node config) and used here to
-            evaluate the global model (:class:`task.compute.Compute`; ``workers`` is not used here).
+            evaluate the global model (:class:`task.learning.compute.Compute`; ``workers`` is not used here).
         method: the registered method this run is (``results.json``'s ``method``), one whose record runs this
             class's :attr:`PROTOCOL` (None: the first registered such method).
-        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
+        real_check: the real-scan check the released model is scored on (``task.reporting.realcheck.RealCheck``; None: none).
     """
 
-    #: the federated protocol (``task.methods.Protocol``) a run of this kind is; each subclass names its own
+    #: the federated protocol (``task.settings.methods.Protocol``) a run of this kind is; each subclass names its own
     PROTOCOL: ClassVar[str] = ""
 
     epsilon: float
@@ -261,7 +262,7 @@ def run_dpfedavg(transport: HospitalTransport, world, preset, config: DpFedAvgCo
 
 def _start_of(preset, setting, seed: int, init_weights) -> dict[str, np.ndarray]:
     """The global model every round 0 of ``setting`` starts from: the public model (random weights when
-    none), with the setting's voxel head (task.networks.VoxelHeadUNet, identity at start) if it trains one."""
+    none), with the setting's voxel head (task.learning.networks.VoxelHeadUNet, identity at start) if it trains one."""
     torch.manual_seed(seed)
     model = build_unet(preset.unet, trainable=trainable_of(setting))
     if init_weights is not None:
@@ -305,7 +306,7 @@ def _federate(transport: HospitalTransport, world, preset, config: DpFedAvgConfi
 def _write_dpfedavg(out: Path, world, preset, config: DpFedAvgConfig, outcome: FedAvgOutcome,
                     transport: HospitalTransport, started: float) -> dict[str, Any]:
     """The entry with the best public validation Dice (the earliest on ties) scored on the test set, and the
-    run's record: results.json from the mirrored ledger, the model bundle (task.results.write_run)."""
+    run's record: results.json from the mirrored ledger, the model bundle (task.reporting.results.write_run)."""
     candidates, ledger, delta = outcome.candidates, outcome.ledger, config.delta
     chosen = max(range(len(candidates)), key=lambda i: (-1.0 if candidates[i].validation_dice is None
                                                        else candidates[i].validation_dice, -i))

@@ -14,13 +14,13 @@ the hospitals as the parties that add noise.
 What it trains and for how long -- a stated principle: **what pooled DP-SGD (``dp-sgd-central``) trains, with
 its optimiser, learning rate, clipping norm and number of optimiser steps**, so that the two differ only in
 where the noise comes from and how the steps see the patients. At the preset that is the voxel head
-(``task.networks.VoxelHeadUNet``, 213 parameters on the quick U-Net) on the frozen start model, Adam, the
+(``task.learning.networks.VoxelHeadUNet``, 213 parameters on the quick U-Net) on the frozen start model, Adam, the
 learning rate of the preset's first voxel-head ``dp_sgd.grid`` entry, flat clipping at ``dp_sgd.max_grad_norm``
 and ``epochs x ceil(n / expected batch)`` steps (:func:`pooled_dpsgd_setting`, :func:`planned_steps`; the
 quick preset: 10 x ceil(180 / 16) = 120 steps at lr 1e-2, C = 0.1). The trained set is always the voxel head
 (a full U-Net's 153k coordinates per secure sum and per step would be another method). Two differences are
 deliberate: no augmentation -- the head's inputs ``[u(x), x]`` are then fixed per scan and computed once
-(``task.headgrad``: the frozen U-Net has instance normalisation without running statistics and no dropout,
+(``task.learning.headgrad``: the frozen U-Net has instance normalisation without running statistics and no dropout,
 so it computes the same features in training mode, checked); PATE's voxel-head teachers train without
 augmentation for the same reason -- and full batches instead of Poisson batches (below).
 
@@ -77,17 +77,17 @@ from server.dpfedavg import FederatedRun
 from server.pate_secure import checked_threshold, threat_model
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport, fresh_run_folder, public_dropout_reason
-from task.bundle import preprocessing_of
-from task.device import device_name, model_device, resolve_device
-from task.dpsgd import steps_per_epoch
+from task.reporting.bundle import preprocessing_of
+from task.learning.device import device_name, model_device, resolve_device
+from task.learning.dpsgd import steps_per_epoch
 from task.errors import UserError
-from task.methods import Protocol
-from task.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
-from task.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
-from task.requests import SecureStageRequest
-from task.results import ModelRelease, RunResults, write_run
-from task.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
-from task.training import evaluate_release, per_class_of, public_validation_dice
+from task.settings.methods import Protocol
+from task.learning.headgrad import head_dimension, head_parameter_names, head_state, state_digest, unflatten
+from task.learning.networks import VOXEL_HEAD, build_unet, load_start_weights, network_config_of
+from task.wire.requests import SecureStageRequest
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.wire.secagg import CONTRIBUTION_KIND, JOIN_STAGE, RELATION
+from task.learning.training import evaluate_release, per_class_of, public_validation_dice
 
 log = logging.getLogger("fedpate.dpfedavg")
 
@@ -392,7 +392,7 @@ def train_head(exchange, transport: HospitalTransport, head: HeadModel, plan: Se
 def _write_secure(out: Path, world, preset, config: DpFedAvgSecureConfig, head: HeadModel, plan: SecureStepPlan,
                   training: SecureTraining, run: RunRecord) -> dict[str, Any]:
     """The trained head evaluated (public validation, test) and the run's record written
-    (task.results.write_run)."""
+    (task.reporting.results.write_run)."""
     model, setting, record, ledger = head.model, plan.setting, plan.record, run.ledger
     for parameter in model.parameters():
         parameter.requires_grad_(True)

@@ -18,8 +18,8 @@ import numpy as np
 from flwr.app import Message
 
 from task.errors import UserError
-from task.flower_wire import CODEC_DIGEST, arrays_digest, make_content, pack_nested, read_content, unpack_nested
-from task.requests import QueryRequest
+from task.wire.flower_wire import CODEC_DIGEST, arrays_digest, make_content, pack_nested, read_content, unpack_nested
+from task.wire.requests import QueryRequest
 
 log = logging.getLogger("fedpate.flower")
 
@@ -39,8 +39,8 @@ class TransportSettings:
         query_timeout: the deadline of a query round (None or 0: ``reply_timeout``) -- a query is inference on
             teachers already trained, so a hospital that dies mid-query holds the run up for seconds, not for a
             training round's deadline.
-        base_config: what every message carries beside its request (``task.requests.RunContext`` and the
-            simulated hospitals' privacy settings, ``task.runconfig.RunSettings.hospital_privacy_config``).
+        base_config: what every message carries beside its request (``task.wire.requests.RunContext`` and the
+            simulated hospitals' privacy settings, ``task.settings.runconfig.RunSettings.hospital_privacy_config``).
         min_hospitals: the fewest hospitals a run starts with.
         poll_seconds: how often to look for connected nodes while waiting.
         clock: the clock the waiting is measured on (tests pass a fake one).
@@ -155,7 +155,7 @@ class FlowerTransport:
     def secure_stage(self, stage: str, messages: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
                      ) -> dict[str, dict]:
         """One stage of a secure sum (``server/secure.py``): one ``query.secure`` message per named hospital
-        (the stage's message as ``task.flower_wire.pack_nested`` packs it, beside the run's settings), under the
+        (the stage's message as ``task.wire.flower_wire.pack_nested`` packs it, beside the run's settings), under the
         query deadline; returns each hospital's unpacked reply. A hospital that refuses (its policy, its
         budget) is absent from this sum only, as on the in-process engine; one that does not reply in time,
         replies with an error or sends a malformed reply is absent and dropped from the run (it is not asked

@@ -18,7 +18,7 @@ High-Dimensional Targets with PATE*, Algorithms 1-2; docs/PRIVACY.md).
    on them with the public data (Alg. 1-2, last line);
 6. :func:`evaluate` -- student, public-only baseline, public validation Dice (what model selection may
    look at), and the simulation-only diagnostics;
-7. :func:`write` -- results.json, the model bundle with its card, predictions (task.results.write_run).
+7. :func:`write` -- results.json, the model bundle with its card, predictions (task.reporting.results.write_run).
 
 Dropouts: a hospital that does not answer (or whose reply is rejected) is not in that query's sum; the
 next batches declare the smaller K, so S = S(K) grows and the ledger records the S actually used. If a
@@ -66,23 +66,23 @@ from server.transport import (
 )
 from task import codecs
 from task.codecs import Compressor, PublicFit, make_compressor
-from task.bundle import preprocessing_of
-from task.compute import Compute, check_compute
-from task.device import device_name, model_device
+from task.reporting.bundle import preprocessing_of
+from task.learning.compute import Compute, check_compute
+from task.learning.device import device_name, model_device
 from task.errors import UserError
 from task.io import atomic_write_json
-from task import methods
-from task.metrics import dice_scores
-from task.networks import network_config_of
+from task.settings import methods
+from task.learning.metrics import dice_scores
+from task.learning.networks import network_config_of
 from task.options import PcaMode, PublicScans, Relation, look_up_option
-from task.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
-from task.results import ModelRelease, RunResults, write_run
-from task.training import (evaluate_release, evaluate_release_predicting, per_class_of, predict_probs,
-                           public_validation_dice)
+from task.wire.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.learning.training import (evaluate_release, evaluate_release_predicting, per_class_of, predict_probs,
+                                    public_validation_dice)
 from task.world import PublicWorld
 
 if TYPE_CHECKING:
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 log = logging.getLogger("fedpate.pate")
 
@@ -117,7 +117,7 @@ class PateConfig:
     #: secure aggregation's threat model (server/pate_secure.py): colluders, dropouts, threshold (None: none
     #: colluding, no dropout, the smallest threshold); only for the secure methods
     secure: Mapping[str, Any] | None = None
-    #: the real-scan check the student is scored on (``task.realcheck.RealCheck``; None: none)
+    #: the real-scan check the student is scored on (``task.reporting.realcheck.RealCheck``; None: none)
     real_check: RealCheck | None = None
 
     def __post_init__(self) -> None:
@@ -300,7 +300,7 @@ def pretrain_public_model(world: PublicWorld, preset, config: PateConfig) -> Pub
 
 
 def teacher_training(preset) -> TeacherTrainingRequest:
-    """What the teachers train, as the preset's :class:`task.presets.Teachers` says, as the hospitals' train
+    """What the teachers train, as the preset's :class:`task.settings.presets.Teachers` says, as the hospitals' train
     request: the epochs, the trainable set, the learning rate (the preset's when the recipe names none),
     augmentation and the batch size (the preset's, which every method shares)."""
     recipe = preset.teacher
@@ -310,7 +310,7 @@ def teacher_training(preset) -> TeacherTrainingRequest:
 
 
 def student_training(preset) -> dict[str, Any]:
-    """What the student trains, as the preset's :class:`task.presets.Student` says: :class:`server.student.ModelTraining`'s
+    """What the student trains, as the preset's :class:`task.settings.presets.Student` says: :class:`server.student.ModelTraining`'s
     ``trainable``, ``learning_rate`` (None = the preset's) and ``finetune`` (then every weight)."""
     recipe = preset.student
     return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune}
@@ -548,7 +548,7 @@ def noise_free_ensemble_dice(plan: ReleasePlan, mean_latent: np.ndarray, world: 
 
 
 def write(out: Path, world: PublicWorld, preset, config: PateConfig, outcome: PateOutcome, started: float) -> dict:
-    """Step 7: the results record from the ledger, the bundle, the predictions (task.results.write_run).
+    """Step 7: the results record from the ledger, the bundle, the predictions (task.reporting.results.write_run).
 
     Args:
         out: the run folder.

@@ -1,7 +1,7 @@
 """PATE whose aggregator need not be trusted: the query phase through the secure sum with distributed noise.
 
 In trusted PATE (``server/pate.py``) every hospital sends each teacher's encoding and the server adds the
-Gaussian noise. Here (a PATE method whose record says ``secure_sum``, ``task.methods``) each hospital sends, per query
+Gaussian noise. Here (a PATE method whose record says ``secure_sum``, ``task.settings.methods``) each hospital sends, per query
 batch, only the masked sum of its teachers' rounded encodings plus its own share of discrete Gaussian
 noise (``clients/secure.py``); the server learns nothing but the sum over the K teachers with every
 hospital's noise share in it (Kairouz, Liu & Steinke 2021, arXiv 2102.06387; SecAgg+, Bell et al. CCS
@@ -34,10 +34,11 @@ from privacy.distributed import (IntegerGrid, calibrate_local_variance, centered
 from privacy.errors import BudgetExceeded
 from server.secure import SecureSumFailed, secure_sum
 from server.transport import HospitalTransport
-from task import codecs, methods
+from task import codecs
+from task.settings import methods
 from task.errors import UserError
-from task.requests import SecureStageRequest
-from task.secagg import smallest_threshold, threat_problem
+from task.wire.requests import SecureStageRequest
+from task.wire.secagg import smallest_threshold, threat_problem
 
 log = logging.getLogger("fedpate.pate")
 
@@ -66,8 +67,8 @@ def threat_model(config) -> dict:
 
 def checked_threshold(method: str, participants: int, threat: Mapping[str, Any]) -> int:
     """The Shamir threshold of a secure sum over ``participants`` hospitals under ``threat`` (its ``threshold``,
-    else the smallest safe one, ``task.secagg.smallest_threshold``); UserError, before anything is charged,
-    when the threat model makes the sum impossible or unsafe (``task.secagg.threat_problem``)."""
+    else the smallest safe one, ``task.wire.secagg.smallest_threshold``); UserError, before anything is charged,
+    when the threat model makes the sum impossible or unsafe (``task.wire.secagg.threat_problem``)."""
     colluders, dropouts = int(threat["colluders"]), int(threat["dropouts"])
     threshold = int(threat.get("threshold") or smallest_threshold(participants, colluders, dropouts))
     problem = threat_problem(participants, colluders, dropouts, threshold)

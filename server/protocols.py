@@ -15,13 +15,13 @@ from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
 from server.dpfedavg_secure import DpFedAvgSecureConfig, run_dpfedavg_secure
 from server.selftrain import train_public_models
 from task.errors import UserError
-from task.phases import timed
+from task.learning.phases import timed
 from server.pate import PateConfig, run_pate
 from server.transport import HospitalTransport
-from task.methods import Protocol
+from task.settings.methods import Protocol
 from task.options import Init
-from task.registry import Registry
-from task.runconfig import Cell, RunSettings
+from task.settings.registry import Registry
+from task.settings.runconfig import Cell, RunSettings
 from task.world import PublicWorld
 
 
@@ -36,7 +36,7 @@ def run_cell(transport: HospitalTransport, world: PublicWorld, settings: RunSett
 
 
 class PhasedTransport:
-    """A transport whose calls count as the phases of a cell's cost (``task.phases``): the server waits for the
+    """A transport whose calls count as the phases of a cell's cost (``task.learning.phases``): the server waits for the
     hospitals' training (``teachers``), their answers to queries (``queries``), their scoring (``evaluation``) and
     their federated rounds (``training``). Everything else is the wrapped transport's."""
 

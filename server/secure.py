@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from task import secagg
+from task.wire import secagg
 from task.errors import UserError
 
 log = logging.getLogger("fedpate.secure")

@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from server.student import ModelTraining, train_public_model, train_student
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.options import PublicStart
-from task.presets import SelfTraining
-from task.training import evaluate_segmentation, predict_probs
+from task.settings.presets import SelfTraining
+from task.learning.training import evaluate_segmentation, predict_probs
 
 #: MixMatch's sharpening temperature (module docstring: fixed by a stated principle, not tuned) and the rounds of
-#: pseudo-labelling (the best on public validation is kept): :class:`task.presets.SelfTraining`'s defaults
+#: pseudo-labelling (the best on public validation is kept): :class:`task.settings.presets.SelfTraining`'s defaults
 DEFAULT_TEMPERATURE = SelfTraining().temperature
 DEFAULT_ROUNDS = SelfTraining().rounds
 
@@ -93,7 +93,7 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
             PATE's student does (its other fields are not read).
         recipe: the rounds of pseudo-labelling (the one with the best public validation Dice is kept, the
             earliest on ties or without a validation set) and the sharpening temperature T (:func:`sharpen`;
-            MixMatch's 0.5 by default) -- :class:`task.presets.SelfTraining`.
+            MixMatch's 0.5 by default) -- :class:`task.settings.presets.SelfTraining`.
         checkpoint_dir: where each round's training is checkpointed (``round-<r>.pt``) and resumed from;
             None = no checkpoints.
     """
@@ -134,7 +134,7 @@ class PublicModels:
 
 
 def selftrain_settings(preset) -> tuple[int, float]:
-    """(rounds, temperature) of the preset's self-training (:class:`task.presets.SelfTraining`)."""
+    """(rounds, temperature) of the preset's self-training (:class:`task.settings.presets.SelfTraining`)."""
     return int(preset.self_training.rounds), float(preset.self_training.temperature)
 
 
@@ -152,7 +152,7 @@ def train_public_models(world, preset, *, seed: int = 0, checkpoint: str | Path 
                         compute: Compute = Compute(progress=False)) -> PublicModels:
     """The public model and the start every method shares, as the preset's ``public_start`` says.
 
-    ``reference`` (:class:`task.presets.PublicStart`): the public model trained on the public reference maps.
+    ``reference`` (:class:`task.settings.presets.PublicStart`): the public model trained on the public reference maps.
     ``self-trained``: that model then self-trained on the public query scans (:func:`self_train`): everything
     public the server holds, with no hospital and no privacy cost. Principle: a private method should add what the
     hospitals know to the strongest model the public data give, not to a weaker one (a gain over a weak start can
@@ -166,7 +166,7 @@ def train_public_models(world, preset, *, seed: int = 0, checkpoint: str | Path 
         seed: the trainings' seed.
         checkpoint: the public model's checkpoint (``public-model.pt``); the self-training's rounds are kept in
             the folder :func:`selftrain_checkpoints` names. Both are resumed from. None = no checkpoints.
-        compute: where the models train (``device``: ``task.device``; auto = CUDA when there is one), whether
+        compute: where the models train (``device``: ``task.learning.device``; auto = CUDA when there is one), whether
             forward passes run under bf16 autocast (``precision``) and progress bars (``progress``; off by default).
     """
     training = ModelTraining(seed=seed, compute=compute)

@@ -16,8 +16,8 @@ from flwr.serverapp import Grid, ServerApp
 from server.flower_transport import FlowerTransport, TransportSettings
 from server.protocols import run_cell
 from task.errors import UserError
-from task.requests import RunContext
-from task.runconfig import RunSettings
+from task.wire.requests import RunContext
+from task.settings.runconfig import RunSettings
 from task.world import load_world, materialise_world, open_world
 
 log = logging.getLogger("fedpate.server")

@@ -1,5 +1,5 @@
 """The public model and the PATE student (Fay et al., Algorithms 1-2, last line: "Train the student
-model on ((x_n, y_hat_n))"), trained with the shared engine (task.training).
+model on ((x_n, y_hat_n))"), trained with the shared engine (task.learning.training).
 
 * :func:`train_public_model` — a U-Net trained on the public reference split (images + labels). It is
   the teachers' initialisation and, trained further for the student's epochs on the same data, the
@@ -9,7 +9,7 @@ model on ((x_n, y_hat_n))"), trained with the shared engine (task.training).
   (``include_reference``): everything public the server holds. PATE helps exactly where this student
   beats the public-only model trained on the reference data alone for the same number of epochs.
 
-Both train as a :class:`ModelTraining` says -- on its ``compute.device`` (``task.device``; auto = CUDA when there is
+Both train as a :class:`ModelTraining` says -- on its ``compute.device`` (``task.learning.device``; auto = CUDA when there is
 one) at its ``compute.precision``, and are returned there.
 """
 
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from task.compute import Compute, check_compute
+from task.learning.compute import Compute, check_compute
 from task.codecs import one_hot
-from task.device import resolve_device
+from task.learning.device import resolve_device
 from task.errors import UserError
-from task.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
+from task.learning.networks import VOXEL_HEAD_AND_UNET, WITH_VOXEL_HEAD, build_unet, load_start_weights
 from task.options import Trainable, look_up_option
-from task.phases import timed
-from task.training import TrainConfig, train_segmentation
+from task.learning.phases import timed
+from task.learning.training import TrainConfig, train_segmentation
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,10 @@ class ModelTraining:
             ``student.epochs`` for the student; 0 = no training).
         checkpoint: saved after every epoch and resumed from when it exists, so a comparison's cells share one
             training (None = no checkpoint).
-        compute: where the model trains and is returned (``device``: ``task.device``; None or auto = CUDA when
+        compute: where the model trains and is returned (``device``: ``task.learning.device``; None or auto = CUDA when
             there is one), whether forward passes run under bf16 autocast (``precision``; ``"32"`` = float32) and
-            a progress bar (``progress``; off by default) -- :class:`task.compute.Compute`.
-        trainable: what is trained (``task.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the start
+            a progress bar (``progress``; off by default) -- :class:`task.learning.compute.Compute`.
+        trainable: what is trained (``task.learning.networks.TRAINABLE_SETS``; ``voxel-head`` adds a head to the start
             model and trains only the head).
         learning_rate: Adam's learning rate (None = the preset's).
         finetune: the student only -- after training ``trainable``, train every weight (a voxel head's too) from

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-import task.phases  # noqa: F401  (first: its clock's zero is the process start, the cost table's "imports")
+import task.learning.phases  # noqa: F401  (first: its clock's zero is the process start, the cost table's "imports")
 
 # Order is the order shown in --help.
 COMMANDS = ("privacy", "data", "central", "simulate", "compare", "deploy", "predict", "evaluate", "demo")

@@ -20,17 +20,17 @@ from privacy.ledger import Ledger
 from task.data.layouts import CLASSES, PHANTOMS_SOURCE, LayoutName
 from task.io import atomic_write_bytes, atomic_write_text
 from sim import report_real
-from task import methods as registry   # every method's family and role: the report never tests a name
-from task.methods import Role
+from task.settings import methods as registry   # every method's family and role: the report never tests a name
+from task.settings.methods import Role
 from task.options import Init, NoiseKind
-from task.phases import PHASES
-from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
-from task.trust import PROTECTS, trust_line
+from task.learning.phases import PHASES
+from task.reporting.results import CSV_COLUMNS as RESULT_CSV_COLUMNS, DICE_KEYS, csv_row
+from task.reporting.trust import PROTECTS, trust_line
 
 DICE_COLUMNS = DICE_KEYS
 #: the comparison's world (task.world.describe_world), written by sim.runners.compare beside the cells
 WORLD_FILE = "world.json"
-#: the results record's columns (task.results.RunResults), with the cell's folder and the ledger re-check
+#: the results record's columns (task.reporting.results.RunResults), with the cell's folder and the ledger re-check
 CSV_COLUMNS = ("cell",) + RESULT_CSV_COLUMNS + ("ledger_check",)
 #: what headroom is also given for, class by class: the three classes and the BraTS regions
 HEADROOM_KEYS = ("1", "2", "3", "WT", "TC", "ET")
@@ -219,7 +219,7 @@ def verdicts(cells: Sequence[Mapping[str, Any]]) -> list[str]:
 def per_case_of(cell: Mapping[str, Any] | None, key: str = "mean") -> list | None:
     """A cell's per-test-case Dice: ``mean`` -- each case's mean over its classes (``dice_per_case``); a class
     or region (:data:`HEADROOM_KEYS`) -- that class's Dice on the cases whose truth contains it, ``None`` on the
-    others (``dice_per_case_class``, task.training.PerCaseDice)."""
+    others (``dice_per_case_class``, task.learning.training.PerCaseDice)."""
     if cell is None:
         return None
     if key == "mean":
@@ -412,7 +412,7 @@ def _describe_setting(setting: Mapping[str, Any]) -> str:
 
 def _setting_chosen(cell: Mapping[str, Any]) -> str:
     selection = cell.get("selection")
-    if selection:   # private selection (task.selection): a grid entry or the public model, unchanged
+    if selection:   # private selection (task.learning.selection): a grid entry or the public model, unchanged
         index, candidates = int(selection.get("chosen") or 0), selection.get("candidates") or []
         chosen = candidates[index] if index < len(candidates) else None
         what = _describe_setting(chosen) if isinstance(chosen, Mapping) else str(chosen)
@@ -467,7 +467,7 @@ def _versus(cell: Mapping[str, Any], score: float, other: str, other_score: floa
 
 
 def scoring_line(cells: Sequence[Mapping[str, Any]]) -> str:
-    """How the cells' models were scored (their ``inference``, ``task.inference``), phantom test set and real
+    """How the cells' models were scored (their ``inference``, ``task.learning.inference``), phantom test set and real
     scans alike; cells written before test-time mirroring carry none and were scored with one forward pass."""
     named = [c["inference"] for c in cells if c.get("inference")]
     kinds = sorted(set(named))
@@ -560,8 +560,8 @@ def write_report(root: str | Path, title: str, settings: Mapping[str, Any] | Non
 
 
 def cost_table(cells: Sequence[Mapping[str, Any]]) -> str | None:
-    """Seconds per phase of every cell that recorded them (``phase_seconds`` in results.json, ``task.phases``):
-    one column per phase any cell spent time in, in :data:`task.phases.PHASES` order, then the wall time."""
+    """Seconds per phase of every cell that recorded them (``phase_seconds`` in results.json, ``task.learning.phases``):
+    one column per phase any cell spent time in, in :data:`task.learning.phases.PHASES` order, then the wall time."""
     timed = [cell for cell in cells if isinstance(cell.get("phase_seconds"), Mapping)]
     if not timed:
         return None

@@ -1,7 +1,7 @@
 """The reports' "Real scans" section: each model's Dice on labelled real cases beside its phantom Dice.
 
 Reads the ``real_check`` record each cell's ``results.json`` carries when the run was given real cases
-(``task.realcheck``). The cases of every ``--real-check`` folder are pooled; the section lists each case with
+(``task.reporting.realcheck``). The cases of every ``--real-check`` folder are pooled; the section lists each case with
 its folder and who drew its reference (``--real-check expert=DIR`` / ``algorithm=DIR``; not stated otherwise).
 For one comparison (:func:`real_section`), per method x ε (x K):
 
@@ -31,13 +31,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from task import methods as registry
-from task.methods import Role
+from task.settings import methods as registry
+from task.settings.methods import Role
 from task.options import Reference
-from task.realcheck import REGIONS, case_name, real_dice, real_per_case, real_region_mean
+from task.reporting.realcheck import REGIONS, case_name, real_dice, real_per_case, real_region_mean
 
 #: the phantom side of the rankings: the phantom report's *mean Dice* (over the three classes); the real side is
-#: the mean of the real WT, TC and ET Dice (:func:`task.realcheck.real_region_mean`)
+#: the mean of the real WT, TC and ET Dice (:func:`task.reporting.realcheck.real_region_mean`)
 RANK_KEY = "mean"
 #: standard errors across cases from this many cases on
 MIN_CASES_FOR_SE = 3

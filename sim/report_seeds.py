@@ -28,7 +28,7 @@ import numpy as np
 
 from task.io import atomic_write_text
 from sim import report_real
-from task.methods import is_ceiling
+from task.settings.methods import is_ceiling
 from sim.report import (CLASS_LEGEND, HEADROOM_KEYS, Column, _fmt, _pyplot, _save, _versus, best_private_cells,
                         cells_to_csv, ceiling_of, class_name, floors_of, headroom_of, interrupted_cells, load_cells,
                         plot_headroom_per_class, privacy_statement, reference_cell, smoke_test_banner, table)

@@ -34,7 +34,7 @@ def look_up_option(value, options: type[E], name: str) -> E:
 
 
 class Trainable(StrEnum):
-    """Which weights private fine-tuning trains (their meaning: ``task.networks.TRAINABLE_SETS``)."""
+    """Which weights private fine-tuning trains (their meaning: ``task.learning.networks.TRAINABLE_SETS``)."""
     ALL = "all"
     DECODER = "decoder"
     HEAD = "head"
@@ -64,7 +64,7 @@ class PublicStart(StrEnum):
 
 
 class NoiseMode(StrEnum):
-    """How DP-SGD chooses its noise multiplier (``task.dpsgd`` module docstring, "Noise modes")."""
+    """How DP-SGD chooses its noise multiplier (``task.learning.dpsgd`` module docstring, "Noise modes")."""
     TARGET = "target"       # calibrated so the planned epochs spend exactly the budget
     FIXED = "fixed"         # a given sigma; training stops before the epoch that would exceed the budget
     SCHEDULE = "schedule"   # sigma_t from a Yu et al. (2019, arXiv 1904.02200) decay schedule
@@ -83,13 +83,13 @@ class GradSampleMode(StrEnum):
 
 
 class Precision(StrEnum):
-    """Forward-pass precision (``task.device.autocast``)."""
+    """Forward-pass precision (``task.learning.device.autocast``)."""
     FP32 = "32"
     BF16 = "bf16"   # torch.autocast(bfloat16) around forward passes; losses, clipping and noise stay float32
 
 
 class AugmentOn(StrEnum):
-    """Where training augmentation runs (``task.training.TrainConfig.augment_on``)."""
+    """Where training augmentation runs (``task.learning.training.TrainConfig.augment_on``)."""
     HOST = "host"       # MONAI, per sample, numpy RNG: the CPU default and the reference results
     DEVICE = "device"   # task.data.augment.BatchAugmentation: the whole batch in torch on the training device
 
@@ -116,13 +116,13 @@ class Init(StrEnum):
 
 
 class Selection(StrEnum):
-    """How the pooled DP-SGD baseline chooses its setting among the preset's grid (``task.selection``)."""
+    """How the pooled DP-SGD baseline chooses its setting among the preset's grid (``task.learning.selection``)."""
     PUBLIC = "public"     # every grid entry trained and charged, the best on the public validation set kept
     PRIVATE = "private"   # Papernot & Steinke (2022, arXiv 2110.03620) on held-out private patients, one event
 
 
 class CentralMethod(StrEnum):
-    """The baselines trained on the pooled private data (``task.methods.CENTRAL_METHODS`` names their results)."""
+    """The baselines trained on the pooled private data (``task.settings.methods.CENTRAL_METHODS`` names their results)."""
     NONPRIVATE = "nonprivate"   # plain training: the ceiling, no privacy guarantee
     DP_SGD = "dp-sgd"           # DP-SGD with per-sample clipping and Gaussian noise
 
@@ -145,7 +145,7 @@ COMPARE_ENGINES = (Engine.INPROCESS, Engine.FLOWER)
 
 
 class Reference(StrEnum):
-    """Who drew the label maps of a real-scan check folder (``--real-check KIND=DIR``, ``task.realcheck``): fedpate
+    """Who drew the label maps of a real-scan check folder (``--real-check KIND=DIR``, ``task.reporting.realcheck``): fedpate
     cannot tell from the files, so the user says, and the report marks every case with it."""
     EXPERT = "expert"         # a radiologist's segmentation, or a challenge's expert-approved ground truth
     ALGORITHM = "algorithm"   # an algorithm's output: scores against it measure agreement with that algorithm

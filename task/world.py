@@ -117,7 +117,7 @@ def build_world(preset, data=None, seed: int = 0, progress: bool = True, hospita
     Deterministic: the data depend only on the preset (fixed generator seeds), the split only on ``seed``.
 
     Args:
-        preset: the :class:`task.presets.Preset` (grid, phantoms, split sizes and scheme, public centre).
+        preset: the :class:`task.settings.presets.Preset` (grid, phantoms, split sizes and scheme, public centre).
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms, with its other centre's public
             collection when it has one).
         seed: the split.

@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-# the calibrations the tests make are never memoised in the user's cache (task.accounting; and see
+# the calibrations the tests make are never memoised in the user's cache (task.learning.accounting; and see
 # own_accounting_memo below: each test has its own memo)
 if "FEDPATE_ACCOUNTING_CACHE" not in os.environ:
     import tempfile
@@ -30,7 +30,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def own_accounting_memo(monkeypatch, tmp_path_factory):
-    """Every test memoises its calibrations in a folder of its own (task.accounting): a test that replaces a
+    """Every test memoises its calibrations in a folder of its own (task.learning.accounting): a test that replaces a
     calibration by a stand-in never hands its value to another test."""
     monkeypatch.setenv("FEDPATE_ACCOUNTING_CACHE", str(tmp_path_factory.mktemp("accounting-memo")))
 
@@ -39,7 +39,7 @@ def own_accounting_memo(monkeypatch, tmp_path_factory):
 def tiny_phantoms(tmp_path_factory):
     """A phantom MSD folder for the ``tiny`` preset (48 cases, 2 institutions, 4 mm), generated once."""
     from task.data.phantoms import ensure_phantoms
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     return ensure_phantoms(get_preset("tiny"), cache_root=tmp_path_factory.mktemp("phantom-cache"), seed=0,
                            progress=False)
@@ -49,7 +49,7 @@ def tiny_phantoms(tmp_path_factory):
 def tiny_prepared(tiny_phantoms, tmp_path_factory):
     """The tiny phantoms preprocessed to the tiny grid (16^3): a ``PreparedDataset``."""
     from task.data.preprocess import PreprocessConfig, prepare_dataset
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     grid = get_preset("tiny").grid
     return prepare_dataset(tiny_phantoms, tmp_path_factory.mktemp("prepared-tiny"), PreprocessConfig(grid=grid),
@@ -60,7 +60,7 @@ def tiny_prepared(tiny_phantoms, tmp_path_factory):
 def tiny_split(tiny_prepared):
     """The tiny preset's split (institution scheme, 2 hospitals x 4 teachers) of ``tiny_prepared``, seed 0."""
     from task.data.partitions import split_for_preset
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     return split_for_preset(tiny_prepared, get_preset("tiny"), seed=0)
 

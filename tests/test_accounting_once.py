@@ -13,7 +13,7 @@ from privacy.errors import BudgetExceeded
 from privacy.events import GaussianEvent, SampledGaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
-from task import accounting
+from task.learning import accounting
 
 DELTA = 1e-5
 
@@ -173,7 +173,7 @@ def test_lifetime_ledgers_still_compose_at_every_charge(monkeypatch):
 def test_a_target_run_given_a_wrong_sigma_is_refused_by_its_guard(cache, monkeypatch):
     """A stale or tampered memo (here: the calibration answers sigma = 2, far too little for epsilon = 2) never makes
     a run overspend: the guard composes the plan, does not trust it, and refuses the first epoch."""
-    from task.dpsgd import DPConfig, DPSession, PrivateTraining
+    from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
 
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *args, **kwargs: 2.0)
     model = torch.nn.Linear(3, 2)
@@ -189,7 +189,7 @@ def test_a_target_run_given_a_wrong_sigma_is_refused_by_its_guard(cache, monkeyp
 
 
 def test_a_target_run_charges_its_plan_and_reports_the_ledgers_epsilon(cache, monkeypatch):
-    from task.dpsgd import DPConfig, DPSession, PrivateTraining, epoch_plan
+    from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining, epoch_plan
 
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *args, **kwargs: 3.0)
     model = torch.nn.Linear(3, 2)

@@ -4,9 +4,9 @@
                                                                                  deployment, commands, cli, reports)
 
 A module imports only its own layer or below; server and clients never import each other; no import
-cycle between these packages, nor between their modules (a sub-package such as ``task/data/`` counted as one
-module; an import inside a function counts: one there only to dodge a cycle hides it); flwr only in the Flower
-adapters; the command line's start-up stays free
+cycle between these packages, nor between their rooms (a module, or a sub-package such as ``task/data/`` or
+``task/learning/`` counted as one), nor between the modules inside one room (an import inside a function counts:
+one there only to dodge a cycle hides it); flwr only in the Flower adapters; the command line's start-up stays free
 of torch, monai and flwr. A setting is resolved once: the hospital (clients/) never reads a training setting from
 its own preset (``preset.teacher``, ``preset.batch_size``, ``preset.learning_rate``, ``preset.dp_sgd``, ...) --
 the server's request carries it whole. ``check_tree`` takes any checkout, so the rule can be checked on an older
@@ -29,8 +29,8 @@ LAYERS = {"privacy": 0, "task": 1, "server": 2, "clients": 2, "sim": 3}
 SIM_PARTS = ("sim.runners", "sim.deployment", "sim.commands", "sim.cli")
 #: the only modules that may import flwr: the two apps, the wire format they share, the SecAgg+ primitives,
 #: the Flower transport, the in-process simulation engine (flwr.simulation.run_simulation) and the echo app
-FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "task.flower_wire",
-                   "task.secagg", "sim.runners.simulation", "sim.deployment.echo_app")
+FLOWER_ADAPTERS = ("server.server_app", "server.flower_transport", "clients.client_app", "task.wire.flower_wire",
+                   "task.wire.secagg", "sim.runners.simulation", "sim.deployment.echo_app")
 
 
 def unit_of(module: str) -> str | None:
@@ -136,8 +136,9 @@ def runtime_imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bo
 
 
 def module_cycles(root: Path) -> list[str]:
-    """One line per group of fedpate modules that import each other, at module level or inside a function, a
-    sub-package below a top-level package (``task/data/``, ``sim/runners/``) counted as one module."""
+    """One line per group of fedpate rooms that import each other, at module level or inside a function -- a room
+    is a module, or a sub-package below a top-level package (``task/data/``, ``task/learning/``, ``sim/runners/``)
+    counted as one -- and one per group of modules inside one room that import each other."""
     paths = {module_name(path, root): path for package in LAYERS for path in sorted((root / package).rglob("*.py"))}
     packages = {module for module, path in paths.items() if path.name == "__init__.py"}
 
@@ -145,21 +146,23 @@ def module_cycles(root: Path) -> list[str]:
         parts = module.split(".")
         return ".".join(parts[:2]) if len(parts) > 2 and ".".join(parts[:2]) in packages else module
 
-    graph: dict[str, set[str]] = {}
+    rooms: dict[str, set[str]] = {}     # room -> the rooms it imports
+    inside: dict[str, set[str]] = {}    # module -> the modules of its own room it imports
     where: dict[tuple[str, str], str] = {}
     for module, path in paths.items():
         for node, in_function in runtime_imports(ast.parse(path.read_text(), str(path))):
             for target in module_of_import(node, module, path.name == "__init__.py", set(paths)):
                 a, b = unit(module), unit(target)
-                if a != b:
-                    graph.setdefault(a, set()).add(b)
-                    where.setdefault((a, b), f"{path.relative_to(root)}:{node.lineno}"
-                                             + (" inside a function" if in_function else ""))
+                edge = (a, b) if a != b else (module, target)
+                (rooms if a != b else inside).setdefault(edge[0], set()).add(edge[1])
+                where.setdefault(edge, f"{path.relative_to(root)}:{node.lineno}"
+                                       + (" inside a function" if in_function else ""))
     cycles = []
-    for group in strongly_connected(graph):
-        cycle = _path_back({a: graph[a] & set(group) for a in group}, group[0])
-        steps = [f"{a} ({where[(a, b)]})" for a, b in zip(cycle, cycle[1:])]
-        cycles.append(f"import cycle between modules: {' -> '.join(steps)} -> {cycle[-1]}")
+    for graph in (rooms, inside):
+        for group in strongly_connected(graph):
+            cycle = _path_back({a: graph[a] & set(group) for a in group}, group[0])
+            steps = [f"{a} ({where[(a, b)]})" for a, b in zip(cycle, cycle[1:])]
+            cycles.append(f"import cycle between modules: {' -> '.join(steps)} -> {cycle[-1]}")
     return cycles
 
 
@@ -277,11 +280,12 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
-    for package in ("privacy", "task", "server", "clients", "sim", "sim/runners", "sim/deployment"):
+    for package in ("privacy", "task", "task/learning", "task/settings", "server", "clients", "sim", "sim/runners",
+                    "sim/deployment"):
         write(f"{package}/__init__.py", "")
     write("privacy/maths.py", "def f():\n    from task import world\n")           # upward, inside a function
     write("task/world.py", "from sim.runners.compare import run_compare\n")       # core -> orchestration
-    write("task/flower_wire.py", "import flwr.app\n")                           # an adapter: allowed
+    write("task/wire/flower_wire.py", "import flwr.app\n")                      # an adapter: allowed
     write("server/app.py", "from clients.hospital import Hospital\n")           # server <-> clients
     write("server/results.py", "from sim.report import write_report\n")         # server -> sim's report module
     write("clients/hospital.py", "import flwr.app\n")                            # flwr outside the adapters
@@ -290,12 +294,12 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     write("clients/fallback_batch.py", "def f(self, request):\n    return request.batch_size or self.preset.batch_size\n")
     write("clients/fallback_clip.py", "def f(hospital):\n    return hospital.preset.dp_sgd.max_grad_norm\n")
     write("clients/network.py", "def f(self):\n    return self.preset.unet, self.preset.delta\n")   # not a recipe
-    write("task/training.py", "from task.headgrad import check\n")                # a cycle dodged in a function
-    write("task/headgrad.py", "def f():\n    from task.training import loss\n")
-    write("task/presets.py", "from task.data.shifts import SHIFTS\n")            # a module <-> a sub-package
+    write("task/learning/training.py", "from task.learning.headgrad import check\n")   # in one room, dodged in
+    write("task/learning/headgrad.py", "def f():\n    from task.learning.training import loss\n")   # a function
+    write("task/settings/presets.py", "from task.data.shifts import SHIFTS\n")   # a room <-> a room, no module cycle
     write("task/data/__init__.py", "")
     write("task/data/shifts.py", "SHIFTS = ()\n")
-    write("task/data/phantoms.py", "from task.presets import get_preset\n")
+    write("task/data/phantoms.py", "from task.settings.presets import get_preset\n")
     write("task/typed.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from task.world import World\n")
     write("sim/runners/compare.py", "from sim.deployment import local\n")
     write("sim/deployment/local.py", "from ..runners import compare\n")          # a cycle, relative import
@@ -307,16 +311,16 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     assert "server and clients never import each other" in problems
     assert "clients.hospital imports flwr" in problems
     assert "import cycle between packages: sim.deployment -> sim.runners -> sim.deployment" in problems
-    assert "task.flower_wire imports flwr" not in problems
+    assert "task.wire.flower_wire imports flwr" not in problems
     assert "clients/fallback.py:2: a hospital reads its own preset's teacher" in problems
     assert "clients/fallback_too.py:2: a hospital reads its own preset's teacher" in problems
     assert "clients/fallback_batch.py:2: a hospital reads its own preset's batch_size" in problems
     assert "clients/fallback_clip.py:2: a hospital reads its own preset's dp_sgd" in problems
     assert "clients/network.py" not in problems
-    assert ("import cycle between modules: task.headgrad (task/headgrad.py:2 inside a function) -> task.training "
-            "(task/training.py:1) -> task.headgrad") in problems
-    assert ("import cycle between modules: task.data (task/data/phantoms.py:1) -> task.presets (task/presets.py:1) "
-            "-> task.data") in problems
+    assert ("import cycle between modules: task.learning.headgrad (task/learning/headgrad.py:2 inside a function) -> "
+            "task.learning.training (task/learning/training.py:1) -> task.learning.headgrad") in problems
+    assert ("import cycle between modules: task.data (task/data/phantoms.py:1) -> task.settings "
+            "(task/settings/presets.py:1) -> task.data") in problems
     assert ("import cycle between modules: sim.deployment (sim/deployment/local.py:1) -> sim.runners "
             "(sim/runners/compare.py:1) -> sim.deployment") in problems   # the package cycle, module by module
     assert "task.typed" not in problems   # an import for annotations only (TYPE_CHECKING) closes no cycle

@@ -30,7 +30,7 @@ def no_work(monkeypatch):
     import task.data.gallery as gallery
     import task.data.phantoms as phantoms
     import task.data.preprocess as preprocess
-    import task.predict as predict
+    import task.reporting.predict as predict
 
     def tripwire(what):
         def started(*args, **kwargs):

@@ -11,8 +11,8 @@ from privacy import calibration
 from privacy.accountants import make_accountant
 from privacy.events import ComposedEvent, SampledGaussianEvent
 from privacy.ledger import Ledger
-from task.compute import Compute
-from task.presets import DpSetting
+from task.learning.compute import Compute
+from task.settings.presets import DpSetting
 
 
 # ------------------------------------------------------------------------------------ composed calibration
@@ -36,7 +36,7 @@ def test_composed_calibration_of_different_runs_meets_the_budget_from_the_safe_s
 # ------------------------------------------------------------------------------------ settings grid
 def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
     from task.errors import UserError
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.runners.central import settings_grid
 
     # the quick preset trains DP-SGD for the non-private ceiling's epochs, one setting, no grid: a voxel head on the
@@ -71,7 +71,7 @@ def _world(preset, seed=0, data=None, cache_root=None, progress=True):
 
 
 def _public_weights(preset):
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     torch.manual_seed(4321)
     return {k: v.clone() for k, v in build_unet(preset.unet).state_dict().items()}
@@ -93,7 +93,7 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
         tested.append((len(scored), images))
         return real_test(model, images, labels, **options)
 
-    import task.training as training
+    import task.learning.training as training
 
     # each grid entry's choice score is either the training's own last-epoch validation score or the runner's
     monkeypatch.setattr(central, "evaluate_segmentation", score)
@@ -123,7 +123,7 @@ def test_dpsgd_grid_selects_on_public_validation_only_and_spends_exactly_the_bud
 
 def test_init_public_starts_from_the_public_model_and_scratch_does_not(tmp_path, monkeypatch):
     import sim.runners.central as central
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     monkeypatch.setattr(central, "load_central_data", _world)
     monkeypatch.setattr(central, "public_start", lambda preset, **kw: _public_weights(preset))
@@ -146,7 +146,7 @@ def test_dpfedavg_grid_from_the_public_model_spends_exactly_the_budget(tmp_path)
     from clients.fedavg import plan_noise_multiplier
     from clients.hospital import Hospital, HospitalSettings
     from server.dpfedavg import DpFedAvgConfig, dpfedavg_settings, run_dpfedavg
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.runners.inprocess import InProcessTransport
     from types import SimpleNamespace
 

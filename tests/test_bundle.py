@@ -6,8 +6,8 @@ import pytest
 
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from task.bundle import BundleError, CardGuarantee, load_bundle, privacy_card, save_bundle
-from task.networks import build_unet, network_config
+from task.reporting.bundle import BundleError, CardGuarantee, load_bundle, privacy_card, save_bundle
+from task.learning.networks import build_unet, network_config
 
 
 def _private_run(tmp_path):
@@ -143,7 +143,7 @@ def test_a_bundle_without_its_digest_is_refused(tmp_path):
 
 
 def test_attaching_a_release_reseals_the_bundle(tmp_path):
-    from task.bundle import attach_release
+    from task.reporting.bundle import attach_release
 
     _private_run(tmp_path)
     (tmp_path / "hospital-ledgers").mkdir()
@@ -165,7 +165,7 @@ def test_tampered_bundle_is_a_one_line_error_in_predict(tmp_path, capsys):
 
 
 def test_attaching_a_release_to_an_edited_bundle_is_refused_not_resealed(tmp_path):
-    from task.bundle import attach_release
+    from task.reporting.bundle import attach_release
 
     _private_run(tmp_path)
     _edit_bundle(tmp_path, lambda b: b["preprocessing"].update(grid=[20, 20, 20]))

@@ -93,7 +93,7 @@ def test_pending_files_exist_and_still_need_the_rewrite():
 
 def test_the_scan_covers_the_package_docs_and_tests():
     names = {_relative(path) for path in scanned_files()}
-    for expected in ("README.md", "pyproject.toml", "docs/PRIVACY.md", "task/presets.py", "tests/test_citations.py"):
+    for expected in ("README.md", "pyproject.toml", "docs/PRIVACY.md", "task/settings/presets.py", "tests/test_citations.py"):
         assert expected in names
 
 

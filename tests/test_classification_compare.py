@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from task.compute import Compute
+from task.learning.compute import Compute
 
 SCHEMA_KEYS = ("method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
              "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",

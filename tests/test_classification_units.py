@@ -31,7 +31,7 @@ def patient_task(patients=30, hospitals=2, d=12, seed=0):
 
 def test_units_are_whole_patients_in_batches_padded_rows_and_capped_sets():
     from privacy.mechanisms import NoiseSource
-    from task.dpsgd import poisson_batches
+    from task.learning.dpsgd import poisson_batches
     from task.classification import capped_units, gather_units, padded_units
 
     task = patient_task()
@@ -104,7 +104,7 @@ def test_dp_pca_second_moment_moves_by_at_most_one_per_patient():
 
 def test_dpsgd_per_sample_gradient_is_the_patients_summed_gradient():
     """What Opacus clips (a row's per-sample gradient) is the gradient of the patient's summed loss."""
-    from task.dpsgd import DPConfig, DPSession, PrivateTraining
+    from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
     from task.classification import build_mlp, padded_units
     from task.classification.dpsgd_classifier import unit_loss
 

@@ -47,10 +47,10 @@ def test_an_out_under_a_regular_file_is_refused_in_one_line(capsys, a_file, comm
 
 
 def test_predict_refuses_an_out_it_cannot_create(capsys, a_file, monkeypatch):
-    import task.bundle
+    import task.reporting.bundle
 
     card = {"private": False, "method": "public-only"}   # the bundle's own checks are tested in test_bundle.py
-    monkeypatch.setattr(task.bundle, "load_bundle", lambda model: SimpleNamespace(card=card))
+    monkeypatch.setattr(task.reporting.bundle, "load_bundle", lambda model: SimpleNamespace(card=card))
     _one_line_error(capsys, ["predict", "--model", "m", "--image", "x.nii.gz", "--out", str(a_file / "maps")])
 
 

@@ -45,9 +45,9 @@ def test_demo_help_names_the_preset_it_runs():
 
 
 def test_the_presets_size_in_the_help_is_read_from_the_preset(monkeypatch):
-    """K and the grid are written once, in task.presets: the help states what the preset holds."""
+    """K and the grid are written once, in task.settings.presets: the help states what the preset holds."""
     import sim.commands.common as common
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     quick = get_preset("quick")
     said = (f"{quick.federation.hospitals} hospitals x {quick.federation.teachers_per_hospital} teachers on a "

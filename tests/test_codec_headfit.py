@@ -11,7 +11,7 @@ from task.codecs import ANCHORED_DECODERS, AnchoredResidualCompressor, make_comp
 from task import codecs
 from task.codecs.headfit import fit_head_decode
 from task.errors import UserError
-from task.metrics import dice_scores
+from task.learning.metrics import dice_scores
 from tests.test_codec_intensity_bins import _public_without_class_2, _rim_lesions
 
 
@@ -89,7 +89,7 @@ def test_decoders_are_registered_and_a_wrong_name_or_missing_scans_are_refused(w
 
 
 def test_the_preset_names_the_decoder():
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     quick = get_preset("quick")
     compressor = make_compressor("pate-anchored", quick)
     assert compressor.decoder == quick.codec.anchored_decoder == "head-fit"

@@ -10,7 +10,7 @@ import pytest
 from task.codecs import AnchoredResidualCompressor
 from task import codecs
 from task.errors import UserError
-from task.metrics import dice_scores
+from task.learning.metrics import dice_scores
 
 GRID = (12, 12, 12)
 
@@ -163,7 +163,7 @@ def test_one_bin_is_the_codec_as_it_was(world):
 def test_a_binned_batch_state_travels_through_flower_records_unchanged(world):
     """What a Flower ServerApp ships: the uint8 bin map and the bin counts survive ArrayRecord packing, and the
     hospital encodes the received state exactly as the server's."""
-    from task.flower_wire import arrays_to_record, record_to_arrays
+    from task.wire.flower_wire import arrays_to_record, record_to_arrays
 
     scans, _, onehot, anchor = world
     compressor = _fitted(world, 3)

@@ -41,7 +41,7 @@ def test_segmentation_compare_is_complete_consistent_and_resumable(cache, tmp_pa
     # releases add up: each hospital's own ledger holds both cells' queries; the report and every card
     # state the combined epsilon, which exceeds each cell's
     from privacy.ledger import Ledger
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     ledgers = sorted((out / "hospital-ledgers").glob("*.jsonl"))
     assert len(ledgers) == 2

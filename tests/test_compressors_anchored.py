@@ -5,10 +5,10 @@ reads public arrays only."""
 import numpy as np
 import pytest
 
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.codecs import AnchoredResidualCompressor
 from task import codecs
-from task.metrics import dice_scores
+from task.learning.metrics import dice_scores
 
 GRID = (12, 12, 12)
 
@@ -131,9 +131,9 @@ def test_fitting_reads_public_arrays_only(monkeypatch, tmp_path):
     import torch
 
     from server import pate
-    from task.networks import build_unet
-    from task.presets import get_preset
-    from task.training import predict_probs
+    from task.learning.networks import build_unet
+    from task.settings.presets import get_preset
+    from task.learning.training import predict_probs
     from task.world import PublicWorld
 
     rng = np.random.default_rng(0)

@@ -279,7 +279,7 @@ def test_a_patient_split_over_two_partitions_is_refused(tmp_path):
 def test_the_world_section_states_where_public_and_test_patients_come_from(layouts, tmp_path, monkeypatch):
     """build_world with --partition-file on a BraTS folder: one hospital per partition, and the report's World
     section says the rule; the same world without the file splits by the folder's own institutions."""
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.report import world_section
     from task.world import build_world, describe_world
 
@@ -309,7 +309,7 @@ def test_layout_and_partition_options_need_data(capsys):
 
 
 def test_run_settings_carry_layout_and_partition_file_through_flower_config():
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     settings = RunSettings(data="/d", layout="brats2021", partition_file="/p.csv")
     again = RunSettings.from_run_config(settings.to_run_config())

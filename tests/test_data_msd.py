@@ -230,7 +230,7 @@ def test_prepared_dataset_knows_patients_and_old_manifests_fall_back(tmp_path):
 def test_deployed_hospital_splits_its_teachers_by_patient(tmp_path):
     """A hospital's own folder with two scans of several patients: each patient's scans at one teacher."""
     from clients.node import _deployed_hospital
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     names = [f"BraTS19_TCIA01_{p:03d}_{t}" for p in range(1, 5) for t in (1, 2)] + ["BRATS_010", "BRATS_011"]
     root = make_msd(tmp_path / "h0", names=names, patients={"BRATS_010": "TCIA01_001"})   # a third scan of 001

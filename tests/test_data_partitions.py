@@ -193,7 +193,7 @@ BEFORE_PATIENTS = {
 @pytest.mark.parametrize("key", sorted(BEFORE_PATIENTS))
 def test_one_scan_per_patient_splits_are_unchanged(key):
     from task.data.phantoms import _case_name, institution_name
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     name, scheme, hospitals, teachers, seed = key
     preset = get_preset(name)

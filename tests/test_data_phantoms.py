@@ -210,7 +210,7 @@ def test_refuses_a_folder_with_other_data(tmp_path):
 
 def test_ensure_phantoms_caches_by_preset_seed_and_version(tiny_phantoms):
     from task.data.phantoms import ensure_phantoms
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     assert "tiny" in tiny_phantoms.name and "seed0" in tiny_phantoms.name and f"v{GENERATOR_VERSION}" in tiny_phantoms.name
     stamp = (tiny_phantoms / "dataset.json").stat().st_mtime_ns

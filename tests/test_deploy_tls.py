@@ -119,7 +119,7 @@ def test_the_roster_lists_every_hospitals_key_and_a_node_checks_its_own_against_
     """``deploy certs`` writes roster.txt (every hospital's SuperNode public key); a deployed node's
     secure-roster and secure-signing-key must both be given, readable and match -- one line otherwise."""
     from clients.node import secure_identity_for
-    from task.secagg import Roster
+    from task.wire.secagg import Roster
 
     roster = Roster.load(certs["roster"])
     assert sorted(roster.keys) == ["h0", "h1"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sim.cli import main
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.errors import UserError
 
 COMMANDS_THAT_COMPUTE = {
@@ -33,7 +33,7 @@ COMMANDS_THAT_COMPUTE = {
 
 # ------------------------------------------------------------------------------------------------ resolver
 def test_resolve_device_specs(monkeypatch):
-    from task.device import check_device_spec, check_precision, resolve_device
+    from task.learning.device import check_device_spec, check_precision, resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert check_device_spec(None) == check_device_spec("") == "auto"
@@ -55,7 +55,7 @@ def test_resolve_device_specs(monkeypatch):
 
 
 def test_cuda_without_a_gpu_is_refused_in_one_line(monkeypatch):
-    from task.device import resolve_device
+    from task.learning.device import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for spec in ("cuda", "cuda:0", torch.device("cuda", 0)):
@@ -99,7 +99,7 @@ def test_run_settings_carry_device_through_the_flower_run_config():
     import tomllib
     from pathlib import Path
 
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     app_config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_config["device"] == "auto" and app_config["precision"] == "32"
@@ -112,15 +112,15 @@ def test_run_settings_carry_device_through_the_flower_run_config():
 
 
 def test_every_run_configuration_refuses_a_compute_that_is_not_one_in_one_line():
-    """The configs that compose :class:`task.compute.Compute` share one check (a dict of settings is not one)."""
+    """The configs that compose :class:`task.learning.compute.Compute` share one check (a dict of settings is not one)."""
     from server.dpfedavg import DpFedAvgConfig
     from server.student import ModelTraining
-    from task.predict import EvaluationOptions
-    from task.runconfig import RunSettings
+    from task.reporting.predict import EvaluationOptions
+    from task.settings.runconfig import RunSettings
 
     for build in (lambda c: RunSettings(compute=c), lambda c: ModelTraining(compute=c),
                   lambda c: EvaluationOptions(compute=c), lambda c: DpFedAvgConfig(8.0, 1e-3, compute=c)):
-        with pytest.raises(UserError, match=r"^compute: expected a task\.compute\.Compute, got dict$"):
+        with pytest.raises(UserError, match=r"^compute: expected a task\.learning\.compute\.Compute, got dict$"):
             build({"device": "cpu"})
 
 
@@ -145,7 +145,7 @@ def spy(monkeypatch):
     """The CUDA trap plus spies on forwards, ``Module.to`` and the training loss."""
     import monai.networks.nets
 
-    import task.training as training
+    import task.learning.training as training
     from task import codecs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # the trap: "auto" would now mean CUDA
@@ -183,8 +183,8 @@ def spy(monkeypatch):
                     "default device works, and the spies' device checks are what catch a dropped device")
 def test_the_trap_catches_a_component_that_ignores_the_device(spy):
     """The premise of the tests below: with the trap set, the default device is CUDA and cannot be used here."""
-    from task.networks import build_unet
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet
+    from task.learning.training import TrainConfig, train_segmentation
 
     x, y = np.zeros((2, 4, 16, 16, 16), np.float32), np.zeros((2, 16, 16, 16), np.int64)
     with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
@@ -210,7 +210,7 @@ class _Split:
 @pytest.fixture(scope="module")
 def small_world():
     from task.data.synthetic import SyntheticPrepared
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     prepared = SyntheticPrepared(16)
     ids = prepared.case_ids
@@ -228,7 +228,7 @@ def test_explicit_cpu_reaches_pate_hospitals_autoencoder_student_and_prediction(
     all run on the explicit device; results.json and the model card say which."""
     import nibabel as nib
 
-    from task.predict import predict_scans
+    from task.reporting.predict import predict_scans
     from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = small_world
@@ -306,8 +306,8 @@ def _toy(n=4, grid=16, seed=0):
 
 
 def test_bf16_on_the_cpu_trains(spy):
-    from task.networks import build_unet
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet
+    from task.learning.training import TrainConfig, train_segmentation
 
     x, y = _toy()
     torch.manual_seed(0)
@@ -324,9 +324,9 @@ def test_bf16_on_the_cpu_trains(spy):
 
 
 def test_bf16_dpsgd_trains_with_float32_noise(spy):
-    from task.dpsgd import DPConfig, PrivateTraining
-    from task.networks import build_unet
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.dpsgd import DPConfig, PrivateTraining
+    from task.learning.networks import build_unet
+    from task.learning.training import TrainConfig, train_segmentation
     from privacy.mechanisms import NoiseSource
 
     x, y = _toy()
@@ -362,9 +362,9 @@ def test_bf16_per_sample_gradient_norms_match_float32(engine):
     time they are clipped (``DPSession.per_sample_gradients_to_float32``)."""
     from opacus import GradSampleModule
 
-    from task.device import autocast
-    from task.networks import build_unet
-    from task.training import per_sample_loss
+    from task.learning.device import autocast
+    from task.learning.networks import build_unet
+    from task.learning.training import per_sample_loss
 
     x, y = (torch.from_numpy(a) for a in _toy())
     norms = {}
@@ -388,8 +388,8 @@ def test_bf16_per_sample_gradient_norms_match_float32(engine):
 # ----------------------------------------------------------------------------------- host-side pipeline
 def test_prefetching_augmented_batches_does_not_change_the_result():
     """The background thread calls the augmenter in the same order: the same weights, bit for bit."""
-    from task.networks import build_unet
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet
+    from task.learning.training import TrainConfig, train_segmentation
 
     x, y = _toy(n=5)
     weights = []
@@ -402,7 +402,7 @@ def test_prefetching_augmented_batches_does_not_change_the_result():
 
 
 def test_results_record_has_device_and_precision_null_when_not_applicable():
-    from task.results import CSV_COLUMNS, RunResults
+    from task.reporting.results import CSV_COLUMNS, RunResults
 
     record = RunResults(method="x").to_dict()
     assert record["device"] is None and record["precision"] is None
@@ -441,8 +441,8 @@ def test_batch_augmentation_moves_labels_with_the_image_and_keeps_the_background
 
 
 def test_device_augmentation_trains_and_the_cpu_default_is_the_host_version():
-    from task.networks import build_unet
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet
+    from task.learning.training import TrainConfig, train_segmentation
 
     x, y = _toy(n=4)
     results = {}

@@ -1,7 +1,7 @@
 """docs/ARCHITECTURE.md points at files that exist.
 
 Its closing table, "Where things live" (columns: you look for | module | layer), names in its module column one or
-more repository paths in backticks: a file (``task/presets.py``) or a folder (``task/codecs/``). Every such path must
+more repository paths in backticks: a file (``task/settings/presets.py``) or a folder (``task/codecs/``). Every such path must
 exist, so a row cannot outlive a file that was moved or removed. The rest of the page is held to the same rule for
 the repository paths it names (a placeholder such as ``task/codecs/<kind>.py`` is skipped).
 """
@@ -87,10 +87,10 @@ TOY_PAGE = """# toy
 
 | you look for | module | layer |
 |---|---|---|
-| presets | `task/presets.py` | 1 task |
+| presets | `task/settings/presets.py` | 1 task |
 | codecs | `task/codecs/` | 1 task |
 | two files | `server/secure.py`, `server/no_such_module.py` | 2 server |
-| a folder that is a file | `task/presets.py/` | 1 task |
+| a folder that is a file | `task/settings/presets.py/` | 1 task |
 | nothing | the presets | 1 task |
 """
 
@@ -98,10 +98,10 @@ TOY_PAGE = """# toy
 def test_the_check_fails_on_a_row_that_names_a_missing_file():
     problems = missing_in_table(TOY_PAGE)
     assert problems == ["row 'two files': server/no_such_module.py does not exist",
-                        "row 'a folder that is a file': task/presets.py/ does not exist",
+                        "row 'a folder that is a file': task/settings/presets.py/ does not exist",
                         "row 'nothing' names no module path"]
     assert missing_in_page(TOY_PAGE) == ["server/no_such_module.py does not exist",
-                                         "task/presets.py/ does not exist"]
+                                         "task/settings/presets.py/ does not exist"]
 
 
 def test_the_check_refuses_a_table_with_other_columns():

@@ -9,11 +9,11 @@ import torch
 
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
-from task.compute import Compute
-from task.dpsgd import DPConfig, DPSession, PrivateTraining
+from task.learning.compute import Compute
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
 from task.errors import UserError
-from task.networks import TRAINABLE_SETS, build_unet, freeze_all_but, trainable_parameter_names
-from task.training import TrainConfig, train_segmentation
+from task.learning.networks import TRAINABLE_SETS, build_unet, freeze_all_but, trainable_parameter_names
+from task.learning.training import TrainConfig, train_segmentation
 
 
 def _data(n=4, grid=(16, 16, 16), seed=0):
@@ -81,7 +81,7 @@ def test_augmentation_multiplicity_keeps_the_replace_one_sensitivity(per_layer):
         x = torch.from_numpy(images).repeat_interleave(3, dim=0)
         x[:3] = x[:3] * scale + torch.randn_like(x[:3])            # patient 0 replaced (all three views)
         y = torch.from_numpy(labels).repeat_interleave(3, dim=0)
-        from task.training import per_sample_loss
+        from task.learning.training import per_sample_loss
 
         session.optimizer.zero_grad(set_to_none=True)
         per_sample_loss(session.model(x), y).mean().backward()
@@ -136,7 +136,7 @@ def test_settings_grids_carry_the_levers_to_the_training_they_choose_between():
     from types import SimpleNamespace as NS
 
     from server.dpfedavg import dpfedavg_settings
-    from task.presets import DpFedAvg, DpSetting, DpSgd
+    from task.settings.presets import DpFedAvg, DpSetting, DpSgd
     from sim.runners.central import settings_grid
 
     preset = NS(name="t", learning_rate=1e-3, central_epochs=2, batch_size=2,

@@ -8,7 +8,7 @@ import pytest
 from privacy.events import SampledGaussianEvent
 from privacy.ledger import Ledger
 from server.dpfedavg import federated_average, mirror_hospital_records
-from task.compute import Compute
+from task.learning.compute import Compute
 
 
 def test_federated_average_uses_public_weights_only():
@@ -32,8 +32,8 @@ def test_local_round_uses_the_requested_relation_and_does_not_report_its_size(tm
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital, HospitalSettings
     from privacy.events import event_from_dict
-    from task.networks import build_unet
-    from task.presets import get_preset
+    from task.learning.networks import build_unet
+    from task.settings.presets import get_preset
 
     asked = []
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier",
@@ -83,7 +83,7 @@ def test_server_averages_with_equal_weights_and_states_the_relation(tmp_path):
 
     from privacy.accountants import epsilon_under
     from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     preset = get_preset("tiny")
     event = SampledGaussianEvent(0.5, 3.0, 2, relation="replace-one")
@@ -130,10 +130,10 @@ def test_a_cell_of_a_registered_dp_fedavg_method_is_recorded_under_its_own_name_
     from server.dpfedavg import DpFedAvgConfig
     from server.protocols import run_cell
     from task.errors import UserError
-    from task.methods import Family, Method, Protocol, Role, register_method, unregister_method
-    from task.presets import get_preset
-    from task.realcheck import open_check
-    from task.runconfig import Cell, RunSettings
+    from task.settings.methods import Family, Method, Protocol, Role, register_method, unregister_method
+    from task.settings.presets import get_preset
+    from task.reporting.realcheck import open_check
+    from task.settings.runconfig import Cell, RunSettings
     from test_realcheck import write_cases
 
     preset = get_preset("tiny")

@@ -11,12 +11,12 @@ from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from privacy.options import Relation, Sampling
-from task.compute import Compute
-from task.dpsgd import DPConfig, private_training
+from task.learning.compute import Compute
+from task.learning.dpsgd import DPConfig, private_training
 from task.errors import UserError
 from task.options import NoiseMode
-from task.networks import build_unet
-from task.training import TrainConfig, train_segmentation
+from task.learning.networks import build_unet
+from task.learning.training import TrainConfig, train_segmentation
 
 
 def _data(n=4, g=8):
@@ -245,7 +245,7 @@ def test_dp_resume_continues_identically(tmp_path, sampling):
 def test_dp_config_takes_its_budget_delta_and_clip_from_the_caller():
     """DPConfig has no budget, delta or clipping norm of its own (they are the run's and the preset's, resolved
     once by whoever builds it), and a teachers' local DP-SGD request that leaves one out is refused."""
-    from task.requests import TeacherTrainingRequest
+    from task.wire.requests import TeacherTrainingRequest
 
     with pytest.raises(TypeError, match="'epsilon', 'delta', and 'max_grad_norm'"):
         DPConfig(mode="fixed", noise_multiplier=1.0)

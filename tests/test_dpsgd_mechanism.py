@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from task.dpsgd import DPConfig, DPSession, PrivateTraining
-from task.networks import build_unet
-from task.training import per_sample_loss
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
+from task.learning.networks import build_unet
+from task.learning.training import per_sample_loss
 
 
 def _session(model, optimizer, n=3, batch=3, clip=0.01, per_layer=True, mode="hooks", sigma=1.0):
@@ -108,7 +108,7 @@ def test_empty_poisson_batch_is_a_safe_noise_only_step(mode):
 
 def test_poisson_batches_can_be_empty_and_training_survives():
     from privacy.mechanisms import NoiseSource
-    from task.dpsgd import poisson_batches
+    from task.learning.dpsgd import poisson_batches
 
     sizes = [len(b) for b in poisson_batches(2, 0.5, 200, NoiseSource().generator("test"))]
     assert 0 in sizes and max(sizes) == 2 and len(sizes) == 200

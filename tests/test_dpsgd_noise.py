@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from privacy.mechanisms import NoiseSource, SecureNoiseGenerator, box_muller
-from task.dpsgd import DPConfig, DPSession, PrivateTraining, StepNoise
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining, StepNoise
 
 
 def _words(seed: int, count: int):

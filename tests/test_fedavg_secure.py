@@ -1,4 +1,4 @@
-"""dp-fedavg-secure (server/dpfedavg_secure.py, clients/secure_gradients.py, task/headgrad.py): full-batch
+"""dp-fedavg-secure (server/dpfedavg_secure.py, clients/secure_gradients.py, task/learning/headgrad.py): full-batch
 distributed DP gradient descent of the voxel head through the secure sum.
 
 The server never receives one hospital's contribution, only secure-sum messages and the noisy total; every
@@ -21,9 +21,9 @@ from scipy.stats import norm
 from privacy.distributed import IntegerGrid, rounded_norm_bound
 from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.data.synthetic import SyntheticPrepared
-from task.presets import get_preset
+from task.settings.presets import get_preset
 from tests.test_pate_run import FakeSplit
 
 DELTA = 1e-3
@@ -53,7 +53,7 @@ def _transport(prepared, split, preset, root: Path, policy=None, cls=None):
 
 
 def _head_model(seed: int = 0):
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     torch.manual_seed(seed)
     model = build_unet("tiny", trainable="voxel-head")
@@ -190,7 +190,7 @@ def test_a_below_policy_request_is_refused_with_the_hospitals_ledgers_unchanged(
 def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_seeded_noise(tmp_path):
     from clients.secure import SecureHospital, SecurePolicy, SecureRequestRefused
     from task.errors import UserError
-    from task.secagg import CONTRIBUTION_KIND
+    from task.wire.secagg import CONTRIBUTION_KIND
 
     prepared, split, preset = _world()
     transport = _transport(prepared, split, preset, tmp_path)
@@ -213,7 +213,7 @@ def test_a_hospital_refuses_to_join_under_add_remove_and_a_deployed_one_refuses_
                                      "total_variance": 200.0, "clip": grid.clip, "granularity": grid.granularity,
                                      "dimension": 213, "release_ids": ["r"]},
                               counted=2, participants=["h0", "h1"], threshold=2, length=213)
-    from task.headgrad import head_state
+    from task.learning.headgrad import head_state
 
     message = {"head": head_state(_head_model()), "start_digest": joined["start_digest"]}
     config = {**transport.base_config, "secure_noise_seed": 3}
@@ -229,8 +229,8 @@ def test_head_weights_that_overflow_a_patients_gradient_cannot_abort_the_step_af
     row, so the contribution is still released (finite, inside the clip the charge assumed) and charged once,
     never aborted after the charge by something one patient's data decides."""
     from clients.secure import SecureHospital, SecurePolicy
-    from task.headgrad import head_state
-    from task.secagg import CONTRIBUTION_KIND
+    from task.learning.headgrad import head_state
+    from task.wire.secagg import CONTRIBUTION_KIND
 
     prepared, split, preset = _world()
     transport = _transport(prepared, split, preset, tmp_path)
@@ -255,8 +255,8 @@ def test_head_weights_that_overflow_a_patients_gradient_cannot_abort_the_step_af
 # ------------------------------------------------------------------------------ the gradients themselves
 def _clipped_patient_gradients_through_the_network(model, images, labels, clip):
     """Reference: each patient's head gradient by plain autograd through the whole network, clipped flat."""
-    from task.headgrad import head_parameter_names
-    from task.training import per_sample_loss
+    from task.learning.headgrad import head_parameter_names
+    from task.learning.training import per_sample_loss
 
     names = head_parameter_names(model)
     parameters = dict(model.named_parameters())
@@ -273,8 +273,8 @@ def _clipped_patient_gradients_through_the_network(model, images, labels, clip):
 
 
 def test_cached_head_gradients_equal_the_networks():
-    from task.headgrad import check_frozen_deterministic, frozen_features, per_sample_head_gradients
-    from task.networks import build_unet
+    from task.learning.headgrad import check_frozen_deterministic, frozen_features, per_sample_head_gradients
+    from task.learning.networks import build_unet
     from task.errors import UserError
 
     prepared = SyntheticPrepared(6)
@@ -287,9 +287,9 @@ def test_cached_head_gradients_equal_the_networks():
     # ... and the per-sample gradients pooled DP-SGD's engine computes (Opacus on the network, U-Net frozen)
     from opacus import GradSampleModule
 
-    from task.headgrad import head_parameter_names
-    from task.networks import freeze_all_but
-    from task.training import per_sample_loss
+    from task.learning.headgrad import head_parameter_names
+    from task.learning.networks import freeze_all_but
+    from task.learning.training import per_sample_loss
 
     engine = _head_model()
     freeze_all_but(engine, "voxel-head")
@@ -316,8 +316,8 @@ def test_the_mean_of_many_noisy_steps_is_the_mean_clipped_gradient(tmp_path):
     standard errors of the true mean clipped patient gradient (a family-wise false alarm of one in a million), and the squared z-scores average about 1 (a rounding
     that always floored would shift every coordinate by ~3.7 standard errors)."""
     from clients.secure import SecureHospital, SecurePolicy
-    from task.headgrad import head_state
-    from task.secagg import CONTRIBUTION_KIND
+    from task.learning.headgrad import head_state
+    from task.wire.secagg import CONTRIBUTION_KIND
 
     prepared, split, preset = _world()
     transport = _transport(prepared, split, preset, tmp_path)
@@ -429,7 +429,7 @@ def test_dp_fedavg_secure_over_the_flower_transport(tiny_prepared, tiny_split, t
     assert {kind for _, kind, _ in grid.sent} == {"query.identify", "query.secure"}
     allowed = {"join": {"patients", "start_digest", "dimension"}, "setup": {"pk1", "pk2"},
                "share-keys": {"ciphertexts"}, "collect-masked": {"masked"}, "unmask": {"shares"}}
-    from task.flower_wire import unpack_nested
+    from task.wire.flower_wire import unpack_nested
 
     for _, stage, config, arrays in grid.incoming:
         assert set(unpack_nested(config["reply"], arrays.get("reply", {}))) == allowed[stage]

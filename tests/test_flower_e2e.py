@@ -6,9 +6,9 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
-from task.compute import Compute
-from task.bundle import load_bundle
-from task.runconfig import RunSettings
+from task.learning.compute import Compute
+from task.reporting.bundle import load_bundle
+from task.settings.runconfig import RunSettings
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +160,7 @@ def test_secure_dp_fedavg_deployed_with_tls_and_supernode_authentication(cache, 
     few steps) keeps the test to minutes; the protocol per step is the full one."""
     from privacy.events import DistributedDiscreteGaussianEvent
     from sim.deployment.fedpate_local import run_local_deployment
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     out, work = tmp_path / "run", tmp_path / "work"
     preset = get_preset("tiny").with_changes(central_epochs=1, dp_sgd=dict(batch_size=16))

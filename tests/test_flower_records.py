@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from task.flower_wire import arrays_digest, make_content, read_content
+from task.wire.flower_wire import arrays_digest, make_content, read_content
 
 
 def test_arrays_configs_and_scalars_round_trip():

@@ -19,9 +19,9 @@ from privacy.distributed import centered
 from privacy.ledger import Ledger
 from server.flower_transport import FlowerTransport, TransportSettings
 from server.secure import secure_sum
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.errors import UserError
-from task.flower_wire import read_content
+from task.wire.flower_wire import read_content
 from tests.test_flower_transport import PRESET, MemoryGrid
 from tests.test_secure_hospital import DELTA, GRID, FixedTeachers, _codec, _declaration
 
@@ -219,7 +219,7 @@ def test_secure_pate_over_the_flower_transport_with_a_dropout(tiny_prepared, tmp
     participants); the results' epsilon is the run ledger's."""
     from server.pate import PateConfig, run_pate
     from task.data.partitions import split_for_preset
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from task.world import load_world
 
     preset = PRESET.with_changes(hospitals=3, teachers_per_hospital=2)

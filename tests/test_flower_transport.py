@@ -10,11 +10,11 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from privacy.ledger import Ledger
-from task.compute import Compute
-from task.presets import get_preset
-from task.flower_wire import read_content
+from task.learning.compute import Compute
+from task.settings.presets import get_preset
+from task.wire.flower_wire import read_content
 from server.flower_transport import FlowerTransport, HospitalsUnavailable, TransportSettings
-from task.requests import QueryRequest
+from task.wire.requests import QueryRequest
 
 PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1), pretrain_epochs=1, student=dict(epochs=1))
 

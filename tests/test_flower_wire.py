@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-from task.presets import get_preset
-from task.flower_wire import arrays_digest, make_content, read_content
+from task.settings.presets import get_preset
+from task.wire.flower_wire import arrays_digest, make_content, read_content
 
 PRESET = get_preset("tiny").with_changes(teacher=dict(epochs=1))
 
@@ -66,7 +66,7 @@ def test_hospital_uploads_only_l_numbers_per_teacher_and_query(node, tiny_prepar
     assert identity["hospital_id"] == sorted(tiny_split.hospitals)[0]
     teachers = identity["teachers"]
 
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     init = {k: v.numpy() for k, v in build_unet(PRESET.unet).state_dict().items()}
     from server.pate import teacher_training
@@ -136,7 +136,7 @@ def test_evaluate_replies_scalars_only(node, tiny_prepared, tiny_split):
 def test_nested_messages_travel_as_json_and_arrays_without_pickle():
     """The secure sum's messages: bytes become uint8 arrays, arrays stay arrays (dtype and shape), tuples
     become lists; what cannot travel, or a reference to a missing array, is an error."""
-    from task.flower_wire import pack_nested, unpack_nested
+    from task.wire.flower_wire import pack_nested, unpack_nested
 
     message = {"public_keys": {"h0": (b"\x00pk1", b""), "h1": (b"pk1", b"pk2")}, "masked": np.arange(5, dtype=np.int64),
                "codec": {"kind": np.array("pca"), "latent_dim": np.array(4)}, "ids": ["q-0", "q-1"],

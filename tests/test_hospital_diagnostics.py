@@ -10,7 +10,7 @@ from clients.hospital import Hospital, HospitalSettings
 from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 PRESET = get_preset("tiny")
 

@@ -14,7 +14,7 @@ from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
 from task.errors import UserError
 from task.names import check_name_part, safe_name_part
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 PRESET = get_preset("tiny")
 

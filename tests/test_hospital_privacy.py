@@ -10,11 +10,11 @@ from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.events import GaussianEvent
 from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.codecs import AutoencoderCompressor, IdentityCompressor, PCACompressor
 from task import codecs
 from task.errors import UserError
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 GRID = (8, 8, 8)
 PRESET = get_preset("tiny")
@@ -236,7 +236,7 @@ def test_pate_with_deployed_hospitals_asks_no_diagnostics_and_refuses_a_used_fol
 def test_a_hospital_without_its_teachers_refuses_a_query_and_its_ledger_is_unchanged(tmp_path):
     import torch
 
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     hospital = Hospital("h0", prepared=None, partitions=[["p0"], ["p1"]], preset=PRESET, workdir=tmp_path / "h0",
                         settings=HospitalSettings(lifetime_epsilon=4.0, delta=1e-3))

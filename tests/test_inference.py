@@ -1,4 +1,4 @@
-"""Test-time mirroring (``task.inference``): the mean softmax over the 8 mirrorings of the spatial axes, as every
+"""Test-time mirroring (``task.learning.inference``): the mean softmax over the 8 mirrorings of the spatial axes, as every
 released model is scored (phantom test set, real-scan check) and as ``fedpate predict`` / ``evaluate`` run it."""
 
 import itertools
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from task.inference import DESCRIPTION, MIRRORINGS, mirrored_probabilities
+from task.learning.inference import DESCRIPTION, MIRRORINGS, mirrored_probabilities
 
 
 class Lopsided(torch.nn.Module):
@@ -53,7 +53,7 @@ def test_a_voxelwise_network_is_unchanged_by_mirroring():
 
 
 def test_predict_probs_and_evaluate_release_use_mirroring_and_one_pass_is_unchanged():
-    from task.training import evaluate_release, evaluate_segmentation_per_case, predict_probs
+    from task.learning.training import evaluate_release, evaluate_segmentation_per_case, predict_probs
 
     model, x = Lopsided(), _images(n=5)
     with torch.no_grad():
@@ -88,7 +88,7 @@ def test_the_mirrorings_as_one_batch_give_the_mirrorings_one_by_one():
 def test_a_release_is_scored_and_its_test_predictions_come_from_the_same_pass():
     """What a run writes as its test predictions are the label maps its test Dice scored (evaluate_release with
     test-time mirroring), not a second mirrored prediction of the test set."""
-    from task.training import evaluate_release, evaluate_release_predicting, predict_probs
+    from task.learning.training import evaluate_release, evaluate_release_predicting, predict_probs
 
     model, x = Lopsided(), _images(n=5)
     labels = np.random.default_rng(0).integers(0, 4, size=(5, 8, 8, 8))
@@ -105,7 +105,7 @@ def test_a_release_is_scored_and_its_test_predictions_come_from_the_same_pass():
 def test_segment_scan_mirrors_by_default_and_one_pass_on_request(tiny_phantoms):
     from task.data.msd import load_case, read_msd
     from task.data.preprocess import PreprocessConfig
-    from task.predict import segment_scan
+    from task.reporting.predict import segment_scan
 
     image, _, affine = load_case(read_msd(tiny_phantoms).training[0])
     config, model = PreprocessConfig(grid=(16, 16, 16)), Lopsided().eval()
@@ -116,7 +116,7 @@ def test_segment_scan_mirrors_by_default_and_one_pass_on_request(tiny_phantoms):
 
 
 def test_results_name_the_inference_of_a_segmentation_release(tmp_path):
-    from task.results import RunResults, write_run
+    from task.reporting.results import RunResults, write_run
 
     record = write_run(tmp_path / "seg", RunResults(method="public-only", dice={"mean": 0.5}))
     assert record["inference"] == DESCRIPTION
@@ -127,13 +127,13 @@ def test_predict_and_evaluate_take_no_mirroring(monkeypatch, tmp_path, tiny_phan
     """``--no-mirroring`` reaches the segmentation of every scan, in both commands; the default mirrors."""
     import nibabel as nib
 
-    import task.predict
+    import task.reporting.predict
     from sim.cli import main
 
     seen = []
-    monkeypatch.setattr(task.predict, "segment_scan", lambda *args: seen.append(args[-1]) or 1 / 0)
-    monkeypatch.setattr(task.predict, "_bundle_model", lambda *a: (None, None, None))
-    monkeypatch.setattr("task.bundle.load_bundle", lambda *a, **k: type("B", (), {"card": {"private": False,
+    monkeypatch.setattr(task.reporting.predict, "segment_scan", lambda *args: seen.append(args[-1]) or 1 / 0)
+    monkeypatch.setattr(task.reporting.predict, "_bundle_model", lambda *a: (None, None, None))
+    monkeypatch.setattr("task.reporting.bundle.load_bundle", lambda *a, **k: type("B", (), {"card": {"private": False,
                                                                                          "method": "m"}})())
     scan = tmp_path / "case.nii.gz"
     nib.save(nib.Nifti1Image(np.ones((4, 4, 4, 4), np.float32), np.eye(4)), scan)

@@ -1,4 +1,4 @@
-"""A pooled method may fix its own trainable set and learning rate (``task.methods.Method.trainable`` /
+"""A pooled method may fix its own trainable set and learning rate (``task.settings.methods.Method.trainable`` /
 ``learning_rate``): ``dp-sgd-central-decoder`` trains the public model's decoder where ``dp-sgd-central`` trains the
 preset's voxel head. The comparison's pooled cell runner must hand exactly those settings to the DP-SGD run, and
 leave every other pooled method on the preset's."""
@@ -9,9 +9,9 @@ import pytest
 
 from sim.runners import cells
 from sim.runners.central import TrainingOptions
-from task.methods import Method, method
+from task.settings.methods import Method, method
 from task.options import Trainable
-from task.runconfig import Cell
+from task.settings.runconfig import Cell
 
 
 def test_the_decoder_variant_is_its_own_private_pooled_method():

@@ -93,7 +93,7 @@ def test_the_split_accountant_never_takes_adaptive_events_and_pure_ledgers_keep_
 def test_every_secure_sum_method_says_so_in_its_record():
     """The lifetime plan tells secure-sum cells from PLD-accounted ones by the method record; a secure method that
     forgot to say so would be planned at the full δ and cut short by the split accountant's δ/2 reading."""
-    from task import methods as registry
+    from task.settings import methods as registry
 
     secure = {name for name in registry.names() if registry.method(name).secure_sum}
     assert secure == {name for name in registry.names() if name.endswith("-secure")}

@@ -1,4 +1,4 @@
-"""MODEL_CARD.md reads in words a privacy officer reads (task.model_card): ε with δ and its relation in words, the
+"""MODEL_CARD.md reads in words a privacy officer reads (task.reporting.model_card): ε with δ and its relation in words, the
 data, the network in one line, the preprocessing, and the test Dice on the held-out test patients and on the
 real-scan check where one ran; bundle.json keeps the same fields as JSON, sealed, so the card still verifies."""
 
@@ -8,11 +8,11 @@ import pytest
 
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from task import realcheck
-from task.bundle import load_bundle
-from task.model_card import data_words, network_words, preprocessing_words
-from task.networks import build_unet, network_config
-from task.results import ModelRelease, RunResults, write_run
+from task.reporting import realcheck
+from task.reporting.bundle import load_bundle
+from task.reporting.model_card import data_words, network_words, preprocessing_words
+from task.learning.networks import build_unet, network_config
+from task.reporting.results import ModelRelease, RunResults, write_run
 
 PHANTOMS = {"kind": "phantoms", "seed": 0, "generator_version": "3", "parts": [
     {"name": "hospitals-population", "prefix": "", "cases": 260, "kind": "phantoms", "seed": 0,

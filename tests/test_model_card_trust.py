@@ -1,5 +1,5 @@
 """Every model card states its own method's trust model -- who could see what -- in the same sentence the report
-prints for that method (``task.trust.trust_line``), not the trusted PATE aggregator's for every method; and it
+prints for that method (``task.reporting.trust.trust_line``), not the trusted PATE aggregator's for every method; and it
 names the classes and settings as the report does (our class names, no raw JSON)."""
 
 import re
@@ -8,9 +8,9 @@ import pytest
 
 from privacy.events import GaussianEvent
 from privacy.ledger import Ledger
-from task import trust
-from task.networks import build_unet, network_config
-from task.results import ModelRelease, RunResults, write_run
+from task.reporting import trust
+from task.learning.networks import build_unet, network_config
+from task.reporting.results import ModelRelease, RunResults, write_run
 
 SECURE = {"bits": 40, "participants": 4, "colluders": 1, "counted_shares": 3}
 TRUSTED_PATE = "un-noised encoding"
@@ -51,7 +51,7 @@ def test_each_card_states_its_own_methods_trust_model_as_the_report_does(tmp_pat
 
 
 def test_a_card_without_a_recorded_trust_model_says_so_rather_than_claiming_one():
-    from task.bundle import model_card_markdown
+    from task.reporting.bundle import model_card_markdown
 
     bundle = {"card": {"method": "x", "private": False, "epsilon": None, "epsilon_budget": None, "delta": None,
                        "relation": None, "accountant": None, "teachers": None, "hospitals": None,

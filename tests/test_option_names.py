@@ -6,9 +6,9 @@ import pytest
 from sim.runners.compare import CompareConfig
 from sim.runners.simulation import simulate
 from task.errors import UserError
-from task.methods import Family, Method, Role, is_ceiling, is_pate, is_private, role_of
+from task.settings.methods import Family, Method, Role, is_ceiling, is_pate, is_private, role_of
 from task.options import Engine, Init
-from task.runconfig import RunSettings
+from task.settings.runconfig import RunSettings
 
 
 def _one_line(error: pytest.ExceptionInfo) -> str:

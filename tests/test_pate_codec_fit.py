@@ -4,7 +4,7 @@ public reference labels plus the public model's label maps of the public query s
 import numpy as np
 import pytest
 
-from task.compute import Compute
+from task.learning.compute import Compute
 from task import codecs
 
 
@@ -24,7 +24,7 @@ def _world(rng, grid=(16, 16, 16), reference_is_query=False):
 def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **config):
     from server import pate
     from task.codecs import PCACompressor
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     seen = []
     original = PCACompressor.fit
@@ -39,14 +39,14 @@ def _fitted_maps(monkeypatch, tmp_path, world, model, method="pate-pca", **confi
 def public_model():
     import torch
 
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     torch.manual_seed(0)
     return build_unet("tiny").eval()
 
 
 def test_pca_fits_reference_labels_and_the_public_models_query_maps_only(monkeypatch, tmp_path, public_model):
-    from task.training import predict_probs
+    from task.learning.training import predict_probs
 
     rng = np.random.default_rng(0)
     world = _world(rng)

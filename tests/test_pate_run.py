@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.data.synthetic import SyntheticPrepared as FakePrepared
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 SCHEMA = ["method", "dice", "epsilon", "epsilon_budget", "delta", "relation", "accountant", "teachers",
           "hospitals", "queries", "sigma", "teacher_dice_mean", "ensemble_dice_mean",
@@ -38,13 +38,13 @@ def world():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["pate-pca", "pate-ae", "pate-anchored", "pate-naive"])
 def test_inprocess_tiny_run_writes_schema_complete_results(world, method, tmp_path, monkeypatch):
-    import task.training
+    import task.learning.training
     from privacy.ledger import Ledger
     from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     mirrored = []   # every test-time-mirrored batch of the run: the student's and public-only's test sets, once each
-    monkeypatch.setattr(task.training, "mirrored_probabilities",
-                        lambda model, x, original=task.training.mirrored_probabilities: mirrored.append(len(x))
+    monkeypatch.setattr(task.learning.training, "mirrored_probabilities",
+                        lambda model, x, original=task.learning.training.mirrored_probabilities: mirrored.append(len(x))
                         or original(model, x))
     prepared, split, preset = world
     results = run_pate_inprocess(InProcessPateRun(preset, method, tmp_path, 8.0, 1e-3, seed=0, prepared=prepared,
@@ -97,8 +97,8 @@ def test_head_fit_decoder_and_voxel_head_student_run_end_to_end(world, tmp_path)
     """The quick preset's PATE (voxel-head teachers, 3 T1-Gd bins, the head-fit decoder, a voxel-head student) on the
     tiny world: the results name the decoder, the bundle holds the head on the public model, its card carries the
     ledger's epsilon."""
-    from task.bundle import load_bundle
-    from task.networks import VoxelHeadUNet
+    from task.reporting.bundle import load_bundle
+    from task.learning.networks import VoxelHeadUNet
     from sim.runners.inprocess import InProcessPateRun, run_pate_inprocess
 
     prepared, split, preset = world

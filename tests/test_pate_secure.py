@@ -10,7 +10,7 @@ import pytest
 from privacy.events import DistributedDiscreteGaussianEvent
 from privacy.ledger import Ledger
 from tests.test_pate_run import world  # noqa: F401  (the module-scoped synthetic world fixture)
-from task.compute import Compute
+from task.learning.compute import Compute
 
 
 @pytest.mark.slow
@@ -82,7 +82,7 @@ def test_a_hospital_leaving_mid_batch_is_recovered_and_the_rest_count_only_what_
     the four teachers left, and every charge counts 3 - 1 = 2 noise shares."""
     from server.pate import PateConfig, run_pate
     from task.data.synthetic import SyntheticPrepared
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
     from task.world import load_world
     from tests.test_pate_run import FakeSplit
@@ -117,7 +117,7 @@ def test_reproducible_noise_seeds_every_hospital_share_and_secure_noise_does_not
     from privacy.mechanisms import NoiseSource
     from server.pate import PateConfig, run_pate
     from task.data.synthetic import SyntheticPrepared
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from sim.runners.inprocess import InProcessTransport, simulated_hospitals
     from task.world import load_world
     from tests.test_pate_run import FakeSplit

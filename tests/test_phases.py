@@ -1,11 +1,11 @@
-"""Where a cell's wall time goes (task.phases): exclusive nested phases, per-cell windows, results.json's
+"""Where a cell's wall time goes (task.learning.phases): exclusive nested phases, per-cell windows, results.json's
 ``phase_seconds`` and the report's cost table."""
 
 import time
 
 import pytest
 
-from task import phases
+from task.learning import phases
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +64,7 @@ def test_a_worker_threads_phases_are_its_callers():
 
 def test_results_carry_phase_seconds_and_the_report_shows_them(tmp_path):
     from sim.report import cost_table
-    from task.results import RunResults, write_run
+    from task.reporting.results import RunResults, write_run
 
     started = time.perf_counter()
     with phases.phase("training"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sim.cli import main
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.errors import UserError
 
 
@@ -18,9 +18,9 @@ def trained_run(tiny_prepared, tmp_path_factory):
     """A small U-Net trained on the tiny phantoms, saved as a (non-private) bundle."""
     import torch
 
-    from task.bundle import preprocessing_of, privacy_card, save_bundle
-    from task.networks import build_unet, network_config
-    from task.training import TrainConfig, train_segmentation
+    from task.reporting.bundle import preprocessing_of, privacy_card, save_bundle
+    from task.learning.networks import build_unet, network_config
+    from task.learning.training import TrainConfig, train_segmentation
 
     torch.manual_seed(0)
     images, labels = tiny_prepared.images(), tiny_prepared.labels()
@@ -40,7 +40,7 @@ def _training_scans(root, n=2):
 
 
 def test_predictions_land_in_the_scan_grid_and_overlap_the_tumour(trained_run, tiny_phantoms, tmp_path):
-    from task.predict import predict_scans
+    from task.reporting.predict import predict_scans
 
     scans = _training_scans(tiny_phantoms)
     predictions = predict_scans(trained_run, [s for s, _ in scans], tmp_path, progress=False)
@@ -59,7 +59,7 @@ def test_predictions_land_in_the_scan_grid_and_overlap_the_tumour(trained_run, t
 
 
 def test_a_shifted_affine_is_preserved(trained_run, tiny_phantoms, tmp_path):
-    from task.predict import predict_scans
+    from task.reporting.predict import predict_scans
 
     scan, _ = _training_scans(tiny_phantoms, 1)[0]
     image = nib.load(scan)
@@ -123,7 +123,7 @@ def test_bad_scans_get_one_line_errors_naming_the_file(trained_run, tiny_phantom
 
 
 def test_outputs_written_before_a_failing_scan_are_kept(trained_run, tiny_phantoms, tmp_path):
-    from task.predict import predict_scans
+    from task.reporting.predict import predict_scans
 
     good, _ = _training_scans(tiny_phantoms, 1)[0]
     bad = _bad_scans(tmp_path, tiny_phantoms)["nan.nii.gz"]
@@ -150,7 +150,7 @@ def test_msd_folder_as_input(trained_run, tiny_phantoms, tmp_path, capsys):
 
 def test_evaluate_scores_the_predicted_label_maps_in_each_scan_grid(trained_run, tiny_phantoms, tmp_path, capsys):
     """`fedpate evaluate` = predict + Dice against labelsTr in the scan's own grid, checked independently."""
-    from task.metrics import dice_scores
+    from task.learning.metrics import dice_scores
 
     report = tmp_path / "eval.json"
     assert main(["evaluate", "--model", str(trained_run), "--data", str(tiny_phantoms), "--out", str(tmp_path / "seg"),
@@ -171,12 +171,12 @@ def test_evaluate_scores_the_predicted_label_maps_in_each_scan_grid(trained_run,
 def test_bundles_from_before_antialiasing_repeat_their_preprocessing(trained_run, tmp_path):
     import shutil
 
-    from task.predict import _bundle_model
+    from task.reporting.predict import _bundle_model
 
     assert _bundle_model(trained_run, "cpu")[1].antialias is True
     old = tmp_path / "old"
     shutil.copytree(trained_run, old)
-    from task.bundle import seal_bundle
+    from task.reporting.bundle import seal_bundle
 
     bundle = json.loads((old / "model" / "bundle.json").read_text())
     del bundle["preprocessing"]["config"]["antialias"]
@@ -191,7 +191,7 @@ def test_no_tumour_is_predicted_outside_the_brain(tiny_phantoms):
 
     from task.data.msd import load_case, read_msd
     from task.data.preprocess import PreprocessConfig
-    from task.predict import segment_scan
+    from task.reporting.predict import segment_scan
 
     class EverythingEnhancing(torch.nn.Module):
         def forward(self, x):

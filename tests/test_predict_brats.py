@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sim.cli import main
-from task.compute import Compute
+from task.learning.compute import Compute
 
 CASES = ("BRATS_001", "BRATS_002")
 
@@ -21,9 +21,9 @@ def model_run(tiny_prepared, tmp_path_factory):
     """A tiny U-Net trained briefly on the tiny phantoms (it must predict some tumour of every class)."""
     import torch
 
-    from task.bundle import preprocessing_of, privacy_card, save_bundle
-    from task.networks import build_unet, network_config
-    from task.training import TrainConfig, train_segmentation
+    from task.reporting.bundle import preprocessing_of, privacy_card, save_bundle
+    from task.learning.networks import build_unet, network_config
+    from task.learning.training import TrainConfig, train_segmentation
 
     torch.manual_seed(0)
     model = train_segmentation(build_unet("tiny"), tiny_prepared.images(), tiny_prepared.labels(),
@@ -122,7 +122,7 @@ def test_a_case_folder_missing_a_modality_names_the_file(model_run, small_msd, t
 
 
 def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd, tmp_path):
-    from task.predict import EvaluationOptions, evaluate_scans
+    from task.reporting.predict import EvaluationOptions, evaluate_scans
 
     msd = evaluate_scans(model_run, small_msd / "msd", EvaluationOptions(compute=Compute(progress=False)))
     for layout in ("brats2021", "brats2023"):
@@ -138,7 +138,7 @@ def test_evaluate_reads_brats_folders_and_scores_as_on_msd(model_run, small_msd,
 def test_inspect_and_evaluate_accept_one_case_folder_as_predict_does(model_run, small_msd, tmp_path, capsys):
     """One BraTS case folder given by itself: `predict` segments it, and `data inspect` and `evaluate` read it as a
     dataset of that one case (it scores as that case does inside its folder)."""
-    from task.predict import EvaluationOptions, evaluate_scans
+    from task.reporting.predict import EvaluationOptions, evaluate_scans
 
     case = small_msd / "brats2023" / CASES[0]
     assert main(["data", "inspect", str(case)]) == 0

@@ -1,4 +1,4 @@
-"""The typed recipe (task.presets): immutable presets, variants by with_changes, one-line errors naming the
+"""The typed recipe (task.settings.presets): immutable presets, variants by with_changes, one-line errors naming the
 setting, the option enums' lookup listing the choices, and the run config derived from RunSettings' fields."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from privacy.options import Relation, Sampling, ScheduleFamily
 from privacy.options import look_up_option as privacy_look_up
 from task.errors import UserError
 from task.options import Decoder, PcaMode, PublicStart, SplitScheme, Trainable, look_up_option
-from task.presets import (PRESETS, Codec, DpFedAvg, DpSetting, DpSgd, Federation, Preset, SelfTraining, Student,
-                         Teachers, World, get_preset, preset_reference)
+from task.settings.presets import (PRESETS, Codec, DpFedAvg, DpSetting, DpSgd, Federation, Preset, SelfTraining,
+                                   Student, Teachers, World, get_preset, preset_reference)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_the_defaults_live_in_the_groups():
 
 
 def test_the_run_config_is_derived_from_the_run_settings_fields():
-    from task.runconfig import RunSettings, run_config_keys
+    from task.settings.runconfig import RunSettings, run_config_keys
 
     app_config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert list(app_config) and set(app_config) == set(run_config_keys())
@@ -165,8 +165,8 @@ def test_the_cells_and_the_real_check_travel_typed_beside_the_run_config(tmp_pat
     engines bind them in (``make_app``'s overrides); anything but Cell records is refused in one line."""
     from sim.runners.simulation import _settings_fields
     from task.errors import UserError
-    from task.realcheck import RealCheck
-    from task.runconfig import Cell, RunSettings, run_config_keys
+    from task.reporting.realcheck import RealCheck
+    from task.settings.runconfig import Cell, RunSettings, run_config_keys
 
     cells = (Cell("pate-anchored", 8.0, str(tmp_path / "a")), Cell("dp-fedavg", 1.0, str(tmp_path / "b")))
     check = RealCheck(folders=(str(tmp_path),), cases=())
@@ -180,14 +180,14 @@ def test_the_cells_and_the_real_check_travel_typed_beside_the_run_config(tmp_pat
     assert served == settings and served.cells == cells and served.real_check is check
     alone = RunSettings(method="dp-fedavg", epsilon=2.0, out=str(tmp_path / "c"))
     assert alone.planned_cells() == (Cell("dp-fedavg", 2.0, str(tmp_path / "c")),)
-    with pytest.raises(UserError, match="cells: expected a sequence of task.runconfig.Cell records"):
+    with pytest.raises(UserError, match="cells: expected a sequence of task.settings.runconfig.Cell records"):
         RunSettings(cells=({"method": "pate-ae", "epsilon": 8.0, "out": "x"},))
 
 
 def test_a_preset_is_resolved_once_per_process(monkeypatch):
     """The same name (or reference) and overrides give the same immutable Preset object: a reference's JSON is
     parsed once, however many layers ask for it; a bad name is still refused every time."""
-    from task import presets
+    from task.settings import presets
 
     variant = get_preset("tiny", hospitals=3, teachers_per_hospital=2)
     parsed = []
@@ -209,7 +209,7 @@ def test_the_cli_offers_exactly_the_enums_choices():
     import argparse
 
     from sim.commands import central as command
-    from task.dpsgd import SCHEDULE_FAMILIES, schedule_family
+    from task.learning.dpsgd import SCHEDULE_FAMILIES, schedule_family
 
     parser = argparse.ArgumentParser()
     command.register(parser.add_subparsers())

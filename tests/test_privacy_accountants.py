@@ -448,7 +448,7 @@ def test_pld_accountant_reuses_an_events_pld_and_gets_dp_accountings_epsilon():
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
 
-    from privacy import accountants
+    from privacy.accountants import pld as pld_module
     from privacy.accountants import make_accountant
     from privacy.events import GaussianEvent, LaplaceEvent, SampledGaussianEvent
 
@@ -460,13 +460,13 @@ def test_pld_accountant_reuses_an_events_pld_and_gets_dp_accountings_epsilon():
             plain.compose(event.to_dp_accounting(relation))
         return plain.get_epsilon(1e-3)
 
-    accountants._event_plds.clear()
+    pld_module._event_plds.clear()
     replace_one = [SampledGaussianEvent(0.1, 0.9, 12, relation="replace-one")] * 3 + [
         GaussianEvent(sensitivity=0.2, sigma=1.0, relation="replace-one")]
     cached = make_accountant("pld")
     for event in replace_one:   # one at a time, as a guard charges them: the repeats hit the cache
         cached.compose(event)
-    assert len(accountants._event_plds) == 2
+    assert len(pld_module._event_plds) == 2
     assert cached.get_epsilon(1e-3) == pytest.approx(dp_accounting_epsilon(replace_one, "replace-one"), rel=1e-9)
 
     add_remove = [LaplaceEvent(sensitivity=1.0, scale=4.0, relation="add-remove"),

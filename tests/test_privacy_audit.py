@@ -3,7 +3,7 @@
 For the PATE aggregator with the anchored codec (the demo's pate-anchored; PCA in clip mode too, on the
 vectorised path) and for DP-SGD under both relations it can claim (replace-one, the default, and
 add-remove), the product's own mechanism is run on worst-case neighbouring inputs -- PATE through
-Hospital.answer_query and aggregate_query, DP-SGD through task.training.train_segmentation --
+Hospital.answer_query and aggregate_query, DP-SGD through task.learning.training.train_segmentation --
 and a 95% lower bound on ε is computed from the runs (privacy/audit.py: Clopper-Pearson, threshold chosen on held-out runs;
 Jagielski et al. 2020, Nasr et al. 2021). The bound must stay at or below what the ledger claims for the
 real mechanisms and rise above it for deliberately broken ones (so this test can fail). The vectorised
@@ -27,9 +27,10 @@ from privacy.errors import BudgetExceeded
 from privacy.guard import BudgetGuard
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
-from task.dpsgd import DPSession
+from task.learning.dpsgd import DPSession
 from server.aggregation import QueryRelease, aggregate_query
-from task import codecs, training
+from task import codecs
+from task.learning import training
 from sim.runners import privacy_audit as pa
 
 DELTA = 1e-3
@@ -281,7 +282,7 @@ def test_dpsgd_pair_has_the_relations_sizes(relation):
 
 
 def test_dpsgd_audit_trains_through_train_segmentation(dpsgd, monkeypatch):
-    """Every DP-SGD audit run is one call of the product's task.training.train_segmentation (not a copy of its
+    """Every DP-SGD audit run is one call of the product's task.learning.training.train_segmentation (not a copy of its
     loop), with the run's DPConfig and the two TrainConfig hooks the canary needs; the broken controls swap
     the session inside it for their run only."""
     calls = []

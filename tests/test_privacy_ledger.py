@@ -148,7 +148,7 @@ def test_a_checked_release_is_composed_once_and_only_the_checked_events_reuse_th
     """A budget check composes the release onto a copy; when exactly those events are then recorded the copy
     becomes the ledger's accountant (no second composition), and when anything else is recorded it is not used:
     epsilon is always the one a freshly loaded ledger computes."""
-    from privacy.accountants import _DpAccountingWrapper
+    from privacy.accountants.dp_accounting_wrapper import _DpAccountingWrapper
 
     composed = []
     original = _DpAccountingWrapper.compose_all

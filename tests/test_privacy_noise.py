@@ -8,7 +8,7 @@ import pytest
 
 from privacy.errors import PrivacyError
 from privacy.mechanisms import GaussianMechanism, NoiseGenerator, NoiseSource, SecureNoiseGenerator
-from task.compute import Compute
+from task.learning.compute import Compute
 
 
 def test_default_source_is_secure_and_unrepeatable():
@@ -75,7 +75,7 @@ def test_two_cells_of_one_comparison_never_share_a_noise_draw(tiny_prepared, tin
     """The demo's eps=1 and eps=8 PATE cells used to draw the same noise (PCG64(seed) each): with the two
     answers the noise-free mean followed by elimination. Now each cell (and each query) has its own stream,
     even with --reproducible-noise and the same seed."""
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     tiny_split.to_json(tmp_path / "split.json")
@@ -106,7 +106,7 @@ def test_deployment_refuses_seeded_noise():
     deployment helpers; simulated nodes may use it."""
     from server.server_app import refuse_seeded_noise_in_deployment
     from task.errors import UserError
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
     from sim.deployment.fedpate_local import run_local_deployment
 
     seeded = RunSettings.from_run_config({"reproducible-noise": True})
@@ -143,7 +143,7 @@ class _Stub:
 
     @property
     def preset(self):
-        from task.presets import get_preset
+        from task.settings.presets import get_preset
 
         return get_preset("tiny")
 

@@ -1,5 +1,5 @@
 """Private selection (Papernot & Steinke 2022, arXiv 2110.03620): RepeatAndSelectEvent, its accounting, and
-task.selection's mechanism."""
+task.learning.selection's mechanism."""
 
 from __future__ import annotations
 
@@ -150,8 +150,8 @@ def test_covered_guard_records_nothing_and_refuses_what_is_not_covered():
 
 # ------------------------------------------------------------------------------------ the mechanism (sim/)
 def _selection(guard, noise, *, scores, calls, settings=None, seed=0, config=None):
-    from task.dpsgd import steps_per_epoch
-    from task.selection import SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection
+    from task.learning.dpsgd import steps_per_epoch
+    from task.learning.selection import SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection
 
     settings = settings or [{"learning_rate": 1e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 2},
                             {"learning_rate": 3e-3, "max_grad_norm": 1.0, "batch_size": 4, "epochs": 1}]
@@ -235,7 +235,7 @@ def test_the_public_model_unchanged_can_win_and_only_one_event_is_recorded():
 def test_noisy_score_sensitivity_on_a_worst_case_replace_one_pair():
     """Held-out patient p replaced by one whose Dice goes from 0 to 1 (everything else equal, same noise
     draw): the score moves by exactly 1/n, the sensitivity charged; undefined Dice counts as 0."""
-    from task.selection import noisy_mean_score
+    from task.learning.selection import noisy_mean_score
 
     n = 7
     before = [0.3, None, 0.9, 0.1, 0.5, 0.2, 0.0]
@@ -273,7 +273,7 @@ def test_reproducible_noise_repeats_secure_noise_does_not():
 
 
 def test_repetition_distribution_has_the_charged_mean():
-    from task.selection import repetition_pmf
+    from task.learning.selection import repetition_pmf
 
     for shape in (0.0, 0.5, 1.0, 2.0, None):
         ks = range(0 if shape is None else 1, 400)
@@ -300,8 +300,8 @@ def test_run_central_private_selection_end_to_end(tmp_path, monkeypatch):
     import torch
 
     import sim.runners.central as central
-    from task.networks import build_unet
-    from task.selection import SelectionConfig
+    from task.learning.networks import build_unet
+    from task.learning.selection import SelectionConfig
     from synthetic_worlds import pooled_world
 
     def fixed_public_start(preset, **kwargs):
@@ -348,7 +348,7 @@ def _tiny_selection_world(monkeypatch):
     import torch
 
     import sim.runners.central as central
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
     from synthetic_worlds import pooled_world
 
     def fixed_public_start(preset, **kwargs):
@@ -399,7 +399,7 @@ def test_two_selections_with_different_repetitions_cannot_be_told_apart(tmp_path
     every file and folder of a run has one modification time."""
     import warnings
 
-    import task.selection as selection
+    import task.learning.selection as selection
     from sim.cli import main
 
     central = _tiny_selection_world(monkeypatch)

@@ -1,4 +1,4 @@
-"""results.json records the commit of the code that ran (task.provenance), and finding it never fails a run."""
+"""results.json records the commit of the code that ran (task.reporting.provenance), and finding it never fails a run."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from task import provenance
-from task.results import RunResults, write_run
+from task.reporting import provenance
+from task.reporting.results import RunResults, write_run
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

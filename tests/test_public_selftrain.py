@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sim.runners.floors import FloorRun
-from task.compute import Compute
+from task.learning.compute import Compute
 
 
 def test_sharpen_is_a_renormalised_power_of_the_probabilities():
@@ -36,8 +36,8 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
                                                                        tiny_split):
     import sim.runners.selftrain as selftrain
     from task.data.preprocess import PreparedDataset
-    from task.methods import SEGMENTATION_METHODS, method
-    from task.presets import get_preset
+    from task.settings.methods import SEGMENTATION_METHODS, method
+    from task.settings.presets import get_preset
 
     assert "public-selftrain" in SEGMENTATION_METHODS and not method("public-selftrain").private
     assert method("public-selftrain").role == "floor"
@@ -80,7 +80,7 @@ def test_public_selftrain_reads_only_public_arrays_and_charges_nothing(tmp_path,
     assert len(scores) == 2 and record["validation_dice_mean"] == scores[chosen - 1] == max(scores)
     assert len(record["dice_per_case"]) == len(tiny_split.test)
     assert set(record["dice_per_case_class"]) == {"1", "2", "3", "WT", "TC", "ET"}
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     assert "no privacy cost" in (out / "model" / "MODEL_CARD.md").read_text()
     load_bundle(out)   # a verifiable bundle (its card agrees with its empty ledger)
@@ -93,7 +93,7 @@ def test_public_selftrain_says_it_read_the_query_labels_when_the_reference_set_i
     import dataclasses
 
     import sim.runners.selftrain as selftrain
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     reference_is_query = dataclasses.replace(tiny_split, public_reference=[], reference_is_query=True)
     monkeypatch.setattr(selftrain, "build_world",
@@ -119,7 +119,7 @@ def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resume
     import torch
 
     from server.selftrain import selftrain_checkpoints, train_public_models
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
     from task.world import load_world
 
     world = load_world(tiny_prepared, tiny_split, with_query_labels=False)
@@ -139,7 +139,7 @@ def test_the_start_model_is_the_reference_model_or_it_self_trained_and_is_resume
 
 
 def test_an_unknown_public_start_is_refused_in_one_line_listing_the_choices():
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     with pytest.raises(ValueError, match=r"^public_start: unknown value 'selftrained'; expected one of reference, "
                                          r"self-trained$"):

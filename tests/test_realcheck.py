@@ -1,4 +1,4 @@
-"""The real-scan check (task.realcheck, sim.report_real): every released model scored on labelled real cases.
+"""The real-scan check (task.reporting.realcheck, sim.report_real): every released model scored on labelled real cases.
 
 Most tests write small synthetic cases in the BraTS layouts with nibabel, so they run everywhere; one test
 uses the real development case when it is there (FEDPATE_REAL_DEV, else the folder CI lays out beside the
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from task.errors import UserError
-from task.realcheck import REGIONS
+from task.reporting.realcheck import REGIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def write_cases(folder: Path, layout: str, count: int = 1, seed: int = 0) -> Pat
 def tiny_model():
     import torch
 
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     torch.manual_seed(0)
     return build_unet("tiny").eval()
@@ -60,7 +60,7 @@ def tiny_model():
 
 # ------------------------------------------------------------------------------------------ folders
 def test_bad_folders_are_one_line_errors_naming_the_option_and_the_folder(tmp_path):
-    from task.realcheck import open_check
+    from task.reporting.realcheck import open_check
 
     unlabelled = tmp_path / "unlabelled"
     from task.data.brats import write_case
@@ -93,7 +93,7 @@ def truncated_cases(folder: Path, file: str = "Case000-t2w.nii.gz") -> Path:
 def test_a_case_whose_header_reads_but_whose_data_is_truncated_is_refused_when_opened(tmp_path, file):
     import nibabel as nib
 
-    from task.realcheck import open_check
+    from task.reporting.realcheck import open_check
 
     folder = truncated_cases(tmp_path / "cut", file)
     assert len(nib.load(str(folder / "Case000" / file)).shape) == 3          # the header alone passes
@@ -103,7 +103,7 @@ def test_a_case_whose_header_reads_but_whose_data_is_truncated_is_refused_when_o
 
 
 def test_cases_of_every_layout_and_a_lone_case_folder_are_read_and_a_readme_beside_them_ignored(tmp_path):
-    from task.realcheck import open_check
+    from task.reporting.realcheck import open_check
 
     write_cases(tmp_path / "b21", "brats2021", count=2)
     write_cases(tmp_path / "b23", "brats2023")
@@ -119,9 +119,9 @@ def test_scores_equal_evaluate_in_each_case_own_grid_whatever_the_layout(tmp_pat
     same numbers, and the same for a case in BraTS 2021 codes (ET = 4) as in BraTS 2023 codes (ET = 3)."""
     from task.data.msd import load_case
     from task.data.preprocess import PreprocessConfig
-    from task.metrics import per_case_dice, summarise
-    from task.predict import segment_scan
-    from task.realcheck import open_check, score_model
+    from task.learning.metrics import per_case_dice, summarise
+    from task.reporting.predict import segment_scan
+    from task.reporting.realcheck import open_check, score_model
 
     check = open_check([write_cases(tmp_path / "b21", "brats2021"), write_cases(tmp_path / "b23", "brats2023")],
                        cache_dir=tmp_path / "cache")
@@ -137,7 +137,7 @@ def test_scores_equal_evaluate_in_each_case_own_grid_whatever_the_layout(tmp_pat
 
 
 def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model, monkeypatch):
-    from task import realcheck
+    from task.reporting import realcheck
     from task.data.preprocess import PreprocessConfig
 
     check = realcheck.open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=tmp_path / "cache")
@@ -158,9 +158,9 @@ def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model,
 
 def test_write_run_stores_the_check_in_results_and_cells_csv_only_when_given_one(tmp_path, tiny_model):
     from task.data.preprocess import PreprocessConfig
-    from task.realcheck import open_check
+    from task.reporting.realcheck import open_check
     from sim.report import cells_to_csv, load_cells
-    from task.results import ModelRelease, RunResults, write_run
+    from task.reporting.results import ModelRelease, RunResults, write_run
 
     folder = write_cases(tmp_path / "b23", "brats2023", count=2)
     check = open_check([f"algorithm={folder}"], cache_dir=None)
@@ -190,8 +190,8 @@ def test_write_run_stores_the_check_in_results_and_cells_csv_only_when_given_one
 
 
 def test_a_failed_scoring_keeps_the_model_and_says_why(tmp_path, tiny_model, monkeypatch, capsys):
-    from task import realcheck
-    from task.realcheck import open_check
+    from task.reporting import realcheck
+    from task.reporting.realcheck import open_check
 
     check = open_check([write_cases(tmp_path / "b23", "brats2023")], cache_dir=None)
 
@@ -420,7 +420,7 @@ def test_the_seeds_report_gives_tau_and_the_real_headroom_seed_by_seed():
 
 def test_folders_take_a_reference_kind_and_a_bad_kind_is_one_line(tmp_path):
     from task.options import Reference
-    from task.realcheck import open_check, parse_folder
+    from task.reporting.realcheck import open_check, parse_folder
 
     gt, dev = write_cases(tmp_path / "gt", "brats2021", count=2), write_cases(tmp_path / "dev", "brats2023", seed=5)
     check = open_check([f"expert={gt}", f"algorithm={dev}"], cache_dir=None)
@@ -520,7 +520,7 @@ def real_dev_folder() -> Path | None:
 @pytest.mark.skipif(real_dev_folder() is None, reason="no real development case (FEDPATE_REAL_DEV)")
 def test_the_real_development_case_is_read_in_its_own_grid_and_scored(tmp_path, tiny_model):
     from task.data.preprocess import PreprocessConfig
-    from task.realcheck import open_check, score_model
+    from task.reporting.realcheck import open_check, score_model
 
     check = open_check([real_dev_folder()], cache_dir=tmp_path)
     assert check.cases and {c.layout for c in check.cases} <= {"msd", "brats2021", "brats2023"}
@@ -531,10 +531,10 @@ def test_the_real_development_case_is_read_in_its_own_grid_and_scored(tmp_path, 
 
 
 def test_counted_dice_and_the_class_argmax_agree_with_monai_and_numpy():
-    """The real-scan check's fast paths give the one metric's numbers (task.metrics.per_case_dice, MONAI) and
+    """The real-scan check's fast paths give the one metric's numbers (task.learning.metrics.per_case_dice, MONAI) and
     numpy's argmax, ties included, on label maps with empty classes and both-empty cases."""
-    from task.metrics import per_case_dice, per_case_dice_counted
-    from task.predict import class_argmax
+    from task.learning.metrics import per_case_dice, per_case_dice_counted
+    from task.reporting.predict import class_argmax
 
     rng = np.random.default_rng(3)
     pred = rng.integers(0, 4, (4, 9, 8, 7)).astype(np.uint8)

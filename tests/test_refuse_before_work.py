@@ -15,7 +15,7 @@ from privacy.mechanisms import NoiseSource
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail the test as soon as a command starts work: every command resolves its device first."""
-    import task.device
+    import task.learning.device
     import sim.runners.central as central
     import sim.runners.compare   # noqa: F401  imported before the patch: a module that binds resolve_device at
     import sim.runners.simulation  # noqa: F401  import must keep the real one for the tests that run after this
@@ -23,7 +23,7 @@ def no_work(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(task.device, "resolve_device", started)
+    monkeypatch.setattr(task.learning.device, "resolve_device", started)
     monkeypatch.setattr(central, "load_central_data", started)
     monkeypatch.setattr(central, "public_start", started)
 
@@ -98,7 +98,7 @@ def test_the_config_refuses_what_the_command_line_would(tmp_path):
     """Scripts and the comparison runner build CentralConfig directly: the same checks, the same flag names."""
     from task.errors import UserError
     from sim.runners.central import CentralConfig
-    from task.selection import SelectionConfig
+    from task.learning.selection import SelectionConfig
 
     for options, flag in (({"epsilon": 0.0}, "--epsilon"), ({"delta": 2.0}, "--delta"), ({"seed": -1}, "--seed"),
                           ({"epochs": 0}, "--epochs"), ({"max_grad_norm": 0.0}, "--max-grad-norm"),
@@ -117,7 +117,7 @@ def test_selection_mean_one_is_refused_before_the_charge():
 
     from privacy.events import RepeatAndSelectEvent
     from task.errors import UserError
-    from task.selection import SelectionConfig
+    from task.learning.selection import SelectionConfig
 
     for shape in (1.0, 0.0, 0.5):
         ledger = Ledger(None)
@@ -180,8 +180,8 @@ def test_impossible_secure_parameters_are_refused_before_any_work(tmp_path, caps
 
 
 def test_a_secure_setting_the_hospitals_accept_is_not_refused():
-    from task.runconfig import RunSettings
-    from task.secagg import check_secure_settings
+    from task.settings.runconfig import RunSettings
+    from task.wire.secagg import check_secure_settings
 
     check_secure_settings(4, 1, 1, None)    # the smallest threshold the hospitals accept: 3 of 4, 3 survivors
     check_secure_settings(5, 1, 1, 4)
@@ -258,7 +258,7 @@ def test_the_first_epoch_check_agrees_with_the_guard_at_the_budgets_edge():
     """The fast estimate decides only far from the budget; near it the guard's own check decides, as at the
     charge: a budget 2 % above one epoch's ε passes, 2 % below is refused."""
     from privacy.accountants import epsilon_spent
-    from task.dpsgd import DPConfig, _epoch_event, check_first_epoch, steps_per_epoch
+    from task.learning.dpsgd import DPConfig, _epoch_event, check_first_epoch, steps_per_epoch
     from task.errors import UserError
 
     steps = steps_per_epoch(34, 2)

@@ -12,7 +12,7 @@ from privacy import sensitivity as sens
 from task.codecs import Compressor, make_compressor
 from task import codecs
 from sim.cli import main
-from task.methods import Method, method, names, register_method, unregister_method
+from task.settings.methods import Method, method, names, register_method, unregister_method
 from sim.runners.cells import register_cell_runner, run_floor, run_public_only, unregister_cell_runner
 
 
@@ -102,7 +102,7 @@ def test_the_secure_variant_and_every_protocol_and_runner_come_from_the_records(
     from server.pate_secure import is_secure
     from server.protocols import PROTOCOLS
     from sim.runners.cells import cell_runner
-    from task.methods import Protocol, Runner, methods
+    from task.settings.methods import Protocol, Runner, methods
 
     register_method(Method("pate-toy-secure", "toy-pate", "private", federated=True, protocol="pate",
                            per_epsilon=True, secure_sum=True, codec="anchored"))

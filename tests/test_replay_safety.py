@@ -14,9 +14,9 @@ from privacy.ledger import Ledger
 from task.codecs import PCACompressor
 from task import codecs
 from task.errors import UserError
-from task.networks import build_unet
+from task.learning.networks import build_unet
 from server.pate import teacher_training
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 PRESET = get_preset("tiny")
 GRID = (16, 16, 16)

@@ -10,7 +10,7 @@ from privacy.mechanisms import NoiseSource
 from server.aggregation import QueryRelease, aggregate_query
 from task.codecs import PCACompressor
 from task import codecs
-from task.dpsgd import DPConfig, DPSession, PrivateTraining
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining
 
 
 def _aggregate(noise, release_id: str, stream: str) -> np.ndarray:

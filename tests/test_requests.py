@@ -1,4 +1,4 @@
-"""The typed hospital requests (task/requests.py): the keys on the wire, the defaults a hospital applies, and
+"""The typed hospital requests (task/wire/requests.py): the keys on the wire, the defaults a hospital applies, and
 one-line refusals naming the key."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 
 from task.errors import UserError
 from task.options import Relation
-from task.requests import (FEDAVG_LEVERS, EvaluationRequest, FedAvgRoundRequest, HospitalRequest, QueryRequest,
-                           RunContext, SecureStageRequest, TeacherTrainingRequest)
+from task.wire.requests import (FEDAVG_LEVERS, EvaluationRequest, FedAvgRoundRequest, HospitalRequest, QueryRequest,
+                                RunContext, SecureStageRequest, TeacherTrainingRequest)
 
 #: a teachers' recipe as the server sends it whole (``server.pate.teacher_training``)
 RECIPE = {"teacher_epochs": 1, "teacher_trainable": "all", "teacher_learning_rate": 1e-3, "teacher_augment": False,
@@ -54,7 +54,7 @@ def test_a_fedavg_round_sends_every_setting_and_its_levers():
 
 
 def test_the_fedavg_levers_are_the_training_engines():
-    from task.training import LEVER_KEYS
+    from task.learning.training import LEVER_KEYS
 
     assert FEDAVG_LEVERS == LEVER_KEYS
 
@@ -103,7 +103,7 @@ def test_a_malformed_request_is_refused_in_one_line_naming_the_key(kind, config,
 
 
 def test_the_run_settings_tell_simulated_hospitals_their_privacy():
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     config = RunSettings(method="pate-pca", out="/runs/x", epsilon=2.0).hospital_privacy_config()
     assert config == {"ledger_dir": "/runs/x/hospital-ledgers", "lifetime_epsilon": 2.0, "delta": 1e-3,
@@ -119,7 +119,7 @@ def test_a_train_request_carries_the_teachers_whole_recipe_and_a_hospital_refuse
 
     from clients.hospital import Hospital, HospitalSettings
     from server.pate import teacher_training
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     preset = get_preset("tiny")
     sent = teacher_training(preset).to_config()
@@ -170,7 +170,7 @@ def test_a_hospital_trains_its_teachers_at_the_requests_batch_size_not_its_prese
     import clients.hospital as hospital_module
     from clients.hospital import Hospital, HospitalSettings
     from server.pate import teacher_training
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     preset = get_preset("tiny")
     seen = _spy_on_training(monkeypatch, hospital_module)
@@ -193,8 +193,8 @@ def test_a_dpfedavg_round_trains_by_the_requests_recipe_not_its_presets(tmp_path
     import privacy.calibration as calibration
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital, HospitalSettings
-    from task.networks import build_unet
-    from task.presets import get_preset
+    from task.learning.networks import build_unet
+    from task.settings.presets import get_preset
 
     preset = get_preset("tiny")
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **kw: 3.0)  # skip the PLD search
@@ -233,7 +233,7 @@ def test_a_hospital_refuses_local_dpsgd_it_cannot_run_before_anything_trains(tmp
     import clients.hospital as hospital_module
     from clients.hospital import Hospital, HospitalSettings
     from server.pate import teacher_training
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     preset = get_preset("tiny")
     seen = _spy_on_training(monkeypatch, hospital_module)

@@ -292,7 +292,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("document", ["docs/RESULTS.md", "docs/GUIDE.md"])
 def test_the_documents_settings_table_is_what_the_presets_give_now(document):
-    """K, the hospitals and the grid are stated once, in task.presets: the documents' settings block is the
+    """K, the hospitals and the grid are stated once, in task.settings.presets: the documents' settings block is the
     generator's table as the presets stand, so a changed preset fails here until the block is written again
     (``benchmarks/results_tables.py --write DOCUMENT``)."""
     text = (REPO / document).read_text(encoding="utf-8")
@@ -300,7 +300,7 @@ def test_the_documents_settings_table_is_what_the_presets_give_now(document):
 
 
 def test_the_settings_table_reads_each_preset(monkeypatch):
-    from task.presets import PRESETS
+    from task.settings.presets import PRESETS
 
     quick = PRESETS["quick"]
     changed = quick.with_changes(hospitals=3, teachers_per_hospital=5, grid=(24, 24, 16), dp_sgd=dict(max_grad_norm=0.5))

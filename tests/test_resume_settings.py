@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from task.compute import Compute
+from task.learning.compute import Compute
 from task.errors import UserError
 from sim.runners.compare import CompareConfig, run_compare, run_compare_seeds
 
@@ -133,7 +133,7 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
     from privacy.events import GaussianEvent
     from privacy.ledger import Ledger
     from server.dpfedavg import DpFedAvgConfig, run_dpfedavg
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     (tmp_path / "run").mkdir()
     Ledger(tmp_path / "run" / "ledger.jsonl").record(["hospital-0"], GaussianEvent(sensitivity=1.0, sigma=1.0),
@@ -152,7 +152,7 @@ def test_dpfedavg_refuses_an_earlier_runs_folder(tmp_path):
 def test_cells_added_to_a_finished_comparison_leave_its_models_loadable(cache, tiny_phantoms, tmp_path, capsys):
     """Adding a private method charges the hospitals' ledgers after the first cells' bundles stated what they were
     released with; the report's overlays load those bundles, so every bundle must state the new release first."""
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     out = tmp_path / "cmp"
     methods = ("public-only", "dp-sgd-central")

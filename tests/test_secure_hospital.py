@@ -16,7 +16,7 @@ from privacy.ledger import Ledger
 from task.codecs import PCACompressor
 from server.secure import secure_sum
 from task import codecs
-from task.presets import get_preset
+from task.settings.presets import get_preset
 
 GRID = (8, 8, 8)
 PRESET = get_preset("tiny")

@@ -1,4 +1,4 @@
-"""The secure sum (server/secure.py, clients/secure.py over task/secagg.py's library primitives): the sum is
+"""The secure sum (server/secure.py, clients/secure.py over task/wire/secagg.py's library primitives): the sum is
 right, the server sees only uniform masked vectors, unmasking needs the other hospitals, and a dropout at
 every stage is recovered."""
 
@@ -10,7 +10,7 @@ import pytest
 from clients.secure import SecurePolicy, SecureRequestRefused, SecureSumParty
 from privacy.distributed import centered
 from server.secure import SecureSumFailed, secure_sum
-from task import secagg
+from task.wire import secagg
 
 
 

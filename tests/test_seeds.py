@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from task.compute import Compute
+from task.learning.compute import Compute
 
 T_975 = {1: 12.706204736174698, 2: 4.302652729749464, 3: 3.182446305284263}
 
@@ -233,8 +233,8 @@ def test_per_class_headroom_matches_a_hand_computation(tmp_path):
 def test_per_case_class_dice_is_none_where_the_truth_lacks_the_class():
     """What the per-class headroom pairs: a false positive on a case without the class says nothing about
     whether the class was learned, so that case is left out (None), not scored 0."""
-    from task.metrics import DiceAccumulator
-    from task.training import PerCaseDice, per_class_of
+    from task.learning.metrics import DiceAccumulator
+    from task.learning.training import PerCaseDice, per_class_of
 
     truth = np.zeros((3, 4, 4, 4), int)
     pred = truth.copy()

@@ -7,7 +7,7 @@ import pytest
 
 
 def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hospitals():
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     settings = RunSettings(method="pate-anchored-secure", hospitals=6, secure_colluders=1, secure_dropouts=2,
                            secure_threshold=4)
@@ -23,7 +23,7 @@ def test_run_settings_carry_the_threat_model_to_the_server_and_the_simulated_hos
 @pytest.mark.parametrize("field", ["secure_colluders", "secure_dropouts", "secure_threshold"])
 def test_a_negative_threat_setting_is_refused_in_one_line(field):
     from task.errors import UserError
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     with pytest.raises(UserError, match=rf"^{field.replace('_', '-')}: expected a non-negative integer, got -1$"):
         RunSettings(method="pate-anchored-secure", **{field: -1})
@@ -31,7 +31,7 @@ def test_a_negative_threat_setting_is_refused_in_one_line(field):
 
 def test_both_secure_protocols_receive_the_declared_threat_model(monkeypatch, tmp_path):
     import server.protocols as protocols
-    from task.runconfig import Cell, RunSettings
+    from task.settings.runconfig import Cell, RunSettings
 
     seen = {}
     monkeypatch.setattr(protocols, "run_pate", lambda transport, world, preset, config, out, noise: seen.update(
@@ -83,7 +83,7 @@ def test_a_threat_model_the_hospitals_cannot_hold_is_refused_in_one_line_before_
     import sim.runners.compare as compare
     from sim.cli import main
     from task.errors import UserError
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
 
     with pytest.raises(UserError, match=match):
         RunSettings(method="dp-fedavg-secure", hospitals=hospitals, secure_colluders=colluders,
@@ -100,7 +100,7 @@ def test_a_threat_model_the_hospitals_cannot_hold_is_refused_in_one_line_before_
 
 
 def test_the_smallest_threshold_is_safe_and_the_default():
-    from task.secagg import smallest_threshold, threat_problem
+    from task.wire.secagg import smallest_threshold, threat_problem
 
     for hospitals in range(2, 12):
         for colluders in range(hospitals):

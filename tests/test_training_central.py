@@ -37,7 +37,7 @@ def test_central_nonprivate_cli(tmp_path, monkeypatch, tiny_phantoms):
         assert results[key] is None
     assert (out / "ledger.jsonl").read_text() == ""
     assert results["dice"]["mean"] is None or 0.0 <= results["dice"]["mean"] <= 1.0
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     assert load_bundle(out).card["private"] is False
 
@@ -69,7 +69,7 @@ def _no_public_world(monkeypatch):
     import torch
 
     import sim.runners.central as central
-    from task.networks import build_unet
+    from task.learning.networks import build_unet
 
     def fixed_public_start(preset, **kwargs):
         torch.manual_seed(1234)
@@ -96,7 +96,7 @@ def test_run_central_schema_with_synthetic_data(tmp_path, monkeypatch, method):
     written = json.loads((tmp_path / "run" / "results.json").read_text())
     assert written == json.loads(json.dumps(results))
     assert all(key in written for key in SCHEMA) and set(written["dice"]) == DICE
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     bundle = load_bundle(tmp_path / "run")   # verifies weights digest and the card against the ledger
     assert bundle.card["epsilon"] == written["epsilon"]
@@ -172,7 +172,7 @@ def test_a_finished_dpsgd_run_holds_and_prints_no_training_loss_or_sample_count(
     """The training loss (unbounded sensitivity) and the Poisson batch sizes stay inside the run:
     not in any file of the finished folder, not on the console (the progress bar shows sigma and epsilon)."""
     import sim.runners.central as central
-    import task.training as training
+    import task.learning.training as training
 
     monkeypatch.setattr(central, "load_central_data", _fake_loader)
     monkeypatch.setattr(training, "tqdm", _EagerBar)

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from task.compute import Compute
-from task.networks import build_unet
-from task.training import (TrainConfig, evaluate_segmentation, per_sample_loss, predict_probs,
-                          train_segmentation)
+from task.learning.compute import Compute
+from task.learning.networks import build_unet
+from task.learning.training import (TrainConfig, evaluate_segmentation, per_sample_loss, predict_probs,
+                                    train_segmentation)
 
 
 def _data(n=4, g=8, seed=0):

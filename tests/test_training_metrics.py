@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from task.metrics import DICE_KEYS, DiceAccumulator, dice_scores
+from task.learning.metrics import DICE_KEYS, DiceAccumulator, dice_scores
 
 
 def _case():
@@ -95,7 +95,7 @@ def test_float_predictions_are_rejected():
 
 
 def test_case_means_are_each_cases_mean_over_its_valid_classes():
-    from task.metrics import DiceAccumulator
+    from task.learning.metrics import DiceAccumulator
 
     truth = np.zeros((3, 4, 4, 4), np.int64)
     pred = np.zeros_like(truth)
@@ -113,7 +113,7 @@ def test_region_masks_are_torchs_isin_and_dice_matches_counting():
     read off its classes' presence, as ``isin`` would find it."""
     import torch
 
-    from task.metrics import REGIONS, _member_of, per_case_dice, per_case_dice_counted, truth_presence
+    from task.learning.metrics import REGIONS, _member_of, per_case_dice, per_case_dice_counted, truth_presence
 
     rng = np.random.default_rng(3)
     labels = torch.as_tensor(rng.integers(0, 5, size=(3, 6, 6, 6)))   # 4: a code outside every region

@@ -5,7 +5,7 @@ import torch
 from opacus.validators import ModuleValidator
 
 from task.errors import UserError
-from task.networks import UNET_PRESETS, build_unet, build_unet_from_config, min_grid_divisor, network_config
+from task.learning.networks import UNET_PRESETS, build_unet, build_unet_from_config, min_grid_divisor, network_config
 
 
 @pytest.mark.parametrize("preset", sorted(UNET_PRESETS))

@@ -1,4 +1,4 @@
-"""The voxel head (``task.networks.VoxelHeadUNet``): a small per-voxel correction of the public
+"""The voxel head (``task.learning.networks.VoxelHeadUNet``): a small per-voxel correction of the public
 model's logits from those logits and the scan, the only weights DP fine-tuning trains under ``trainable="voxel-head"``."""
 
 import json
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from task.compute import Compute
-from task.dpsgd import DPConfig, PrivateTraining
+from task.learning.compute import Compute
+from task.learning.dpsgd import DPConfig, PrivateTraining
 from task.errors import UserError
-from task.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
-                          load_start_weights, network_config, network_config_of, trainable_parameter_names)
-from task.training import TrainConfig, evaluate_segmentation, train_segmentation
+from task.learning.networks import (VOXEL_HEAD, VoxelHeadUNet, build_unet, build_unet_from_config, freeze_all_but,
+                                    load_start_weights, network_config, network_config_of, trainable_parameter_names)
+from task.learning.training import TrainConfig, evaluate_segmentation, train_segmentation
 
 
 def _data(n=4, grid=(16, 16, 16), seed=0):
@@ -97,7 +97,7 @@ def test_central_dpsgd_releases_a_voxel_head_bundle(tmp_path, monkeypatch):
     """run_central with the lever: the bundle holds the head, its card the ledger's epsilon, and the U-Net under it
     is the public start."""
     import sim.runners.central as central
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
 
     from synthetic_worlds import pooled_world
 
@@ -121,7 +121,7 @@ def test_a_dpfedavg_round_trains_the_voxel_head_the_server_sends(tmp_path, monke
     from clients.fedavg import local_dpsgd_round, plan_noise_multiplier
     from clients.hospital import Hospital, HospitalSettings
     from server.dpfedavg import dpfedavg_settings
-    from task.presets import DpSetting, get_preset
+    from task.settings.presets import DpSetting, get_preset
 
     monkeypatch.setattr(calibration, "composed_dpsgd_noise_multiplier", lambda *a, **kw: 3.0)  # skip the PLD search
     plan_noise_multiplier.cache_clear()
@@ -152,7 +152,7 @@ def test_voxel_head_teachers_train_only_their_heads_and_are_reloaded_as_what_the
 
     from clients.hospital import Hospital, HospitalSettings
     from server.pate import teacher_training
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     images, labels = _data(4)
     index = {case: i for i, case in enumerate("abcd")}
@@ -187,7 +187,7 @@ def _head_hospital(tmp_path, partitions, precision="32", name="h0", augment=Fals
     from types import SimpleNamespace
 
     from clients.hospital import Hospital, HospitalSettings
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     images, labels = _data(n)
     index = {case: i for i, case in enumerate("abcdefghij"[:n])}
@@ -351,7 +351,7 @@ def test_a_voxel_head_on_a_frozen_unet_trains_the_same_with_the_unet_output_reme
     """Training only the head without augmentation runs the frozen U-Net once per distinct batch, not once per
     step, and gives the same weights and history bit for bit as running it every step; validation inside the
     loop is computed, not served from the training batches' memo."""
-    import task.training
+    import task.learning.training
 
     images, labels = _data(2)
     validation = _data(2, seed=1)
@@ -360,7 +360,7 @@ def test_a_voxel_head_on_a_frozen_unet_trains_the_same_with_the_unet_output_reme
 
     def train(remember: bool):
         if not remember:
-            monkeypatch.setattr(task.training._FrozenUNetMemo, "for_training", classmethod(lambda *a, **k: None))
+            monkeypatch.setattr(task.learning.training._FrozenUNetMemo, "for_training", classmethod(lambda *a, **k: None))
         public = _public().state_dict()
         torch.manual_seed(7)   # the head's first layer starts random: the same start both ways
         model = build_unet("tiny", trainable=VOXEL_HEAD)
@@ -384,11 +384,11 @@ def test_a_voxel_head_on_a_frozen_unet_trains_the_same_with_the_unet_output_reme
 
 
 def test_the_central_command_offers_exactly_the_trainable_sets():
-    """The CLI spells the sets itself (it must not import torch); this keeps it in step with task.networks."""
+    """The CLI spells the sets itself (it must not import torch); this keeps it in step with task.learning.networks."""
     import argparse
 
     from sim.commands import central as command
-    from task.networks import TRAINABLE_SETS
+    from task.learning.networks import TRAINABLE_SETS
 
     parser = argparse.ArgumentParser()
     command.register(parser.add_subparsers())
@@ -405,7 +405,7 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     from server.pate import student_training
     from server.student import ModelTraining, train_student
     from task.codecs import one_hot
-    from task.presets import get_preset
+    from task.settings.presets import get_preset
 
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
@@ -432,8 +432,8 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     from server.pate import student_training
     from server.student import ModelTraining, train_student
     from task.codecs import one_hot
-    from task.networks import VOXEL_HEAD_AND_UNET
-    from task.presets import get_preset
+    from task.learning.networks import VOXEL_HEAD_AND_UNET
+    from task.settings.presets import get_preset
 
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from privacy.ledger import Ledger
-from task import methods as registry
-from task.compute import Compute
+from task.settings import methods as registry
+from task.learning.compute import Compute
 from task.errors import UserError
 from sim.runners import compare
 from sim.runners.compare import CompareConfig, spread_over_workers
@@ -102,7 +102,7 @@ def test_two_workers_run_the_cells_one_process_runs(tmp_path, monkeypatch):
 
 def test_a_method_registered_at_run_time_keeps_every_cell_in_this_process(tmp_path, monkeypatch, capsys):
     """Worker processes are fresh interpreters that would not know it: no worker is started."""
-    from task.methods import Method, register_method, unregister_method
+    from task.settings.methods import Method, register_method, unregister_method
 
     ran = []
     monkeypatch.setattr(compare, "_run_cells", lambda config, lifetime, ledger_dir: ran.append(config.methods))

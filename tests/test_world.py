@@ -9,7 +9,7 @@ import pytest
 from task.data.partitions import PUBLIC_SOURCE, SplitPlan, make_split
 from task.data.preprocess import combine_prepared
 from task.errors import UserError
-from task.presets import get_preset
+from task.settings.presets import get_preset
 from task.world import PUBLIC_PHANTOM_SEED, PUBLIC_PREFIX, build_world, describe_world
 
 

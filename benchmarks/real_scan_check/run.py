@@ -5,7 +5,7 @@ The only real brain-tumour MRI reachable from these machines' registries is 3D S
 archive on PyPI. This script skull-strips them (nilearn's MNI152 brain placed with dipy, refined by
 intensity; or, with ``--colin``, the Colin27 atlas from Debian's mricron-data alone), trains a T1-Gd-only
 phantom model (the scans have no other sequence), segments the scans exactly as ``fedpate predict`` does
-(:func:`task.predict.segment_scan`), and scores the result against the label. Nothing here downloads;
+(:func:`task.reporting.predict.segment_scan`), and scores the result against the label. Nothing here downloads;
 fetch the inputs first (see README.md in this folder).
 
 Run: ``PYTHONPATH=/tmp/realcheck/site .venv/bin/python benchmarks/real_scan_check/run.py --qtim DIR --train CACHE``
@@ -145,10 +145,10 @@ def main() -> None:
     from scipy import ndimage
 
     from task.data.preprocess import PreparedDataset, PreprocessConfig
-    from task.networks import build_unet_from_config, network_config
-    from task.predict import segment_scan
-    from task.compute import Compute
-    from task.training import TrainConfig, train_segmentation
+    from task.learning.networks import build_unet_from_config, network_config
+    from task.reporting.predict import segment_scan
+    from task.learning.compute import Compute
+    from task.learning.training import TrainConfig, train_segmentation
 
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)

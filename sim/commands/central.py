@@ -6,7 +6,7 @@ import dataclasses
 
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, at_least_one, decay_fraction, open_fraction,
                                  positive_integer, positive_number, resolved_device)
-from task.methods import CENTRAL_METHODS
+from task.settings.methods import CENTRAL_METHODS
 from task.options import Init, NoiseMode, Relation, Sampling, Selection
 
 
@@ -99,8 +99,8 @@ def run(args) -> int:
     from sim.commands.common import data_options, open_real_check, real_check_line, resolve_hospitals
     from task.io import ensure_folder
     from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
-    from task.compute import Compute
-    from task.selection import SelectionConfig
+    from task.learning.compute import Compute
+    from task.learning.selection import SelectionConfig
 
     where = data_options(args)
     # the config checks every option (naming its flag) when it is made: before the device, the data or the ledger

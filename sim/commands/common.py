@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from task.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
-from task.presets import get_preset
+from task.learning.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS   # no torch: spec strings and help text only
+from task.settings.presets import get_preset
 
 
 def _argument_type(kind, accepts, expected: str):
@@ -34,7 +34,7 @@ at_least_one = _argument_type(float, lambda v: math.isfinite(v) and v >= 1, "a f
 
 def _size_of(name: str) -> str:
     """A preset's federation and grid in words, read from the preset itself (its numbers are written once, in
-    ``task.presets``)."""
+    ``task.settings.presets``)."""
     preset = get_preset(name)
     grid = "x".join(str(n) for n in preset.world.grid)
     return (f"{preset.federation.hospitals} hospitals x {preset.federation.teachers_per_hospital} teachers on a "
@@ -90,7 +90,7 @@ def add_compute_options(parser: argparse.ArgumentParser) -> None:
 def resolved_device(args):
     """The ``torch.device`` of ``--device``, resolved before any work starts: asking for a GPU that is not
     there is refused in one line (exit 2) rather than discovered after minutes of data preparation."""
-    from task.device import resolve_device
+    from task.learning.device import resolve_device
 
     return resolve_device(args.device)
 
@@ -123,10 +123,10 @@ def threat_options(args) -> dict:
 
 
 def check_secure_plan(args, methods) -> None:
-    """Secure-sum parameters the hospitals cannot hold (``task.secagg.check_secure_settings``), refused in one
+    """Secure-sum parameters the hospitals cannot hold (``task.wire.secagg.check_secure_settings``), refused in one
     line before the device, the data or the output folder is touched."""
-    from task import methods as registry
-    from task.secagg import check_secure_settings
+    from task.settings import methods as registry
+    from task.wire.secagg import check_secure_settings
 
     if set(methods) & set(registry.names(secure_sum=True)):
         hospitals = resolve_hospitals(getattr(args, "hospitals", None), getattr(args, "partition_file", None))
@@ -162,7 +162,7 @@ def resolve_hospitals(hospitals: int | None, partition_file: str | None) -> int 
 
 def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = False) -> None:
     """``--real-check DIR`` (repeatable): score every model the command trains on labelled real cases too
-    (``task.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
+    (``task.reporting.realcheck``); ``environment``: FEDPATE_REAL_CHECK names folders when the option is not given."""
     parser.add_argument("--real-check", action="append", default=None, metavar="[KIND=]DIR",
                         help="a folder of labelled real cases (MSD Task01, BraTS 2021 or BraTS 2023 case folders, or "
                              "one case folder); every model is also scored on them, in each case's own grid, beside "
@@ -173,9 +173,9 @@ def add_real_check_option(parser: argparse.ArgumentParser, environment: bool = F
 
 
 def open_real_check(args, environment: bool = False):
-    """The :class:`task.realcheck.RealCheck` of ``--real-check`` (or, with ``environment``, of FEDPATE_REAL_CHECK),
+    """The :class:`task.reporting.realcheck.RealCheck` of ``--real-check`` (or, with ``environment``, of FEDPATE_REAL_CHECK),
     its folders checked now, before anything trains; None when no folder is named."""
-    from task.realcheck import ENVIRONMENT, folders_from_environment, open_check
+    from task.reporting.realcheck import ENVIRONMENT, folders_from_environment, open_check
 
     folders = getattr(args, "real_check", None) or []
     if folders or not environment:

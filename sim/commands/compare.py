@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_real_check_option, add_run_options, add_threat_options,
                                  positive_integer, positive_number, resolved_device, threat_options)
-from task.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
+from task.settings.methods import CLASSIFICATION_METHODS, SEGMENTATION_METHODS
 from task.options import COMPARE_ENGINES, CompareTask, Engine, Init
 
 
@@ -57,9 +57,9 @@ def run(args) -> int:
     from sim.commands.common import check_secure_plan, data_options, open_real_check, resolve_hospitals
     from task.errors import UserError
     from task.io import ensure_folder
-    from task.runconfig import check_epsilon
+    from task.settings.runconfig import check_epsilon
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare_seeds
-    from task.compute import Compute
+    from task.learning.compute import Compute
 
     if args.epsilon is not None:   # the common run options include --epsilon; a grid has budgets, not one
         raise UserError(f"--epsilon: compare takes its budgets from --epsilons (comma-separated), "
@@ -77,7 +77,7 @@ def run(args) -> int:
     offered = SEGMENTATION_METHODS if segmentation else CLASSIFICATION_METHODS
     methods = parse_list(args.methods, str, "--methods") if args.methods is not None else list(offered)
     if segmentation:
-        from task import methods as registry
+        from task.settings import methods as registry
 
         unknown = [m for m in methods if m not in registry.names()]
         if unknown:

@@ -1,7 +1,7 @@
 """``fedpate demo``: the README's main job -- PATE vs DP-SGD vs baselines on freshly generated phantoms.
 
 A ``fedpate compare`` on the quick preset (its hospitals, teachers and grid: ``--preset``'s help, read from
-``task.presets``), sized for a 2-core CPU, followed by a prediction with the best PATE
+``task.settings.presets``), sized for a 2-core CPU, followed by a prediction with the best PATE
 student on a scan it has never seen, written as NIfTI in that scan's own grid.
 
 Every private method starts from the same public model: PATE's teachers and student, DP-SGD
@@ -74,7 +74,7 @@ def demo_methods(secure: bool = False, real_check: bool = False) -> str:
 def choose_student(cells):
     """The PATE student to show, chosen on the PUBLIC validation set, never on the test set: the largest
     budget, then the best public validation Dice. None when no cell has a validation score."""
-    from task.methods import is_pate   # pure Python: the CLI start-up stays free of torch
+    from task.settings.methods import is_pate   # pure Python: the CLI start-up stays free of torch
 
     candidates = [c for c in cells if is_pate(c.get("method")) and c.get("validation_dice_mean") is not None]
     return max(candidates, key=lambda c: (c.get("epsilon_budget") or 0, c["validation_dice_mean"]), default=None)
@@ -84,11 +84,11 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from task.predict import predict_scans
-    from task.presets import get_preset
+    from task.reporting.predict import predict_scans
+    from task.settings.presets import get_preset
     from sim.report import load_cells
     from sim.runners.compare import CompareConfig, parse_list, parse_workers, run_compare
-    from task.compute import Compute
+    from task.learning.compute import Compute
     from task.io import cache_root, ensure_folder
     from task.world import PHANTOM_SEED
     from task.data.phantoms import ensure_phantoms
@@ -134,7 +134,7 @@ def real_check_summary(cells) -> list[str]:
     """The demo's closing lines on the real-scan check: the cases, pooled, with their folders and references; each
     model's real WT / TC / ET Dice beside its phantom mean Dice (from the cells' results.json); Kendall's τ between
     the phantom and the real ranking of the private models. Or how to ask for the check."""
-    from task.realcheck import ENVIRONMENT, REGIONS, real_dice
+    from task.reporting.realcheck import ENVIRONMENT, REGIONS, real_dice
     from sim.report_real import case_list, checked, describe_reference, rank_agreement
 
     scored = checked(cells)

@@ -134,8 +134,8 @@ def _commands(args) -> int:
 
 def _local(args) -> int:
     from sim.deployment.local import LocalDeployment, write_echo_app
-    from task.presets import get_preset
-    from task.runconfig import config_flag
+    from task.settings.presets import get_preset
+    from task.settings.runconfig import config_flag
 
     if args.hospitals < 1:
         raise UserError(f"--hospitals: expected >= 1, got {args.hospitals}")
@@ -161,7 +161,7 @@ def _local(args) -> int:
         run_config[key] = _parse_value(value)
 
     if args.device or args.precision:
-        from task.device import resolve_device
+        from task.learning.device import resolve_device
 
         # everything runs on this machine: a GPU asked for and missing is refused before anything starts
         resolve_device(args.device or run_config.get("device") or "auto")
@@ -191,7 +191,7 @@ def _local(args) -> int:
 
 def _local_fedpate(args, out: Path, run_config: dict) -> int:
     """The real fedpate app on the preset's world: one MSD folder per hospital, exported from the world."""
-    from task.runconfig import RunSettings
+    from task.settings.runconfig import RunSettings
     from sim.deployment.fedpate_local import run_local_deployment
 
     config = {"hospitals": args.hospitals, **run_config}

@@ -38,8 +38,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from task.io import atomic_write_json, ensure_file_folder, ensure_folder
     from sim.commands.common import resolved_device
-    from task.compute import Compute
-    from task.predict import EvaluationOptions, evaluate_scans
+    from task.learning.compute import Compute
+    from task.reporting.predict import EvaluationOptions, evaluate_scans
 
     device = resolved_device(args)
     if args.out:

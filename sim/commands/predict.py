@@ -33,10 +33,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from task.bundle import load_bundle
+    from task.reporting.bundle import load_bundle
     from sim.commands.common import resolved_device
     from task.io import ensure_folder
-    from task.predict import predict_scans
+    from task.reporting.predict import predict_scans
 
     device = resolved_device(args)
     card = load_bundle(args.model).card

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sim.commands.common import (add_compute_options, add_federation_options, add_real_check_option, add_run_options,
                                  add_threat_options, resolved_device)
-from task.methods import FEDERATED_METHODS
+from task.settings.methods import FEDERATED_METHODS
 from task.options import Calibration, Engine, Init
 
 
@@ -38,8 +38,8 @@ def run(args) -> int:
                                      resolve_hospitals, threat_options)
     from task.errors import UserError
     from task.io import ensure_folder
-    from task.compute import Compute
-    from task.runconfig import RunSettings
+    from task.learning.compute import Compute
+    from task.settings.runconfig import RunSettings
     from sim.runners.simulation import simulate
 
     where = data_options(args)

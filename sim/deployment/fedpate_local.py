@@ -19,7 +19,7 @@ from sim.deployment.flower_cli import PROJECT_ROOT
 from sim.deployment.local import LocalDeployment
 from task.errors import UserError
 from task.io import atomic_write_json
-from task.runconfig import RunSettings
+from task.settings.runconfig import RunSettings
 from task.world import materialise_world, open_world
 
 #: written beside results.json by :func:`run_local_deployment`
@@ -137,7 +137,7 @@ def run_local_deployment(settings: RunSettings, work_dir: str | Path, *, tls: bo
     if not (out / "results.json").exists():
         raise UserError(f"deployment run {status.run_id} ended '{status.status}' without results.json "
                         f"(ServerApp log: {status.log_path})")
-    # how the run was deployed, beside its results (results.json has one writer: task.results.write_run)
+    # how the run was deployed, beside its results (results.json has one writer: task.reporting.results.write_run)
     deployment = {"run_id": status.run_id, "status": status.status, "seconds": status.seconds,
                   "tls": tls, "supernode_auth": tls}
     atomic_write_json(out / DEPLOYMENT_FILE, deployment)

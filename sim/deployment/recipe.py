@@ -15,10 +15,10 @@ from typing import Sequence
 
 from sim.deployment.flower_cli import FLOWER_ENV, config_string
 from sim.deployment.tls import ROSTER_FILE
-from task.device import check_device_spec, check_precision
+from task.learning.device import check_device_spec, check_precision
 from task.errors import UserError
-from task.presets import get_preset
-from task.secagg import Roster
+from task.settings.presets import get_preset
+from task.wire.secagg import Roster
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DeploymentRecipe:
         epsilon_budget: each hospital's lifetime ε.
         max_teachers: the consortium's K (None = hospitals x ``teachers_per_hospital``, or x the quick preset's).
         device / precision: written into each node config when given: where that hospital trains its teachers
-            and at which precision (None = the node's default, auto and 32). Not a :class:`task.compute.Compute`:
+            and at which precision (None = the node's default, auto and 32). Not a :class:`task.learning.compute.Compute`:
             each is the hospital's own machine's setting, written only when asked for.
     """
 

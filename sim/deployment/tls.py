@@ -181,11 +181,11 @@ ROSTER_FILE = "roster.txt"
 
 def write_roster(path: str | Path, public_keys: dict) -> Path:
     """The roster every hospital checks a secure sum's participants and keys against
-    (``task.secagg.Roster``): one line per hospital, ``<hospital-id> <its SuperNode public key>``, from the
+    (``task.wire.secagg.Roster``): one line per hospital, ``<hospital-id> <its SuperNode public key>``, from the
     ``.pub`` files ``public_keys`` names (hospital -> path). Public: it holds no secret, but it must reach each
     hospital from this trusted machine, never through the aggregator (whoever controls it controls who the
     hospitals trust)."""
-    from task.secagg import Roster
+    from task.wire.secagg import Roster
 
     lines = []
     for name, pub in sorted(public_keys.items()):

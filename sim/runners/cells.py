@@ -1,9 +1,9 @@
 """How one non-federated cell of a comparison runs: a registry from a method record's ``runner`` key
-(``task.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
+(``task.settings.methods``) to the function that runs it. Federated methods run through ``server.protocols`` instead,
 batched into one simulation per K; everything here runs in this process.
 
 A runner takes the comparison's :class:`CompareContext` (what every cell of it shares, built once in
-``sim.runners.compare.run_compare``) and the :class:`task.runconfig.Cell`, and writes the cell's folder
+``sim.runners.compare.run_compare``) and the :class:`task.settings.runconfig.Cell`, and writes the cell's folder
 (results.json, ledger.jsonl, model bundle). ``register_cell_runner`` adds one.
 """
 
@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Callable
 
 from server.selftrain import train_public_models
 from server.student import ModelTraining, train_public_model
-from task.bundle import preprocessing_of
-from task.compute import Compute
-from task.device import device_name, model_device
-from task.networks import network_config
-from task.methods import Runner
-from task.registry import Registry
-from task.results import ModelRelease, RunResults, write_run
-from task.runconfig import Cell
+from task.reporting.bundle import preprocessing_of
+from task.learning.compute import Compute
+from task.learning.device import device_name, model_device
+from task.learning.networks import network_config
+from task.settings.methods import Runner
+from task.settings.registry import Registry
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.settings.runconfig import Cell
 from sim.runners.central import CentralConfig, DPSGDOptions, TrainingOptions, run_central
 from sim.runners.floors import FloorRun
 from sim.runners.selftrain import run_public_selftrain
-from task.training import evaluate_release, per_class_of, public_validation_dice
+from task.learning.training import evaluate_release, per_class_of, public_validation_dice
 from task.world import build_world, load_world
-from task import trust
+from task.reporting import trust
 
 if TYPE_CHECKING:
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class CompareContext:
     reproducible_noise: bool = False
     compute: Compute = Compute()        # device, precision and progress bars of every cell
     where: dict = field(default_factory=dict)   # layout / partition_file
-    real_check: RealCheck | None = None   # the real-scan check every released model is scored on (task.realcheck)
+    real_check: RealCheck | None = None   # the real-scan check every released model is scored on (task.reporting.realcheck)
 
     @property
     def shared_dir(self) -> Path:
@@ -69,7 +69,7 @@ def run_pooled(context: CompareContext, cell: Cell) -> None:
     lifetime ledger), non-private training otherwise (``sim.runners.central``)."""
     record = cell.record
     private = record.private
-    # a method that fixes its own trainable set / learning rate (task.methods.Method) overrides the preset's
+    # a method that fixes its own trainable set / learning rate (task.settings.methods.Method) overrides the preset's
     training = TrainingOptions(learning_rate=record.learning_rate,
                                levers={"trainable": record.trainable} if record.trainable is not None else None)
     run_central(CentralConfig(
@@ -105,7 +105,7 @@ def shared_public_models(world, preset, seed: int, shared_dir: Path, compute: Co
         preset: the preset (network, public and student epochs).
         seed: the training seed.
         shared_dir: the folder of both checkpoints (a finished checkpoint is loaded, not retrained).
-        compute: where they train (``task.device``), whether forward passes run under bf16, progress bars.
+        compute: where they train (``task.learning.device``), whether forward passes run under bf16, progress bars.
     """
     shared_dir = Path(shared_dir)
     public = train_public_models(world, preset, seed=seed, checkpoint=shared_dir / "public-model.pt", compute=compute)

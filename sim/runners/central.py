@@ -13,7 +13,7 @@ epsilon under the other relation where it is defined (``epsilon_add_remove`` / `
 
 Writes, in ``out``: ``results.json`` (docs/PRIVACY.md "Results", every field present, null where it does not apply),
 ``ledger.jsonl`` (empty for non-private training), the model bundle (``model/weights.pt``,
-``bundle.json``, card; see ``task.bundle``; the only copy of the weights, covered by its digest) and
+``bundle.json``, card; see ``task.reporting.bundle``; the only copy of the weights, covered by its digest) and
 ``checkpoint/train.pt`` (resumed when the run is restarted in the same folder with the same settings, which
 ``central.json`` records; other settings are refused, :func:`record_central_settings`).
 """
@@ -37,32 +37,33 @@ from privacy.guard import BudgetGuard, GuardChain
 from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.selftrain import start_description, train_public_models
-from task.dpsgd import (DEFAULT_GRAD_SAMPLE_MODE, DPConfig, check_first_epoch, epoch_plan, private_training,
-                        steps_per_epoch)
-from task.compute import Compute, check_compute
-from task.device import device_name, resolve_device
+from task.learning.dpsgd import (DEFAULT_GRAD_SAMPLE_MODE, DPConfig, check_first_epoch, epoch_plan, private_training,
+                                 steps_per_epoch)
+from task.learning.compute import Compute, check_compute
+from task.learning.device import device_name, resolve_device
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json
-from task import accounting
-from task.phases import phase
-from task import methods as registered_methods
-from task.methods import CENTRAL_METHODS
-from task.networks import build_unet, network_config, network_config_of
+from task.learning import accounting
+from task.learning.phases import phase
+from task.settings import methods as registered_methods
+from task.settings.methods import CENTRAL_METHODS
+from task.learning.networks import build_unet, network_config, network_config_of
 from task.options import CentralMethod, Init, NoiseKind, NoiseMode, Relation, Sampling, Selection, look_up_option
-from task.presets import DpSetting, Preset, get_preset, preset_reference
+from task.settings.presets import DpSetting, Preset, get_preset, preset_reference
 from sim.runners.resume import refuse_other_settings
-from task.results import ModelRelease, RunResults, write_run
-from task.selection import (SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection,
-                            split_and_plan, stamp_one_time)
-from task.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_release, evaluate_segmentation,
-                          evaluate_segmentation_per_case, lever_settings, per_class_of, train_segmentation, trainable_of)
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.learning.selection import (SelectionBudget, SelectionCallbacks, SelectionConfig, run_private_selection,
+                                     split_and_plan, stamp_one_time)
+from task.learning.training import (LEVER_KEYS, TrainConfig, TrainResult, evaluate_release, evaluate_segmentation,
+                                    evaluate_segmentation_per_case, lever_settings, per_class_of, train_segmentation,
+                                    trainable_of)
 from task.world import build_world, load_world, pooled_private_data
-from task import trust
+from task.reporting import trust
 
 METHODS = CENTRAL_METHODS
 
 if TYPE_CHECKING:
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 
 def load_central_data(preset, seed: int = 0, data: str | Path | None = None, progress: bool = True,
@@ -88,7 +89,7 @@ class TrainingOptions:
         learning_rate: Adam's learning rate.
         max_grad_norm: DP-SGD's clipping norm (ignored by non-private training).
         augment: train with the world's augmentation (``sim.transforms``).
-        levers: the DP fine-tuning levers, ``task.training.LEVER_KEYS`` (``trainable``,
+        levers: the DP fine-tuning levers, ``task.learning.training.LEVER_KEYS`` (``trainable``,
             ``augmentation_multiplicity``, ``ema_decay``); None values are the defaults.
     """
 
@@ -100,7 +101,7 @@ class TrainingOptions:
     levers: Mapping[str, Any] | None = None
 
     def explicit(self) -> dict:
-        """The settings a grid entry may not change (:class:`task.presets.DpSetting`'s; None = not given)."""
+        """The settings a grid entry may not change (:class:`task.settings.presets.DpSetting`'s; None = not given)."""
         return {"learning_rate": self.learning_rate, "max_grad_norm": self.max_grad_norm, "epochs": self.epochs,
                 "batch_size": self.batch_size,
                 **{k: v for k, v in (self.levers or {}).items() if k in LEVER_KEYS}}
@@ -111,7 +112,7 @@ class DPSGDOptions:
     """How DP-SGD releases (ignored by non-private training): the command line's options of one pooled run.
 
     Layer: the CLI's options, checked on the command line before any work; None = the preset's recipe
-    (``task.presets.DpSgd``). Each grid entry's training runs the validated record ``task.dpsgd.DPConfig`` that
+    (``task.settings.presets.DpSgd``). Each grid entry's training runs the validated record ``task.learning.dpsgd.DPConfig`` that
     :func:`_dp_config` builds from these options, the preset and the entry.
 
     Args:
@@ -150,9 +151,9 @@ class CentralConfig:
     """One run on the pooled private data: what it trains, on which world, under which budget.
 
     Args:
-        method: ``nonprivate`` or ``dp-sgd`` (``task.methods.CENTRAL_METHODS``).
-        preset: the preset: a registered name, a variant's :attr:`task.presets.Preset.reference`, or a
-            :class:`task.presets.Preset` (kept as its reference).
+        method: ``nonprivate`` or ``dp-sgd`` (``task.settings.methods.CENTRAL_METHODS``).
+        preset: the preset: a registered name, a variant's :attr:`task.settings.presets.Preset.reference`, or a
+            :class:`task.settings.presets.Preset` (kept as its reference).
         out: the run folder (results.json, ledger.jsonl, model/, checkpoint/ while it runs).
         epsilon: DP-SGD's budget (None = the preset's); ``delta`` likewise.
         seed: the world's split, the public model and the training; the noise only under
@@ -165,18 +166,18 @@ class CentralConfig:
         hospital_ledger_dir / lifetime_epsilon: the hospitals' own ledgers of a comparison
             (``<dir>/<hospital>.jsonl``) and their lifetime budget: every epoch is also charged there, and
             refused when a hospital's lifetime budget would be exceeded.
-        compute: where the models train and are evaluated (auto = CUDA when there is one; ``task.device``),
+        compute: where the models train and are evaluated (auto = CUDA when there is one; ``task.learning.device``),
             whether forward passes run under bf16 autocast (both are recorded), and progress bars.
         training: settings fixed by the caller (:class:`TrainingOptions`).
         dpsgd: how DP-SGD releases (:class:`DPSGDOptions`).
         selection: how DP-SGD's setting is chosen: ``public`` (default) -- the preset's grid,
             each entry trained and charged, best on the public validation set; ``private`` -- private selection
             among the grid and the public model unchanged on held-out private patients, charged as one event up
-            front (``task.selection``; target mode, Poisson sampling, replace-one, init public).
-        selection_config: private selection's settings (``task.selection.SelectionConfig``; None = defaults).
+            front (``task.learning.selection``; target mode, Poisson sampling, replace-one, init public).
+        selection_config: private selection's settings (``task.learning.selection.SelectionConfig``; None = defaults).
         name: the method its results, model card and noise streams carry: a registered pooled method of the same
-            privacy (``task.methods``; e.g. ``dp-sgd-central-decoder``); None = ``CENTRAL_METHODS[method]``.
-        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
+            privacy (``task.settings.methods``; e.g. ``dp-sgd-central-decoder``); None = ``CENTRAL_METHODS[method]``.
+        real_check: the real-scan check the released model is scored on (``task.reporting.realcheck.RealCheck``; None: none).
     """
 
     method: CentralMethod = CentralMethod.NONPRIVATE
@@ -210,7 +211,7 @@ class CentralConfig:
             raise UserError("--selection private: needs --noise-mode target, --sampling poisson and --init public")
         if self.selection is Selection.PRIVATE and self.hospital_ledger_dir is not None:
             # a hospital's lifetime ledger would hold PLD-only replace-one DP-SGD epochs beside an RDP-only
-            # selection event: no accountant composes both (task/selection.py)
+            # selection event: no accountant composes both (task/learning/selection.py)
             raise UserError("--selection private: runs on its own (fedpate central), not inside a comparison's "
                             "hospital ledgers")
         object.__setattr__(self, "method", look_up_option(self.method, CentralMethod, "--method"))
@@ -261,7 +262,7 @@ class CentralConfig:
     @classmethod
     def of(cls, **options) -> "CentralConfig":
         """A config from flat keyword options (scripts, tests): the fields of :class:`TrainingOptions`,
-        :class:`DPSGDOptions` and :class:`task.compute.Compute` go to ``training`` / ``dpsgd`` / ``compute``, the
+        :class:`DPSGDOptions` and :class:`task.learning.compute.Compute` go to ``training`` / ``dpsgd`` / ``compute``, the
         rest are this class's own."""
         groups = {name: {k: options.pop(k) for k in [f.name for f in dataclasses.fields(kind)] if k in options}
                   for name, kind in (("training", TrainingOptions), ("dpsgd", DPSGDOptions), ("compute", Compute))}
@@ -279,7 +280,7 @@ class CentralConfig:
 
     @property
     def selects_privately(self) -> bool:
-        """DP-SGD's setting is chosen by private selection (``task.selection``), charged as one event."""
+        """DP-SGD's setting is chosen by private selection (``task.learning.selection``), charged as one event."""
         return self.private and self.selection is Selection.PRIVATE
 
     @property
@@ -299,7 +300,7 @@ class PooledRun:
         preset: the resolved preset.
         out: the run folder.
         epsilon / delta: the budget (the config's, else the preset's).
-        device / precision: where models train and are evaluated (``task.device``).
+        device / precision: where models train and are evaluated (``task.learning.device``).
         world: the pooled world (:func:`load_central_data`).
         settings: the training settings to try (:func:`settings_grid`).
         grid_sigma: the one noise multiplier a DP-SGD grid's entries share (None: a single entry calibrates its
@@ -349,7 +350,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     (``privacy.calibration.composed_dpsgd_noise_multiplier``), and keeps the one with the best Dice on the
     public validation set (post-processing: it reads no private label and no test case). The ledger holds
     every epoch of every grid entry, so its ε is the budget. DP-SGD's noise is drawn on the host
-    (``task.dpsgd``) whatever ``config.compute.device`` is.
+    (``task.learning.dpsgd``) whatever ``config.compute.device`` is.
 
     Steps: :func:`prepare_run` (everything refused before anything trains), :func:`_train_grid` or
     :func:`private_selection`, then the chosen model evaluated on the test split and written.
@@ -357,7 +358,7 @@ def run_central(config: CentralConfig) -> dict[str, Any]:
     started = time.perf_counter()
     run = prepare_run(config)
     selected = None
-    if config.selects_privately:   # task.selection, charged as one event before anything is trained
+    if config.selects_privately:   # task.learning.selection, charged as one event before anything is trained
         selected, dp = private_selection(run)
         candidates = [(selected.setting or _PUBLIC_SETTING, selected.result or _public_result(selected.model), None)]
     else:
@@ -465,7 +466,7 @@ def _plan_budget(config: CentralConfig, world: dict, settings: list[dict], epsil
     if len(settings) == 1:
         return None
     n = len(world["train_ids"])
-    # memoised on disk (task.accounting): the guard composes the grid's plan once anyway (_train_grid)
+    # memoised on disk (task.learning.accounting): the guard composes the grid's plan once anyway (_train_grid)
     return accounting.composed_dpsgd_noise_multiplier(
         epsilon, delta, [(1.0 / steps_per_epoch(n, s["batch_size"]), steps_per_epoch(n, s["batch_size"]) * s["epochs"])
                          for s in settings],
@@ -601,7 +602,7 @@ def _public_result(model):
 
 
 def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
-    """The torch side of ``task.selection.run_private_selection`` for the pooled baseline: each candidate is
+    """The torch side of ``task.learning.selection.run_private_selection`` for the pooled baseline: each candidate is
     fine-tuned from the public model (``run.start_weights``, also a candidate itself) with DP-SGD at the
     calibrated multiplier (fixed mode, no checkpoint: a selection is never resumed, its ledger marks the folder as
     used), steps checked by the CoveredGuard, on ``run.device``. Charged through ``run.guard`` under the run's
@@ -621,7 +622,7 @@ def private_selection(run: PooledRun) -> tuple[Any, DPConfig | None]:
 
     def train_candidate(setting, index, rep, images, labels, z, covered, stream):
         dp = dp_config(setting, rep, z, f"{run.prefix}:selection:rep-{rep}")
-        # no bar of its own: task.selection shows one bar for the whole selection (a bar per candidate would
+        # no bar of its own: task.learning.selection shows one bar for the whole selection (a bar per candidate would
         # count the repetitions and name the candidates drawn)
         train_config = _setting_training(config, setting, run.start_weights, run.compute.replace(progress=False),
                                          checkpoint=None, description="private selection")
@@ -757,7 +758,7 @@ def public_start(preset, seed: int, data, progress: bool, checkpoint: str | Path
         progress: progress bars.
         checkpoint: the public model's checkpoint: resumed from when it exists, so every method that passes the
             same one shares one training.
-        device / precision: where the model trains (``task.device``; None = auto) and whether forward passes run
+        device / precision: where the model trains (``task.learning.device``; None = auto) and whether forward passes run
             under bf16 autocast (``"32"`` = float32).
         **where: ``task.world.build_world``'s ``hospitals``, ``layout`` and ``partition_file``.
     """

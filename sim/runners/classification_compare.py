@@ -9,7 +9,7 @@ Entry point for ``fedpate compare --task mnist5k|slice-classification``::
         reproducible_noise=False))
 
 Which methods there are, and what the comparison needs to know about each (its trainer, whether it has one cell
-per ε, its report note, what its ε does not cover), are the records of ``task.methods.ClassificationMethod``; the
+per ε, its report note, what its ε does not cover), are the records of ``task.settings.methods.ClassificationMethod``; the
 trainers are found here by the record's ``runner`` key (:func:`register_classification_runner`), so nothing
 below tests a method's name.
 
@@ -57,13 +57,13 @@ from task.classification.dpmac import DPMACConfig, train_dpmac
 from task.classification.dpsgd_classifier import DPSGDConfig, train_dpsgd, train_public_only
 from task.classification.gnmax import GNMaxConfig, train_pate_gnmax
 from task.classification.tasks import load_task, task_name
-from task.compute import Compute, check_compute
+from task.learning.compute import Compute, check_compute
 from task.errors import UserError
 from task.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from task.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod, Role
-from task.registry import Registry
-from task.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
-from task.results import RunResults, csv_row, write_run
+from task.settings.methods import CLASSIFICATION, CLASSIFICATION_METHODS, ClassificationMethod, Role
+from task.settings.registry import Registry
+from task.reporting.results import CSV_COLUMNS as RESULT_CSV_COLUMNS
+from task.reporting.results import RunResults, csv_row, write_run
 from sim.runners.resume import merged, read_settings, refuse_other_settings, set_aside_interrupted
 
 # per-preset training sizes; the nets are the same across methods (fully connected, as in DP-MAC Sec. 3).
@@ -251,7 +251,7 @@ def run_cell(task, method: str, epsilon: float | None, out: Path, settings: Cell
 
     Args:
         task: the :class:`task.classification.tasks.ClassificationTask`; every hospital of it is a ledger owner.
-        method: a registered classification method (``task.methods.ClassificationMethod``).
+        method: a registered classification method (``task.settings.methods.ClassificationMethod``).
         epsilon: the cell's budget (None = an ε-free cell: nothing is accounted).
         out: the cell's folder (ledger.jsonl, results.json). A folder already holding releases (an earlier,
             unfinished run of the cell) is refused: its ledger is never deleted or added to.
@@ -355,7 +355,7 @@ class ClassificationCompareConfig:
             randomness; also the noise under ``reproducible_noise``.
         delta: δ of every cell (in (0, 1)).
         hospitals: the number of hospitals (None = 4 for mnist5k, the preset's for the slice task).
-        compute: ``progress``: progress lines (:class:`task.compute.Compute`; the classification tasks are small
+        compute: ``progress``: progress lines (:class:`task.learning.compute.Compute`; the classification tasks are small
             enough for the CPU, so its device, precision and workers are not read).
         preset: ``tiny`` or ``quick``: the training sizes (:data:`PRESET_SETTINGS`) and the slice task's world.
         data: the slice task's MSD Task01 or BraTS folder (None = the preset's phantoms; mnist5k ignores it).
@@ -514,7 +514,7 @@ def interrupted_releases(out: Path, delta: float) -> list[dict]:
     return found
 
 
-#: the results record's columns (task.results), and a failed cell's error
+#: the results record's columns (task.reporting.results), and a failed cell's error
 CSV_COLUMNS = RESULT_CSV_COLUMNS + ("error",)
 
 

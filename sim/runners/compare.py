@@ -40,24 +40,24 @@ import numpy as np
 from privacy.accountants import epsilon_spent, gdp_epsilon, gdp_mu_for, zcdp_epsilon, zcdp_rho_for
 from privacy.errors import BudgetExceeded, PrivacyError
 from privacy.ledger import Ledger
-from task.bundle import attach_release, load_bundle
-from task.compute import Compute, check_compute
-from task.device import resolve_device
+from task.reporting.bundle import attach_release, load_bundle
+from task.learning.compute import Compute, check_compute
+from task.learning.device import resolve_device
 from task.errors import UserError
 from task.io import atomic_write_json, writing_folder
-from task import methods as registry
-from task.methods import Role
+from task.settings import methods as registry
+from task.settings.methods import Role
 from task.options import AUTO, Engine, Init, NoiseKind, look_up_option
-from task import realcheck
-from task.presets import Preset, get_preset, preset_reference
+from task.reporting import realcheck
+from task.settings.presets import Preset, get_preset, preset_reference
 from sim.report import WORLD_FILE, load_cells, plot_overlays, write_report
-from task.runconfig import Cell, RunSettings, check_epsilon
+from task.settings.runconfig import Cell, RunSettings, check_epsilon
 from sim.runners.cells import CompareContext, cell_runner, shared_public_models
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from sim.runners.resume import merged, read_settings, refuse_other_settings, refuse_other_world
 from sim.runners.resume import set_aside_interrupted  # noqa: F401  (re-exported: cells set aside here)
 from sim.runners.simulation import simulate
-from task.training import predict_probs
+from task.learning.training import predict_probs
 from task.world import build_world, describe_world, load_world, materialise_world, open_world
 
 
@@ -79,10 +79,10 @@ class CompareConfig:
     """One comparison's plan: every method x epsilon (x K) on one world; validated once, here.
 
     Args:
-        preset: the preset: a registered name, a variant's :attr:`task.presets.Preset.reference`, or a
-            :class:`task.presets.Preset` (kept as its reference, which every cell and worker rebuilds it from).
-        methods: registered method names (``task.methods``).
-        epsilons: the private cells' budgets (each checked by ``task.runconfig.check_epsilon``).
+        preset: the preset: a registered name, a variant's :attr:`task.settings.presets.Preset.reference`, or a
+            :class:`task.settings.presets.Preset` (kept as its reference, which every cell and worker rebuilds it from).
+        methods: registered method names (``task.settings.methods``).
+        epsilons: the private cells' budgets (each checked by ``task.settings.runconfig.check_epsilon``).
         out: the comparison's folder (cells, hospital ledgers, report).
         seed: the world's split, public model and training; the noise only under ``reproducible_noise``.
         data: an MSD Task01 or BraTS folder (None = the embedded phantoms); ``layout`` (None = detected) and
@@ -109,7 +109,7 @@ class CompareConfig:
         lane: internal -- this run is one worker's share of a comparison: it runs its methods' cells and
             writes neither compare.json, world.json nor a report (its parent does).
         real_check: folders of labelled real cases (``--real-check``, each ``[KIND=]DIR``): every model a cell
-            releases is also scored on them (``task.realcheck``); checked here, before anything trains. Not a resume setting: a
+            releases is also scored on them (``task.reporting.realcheck``); checked here, before anything trains. Not a resume setting: a
             resumed folder may add or change them (cells scored before keep what they were scored on).
     """
 
@@ -137,7 +137,7 @@ class CompareConfig:
     threat: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # a variant travels to the cells, workers and Flower's run config as its reference (task.presets)
+        # a variant travels to the cells, workers and Flower's run config as its reference (task.settings.presets)
         object.__setattr__(self, "preset", preset_reference(self.preset))
         object.__setattr__(self, "init", look_up_option(self.init, Init, "--init"))
         object.__setattr__(self, "engine", look_up_option(self.engine, Engine, "--engine"))
@@ -164,7 +164,7 @@ class CompareConfig:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         if set(self.methods) & set(registry.names(secure_sum=True)):   # a threat model its hospitals cannot hold
-            from task.secagg import check_secure_settings
+            from task.wire.secagg import check_secure_settings
 
             threat = dict(self.threat)
             check_secure_settings(self.base_preset.hospitals, threat.get("secure_colluders", 0),
@@ -173,7 +173,7 @@ class CompareConfig:
 
     @functools.cached_property
     def real_cases(self):
-        """The :class:`task.realcheck.RealCheck` of ``real_check`` (None without folders)."""
+        """The :class:`task.reporting.realcheck.RealCheck` of ``real_check`` (None without folders)."""
         return realcheck.open_check(self.real_check, read=not self.lane)   # a worker's parent read every file
 
     @property
@@ -512,7 +512,7 @@ def run_in_workers(config: CompareConfig, lifetime: float, ledger_dir: Path) -> 
     records under the ledger file's exclusive lock, re-read inside it (``privacy.ledger.Ledger.exclusive``),
     so two workers cannot both spend the last of a hospital's budget. A failed worker leaves its finished
     cells; the same command resumes the rest. The workers are fresh interpreters: they know the methods
-    registered on import (``task.methods.BUILTIN_METHODS``), so a comparison with a method a script registered
+    registered on import (``task.settings.methods.BUILTIN_METHODS``), so a comparison with a method a script registered
     at run time runs every cell in this process.
     """
     import multiprocessing
@@ -829,7 +829,7 @@ def plot_comparison_overlays(out: Path, world_dir: str | None, preset_name, seed
         preset_name: the preset's name (rebuilds the hospitals for the teacher ensemble).
         seed: the simulated hospitals' seed (as in the comparison).
         hospitals / per_hospital: the number of hospitals and the teachers per hospital of that world.
-        device: where the models predict (``task.device``; default auto).
+        device: where the models predict (``task.learning.device``; default auto).
     """
     if world_dir is None:
         return None
@@ -874,7 +874,7 @@ def teacher_ensemble(world_dir: Path, images, preset_name, hospitals, per_hospit
         preset_name: the preset's name.
         hospitals / per_hospital: the number of hospitals and the teachers per hospital (None = the preset's).
         seed: the simulated hospitals' seed (as in the comparison).
-        device: where the teachers predict (``task.device``; default auto).
+        device: where the teachers predict (``task.learning.device``; default auto).
     """
     preset = get_preset(preset_name, hospitals=hospitals, teachers_per_hospital=per_hospital)
     prepared, split = open_world(world_dir)

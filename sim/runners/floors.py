@@ -1,5 +1,5 @@
 """What one public floor cell of a comparison is asked to do (``public-only``, ``public-selftrain``): the public
-data only, no hospital involved, nothing charged (``task.methods``' ``floor`` role)."""
+data only, no hospital involved, nothing charged (``task.settings.methods``' ``floor`` role)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from task.compute import Compute, check_compute
+from task.learning.compute import Compute, check_compute
 from task.errors import UserError
 
 if TYPE_CHECKING:
-    from task.realcheck import RealCheck
+    from task.reporting.realcheck import RealCheck
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class FloorRun:
     """One public floor cell, validated on construction.
 
     Args:
-        preset: the comparison's resolved :class:`task.presets.Preset` (its world, network, schedule and
+        preset: the comparison's resolved :class:`task.settings.presets.Preset` (its world, network, schedule and
             ``self_training``).
         out: the cell's folder (results.json, an empty ledger.jsonl, the model bundle).
         shared_dir: where the comparison's public models are checkpointed (``public-model.pt``, ``public-only.pt``),
@@ -30,7 +30,7 @@ class FloorRun:
         layout / partition_file: the data folder's layout (None = detected) and a FeTS partition CSV whose
             partitions are the hospitals (``task.world.build_world``; None = none).
         compute: where the models train and are evaluated, at which forward-pass precision, and progress bars.
-        real_check: the real-scan check the released model is scored on (``task.realcheck.RealCheck``; None: none).
+        real_check: the real-scan check the released model is scored on (``task.reporting.realcheck.RealCheck``; None: none).
     """
 
     preset: Any

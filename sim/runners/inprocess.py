@@ -21,12 +21,12 @@ from clients.secure import SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from server.pate import PateConfig, run_pate
 from server.protocols import PhasedTransport
-from task.compute import Compute, check_compute
+from task.learning.compute import Compute, check_compute
 from task.errors import UserError
-from task import methods
-from task.presets import get_preset
-from task.requests import HospitalRequest
-from task.runconfig import check_epsilon
+from task.settings import methods
+from task.settings.presets import get_preset
+from task.wire.requests import HospitalRequest
+from task.settings.runconfig import check_epsilon
 from task.world import build_world, load_world
 
 log = logging.getLogger("fedpate.inprocess")
@@ -128,8 +128,8 @@ class InProcessPateRun:
 
     Args:
         preset: a preset's name (or a variant's reference), resolved with ``hospitals`` and
-            ``teachers_per_hospital``, or a :class:`task.presets.Preset` used as it is (tests use shortened budgets).
-        method: the PATE method (a ``task.methods`` record whose protocol is ``pate``).
+            ``teachers_per_hospital``, or a :class:`task.settings.presets.Preset` used as it is (tests use shortened budgets).
+        method: the PATE method (a ``task.settings.methods`` record whose protocol is ``pate``).
         out: the run folder (``server.pate.run_pate``).
         epsilon / delta: the run's budget (None = the preset's).
         seed: the world's split, the hospitals' and the server's training; the noise only when ``noise`` is

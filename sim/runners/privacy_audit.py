@@ -46,8 +46,8 @@ hospital's own ledger. The adversary knows u and the other teachers' rows, so it
 the sum over queries of ``<release_n - others_n/K, u>`` (the log-likelihood ratio of the two Gaussians is
 linear in it).
 
-**DP-SGD** through the product's training loop, :func:`task.training.train_segmentation` with a
-:class:`task.dpsgd.DPConfig` (its :class:`task.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
+**DP-SGD** through the product's training loop, :func:`task.learning.training.train_segmentation` with a
+:class:`task.learning.dpsgd.DPConfig` (its :class:`task.learning.dpsgd.DPSession`: Opacus per-sample clipping, Poisson batches
 and noise from the stream the session opens after charging each epoch, noise-only steps for empty
 batches, σ calibrated by the session in ``target`` mode; :func:`dpsgd_train`). The canary needs two of
 ``TrainConfig``'s optional hooks: ``loss_fn`` (the model's output is the per-sample loss; the targets are
@@ -116,13 +116,14 @@ from privacy.ledger import Ledger
 from privacy.mechanisms import NoiseSource
 from server.aggregation import QueryRelease, aggregate_query, validate_reply
 from server.pate import SERVER_POLICY
-from task.compute import Compute
-from task import codecs, dpsgd, training
+from task.learning.compute import Compute
+from task import codecs
+from task.learning import dpsgd, training
 from task.codecs import PCACompressor, make_compressor
-from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
-from task.presets import get_preset
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
+from task.settings.presets import get_preset
 from task.options import PcaMode, Relation, Sampling, look_up_option
-from task.requests import QueryRequest
+from task.wire.requests import QueryRequest
 
 # ======================================================================================== accounting
 
@@ -849,7 +850,7 @@ def _broken_session(noise_factor: float, unclipped: bool):
 @contextmanager
 def broken_dpsgd_session(setup: "DPSGDSetup"):
     """While open, ``train_segmentation`` builds the setup's broken session (:func:`_broken_session`) instead
-    of ``DPSession`` (patched in ``task.training`` for the broken run only); a no-op for an honest setup."""
+    of ``DPSession`` (patched in ``task.learning.training`` for the broken run only); a no-op for an honest setup."""
     if not setup.broken:
         yield
         return
@@ -859,7 +860,7 @@ def broken_dpsgd_session(setup: "DPSGDSetup"):
 
 
 def dpsgd_train(setup: DPSGDSetup, with_canary: bool, noise=None, sigma: float | None = None):
-    """One DP-SGD training through the product's ``task.training.train_segmentation`` on D (``with_canary``)
+    """One DP-SGD training through the product's ``task.learning.training.train_segmentation`` on D (``with_canary``)
     or D': the canary model from zero, SGD with learning rate 1, no augmentation, the setup's ``DPConfig``
     (Poisson sampling, per-layer clipping, its relation) in ``target`` mode -- the session calibrates σ
     itself -- or, given ``sigma``, in ``fixed`` mode at that σ (calibration is costly; the ledger still
@@ -948,7 +949,7 @@ class DPSGDRun:
 
 
 def dpsgd_product_run(setup: DPSGDSetup, with_canary: bool, noise=None) -> DPSGDRun:
-    """One DP-SGD training run through ``task.training.train_segmentation`` (:func:`dpsgd_train`: the
+    """One DP-SGD training run through ``task.learning.training.train_segmentation`` (:func:`dpsgd_train`: the
     product's loop -- each epoch charged, then Poisson batches and noise from the stream the session opens
     after the charge, a noise-only step for an empty batch, the Opacus step), recording the parameters after
     every step. Each step's update, times the expected batch size Opacus divides by, projected on the
@@ -1147,16 +1148,16 @@ def secure_fedavg_setup(audit: SecureAudit, workdir) -> SecureSetup:
     by ``plan_steps`` (pooled DP-SGD's clip, one step at the audit's budget). The patients' head gradients are
     the audit's rows -- every other patient a random direction well beyond the clip, the audited patient (h0's
     first) ``±100 C u`` -- held where the contributor caches a start model's features, and
-    ``task.headgrad.per_sample_head_gradients``, patched for the audit's runs only, returns them (as PATE's
+    ``task.learning.headgrad.per_sample_head_gradients``, patched for the audit's runs only, returns them (as PATE's
     audit hospitals answer fixed maps): everything after -- per-patient rows, the finite check, the clip, the
     conditional rounding, the charge and the noise share -- is the product's."""
     import torch
 
     from clients.secure_gradients import contributor_for
     from server.dpfedavg_secure import DpFedAvgSecureConfig, head_model, plan_steps, pooled_dpsgd_setting
-    from task import headgrad
-    from task.headgrad import clip_rows, head_state
-    from task.secagg import CONTRIBUTION_KIND, RELATION
+    from task.learning import headgrad
+    from task.learning.headgrad import clip_rows, head_state
+    from task.wire.secagg import CONTRIBUTION_KIND, RELATION
 
     rng = np.random.default_rng(audit.seed)
     preset = get_preset("tiny")

@@ -21,13 +21,13 @@ import time
 from server.selftrain import train_public_models
 from sim.runners.floors import FloorRun
 from task.options import PublicStart
-from task.bundle import preprocessing_of
-from task.networks import network_config
-from task.device import device_name, model_device
-from task.results import ModelRelease, RunResults, write_run
-from task.training import evaluate_release, per_class_of
+from task.reporting.bundle import preprocessing_of
+from task.learning.networks import network_config
+from task.learning.device import device_name, model_device
+from task.reporting.results import ModelRelease, RunResults, write_run
+from task.learning.training import evaluate_release, per_class_of
 from task.world import build_world, load_world
-from task import trust
+from task.reporting import trust
 
 METHOD = "public-selftrain"
 
@@ -44,7 +44,7 @@ def labels_used(world) -> str:
 def run_public_selftrain(run: FloorRun) -> dict:
     """Self-train the public model (``run.shared_dir/public-model.pt``) on the public query scans, in ``run.out``
     (:class:`sim.runners.floors.FloorRun`); rounds and temperature from the preset's ``self_training``
-    (:class:`task.presets.SelfTraining`). The rounds are checkpointed beside the public model, where a comparison
+    (:class:`task.settings.presets.SelfTraining`). The rounds are checkpointed beside the public model, where a comparison
     whose ``public_start`` is ``self-trained`` finds them: this baseline is then the model every cell starts from.
     """
     started = time.perf_counter()

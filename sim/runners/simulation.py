@@ -25,7 +25,7 @@ from sim.deployment.runtime_simulation import RuntimeSimulation, run_runtime_sim
 from server.protocols import run_cell
 from task.errors import UserError
 from task.options import Engine, look_up_option
-from task.runconfig import Cell, RunSettings
+from task.settings.runconfig import Cell, RunSettings
 from sim.runners.inprocess import InProcessTransport, simulated_hospitals
 from task.world import load_world, materialise_world, open_world
 
@@ -34,7 +34,7 @@ SIMULATION_ENV = {**FLOWER_ENV, "RAY_DEDUP_LOGS": "0"}
 
 
 def simulate(settings: RunSettings, engine: str = Engine.FLOWER, cells: list[Cell] | None = None) -> list[dict]:
-    """Run the configured method (or the given :class:`task.runconfig.Cell` s) with all hospitals simulated on
+    """Run the configured method (or the given :class:`task.settings.runconfig.Cell` s) with all hospitals simulated on
     this machine."""
     engine = look_up_option(engine, Engine, "--engine")
     for key, value in SIMULATION_ENV.items():
@@ -120,7 +120,7 @@ def client_gpus(device: str, hospitals: int) -> float:
     the GPUs this process sees, so that Ray schedules the hospitals' workers onto them and sets their
     ``CUDA_VISIBLE_DEVICES`` (a worker that asked for no GPU is not promised one). Not run here: no GPU on the
     build machine."""
-    from task.device import resolve_device
+    from task.learning.device import resolve_device
 
     if resolve_device(device).type != "cuda":
         return 0.0

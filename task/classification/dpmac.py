@@ -63,7 +63,7 @@ from privacy.events import ComposedEvent, GaussianEvent, SampledGaussianEvent
 from privacy.mechanisms import GaussianMechanism, NoiseSource
 from task.classification import PrivacyUnit, SeedResult, SeedRun, accuracy, gather_units, set_seed
 from task.errors import UserError
-from task.dpsgd import poisson_batches
+from task.learning.dpsgd import poisson_batches
 from task.options import Relation, look_up_option
 
 

@@ -1,6 +1,6 @@
 """DP-SGD for the small classifiers (Abadi et al. 2016 via Opacus), constant or with a Yu et al. schedule.
 
-Runs on ``task.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
+Runs on ``task.learning.dpsgd.DPSession``, the segmentation DP-SGD's engine, so both share one implementation of what
 the guarantee rests on:
 
 * Poisson sampling of privacy units at rate q = 1 / steps per epoch, per-unit clipping to ``max_grad_norm``
@@ -33,7 +33,7 @@ from privacy.calibration import dpsgd_noise_multiplier
 from task.classification import (PlainTraining, SeedResult, SeedRun, accuracy, build_mlp, padded_units, set_seed,
                                  train_nonprivate)
 from task.errors import UserError
-from task.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
+from task.learning.dpsgd import DPConfig, DPSession, PrivateTraining, steps_per_epoch
 from task.options import Relation, Sampling
 
 CALIBRATION_MARGIN = 0.995   # calibrate slightly below the budget: the ledger's PLD grid differs from planning's
@@ -50,8 +50,8 @@ class DPSGDConfig:
     and its training, with DP-SGD's clip and schedule (``sigma0_factor`` × the constant noise for the same budget).
 
     Layer: a benchmark's own settings, not a preset's (the segmentation presets' DP-SGD is
-    ``task.presets.DpSgd``); :func:`_dp_config` turns it and the seed run's budget into the validated training
-    record ``task.dpsgd.DPConfig``."""
+    ``task.settings.presets.DpSgd``); :func:`_dp_config` turns it and the seed run's budget into the validated training
+    record ``task.learning.dpsgd.DPConfig``."""
 
     hidden: tuple[int, ...] = (300,)
     epochs: int = 10
@@ -59,7 +59,7 @@ class DPSGDConfig:
     lr: float = 0.05
     momentum: float = 0.9
     max_grad_norm: float = 1.0
-    schedule: str | None = None        # None | a task.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
+    schedule: str | None = None        # None | a task.learning.dpsgd family: "exp" (Yu et al. Sec. IV-A-2b), time, step, poly
     sigma0_factor: float = 1.5
     nonprivate_lr: float = 1e-3
 

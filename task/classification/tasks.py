@@ -31,7 +31,7 @@ import torch
 from task.classification import PrivacyUnit
 from task.errors import UserError
 from task.options import CompareTask
-from task.presets import get_preset
+from task.settings.presets import get_preset
 from task.world import build_world
 
 
@@ -185,7 +185,7 @@ def load_slice_classification(preset: str = "tiny", hospitals: int | None = None
     ``fedpate simulate``/``compare``, via ``task.world.build_world``) → the slice task.
 
     Args:
-        preset: the preset's name (``task.presets``), whose world is built.
+        preset: the preset's name (``task.settings.presets``), whose world is built.
         hospitals: the number of hospitals (None = the preset's).
         seed: the world's split.
         data: an MSD Task01 or BraTS folder (None = the preset's phantoms).

@@ -24,10 +24,10 @@ from privacy import sensitivity as sens
 from task.codecs.contract import Compressor, PublicFit, answering_teachers
 from task.codecs.core import (CodecKind, CodecRefused, check_finite, clip_rows, encode, latent_dim, register_codec,
                              scalar, unit_ball, zero_rows)
-from task.device import resolve_device
+from task.learning.device import resolve_device
 from task.errors import UserError
 from task.io import atomic_save_torch
-from task.presets import Codec
+from task.settings.presets import Codec
 
 _ENCODER_PREFIX = "encoder::"
 
@@ -132,7 +132,7 @@ def arrays_to_module(module, arrays: Mapping[str, np.ndarray], prefix: str = "",
 
 def autoencoder_from_state(state: Mapping[str, np.ndarray], device=None):
     """Rebuild the autoencoder (encoder half populated) from a codec state of kind 'ae', on ``device``
-    (``task.device.resolve_device``; None = auto)."""
+    (``task.learning.device.resolve_device``; None = auto)."""
     grid = tuple(int(g) for g in np.asarray(state["grid"]).reshape(-1))
     channels = tuple(int(c) for c in np.asarray(state["channels"]).reshape(-1))
     net = AutoencoderNet(int(scalar(state, "latent_dim")), grid, int(scalar(state, "classes")), channels)
@@ -197,7 +197,7 @@ def stacked_encoder(state: Mapping[str, np.ndarray], device=None):
 # --------------------------------------------------------------------------------------------------
 # the server's side: train the autoencoder on public maps, ship its encoder, decode
 # --------------------------------------------------------------------------------------------------
-#: the preset recipe's codec group (task.presets.Codec): the autoencoder's latent size and epochs default to its own
+#: the preset recipe's codec group (task.settings.presets.Codec): the autoencoder's latent size and epochs default to its own
 DEFAULTS = Codec()
 
 
@@ -256,7 +256,7 @@ class AutoencoderCompressor(Compressor):
     checkpoint written for the same data + configuration is reused instead of retraining).
     Replace-one sensitivity of the mean of K unit-ball encodings: 2/K (Proposition 2).
 
-    ``device`` (``task.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
+    ``device`` (``task.learning.device``, None = auto): where the autoencoder trains, encodes and decodes. It stays
     in float32 whatever the run's precision: it is small, and its unit-ball output is what the sensitivity 2/K
     rests on. The bottleneck's training noise and the flips are drawn on the host from the seeded generators,
     then copied, so the trained autoencoder does not depend on where the draws would otherwise have been made.

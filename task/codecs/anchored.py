@@ -32,12 +32,12 @@ from task.codecs.core import (PROBABILITY_TOLERANCE, CodecKind, CodecRefused, ch
                              clip_rows, encode, register_codec, row_bound, scalar, zero_rows)
 from task.codecs.headfit import fit_head_decode
 from task.errors import UserError
-from task.phases import timed
+from task.learning.phases import timed
 from task.options import Decoder, look_up_option
-from task.presets import Codec
+from task.settings.presets import Codec
 
 KIND = "anchored"
-#: the preset recipe's codec group (task.presets.Codec): the compressor's shells, clip scale, intensity bins and
+#: the preset recipe's codec group (task.settings.presets.Codec): the compressor's shells, clip scale, intensity bins and
 #: decoder default to its anchored_* fields (docs/decisions/anchored-shells-and-clip.md, intensity-bins.md,
 #: head-fit-decoder.md)
 DEFAULTS = Codec()

@@ -11,7 +11,7 @@ shipped (they encode locally with the kind's encoder); ``batch_state(state, publ
 information one query batch travels with; ``decode_release(z, public_probs, sigma)`` turns noisy mean latents into
 probabilities; ``release_checks()`` (e.g. the autoencoder's collapse check) and ``fit_counts`` go on the record;
 ``sensitivity(teachers)``, ``relation = "replace-one"``, ``latent_dim``, ``bytes_per_query_per_teacher``. Which kind a
-PATE method uses is its :class:`task.methods.Method` record's ``codec``. Nothing fitted here may see private data:
+PATE method uses is its :class:`task.settings.methods.Method` record's ``codec``. Nothing fitted here may see private data:
 everything in a :class:`PublicFit` is public.
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 
 from task.codecs.core import check_probabilities, codec_kind, encode, one_hot, row_bound
 from task.errors import UserError
-from task.phases import timed
-from task.methods import methods
+from task.learning.phases import timed
+from task.settings.methods import methods
 from task.options import Relation
-from task.presets import Codec
+from task.settings.presets import Codec
 
 
 def answering_teachers(teachers: int) -> int:
@@ -161,13 +161,13 @@ def make_compressor(method: str, preset=None, *, seed: int = 0, checkpoint: str 
     Args:
         method: a registered method with a codec (``pate-pca``, ``pate-ae``, ``pate-naive``, ``pate-anchored``, ...);
             anything else is a ``UserError``.
-        preset: the preset whose codec settings (:class:`task.presets.Codec`) the factory defaults to (PCA
+        preset: the preset whose codec settings (:class:`task.settings.presets.Codec`) the factory defaults to (PCA
             components, autoencoder latent size and epochs, anchored shells); None = the group's own defaults.
         seed: the autoencoder's training seed (the other codecs ignore it).
         checkpoint: where the autoencoder is checkpointed and, when written for the same data and
             configuration, reused (None = not checkpointed; the other codecs ignore it).
         progress: progress bars while the autoencoder trains.
-        device: where the autoencoder runs (``task.device``; None = auto). The other codecs are numpy on the host:
+        device: where the autoencoder runs (``task.learning.device``; None = auto). The other codecs are numpy on the host:
             matrix products of at most a few hundred public rows, and float64 bounding steps the sensitivity
             depends on.
         **options: the factory's own settings (e.g. ``n_components``, ``pca_mode`` / ``sensitivity_mode``,

@@ -27,7 +27,7 @@ anchored    rows clipped to ``||z||_2 <= C``                ``||z - z'|| <= 2C``
 ==========  ==============================================  =======================================
 
 A ``CodecState`` is a flat ``dict[str, np.ndarray]`` (scalars as 0-d arrays, strings as 0-d unicode
-arrays) so that it travels as Flower arrays (task/flower_wire.py) unchanged.
+arrays) so that it travels as Flower arrays (task/wire/flower_wire.py) unchanged.
 
 The hospital does not take the server's word for any of this (each hospital checks the codec it is sent;
 docs/PRIVACY.md, "Who is trusted"): :func:`verify_codec` refuses kinds the hospital has not allowed, latents longer
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from task.errors import UserError
-from task.registry import Registry
+from task.settings.registry import Registry
 
 CodecState = dict  # dict[str, np.ndarray]
 
@@ -210,7 +210,7 @@ class CodecKind:
 
     The server's side: ``compressor(settings, *, seed, checkpoint, progress, device, **options)`` -> the kind's
     fitter (a :class:`task.codecs.contract.Compressor`), ``settings`` being the preset's
-    :class:`task.presets.Codec` group (None: the kind has no fitter; a method record names its kind, ``Method.codec``).
+    :class:`task.settings.presets.Codec` group (None: the kind has no fitter; a method record names its kind, ``Method.codec``).
     ``implausible_rows(state, rows) -> reason | None``: why rows (T, l) that reached the server cannot be this
     kind's output, so the reply is rejected rather than re-clipped (None: any rows can be, see below);
     ``exact_rows``: rows are exact values the server aggregates as they arrive (one-hot votes); otherwise it

@@ -7,7 +7,7 @@ region the mass lands is the public model's ranking of voxels -- for a class the
 no ranking at all -- and every region's noise goes straight into its labels. Here one small per-voxel function
 is fitted to *all* released latents at once:
 
-    q_v(theta) = softmax(log p_v + h_theta([log p_v, x_v]))                          (h: task.networks.voxel_head)
+    q_v(theta) = softmax(log p_v + h_theta([log p_v, x_v]))                          (h: task.learning.networks.voxel_head)
     theta*     = argmin_theta  sum_n || B_n (q_n(theta) - q_n(0)) - z_n ||^2
 
 ``p_v`` is the public anchor at voxel v, ``x_v`` the query scan's sequences there, ``B_n`` the codec's
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from task.device import resolve_device
+from task.learning.device import resolve_device
 from task.errors import UserError
-from task.networks import voxel_head
+from task.learning.networks import voxel_head
 
 #: Adam steps and learning rate of the fit (module docstring: how they were fixed)
 FIT_STEPS = 300
@@ -84,7 +84,7 @@ def fit_head_decode(z: np.ndarray, anchor: np.ndarray, scans: np.ndarray, region
         regions: the scans' regions (n, *g), -1 outside every region (:func:`task.codecs.binned_regions`).
         count: regions per class (the latent's second axis).
         settings: Adam's steps and learning rate, and the head's seed (:class:`HeadFitSettings`).
-        device: where the fit runs (``task.device``; None = auto).
+        device: where the fit runs (``task.learning.device``; None = auto).
         history: when a list, the loss (the squared latent residual, summed) at the start of every step is
             appended -- ``history[0]`` is ``|z|^2`` (theta = 0); the convergence check.
     """

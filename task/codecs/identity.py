@@ -19,7 +19,7 @@ from task.codecs.contract import Compressor, answering_teachers
 from task.codecs.core import (CodecKind, CodecRefused, latent_dim, normalise_probabilities, one_hot, register_codec,
                              scalar)
 from task.errors import UserError
-from task.presets import Codec
+from task.settings.presets import Codec
 
 
 def verify(state: Mapping[str, np.ndarray], classes: int, grid: tuple, latent: int, scans_shape) -> float:

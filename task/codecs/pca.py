@@ -23,7 +23,7 @@ from task.codecs.core import (PROBABILITY_TOLERANCE, ROW_TOLERANCE, CodecKind, C
                              zero_rows)
 from task.errors import UserError
 from task.options import PcaMode, look_up_option
-from task.presets import Codec
+from task.settings.presets import Codec
 
 ORTHONORMAL_TOLERANCE = 1e-3
 #: the modes whose bound assumes the rows are images of probabilities (eq. 3-4), not clipped rows
