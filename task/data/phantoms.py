@@ -906,7 +906,7 @@ def phantom_folder_name(preset, spec: PhantomSpec) -> str:
     only for identical bytes (the shift is named when there is one, keeping older names for "none").
 
     Args:
-        preset: the :class:`task.presets.Preset` whose collection it is (its name).
+        preset: the :class:`task.settings.presets.Preset` whose collection it is (its name).
         spec: the collection's settings (:meth:`PhantomCollection.spec`).
     """
     shift = "" if spec.shift == Shift.NONE else "-" + spec.shift
@@ -917,7 +917,7 @@ def phantom_folder_name(preset, spec: PhantomSpec) -> str:
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
                     progress: bool = True, workers: int = 1, *,
                     collection: PhantomCollection | None = None) -> Path:
-    """Phantoms for ``preset`` (a resolved :class:`task.presets.Preset`: the data layer reads presets, it does not
+    """Phantoms for ``preset`` (a resolved :class:`task.settings.presets.Preset`: the data layer reads presets, it does not
     parse them), generated once and cached.
 
     Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
@@ -925,7 +925,7 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
     share the cache).
 
     Args:
-        preset: a :class:`task.presets.Preset` (``task.presets.get_preset`` resolves a name).
+        preset: a :class:`task.settings.presets.Preset` (``task.settings.presets.get_preset`` resolves a name).
         cache_root: the cache folder (None = ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``).
         seed: the generator seed.
         progress: a progress bar while generating.
@@ -934,8 +934,8 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
             task.world); None = the preset's own collection.
     """
     if isinstance(preset, str):
-        raise TypeError(f"ensure_phantoms: expected a task.presets.Preset, got the name {preset!r} "
-                        "(task.presets.get_preset resolves it)")
+        raise TypeError(f"ensure_phantoms: expected a task.settings.presets.Preset, got the name {preset!r} "
+                        "(task.settings.presets.get_preset resolves it)")
     spec = (collection or PhantomCollection()).spec(preset, seed)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
