@@ -4,9 +4,10 @@ on phantoms of the same variant and on labelled real cases (WT / TC / ET per cas
     .venv/bin/python -m experiments.probe_world VARIANT --real DIR [--real DIR] --out FOLDER \\
         [--cases 120] [--test 20] [--epochs 20] [--seed 0] [--unet small|wide]
 
-VARIANT is ``current`` (the product's generator) or parts of ``experiments.world_variants`` joined by '+', which
-patch generator 3 (run them at a commit whose ``GENERATOR_VERSION`` is "3"; the decision note names it). One JSON
-line per run is printed and appended to FOLDER/probe.jsonl. The real cases only measure the world: no setting of a
+VARIANT is ``current`` (the product's generator); ``current+LEVER...``, the levers of ``experiments.world_levers``,
+which patch generator 4; or parts of ``experiments.world_variants`` joined by '+', which patch generator 3 (run
+each at a commit whose ``GENERATOR_VERSION`` is the one it patches; the decision note names them). One JSON line
+per run is printed and appended to FOLDER/probe.jsonl. The real cases only measure the world: no setting of a
 method is chosen on them.
 """
 import argparse
@@ -39,7 +40,10 @@ def main() -> None:
     from task.learning.training import TrainConfig, evaluate_release, train_segmentation
 
     torch.set_num_threads(1)
-    if args.variant != "current":
+    if args.variant.startswith("current+"):
+        from experiments.world_levers import apply as apply_levers
+        apply_levers(args.variant, phantoms)
+    elif args.variant != "current":
         apply(args.variant, phantoms)
     # a wider U-Net at the same depth, for the capacity lever
     networks.UNET_PRESETS.setdefault("wide", {"channels": (16, 32, 64, 128), "strides": (2, 2, 2), "num_res_units": 2})

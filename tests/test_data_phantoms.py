@@ -131,6 +131,19 @@ def test_a_share_of_rims_is_broken_where_the_core_meets_the_oedema():
     assert max(contact(c) for c in cases if c.info["rim"] == "broken") > 0
 
 
+def test_subjects_brains_are_adult_sized_not_the_templates():
+    """v5: a subject's brain holds an adult's volume (BRAIN_ML, 1.1-1.7 l; brain and CSF, as BraTS skull-strips
+    them), varying between subjects. Generator 4 scaled the MNI152 template's 2.0 l by 0.8-1.26, so its
+    tumours, drawn in mm, were a smaller share of the brain -- and of the brain-cropped working grid -- than in
+    real scans (docs/decisions/world-realism.md)."""
+    cases = [make_case(4, i, 2, 3.0) for i in range(12)]
+    volumes = [np.count_nonzero(c.tissue["mask"] > 0.5) * 27.0 / 1000.0 for c in cases]
+    assert 1000.0 < min(volumes) and max(volumes) < 1900.0, volumes
+    assert 1200.0 < float(np.median(volumes)) < 1600.0, volumes
+    assert max(volumes) - min(volumes) > 200.0, volumes
+    assert [c.info["brain_ml"] for c in cases] == [round(v, 1) for v in volumes]
+
+
 def test_institutions_measurably_differ(sample_cases):
     features = {0: [], 1: []}
     for i, case in enumerate(sample_cases):
@@ -216,10 +229,12 @@ def test_shifts_keep_the_subject_and_move_only_their_factor():
     brain = base.tissue["mask"] > 0.5
     head = np.any(make_case(3, 2, 2, 4.0, "skull").image != 0, axis=-1)
     assert head[brain].all() and (head & ~brain).sum() > 0.01 * brain.sum()    # a rim outside the brain
-    lesions = make_case(3, 2, 2, 4.0, "lesions").label
-    components = __import__("scipy.ndimage", fromlist=["label"]).label(lesions > 0)[1]
-    assert components >= 2                                                   # multifocal
-    assert {1, 2, 3} <= set(np.unique(lesions).tolist())
+    # multifocal: a satellite lies apart from the primary unless the primary's oedema leaves no white matter
+    # clear of it (in an adult-sized brain, v5, a large primary sometimes does: one case in six here)
+    lesions = [make_case(3, index, 2, 4.0, "lesions").label for index in range(2, 8)]
+    components = [__import__("scipy.ndimage", fromlist=["label"]).label(label > 0)[1] for label in lesions]
+    assert sum(count >= 2 for count in components) >= 4, components
+    assert all({1, 2, 3} <= set(np.unique(label).tolist()) for label in lesions)
 
 
 def test_scanner_shift_is_noisier_than_every_training_site():

@@ -59,11 +59,12 @@ from task.data.shifts import SHIFTS, Shift, shift_parts
 from task.io import atomic_write_bytes, atomic_write_json
 from task.io import cache_root as default_cache_root
 
-GENERATOR_VERSION = "4"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+GENERATOR_VERSION = "5"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
                           #    lesions, enhancing healthy structures (vessels, choroid plexus)
                           # 4: tumour intensities keep only their defining contrasts (TUMOUR_CONTRAST); thick,
                           #    nodular, sometimes broken enhancing shells; heterogeneous cores
+                          # 5: subjects' brains of adult size (BRAIN_ML), not the template's
 
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
@@ -116,6 +117,12 @@ LITTLE_OEDEMA_SHARE = 0.2      # lesions whose oedema is a thin rim (core radius
 CORE_SHARE = (0.5, 0.85)
 RIM_MM = (3.0, 8.0)
 BROKEN_RIM_SHARE = 0.4         # rim-enhancing lesions whose shell is broken: part of it does not enhance
+# A subject's brain volume (ml), skull-stripped as BraTS releases it (brain and CSF), uniform: adult intracranial
+# volumes. The MNI152 template's brain mask holds about 2.0 l (at 3 mm), where the development scans' brains hold
+# 1.0-1.6 l; scaled around the template (generator 4: x0.8-1.26 in volume), a phantom's tumour, drawn in mm, was
+# a smaller share of its brain than in real scans, and so a smaller share of the working grid, which is cropped
+# to the brain (docs/decisions/world-realism.md).
+BRAIN_ML = (1100.0, 1700.0)
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,8 @@ def _anatomy(resolution_mm: float) -> dict[str, Any]:
         maps[name] = ndimage.map_coordinates(volume, coords, order=1, mode="constant", cval=0.0).astype(np.float32)
     # distance to the brain surface in mm, on the output grid (cheaper than at 1 mm; only used for placement)
     maps["depth"] = (ndimage.distance_transform_edt(maps["mask"] > 0.5) * res).astype(np.float32)
-    anatomy = {"shape": shape, "affine": affine, "resolution": res, **maps}
+    brain_ml = float(np.count_nonzero(maps["mask"] > 0.5)) * res ** 3 / 1000.0
+    anatomy = {"shape": shape, "affine": affine, "resolution": res, "brain_ml": brain_ml, **maps}
     _ANATOMY[key] = anatomy
     return anatomy
 
@@ -300,7 +308,8 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
         head = _skull_residue(shift_rng, image, brain, res)
     image = _scanner(rng, image, head, profile, res)
     label[~brain] = 0
-    info = {"institution": profile.name, "mass_effect": round(float(mass), 3), "core_fluid_share": fluid_share,
+    info = {"institution": profile.name, "brain_ml": round(float(np.count_nonzero(brain)) * res ** 3 / 1000.0, 1),
+            "mass_effect": round(float(mass), 3), "core_fluid_share": fluid_share,
             "solid_enhancing": bool(solid_enhancing), "rim": rim, "enhancement_ratio": round(enhancement, 3),
             "edema_radius_mm": round(float(r_edema), 2), "shift": shift}
     return PhantomCase(image=image, label=label, affine=anatomy["affine"].copy(), institution=profile.name,
@@ -309,11 +318,12 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
 
 def _subject_warp(rng: np.random.Generator, shape: tuple[int, ...], res: float) -> tuple[list[np.ndarray], np.ndarray]:
     """A random subject's shape: for every output voxel its template-grid coordinates (one array per axis) under
-    a random affine (rotation <= 10 deg, scale 0.9-1.1, translation <= 4 mm) plus a smooth elastic displacement;
+    a random affine (rotation <= 10 deg, the size of an adult brain: :func:`_subject_scales`, translation <= 4 mm)
+    plus a smooth elastic displacement;
     and the affine's linear part (the mass effect moves tissue through it)."""
     centre = (np.asarray(shape) - 1) / 2.0
     angles = np.deg2rad(rng.uniform(-10, 10, 3))
-    scales = rng.uniform(0.92, 1.08) * rng.uniform(0.95, 1.05, 3)
+    scales = _subject_scales(rng, res)
     matrix = (_rotation(angles) @ np.diag(1.0 / scales)).astype(np.float32)
     translation = (rng.uniform(-4, 4, 3) / res).astype(np.float32)
     elastic = smooth_field(rng, shape, (5, 6, 5), count=3) * np.float32(rng.uniform(1.0, 3.0) / res)
@@ -326,6 +336,14 @@ def _subject_warp(rng: np.random.Generator, shape: tuple[int, ...], res: float) 
 
     base = source([grids[0][:, None, None], grids[1][None, :, None], grids[2][None, None, :]])
     return [np.broadcast_to(base[d], shape) + elastic[d] for d in range(3)], matrix
+
+
+def _subject_scales(rng: np.random.Generator, res: float) -> np.ndarray:
+    """Per-axis scale of a subject against the template: an adult brain's volume (:data:`BRAIN_ML`) and a small
+    per-axis spread that keeps it."""
+    overall = (rng.uniform(*BRAIN_ML) / _anatomy(res)["brain_ml"]) ** (1.0 / 3.0)
+    spread = rng.uniform(0.95, 1.05, 3)
+    return overall * spread / float(np.prod(spread)) ** (1.0 / 3.0)
 
 
 def _tumour_centre(rng: np.random.Generator, anatomy: dict[str, Any],
@@ -469,7 +487,7 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     rim_kind = "solid" if solid_enhancing else "closed"
     if not solid_enhancing and rng.random() < BROKEN_RIM_SHARE:
         # where a smooth field is low the shell does not enhance: it is non-enhancing tumour (label 2)
-        gap = noise[3] < rng.uniform(-1.0, -0.3)
+        gap = _shell_gap(rng, noise[3], enhancing)
         necrotic |= enhancing & gap
         enhancing &= ~gap
         rim_kind = "broken"
@@ -498,6 +516,11 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     weights["edema"] *= fade
     _cap_tumour_weights(weights)
     return label, weights, rim_kind
+
+
+def _shell_gap(rng: np.random.Generator, field: np.ndarray, shell: np.ndarray) -> np.ndarray:
+    """Where a broken shell does not enhance: where the lesion's smooth field ``field`` is low."""
+    return field < rng.uniform(-1.0, -0.3)
 
 
 def _share(part: np.ndarray, rest: np.ndarray) -> float:
@@ -883,7 +906,7 @@ def phantom_folder_name(preset, spec: PhantomSpec) -> str:
     only for identical bytes (the shift is named when there is one, keeping older names for "none").
 
     Args:
-        preset: the :class:`task.presets.Preset` whose collection it is (its name).
+        preset: the :class:`task.settings.presets.Preset` whose collection it is (its name).
         spec: the collection's settings (:meth:`PhantomCollection.spec`).
     """
     shift = "" if spec.shift == Shift.NONE else "-" + spec.shift
@@ -894,7 +917,7 @@ def phantom_folder_name(preset, spec: PhantomSpec) -> str:
 def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: int = 0,
                     progress: bool = True, workers: int = 1, *,
                     collection: PhantomCollection | None = None) -> Path:
-    """Phantoms for ``preset`` (a resolved :class:`task.presets.Preset`: the data layer reads presets, it does not
+    """Phantoms for ``preset`` (a resolved :class:`task.settings.presets.Preset`: the data layer reads presets, it does not
     parse them), generated once and cached.
 
     Cached in a folder named after the preset, its phantom settings, the seed and :data:`GENERATOR_VERSION`
@@ -902,7 +925,7 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
     share the cache).
 
     Args:
-        preset: a :class:`task.presets.Preset` (``task.presets.get_preset`` resolves a name).
+        preset: a :class:`task.settings.presets.Preset` (``task.settings.presets.get_preset`` resolves a name).
         cache_root: the cache folder (None = ``$FEDPATE_CACHE`` or ``~/.cache/fedpate``).
         seed: the generator seed.
         progress: a progress bar while generating.
@@ -911,8 +934,8 @@ def ensure_phantoms(preset, cache_root: str | os.PathLike | None = None, seed: i
             task.world); None = the preset's own collection.
     """
     if isinstance(preset, str):
-        raise TypeError(f"ensure_phantoms: expected a task.presets.Preset, got the name {preset!r} "
-                        "(task.presets.get_preset resolves it)")
+        raise TypeError(f"ensure_phantoms: expected a task.settings.presets.Preset, got the name {preset!r} "
+                        "(task.settings.presets.get_preset resolves it)")
     spec = (collection or PhantomCollection()).spec(preset, seed)
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,63 @@
+"""Levers on generator 4 that the world probe (``experiments.probe_world``) measured (docs/decisions/world-realism.md),
+as patches joined to ``current`` with '+' (run them at a commit whose ``GENERATOR_VERSION`` is "4"; generator 5 is
+``brain`` with a volume-keeping per-axis spread): ``brain`` (subjects as large as adult brains, not as the template),
+``rim`` (broken enhancing shells opened by a finer field), ``nnaug`` (nnU-Net's spatial augmentation: rotations up
+to 30 degrees, scaling 0.7-1.4, low-resolution simulation; Isensee et al. 2021, arXiv 1809.10486)."""
+import numpy as np
+
+# Adult intracranial volume, skull-stripped as BraTS releases it (brain and CSF), in ml
+BRAIN_ML = (1100.0, 1700.0)
+
+
+def _brain_scales(ph):
+    def scales(rng, res):
+        anatomy = ph._anatomy(res)
+        template_ml = float((anatomy["mask"] > 0.5).sum()) * res ** 3 / 1000.0
+        overall = (rng.uniform(*BRAIN_ML) / template_ml) ** (1.0 / 3.0)
+        return overall * rng.uniform(0.95, 1.05, 3)
+    return scales
+
+
+def _finer_gap(ph):
+    def gap(rng, field, shell):
+        fine = ph.smooth_field(rng, field.shape, (9, 9, 9), count=1)[0]
+        share = rng.uniform(0.25, 0.5)                       # of the shell that does not enhance
+        if not shell.any():
+            return np.zeros(field.shape, bool)
+        return fine < np.quantile(fine[shell], share)
+    return gap
+
+
+def _nnunet_augmentation():
+    import task.data.augment as augment
+    from monai.transforms import Compose, RandSimulateLowResolution, RandZoom
+
+    original_init = augment.TrainingAugmentation.__init__
+
+    def init(self, seed=0, prob=0.5, max_rotation_deg=10.0, intensity=True, intensity_prob=0.3, classes=4):
+        original_init(self, seed=seed, prob=prob, max_rotation_deg=30.0, intensity=intensity,
+                      intensity_prob=intensity_prob, classes=classes)
+        zoom = RandZoom(prob=0.2, min_zoom=0.7, max_zoom=1.4, keep_size=True, mode="trilinear",
+                        padding_mode="constant")
+        self._rotate = Compose([self._rotate, zoom])
+        if self._intensity is not None:
+            self._intensity = Compose([*self._intensity.transforms,
+                                       RandSimulateLowResolution(prob=0.25, zoom_range=(0.5, 1.0))])
+        self.set_random_state(seed)
+
+    augment.TrainingAugmentation.__init__ = init
+
+
+def apply(name, ph):
+    parts = name.split("+")
+    if parts[0] != "current":
+        raise SystemExit("levers patch the product's generator: VARIANT starts with 'current'")
+    unknown = set(parts[1:]) - {"brain", "rim", "nnaug"}
+    if unknown:
+        raise SystemExit(f"unknown lever {unknown}")
+    if "brain" in parts:
+        ph._subject_scales = _brain_scales(ph)
+    if "rim" in parts:
+        ph._shell_gap = _finer_gap(ph)
+    if "nnaug" in parts:
+        _nnunet_augmentation()
