@@ -5,7 +5,7 @@ on phantoms of the same variant and on labelled real cases (WT / TC / ET per cas
         [--cases 120] [--test 20] [--epochs 20] [--seed 0] [--unet small|wide]
 
 VARIANT is ``current`` (the product's generator); ``current+LEVER...``, the levers of ``experiments.world_levers``,
-which patch generator 4; or parts of ``experiments.world_variants`` joined by '+', which patch generator 3 (run
+which patch it (``current+template`` is generator 4); or parts of ``experiments.world_variants`` joined by '+', which patch generator 3 (run
 each at a commit whose ``GENERATOR_VERSION`` is the one it patches; the decision note names them). One JSON line
 per run is printed and appended to FOLDER/probe.jsonl. The real cases only measure the world: no setting of a
 method is chosen on them.

@@ -1,8 +1,18 @@
-"""Levers on generator 4 that the world probe (``experiments.probe_world``) measured (docs/decisions/world-realism.md),
-as patches joined to ``current`` with '+' (run them at a commit whose ``GENERATOR_VERSION`` is "4"; generator 5 is
-``brain`` with a volume-keeping per-axis spread): ``brain`` (subjects as large as adult brains, not as the template),
-``rim`` (broken enhancing shells opened by a finer field), ``nnaug`` (nnU-Net's spatial augmentation: rotations up
-to 30 degrees, scaling 0.7-1.4, low-resolution simulation; Isensee et al. 2021, arXiv 1809.10486)."""
+"""Levers of the world probe (``experiments.probe_world``; docs/decisions/world-realism.md), as patches of the
+product's generator joined to ``current`` with '+':
+
+* ``template`` -- generator 4's subjects: the MNI152 template's size scaled by 0.92-1.08 (the same draws as
+  generator 5's adult sizes, so ``current+template`` makes generator 4's phantoms exactly);
+* ``brain`` -- subjects as large as adult brains with a free per-axis spread (the probe's version of generator 5,
+  which keeps the drawn volume);
+* ``rim`` -- broken enhancing shells opened by a finer field (9 control points, 25-50 % of the shell);
+* ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
+  simulation (Isensee et al. 2021, arXiv 1809.10486).
+
+The decision note's generator-4 rows were measured as ``current``, ``current+brain``, ``current+rim``,
+``current+nnaug`` and ``current+brain+rim`` on generator 4; on generator 5 the same rows are ``current+template``,
+``current+brain`` (the probe's brain), ``current+template+rim``, ``current+template+nnaug`` and ``current+brain+rim``.
+"""
 import numpy as np
 
 # Adult intracranial volume, skull-stripped as BraTS releases it (brain and CSF), in ml
@@ -15,6 +25,12 @@ def _brain_scales(ph):
         template_ml = float((anatomy["mask"] > 0.5).sum()) * res ** 3 / 1000.0
         overall = (rng.uniform(*BRAIN_ML) / template_ml) ** (1.0 / 3.0)
         return overall * rng.uniform(0.95, 1.05, 3)
+    return scales
+
+
+def _template_scales(ph):
+    def scales(rng, res):
+        return rng.uniform(0.92, 1.08) * rng.uniform(0.95, 1.05, 3)
     return scales
 
 
@@ -52,9 +68,13 @@ def apply(name, ph):
     parts = name.split("+")
     if parts[0] != "current":
         raise SystemExit("levers patch the product's generator: VARIANT starts with 'current'")
-    unknown = set(parts[1:]) - {"brain", "rim", "nnaug"}
+    unknown = set(parts[1:]) - {"template", "brain", "rim", "nnaug"}
     if unknown:
         raise SystemExit(f"unknown lever {unknown}")
+    if "template" in parts and "brain" in parts:
+        raise SystemExit("levers 'template' and 'brain' both set the subject's size: name one")
+    if "template" in parts:
+        ph._subject_scales = _template_scales(ph)
     if "brain" in parts:
         ph._subject_scales = _brain_scales(ph)
     if "rim" in parts:

@@ -519,7 +519,9 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
 
 
 def _shell_gap(rng: np.random.Generator, field: np.ndarray, shell: np.ndarray) -> np.ndarray:
-    """Where a broken shell does not enhance: where the lesion's smooth field ``field`` is low."""
+    """Where a broken shell does not enhance: where the lesion's smooth field ``field`` is low. ``shell`` (the
+    enhancing shell) is not read by this rule; the world probe's rules that size the gap by the shell take it
+    (``experiments.world_levers``)."""
     return field < rng.uniform(-1.0, -0.3)
 
 
