@@ -15,15 +15,11 @@ The decision note's generator-4 rows were measured as ``current``, ``current+bra
 """
 import numpy as np
 
-# Adult intracranial volume, skull-stripped as BraTS releases it (brain and CSF), in ml
-BRAIN_ML = (1100.0, 1700.0)
-
 
 def _brain_scales(ph):
     def scales(rng, res):
-        anatomy = ph._anatomy(res)
-        template_ml = float((anatomy["mask"] > 0.5).sum()) * res ** 3 / 1000.0
-        overall = (rng.uniform(*BRAIN_ML) / template_ml) ** (1.0 / 3.0)
+        # the product's adult volumes and template volume (generator 5), without its volume-keeping spread
+        overall = (rng.uniform(*ph.BRAIN_ML) / ph._anatomy(res)["brain_ml"]) ** (1.0 / 3.0)
         return overall * rng.uniform(0.95, 1.05, 3)
     return scales
 
