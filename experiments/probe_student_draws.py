@@ -2,7 +2,7 @@
 training draws remove it? Every student here trains on one and the same release (post-processing: no privacy cost
 beyond the release's own, charged by the run as usual).
 
-    .venv/bin/python -m experiments.probe_student_draws OUT SEED EPSILON REAL_SPEC [REAL_SPEC ...]
+    .venv/bin/python -m experiments.probe_student_draws OUT SEED EPSILON REAL_SPEC [REAL_SPEC ...] [--no-ema]
     e.g. python -m experiments.probe_student_draws runs/draws-s0 0 8 expert=/data/real-gt-dev algorithm=/data/real-dev
 
 Steps: a real `fedpate compare --methods pate-anchored --epsilons EPSILON --seed SEED` (the quick preset; teachers,
@@ -15,8 +15,9 @@ the product would train its student. On that release:
 * ``soup-3``  -- the uniform weight average of ``product``, ``draw-1`` and ``draw-2``, which share their start
   (a "uniform soup": Wortsman et al. 2022, "Model soups", arXiv 2203.05482; fine-tuned models from one pretrained
   start lie in one basin, so their average is a model of that basin, not a mixture);
-* ``ema``     -- ``product`` with an exponential moving average of its iterates in both stages, decay 0.99 (a
-  horizon of ~100 steps, the last three of ten epochs; Polyak averaging).
+* ``ema``, ``ema-draw-1``, ``ema-draw-2`` -- ``product`` and the two draws with an exponential moving average of
+  their iterates in both stages, decay 0.99 (a horizon of ~100 steps, the last three of ten epochs; Polyak
+  averaging), and ``soup-ema-3`` their uniform soup (``--no-ema``: none of these).
 
 Each is scored on the public validation set (another centre's labelled phantoms: the only set a choice may read),
 the phantom test set and, as a check never used to choose, the real cases (the report's scoring, mirrored).
@@ -24,6 +25,7 @@ One JSON row per student in OUT/students.jsonl and on stdout.
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -68,18 +70,21 @@ def train_drawn(world, targets, query_indices, preset, training, init, data_seed
 
 
 def soup(models):
-    """The uniform weight average of ``models`` (one architecture, one start), in the first model's module."""
+    """The uniform weight average of ``models`` (one architecture, one start), as a new model."""
     states = [m.state_dict() for m in models]
     averaged = {}
     for name, value in states[0].items():
         averaged[name] = (torch.stack([s[name].float() for s in states]).mean(0).to(value.dtype)
                           if value.is_floating_point() else value.clone())
-    models[0].load_state_dict(averaged)   # the first model's module, now holding the average
-    return models[0]
+    averaged_model = copy.deepcopy(models[0])
+    averaged_model.load_state_dict(averaged)
+    return averaged_model
 
 
 def main() -> None:
-    out, seed, epsilon, specs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    with_ema = "--no-ema" not in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--no-ema"]
+    out, seed, epsilon, specs = Path(args[0]), int(args[1]), args[2], args[3:]
     out.mkdir(parents=True, exist_ok=True)
     import server.pate as pate
     from sim.cli import main as fedpate
@@ -123,10 +128,15 @@ def main() -> None:
             timed(f"draw-{k}", lambda k=k: train_drawn(world, targets, query_indices, preset, training, fresh(),
                                                        training.seed + DRAW_STRIDE * k))
         started = time.perf_counter()
-        averaged = soup([done["product"], done["draw-1"], done["draw-2"]])
-        score("soup-3", averaged, time.perf_counter() - started)
-        timed("ema", lambda: train_drawn(world, targets, query_indices, preset, training, fresh(), training.seed,
-                                         ema_decay=EMA_DECAY))
+        score("soup-3", soup([done["product"], done["draw-1"], done["draw-2"]]), time.perf_counter() - started)
+        if not with_ema:
+            raise _Stop()
+        for k in (0, 1, 2):
+            timed("ema" if k == 0 else f"ema-draw-{k}",
+                  lambda k=k: train_drawn(world, targets, query_indices, preset, training, fresh(),
+                                          training.seed + DRAW_STRIDE * k, ema_decay=EMA_DECAY))
+        started = time.perf_counter()
+        score("soup-ema-3", soup([done["ema"], done["ema-draw-1"], done["ema-draw-2"]]), time.perf_counter() - started)
         raise _Stop()
 
     pate.train_student = hook
