@@ -610,10 +610,15 @@ def _grid_text(grid) -> str:
 
 
 def _student_epochs(student) -> str:
-    """The student's epochs; with ``finetune`` (linear probing, then every weight) the two stages' epochs."""
+    """The student's epochs; with ``finetune`` (linear probing, then every weight) the two stages' epochs; with
+    ``ema_decay`` the average of the iterates that is released."""
     if student.finetune and student.trainable is not Trainable.ALL and student.epochs > 0:
-        return f"{student.epochs} + {student.epochs} (every weight)"
-    return str(student.epochs)
+        text = f"{student.epochs} + {student.epochs} (every weight)"
+    else:
+        text = str(student.epochs)
+    if student.ema_decay is not None and student.epochs > 0:
+        text += f", average of the iterates (decay {student.ema_decay:g})"
+    return text
 
 
 def settings_table() -> str:

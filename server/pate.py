@@ -311,9 +311,11 @@ def teacher_training(preset) -> TeacherTrainingRequest:
 
 def student_training(preset) -> dict[str, Any]:
     """What the student trains, as the preset's :class:`task.settings.presets.Student` says: :class:`server.student.ModelTraining`'s
-    ``trainable``, ``learning_rate`` (None = the preset's) and ``finetune`` (then every weight)."""
+    ``trainable``, ``learning_rate`` (None = the preset's), ``finetune`` (then every weight) and ``ema_decay`` (the
+    average of the iterates is released; None = the last iterate)."""
     recipe = preset.student
-    return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune}
+    return {"trainable": recipe.trainable.value, "learning_rate": recipe.learning_rate, "finetune": recipe.finetune,
+            "ema_decay": recipe.ema_decay}
 
 
 def train_teachers(transport: HospitalTransport, preset, config: PateConfig,

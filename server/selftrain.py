@@ -89,8 +89,9 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
         public_model: round 1's labeller and starting point.
         training: round 1's seed (round r trains with ``seed + r - 1``), the fine-tuning epochs per round (None =
             the preset's ``student.epochs``), progress bars, and where the models train and predict
-            (its ``compute``); every round trains every weight with the public reference data, as
-            PATE's student does (its other fields are not read).
+            (its ``compute``); every round trains every weight with the public reference data and releases
+            the average of its iterates at the preset's ``student.ema_decay``, as PATE's student does (its other
+            fields are not read).
         recipe: the rounds of pseudo-labelling (the one with the best public validation Dice is kept, the
             earliest on ties or without a validation set) and the sharpening temperature T (:func:`sharpen`;
             MixMatch's 0.5 by default) -- :class:`task.settings.presets.SelfTraining`.
@@ -108,7 +109,8 @@ def self_train(world, preset, public_model: torch.nn.Module, training: ModelTrai
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         checkpoint = Path(checkpoint_dir) / f"round-{round_index}.pt" if checkpoint_dir else None
         round_training = ModelTraining(seed=training.seed + round_index - 1, epochs=epochs, include_reference=True,
-                                       checkpoint=checkpoint, compute=training.compute)
+                                       checkpoint=checkpoint, compute=training.compute,
+                                       ema_decay=preset.student.ema_decay)
         model = train_student(world, targets, queries, preset, round_training, init=init)
         score = None
         if world.validation_images is not None and len(world.validation_images):

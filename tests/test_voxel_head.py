@@ -410,9 +410,11 @@ def test_a_voxel_head_student_trains_only_its_head_on_the_pseudo_labels():
     images, labels = _data(4)
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
     preset = get_preset("tiny")
-    assert student_training(preset) == {"trainable": "all", "learning_rate": None, "finetune": False}   # the defaults
+    assert student_training(preset) == {"trainable": "all", "learning_rate": None, "finetune": False,
+                                        "ema_decay": None}   # the defaults
     preset = preset.with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2))
-    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": False}
+    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": False,
+                                        "ema_decay": None}
     public = _public().state_dict()
     student = train_student(world, one_hot(labels[2:], 4).astype(np.float32), [2, 3], preset,
                             ModelTraining(seed=0, epochs=1, **student_training(preset)),
@@ -439,7 +441,8 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2])
     preset = get_preset("tiny")
     preset = preset.with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, finetune=True))
-    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": True}
+    assert student_training(preset) == {"trainable": VOXEL_HEAD, "learning_rate": 1e-2, "finetune": True,
+                                        "ema_decay": None}
     public = _public().state_dict()
     targets = one_hot(labels[2:], 4).astype(np.float32)
     common = dict(seed=0, epochs=1, include_reference=True)
@@ -460,3 +463,55 @@ def test_a_student_fine_tuned_after_its_voxel_head_moves_every_weight_from_the_f
     assert trainable_parameter_names(tuned, VOXEL_HEAD_AND_UNET) == {n for n, _ in tuned.named_parameters()}
     with pytest.raises(UserError, match="no voxel head"):
         trainable_parameter_names(build_unet("tiny"), VOXEL_HEAD_AND_UNET)
+
+
+def test_the_student_releases_the_average_of_its_iterates_when_its_recipe_says_so():
+    """``student.ema_decay`` (the quick preset's 0.99): the preset's recipe reaches ``train_student``, each stage
+    returns the exponential moving average of its iterates -- decay 0 is the last iterate bit for bit, a decay in
+    (0, 1) is another model -- and public self-training, the student's no-hospital control, averages alike."""
+    from types import SimpleNamespace
+
+    import server.selftrain as selftrain
+    from server.pate import student_training
+    from server.student import ModelTraining, train_student
+    from task.codecs import one_hot
+    from task.settings.presets import get_preset
+
+    assert get_preset("quick").student.ema_decay == 0.99
+    images, labels = _data(4)
+    world = SimpleNamespace(query_images=images, reference_images=images[:2], reference_labels=labels[:2],
+                            validation_images=None)
+    preset = get_preset("tiny").with_changes(student=dict(trainable=VOXEL_HEAD, learning_rate=1e-2, finetune=True,
+                                                          ema_decay=0.5))
+    assert student_training(preset)["ema_decay"] == 0.5
+    public = _public().state_dict()
+    targets = one_hot(labels[2:], 4).astype(np.float32)
+
+    def student(decay):
+        recipe = {**student_training(preset), "ema_decay": decay}
+        model = train_student(world, targets, [2, 3], preset, ModelTraining(seed=0, epochs=2, **recipe),
+                              init={k: v.clone() for k, v in public.items()})
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    last, zero, averaged = student(None), student(0.0), student(0.5)
+    assert all(torch.equal(last[name], zero[name]) for name in last)
+    moved = [name for name in last if not torch.equal(last[name], averaged[name])]
+    assert "voxel_head.2.weight" in moved and any(not name.startswith("voxel_head") for name in moved)
+
+    seen = []
+    original = selftrain.train_student
+    try:
+        selftrain.train_student = lambda *args, **kwargs: seen.append(args[4]) or original(*args, **kwargs)
+        selftrain.self_train(world, preset, _public(), ModelTraining(seed=0, epochs=1),
+                             selftrain.SelfTraining(rounds=1))
+    finally:
+        selftrain.train_student = original
+    assert [training.ema_decay for training in seen] == [0.5]
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1, "0.9", True])
+def test_a_student_averaging_decay_outside_0_1_is_refused_in_one_line(decay):
+    from task.settings.presets import get_preset
+
+    with pytest.raises(UserError, match=r"^student\.ema_decay: expected a number in \[0, 1\) or None"):
+        get_preset("tiny").with_changes(student=dict(ema_decay=decay))

@@ -52,6 +52,12 @@ def _positive(value, name: str, optional: bool = False) -> None:
         raise UserError(f"{name}: expected a positive number{' or None' if optional else ''}, got {value!r}")
 
 
+def _decay(value, name: str) -> None:
+    """An averaging decay: None (no average) or a number in [0, 1)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+        raise UserError(f"{name}: expected a number in [0, 1) or None, got {value!r}")
+
+
 def _flag(value, name: str) -> None:
     if not isinstance(value, bool):
         raise UserError(f"{name}: expected true or false, got {value!r}")
@@ -163,12 +169,16 @@ class Student:
     trainable: Trainable = Trainable.ALL
     learning_rate: float | None = None      # None = the preset's learning_rate
     finetune: bool = False                  # then every weight (server.student.train_student)
+    # the released student is the exponential moving average of its iterates in each stage (None = the last
+    # iterate); it trains on pseudo-labels already released, so the average is post-processing
+    ema_decay: float | None = None
 
     def __post_init__(self):
         _integer(self.epochs, "student.epochs")
         _set(self, "trainable", look_up_option(self.trainable, Trainable, "student.trainable"))
         _positive(self.learning_rate, "student.learning_rate", optional=True)
         _flag(self.finetune, "student.finetune")
+        _decay(self.ema_decay, "student.ema_decay")
 
 
 @dataclass(frozen=True)
@@ -229,8 +239,7 @@ class DpSetting:
                 _integer(getattr(self, name), f"settings grid entry: {name}", low)
         if self.trainable is not None:
             _set(self, "trainable", look_up_option(self.trainable, Trainable, "settings grid entry: trainable"))
-        if self.ema_decay is not None and not (isinstance(self.ema_decay, (int, float)) and 0 <= self.ema_decay < 1):
-            raise UserError(f"settings grid entry: ema_decay: expected a number in [0, 1), got {self.ema_decay!r}")
+        _decay(self.ema_decay, "settings grid entry: ema_decay")
 
     def fixed(self) -> dict[str, Any]:
         """The settings this entry fixes (its fields that are not None), by name."""
@@ -468,8 +477,10 @@ _PRESETS = {
         unet="small", pretrain_epochs=50, central_epochs=10, batch_size=2, learning_rate=2e-3,
         # teachers: a voxel head on the frozen public model, 60 steps at lr 1e-2 (docs/decisions/teachers.md)
         teacher=Teachers(epochs=60, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, augment=False),
-        # student: a voxel head, then every weight from there (docs/decisions/student.md, lp-ft-student.md)
-        student=Student(epochs=10, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, finetune=True),
+        # student: a voxel head, then every weight from there (docs/decisions/student.md, lp-ft-student.md); each
+        # stage releases the average of its iterates over ~100 steps, the last 3 of 10 epochs (student.md)
+        student=Student(epochs=10, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, finetune=True,
+                        ema_decay=0.99),
         # codec: 3 T1-Gd bins per shell (docs/decisions/intensity-bins.md); decoder: one fitted voxel head
         # (docs/decisions/head-fit-decoder.md)
         codec=Codec(pca_components=None, ae_latent_dim=16, ae_epochs=60, anchored_intensity_bins=3,
