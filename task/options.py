@@ -33,6 +33,14 @@ def look_up_option(value, options: type[E], name: str) -> E:
     return _look_up_option(value, options, name, error=UserError)
 
 
+def check_averaging_decay(value, name: str) -> None:
+    """An averaging decay (exponential moving average of the iterates): None (no average) or a number in
+    [0, 1); anything else is a one-line :class:`task.errors.UserError` naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value < 1):
+        raise UserError(f"{name}: expected a number in [0, 1) or None, got {value!r}")
+
+
 class Trainable(StrEnum):
     """Which weights private fine-tuning trains (their meaning: ``task.learning.networks.TRAINABLE_SETS``)."""
     ALL = "all"

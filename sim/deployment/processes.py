@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,13 +381,22 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 proc.pidfile.unlink()
 
-    def stop_all(self, grace: float | None = None) -> None:
-        """Stop every started process in reverse start order, then any tagged straggler."""
+    def stop_all(self, grace: float | None = None, settle: float = 60.0) -> None:
+        """Stop every started process in reverse start order, then every straggler, until none is alive.
+
+        A process being stopped may start another (a SuperExec launching an app as it shuts down) in a new
+        session, which leaves the process tree before a scan sees it; so stragglers -- tagged or recorded,
+        :meth:`alive_pids` -- are stopped again until none is left, for at most ``settle`` seconds."""
         for proc in reversed(self.processes):
             self.stop(proc, grace)
-        for pid in pids_with_tag(self.tag):
-            for seen in kill_tree(pid, grace=2.0):
-                self._remember(seen)
+        deadline = time.monotonic() + settle
+        while (stragglers := self.alive_pids()) and time.monotonic() < deadline:
+            for pid in stragglers:
+                for seen in kill_tree(pid, grace=2.0):
+                    self._remember(seen)
+        if stragglers:
+            warnings.warn(f"processes {stragglers} survived stopping for {settle:.0f} s", RuntimeWarning,
+                          stacklevel=2)
 
     def alive_pids(self) -> list[int]:
         """Every process this supervisor started or saw, plus tagged processes, that is still alive."""

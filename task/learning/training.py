@@ -48,6 +48,7 @@ from task.learning.compute import Compute
 from task.learning.device import autocast, model_device, resolve_device
 from task.learning.dpsgd import DPSession, PrivateTraining
 from task.errors import UserError
+from task.options import check_averaging_decay
 from task.learning.headgrad import check_frozen_deterministic, check_unet_deterministic
 from task.learning.inference import mirrored_probabilities
 from task.learning.losses import per_sample_loss
@@ -249,8 +250,7 @@ def _check_levers(config: TrainConfig, private: PrivateTraining | None) -> None:
     views = int(config.augmentation_multiplicity)
     if views < 1 or (views > 1 and (private is None or not config.augment)):
         raise UserError(f"augmentation_multiplicity: expected 1, or k > 1 with DP-SGD and augmentation, got {views}")
-    if config.ema_decay is not None and not (0.0 <= float(config.ema_decay) < 1.0):
-        raise UserError(f"ema_decay: expected a number in [0, 1), got {config.ema_decay}")
+    check_averaging_decay(config.ema_decay, "ema_decay")
 
 
 class _TrainingSteps(Protocol):

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from task.data.shifts import SHIFTS
 from task.errors import UserError
-from task.options import Decoder, PublicStart, SplitScheme, Trainable, look_up_option
+from task.options import Decoder, PublicStart, SplitScheme, Trainable, check_averaging_decay, look_up_option
 
 __all__ = ["Codec", "DpFedAvg", "DpSetting", "DpSgd", "Federation", "PRESETS", "Preset", "PublicStart",
            "SelfTraining", "Student", "Teachers", "World", "get_preset", "preset_reference"]
@@ -50,12 +50,6 @@ def _positive(value, name: str, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise UserError(f"{name}: expected a positive number{' or None' if optional else ''}, got {value!r}")
-
-
-def _decay(value, name: str) -> None:
-    """An averaging decay: None (no average) or a number in [0, 1)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
-        raise UserError(f"{name}: expected a number in [0, 1) or None, got {value!r}")
 
 
 def _flag(value, name: str) -> None:
@@ -178,7 +172,7 @@ class Student:
         _set(self, "trainable", look_up_option(self.trainable, Trainable, "student.trainable"))
         _positive(self.learning_rate, "student.learning_rate", optional=True)
         _flag(self.finetune, "student.finetune")
-        _decay(self.ema_decay, "student.ema_decay")
+        check_averaging_decay(self.ema_decay, "student.ema_decay")
 
 
 @dataclass(frozen=True)
@@ -239,7 +233,7 @@ class DpSetting:
                 _integer(getattr(self, name), f"settings grid entry: {name}", low)
         if self.trainable is not None:
             _set(self, "trainable", look_up_option(self.trainable, Trainable, "settings grid entry: trainable"))
-        _decay(self.ema_decay, "settings grid entry: ema_decay")
+        check_averaging_decay(self.ema_decay, "settings grid entry: ema_decay")
 
     def fixed(self) -> dict[str, Any]:
         """The settings this entry fixes (its fields that are not None), by name."""
