@@ -7,8 +7,9 @@ Billot et al. 2023), so that a model trained on phantoms has a chance on real sk
 
 * Anatomy: the MNI152 T1 template and its grey/white-matter probability maps bundled with nilearn (no
   network); CSF = brain mask minus GM and WM. Resampled once per resolution and cached in-process.
-* Subject: random affine (rotation <= 10 deg, scale 0.9-1.1, translation <= 4 mm) plus a smooth elastic
-  displacement (random control grid, interpolated separably), applied with ``scipy.ndimage.map_coordinates``.
+* Subject: random affine (rotation <= 10 deg, an adult brain's size, translation <= 4 mm) plus a smooth elastic
+  displacement (random control grid, interpolated separably), applied with ``scipy.ndimage.map_coordinates``;
+  CSF grown to an adult's share of the brain (atrophy: wider sulci, larger ventricles).
 * Tumour: centred in white matter at a random depth; irregular shapes from smooth noise perturbing an
   anisotropic distance, often with a second lobe; labels 1 oedema (finger-like: it spreads along white
   matter, retreats from cortex and spares CSF) around a core whose outer shell is enhancing (3) around a
@@ -59,12 +60,13 @@ from task.data.shifts import SHIFTS, Shift, shift_parts
 from task.io import atomic_write_bytes, atomic_write_json
 from task.io import cache_root as default_cache_root
 
-GENERATOR_VERSION = "5"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
+GENERATOR_VERSION = "6"   # 2: oedema follows white matter, two-lobed cores, held-out shifts
                           # 3: enhancement strength varies per case, solidly enhancing cores, little-oedema
                           #    lesions, enhancing healthy structures (vessels, choroid plexus)
                           # 4: tumour intensities keep only their defining contrasts (TUMOUR_CONTRAST); thick,
                           #    nodular, sometimes broken enhancing shells; heterogeneous cores
                           # 5: subjects' brains of adult size (BRAIN_ML), not the template's
+                          # 6: CSF as large a share of the brain as in adults of glioma age (CSF_SHARE)
 
 PROGRESS_FILE = ".phantoms-config.json"   # written first: identifies an incomplete folder for resuming
 MARGIN_MM = 8.0                           # zero background kept around the brain, as in BraTS crops
@@ -123,6 +125,14 @@ BROKEN_RIM_SHARE = 0.4         # rim-enhancing lesions whose shell is broken: pa
 # a smaller share of its brain than in real scans, and so a smaller share of the working grid, which is cropped
 # to the brain (docs/decisions/world-realism.md).
 BRAIN_ML = (1100.0, 1700.0)
+# The share of a subject's brain (BraTS' skull-stripped mask) that is CSF, uniform. The MNI152 template averages
+# young adults (ICBM 152: 18-44 years) and holds ~11 % CSF at 3 mm; brains shrink with age -- the brain
+# parenchymal fraction falls from ~0.89 in young adults to ~0.75 in the elderly -- and glioma patients are mostly
+# 50-75 years old. A subject's CSF grows into the parenchyma next to CSF already there (wider sulci, larger
+# ventricles), grey matter first. At the template's share, normalised phantom T2 lacked real scans' long bright CSF
+# tail, and oedema stood further above the normalised parenchyma than on real scans (T2 z of oedema: phantom median
+# 1.3; development cases 0.05-1.3) (docs/decisions/world-realism.md).
+CSF_SHARE = (0.11, 0.25)
 
 
 @dataclass(frozen=True)
@@ -290,6 +300,7 @@ def make_case(seed: int, index: int, institutions: int, resolution_mm: float = 2
                                             output=np.float32)
               for name in ("gm", "wm", "csf", "mask")}
     brain = tissue["mask"] > 0.5
+    _atrophy(np.random.default_rng([int(seed), int(index), 7_919]), tissue, brain)
 
     primary_radius = r_edema * (0.6 if Shift.LESIONS in parts else 1.0)
     label, tumour_weights, rim = _tumour(rng, shape, p, primary_radius, res, tissue, brain)
@@ -344,6 +355,33 @@ def _subject_scales(rng: np.random.Generator, res: float) -> np.ndarray:
     overall = (rng.uniform(*BRAIN_ML) / _anatomy(res)["brain_ml"]) ** (1.0 / 3.0)
     spread = rng.uniform(0.95, 1.05, 3)
     return overall * spread / float(np.prod(spread)) ** (1.0 / 3.0)
+
+
+def _atrophy(rng: np.random.Generator, tissue: dict[str, np.ndarray], brain: np.ndarray) -> None:
+    """Grow the subject's CSF, in place, to a share of its brain drawn in :data:`CSF_SHARE`: CSF takes a part of
+    the grey matter (and half as much of the white matter) in proportion to the CSF nearby, with one strength per
+    subject found by bisection (the CSF volume grows monotonically with it). Its own random stream: the subject's
+    other draws do not depend on it."""
+    csf, gm, wm = tissue["csf"], tissue["gm"], tissue["wm"]
+    target = rng.uniform(*CSF_SHARE) * float(np.count_nonzero(brain))
+    if float(csf[brain].sum()) >= target:
+        return
+    near = np.clip(ndimage.gaussian_filter(csf, 1.0) * 2.0, 0.0, 1.0) * brain   # CSF in the neighbourhood
+
+    def grown(strength: float) -> tuple[np.ndarray, np.ndarray]:
+        take = np.clip(strength * near, 0.0, 1.0)
+        return take * gm, take * wm * 0.5
+
+    low, high = 0.0, 20.0
+    for _ in range(30):
+        mid = 0.5 * (low + high)
+        from_gm, from_wm = grown(mid)
+        if float((csf + from_gm + from_wm)[brain].sum()) < target:
+            low = mid
+        else:
+            high = mid
+    from_gm, from_wm = grown(low)
+    tissue["gm"], tissue["wm"], tissue["csf"] = gm - from_gm, wm - from_wm, csf + from_gm + from_wm
 
 
 def _tumour_centre(rng: np.random.Generator, anatomy: dict[str, Any],
