@@ -7,8 +7,10 @@ product's generator joined to ``current`` with '+':
   which keeps the drawn volume);
 * ``rim`` -- broken enhancing shells opened by a finer field (9 control points, 25-50 % of the shell);
 * ``atrophy`` -- CSF as much of the brain as in adults of glioma age: the template's ~11 % of the brain mask
-  raised, per subject, to a share drawn in 11-25 % (brain parenchymal fraction 0.75-0.89, from young to old
-  adults), the CSF growing into the parenchyma next to CSF already there (wider sulci, larger ventricles);
+  raised, per subject, to a share drawn in 11-25 %, the CSF growing into the parenchyma next to CSF already there
+  (wider sulci, larger ventricles); measured on generator 5, which it turns into generator 6 up to the draw of
+  each subject's share (generator 6 draws it from a stream of the seed and the case; on generator 6 the lever
+  only grows a subject whose drawn share is above the product's);
 * ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
   simulation (Isensee et al. 2021, arXiv 1809.10486).
 
