@@ -12,6 +12,7 @@ Kept free of torch and numpy: the CLI builds its help from these at start-up.
 
 from __future__ import annotations
 
+import numbers
 from enum import StrEnum
 from typing import TypeVar
 
@@ -36,7 +37,7 @@ def look_up_option(value, options: type[E], name: str) -> E:
 def check_averaging_decay(value, name: str) -> None:
     """An averaging decay (exponential moving average of the iterates): None (no average) or a number in
     [0, 1); anything else is a one-line :class:`task.errors.UserError` naming ``name``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                               or not 0 <= value < 1):
         raise UserError(f"{name}: expected a number in [0, 1) or None, got {value!r}")
 

@@ -128,10 +128,10 @@ BRAIN_ML = (1100.0, 1700.0)
 # The share of a subject's brain (BraTS' skull-stripped mask) that is CSF, uniform. The MNI152 template averages
 # young adults (ICBM 152: 18-44 years) and holds ~11 % CSF at 3 mm; brains shrink with age -- CSF is roughly a
 # tenth of the intracranial volume in young adults and a quarter in the elderly -- and the median age at diagnosis
-# of glioblastoma is in the sixties. A subject's CSF grows into the parenchyma next to CSF already there (wider sulci, larger
-# ventricles), grey matter first. At the template's share, normalised phantom T2 lacked real scans' long bright CSF
-# tail, and oedema stood further above the normalised parenchyma than on real scans (T2 z of oedema: phantom median
-# 1.3; development cases 0.05-1.3) (docs/decisions/world-realism.md).
+# of glioblastoma is in the sixties. A subject's CSF grows into the parenchyma next to CSF already there (wider
+# sulci, larger ventricles), taking grey matter and half as much white matter. At the template's share, normalised
+# phantom T2 lacked real scans' long bright CSF tail, and oedema stood further above the normalised parenchyma than
+# on real scans (T2 z of oedema: phantom median 1.3; development cases 0.05-1.3) (docs/decisions/world-realism.md).
 CSF_SHARE = (0.11, 0.25)
 
 
