@@ -8,9 +8,10 @@ product's generator joined to ``current`` with '+':
 * ``rim`` -- broken enhancing shells opened by a finer field (9 control points, 25-50 % of the shell);
 * ``atrophy`` -- CSF as much of the brain as in adults of glioma age: the template's ~11 % of the brain mask
   raised, per subject, to a share drawn in 11-25 %, the CSF growing into the parenchyma next to CSF already there
-  (wider sulci, larger ventricles); measured on generator 5, which it turns into generator 6 up to the draw of
-  each subject's share (generator 6 draws it from a stream of the seed and the case; on generator 6 the lever
-  only grows a subject whose drawn share is above the product's);
+  (wider sulci, larger ventricles); measured on generator 5 at commit 328bfd9, where the lever held its own copy
+  of the growth, which it turns into generator 6 up to the draw of each subject's share (generator 6 draws it
+  from a stream of the seed and the case). Here it calls generator 6's ``_atrophy``, so on generator 6 it only
+  grows a subject whose drawn share is above the product's;
 * ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
   simulation (Isensee et al. 2021, arXiv 1809.10486).
 
@@ -45,39 +46,15 @@ def _finer_gap(ph):
     return gap
 
 
-CSF_SHARE = (0.11, 0.25)
-
-
 def _atrophy(ph):
-    from scipy import ndimage
-
     original = ph._tumour
 
     def tumour(rng, shape, p, r_edema, res, tissue, brain):
-        # the tissue maps are shared with the rest of make_case: changed in place, before the lesion is drawn
-        mask = brain
-        csf, gm, wm = tissue["csf"], tissue["gm"], tissue["wm"]
-        # its own stream, seeded from the case's without advancing it: every other draw of the case stays
-        # generator 5's, so the lever is paired case by case with ``current``
-        own = np.random.default_rng([rng.bit_generator.state["state"]["state"], 0xA7])
-        target = own.uniform(*CSF_SHARE) * float(mask.sum())
-        near = np.clip(ndimage.gaussian_filter(csf, 1.0) * 2.0, 0.0, 1.0) * mask   # CSF in the neighbourhood
-
-        def moved(a):
-            take = np.clip(a * near, 0.0, 1.0)
-            return take * gm, take * wm * 0.5          # cortex thins first; periventricular white matter less
-
-        lo, hi = 0.0, 20.0
-        if float((csf * mask).sum()) < target:
-            for _ in range(30):                        # the CSF volume is monotone in the strength a
-                mid = 0.5 * (lo + hi)
-                g, w = moved(mid)
-                if float(((csf + g + w) * mask).sum()) < target:
-                    lo = mid
-                else:
-                    hi = mid
-            g, w = moved(lo)
-            tissue["gm"], tissue["wm"], tissue["csf"] = gm - g, wm - w, csf + g + w
+        # the tissue maps are shared with the rest of make_case: changed in place, before the lesion is drawn,
+        # by the product's own growth (generator 6's ``_atrophy``) from a stream seeded from the case's without
+        # advancing it, so every other draw of the case stays the generator's and the lever is paired case by
+        # case with ``current``
+        ph._atrophy(np.random.default_rng([rng.bit_generator.state["state"]["state"], 0xA7]), tissue, brain)
         return original(rng, shape, p, r_edema, res, tissue, brain)
 
     ph._tumour = tumour
