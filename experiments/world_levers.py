@@ -12,6 +12,24 @@ product's generator joined to ``current`` with '+':
   of the growth, which it turns into generator 6 up to the draw of each subject's share (generator 6 draws it
   from a stream of the seed and the case). Here it calls generator 6's ``_atrophy``, so on generator 6 it only
   grows a subject whose drawn share is above the product's;
+* ``meninges`` -- enhancing tissue at the brain's surface, as skull-stripped post-contrast scans keep it: dura,
+  cortical veins and venous sinuses lie inside BraTS' brain masks and enhance on T1-Gd (on the development scans
+  5-7 % of the outermost grid layer's healthy voxels are above z 1 on T1-Gd, and 74-100 % of the healthy voxels
+  above z 1.5; on generator-6 phantoms none of the outermost layer, the bright voxels lying deep). A patchy layer
+  3-6 mm thick covering 15-40 % of the surface takes the vessels' intensities (enhancing on T1-Gd, dark on T2 and
+  FLAIR), drawn from a stream of its own so every other draw of the case is the generator's;
+* ``sharp`` -- tissue maps as crisp as one subject's: the MNI152 template's grey-matter, white-matter and CSF maps
+  are population averages, blurred by the spread between subjects, so a phantom's parenchyma is a continuum of
+  tissue and CSF mixtures. The lever raises the three maps to the fourth power and renormalises them to the same
+  total before the CSF grows (partial volume then comes from the rendering's resolution). On the development
+  scans the healthy parenchyma's interquartile range is 0.48-0.62 z on T2 and 0.61-0.72 on T1-Gd; on
+  generator-6 phantoms 0.89 and 0.93, and 0.78 and 0.96 with the lever (16 phantoms). Grey/white contrast is not
+  the cause (equal grey and white matter leave 0.84 and 0.89), nor is the scanner (no bias field: 0.80 and 0.87);
+* ``robustnorm`` -- not a world lever but the preprocessing's, for real and phantom scans alike: each channel
+  centred on its median inside the brain and scaled by its interquartile range / 1.349 (a Gaussian's standard
+  deviation) instead of its mean and standard deviation. Why: the standard deviation is carried by the tails
+  (CSF on T2, enhancing vessels and dura on T1-Gd, the lesion itself), which differ between phantoms and real
+  scans, so the same tumour contrast lands at different z; the interquartile range is the parenchyma's;
 * ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
   simulation (Isensee et al. 2021, arXiv 1809.10486).
 
@@ -60,6 +78,82 @@ def _atrophy(ph):
     ph._tumour = tumour
 
 
+def _meninges(ph):
+    original = ph._enhancing_structures
+
+    def structures(rng, res, tissue, depth, label):
+        own = np.random.default_rng([rng.bit_generator.state["state"]["state"], 0x3E1])
+        weight = original(rng, res, tissue, depth, label)
+        shape = label.shape
+        controls = tuple(max(4, int(round(n * res / 16.0))) for n in shape)
+        field = ph.smooth_field(own, shape, controls, count=1)[0]
+        surface = (depth > 0) & (depth <= max(own.uniform(3.0, 6.0), 1.01 * res))
+        if not surface.any():
+            return weight
+        cover = field > np.quantile(field[surface], 1.0 - own.uniform(0.15, 0.4))
+        layer = surface & cover & (label == 0)
+        return np.maximum(weight, layer.astype(np.float32) * own.uniform(0.6, 1.0))
+
+    ph._enhancing_structures = structures
+
+
+def _sharp_tissue(ph):
+    original = ph._atrophy
+
+    def atrophy(rng, tissue, brain):
+        # called by make_case right after the tissue maps are warped, before anything reads them
+        maps = np.stack([tissue["gm"], tissue["wm"], tissue["csf"]])
+        crisp = np.power(np.clip(maps, 0.0, None), 4.0)
+        crisp *= maps.sum(0) / np.maximum(crisp.sum(0), 1e-6)
+        tissue["gm"], tissue["wm"], tissue["csf"] = crisp[0], crisp[1], crisp[2]
+        original(rng, tissue, brain)
+
+    ph._atrophy = atrophy
+
+
+def _robust_normalisation():
+    import task.data.preprocess as preprocess
+    import task.reporting.realcheck as realcheck
+    from task.data.errors import DataError
+
+    def preprocess_case(image, label, affine, config):
+        # task.data.preprocess.preprocess_case with the median and the interquartile range in place of the mean
+        # and the standard deviation
+        image = np.asarray(image, dtype=np.float32)
+        if image.ndim != 4:
+            raise DataError(f"image: expected (x, y, z, channels), got shape {image.shape}")
+        lo, hi = preprocess.brain_bbox(image, config.margin_voxels)
+        box = tuple(slice(l, h) for l, h in zip(lo, hi))
+        crop = np.moveaxis(image[box], -1, 0).copy()
+        brain = preprocess.brain_mask(image[box])
+        means, stds = [], []
+        for c in range(crop.shape[0]):
+            values = crop[c][brain]
+            q25, centre, q75 = (float(v) for v in np.percentile(values, (25, 50, 75)))
+            scale = (q75 - q25) / 1.349
+            scale = scale if scale > 1e-6 else 1.0
+            crop[c] = np.where(brain, (crop[c] - centre) / scale, 0.0)
+            means.append(centre), stds.append(scale)
+        if config.antialias:
+            crop = preprocess._smooth_inside(crop, brain, [(c / g - 1.0) / 2.0 for c, g in zip(crop.shape[1:],
+                                                                                            config.grid)])
+        grid_image = preprocess._resize(crop, config.grid, "linear").astype(np.float32)
+        grid_label = None
+        if label is not None:
+            grid_label = preprocess._resize(np.asarray(label)[box][None].astype(np.float32), config.grid,
+                                            "nearest")[0]
+            grid_label = np.rint(grid_label).astype(np.uint8)
+        record = preprocess.PreprocessRecord(
+            original_shape=tuple(int(s) for s in image.shape[:3]),
+            affine=tuple(tuple(float(v) for v in row) for row in np.asarray(affine, dtype=np.float64)),
+            bbox_lo=tuple(lo), bbox_hi=tuple(hi), grid=tuple(config.grid),
+            channel_mean=tuple(means), channel_std=tuple(stds))
+        return grid_image, grid_label, record
+
+    preprocess.preprocess_case = preprocess_case
+    realcheck.preprocess_case = preprocess_case
+
+
 def _nnunet_augmentation():
     import task.data.augment as augment
     from monai.transforms import Compose, RandSimulateLowResolution, RandZoom
@@ -84,7 +178,7 @@ def apply(name, ph):
     parts = name.split("+")
     if parts[0] != "current":
         raise SystemExit("levers patch the product's generator: VARIANT starts with 'current'")
-    unknown = set(parts[1:]) - {"template", "brain", "rim", "nnaug", "atrophy"}
+    unknown = set(parts[1:]) - {"template", "brain", "rim", "nnaug", "atrophy", "meninges", "sharp", "robustnorm"}
     if unknown:
         raise SystemExit(f"unknown lever {unknown}")
     if "template" in parts and "brain" in parts:
@@ -99,3 +193,9 @@ def apply(name, ph):
         _nnunet_augmentation()
     if "atrophy" in parts:
         _atrophy(ph)
+    if "meninges" in parts:
+        _meninges(ph)
+    if "sharp" in parts:
+        _sharp_tissue(ph)
+    if "robustnorm" in parts:
+        _robust_normalisation()
