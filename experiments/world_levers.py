@@ -113,45 +113,16 @@ def _sharp_tissue(ph):
 
 def _robust_normalisation():
     import task.data.preprocess as preprocess
-    import task.reporting.realcheck as realcheck
-    from task.data.errors import DataError
 
-    def preprocess_case(image, label, affine, config):
-        # task.data.preprocess.preprocess_case with the median and the interquartile range in place of the mean
-        # and the standard deviation
-        image = np.asarray(image, dtype=np.float32)
-        if image.ndim != 4:
-            raise DataError(f"image: expected (x, y, z, channels), got shape {image.shape}")
-        lo, hi = preprocess.brain_bbox(image, config.margin_voxels)
-        box = tuple(slice(l, h) for l, h in zip(lo, hi))
-        crop = np.moveaxis(image[box], -1, 0).copy()
-        brain = preprocess.brain_mask(image[box])
-        means, stds = [], []
-        for c in range(crop.shape[0]):
-            values = crop[c][brain]
-            q25, centre, q75 = (float(v) for v in np.percentile(values, (25, 50, 75)))
-            scale = (q75 - q25) / 1.349
-            scale = scale if scale > 1e-6 else 1.0
-            crop[c] = np.where(brain, (crop[c] - centre) / scale, 0.0)
-            means.append(centre), stds.append(scale)
-        if config.antialias:
-            crop = preprocess._smooth_inside(crop, brain, [(c / g - 1.0) / 2.0 for c, g in zip(crop.shape[1:],
-                                                                                            config.grid)])
-        grid_image = preprocess._resize(crop, config.grid, "linear").astype(np.float32)
-        grid_label = None
-        if label is not None:
-            grid_label = preprocess._resize(np.asarray(label)[box][None].astype(np.float32), config.grid,
-                                            "nearest")[0]
-            grid_label = np.rint(grid_label).astype(np.uint8)
-        record = preprocess.PreprocessRecord(
-            original_shape=tuple(int(s) for s in image.shape[:3]),
-            affine=tuple(tuple(float(v) for v in row) for row in np.asarray(affine, dtype=np.float64)),
-            bbox_lo=tuple(lo), bbox_hi=tuple(hi), grid=tuple(config.grid),
-            channel_mean=tuple(means), channel_std=tuple(stds))
-        return grid_image, grid_label, record
+    def channel_centre_and_scale(values):
+        # the median and the interquartile range / 1.349 (a Gaussian's standard deviation) in place of the mean
+        # and the standard deviation; preprocess_case looks the helper up at call time, so real and phantom
+        # scans alike take it
+        q25, centre, q75 = (float(v) for v in np.percentile(values, (25, 50, 75)))
+        scale = (q75 - q25) / 1.349
+        return centre, (scale if scale > 1e-6 else 1.0)
 
-    preprocess.preprocess_case = preprocess_case
-    realcheck.preprocess_case = preprocess_case
+    preprocess.channel_centre_and_scale = channel_centre_and_scale
 
 
 def _nnunet_augmentation():

@@ -165,6 +165,14 @@ def brain_bbox(image: np.ndarray, margin: int) -> tuple[tuple[int, ...], tuple[i
     return tuple(lo), tuple(hi)
 
 
+def channel_centre_and_scale(values: np.ndarray) -> tuple[float, float]:
+    """The centre and scale that z-score one channel, from its voxels inside the brain: the mean and the
+    standard deviation; a constant channel (scale under 1e-6) is only centred. :func:`preprocess_case` calls it
+    once per channel and records both, so a prediction can be mapped back and a probe can swap the statistic."""
+    mean, std = float(values.mean()), float(values.std())
+    return mean, (std if std > 1e-6 else 1.0)
+
+
 def preprocess_case(image: np.ndarray, label: np.ndarray | None, affine: np.ndarray,
                     config: PreprocessConfig) -> tuple[np.ndarray, np.ndarray | None, PreprocessRecord]:
     """Crop to the brain, z-score each channel inside the brain (background stays 0), resample to the grid.
@@ -181,9 +189,7 @@ def preprocess_case(image: np.ndarray, label: np.ndarray | None, affine: np.ndar
     brain = brain_mask(image[box])
     means, stds = [], []
     for c in range(crop.shape[0]):
-        values = crop[c][brain]
-        mean, std = float(values.mean()), float(values.std())
-        std = std if std > 1e-6 else 1.0                                  # constant channel: centre only
+        mean, std = channel_centre_and_scale(crop[c][brain])
         crop[c] = np.where(brain, (crop[c] - mean) / std, 0.0)
         means.append(mean), stds.append(std)
     if config.antialias:
