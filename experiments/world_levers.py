@@ -25,6 +25,11 @@ product's generator joined to ``current`` with '+':
   scans the healthy parenchyma's interquartile range is 0.48-0.62 z on T2 and 0.61-0.72 on T1-Gd; on
   generator-6 phantoms 0.89 and 0.93, and 0.78 and 0.96 with the lever (16 phantoms). Grey/white contrast is not
   the cause (equal grey and white matter leave 0.84 and 0.89), nor is the scanner (no bias field: 0.80 and 0.87);
+* ``compartments`` -- CSF grown in whole voxels: generator 6's ``_atrophy`` moves a fraction of every voxel's grey
+  and white matter near CSF into CSF, so a phantom's parenchyma around the sulci and ventricles is a mixture of
+  tissue and CSF at every voxel; in a real brain the widened sulci and ventricles are compartments of pure CSF
+  beside pure tissue, mixed only at their borders. The lever grows the same share of CSF (the same draw) by turning
+  whole voxels, the nearest to existing CSF first, into CSF;
 * ``robustnorm`` -- not a world lever but the preprocessing's, for real and phantom scans alike: each channel
   centred on its median inside the brain and scaled by its interquartile range / 1.349 (a Gaussian's standard
   deviation) instead of its mean and standard deviation. Why: the standard deviation is carried by the tails
@@ -111,6 +116,30 @@ def _sharp_tissue(ph):
     ph._atrophy = atrophy
 
 
+def _compartment_atrophy(ph):
+    from scipy import ndimage
+
+    def atrophy(rng, tissue, brain):
+        csf, gm, wm = tissue["csf"], tissue["gm"], tissue["wm"]
+        target = rng.uniform(*ph.CSF_SHARE) * float(np.count_nonzero(brain))   # the generator's own draw
+        missing = target - float(csf[brain].sum())
+        if missing <= 0:
+            return
+        near = ndimage.gaussian_filter(csf, 1.0) * brain            # the generator's neighbourhood of CSF
+        # whole voxels, nearest to CSF first, until the CSF they add (their tissue) reaches the target
+        order = np.argsort(-near, axis=None)
+        gain = (gm + wm).ravel()[order]
+        count = int(np.searchsorted(np.cumsum(gain), missing)) + 1
+        take = np.zeros(csf.size, bool)
+        take[order[:count]] = True
+        take = take.reshape(csf.shape) & brain
+        tissue["csf"] = np.where(take, csf + gm + wm, csf).astype(csf.dtype)
+        tissue["gm"] = np.where(take, 0.0, gm).astype(gm.dtype)
+        tissue["wm"] = np.where(take, 0.0, wm).astype(wm.dtype)
+
+    ph._atrophy = atrophy
+
+
 def _robust_normalisation():
     import task.data.preprocess as preprocess
 
@@ -149,7 +178,8 @@ def apply(name, ph):
     parts = name.split("+")
     if parts[0] != "current":
         raise SystemExit("levers patch the product's generator: VARIANT starts with 'current'")
-    unknown = set(parts[1:]) - {"template", "brain", "rim", "nnaug", "atrophy", "meninges", "sharp", "robustnorm"}
+    unknown = set(parts[1:]) - {"template", "brain", "rim", "nnaug", "atrophy", "meninges", "sharp", "robustnorm",
+                                  "compartments"}
     if unknown:
         raise SystemExit(f"unknown lever {unknown}")
     if "template" in parts and "brain" in parts:
@@ -170,3 +200,5 @@ def apply(name, ph):
         _sharp_tissue(ph)
     if "robustnorm" in parts:
         _robust_normalisation()
+    if "compartments" in parts:
+        _compartment_atrophy(ph)

@@ -156,14 +156,15 @@ def test_secure_dp_fedavg_deployed_with_tls_and_supernode_authentication(cache, 
     """dp-fedavg-secure across separate SuperNode processes (TLS, authenticated keys): every step is a secure sum
     of the deployed hospitals' clipped patient gradients with their own noise shares; each hospital checks the
     request against its node-config policy and charges its own ledger one distributed discrete Gaussian per step,
-    and the run's epsilon is its ledger's. A short variant of the tiny preset (one epoch of expected batch 16: a
-    few steps) keeps the test to minutes; the protocol per step is the full one."""
+    and the run's epsilon is its ledger's. A short variant of the tiny preset (one epoch of expected batch 17 of the
+    34 patients: two steps, each four message rounds of some 8 s) keeps the test to minutes; the protocol per step is
+    the full one."""
     from privacy.events import DistributedDiscreteGaussianEvent
     from sim.deployment.fedpate_local import run_local_deployment
     from task.settings.presets import get_preset
 
     out, work = tmp_path / "run", tmp_path / "work"
-    preset = get_preset("tiny").with_changes(central_epochs=1, dp_sgd=dict(batch_size=16))
+    preset = get_preset("tiny").with_changes(central_epochs=1, dp_sgd=dict(batch_size=17))
     settings = RunSettings(method="dp-fedavg-secure", preset=preset, out=str(out), compute=Compute(progress=False),
                            wait_seconds=180, reply_timeout=300, query_timeout=120)
     results = run_local_deployment(settings, work, timeout=1200)
