@@ -29,7 +29,8 @@ product's generator joined to ``current`` with '+':
   and white matter near CSF into CSF, so a phantom's parenchyma around the sulci and ventricles is a mixture of
   tissue and CSF at every voxel; in a real brain the widened sulci and ventricles are compartments of pure CSF
   beside pure tissue, mixed only at their borders. The lever grows the same share of CSF (the same draw) by turning
-  whole voxels, the nearest to existing CSF first, into CSF;
+  whole voxels, the nearest to existing CSF first, into CSF. The healthy tissue's width on T2 falls from 0.90 to
+  0.64 z on 16 phantoms (real 0.48-0.62);
 * ``robustnorm`` -- not a world lever but the preprocessing's, for real and phantom scans alike: each channel
   centred on its median inside the brain and scaled by its interquartile range / 1.349 (a Gaussian's standard
   deviation) instead of its mean and standard deviation. Why: the standard deviation is carried by the tails
