@@ -197,9 +197,9 @@ def apply(name, ph):
         _atrophy(ph)
     if "meninges" in parts:
         _meninges(ph)
+    if "compartments" in parts:   # before ``sharp``, which wraps whichever growth is in place
+        _compartment_atrophy(ph)
     if "sharp" in parts:
         _sharp_tissue(ph)
     if "robustnorm" in parts:
         _robust_normalisation()
-    if "compartments" in parts:
-        _compartment_atrophy(ph)
