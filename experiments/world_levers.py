@@ -126,7 +126,8 @@ def _compartment_atrophy(ph):
         missing = target - float(csf[brain].sum())
         if missing <= 0:
             return
-        near = ndimage.gaussian_filter(csf, 1.0) * brain            # the generator's neighbourhood of CSF
+        # the generator's neighbourhood of CSF without its clip at 1, so that it orders every voxel near CSF
+        near = ndimage.gaussian_filter(csf, 1.0) * brain
         # whole voxels, nearest to CSF first, until the CSF they add (their tissue) reaches the target
         order = np.argsort(-near, axis=None)
         gain = (gm + wm).ravel()[order]
