@@ -39,6 +39,10 @@ product's generator joined to ``current`` with '+':
 * ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
   simulation (Isensee et al. 2021, arXiv 1809.10486).
 
+Generator 7 is generator 6 with ``compartments`` and ``sharp`` built in (``current+compartments+sharp`` on generator
+6 makes generator 7's phantoms bit for bit): on generator 7 ``compartments`` changes nothing and ``sharp`` sharpens
+the maps a second time. Every lever's numbers in the decision note name the generator they were measured on.
+
 The decision note's generator-4 rows were measured as ``current``, ``current+brain``, ``current+rim``,
 ``current+nnaug`` and ``current+brain+rim`` on generator 4; on generator 5 the same rows are ``current+template``,
 ``current+brain`` (the probe's brain), ``current+template+rim``, ``current+template+nnaug`` and ``current+brain+rim``.
