@@ -39,9 +39,10 @@ product's generator joined to ``current`` with '+':
 * ``nnaug`` -- nnU-Net's spatial augmentation: rotations up to 30 degrees, scaling 0.7-1.4, low-resolution
   simulation (Isensee et al. 2021, arXiv 1809.10486).
 
-Generator 7 is generator 6 with ``compartments`` and ``sharp`` built in (``current+compartments+sharp`` on generator
-6 makes generator 7's phantoms bit for bit): on generator 7 ``compartments`` changes nothing and ``sharp`` sharpens
-the maps a second time. Every lever's numbers in the decision note name the generator they were measured on.
+Generator 7 is generator 6 with ``sharp`` and ``compartments`` built in (``current+compartments+sharp`` on generator
+6 made generator 7's phantoms bit for bit), so the two are no longer levers of ``current``: their code, as measured
+on generator 6, is this file at commit 0dbb82e. Every lever's numbers in the decision note name the generator they
+were measured on.
 
 The decision note's generator-4 rows were measured as ``current``, ``current+brain``, ``current+rim``,
 ``current+nnaug`` and ``current+brain+rim`` on generator 4; on generator 5 the same rows are ``current+template``,
@@ -107,45 +108,6 @@ def _meninges(ph):
     ph._enhancing_structures = structures
 
 
-def _sharp_tissue(ph):
-    original = ph._atrophy
-
-    def atrophy(rng, tissue, brain):
-        # called by make_case right after the tissue maps are warped, before anything reads them
-        maps = np.stack([tissue["gm"], tissue["wm"], tissue["csf"]])
-        crisp = np.power(np.clip(maps, 0.0, None), 4.0)
-        crisp *= maps.sum(0) / np.maximum(crisp.sum(0), 1e-6)
-        tissue["gm"], tissue["wm"], tissue["csf"] = crisp[0], crisp[1], crisp[2]
-        original(rng, tissue, brain)
-
-    ph._atrophy = atrophy
-
-
-def _compartment_atrophy(ph):
-    from scipy import ndimage
-
-    def atrophy(rng, tissue, brain):
-        csf, gm, wm = tissue["csf"], tissue["gm"], tissue["wm"]
-        target = rng.uniform(*ph.CSF_SHARE) * float(np.count_nonzero(brain))   # the generator's own draw
-        missing = target - float(csf[brain].sum())
-        if missing <= 0:
-            return
-        # the generator's neighbourhood of CSF without its clip at 1, so that it orders every voxel near CSF
-        near = ndimage.gaussian_filter(csf, 1.0) * brain
-        # whole voxels, nearest to CSF first, until the CSF they add (their tissue) reaches the target
-        order = np.argsort(-near, axis=None)
-        gain = (gm + wm).ravel()[order]
-        count = int(np.searchsorted(np.cumsum(gain), missing)) + 1
-        take = np.zeros(csf.size, bool)
-        take[order[:count]] = True
-        take = take.reshape(csf.shape) & brain
-        tissue["csf"] = np.where(take, csf + gm + wm, csf).astype(csf.dtype)
-        tissue["gm"] = np.where(take, 0.0, gm).astype(gm.dtype)
-        tissue["wm"] = np.where(take, 0.0, wm).astype(wm.dtype)
-
-    ph._atrophy = atrophy
-
-
 def _robust_normalisation():
     import task.data.preprocess as preprocess
 
@@ -202,9 +164,9 @@ def apply(name, ph):
         _atrophy(ph)
     if "meninges" in parts:
         _meninges(ph)
-    if "compartments" in parts:   # before ``sharp``, which wraps whichever growth is in place
-        _compartment_atrophy(ph)
-    if "sharp" in parts:
-        _sharp_tissue(ph)
+    built_in = {"compartments", "sharp"} & set(parts)
+    if built_in:
+        raise SystemExit(f"levers {sorted(built_in)} are generator 7 itself; as measured on generator 6 they are in "
+                         "experiments/world_levers.py at commit 0dbb82e")
     if "robustnorm" in parts:
         _robust_normalisation()
