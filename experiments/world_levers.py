@@ -10,7 +10,7 @@ product's generator joined to ``current`` with '+':
   raised, per subject, to a share drawn in 11-25 %, the CSF growing into the parenchyma next to CSF already there
   (wider sulci, larger ventricles); measured on generator 5 at commit 328bfd9, where the lever held its own copy
   of the growth, which it turns into generator 6 up to the draw of each subject's share (generator 6 draws it
-  from a stream of the seed and the case). Here it calls generator 6's ``_atrophy``, so on generator 6 it only
+  from a stream of the seed and the case). Here it calls the product's ``_atrophy``, so on generator 6 (and 7) it only
   grows a subject whose drawn share is above the product's;
 * ``meninges`` -- enhancing tissue at the brain's surface, as skull-stripped post-contrast scans keep it: dura,
   cortical veins and venous sinuses lie inside BraTS' brain masks and enhance on T1-Gd (on the development scans

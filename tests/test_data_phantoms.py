@@ -331,8 +331,8 @@ def test_the_library_generates_phantoms_in_one_process_unless_asked(monkeypatch)
 def test_subjects_csf_share_is_that_of_adults_of_glioma_age_not_the_templates():
     """v6: a subject's CSF is a share of its brain drawn in CSF_SHARE (11-25 %), varying between subjects, where
     the MNI152 template (young adults) holds ~11 %; the CSF grows next to CSF already there (v7: in whole voxels),
-    and the tissue maps still partition the brain. Generator 5's CSF shares all sat near the template's, and normalised phantom T2
-    lacked real scans' long bright CSF tail (docs/decisions/world-realism.md)."""
+    and the tissue maps still partition the brain. Generator 5's CSF shares all sat near the template's, and
+    normalised phantom T2 lacked real scans' long bright CSF tail (docs/decisions/world-realism.md)."""
     cases = [make_case(4, i, 2, 3.0) for i in range(12)]
     shares = []
     for case in cases:
