@@ -2,7 +2,7 @@
 on phantoms of the same variant and on labelled real cases (WT / TC / ET per case, with test-time mirroring).
 
     .venv/bin/python -m experiments.probe_world VARIANT --real DIR [--real DIR] --out FOLDER \\
-        [--cases 120] [--test 20] [--epochs 20] [--seed 0] [--unet small|wide]
+        [--cases 120] [--test 20] [--epochs 20] [--seed 0] [--unet small|wide] [--save-model]
 
 VARIANT is ``current`` (the product's generator); ``current+LEVER...``, the levers of ``experiments.world_levers``,
 which patch it (``current+template`` is generator 4); or parts of ``experiments.world_variants`` joined by '+', which patch generator 3 (run
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--unet", default="small")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--save-model", action="store_true", help="also write the trained U-Net (torch.save)")
     args = parser.parse_args()
 
     import torch
@@ -60,6 +61,8 @@ def main() -> None:
     train_segmentation(model, images[: args.cases], labels[: args.cases],
                        TrainConfig(epochs=args.epochs, batch_size=2, learning_rate=args.lr, seed=args.seed))
     trained = time.time()
+    if args.save_model:
+        torch.save(model, root / "model.pt")
     phantom = evaluate_release(model, images[args.cases:], labels[args.cases:])[0]
     real = score_model(model, config, open_check(args.real, cache_dir=None))
     row = {"variant": args.variant, "generator": phantoms.GENERATOR_VERSION, "seed": args.seed, "cases": args.cases,

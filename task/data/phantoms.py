@@ -121,6 +121,10 @@ LITTLE_OEDEMA_SHARE = 0.2      # lesions whose oedema is a thin rim (core radius
 CORE_SHARE = (0.5, 0.85)
 RIM_MM = (3.0, 8.0)
 BROKEN_RIM_SHARE = 0.4         # rim-enhancing lesions whose shell is broken: part of it does not enhance
+# How far the oedema's centre may lie off the core's, as a share of the oedema's radius (uniform per lesion, in
+# a random direction). 0 in generator 7: the oedema is centred on the core. The world probe's ``eccentric`` lever
+# sets it (experiments/world_levers.py).
+OEDEMA_ECCENTRICITY = 0.0
 # A subject's brain volume (ml), skull-stripped as BraTS releases it (brain and CSF), uniform: adult intracranial
 # volumes. The MNI152 template's brain mask holds about 2.0 l (at 3 mm), where the development scans' brains hold
 # 1.0-1.6 l; scaled around the template (generator 4: x0.8-1.26 in volume), a phantom's tumour, drawn in mm, was
@@ -505,7 +509,8 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     r_edema = max(r_edema, r_core + 2.5 * res)
     # the box holds the largest extent the clipped noise, the white-matter pull and a second lobe allow:
     # f_edema < 1 needs dist < 1.825 r_edema, so |u| < 0.675 r + 0.8 x 1.825 r < 2.14 r; x stretch 1.3 < 2.8 r
-    half = int(math.ceil(2.8 * r_edema / res)) + 2
+    # (an oedema moved off the core reaches up to 1.3 x its shift further)
+    half = int(math.ceil((2.8 + 1.3 * OEDEMA_ECCENTRICITY) * r_edema / res)) + 2
     lo = np.maximum(np.floor(p).astype(int) - half, 0)
     hi = np.minimum(np.floor(p).astype(int) + half + 1, shape)
     box = tuple(slice(a, b) for a, b in zip(lo, hi))
@@ -523,11 +528,12 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
         lobe_scale = rng.uniform(0.5, 0.8)
         lobe = np.sqrt((u[0] - offset[0]) ** 2 + (u[1] - offset[1]) ** 2 + (u[2] - offset[2]) ** 2) / lobe_scale
         dist = np.minimum(dist, lobe.astype(np.float32))
+    dist_edema = _oedema_distance(rng, u, dist, r_edema)
     # additive perturbation of the normalised distance by clipped smooth noise: irregular, bounded shapes
     noise = np.clip(smooth_field(rng, bshape, (5, 5, 5), count=5), -1.5, 1.5)
     f_core = dist / r_core + rng.uniform(0.1, 0.25) * noise[0]
     finger = np.clip(smooth_field(rng, bshape, (8, 8, 8), count=1)[0], -1.5, 1.5)   # finer: finger-like oedema
-    f_edema = dist / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
+    f_edema = dist_edema / r_edema + rng.uniform(0.12, 0.25) * noise[1] + rng.uniform(0.08, 0.2) * finger
     # vasogenic oedema spreads along white-matter tracts and stops at the cortex (it rarely enters grey matter)
     f_edema = f_edema - rng.uniform(0.1, 0.3) * (tissue["wm"][box] - 0.5)
     if solid_enhancing:
@@ -572,6 +578,21 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     weights["edema"] *= fade
     _cap_tumour_weights(weights)
     return label, weights, rim_kind
+
+
+def _oedema_distance(rng: np.random.Generator, u: list[np.ndarray], dist: np.ndarray, r_edema: float) -> np.ndarray:
+    """The anisotropic distance (mm) that shapes the oedema: the core's own (``dist``, with its second lobe), so
+    the oedema is centred on the core, unless ``OEDEMA_ECCENTRICITY`` is above zero; then the oedema's centre is
+    moved off the core's by up to that share of its radius, in a direction drawn from a stream of its own (every
+    other draw of the case stays the generator's): the oedema reaches further on one side and leaves the core bare
+    on the other."""
+    if OEDEMA_ECCENTRICITY <= 0.0:
+        return dist
+    own = np.random.default_rng([rng.bit_generator.state["state"]["state"], 0xED])
+    direction = own.normal(size=3)
+    shift = direction / max(float(np.linalg.norm(direction)), 1e-6) * own.uniform(0.0, OEDEMA_ECCENTRICITY) * r_edema
+    off = np.sqrt((u[0] - shift[0]) ** 2 + (u[1] - shift[1]) ** 2 + (u[2] - shift[2]) ** 2).astype(np.float32)
+    return off
 
 
 def _shell_gap(rng: np.random.Generator, field: np.ndarray, shell: np.ndarray) -> np.ndarray:
