@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     # this entry point is guarded (``if __name__ == "__main__"``, as a console script's is): spawned phantom
     # workers can import it safely, so worlds generate their phantoms on every core (task.world.phantom_workers)
     os.environ.setdefault("FEDPATE_PHANTOM_WORKERS", "auto")
+    # the commit this command starts from labels every result it writes, however long it runs
+    from task.reporting.provenance import pin_run_commit
+
+    pin_run_commit()
     try:
         status = args.func(args)
     except _user_error_types() as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -73,3 +74,20 @@ def test_unknown_without_git_or_without_a_checkout(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/git")
     monkeypatch.setattr(provenance.subprocess, "run", broken)
     assert provenance.commit_of(provenance.CHECKOUT) == provenance.UNKNOWN
+
+
+def test_a_pinned_run_commit_labels_every_result_and_a_later_pin_keeps_it(tmp_path, monkeypatch):
+    # a long run records the commit it started from, even when the checkout moves on while it runs
+    started = "a" * 40
+    monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, started)
+    assert provenance.pin_run_commit() == started                       # an outer command's pin is kept
+    assert write_run(tmp_path, RunResults(method="public-only"))["commit"] == started
+    monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, started + provenance.DIRTY)
+    assert provenance.code_commit() == started + provenance.DIRTY
+
+
+def test_a_malformed_pin_is_ignored_and_replaced_by_the_checkouts_commit(monkeypatch):
+    monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, "not a commit; rm -rf")
+    assert provenance.code_commit() == provenance.commit_of(provenance.CHECKOUT)
+    assert provenance.pin_run_commit() == provenance.commit_of(provenance.CHECKOUT)
+    assert os.environ[provenance.RUN_COMMIT_VARIABLE] == provenance.commit_of(provenance.CHECKOUT)

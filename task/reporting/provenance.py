@@ -5,6 +5,11 @@ traced to the code that produced it. The commit is ``git rev-parse HEAD`` of the
 with ``-dirty`` appended when a tracked file differs from that commit, or git cannot tell (the number then came
 from code no commit holds); it is ``unknown`` whenever it cannot be known: git is not installed, the package was
 installed from a wheel (its folder is no checkout's root), or git refuses the folder. Finding it never fails a run.
+
+A run that lasts (a comparison or a demo: an hour of cells) records the commit it *started* from, not the one checked
+out when each cell writes: ``fedpate`` pins it at a command's start (:func:`pin_run_commit`) in
+``FEDPATE_RUN_COMMIT``, which every process the command starts inherits, so a commit made in the checkout while a run
+goes on does not relabel its remaining cells.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ DIRTY = "-dirty"
 _GIT_REDIRECTS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR")
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")   # SHA-1, or SHA-256 object names
 _TIMEOUT_S = 10
+#: the environment variable holding the commit a running command started from (:func:`pin_run_commit`)
+RUN_COMMIT_VARIABLE = "FEDPATE_RUN_COMMIT"
 
 
 def commit_of(checkout: Path) -> str:
@@ -49,6 +56,25 @@ def commit_of(checkout: Path) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def code_commit() -> str:
-    """The commit of the code this process runs (:func:`commit_of` of :data:`CHECKOUT`), asked once."""
+def _checkout_commit() -> str:
     return commit_of(CHECKOUT)
+
+
+def _is_commit(text: str) -> bool:
+    return text == UNKNOWN or bool(_COMMIT.fullmatch(text.removesuffix(DIRTY)))
+
+
+def code_commit() -> str:
+    """The commit of the code this process runs: the one its command started from when it was pinned
+    (:func:`pin_run_commit`), else :func:`commit_of` of :data:`CHECKOUT`, asked once per process."""
+    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
+    return pinned if _is_commit(pinned) else _checkout_commit()
+
+
+def pin_run_commit() -> str:
+    """Pin the commit this command starts from for every process it starts (kept when a parent already pinned
+    one: a command inside a command belongs to the outer run); returns it."""
+    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
+    if not _is_commit(pinned):
+        os.environ[RUN_COMMIT_VARIABLE] = pinned = _checkout_commit()
+    return pinned
