@@ -34,9 +34,8 @@ import logging
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from clients.fedavg import local_dpsgd_round
-from clients.node import hospital_for, secure_identity_for, secure_policy_for
-from clients.secure import FINISHED, SecureHospital, run_stage
+from clients.node import hospital_card_for, hospital_for, secure_identity_for, secure_policy_for
+from clients.secure import FINISHED, KEY_STAGES, SecureHospital, run_stage
 from privacy.errors import PrivacyError
 from task.errors import UserError
 from task.wire.flower_wire import (CODEC_DIGEST, arrays_digest, arrays_to_record, config_to_record, make_content,
@@ -115,6 +114,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.train("fedavg")
 @refusals_as_replies
 def fedavg_round(msg: Message, context: Context) -> Message:
+    from clients.fedavg import local_dpsgd_round   # the training stack: only the messages that train import it
+
     config, arrays = read_content(msg.content)
     hospital = hospital_for(context.node_config, config)
     weights, metrics = local_dpsgd_round(hospital, arrays["weights"], config)
@@ -174,7 +175,9 @@ _SECURE_KEYS = ("stage", "message")
 @refusals_as_replies
 def secure_stage(msg: Message, context: Context) -> Message:
     config, arrays = read_content(msg.content)
-    hospital = hospital_for(context.node_config, config)
+    # a deployed hospital answers the key stages as its card (no data, no models, no torch in this process)
+    card = hospital_card_for(context.node_config) if config.get("stage") in KEY_STAGES else None
+    hospital = card or hospital_for(context.node_config, config)
     try:
         stage = str(config["stage"])
         message = unpack_nested(config["message"], arrays.get("message", {}))

@@ -56,7 +56,8 @@ from task.names import check_name_part
 from task.io import atomic_save_torch, atomic_write_json
 from task.learning.networks import StackedVoxelHeads, VoxelHeadUNet, build_unet, load_start_weights
 from task.options import Trainable
-from task.wire.requests import EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest
+from task.wire.requests import (EvaluationRequest, HospitalRequest, QueryRequest, TeacherTrainingRequest,
+                                read_request_as)
 from task.learning.training import (TrainConfig, dice_of_labels, dice_of_probabilities, evaluate_segmentation,
                                     predict_probs, stacked_head_probabilities, stacked_training_applies,
                                     train_segmentation, train_stacked_voxel_heads)
@@ -188,10 +189,7 @@ class Hospital:
     def read_request(self, kind: type[HospitalRequest], config) -> Any:
         """``config`` as a request of ``kind`` (``kind.from_config``); a malformed one is refused naming this
         hospital and the key."""
-        try:
-            return kind.from_config(config)
-        except UserError as exc:
-            raise UserError(f"hospital {self.hospital_id}: {exc}") from None
+        return read_request_as(self.hospital_id, kind, config)
 
     def compute(self, config: HospitalRequest | Mapping[str, Any] | None = None) -> tuple[Any, str]:
         """(torch.device, precision) for one request: a deployed hospital's own node config; a simulated one

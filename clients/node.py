@@ -32,18 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from clients.hospital import Hospital, HospitalSettings
 from clients.secure import SecurePolicy
-from task.codecs import CodecPolicy
-from task.data.partitions import split_into_teachers
-from task.data.preprocess import PreprocessConfig, prepare_dataset
 from task.errors import UserError
 from task.names import check_name_part
 from task.settings.presets import get_preset
-from task.wire.requests import RunContext
+from task.wire.requests import RunContext, read_request_as
 from task.settings.runconfig import config_flag
 from task.wire.secagg import SigningIdentity
-from task.world import open_world
+
+# The hospital, its data and its models (clients.hospital, task.world, task.data.preprocess, task.codecs) import
+# the training stack (torch, ~2 s): imported where a hospital is built, so a deployed node's ClientApp process
+# started for a secure sum's key stage (:func:`hospital_card_for`) does without them.
 
 _HOSPITALS: dict[tuple, Any] = {}
 
@@ -122,16 +121,43 @@ class NodeConfig:
             device=str(given.get("device", "auto")), precision=str(given.get("precision", "32")),
             teachers_per_hospital=_node_value(given, "teachers-per-hospital", int) or None)
 
-    def hospital_settings(self, seed: int) -> HospitalSettings:
+    def hospital_settings(self, seed: int) -> "HospitalSettings":
         """A deployed hospital's own settings (its ledger is ``workdir/privacy-ledger.jsonl``)."""
+        from clients.hospital import HospitalSettings
+        from task.codecs import CodecPolicy
+
         return HospitalSettings(seed=seed, deployed=True, lifetime_epsilon=self.epsilon_budget, delta=self.delta,
                                 codec_policy=CodecPolicy(max_latent_dim=self.max_latent_dim,
                                                          allow_identity=self.allow_identity),
                                 max_teachers=self.max_teachers, device=self.device, precision=self.precision)
 
 
+@dataclass(frozen=True)
+class HospitalCard:
+    """What a secure sum's key stages (setup, share-keys, unmask) ask of a deployed hospital: its name, that it
+    is deployed, and its reading of a request -- nothing of its patients or teachers. A SuperNode starts a fresh
+    ClientApp process for every message, and building the hospital imports the training stack and opens its
+    data; these stages touch neither, and what they check (the roster, the node's own policy) comes from the node
+    config, as it does with the full hospital."""
+
+    hospital_id: str
+    deployed: bool = True
+
+    def read_request(self, kind, config):
+        return read_request_as(self.hospital_id, kind, config)
+
+
+def hospital_card_for(node_config: Mapping[str, Any]) -> HospitalCard | None:
+    """A deployed node's :class:`HospitalCard` (its node config checked as for the full hospital); None for a
+    simulated node, whose hospital lives on in its process (built once, cached)."""
+    node = NodeConfig.from_node_config(node_config)
+    return HospitalCard(node.hospital_id) if node.deployed else None
+
+
 def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
     """Return the (cached) :class:`clients.hospital.Hospital` this node plays."""
+    from clients.hospital import Hospital, HospitalSettings
+    from task.world import open_world
 
     context = RunContext.from_config(config)
     preset = get_preset(context.preset, **(context.preset_overrides or {}))
@@ -170,6 +196,9 @@ def _deployed_hospital(node_config, config, preset, seed, hospital_cls, raw_conf
     teachers = int(node.teachers_per_hospital or context.teachers_per_hospital or preset.teachers_per_hospital)
     key = ("deploy", str(data_dir), hospital_id, tuple(preset.grid), teachers)
     if key not in _HOSPITALS:
+        from task.data.partitions import split_into_teachers
+        from task.data.preprocess import PreprocessConfig, prepare_dataset
+
         if raw_config is not None:   # its secure-sum identity checked before any work (one line on a mistake)
             secure_identity_for(raw_config)
         prepared = prepare_dataset(data_dir, workdir / "prepared", PreprocessConfig(grid=tuple(preset.grid)),

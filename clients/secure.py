@@ -51,6 +51,8 @@ from task.errors import UserError
 from task.wire.requests import HospitalRequest, SecureStageRequest
 
 STAGES = ("setup", "share-keys", "collect-masked", "unmask")
+#: the stages that exchange only keys, shares and masks: the hospital's data and teachers are not touched
+KEY_STAGES = ("setup", "share-keys", "unmask")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ stage, a hospital leaving mid-protocol is recovered, and a whole secure PATE run
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ from tests.test_flower_transport import PRESET, MemoryGrid
 from tests.test_secure_hospital import DELTA, GRID, FixedTeachers, _codec, _declaration
 
 BITS = 40
+REPO = Path(__file__).resolve().parents[1]
 
 
 class RecordingGrid(MemoryGrid):
@@ -334,3 +339,33 @@ def test_a_deployed_hospital_takes_its_secure_policy_from_its_node_config_only(t
              "noise": {**noise, "shares": 2, "total_variance": 2 * noise["local_variance"], "colluders": 0}}
     secure.handle("setup", setup, {"secure_policy": {"colluders": 1}})
     assert secure.party.policy == SecurePolicy()
+
+
+def test_a_deployed_hospital_answers_a_key_stage_without_its_data_or_torch(tmp_path):
+    """A SuperNode starts a ClientApp process for every message. For a secure sum's key stages (setup,
+    share-keys, unmask) a deployed hospital answers as its card: its data folder is not opened and torch is not
+    imported -- and it still refuses a sum without the consortium's roster, as the full hospital does."""
+    script = textwrap.dedent(f"""
+        import sys, time, uuid
+        from flwr.app import Context, Message, Metadata, RecordDict
+        from clients.client_app import app
+        from task.wire.flower_wire import make_content, pack_nested, read_content
+        node_config = {{"hospital-id": "h0", "data-dir": {str(tmp_path / "absent")!r}, "epsilon-budget": 8.0,
+                       "max-teachers": 4, "workdir": {str(tmp_path / "work")!r}}}
+        skeleton, payload = pack_nested({{"session": "s1", "participants": ["h0", "h1"], "threshold": 2}})
+        content = make_content({{"preset": "tiny", "seed": 0, "stage": "setup", "message": skeleton}},
+                               message=payload)
+        metadata = Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=0, dst_node_id=1,
+                            reply_to_message_id="", group_id="", created_at=time.time(), ttl=60.0,
+                            message_type="query.secure")
+        context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={{}})
+        reply = app(Message(metadata=metadata, content=content), context)
+        print(read_content(reply.content)[0]["status"])
+        print("torch" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    status, torch_imported = result.stdout.strip().splitlines()[-2:]
+    assert status.startswith("refused: hospital h0: takes part in secure sums only with the consortium's roster")
+    assert torch_imported == "False"
+    assert not (tmp_path / "absent").exists() and not (tmp_path / "work").exists()

@@ -395,3 +395,12 @@ class SecureStageRequest(HospitalRequest):
         for name in ("seed", "secure_noise_seed"):
             if getattr(self, name) is not None:
                 _set(self, name, _integer(getattr(self, name), name))
+
+
+def read_request_as(who: str, kind: type[R], config: Any) -> R:
+    """``config`` read as a request of ``kind`` (``kind.from_config``) by hospital ``who``: a malformed one is
+    refused naming that hospital and the key (one line)."""
+    try:
+        return kind.from_config(config)
+    except UserError as exc:
+        raise UserError(f"hospital {who}: {exc}") from None
