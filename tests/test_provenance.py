@@ -81,7 +81,12 @@ def test_a_pinned_run_commit_labels_every_result_and_a_later_pin_keeps_it(tmp_pa
     started = "a" * 40
     monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, started)
     assert provenance.pin_run_commit() == started                       # an outer command's pin is kept
-    assert write_run(tmp_path, RunResults(method="public-only"))["commit"] == started
+    written = write_run(tmp_path, RunResults(method="public-only"))
+    assert written["commit"] == started
+    # the checkout is elsewhere now: what it is at is recorded beside the commit the run started from
+    assert written["commit_when_written"] == provenance.commit_of(provenance.CHECKOUT) != started
+    monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, provenance.commit_of(provenance.CHECKOUT))
+    assert "commit_when_written" not in write_run(tmp_path / "same", RunResults(method="public-only"))
     monkeypatch.setenv(provenance.RUN_COMMIT_VARIABLE, started + provenance.DIRTY)
     assert provenance.code_commit() == started + provenance.DIRTY
 

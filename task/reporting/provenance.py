@@ -9,7 +9,8 @@ installed from a wheel (its folder is no checkout's root), or git refuses the fo
 A run that lasts (a comparison or a demo: an hour of cells) records the commit it *started* from, not the one checked
 out when each cell writes: ``fedpate`` pins it at a command's start (:func:`pin_run_commit`) in
 ``FEDPATE_RUN_COMMIT``, which every process the command starts inherits, so a commit made in the checkout while a run
-goes on does not relabel its remaining cells.
+goes on does not relabel its remaining cells. A process started after such a commit may run the newer code, so
+a result written when the checkout is no longer at the pinned commit records that too (:func:`commit_moved`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def code_commit() -> str:
     (:func:`pin_run_commit`), else :func:`commit_of` of :data:`CHECKOUT`, asked once per process."""
     pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
     return pinned if _is_commit(pinned) else _checkout_commit()
+
+
+def commit_moved() -> str | None:
+    """The checkout's commit now (asked afresh), when a command pinned another one at its start; else None."""
+    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
+    if not _is_commit(pinned):
+        return None
+    now = commit_of(CHECKOUT)
+    return now if now != pinned else None
 
 
 def pin_run_commit() -> str:

@@ -38,7 +38,7 @@ from task.reporting import realcheck
 from task.learning.accounting import memoised_per_relation
 from task.io import atomic_write_bytes, atomic_write_json
 from task.learning.phases import phase
-from task.reporting.provenance import code_commit
+from task.reporting.provenance import code_commit, commit_moved
 from task.learning.metrics import DICE_KEYS
 
 
@@ -77,7 +77,8 @@ class RunResults:
     #: None on classification
     inference: str | None = None
     #: the commit of the code that ran (``task.reporting.provenance.code_commit``: ``git rev-parse HEAD``, ``-dirty`` when a
-    #: tracked file differed, ``unknown`` without a checkout); filled by :func:`write_run`
+    #: tracked file differed, ``unknown`` without a checkout; the one the command started from); filled by
+    #: :func:`write_run`, which adds the extra ``commit_when_written`` when the checkout has moved on since
     commit: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -168,7 +169,10 @@ def write_run(out: str | Path, results: RunResults, release: ModelRelease | None
         # every segmentation producer scores its release with task.learning.training.evaluate_release
         results.inference = inference.DESCRIPTION
     if results.commit is None:
-        results.commit = code_commit()
+        results.commit = code_commit()   # the commit the command started from
+        moved = commit_moved()
+        if moved is not None:   # the checkout moved on during the run: this cell's process may run newer code
+            results.extras["commit_when_written"] = moved
     with phase("writing"):
         _write_release(out, results, release)
     if started is not None:
