@@ -341,6 +341,34 @@ def per_case_table(cells, cases: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def volume_table(cells, cases: Sequence[Mapping[str, Any]]) -> str | None:
+    """The reference's WT / TC / ET volume of each case (first row), then each scored cell's: whether a model
+    under- or over-calls a region (Dice alone does not say). None when no cell recorded volumes (results written
+    before they were)."""
+    by_cell = []
+    for cell in sorted(cells, key=_sort_key):
+        rows = {(r.get("folder"), r.get("case")): r for r in (cell.get("real_check") or {}).get("cases") or []}
+        by_cell.append((cell, [rows.get((c["folder"], c["case"])) for c in cases]))
+    if not any(row and row.get("volume_ml") for _, rows in by_cell for row in rows):
+        return None
+
+    def shown(row, which: int) -> str:
+        volumes = (row or {}).get("volume_ml")
+        return "—" if not volumes else " / ".join(f"{volumes[k][which]:.0f}" for k in REGIONS)
+
+    reference = []
+    for i in range(len(cases)):
+        found = next((rows[i] for _, rows in by_cell if rows[i] and rows[i].get("volume_ml")), None)
+        reference.append(shown(found, 0))
+    header = ["method", "ε budget", "K", *(f"{_case_header(c)} WT / TC / ET ml" for c in cases)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+             "| **reference** | | | " + " | ".join(f"**{v}**" for v in reference) + " |"]
+    for cell, rows in by_cell:
+        lines.append("| " + " | ".join([str(cell.get("method")), _budget(cell), str(cell.get("teachers") or "—"),
+                                         *(shown(row, 1) for row in rows)]) + " |")
+    return "\n".join(lines)
+
+
 def _ranks(values: Sequence[float]) -> list[float]:
     """Rank 1 = highest; ties share their mean rank."""
     order = sorted(range(len(values)), key=lambda i: -values[i])
@@ -467,6 +495,11 @@ def real_section(cells: Sequence[Mapping[str, Any]],
     if found is not None:
         lines += [rank_table(found), ""]
     lines += ["Dice per case (WT / TC / ET):", "", per_case_table(scored, cases), ""]
+    volumes = volume_table(scored, cases)
+    if volumes is not None:
+        lines += ["Volume per case (ml, the reference's first): a model that labels less of a region than the "
+                  "reference holds under-calls it, more over-calls it (Dice alone does not say which).", "", volumes,
+                  ""]
     disagreeing = disagreements(scored)
     if disagreeing:
         lines += ["Where the phantom and real-scan rankings disagree:", ""] + [f"- {line}" for line in disagreeing] + [""]

@@ -130,10 +130,16 @@ def test_scores_equal_evaluate_in_each_case_own_grid_whatever_the_layout(tmp_pat
     image, truth, affine = load_case(check.cases[0].case)
     assert truth.shape == (40, 44, 36) and set(np.unique(truth)) == {0, 1, 2, 3}
     expected = summarise(*per_case_dice(segment_scan(tiny_model, config, image, affine)[None], truth[None]))
-    rows = [{k: v for k, v in row.items() if k not in ("case", "folder", "layout", "reference")}
+    rows = [{k: v for k, v in row.items() if k not in ("case", "folder", "layout", "reference", "volume_ml")}
             for row in scored["cases"]]
     assert rows[0] == pytest.approx(expected) and rows[1] == pytest.approx(expected)
     assert scored["dice"]["WT"] == pytest.approx(expected["WT"]) and scored["seconds"] >= 0
+    # each region's volume, the reference's and the model's, in ml of the scan's own voxels
+    predicted, voxel_ml = segment_scan(tiny_model, config, image, affine), abs(np.linalg.det(affine[:3, :3])) / 1000
+    for row in scored["cases"]:
+        for region, classes in {"WT": (1, 2, 3), "TC": (2, 3), "ET": (3,)}.items():
+            assert row["volume_ml"][region] == pytest.approx(
+                [np.isin(truth, classes).sum() * voxel_ml, np.isin(predicted, classes).sum() * voxel_ml], abs=0.05)
 
 
 def test_each_case_is_preprocessed_once_and_cached_on_disk(tmp_path, tiny_model, monkeypatch):
@@ -397,6 +403,22 @@ def test_the_real_scans_section_pools_the_cases_with_their_origin_and_gives_mean
            "0.500 / 0.100 / 0.000 |" in text
     # the best private method at each budget and the order against the floors agree; τ shows the pairs that do not
     assert "The phantom and real-scan rankings agree on the best private method at each budget" in text
+    assert "Volume per case" not in text   # results written before volumes were recorded: no table
+
+
+def test_the_real_scans_section_gives_each_cases_volumes_the_references_first():
+    from sim.report_real import real_section
+
+    cells = _world()
+    for cell in cells:
+        for i, row in enumerate(cell["real_check"]["cases"]):
+            row["volume_ml"] = {"WT": [100.0 + i, 80.0], "TC": [30.0, 31.4], "ET": [20.0, 9.6]}
+    text = "\n".join(real_section(cells, lambda cell: None))
+    assert "Volume per case (ml, the reference's first)" in text
+    assert "| method | ε budget | K | g0 WT / TC / ET ml | g1 WT / TC / ET ml | g2 WT / TC / ET ml | " \
+           "d0† WT / TC / ET ml |" in text
+    assert "| **reference** | | | **100 / 30 / 20** | **101 / 30 / 20** | **102 / 30 / 20** | **103 / 30 / 20** |" in text
+    assert "| public-only | — | — | 80 / 31 / 10 | 80 / 31 / 10 | 80 / 31 / 10 | 80 / 31 / 10 |" in text
 
 
 def test_the_seeds_report_gives_tau_and_the_real_headroom_seed_by_seed():

@@ -54,7 +54,7 @@ from task.data.reader import read_dataset, require_labels
 from task.errors import UserError
 from task.learning.inference import DESCRIPTION
 from task.io import atomic_write_bytes, cache_root
-from task.learning.metrics import DICE_KEYS, per_case_dice_counted, summarise
+from task.learning.metrics import DICE_KEYS, REGIONS as REGION_CLASSES, per_case_dice_counted, summarise
 from task.options import Reference, look_up_option
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
@@ -271,13 +271,23 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
             class_dice, region_dice = per_case_dice_counted(labels[None], prepared["truth"][None])
             class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
             rows.append({"case": real.case_id, "folder": real.folder, "layout": real.layout,
-                         "reference": real.reference and str(real.reference), **summarise(class_dice, region_dice)})
+                         "reference": real.reference and str(real.reference), **summarise(class_dice, region_dice),
+                         "volume_ml": region_volumes(labels, prepared["truth"], prepared["record"])})
     finally:
         model.train(was_training)
     return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows,
             "folders": check.describe(), "grid": "each case's own grid",
             "inference": DESCRIPTION if mirror else "one pass",
             "seconds": round(time.perf_counter() - started, 2)}
+
+
+def region_volumes(labels: np.ndarray, truth: np.ndarray, record: PreprocessRecord) -> dict[str, list[float]]:
+    """``{region: [reference ml, model ml]}`` for WT, TC and ET of one case in its own grid (the voxel volume
+    from its affine): whether a model under- or over-calls a region, which Dice alone does not say."""
+    voxel_ml = abs(float(np.linalg.det(record.affine_array[:3, :3]))) / 1000.0
+    return {region: [round(float(np.isin(truth, classes).sum()) * voxel_ml, 1),
+                     round(float(np.isin(labels, classes).sum()) * voxel_ml, 1)]
+            for region, classes in REGION_CLASSES.items()}
 
 
 # ------------------------------------------------------------------------------------------ preprocessed cases
