@@ -33,7 +33,12 @@ def own_accounting_memo(monkeypatch, tmp_path_factory):
     """Every test memoises its calibrations in a folder of its own (task.learning.accounting): a test that replaces a
     calibration by a stand-in never hands its value to another test."""
     monkeypatch.setenv("FEDPATE_ACCOUNTING_CACHE", str(tmp_path_factory.mktemp("accounting-memo")))
-    # a command run in-process pins the commit it starts from (task.reporting.provenance): the pin ends with the test
+
+
+@pytest.fixture(autouse=True)
+def commit_pin_of_its_own(monkeypatch):
+    """A command run in-process pins the commit it starts from (task.reporting.provenance.pin_run_commit): the
+    pin ends with the test that ran it."""
     monkeypatch.setenv("FEDPATE_RUN_COMMIT", "")
 
 
