@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from clients.secure import SecurePolicy
 from task.errors import UserError
@@ -39,6 +39,9 @@ from task.settings.presets import get_preset
 from task.wire.requests import RunContext, read_request_as
 from task.settings.runconfig import config_flag
 from task.wire.secagg import SigningIdentity
+
+if TYPE_CHECKING:   # annotations only
+    from clients.hospital import Hospital, HospitalSettings
 
 # The hospital, its data and its models (clients.hospital, task.world, task.data.preprocess, task.codecs) import
 # the training stack (torch, ~2 s): imported where a hospital is built, so a deployed node's ClientApp process
@@ -121,7 +124,7 @@ class NodeConfig:
             device=str(given.get("device", "auto")), precision=str(given.get("precision", "32")),
             teachers_per_hospital=_node_value(given, "teachers-per-hospital", int) or None)
 
-    def hospital_settings(self, seed: int) -> "HospitalSettings":
+    def hospital_settings(self, seed: int) -> HospitalSettings:
         """A deployed hospital's own settings (its ledger is ``workdir/privacy-ledger.jsonl``)."""
         from clients.hospital import HospitalSettings
         from task.codecs import CodecPolicy
@@ -154,7 +157,7 @@ def hospital_card_for(node_config: Mapping[str, Any]) -> HospitalCard | None:
     return HospitalCard(node.hospital_id) if node.deployed else None
 
 
-def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]):
+def hospital_for(node_config: Mapping[str, Any], config: Mapping[str, Any]) -> Hospital:
     """Return the (cached) :class:`clients.hospital.Hospital` this node plays."""
     from clients.hospital import Hospital, HospitalSettings
     from task.world import open_world
