@@ -71,7 +71,8 @@ def main() -> None:
         truth_box, flair = prepared["truth"], image[box][..., 0].astype(np.float32)
         z = (flair - flair[brain].mean()) / flair[brain].std()
         healthy = np.median(z[brain & (truth_box == 0)])
-        distance_box, oedema_box, _ = reach(truth_box, np.abs(np.diag(affine)[:3]))
+        # the box holds every labelled voxel: its oedema, in C order, is the scan's, with the same distances
+        distance_box, oedema_box = distance, truth_box == 1
         found = labels[oedema_box] > 0
         contrast = z[oedema_box] - healthy
         for lo, hi in zip(BINS_MM[:-1], BINS_MM[1:]):

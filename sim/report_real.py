@@ -326,16 +326,19 @@ def mean_table(cells, floor, ceiling, phantom_headroom: Callable[[Mapping[str, A
     return "\n".join(lines)
 
 
+def _rows_of(cell, cases: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any] | None]:
+    """The cell's scored row of each case (None where it has none), in the order of ``cases``."""
+    rows = {(r.get("folder"), r.get("case")): r for r in (cell.get("real_check") or {}).get("cases") or []}
+    return [rows.get((case["folder"], case["case"])) for case in cases]
+
+
 def per_case_table(cells, cases: Sequence[Mapping[str, Any]]) -> str:
     """One row per scored cell, one column per case: that case's WT / TC / ET Dice."""
     header = ["method", "ε budget", "K", *(f"{_case_header(c)} WT / TC / ET" for c in cases)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(cells, key=_sort_key):
-        rows = {(r.get("folder"), r.get("case")): r for r in (cell.get("real_check") or {}).get("cases") or []}
-        shown = []
-        for case in cases:
-            row = rows.get((case["folder"], case["case"]))
-            shown.append("—" if row is None else " / ".join(_fmt(row.get(k)) for k in REGIONS))
+        shown = ["—" if row is None else " / ".join(_fmt(row.get(k)) for k in REGIONS)
+                 for row in _rows_of(cell, cases)]
         lines.append("| " + " | ".join([str(cell.get("method")), _budget(cell), str(cell.get("teachers") or "—"),
                                          *shown]) + " |")
     return "\n".join(lines)
@@ -345,10 +348,7 @@ def volume_table(cells, cases: Sequence[Mapping[str, Any]]) -> str | None:
     """The reference's WT / TC / ET volume of each case (first row), then each scored cell's: whether a model
     under- or over-calls a region (Dice alone does not say). None when no cell recorded volumes (results written
     before they were)."""
-    by_cell = []
-    for cell in sorted(cells, key=_sort_key):
-        rows = {(r.get("folder"), r.get("case")): r for r in (cell.get("real_check") or {}).get("cases") or []}
-        by_cell.append((cell, [rows.get((c["folder"], c["case"])) for c in cases]))
+    by_cell = [(cell, _rows_of(cell, cases)) for cell in sorted(cells, key=_sort_key)]
     if not any(row and row.get("volume_ml") for _, rows in by_cell for row in rows):
         return None
 

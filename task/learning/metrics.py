@@ -77,6 +77,12 @@ def per_case_dice(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.nd
     return _case_dice(pred_cls, true_cls), _case_dice(pred_reg, true_reg)
 
 
+def class_volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
+    """Each tumour class's volume in ml in a label map's own voxels (``affine``: its voxel-to-world matrix)."""
+    voxel_ml = abs(np.linalg.det(affine[:3, :3])) / 1000.0
+    return {c: float((labels == c).sum() * voxel_ml) for c in (1, 2, 3)}
+
+
 def per_case_dice_counted(pred_labels: Any, true_labels: Any) -> tuple[np.ndarray, np.ndarray]:
     """:func:`per_case_dice` from voxel counts (numpy), for scans in their own grid: the same Dice, 2|P∩T| /
     (|P| + |T|), and the same empty-class convention (both empty: NaN; empty truth, non-empty prediction: 0).

@@ -38,7 +38,7 @@ from task.learning.device import autocast, model_device, resolve_device
 from task.errors import UserError
 from task.learning.inference import mirrored_probabilities
 from task.io import atomic_write_bytes
-from task.learning.metrics import per_case_dice, summarise
+from task.learning.metrics import class_volumes_ml, per_case_dice, summarise
 
 CLASS_NAMES = {1: "oedema", 2: "non-enhancing core", 3: "enhancing"}
 
@@ -318,7 +318,7 @@ def predict_scans(model_dir: str | Path, images: Sequence[str | Path], out_dir: 
         convention = resolve_labels(labels, scan.layout)
         output = out_dir / name
         _write_label_map(output, from_ours(segmentation, convention), affine, header)
-        results.append(Prediction(scan=scan.scan, output=output, volumes_ml=_volumes_ml(segmentation, affine),
+        results.append(Prediction(scan=scan.scan, output=output, volumes_ml=class_volumes_ml(segmentation, affine),
                                   labels=convention, warnings=warnings))
     return results
 
@@ -344,11 +344,6 @@ def output_names(scans: Sequence[ScanInput]) -> list[str]:
                             f"{name}; give them in separate runs with different --out folders")
         names.append(name)
     return names
-
-
-def _volumes_ml(labels: np.ndarray, affine: np.ndarray) -> dict[int, float]:
-    voxel_ml = abs(np.linalg.det(affine[:3, :3])) / 1000.0
-    return {c: float((labels == c).sum() * voxel_ml) for c in (1, 2, 3)}
 
 
 @dataclass(frozen=True)
@@ -418,8 +413,8 @@ def evaluate_scans(model_dir: str | Path, data_dir: str | Path,
         class_rows.append(class_dice[0]), region_rows.append(region_dice[0])
         rows.append({"case": case.case_id, "institution": case.institution,
                      **summarise(class_dice, region_dice),
-                     "volume_ml": sum(_volumes_ml(labels, affine).values()),
-                     "true_volume_ml": sum(_volumes_ml(np.asarray(truth), affine).values())})
+                     "volume_ml": sum(class_volumes_ml(labels, affine).values()),
+                     "true_volume_ml": sum(class_volumes_ml(np.asarray(truth), affine).values())})
     return {"dice": summarise(np.stack(class_rows), np.stack(region_rows)), "cases": rows}
 
 

@@ -61,30 +61,28 @@ def _checkout_commit() -> str:
     return commit_of(CHECKOUT)
 
 
-def _is_commit(text: str) -> bool:
-    return text == UNKNOWN or bool(_COMMIT.fullmatch(text.removesuffix(DIRTY)))
+def _pinned() -> str | None:
+    """The commit a running command pinned (:func:`pin_run_commit`); None when none is, or the value is no commit."""
+    text = os.environ.get(RUN_COMMIT_VARIABLE, "")
+    return text if text == UNKNOWN or _COMMIT.fullmatch(text.removesuffix(DIRTY)) else None
 
 
 def code_commit() -> str:
     """The commit of the code this process runs: the one its command started from when it was pinned
     (:func:`pin_run_commit`), else :func:`commit_of` of :data:`CHECKOUT`, asked once per process."""
-    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
-    return pinned if _is_commit(pinned) else _checkout_commit()
+    return _pinned() or _checkout_commit()
 
 
 def commit_moved() -> str | None:
     """The checkout's commit now (asked afresh), when a command pinned another one at its start; else None."""
-    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
-    if not _is_commit(pinned):
-        return None
-    now = commit_of(CHECKOUT)
+    pinned = _pinned()
+    now = commit_of(CHECKOUT) if pinned else None
     return now if now != pinned else None
 
 
 def pin_run_commit() -> str:
     """Pin the commit this command starts from for every process it starts (kept when a parent already pinned
     one: a command inside a command belongs to the outer run); returns it."""
-    pinned = os.environ.get(RUN_COMMIT_VARIABLE, "")
-    if not _is_commit(pinned):
-        os.environ[RUN_COMMIT_VARIABLE] = pinned = _checkout_commit()
-    return pinned
+    if _pinned() is None:
+        os.environ[RUN_COMMIT_VARIABLE] = _checkout_commit()
+    return os.environ[RUN_COMMIT_VARIABLE]

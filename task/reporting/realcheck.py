@@ -54,7 +54,8 @@ from task.data.reader import read_dataset, require_labels
 from task.errors import UserError
 from task.learning.inference import DESCRIPTION
 from task.io import atomic_write_bytes, cache_root
-from task.learning.metrics import DICE_KEYS, REGIONS as REGION_CLASSES, per_case_dice_counted, summarise
+from task.learning.metrics import (DICE_KEYS, REGIONS as REGION_CLASSES, class_volumes_ml, per_case_dice_counted,
+                                   summarise)
 from task.options import Reference, look_up_option
 
 #: the command-line option (repeatable) and the demo's environment variable (folders separated by os.pathsep)
@@ -284,9 +285,8 @@ def score_model(model, config: PreprocessConfig, check: RealCheck, precision: st
 def region_volumes(labels: np.ndarray, truth: np.ndarray, record: PreprocessRecord) -> dict[str, list[float]]:
     """``{region: [reference ml, model ml]}`` for WT, TC and ET of one case in its own grid (the voxel volume
     from its affine): whether a model under- or over-calls a region, which Dice alone does not say."""
-    voxel_ml = abs(float(np.linalg.det(record.affine_array[:3, :3]))) / 1000.0
-    return {region: [round(float(np.isin(truth, classes).sum()) * voxel_ml, 1),
-                     round(float(np.isin(labels, classes).sum()) * voxel_ml, 1)]
+    reference, model = (class_volumes_ml(volume, record.affine_array) for volume in (truth, labels))
+    return {region: [round(sum(reference[c] for c in classes), 1), round(sum(model[c] for c in classes), 1)]
             for region, classes in REGION_CLASSES.items()}
 
 
