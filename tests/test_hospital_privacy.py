@@ -258,3 +258,39 @@ def test_a_hospital_without_its_teachers_refuses_a_query_and_its_ledger_is_uncha
     with pytest.raises(UserError, match="cannot load teacher 1"):
         hospital.answer_query(scans, state, _query(["a", "b"]))
     assert hospital.privacy_ledger.read_bytes() == before
+
+
+class TrainedFixedTeachers(FixedTeachers):
+    """FixedTeachers with a training record's fingerprint, as teachers this product trained carry one."""
+
+    fingerprint = "trained-once"
+
+    def _teachers_fingerprint(self):
+        return self.fingerprint
+
+
+def test_another_budgets_query_is_charged_and_reuses_the_teachers_rows(tmp_path):
+    """A comparison's PATE cells (fresh hospitals on the same folder) ask the same teachers about the same public
+    scans under another σ: the teachers run once, yet every batch is charged before its rows are returned, a batch
+    the budget refuses gets nothing, and retrained teachers run again."""
+    state = PCACompressor(3, "clip", clip=1.0).fit(_maps()).state()
+    scans = np.random.default_rng(0).random((2, 4, *GRID), dtype=np.float32)
+    first_cell = TrainedFixedTeachers(tmp_path, lifetime=8.0)
+    first, _ = first_cell.answer_query(scans, state, _query(["e1-a", "e1-b"], sigma=2.0))
+    assert first_cell.runs == 3
+    second_cell = TrainedFixedTeachers(tmp_path, lifetime=8.0)
+    second, notes = second_cell.answer_query(scans, state, _query(["e8-a", "e8-b"], sigma=1.0))
+    assert second_cell.runs == 0 and notes == {"fallback_teachers": 0}
+    np.testing.assert_array_equal(second, first)
+    ledger = Ledger.load(second_cell.privacy_ledger)
+    assert [r["release_id"].split("@")[0] for r in ledger.records()] == ["e1-a", "e1-b", "e8-a", "e8-b"]
+    assert [r["event"]["sigma"] for r in ledger.records()] == [2.0, 2.0, 1.0, 1.0]
+    with pytest.raises(BudgetExceeded):   # charged before the kept rows are looked up
+        second_cell.answer_query(scans, state, _query(["e100-a", "e100-b"], sigma=0.01))
+    assert len(Ledger.load(second_cell.privacy_ledger)) == 4
+    # other scans, or retrained teachers, run the teachers again
+    second_cell.answer_query(scans[:1], state, _query(["o-a"], sigma=2.0))
+    assert second_cell.runs == 3
+    second_cell.fingerprint = "trained-again"
+    second_cell.answer_query(scans, state, _query(["r-a", "r-b"], sigma=2.0))
+    assert second_cell.runs == 6
