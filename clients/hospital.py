@@ -579,23 +579,25 @@ class Hospital:
             return self._diagnostic_pass(scans, request, codec, encode)
         release_ids, sigma, teachers = self._query_declaration(request, len(scans))
         # a genuine retry (the identical request to the same teachers) gets the identical earlier answer
-        asked = ({"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
-                 {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
-                  "teachers_trained": self._teachers_fingerprint() or ""})
+        inputs = {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}}
+        fingerprint = self._teachers_fingerprint()
+        asked = (inputs, {"release_ids": release_ids, "sigma": sigma, "teachers": teachers,
+                          "teachers_trained": fingerprint or ""})
         key = request_key("query", *asked)
         answered = self.answers.lookup(key, legacy_request_key("query", *asked))
         if answered is not None:
             return answered[0]["rows"], answered[1]
         self.load_teachers(request)   # a hospital that cannot answer refuses before it is charged
         self._charge_query(codec, request, release_ids, sigma, teachers)
-        rows, notes = self._encoded_rows_once(scans, request, codec, encode)
+        rows, notes = self._encoded_rows_once(inputs, fingerprint, request, codec, encode)
         self.answers.store(key, {"rows": rows}, notes)
         return rows, notes
 
-    def _encoded_rows_once(self, scans: np.ndarray, request: HospitalRequest, codec, encode
-                           ) -> tuple[np.ndarray, dict]:
-        """The teachers' encoded rows for ``scans`` under ``codec`` and the notes that go with them, computed once
-        for these trained teachers and kept in the answer book; called only after the batch has been charged.
+    def _encoded_rows_once(self, inputs: Mapping[str, np.ndarray], fingerprint: str | None, request: HospitalRequest,
+                           codec, encode) -> tuple[np.ndarray, dict]:
+        """The teachers' encoded rows for ``inputs`` (the query's scans and codec arrays, as its request key holds
+        them) and the notes that go with them, computed once for the teachers trained as ``fingerprint`` says and kept
+        in the answer book; called only after the batch has been charged.
 
         Why: a comparison's PATE cells (one per budget) ask the same teachers about the same public query scans with
         the same public codec; only the release ids and σ differ, and σ only scales the noise the aggregator adds to
@@ -603,14 +605,12 @@ class Hospital:
         the answer book keeps of every answered batch already, under a key without the release ids and σ: nothing
         new reaches the disk. Keyed on the teachers' training fingerprint (retrained teachers run again) and the
         compute settings; teachers with no training record (put in place by hand) always run."""
-        fingerprint = self._teachers_fingerprint()
         key = None if not fingerprint else request_key(
-            "encoded-rows", {"scans": scans, **{f"codec.{n}": v for n, v in codec.items()}},
-            {"teachers_trained": fingerprint, "compute": list(map(str, self.compute(request)))})
+            "encoded-rows", inputs, {"teachers_trained": fingerprint, "compute": list(map(str, self.compute(request)))})
         kept = None if key is None else self.answers.lookup(key)
         if kept is not None:
             return kept[0]["rows"], kept[1]
-        rows, fallbacks, _ = self.encoded_answers(scans, request, codec, encode)
+        rows, fallbacks, _ = self.encoded_answers(inputs["scans"], request, codec, encode)
         notes = {"fallback_teachers": fallbacks}
         if key is not None:
             self.answers.store(key, {"rows": rows}, notes)
