@@ -157,7 +157,10 @@ def legacy_request_key(kind: str, arrays: Mapping[str, Any] | None = None,
 class AnswerBook:
     """The answers a hospital gave, by request key, on its own disk (``directory/<key>.npz`` + ``.json``).
 
-    Answers are noisy releases the server already holds (DP outputs): keeping them adds nothing private.
+    What is kept was already sent: DP-FedAvg's noised updates, and PATE's per-teacher encoded rows, which are not
+    noised (a trusted aggregator averages and noises them). Those rows are outputs of teachers trained on the
+    hospital's patients without a guarantee of their own, so, like the teachers, every file is owner-only (0600)
+    whatever the umask: a colleague on the hospital's machine reads neither.
     """
 
     def __init__(self, directory: str | Path, max_bytes: int = 64 * 2**20) -> None:
@@ -190,6 +193,6 @@ class AnswerBook:
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         arrays_path, meta_path = self._paths(key)
-        atomic_write_bytes(arrays_path, buffer.getvalue())
-        atomic_write_json(meta_path, dict(meta))
+        atomic_write_bytes(arrays_path, buffer.getvalue(), private=True)
+        atomic_write_json(meta_path, dict(meta), private=True)
         return True

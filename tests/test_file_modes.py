@@ -58,3 +58,16 @@ def test_a_report_written_by_the_report_code_is_readable_by_colleagues(tmp_path,
     report = write_report(tmp_path, "file modes")
     assert _mode(report) == 0o666 & ~umask
     assert _mode(tmp_path / "cells.csv") == 0o666 & ~umask
+
+
+def test_a_hospitals_answer_book_is_owner_only_under_any_umask(tmp_path, umask):
+    """PATE's kept answers are every teacher's un-noised rows: like the teachers, they stay with their owner."""
+    import numpy as np
+
+    from clients.replay import AnswerBook
+
+    book = AnswerBook(tmp_path / "answers")
+    assert book.store("k" * 64, {"rows": np.ones((3, 2, 4), np.float32)}, {"fallback_teachers": 0})
+    kept = sorted((tmp_path / "answers").iterdir())
+    assert [p.suffix for p in kept] == [".json", ".npz"]
+    assert all(_mode(p) == 0o600 for p in kept)
