@@ -68,3 +68,25 @@ def test_integer_labels_are_the_first_most_probable_class_of_the_soft_path():
         _, out_label = hard(image, label)
         _, out_soft = soft(image, one_hot)
         assert np.array_equal(out_label, torch.as_tensor(out_soft).argmax(dim=0).numpy())
+
+
+def test_metadata_off_changes_no_bit_and_the_flag_is_restored():
+    """The augmentation runs MONAI without MetaTensor bookkeeping (for speed): the same bits as with it, and MONAI's
+    global tracking flag is as the caller left it."""
+    from monai.data import get_track_meta, set_track_meta
+
+    image, label = _pair(3)
+    assert get_track_meta()
+    fast = training_augmentation(seed=5)
+    tracked = training_augmentation(seed=5)
+    for _ in range(6):
+        a, la = fast(image, label)
+        assert get_track_meta()
+        b, lb = tracked._apply_plain(image, label)     # MONAI with its MetaTensors, as before
+        assert np.array_equal(a, b) and np.array_equal(la, lb)
+    set_track_meta(False)
+    try:
+        fast(image, label)
+        assert not get_track_meta()
+    finally:
+        set_track_meta(True)

@@ -86,6 +86,19 @@ class TrainingAugmentation:
         return self._apply(image, label)
 
     def _apply(self, image: Any, label: Any):
+        # MONAI's transforms wrap every intermediate in a MetaTensor that records the affine and the applied
+        # operations; nothing here reads them (the results are made plain tensors anyway), and the bookkeeping was a
+        # quarter of the augmentation's time (12.9 against 9.6 ms a sample at 32^3, bit-identical outputs)
+        from monai.data import get_track_meta, set_track_meta
+
+        tracked = get_track_meta()
+        set_track_meta(False)
+        try:
+            return self._apply_plain(image, label)
+        finally:
+            set_track_meta(tracked)
+
+    def _apply_plain(self, image: Any, label: Any):
         image_is_torch = isinstance(image, torch.Tensor)
         img = torch.as_tensor(np.asarray(image) if not image_is_torch else image.detach().cpu(),
                               dtype=torch.float32)
