@@ -74,3 +74,33 @@ def test_a_deployed_hospital_refuses_both_diagnostics(tmp_path):
     with pytest.raises(UserError, match="simulation only"):
         hospital.answer_query(scans, _codec(), {"diagnostic": True})
     assert hospital.runs == 0
+
+
+def _record_training(hospital, fingerprint):
+    record = hospital.workdir / "teachers" / "training.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text('{"fingerprint": "%s"}' % fingerprint)
+
+
+def test_a_later_cell_in_another_process_reads_the_pass_from_the_hospitals_disk(tmp_path):
+    import os
+    import stat
+
+    first, codec = _CountingTeachers(tmp_path), _codec()
+    _record_training(first, "trained-once")
+    scans = np.zeros((2, 4, 8, 8, 8), np.float32)
+    rows, notes = first.answer_query(scans, codec, {"diagnostic": True})
+    total = first.ensemble_probability_sum(scans)
+    assert first.runs == 3
+    later = _CountingTeachers(tmp_path)                        # the same hospital folder, a new process's object
+    again, again_notes = later.answer_query(scans, codec, {"diagnostic": True})
+    np.testing.assert_array_equal(again, rows)
+    np.testing.assert_array_equal(later.ensemble_probability_sum(scans), total)
+    assert later.runs == 0 and again_notes == notes
+    kept = list((tmp_path / "h0" / "diagnostics").iterdir())
+    assert kept and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept)   # teachers' un-noised outputs
+    _record_training(later, "trained-again")                   # retrained teachers are run again
+    later._diagnostics.clear()
+    later.answer_query(scans, codec, {"diagnostic": True})
+    assert later.runs == 3
+    assert not later.privacy_ledger.exists()
