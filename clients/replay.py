@@ -167,6 +167,12 @@ class AnswerBook:
         self.directory = Path(directory)
         self.max_bytes = int(max_bytes)
 
+    def _owner_only_folder(self) -> None:
+        """The folder itself owner-only (0700), so answers a version before this one kept with the umask's mode
+        are no longer readable by others either."""
+        if os.name == "posix" and self.directory.is_dir() and (self.directory.stat().st_mode & 0o077):
+            os.chmod(self.directory, 0o700)
+
     def _paths(self, key: str) -> tuple[Path, Path]:
         return self.directory / f"{key}.npz", self.directory / f"{key}.json"
 
@@ -174,6 +180,7 @@ class AnswerBook:
         """The arrays and metadata answered to request ``key`` before, or None. ``older_keys``: the keys the
         same request had under earlier encodings (:func:`legacy_request_key`; None where it had none), tried
         after ``key``, so that answers kept before an upgrade still count."""
+        self._owner_only_folder()
         for candidate in (key, *older_keys):
             if candidate is None:
                 continue
@@ -194,5 +201,6 @@ class AnswerBook:
         np.savez(buffer, **arrays)
         arrays_path, meta_path = self._paths(key)
         atomic_write_bytes(arrays_path, buffer.getvalue(), private=True)
+        self._owner_only_folder()
         atomic_write_json(meta_path, dict(meta), private=True)
         return True

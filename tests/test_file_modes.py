@@ -70,4 +70,10 @@ def test_a_hospitals_answer_book_is_owner_only_under_any_umask(tmp_path, umask):
     assert book.store("k" * 64, {"rows": np.ones((3, 2, 4), np.float32)}, {"fallback_teachers": 0})
     kept = sorted((tmp_path / "answers").iterdir())
     assert [p.suffix for p in kept] == [".json", ".npz"]
-    assert all(_mode(p) == 0o600 for p in kept)
+    assert all(_mode(p) == 0o600 for p in kept) and _mode(tmp_path / "answers") == 0o700
+    # a book an earlier version kept with the umask's modes is closed to others when it is next read
+    older = tmp_path / "older"
+    older.mkdir(mode=0o755)
+    os.chmod(older, 0o755)
+    atomic_write_bytes(older / "answer.npz", b"")
+    assert AnswerBook(older).lookup("0" * 64) is None and _mode(older) == 0o700
