@@ -7,7 +7,9 @@ core (labels 2 and 3) and the 95th percentile of that distance; with ``--phantom
 phantoms of an MSD folder (percentiles across phantoms); with ``--model`` (a U-Net saved with ``torch.save``, e.g.
 by ``experiments.probe_world --save-model``) the share of each case's oedema the model labels as tumour, by
 distance from the core, with the oedema's FLAIR contrast there (z inside the brain less the healthy tissue's
-median). Measures the world only: no setting of a method is chosen on the real cases.
+median), and the whole tumour the model labels against the reference's: both volumes, the false-positive and
+false-negative millilitres and the share of each within 3 mm of the other side's border (a grid border's errors)
+or further. Measures the world only: no setting of a method is chosen on the real cases.
 """
 import argparse
 import glob
@@ -29,6 +31,21 @@ def reach(label: np.ndarray, spacing) -> tuple[np.ndarray, np.ndarray, float]:
 def summary(distance: np.ndarray, ml: float) -> dict:
     return {"oedema_ml": distance.size * ml, "beyond_10mm": float(np.mean(distance > 10)),
             "beyond_15mm": float(np.mean(distance > 15)), "p95_mm": float(np.percentile(distance, 95))}
+
+
+def border_errors(truth: np.ndarray, predicted: np.ndarray, spacing) -> None:
+    """Print the whole tumour's volumes, false positives and false negatives (ml), and the share of each within 3 mm
+    of the other side's border: the reference's for a false positive, the prediction's for a false negative."""
+    from scipy import ndimage
+
+    ml = float(np.prod(spacing)) / 1000.0
+    near_truth = ndimage.distance_transform_edt(~truth, sampling=spacing) <= 3
+    near_prediction = ndimage.distance_transform_edt(~predicted, sampling=spacing) <= 3
+    false_positive, false_negative = predicted & ~truth, truth & ~predicted
+    print(f"    whole tumour: reference {truth.sum() * ml:5.1f} ml, model {predicted.sum() * ml:5.1f} ml; "
+          f"false positive {false_positive.sum() * ml:4.1f} ml ({(false_positive & near_truth).sum() * ml:4.1f} within "
+          f"3 mm), false negative {false_negative.sum() * ml:4.1f} ml "
+          f"({(false_negative & near_prediction).sum() * ml:4.1f} within 3 mm)")
 
 
 def main() -> None:
@@ -69,6 +86,7 @@ def main() -> None:
         brain = prepared["brain"]
         labels[~brain] = 0
         truth_box, flair = prepared["truth"], image[box][..., 0].astype(np.float32)
+        border_errors(truth_box > 0, labels > 0, np.abs(np.diag(affine)[:3]))
         z = (flair - flair[brain].mean()) / flair[brain].std()
         healthy = np.median(z[brain & (truth_box == 0)])
         # the box holds every labelled voxel: its oedema, in C order, is the scan's, with the same distances

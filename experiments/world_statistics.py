@@ -7,9 +7,10 @@ after the product's preprocessing (z-scores inside the brain, 32³).
 FOLDER is generated (3 mm, 4 institutions) when it holds no ``dataset.json``; VARIANT patches the generator first
 (``experiments.world_levers``). Printed, per statistic: the phantoms' 5th-95th percentiles and each real case's
 value with its rank among the phantoms. Statistics: healthy tissue's percentiles per sequence; each tumour class's
-mean z per sequence; the classes' shares of the brain; and T1-Gd of the healthy tissue by depth (the outermost grid
+mean z per sequence; the classes' shares of the brain; T1-Gd of the healthy tissue by depth (the outermost grid
 layer, the next two, and deeper), with the share of the bright healthy T1-Gd voxels (z > 1.5) in the outermost two
-layers. The real cases only measure the world: no setting of a method is chosen on them.
+layers; and FLAIR and T2 across the whole tumour's border (the two grid layers outside it, the oedema's first two
+layers inside it and deeper, each less the healthy tissue's median). The real cases only measure the world: no setting of a method is chosen on them.
 """
 import argparse
 from pathlib import Path
@@ -46,6 +47,19 @@ def statistics(image, label, config) -> dict[str, float]:
         out[f"T1Gd {name} share>1"] = float((values > 1.0).mean())
     bright = healthy & (t1gd > 1.5)
     out["T1Gd bright healthy in layers 1-2"] = float((bright & (depth <= 2)).sum() / max(int(bright.sum()), 1))
+    # the whole tumour's border as the model sees it: oedema by grid layer inside the border, healthy tissue by layer
+    # outside it, each less the healthy tissue's median (is the edge the model learns to cut at the real one?)
+    tumour = labels > 0
+    inside, outside = ndimage.distance_transform_edt(tumour), ndimage.distance_transform_edt(~tumour)
+    for c, name in ((0, "FLAIR"), (3, "T2")):
+        centre = float(np.median(grid[c][healthy]))
+        for where, mask in (("outside layer 2", brain & (outside > 1) & (outside <= 2)),
+                            ("outside layer 1", brain & (outside > 0) & (outside <= 1)),
+                            ("oedema layer 1", (labels == 1) & (inside == 1)),
+                            ("oedema layer 2", (labels == 1) & (inside > 1) & (inside <= 2)),
+                            ("oedema deeper", (labels == 1) & (inside > 2))):
+            values = grid[c][mask]
+            out[f"border {name} {where}"] = float(np.median(values) - centre) if values.size >= 5 else float("nan")
     return out
 
 

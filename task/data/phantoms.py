@@ -125,6 +125,11 @@ BROKEN_RIM_SHARE = 0.4         # rim-enhancing lesions whose shell is broken: pa
 # a random direction). 0 in generator 7: the oedema is centred on the core. The world probe's ``eccentric`` lever
 # sets it (experiments/world_levers.py).
 OEDEMA_ECCENTRICITY = 0.0
+# Whether the lesion's labelled border voxels are mixed with their unlabelled neighbours as much as those are with
+# them (a label's edge in the middle of the partial-volume step, where a rater or a downsampled 1 mm label puts it).
+# False in generator 7: labelled voxels are pure and partial volume only spills outward. The world probe's
+# ``mixededge`` lever sets it (experiments/world_levers.py).
+LESION_EDGE_MIXED = False
 # A subject's brain volume (ml), skull-stripped as BraTS releases it (brain and CSF), uniform: adult intracranial
 # volumes. The MNI152 template's brain mask holds about 2.0 l (at 3 mm), where the development scans' brains hold
 # 1.0-1.6 l; scaled around the template (generator 4: x0.8-1.26 in volume), a phantom's tumour, drawn in mm, was
@@ -563,8 +568,10 @@ def _tumour(rng: np.random.Generator, shape, p: np.ndarray, r_edema: float, res:
     for name, value in (("edema", 1), ("core", 2), ("enhancing", 3)):
         w = np.zeros(shape, np.float32)
         inside = (local == value).astype(np.float32)
-        # labelled voxels are pure; partial volume only spills into the healthy neighbours (label 0)
-        w[box] = np.where(local > 0, inside, ndimage.gaussian_filter(inside, 0.6))
+        # labelled voxels are pure; partial volume only spills into the healthy neighbours (label 0), unless
+        # LESION_EDGE_MIXED
+        blurred = ndimage.gaussian_filter(inside, 0.6)
+        w[box] = blurred if LESION_EDGE_MIXED else np.where(local > 0, inside, blurred)
         weights[name] = w
     # label 2 is heterogeneous: fluid-filled necrosis and solid non-enhancing tumour in smooth patches, their
     # shares drawn per lesion (from almost all fluid to almost all solid)
