@@ -605,8 +605,8 @@ class Hospital:
         the answer book keeps of every answered batch already, under a key without the release ids and σ: nothing
         new reaches the disk. Keyed on the teachers' training fingerprint (retrained teachers run again) and the
         compute settings; teachers with no training record (put in place by hand) always run."""
-        key = None if not fingerprint else request_key(
-            "encoded-rows", inputs, {"teachers_trained": fingerprint, "compute": list(map(str, self.compute(request)))})
+        key = (None if not fingerprint
+               else request_key("encoded-rows", inputs, self._outputs_depend_on(fingerprint, request)))
         kept = None if key is None else self.answers.lookup(key)
         if kept is not None:
             return kept[0]["rows"], kept[1]
@@ -630,8 +630,7 @@ class Hospital:
         owner-only), so a comparison's later cells, run in other processes, read it instead of running every
         teacher again (18 s of each quick PATE cell); teachers without a training record are not kept there."""
         recorded = self._teachers_fingerprint()
-        scans_key = request_key("diagnostic", {"scans": scans}, {"teachers_trained": recorded or "",
-                                                                  "compute": list(map(str, self.compute(request)))})
+        scans_key = request_key("diagnostic", {"scans": scans}, self._outputs_depend_on(recorded, request))
         codec_key = None if codec is None else request_key(
             "diagnostic-codec", {f"codec.{n}": v for n, v in codec.items()}, {"scans": scans_key})
         memo = self._diagnostics
@@ -661,6 +660,11 @@ class Hospital:
         if kept is not None:
             kept.store(codec_key, {"rows": rows}, {"fallback_teachers": fallbacks})
         return memo[codec_key]
+
+    def _outputs_depend_on(self, fingerprint: str | None, request: HospitalRequest) -> dict:
+        """What the teachers' outputs on given inputs depend on besides them, for the keys under which they are kept:
+        the teachers' training fingerprint ("" without a record) and the compute settings (device and precision)."""
+        return {"teachers_trained": fingerprint or "", "compute": list(map(str, self.compute(request)))}
 
     def _diagnostics_kept(self) -> AnswerBook:
         """Where :meth:`_diagnostic_pass` keeps what it computed (``workdir/diagnostics``, owner-only): un-noised
