@@ -724,6 +724,10 @@ def settings_grid(preset, private: bool, explicit: dict, grid: bool) -> list[dic
     base = {"learning_rate": preset.learning_rate, "epochs": preset.central_epochs,
             "max_grad_norm": recipe.max_grad_norm,
             "batch_size": (recipe.batch_size if private else None) or preset.batch_size}
+    if not private and preset.central_ema_decay is not None:
+        # the ceiling's released model averages its iterates (the preset's central_ema_decay); DP-SGD keeps its
+        # recipe's own levers
+        base["ema_decay"] = preset.central_ema_decay
     entries = list(recipe.grid) if (private and grid and recipe.grid) else [DpSetting()]
     fixed = {k: v for k, v in explicit.items() if v is not None}
     settings = []

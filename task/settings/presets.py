@@ -328,6 +328,9 @@ class Preset:
     central_epochs: int           # pooled training (and DP-FedAvg's rounds x local epochs)
     batch_size: int
     learning_rate: float
+    # the non-private ceiling releases the exponential moving average of its iterates (None = the last iterate),
+    # as the student and self-training do (docs/decisions/ceiling-averaging.md)
+    central_ema_decay: float | None = None
     dp_sgd: DpSgd = DpSgd()
     dp_fedavg: DpFedAvg = DpFedAvg()
     self_training: SelfTraining = SelfTraining()
@@ -354,6 +357,7 @@ class Preset:
         _integer(self.central_epochs, "central_epochs")
         _integer(self.batch_size, "batch_size", 1)
         _positive(self.learning_rate, "learning_rate")
+        check_averaging_decay(self.central_ema_decay, "central_ema_decay")
         _positive(self.epsilon, "epsilon")
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
             raise UserError(f"delta: expected a number in (0, 1), got {self.delta!r}")
@@ -469,6 +473,9 @@ _PRESETS = {
         federation=Federation(hospitals=4, teachers_per_hospital=32, n_query=40),
         # public pre-training: 24 maps x 50 epochs = 1200 volume-epochs (docs/decisions/public-pretraining.md)
         unet="small", pretrain_epochs=50, central_epochs=10, batch_size=2, learning_rate=2e-3,
+        # the non-private ceiling releases the average of its iterates, as the student does: public validation
+        # preferred it at seeds 0, 1 and 2 (docs/decisions/ceiling-averaging.md)
+        central_ema_decay=0.99,
         # teachers: a voxel head on the frozen public model, 60 steps at lr 1e-2 (docs/decisions/teachers.md)
         teacher=Teachers(epochs=60, trainable=Trainable.VOXEL_HEAD, learning_rate=1e-2, augment=False),
         # student: a voxel head, then every weight from there (docs/decisions/student.md, lp-ft-student.md); each
