@@ -62,6 +62,51 @@ def test_settings_grid_reads_the_preset_and_explicit_settings_fix_every_entry():
         quick.with_changes(dp_sgd=dict(grid=(DpSetting(rounds=3),)))
 
 
+def test_the_ceiling_releases_the_average_of_its_iterates_and_dp_sgd_keeps_its_recipe():
+    from task.errors import UserError
+    from task.settings.presets import get_preset
+    from sim.runners.central import settings_grid
+
+    quick = get_preset("quick")
+    assert quick.central_ema_decay == quick.student.ema_decay == 0.99
+    (ceiling,) = settings_grid(quick, private=False, explicit={}, grid=True)
+    (dpsgd,) = settings_grid(quick, private=True, explicit={}, grid=True)
+    assert ceiling["ema_decay"] == 0.99 and "ema_decay" not in dpsgd
+    # an explicit --ema-decay still wins; a preset without the average releases the last iterate
+    assert settings_grid(quick, private=False, explicit={"ema_decay": 0.9}, grid=True)[0]["ema_decay"] == 0.9
+    assert "ema_decay" not in settings_grid(get_preset("tiny"), private=False, explicit={}, grid=True)[0]
+    with pytest.raises(UserError, match="^central_ema_decay: expected a number in \\[0, 1\\) or None, got 1.5$"):
+        quick.with_changes(central_ema_decay=1.5)
+
+
+def test_the_ceiling_scores_and_releases_the_averaged_model(tmp_path, monkeypatch):
+    import sim.runners.central as central
+    import task.learning.training as training
+
+    monkeypatch.setattr(central, "load_central_data", _world)
+    monkeypatch.setattr(central, "public_start", lambda preset, **kw: _public_weights(preset))
+    configs = []
+    real_train = central.train_segmentation
+
+    def train(model, images, labels, config, *args, **kwargs):
+        configs.append(config)
+        return real_train(model, images, labels, config, *args, **kwargs)
+
+    monkeypatch.setattr(central, "train_segmentation", train)
+    preset = central.get_preset("tiny").with_changes(central_ema_decay=0.5).reference
+    results = central.run_central(central.CentralConfig.of(method="nonprivate", preset=preset, out=tmp_path / "run",
+                                  progress=False, epochs=2, augment=False, batch_size=3))
+    assert [c.ema_decay for c in configs] == [0.5]
+    # the validation Dice that is reported is the released (averaged) model's, scored anew
+    released = torch.load(tmp_path / "run" / "model" / "weights.pt", map_location="cpu", weights_only=False)
+    from task.learning.networks import build_unet
+    model = build_unet("tiny")
+    model.load_state_dict(released if "state_dict" not in released else released["state_dict"])
+    world = _world(central.get_preset("tiny"))
+    again = training.evaluate_segmentation(model, *world["validation"]).get("mean")
+    assert results["validation_dice_mean"] == pytest.approx(again)
+
+
 # ------------------------------------------------------------------------------------ central DP-SGD
 def _world(preset, seed=0, data=None, cache_root=None, progress=True):
     """Synthetic pooled world with a public validation set (public labels) and a test set."""
