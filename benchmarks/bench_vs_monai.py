@@ -7,7 +7,7 @@ Both sides train the preset's U-Net (``task.learning.networks.build_unet``, MONA
 Adam at the preset's learning rate and batch size for the same epochs, and score the test split:
 
 * **fedpate**: ``sim.runners.central.run_central`` exactly as ``fedpate central --method nonprivate --init scratch``
-  runs it (the world loaded from the cache, training with its per-sample Dice+CE, the public validation Dice after
+  runs it, releasing its last iterate as the plain loop does (the world loaded from the cache, training with its per-sample Dice+CE, the public validation Dice after
   every epoch, test-time mirroring on the test split, the model bundle and results.json written); its
   ``phase_seconds`` (``task.learning.phases``) say where its time went;
 * **plain MONAI**: ``CacheDataset`` + ``DataLoader`` (shuffled), ``DiceCELoss(to_onehot_y, softmax)``, Adam, one
@@ -99,8 +99,12 @@ def fedpate_cell(preset_name: str, epochs: int, seed: int, device: str, augment:
     from sim.runners.central import CentralConfig, TrainingOptions, run_central
     from task.learning.compute import Compute
     from task.options import Init
+    from task.settings.presets import get_preset
 
-    return run_central(CentralConfig(method="nonprivate", preset=preset_name, out=out, seed=seed, init=Init.SCRATCH,
+    # the plain loop returns its last iterate, so fedpate's cell does too: the quick ceiling's average of its
+    # iterates (central_ema_decay) is a recipe choice, not overhead
+    preset = get_preset(preset_name).with_changes(central_ema_decay=None).reference
+    return run_central(CentralConfig(method="nonprivate", preset=preset, out=out, seed=seed, init=Init.SCRATCH,
                                      training=TrainingOptions(epochs=epochs, augment=augment),
                                      compute=Compute(device=device, progress=False)))
 
