@@ -7,9 +7,9 @@ Both sides train the preset's U-Net (``task.learning.networks.build_unet``, MONA
 Adam at the preset's learning rate and batch size for the same epochs, and score the test split:
 
 * **fedpate**: ``sim.runners.central.run_central`` exactly as ``fedpate central --method nonprivate --init scratch``
-  runs it, releasing its last iterate as the plain loop does (the world loaded from the cache, training with its per-sample Dice+CE, the public validation Dice after
-  every epoch, test-time mirroring on the test split, the model bundle and results.json written); its
-  ``phase_seconds`` (``task.learning.phases``) say where its time went;
+  runs it, releasing its last iterate as the plain loop does (the world loaded from the cache, training with its
+  per-sample Dice+CE, the public validation Dice after every epoch, test-time mirroring on the test split, the model
+  bundle and results.json written); its ``phase_seconds`` (``task.learning.phases``) say where its time went;
 * **plain MONAI**: ``CacheDataset`` + ``DataLoader`` (shuffled), ``DiceCELoss(to_onehot_y, softmax)``, Adam, one
   forward pass per test case and ``DiceMetric``, ``torch.save`` of the weights.
 
