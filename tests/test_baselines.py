@@ -98,12 +98,11 @@ def test_the_ceiling_scores_and_releases_the_averaged_model(tmp_path, monkeypatc
                                   progress=False, epochs=2, augment=False, batch_size=3))
     assert [c.ema_decay for c in configs] == [0.5]
     # the validation Dice that is reported is the released (averaged) model's, scored anew
-    released = torch.load(tmp_path / "run" / "model" / "weights.pt", map_location="cpu", weights_only=False)
-    from task.learning.networks import build_unet
-    model = build_unet("tiny")
-    model.load_state_dict(released if "state_dict" not in released else released["state_dict"])
+    from task.reporting.bundle import load_bundle
+
+    released = load_bundle(tmp_path / "run").model
     world = _world(central.get_preset("tiny"))
-    again = training.evaluate_segmentation(model, *world["validation"]).get("mean")
+    again = training.evaluate_segmentation(released, *world["validation"]).get("mean")
     assert results["validation_dice_mean"] == pytest.approx(again)
 
 
